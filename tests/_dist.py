@@ -1,0 +1,44 @@
+"""Spawn N gloo ranks on a free loopback port and run a picklable function on each."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raises a rank's failure.
+
+    ``fn`` must be a module-level function (it is pickled into the spawned processes). Spawning
+    costs a few seconds (each rank imports torch): run many checks inside one call.
+    """
+    mp.spawn(_entry, args=(fn, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
