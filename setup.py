@@ -6,6 +6,7 @@ torch already installed (build isolation would hide it).
 """
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -14,8 +15,9 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "zero_kernels" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_zk_setup_{name}", ROOT / "zero_kernels" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
