@@ -39,7 +39,9 @@ def _ext_modules() -> dict:
     modules = [
         kind(
             name=f"zero_kernels.zero_kernels_{name}",
-            sources=[str(Path(s).relative_to(ROOT)) for s in spec.sources(name, with_cuda=with_cuda, root=ROOT / "csrc")],
+            sources=[
+                str(Path(s).relative_to(ROOT)) for s in spec.sources(name, with_cuda=with_cuda, root=ROOT / "csrc")
+            ],
             include_dirs=spec.include_dirs(ROOT / "csrc"),
             extra_compile_args={"cxx": spec.CXX_FLAGS, "nvcc": spec.NVCC_FLAGS},
             extra_link_args=spec.LD_FLAGS,

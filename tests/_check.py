@@ -14,7 +14,9 @@ def first_mismatches(actual: torch.Tensor, expected: torch.Tensor, rtol: float, 
     return f"{int(bad.sum())} of {a.numel()} elements differ; first: {rows}"
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float = 0.0, what: str = "") -> None:
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float = 0.0, what: str = ""
+) -> None:
     """Element-wise check that names the first mismatching elements."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a, e = actual.detach().double(), expected.detach().double()

@@ -1,0 +1,1 @@
+"""Microbenchmarks: one module per subject, a shared runner (``python -m benchmarks [SUBJECT ...]``)."""

@@ -1,0 +1,149 @@
+"""Pure-PyTorch twins of the fused kernels: the test oracle and the fallback path.
+
+Every backend (Triton, C++ CPU) implements exactly these signatures and this math. Math is fp32
+whatever the storage dtype; bias corrections are computed on the host in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Union
+
+import torch
+
+Scale = Union[float, torch.Tensor, None]
+
+
+def adam_scalars(*, lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """(step_size, sqrt(bias_correction2)) in float64, as ``torch.optim.AdamW`` computes them."""
+    if step < 1:
+        raise ValueError(f"adam step must be >= 1, got {step}")
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2 = 1.0 - beta2**step
+    return lr / bias_correction1, math.sqrt(bias_correction2)
+
+
+def check_adam_args(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    found_inf: Optional[torch.Tensor],
+    out: Optional[torch.Tensor],
+) -> None:
+    """Shapes, dtypes and devices every backend requires; raises ValueError naming the buffer."""
+    n = param.numel()
+    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if t.dtype != torch.float32:
+            raise ValueError(f"adam_step: {name} must be float32, got {t.dtype}")
+    buffers = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if out is not None:
+        buffers["out"] = out
+    for name, t in buffers.items():
+        if t.numel() != n:
+            raise ValueError(f"adam_step: {name} has {t.numel()} elements, param has {n}")
+        if not t.is_contiguous():
+            raise ValueError(f"adam_step: {name} must be contiguous")
+        if t.device != param.device:
+            raise ValueError(f"adam_step: {name} is on {t.device}, param on {param.device}")
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"adam_step: grad dtype {grad.dtype}; allowed: float32, bfloat16, float16")
+    if found_inf is not None and (found_inf.numel() != 1 or found_inf.dtype != torch.float32):
+        raise ValueError("adam_step: found_inf must be a one-element float32 tensor")
+
+
+def adam_step_ref(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw: bool = True,
+    grad_scale: Scale = None,
+    found_inf: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> None:
+    """One Adam/AdamW step on a flat shard, in place.
+
+    Args:
+        param, exp_avg, exp_avg_sq: fp32, contiguous, same number of elements (updated in place).
+        grad: fp32, bf16 or fp16, same number of elements (read only).
+        lr, beta1, beta2, eps, weight_decay: hyper-parameters of this step.
+        step: the step count after this update (1 on the first step).
+        adamw: decoupled weight decay (AdamW) if True, L2 added to the gradient (Adam) if False.
+        grad_scale: multiplier applied to the gradient first (unscale x clip x 1/accumulation);
+            a float or a one-element fp32 tensor.
+        found_inf: one-element fp32 flag, in/out. Set to 1 if any gradient element is not finite;
+            when the flag is non-zero (set now or before the call) nothing else is written.
+        out: optional low-precision buffer that receives the updated params (cast).
+    """
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out)
+    if found_inf is not None:
+        if not bool(torch.isfinite(grad).all()):
+            found_inf.fill_(1.0)
+        if found_inf.item() != 0:
+            return
+    step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
+    g = grad.float()
+    if grad_scale is not None:
+        g = g * grad_scale
+    if weight_decay != 0:
+        if adamw:
+            param.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * param
+    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+    if out is not None:
+        out.copy_(param)
+
+
+def check_flat_args(op: str, tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int]) -> None:
+    """Offsets in range and devices matching; raises ValueError naming the tensor index."""
+    if len(tensors) != len(offsets):
+        raise ValueError(f"{op}: {len(tensors)} tensors but {len(offsets)} offsets")
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"{op}: the flat buffer must be 1-D and contiguous")
+    for i, (t, off) in enumerate(zip(tensors, offsets)):
+        if off < 0 or off + t.numel() > flat.numel():
+            raise ValueError(
+                f"{op}: tensor {i} ({t.numel()} elements at offset {off}) overruns the flat buffer of {flat.numel()}"
+            )
+        if t.device != flat.device:
+            raise ValueError(f"{op}: tensor {i} is on {t.device}, the flat buffer on {flat.device}")
+
+
+def _scaled(x: torch.Tensor, scale: Scale, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
+def flatten_ref(
+    tensors: Sequence[torch.Tensor], flat: torch.Tensor, offsets: Sequence[int], *, scale: Scale = None
+) -> torch.Tensor:
+    """Copy each tensor (any layout and dtype) into ``flat[offset : offset + numel]``; returns ``flat``.
+
+    The value is cast to ``flat.dtype``; with ``scale`` it is multiplied in fp32 first.
+    """
+    check_flat_args("flatten", tensors, flat, offsets)
+    for t, off in zip(tensors, offsets):
+        flat.narrow(0, off, t.numel()).copy_(_scaled(t.reshape(-1), scale, flat.dtype))
+    return flat
+
+
+def unflatten_ref(
+    flat: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int], *, scale: Scale = None
+) -> None:
+    """Copy ``flat[offset : offset + numel]`` back into each tensor in place (it keeps its storage)."""
+    check_flat_args("unflatten", tensors, flat, offsets)
+    for t, off in zip(tensors, offsets):
+        t.copy_(_scaled(flat.narrow(0, off, t.numel()), scale, t.dtype).view(t.shape))
