@@ -1,0 +1,267 @@
+"""ZeRO stage 3: hook schedule (fake units, one process) and the sharded pipeline against torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from zero_kernels.stages.stage3_hooks import Stage3Scheduler
+
+# -- hook schedule with fake units --------------------------------------------------------------
+
+
+class _Probe(torch.autograd.Function):
+    """Identity on a weight whose backward logs the module's backward and checks the weight is full."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, module: nn.Module) -> torch.Tensor:
+        ctx.module = module
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        module = ctx.module
+        assert module.weight.numel() > 0, f"{module.tag}: backward on a freed weight"
+        module.log.append(("bwd", module.tag))
+        return grad, None
+
+
+class Lin(nn.Module):
+    """tanh(x W^T + b) that logs its forward and backward and fails on freed parameters."""
+
+    def __init__(self, tag: str, n: int, log: list):
+        super().__init__()
+        self.tag, self.log = tag, log
+        self.weight = nn.Parameter(torch.randn(n, n) / n)
+        self.bias = nn.Parameter(torch.randn(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert all(p.numel() > 0 for p in self.parameters(recurse=False)), f"{self.tag}: forward on freed params"
+        self.log.append(("fwd", self.tag))
+        return torch.tanh(x @ _Probe.apply(self.weight, self).t() + self.bias)
+
+
+class Chain(nn.Module):
+    """Lin modules a, b, c called in ``order`` (a tag may repeat; a missing tag is unused)."""
+
+    def __init__(self, log: list, order: str = "abc"):
+        super().__init__()
+        self.order = order
+        self.a, self.b, self.c = (Lin(tag, 4, log) for tag in "abc")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for tag in self.order:
+            x = getattr(self, tag)(x)
+        return x.sum()
+
+
+class FakeUnit:
+    """A unit that keeps its full tensors aside, empties the parameters when freed and logs every call."""
+
+    def __init__(self, tag: str, params, log: list, persistent: bool = False):
+        self.tag, self.params, self.log, self.persistent = tag, list(params), log, persistent
+        self.numel = sum(p.numel() for p in self.params)
+        self.full = [p.data for p in self.params]
+        self.grads: list[list] = []
+        if not persistent:
+            self._empty()
+
+    def _empty(self) -> None:
+        for p in self.params:
+            p.data = torch.empty(0)
+
+    def start_gather(self) -> None:
+        self.log.append(("gather", self.tag))
+
+    def finish_gather(self) -> None:
+        self.log.append(("wait", self.tag))
+        for p, full in zip(self.params, self.full):
+            p.data = full
+
+    def free(self) -> None:
+        self.log.append(("free", self.tag))
+        self._empty()
+
+    def reduce_grads(self) -> None:
+        self.log.append(("reduce", self.tag))
+        self.grads.append([None if p.grad is None else p.grad.clone() for p in self.params])
+        for p in self.params:
+            p.grad = None
+
+
+def _setup(order: str = "abc", prefetch: int = 0, persistent: str = "", frozen: str = ""):
+    log: list = []
+    model = Chain(log, order)
+    for tag in frozen:
+        getattr(model, tag).requires_grad_(False)
+    ref = copy.deepcopy(model)
+    units = [FakeUnit(t, getattr(model, t).parameters(), log, persistent=t in persistent) for t in "abc"]
+    return log, model, ref, units, Stage3Scheduler(model, units, prefetch_numel=prefetch)
+
+
+def units_numel(n: int) -> int:
+    """Elements of ``n`` Lin units of width 4 (weight 16 + bias 4)."""
+    return 20 * n
+
+
+def _events(text: str) -> list[tuple[str, str]]:
+    """'gather:a wait:a fwd:a' -> [('gather', 'a'), ('wait', 'a'), ('fwd', 'a')]."""
+    return [tuple(item.split(":")) for item in text.split()]
+
+
+def _check_grads(model: Chain, ref: Chain, units: list[FakeUnit], x: torch.Tensor) -> None:
+    """The grads each unit reduced equal those of an unsharded copy of the model (None where none)."""
+    ref.zero_grad(set_to_none=True)
+    ref(x).backward()
+    twin = {id(p): q for p, q in zip(model.parameters(), ref.parameters())}
+    for unit in units:
+        expected = [twin[id(p)].grad for p in unit.params]
+        if not any(p.requires_grad for p in unit.params):
+            assert unit.grads == [], f"{unit.tag}: a frozen unit was reduced"
+            continue
+        assert len(unit.grads[-1]) == len(expected), unit.tag
+        for got, want in zip(unit.grads[-1], expected):
+            assert (got is None) == (want is None), unit.tag
+            if want is not None:
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_hooks_gather_before_use_free_after_reduce_after_grads():
+    log, model, ref, units, sched = _setup()
+    x = torch.randn(2, 4)
+    model(x).backward()
+    fwd = "gather:a wait:a fwd:a free:a gather:b wait:b fwd:b free:b gather:c wait:c fwd:c free:c "
+    bwd = "gather:c wait:c bwd:c reduce:c free:c gather:b wait:b bwd:b reduce:b free:b "
+    bwd += "gather:a wait:a bwd:a reduce:a free:a"
+    assert log == _events(fwd + bwd)
+    assert sched.gathered == [False, False, False]
+    _check_grads(model, ref, units, x)
+
+
+def test_hooks_prefetch_next_unit_in_forward_and_reverse_in_backward():
+    log, model, ref, units, sched = _setup(prefetch=units_numel(1))
+    x = torch.randn(2, 4)
+    model(x).backward()  # the first forward records the order; its backward follows it in reverse
+    fwd = "gather:a gather:b wait:a fwd:a free:a gather:c wait:b fwd:b free:b wait:c fwd:c free:c "
+    bwd = "gather:c gather:b wait:c bwd:c reduce:c free:c gather:a wait:b bwd:b reduce:b free:b "
+    bwd += "wait:a bwd:a reduce:a free:a"
+    assert log[12:] == _events(bwd)
+    log.clear()
+    model(x).backward()
+    assert log == _events(fwd + bwd)
+    _check_grads(model, ref, units, x)
+
+
+def test_hooks_prefetch_budget_counts_elements_ahead():
+    log, model, _, _, _ = _setup(prefetch=units_numel(2) - 1)
+    x = torch.randn(2, 4)
+    model(x).backward()
+    log.clear()
+    model(x)
+    assert log[:3] == _events("gather:a gather:b wait:a"), "a budget under two units prefetches one"
+    log2, model2, _, _, _ = _setup(prefetch=units_numel(2))
+    model2(x).backward()
+    log2.clear()
+    model2(x)
+    assert log2[:4] == _events("gather:a gather:b gather:c wait:a")
+
+
+def test_hooks_persistent_unit_is_never_gathered_nor_freed_but_reduced():
+    log, model, ref, units, sched = _setup(persistent="b", prefetch=units_numel(3))
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model(x).backward()
+        assert not [e for e in log if e[1] == "b" and e[0] in ("gather", "wait", "free")]
+        assert log.count(("reduce", "b")) == 1
+        assert all(p.numel() > 0 for p in model.b.parameters())
+        assert sched.gathered == [False, True, False]
+        _check_grads(model, ref, units, x)
+        log.clear()
+
+
+def test_hooks_module_called_twice_in_one_forward():
+    log, model, ref, units, _ = _setup(order="aba")
+    x = torch.randn(2, 4)
+    model(x).backward()
+    fwd = "gather:a wait:a fwd:a free:a gather:b wait:b fwd:b free:b gather:a wait:a fwd:a free:a "
+    # a stays gathered from its second use's backward until its grad (summed over both uses) is ready;
+    # c gets no gradient: it is reduced (with no grads) at the end of backward, never gathered.
+    bwd = "gather:a wait:a bwd:a gather:b wait:b bwd:b reduce:b free:b bwd:a reduce:a free:a reduce:c"
+    assert log == _events(fwd + bwd)
+    _check_grads(model, ref, units, x)
+
+
+def test_hooks_tied_parameter_is_gathered_for_every_module_using_it():
+    log: list = []
+    model = Chain(log, "abc")
+    model.c.weight = model.a.weight
+    ref = copy.deepcopy(model)
+    units = [FakeUnit("a", model.a.parameters(), log), FakeUnit("b", model.b.parameters(), log)]
+    units.append(FakeUnit("c", [model.c.bias], log))
+    Stage3Scheduler(model, units, prefetch_numel=0)
+    x = torch.randn(2, 4)
+    model(x).backward()
+    assert log[8:13] == _events("gather:a gather:c wait:a wait:c fwd:c")
+    assert log.count(("reduce", "a")) == 1
+    _check_grads(model, ref, units, x)
+
+
+def test_hooks_frozen_and_unused_units():
+    log, model, ref, units, sched = _setup(order="ab", frozen="b", prefetch=units_numel(3))
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        model(x).backward()
+        assert ("reduce", "b") not in log, "a frozen unit has no gradient to reduce"
+        assert log[-2:] == _events("reduce:c free:b"), "unused c reduced and frozen b freed at the end"
+        assert sched.gathered == [False, False, False]
+        assert units[2].grads[-1] == [None, None]
+        _check_grads(model, ref, units, x)
+        log.clear()
+
+
+def test_hooks_changed_order_frees_what_was_prefetched_for_nothing():
+    log, model, _, _, sched = _setup(prefetch=units_numel(1))
+    x = torch.randn(2, 4)
+    model(x).backward()
+    model.order = "ac"
+    log.clear()
+    model(x)
+    assert log == _events("gather:a gather:b wait:a fwd:a free:a gather:c wait:c fwd:c free:c wait:b free:b")
+    assert sched.gathered == [False, False, False]
+
+
+def test_hooks_no_grad_forward_and_hold_release():
+    log, model, _, _, sched = _setup()
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        model(x)
+    assert sched.gathered == [False, False, False] and log.count(("free", "c")) == 1
+    sched.hold()
+    log.clear()
+    out = model(x)
+    assert sched.gathered == [True, True, True] and not [e for e in log if e[0] == "free"]
+    out.backward()
+    assert sched.gathered == [True, True, True]
+    sched.release()
+    assert sched.gathered == [False, False, False]
+    assert all(p.numel() == 0 for p in model.parameters())
+
+
+def test_hooks_bad_input():
+    log: list = []
+    model = Chain(log)
+    unit = FakeUnit("a", model.a.parameters(), log)
+    with pytest.raises(ValueError, match="belongs to units 0 and 1"):
+        Stage3Scheduler(model, [unit, FakeUnit("a2", [model.a.weight], log)], prefetch_numel=0)
+    with pytest.raises(ValueError, match="stage3_prefetch_bucket_size"):
+        Stage3Scheduler(model, [unit], prefetch_numel=-1)
+    sched = Stage3Scheduler(model, [unit], prefetch_numel=0)
+    model(torch.randn(2, 4)).backward()
+    sched.remove()
+    log.clear()
+    unit.finish_gather()
+    model(torch.randn(2, 4))
+    assert log == _events("wait:a fwd:a fwd:b fwd:c"), "no hook left after remove()"
