@@ -1,0 +1,459 @@
+"""The pipeline base class: everything the ZeRO stages share, and the hooks a stage overrides.
+
+A pipeline owns the flat buffers of an optimizer's trainable parameters and drives three phases;
+``ShardedFusedAdam`` keeps the books (param groups, hyper-parameters, loss scale) and calls in.
+
+Buffers. ``add_group(group, params, indices)`` builds one ``FlatBuffer`` per (param group, dtype)
+from ``layout.BufferLayout`` (params reversed, buckets of ``reduce_bucket_size`` elements, every
+bucket split into ``num_shards`` equal parts; parameters straddle bucket and shard boundaries).
+Per buffer: ``param_flat`` (full parameters, each ``p.data`` a view of it; stage 3 replaces it),
+``grad_flat`` (full gradients; stages 0 and 1) or ``grad_shard`` (this rank's reduced gradients;
+stages 2 and 3), ``exp_avg``/``exp_avg_sq`` (fp32, this rank's shard) and ``master`` (fp32 shard,
+only when the parameters are bf16/fp16; fp32 parameters are their own master).
+
+Backward. A post-accumulate-grad hook on each trainable parameter calls ``_on_grad_ready(p)``:
+it records that ``p`` has a gradient this step, and unless synchronisation is off (``no_sync``),
+``_consume_grad`` moves ``p.grad`` into the stage's gradient buffer and each bucket whose
+parameters have all reported is handed to ``_launch_bucket``, strictly in global bucket order so
+every rank issues the same collectives in the same order. At the end of backward (an autograd
+engine callback) buckets still waiting for parameters that got no gradient are launched too.
+
+Step. ``step()`` finishes gradient synchronisation (``_before_step``: stage 1 reduce-scatters
+here), combines across ranks, in one all-reduce, the per-parameter "has a gradient" flags and the
+squared gradient norm, then runs the fused kernel once per bucket on this rank's shard: master
+``_master_shard``, gradient ``_grad_shard``, fp32 m and v; for low-precision parameters the
+kernel writes the updated shard (``out=``) straight into ``_param_shard``, the all-gather input.
+``_publish`` then all-gathers each bucket back into ``param_flat`` (overlapping the next
+bucket's kernel). A kernel launch is split where per-parameter step counts differ.
+
+Rules. A parameter without a gradient on any rank this step (``p.grad is None`` in
+``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
+Gradients are averaged over ranks (``grad_divisor``). Overrides: ``num_shards``,
+``_place_params``, ``_allocate_grads``, ``_consume_grad``, ``_launch_bucket``, ``_before_step``,
+``_grad_shard``, ``_param_shard``, ``_publish``, ``_norm_views``, ``_register_grad_hooks``,
+``gathered_params``, ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+
+import torch
+
+from ..comm import Handle
+from ..kernels import adam_step
+from ..layout import Bucket, BufferLayout
+
+_owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
+
+
+@dataclass
+class FlatBuffer:
+    """Tensors of one (param group, dtype) buffer; ``layout`` says where everything is."""
+
+    group: int
+    layout: BufferLayout
+    params: list[torch.nn.Parameter]  # the group's trainable parameters of this dtype, group order
+    indices: list[int]  # each parameter's index in the optimizer (AdamW state_dict numbering)
+    dtype: torch.dtype
+    device: torch.device
+    param_flat: Optional[torch.Tensor] = None
+    grad_flat: Optional[torch.Tensor] = None
+    grad_shard: Optional[torch.Tensor] = None
+    master: Optional[torch.Tensor] = None
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+    pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
+    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients being reduced
+
+    def shard_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """The part of a shard-sized tensor ``t`` that belongs to ``bucket``."""
+        return t.narrow(0, bucket.shard_offset, bucket.shard_numel)
+
+    def rank_slice(self, t: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
+        """``rank``'s part of ``bucket`` in a full-buffer-sized tensor ``t``."""
+        return t.narrow(0, bucket.rank_start(rank), bucket.shard_numel)
+
+    def bucket_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """All of ``bucket`` in a full-buffer-sized tensor ``t``."""
+        return t.narrow(0, bucket.start, bucket.numel)
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    """Hyper-parameters of one param group for this step (read from ``param_groups`` each step)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw: bool
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: Optional[float]  # global norm of the unscaled, averaged gradients (when computed)
+    skipped: bool  # True when the gradients were not finite and nothing was updated
+
+
+def storage_bytes(tensors: Sequence[Optional[torch.Tensor]]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _grad_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        pipeline = ref()
+        if pipeline is not None and _owners.get(id(param)) is ref:
+            pipeline._on_grad_ready(param)
+
+    return hook
+
+
+class Pipeline:
+    """Base of the stage pipelines; see the module docstring for the phases and the overrides.
+
+    Args:
+        engine: communication engine from ``comm.make_engine`` (rank, world size, collectives).
+        options: the ``zero_optimization`` options (``config.ZeroOptions``).
+        impl: kernel backend for ``kernels.adam_step``/``flatten`` (None: ``ZERO_KERNELS_IMPL``).
+        module: the model, when the optimizer was given one (stage 3 needs it).
+    """
+
+    stage: ClassVar[int]
+    requires_module: ClassVar[bool] = False  # True: needs the model, not just its parameters
+    grad_divisor_is_world: ClassVar[bool] = False  # True: the reduced gradients are sums over ranks
+
+    def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
+        self.engine = engine
+        self.options = options
+        self.impl = impl
+        self.module = module
+        self.buffers: list[FlatBuffer] = []
+        self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (buffer index, slot index)
+        self.steps: dict[int, int] = {}  # optimizer param index -> Adam step count
+        self.has_grad: dict[int, bool] = {}  # optimizer param index -> got a gradient this step
+        self.sync_enabled = True
+        self._ref = weakref.ref(self)
+        self._hooks: list[Any] = []
+        self._launch_order: list[tuple[int, int]] = []  # (buffer, bucket) in collective order
+        self._next_launch = 0
+        self._inflight: list[tuple[Handle, Optional[Callable[[], None]]]] = []
+        self._round_open = False
+        self._synced = False  # a synchronised backward happened since the last step
+
+    # ---------------------------------------------------------------- construction
+    @property
+    def rank(self) -> int:
+        return self.engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def num_shards(self) -> int:
+        """Ranks the optimizer state is split over (stage 0: 1)."""
+        return self.world_size
+
+    @property
+    def shard_rank(self) -> int:
+        return self.rank if self.num_shards > 1 else 0
+
+    def bucket_numel(self) -> int:
+        return int(self.options.reduce_bucket_size)
+
+    def add_group(self, group: int, params: Sequence[torch.nn.Parameter], indices: Sequence[int]) -> None:
+        """Build the buffers of param group ``group``; ``indices`` number ``params`` in the optimizer.
+
+        Args:
+            group: index of the param group.
+            params: all of its parameters (frozen ones are skipped).
+            indices: optimizer-wide index of each parameter (AdamW state_dict numbering).
+        """
+        trainable = [(p, i) for p, i in zip(params, indices) if p.requires_grad]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[torch.nn.Parameter, int]]] = {}
+        for p, i in trainable:
+            by_dtype.setdefault((p.dtype, p.device), []).append((p, i))
+        for (dtype, device), members in by_dtype.items():
+            ps = [p for p, _ in members]
+            layout = BufferLayout.build(ps, bucket_numel=self.bucket_numel(), num_shards=self.num_shards)
+            buf = FlatBuffer(group, layout, ps, [i for _, i in members], dtype, device)
+            self._allocate(buf)
+            self._index(buf)
+        for _, i in trainable:
+            self.steps.setdefault(i, 0)
+            self.has_grad.setdefault(i, False)
+
+    def _allocate(self, buf: FlatBuffer) -> None:
+        self._place_params(buf)
+        self._allocate_grads(buf)
+        n, kw = buf.layout.shard_numel, dict(dtype=torch.float32, device=buf.device)
+        buf.exp_avg, buf.exp_avg_sq = torch.zeros(n, **kw), torch.zeros(n, **kw)
+        if buf.dtype != torch.float32:
+            buf.master = torch.empty(n, **kw)
+            for b in buf.layout.buckets:
+                buf.shard_slice(buf.master, b).copy_(self._param_shard(buf, b))
+        buf.pending = [0] * len(buf.layout.buckets)
+
+    def _index(self, buf: FlatBuffer) -> None:
+        b = len(self.buffers)
+        self.buffers.append(buf)
+        for slot_index, slot in enumerate(buf.layout.slots):
+            p = buf.params[slot.param]
+            self.where[id(p)] = (b, slot_index)
+            _owners[id(p)] = self._ref
+        self._register_grad_hooks(buf)
+        self._launch_order += [(b, k.index) for k in buf.layout.buckets]
+        self._reset_pending(buf)
+
+    def _place_params(self, buf: FlatBuffer) -> None:
+        """Copy the parameters into ``param_flat`` and make each ``p.data`` a view of it."""
+        buf.param_flat = torch.zeros(buf.layout.numel, dtype=buf.dtype, device=buf.device)
+        for slot in buf.layout.slots:
+            p = buf.params[slot.param]
+            view = buf.param_flat.narrow(0, slot.offset, slot.numel)
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(slot.shape)
+
+    def _allocate_grads(self, buf: FlatBuffer) -> None:
+        """Default (stages 0 and 1): a full gradient buffer that ``p.grad`` views."""
+        buf.grad_flat = torch.zeros(buf.layout.numel, dtype=buf.dtype, device=buf.device)
+
+    def _register_grad_hooks(self, buf: FlatBuffer) -> None:
+        for p in buf.params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(self._ref)))
+
+    def close(self) -> None:
+        """Remove the gradient hooks (the parameters keep their current values)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for buf in self.buffers:
+            for p in buf.params:
+                if _owners.get(id(p)) is self._ref:
+                    del _owners[id(p)]
+
+    # ---------------------------------------------------------------- backward
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        b, slot = self.where[id(p)]
+        buf = self.buffers[b]
+        self.has_grad[buf.indices[buf.layout.slots[slot].param]] = True
+        if not self.sync_enabled:
+            return
+        if not self._round_open:
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+        self._consume_grad(buf, slot, p)
+        for k in buf.layout.slot_buckets[slot]:
+            buf.pending[k] -= 1
+        self._launch_ready()
+
+    def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """Default (stages 0 and 1): make ``p.grad`` a view of ``grad_flat`` holding its value."""
+        s = buf.layout.slots[slot]
+        view = buf.grad_flat.narrow(0, s.offset, s.numel).view(s.shape)
+        if p.grad is not view and (p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape):
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        while self._next_launch < len(self._launch_order):
+            b, k = self._launch_order[self._next_launch]
+            buf = self.buffers[b]
+            if buf.pending[k] > 0 and not flush:
+                return
+            self._launch_bucket(buf, buf.layout.buckets[k])
+            self._next_launch += 1
+
+    def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        """Start reducing ``bucket``'s gradients (append to ``self._inflight``); default: at the step."""
+
+    def _end_round(self) -> None:
+        self._launch_ready(flush=True)
+        self._round_open = False
+        self._synced = True
+        self._next_launch = 0
+        for buf in self.buffers:
+            self._reset_pending(buf)
+
+    def _reset_pending(self, buf: FlatBuffer) -> None:
+        buf.pending = [sum(1 for _ in k.slots) for k in buf.layout.buckets]
+
+    def _sync_manual_grads(self) -> None:
+        """A synchronisation round at the step for gradients no hook consumed (set by hand, or no_sync)."""
+        for buf in self.buffers:
+            for slot_index, slot in enumerate(buf.layout.slots):
+                p = buf.params[slot.param]
+                if p.grad is not None:
+                    self.has_grad[buf.indices[slot.param]] = True
+                    self._consume_grad(buf, slot_index, p)
+        self._end_round()
+
+    def _wait_inflight(self) -> None:
+        for handle, epilogue in self._inflight:
+            handle.wait()
+            if epilogue is not None:
+                epilogue()
+        self._inflight = []
+
+    def _before_step(self) -> None:
+        """Finish the reduction of gradients into ``_grad_shard`` (stage 1 reduces here)."""
+
+    # ---------------------------------------------------------------- step
+    def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """This rank's reduced gradients of ``bucket``."""
+        if buf.grad_flat is not None:
+            return buf.rank_slice(buf.grad_flat, bucket, self.shard_rank)
+        return buf.shard_slice(buf.grad_shard, bucket)
+
+    def _param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
+        return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
+
+    def _master_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        if buf.master is not None:
+            return buf.shard_slice(buf.master, bucket)
+        return self._param_shard(buf, bucket)
+
+    def _publish(self, buf: FlatBuffer, bucket: Bucket) -> Optional[Handle]:
+        """Bring every rank's updated shard of ``bucket`` into ``param_flat``."""
+        if self.num_shards == 1:
+            return None
+        full = buf.bucket_slice(buf.param_flat, bucket)
+        return self.engine.all_gather(full, self._param_shard(buf, bucket), name=f"params.{bucket.index}")
+
+    def _norm_views(self) -> Iterator[torch.Tensor]:
+        """Gradient pieces whose squares, summed over ranks, give the squared global norm."""
+        for buf in self.buffers:
+            for bucket in buf.layout.buckets:
+                yield self._grad_shard(buf, bucket)
+
+    def finish_grad_sync(self) -> None:
+        """Make every gradient of this step present, reduced, in ``_grad_shard``."""
+        if not self._synced:
+            self._sync_manual_grads()
+        self._wait_inflight()
+        self._before_step()
+
+    def _global_stats(self, need_norm: bool) -> tuple[set[int], Optional[float]]:
+        """(indices of parameters with a gradient on some rank, squared norm or None): one all-reduce."""
+        order = sorted(self.has_grad)
+        device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        flags = [1.0 if self.has_grad[i] else 0.0 for i in order]
+        packed = torch.tensor(flags + [0.0], dtype=torch.float64, device=device)
+        if need_norm:
+            for v in self._norm_views():
+                packed[-1] += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
+        if self.world_size > 1:
+            self.engine.all_reduce(packed, op="sum", name="step.stats").wait()
+        with_grad = {i for i, f in zip(order, packed[: len(order)].tolist()) if f > 0}
+        return with_grad, (float(packed[-1]) if need_norm else None)
+
+    def step(
+        self,
+        hyper: Sequence[GroupHyper],
+        *,
+        grad_scale: float,
+        max_grad_norm: Optional[float] = None,
+        check_finite: bool = False,
+    ) -> StepResult:
+        """Update this rank's shard and publish it.
+
+        Args:
+            hyper: per param group hyper-parameters, indexed by group.
+            grad_scale: multiplier of the reduced gradients (1 / (loss scale x accumulation steps)).
+            max_grad_norm: clip the global gradient norm to this (None: no clipping).
+            check_finite: skip the step (and report it) if any gradient is inf/NaN on any rank.
+        """
+        self.finish_grad_sync()
+        if self.grad_divisor_is_world:
+            grad_scale = grad_scale / self.world_size
+        with_grad, sq = self._global_stats(need_norm=max_grad_norm is not None or check_finite)
+        norm = None if sq is None else math.sqrt(sq) * grad_scale
+        if check_finite and not math.isfinite(norm):
+            self._synced = False
+            return StepResult(norm, skipped=True)
+        if max_grad_norm is not None:
+            grad_scale *= min(1.0, max_grad_norm / (norm + 1e-6))
+        for i in with_grad:
+            self.steps[i] += 1
+        for buf in self.buffers:
+            for bucket in buf.layout.buckets:
+                self._update_bucket(buf, bucket, hyper[buf.group], grad_scale, with_grad)
+                handle = self._publish(buf, bucket)
+                if handle is not None:
+                    self._inflight.append((handle, None))
+        self._wait_inflight()
+        self._synced = False
+        return StepResult(norm, skipped=False)
+
+    def _runs(self, buf: FlatBuffer, bucket: Bucket, with_grad: set[int]) -> Iterator[tuple[int, int, int]]:
+        """(start, numel, step) of the pieces of ``bucket``'s shard to update, merged where possible."""
+        start = numel = step = None
+        for seg in buf.layout.segments(self.shard_rank, bucket.index):
+            index = buf.indices[buf.layout.slots[seg.slot].param]
+            local = seg.shard_offset - bucket.shard_offset
+            key = self.steps[index] if index in with_grad else None
+            if key is not None and key == step and start + numel == local:
+                numel += seg.numel
+                continue
+            if step is not None:
+                yield start, numel, step
+            start, numel, step = local, seg.numel, key
+        if step is not None:
+            yield start, numel, step
+
+    def _update_bucket(
+        self, buf: FlatBuffer, bucket: Bucket, h: GroupHyper, grad_scale: float, with_grad: set[int]
+    ) -> None:
+        master, grad = self._master_shard(buf, bucket), self._grad_shard(buf, bucket)
+        m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
+        out = self._param_shard(buf, bucket) if buf.master is not None else None
+        for start, numel, step in self._runs(buf, bucket, with_grad):
+            master_p, grad_p, m_p, v_p = (t.narrow(0, start, numel) for t in (master, grad, m, v))
+            adam_step(
+                master_p, grad_p, m_p, v_p,
+                lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
+                adamw=h.adamw, grad_scale=grad_scale, out=None if out is None else out.narrow(0, start, numel),
+                impl=self.impl,
+            )  # fmt: skip
+
+    # ---------------------------------------------------------------- zero_grad, gathering, memory
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers)."""
+        for buf in self.buffers:
+            for p in buf.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
+            for t in (buf.grad_flat, buf.grad_shard):
+                if t is not None:
+                    t.zero_()
+        if set_to_none:
+            self.has_grad = dict.fromkeys(self.has_grad, False)
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Full parameters inside the block; stages 0-2 always hold them, so this does nothing."""
+        yield
+
+    def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
+        """Tensors this rank holds, by kind (``params`` lists only the flat buffers; the optimizer adds the rest)."""
+        grads = [t for buf in self.buffers for t in (buf.grad_flat, buf.grad_shard, *buf.scratch.values())]
+        return {
+            "params": [buf.param_flat for buf in self.buffers],
+            "grads": grads,
+            "optimizer": [t for buf in self.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq)],
+        }

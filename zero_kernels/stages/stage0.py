@@ -1,0 +1,37 @@
+"""Stage 0: plain data parallelism with the fused Adam.
+
+Everything is replicated (``num_shards`` is 1: the "shard" is the whole buffer). Each gradient
+bucket is divided by the world size and all-reduced in place as soon as it fills during backward,
+so after backward ``p.grad`` (a view of ``grad_flat``) holds the mean over ranks, as with
+``DistributedDataParallel``. The step runs the kernel on the full buffer; nothing is gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from ..layout import Bucket
+from .base import FlatBuffer, Pipeline
+
+
+class Stage0Pipeline(Pipeline):
+    stage = 0
+
+    @property
+    def num_shards(self) -> int:
+        return 1
+
+    def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        if self.world_size == 1:
+            return
+        grads = buf.bucket_slice(buf.grad_flat, bucket)
+        grads.div_(self.world_size)
+        self._inflight.append((self.engine.all_reduce(grads, op="sum", name=f"grads.{bucket.index}"), None))
+
+    def _norm_views(self) -> Iterator[torch.Tensor]:
+        """Each rank sums the squares of its 1/world part of every (identical) reduced bucket."""
+        for buf in self.buffers:
+            for bucket in buf.layout.buckets:
+                yield buf.bucket_slice(buf.grad_flat, bucket).tensor_split(self.world_size)[self.rank]

@@ -1,0 +1,25 @@
+"""Stage 1: the Adam state (fp32 master, m, v) is sharded; gradients are reduced at the step.
+
+During backward ``p.grad`` is a view of the full ``grad_flat`` buffer holding this rank's local
+gradient. ``step()`` reduce-scatters each bucket in place (this rank's part of ``grad_flat``
+receives the sum over ranks; the step divides by the world size), updates the rank's shard and
+all-gathers the parameters. After ``step()`` the values ``p.grad`` shows are unspecified until
+``zero_grad()``.
+"""
+
+from __future__ import annotations
+
+from .base import Pipeline
+
+
+class Stage1Pipeline(Pipeline):
+    stage = 1
+    grad_divisor_is_world = True
+
+    def _before_step(self) -> None:
+        for buf in self.buffers:
+            for bucket in buf.layout.buckets:
+                full = buf.bucket_slice(buf.grad_flat, bucket)
+                mine = self._grad_shard(buf, bucket)
+                self._inflight.append((self.engine.reduce_scatter(mine, full, name=f"grads.{bucket.index}"), None))
+        self._wait_inflight()
