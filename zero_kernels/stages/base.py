@@ -202,9 +202,13 @@ class Pipeline:
         buf.exp_avg, buf.exp_avg_sq = torch.zeros(n, **kw), torch.zeros(n, **kw)
         if buf.dtype != torch.float32:
             buf.master = torch.empty(n, **kw)
-            for b in buf.layout.buckets:
-                buf.shard_slice(buf.master, b).copy_(self._param_shard(buf, b))
+            self.refresh_master(buf)
         buf.pending = [0] * len(buf.layout.buckets)
+
+    def refresh_master(self, buf: FlatBuffer) -> None:
+        """Set the fp32 master shard from the (low-precision) parameters."""
+        for b in buf.layout.buckets:
+            buf.shard_slice(buf.master, b).copy_(self._param_shard(buf, b))
 
     def _index(self, buf: FlatBuffer) -> None:
         b = len(self.buffers)

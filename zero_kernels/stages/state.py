@@ -1,0 +1,93 @@
+"""Optimizer state of a pipeline in two forms: this rank's shards, and full per-parameter tensors.
+
+- Sharded (``shard_state``/``load_shard_state``): the flat fp32 shards of every buffer (m, v and
+  the master copy when the parameters are low precision), valid only for the same layout
+  (``layout_signature``: world size, stage, buffers and buckets).
+- Full (``gather_full_state``/``scatter_full_state``): ``{param index: {"step", "exp_avg",
+  "exp_avg_sq"}}`` with tensors shaped like the parameters, the ``torch.optim.AdamW`` layout.
+  Gathering is a collective (every rank must call it); scattering only reads this rank's parts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import FlatBuffer, Pipeline
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def layout_signature(pipeline: Pipeline) -> list[Any]:
+    """What must match for a sharded state to load: stage, world size, and each buffer's shape."""
+    buffers = [
+        [buf.group, str(buf.dtype), buf.layout.numel, [b.numel for b in buf.layout.buckets], buf.indices]
+        for buf in pipeline.buffers
+    ]
+    return [pipeline.stage, pipeline.world_size, buffers]
+
+
+def shard_state(pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
+    """Copies of this rank's shards, one dict per buffer."""
+    names = (*_MOMENTS, "master")
+    return [{n: getattr(buf, n).clone() for n in names if getattr(buf, n) is not None} for buf in pipeline.buffers]
+
+
+def load_shard_state(pipeline: Pipeline, states: list[dict[str, torch.Tensor]]) -> None:
+    """Copy shards saved by ``shard_state`` (same layout, checked by the caller) into the buffers."""
+    for buf, saved in zip(pipeline.buffers, states):
+        for name, tensor in saved.items():
+            if getattr(buf, name) is not None:
+                getattr(buf, name).copy_(tensor)
+        if buf.master is not None and "master" not in saved:
+            pipeline.refresh_master(buf)
+
+
+def _gather(pipeline: Pipeline, buf: FlatBuffer, shard: torch.Tensor) -> torch.Tensor:
+    if pipeline.num_shards == 1:
+        return shard
+    full = torch.empty(buf.layout.numel, dtype=shard.dtype, device=shard.device)
+    handles = [
+        pipeline.engine.all_gather(buf.bucket_slice(full, b), buf.shard_slice(shard, b), name=f"state.{b.index}")
+        for b in buf.layout.buckets
+    ]
+    for h in handles:
+        h.wait()
+    return full
+
+
+def gather_full_state(pipeline: Pipeline) -> dict[int, dict[str, torch.Tensor]]:
+    """``{param index: {"step", "exp_avg", "exp_avg_sq"}}`` for every parameter that has stepped."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for buf in pipeline.buffers:
+        full = {name: _gather(pipeline, buf, getattr(buf, name)) for name in _MOMENTS}
+        for slot in buf.layout.slots:
+            index = buf.indices[slot.param]
+            if pipeline.steps[index] == 0:
+                continue
+            entry = {"step": torch.tensor(float(pipeline.steps[index]))}
+            for name in _MOMENTS:
+                entry[name] = full[name].narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
+            out[index] = entry
+    return out
+
+
+def scatter_full_state(pipeline: Pipeline, state: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Load a full state (shapes checked by the caller); parameters absent from it start fresh."""
+    for buf in pipeline.buffers:
+        for name in _MOMENTS:
+            full = torch.zeros(buf.layout.numel, dtype=torch.float32, device=buf.device)
+            for slot in buf.layout.slots:
+                entry = state.get(buf.indices[slot.param])
+                if entry is not None:
+                    full.narrow(0, slot.offset, slot.numel).copy_(entry[name].reshape(-1))
+            shard = getattr(buf, name)
+            for b in buf.layout.buckets:
+                buf.shard_slice(shard, b).copy_(buf.rank_slice(full, b, pipeline.shard_rank))
+        for slot in buf.layout.slots:
+            index = buf.indices[slot.param]
+            entry = state.get(index)
+            pipeline.steps[index] = 0 if entry is None else int(float(entry["step"]))
+        if buf.master is not None:
+            pipeline.refresh_master(buf)
