@@ -1,0 +1,301 @@
+"""The machinery behind the config schema: value rules, sections, and one parse pass.
+
+A *rule* checks and normalises one JSON value (``Scalar``) or a nested object (``Section``). A
+section's schema is a table ``key -> Field``; keys that DeepSpeed accepts but that change nothing
+here sit in a second table ``key -> logging level``. ``parse_section`` walks one object against
+its tables, resolves Hugging Face style ``"auto"`` values, and records what it ignored and chose
+in a ``ParseContext`` that logs both once at the end.
+
+Every rejection is a ``ValueError`` naming the full key path, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+logger = logging.getLogger("zero_kernels")
+
+AUTO = "auto"
+MISSING = object()
+
+
+class Invalid(Exception):
+    """Raised by a converter when a value is outside its rule; ``Scalar`` turns it into ValueError."""
+
+
+def join(path: str, key: str) -> str:
+    """``zero_optimization`` + ``stage`` -> ``zero_optimization.stage`` (no leading dot at top level)."""
+    return f"{path}.{key}" if path else key
+
+
+def suggest(key: str, known: Any) -> str:
+    """A ``; did you mean 'x'?`` hint for a misspelt key, or an empty string."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """One JSON value: ``convert`` normalises it or raises ``Invalid``; ``allowed`` says what passes.
+
+    ``supported`` (optional) narrows the accepted values to those implemented so far: others are
+    valid DeepSpeed but rejected here with a "not supported yet" message.
+    """
+
+    allowed: str
+    convert: Callable[[Any], Any]
+    supported: Optional[Tuple[Any, ...]] = None
+
+    def __call__(self, value: Any, path: str, ctx: Optional[ParseContext] = None) -> Any:
+        try:
+            result = self.convert(value)
+        except Invalid:
+            raise ValueError(f"{path}={value!r} is invalid: expected {self.allowed}") from None
+        if self.supported is not None and result not in self.supported:
+            allowed = ", ".join(repr(v) for v in self.supported)
+            raise ValueError(f"{path}={value!r} is not supported yet by zero_kernels; supported: {allowed}")
+        return result
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _range_text(lo: Optional[float], hi: Optional[float], lo_open: bool, hi_open: bool) -> str:
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+    if hi is not None:
+        parts.append(f"{'<' if hi_open else '<='} {hi:g}")
+    return " and ".join(parts)
+
+
+def _in_range(x: float, lo: Optional[float], hi: Optional[float], lo_open: bool, hi_open: bool) -> bool:
+    if lo is not None and (x <= lo if lo_open else x < lo):
+        return False
+    return hi is None or (x < hi if hi_open else x <= hi)
+
+
+def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Scalar:
+    """An int (an integral float such as JSON's ``5e8`` counts; ``2.5`` and booleans do not)."""
+
+    def convert(value: Any) -> int:
+        if not _is_number(value) or not math.isfinite(value) or value != int(value):
+            raise Invalid
+        if not _in_range(value, lo, hi, False, False):
+            raise Invalid
+        return int(value)
+
+    bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else _range_text(lo, hi, False, False)
+    return Scalar(f"an integer {bounds}".strip(), convert)
+
+
+def number(
+    lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False, hi_open: bool = False
+) -> Scalar:
+    """A finite int or float (not a boolean), returned as float."""
+
+    def convert(value: Any) -> float:
+        if not _is_number(value) or not math.isfinite(value):
+            raise Invalid
+        if not _in_range(value, lo, hi, lo_open, hi_open):
+            raise Invalid
+        return float(value)
+
+    return Scalar(f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".strip(), convert)
+
+
+def boolean(supported: Optional[Tuple[bool, ...]] = None) -> Scalar:
+    """JSON ``true`` or ``false`` only (not 0/1, not strings)."""
+
+    def convert(value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise Invalid
+        return value
+
+    return Scalar("true or false", convert, supported)
+
+
+def choice(
+    names: Mapping[str, Any],
+    *,
+    nullable: bool = False,
+    supported: Optional[Tuple[Any, ...]] = None,
+    shown: Optional[Tuple[str, ...]] = None,
+) -> Scalar:
+    """A case-insensitive name from ``names`` (lower-case name -> stored value); null if ``nullable``.
+
+    ``shown``: the spellings listed in messages (default: the keys of ``names``).
+    """
+    listed = ", ".join(repr(n) for n in (shown or tuple(names))) + (", null" if nullable else "")
+
+    def convert(value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        if not isinstance(value, str) or value.lower() not in names:
+            raise Invalid
+        return names[value.lower()]
+
+    return Scalar(f"one of {listed} (case-insensitive)", convert, supported)
+
+
+def pair(item: Scalar) -> Scalar:
+    """A list or tuple of exactly two values, each passing ``item``; returned as a tuple."""
+
+    def convert(value: Any) -> Tuple[Any, Any]:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise Invalid
+        return tuple(item.convert(v) for v in value)
+
+    return Scalar(f"a pair [x, y], each {item.allowed}", convert)
+
+
+def rejected(instead: str) -> Scalar:
+    """A key DeepSpeed refuses too; the message names what to write ``instead``."""
+
+    def convert(value: Any) -> Any:
+        raise Invalid
+
+    return Scalar(f"{instead} instead (DeepSpeed refuses this key too)", convert)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One key of a section: its rule, its default and whether ``"auto"`` may stand for it."""
+
+    rule: Any
+    default: Any = None
+    auto: bool = True
+
+
+@dataclass(frozen=True)
+class Section:
+    """A nested JSON object parsed against its own tables.
+
+    ``ignored`` maps keys accepted without effect to the level they are logged at; ``aliases`` maps
+    alternative names to canonical keys; ``finish`` turns the parsed dict into the stored value;
+    ``optional``: a missing section is ``None`` rather than all defaults; ``nullable``: an explicit
+    ``null`` means all defaults.
+    """
+
+    fields: Mapping[str, Field]
+    ignored: Mapping[str, int] = field(default_factory=dict)
+    aliases: Mapping[str, str] = field(default_factory=dict)
+    finish: Callable[[Dict[str, Any]], Any] = dict
+    optional: bool = False
+    nullable: bool = False
+    allowed: str = "a JSON object"
+
+    def __call__(self, value: Any, path: str, ctx: Optional[ParseContext] = None) -> Any:
+        if value is None and self.nullable:
+            value = {}
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{path}={value!r} is invalid: expected {self.allowed}")
+        return self.finish(parse_section(value, path, self, ctx if ctx is not None else ParseContext()))
+
+
+@dataclass(frozen=True)
+class Override:
+    """A value given by keyword for one key path; ``strict``: a different explicit value is an error."""
+
+    value: Any
+    source: str
+    strict: bool = True
+
+
+@dataclass
+class ParseContext:
+    """What one parse was given by keyword and what it ignored and chose, logged once by ``log``."""
+
+    overrides: Dict[str, Override] = field(default_factory=dict)
+    used: Set[str] = field(default_factory=set)
+    ignored: Dict[int, List[str]] = field(default_factory=dict)
+    chosen: List[str] = field(default_factory=list)
+
+    def ignore(self, path: str, level: int) -> None:
+        self.ignored.setdefault(level, []).append(path)
+
+    def choose(self, path: str, value: Any, why: str) -> None:
+        self.chosen.append(f"{path}={value!r} ({why})")
+
+    def log(self) -> None:
+        """One record per level for ignored keys and one for resolved values."""
+        for level in sorted(self.ignored):
+            keys = ", ".join(sorted(self.ignored[level]))
+            logger.log(level, "DeepSpeed config keys accepted but without effect in zero_kernels: %s", keys)
+        if self.chosen:
+            logger.info("DeepSpeed config values chosen by zero_kernels: %s", ", ".join(self.chosen))
+
+
+def _resolve(spec: Field, raw: Any, path: str, ctx: ParseContext) -> Tuple[Any, str]:
+    """The value to validate for ``path`` (a keyword override, a default for "auto", ``raw`` or
+    MISSING) and the name to report it under."""
+    override = ctx.overrides.get(path)
+    if override is not None:
+        ctx.used.add(path)
+        where = f"{path} (from {override.source})"
+        if raw == AUTO or (raw is MISSING and override.strict):
+            ctx.choose(path, override.value, f"from {override.source}")
+            return override.value, where
+        if raw is not MISSING and override.strict and spec.rule(raw, path) != spec.rule(override.value, where):
+            raise ValueError(
+                f"{path}={raw!r} in the config disagrees with {override.source}={override.value!r}; "
+                f'set {path} to "auto" or drop one of the two'
+            )
+    if raw == AUTO:
+        if not spec.auto:
+            raise ValueError(f'{path}="auto" is not allowed here: write {spec.rule.allowed}')
+        ctx.choose(path, spec.default, "default" if spec.default is not None else "to be derived")
+        return spec.default, path
+    return raw, path
+
+
+def _missing(spec: Field, path: str, ctx: ParseContext) -> Any:
+    """The value of a key the config leaves out: its default, or a whole section of defaults."""
+    if isinstance(spec.rule, Section):
+        return None if spec.rule.optional else spec.rule({}, path, ctx)
+    return spec.default
+
+
+def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict[str, Any]:
+    """Canonical key -> raw value; unknown keys rejected, ignored keys recorded."""
+    known = set(section.fields) | set(section.ignored) | set(section.aliases)
+    raw: Dict[str, Any] = {}
+    for key, value in d.items():
+        if not isinstance(key, str) or key not in known:
+            where = f"in {path}" if path else "at the top level of the config"
+            hint = suggest(str(key), known) or f"; expected one of {', '.join(repr(k) for k in section.fields)}"
+            raise ValueError(f"unknown key {key!r} {where}{hint}")
+        if key in section.ignored:
+            ctx.ignore(join(path, key), section.ignored[key])
+            continue
+        canonical = section.aliases.get(key, key)
+        if canonical in raw:
+            raise ValueError(f"{join(path, canonical)} is given twice (as {canonical!r} and as an alias)")
+        raw[canonical] = value
+    return raw
+
+
+def parse_section(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict[str, Any]:
+    """Validate ``d`` against ``section``: canonical key -> normalised value, defaults filled in.
+
+    A value whose default is ``None`` may also be written as ``null`` or ``"auto"`` and stays ``None``;
+    a nested section may be ``null`` only where it says ``nullable``.
+    """
+    raw = _collect(d, path, section, ctx)
+    out: Dict[str, Any] = {}
+    for key, spec in section.fields.items():
+        sub = join(path, key)
+        value, where = _resolve(spec, raw.get(key, MISSING), sub, ctx)
+        if value is MISSING:
+            out[key] = _missing(spec, sub, ctx)
+        elif value is None and spec.default is None and not isinstance(spec.rule, Section):
+            out[key] = None
+        else:
+            out[key] = spec.rule(value, where, ctx)
+    return out

@@ -1,0 +1,285 @@
+"""The DeepSpeed JSON schema understood by ``ZeroConfig.from_deepspeed``, as tables.
+
+Each section is a ``Section``: the keys zero_kernels acts on (rule, DeepSpeed's default, whether
+``"auto"`` is allowed), the keys DeepSpeed accepts that change nothing here (with the level they
+are logged at: WARNING where DeepSpeed would change training and zero_kernels does not, INFO
+otherwise), and alternative spellings. Defaults follow DeepSpeed's own config classes
+(``deepspeed/runtime/zero/config.py``, ``precision_config.py``, ``constants.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Tuple
+
+import torch
+
+from .config_rules import Field, Scalar, Section, boolean, choice, integer, number, pair, rejected
+
+INFO, WARNING = logging.INFO, logging.WARNING
+
+OPTIMIZER_TYPES = ("Adam", "AdamW")
+OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "nvme"}
+COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+OFFLOAD_DEVICE: Scalar = choice(OFFLOAD_DEVICES, supported=("none",))
+
+_OFFLOAD_COMMON = ("nvme_path", "buffer_count", "pin_memory")
+OFFLOAD_OPTIMIZER = Section(
+    fields={"device": Field(OFFLOAD_DEVICE, "none", auto=False)},
+    ignored={
+        k: INFO
+        for k in _OFFLOAD_COMMON
+        + (
+            "pipeline_read",
+            "pipeline_write",
+            "fast_init",
+            "ratio",
+            "super_offload",
+            "convert_grad_on_cpu",
+            "cpuadam_cores_perc",
+        )
+    },
+    finish=lambda d: d["device"],
+    nullable=True,
+    allowed='a JSON object such as {"device": "none"}, or null',
+)
+OFFLOAD_PARAM = Section(
+    fields={"device": Field(OFFLOAD_DEVICE, "none", auto=False)},
+    ignored={k: INFO for k in _OFFLOAD_COMMON + ("buffer_size", "max_in_cpu")},
+    finish=lambda d: d["device"],
+    nullable=True,
+    allowed='a JSON object such as {"device": "none"}, or null',
+)
+
+ZERO_FIELDS: Dict[str, Field] = {
+    "stage": Field(integer(0, 3), 0, auto=False),
+    # None: DeepSpeed's stage-dependent default, on for stage 3 only.
+    "overlap_comm": Field(boolean(), None),
+    "contiguous_gradients": Field(boolean(), True),
+    "reduce_bucket_size": Field(integer(1), 500_000_000),
+    "allgather_bucket_size": Field(integer(1), 500_000_000),
+    "reduce_scatter": Field(boolean(), True),
+    # 0 is DeepSpeed's way to turn prefetching off, so it is allowed here.
+    "stage3_prefetch_bucket_size": Field(integer(0), 50_000_000),
+    "stage3_param_persistence_threshold": Field(integer(0), 100_000),
+    "stage3_max_live_parameters": Field(integer(0), 1_000_000_000),
+    "stage3_max_reuse_distance": Field(integer(0), 1_000_000_000),
+    "offload_optimizer": Field(OFFLOAD_OPTIMIZER, "none", auto=False),
+    "offload_param": Field(OFFLOAD_PARAM, "none", auto=False),
+    # Deprecated DeepSpeed spellings of offload_optimizer / offload_param with device "cpu".
+    "cpu_offload": Field(boolean(supported=(False,)), False, auto=False),
+    "cpu_offload_param": Field(boolean(supported=(False,)), False, auto=False),
+}
+
+ZERO_IGNORED: Dict[str, int] = {
+    **{
+        k: INFO
+        for k in (
+            "round_robin_gradients",
+            "sub_group_size",
+            "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+            "elastic_checkpoint",
+            "load_from_fp32_weights",
+            "ignore_unused_parameters",
+            "allgather_partitions",
+            "use_multi_rank_bucket_allreduce",
+            "memory_efficient_linear",
+            "cpu_offload_use_pin_memory",
+            "legacy_stage1",
+            "stage3_model_persistence_threshold",
+            "model_persistence_threshold",
+            "stage3_module_granularity_threshold",
+            "module_granularity_threshold",
+            "stage3_use_all_reduce_for_fetch_params",
+            "use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential",
+            "allgather_sequential",
+            "stage3_partition_stream_chunk_size",
+            "partition_stream_chunk_size",
+            "pipeline_loading_checkpoint",
+            "override_module_apply",
+            "log_trace_cache_warnings",
+            "enable_sanity_checks",
+            "save_muon_momentum_buffer_in_memory",
+            "leaf_module",
+            "mics_hierarchical_params_gather",
+        )
+    },
+    **{
+        k: WARNING
+        for k in (
+            "zero_hpz_partition_size",
+            "zero_quantized_weights",
+            "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients",
+            "zeropp_loco_param",
+            "mics_shard_size",
+            "zenflow",
+        )
+    },
+}
+
+# DeepSpeed's pydantic model accepts its field names as well as the stage3_* aliases.
+ZERO_ALIASES: Dict[str, str] = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+}
+
+ZERO = Section(fields=ZERO_FIELDS, ignored=ZERO_IGNORED, aliases=ZERO_ALIASES)
+
+OPTIMIZER_PARAMS = Section(
+    fields={
+        "lr": Field(number(0), 1e-3),
+        "betas": Field(pair(number(0, 1, hi_open=True)), (0.9, 0.999)),
+        "eps": Field(number(0), 1e-8),
+        # None: DeepSpeed's FusedAdam default 0, or torch's default for the class when torch_adam is set.
+        "weight_decay": Field(number(0), None),
+        "torch_adam": Field(boolean(), False),
+        "adam_w_mode": Field(boolean(), True),
+        "bias_correction": Field(boolean(supported=(True,)), True, auto=False),
+        "amsgrad": Field(boolean(supported=(False,)), False, auto=False),
+        "max_grad_norm": Field(rejected('the top-level "gradient_clipping"'), auto=False),
+    }
+)
+
+OPTIMIZER = Section(
+    fields={
+        "type": Field(choice({t.lower(): t for t in OPTIMIZER_TYPES}, shown=OPTIMIZER_TYPES), None, auto=False),
+        "params": Field(OPTIMIZER_PARAMS, None, auto=False),
+    },
+    ignored={"legacy_fusion": INFO},
+    optional=True,
+)
+
+FP16 = Section(
+    fields={
+        "enabled": Field(boolean(), False),
+        "loss_scale": Field(number(0), 0.0),
+        "initial_scale_power": Field(integer(0), 16),
+        "loss_scale_window": Field(integer(1), 1000),
+        "hysteresis": Field(integer(1), 2),
+        "min_loss_scale": Field(number(0, lo_open=True), 1.0),
+    },
+    ignored={
+        "auto_cast": WARNING,
+        "fp16_master_weights_and_grads": WARNING,
+        "consecutive_hysteresis": INFO,
+        "fused_mode": INFO,
+    },
+)
+
+_BF16_IGNORED = {
+    "immediate_grad_update": INFO,
+    "check_grad_overflow": INFO,
+    "bf16_master_weights_and_grads": WARNING,
+    "bf16_optimizer_states": WARNING,
+}
+BF16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED)
+BFLOAT16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, optional=True)
+
+TOP_IGNORED: Dict[str, int] = {
+    **{
+        k: INFO
+        for k in (
+            "steps_per_print",
+            "wall_clock_breakdown",
+            "memory_breakdown",
+            "dump_state",
+            "flops_profiler",
+            "tensorboard",
+            "wandb",
+            "csv_monitor",
+            "comet",
+            "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer",
+            "dataloader_drop_last",
+            "checkpoint",
+            "aio",
+            "autotuning",
+            "vocabulary_size",
+            "timers",
+            "nebula",
+            "eigenvalue",
+            "hybrid_engine",
+            "disable_allgather",
+            "graph_harvesting",
+            "use_data_before_expert_parallelism",
+            "seq_parallel_comm_data_type",
+        )
+    },
+    **{
+        k: WARNING
+        for k in (
+            "scheduler",
+            "amp",
+            "torch_autocast",
+            "compile",
+            "activation_checkpointing",
+            "sparse_attention",
+            "pipeline",
+            "prescale_gradients",
+            "gradient_predivide_factor",
+            "sparse_gradients",
+            "fp32_allreduce",
+            "data_types",
+            "elasticity",
+            "compression_training",
+            "data_efficiency",
+            "curriculum_learning",
+            "progressive_layer_drop",
+            "quantize_training",
+            "weight_quantization",
+            "tensor_parallel",
+        )
+    },
+}
+
+TOP = Section(
+    fields={
+        "zero_optimization": Field(ZERO, None, auto=False),
+        "optimizer": Field(OPTIMIZER, None, auto=False),
+        "bf16": Field(BF16, None, auto=False),
+        "bfloat16": Field(BFLOAT16, None, auto=False),
+        "fp16": Field(FP16, None, auto=False),
+        "gradient_clipping": Field(number(0), 0.0),
+        "gradient_accumulation_steps": Field(integer(1), None),
+        "train_micro_batch_size_per_gpu": Field(integer(1), None),
+        "train_batch_size": Field(integer(1), None),
+        "communication_data_type": Field(choice(COMM_DTYPES, nullable=True), None),
+    },
+    ignored=TOP_IGNORED,
+)
+
+# Keyword arguments of ``from_deepspeed`` that fill "auto" (or missing) values: name -> key path.
+# ``bf16`` is redirected to ``bfloat16.enabled`` when a config uses only the legacy spelling.
+AUTO_KEYWORDS: Dict[str, str] = {
+    "lr": "optimizer.params.lr",
+    "betas": "optimizer.params.betas",
+    "eps": "optimizer.params.eps",
+    "weight_decay": "optimizer.params.weight_decay",
+    "gradient_clipping": "gradient_clipping",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "train_micro_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
+    "train_batch_size": "train_batch_size",
+    "communication_data_type": "communication_data_type",
+    "bf16": "bf16.enabled",
+    "fp16": "fp16.enabled",
+    **{k: f"zero_optimization.{k}" for k, f in ZERO_FIELDS.items() if f.auto},
+}
+
+# ``hidden_size`` fills only "auto" bucket sizes, the way the Hugging Face Trainer derives them.
+HIDDEN_SIZE_RULE: Scalar = integer(1)
+
+
+def hidden_size_values(hidden: int) -> Tuple[Tuple[str, int], ...]:
+    """Key paths and values the Hugging Face Trainer derives from a model's hidden size."""
+    return (
+        ("zero_optimization.reduce_bucket_size", hidden * hidden),
+        ("zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden)),
+        ("zero_optimization.stage3_param_persistence_threshold", 10 * hidden),
+    )
