@@ -1,0 +1,509 @@
+"""ZeroConfig.from_deepspeed: every key, DeepSpeed's defaults, "auto" resolution, batch sizes, bad values."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+
+import pytest
+import torch
+
+from zero_kernels.config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
+
+FULL = {
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": False,
+        "contiguous_gradients": False,
+        "reduce_bucket_size": 2e8,
+        "allgather_bucket_size": 3e8,
+        "reduce_scatter": False,
+        "stage3_prefetch_bucket_size": 4e7,
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 2e9,
+        "stage3_max_reuse_distance": 3e9,
+        "offload_optimizer": {"device": "none", "pin_memory": True},
+        "offload_param": {"device": "NONE"},
+        "cpu_offload": False,
+    },
+    "optimizer": {
+        "type": "adam",
+        "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.05, "adam_w_mode": False},
+    },
+    "fp16": {
+        "enabled": True,
+        "loss_scale": 128,
+        "initial_scale_power": 12,
+        "loss_scale_window": 500,
+        "hysteresis": 3,
+        "min_loss_scale": 0.5,
+    },
+    "bf16": {"enabled": False},
+    "gradient_clipping": 1.0,
+    "gradient_accumulation_steps": 4,
+    "train_micro_batch_size_per_gpu": 2,
+    "train_batch_size": 16,
+    "communication_data_type": "FP32",
+}
+
+
+def test_full_config_sets_every_field() -> None:
+    cfg = ZeroConfig.from_deepspeed(FULL, world_size=2)
+    assert cfg.zero == ZeroOptions(
+        stage=3,
+        overlap_comm=False,
+        contiguous_gradients=False,
+        reduce_bucket_size=200_000_000,
+        allgather_bucket_size=300_000_000,
+        reduce_scatter=False,
+        stage3_prefetch_bucket_size=40_000_000,
+        stage3_param_persistence_threshold=10_000,
+        stage3_max_live_parameters=2_000_000_000,
+        stage3_max_reuse_distance=3_000_000_000,
+        offload_optimizer="none",
+        offload_param="none",
+    )
+    assert type(cfg.zero.reduce_bucket_size) is int and type(cfg.zero.stage3_max_reuse_distance) is int
+    assert cfg.optimizer == OptimizerConfig(
+        type="Adam", lr=3e-4, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, adamw=False
+    )
+    assert cfg.fp16 == FP16Config(
+        enabled=True, loss_scale=128.0, initial_scale_power=12, loss_scale_window=500, hysteresis=3, min_loss_scale=0.5
+    )
+    assert (cfg.bf16, cfg.gradient_clipping, cfg.communication_data_type) == (False, 1.0, torch.float32)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 2, 4)
+    assert cfg.world_size == 2 and cfg.stage == 3
+
+
+def test_defaults_are_deepspeeds() -> None:
+    cfg = ZeroConfig.from_deepspeed({})
+    assert dataclasses.asdict(cfg.zero) == {
+        "stage": 0,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 500_000_000,
+        "allgather_bucket_size": 500_000_000,
+        "reduce_scatter": True,
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_param_persistence_threshold": 100_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+        "offload_optimizer": "none",
+        "offload_param": "none",
+    }
+    assert dataclasses.asdict(cfg.fp16) == {
+        "enabled": False,
+        "loss_scale": 0.0,
+        "initial_scale_power": 16,
+        "loss_scale_window": 1000,
+        "hysteresis": 2,
+        "min_loss_scale": 1.0,
+    }
+    assert cfg.optimizer is None and cfg.bf16 is False and cfg.gradient_clipping == 0.0
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
+        None,
+        None,
+        1,
+    )
+    assert cfg.communication_data_type is None and cfg.world_size == 1
+    assert ZeroOptions() == ZeroOptions.from_dict({}) == cfg.zero
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_overlap_comm_default_depends_on_stage(stage: int) -> None:
+    assert ZeroOptions.from_dict({"stage": stage}).overlap_comm is (stage == 3)
+    assert ZeroOptions.from_dict({"stage": stage, "overlap_comm": stage != 3}).overlap_comm is (stage != 3)
+
+
+@pytest.mark.parametrize(
+    "type_, params, expected",
+    [
+        ("adamw", {}, ("AdamW", True, 0.0)),
+        ("Adam", {}, ("Adam", True, 0.0)),
+        ("ADAM", {"adam_w_mode": False}, ("Adam", False, 0.0)),
+        ("AdamW", {"adam_w_mode": False}, ("AdamW", True, 0.0)),
+        ("AdamW", {"torch_adam": True}, ("AdamW", True, 1e-2)),
+        ("Adam", {"torch_adam": True}, ("Adam", True, 1e-2)),
+        ("Adam", {"torch_adam": True, "adam_w_mode": False}, ("Adam", False, 0.0)),
+    ],
+)
+def test_optimizer_type_and_decay_mode(type_: str, params: dict, expected: tuple) -> None:
+    opt = ZeroConfig.from_deepspeed({"optimizer": {"type": type_, "params": params}}).optimizer
+    assert (opt.type, opt.adamw, opt.weight_decay) == expected
+    assert (opt.lr, opt.betas, opt.eps) == (1e-3, (0.9, 0.999), 1e-8)
+
+
+def test_adamw_ignores_adam_w_mode_false_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        ZeroConfig.from_deepspeed({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False}}})
+    assert any("adam_w_mode=false has no effect with type AdamW" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("name, dtype", [("fp32", torch.float32), ("FP16", torch.float16), ("bf16", torch.bfloat16)])
+def test_communication_data_type(name: str, dtype: torch.dtype) -> None:
+    assert ZeroConfig.from_deepspeed({"communication_data_type": name}).communication_data_type == dtype
+    assert ZeroConfig.from_deepspeed({"communication_data_type": None}).communication_data_type is None
+
+
+def test_bf16_and_legacy_bfloat16_spelling() -> None:
+    assert ZeroConfig.from_deepspeed({"bf16": {"enabled": True}}).bf16 is True
+    assert ZeroConfig.from_deepspeed({"bfloat16": {"enabled": True}}).bf16 is True
+    assert ZeroConfig.from_deepspeed({"bfloat16": {"enabled": "auto"}}, bf16=True).bf16 is True
+    with pytest.raises(ValueError, match="bfloat16.enabled"):
+        ZeroConfig.from_deepspeed({"bfloat16": {"enabled": True}, "fp16": {"enabled": True}})
+    with pytest.raises(ValueError, match='both "bf16" and its legacy spelling "bfloat16"'):
+        ZeroConfig.from_deepspeed({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}})
+
+
+def test_stage3_aliases_and_deepspeed_field_names() -> None:
+    opts = ZeroOptions.from_dict(
+        {"prefetch_bucket_size": 7, "param_persistence_threshold": 0, "max_live_parameters": 9}
+    )
+    assert (opts.stage3_prefetch_bucket_size, opts.stage3_param_persistence_threshold) == (7, 0)
+    assert opts.stage3_max_live_parameters == 9
+    with pytest.raises(ValueError, match="zero_optimization.stage3_prefetch_bucket_size is given twice"):
+        ZeroOptions.from_dict({"prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 7})
+
+
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+
+
+def _messages(caplog: pytest.LogCaptureFixture, level: int) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "zero_kernels" and r.levelno == level)
+
+
+def test_hf_auto_values_from_keywords(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        cfg = ZeroConfig.from_deepspeed(
+            HF_ZERO3,
+            world_size=4,
+            lr=5e-5,
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            bf16=True,
+            gradient_clipping=1.0,
+            train_micro_batch_size_per_gpu=8,
+            gradient_accumulation_steps=2,
+            hidden_size=1024,
+        )
+    assert cfg.optimizer == OptimizerConfig(type="AdamW", lr=5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert (cfg.bf16, cfg.fp16.enabled, cfg.gradient_clipping) == (True, False, 1.0)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (64, 8, 2)
+    assert cfg.zero.reduce_bucket_size == 1024 * 1024
+    assert cfg.zero.stage3_prefetch_bucket_size == int(0.9 * 1024 * 1024)
+    assert cfg.zero.stage3_param_persistence_threshold == 10 * 1024
+    chosen = _messages(caplog, logging.INFO)
+    for line in (
+        "optimizer.params.lr=5e-05 (from keyword lr)",
+        "optimizer.params.betas=(0.9, 0.95) (from keyword betas)",
+        "optimizer.params.eps=1e-08 (default)",
+        "bf16.enabled=True (from keyword bf16)",
+        "fp16.enabled=False (default)",
+        "zero_optimization.reduce_bucket_size=1048576 (from hidden_size=1024)",
+        "train_batch_size=64 (derived for world_size=4)",
+    ):
+        assert line in chosen, f"{line!r} not logged; got: {chosen}"
+
+
+def test_hf_auto_values_default_without_keywords(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = ZeroConfig.from_deepspeed({**HF_ZERO3, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+    assert cfg.optimizer == OptimizerConfig(type="AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    assert (cfg.bf16, cfg.fp16.enabled, cfg.gradient_clipping) == (False, False, 0.0)
+    assert (cfg.zero.reduce_bucket_size, cfg.zero.stage3_prefetch_bucket_size) == (500_000_000, 50_000_000)
+    assert cfg.zero.stage3_param_persistence_threshold == 100_000
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (8, 4, 1)
+
+
+def test_keyword_fills_missing_key_and_must_agree_with_explicit_one() -> None:
+    assert ZeroConfig.from_deepspeed({}, gradient_clipping=0.5).gradient_clipping == 0.5
+    assert ZeroConfig.from_deepspeed({"gradient_clipping": 0.5}, gradient_clipping=0.5).gradient_clipping == 0.5
+    with pytest.raises(ValueError) as err:
+        ZeroConfig.from_deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, lr=0.2)
+    assert "optimizer.params.lr=0.1" in str(err.value) and "keyword lr=0.2" in str(err.value)
+
+
+def test_hidden_size_fills_only_auto_values() -> None:
+    cfg = ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": 123}}, hidden_size=16)
+    assert (cfg.zero.reduce_bucket_size, cfg.zero.stage3_prefetch_bucket_size) == (123, 50_000_000)
+
+
+@pytest.mark.parametrize(
+    "config, kwargs, fragments",
+    [
+        ({}, {"lrr": 1e-3}, ("unknown keyword 'lrr'", "did you mean 'lr'", "hidden_size")),
+        ({}, {"lr": 1e-3}, ("keyword lr=0.001 sets optimizer.params.lr", "no 'optimizer' section")),
+        ({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}}, {"lr": -1}, ("lr (from keyword lr)=-1", ">= 0")),
+        ({}, {"bf16": 1}, ("bf16.enabled (from keyword bf16)=1", "true or false")),
+        ({}, {"hidden_size": 0}, ("hidden_size=0", ">= 1")),
+        ({}, {"world_size": 0}, ("world_size=0", ">= 1")),
+        ({}, {"world_size": 1.5}, ("world_size=1.5", ">= 1")),
+    ],
+)
+def test_bad_keywords(config: dict, kwargs: dict, fragments: tuple) -> None:
+    with pytest.raises(ValueError) as err:
+        ZeroConfig.from_deepspeed(config, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} missing from: {err.value}"
+
+
+def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    config = {
+        "steps_per_print": 10,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+        "scheduler": {"type": "WarmupLR"},
+        "zero_optimization": {
+            "stage": 2,
+            "round_robin_gradients": True,
+            "sub_group_size": 1e9,
+            "elastic_checkpoint": False,
+            "load_from_fp32_weights": True,
+            "ignore_unused_parameters": True,
+            "allgather_partitions": True,
+            "use_multi_rank_bucket_allreduce": True,
+            "memory_efficient_linear": True,
+            "stage3_gather_16bit_weights_on_model_save": True,
+            "zero_hpz_partition_size": 1,
+            "zero_quantized_weights": False,
+            "zero_quantized_gradients": False,
+            "mics_shard_size": -1,
+        },
+        "fp16": {"enabled": False, "auto_cast": False, "consecutive_hysteresis": False},
+        "bf16": {"enabled": True, "immediate_grad_update": True},
+    }
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        assert ZeroConfig.from_deepspeed(config).stage == 2
+    info, warning = _messages(caplog, logging.INFO), _messages(caplog, logging.WARNING)
+    info_keys = [
+        "steps_per_print",
+        "wall_clock_breakdown",
+        "zero_allow_untested_optimizer",
+        "zero_optimization.round_robin_gradients",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.elastic_checkpoint",
+        "zero_optimization.load_from_fp32_weights",
+        "zero_optimization.ignore_unused_parameters",
+        "zero_optimization.allgather_partitions",
+        "zero_optimization.use_multi_rank_bucket_allreduce",
+        "zero_optimization.memory_efficient_linear",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "fp16.consecutive_hysteresis",
+        "bf16.immediate_grad_update",
+    ]
+    warning_keys = [
+        "scheduler",
+        "zero_optimization.zero_hpz_partition_size",
+        "zero_optimization.zero_quantized_weights",
+        "zero_optimization.zero_quantized_gradients",
+        "zero_optimization.mics_shard_size",
+        "fp16.auto_cast",
+    ]
+    for keys, text in ((info_keys, info), (warning_keys, warning)):
+        listed = text.split(": ", 1)[1].split(", ")
+        assert sorted(listed) == sorted(keys), text
+    assert sum("without effect" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_deprecated_cpu_offload_is_accepted_when_off() -> None:
+    assert ZeroOptions.from_dict({"cpu_offload": False, "cpu_offload_param": False}).offload_optimizer == "none"
+    assert ZeroOptions.from_dict({"offload_optimizer": None}).offload_optimizer == "none"
+
+
+def _batch(world: int, batch, micro, accum) -> tuple:
+    config = {
+        k: v
+        for k, v in (
+            ("train_batch_size", batch),
+            ("train_micro_batch_size_per_gpu", micro),
+            ("gradient_accumulation_steps", accum),
+        )
+        if v is not None
+    }
+    cfg = ZeroConfig.from_deepspeed(config, world_size=world)
+    return cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_batch_sizes_derived_as_deepspeed_does(world: int) -> None:
+    assert _batch(world, 8 * world, 2, 4) == (8 * world, 2, 4)
+    assert _batch(world, 8 * world, 2, None) == (8 * world, 2, 4)
+    assert _batch(world, 8 * world, None, 2) == (8 * world, 4, 2)
+    assert _batch(world, None, 2, 4) == (8 * world, 2, 4)
+    assert _batch(world, 8 * world, None, None) == (8 * world, 8, 1)
+    assert _batch(world, None, 2, None) == (2 * world, 2, 1)
+    assert _batch(world, None, None, 3) == (None, None, 3)
+    assert _batch(world, None, None, None) == (None, None, 1)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_batch_sizes_must_agree_with_world_size(world: int) -> None:
+    with pytest.raises(ValueError) as err:
+        _batch(world, 10, 3, 1)
+    assert "train_batch_size=10 must equal" in str(err.value)
+    assert f"3 * 1 * {world} = {3 * world}" in str(err.value)
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=0 \(derived\) is invalid"):
+        _batch(world, 1, None, 2)
+
+
+def test_world_size_defaults_to_one_without_process_group() -> None:
+    assert not torch.distributed.is_initialized()
+    assert ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 3}).train_batch_size == 3
+
+
+STAGE = "from 0 to 3"
+BAD = [
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4", STAGE),
+    ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage=-1", STAGE),
+    ({"zero_optimization": {"stage": 2.5}}, "zero_optimization.stage=2.5", STAGE),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage='two'", STAGE),
+    ({"zero_optimization": {"stage": True}}, "zero_optimization.stage=True", STAGE),
+    ({"zero_optimization": {"stage": "auto"}}, 'zero_optimization.stage="auto"', STAGE),
+    ({"zero_optimization": 2}, "zero_optimization=2", "a JSON object"),
+    ({"zero_optimization": None}, "zero_optimization=None", "a JSON object"),
+    ({"fp16": None}, "fp16=None", "a JSON object"),
+    ({"zero_optimization": {"reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size=0", ">= 1"),
+    ({"zero_optimization": {"reduce_bucket_size": -5e8}}, "zero_optimization.reduce_bucket_size=-5", ">= 1"),
+    ({"zero_optimization": {"reduce_bucket_size": 2.5}}, "zero_optimization.reduce_bucket_size=2.5", "integer"),
+    ({"zero_optimization": {"allgather_bucket_size": 0}}, "zero_optimization.allgather_bucket_size=0", ">= 1"),
+    ({"zero_optimization": {"stage3_prefetch_bucket_size": -1}}, "stage3_prefetch_bucket_size=-1", ">= 0"),
+    ({"zero_optimization": {"stage3_max_live_parameters": 1.5}}, "stage3_max_live_parameters=1.5", "integer"),
+    ({"zero_optimization": {"overlap_comm": "yes"}}, "zero_optimization.overlap_comm='yes'", "true or false"),
+    ({"zero_optimization": {"reduce_scatter": 1}}, "zero_optimization.reduce_scatter=1", "true or false"),
+    (
+        {"zero_optimization": {"reduce_bucket_sise": 1}},
+        "'reduce_bucket_sise' in zero_optimization",
+        "'reduce_bucket_size'",
+    ),
+    ({"zero_optimizaton": {}}, "'zero_optimizaton' at the top level", "did you mean 'zero_optimization'"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "fp16.enabled and bf16.enabled", "at most one"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'", "'Adam', 'AdamW'"),
+    ({"optimizer": {"params": {}}}, "optimizer.type is missing", "'Adam', 'AdamW'"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, "optimizer.params.betas=[0.9]", "pair"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.0]}}}, "betas=[0.9, 1.0]", ">= 0 and < 1"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [-0.1, 0.9]}}}, "betas=[-0.1, 0.9]", ">= 0 and < 1"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": 0.9}}}, "optimizer.params.betas=0.9", "pair"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": -1e-3}}}, "optimizer.params.lr=-0.001", ">= 0"),
+    ({"optimizer": {"type": "Adam", "params": {"eps": -1e-8}}}, "optimizer.params.eps=-1e-08", ">= 0"),
+    ({"optimizer": {"type": "Adam", "params": {"weight_decay": -0.1}}}, "weight_decay=-0.1", ">= 0"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, "optimizer.params.lr='fast'", "finite number"),
+    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1}}}, "max_grad_norm=1", "gradient_clipping"),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "params.amsgrad=True", "not supported yet"),
+    ({"optimizer": {"type": "Adam", "params": {"lrate": 1}}}, "'lrate' in optimizer.params", "'lr', 'betas'"),
+    ({"optimizer": {"type": "Adam", "params": {"bettas": 1}}}, "'bettas' in optimizer.params", "mean 'betas'"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, "offload_optimizer.device='cpu'", "'none'"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "offload_optimizer.device='nvme'", "'none'"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param.device='cpu'", "not supported yet"),
+    ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "offload_param.device='gpu'", "'cpu', 'nvme'"),
+    ({"zero_optimization": {"offload_param": "cpu"}}, "zero_optimization.offload_param='cpu'", '{"device": "none"}'),
+    ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload=True", "not supported yet"),
+    ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale=-1", ">= 0"),
+    ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis=0", ">= 1"),
+    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale=0", "> 0"),
+    ({"fp16": {"enabled": "true"}}, "fp16.enabled='true'", "true or false"),
+    ({"gradient_clipping": -1.0}, "gradient_clipping=-1.0", ">= 0"),
+    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0", ">= 1"),
+    ({"train_batch_size": 2.5}, "train_batch_size=2.5", "integer"),
+    ({"communication_data_type": "fp8"}, "communication_data_type='fp8'", "'fp32', 'fp16', 'bf16', null"),
+]
+
+
+@pytest.mark.parametrize("config, where, allowed", BAD, ids=[w for _, w, _ in BAD])
+def test_bad_values_name_key_value_and_allowed(config: dict, where: str, allowed: str) -> None:
+    with pytest.raises(ValueError) as err:
+        ZeroConfig.from_deepspeed(config)
+    assert where in str(err.value) and allowed in str(err.value), str(err.value)
+
+
+def test_zero_options_from_dict_uses_the_given_path() -> None:
+    with pytest.raises(ValueError, match=r"^ShardedFusedAdam\.stage=9 is invalid: expected an integer from 0 to 3$"):
+        ZeroOptions.from_dict({"stage": 9}, path="ShardedFusedAdam")
+    with pytest.raises(ValueError, match=r"^unknown key 'bucket' at the top level"):
+        ZeroOptions.from_dict({"bucket": 9}, path="")
+    assert ZeroOptions.from_dict({"stage": 2, "reduce_bucket_size": 1000}, path="").reduce_bucket_size == 1000
+
+
+def test_objects_are_frozen_and_hold_tuples() -> None:
+    cfg = ZeroConfig.from_deepspeed({"optimizer": {"type": "AdamW", "params": {"betas": [0.5, 0.6]}}})
+    assert cfg.optimizer.betas == (0.5, 0.6) and isinstance(cfg.optimizer.betas, tuple)
+    for obj, name in ((cfg, "bf16"), (cfg.zero, "stage"), (cfg.optimizer, "lr"), (cfg.fp16, "enabled")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 1)
+
+
+@pytest.mark.parametrize(
+    "build, fragment",
+    [
+        (lambda: ZeroOptions(stage=5), "ZeroOptions.stage=5"),
+        (lambda: ZeroOptions(offload_param="cpu"), "ZeroOptions.offload_param='cpu' is not supported yet"),
+        (lambda: OptimizerConfig(type="AdamW", adamw=False), "contradicts type='AdamW'"),
+        (lambda: OptimizerConfig(type="SGD"), "OptimizerConfig.type='SGD'"),
+        (lambda: FP16Config(hysteresis=0), "FP16Config.hysteresis=0"),
+        (lambda: ZeroConfig(bf16=True, fp16=FP16Config(enabled=True)), "fp16.enabled and bf16.enabled"),
+        (lambda: ZeroConfig(train_batch_size=3, train_micro_batch_size_per_gpu=2), "train_batch_size=3 must equal"),
+        (lambda: ZeroConfig(zero={"stage": 1}), "ZeroConfig.zero="),
+    ],
+)
+def test_direct_construction_is_validated_too(build, fragment: str) -> None:
+    with pytest.raises(ValueError) as err:
+        build()
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_direct_construction_defaults() -> None:
+    assert OptimizerConfig(type="AdamW").weight_decay == 1e-2
+    assert OptimizerConfig(type="Adam", adamw=False).weight_decay == 0.0
+    assert ZeroOptions(stage=3).overlap_comm is True
+
+
+def test_file_sources(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(FULL))
+    assert ZeroConfig.from_deepspeed(path, world_size=2) == ZeroConfig.from_deepspeed(str(path), world_size=2)
+    assert ZeroConfig.from_deepspeed(path, world_size=2) == ZeroConfig.from_deepspeed(FULL, world_size=2)
+
+
+def test_file_errors(tmp_path: pathlib.Path) -> None:
+    broken = tmp_path / "broken.json"
+    broken.write_text('{\n  "zero_optimization": {\n    "stage": 2,\n  }\n}\n')
+    with pytest.raises(ValueError, match=r"broken\.json' is not valid JSON: .* at line 4, column 3"):
+        ZeroConfig.from_deepspeed(broken)
+    with pytest.raises(ValueError, match=r"missing\.json' does not exist"):
+        ZeroConfig.from_deepspeed(tmp_path / "missing.json")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a list, expected a JSON object"):
+        ZeroConfig.from_deepspeed(listed)
+    twice = tmp_path / "twice.json"
+    twice.write_text('{"zero_optimization": {"stage": 1, "stage": 2}}')
+    with pytest.raises(ValueError, match="duplicate key 'stage'"):
+        ZeroConfig.from_deepspeed(twice)
+    with pytest.raises(ValueError, match="a file path or a mapping, not int"):
+        ZeroConfig.from_deepspeed(3)
