@@ -1,0 +1,187 @@
+"""Adam/AdamW on a flat shard in one Triton launch (two with a found-inf flag).
+
+The update reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq once:
+28 bytes per parameter with an fp32 gradient (24 with bf16/fp16), plus the optional low-precision
+copy. With ``found_inf`` a first kernel reads the gradient once more and ORs "some element is not
+finite" into the flag; the update kernel then loads the flag and, when it is set, masks every
+load and store off, so no host synchronisation is needed anywhere.
+
+Hyper-parameters are runtime scalars (an lr schedule never recompiles); the bias corrections and
+``1 - beta`` factors are computed on the host in float64, as ``torch.optim.AdamW`` does. Math is
+fp32 with IEEE-rounded division and square root. Tensors must be on a CUDA device, or on the CPU
+when Triton runs in interpreter mode (``TRITON_INTERPRET=1`` set before import).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from . import tuning
+from .reference import Scale, adam_scalars, check_adam_args
+from .triton_flatten import cast_rne
+
+_LOW_PRECISION_OUT = (torch.float32, torch.bfloat16, torch.float16)
+_SCALE_NONE, _SCALE_FLOAT, _SCALE_TENSOR = 0, 1, 2
+
+
+@triton.jit
+def _nonfinite_kernel(
+    grad_ptr,  # gradient, fp32/bf16/fp16, read only
+    found_inf_ptr,  # one-element fp32 flag, set to 1 when this block holds a nan or an inf
+    n_elements,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(grad_ptr + offs, mask=offs < n_elements, other=0.0).to(tl.float32)
+    bad = (g != g) | (tl.abs(g) == float("inf"))
+    if tl.sum(bad.to(tl.int32), axis=0) > 0:
+        tl.store(found_inf_ptr, 1.0)
+
+
+@triton.jit
+def _adam_kernel(
+    # pointers
+    param_ptr,  # fp32 master params, updated in place
+    grad_ptr,  # gradient, fp32/bf16/fp16 (the dtype comes from the pointer), read only
+    exp_avg_ptr,  # fp32 first moment, updated in place
+    exp_avg_sq_ptr,  # fp32 second moment, updated in place
+    out_ptr,  # copy of the updated params in out's dtype (written when HAS_OUT)
+    grad_scale_ptr,  # one-element fp32 gradient multiplier (read when SCALE_MODE == 2)
+    found_inf_ptr,  # one-element fp32 flag; non-zero means write nothing (read when HAS_FOUND_INF)
+    # sizes
+    n_elements,
+    # runtime hyper-parameters (fp32 scalars)
+    decay,  # 1 - lr * weight_decay (AdamW)
+    weight_decay,  # L2 coefficient added to the gradient (Adam)
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,  # lr / (1 - beta1**step)
+    bc2_sqrt,  # sqrt(1 - beta2**step)
+    grad_scale,  # gradient multiplier (used when SCALE_MODE == 1)
+    # meta-parameters
+    ADAMW: tl.constexpr,
+    SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar argument, 2 one-element tensor
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    limit = n_elements
+    if HAS_FOUND_INF:
+        limit = tl.where(tl.load(found_inf_ptr) == 0.0, n_elements, 0)
+    mask = offs < limit
+
+    p = tl.load(param_ptr + offs, mask=mask)
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(exp_avg_ptr + offs, mask=mask)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+
+    if SCALE_MODE == 1:
+        g = g * grad_scale
+    if SCALE_MODE == 2:
+        g = g * tl.load(grad_scale_ptr)
+    if ADAMW:
+        p = p * decay
+    else:
+        g = g + weight_decay * p
+    m = m * beta1 + one_minus_beta1 * g
+    v = v * beta2 + one_minus_beta2 * (g * g)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
+
+    tl.store(param_ptr + offs, p, mask=mask)
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if HAS_OUT:
+        tl.store(out_ptr + offs, cast_rne(p, out_ptr.dtype.element_ty), mask=mask)
+
+
+INTERPRETED: bool = isinstance(_adam_kernel, InterpretedFunction)
+
+
+def _scale_mode(grad_scale: Scale, param: torch.Tensor) -> int:
+    if grad_scale is None:
+        return _SCALE_NONE
+    if isinstance(grad_scale, torch.Tensor):
+        if grad_scale.numel() != 1 or grad_scale.dtype != torch.float32 or grad_scale.device != param.device:
+            raise ValueError(
+                f"adam_step: grad_scale must be a float or a one-element float32 tensor on {param.device}, "
+                f"got {grad_scale.numel()} element(s) of {grad_scale.dtype} on {grad_scale.device}"
+            )
+        return _SCALE_TENSOR
+    if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool):
+        return _SCALE_FLOAT
+    raise ValueError(f"adam_step: grad_scale must be None, a float or a one-element tensor, got {type(grad_scale)}")
+
+
+def adam_step_triton(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw: bool = True,
+    grad_scale: Scale = None,
+    found_inf: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> None:
+    """``reference.adam_step_ref`` as one fused Triton launch; same arguments, same results."""
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out)
+    scale_mode = _scale_mode(grad_scale, param)
+    if out is not None and out.dtype not in _LOW_PRECISION_OUT:
+        raise ValueError(f"adam_step: out dtype {out.dtype}; allowed: float32, bfloat16, float16")
+    if found_inf is not None and found_inf.device != param.device:
+        raise ValueError(f"adam_step: found_inf is on {found_inf.device}, param on {param.device}")
+    step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
+    n = param.numel()
+    if n == 0:
+        return
+    with tuning.launch_device(param):
+        if found_inf is not None:
+            check = tuning.pick(tuning.NONFINITE, n)
+            _nonfinite_kernel[(triton.cdiv(n, check.block),)](
+                grad, found_inf, n, BLOCK=check.block, num_warps=check.num_warps
+            )
+        config = tuning.pick(tuning.ADAM, n)
+        _adam_kernel[(triton.cdiv(n, config.block),)](
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            out if out is not None else param,
+            grad_scale if scale_mode == _SCALE_TENSOR else param,
+            found_inf if found_inf is not None else param,
+            n,
+            float(1.0 - lr * weight_decay),
+            float(weight_decay),
+            float(beta1),
+            float(1.0 - beta1),
+            float(beta2),
+            float(1.0 - beta2),
+            float(eps),
+            float(step_size),
+            float(bc2_sqrt),
+            float(grad_scale) if scale_mode == _SCALE_FLOAT else 1.0,
+            ADAMW=bool(adamw),
+            SCALE_MODE=scale_mode,
+            HAS_FOUND_INF=found_inf is not None,
+            HAS_OUT=out is not None,
+            BLOCK=config.block,
+            num_warps=config.num_warps,
+        )
