@@ -1,0 +1,324 @@
+"""Memory and communication models of ZeRO data parallelism, one GPU's view per training step.
+
+Memory follows the model-state accounting of the ZeRO paper (Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models", section 5 and Figure 1): with Ψ parameters,
+mixed-precision Adam keeps 2Ψ bytes of bf16/fp16 parameters, 2Ψ bytes of gradients and KΨ bytes of
+optimizer state (K = 12: fp32 master copy, Adam m and v). Stage 1 shards the optimizer state, stage 2
+also the gradients, stage 3 also the parameters, each over the N data-parallel ranks.
+
+Communication follows section 7 of the same paper: the data-parallel all-reduce of gradients is a
+reduce-scatter followed by an all-gather, a volume of 2Ψ elements per rank; stages 1 and 2 keep that
+volume (reduce-scatter of gradients, all-gather of updated parameters); stage 3 all-gathers the
+parameters twice (forward and backward) and reduce-scatters the gradients once, 3Ψ.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+STAGES = (0, 1, 2, 3)
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# Adam's two moments are always fp32 (4 + 4 bytes); the fp32 master copy adds 4 more.
+_ADAM_MOMENT_BYTES = 8
+_MASTER_BYTES = 4
+
+# Which model states a stage shards over the ranks: (params, grads, optimizer).
+_SHARDED = {
+    0: (False, False, False),
+    1: (False, False, True),
+    2: (False, True, True),
+    3: (True, True, True),
+}
+
+# The ring collectives each stage issues per step, in the order they run, with the compute phase they
+# can hide behind: "forward", "backward", or "after" (between backward and the next forward: exposed).
+COLLECTIVES = {
+    0: (("all_reduce", "backward"),),
+    1: (("reduce_scatter", "after"), ("all_gather", "after")),
+    2: (("reduce_scatter", "backward"), ("all_gather", "after")),
+    3: (("all_gather", "forward"), ("all_gather", "backward"), ("reduce_scatter", "backward")),
+}
+
+# Per collective on a ring of N ranks: each rank sends this many times (N - 1)/N of the buffer, in this
+# many times N - 1 ring steps.
+_RING_VOLUME = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+
+
+@dataclass(frozen=True)
+class LinkPreset:
+    """A data-parallel link: the bandwidth one GPU has for its ring, and the per-hop latency.
+
+    Attributes:
+        name: preset name accepted by ``recommend`` and the ``plan`` command.
+        gbytes_per_s: bandwidth per GPU and per direction, in GB/s (10^9 bytes per second).
+        latency_us: latency of one ring step, in microseconds.
+        description: where the figures come from.
+    """
+
+    name: str
+    gbytes_per_s: float
+    latency_us: float
+    description: str
+
+
+def _links() -> dict[str, LinkPreset]:
+    """Preset links. Bandwidths are per GPU and per direction, in GB/s (10^9 B/s).
+
+    Sources:
+        - ``nvlink``: NVLink 4 on H100/H200 SXM, 900 GB/s per GPU counting both directions (NVIDIA H100
+          and H200 datasheets, "NVLink: 900GB/s"), so 450 GB/s each way.
+        - ``pcie4``: PCIe 4.0 x16, 64 GB/s both directions (NVIDIA A100 PCIe datasheet, "PCIe Gen4:
+          64GB/s"), 32 GB/s each way.
+        - ``pcie5``: PCIe 5.0 x16, 128 GB/s both directions (NVIDIA H100 datasheet, "PCIe Gen5:
+          128GB/s"), 64 GB/s each way.
+        - ``ib-200``: InfiniBand HDR, 200 Gb/s per port and direction (NVIDIA ConnectX-6), 25 GB/s.
+        - ``ib-400``: InfiniBand NDR, 400 Gb/s per port and direction (NVIDIA ConnectX-7 user manual,
+          "NDR 400Gb/s"), 50 GB/s; one port per GPU as in DGX H100.
+        - ``ethernet-100``: 100 Gb/s Ethernet (IEEE 802.3 100GBASE), 12.5 GB/s.
+
+        Per-step latencies are NCCL's own ring model for its Simple protocol (NVIDIA/nccl,
+        ``src/graph/tuning.cc``, table ``hwLat``, Ring/Simple column): 3.4 us over NVLink, 5.7 us over
+        PCIe, 9.6 us over the network.
+    """
+    presets = (
+        LinkPreset("nvlink", 450.0, 3.4, "NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional"),
+        LinkPreset("pcie4", 32.0, 5.7, "PCIe 4.0 x16: 64 GB/s bidirectional"),
+        LinkPreset("pcie5", 64.0, 5.7, "PCIe 5.0 x16: 128 GB/s bidirectional"),
+        LinkPreset("ib-200", 25.0, 9.6, "InfiniBand HDR 200 Gb/s per GPU"),
+        LinkPreset("ib-400", 50.0, 9.6, "InfiniBand NDR 400 Gb/s per GPU"),
+        LinkPreset("ethernet-100", 12.5, 9.6, "100 Gb/s Ethernet per GPU"),
+    )
+    return {p.name: p for p in presets}
+
+
+LINKS = _links()
+
+
+def get_link(name: str) -> LinkPreset:
+    """The preset called ``name``; a ValueError lists the valid ones.
+
+    Args:
+        name: one of the keys of ``LINKS``.
+    """
+    if name not in LINKS:
+        raise ValueError(f"link={name!r} is not a known preset; valid presets: {', '.join(LINKS)}")
+    return LINKS[name]
+
+
+def check_positive(name: str, value: float) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a finite number > 0.
+
+    Args:
+        name: the argument's name, for the message.
+        value: the value to check.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be a finite number > 0")
+
+
+def check_count(name: str, value: int) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is an integer >= 1.
+
+    Args:
+        name: the argument's name, for the message.
+        value: the value to check.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+
+
+def check_stage(stage: int) -> None:
+    """Raise a ValueError unless ``stage`` is one of ``STAGES``.
+
+    Args:
+        stage: the ZeRO stage to check.
+    """
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: allowed stages are {', '.join(map(str, STAGES))}")
+
+
+def dtype_bytes(name: str, value: str) -> int:
+    """Bytes per element of a dtype.
+
+    Args:
+        name: the argument's name, for the message.
+        value: ``fp32``, ``bf16`` or ``fp16``.
+    """
+    if value not in DTYPE_BYTES:
+        raise ValueError(f"{name}={value!r}: allowed dtypes are {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[value]
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one GPU holds for model states at one stage.
+
+    Attributes:
+        params: parameters in their storage dtype (the whole model, or this rank's shard at stage 3).
+        grads: gradients (whole, or this rank's shard at stages 2 and 3).
+        optimizer: Adam m and v, plus the fp32 master copy when there is one (this rank's shard at 1-3).
+        working_set: stage 3 only: the largest gathered unit's full parameters and gradients.
+        total: the sum of the four.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    working_set: int
+    total: int
+
+
+def shard_elements(num_params: int, world_size: int) -> int:
+    """Elements in one rank's shard: the flat buffer padded to a multiple of ``world_size``, divided.
+
+    Args:
+        num_params: elements of the flat buffer before padding.
+        world_size: ranks sharing it.
+    """
+    return -(-num_params // world_size)
+
+
+def estimate_memory(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_dtype: str = "bf16",
+    grad_dtype: str | None = None,
+    master_weights: bool = True,
+    largest_layer_params: int | None = None,
+) -> MemoryEstimate:
+    """Model-state bytes per GPU for ``num_params`` parameters trained with Adam at ``stage``.
+
+    With bf16 params and grads and an fp32 master copy this is the ZeRO paper's (2 + 2 + K)Ψ with K = 12:
+    stage 0 ``16Ψ``, stage 1 ``4Ψ + 12Ψ/N``, stage 2 ``2Ψ + 14Ψ/N``, stage 3 ``16Ψ/N``. With fp32 params
+    and ``master_weights=False`` (what ShardedFusedAdam holds for an fp32 model): params 4Ψ, grads 4Ψ,
+    Adam m and v 8Ψ, sharded the same way. A sharded state takes ``ceil(Ψ/N)`` elements per rank.
+
+    Args:
+        num_params: Ψ, the number of parameters (>= 1).
+        world_size: N, the number of data-parallel ranks (>= 1).
+        stage: ZeRO stage, 0 to 3.
+        param_dtype: storage dtype of the parameters: ``fp32``, ``bf16`` or ``fp16``.
+        grad_dtype: dtype of the gradients; defaults to ``param_dtype``.
+        master_weights: whether the optimizer keeps an fp32 master copy (4 bytes per parameter).
+        largest_layer_params: parameters of the largest unit stage 3 gathers at once (one module's own
+            parameters); its full parameters and gradients are the stage-3 working set. None counts 0.
+
+    Returns:
+        A :class:`MemoryEstimate` in bytes.
+    """
+    check_count("num_params", num_params)
+    check_count("world_size", world_size)
+    check_stage(stage)
+    p_bytes = dtype_bytes("param_dtype", param_dtype)
+    g_bytes = dtype_bytes("grad_dtype", param_dtype if grad_dtype is None else grad_dtype)
+    k_bytes = _ADAM_MOMENT_BYTES + (_MASTER_BYTES if master_weights else 0)
+    if largest_layer_params is not None:
+        check_count("largest_layer_params", largest_layer_params)
+        if largest_layer_params > num_params:
+            raise ValueError(f"largest_layer_params={largest_layer_params}: cannot exceed num_params={num_params}")
+    shard = shard_elements(num_params, world_size)
+    shard_params, shard_grads, shard_opt = _SHARDED[stage]
+    params = p_bytes * (shard if shard_params else num_params)
+    grads = g_bytes * (shard if shard_grads else num_params)
+    optimizer = k_bytes * (shard if shard_opt else num_params)
+    working = (p_bytes + g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
+    return MemoryEstimate(params, grads, optimizer, working, params + grads + optimizer + working)
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    """What one GPU sends and receives per optimizer step, and how long that takes.
+
+    Attributes:
+        paper_volume: the ZeRO paper's per-rank volume as a multiple of Ψ: 2 for stages 0-2, 3 for
+            stage 3 (the paper rounds the ring factor (N - 1)/N to 1).
+        bytes_sent: bytes each GPU sends: ``paper_volume * (N - 1)/N * Ψ * bytes per element``.
+        bytes_received: bytes each GPU receives (equal to ``bytes_sent`` on a ring).
+        collectives: collective launches per step (buckets times collectives per bucket).
+        bandwidth_s: ``bytes_sent`` over the link bandwidth.
+        latency_s: ring steps of every launch times the per-step latency.
+        time_s: ``bandwidth_s + latency_s``.
+        phase_s: seconds of communication per compute phase (``forward``, ``backward``, ``after``).
+    """
+
+    paper_volume: int
+    bytes_sent: int
+    bytes_received: int
+    collectives: int
+    bandwidth_s: float
+    latency_s: float
+    time_s: float
+    phase_s: dict[str, float]
+
+
+def _ring_time(
+    kind: str, bucket_bytes: list[int], world_size: int, gbps: float, lat_us: float
+) -> tuple[int, float, float]:
+    """Bytes sent, bandwidth seconds and latency seconds of one ring collective run bucket by bucket."""
+    factor = _RING_VOLUME[kind]
+    sent = sum(factor * (world_size - 1) * b // world_size for b in bucket_bytes)
+    steps = factor * (world_size - 1) * len(bucket_bytes)
+    return sent, sent / (gbps * 1e9), steps * lat_us * 1e-6
+
+
+def estimate_comm(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    link_gbps: float,
+    latency_us: float,
+    comm_dtype: str = "bf16",
+    bucket_elements: int = 500_000_000,
+) -> CommEstimate:
+    """Bytes each GPU sends and receives per step at ``stage``, and the time on a ring at the given link.
+
+    "2Ψ" in the ZeRO paper (section 7.2) is per-rank data movement in elements: a ring reduce-scatter
+    of Ψ elements has every rank send (N - 1)/N * Ψ elements and receive as many, and so does a ring
+    all-gather; the paper drops the (N - 1)/N. Stages 0-2 move 2Ψ (all-reduce = reduce-scatter +
+    all-gather; stages 1 and 2 run the two halves separately), stage 3 moves 3Ψ (all-gather in forward,
+    all-gather in backward, reduce-scatter of gradients). Here the ring factor is kept, so with N = 1
+    nothing moves.
+
+    Time is a bandwidth term plus a latency term: ``bytes_sent / link`` plus, for every collective
+    launch, its ring steps (N - 1 for reduce-scatter and all-gather, 2(N - 1) for all-reduce) times
+    ``latency_us``. Each collective runs over ``ceil(Ψ / bucket_elements)`` buckets.
+
+    Args:
+        num_params: Ψ (>= 1).
+        world_size: N, the data-parallel ranks on the ring (>= 1).
+        stage: ZeRO stage, 0 to 3.
+        link_gbps: per-GPU, per-direction bandwidth of the slowest link on the ring, in GB/s
+            (10^9 bytes per second, not gigabits).
+        latency_us: latency of one ring step in microseconds (>= 0).
+        comm_dtype: dtype on the wire: ``fp32``, ``bf16`` or ``fp16``.
+        bucket_elements: elements per collective launch (DeepSpeed's ``reduce_bucket_size``; its
+            default is 5e8).
+
+    Returns:
+        A :class:`CommEstimate`.
+    """
+    check_count("num_params", num_params)
+    check_count("world_size", world_size)
+    check_stage(stage)
+    check_positive("link_gbps", link_gbps)
+    if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
+        raise ValueError(f"latency_us={latency_us!r}: must be a number >= 0")
+    check_count("bucket_elements", bucket_elements)
+    elem = dtype_bytes("comm_dtype", comm_dtype)
+    buckets = -(-num_params // bucket_elements)
+    sizes = [bucket_elements * elem] * (buckets - 1) + [(num_params - (buckets - 1) * bucket_elements) * elem]
+    sent, bw_s, lat_s = 0, 0.0, 0.0
+    phase_s = {"forward": 0.0, "backward": 0.0, "after": 0.0}
+    for kind, phase in COLLECTIVES[stage]:
+        c_sent, c_bw, c_lat = _ring_time(kind, sizes, world_size, link_gbps, latency_us)
+        sent, bw_s, lat_s = sent + c_sent, bw_s + c_bw, lat_s + c_lat
+        phase_s[phase] += c_bw + c_lat
+    volume = sum(_RING_VOLUME[kind] for kind, _ in COLLECTIVES[stage])
+    launches = buckets * len(COLLECTIVES[stage])
+    return CommEstimate(volume, sent, sent, launches, bw_s, lat_s, bw_s + lat_s, phase_s)
