@@ -1,0 +1,32 @@
+// Adam/AdamW step on one flat CPU shard, fused in a single pass over memory.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace zero_kernels {
+
+// Hyper-parameters of one step. step_size = lr / bias_correction1 and
+// bc2_sqrt = sqrt(bias_correction2) are computed by the caller in float64.
+struct AdamHyper {
+  double lr;
+  double beta1;
+  double beta2;
+  double eps;
+  double weight_decay;
+  double step_size;
+  double bc2_sqrt;
+  bool adamw;                       // decoupled decay (AdamW) or L2 added to the gradient (Adam)
+  std::optional<double> grad_scale; // gradient multiplier, applied first
+};
+
+// Updates param, exp_avg, exp_avg_sq in place (fp32, contiguous, same numel) from grad (fp32, bf16
+// or fp16). found_inf (one fp32 element, optional): set to 1 when grad holds inf/nan; when it is
+// non-zero after that check nothing else is written. out (optional, fp32/bf16/fp16): receives the
+// updated params. Throws c10::Error naming the offending buffer on bad input.
+void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+                   const AdamHyper& hyper, const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& out);
+
+}  // namespace zero_kernels
