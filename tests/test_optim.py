@@ -1,0 +1,198 @@
+"""ShardedFusedAdam's optimizer contract: state dicts, memory report, fp16 loss scaling, bad input."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from _check import assert_close
+from test_stages import BUCKET, LR, ROWS, STAGES, Net, batch, compare, make_models
+from torch import nn
+
+import zero_kernels.optim as zo
+from zero_kernels.precision import LossScaler
+
+
+def train(model: Net, opt: torch.optim.Optimizer, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        x = batch(step, world * ROWS)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def resume_case(rank: int, world: int, stage: int, path: str) -> None:
+    """Save after 2 steps, load into a fresh model + optimizer, continue: bit-identical to no break."""
+    model, _ = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    train(model, opt, rank, world, range(2))
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
+    full = opt.full_state_dict()
+    train(model, opt, rank, world, range(2, 4))
+    fresh, _ = make_models(torch.float32)
+    fresh.load_state_dict(saved_model)
+    opt2 = zo.ShardedFusedAdam(fresh, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    opt2.load_state_dict(saved_opt)
+    train(fresh, opt2, rank, world, range(2, 4))
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), f"stage {stage} resume: {name} differs"
+    if rank == 0:
+        torch.save({"model": saved_model, "opt": full}, path)
+
+
+def full_into_adamw_case(rank: int, world: int, stage: int, path: str) -> None:
+    """A full state saved on another world size/stage loads into torch AdamW and into us; both continue alike."""
+    saved = torch.load(path)
+    model, ref = make_models(torch.float32)
+    model.load_state_dict(saved["model"])
+    ref.load_state_dict(saved["model"])
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET + 4)
+    opt.load_state_dict(saved["opt"])
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ropt.load_state_dict(saved["opt"])
+    for step in range(2, 4):
+        x = batch(step, world * ROWS)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).backward()
+        ref(x).backward()
+        opt.step(), ropt.step(), opt.zero_grad(), ropt.zero_grad()
+        compare(model, ref, f"stage {stage} from full state, step {step}")
+    mine = opt.full_state_dict()
+    for index, entry in ropt.state_dict()["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert_close(mine["state"][index][key], entry[key], rtol=1e-5, atol=1e-9, what=f"state {index} {key}")
+        assert float(mine["state"][index]["step"]) == float(entry["step"])
+
+
+def memory_case(rank: int, world: int, stage: int) -> None:
+    """memory_report() within 5% of DESIGN.md's fp32 model-state formula for this stage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 101))
+    psi = sum(p.numel() for p in model.parameters())
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=10_000)
+    model(torch.randn(4, 300)).square().mean().backward()
+    opt.step()
+    report = opt.memory_report()
+    shard = {0: 1, 1: world, 2: world}[stage]
+    expected = {"params": 4 * psi, "grads": 4 * psi / (world if stage == 2 else 1), "optimizer": 8 * psi / shard}
+    for key, value in expected.items():
+        assert abs(report[key] - value) <= 0.05 * value, f"stage {stage} {key}: {report[key]} vs formula {value:.0f}"
+
+
+def fp16_case(rank: int, world: int, stage: int) -> None:
+    """An inf on one rank skips the step everywhere and lowers the scale after the hysteresis."""
+    torch.manual_seed(0)
+    model = nn.Linear(7, 3).half()
+    before = [p.detach().clone() for p in model.parameters()]
+    fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=4, loss_scale_window=2, hysteresis=2)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=5, fp16=fp16)
+    scales = []
+    for step in range(4):
+        x = torch.randn(2, 7).half()
+        if step < 2 and rank == world - 1:
+            x[0, 0] = math.inf
+        opt.backward(model(x).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+        if step < 2:
+            assert opt.last_step.skipped, f"stage {stage} step {step}: overflow not detected"
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "skipped step changed params"
+        else:
+            assert not opt.last_step.skipped
+    assert scales == [16.0, 8.0, 8.0, 16.0], f"stage {stage} loss scales {scales}"
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "good steps did not update"
+
+
+def bad_input_case(rank: int, world: int, stage: int) -> None:
+    """Each error is clear and leaves the optimizer usable."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [model.head.bias]})
+    other = nn.Sequential(nn.Linear(6, 11), nn.Linear(11, 4))
+    other_opt = zo.ShardedFusedAdam(other, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    with pytest.raises(ValueError, match="param groups|parameters in the state"):
+        opt.load_state_dict(other_opt.state_dict())
+    bigger = Net()
+    bigger.mid = nn.Linear(11, 6)
+    bigger.frozen = nn.Parameter(torch.randn(6), requires_grad=False)
+    bigger.extra, bigger.head = nn.Linear(6, 6), nn.Linear(6, 1)
+    bigger_opt = zo.ShardedFusedAdam(bigger, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    train(bigger, bigger_opt, rank, world, range(1))
+    with pytest.raises(ValueError, match=r"'mid.weight'.*\(6, 11\) in the state but \(5, 11\)"):
+        opt.load_state_dict(bigger_opt.full_state_dict())
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    train(model, opt, rank, world, range(2))
+    for step in range(2):
+        x = batch(step, world * ROWS)
+        ref(x).backward()
+        ropt.step(), ropt.zero_grad()
+    compare(model, ref, f"stage {stage} after rejected inputs")
+    skewed = Net()
+    with torch.no_grad():
+        skewed.head.bias.fill_(float(rank))
+    if world > 1:
+        with pytest.raises(ValueError, match="'head.bias'.*different values on some rank"):
+            zo.ShardedFusedAdam(skewed, stage=stage)
+
+
+def contract_cases(rank: int, world: int, path: str) -> None:
+    for stage in STAGES:
+        resume_case(rank, world, stage, f"{path}.{stage}")
+        memory_case(rank, world, stage)
+        fp16_case(rank, world, stage)
+        bad_input_case(rank, world, stage)
+
+
+def reload_cases(rank: int, world: int, path: str) -> None:
+    for stage in STAGES:
+        full_into_adamw_case(rank, world, stage, f"{path}.{(stage + 1) % len(STAGES)}")
+
+
+@pytest.mark.distributed
+def test_contract_then_reload_at_another_world_size(spawn, tmp_path) -> None:
+    path = str(tmp_path / "state")
+    spawn(contract_cases, 2, path)
+    spawn(reload_cases, 3, path)
+
+
+def test_argument_checks_match_adamw() -> None:
+    model = Net()
+    for kwargs in ({"lr": -1.0}, {"eps": -1.0}, {"betas": (1.0, 0.9)}, {"betas": (0.9, -0.1)}, {"weight_decay": -1}):
+        with pytest.raises(ValueError) as ours:
+            zo.ShardedFusedAdam(model.parameters(), **kwargs)
+        with pytest.raises(ValueError) as theirs:
+            torch.optim.AdamW(model.parameters(), **kwargs)
+        assert str(ours.value) == str(theirs.value)
+    with pytest.raises(ValueError, match="reduce_bucket_size"):
+        zo.ShardedFusedAdam(model.parameters(), reduce_bucket_size=-5)
+    with pytest.raises(ValueError, match="stage 3 gathers parameters with module hooks"):
+        zo.ShardedFusedAdam(model.parameters(), stage=3)
+    with pytest.raises(ValueError, match="zero_optimization.stage"):
+        zo.ShardedFusedAdam(model.parameters(), stage=4)
+
+
+def test_initialize_reads_deepspeed_config() -> None:
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "optimizer": {"type": "Adam", "params": {"lr": 3e-3, "weight_decay": 0.05, "adam_w_mode": False}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 17},
+        "gradient_clipping": 0.5,
+        "bf16": {"enabled": True},
+    }
+    model, opt = zo.initialize(Net(), config)
+    assert isinstance(opt, zo.ShardedFusedAdam) and opt.options.stage == 2
+    assert opt.options.reduce_bucket_size == 17 and opt.max_grad_norm == 0.5 and not opt.adam_w_mode
+    assert opt.param_groups[0]["lr"] == 3e-3 and opt.param_groups[0]["weight_decay"] == 0.05
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_loss_scaler_rules() -> None:
+    scaler = LossScaler(scale=8.0, dynamic=True, window=3, hysteresis=2, min_scale=2.0, hysteresis_left=2)
+    trace = []
+    for overflow in (True, True, True, True, False, False, False):
+        scaler.update(overflow)
+        trace.append(scaler.scale)
+    assert trace == [8.0, 4.0, 2.0, 2.0, 2.0, 2.0, 4.0]
