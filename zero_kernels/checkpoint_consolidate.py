@@ -1,0 +1,159 @@
+"""``consolidate``: a sharded checkpoint -> one ``torch.save`` file, written tensor by tensor.
+
+The output is ``{"model": state_dict, "optimizer": torch.optim.AdamW state_dict}``, readable by
+``torch.load(path, weights_only=True)`` and loadable with ``model.load_state_dict(out["model"])``
+and ``torch.optim.AdamW(model.parameters(), ...).load_state_dict(out["optimizer"])``.
+
+Streaming. ``torch.save`` needs every tensor in memory. Here the pickle of the structure is
+written first, with each tensor a placeholder that names its storage record; then each record is
+filled by reading that one tensor from the rank files, so memory stays at one tensor at a time.
+The archive is the one ``torch.save`` writes (same records, written by the same zip writer).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .checkpoint_format import DTYPES, PathLike, TensorSource, fsync_dir, read_metadata, resolve
+
+Producer = Callable[[], torch.Tensor]
+
+
+class _StorageRef:
+    """A storage record of the output, filled later by ``producer``."""
+
+    def __init__(self, key: str, dtype: torch.dtype, numel: int):
+        self.key, self.dtype, self.numel = key, dtype, numel
+
+
+class _Placeholder:
+    """Pickles as a CPU tensor whose storage is the record ``ref`` (contiguous, offset 0)."""
+
+    def __init__(self, ref: _StorageRef, shape: tuple[int, ...]):
+        self.ref, self.shape = ref, shape
+
+    def __reduce__(self) -> tuple:
+        stride, acc = [], 1
+        for size in reversed(self.shape):
+            stride.insert(0, acc)
+            acc *= size
+        args = (self.ref, 0, torch.Size(self.shape), tuple(stride), False, OrderedDict())
+        return (torch._utils._rebuild_tensor_v2, args)
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            storage_type = getattr(
+                torch, torch.storage.TypedStorage(dtype=obj.dtype, _internal=True)._pickle_storage_type()
+            )
+            return ("storage", storage_type, obj.key, "cpu", obj.numel)
+        return None
+
+
+class _Records:
+    """The placeholders of one output file and how to produce each one's data."""
+
+    def __init__(self) -> None:
+        self.producers: list[tuple[_StorageRef, Producer]] = []
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype, producer: Producer) -> _Placeholder:
+        numel = 1
+        for s in shape:
+            numel *= s
+        ref = _StorageRef(str(len(self.producers)), dtype, numel)
+        self.producers.append((ref, producer))
+        return _Placeholder(ref, tuple(shape))
+
+
+def _structure(src: TensorSource, records: _Records) -> dict[str, Any]:
+    """The output object, every tensor a placeholder (tied model tensors share one)."""
+    meta = src.meta
+    shared: dict[str, _Placeholder] = {}
+
+    def lazy(key: str) -> _Placeholder:
+        if key not in shared:
+            entry = src.entry(key)
+            shared[key] = records.tensor(tuple(entry["shape"]), DTYPES[entry["dtype"]], lambda: src.full(key))
+        return shared[key]
+
+    model = OrderedDict((name, lazy(key)) for name, key in meta["model"].items())
+    state = {}
+    for index, param in enumerate(meta["params"]):
+        if param["trainable"] and param["step"] > 0:
+            step = float(param["step"])
+            state[index] = {
+                "step": records.tensor((), torch.float32, lambda step=step: torch.tensor(step)),
+                "exp_avg": lazy(f"optim/{index}/exp_avg"),
+                "exp_avg_sq": lazy(f"optim/{index}/exp_avg_sq"),
+            }
+    return {"model": model, "optimizer": {"state": state, "param_groups": _adamw_groups(meta)}}
+
+
+def _adamw_groups(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The saved param groups completed with ``torch.optim.AdamW``'s own defaults for the other keys."""
+    defaults = torch.optim.AdamW([torch.zeros(1)]).param_groups[0]
+    out, first = [], 0
+    for g, hyper in enumerate(meta["param_groups"]):
+        group = {k: v for k, v in defaults.items() if k != "params"}
+        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
+        if "decoupled_weight_decay" in defaults:
+            group["decoupled_weight_decay"] = bool(meta.get("adam_w_mode", True))
+        count = sum(1 for p in meta["params"] if p["group"] == g)
+        group["params"] = list(range(first, first + count))
+        first += count
+        out.append(group)
+    return out
+
+
+def _write(path: Path, obj: Any, records: _Records) -> None:
+    data = io.BytesIO()
+    _Pickler(data, protocol=2).dump(obj)
+    pickled = data.getvalue()
+    alignment = str(torch.serialization._get_storage_alignment())
+    with torch.serialization._open_zipfile_writer(str(path)) as writer:
+        writer.write_record("data.pkl", pickled, len(pickled))
+        writer.write_record(".format_version", "1", 1)
+        writer.write_record(".storage_alignment", alignment, len(alignment))
+        writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for ref, producer in records.producers:
+            t = producer().to(ref.dtype).contiguous().clone()
+            writer.write_record(f"data/{ref.key}", t.untyped_storage(), t.nbytes)
+
+
+def consolidate(directory: PathLike, out_path: PathLike) -> Path:
+    """Write the model ``state_dict`` and the ``torch.optim.AdamW`` state of a checkpoint to one file.
+
+    Runs in one process (no process group needed), holding one tensor at a time.
+
+    Args:
+        directory: a checkpoint root (its newest complete version) or a version directory.
+        out_path: the ``.pt`` file to write (replaced atomically: written to ``OUT.tmp`` first).
+
+    Returns:
+        ``out_path`` as a Path.
+    """
+    version = resolve(directory)
+    meta = read_metadata(version)
+    out = Path(out_path)
+    tmp = out.with_name(out.name + ".tmp")
+    records = _Records()
+    try:
+        with TensorSource(version, meta) as src:
+            _write(tmp, _structure(src, records), records)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    return out

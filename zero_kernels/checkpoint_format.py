@@ -1,0 +1,340 @@
+"""On-disk format of sharded checkpoints: directory layout, crash-safe writes, checked reads.
+
+A checkpoint *root* holds numbered versions and a pointer to the newest complete one::
+
+    ROOT/
+      latest                    the name of the newest complete version ("v000002"), written last
+      v000001/                  a complete version (never modified once renamed into place)
+      v000002/
+        rank00000.bin           raw little-endian tensor pieces written by rank 0
+        rank00001.bin           ... one file per rank of the world that saved
+        extra.pt                the ``extra`` object given to ``save`` (torch.save; only if given)
+        metadata.json           written after every other file of the version
+      .tmp-v000003/             a save in progress or killed midway: ignored by ``load``
+
+Writes. Every file is written to ``NAME.tmp``, flushed, fsynced and renamed to ``NAME``. A save
+fills ``.tmp-vNNNNNN/``; once every rank's file is in place, rank 0 writes ``metadata.json``,
+renames the directory to ``vNNNNNN`` (atomic), fsyncs the root and replaces ``latest`` the same
+way. A crash at any point leaves ``latest`` naming the previous complete version.
+
+Metadata (JSON). ``format``/``version`` identify the format; ``world_size``/``stage`` describe the
+run that saved; ``block_bytes`` and, per rank file, ``bytes`` and ``crc32`` (one CRC-32 per block
+of ``block_bytes``) let a reader verify exactly the blocks it reads. ``tensors`` maps a tensor key
+to ``{"shape", "dtype", "pieces": [[file, elem_offset, byte_offset, numel], ...]}``: element
+``elem_offset + i`` of the flattened tensor is at ``byte_offset + i * itemsize`` of rank file
+``file``. Model tensors are keyed ``model/NAME``, Adam state ``optim/INDEX/{exp_avg,exp_avg_sq,
+master}``. The rest (``model`` key aliases, ``params``, ``param_groups``, ``loss_scaler``) is
+bookkeeping read by ``checkpoint.load`` and ``checkpoint.consolidate``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import zlib
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable, Optional, Union
+
+import torch
+
+FORMAT = "zero_kernels.checkpoint"
+VERSION = 1
+BLOCK_BYTES = 1 << 20
+METADATA = "metadata.json"
+LATEST = "latest"
+EXTRA = "extra.pt"
+TMP_PREFIX = ".tmp-"
+_VERSION_DIR = re.compile(r"v(\d{6,})")
+_CHUNK_BYTES = 16 << 20
+
+DTYPES = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16)
+    + (torch.int8, torch.uint8, torch.bool)
+}
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the model/optimizer it is loaded into."""
+
+
+def rank_file(rank: int) -> str:
+    """Name of the file rank ``rank`` writes in a version directory."""
+    return f"rank{rank:05d}.bin"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``; a CheckpointError for dtypes the format does not store."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise CheckpointError(f"checkpoint: tensors of dtype {dtype} cannot be stored; allowed: {', '.join(DTYPES)}")
+    return name
+
+
+def check_byteorder() -> None:
+    """The format is little-endian and written/read as raw memory: refuse big-endian hosts."""
+    if sys.byteorder != "little":
+        raise CheckpointError("checkpoint: raw little-endian tensor files need a little-endian host")
+
+
+# ---------------------------------------------------------------- crash-safe writes
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside directory ``path`` durable (where the platform allows opening directories)."""
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Atomically put the fully written, fsynced file or directory ``tmp`` at ``final``."""
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def write_small(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` crash-safely (``path.tmp``, fsync, rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    publish(tmp, path)
+
+
+class BlockWriter:
+    """Appends bytes to a file while computing one CRC-32 per ``block_bytes`` block."""
+
+    def __init__(self, f: BinaryIO, block_bytes: int = BLOCK_BYTES):
+        self.f, self.block_bytes = f, block_bytes
+        self.size = 0
+        self.crcs: list[int] = []
+        self._crc = 0
+
+    def write(self, data: memoryview) -> None:
+        data = data.cast("B")
+        while len(data):
+            room = self.block_bytes - self.size % self.block_bytes
+            part, data = data[:room], data[room:]
+            self.f.write(part)
+            self._crc = zlib.crc32(part, self._crc)
+            self.size += len(part)
+            if self.size % self.block_bytes == 0:
+                self.crcs.append(self._crc)
+                self._crc = 0
+
+    def write_tensor(self, t: torch.Tensor) -> None:
+        """Write the elements of 1-D ``t`` (any device) in chunks of bounded host memory."""
+        step = max(1, _CHUNK_BYTES // t.element_size())
+        for start in range(0, t.numel(), step):
+            chunk = t.narrow(0, start, min(step, t.numel() - start)).detach().cpu().contiguous()
+            self.write(memoryview(chunk.view(torch.uint8).numpy()))
+
+    def finish(self) -> list[int]:
+        """The CRCs of every block, the last partial one included."""
+        if self.size % self.block_bytes:
+            self.crcs.append(self._crc)
+            self._crc = 0
+        return self.crcs
+
+
+# ---------------------------------------------------------------- finding a version
+def version_dirs(root: Path) -> list[str]:
+    """Complete-looking version directory names under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    names = [p.name for p in root.iterdir() if p.is_dir() and _VERSION_DIR.fullmatch(p.name)]
+    return sorted(names, key=lambda n: int(n[1:]))
+
+
+def next_version(root: Path) -> str:
+    """The name of the next version under ``root`` (after every complete and partial one)."""
+    numbers = [0]
+    if root.is_dir():
+        for p in root.iterdir():
+            name = p.name.removeprefix(TMP_PREFIX)
+            if _VERSION_DIR.fullmatch(name):
+                numbers.append(int(name[1:]))
+    return f"v{max(numbers) + 1:06d}"
+
+
+def resolve(directory: PathLike) -> Path:
+    """The complete version directory that ``directory`` (a root or a version) designates.
+
+    A root resolves to the version its ``latest`` file names. A CheckpointError explains what is
+    wrong when there is none (nothing saved, or only a save that did not finish).
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint: {path} does not exist or is not a directory")
+    if (path / METADATA).is_file():
+        return path
+    if (path / LATEST).is_file():
+        name = (path / LATEST).read_text().strip()
+        if not _VERSION_DIR.fullmatch(name) or not (path / name / METADATA).is_file():
+            raise CheckpointError(f"checkpoint: {path / LATEST} names {name!r}, which is not a complete version")
+        return path / name
+    partial = sorted(p.name for p in path.iterdir() if p.name.startswith(TMP_PREFIX))
+    if partial or _VERSION_DIR.fullmatch(path.name) or path.name.startswith(TMP_PREFIX):
+        raise CheckpointError(
+            f"checkpoint: {path} holds no complete checkpoint: a save did not finish "
+            f"({', '.join(partial) or 'no ' + METADATA}); it cannot be loaded"
+        )
+    raise CheckpointError(f"checkpoint: {path} is not a checkpoint (no {LATEST} and no {METADATA})")
+
+
+def read_metadata(version: Path) -> dict[str, Any]:
+    """Parse and check ``version/metadata.json`` (format, version, and the fields readers rely on)."""
+    try:
+        meta = json.loads((version / METADATA).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"checkpoint: {version / METADATA} cannot be read ({err})") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint: {version / METADATA} is not a {FORMAT} metadata file")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint: {version} has format version {meta.get('version')!r}; this zero_kernels reads "
+            f"version {VERSION} only"
+        )
+    missing = [
+        k for k in ("world_size", "stage", "block_bytes", "files", "tensors", "model", "params") if k not in meta
+    ]
+    if missing:
+        raise CheckpointError(f"checkpoint: {version / METADATA} lacks {', '.join(missing)}")
+    return meta
+
+
+# ---------------------------------------------------------------- checked reads
+class ShardReader:
+    """Ranged reads of one rank file; every block a read touches is checked against its CRC once."""
+
+    def __init__(self, path: Path, entry: dict[str, Any], block_bytes: int):
+        self.path, self.block_bytes = path, block_bytes
+        self.crcs: list[int] = entry["crc32"]
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint: shard file {path} is missing") from None
+        if size != entry["bytes"]:
+            raise CheckpointError(
+                f"checkpoint: shard file {path} has {size} bytes, the metadata says {entry['bytes']}: "
+                "it is truncated or was replaced"
+            )
+        self._f = open(path, "rb")
+        self._verified: set[int] = set()
+
+    def _pread(self, offset: int, n: int) -> bytes:
+        self._f.seek(offset)
+        data = self._f.read(n)
+        if len(data) != n:
+            raise CheckpointError(f"checkpoint: shard file {self.path} ends early (truncated while reading)")
+        return data
+
+    def _verify(self, block: int) -> None:
+        start = block * self.block_bytes
+        data = self._pread(start, min(self.block_bytes, os.fstat(self._f.fileno()).st_size - start))
+        if block >= len(self.crcs) or zlib.crc32(data) != self.crcs[block]:
+            raise CheckpointError(
+                f"checkpoint: shard file {self.path} is corrupted (checksum mismatch in bytes "
+                f"{start}..{start + len(data)})"
+            )
+        self._verified.add(block)
+
+    def read(self, offset: int, n: int) -> bytes:
+        """Bytes ``offset .. offset + n`` of the file, after checking the blocks holding them."""
+        if n == 0:
+            return b""
+        for block in range(offset // self.block_bytes, (offset + n - 1) // self.block_bytes + 1):
+            if block not in self._verified:
+                self._verify(block)
+        return self._pread(offset, n)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorSource:
+    """Element ranges of the tensors of one checkpoint version, read piece by piece from the rank files."""
+
+    def __init__(self, version: Path, meta: dict[str, Any]):
+        self.version, self.meta = version, meta
+        self._readers: dict[int, ShardReader] = {}
+
+    def __enter__(self) -> "TensorSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers = {}
+
+    def _reader(self, file: int) -> ShardReader:
+        if file not in self._readers:
+            files = self.meta["files"]
+            if not 0 <= file < len(files):
+                raise CheckpointError(
+                    f"checkpoint: the metadata of {self.version} names shard file {file}: no such file"
+                )
+            self._readers[file] = ShardReader(self.version / files[file]["name"], files[file], self.meta["block_bytes"])
+        return self._readers[file]
+
+    def entry(self, key: str) -> dict[str, Any]:
+        if key not in self.meta["tensors"]:
+            raise CheckpointError(f"checkpoint: {self.version} has no tensor {key!r}")
+        return self.meta["tensors"][key]
+
+    def read(self, key: str, start: int = 0, numel: Optional[int] = None) -> torch.Tensor:
+        """Elements ``start .. start + numel`` of flattened tensor ``key`` (all when ``numel`` is None)."""
+        entry = self.entry(key)
+        total = _numel(entry["shape"])
+        numel = total - start if numel is None else numel
+        dtype = DTYPES[entry["dtype"]]
+        out = torch.empty(numel, dtype=dtype)
+        size = out.element_size()
+        covered = 0
+        for file, lo, byte_offset, n in entry["pieces"]:
+            a, b = max(lo, start), min(lo + n, start + numel)
+            if a < b:
+                data = self._reader(file).read(byte_offset + (a - lo) * size, (b - a) * size)
+                out.narrow(0, a - start, b - a).copy_(torch.frombuffer(bytearray(data), dtype=dtype))
+                covered += b - a
+        if covered != numel:
+            raise CheckpointError(f"checkpoint: the pieces of {key!r} in {self.version} do not cover the tensor")
+        return out
+
+    def full(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` with its saved shape."""
+        return self.read(key).view(self.entry(key)["shape"])
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def describe(version: Path, meta: dict[str, Any]) -> list[str]:
+    """Human-readable lines: what the checkpoint holds, its sizes, world size and stage."""
+    files = meta["files"]
+    total = sum(f["bytes"] for f in files)
+    lines = [
+        f"checkpoint {version}",
+        f"format {meta['format']} v{meta['version']}, saved by stage {meta['stage']} on {meta['world_size']} ranks",
+        f"{len(files)} shard files, {total} bytes; {len(meta['tensors'])} tensors; "
+        f"{len(meta['params'])} optimizer parameters; extra: {'yes' if meta.get('extra') else 'no'}",
+        "model tensors (name, shape, dtype, Adam step):",
+    ]
+    steps = {p["name"]: p["step"] for p in meta["params"]}
+    for name, key in meta["model"].items():
+        entry = meta["tensors"][key]
+        step = steps.get(name)
+        lines.append(f"  {name}  {tuple(entry['shape'])}  {entry['dtype']}  {'-' if step is None else step}")
+    return lines
