@@ -1,0 +1,236 @@
+"""Stage 3: as stage 2, and each rank keeps only its shard of the parameters between uses.
+
+Units. A *unit* is what is gathered and freed together: the trainable parameters of one param
+group and dtype that a module holds directly (``module.parameters(recurse=False)``); a parameter
+listed by several modules (weight tying) belongs to the first one in ``module.modules()`` order
+and is gathered for each of them. Parameters under ``stage3_param_persistence_threshold``
+elements are pooled, per param group and dtype, into one persistent unit that stays gathered
+(like stage 2: updated at the step and all-gathered back). Each unit is one ``FlatBuffer``
+(buckets of ``reduce_bucket_size`` elements, each split evenly over the ranks), so gathering a
+unit is one all-gather per bucket into a full buffer that the parameters view; freeing sets
+every ``p.data`` to an empty tensor (the ``Parameter`` objects, and so the model's and the
+optimizer's references, stay valid). Buffers are ordered from the last module to the first, the
+order in which backward produces gradients.
+
+When. ``stage3_hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
+prefetches up to ``stage3_prefetch_bucket_size`` elements ahead and frees after use. Once every
+trainable parameter of a unit has its gradient, the unit's gradients go through the stage-2
+path: copied (divided by the world size) into a bucket, reduce-scattered and added to the
+rank's gradient shard; ``p.grad`` becomes ``None``.
+
+Step. The fused kernel updates the rank's shard in place: fp32 parameters are their own master;
+for bf16/fp16 the kernel writes the updated values (``out=``) into ``param_shard``, the
+all-gather source of the next gather. Nothing is all-gathered at the step except persistent
+units (and units held by ``gathered_params``).
+
+Limits: frozen parameters are not sharded (they stay whole on every rank); parameters must be
+used inside the forward of a module that holds them; every rank must run the same graph (the
+same modules in the same order), as the collectives follow it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..layout import Bucket, BufferLayout
+from .base import FlatBuffer
+from .stage2 import Stage2Pipeline
+from .stage3_hooks import Stage3Scheduler
+
+_MAX_INFLIGHT = 2  # gradient reduce-scatters in flight during backward; older ones are completed
+
+
+@dataclass
+class Stage3Buffer(FlatBuffer):
+    """A unit's buffer: ``param_shard`` (this rank's parameters) and ``full`` (while gathered)."""
+
+    persistent: bool = False
+    param_shard: Optional[torch.Tensor] = None
+    full: Optional[torch.Tensor] = None
+
+
+class _Unit:
+    """A ``Stage3Buffer`` seen by the scheduler: all-gather into ``full``, free, hand grads on."""
+
+    def __init__(self, pipeline: "Stage3Pipeline", buf: Stage3Buffer):
+        self.pipeline, self.buf = pipeline, buf
+        self.params = buf.params
+        self.numel = buf.layout.numel
+        self.persistent = buf.persistent
+        self._handles: list = []
+
+    def start_gather(self) -> None:
+        buf, engine = self.buf, self.pipeline.engine
+        buf.full = torch.empty(buf.layout.numel, dtype=buf.dtype, device=buf.device)
+        shard = buf.param_shard
+        self._handles = [
+            engine.all_gather(buf.bucket_slice(buf.full, b), buf.shard_slice(shard, b), name=f"gather.{b.index}")
+            for b in buf.layout.buckets
+        ]
+
+    def finish_gather(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        for slot in self.buf.layout.slots:
+            self.params[slot.param].data = self.buf.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def free(self) -> None:
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.buf.dtype, device=self.buf.device)
+        self.buf.full = None
+
+    def reduce_grads(self) -> None:
+        for p in self.params:
+            if p.requires_grad and p.grad is not None:
+                self.pipeline._on_grad_ready(p)
+
+
+def _holders(module: nn.Module) -> dict[int, int]:
+    """id(parameter) -> index in ``module.modules()`` of the first module holding it directly."""
+    holder: dict[int, int] = {}
+    for index, m in enumerate(module.modules()):
+        for p in m.parameters(recurse=False):
+            holder.setdefault(id(p), index)
+    return holder
+
+
+class Stage3Pipeline(Stage2Pipeline):
+    stage = 3
+    requires_module = True
+
+    def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                "ZeRO stage 3 needs the model: pass the nn.Module itself (ShardedFusedAdam(model, ...)), "
+                f"not its parameters; got {type(module).__name__}"
+            )
+        super().__init__(engine, options, impl=impl, module=module)
+        self._holder = _holders(module)
+        self._scheduler: Optional[Stage3Scheduler] = None
+        self._hold_depth = 0
+
+    def add_group(self, group: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
+        """Build one buffer per unit of param group ``group`` (see the module docstring)."""
+        trainable = [(p, i) for p, i in zip(params, indices) if p.requires_grad]
+        foreign = [tuple(p.shape) for p, _ in trainable if id(p) not in self._holder]
+        if foreign:
+            raise ValueError(
+                f"ZeRO stage 3: {len(foreign)} parameter(s) (shapes {foreign[:3]}) are not parameters of the "
+                "model given to the optimizer; stage 3 can only gather the model's own parameters"
+            )
+        threshold = int(self.options.stage3_param_persistence_threshold)
+        units: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
+        for p, i in trainable:
+            persistent = p.numel() < threshold
+            key = (persistent, -1 if persistent else -self._holder[id(p)], str(p.dtype), str(p.device))
+            units.setdefault(key, []).append((p, i))
+        for key in sorted(units):
+            self._add_unit(group, units[key], persistent=key[0])
+        for _, i in trainable:
+            self.steps.setdefault(i, 0)
+            self.has_grad.setdefault(i, False)
+        self._install_scheduler()
+
+    def _add_unit(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> None:
+        ps = [p for p, _ in members]
+        layout = BufferLayout.build(ps, bucket_numel=self.bucket_numel(), num_shards=self.num_shards)
+        buf = Stage3Buffer(group, layout, ps, [i for _, i in members], ps[0].dtype, ps[0].device)
+        buf.persistent = persistent
+        self._allocate(buf)
+        self._index(buf)
+
+    def _install_scheduler(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.remove()
+        units = [_Unit(self, buf) for buf in self.buffers]
+        prefetch = int(self.options.stage3_prefetch_bucket_size)
+        self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch)
+
+    def _place_params(self, buf: Stage3Buffer) -> None:
+        """Persistent units keep the full buffer; the others keep this rank's shard and free the parameters."""
+        if buf.persistent:
+            super()._place_params(buf)
+            return
+        buf.param_shard = torch.zeros(buf.layout.shard_numel, dtype=buf.dtype, device=buf.device)
+        for seg in buf.layout.segments(self.shard_rank):
+            flat = buf.params[buf.layout.slots[seg.slot].param].detach().reshape(-1)
+            buf.param_shard.narrow(0, seg.shard_offset, seg.numel).copy_(flat.narrow(0, seg.param_offset, seg.numel))
+        for p in buf.params:
+            p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
+
+    def _register_grad_hooks(self, buf: FlatBuffer) -> None:
+        """The scheduler's hooks hand gradients on (``_Unit.reduce_grads``) once a unit is complete."""
+
+    def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        super()._launch_bucket(buf, bucket)
+        while len(self._inflight) > _MAX_INFLIGHT:
+            handle, epilogue = self._inflight.pop(0)
+            handle.wait()
+            if epilogue is not None:
+                epilogue()
+
+    def _param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
+        if buf.persistent:
+            return super()._param_shard(buf, bucket)
+        return buf.shard_slice(buf.param_shard, bucket)
+
+    def _publish(self, buf: Stage3Buffer, bucket: Bucket):
+        """Persistent units and units gathered right now receive the updated shards; the others gather later."""
+        if buf.persistent:
+            return super()._publish(buf, bucket)
+        if buf.full is None:
+            return None
+        full = buf.bucket_slice(buf.full, bucket)
+        return self.engine.all_gather(full, self._param_shard(buf, bucket), name=f"params.{bucket.index}")
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Every parameter holds its full value inside the block; changes go back to the shards on exit.
+
+        Each rank writes back its own part of each parameter (and its fp32 master where the value
+        changed), so every rank must make the same change.
+        """
+        if self._scheduler is None:
+            yield
+            return
+        self._hold_depth += 1
+        if self._hold_depth == 1:
+            self._scheduler.hold()
+        try:
+            yield
+            if self._hold_depth == 1:
+                self._write_back()
+        finally:
+            self._hold_depth -= 1
+            if self._hold_depth == 0:
+                self._scheduler.release()
+
+    def _write_back(self) -> None:
+        for buf in self.buffers:
+            for bucket in buf.layout.buckets:
+                shard = self._param_shard(buf, bucket)
+                if not buf.persistent:
+                    shard.copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
+                if buf.master is not None:
+                    master = buf.shard_slice(buf.master, bucket)
+                    master.copy_(torch.where(shard == master.to(buf.dtype), master, shard.float()))
+
+    def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
+        """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
+        tensors = super().memory_tensors()
+        tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.param_shard, buf.full)]
+        return tensors
+
+    def close(self) -> None:
+        """Remove every hook; each parameter is left holding its full value."""
+        if self._scheduler is not None:
+            self._scheduler.hold()
+            self._scheduler.remove()
+            self._scheduler = None
+        super().close()
