@@ -332,9 +332,15 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
     assert sum("without effect" in r.getMessage() for r in caplog.records) == 2
 
 
-def test_deprecated_cpu_offload_is_accepted_when_off() -> None:
+def test_offload_spellings_that_mean_none() -> None:
     assert ZeroOptions.from_dict({"cpu_offload": False, "cpu_offload_param": False}).offload_optimizer == "none"
     assert ZeroOptions.from_dict({"offload_optimizer": None}).offload_optimizer == "none"
+    assert ZeroOptions.from_dict({"offload_param": "None"}).offload_param == "none"
+
+
+def test_zero_options_round_trip_through_from_dict() -> None:
+    options = ZeroConfig.from_deepspeed(FULL, world_size=2).zero
+    assert ZeroOptions.from_dict(dataclasses.asdict(options)) == options
 
 
 def _batch(world: int, batch, micro, accum) -> tuple:
@@ -422,7 +428,8 @@ BAD = [
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "offload_optimizer.device='nvme'", "'none'"),
     ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param.device='cpu'", "not supported yet"),
     ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "offload_param.device='gpu'", "'cpu', 'nvme'"),
-    ({"zero_optimization": {"offload_param": "cpu"}}, "zero_optimization.offload_param='cpu'", '{"device": "none"}'),
+    ({"zero_optimization": {"offload_param": 3}}, "zero_optimization.offload_param=3", '{"device": "none"}'),
+    ({"zero_optimization": {"offload_param": "cpu"}}, "offload_param.device='cpu'", "not supported yet"),
     ({"zero_optimization": {"cpu_offload": True}}, "zero_optimization.cpu_offload=True", "not supported yet"),
     ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale=-1", ">= 0"),
     ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis=0", ">= 1"),

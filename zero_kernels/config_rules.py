@@ -180,7 +180,8 @@ class Section:
     ``ignored`` maps keys accepted without effect to the level they are logged at; ``aliases`` maps
     alternative names to canonical keys; ``finish`` turns the parsed dict into the stored value;
     ``optional``: a missing section is ``None`` rather than all defaults; ``nullable``: an explicit
-    ``null`` means all defaults.
+    ``null`` means all defaults; ``shorthand``: the key a bare string stands for (``"none"`` is
+    read as ``{shorthand: "none"}``).
     """
 
     fields: Mapping[str, Field]
@@ -189,11 +190,14 @@ class Section:
     finish: Callable[[Dict[str, Any]], Any] = dict
     optional: bool = False
     nullable: bool = False
+    shorthand: Optional[str] = None
     allowed: str = "a JSON object"
 
     def __call__(self, value: Any, path: str, ctx: Optional[ParseContext] = None) -> Any:
         if value is None and self.nullable:
             value = {}
+        elif isinstance(value, str) and self.shorthand is not None:
+            value = {self.shorthand: value}
         if not isinstance(value, Mapping):
             raise ValueError(f"{path}={value!r} is invalid: expected {self.allowed}")
         return self.finish(parse_section(value, path, self, ctx if ctx is not None else ParseContext()))

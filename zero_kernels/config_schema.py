@@ -25,6 +25,8 @@ COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 OFFLOAD_DEVICE: Scalar = choice(OFFLOAD_DEVICES, supported=("none",))
 
 _OFFLOAD_COMMON = ("nvme_path", "buffer_count", "pin_memory")
+# A bare device name is accepted too, so that ZeroOptions round-trips through from_dict.
+_OFFLOAD_ALLOWED = 'a JSON object such as {"device": "none"}, a device name, or null'
 OFFLOAD_OPTIMIZER = Section(
     fields={"device": Field(OFFLOAD_DEVICE, "none", auto=False)},
     ignored={
@@ -42,14 +44,16 @@ OFFLOAD_OPTIMIZER = Section(
     },
     finish=lambda d: d["device"],
     nullable=True,
-    allowed='a JSON object such as {"device": "none"}, or null',
+    shorthand="device",
+    allowed=_OFFLOAD_ALLOWED,
 )
 OFFLOAD_PARAM = Section(
     fields={"device": Field(OFFLOAD_DEVICE, "none", auto=False)},
     ignored={k: INFO for k in _OFFLOAD_COMMON + ("buffer_size", "max_in_cpu")},
     finish=lambda d: d["device"],
     nullable=True,
-    allowed='a JSON object such as {"device": "none"}, or null',
+    shorthand="device",
+    allowed=_OFFLOAD_ALLOWED,
 )
 
 ZERO_FIELDS: Dict[str, Field] = {
