@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import logging
 
+from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .env import settings
+from .planner import estimate_comm, estimate_memory, recommend
 
 __version__ = "0.1.0"
 
 logging.getLogger("zero_kernels").setLevel(settings().log_level)
+
+__all__ = [
+    "FP16Config",
+    "OptimizerConfig",
+    "ZeroConfig",
+    "ZeroOptions",
+    "estimate_comm",
+    "estimate_memory",
+    "recommend",
+]
