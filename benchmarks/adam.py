@@ -1,0 +1,135 @@
+"""Adam step with fp32 state: our flat-shard kernels against torch.optim.AdamW (foreach and fused).
+
+Two cases per size, on the same total number of parameters: ``flat`` (one tensor) and ``list``
+(about 200 tensors shaped like a transformer's). Ours always runs the whole shard as one flat
+buffer: that is what the optimizer hands it. GB/s counts the 28 bytes per parameter that must
+move (read param, grad, m, v; write param, m, v); ``of_copy_bw`` divides it by the copy bandwidth
+measured in the same run, and ``vs_best_peer`` is the best torch.optim time divided by this one
+(above 1: faster than every peer).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from zero_kernels.kernels import adam_step, resolve_impl
+
+from .common import copy_bandwidth, timeit
+
+DESCRIPTION = "Adam step, fp32 state: ours (one flat shard) vs torch.optim.AdamW foreach/fused"
+
+BYTES_PER_PARAM = 28
+HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+
+def transformer_shapes(total: int, layers: int = 16) -> list[tuple[int, ...]]:
+    """About 12 tensors per layer (attention, MLP, norms) plus an embedding that takes the rest,
+    summing to exactly ``total`` elements."""
+    hidden = max(8, int((total / (12 * layers)) ** 0.5))
+    while hidden > 8 and layers * (12 * hidden * hidden + 13 * hidden) >= total:
+        hidden -= 8
+    layer = [
+        (3 * hidden, hidden),
+        (3 * hidden,),
+        (hidden, hidden),
+        (hidden,),
+        (hidden,),
+        (hidden,),
+        (4 * hidden, hidden),
+        (4 * hidden,),
+        (hidden, 4 * hidden),
+        (hidden,),
+        (hidden,),
+        (hidden,),
+    ]
+    shapes = layer * layers
+    rest = total - sum(torch.Size(s).numel() for s in shapes)
+    embedding = [(rest // hidden, hidden)] + ([(rest % hidden,)] if rest % hidden else [])
+    return embedding + shapes
+
+
+def our_backends(device: torch.device) -> dict[str, Optional[str]]:
+    """Our backends worth timing on ``device``: impl -> None when usable, else why not."""
+    impls = ["triton", "torch"] if device.type == "cuda" else ["cpu", "torch"]
+    found: dict[str, Optional[str]] = {}
+    for impl in impls:
+        try:
+            resolve_impl(impl, device)
+            found[impl] = None
+        except (RuntimeError, ValueError) as exc:  # ExtensionUnavailable is a RuntimeError
+            found[impl] = str(exc).splitlines()[0]
+    return found
+
+
+def _ours(n: int, device: torch.device, impl: str) -> Callable[[], None]:
+    param, grad = torch.randn(n, device=device), torch.randn(n, device=device)
+    exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        adam_step(param, grad, exp_avg, exp_avg_sq, step=step[0], impl=impl, **HYPER)
+
+    return run
+
+
+def _torch(shapes: list[tuple[int, ...]], device: torch.device, **flags) -> Callable[[], None]:
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(
+        params, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"], **flags,
+    )  # fmt: skip
+    return opt.step
+
+
+def _sizes(quick: bool, device: torch.device) -> list[int]:
+    if device.type == "cuda":
+        return [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26]
+    return [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24]
+
+
+def _rows_for(case: str, n: int, device: torch.device, copy_gbs: float, repeat: int) -> list[dict]:
+    shapes = [(n,)] if case == "flat" else transformer_shapes(n)
+    rows = []
+    peers = {"torch.AdamW foreach": dict(foreach=True), "torch.AdamW fused": dict(fused=True)}
+    candidates = {f"ours:{impl}": why for impl, why in our_backends(device).items()}
+    candidates.update({name: None for name in peers})
+    for provider, why in candidates.items():
+        row = {"case": case, "tensors": len(shapes), "n": n, "provider": provider}
+        if why is not None:
+            rows.append({**row, "note": f"unavailable: {why}"})
+            continue
+        try:
+            fn = _torch(shapes, device, **peers[provider]) if provider in peers else _ours(n, device, provider[5:])
+            seconds = timeit(fn, warmup=3, repeat=repeat, device=str(device))
+        except RuntimeError as exc:  # e.g. a fused path this torch build lacks
+            rows.append({**row, "note": f"unavailable: {str(exc).splitlines()[0]}"})
+            continue
+        gbs = BYTES_PER_PARAM * n / seconds / 1e9
+        rows.append({**row, "median_ms": seconds * 1e3, "GB/s": gbs, "of_copy_bw": gbs / copy_gbs})
+        del fn
+    timed_peers = [r["median_ms"] for r in rows if r["provider"] in peers and "median_ms" in r]
+    for r in rows:
+        if timed_peers and "median_ms" in r:
+            r["vs_best_peer"] = min(timed_peers) / r["median_ms"]
+    return rows
+
+
+def run(quick: bool) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = _sizes(quick, device)
+    repeat = 50 if device.type == "cuda" else (8 if quick else 15)
+    copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))  # the footprint of the largest case
+    rows = []
+    for n in sizes:
+        for case in ("flat", "list"):
+            rows += _rows_for(case, n, device, copy_gbs, repeat)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for r in rows:
+        r["copy_GB/s"] = copy_gbs
+    return rows

@@ -1,0 +1,101 @@
+"""Flatten and unflatten a bucket of about 200 transformer-shaped tensors: ours against torch.
+
+Cases: ``flatten fp32`` (fp32 tensors into an fp32 flat buffer), ``flatten bf16->fp32 x s`` (bf16
+gradients into an fp32 buffer, scaled: the cast and the scale are fused in ours, separate passes
+in the peers) and ``unflatten fp32`` (back into the existing tensors). GB/s counts the bytes that
+must move: every element read once and written once in its own dtype; ``of_copy_bw`` divides it
+by the copy bandwidth measured in the same run, and ``vs_best_peer`` is the best torch time
+divided by this one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from zero_kernels.kernels import flatten, unflatten
+
+from .adam import our_backends, transformer_shapes
+from .common import copy_bandwidth, timeit
+
+DESCRIPTION = "flatten/unflatten of ~200 tensors: ours (one launch) vs torch.cat / _flatten_dense_tensors / foreach"
+
+SCALE = 0.125
+CASES = {  # name -> (tensor dtype, flat dtype, scale, direction)
+    "flatten fp32": (torch.float32, torch.float32, None, "flatten"),
+    "flatten bf16->fp32 x s": (torch.bfloat16, torch.float32, SCALE, "flatten"),
+    "unflatten fp32": (torch.float32, torch.float32, None, "unflatten"),
+}
+
+
+def _peers(direction: str, tensors, flat, scale) -> dict[str, Callable[[], object]]:
+    if direction == "unflatten":
+        views = _unflatten_dense_tensors(flat, tensors)
+        return {
+            "torch._foreach_copy_": lambda: torch._foreach_copy_(tensors, views),
+            "copy_ loop": lambda: [t.copy_(v) for t, v in zip(tensors, views)],
+        }
+    flat_views = [t.view(-1) for t in tensors]
+
+    def cat() -> None:
+        torch.cat(flat_views, out=flat)
+        if scale is not None:
+            flat.mul_(scale)
+
+    def flatten_dense() -> torch.Tensor:
+        result = _flatten_dense_tensors(tensors).to(flat.dtype)
+        return result if scale is None else result.mul_(scale)
+
+    return {"torch.cat(out=)": cat, "_flatten_dense_tensors": flatten_dense}
+
+
+def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat: int) -> list[dict]:
+    dtype, flat_dtype, scale, direction = CASES[case]
+    tensors = [torch.randn(s, device=device).to(dtype) for s in transformer_shapes(n)]
+    offsets = torch.tensor([0] + [t.numel() for t in tensors[:-1]]).cumsum(0).tolist()
+    flat = torch.randn(n, device=device).to(flat_dtype)
+    moved = n * (dtype.itemsize + flat_dtype.itemsize)
+    fns: dict[str, Optional[Callable[[], object]]] = {}
+    notes: dict[str, str] = {}
+    for impl, why in our_backends(device).items():
+        if why is not None:
+            notes[f"ours:{impl}"] = f"unavailable: {why}"
+        elif direction == "flatten":
+            fns[f"ours:{impl}"] = lambda impl=impl: flatten(tensors, flat, offsets, scale=scale, impl=impl)
+        else:
+            fns[f"ours:{impl}"] = lambda impl=impl: unflatten(flat, tensors, offsets, scale=scale, impl=impl)
+    peers = _peers(direction, tensors, flat, scale)
+    fns.update(peers)
+    rows = []
+    for provider in [*notes, *fns]:
+        row = {"case": case, "tensors": len(tensors), "n": n, "provider": provider}
+        if provider in notes:
+            rows.append({**row, "note": notes[provider]})
+            continue
+        seconds = timeit(fns[provider], warmup=3, repeat=repeat, device=str(device))
+        gbs = moved / seconds / 1e9
+        rows.append({**row, "median_ms": seconds * 1e3, "GB/s": gbs, "of_copy_bw": gbs / copy_gbs})
+    best_peer = min(r["median_ms"] for r in rows if r["provider"] in peers)
+    for r in rows:
+        if "median_ms" in r:
+            r["vs_best_peer"] = best_peer / r["median_ms"]
+    return rows
+
+
+def run(quick: bool) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        sizes = [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26]
+    else:
+        sizes = [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24]
+    repeat = 50 if device.type == "cuda" else (8 if quick else 15)
+    copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))  # the footprint of the largest case
+    rows = []
+    for n in sizes:
+        for case in CASES:
+            rows += _case_rows(case, n, device, copy_gbs, repeat)
+    for r in rows:
+        r["copy_GB/s"] = copy_gbs
+    return rows
