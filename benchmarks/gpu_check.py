@@ -1,0 +1,359 @@
+"""GPU check of the Triton kernels: correctness on random data, launch-parameter sweep, summary.
+
+``python benchmarks/gpu_check.py [--json DIR]`` runs on a CUDA device: Adam (every flag, grad and
+copy dtype, sizes up to 2^26) and flatten/unflatten (a 2^26-element bucket of ~200 tensors, views,
+mixed dtypes) against the reference twins and torch.optim.AdamW, no recompilation across an lr
+schedule, then times the Adam and flatten kernels under a few (block, num_warps) choices to keep
+``zero_kernels/kernels/tuning.py`` honest. It exits 1 when a check fails, 2 without CUDA.
+``--summary DIR`` prints the short table of a finished run (checks and benchmark JSON files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+
+from benchmarks.adam import transformer_shapes  # noqa: E402
+from benchmarks.common import copy_bandwidth, timeit  # noqa: E402
+
+RTOL = 1.3e-6
+HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BIG = 1 << 26  # the largest size checked; --cpu-smoke lowers it
+DEVICE = "cuda"
+SWEEP_REPEAT = 30
+
+
+def _mismatches(ours: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> str:
+    """'' when |ours - ref| <= atol + rtol |ref| everywhere (nan matching nan), else a description."""
+    a, e = ours.double().flatten(), ref.double().flatten()
+    bad = ((a - e).abs() > atol + rtol * e.abs()) & ~(a.isnan() & e.isnan())
+    if not bool(bad.any()):
+        return ""
+    idx = bad.nonzero().flatten()[:3].tolist()
+    return f"{int(bad.sum())} of {a.numel()} differ, e.g. " + ", ".join(f"[{i}] {a[i]:.9g} vs {e[i]:.9g}" for i in idx)
+
+
+def _state(n: int, seed: int) -> dict:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return {
+        "param": torch.randn(n, device=DEVICE, generator=g),
+        "exp_avg": torch.randn(n, device=DEVICE, generator=g) * 1e-2,
+        "exp_avg_sq": (torch.randn(n, device=DEVICE, generator=g) * 1e-2) ** 2,
+    }
+
+
+def _compare_state(ours: dict, ref: dict, lr: float) -> list[str]:
+    problems = []
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        atol = RTOL * (lr if name == "param" else ref[name].abs().max().item())
+        bad = _mismatches(ours[name], ref[name], RTOL, atol)
+        if bad:
+            problems.append(f"{name}: {bad}")
+    return problems
+
+
+def check_adam_variants() -> list[str]:
+    """Every flag and dtype against adam_step_ref, two steps with different lr, sizes 1 .. 2^26."""
+    from zero_kernels.kernels import adam_step, adam_step_ref
+
+    problems = []
+    variants = [(gd, adamw, sc) for gd in DTYPES for adamw in (True, False) for sc in ("none", "float", "tensor")]
+    for i, (grad_dtype, adamw, scale_kind) in enumerate(variants):
+        out_dtype = (None, torch.bfloat16, torch.float16)[i % 3]
+        with_flag = i % 2 == 0
+        extra = {1} if i < 3 else ({min((1 << 20) + 3, BIG)} if i < 6 else set())  # bound the compile count
+        for n in sorted({7, 4097, BIG} | extra):
+            ours = _state(n, i)
+            ours["out"] = None if out_dtype is None else torch.empty(n, dtype=out_dtype, device=DEVICE)
+            ours["found_inf"] = torch.zeros(1, device=DEVICE) if with_flag else None
+            ref = {k: None if v is None else v.clone() for k, v in ours.items()}
+            scale = {"none": None, "float": 0.37, "tensor": torch.tensor([0.61], device=DEVICE)}[scale_kind]
+            for step, lr in ((1, 1e-3), (2, 7e-4)):
+                grad = torch.randn(n, device=DEVICE).to(grad_dtype)
+                kwargs = dict(HYPER, lr=lr, step=step, adamw=adamw, grad_scale=scale)
+                for fn, bufs, impl in ((adam_step, ours, {"impl": "triton"}), (adam_step_ref, ref, {})):
+                    fn(
+                        bufs["param"],
+                        grad,
+                        bufs["exp_avg"],
+                        bufs["exp_avg_sq"],
+                        out=bufs["out"],
+                        found_inf=bufs["found_inf"],
+                        **kwargs,
+                        **impl,
+                    )
+                where = f"n={n} grad={grad_dtype} adamw={adamw} scale={scale_kind} out={out_dtype} flag={with_flag}"
+                problems += [f"{where} step {step}: {p}" for p in _compare_state(ours, ref, lr)]
+                if out_dtype is not None and not torch.equal(ours["out"], ours["param"].to(out_dtype)):
+                    problems.append(f"{where} step {step}: out is not the rounded param")
+                if with_flag and ours["found_inf"].item() != 0:
+                    problems.append(f"{where} step {step}: found_inf set on finite gradients")
+        torch.cuda.empty_cache()
+    return problems
+
+
+def check_adam_nonfinite() -> list[str]:
+    """One nan or inf anywhere in 2^26 elements: flag set, nothing written; flag already set: same."""
+    from zero_kernels.kernels import adam_step
+
+    problems = []
+    for grad_dtype in DTYPES:
+        for bad, where in ((math.nan, BIG // 2), (math.inf, BIG - 1), (-math.inf, 0), (None, 0)):
+            bufs = _state(BIG, 3)
+            out = torch.zeros(BIG, dtype=torch.bfloat16, device=DEVICE)
+            flag = torch.zeros(1, device=DEVICE) if bad is not None else torch.ones(1, device=DEVICE)
+            grad = torch.randn(BIG, device=DEVICE).to(grad_dtype)
+            if bad is not None:
+                grad[where] = bad
+            before = {k: v.clone() for k, v in bufs.items()}
+            adam_step(
+                bufs["param"],
+                grad,
+                bufs["exp_avg"],
+                bufs["exp_avg_sq"],
+                lr=1e-3,
+                step=1,
+                out=out,
+                found_inf=flag,
+                grad_scale=torch.tensor([0.5], device=DEVICE),
+                impl="triton",
+                **HYPER,
+            )
+            case = f"grad={grad_dtype} bad={bad} at {where}"
+            if flag.item() != 1.0:
+                problems.append(f"{case}: found_inf is {flag.item()}")
+            for name in bufs:
+                if not torch.equal(bufs[name], before[name]):
+                    problems.append(f"{case}: {name} was written")
+            if bool(out.any()):
+                problems.append(f"{case}: out was written")
+    return problems
+
+
+def _kernel_count(kernel) -> int:
+    """Compiled variants of a Triton kernel (0 under the interpreter, which compiles nothing)."""
+    caches = getattr(kernel, "device_caches", {})
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+def check_adam_vs_torch_and_no_recompile() -> list[str]:
+    """fp32 against torch.optim.AdamW over an lr schedule; the schedule compiles nothing new."""
+    from zero_kernels.kernels import adam_step, triton_adam
+
+    problems, n = [], min(1 << 22, BIG) + 5
+    bufs = _state(n, 5)
+    bufs["exp_avg"].zero_()
+    bufs["exp_avg_sq"].zero_()
+    ref_param = torch.nn.Parameter(bufs["param"].clone())
+    opt = torch.optim.AdamW(
+        [ref_param],
+        lr=1.0,
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        foreach=False,
+    )
+    compiled = None
+    for step in range(1, 11):
+        lr = 1e-3 * (1 + math.cos(step)) / 2 + 1e-5
+        grad = torch.randn(n, device=DEVICE)
+        ref_param.grad = grad.clone()
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        adam_step(bufs["param"], grad, bufs["exp_avg"], bufs["exp_avg_sq"], lr=lr, step=step, impl="triton", **HYPER)
+        state = opt.state[ref_param]
+        ref = {"param": ref_param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        problems += [f"step {step} vs torch.optim.AdamW: {p}" for p in _compare_state(bufs, ref, lr)]
+        if step == 1:
+            compiled = _kernel_count(triton_adam._adam_kernel)
+    if _kernel_count(triton_adam._adam_kernel) != compiled:
+        problems.append(
+            f"the lr schedule recompiled the Adam kernel ({compiled} -> {_kernel_count(triton_adam._adam_kernel)})"
+        )
+    return problems
+
+
+def _views(shapes: list[tuple[int, ...]], seed: int, fill: float | None) -> list[torch.Tensor]:
+    """Tensors of ``shapes`` in mixed dtypes: contiguous, transposed or strided views, in turn."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    views = []
+    for i, shape in enumerate(shapes):
+        dtype, kind = DTYPES[i % 3], i % 4
+        if kind == 0:
+            store, view = shape, lambda t: t
+        elif kind == 1 and len(shape) == 2:
+            store, view = shape[::-1], lambda t: t.t()
+        else:
+            store, view = (*shape[:-1], 2 * shape[-1]), lambda t: t[..., 1::2]
+        base = (
+            torch.randn(store, device=DEVICE, generator=g) if fill is None else torch.full(store, fill, device=DEVICE)
+        )
+        views.append(view(base.to(dtype)))
+    return views
+
+
+def check_flatten() -> list[str]:
+    """A 2^26-element bucket of ~200 views of mixed dtypes: flatten and unflatten == the reference."""
+    from zero_kernels.kernels import flatten, flatten_ref, unflatten, unflatten_ref
+
+    problems = []
+    shapes = transformer_shapes(BIG)
+    offsets = torch.tensor([0] + [math.prod(s) for s in shapes[:-1]]).cumsum(0).tolist()
+    for flat_dtype in DTYPES:
+        for scale in (None, 0.3, torch.tensor([1.7], device=DEVICE)):
+            src = _views(shapes, 1, None)
+            ours = torch.zeros(BIG, dtype=flat_dtype, device=DEVICE)
+            ref = torch.zeros_like(ours)
+            flatten(src, ours, offsets, scale=scale, impl="triton")
+            flatten_ref(src, ref, offsets, scale=scale)
+            case = f"flat={flat_dtype} scale={scale if not isinstance(scale, torch.Tensor) else 'tensor'}"
+            if not torch.equal(ours, ref):
+                problems.append(f"flatten {case}: {int((ours != ref).sum())} elements differ")
+            back_ours, back_ref = _views(shapes, 2, -7.0), _views(shapes, 2, -7.0)
+            unflatten(ours, back_ours, offsets, scale=scale, impl="triton")
+            unflatten_ref(ours, back_ref, offsets, scale=scale)
+            bad = [i for i, (a, b) in enumerate(zip(back_ours, back_ref)) if not torch.equal(a, b)]
+            if bad:
+                problems.append(f"unflatten {case}: tensors {bad[:5]} differ")
+            del src, back_ours, back_ref
+            torch.cuda.empty_cache()
+    return problems
+
+
+def tuning_sweep() -> list[dict]:
+    """GB/s of the Adam and flatten kernels at 2^26 under each launch configuration."""
+    from zero_kernels.kernels import adam_step, flatten, triton_flatten, tuning
+
+    rows = []
+    bufs, grad = _state(BIG, 9), torch.randn(BIG, device=DEVICE)
+    tensors = [torch.randn(s, device=DEVICE) for s in transformer_shapes(BIG)]
+    offsets = torch.tensor([0] + [t.numel() for t in tensors[:-1]]).cumsum(0).tolist()
+    flat = torch.empty(BIG, device=DEVICE)
+    saved = {"ADAM": list(tuning.ADAM), "FLATTEN": list(tuning.FLATTEN)}
+    configs = [(b, w) for b in (1024, 2048, 4096) for w in (4, 8)]
+    try:
+        for block, warps in configs:
+            cfg = [(1 << 62, tuning.LaunchConfig(block=block, num_warps=warps))]
+            tuning.ADAM[:] = cfg
+            tuning.FLATTEN[:] = cfg
+            triton_flatten.cache_clear()
+
+            def run_adam() -> None:
+                adam_step(
+                    bufs["param"], grad, bufs["exp_avg"], bufs["exp_avg_sq"], lr=1e-3, step=1, impl="triton", **HYPER
+                )
+
+            timing = dict(warmup=min(3, SWEEP_REPEAT), repeat=SWEEP_REPEAT, device=DEVICE)
+            t_adam = timeit(run_adam, **timing)
+            t_flat = timeit(lambda: flatten(tensors, flat, offsets, impl="triton"), **timing)
+            rows.append(
+                {
+                    "block": block,
+                    "num_warps": warps,
+                    "adam_GB/s": 28 * BIG / t_adam / 1e9,
+                    "flatten_GB/s": 8 * BIG / t_flat / 1e9,
+                }
+            )
+    finally:
+        tuning.ADAM[:] = saved["ADAM"]
+        tuning.FLATTEN[:] = saved["FLATTEN"]
+        triton_flatten.cache_clear()
+    return rows
+
+
+CHECKS = {
+    "adam: flags x dtypes x sizes vs reference": check_adam_variants,
+    "adam: non-finite gradients, flag already set": check_adam_nonfinite,
+    "adam: fp32 vs torch.optim.AdamW, lr schedule, no recompile": check_adam_vs_torch_and_no_recompile,
+    "flatten/unflatten: 2^26 bucket, views, mixed dtypes": check_flatten,
+}
+
+
+def run_checks(json_dir: str | None) -> int:
+    import triton
+
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
+    print(f"gpu_check: {where}, torch {torch.__version__}, triton {triton.__version__}")
+    results = []
+    for name, check in CHECKS.items():
+        start = time.perf_counter()
+        try:
+            problems = check()
+        except Exception:  # an unattended run reports every check, whatever breaks
+            problems = ["raised:\n" + traceback.format_exc()]
+        seconds = time.perf_counter() - start
+        status = "PASS" if not problems else "FAIL"
+        results.append({"check": name, "status": status, "seconds": round(seconds, 1), "problems": problems[:20]})
+        print(f"{status}  {name}  ({seconds:.1f} s)")
+        for p in problems[:20]:
+            print(f"      {p}")
+    sweep = tuning_sweep()
+    copy_gbs = copy_bandwidth(BIG, DEVICE)
+    print(f"\nlaunch configurations at {BIG} elements (copy bandwidth {copy_gbs:.0f} GB/s):")
+    for row in sweep:
+        print("  " + "  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    if json_dir:
+        Path(json_dir).mkdir(parents=True, exist_ok=True)
+        payload = {"checks": results, "tuning": sweep, "copy_GB/s": copy_gbs}
+        (Path(json_dir) / "gpu_check.json").write_text(json.dumps(payload, indent=1))
+    return 0 if all(r["status"] == "PASS" for r in results) else 1
+
+
+def summary(json_dir: str) -> int:
+    """The short table printed last: each check, then ours vs the best peer at the largest size."""
+    root = Path(json_dir)
+    checks = root / "gpu_check.json"
+    print("\n== summary ==")
+    if checks.exists():
+        for r in json.loads(checks.read_text())["checks"]:
+            print(f"{r['status']}  {r['check']}")
+    for subject in ("adam", "flatten"):
+        path = root / f"{subject}.json"
+        if not path.exists():
+            print(f"{subject}: no results")
+            continue
+        rows = [r for r in json.loads(path.read_text())["rows"] if "median_ms" in r]
+        largest = max(r["n"] for r in rows)
+        for r in rows:
+            if r["n"] == largest and r["provider"].startswith("ours"):
+                print(
+                    f"{subject:8s} {r['case']:24s} n={largest} {r['provider']:12s} {r['median_ms']:.3f} ms "
+                    f"{r['GB/s']:.0f} GB/s ({r['of_copy_bw']:.0%} of copy) x{r['vs_best_peer']:.2f} vs best peer"
+                )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", metavar="DIR", help="also write gpu_check.json there")
+    parser.add_argument("--summary", metavar="DIR", help="print the summary of a finished run and exit")
+    parser.add_argument(
+        "--cpu-smoke", action="store_true", help="run the same checks on the CPU in the Triton interpreter, small sizes"
+    )
+    args = parser.parse_args(argv)
+    if args.summary:
+        return summary(args.summary)
+    if args.cpu_smoke:
+        global BIG, DEVICE, SWEEP_REPEAT
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first imported, below
+        BIG, DEVICE, SWEEP_REPEAT = 1 << 15, "cpu", 1
+        return run_checks(args.json)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; this check runs the Triton kernels on a GPU (tests/ cover the CPU)")
+        return 2
+    return run_checks(args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
