@@ -318,6 +318,24 @@ def test_flatten_unflatten_round_trip() -> None:
         assert torch.equal(v, b), f"tensor {i} did not survive the round trip"
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy cast to fp16 inf
+@pytest.mark.parametrize("low", LOW, ids=NAMES.get)
+def test_flatten_rounds_like_torch(low: torch.dtype) -> None:
+    """Ties, overflow, infinities, zeros and subnormals round to the same bits as ``Tensor.to``; nan stays nan
+    (its bits differ between torch's own CPU and CUDA casts)."""
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0x477FF000, 0x00000001, 0x80000000,
+                         0x7F800000, 0xFF800000, 0x7FC00000, 0x33800001, 0x38800000], dtype=torch.int64)  # fmt: skip
+    special = bits.to(torch.int32).view(torch.float32)
+    values = torch.cat([special, torch.randn(1000) * 1e3]).to(DEVICE)
+    flat = torch.zeros(values.numel(), dtype=low, device=DEVICE)
+    flatten([values], flat, [0], impl="triton")
+    expected = values.to(low)
+    nan = values.isnan()
+    assert bool(flat[nan].isnan().all()), "nan did not stay nan"
+    ours, theirs = flat[~nan].view(torch.int16), expected[~nan].view(torch.int16)
+    assert torch.equal(ours, theirs), f"bits differ at {(ours != theirs).nonzero().flatten()[:5].tolist()}"
+
+
 def test_flatten_table_is_cached() -> None:
     views, _, offsets, size = _bucket(_random_fill, count=12)
     flat = torch.zeros(size, device=DEVICE)

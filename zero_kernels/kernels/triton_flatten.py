@@ -59,10 +59,11 @@ def cast_rne(x, DTYPE: tl.constexpr):
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(x != x, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = tl.where(x != x, 0x7FC0, rounded)  # any nan -> the quiet nan
+        y = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
-        return x.to(DTYPE)
+        y = x.to(DTYPE)
+    return y
 
 
 @triton.jit
