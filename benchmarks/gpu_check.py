@@ -327,9 +327,10 @@ def summary(json_dir: str) -> int:
         largest = max(r["n"] for r in rows)
         for r in rows:
             if r["n"] == largest and r["provider"].startswith("ours"):
+                ratio = r.get("vs_best_peer", math.nan)
                 print(
                     f"{subject:8s} {r['case']:24s} n={largest} {r['provider']:12s} {r['median_ms']:.3f} ms "
-                    f"{r['GB/s']:.0f} GB/s ({r['of_copy_bw']:.0%} of copy) x{r['vs_best_peer']:.2f} vs best peer"
+                    f"{r['GB/s']:.0f} GB/s ({r['of_copy_bw']:.0%} of copy) x{ratio:.2f} vs best peer"
                 )
     return 0
 

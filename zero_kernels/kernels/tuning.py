@@ -1,12 +1,13 @@
 """Launch parameters of the Triton kernels, as data: one small table per kernel, keyed by size.
 
-Also ``launch_device``: kernels launch on the device of their tensors, not the current one.
-
 Each table is a list of ``(max_elements, LaunchConfig)`` rows in increasing order; the first row
 whose bound is at least the problem size wins. The kernels are memory-bound element-wise loops,
 so the only choices are how many elements one program handles (``block``) and how many warps
 share them (``num_warps``): small problems keep blocks small so that enough programs exist to
-fill the device, large ones use bigger blocks to cut per-program overhead.
+fill the device, large ones use bigger blocks to cut per-program overhead. The rows are a
+starting point: ``benchmarks/gpu_check.py`` times the alternatives on a GPU.
+
+``launch_device`` makes a launch run on the device of its tensors, not the current one.
 """
 
 from __future__ import annotations
