@@ -174,6 +174,8 @@ def resolve(directory: PathLike) -> Path:
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint: {path} does not exist or is not a directory")
+    if path.name.startswith(TMP_PREFIX):
+        raise CheckpointError(f"checkpoint: {path} is a save that did not finish; it cannot be loaded")
     if (path / METADATA).is_file():
         return path
     if (path / LATEST).is_file():
@@ -182,7 +184,7 @@ def resolve(directory: PathLike) -> Path:
             raise CheckpointError(f"checkpoint: {path / LATEST} names {name!r}, which is not a complete version")
         return path / name
     partial = sorted(p.name for p in path.iterdir() if p.name.startswith(TMP_PREFIX))
-    if partial or _VERSION_DIR.fullmatch(path.name) or path.name.startswith(TMP_PREFIX):
+    if partial or _VERSION_DIR.fullmatch(path.name):
         raise CheckpointError(
             f"checkpoint: {path} holds no complete checkpoint: a save did not finish "
             f"({', '.join(partial) or 'no ' + METADATA}); it cannot be loaded"
@@ -332,7 +334,7 @@ def describe(version: Path, meta: dict[str, Any]) -> list[str]:
         f"{len(meta['params'])} optimizer parameters; extra: {'yes' if meta.get('extra') else 'no'}",
         "model tensors (name, shape, dtype, Adam step):",
     ]
-    steps = {p["name"]: p["step"] for p in meta["params"]}
+    steps = {p["name"]: p["step"] for p in meta["params"] if p["trainable"]}
     for name, key in meta["model"].items():
         entry = meta["tensors"][key]
         step = steps.get(name)
