@@ -3,8 +3,9 @@
 The update reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq once:
 28 bytes per parameter with an fp32 gradient (24 with bf16/fp16), plus the optional low-precision
 copy. With ``found_inf`` a first kernel reads the gradient once more and ORs "some element is not
-finite" into the flag; the update kernel then loads the flag and, when it is set, masks every
-load and store off, so no host synchronisation is needed anywhere.
+finite" into the flag; every program of the update kernel then loads the flag and, when it is set,
+returns before touching memory, so no host synchronisation is needed anywhere. Loads and stores
+are vectorised when the shard size is a multiple of 16 (Triton specialises on it): pad shards.
 
 Hyper-parameters are runtime scalars (an lr schedule never recompiles); the bias corrections and
 ``1 - beta`` factors are computed on the host in float64, as ``torch.optim.AdamW`` does. Math is
@@ -76,10 +77,10 @@ def _adam_kernel(
 ):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    limit = n_elements
     if HAS_FOUND_INF:
-        limit = tl.where(tl.load(found_inf_ptr) == 0.0, n_elements, 0)
-    mask = offs < limit
+        if tl.load(found_inf_ptr) != 0.0:
+            return
+    mask = offs < n_elements
 
     p = tl.load(param_ptr + offs, mask=mask)
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
