@@ -441,7 +441,7 @@ class Pipeline:
                 if set_to_none:
                     p.grad = None
                 elif p.grad is not None:
-                    p.grad.detach_().zero_()
+                    p.grad.zero_()
             for t in (buf.grad_flat, buf.grad_shard):
                 if t is not None:
                     t.zero_()

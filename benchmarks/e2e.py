@@ -1,0 +1,120 @@
+"""End-to-end training step on 2 gloo ranks: our stages next to DDP, ZeroRedundancyOptimizer and FSDP2.
+
+Each provider runs in fresh processes (so peak RSS is its own): a ~20M-parameter MLP stack,
+a few warm-up steps, then the median wall time of forward + backward + step + zero_grad, the
+peak resident set size of each rank, and the model-state bytes per rank (``memory_report()`` for
+ours; for the others the same measurement over their parameters, gradients and optimizer state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+DESCRIPTION = "training step on 2 gloo ranks: zero_kernels stages 0-2 vs DDP, ZeRO-1 (torch), FSDP2"
+WORLD = 2
+
+
+def _model(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+    return nn.Sequential(*layers)
+
+
+def _state_bytes(params: list, opt: torch.optim.Optimizer) -> dict:
+    from zero_kernels.stages import storage_bytes
+
+    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
+    return {"params": storage_bytes(local), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
+
+
+def _build(provider: str, model: nn.Module):
+    """(module to call, optimizer, memory report function)."""
+    if provider.startswith("zk-stage"):
+        from zero_kernels.optim import ShardedFusedAdam
+
+        opt = ShardedFusedAdam(model, lr=1e-4, stage=int(provider[-1]), reduce_bucket_size=2_000_000)
+        return model, opt, opt.memory_report
+    if provider == "ddp+adamw-fused":
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=8, gradient_as_bucket_view=True)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
+        return ddp, opt, lambda: _state_bytes(list(model.parameters()), opt)
+    if provider == "ddp+zero1-torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=8, gradient_as_bucket_view=True)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        return ddp, opt, lambda: _state_bytes(list(model.parameters()), opt)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, opt, lambda: _state_bytes(list(model.parameters()), opt)
+
+
+def _rank(rank: int, provider: str, port: int, width: int, depth: int, steps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
+    )
+    try:
+        module, opt, report = _build(provider, _model(width, depth))
+        x = torch.randn(8, width)
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            module(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        row = {"step_ms": 1e3 * statistics.median(times[2:]), "mem": report()}
+    except Exception as err:  # a provider that does not run here is reported, not fatal
+        row = {"error": f"{type(err).__name__}: {err}"[:120]}
+    row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(row, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(quick: bool) -> list[dict]:
+    width, depth, steps = (512, 10, 6) if quick else (768, 6, 12)
+    providers = ["zk-stage0", "zk-stage1", "zk-stage2", "ddp+adamw-fused", "ddp+zero1-torch", "fsdp2"]
+    rows = []
+    psi = sum(p.numel() for p in _model(width, depth).parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        for provider in providers:
+            out = os.path.join(tmp, provider)
+            args = (provider, _free_port(), width, depth, steps, out)
+            mp.spawn(_rank, args=args, nprocs=WORLD, join=True)
+            for rank in range(WORLD):
+                with open(f"{out}.{rank}") as f:
+                    row = json.load(f)
+                mem = row.pop("mem", {})
+                mib = {f"{k}_MiB": v / 2**20 for k, v in mem.items()}
+                rows.append({"case": f"{psi / 1e6:.1f}M params", "provider": provider, "rank": rank, **row, **mib})
+    return rows
