@@ -433,7 +433,8 @@ def test_cpu_impl_without_extension_says_why(monkeypatch: pytest.MonkeyPatch) ->
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_adam, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        adam_step(*_adam_state(3), torch.zeros(3), lr=1e-3, step=1, impl="triton", **HYPER)
+        param, exp_avg, exp_avg_sq = (t.cpu() for t in _adam_state(3))
+        adam_step(param, torch.zeros(3), exp_avg, exp_avg_sq, lr=1e-3, step=1, impl="triton", **HYPER)
     assert resolve_impl("triton", torch.device("cuda")) == "triton"
 
 
