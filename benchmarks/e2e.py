@@ -37,7 +37,8 @@ def _model(width: int, depth: int) -> nn.Module:
 def _state_bytes(params: list, opt: torch.optim.Optimizer) -> dict:
     from zero_kernels.stages import storage_bytes
 
-    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard in a local optimizer
+    states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
     local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
     return {"params": storage_bytes(local), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
