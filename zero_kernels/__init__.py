@@ -6,6 +6,7 @@ import logging
 
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .env import settings
+from .optim import ShardedFusedAdam, initialize
 from .planner import estimate_comm, estimate_memory, recommend
 
 __version__ = "0.1.0"
@@ -15,9 +16,11 @@ logging.getLogger("zero_kernels").setLevel(settings().log_level)
 __all__ = [
     "FP16Config",
     "OptimizerConfig",
+    "ShardedFusedAdam",
     "ZeroConfig",
     "ZeroOptions",
     "estimate_comm",
     "estimate_memory",
+    "initialize",
     "recommend",
 ]
