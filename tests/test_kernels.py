@@ -336,6 +336,31 @@ def test_flatten_rounds_like_torch(low: torch.dtype) -> None:
     assert torch.equal(ours, theirs), f"bits differ at {(ours != theirs).nonzero().flatten()[:5].tolist()}"
 
 
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16], ids=NAMES.get)
+def test_flatten_every_layout_path(flat_dtype: torch.dtype) -> None:
+    """Aligned (vectorised), contiguous, strided and reference-path tensors in one bucket."""
+    aligned = [_randn(32, 40), _randn(48, 41, dtype=torch.bfloat16), _randn(64, 42, dtype=torch.float16)]
+    contiguous = [_randn(17, 43), _randn(16, 44, dtype=torch.bfloat16)]  # odd size; then an odd offset
+    strided = [_randn(64, 45).view(8, 8).t(), _randn(96, 46, dtype=torch.float16)[::3]]
+    fallback = [_randn(64, 47).view(2, 2, 2, 2, 2, 2).permute(5, 3, 1, 4, 2, 0)[:, ::2]]
+    tensors = aligned + contiguous + strided + fallback
+    offsets = [0, 32, 80, 144, 161, 177, 241, 300]
+    flat = torch.full((340,), 5.0, dtype=flat_dtype, device=DEVICE)
+    assert triton_flatten.bucket_layouts(tensors, offsets, flat) == {
+        "aligned": 3, "contiguous": 2, "strided": 2, "fallback": 1
+    }  # fmt: skip
+    ref = flat.clone()
+    flatten(tensors, flat, offsets, scale=0.5, impl="triton")
+    flatten_ref(tensors, ref, offsets, scale=0.5)
+    assert torch.equal(flat, ref), f"{(flat != ref).sum().item()} elements differ"
+    ours_back = [torch.zeros_like(t) for t in tensors[:3]] + [t.clone() for t in tensors[3:]]
+    ref_back = [t.clone() for t in ours_back]
+    unflatten(flat, ours_back, offsets, scale=2.0, impl="triton")
+    unflatten_ref(flat, ref_back, offsets, scale=2.0)
+    for i, (a, b) in enumerate(zip(ours_back, ref_back)):
+        assert torch.equal(a, b), f"tensor {i} differs after unflatten"
+
+
 def test_flatten_table_is_cached() -> None:
     views, _, offsets, size = _bucket(_random_fill, count=12)
     flat = torch.zeros(size, device=DEVICE)

@@ -3,7 +3,9 @@
 A bucket is described by two small int64 tables on the device, built once and cached:
 
 * ``meta``, one row per tensor: its data pointer, its offset in the flat buffer, its element
-  count, a dtype code, a contiguity flag and up to four (size, stride) pairs;
+  count, a dtype code, a layout (strided, contiguous, or contiguous with address, size and
+  offset multiples of 16, which the kernel copies with vector loads and stores) and up to four
+  (size, stride) pairs;
 * ``chunks``, one row per program: (tensor row, first element), ``block`` elements each.
 
 One program copies one chunk, so a launch covers every tensor whatever their number, shapes and
@@ -15,7 +17,8 @@ Tensors beyond that limit, or of another dtype, are copied by the reference path
 one warning when their bucket's table is built.
 
 Tables are cached on everything they depend on (data pointers, shapes, strides, dtypes,
-offsets); ``cache_info()`` reports hits and misses.
+offsets); ``cache_info()`` reports hits and misses and ``bucket_layouts()`` how each tensor of a
+bucket is copied.
 """
 
 from __future__ import annotations
@@ -43,10 +46,16 @@ _PTR: tl.constexpr = tl.constexpr(0)
 _FLAT_OFFSET: tl.constexpr = tl.constexpr(1)
 _NUMEL: tl.constexpr = tl.constexpr(2)
 _DTYPE: tl.constexpr = tl.constexpr(3)
-_CONTIGUOUS: tl.constexpr = tl.constexpr(4)
+_LAYOUT: tl.constexpr = tl.constexpr(4)  # _STRIDED, _CONTIGUOUS or _ALIGNED
 _SIZES: tl.constexpr = tl.constexpr(5)  # sizes of dimensions 1..3 (dimension 0 needs none)
 _STRIDES: tl.constexpr = tl.constexpr(8)  # strides of dimensions 0..3
 _META_COLS: tl.constexpr = tl.constexpr(12)
+
+# Layouts: strided (sizes and strides used), contiguous, or contiguous with the address, the
+# element count and the flat offset all multiples of 16 (so the compiler may vectorise).
+_STRIDED: tl.constexpr = tl.constexpr(0)
+_CONTIGUOUS: tl.constexpr = tl.constexpr(1)
+_ALIGNED: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
@@ -67,18 +76,16 @@ def cast_rne(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _chunk(meta_ptr, chunks_ptr, BLOCK: tl.constexpr):
-    """(meta row pointer, element indices of this program's chunk, their mask)."""
+def _chunk(meta_ptr, chunks_ptr):
+    """(meta row pointer, first element) of this program's chunk."""
     c = tl.program_id(0).to(tl.int64)
-    row_ptr = meta_ptr + tl.load(chunks_ptr + 2 * c) * _META_COLS
-    idx = tl.load(chunks_ptr + 2 * c + 1) + tl.arange(0, BLOCK)
-    return row_ptr, idx, idx < tl.load(row_ptr + _NUMEL)
+    return meta_ptr + tl.load(chunks_ptr + 2 * c) * _META_COLS, tl.load(chunks_ptr + 2 * c + 1)
 
 
 @triton.jit
 def _strided(row_ptr, idx):
     """Element offsets, from the tensor's data pointer, of its row-major indices ``idx``."""
-    if tl.load(row_ptr + _CONTIGUOUS) != 0:
+    if tl.load(row_ptr + _LAYOUT) != _STRIDED:
         off = idx
     else:
         i3 = idx % tl.load(row_ptr + _SIZES + 2)
@@ -97,58 +104,95 @@ def _strided(row_ptr, idx):
 
 
 @triton.jit
+def _typed(addr, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """The integer address ``addr`` as a pointer to ``DTYPE``; 16-byte aligned when ``ALIGNED``."""
+    ptr = addr.to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _load_fp32(addr, off, mask, code, ALIGNED: tl.constexpr):
+    """Elements ``off`` of the tensor at integer address ``addr`` whose dtype code is ``code``, in fp32."""
+    if code == 0:
+        x = tl.load(_typed(addr, tl.float32, ALIGNED) + off, mask=mask)
+    elif code == 1:
+        x = tl.load(_typed(addr, tl.bfloat16, ALIGNED) + off, mask=mask).to(tl.float32)
+    else:
+        x = tl.load(_typed(addr, tl.float16, ALIGNED) + off, mask=mask).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_fp32(addr, off, x, mask, code, ALIGNED: tl.constexpr):
+    """Store fp32 ``x`` at elements ``off`` of the tensor at integer address ``addr``, cast to its dtype."""
+    if code == 0:
+        tl.store(_typed(addr, tl.float32, ALIGNED) + off, x, mask=mask)
+    elif code == 1:
+        tl.store(_typed(addr, tl.bfloat16, ALIGNED) + off, cast_rne(x, tl.bfloat16), mask=mask)
+    else:
+        tl.store(_typed(addr, tl.float16, ALIGNED) + off, cast_rne(x, tl.float16), mask=mask)
+
+
+@triton.jit
+def _scaled(x, scale_ptr, scale, SCALE_MODE: tl.constexpr):
+    if SCALE_MODE == 1:
+        x = x * scale
+    if SCALE_MODE == 2:
+        x = x * tl.load(scale_ptr)
+    return x
+
+
+@triton.jit
 def _flatten_kernel(
     flat_ptr,  # flat buffer, fp32/bf16/fp16, written at each tensor's offset
-    meta_ptr,  # int64 [tensors, _META_COLS]: pointer, offset, numel, dtype code, layout
+    meta_ptr,  # int64 [tensors, _META_COLS]: address, offset, numel, dtype code, layout
     chunks_ptr,  # int64 [programs, 2]: meta row, first element
     scale_ptr,  # one-element fp32 multiplier (read when SCALE_MODE == 2)
     scale,  # fp32 multiplier (used when SCALE_MODE == 1)
     SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar argument, 2 one-element tensor
     BLOCK: tl.constexpr,
 ):
-    row_ptr, idx, mask = _chunk(meta_ptr, chunks_ptr, BLOCK)
-    src = tl.load(row_ptr + _PTR)
-    off = _strided(row_ptr, idx)
-    code = tl.load(row_ptr + _DTYPE)
-    if code == 0:
-        x = tl.load(src.to(tl.pointer_type(tl.float32)) + off, mask=mask)
-    elif code == 1:
-        x = tl.load(src.to(tl.pointer_type(tl.bfloat16)) + off, mask=mask).to(tl.float32)
+    row_ptr, start = _chunk(meta_ptr, chunks_ptr)
+    addr, numel = tl.load(row_ptr + _PTR), tl.load(row_ptr + _NUMEL)
+    code, flat_offset = tl.load(row_ptr + _DTYPE), tl.load(row_ptr + _FLAT_OFFSET)
+    if tl.load(row_ptr + _LAYOUT) == _ALIGNED:  # the same copy, with alignment hints: vector loads and stores
+        idx = tl.multiple_of(start, 16) + tl.arange(0, BLOCK)
+        mask = idx < tl.multiple_of(numel, 16)
+        x = _scaled(_load_fp32(addr, idx, mask, code, True), scale_ptr, scale, SCALE_MODE)
+        dst = flat_ptr + tl.multiple_of(flat_offset, 16) + idx
+        tl.store(dst, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
     else:
-        x = tl.load(src.to(tl.pointer_type(tl.float16)) + off, mask=mask).to(tl.float32)
-    if SCALE_MODE == 1:
-        x = x * scale
-    if SCALE_MODE == 2:
-        x = x * tl.load(scale_ptr)
-    dst = flat_ptr + tl.load(row_ptr + _FLAT_OFFSET) + idx
-    tl.store(dst, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < numel
+        x = _scaled(_load_fp32(addr, _strided(row_ptr, idx), mask, code, False), scale_ptr, scale, SCALE_MODE)
+        tl.store(flat_ptr + flat_offset + idx, cast_rne(x, flat_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _unflatten_kernel(
     flat_ptr,  # flat buffer, fp32/bf16/fp16, read at each tensor's offset
-    meta_ptr,  # int64 [tensors, _META_COLS]: pointer, offset, numel, dtype code, layout
+    meta_ptr,  # int64 [tensors, _META_COLS]: address, offset, numel, dtype code, layout
     chunks_ptr,  # int64 [programs, 2]: meta row, first element
     scale_ptr,  # one-element fp32 multiplier (read when SCALE_MODE == 2)
     scale,  # fp32 multiplier (used when SCALE_MODE == 1)
     SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar argument, 2 one-element tensor
     BLOCK: tl.constexpr,
 ):
-    row_ptr, idx, mask = _chunk(meta_ptr, chunks_ptr, BLOCK)
-    x = tl.load(flat_ptr + tl.load(row_ptr + _FLAT_OFFSET) + idx, mask=mask).to(tl.float32)
-    if SCALE_MODE == 1:
-        x = x * scale
-    if SCALE_MODE == 2:
-        x = x * tl.load(scale_ptr)
-    dst = tl.load(row_ptr + _PTR)
-    off = _strided(row_ptr, idx)
-    code = tl.load(row_ptr + _DTYPE)
-    if code == 0:
-        tl.store(dst.to(tl.pointer_type(tl.float32)) + off, x, mask=mask)
-    elif code == 1:
-        tl.store(dst.to(tl.pointer_type(tl.bfloat16)) + off, cast_rne(x, tl.bfloat16), mask=mask)
+    row_ptr, start = _chunk(meta_ptr, chunks_ptr)
+    addr, numel = tl.load(row_ptr + _PTR), tl.load(row_ptr + _NUMEL)
+    code, flat_offset = tl.load(row_ptr + _DTYPE), tl.load(row_ptr + _FLAT_OFFSET)
+    if tl.load(row_ptr + _LAYOUT) == _ALIGNED:  # the same copy, with alignment hints: vector loads and stores
+        idx = tl.multiple_of(start, 16) + tl.arange(0, BLOCK)
+        mask = idx < tl.multiple_of(numel, 16)
+        x = tl.load(flat_ptr + tl.multiple_of(flat_offset, 16) + idx, mask=mask).to(tl.float32)
+        _store_fp32(addr, idx, _scaled(x, scale_ptr, scale, SCALE_MODE), mask, code, True)
     else:
-        tl.store(dst.to(tl.pointer_type(tl.float16)) + off, cast_rne(x, tl.float16), mask=mask)
+        idx = start + tl.arange(0, BLOCK)
+        mask = idx < numel
+        x = tl.load(flat_ptr + flat_offset + idx, mask=mask).to(tl.float32)
+        _store_fp32(addr, _strided(row_ptr, idx), _scaled(x, scale_ptr, scale, SCALE_MODE), mask, code, False)
 
 
 @dataclass(frozen=True)
@@ -172,6 +216,17 @@ def cache_clear() -> None:
     """Drop every cached table and reset the counters."""
     _TABLES.clear()
     _STATS.update(hits=0, misses=0)
+
+
+def bucket_layouts(tensors: Sequence[torch.Tensor], offsets: Sequence[int], flat: torch.Tensor) -> dict[str, int]:
+    """How the kernel copies each tensor of a bucket: counts of ``aligned`` (vectorised),
+    ``contiguous``, ``strided`` and ``fallback`` (reference path) tensors; empty ones are skipped."""
+    check_flat_args("flatten", tensors, flat, offsets)
+    table = _table("flatten", tensors, offsets, flat)
+    layouts = table.meta[:, int(_LAYOUT)].tolist()
+    names = {int(_ALIGNED): "aligned", int(_CONTIGUOUS): "contiguous", int(_STRIDED): "strided"}
+    counts = {name: layouts.count(code) for code, name in names.items()}
+    return {**counts, "fallback": len(table.fallback)}
 
 
 def collapse_layout(shape: Sequence[int], stride: Sequence[int]) -> Optional[tuple[list[int], list[int]]]:
@@ -198,8 +253,11 @@ def _meta_row(op: str, i: int, t: torch.Tensor, offset: int) -> Optional[list[in
     sizes, strides = layout
     if op == "unflatten" and any(step == 0 and size > 1 for size, step in zip(sizes, strides)):
         raise ValueError(f"unflatten: tensor {i} has a stride of 0 (an expanded view); it cannot be written")
-    contiguous = int(strides[-1] == 1 and all(size == 1 for size in sizes[:-1]))
-    return [t.data_ptr(), offset, t.numel(), DTYPE_CODES[t.dtype], contiguous, *sizes[1:], *strides]
+    layout = _STRIDED
+    if strides[-1] == 1 and all(size == 1 for size in sizes[:-1]):
+        aligned = t.data_ptr() % 16 == 0 and t.numel() % 16 == 0 and offset % 16 == 0
+        layout = _ALIGNED if aligned else _CONTIGUOUS
+    return [t.data_ptr(), offset, t.numel(), DTYPE_CODES[t.dtype], int(layout), *sizes[1:], *strides]
 
 
 def _build_table(op: str, tensors: Sequence[torch.Tensor], offsets: Sequence[int], device: torch.device) -> _Table:
