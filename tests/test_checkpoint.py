@@ -73,9 +73,9 @@ def batch(step: int) -> torch.Tensor:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1) -> None:
-    per = ROWS // world
+    per, dtype = ROWS // world, model.emb.weight.dtype
     for step in steps:
-        model(batch(step)[rank * per : (rank + 1) * per]).backward()
+        model(batch(step)[rank * per : (rank + 1) * per].to(dtype)).backward()
         opt.step()
         opt.zero_grad()
 
@@ -306,3 +306,27 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(runs: dict[str, Any],
         opt_again = zk_opt(again, stage=1)
         ck.load(root, again, opt_again)
         compare(zk_snapshot(again, opt_again), runs["a"], f"a new save after a kill at {name}")
+
+
+def test_bf16_parameters_keep_their_fp32_master(tmp_path: Path) -> None:
+    """The fp32 master comes back: bf16 runs loaded at stages 0 and 2 continue bit for bit like the saved
+    stage 1 run, and an fp32 model loads the master itself (rounding to the saved bf16 values)."""
+    model = make_net().to(torch.bfloat16)
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path, model, opt)
+    fp32 = make_net()
+    ck.load(tmp_path, fp32, zk_opt(fp32, stage=0))
+    saved = dict(model.named_parameters())
+    for name, p in fp32.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.to(torch.bfloat16), saved[name].detach()), name
+    assert not all(torch.equal(p, saved[n].float()) for n, p in fp32.named_parameters()), "fp32 got the bf16 values"
+    loaded = {stage: make_net().to(torch.bfloat16) for stage in (0, 2)}
+    opts = {stage: zk_opt(m, stage=stage, lr=0.5) for stage, m in loaded.items()}
+    for stage, m in loaded.items():
+        ck.load(tmp_path, m, opts[stage])
+        train(m, opts[stage], range(STEPS_BEFORE, STEPS_BEFORE + 2))
+    train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + 2))
+    for stage, m in loaded.items():
+        for name, p in m.named_parameters():
+            assert torch.equal(p, saved[name]), f"bf16 loaded at stage {stage}: {name} differs after 2 steps"

@@ -264,7 +264,10 @@ def _extra_bytes(extra: Any) -> Optional[bytes]:
     if extra is None:
         return None
     data = io.BytesIO()
-    torch.save(extra, data)
+    try:
+        torch.save(extra, data)
+    except Exception as err:  # pickling raises many types; report it before any file is written
+        raise CheckpointError(f"checkpoint: extra cannot be saved with torch.save ({type(err).__name__}: {err})")
     return data.getvalue()
 
 
@@ -295,11 +298,13 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     root = Path(directory)
     names = _names(model, optimizer)
     tensors, _ = _model_tensors(model)
-    blob = _extra_bytes(extra) if pipeline.rank == 0 else None
+    blob: Optional[bytes] = None
 
     def start() -> Optional[str]:
+        nonlocal blob
         if pipeline.rank != 0:
             return None
+        blob = _extra_bytes(extra)
         root.mkdir(parents=True, exist_ok=True)
         version = next_version(root)
         (root / (TMP_PREFIX + version)).mkdir()
