@@ -66,7 +66,7 @@ loops::AdamCoefs coefs_of(const AdamHyper& h) {
   c.one_minus_beta2 = static_cast<float>(1.0 - h.beta2);
   c.eps = static_cast<float>(h.eps);
   c.neg_step_size = static_cast<float>(-h.step_size);
-  c.bc2_sqrt = static_cast<float>(h.bc2_sqrt);
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / h.bc2_sqrt);
   c.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
   c.l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
   c.grad_scale = h.grad_scale ? static_cast<float>(*h.grad_scale) : 1.0f;

@@ -23,7 +23,7 @@ ZK_CPU_CLONES void adam_update(float* __restrict param, float* __restrict exp_av
     const float g = grad[i] * k.grad_scale + k.l2 * p;
     const float m = exp_avg[i] * k.beta1 + k.one_minus_beta1 * g;
     const float v = exp_avg_sq[i] * k.beta2 + k.one_minus_beta2 * g * g;
-    const float denom = std::sqrt(v) / k.bc2_sqrt + k.eps;
+    const float denom = std::sqrt(v) * k.inv_bc2_sqrt + k.eps;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     param[i] = p * k.decay + (k.neg_step_size * m) / denom;

@@ -20,7 +20,7 @@ struct AdamCoefs {
   float one_minus_beta2;
   float eps;
   float neg_step_size;    // -lr / bias_correction1
-  float bc2_sqrt;         // sqrt(bias_correction2)
+  float inv_bc2_sqrt;     // 1 / sqrt(bias_correction2)
   float decay;            // AdamW: 1 - lr * weight_decay (1 for Adam)
   float l2;               // Adam: weight_decay added to the gradient (0 for AdamW)
   float grad_scale;       // gradient multiplier (1 when none)
