@@ -1,0 +1,77 @@
+// Python bindings of the comm engine: one def per entry point, the GIL released around every call
+// into c10d (issuing may wait on the backend's queue, wait() blocks on CPU) and around destruction.
+#include <torch/extension.h>
+
+#include "comm/engine.h"
+
+namespace zk = zero_kernels::comm;
+using Release = py::call_guard<py::gil_scoped_release>;
+
+namespace {
+
+// The engine may hold the last reference to its process group, whose destructor joins the
+// backend's threads; those threads may need the GIL to release tensors, so never destroy an engine
+// while holding it.
+std::shared_ptr<zk::Engine> make_engine(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  return std::shared_ptr<zk::Engine>(new zk::Engine(std::move(group)), [](zk::Engine* engine) {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      delete engine;
+    } else {
+      delete engine;
+    }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zero_kernels comm engine: asynchronous, ordered c10d collectives";
+
+  py::enum_<zk::Primitive>(m, "Primitive")
+      .value("all_reduce", zk::Primitive::kAllReduce)
+      .value("all_reduce_slice", zk::Primitive::kAllReduceSlice)
+      .value("reduce_scatter_list", zk::Primitive::kReduceScatterList)
+      .value("reduce_scatter_tensor", zk::Primitive::kReduceScatterTensor)
+      .value("all_gather_list", zk::Primitive::kAllGatherList)
+      .value("all_gather_tensor", zk::Primitive::kAllGatherTensor);
+
+  py::class_<zk::PendingOp, std::shared_ptr<zk::PendingOp>>(m, "PendingOp")
+      .def("wait", &zk::PendingOp::wait, Release())
+      .def("is_completed", &zk::PendingOp::is_completed, Release())
+      .def_property_readonly("what", &zk::PendingOp::what);
+
+  py::class_<zk::Engine, std::shared_ptr<zk::Engine>>(m, "Engine")
+      .def(py::init(&make_engine), py::arg("process_group"))
+      .def(
+          "reduce_scatter",
+          [](zk::Engine& e, const at::Tensor& output, const at::Tensor& input, const std::string& name,
+             zk::Primitive primitive, intptr_t compute_stream, intptr_t side_stream) {
+            return e.reduce_scatter(output, input, name, primitive, {compute_stream, side_stream});
+          },
+          py::arg("output"), py::arg("input"), py::arg("name"), py::arg("primitive"), py::arg("compute_stream") = 0,
+          py::arg("side_stream") = 0, Release())
+      .def(
+          "all_gather",
+          [](zk::Engine& e, const at::Tensor& output, const at::Tensor& input, const std::string& name,
+             zk::Primitive primitive, intptr_t compute_stream, intptr_t side_stream) {
+            return e.all_gather(output, input, name, primitive, {compute_stream, side_stream});
+          },
+          py::arg("output"), py::arg("input"), py::arg("name"), py::arg("primitive"), py::arg("compute_stream") = 0,
+          py::arg("side_stream") = 0, Release())
+      .def(
+          "all_reduce",
+          [](zk::Engine& e, const at::Tensor& tensor, const std::string& op, const std::string& name,
+             intptr_t compute_stream, intptr_t side_stream) {
+            return e.all_reduce(tensor, op, name, {compute_stream, side_stream});
+          },
+          py::arg("tensor"), py::arg("op"), py::arg("name"), py::arg("compute_stream") = 0, py::arg("side_stream") = 0,
+          Release())
+      .def("synchronize", &zk::Engine::synchronize, Release())
+      .def("in_flight", &zk::Engine::in_flight, Release())
+      .def_property_readonly("rank", &zk::Engine::rank)
+      .def_property_readonly("world_size", &zk::Engine::world_size)
+      .def_property_readonly("backend", &zk::Engine::backend);
+
+  m.def("live_ops", &zk::PendingOp::live, "PendingOp objects alive in this process");
+}

@@ -1,0 +1,352 @@
+#include "comm/engine.h"
+
+#include <atomic>
+#include <stdexcept>
+#include <type_traits>
+#include <utility>
+
+#include "comm/side_stream.h"
+
+namespace zero_kernels::comm {
+namespace {
+
+std::atomic<int64_t> g_live_ops{0};
+
+// Newer torch names the flat-tensor collectives *_single and deprecates the underscore names.
+template <typename PG, typename = void>
+struct HasSingleCollectives : std::false_type {};
+template <typename PG>
+struct HasSingleCollectives<PG, std::void_t<decltype(&PG::reduce_scatter_single)>> : std::true_type {};
+
+template <typename PG>
+c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(PG& group, at::Tensor& output, at::Tensor& input) {
+  if constexpr (HasSingleCollectives<PG>::value) {
+    return group.reduce_scatter_single(output, input);
+  } else {
+    return group._reduce_scatter_base(output, input);
+  }
+}
+
+template <typename PG>
+c10::intrusive_ptr<c10d::Work> all_gather_flat(PG& group, at::Tensor& output, at::Tensor& input) {
+  if constexpr (HasSingleCollectives<PG>::value) {
+    return group.all_gather_single(output, input);
+  } else {
+    return group._allgather_base(output, input);
+  }
+}
+
+CastType cast_type(const at::Tensor& t, const std::string& what) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return CastType::kFloat32;
+    case at::kHalf:
+      return CastType::kFloat16;
+    case at::kBFloat16:
+      return CastType::kBFloat16;
+    case at::kDouble:
+      return CastType::kFloat64;
+    default:
+      throw std::invalid_argument(what + ": dtype " + std::string(c10::toString(t.scalar_type())) +
+                                  " cannot be cast on the side stream (float32, float16, bfloat16, float64)");
+  }
+}
+
+void check_cuda(int32_t error, const SideStreamOps& ops, const std::string& what) {
+  if (error != 0) {
+    throw std::runtime_error(what + ": CUDA error " + ops.error_string(error));
+  }
+}
+
+const SideStreamOps& cuda_ops(const std::string& what) {
+  const SideStreamOps* ops = side_stream_ops();
+  if (ops == nullptr) {
+    throw std::runtime_error(what + ": CUDA tensors given but the comm extension was built without CUDA");
+  }
+  return *ops;
+}
+
+// dst <- src (same numel), casting; on CUDA queued on the side stream after the compute stream.
+void copy_in(const at::Tensor& dst, const at::Tensor& src, Streams streams, const std::string& what) {
+  if (!dst.is_cuda()) {
+    dst.copy_(src);
+    return;
+  }
+  const SideStreamOps& ops = cuda_ops(what);
+  const int32_t device = dst.get_device();
+  check_cuda(ops.stream_wait(streams.side, streams.compute, device), ops, what);
+  check_cuda(ops.cast_copy(dst.data_ptr(), cast_type(dst, what), src.data_ptr(), cast_type(src, what), src.numel(),
+                           streams.side, device),
+             ops, what);
+}
+
+// Runs after the collective: the optional copy-out on the side stream, then on CUDA the compute
+// stream waits for the side stream (which already waits for the collective's own stream).
+std::function<void()> epilogue(at::Tensor dst, at::Tensor src, Streams streams, std::string what) {
+  return [dst = std::move(dst), src = std::move(src), streams, what = std::move(what)]() {
+    if (dst.defined()) {
+      copy_in(dst, src, streams, what);
+    }
+    if (streams.side != 0) {
+      const SideStreamOps& ops = cuda_ops(what);
+      check_cuda(ops.stream_wait(streams.compute, streams.side, static_cast<int32_t>(src.defined() ? src.get_device()
+                                                                                                   : dst.get_device())),
+                 ops, what);
+    }
+  };
+}
+
+c10d::ReduceOp reduce_op(const std::string& op, const std::string& what) {
+  if (op == "sum") {
+    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  if (op == "max") {
+    return c10d::ReduceOp(c10d::ReduceOp::MAX);
+  }
+  if (op == "min") {
+    return c10d::ReduceOp(c10d::ReduceOp::MIN);
+  }
+  throw std::invalid_argument(what + ": op '" + op + "'; allowed: sum, max, min");
+}
+
+void check_flat(const at::Tensor& t, const char* role, const std::string& what) {
+  if (!t.defined() || !t.is_contiguous()) {
+    throw std::invalid_argument(what + ": " + role + " must be a defined, contiguous tensor");
+  }
+}
+
+void check_pair(const at::Tensor& small, const at::Tensor& big, int world_size, const std::string& what) {
+  check_flat(small, "the shard", what);
+  check_flat(big, "the full buffer", what);
+  if (small.device() != big.device()) {
+    throw std::invalid_argument(what + ": shard on " + small.device().str() + " but full buffer on " +
+                                big.device().str());
+  }
+  if (big.numel() != small.numel() * world_size) {
+    throw std::invalid_argument(what + ": full buffer has " + std::to_string(big.numel()) + " elements, expected " +
+                                std::to_string(world_size) + " x " + std::to_string(small.numel()) +
+                                " (shard elements)");
+  }
+}
+
+void check_primitive(Primitive primitive, std::initializer_list<Primitive> allowed, const std::string& what) {
+  for (Primitive p : allowed) {
+    if (p == primitive) {
+      return;
+    }
+  }
+  throw std::invalid_argument(what + ": primitive " + primitive_name(primitive) + " does not implement it");
+}
+
+}  // namespace
+
+const char* primitive_name(Primitive primitive) {
+  switch (primitive) {
+    case Primitive::kAllReduce:
+      return "all_reduce";
+    case Primitive::kAllReduceSlice:
+      return "all_reduce_slice";
+    case Primitive::kReduceScatterList:
+      return "reduce_scatter_list";
+    case Primitive::kReduceScatterTensor:
+      return "reduce_scatter_tensor";
+    case Primitive::kAllGatherList:
+      return "all_gather_list";
+    case Primitive::kAllGatherTensor:
+      return "all_gather_tensor";
+  }
+  return "unknown";
+}
+
+PendingOp::PendingOp(std::string what, c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> keep_alive,
+                     std::function<void()> epilogue)
+    : what_(std::move(what)),
+      work_(std::move(work)),
+      keep_alive_(std::move(keep_alive)),
+      epilogue_(std::move(epilogue)) {
+  ++g_live_ops;
+}
+
+PendingOp::~PendingOp() { --g_live_ops; }
+
+int64_t PendingOp::live() { return g_live_ops.load(); }
+
+void PendingOp::finish_locked() {
+  try {
+    if (work_) {
+      work_->wait();
+    }
+    if (epilogue_) {
+      epilogue_();
+    }
+  } catch (const std::exception& e) {
+    error_ = std::make_exception_ptr(std::runtime_error(what_ + " failed: " + e.what()));
+  }
+  done_ = true;
+  work_.reset();
+  keep_alive_.clear();
+  epilogue_ = nullptr;
+}
+
+void PendingOp::wait() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!done_) {
+    finish_locked();
+  }
+  if (error_) {
+    std::rethrow_exception(error_);
+  }
+}
+
+bool PendingOp::is_completed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_ || !work_ || work_->isCompleted();
+}
+
+bool PendingOp::try_finish() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!done_ && (!work_ || work_->isCompleted())) {
+    finish_locked();
+  }
+  return done_;
+}
+
+bool PendingOp::failed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<bool>(error_);
+}
+
+Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group)
+    : group_(std::move(group)), rank_(group_->getRank()), world_size_(group_->getSize()) {}
+
+Engine::~Engine() {
+  std::deque<std::shared_ptr<PendingOp>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.swap(in_flight_);
+  }
+  for (auto& op : pending) {
+    try {
+      op->wait();
+    } catch (const std::exception& e) {
+      TORCH_WARN("zero_kernels comm engine destroyed with a failed operation: ", e.what());
+    }
+  }
+}
+
+std::string Engine::backend() const { return group_->getBackendName(); }
+
+std::string Engine::describe(const char* op, const std::string& name) const {
+  return std::string("zero_kernels comm: ") + op + " of bucket '" + name + "' on rank " + std::to_string(rank_) +
+         " of " + std::to_string(world_size_) + " (" + backend() + ")";
+}
+
+void Engine::reap_locked() {
+  for (auto it = in_flight_.begin(); it != in_flight_.end();) {
+    if ((*it)->try_finish() && !(*it)->failed()) {
+      it = in_flight_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+std::shared_ptr<PendingOp> Engine::track(std::shared_ptr<PendingOp> op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  reap_locked();
+  in_flight_.push_back(op);
+  return op;
+}
+
+std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                                  const std::string& name, Primitive primitive, Streams streams) {
+  const std::string what = describe("reduce_scatter", name);
+  check_pair(output, input, world_size_, what);
+  check_primitive(primitive,
+                  {Primitive::kAllReduceSlice, Primitive::kReduceScatterList, Primitive::kReduceScatterTensor}, what);
+  at::Tensor in = input;
+  const int64_t n = output.numel();
+  if (primitive == Primitive::kAllReduceSlice) {
+    std::vector<at::Tensor> tensors{in};
+    auto work = group_->allreduce(tensors);
+    at::Tensor mine = in.narrow(0, static_cast<int64_t>(rank_) * n, n);
+    return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{in, output},
+                                             epilogue(output, mine, streams, what)));
+  }
+  const bool direct = output.scalar_type() == input.scalar_type();
+  at::Tensor target = direct ? output : at::empty({n}, input.options());
+  c10::intrusive_ptr<c10d::Work> work;
+  if (primitive == Primitive::kReduceScatterList) {
+    std::vector<at::Tensor> outputs{target};
+    std::vector<std::vector<at::Tensor>> inputs{in.chunk(world_size_)};
+    work = group_->reduce_scatter(outputs, inputs);
+  } else {
+    work = reduce_scatter_flat(*group_, target, in);
+  }
+  return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{in, target, output},
+                                           epilogue(direct ? at::Tensor() : output, target, streams, what)));
+}
+
+std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at::Tensor& input,
+                                              const std::string& name, Primitive primitive, Streams streams) {
+  const std::string what = describe("all_gather", name);
+  check_pair(input, output, world_size_, what);
+  check_primitive(primitive, {Primitive::kAllGatherList, Primitive::kAllGatherTensor}, what);
+  at::Tensor out = output;
+  at::Tensor source = input;
+  if (input.scalar_type() != output.scalar_type()) {
+    source = at::empty({input.numel()}, output.options());
+    copy_in(source, input, streams, what);
+  }
+  c10::intrusive_ptr<c10d::Work> work;
+  if (primitive == Primitive::kAllGatherList) {
+    std::vector<std::vector<at::Tensor>> outputs{out.chunk(world_size_)};
+    std::vector<at::Tensor> inputs{source};
+    work = group_->allgather(outputs, inputs);
+  } else {
+    work = all_gather_flat(*group_, out, source);
+  }
+  return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{input, source, out},
+                                           epilogue(at::Tensor(), out, streams, what)));
+}
+
+std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const std::string& op,
+                                              const std::string& name, Streams streams) {
+  const std::string what = describe("all_reduce", name);
+  check_flat(tensor, "the tensor", what);
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = reduce_op(op, what);
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = group_->allreduce(tensors, opts);
+  return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{tensor},
+                                           epilogue(at::Tensor(), tensor, streams, what)));
+}
+
+void Engine::synchronize() {
+  std::deque<std::shared_ptr<PendingOp>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending.swap(in_flight_);
+  }
+  std::exception_ptr first;
+  for (auto& op : pending) {
+    try {
+      op->wait();
+    } catch (const std::exception&) {
+      if (!first) {
+        first = std::current_exception();
+      }
+    }
+  }
+  if (first) {
+    std::rethrow_exception(first);
+  }
+}
+
+int64_t Engine::in_flight() {
+  std::lock_guard<std::mutex> lock(mu_);
+  reap_locked();
+  return static_cast<int64_t>(in_flight_.size());
+}
+
+}  // namespace zero_kernels::comm

@@ -1,0 +1,117 @@
+// The comm engine: ordered, asynchronous c10d collectives on one process group, with every
+// buffer held until its collective has finished.
+//
+// Each operation returns a PendingOp. On CPU (gloo) the collective runs on the backend's own
+// threads and PendingOp::wait() blocks until it is done; on CUDA (NCCL) wait() only makes the
+// streams wait (events), never the host. Casts into and out of the communication buffers run on
+// a side stream given by the caller, ordered by events (side_stream.h).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace zero_kernels::comm {
+
+// The c10d call that carries out an operation; chosen per backend and size by the caller.
+enum class Primitive {
+  kAllReduce,            // all_reduce: in place
+  kAllReduceSlice,       // reduce_scatter as all_reduce of the whole bucket, then copy out this rank's slice
+  kReduceScatterList,    // reduce_scatter with a list of per-rank input views
+  kReduceScatterTensor,  // reduce_scatter of one flat tensor (_reduce_scatter_base)
+  kAllGatherList,        // all_gather into a list of per-rank output views
+  kAllGatherTensor,      // all_gather into one flat tensor (_allgather_base)
+};
+
+const char* primitive_name(Primitive primitive);
+
+// Streams of a CUDA operation as integers (cudaStream_t); zero on CPU. The caller issues and
+// waits with `side` as the current stream, so the collective is ordered after the side-stream
+// copy-in, and `compute` waits for the side stream at the end of wait().
+struct Streams {
+  intptr_t compute = 0;
+  intptr_t side = 0;
+};
+
+// One in-flight collective. Holds the work and every tensor it touches until it has finished.
+class PendingOp {
+ public:
+  PendingOp(std::string what, c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> keep_alive,
+            std::function<void()> epilogue);
+  ~PendingOp();
+  PendingOp(const PendingOp&) = delete;
+  PendingOp& operator=(const PendingOp&) = delete;
+
+  // Completes the operation and runs its epilogue; idempotent. A failure, now or earlier, is
+  // raised as std::runtime_error naming the operation, bucket and rank.
+  void wait();
+  // True once the collective itself has finished (the epilogue may still be due in wait()).
+  bool is_completed();
+  // Finishes the operation without blocking when the collective is done; true when finished.
+  bool try_finish();
+  bool failed();
+  const std::string& what() const { return what_; }
+
+  // Number of PendingOp objects alive in this process (a leak check for tests).
+  static int64_t live();
+
+ private:
+  void finish_locked();
+
+  std::mutex mu_;
+  const std::string what_;
+  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<at::Tensor> keep_alive_;
+  std::function<void()> epilogue_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+class Engine {
+ public:
+  explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  // Waits for every operation still in flight (their buffers must outlive the collectives).
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Sum of `input` (world_size * output.numel() elements) over ranks; this rank's slice lands in
+  // `output`, cast to output's dtype. `input` is scratch afterwards.
+  std::shared_ptr<PendingOp> reduce_scatter(const at::Tensor& output, const at::Tensor& input, const std::string& name,
+                                            Primitive primitive, Streams streams);
+  // Every rank's `input` (cast to output's dtype) concatenated in rank order into `output`.
+  std::shared_ptr<PendingOp> all_gather(const at::Tensor& output, const at::Tensor& input, const std::string& name,
+                                        Primitive primitive, Streams streams);
+  // `tensor` reduced in place with op "sum", "max" or "min".
+  std::shared_ptr<PendingOp> all_reduce(const at::Tensor& tensor, const std::string& op, const std::string& name,
+                                        Streams streams);
+  // Waits for every operation issued so far; raises the first failure among them.
+  void synchronize();
+  // Operations the engine still holds (finished ones are dropped first).
+  int64_t in_flight();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  std::string backend() const;
+
+ private:
+  std::string describe(const char* op, const std::string& name) const;
+  std::shared_ptr<PendingOp> track(std::shared_ptr<PendingOp> op);
+  void reap_locked();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_;
+  int world_size_;
+  std::mutex mu_;
+  std::deque<std::shared_ptr<PendingOp>> in_flight_;
+};
+
+}  // namespace zero_kernels::comm
