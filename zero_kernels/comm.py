@@ -1,55 +1,157 @@
 """Asynchronous, ordered collectives for the stage pipelines: the Python face of the comm engine.
 
-``CommEngine(process_group)`` issues reduce-scatter, all-gather and all-reduce asynchronously and
-returns a ``Handle`` per operation; ``handle.wait()`` completes it. Buffers passed in are kept alive
-by the handle until it is waited on. With no process group initialised the world size is 1 and
-every operation is a local copy that is complete on return.
+``make_engine(process_group)`` returns an engine that issues reduce-scatter, all-gather and
+all-reduce asynchronously and returns a ``Handle`` per operation; ``handle.wait()`` completes it
+and raises ``CommError`` naming the operation, bucket and rank when the collective failed or timed
+out (the process group's timeout applies). Buffers passed in stay alive until the collective has
+finished, even when the caller drops them. With no process group, or a group of one rank, every
+operation is a local copy that is complete on return.
 
-Backends (``ZERO_KERNELS_COMM``): ``cpp`` is the C++ engine in ``csrc/comm``; ``torch`` issues the
-same collectives through ``torch.distributed`` with ``async_op=True``; ``auto`` prefers ``cpp``.
+Engines (``ZERO_KERNELS_COMM``): ``cpp`` is the C++ engine in ``csrc/comm`` (it calls the c10d
+``ProcessGroup`` from C++ and owns ordering and lifetime); ``torch`` issues the same collectives
+through ``torch.distributed`` with ``async_op=True`` and is the reference; ``auto`` prefers
+``cpp`` and falls back to ``torch`` with one log line when the extension cannot be built.
+
+On CPU (gloo) collectives run on gloo's own threads, so they overlap with compute on the calling
+thread; ``wait()`` blocks (without the GIL). On CUDA (NCCL) collectives run on the process group's
+internal stream and overlap is event-based: the C++ engine casts into and out of communication
+buffers on a side stream, and ``wait()`` makes the current stream wait, never the host.
+
+Each operation is carried out by the fastest correct c10d primitive for its backend and size, as
+measured by ``python -m benchmarks comm`` (``PRIMITIVES``); ``primitive=`` overrides the choice.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import logging
+from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from . import _ext
+
+log = logging.getLogger("zero_kernels")
+
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+REDUCE_SCATTER_PRIMITIVES = ("all_reduce_slice", "reduce_scatter_list", "reduce_scatter_tensor")
+ALL_GATHER_PRIMITIVES = ("all_gather_list", "all_gather_tensor")
+
+# (backend, operation) -> rows (largest bucket in bytes or None for any size, primitive); the first
+# row whose bound holds wins. The gloo rows come from `python -m benchmarks comm` and a probe on 2
+# and 3 ranks (64 KiB to 64 MiB): all_reduce + slice was the fastest reduce-scatter at most sizes
+# (gloo's reduce_scatter is not bandwidth-optimal); the two all_gather forms were within noise of
+# each other, the list form ahead at small sizes. Backends not listed use DEFAULT_PRIMITIVES.
+PRIMITIVES: dict[tuple[str, str], list[tuple[Optional[int], str]]] = {
+    ("gloo", "reduce_scatter"): [(None, "all_reduce_slice")],
+    ("gloo", "all_gather"): [(None, "all_gather_list")],
+}
+DEFAULT_PRIMITIVES = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_tensor"}
+
+# torch >= 2.13 names the flat collectives *_single and deprecates the older names.
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out; the message names the operation, bucket and rank."""
+
+
+def choose_primitive(backend: str, operation: str, nbytes: int) -> str:
+    """The c10d primitive that carries out ``operation`` ("reduce_scatter" or "all_gather")."""
+    for bound, primitive in PRIMITIVES.get((backend, operation), []):
+        if bound is None or nbytes <= bound:
+            return primitive
+    return DEFAULT_PRIMITIVES[operation]
+
+
+def _describe_choices(backend: str) -> str:
+    parts = []
+    for operation in DEFAULT_PRIMITIVES:
+        rows = PRIMITIVES.get((backend, operation), [(None, DEFAULT_PRIMITIVES[operation])])
+        parts.append(f"{operation}=" + ",".join(p if b is None else f"{p}(<={b}B)" for b, p in rows))
+    return " ".join(parts)
 
 
 class Handle:
     """One in-flight collective; ``wait()`` completes it (idempotent) and runs its epilogue."""
 
-    def __init__(self, work: Optional[dist.Work], keep_alive: tuple, epilogue: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        work: Optional[dist.Work],
+        keep_alive: tuple,
+        epilogue: Optional[Callable[[], None]] = None,
+        what: str = "",
+    ):
         self._work = work
         self._keep_alive = keep_alive
         self._epilogue = epilogue
+        self._what = what
+        self._error: Optional[CommError] = None
         self._done = False
 
     def wait(self) -> None:
-        if self._done:
-            return
-        if self._work is not None:
-            self._work.wait()
-        if self._epilogue is not None:
-            self._epilogue()
-        self._done = True
-        self._work = self._epilogue = None
-        self._keep_alive = ()
+        if not self._done:
+            try:
+                if self._work is not None:
+                    self._work.wait()
+                if self._epilogue is not None:
+                    self._epilogue()
+            except Exception as exc:  # the backend's own error type varies (RuntimeError, DistBackendError)
+                self._error = CommError(f"{self._what} failed: {exc}")
+                self._error.__cause__ = exc
+            self._done = True
+            self._work = self._epilogue = None
+            self._keep_alive = ()
+        if self._error is not None:
+            raise self._error
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
 
 
-def _check_flat(name: str, tensor: torch.Tensor) -> None:
-    if not tensor.is_contiguous():
-        raise ValueError(f"comm: {name} must be contiguous")
+class CppHandle(Handle):
+    """A handle on an operation of the C++ engine, which holds the buffers until it has finished."""
+
+    def __init__(self, op, side_stream: Optional["torch.cuda.Stream"] = None):
+        super().__init__(None, (), what=op.what)
+        self._op = op
+        self._side = side_stream
+
+    def wait(self) -> None:
+        try:
+            if self._side is None:
+                self._op.wait()
+            else:
+                with torch.cuda.stream(self._side):
+                    self._op.wait()
+        except RuntimeError as exc:
+            raise CommError(str(exc)) from exc
+
+    def is_completed(self) -> bool:
+        return self._op.is_completed()
 
 
-class TorchCommEngine:
-    """Collectives through ``torch.distributed`` (``async_op=True``); the reference engine."""
+def _check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
+    for role, t in (("shard", shard), ("full buffer", full)):
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: the {role} must be contiguous")
+    if full.numel() != shard.numel() * world_size:
+        raise ValueError(
+            f"{what}: full buffer has {full.numel()} elements, expected {world_size} x {shard.numel()} (shard elements)"
+        )
+
+
+def _check_primitive(what: str, primitive: str, allowed: tuple[str, ...]) -> None:
+    if primitive not in allowed:
+        raise ValueError(f"{what}: primitive {primitive!r}; allowed: {', '.join(allowed)}")
+
+
+class _EngineBase:
+    """Rank facts, argument checks and the world-size-1 path shared by both engines."""
+
+    kind = ""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -57,62 +159,240 @@ class TorchCommEngine:
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
         self.backend = dist.get_backend(self.group) if self.distributed else "local"
+        log.info(
+            "zero_kernels comm: %s engine on %s, rank %d of %d; primitives: %s",
+            self.kind,
+            self.backend,
+            self.rank,
+            self.world_size,
+            _describe_choices(self.backend),
+        )
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, name: str = "") -> Handle:
+    def describe(self, operation: str, name: str) -> str:
+        return (
+            f"zero_kernels comm: {operation} of bucket '{name}' on rank {self.rank} of {self.world_size} "
+            f"({self.backend})"
+        )
+
+    def primitive_for(self, operation: str, tensor: torch.Tensor) -> str:
+        """The primitive this engine uses for ``operation`` on a bucket like ``tensor`` (the full buffer)."""
+        return choose_primitive(self.backend, operation, tensor.numel() * tensor.element_size())
+
+    def _prepare(
+        self, operation: str, name: str, shard: torch.Tensor, full: torch.Tensor, primitive: Optional[str]
+    ) -> tuple[str, str]:
+        what = self.describe(operation, name)
+        _check_pair(what, shard, full, self.world_size)
+        if primitive is None:
+            primitive = self.primitive_for(operation, full)
+        allowed = REDUCE_SCATTER_PRIMITIVES if operation == "reduce_scatter" else ALL_GATHER_PRIMITIVES
+        _check_primitive(what, primitive, allowed)
+        return what, primitive
+
+    def _check_all_reduce(self, name: str, tensor: torch.Tensor, op: str) -> str:
+        what = self.describe("all_reduce", name)
+        if op not in REDUCE_OPS:
+            raise ValueError(f"{what}: op {op!r}; allowed: {', '.join(REDUCE_OPS)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what}: the tensor must be contiguous")
+        return what
+
+
+class TorchCommEngine(_EngineBase):
+    """Collectives through ``torch.distributed`` (``async_op=True``); the reference engine."""
+
+    kind = "torch"
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        super().__init__(process_group)
+        self._pending: list[Handle] = []
+
+    def _track(self, handle: Handle) -> Handle:
+        """Hold ``handle`` until it is done, so that a dropped handle still gets its epilogue."""
+        self._reap()
+        self._pending.append(handle)
+        return handle
+
+    def _reap(self) -> None:
+        keep = []
+        for handle in self._pending:
+            if handle.is_completed():
+                try:
+                    handle.wait()
+                    continue
+                except CommError:
+                    pass
+            keep.append(handle)
+        self._pending = keep
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
+    ) -> Handle:
         """Sum ``input`` (world_size * output.numel() elements) over ranks; keep this rank's slice.
 
-        ``input`` is scratch: its contents are undefined after the operation.
+        ``input`` is scratch: its contents are undefined after the operation. ``output`` may have
+        another dtype than ``input``: the sum is communicated in input's dtype and cast on the way out.
         """
-        _check_flat("reduce_scatter output", output)
-        _check_flat("reduce_scatter input", input)
-        if input.numel() != output.numel() * self.world_size:
-            raise ValueError(
-                f"comm: reduce_scatter '{name}': input has {input.numel()} elements, expected "
-                f"{self.world_size} x {output.numel()}"
-            )
+        what, primitive = self._prepare("reduce_scatter", name, output, input, primitive)
         if self.world_size == 1:
             output.copy_(input)
             return Handle(None, ())
-        if self.backend == "gloo":
+        n = output.numel()
+        if primitive == "all_reduce_slice":
             work = dist.all_reduce(input, group=self.group, async_op=True)
-            mine = input.narrow(0, self.rank * output.numel(), output.numel())
-            return Handle(work, (input, output), lambda: output.copy_(mine))
-        work = dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True)
-        return Handle(work, (input, output))
+            mine = input.narrow(0, self.rank * n, n)
+            return self._track(Handle(work, (input, output), lambda: output.copy_(mine), what))
+        target = output if output.dtype == input.dtype else torch.empty(n, dtype=input.dtype, device=input.device)
+        if primitive == "reduce_scatter_list":
+            work = dist.reduce_scatter(target, list(input.chunk(self.world_size)), group=self.group, async_op=True)
+        else:
+            work = _reduce_scatter_flat(target, input, group=self.group, async_op=True)
+        epilogue = None if target is output else (lambda: output.copy_(target))
+        return self._track(Handle(work, (input, target, output), epilogue, what))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, name: str = "") -> Handle:
-        """Concatenate every rank's ``input`` shard into ``output`` (world_size * input.numel())."""
-        _check_flat("all_gather output", output)
-        _check_flat("all_gather input", input)
-        if output.numel() != input.numel() * self.world_size:
-            raise ValueError(
-                f"comm: all_gather '{name}': output has {output.numel()} elements, expected "
-                f"{self.world_size} x {input.numel()}"
-            )
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
+    ) -> Handle:
+        """Concatenate every rank's ``input`` shard into ``output`` (world_size * input.numel()).
+
+        ``input`` may have another dtype than ``output``; it is cast before it is sent.
+        """
+        what, primitive = self._prepare("all_gather", name, input, output, primitive)
         if self.world_size == 1:
             output.copy_(input)
             return Handle(None, ())
-        work = dist.all_gather_into_tensor(output, input, group=self.group, async_op=True)
-        return Handle(work, (input, output))
+        source = input if input.dtype == output.dtype else input.to(output.dtype)
+        if primitive == "all_gather_list":
+            work = dist.all_gather(list(output.chunk(self.world_size)), source, group=self.group, async_op=True)
+        else:
+            work = _all_gather_flat(output, source, group=self.group, async_op=True)
+        return self._track(Handle(work, (input, source, output), None, what))
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
         """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min)."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"comm: all_reduce op {op!r}; allowed: {', '.join(REDUCE_OPS)}")
+        what = self._check_all_reduce(name, tensor, op)
         if self.world_size == 1:
             return Handle(None, ())
         work = dist.all_reduce(tensor, op=REDUCE_OPS[op], group=self.group, async_op=True)
-        return Handle(work, (tensor,))
+        return self._track(Handle(work, (tensor,), None, what))
 
     def synchronize(self) -> None:
-        """Nothing to do here: every handle is waited on by its owner."""
+        """Wait for every operation issued and not yet waited on; raises the first failure."""
+        pending, self._pending = self._pending, []
+        errors = []
+        for handle in pending:
+            try:
+                handle.wait()
+            except CommError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def in_flight(self) -> int:
+        """Operations the engine still holds (finished ones are dropped first)."""
+        self._reap()
+        return len(self._pending)
 
 
-def make_engine(process_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None) -> TorchCommEngine:
-    """The engine chosen by ``backend`` or ``ZERO_KERNELS_COMM`` (auto, cpp, torch)."""
-    from .env import settings
+class CppCommEngine(_EngineBase):
+    """The C++ engine (``csrc/comm``): c10d collectives issued and tracked from C++."""
+
+    kind = "cpp"
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        self._ext = _ext.load("comm")
+        super().__init__(process_group)
+        self._engine = self._ext.Engine(self.group) if self.world_size > 1 else None
+        self._side_streams: dict[int, "torch.cuda.Stream"] = {}
+
+    def _streams(self, tensor: torch.Tensor) -> tuple[int, int, Optional["torch.cuda.Stream"]]:
+        if not tensor.is_cuda:
+            return 0, 0, None
+        device = tensor.device.index
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        side = self._side_streams[device]
+        return torch.cuda.current_stream(device).cuda_stream, side.cuda_stream, side
+
+    def _issue(self, method: str, tensor: torch.Tensor, *args) -> CppHandle:
+        compute, side_handle, side = self._streams(tensor)
+        call = getattr(self._engine, method)
+        if side is None:
+            return CppHandle(call(*args, compute_stream=0, side_stream=0))
+        with torch.cuda.stream(side):
+            return CppHandle(call(*args, compute_stream=compute, side_stream=side_handle), side)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
+    ) -> Handle:
+        """As ``TorchCommEngine.reduce_scatter``; the C++ engine holds the buffers until it is done."""
+        _, primitive = self._prepare("reduce_scatter", name, output, input, primitive)
+        if self.world_size == 1:
+            output.copy_(input)
+            return Handle(None, ())
+        return self._issue("reduce_scatter", input, output, input, name, getattr(self._ext.Primitive, primitive))
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
+    ) -> Handle:
+        """As ``TorchCommEngine.all_gather``; the C++ engine holds the buffers until it is done."""
+        _, primitive = self._prepare("all_gather", name, input, output, primitive)
+        if self.world_size == 1:
+            output.copy_(input)
+            return Handle(None, ())
+        return self._issue("all_gather", output, output, input, name, getattr(self._ext.Primitive, primitive))
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
+        """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min)."""
+        self._check_all_reduce(name, tensor, op)
+        if self.world_size == 1:
+            return Handle(None, ())
+        return self._issue("all_reduce", tensor, tensor, op, name)
+
+    def synchronize(self) -> None:
+        """Wait for every operation issued so far; raises the first failure among them."""
+        if self._engine is None:
+            return
+        try:
+            self._engine.synchronize()
+        except RuntimeError as exc:
+            raise CommError(str(exc)) from exc
+
+    def in_flight(self) -> int:
+        """Operations the C++ engine still holds (finished ones are dropped first)."""
+        return 0 if self._engine is None else self._engine.in_flight()
+
+
+CommEngine = Union[TorchCommEngine, CppCommEngine]
+ENGINES = {"torch": TorchCommEngine, "cpp": CppCommEngine}
+
+
+def make_engine(process_group: Optional[dist.ProcessGroup] = None, backend: Optional[str] = None) -> CommEngine:
+    """The engine chosen by ``backend`` or ``ZERO_KERNELS_COMM``: auto, cpp or torch.
+
+    ``cpp`` raises ``ExtensionUnavailable`` when the C++ engine cannot be built; ``auto`` then
+    falls back to the torch engine and logs why, once.
+    """
+    from .env import COMM_BACKENDS, settings
 
     choice = backend or settings().comm
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"comm backend {choice!r} is not available yet; allowed: auto, torch")
-    return TorchCommEngine(process_group)
+    if choice not in COMM_BACKENDS:
+        raise ValueError(f"comm backend {choice!r}; allowed: {', '.join(COMM_BACKENDS)}")
+    if choice == "auto":
+        try:
+            _ext.load("comm")
+        except _ext.ExtensionUnavailable as exc:
+            _log_fallback_once(str(exc))
+            choice = "torch"
+        else:
+            choice = "cpp"
+    return ENGINES[choice](process_group)
+
+
+_FALLBACK_LOGGED: set[str] = set()
+
+
+def _log_fallback_once(reason: str) -> None:
+    if reason not in _FALLBACK_LOGGED:
+        _FALLBACK_LOGGED.add(reason)
+        log.warning("%s; zero_kernels comm uses the torch engine", reason)
