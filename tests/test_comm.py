@@ -243,6 +243,14 @@ def _errors_body(rank: int, world_size: int, names: list[str]) -> None:
                     wait()
             assert time.perf_counter() - start < 30
         dist.barrier()
+        # An engine that outlives its process group is torn down without deadlock.
+        group = dist.new_group(backend="gloo")
+        outliving = comm.make_engine(group, backend=engine.kind)
+        tensor = torch.ones(1 << 12)
+        outliving.all_reduce(tensor, name="last").wait()
+        dist.destroy_process_group(group)
+        del outliving, tensor
+        dist.barrier()
     if "cpp" in names:
         engine = _ext.load("comm").Engine(dist.group.WORLD)
         primitive = _ext.load("comm").Primitive.all_reduce_slice
