@@ -119,13 +119,13 @@ void test_found_inf() {
 void test_flatten_round_trip() {
   const at::Tensor big = at::randn({300, 700});
   std::vector<at::Tensor> tensors = {
-      at::randn({5, 3}),                          // contiguous
-      at::randn({4, 6}).t(),                      // transposed
-      at::randn({9, 8}).to(at::kBFloat16).slice(1, 1, 8, 3),  // strided bf16
-      at::randn({}).to(at::kHalf),                // 0-d fp16
-      at::empty({0, 4}),                          // empty
-      big.slice(1, 3, 603),                       // large strided: split across threads
-      at::randn({2, 3, 4}).to(at::kDouble).permute({2, 0, 1}),  // fp64, exact in fp32
+      at::randn({5, 3}),                                          // contiguous
+      at::randn({4, 6}).t(),                                      // transposed
+      at::randn({9, 8}).to(at::kBFloat16).slice(1, 1, 8, 3),     // strided bf16
+      at::randn({}).to(at::kHalf),                                // 0-d fp16
+      at::empty({0, 4}),                                          // empty
+      big.slice(1, 3, 603),                                       // large strided: split across threads
+      at::randn({2, 3, 4}).to(at::kDouble).permute({2, 0, 1}),    // fp64, exact in fp32
   };
   std::vector<int64_t> offsets;
   int64_t total = 0;
