@@ -320,3 +320,5 @@ def test_primitive_table_is_consulted() -> None:
     assert comm.choose_primitive("gloo", "reduce_scatter", 1 << 20) == "all_reduce_slice"
     assert comm.choose_primitive("nccl", "reduce_scatter", 1 << 20) == "reduce_scatter_tensor"
     assert comm.choose_primitive("nccl", "all_gather", 1) == "all_gather_tensor"
+    assert comm.choose_primitive("gloo", "all_gather", 512 << 10) == "all_gather_list"
+    assert comm.choose_primitive("gloo", "all_gather", (512 << 10) + 1) == "all_gather_tensor"

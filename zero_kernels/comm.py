@@ -39,13 +39,14 @@ REDUCE_SCATTER_PRIMITIVES = ("all_reduce_slice", "reduce_scatter_list", "reduce_
 ALL_GATHER_PRIMITIVES = ("all_gather_list", "all_gather_tensor")
 
 # (backend, operation) -> rows (largest bucket in bytes or None for any size, primitive); the first
-# row whose bound holds wins. The gloo rows come from `python -m benchmarks comm` and a probe on 2
-# and 3 ranks (64 KiB to 64 MiB): all_reduce + slice was the fastest reduce-scatter at most sizes
-# (gloo's reduce_scatter is not bandwidth-optimal); the two all_gather forms were within noise of
-# each other, the list form ahead at small sizes. Backends not listed use DEFAULT_PRIMITIVES.
+# row whose bound holds wins. The gloo rows come from `python -m benchmarks comm --full` and a probe
+# on 2 and 3 ranks (64 KiB to 64 MiB) on a shared 2-core machine: all_reduce + slice was the fastest
+# reduce-scatter at most sizes (gloo's reduce_scatter is not bandwidth-optimal); for all_gather the
+# list form led up to a few hundred KiB and the flat form above, by margins close to the noise.
+# Backends not listed use DEFAULT_PRIMITIVES.
 PRIMITIVES: dict[tuple[str, str], list[tuple[Optional[int], str]]] = {
     ("gloo", "reduce_scatter"): [(None, "all_reduce_slice")],
-    ("gloo", "all_gather"): [(None, "all_gather_list")],
+    ("gloo", "all_gather"): [(512 << 10, "all_gather_list"), (None, "all_gather_tensor")],
 }
 DEFAULT_PRIMITIVES = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_tensor"}
 
