@@ -14,6 +14,10 @@ into ``N`` shards (stage 0, whose state is replicated): the parameters' values, 
 than what it already holds; rank 0 adds the small metadata file. The directory layout, the
 crash-safe commit order and the metadata are described in ``checkpoint_format``.
 
+Every rank must see the same directory (a shared file system, as for any multi-node
+checkpoint): rank 0 creates the version, every rank writes its file into it. Call ``save`` and
+``load`` between steps, outside ``gathered_params()``.
+
 Loading reads, on each rank, only the element ranges its new layout needs (ranged reads of the
 rank files, checked block by block against the CRCs in the metadata), into staging tensors; the
 ranks agree that every read succeeded before anything is modified. Tensors are matched by model
