@@ -34,7 +34,7 @@ DEVICE = "cuda"
 SWEEP_REPEAT = 30
 
 
-def _mismatches(ours: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> str:
+def _mismatches(ours: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float | torch.Tensor) -> str:
     """'' when |ours - ref| <= atol + rtol |ref| everywhere (nan matching nan), else a description."""
     a, e = ours.double().flatten(), ref.double().flatten()
     bad = ((a - e).abs() > atol + rtol * e.abs()) & ~(a.isnan() & e.isnan())
@@ -53,14 +53,22 @@ def _state(n: int, seed: int) -> dict:
     }
 
 
-def _compare_state(ours: dict, ref: dict, lr: float) -> list[str]:
+def _compare_state(ours: dict, ref: dict, before: torch.Tensor) -> list[str]:
+    """One step's error, as in tests/test_kernels.py: param within RTOL of itself plus RTOL of the
+    oracle's update (``before`` is where the step started); moments within RTOL of their largest element.
+    ``_sync`` then starts the next step from ``ref``."""
     problems = []
     for name in ("param", "exp_avg", "exp_avg_sq"):
-        atol = RTOL * (lr if name == "param" else ref[name].abs().max().item())
+        atol = RTOL * ((ref[name] - before).abs() if name == "param" else ref[name].abs().max().item())
         bad = _mismatches(ours[name], ref[name], RTOL, atol)
         if bad:
             problems.append(f"{name}: {bad}")
     return problems
+
+
+def _sync(ours: dict, ref: dict) -> None:
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        ours[name].copy_(ref[name])
 
 
 def check_adam_variants() -> list[str]:
@@ -82,6 +90,7 @@ def check_adam_variants() -> list[str]:
             for step, lr in ((1, 1e-3), (2, 7e-4)):
                 grad = torch.randn(n, device=DEVICE).to(grad_dtype)
                 kwargs = dict(HYPER, lr=lr, step=step, adamw=adamw, grad_scale=scale)
+                before = ref["param"].clone()
                 for fn, bufs, impl in ((adam_step, ours, {"impl": "triton"}), (adam_step_ref, ref, {})):
                     fn(
                         bufs["param"],
@@ -94,11 +103,12 @@ def check_adam_variants() -> list[str]:
                         **impl,
                     )
                 where = f"n={n} grad={grad_dtype} adamw={adamw} scale={scale_kind} out={out_dtype} flag={with_flag}"
-                problems += [f"{where} step {step}: {p}" for p in _compare_state(ours, ref, lr)]
+                problems += [f"{where} step {step}: {p}" for p in _compare_state(ours, ref, before)]
                 if out_dtype is not None and not torch.equal(ours["out"], ours["param"].to(out_dtype)):
                     problems.append(f"{where} step {step}: out is not the rounded param")
                 if with_flag and ours["found_inf"].item() != 0:
                     problems.append(f"{where} step {step}: found_inf set on finite gradients")
+                _sync(ours, ref)
         torch.cuda.empty_cache()
     return problems
 
@@ -170,11 +180,13 @@ def check_adam_vs_torch_and_no_recompile() -> list[str]:
         grad = torch.randn(n, device=DEVICE)
         ref_param.grad = grad.clone()
         opt.param_groups[0]["lr"] = lr
+        before = bufs["param"].clone()
         opt.step()
         adam_step(bufs["param"], grad, bufs["exp_avg"], bufs["exp_avg_sq"], lr=lr, step=step, impl="triton", **HYPER)
         state = opt.state[ref_param]
         ref = {"param": ref_param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        problems += [f"step {step} vs torch.optim.AdamW: {p}" for p in _compare_state(bufs, ref, lr)]
+        problems += [f"step {step} vs torch.optim.AdamW: {p}" for p in _compare_state(bufs, ref, before)]
+        _sync(bufs, ref)
         if step == 1:
             compiled = _kernel_count(triton_adam._adam_kernel)
     if _kernel_count(triton_adam._adam_kernel) != compiled:
