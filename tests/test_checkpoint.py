@@ -34,6 +34,7 @@ import zero_kernels.checkpoint as ck
 import zero_kernels.checkpoint_cli as consolidate_cli
 import zero_kernels.checkpoint_inspect_cli as inspect_cli
 import zero_kernels.optim as zo
+from zero_kernels.checkpoint_format import ShardReader
 
 ROWS = 6  # global batch: divisible by world sizes 1, 2 and 3
 STEPS_BEFORE, STEPS_AFTER = 3, 2
@@ -139,7 +140,10 @@ def _save_world3(rank: int, world: int, root: str) -> None:
 def _load_world2(rank: int, world: int, root: str, roots: dict[str, str], a: Snapshot, b: Snapshot) -> None:
     model = make_net()
     opt = zk_opt(model, stage=3, lr=0.5)
+    read = _count_reads()
     assert ck.load(root, model, opt) == {"step": STEPS_BEFORE, "note": "after A"}
+    total = sum(p.stat().st_size for p in Path(root).glob("v*/rank*.bin"))
+    assert sum(read) < 0.6 * total, f"rank {rank} of 2 at stage 3 read {sum(read)} of the {total} bytes saved"
     assert opt.param_groups[0]["lr"] == LR
     compare(zk_snapshot(model, opt), a, f"world 2 stage 3 rank {rank} loaded")
     train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), rank, world)
@@ -150,6 +154,19 @@ def _load_world2(rank: int, world: int, root: str, roots: dict[str, str], a: Sna
     ck.load(root, model0, opt0)
     compare(zk_snapshot(model0, opt0), a, f"world 2 stage 0 rank {rank} loaded")
     ck.save(roots["stage0"], model0, opt0)
+
+
+def _count_reads() -> list[int]:
+    """Record the size of every byte range read from a rank file from now on (in this process)."""
+    sizes: list[int] = []
+    read = ShardReader.read
+
+    def counted(self: ShardReader, offset: int, n: int) -> bytes:
+        sizes.append(n)
+        return read(self, offset, n)
+
+    ShardReader.read = counted
+    return sizes
 
 
 @pytest.fixture(scope="module")

@@ -229,6 +229,7 @@ class ShardReader:
                 f"checkpoint: shard file {path} has {size} bytes, the metadata says {entry['bytes']}: "
                 "it is truncated or was replaced"
             )
+        self.size = size
         self._f = open(path, "rb")
         self._verified: set[int] = set()
 
@@ -239,9 +240,8 @@ class ShardReader:
             raise CheckpointError(f"checkpoint: shard file {self.path} ends early (truncated while reading)")
         return data
 
-    def _verify(self, block: int) -> None:
+    def _verify(self, block: int, data: bytes) -> None:
         start = block * self.block_bytes
-        data = self._pread(start, min(self.block_bytes, os.fstat(self._f.fileno()).st_size - start))
         if block >= len(self.crcs) or zlib.crc32(data) != self.crcs[block]:
             raise CheckpointError(
                 f"checkpoint: shard file {self.path} is corrupted (checksum mismatch in bytes "
@@ -250,13 +250,24 @@ class ShardReader:
         self._verified.add(block)
 
     def read(self, offset: int, n: int) -> bytes:
-        """Bytes ``offset .. offset + n`` of the file, after checking the blocks holding them."""
+        """Bytes ``offset .. offset + n`` of the file, after checking the blocks holding them.
+
+        Blocks not checked yet are read whole (one read covering the request) and checked; the
+        bytes of a request inside checked blocks are read alone.
+        """
         if n == 0:
             return b""
-        for block in range(offset // self.block_bytes, (offset + n - 1) // self.block_bytes + 1):
+        first, last = offset // self.block_bytes, (offset + n - 1) // self.block_bytes
+        if all(b in self._verified for b in range(first, last + 1)):
+            return self._pread(offset, n)
+        start = first * self.block_bytes
+        end = min((last + 1) * self.block_bytes, self.size)
+        data = self._pread(start, end - start)
+        for block in range(first, last + 1):
             if block not in self._verified:
-                self._verify(block)
-        return self._pread(offset, n)
+                lo = block * self.block_bytes - start
+                self._verify(block, data[lo : lo + self.block_bytes])
+        return data[offset - start : offset - start + n]
 
     def close(self) -> None:
         self._f.close()
