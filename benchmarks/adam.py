@@ -10,17 +10,19 @@ measured in the same run, and ``vs_best_peer`` is the best torch.optim time divi
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 import torch
 
 from zero_kernels.kernels import adam_step, resolve_impl
 
-from .common import copy_bandwidth, timeit
+from .common import copy_bandwidth, synchronize, timeit
 
 DESCRIPTION = "Adam step, fp32 state: ours (one flat shard) vs torch.optim.AdamW foreach/fused"
 
 BYTES_PER_PARAM = 28
+TIME_BUDGET_S = 1.5  # per provider and case: slow providers get fewer runs (at least 3)
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
@@ -63,6 +65,19 @@ def our_backends(device: torch.device) -> dict[str, Optional[str]]:
     return found
 
 
+def median_seconds(fn: Callable[[], object], repeat: int, device: torch.device, budget_s: float) -> tuple[float, int]:
+    """(median seconds, repeats used): a first call (compilation, allocation), a second to size the
+    run, then ``repeat`` timed calls, fewer (at least 3) when that would take longer than ``budget_s``."""
+    fn()
+    synchronize(str(device))
+    start = time.perf_counter()
+    fn()
+    synchronize(str(device))
+    one = time.perf_counter() - start
+    repeat = max(3, min(repeat, int(budget_s / max(one, 1e-9))))
+    return timeit(fn, warmup=max(1, repeat // 5), repeat=repeat, device=str(device)), repeat
+
+
 def _ours(n: int, device: torch.device, impl: str) -> Callable[[], None]:
     param, grad = torch.randn(n, device=device), torch.randn(n, device=device)
     exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
@@ -89,7 +104,7 @@ def _torch(shapes: list[tuple[int, ...]], device: torch.device, **flags) -> Call
 def _sizes(quick: bool, device: torch.device) -> list[int]:
     if device.type == "cuda":
         return [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26]
-    return [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24]
+    return [1 << 23] if quick else [1 << 20, 1 << 22, 1 << 24]
 
 
 def _rows_for(case: str, n: int, device: torch.device, copy_gbs: float, repeat: int) -> list[dict]:
@@ -105,12 +120,12 @@ def _rows_for(case: str, n: int, device: torch.device, copy_gbs: float, repeat: 
             continue
         try:
             fn = _torch(shapes, device, **peers[provider]) if provider in peers else _ours(n, device, provider[5:])
-            seconds = timeit(fn, warmup=3, repeat=repeat, device=str(device))
+            seconds, used = median_seconds(fn, repeat, device, budget_s=TIME_BUDGET_S)
         except RuntimeError as exc:  # e.g. a fused path this torch build lacks
             rows.append({**row, "note": f"unavailable: {str(exc).splitlines()[0]}"})
             continue
         gbs = BYTES_PER_PARAM * n / seconds / 1e9
-        rows.append({**row, "median_ms": seconds * 1e3, "GB/s": gbs, "of_copy_bw": gbs / copy_gbs})
+        rows.append({**row, "median_ms": seconds * 1e3, "runs": used, "GB/s": gbs, "of_copy_bw": gbs / copy_gbs})
         del fn
     timed_peers = [r["median_ms"] for r in rows if r["provider"] in peers and "median_ms" in r]
     for r in rows:
@@ -122,7 +137,7 @@ def _rows_for(case: str, n: int, device: torch.device, copy_gbs: float, repeat: 
 def run(quick: bool) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = _sizes(quick, device)
-    repeat = 50 if device.type == "cuda" else (8 if quick else 15)
+    repeat = 50 if device.type == "cuda" else (5 if quick else 15)
     copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))  # the footprint of the largest case
     rows = []
     for n in sizes:

@@ -2,10 +2,13 @@
 
 Cases: ``flatten fp32`` (fp32 tensors into an fp32 flat buffer), ``flatten bf16->fp32 x s`` (bf16
 gradients into an fp32 buffer, scaled: the cast and the scale are fused in ours, separate passes
-in the peers) and ``unflatten fp32`` (back into the existing tensors). GB/s counts the bytes that
-must move: every element read once and written once in its own dtype; ``of_copy_bw`` divides it
-by the copy bandwidth measured in the same run, and ``vs_best_peer`` is the best torch time
-divided by this one.
+in the peers) and ``unflatten fp32`` (back into the existing tensors). ``flatten fp32 aligned``
+places our tensors at offsets rounded up to 16 elements, as a bucket planner may, which lets the
+Triton kernel use vector loads and stores for tensors whose sizes are multiples of 16.
+
+GB/s counts the bytes that must move: every element read once and written once in its own dtype;
+``of_copy_bw`` divides it by the copy bandwidth measured in the same run, and ``vs_best_peer`` is
+the best torch time divided by this one.
 """
 
 from __future__ import annotations
@@ -17,16 +20,17 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zero_kernels.kernels import flatten, unflatten
 
-from .adam import our_backends, transformer_shapes
-from .common import copy_bandwidth, timeit
+from .adam import TIME_BUDGET_S, median_seconds, our_backends, transformer_shapes
+from .common import copy_bandwidth
 
 DESCRIPTION = "flatten/unflatten of ~200 tensors: ours (one launch) vs torch.cat / _flatten_dense_tensors / foreach"
 
 SCALE = 0.125
-CASES = {  # name -> (tensor dtype, flat dtype, scale, direction)
-    "flatten fp32": (torch.float32, torch.float32, None, "flatten"),
-    "flatten bf16->fp32 x s": (torch.bfloat16, torch.float32, SCALE, "flatten"),
-    "unflatten fp32": (torch.float32, torch.float32, None, "unflatten"),
+CASES = {  # name -> (tensor dtype, flat dtype, scale, direction, our offsets' alignment in elements)
+    "flatten fp32": (torch.float32, torch.float32, None, "flatten", 1),
+    "flatten fp32 aligned": (torch.float32, torch.float32, None, "flatten", 16),
+    "flatten bf16->fp32 x s": (torch.bfloat16, torch.float32, SCALE, "flatten", 1),
+    "unflatten fp32": (torch.float32, torch.float32, None, "unflatten", 1),
 }
 
 
@@ -52,10 +56,13 @@ def _peers(direction: str, tensors, flat, scale) -> dict[str, Callable[[], objec
 
 
 def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat: int) -> list[dict]:
-    dtype, flat_dtype, scale, direction = CASES[case]
+    dtype, flat_dtype, scale, direction, align = CASES[case]
     tensors = [torch.randn(s, device=device).to(dtype) for s in transformer_shapes(n)]
-    offsets = torch.tensor([0] + [t.numel() for t in tensors[:-1]]).cumsum(0).tolist()
-    flat = torch.randn(n, device=device).to(flat_dtype)
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.numel() // align) * align
+    flat = torch.randn(end, device=device).to(flat_dtype)
     moved = n * (dtype.itemsize + flat_dtype.itemsize)
     fns: dict[str, Optional[Callable[[], object]]] = {}
     notes: dict[str, str] = {}
@@ -66,7 +73,7 @@ def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat:
             fns[f"ours:{impl}"] = lambda impl=impl: flatten(tensors, flat, offsets, scale=scale, impl=impl)
         else:
             fns[f"ours:{impl}"] = lambda impl=impl: unflatten(flat, tensors, offsets, scale=scale, impl=impl)
-    peers = _peers(direction, tensors, flat, scale)
+    peers = _peers(direction, tensors, flat[:n], scale)  # torch packs the tensors: no gaps
     fns.update(peers)
     rows = []
     for provider in [*notes, *fns]:
@@ -74,9 +81,9 @@ def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat:
         if provider in notes:
             rows.append({**row, "note": notes[provider]})
             continue
-        seconds = timeit(fns[provider], warmup=3, repeat=repeat, device=str(device))
+        seconds, used = median_seconds(fns[provider], repeat, device, budget_s=TIME_BUDGET_S)
         gbs = moved / seconds / 1e9
-        rows.append({**row, "median_ms": seconds * 1e3, "GB/s": gbs, "of_copy_bw": gbs / copy_gbs})
+        rows.append({**row, "median_ms": seconds * 1e3, "runs": used, "GB/s": gbs, "of_copy_bw": gbs / copy_gbs})
     best_peer = min(r["median_ms"] for r in rows if r["provider"] in peers)
     for r in rows:
         if "median_ms" in r:
@@ -89,8 +96,8 @@ def run(quick: bool) -> list[dict]:
     if device.type == "cuda":
         sizes = [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26]
     else:
-        sizes = [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24]
-    repeat = 50 if device.type == "cuda" else (8 if quick else 15)
+        sizes = [1 << 23] if quick else [1 << 20, 1 << 22, 1 << 24]
+    repeat = 50 if device.type == "cuda" else (5 if quick else 15)
     copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))  # the footprint of the largest case
     rows = []
     for n in sizes:
