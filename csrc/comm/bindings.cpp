@@ -1,6 +1,6 @@
 // Python bindings of the comm engine: one def per entry point, the GIL released around every call
 // into c10d (issuing may wait on the backend's queue, wait() blocks on CPU) and around destruction.
-#include <torch/extension.h>
+#include <torch/python.h>
 
 #include "comm/engine.h"
 
