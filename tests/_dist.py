@@ -35,10 +35,26 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
         dist.destroy_process_group()
 
 
+def _prebuild_extensions() -> None:
+    """Build, in the parent, the C++ extensions the ranks will load, so that they load from the cache.
+
+    Without this every rank would race to build the same extension on first use.
+    """
+    from zero_kernels import _ext
+    from zero_kernels.env import settings
+
+    env = settings()
+    if env.impl in ("auto", "cpu"):
+        _ext.available("ops")
+    if env.comm in ("auto", "cpp"):
+        _ext.available("comm")
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raises a rank's failure.
 
     ``fn`` must be a module-level function (it is pickled into the spawned processes). Spawning
     costs a few seconds (each rank imports torch): run many checks inside one call.
     """
+    _prebuild_extensions()
     mp.spawn(_entry, args=(fn, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
