@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from . import checkpoint
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .env import settings
 from .optim import ShardedFusedAdam, initialize
@@ -14,6 +15,7 @@ __version__ = "0.1.0"
 logging.getLogger("zero_kernels").setLevel(settings().log_level)
 
 __all__ = [
+    "checkpoint",
     "FP16Config",
     "OptimizerConfig",
     "ShardedFusedAdam",

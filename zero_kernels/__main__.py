@@ -13,6 +13,8 @@ import sys
 
 SUBCOMMANDS = {
     "plan": "zero_kernels.planner_cli",
+    "consolidate": "zero_kernels.checkpoint_cli",
+    "inspect": "zero_kernels.checkpoint_inspect_cli",
 }
 
 

@@ -8,9 +8,11 @@ extension cache, ``TORCH_EXTENSIONS_DIR``, rebuilds when a source changes). A mo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import logging
+import os
 import shutil
 import time
 from types import ModuleType
@@ -27,8 +29,27 @@ class ExtensionUnavailable(RuntimeError):
     """The C++ extension cannot be built or loaded here; the message says what is missing."""
 
 
+# A build holds ``<build dir>/lock`` while it runs and torch waits for it without a limit. A build
+# that was killed leaves the file behind; one older than this is taken as stale and removed.
+STALE_LOCK_S = 20 * 60
+
+
 def module_name(name: str) -> str:
     return f"zero_kernels_{name}"
+
+
+def _remove_stale_lock(name: str) -> None:
+    from torch.utils import cpp_extension
+
+    lock = os.path.join(cpp_extension._get_build_directory(module_name(name), verbose=False), "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("zero_kernels: removing the build lock %s, %.0f min old: a build was interrupted", lock, age / 60)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
 
 
 def _missing_toolchain(with_cuda: bool) -> str | None:
@@ -69,6 +90,7 @@ def _build(name: str) -> ModuleType:
         raise ExtensionUnavailable(f"cannot build zero_kernels extension '{name}': {missing}")
     from torch.utils import cpp_extension
 
+    _remove_stale_lock(name)
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
