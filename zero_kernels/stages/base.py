@@ -17,6 +17,10 @@ it records that ``p`` has a gradient this step, and unless synchronisation is of
 parameters have all reported is handed to ``_launch_bucket``, strictly in global bucket order so
 every rank issues the same collectives in the same order. At the end of backward (an autograd
 engine callback) buckets still waiting for parameters that got no gradient are launched too.
+At most ``max_inflight`` reductions stay in flight: launching one more completes the oldest (its
+epilogue, e.g. stage 2's add into the gradient shard, runs then), so a stage that reduces into
+scratch buckets holds a few buckets during backward, not the whole gradient. A launched
+collective owns its buffers (``Inflight.held``); the next backward fills new ones.
 
 Step. ``step()`` finishes gradient synchronisation (``_before_step``: stage 1 reduce-scatters
 here), combines across ranks, in one all-reduce, the per-parameter "has a gradient" flags and the
@@ -68,7 +72,7 @@ class FlatBuffer:
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
     pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
-    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients being reduced
+    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
 
     def shard_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """The part of a shard-sized tensor ``t`` that belongs to ``bucket``."""
@@ -81,6 +85,15 @@ class FlatBuffer:
     def bucket_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """All of ``bucket`` in a full-buffer-sized tensor ``t``."""
         return t.narrow(0, bucket.start, bucket.numel)
+
+
+@dataclass(frozen=True)
+class Inflight:
+    """A collective the pipeline started: completed in issue order (``handle.wait()``, then ``epilogue``)."""
+
+    handle: Handle
+    epilogue: Optional[Callable[[], None]] = None
+    held: tuple[torch.Tensor, ...] = ()  # buffers only this operation keeps (counted by ``memory_tensors``)
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,7 @@ class Pipeline:
     stage: ClassVar[int]
     requires_module: ClassVar[bool] = False  # True: needs the model, not just its parameters
     grad_divisor_is_world: ClassVar[bool] = False  # True: the reduced gradients are sums over ranks
+    max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         self.engine = engine
@@ -148,7 +162,7 @@ class Pipeline:
         self._hooks: list[Any] = []
         self._launch_order: list[tuple[int, int]] = []  # (buffer, bucket) in collective order
         self._next_launch = 0
-        self._inflight: list[tuple[Handle, Optional[Callable[[], None]]]] = []
+        self._inflight: list[Inflight] = []  # in issue order
         self._round_open = False
         self._synced = False  # a synchronised backward happened since the last step
 
@@ -185,10 +199,12 @@ class Pipeline:
         by_dtype: dict[tuple[torch.dtype, torch.device], list[tuple[torch.nn.Parameter, int]]] = {}
         for p, i in trainable:
             by_dtype.setdefault((p.dtype, p.device), []).append((p, i))
+        built = []  # every layout is built (and checked) before anything changes
         for (dtype, device), members in by_dtype.items():
             ps = [p for p, _ in members]
             layout = BufferLayout.build(ps, bucket_numel=self.bucket_numel(), num_shards=self.num_shards)
-            buf = FlatBuffer(group, layout, ps, [i for _, i in members], dtype, device)
+            built.append(FlatBuffer(group, layout, ps, [i for _, i in members], dtype, device))
+        for buf in built:
             self._allocate(buf)
             self._index(buf)
         for _, i in trainable:
@@ -220,6 +236,14 @@ class Pipeline:
         self._register_grad_hooks(buf)
         self._launch_order += [(b, k.index) for k in buf.layout.buckets]
         self._reset_pending(buf)
+
+    def param_shape(self, p: torch.Tensor) -> torch.Size:
+        """The full shape of ``p`` (stage 3 frees parameters between uses: ``p.shape`` may be ``(0,)``)."""
+        where = self.where.get(id(p))
+        if where is None:
+            return p.shape
+        b, slot = where
+        return self.buffers[b].layout.slots[slot].shape
 
     def _place_params(self, buf: FlatBuffer) -> None:
         """Copy the parameters into ``param_flat`` and make each ``p.data`` a view of it."""
@@ -279,9 +303,10 @@ class Pipeline:
                 return
             self._launch_bucket(buf, buf.layout.buckets[k])
             self._next_launch += 1
+            self._complete_inflight(keep=self.max_inflight)
 
     def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
-        """Start reducing ``bucket``'s gradients (append to ``self._inflight``); default: at the step."""
+        """Start reducing ``bucket``'s gradients (``self._track`` the collective); default: at the step."""
 
     def _end_round(self) -> None:
         self._launch_ready(flush=True)
@@ -304,12 +329,18 @@ class Pipeline:
                     self._consume_grad(buf, slot_index, p)
         self._end_round()
 
-    def _wait_inflight(self) -> None:
-        for handle, epilogue in self._inflight:
-            handle.wait()
-            if epilogue is not None:
-                epilogue()
-        self._inflight = []
+    def _track(self, handle: Optional[Handle], epilogue: Optional[Callable[[], None]] = None, held: tuple = ()) -> None:
+        """Remember a collective just issued (None: nothing was issued) until it is completed."""
+        if handle is not None:
+            self._inflight.append(Inflight(handle, epilogue, held))
+
+    def _complete_inflight(self, keep: int = 0) -> None:
+        """Complete the oldest collectives, in issue order, until at most ``keep`` are in flight."""
+        while len(self._inflight) > keep:
+            op = self._inflight.pop(0)
+            op.handle.wait()
+            if op.epilogue is not None:
+                op.epilogue()
 
     def _before_step(self) -> None:
         """Finish the reduction of gradients into ``_grad_shard`` (stage 1 reduces here)."""
@@ -347,7 +378,7 @@ class Pipeline:
         """Make every gradient of this step present, reduced, in ``_grad_shard``."""
         if not self._synced:
             self._sync_manual_grads()
-        self._wait_inflight()
+        self._complete_inflight()
         self._before_step()
 
     def _global_stats(self, need_norm: bool) -> tuple[set[int], Optional[float]]:
@@ -395,10 +426,8 @@ class Pipeline:
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
                 self._update_bucket(buf, bucket, hyper[buf.group], grad_scale, with_grad)
-                handle = self._publish(buf, bucket)
-                if handle is not None:
-                    self._inflight.append((handle, None))
-        self._wait_inflight()
+                self._track(self._publish(buf, bucket))
+        self._complete_inflight()
         self._synced = False
         return StepResult(norm, skipped=False)
 
@@ -456,6 +485,7 @@ class Pipeline:
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """Tensors this rank holds, by kind (``params`` lists only the flat buffers; the optimizer adds the rest)."""
         grads = [t for buf in self.buffers for t in (buf.grad_flat, buf.grad_shard, *buf.scratch.values())]
+        grads += [t for op in self._inflight for t in op.held]
         return {
             "params": [buf.param_flat for buf in self.buffers],
             "grads": grads,

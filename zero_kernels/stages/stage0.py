@@ -28,7 +28,7 @@ class Stage0Pipeline(Pipeline):
             return
         grads = buf.bucket_slice(buf.grad_flat, bucket)
         grads.div_(self.world_size)
-        self._inflight.append((self.engine.all_reduce(grads, op="sum", name=f"grads.{bucket.index}"), None))
+        self._track(self.engine.all_reduce(grads, op="sum", name=f"grads.{bucket.index}"))
 
     def _norm_views(self) -> Iterator[torch.Tensor]:
         """Each rank sums the squares of its 1/world part of every (identical) reduced bucket."""

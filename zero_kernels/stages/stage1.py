@@ -21,5 +21,5 @@ class Stage1Pipeline(Pipeline):
             for bucket in buf.layout.buckets:
                 full = buf.bucket_slice(buf.grad_flat, bucket)
                 mine = self._grad_shard(buf, bucket)
-                self._inflight.append((self.engine.reduce_scatter(mine, full, name=f"grads.{bucket.index}"), None))
-        self._wait_inflight()
+                self._track(self.engine.reduce_scatter(mine, full, name=f"grads.{bucket.index}"))
+        self._complete_inflight()

@@ -4,8 +4,9 @@ During backward each parameter's gradient is copied, divided by the world size, 
 of ``reduce_bucket_size`` elements, and ``p.grad`` is set to ``None`` (as DeepSpeed does): after
 backward ``p.grad`` is ``None`` for every trainable parameter, except under ``no_sync()`` where
 gradients accumulate in ``p.grad`` until the synchronised backward. A full bucket is
-reduce-scattered while backward goes on; its rank part is added to ``grad_shard`` (so several
-backward passes before a step accumulate) and the bucket is freed.
+reduce-scattered while backward goes on; once it completes (at most ``max_inflight`` are in
+flight, see ``base``) its rank part is added to ``grad_shard`` (so several backward passes before
+a step accumulate) and the bucket is freed.
 """
 
 from __future__ import annotations
@@ -35,14 +36,13 @@ class Stage2Pipeline(Pipeline):
         p.grad = None
 
     def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
-        scratch = buf.scratch.get(bucket.index)
+        scratch = buf.scratch.pop(bucket.index, None)  # the collective owns it; a later backward fills a new one
         if scratch is None:
-            scratch = buf.scratch[bucket.index] = torch.zeros(bucket.numel, dtype=buf.dtype, device=buf.device)
+            scratch = torch.zeros(bucket.numel, dtype=buf.dtype, device=buf.device)
         mine = scratch.narrow(0, self.rank * bucket.shard_numel, bucket.shard_numel)
 
         def accumulate() -> None:
             self._grad_shard(buf, bucket).add_(mine)
-            buf.scratch.pop(bucket.index, None)
 
         handle = self.engine.reduce_scatter(mine, scratch, name=f"grads.{bucket.index}")
-        self._inflight.append((handle, accumulate))
+        self._track(handle, accumulate, held=(scratch,))

@@ -42,8 +42,6 @@ from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
 from .stage3_hooks import Stage3Scheduler
 
-_MAX_INFLIGHT = 2  # gradient reduce-scatters in flight during backward; older ones are completed
-
 
 @dataclass
 class Stage3Buffer(FlatBuffer):
@@ -166,14 +164,6 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
         """The scheduler's hooks hand gradients on (``_Unit.reduce_grads``) once a unit is complete."""
-
-    def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
-        super()._launch_bucket(buf, bucket)
-        while len(self._inflight) > _MAX_INFLIGHT:
-            handle, epilogue = self._inflight.pop(0)
-            handle.wait()
-            if epilogue is not None:
-                epilogue()
 
     def _param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
         if buf.persistent:
