@@ -9,6 +9,12 @@ Training loop, unchanged from plain PyTorch::
     opt = ShardedFusedAdam(model, lr=1e-3, stage=2, reduce_bucket_size=50_000_000)
     loss.backward(); opt.step(); opt.zero_grad()
 
+Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the model, given as
+``module=`` (as ``deepspeed.initialize(model=..., model_parameters=groups)``)::
+
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = ShardedFusedAdam(groups, lr=1e-3, stage=3, module=model)
+
 - Gradients: see each stage's module for what ``p.grad`` holds after backward (stage 0: the mean
   over ranks, as DDP; stage 1: the local gradient; stage 2: ``None``, as DeepSpeed).
 - A parameter with no gradient on any rank in a step (``p.grad is None`` everywhere) is left
@@ -63,7 +69,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     """Adam/AdamW with ZeRO-sharded state and a fused update.
 
     Args:
-        params_or_module: an ``nn.Module`` (required for stage 3), or parameters / param-group dicts.
+        params_or_module: an ``nn.Module`` (its parameters form one group), or parameters / param-group
+            dicts, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults and checks).
         stage: ZeRO stage 0-3.
         process_group: data-parallel group (None: the default group, or a single process).
@@ -72,6 +79,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm to this value (None or 0: no clipping).
         gradient_accumulation_steps: micro-steps per update (see the module docstring).
         fp16: an ``FP16Config`` (or its fields as a dict) enabling loss scaling.
+        module: the model the parameters belong to, when ``params_or_module`` lists parameters or
+            groups: stage 3 needs it to gather parameters; other stages use it to name parameters in errors.
         **zero_options: ``zero_optimization`` keys, e.g. ``reduce_bucket_size`` (elements).
     """
 
@@ -90,6 +99,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         gradient_accumulation_steps: int = 1,
         fp16: Union[FP16Config, Mapping[str, Any], None] = None,
+        module: Optional[nn.Module] = None,
         **zero_options: Any,
     ):
         check_hyper(lr, betas, eps, weight_decay)
@@ -100,11 +110,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             )
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm must be >= 0 or None, got {max_grad_norm!r}")
-        module = params_or_module if isinstance(params_or_module, nn.Module) else None
+        module = _the_module(params_or_module, module)
         if module is None and requires_module(self.options.stage):
             raise ValueError(
                 f"stage {self.options.stage} gathers parameters with module hooks: pass the model "
-                "(ShardedFusedAdam(model, ...)), not model.parameters()"
+                "(ShardedFusedAdam(model, ...)), or the parameters or groups with module=model"
             )
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
@@ -118,7 +128,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.last_step: Optional[StepResult] = None
         self._engine = make_engine(process_group)
         self._pipeline = pipeline_class(self.options.stage)(self._engine, self.options, impl=impl, module=module)
-        params = module.parameters() if module is not None else params_or_module
+        params = module.parameters() if params_or_module is module else params_or_module
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._update_sync()
 
@@ -136,10 +146,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             first = sum(len(g["params"]) for g in self.param_groups[:-1])
             indices = list(range(first, first + len(group["params"])))
             self._check_replicated(group["params"], indices)
+            self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
         except Exception:
-            self.param_groups.pop()
+            self.param_groups.pop()  # the pipeline checks before it changes anything
             raise
-        self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
 
     def _param_name(self, index: int) -> str:
         i = index
@@ -279,7 +289,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "layout": zstate.layout_signature(self._pipeline),
                 "steps": dict(self._pipeline.steps),
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-                "shapes": [tuple(p.shape) for g in self.param_groups for p in g["params"]],
+                "shapes": [tuple(self._pipeline.param_shape(p)) for g in self.param_groups for p in g["params"]],
             },
         }
 
@@ -328,13 +338,13 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 )
 
     def _check_shapes(self, shapes: Mapping[int, tuple]) -> None:
-        params = [p for g in self.param_groups for p in g["params"]]
+        here = [tuple(self._pipeline.param_shape(p)) for g in self.param_groups for p in g["params"]]
         for index in sorted(shapes):
-            if not 0 <= index < len(params) or tuple(params[index].shape) != tuple(shapes[index]):
-                here = tuple(params[index].shape) if 0 <= index < len(params) else "no such parameter"
+            if not 0 <= index < len(here) or here[index] != tuple(shapes[index]):
+                mine = here[index] if 0 <= index < len(here) else "no such parameter"
                 raise ValueError(
                     f"load_state_dict: {self._param_name(index)} has shape {tuple(shapes[index])} in the state "
-                    f"but {here} here: the state comes from another model"
+                    f"but {mine} here: the state comes from another model"
                 )
 
     def _check_full(self, state: Mapping[Any, Any]) -> None:
@@ -363,12 +373,24 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             )
 
 
+def _the_module(params_or_module: Any, module: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The model: ``params_or_module`` when it is one, else ``module`` (both given: they must agree)."""
+    if module is not None and not isinstance(module, nn.Module):
+        raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(params_or_module, nn.Module):
+        return module
+    if module is not None and module is not params_or_module:
+        raise ValueError("module= names another model than the one passed as params_or_module; pass one of them")
+    return params_or_module
+
+
 def initialize(
     model: nn.Module,
     config: Union[str, Mapping[str, Any], ZeroConfig],
     *,
     process_group: Any = None,
     impl: Optional[str] = None,
+    model_parameters: Optional[Iterable[Any]] = None,
     **auto_values: Any,
 ) -> tuple[nn.Module, ShardedFusedAdam]:
     """Build the optimizer a DeepSpeed config describes; returns ``(model, optimizer)``.
@@ -380,6 +402,9 @@ def initialize(
         config: path of a DeepSpeed JSON file, its content as a dict, or a ``ZeroConfig``.
         process_group: data-parallel group (None: the default group).
         impl: kernel backend (None: ``ZERO_KERNELS_IMPL``).
+        model_parameters: parameters or param-group dicts of ``model`` (DeepSpeed's name; None: all
+            of ``model``'s parameters in one group); the cast keeps the ``Parameter`` objects, so
+            groups built before ``initialize`` stay valid.
         **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``).
     """
     if not isinstance(config, ZeroConfig):
@@ -393,11 +418,12 @@ def initialize(
         model = model.half()
     opt = config.optimizer
     zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
+    params = model if model_parameters is None else model_parameters
     optimizer = ShardedFusedAdam(
-        model, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+        params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
         stage=config.stage, process_group=process_group, impl=impl, adam_w_mode=opt.adamw,
         max_grad_norm=config.gradient_clipping or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        fp16=config.fp16 if config.fp16.enabled else None, **zero,
+        fp16=config.fp16 if config.fp16.enabled else None, module=model, **zero,
     )  # fmt: skip
     return model, optimizer
