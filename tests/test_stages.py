@@ -1,7 +1,13 @@
 """Stages in lock-step with a single process running ``torch.optim.AdamW`` on the whole batch.
 
 Each world size is one spawn; inside it every (stage, dtype) case and every feature case runs
-and compares every parameter, element by element, after every step.
+and compares every parameter, element by element, after every step (stage 3 inside
+``gathered_params``, which gives every parameter its full value).
+
+Unused parameters. ``Net.extra`` gets no gradient in some steps. At stages 0-2 it is also called
+on some ranks only (only where the rank's rows need it). Stage 3 gathers a module's parameters
+with collectives, so every rank must call the same modules: there ``extra`` is called on every rank
+whenever some rank's rows need it (on an empty slice of rows elsewhere), and on no rank otherwise.
 
 Tolerances. fp32: the kernel is within 1.3e-6 relative of torch per step (DESIGN.md); the data
 parallel gradients differ from the single-process ones only by summation order (~1e-7 relative),
@@ -24,7 +30,7 @@ from torch import nn
 
 import zero_kernels.optim as zo
 
-STAGES = (0, 1, 2)  # add 3 once its pipeline passes these cases
+STAGES = (0, 1, 2, 3)
 WORLD_SIZES = (1, 2, 3)
 BUCKET = 13  # elements: parameters straddle buckets and shards
 ROWS = 2  # rows per rank per micro-batch
@@ -43,11 +49,12 @@ class Net(nn.Module):
         self.extra = nn.Linear(5, 5)
         self.head = nn.Linear(5, 1)
 
-    def forward(self, x: torch.Tensor, extra: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, extra: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """``extra``: rows ``a:b`` (possibly none) go through ``self.extra``; None: it is not called."""
         h = torch.tanh(self.emb(x)) * self.tiny
         h = torch.tanh(self.mid(h) + self.frozen)
-        a, b = extra
-        if b > a:
+        if extra is not None:
+            a, b = extra
             h = torch.cat([h[:a], h[a:b] + self.extra(h[a:b]), h[b:]])
         return self.head(h).square().mean()
 
@@ -57,15 +64,20 @@ def batch(step: int, rows: int, dtype: torch.dtype = torch.float32) -> torch.Ten
     return torch.randn(rows, 6, generator=g).to(dtype)
 
 
-def extra_rows(step: int, world: int) -> tuple[int, int]:
-    """Global rows that use ``extra``: rank 0's rows, none, or all, by step."""
-    return [(0, ROWS), (0, 0), (0, world * ROWS)][step % 3]
+def extra_rows(step: int, world: int) -> Optional[tuple[int, int]]:
+    """Global rows that use ``extra``: rank 0's rows, none (not called), or all, by step."""
+    return [(0, ROWS), None, (0, world * ROWS)][step % 3]
 
 
-def local(span: tuple[int, int], rank: int) -> tuple[int, int]:
+def local(span: Optional[tuple[int, int]], rank: int, stage: int) -> Optional[tuple[int, int]]:
+    """This rank's part of ``span``; where it has none: None (not called), or at stage 3 an empty slice."""
+    if span is None:
+        return None
     lo, hi = rank * ROWS, (rank + 1) * ROWS
     a, b = max(span[0], lo) - lo, min(span[1], hi) - lo
-    return (a, b) if b > a else (0, 0)
+    if b > a:
+        return a, b
+    return (0, 0) if stage == 3 else None
 
 
 def make_models(dtype: torch.dtype) -> tuple[Net, Net]:
@@ -98,18 +110,20 @@ def run_lockstep(
     before_ref_step: Callable[[Net, int], None] = lambda m, s: None,
     sched: Optional[Callable[[torch.optim.Optimizer], object]] = None,
     ref_opt: Callable[[list], torch.optim.Optimizer] = lambda g: torch.optim.AdamW(g, lr=LR),
+    set_to_none: bool = True,
+    stage: int = 1,
     **opt_kwargs,
 ) -> zo.ShardedFusedAdam:
     """Train ``steps`` steps next to torch's AdamW on the whole batch; compare after each step."""
     model, ref = make_models(dtype)
-    opt = zo.ShardedFusedAdam(groups(model), lr=LR, reduce_bucket_size=BUCKET, **opt_kwargs)
-    ropt = ref_opt(groups(ref))
     low = copy.deepcopy(model) if dtype != torch.float32 else None
+    opt = zo.ShardedFusedAdam(groups(model), lr=LR, reduce_bucket_size=BUCKET, stage=stage, module=model, **opt_kwargs)
+    ropt = ref_opt(groups(ref))
     lopt = ref_opt(groups(low)) if low is not None else None
     scheds = [sched(o) for o in (opt, ropt, lopt) if o is not None] if sched else []
     for step in range(steps):
         x, span = batch(step, world * ROWS, dtype).float(), extra_rows(step, world)
-        model(x[rank * ROWS : (rank + 1) * ROWS].to(dtype), local(span, rank)).backward()
+        model(x[rank * ROWS : (rank + 1) * ROWS].to(dtype), local(span, rank, stage)).backward()
         ref(x, span).backward()
         before_ref_step(ref, step)
         if low is not None:
@@ -118,12 +132,24 @@ def run_lockstep(
             lopt.zero_grad()
         opt.step()
         ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
+        ropt.zero_grad(set_to_none=set_to_none)
+        if not set_to_none:
+            check_zeroed(model, stage, f"{what} step {step}")
         for s in scheds:
             s.step()
-        compare(model, ref, f"{what} step {step}", low)
+        with opt.gathered_params():
+            compare(model, ref, f"{what} step {step}", low)
     return opt
+
+
+def check_zeroed(model: Net, stage: int, what: str) -> None:
+    """After ``zero_grad(set_to_none=False)``: zeros in place where a gradient was kept (stages 0 and 1)."""
+    for name, p in model.named_parameters():
+        if not p.requires_grad or stage >= 2:
+            assert p.grad is None, f"{what} {name}: stage {stage} keeps no gradient in p.grad"
+        elif p.grad is not None:
+            assert p.grad.shape == p.shape and not p.grad.any(), f"{what} {name}: gradient not zeroed"
 
 
 def accumulation_case(rank: int, world: int, stage: int, use_no_sync: bool) -> None:
@@ -131,7 +157,7 @@ def accumulation_case(rank: int, world: int, stage: int, use_no_sync: bool) -> N
     micro = 2
     model, ref = make_models(torch.float32)
     kwargs = {} if use_no_sync else {"gradient_accumulation_steps": micro}
-    opt = zo.ShardedFusedAdam(model.parameters(), lr=LR, stage=stage, reduce_bucket_size=BUCKET, **kwargs)
+    opt = zo.ShardedFusedAdam(model.parameters(), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model, **kwargs)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
     for step in range(3):
         x = batch(step, micro * world * ROWS)
@@ -151,7 +177,8 @@ def accumulation_case(rank: int, world: int, stage: int, use_no_sync: bool) -> N
         ref(x).backward()
         ropt.step()
         ropt.zero_grad()
-        compare(model, ref, f"stage {stage} accumulation no_sync={use_no_sync} step {step}")
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} accumulation no_sync={use_no_sync} step {step}")
 
 
 def two_groups(m: Net) -> list:
@@ -174,6 +201,7 @@ def matrix(rank: int, world: int) -> None:
     for stage in STAGES:
         for dtype in (torch.float32, torch.bfloat16):
             run_lockstep(rank, world, f"stage {stage} {dtype}", dtype=dtype, stage=stage)
+        run_lockstep(rank, world, f"stage {stage} zero_grad(set_to_none=False)", set_to_none=False, stage=stage)
         run_lockstep(rank, world, f"stage {stage} groups", groups=two_groups, stage=stage)
         norms: list = []
         opt = run_lockstep(rank, world, f"stage {stage} clip", before_ref_step=clip_ref(0.05, norms), stage=stage,
