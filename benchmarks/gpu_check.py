@@ -323,13 +323,22 @@ def run_checks(json_dir: str | None) -> int:
 
 
 def summary(json_dir: str) -> int:
-    """The short table printed last: each check, then ours vs the best peer at the largest size."""
+    """The short table printed last: each check, each stage, then ours vs the best peer at the largest size."""
     root = Path(json_dir)
     checks = root / "gpu_check.json"
     print("\n== summary ==")
     if checks.exists():
         for r in json.loads(checks.read_text())["checks"]:
             print(f"{r['status']}  {r['check']}")
+    stages = root / "gpu_stages.json"
+    if stages.exists():
+        run = json.loads(stages.read_text())
+        for r in run["rows"]:
+            if r["provider"] != "torch.AdamW fused":
+                ratio = f"x{r['fused_vs_this']:.2f} vs fused AdamW" if "fused_vs_this" in r else "no timing"
+                print(f"{r['check']}  stage path {r['provider']} {r['dtype']} ({run['comm_engine']} comm), {ratio}")
+    else:
+        print("stage path: no results")
     for subject in ("adam", "flatten"):
         path = root / f"{subject}.json"
         if not path.exists():
