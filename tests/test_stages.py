@@ -20,6 +20,7 @@ for tensors where torch happens to be exact.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable, Optional
 
@@ -152,33 +153,34 @@ def check_zeroed(model: Net, stage: int, what: str) -> None:
             assert p.grad.shape == p.shape and not p.grad.any(), f"{what} {name}: gradient not zeroed"
 
 
-def accumulation_case(rank: int, world: int, stage: int, use_no_sync: bool) -> None:
-    """Two micro-steps per update, via ``no_sync`` or ``gradient_accumulation_steps``."""
+def accumulation_case(rank: int, world: int, stage: int, mode: str) -> None:
+    """Two micro-steps per update: ``no_sync`` on the first, ``gradient_accumulation_steps=2``, or
+    ``backward`` twice, both synchronised (the second's reductions start while the first's may be in flight).
+    """
     micro = 2
     model, ref = make_models(torch.float32)
-    kwargs = {} if use_no_sync else {"gradient_accumulation_steps": micro}
+    kwargs = {"gradient_accumulation_steps": micro} if mode == "accumulation_steps" else {}
     opt = zo.ShardedFusedAdam(model.parameters(), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model, **kwargs)
     ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
     for step in range(3):
         x = batch(step, micro * world * ROWS)
         for m in range(micro):
             rows = x[(m * world + rank) * ROWS : (m * world + rank + 1) * ROWS]
-            if use_no_sync:
-                ctx = opt.no_sync() if m < micro - 1 else torch.enable_grad()
-                with ctx:
-                    (model(rows) / micro).backward()
-            else:
+            if mode == "accumulation_steps":
                 model(rows).backward()
                 opt.step()
                 opt.zero_grad()
-        if use_no_sync:
+                continue
+            with opt.no_sync() if mode == "no_sync" and m < micro - 1 else contextlib.nullcontext():
+                (model(rows) / micro).backward()
+        if mode != "accumulation_steps":
             opt.step()
             opt.zero_grad()
         ref(x).backward()
         ropt.step()
         ropt.zero_grad()
         with opt.gathered_params():
-            compare(model, ref, f"stage {stage} accumulation no_sync={use_no_sync} step {step}")
+            compare(model, ref, f"stage {stage} accumulation ({mode}) step {step}")
 
 
 def two_groups(m: Net) -> list:
@@ -212,8 +214,8 @@ def matrix(rank: int, world: int) -> None:
         run_lockstep(rank, world, f"stage {stage} StepLR", sched=sched, stage=stage)
         adam = lambda g: torch.optim.Adam(g, lr=LR, weight_decay=0.1)  # noqa: E731
         run_lockstep(rank, world, f"stage {stage} Adam", stage=stage, adam_w_mode=False, weight_decay=0.1, ref_opt=adam)
-        for use_no_sync in (True, False):
-            accumulation_case(rank, world, stage, use_no_sync)
+        for mode in ("no_sync", "accumulation_steps", "backward"):
+            accumulation_case(rank, world, stage, mode)
 
 
 @pytest.mark.distributed

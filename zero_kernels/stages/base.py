@@ -20,7 +20,9 @@ engine callback) buckets still waiting for parameters that got no gradient are l
 At most ``max_inflight`` reductions stay in flight: launching one more completes the oldest (its
 epilogue, e.g. stage 2's add into the gradient shard, runs then), so a stage that reduces into
 scratch buckets holds a few buckets during backward, not the whole gradient. A launched
-collective owns its buffers (``Inflight.held``); the next backward fills new ones.
+collective owns its buffers (``Inflight.held``). Every reduction is complete when backward
+returns: another backward before the step writes into the gradients again (stage 0 all-reduces
+``p.grad``'s storage in place).
 
 Step. ``step()`` finishes gradient synchronisation (``_before_step``: stage 1 reduce-scatters
 here), combines across ranks, in one all-reduce, the per-parameter "has a gradient" flags and the
@@ -310,6 +312,7 @@ class Pipeline:
 
     def _end_round(self) -> None:
         self._launch_ready(flush=True)
+        self._complete_inflight()  # a next backward accumulates into p.grad: stage 0 reduces it in place
         self._round_open = False
         self._synced = True
         self._next_launch = 0
