@@ -3,7 +3,11 @@
 Each provider runs in fresh processes (so peak RSS is its own): a ~20M-parameter MLP stack,
 a few warm-up steps, then the median wall time of forward + backward + step + zero_grad, the
 peak resident set size of each rank, and the model-state bytes per rank (``memory_report()`` for
-ours; for the others the same measurement over their parameters, gradients and optimizer state).
+ours; for the others the same measurement over their parameters, gradients and optimizer state,
+FSDP2's DTensors by their local shards). ``vs_peer`` is the step time of the named peer divided by
+ours, both the mean over ranks of this run (above 1: ours is faster). Providers run one after the
+other, so on a busy machine repeat the run before reading much into a ratio near 1. Our
+``reduce_bucket_size`` is 2M elements (8 MB), the size of the DDP buckets (``bucket_cap_mb=8``).
 """
 
 from __future__ import annotations
@@ -22,8 +26,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-DESCRIPTION = "training step on 2 gloo ranks: zero_kernels stages 0-2 vs DDP, ZeRO-1 (torch), FSDP2"
+DESCRIPTION = "training step on 2 gloo ranks: zero_kernels stages 0-3 vs DDP, ZeRO-1 (torch), FSDP2"
 WORLD = 2
+PEERS = {
+    "zk-stage0": "ddp+adamw-fused",
+    "zk-stage1": "ddp+zero1-torch",
+    "zk-stage2": "ddp+adamw-fused",
+    "zk-stage3": "fsdp2",
+}
+BUCKET_ELEMENTS = 2_000_000  # ours: reduce_bucket_size (8 MB of fp32), the size of the DDP buckets below
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -34,14 +45,24 @@ def _model(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds memory here: a DTensor's (FSDP2's sharded parameters, gradients and
+    optimizer state) local shard, any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _state_bytes(params: list, opt: torch.optim.Optimizer) -> dict:
+    """Bytes of the distinct storages behind the parameters, gradients and optimizer state of this rank;
+    storages resized to nothing (FSDP2's unsharded parameters between uses) count zero."""
     from zero_kernels.stages import storage_bytes
 
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard in a local optimizer
     states = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
-    return {"params": storage_bytes(local), "grads": storage_bytes(grads), "optimizer": storage_bytes(states)}
+    grads = [p.grad for p in params if p.grad is not None]
+    kinds = {"params": params, "grads": grads, "optimizer": states}
+    return {
+        k: storage_bytes([_local(t) for t in ts if _local(t).untyped_storage().nbytes()]) for k, ts in kinds.items()
+    }
 
 
 def _build(provider: str, model: nn.Module):
@@ -49,7 +70,7 @@ def _build(provider: str, model: nn.Module):
     if provider.startswith("zk-stage"):
         from zero_kernels.optim import ShardedFusedAdam
 
-        opt = ShardedFusedAdam(model, lr=1e-4, stage=int(provider[-1]), reduce_bucket_size=2_000_000)
+        opt = ShardedFusedAdam(model, lr=1e-4, stage=int(provider[-1]), reduce_bucket_size=BUCKET_ELEMENTS)
         return model, opt, opt.memory_report
     if provider == "ddp+adamw-fused":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=8, gradient_as_bucket_view=True)
@@ -102,9 +123,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _with_peer_ratios(rows: list[dict]) -> list[dict]:
+    """Add ``peer`` and ``vs_peer`` (peer's mean step time over ours) to our rows."""
+    times: dict[str, list[float]] = {}
+    for r in rows:
+        if "step_ms" in r:
+            times.setdefault(r["provider"], []).append(r["step_ms"])
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    for r in rows:
+        peer = PEERS.get(r["provider"])
+        if peer in mean and r["provider"] in mean:
+            r.update(peer=peer, vs_peer=mean[peer] / mean[r["provider"]])
+    return rows
+
+
 def run(quick: bool) -> list[dict]:
     width, depth, steps = (512, 10, 6) if quick else (768, 6, 12)
-    providers = ["zk-stage0", "zk-stage1", "zk-stage2", "ddp+adamw-fused", "ddp+zero1-torch", "fsdp2"]
+    providers = ["zk-stage0", "zk-stage1", "zk-stage2", "zk-stage3", "ddp+adamw-fused", "ddp+zero1-torch", "fsdp2"]
     rows = []
     psi = sum(p.numel() for p in _model(width, depth).parameters())
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,4 +153,4 @@ def run(quick: bool) -> list[dict]:
                 mem = row.pop("mem", {})
                 mib = {f"{k}_MiB": v / 2**20 for k, v in mem.items()}
                 rows.append({"case": f"{psi / 1e6:.1f}M params", "provider": provider, "rank": rank, **row, **mib})
-    return rows
+    return _with_peer_ratios(rows)
