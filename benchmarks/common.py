@@ -45,6 +45,15 @@ def copy_bandwidth(numel: int, device: str = "cpu", *, repeat: int = 10) -> floa
     return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
+def inplace_bandwidth(numel: int, device: str = "cpu", *, repeat: int = 10) -> float:
+    """Measured memory bandwidth in GB/s of an in-place fp32 update (``x.add_(1.0)``: every element read
+    and written back, 8 bytes), the roof of kernels that update their buffers in place, as Adam does.
+    It can exceed ``copy_bandwidth``: a copy's writes to another buffer also read its lines first."""
+    x = torch.randn(numel, device=device)
+    seconds = timeit(lambda: x.add_(1.0), warmup=2, repeat=repeat, device=device)
+    return 2 * x.numel() * x.element_size() / seconds / 1e9
+
+
 def machine_info() -> dict:
     info = {
         "python": platform.python_version(),

@@ -349,9 +349,10 @@ def summary(json_dir: str) -> int:
         for r in rows:
             if r["n"] == largest and r["provider"].startswith("ours"):
                 ratio = r.get("vs_best_peer", math.nan)
+                roof = "inplace" if "of_inplace_bw" in r else "copy"
                 print(
                     f"{subject:8s} {r['case']:24s} n={largest} {r['provider']:12s} {r['median_ms']:.3f} ms "
-                    f"{r['GB/s']:.0f} GB/s ({r['of_copy_bw']:.0%} of copy) x{ratio:.2f} vs best peer"
+                    f"{r['GB/s']:.0f} GB/s ({r[f'of_{roof}_bw']:.0%} of {roof}) x{ratio:.2f} vs best peer"
                 )
     return 0
 
