@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -32,6 +33,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
     try:
         fn(rank, world_size, *args)
     finally:
+        # Optimizers caught in reference cycles (stage-3 hooks) keep their engine, and through it the
+        # process group, alive; collect them now so gloo's threads stop before the interpreter does.
+        gc.collect()
         dist.destroy_process_group()
 
 
