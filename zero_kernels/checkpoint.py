@@ -69,7 +69,7 @@ __all__ = ["CheckpointError", "consolidate", "load", "save"]
 
 # ---------------------------------------------------------------- what lives where
 def _pipeline(optimizer: Any) -> Pipeline:
-    pipeline = getattr(optimizer, "_pipeline", None)
+    pipeline = getattr(optimizer, "pipeline", None)
     if not isinstance(pipeline, Pipeline):
         raise TypeError(f"checkpoint: expected a zero_kernels ShardedFusedAdam, got {type(optimizer).__name__}")
     return pipeline

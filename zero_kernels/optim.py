@@ -42,7 +42,7 @@ from torch import nn
 from .comm import make_engine
 from .config import FP16Config, ZeroConfig, ZeroOptions
 from .precision import LossScaler
-from .stages import GroupHyper, StepResult, pipeline_class, requires_module, storage_bytes
+from .stages import GroupHyper, Pipeline, StepResult, pipeline_class, requires_module, storage_bytes
 from .stages import state as zstate
 
 _ADAMW_GROUP_KEYS = dict(
@@ -200,6 +200,15 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         finally:
             self._no_sync_depth -= 1
             self._update_sync()
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The stage pipeline that owns the flat buffers, the shards and the per-parameter step counts.
+
+        An advanced, read-only accessor for code that works on the sharded layout itself, such as
+        ``zero_kernels.checkpoint``; training code needs only the optimizer's own methods.
+        """
+        return self._pipeline
 
     @property
     def loss_scale(self) -> float:
