@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 from datetime import timedelta
@@ -33,10 +32,8 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
     try:
         fn(rank, world_size, *args)
     finally:
-        # Optimizers caught in reference cycles (stage-3 hooks) keep their engine, and through it the
-        # process group, alive; collect them now so gloo's threads stop before the interpreter does.
-        gc.collect()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _prebuild_extensions() -> None:

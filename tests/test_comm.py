@@ -243,19 +243,31 @@ def _errors_body(rank: int, world_size: int, names: list[str]) -> None:
                     wait()
             assert time.perf_counter() - start < 30
         dist.barrier()
-        # An engine that outlives its process group is torn down without deadlock.
+        # An engine does not keep its process group alive: after destroy_process_group() it says so,
+        # and is torn down without deadlock.
         group = dist.new_group(backend="gloo")
         outliving = comm.make_engine(group, backend=engine.kind)
         tensor = torch.ones(1 << 12)
         outliving.all_reduce(tensor, name="last").wait()
         dist.destroy_process_group(group)
+        del group
+        gone = f"all_reduce of bucket 'after'.*process group of this {engine.kind} engine was destroyed"
+        with pytest.raises(comm.CommError, match=gone):
+            outliving.all_reduce(tensor, name="after")
         del outliving, tensor
         dist.barrier()
     if "cpp" in names:
-        engine = _ext.load("comm").Engine(dist.group.WORLD)
-        primitive = _ext.load("comm").Primitive.all_reduce_slice
+        ext = _ext.load("comm")
+        engine = ext.Engine(dist.group.WORLD)
         with pytest.raises(ValueError, match=rf"reduce_scatter of bucket 'raw' on rank {rank} of 2.*7 elements"):
-            engine.reduce_scatter(torch.empty(3), torch.empty(7), "raw", primitive)
+            engine.reduce_scatter(torch.empty(3), torch.empty(7), "raw", ext.Primitive.all_reduce_slice)
+        # The C++ engine holds its group weakly: once Python drops the group, c10d's object is gone.
+        group = dist.new_group(backend="gloo")
+        raw = ext.Engine(group)
+        dist.destroy_process_group(group)
+        del group
+        with pytest.raises(RuntimeError, match="all_reduce of bucket 'gone'.*process group was destroyed"):
+            raw.all_reduce(torch.ones(4), "sum", "gone")
 
 
 # ---------------------------------------------------------------- tests

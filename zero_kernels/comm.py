@@ -24,6 +24,7 @@ measured by ``python -m benchmarks comm`` (``PRIMITIVES``); ``primitive=`` overr
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable, Optional, Union
 
 import torch
@@ -156,10 +157,11 @@ class _EngineBase:
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self.distributed = dist.is_available() and dist.is_initialized()
-        self.group = process_group if process_group is not None else (dist.group.WORLD if self.distributed else None)
-        self.rank = dist.get_rank(self.group) if self.distributed else 0
-        self.world_size = dist.get_world_size(self.group) if self.distributed else 1
-        self.backend = dist.get_backend(self.group) if self.distributed else "local"
+        group = process_group if process_group is not None else (dist.group.WORLD if self.distributed else None)
+        self._group = None if group is None else weakref.ref(group)
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.backend = dist.get_backend(group) if self.distributed else "local"
         log.info(
             "zero_kernels comm: %s engine on %s, rank %d of %d; primitives: %s",
             self.kind,
@@ -168,6 +170,23 @@ class _EngineBase:
             self.world_size,
             _describe_choices(self.backend),
         )
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group (None without one). Held weakly, so that ``destroy_process_group()`` really
+        destroys it, and with it the backend's threads, while an optimizer is still alive."""
+        return self._ensure_group("zero_kernels comm")
+
+    def _ensure_group(self, what: str) -> Optional[dist.ProcessGroup]:
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise CommError(
+                f"{what}: the process group of this {self.kind} engine was destroyed; "
+                "create the optimizer again after init_process_group"
+            )
+        return group
 
     def describe(self, operation: str, name: str) -> str:
         return (
@@ -183,6 +202,7 @@ class _EngineBase:
         self, operation: str, name: str, shard: torch.Tensor, full: torch.Tensor, primitive: Optional[str]
     ) -> tuple[str, str]:
         what = self.describe(operation, name)
+        self._ensure_group(what)
         _check_pair(what, shard, full, self.world_size)
         if primitive is None:
             primitive = self.primitive_for(operation, full)
@@ -192,6 +212,7 @@ class _EngineBase:
 
     def _check_all_reduce(self, name: str, tensor: torch.Tensor, op: str) -> str:
         what = self.describe("all_reduce", name)
+        self._ensure_group(what)
         if op not in REDUCE_OPS:
             raise ValueError(f"{what}: op {op!r}; allowed: {', '.join(REDUCE_OPS)}")
         if not tensor.is_contiguous():

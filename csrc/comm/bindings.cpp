@@ -9,11 +9,10 @@ using Release = py::call_guard<py::gil_scoped_release>;
 
 namespace {
 
-// The engine may hold the last reference to its process group, whose destructor joins the
-// backend's threads; those threads may need the GIL to release tensors, so never destroy an engine
-// while holding it.
-std::shared_ptr<zk::Engine> make_engine(c10::intrusive_ptr<c10d::ProcessGroup> group) {
-  return std::shared_ptr<zk::Engine>(new zk::Engine(std::move(group)), [](zk::Engine* engine) {
+// Destroying an engine waits for its operations still in flight, whose completion on the backend's
+// threads may need the GIL to release tensors, so never destroy an engine while holding it.
+std::shared_ptr<zk::Engine> make_engine(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  return std::shared_ptr<zk::Engine>(new zk::Engine(group), [](zk::Engine* engine) {
     if (PyGILState_Check()) {
       py::gil_scoped_release release;
       delete engine;

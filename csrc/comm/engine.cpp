@@ -1,7 +1,9 @@
 #include "comm/engine.h"
 
 #include <atomic>
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 #include <type_traits>
 #include <utility>
 
@@ -11,6 +13,18 @@ namespace zero_kernels::comm {
 namespace {
 
 std::atomic<int64_t> g_live_ops{0};
+
+// A host (gloo) collective's worker thread still holds the finished work, and through it the
+// tensors, for a few microseconds after wait() returns. Wait (bounded) until it lets go, so that the
+// last reference to a tensor Python handed us is dropped on the waiting thread: dropped on a backend
+// thread, it needs the GIL, which aborts the process while the interpreter is shutting down.
+void wait_for_backend_release(const c10::intrusive_ptr<c10d::Work>& work) {
+  constexpr auto kLimit = std::chrono::milliseconds(100);
+  const auto start = std::chrono::steady_clock::now();
+  while (work.use_count() > 1 && std::chrono::steady_clock::now() - start < kLimit) {
+    std::this_thread::yield();
+  }
+}
 
 // Newer torch names the flat-tensor collectives *_single and deprecates the underscore names.
 template <typename PG, typename = void>
@@ -163,7 +177,8 @@ PendingOp::PendingOp(std::string what, c10::intrusive_ptr<c10d::Work> work, std:
     : what_(std::move(what)),
       work_(std::move(work)),
       keep_alive_(std::move(keep_alive)),
-      epilogue_(std::move(epilogue)) {
+      epilogue_(std::move(epilogue)),
+      on_host_(keep_alive_.empty() || !keep_alive_.front().is_cuda()) {
   ++g_live_ops;
 }
 
@@ -175,6 +190,9 @@ void PendingOp::finish_locked() {
   try {
     if (work_) {
       work_->wait();
+      if (on_host_) {
+        wait_for_backend_release(work_);
+      }
     }
     if (epilogue_) {
       epilogue_();
@@ -216,8 +234,14 @@ bool PendingOp::failed() {
   return static_cast<bool>(error_);
 }
 
-Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : group_(std::move(group)), rank_(group_->getRank()), world_size_(group_->getSize()) {}
+Engine::Engine(const c10::intrusive_ptr<c10d::ProcessGroup>& group)
+    : group_(group), rank_(group->getRank()), world_size_(group->getSize()), backend_(group->getBackendName()) {}
+
+c10::intrusive_ptr<c10d::ProcessGroup> Engine::group(const std::string& what) const {
+  auto group = group_.lock();
+  TORCH_CHECK(group, what, ": the process group was destroyed; create the optimizer again after init_process_group");
+  return group;
+}
 
 Engine::~Engine() {
   std::deque<std::shared_ptr<PendingOp>> pending;
@@ -234,7 +258,7 @@ Engine::~Engine() {
   }
 }
 
-std::string Engine::backend() const { return group_->getBackendName(); }
+std::string Engine::backend() const { return backend_; }
 
 std::string Engine::describe(const char* op, const std::string& name) const {
   return std::string("zero_kernels comm: ") + op + " of bucket '" + name + "' on rank " + std::to_string(rank_) +
@@ -264,11 +288,12 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
   check_pair(output, input, world_size_, what);
   check_primitive(primitive,
                   {Primitive::kAllReduceSlice, Primitive::kReduceScatterList, Primitive::kReduceScatterTensor}, what);
+  const auto pg = group(what);
   at::Tensor in = input;
   const int64_t n = output.numel();
   if (primitive == Primitive::kAllReduceSlice) {
     std::vector<at::Tensor> tensors{in};
-    auto work = group_->allreduce(tensors);
+    auto work = pg->allreduce(tensors);
     at::Tensor mine = in.narrow(0, static_cast<int64_t>(rank_) * n, n);
     return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{in, output},
                                              epilogue(output, mine, streams, what)));
@@ -279,9 +304,9 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
   if (primitive == Primitive::kReduceScatterList) {
     std::vector<at::Tensor> outputs{target};
     std::vector<std::vector<at::Tensor>> inputs{in.chunk(world_size_)};
-    work = group_->reduce_scatter(outputs, inputs);
+    work = pg->reduce_scatter(outputs, inputs);
   } else {
-    work = reduce_scatter_flat(*group_, target, in);
+    work = reduce_scatter_flat(*pg, target, in);
   }
   return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{in, target, output},
                                            epilogue(direct ? at::Tensor() : output, target, streams, what)));
@@ -292,6 +317,7 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
   const std::string what = describe("all_gather", name);
   check_pair(input, output, world_size_, what);
   check_primitive(primitive, {Primitive::kAllGatherList, Primitive::kAllGatherTensor}, what);
+  const auto pg = group(what);
   at::Tensor out = output;
   at::Tensor source = input;
   if (input.scalar_type() != output.scalar_type()) {
@@ -302,9 +328,9 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
   if (primitive == Primitive::kAllGatherList) {
     std::vector<std::vector<at::Tensor>> outputs{out.chunk(world_size_)};
     std::vector<at::Tensor> inputs{source};
-    work = group_->allgather(outputs, inputs);
+    work = pg->allgather(outputs, inputs);
   } else {
-    work = all_gather_flat(*group_, out, source);
+    work = all_gather_flat(*pg, out, source);
   }
   return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{input, source, out},
                                            epilogue(at::Tensor(), out, streams, what)));
@@ -316,8 +342,9 @@ std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const st
   check_flat(tensor, "the tensor", what);
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce_op(op, what);
+  const auto pg = group(what);
   std::vector<at::Tensor> tensors{tensor};
-  auto work = group_->allreduce(tensors, opts);
+  auto work = pg->allreduce(tensors, opts);
   return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{tensor},
                                            epilogue(at::Tensor(), tensor, streams, what)));
 }

@@ -71,13 +71,16 @@ class PendingOp {
   c10::intrusive_ptr<c10d::Work> work_;
   std::vector<at::Tensor> keep_alive_;
   std::function<void()> epilogue_;
+  const bool on_host_;  // a CPU collective: wait() blocks until the backend has finished with it
   bool done_ = false;
   std::exception_ptr error_;
 };
 
+// Holds its process group weakly: destroy_process_group() really destroys it (joining gloo's
+// threads) even while an optimizer is still alive; an operation after that raises.
 class Engine {
  public:
-  explicit Engine(c10::intrusive_ptr<c10d::ProcessGroup> group);
+  explicit Engine(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
   // Waits for every operation still in flight (their buffers must outlive the collectives).
   ~Engine();
   Engine(const Engine&) = delete;
@@ -104,12 +107,14 @@ class Engine {
 
  private:
   std::string describe(const char* op, const std::string& name) const;
+  c10::intrusive_ptr<c10d::ProcessGroup> group(const std::string& what) const;
   std::shared_ptr<PendingOp> track(std::shared_ptr<PendingOp> op);
   void reap_locked();
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_;
   int world_size_;
+  std::string backend_;
   std::mutex mu_;
   std::deque<std::shared_ptr<PendingOp>> in_flight_;
 };
