@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .checkpoint_consolidate import consolidate
@@ -59,6 +58,7 @@ from .checkpoint_format import (
     resolve,
     write_small,
 )
+from .comm import all_gather_objects
 from .layout import BufferLayout
 from .stages import Pipeline
 
@@ -252,10 +252,7 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
     except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:
         value, error = None, str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
     mine = (error, value if share else None)
-    outcomes = [mine]
-    if pipeline.world_size > 1:
-        outcomes = [None] * pipeline.world_size
-        dist.all_gather_object(outcomes, mine, group=pipeline.engine.group)
+    outcomes = all_gather_objects(pipeline.engine, mine, name="checkpoint.outcomes")
     failed = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message is not None]
     if failed:
         rank, message = failed[0]

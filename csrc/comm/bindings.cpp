@@ -33,7 +33,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("reduce_scatter_list", zk::Primitive::kReduceScatterList)
       .value("reduce_scatter_tensor", zk::Primitive::kReduceScatterTensor)
       .value("all_gather_list", zk::Primitive::kAllGatherList)
-      .value("all_gather_tensor", zk::Primitive::kAllGatherTensor);
+      .value("all_gather_tensor", zk::Primitive::kAllGatherTensor)
+      .value("reduce_scatter_p2p", zk::Primitive::kReduceScatterP2P)
+      .value("all_gather_p2p", zk::Primitive::kAllGatherP2P);
 
   py::class_<zk::PendingOp, std::shared_ptr<zk::PendingOp>>(m, "PendingOp")
       .def("wait", &zk::PendingOp::wait, Release())

@@ -14,6 +14,13 @@ namespace {
 
 std::atomic<int64_t> g_live_ops{0};
 
+using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
+
+// Tags of the point-to-point primitives: a range of their own, so that they never match a send or
+// receive of the user's; one tag per operation, in issue order (the same on every rank).
+constexpr uint32_t kTagBase = 1u << 30;
+constexpr uint32_t kTagSpan = 1u << 29;
+
 // A host (gloo) collective's worker thread still holds the finished work, and through it the
 // tensors, for a few microseconds after wait() returns. Wait (bounded) until it lets go, so that the
 // last reference to a tensor Python handed us is dropped on the waiting thread: dropped on a backend
@@ -168,14 +175,18 @@ const char* primitive_name(Primitive primitive) {
       return "all_gather_list";
     case Primitive::kAllGatherTensor:
       return "all_gather_tensor";
+    case Primitive::kReduceScatterP2P:
+      return "reduce_scatter_p2p";
+    case Primitive::kAllGatherP2P:
+      return "all_gather_p2p";
   }
   return "unknown";
 }
 
-PendingOp::PendingOp(std::string what, c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> keep_alive,
-                     std::function<void()> epilogue)
+PendingOp::PendingOp(std::string what, std::vector<c10::intrusive_ptr<c10d::Work>> works,
+                     std::vector<at::Tensor> keep_alive, std::function<void()> epilogue)
     : what_(std::move(what)),
-      work_(std::move(work)),
+      works_(std::move(works)),
       keep_alive_(std::move(keep_alive)),
       epilogue_(std::move(epilogue)),
       on_host_(keep_alive_.empty() || !keep_alive_.front().is_cuda()) {
@@ -188,10 +199,10 @@ int64_t PendingOp::live() { return g_live_ops.load(); }
 
 void PendingOp::finish_locked() {
   try {
-    if (work_) {
-      work_->wait();
+    for (const auto& work : works_) {
+      work->wait();
       if (on_host_) {
-        wait_for_backend_release(work_);
+        wait_for_backend_release(work);
       }
     }
     if (epilogue_) {
@@ -201,7 +212,7 @@ void PendingOp::finish_locked() {
     error_ = std::make_exception_ptr(std::runtime_error(what_ + " failed: " + e.what()));
   }
   done_ = true;
-  work_.reset();
+  works_.clear();
   keep_alive_.clear();
   epilogue_ = nullptr;
 }
@@ -218,15 +229,24 @@ void PendingOp::wait() {
 
 bool PendingOp::is_completed() {
   std::lock_guard<std::mutex> lock(mu_);
-  return done_ || !work_ || work_->isCompleted();
+  return done_ || all_completed_locked();
 }
 
 bool PendingOp::try_finish() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!done_ && (!work_ || work_->isCompleted())) {
+  if (!done_ && all_completed_locked()) {
     finish_locked();
   }
   return done_;
+}
+
+bool PendingOp::all_completed_locked() const {
+  for (const auto& work : works_) {
+    if (!work->isCompleted()) {
+      return false;
+    }
+  }
+  return true;
 }
 
 bool PendingOp::failed() {
@@ -276,9 +296,24 @@ void Engine::reap_locked() {
 }
 
 std::shared_ptr<PendingOp> Engine::track(std::shared_ptr<PendingOp> op) {
-  std::lock_guard<std::mutex> lock(mu_);
-  reap_locked();
-  in_flight_.push_back(op);
+  std::vector<std::shared_ptr<PendingOp>> due;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reap_locked();
+    in_flight_.push_back(op);
+    while (static_cast<int64_t>(in_flight_.size()) > kMaxHeld) {
+      due.push_back(in_flight_.front());
+      in_flight_.pop_front();
+    }
+  }
+  for (auto& old : due) {
+    try {
+      old->wait();
+    } catch (const std::exception&) {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_flight_.push_front(old);  // synchronize() raises it
+    }
+  }
   return op;
 }
 
@@ -287,15 +322,20 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
   const std::string what = describe("reduce_scatter", name);
   check_pair(output, input, world_size_, what);
   check_primitive(primitive,
-                  {Primitive::kAllReduceSlice, Primitive::kReduceScatterList, Primitive::kReduceScatterTensor}, what);
+                  {Primitive::kAllReduceSlice, Primitive::kReduceScatterList, Primitive::kReduceScatterTensor,
+                   Primitive::kReduceScatterP2P},
+                  what);
   const auto pg = group(what);
   at::Tensor in = input;
   const int64_t n = output.numel();
+  if (primitive == Primitive::kReduceScatterP2P) {
+    return reduce_scatter_p2p(*pg, output, in, what);
+  }
   if (primitive == Primitive::kAllReduceSlice) {
     std::vector<at::Tensor> tensors{in};
     auto work = pg->allreduce(tensors);
     at::Tensor mine = in.narrow(0, static_cast<int64_t>(rank_) * n, n);
-    return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{in, output},
+    return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{in, output},
                                              epilogue(output, mine, streams, what)));
   }
   const bool direct = output.scalar_type() == input.scalar_type();
@@ -308,7 +348,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
   } else {
     work = reduce_scatter_flat(*pg, target, in);
   }
-  return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{in, target, output},
+  return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{in, target, output},
                                            epilogue(direct ? at::Tensor() : output, target, streams, what)));
 }
 
@@ -316,13 +356,16 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
                                               const std::string& name, Primitive primitive, Streams streams) {
   const std::string what = describe("all_gather", name);
   check_pair(input, output, world_size_, what);
-  check_primitive(primitive, {Primitive::kAllGatherList, Primitive::kAllGatherTensor}, what);
+  check_primitive(primitive, {Primitive::kAllGatherList, Primitive::kAllGatherTensor, Primitive::kAllGatherP2P}, what);
   const auto pg = group(what);
   at::Tensor out = output;
   at::Tensor source = input;
   if (input.scalar_type() != output.scalar_type()) {
     source = at::empty({input.numel()}, output.options());
     copy_in(source, input, streams, what);
+  }
+  if (primitive == Primitive::kAllGatherP2P) {
+    return all_gather_p2p(*pg, out, source, input, what);
   }
   c10::intrusive_ptr<c10d::Work> work;
   if (primitive == Primitive::kAllGatherList) {
@@ -332,7 +375,7 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
   } else {
     work = all_gather_flat(*pg, out, source);
   }
-  return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{input, source, out},
+  return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{input, source, out},
                                            epilogue(at::Tensor(), out, streams, what)));
 }
 
@@ -345,8 +388,68 @@ std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const st
   const auto pg = group(what);
   std::vector<at::Tensor> tensors{tensor};
   auto work = pg->allreduce(tensors, opts);
-  return track(std::make_shared<PendingOp>(what, std::move(work), std::vector<at::Tensor>{tensor},
+  return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{tensor},
                                            epilogue(at::Tensor(), tensor, streams, what)));
+}
+
+uint32_t Engine::next_tag(const std::string& what, const at::Tensor& t) {
+  if (t.is_cuda()) {
+    throw std::invalid_argument(what + ": the point-to-point primitives are for CPU tensors (gloo)");
+  }
+  return kTagBase + next_tag_.fetch_add(1) % kTagSpan;
+}
+
+// Every rank sends chunk j of `input` to rank j and receives its own chunk from each peer into a
+// scratch row; the epilogue sums those rows into its own chunk (input is scratch) and casts that into
+// `output`. Each byte crosses one link once: half the traffic of an all-reduce.
+std::shared_ptr<PendingOp> Engine::reduce_scatter_p2p(c10d::ProcessGroup& pg, const at::Tensor& output,
+                                                      at::Tensor& input, const std::string& what) {
+  const int64_t n = output.numel();
+  const int tag = static_cast<int>(next_tag(what, input));
+  at::Tensor received = at::empty({world_size_ - 1, n}, input.options());
+  Works works;
+  for (int peer = 0, row = 0; peer < world_size_; ++peer) {
+    if (peer == rank_) {
+      continue;
+    }
+    std::vector<at::Tensor> send{input.narrow(0, static_cast<int64_t>(peer) * n, n)};
+    std::vector<at::Tensor> recv{received.select(0, row++)};
+    works.push_back(pg.send(send, peer, tag));
+    works.push_back(pg.recv(recv, peer, tag));
+  }
+  at::Tensor mine = input.narrow(0, static_cast<int64_t>(rank_) * n, n);
+  auto sum = [output, mine, received]() {
+    if (received.size(0) == 1) {
+      mine.add_(received.select(0, 0));
+    } else {
+      mine.add_(received.sum(0));
+    }
+    if (output.data_ptr() != mine.data_ptr() || output.scalar_type() != mine.scalar_type()) {
+      output.copy_(mine);
+    }
+  };
+  return track(std::make_shared<PendingOp>(what, std::move(works), std::vector<at::Tensor>{input, received, output},
+                                           std::move(sum)));
+}
+
+// Every rank sends its (already cast) shard to each peer and receives theirs straight into `output`.
+std::shared_ptr<PendingOp> Engine::all_gather_p2p(c10d::ProcessGroup& pg, at::Tensor& output, at::Tensor& source,
+                                                  const at::Tensor& input, const std::string& what) {
+  const int64_t n = source.numel();
+  const int tag = static_cast<int>(next_tag(what, output));
+  output.narrow(0, static_cast<int64_t>(rank_) * n, n).copy_(source);
+  Works works;
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer == rank_) {
+      continue;
+    }
+    std::vector<at::Tensor> send{source};
+    std::vector<at::Tensor> recv{output.narrow(0, static_cast<int64_t>(peer) * n, n)};
+    works.push_back(pg.send(send, peer, tag));
+    works.push_back(pg.recv(recv, peer, tag));
+  }
+  return track(std::make_shared<PendingOp>(what, std::move(works), std::vector<at::Tensor>{input, source, output},
+                                           nullptr));
 }
 
 void Engine::synchronize() {

@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -29,6 +30,8 @@ enum class Primitive {
   kReduceScatterTensor,  // reduce_scatter of one flat tensor (_reduce_scatter_base)
   kAllGatherList,        // all_gather into a list of per-rank output views
   kAllGatherTensor,      // all_gather into one flat tensor (_allgather_base)
+  kReduceScatterP2P,     // reduce_scatter as a send/recv of each chunk to its owner, summed there (CPU)
+  kAllGatherP2P,         // all_gather as a send/recv of this rank's shard to every peer (CPU)
 };
 
 const char* primitive_name(Primitive primitive);
@@ -41,10 +44,11 @@ struct Streams {
   intptr_t side = 0;
 };
 
-// One in-flight collective. Holds the work and every tensor it touches until it has finished.
+// One in-flight operation: one c10d work (a collective) or several (point-to-point). Holds the works
+// and every tensor they touch until all have finished.
 class PendingOp {
  public:
-  PendingOp(std::string what, c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> keep_alive,
+  PendingOp(std::string what, std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> keep_alive,
             std::function<void()> epilogue);
   ~PendingOp();
   PendingOp(const PendingOp&) = delete;
@@ -65,10 +69,11 @@ class PendingOp {
 
  private:
   void finish_locked();
+  bool all_completed_locked() const;
 
   std::mutex mu_;
   const std::string what_;
-  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<at::Tensor> keep_alive_;
   std::function<void()> epilogue_;
   const bool on_host_;  // a CPU collective: wait() blocks until the backend has finished with it
@@ -101,6 +106,11 @@ class Engine {
   // Operations the engine still holds (finished ones are dropped first).
   int64_t in_flight();
 
+  // Operations held at most: issuing more first waits for the oldest. A point-to-point operation
+  // cannot be polled (gloo's send/recv works report completion only once waited), so this bounds
+  // what unwaited ones hold.
+  static constexpr int64_t kMaxHeld = 16;
+
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   std::string backend() const;
@@ -109,6 +119,11 @@ class Engine {
   std::string describe(const char* op, const std::string& name) const;
   c10::intrusive_ptr<c10d::ProcessGroup> group(const std::string& what) const;
   std::shared_ptr<PendingOp> track(std::shared_ptr<PendingOp> op);
+  uint32_t next_tag(const std::string& what, const at::Tensor& t);
+  std::shared_ptr<PendingOp> reduce_scatter_p2p(c10d::ProcessGroup& pg, const at::Tensor& output, at::Tensor& input,
+                                                const std::string& what);
+  std::shared_ptr<PendingOp> all_gather_p2p(c10d::ProcessGroup& pg, at::Tensor& output, at::Tensor& source,
+                                            const at::Tensor& input, const std::string& what);
   void reap_locked();
 
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
@@ -117,6 +132,7 @@ class Engine {
   std::string backend_;
   std::mutex mu_;
   std::deque<std::shared_ptr<PendingOp>> in_flight_;
+  std::atomic<uint32_t> next_tag_{0};
 };
 
 }  // namespace zero_kernels::comm

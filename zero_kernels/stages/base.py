@@ -469,11 +469,12 @@ class Pipeline:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers)."""
         for buf in self.buffers:
+            flat = None if buf.grad_flat is None else buf.grad_flat.untyped_storage().data_ptr()
             for p in buf.params:
                 if set_to_none:
                     p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
+                elif p.grad is not None and p.grad.untyped_storage().data_ptr() != flat:
+                    p.grad.zero_()  # views of grad_flat are zeroed with it, below
             for t in (buf.grad_flat, buf.grad_shard):
                 if t is not None:
                     t.zero_()
