@@ -319,7 +319,7 @@ def test_auto_falls_back_to_torch_with_one_log_line(monkeypatch, caplog) -> None
         raise _ext.ExtensionUnavailable(f"cannot build zero_kernels extension '{name}': no compiler (test)")
 
     monkeypatch.setattr(_ext, "load", unavailable)
-    monkeypatch.setattr(comm, "_FALLBACK_LOGGED", set())
+    _ext.warn_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="zero_kernels"):
         engines = [comm.make_engine(backend="auto") for _ in range(3)]
     assert all(isinstance(e, comm.TorchCommEngine) for e in engines)

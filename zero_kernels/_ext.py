@@ -136,11 +136,12 @@ def available(name: str) -> bool:
     try:
         load(name)
     except ExtensionUnavailable as exc:
-        _warn_once(name, str(exc))
+        warn_once(f"{exc}; falling back to the pure-PyTorch path")
         return False
     return True
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_once(name: str, message: str) -> None:
-    log.warning("%s; falling back to the pure-PyTorch path", message)
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time it comes up in this process."""
+    log.warning("%s", message)

@@ -50,7 +50,7 @@ MAX_HELD = 16  # operations an engine holds at most (the C++ engine's Engine::kM
 # row whose bound holds wins. The gloo rows come from `python -m benchmarks comm --full` and a probe
 # on 2 and 3 ranks (256 KiB to 16 MiB) on a 2-core machine: the point-to-point forms were the
 # fastest at every size (reduce-scatter 1.3x to 12x faster than all_reduce + slice, which beat
-# gloo's own reduce_scatter; all-gather 1.1x to 1.8x faster than the best collective form). CUDA
+# gloo's own reduce_scatter; all-gather 1.06x to 2x faster than the better collective form). CUDA
 # tensors on gloo use DEFAULT_PRIMITIVES, as do backends not listed.
 PRIMITIVES: dict[tuple[str, str], list[tuple[Optional[int], str]]] = {
     ("gloo", "reduce_scatter"): [(None, "reduce_scatter_p2p")],
@@ -471,7 +471,7 @@ def make_engine(process_group: Optional[dist.ProcessGroup] = None, backend: Opti
         try:
             _ext.load("comm")
         except _ext.ExtensionUnavailable as exc:
-            _log_fallback_once(str(exc))
+            _ext.warn_once(f"{exc}; zero_kernels comm uses the torch engine")
             choice = "torch"
         else:
             choice = "cpp"
@@ -502,12 +502,3 @@ def all_gather_objects(engine: CommEngine, obj: Any, name: str = "objects") -> l
         (size,) = struct.unpack("<q", raw[:8])
         out.append(pickle.loads(raw[8 : 8 + size]))
     return out
-
-
-_FALLBACK_LOGGED: set[str] = set()
-
-
-def _log_fallback_once(reason: str) -> None:
-    if reason not in _FALLBACK_LOGGED:
-        _FALLBACK_LOGGED.add(reason)
-        log.warning("%s; zero_kernels comm uses the torch engine", reason)

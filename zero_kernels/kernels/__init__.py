@@ -16,9 +16,7 @@ compiler; asking for a backend that is missing raises an error that says what to
 
 from __future__ import annotations
 
-import functools
 import importlib
-import logging
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -26,8 +24,6 @@ import torch
 from .. import _ext
 from ..env import IMPLS, settings
 from .reference import Scale, adam_step_ref, flatten_ref, unflatten_ref
-
-log = logging.getLogger("zero_kernels")
 
 # backend -> operation -> (module in this package, function); "torch" is the reference.
 _BACKENDS = {
@@ -79,22 +75,17 @@ def _auto(device: torch.device) -> str:
         try:
             _import_backend("triton_adam")
         except RuntimeError as exc:
-            _warn_once(f"{exc}; using the pure-PyTorch kernels on CUDA tensors")
+            _ext.warn_once(f"{exc}; using the pure-PyTorch kernels on CUDA tensors")
             return "torch"
         return "triton"
     if device.type == "cpu" and _ext.available("ops"):
         try:
             _import_backend("cpu")
         except _ext.ExtensionUnavailable as exc:
-            _warn_once(f"{exc}; using the pure-PyTorch kernels on CPU tensors")
+            _ext.warn_once(f"{exc}; using the pure-PyTorch kernels on CPU tensors")
             return "torch"
         return "cpu"
     return "torch"
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_once(message: str) -> None:
-    log.warning("%s", message)
 
 
 def resolve_impl(impl: Optional[str], device: torch.device) -> str:
