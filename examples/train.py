@@ -5,7 +5,7 @@ Run on CPU (gloo) or GPU (NCCL)::
     torchrun --nproc_per_node 2 examples/train.py --config examples/ds_config.json
 
 Prints the loss of every optimizer step (averaged over ranks) and, at the end, the bytes each
-rank holds for parameters, gradients and optimizer state (``memory_report``).
+rank holds for parameters, gradients, optimizer state and reusable buckets (``memory_report``).
 """
 
 from __future__ import annotations

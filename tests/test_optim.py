@@ -18,6 +18,7 @@ from torch import nn
 import zero_kernels.optim as zo
 from zero_kernels.planner import estimate_memory
 from zero_kernels.precision import LossScaler
+from zero_kernels.stages.stage2 import POOL_BUCKETS
 
 
 def train(model: Net, opt: torch.optim.Optimizer, rank: int, world: int, steps: range) -> None:
@@ -97,6 +98,11 @@ def memory_case(rank: int, world: int, stage: int) -> None:
     for key in ("params", "grads", "optimizer"):
         want = getattr(estimate, key)
         assert abs(report[key] - want) <= 0.05 * want, f"stage {stage} {key}: {report[key]} vs planner {want}"
+    # idle gradient buckets kept for reuse: at most POOL_BUCKETS of the largest bucket, and no more than the shard
+    bound = POOL_BUCKETS * 4 * max(b.numel for buf in opt._pipeline.buffers for b in buf.layout.buckets)
+    bound = min(bound, report["grads"]) if stage >= 2 else 0
+    pooled = report["buffers"]
+    assert (0 < pooled <= bound) if stage >= 2 else pooled == 0, f"stage {stage}: {pooled} B pooled, bound {bound}"
 
 
 def fp16_case(rank: int, world: int, stage: int) -> None:

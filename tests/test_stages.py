@@ -132,6 +132,7 @@ def run_lockstep(
             lopt.step()
             lopt.zero_grad()
         opt.step()
+        check_padding(opt, f"{what} step {step}")
         ropt.step()
         opt.zero_grad(set_to_none=set_to_none)
         ropt.zero_grad(set_to_none=set_to_none)
@@ -142,6 +143,18 @@ def run_lockstep(
         with opt.gathered_params():
             compare(model, ref, f"{what} step {step}", low)
     return opt
+
+
+def check_padding(opt: zo.ShardedFusedAdam, what: str) -> None:
+    """The reduced gradient shard holds zeros wherever it holds no parameter (reused buckets included)."""
+    pipeline = opt._pipeline
+    for buf in pipeline.buffers:
+        if buf.grad_shard is None:
+            continue
+        covered = torch.zeros(buf.grad_shard.numel(), dtype=torch.bool)
+        for seg in buf.layout.segments(pipeline.shard_rank):
+            covered[seg.shard_offset : seg.shard_offset + seg.numel] = True
+        assert not buf.grad_shard[~covered].any(), f"{what}: gradient shard padding is not zero"
 
 
 def check_zeroed(model: Net, stage: int, what: str) -> None:

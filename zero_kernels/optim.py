@@ -269,13 +269,16 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         return self._pipeline.gathered_params()
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for params, grads and optimizer state, measured from the storages."""
+        """Bytes this rank holds, measured from the storages: ``params``, ``grads`` and ``optimizer``
+        state (the model states of DESIGN.md's formula), and ``buffers``, the idle gradient buckets
+        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets)."""
         held = self._pipeline.memory_tensors()
         params = [p for g in self.param_groups for p in g["params"]]
         return {
             "params": storage_bytes(held["params"] + params),
             "grads": storage_bytes(held["grads"] + [p.grad for p in params]),
             "optimizer": storage_bytes(held["optimizer"]),
+            "buffers": storage_bytes(held["buffers"]),
         }
 
     # ---------------------------------------------------------------- state dicts

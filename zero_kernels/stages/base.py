@@ -75,6 +75,7 @@ class FlatBuffer:
     exp_avg_sq: Optional[torch.Tensor] = None
     pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
+    filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
 
     def shard_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """The part of a shard-sized tensor ``t`` that belongs to ``bucket``."""
@@ -494,4 +495,5 @@ class Pipeline:
             "params": [buf.param_flat for buf in self.buffers],
             "grads": grads,
             "optimizer": [t for buf in self.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq)],
+            "buffers": [],
         }

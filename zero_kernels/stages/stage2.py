@@ -6,10 +6,18 @@ backward ``p.grad`` is ``None`` for every trainable parameter, except under ``no
 gradients accumulate in ``p.grad`` until the synchronised backward. A full bucket is
 reduce-scattered while backward goes on; once it completes (at most ``max_inflight`` are in
 flight, see ``base``) its rank part is added to ``grad_shard`` (so several backward passes before
-a step accumulate) and the bucket is freed.
+a step accumulate) and the bucket goes back to a pool, to be reused by the next bucket that fills.
+The pool keeps at most ``POOL_BUCKETS`` buckets of the largest size (what backward uses at once:
+``max_inflight + 1`` in flight, two being filled) and never more bytes than this rank's gradient
+shard; ``memory_report()`` shows it as ``buffers``. A fresh bucket per reduction (allocation, page
+faults, zero-filling) made a 28M-parameter step on 2 gloo ranks 13 % slower (215 vs 187 ms, three
+alternating runs each). Only the parts of a reused bucket that no gradient was copied into are
+zeroed before it is reduced.
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 
@@ -17,32 +25,83 @@ from ..kernels import flatten
 from ..layout import Bucket
 from .base import FlatBuffer, Pipeline
 
+POOL_BUCKETS = Pipeline.max_inflight + 3  # idle scratch buckets kept for reuse (memory_report()["buffers"])
+
 
 class Stage2Pipeline(Pipeline):
     stage = 2
 
+    def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
+        super().__init__(engine, options, impl=impl, module=module)
+        self._pool: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
     def _allocate_grads(self, buf: FlatBuffer) -> None:
         buf.grad_shard = torch.zeros(buf.layout.shard_numel, dtype=buf.dtype, device=buf.device)
+
+    def _scratch(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """The bucket's scratch for this round: a pooled bucket, or a new zero-filled one."""
+        if bucket.index not in buf.scratch:
+            pool = self._pool.setdefault((buf.dtype, buf.device), [])
+            while pool and pool[-1].numel() < bucket.numel:  # smaller than a group added since
+                pool.pop()
+            if pool:
+                whole = pool.pop()
+            else:
+                size = max(b.numel for other in self.buffers for b in other.layout.buckets)
+                whole = torch.zeros(size, dtype=buf.dtype, device=buf.device)
+            buf.scratch[bucket.index] = whole.narrow(0, 0, bucket.numel)
+            buf.filled[bucket.index] = set()
+        return buf.scratch[bucket.index]
 
     def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
         s = buf.layout.slots[slot]
         for k in buf.layout.slot_buckets[slot]:
             bucket = buf.layout.buckets[k]
-            if k not in buf.scratch:
-                buf.scratch[k] = torch.zeros(bucket.numel, dtype=buf.dtype, device=buf.device)
+            scratch = self._scratch(buf, bucket)
             lo, hi = max(s.offset, bucket.start), min(s.offset + s.numel, bucket.start + bucket.numel)
             piece = p.grad.reshape(-1).narrow(0, lo - s.offset, hi - lo)
-            flatten([piece], buf.scratch[k], [lo - bucket.start], scale=1.0 / self.world_size, impl=self.impl)
+            flatten([piece], scratch, [lo - bucket.start], scale=1.0 / self.world_size, impl=self.impl)
+            buf.filled[k].add(slot)
         p.grad = None
 
+    def _zero_unfilled(self, buf: FlatBuffer, bucket: Bucket, scratch: torch.Tensor, filled: set[int]) -> None:
+        """Zero what no gradient was copied into: padding, and the pieces of parameters without one."""
+        done = 0
+        for slot in sorted(bucket.slots, key=lambda i: buf.layout.slots[i].offset):
+            s = buf.layout.slots[slot]
+            lo = max(s.offset, bucket.start) - bucket.start
+            hi = min(s.offset + s.numel, bucket.start + bucket.numel) - bucket.start
+            if lo > done:
+                scratch[done:lo].zero_()
+            if slot not in filled:
+                scratch[lo:hi].zero_()
+            done = max(done, hi)
+        if done < bucket.numel:
+            scratch[done:].zero_()
+
     def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
-        scratch = buf.scratch.pop(bucket.index, None)  # the collective owns it; a later backward fills a new one
-        if scratch is None:
-            scratch = torch.zeros(bucket.numel, dtype=buf.dtype, device=buf.device)
+        scratch = self._scratch(buf, bucket)
+        del buf.scratch[bucket.index]  # the collective owns it now; a later backward fills another
+        self._zero_unfilled(buf, bucket, scratch, buf.filled.pop(bucket.index))
         mine = scratch.narrow(0, self.rank * bucket.shard_numel, bucket.shard_numel)
 
         def accumulate() -> None:
             self._grad_shard(buf, bucket).add_(mine)
+            self._give_back(buf, scratch._base)
 
         handle = self.engine.reduce_scatter(mine, scratch, name=f"grads.{bucket.index}")
         self._track(handle, accumulate, held=(scratch,))
+
+    def _give_back(self, buf: FlatBuffer, whole: torch.Tensor) -> None:
+        """Keep a finished scratch bucket for reuse, within the pool's limits."""
+        pool = self._pool.setdefault((buf.dtype, buf.device), [])
+        pooled = sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
+        shard = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers)
+        if len(pool) < POOL_BUCKETS and pooled + whole.numel() * whole.element_size() <= shard:
+            pool.append(whole)
+
+    def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
+        """As the base, with ``buffers`` the pooled scratch buckets."""
+        tensors = super().memory_tensors()
+        tensors["buffers"] = [t for pool in self._pool.values() for t in pool]
+        return tensors
