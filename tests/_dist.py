@@ -32,8 +32,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
     try:
         fn(rank, world_size, *args)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def _prebuild_extensions() -> None:

@@ -65,19 +65,18 @@ class Stage2Pipeline(Pipeline):
         p.grad = None
 
     def _zero_unfilled(self, buf: FlatBuffer, bucket: Bucket, scratch: torch.Tensor, filled: set[int]) -> None:
-        """Zero what no gradient was copied into: padding, and the pieces of parameters without one."""
-        done = 0
-        for slot in sorted(bucket.slots, key=lambda i: buf.layout.slots[i].offset):
-            s = buf.layout.slots[slot]
-            lo = max(s.offset, bucket.start) - bucket.start
-            hi = min(s.offset + s.numel, bucket.start + bucket.numel) - bucket.start
-            if lo > done:
-                scratch[done:lo].zero_()
+        """Zero what no gradient was copied into: the pieces of parameters without one, and the padding
+        (parameters lie back to back from the buffer's start; padding only follows the last one)."""
+        for slot in bucket.slots:
             if slot not in filled:
+                s = buf.layout.slots[slot]
+                lo = max(s.offset, bucket.start) - bucket.start
+                hi = min(s.offset + s.numel, bucket.start + bucket.numel) - bucket.start
                 scratch[lo:hi].zero_()
-            done = max(done, hi)
-        if done < bucket.numel:
-            scratch[done:].zero_()
+        last = buf.layout.slots[-1]
+        params_end = last.offset + last.numel - bucket.start
+        if params_end < bucket.numel:
+            scratch[params_end:].zero_()
 
     def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
         scratch = self._scratch(buf, bucket)
