@@ -9,7 +9,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = Path(__file__).resolve().parent
 
@@ -52,7 +52,7 @@ def _ext_modules() -> dict:
 
 
 setup(
-    packages=["zero_kernels", "zero_kernels.kernels", "zero_kernels.stages", "zero_kernels.csrc"],
+    packages=[*find_packages(include=["zero_kernels", "zero_kernels.*"]), "zero_kernels.csrc"],
     package_dir={"zero_kernels.csrc": "csrc"},
     package_data={"zero_kernels.csrc": ["**/*.cpp", "**/*.h", "**/*.cu", "**/*.cuh"]},
     **_ext_modules(),

@@ -31,10 +31,10 @@ from _dist import run_ranks
 from torch import nn
 
 import zero_kernels.checkpoint as ck
-import zero_kernels.checkpoint_cli as consolidate_cli
-import zero_kernels.checkpoint_inspect_cli as inspect_cli
+import zero_kernels.checkpoint.cli as consolidate_cli
+import zero_kernels.checkpoint.inspect_cli as inspect_cli
 import zero_kernels.optim as zo
-from zero_kernels.checkpoint_format import ShardReader
+from zero_kernels.checkpoint.format import ShardReader
 
 ROWS = 6  # global batch: divisible by world sizes 1, 2 and 3
 STEPS_BEFORE, STEPS_AFTER = 3, 2

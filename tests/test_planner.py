@@ -19,7 +19,7 @@ from zero_kernels.planner import (
     estimate_memory,
     recommend,
 )
-from zero_kernels.planner_cli import parse_bytes, parse_count
+from zero_kernels.planner.cli import parse_bytes, parse_count
 
 GB = 10**9  # the ZeRO paper's GB are decimal: 7.5e9 parameters x 16 bytes = 120 GB
 

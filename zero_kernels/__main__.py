@@ -12,9 +12,9 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "plan": "zero_kernels.planner_cli",
-    "consolidate": "zero_kernels.checkpoint_cli",
-    "inspect": "zero_kernels.checkpoint_inspect_cli",
+    "plan": "zero_kernels.planner.cli",
+    "consolidate": "zero_kernels.checkpoint.cli",
+    "inspect": "zero_kernels.checkpoint.inspect_cli",
 }
 
 

@@ -31,8 +31,8 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from .config_rules import Override, ParseContext, Scalar, integer, logger, number, suggest
-from .config_schema import (
+from .rules import Override, ParseContext, Scalar, integer, logger, number, suggest
+from .schema import (
     AUTO_KEYWORDS,
     COMM_DTYPES,
     FP16,

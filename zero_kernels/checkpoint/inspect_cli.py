@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .checkpoint_format import TensorSource, describe, read_metadata, resolve
+from .format import TensorSource, describe, read_metadata, resolve
 
 HELP = "show what a sharded checkpoint holds (world size, stage, files, tensors); --verify checks every checksum"
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint_format import DTYPES, PathLike, TensorSource, fsync_dir, read_metadata, resolve
+from .format import DTYPES, PathLike, TensorSource, fsync_dir, read_metadata, resolve
 
 Producer = Callable[[], torch.Tensor]
 

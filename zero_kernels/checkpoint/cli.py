@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .checkpoint_consolidate import consolidate
+from .consolidate import consolidate
 
 HELP = "write a sharded checkpoint as one file: model state_dict + torch.optim.AdamW state"
 

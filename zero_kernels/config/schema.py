@@ -14,7 +14,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .config_rules import Field, Scalar, Section, boolean, choice, integer, number, pair, rejected
+from .rules import Field, Scalar, Section, boolean, choice, integer, number, pair, rejected
 
 INFO, WARNING = logging.INFO, logging.WARNING
 

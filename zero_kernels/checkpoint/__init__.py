@@ -12,7 +12,7 @@ into ``N`` shards (stage 0, whose state is replicated): the parameters' values, 
 ``v``, and the fp32 master copy of low-precision parameters. Model tensors outside the optimizer
 (buffers, frozen parameters) are cut into ``N`` even pieces. So no rank writes, nor holds more
 than what it already holds; rank 0 adds the small metadata file. The directory layout, the
-crash-safe commit order and the metadata are described in ``checkpoint_format``.
+crash-safe commit order and the metadata are described in ``checkpoint.format``.
 
 Every rank must see the same directory (a shared file system, as for any multi-node
 checkpoint): rank 0 creates the version, every rank writes its file into it. Call ``save`` and
@@ -36,8 +36,11 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .checkpoint_consolidate import consolidate
-from .checkpoint_format import (
+from ..comm import all_gather_objects
+from ..layout import BufferLayout
+from ..stages import Pipeline
+from .consolidate import consolidate
+from .format import (
     BLOCK_BYTES,
     EXTRA,
     FORMAT,
@@ -58,9 +61,6 @@ from .checkpoint_format import (
     resolve,
     write_small,
 )
-from .comm import all_gather_objects
-from .layout import BufferLayout
-from .stages import Pipeline
 
 _STATE = ("exp_avg", "exp_avg_sq", "master")
 

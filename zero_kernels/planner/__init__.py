@@ -3,7 +3,7 @@
 The practical pick depends on memory pressure and interconnect speed: every stage that fits is a
 candidate, and among those the one with the shortest estimated step wins; stage 3 moves 1.5x the
 bytes of stage 2 (3Ψ instead of 2Ψ), so on a slow link it can lose even when memory would allow it.
-The memory and communication models live in :mod:`zero_kernels.planner_models`.
+The memory and communication models live in :mod:`zero_kernels.planner.models`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .planner_models import (
+from .models import (
     LINKS,
     STAGES,
     CommEstimate,

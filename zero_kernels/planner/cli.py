@@ -14,8 +14,8 @@ import re
 import sys
 from typing import Callable
 
-from .planner import LINKS, NoFitError, StagePlan, format_bytes, recommend
-from .planner_models import DTYPE_BYTES
+from . import LINKS, NoFitError, StagePlan, format_bytes, recommend
+from .models import DTYPE_BYTES
 
 HELP = "which ZeRO stage fits, and what it costs per GPU and per step"
 
