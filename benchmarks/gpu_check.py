@@ -196,6 +196,36 @@ def check_adam_vs_torch_and_no_recompile() -> list[str]:
     return problems
 
 
+def check_adam_amsgrad_maximize_vs_torch() -> list[str]:
+    """The AMSGRAD and MAXIMIZE flags together, fp32, against torch.optim.AdamW(amsgrad=True, maximize=True)."""
+    from zero_kernels.kernels import adam_step
+
+    problems, n = [], min(1 << 22, BIG) + 5
+    bufs = _state(n, 6)
+    for name in ("exp_avg", "exp_avg_sq"):
+        bufs[name].zero_()
+    v_max = torch.zeros(n, device=DEVICE)
+    ref_param = torch.nn.Parameter(bufs["param"].clone())
+    opt = torch.optim.AdamW([ref_param], lr=1e-3, betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                            weight_decay=HYPER["weight_decay"], amsgrad=True, maximize=True, foreach=False)  # fmt: skip
+    for step in range(1, 6):
+        grad = torch.randn(n, device=DEVICE) * (3.0 if step % 2 == 0 else 0.3)  # v falls and rises: the max acts
+        ref_param.grad = grad.clone()
+        before = bufs["param"].clone()
+        opt.step()
+        adam_step(bufs["param"], grad, bufs["exp_avg"], bufs["exp_avg_sq"], lr=1e-3, step=step, max_exp_avg_sq=v_max,
+                  maximize=True, impl="triton", **HYPER)  # fmt: skip
+        state = opt.state[ref_param]
+        ref = {"param": ref_param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        problems += [f"step {step}: {p}" for p in _compare_state(bufs, ref, before)]
+        bad = _mismatches(v_max, state["max_exp_avg_sq"], RTOL, RTOL * state["max_exp_avg_sq"].abs().max().item())
+        if bad:
+            problems.append(f"step {step}: max_exp_avg_sq: {bad}")
+        _sync(bufs, ref)
+        v_max.copy_(state["max_exp_avg_sq"])
+    return problems
+
+
 def _views(shapes: list[tuple[int, ...]], seed: int, fill: float | None) -> list[torch.Tensor]:
     """Tensors of ``shapes`` in mixed dtypes: contiguous, transposed or strided views, in turn."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
@@ -288,6 +318,7 @@ CHECKS = {
     "adam: flags x dtypes x sizes vs reference": check_adam_variants,
     "adam: non-finite gradients, flag already set": check_adam_nonfinite,
     "adam: fp32 vs torch.optim.AdamW, lr schedule, no recompile": check_adam_vs_torch_and_no_recompile,
+    "adam: amsgrad + maximize vs torch.optim.AdamW": check_adam_amsgrad_maximize_vs_torch,
     "flatten/unflatten: 2^26 bucket, views, mixed dtypes": check_flatten,
 }
 

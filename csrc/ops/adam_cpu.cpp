@@ -28,18 +28,19 @@ bool is_adam_grad_dtype(at::ScalarType t) {
 
 void check_inputs(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& found_inf,
-                  const std::optional<at::Tensor>& out) {
+                  const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& max_exp_avg_sq) {
   const int64_t n = param.numel();
-  const std::pair<const char*, const at::Tensor*> state[] = {
+  std::vector<std::pair<const char*, const at::Tensor*>> state = {
       {"param", &param}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  if (max_exp_avg_sq) state.emplace_back("max_exp_avg_sq", &*max_exp_avg_sq);
   for (const auto& [name, t] : state) {
     TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat, "adam_step: ", name, " must be float32, got ",
                       t->scalar_type());
   }
   TORCH_CHECK_VALUE(is_adam_grad_dtype(grad.scalar_type()), "adam_step: grad dtype ", grad.scalar_type(),
                     "; allowed: float32, bfloat16, float16");
-  std::vector<std::pair<const char*, const at::Tensor*>> buffers = {
-      {"param", &param}, {"grad", &grad}, {"exp_avg", &exp_avg}, {"exp_avg_sq", &exp_avg_sq}};
+  std::vector<std::pair<const char*, const at::Tensor*>> buffers = state;
+  buffers.emplace_back("grad", &grad);
   if (out) {
     TORCH_CHECK_VALUE(is_adam_grad_dtype(out->scalar_type()), "adam_step: out dtype ", out->scalar_type(),
                       "; allowed: float32, bfloat16, float16");
@@ -69,7 +70,7 @@ loops::AdamCoefs coefs_of(const AdamHyper& h) {
   c.inv_bc2_sqrt = static_cast<float>(1.0 / h.bc2_sqrt);
   c.decay = h.adamw ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.0f;
   c.l2 = h.adamw ? 0.0f : static_cast<float>(h.weight_decay);
-  c.grad_scale = h.grad_scale ? static_cast<float>(*h.grad_scale) : 1.0f;
+  c.grad_scale = (h.grad_scale ? static_cast<float>(*h.grad_scale) : 1.0f) * (h.maximize ? -1.0f : 1.0f);
   return c;
 }
 
@@ -94,7 +95,7 @@ void write_out(const float* param, const at::Tensor& out, int64_t begin, int64_t
 }
 
 template <typename grad_t>
-void adam_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+void adam_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, int64_t n,
                const loops::AdamCoefs& coefs, const std::optional<at::Tensor>& out) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     float staged[kBlock];
@@ -107,7 +108,11 @@ void adam_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_
         loops::convert(grad + i, 1, staged, 1, len, false, 1.0f);
         g = staged;
       }
-      loops::adam_update(param + i, exp_avg + i, exp_avg_sq + i, g, len, coefs);
+      if (max_exp_avg_sq != nullptr) {
+        loops::adam_update_amsgrad(param + i, exp_avg + i, exp_avg_sq + i, max_exp_avg_sq + i, g, len, coefs);
+      } else {
+        loops::adam_update(param + i, exp_avg + i, exp_avg_sq + i, g, len, coefs);
+      }
       if (out) write_out(param, *out, i, len);
     }
   });
@@ -117,13 +122,14 @@ void adam_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_
 
 void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                    const AdamHyper& hyper, const std::optional<at::Tensor>& found_inf,
-                   const std::optional<at::Tensor>& out) {
-  check_inputs(param, grad, exp_avg, exp_avg_sq, found_inf, out);
+                   const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& max_exp_avg_sq) {
+  check_inputs(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq);
   TORCH_CHECK_VALUE(std::isfinite(hyper.step_size) && std::isfinite(hyper.bc2_sqrt) && hyper.bc2_sqrt > 0,
                     "adam_step: step_size (", hyper.step_size, ") and bc2_sqrt (", hyper.bc2_sqrt,
                     ") must be finite, bc2_sqrt > 0");
   const int64_t n = param.numel();
   const loops::AdamCoefs coefs = coefs_of(hyper);
+  float* max_sq = max_exp_avg_sq ? max_exp_avg_sq->data_ptr<float>() : nullptr;
   AT_DISPATCH_V2(grad.scalar_type(), "adam_step_cpu", AT_WRAP([&] {
                    const scalar_t* g = grad.const_data_ptr<scalar_t>();
                    if (found_inf) {
@@ -132,7 +138,7 @@ void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
                      if (*flag != 0.0f) return;
                    }
                    adam_pass(param.data_ptr<float>(), g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                             n, coefs, out);
+                             max_sq, n, coefs, out);
                  }),
                  at::kFloat, at::kBFloat16, at::kHalf);
 }

@@ -19,14 +19,18 @@ struct AdamHyper {
   double bc2_sqrt;
   bool adamw;                       // decoupled decay (AdamW) or L2 added to the gradient (Adam)
   std::optional<double> grad_scale; // gradient multiplier, applied first
+  bool maximize = false;            // ascend: the scaled gradient is negated
 };
 
 // Updates param, exp_avg, exp_avg_sq in place (fp32, contiguous, same numel) from grad (fp32, bf16
 // or fp16). found_inf (one fp32 element, optional): set to 1 when grad holds inf/nan; when it is
 // non-zero after that check nothing else is written. out (optional, fp32/bf16/fp16): receives the
-// updated params. Throws c10::Error naming the offending buffer on bad input.
+// updated params. max_exp_avg_sq (optional, fp32, same numel): AMSGrad, the running maximum of
+// exp_avg_sq, updated in place and used for the denominator. Throws c10::Error naming the
+// offending buffer on bad input.
 void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                    const AdamHyper& hyper, const std::optional<at::Tensor>& found_inf,
-                   const std::optional<at::Tensor>& out);
+                   const std::optional<at::Tensor>& out,
+                   const std::optional<at::Tensor>& max_exp_avg_sq = std::nullopt);
 
 }  // namespace zero_kernels

@@ -30,6 +30,26 @@ ZK_CPU_CLONES void adam_update(float* __restrict param, float* __restrict exp_av
   }
 }
 
+ZK_CPU_CLONES void adam_update_amsgrad(float* __restrict param, float* __restrict exp_avg,
+                                       float* __restrict exp_avg_sq, float* __restrict max_exp_avg_sq,
+                                       const float* __restrict grad, int64_t n, const AdamCoefs& c) {
+  const AdamCoefs k = c;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = param[i];
+    const float g = grad[i] * k.grad_scale + k.l2 * p;
+    const float m = exp_avg[i] * k.beta1 + k.one_minus_beta1 * g;
+    const float v = exp_avg_sq[i] * k.beta2 + k.one_minus_beta2 * g * g;
+    const float old = max_exp_avg_sq[i];
+    const float v_max = (v > old || v != v) ? v : old;
+    const float denom = std::sqrt(v_max) * k.inv_bc2_sqrt + k.eps;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    max_exp_avg_sq[i] = v_max;
+    param[i] = p * k.decay + (k.neg_step_size * m) / denom;
+  }
+}
+
 namespace {
 
 // How each element type is stored and turned into / made from a float (double stays double).

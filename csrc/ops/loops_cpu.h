@@ -23,12 +23,17 @@ struct AdamCoefs {
   float inv_bc2_sqrt;     // 1 / sqrt(bias_correction2)
   float decay;            // AdamW: 1 - lr * weight_decay (1 for Adam)
   float l2;               // Adam: weight_decay added to the gradient (0 for AdamW)
-  float grad_scale;       // gradient multiplier (1 when none)
+  float grad_scale;       // gradient multiplier (1 when none; negated to maximize)
 };
 
 // One Adam/AdamW update of n contiguous fp32 elements; param, exp_avg, exp_avg_sq in place.
 void adam_update(float* param, float* exp_avg, float* exp_avg_sq, const float* grad, int64_t n,
                  const AdamCoefs& c);
+
+// As adam_update, with AMSGrad: max_exp_avg_sq = max(max_exp_avg_sq, exp_avg_sq) (nan propagates,
+// as torch.maximum) in place, and the denominator uses it.
+void adam_update_amsgrad(float* param, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, const float* grad,
+                         int64_t n, const AdamCoefs& c);
 
 // dst[i * dst_stride] = Dst(src[i * src_stride]) for i < n; with `scaled`, Dst(float(src) * scale).
 // Supported types: float, double, c10::Half, c10::BFloat16 (any pair).

@@ -1,7 +1,8 @@
 // C++ tests of the CPU kernels, run by ctest without Python (see CMakeLists.txt).
 //
-// Adam is compared with a scalar double-precision loop, flatten/unflatten with a round trip and
-// with ATen's own copies; the found-inf flag and the input checks are exercised as well.
+// Adam (also with AMSGrad and maximize) is compared with a scalar double-precision loop,
+// flatten/unflatten with a round trip and with ATen's own copies; the found-inf flag and the input
+// checks are exercised as well.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -43,13 +44,14 @@ double max_abs(const std::vector<double>& x) {
   return m;
 }
 
-// Adam/AdamW in float64, one element at a time: the textbook formula, not the kernel's.
+// Adam/AdamW in float64, one element at a time: the textbook formula, not the kernel's. With v_max:
+// AMSGrad (the running maximum of v normalises the step).
 void adam_reference(std::vector<double>& p, std::vector<double>& m, std::vector<double>& v, const at::Tensor& grad,
-                    const zero_kernels::AdamHyper& h) {
+                    const zero_kernels::AdamHyper& h, std::vector<double>* v_max = nullptr) {
   const at::Tensor g = grad.to(at::kDouble);
   const double* gd = g.const_data_ptr<double>();
   for (size_t i = 0; i < p.size(); ++i) {
-    double gi = gd[i] * h.grad_scale.value_or(1.0);
+    double gi = gd[i] * h.grad_scale.value_or(1.0) * (h.maximize ? -1.0 : 1.0);
     if (h.adamw) {
       p[i] *= 1.0 - h.lr * h.weight_decay;
     } else {
@@ -57,7 +59,9 @@ void adam_reference(std::vector<double>& p, std::vector<double>& m, std::vector<
     }
     m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * gi;
     v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * gi * gi;
-    p[i] -= h.step_size * m[i] / (std::sqrt(v[i]) / h.bc2_sqrt + h.eps);
+    double second = v[i];
+    if (v_max != nullptr) second = (*v_max)[i] = std::max((*v_max)[i], v[i]);
+    p[i] -= h.step_size * m[i] / (std::sqrt(second) / h.bc2_sqrt + h.eps);
   }
 }
 
@@ -90,6 +94,25 @@ void test_adam_against_double_loop(int64_t n, at::ScalarType grad_dtype, bool ad
     expect(worst_excess(v, ve, 1e-6, 8 * eps32 * max_abs(ve)) == 0.0,
            name + ": exp_avg_sq step " + std::to_string(step));
     expect(at::equal(out, p.to(at::kBFloat16)), name + ": out is the updated param in bf16");
+  }
+}
+
+void test_amsgrad_maximize_against_double_loop(int64_t n, bool adamw) {
+  const std::string name = "adam amsgrad+maximize n=" + std::to_string(n) + (adamw ? " adamw" : " adam");
+  at::Tensor p = at::randn({n}), m = at::randn({n}) * 0.1, v = at::rand({n}) * 0.01, v_max = at::rand({n}) * 0.01;
+  std::vector<double> pe = to_vector(p), me = to_vector(m), ve = to_vector(v), v_maxe = to_vector(v_max);
+  const double eps32 = std::numeric_limits<float>::epsilon();
+  for (int step = 1; step <= 3; ++step) {
+    const at::Tensor grad = at::randn({n}) * (step == 2 ? 3.0 : 0.3);
+    auto h = hyper_for_step(step, adamw, step == 2 ? std::optional<double>(0.5) : std::nullopt);
+    h.maximize = true;
+    zero_kernels::adam_step_cpu(p, grad, m, v, h, std::nullopt, std::nullopt, v_max);
+    adam_reference(pe, me, ve, grad, h, &v_maxe);
+    const std::string at_step = " step " + std::to_string(step);
+    expect(worst_excess(p, pe, 1e-6, 8 * eps32 * max_abs(pe)) == 0.0, name + ": param" + at_step);
+    expect(worst_excess(m, me, 1e-6, 8 * eps32 * max_abs(me)) == 0.0, name + ": exp_avg" + at_step);
+    expect(worst_excess(v, ve, 1e-6, 8 * eps32 * max_abs(ve)) == 0.0, name + ": exp_avg_sq" + at_step);
+    expect(worst_excess(v_max, v_maxe, 1e-6, 8 * eps32 * max_abs(v_maxe)) == 0.0, name + ": max_exp_avg_sq" + at_step);
   }
 }
 
@@ -185,6 +208,10 @@ int main() {
       test_adam_against_double_loop(n, dtype, true);
       test_adam_against_double_loop(n, dtype, false);
     }
+  }
+  for (const int64_t n : {7, 4097, 100003}) {
+    test_amsgrad_maximize_against_double_loop(n, true);
+    test_amsgrad_maximize_against_double_loop(n, false);
   }
   test_found_inf();
   test_flatten_round_trip();

@@ -130,6 +130,8 @@ def adam_step(
     grad_scale: Scale = None,
     found_inf: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False,
     impl: Optional[str] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place; see ``reference.adam_step_ref`` for the arguments."""
@@ -148,6 +150,8 @@ def adam_step(
         grad_scale=grad_scale,
         found_inf=found_inf,
         out=out,
+        max_exp_avg_sq=max_exp_avg_sq,
+        maximize=maximize,
     )
 
 

@@ -51,9 +51,11 @@ def adam_step_cpu(
     grad_scale: Scale = None,
     found_inf: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False,
 ) -> None:
     """One fused Adam/AdamW step on a flat CPU shard, in place; arguments as ``reference.adam_step_ref``."""
-    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out)
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq)
     step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
     _ops().adam_step(
         param,
@@ -71,6 +73,8 @@ def adam_step_cpu(
         grad_scale=_scale_value("adam_step: grad_scale", grad_scale),
         found_inf=found_inf,
         out=out,
+        max_exp_avg_sq=max_exp_avg_sq,
+        maximize=bool(maximize),
     )
 
 

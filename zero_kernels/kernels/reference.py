@@ -30,13 +30,17 @@ def check_adam_args(
     exp_avg_sq: torch.Tensor,
     found_inf: Optional[torch.Tensor],
     out: Optional[torch.Tensor],
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
 ) -> None:
     """Shapes, dtypes and devices every backend requires; raises ValueError naming the buffer."""
     n = param.numel()
-    for name, t in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+    state = {"param": param, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if max_exp_avg_sq is not None:
+        state["max_exp_avg_sq"] = max_exp_avg_sq
+    for name, t in state.items():
         if t.dtype != torch.float32:
             raise ValueError(f"adam_step: {name} must be float32, got {t.dtype}")
-    buffers = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    buffers = {"param": param, "grad": grad, **state}
     if out is not None:
         buffers["out"] = out
     for name, t in buffers.items():
@@ -68,6 +72,8 @@ def adam_step_ref(
     grad_scale: Scale = None,
     found_inf: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place.
 
@@ -82,8 +88,13 @@ def adam_step_ref(
         found_inf: one-element fp32 flag, in/out. Set to 1 if any gradient element is not finite;
             when the flag is non-zero (set now or before the call) nothing else is written.
         out: optional low-precision buffer that receives the updated params (cast).
+        max_exp_avg_sq: AMSGrad (``amsgrad=True`` in ``torch.optim.AdamW``): fp32, same number of
+            elements, the running maximum of ``exp_avg_sq`` (updated in place); the denominator
+            uses it instead of ``exp_avg_sq``. None: plain Adam.
+        maximize: ascend the gradient (``maximize=True`` in ``torch.optim.AdamW``): the scaled
+            gradient is negated before the L2 term and the moments.
     """
-    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out)
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq)
     if found_inf is not None:
         if not bool(torch.isfinite(grad).all()):
             found_inf.fill_(1.0)
@@ -93,6 +104,8 @@ def adam_step_ref(
     g = grad.float()
     if grad_scale is not None:
         g = g * grad_scale
+    if maximize:
+        g = -g
     if weight_decay != 0:
         if adamw:
             param.mul_(1.0 - lr * weight_decay)
@@ -100,7 +113,10 @@ def adam_step_ref(
             g = g + weight_decay * param
     exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
-    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    if max_exp_avg_sq is not None:
+        torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+    second = exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq
+    denom = (second.sqrt() / bc2_sqrt).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)
     if out is not None:
         out.copy_(param)

@@ -7,6 +7,12 @@ finite" into the flag; every program of the update kernel then loads the flag an
 returns before touching memory, so no host synchronisation is needed anywhere. Loads and stores
 are vectorised when the shard size is a multiple of 16 (Triton specialises on it): pad shards.
 
+Variants are ``tl.constexpr`` flags of the one update kernel; a flag that is off compiles to
+nothing, so the default path runs the same instructions. Besides ``ADAMW``, ``SCALE_MODE``,
+``HAS_FOUND_INF`` and ``HAS_OUT``: ``AMSGRAD`` (a fifth fp32 stream, the running maximum of
+``exp_avg_sq``, which the denominator then uses: 36 bytes per parameter) and ``MAXIMIZE`` (the
+scaled gradient is negated first).
+
 Hyper-parameters are runtime scalars (an lr schedule never recompiles); the bias corrections and
 ``1 - beta`` factors are computed on the host in float64, as ``torch.optim.AdamW`` does. Math is
 fp32 with IEEE-rounded division and square root. Tensors must be on a CUDA device, or on the CPU
@@ -55,6 +61,7 @@ def _adam_kernel(
     out_ptr,  # copy of the updated params in out's dtype (written when HAS_OUT)
     grad_scale_ptr,  # one-element fp32 gradient multiplier (read when SCALE_MODE == 2)
     found_inf_ptr,  # one-element fp32 flag; non-zero means write nothing (read when HAS_FOUND_INF)
+    max_exp_avg_sq_ptr,  # fp32 running maximum of the second moment, updated in place (when AMSGRAD)
     # sizes
     n_elements,
     # runtime hyper-parameters (fp32 scalars)
@@ -73,6 +80,8 @@ def _adam_kernel(
     SCALE_MODE: tl.constexpr,  # 0 none, 1 scalar argument, 2 one-element tensor
     HAS_FOUND_INF: tl.constexpr,
     HAS_OUT: tl.constexpr,
+    AMSGRAD: tl.constexpr,  # normalise by the running maximum of the second moment
+    MAXIMIZE: tl.constexpr,  # ascend: negate the scaled gradient
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -91,13 +100,20 @@ def _adam_kernel(
         g = g * grad_scale
     if SCALE_MODE == 2:
         g = g * tl.load(grad_scale_ptr)
+    if MAXIMIZE:
+        g = -g
     if ADAMW:
         p = p * decay
     else:
         g = g + weight_decay * p
     m = m * beta1 + one_minus_beta1 * g
     v = v * beta2 + one_minus_beta2 * (g * g)
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    if AMSGRAD:
+        v_max = tl.maximum(tl.load(max_exp_avg_sq_ptr + offs, mask=mask), v, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(max_exp_avg_sq_ptr + offs, v_max, mask=mask)
+        denom = tl.div_rn(tl.sqrt_rn(v_max), bc2_sqrt) + eps
+    else:
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
 
     tl.store(param_ptr + offs, p, mask=mask)
@@ -141,9 +157,11 @@ def adam_step_triton(
     grad_scale: Scale = None,
     found_inf: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    max_exp_avg_sq: Optional[torch.Tensor] = None,
+    maximize: bool = False,
 ) -> None:
     """``reference.adam_step_ref`` as one fused Triton launch; same arguments, same results."""
-    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out)
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq)
     scale_mode = _scale_mode(grad_scale, param)
     if out is not None and out.dtype not in _LOW_PRECISION_OUT:
         raise ValueError(f"adam_step: out dtype {out.dtype}; allowed: float32, bfloat16, float16")
@@ -168,6 +186,7 @@ def adam_step_triton(
             out if out is not None else param,
             grad_scale if scale_mode == _SCALE_TENSOR else param,
             found_inf if found_inf is not None else param,
+            max_exp_avg_sq if max_exp_avg_sq is not None else param,
             n,
             float(1.0 - lr * weight_decay),
             float(weight_decay),
@@ -183,6 +202,8 @@ def adam_step_triton(
             SCALE_MODE=scale_mode,
             HAS_FOUND_INF=found_inf is not None,
             HAS_OUT=out is not None,
+            AMSGRAD=max_exp_avg_sq is not None,
+            MAXIMIZE=bool(maximize),
             BLOCK=config.block,
             num_warps=config.num_warps,
         )
