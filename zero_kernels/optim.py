@@ -28,6 +28,11 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
 - Clipping: ``max_grad_norm`` clips the global norm (one all-reduce of a scalar, shared with the
   "has a gradient" flags), folded into the kernel's gradient multiplier.
+- AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
+  and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
+  ``capturable=True`` and ``differentiable=True`` are refused (``optim_args``).
+- ``opt.state[p]``: views of this rank's shards (``state_view``); state dicts: ``optim_state``;
+  ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim_copy``.
 """
 
 from __future__ import annotations
@@ -39,30 +44,16 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from . import optim_copy, optim_state
 from .comm import make_engine
 from .config import FP16Config, ZeroConfig, ZeroOptions
+from .optim_args import check_flags, check_hyper, check_impl, check_params, check_process_group, check_structure
 from .precision import LossScaler
 from .stages import GroupHyper, Pipeline, StepResult, pipeline_class, requires_module, storage_bytes
 from .stages import state as zstate
+from .state_view import ShardedState
 
-_ADAMW_GROUP_KEYS = dict(
-    amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
-)
-_FORMAT = "zero_kernels.sharded"
-
-
-def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """``torch.optim.AdamW``'s argument checks, with its wording."""
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+__all__ = ["ShardedFusedAdam", "check_hyper", "initialize"]
 
 
 class ShardedFusedAdam(torch.optim.Optimizer):
@@ -70,8 +61,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     Args:
         params_or_module: an ``nn.Module`` (its parameters form one group), or parameters / param-group
-            dicts, as for ``torch.optim.AdamW``.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults and checks).
+            dicts / ``(name, parameter)`` pairs, as for ``torch.optim.AdamW``. Trainable parameters are
+            float32, bfloat16 or float16, dense, on one device; each appears once.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults and checks; ``lr`` and
+            ``betas`` may be one-element tensors).
+        amsgrad, maximize: as ``torch.optim.AdamW`` (per param group; the state gains ``max_exp_avg_sq``).
+        foreach, fused: accepted for AdamW compatibility; no effect (the update is always fused).
+        capturable, differentiable: must be False (CUDA-graph capture and autograd through the step
+            are not supported).
         stage: ZeRO stage 0-3.
         process_group: data-parallel group (None: the default group, or a single process).
         impl: kernel backend, ``auto | triton | cpu | torch`` (None: ``ZERO_KERNELS_IMPL``).
@@ -91,7 +88,13 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
         stage: int = 1,
         process_group: Any = None,
         impl: Optional[str] = None,
@@ -103,6 +106,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         **zero_options: Any,
     ):
         check_hyper(lr, betas, eps, weight_decay)
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                     differentiable=differentiable, fused=fused)  # fmt: skip
+        check_flags(flags, "ShardedFusedAdam")
+        check_impl(impl)
+        check_process_group(process_group)
         self.options = ZeroOptions.from_dict({"stage": stage, **zero_options})
         if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
             raise ValueError(
@@ -122,34 +130,106 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if isinstance(fp16, Mapping):
             fp16 = FP16Config(**fp16)
         self.loss_scaler = LossScaler.from_fp16_config(fp16) if fp16 is not None and fp16.enabled else None
+        params = module.parameters() if params_or_module is module else params_or_module
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+        self._build(params, defaults, module=module, process_group=process_group, impl=impl)
+
+    def _build(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        *,
+        module: Optional[nn.Module],
+        process_group: Any,
+        impl: Optional[str],
+        restore: Optional[optim_copy.Origin] = None,
+    ) -> None:
+        """Engine, pipeline and param groups: at construction, and when a copy is rebuilt (``restore``)."""
         self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._micro_step = 0
         self._no_sync_depth = 0
         self.last_step: Optional[StepResult] = None
+        self._consolidated: Optional[dict[str, Any]] = None
+        self._restoring = restore is not None
         self._engine = make_engine(process_group)
+        if restore is not None:
+            restore.check(self._engine)
+        groups = self._checked_groups(params, defaults)  # every group is checked before anything changes
         self._pipeline = pipeline_class(self.options.stage)(self._engine, self.options, impl=impl, module=module)
-        params = module.parameters() if params_or_module is module else params_or_module
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(groups, defaults)
+        self._restoring = False
+        self.state = ShardedState(self._pipeline, self._params)
         self._update_sync()
 
     # ---------------------------------------------------------------- param groups
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _checked_groups(self, params: Any, defaults: dict[str, Any]) -> list[Any]:
+        """The param groups, every one checked (``_check_group``) before the first is built."""
+        if isinstance(params, torch.Tensor):
+            raise TypeError(
+                "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                + torch.typename(params)
+            )
+        groups = list(params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        previous: list[tuple[list[torch.Tensor], bool]] = []
+        for g, group in enumerate(groups):
+            if not isinstance(group, dict):
+                raise TypeError(f"param_group must be a dict, but got {type(group)}")
+            previous.append(self._check_group(group, g, previous, defaults))
+        return groups
+
+    def _check_group(
+        self,
+        group: dict[str, Any],
+        index: int,
+        previous: list[tuple[list[torch.Tensor], bool]],
+        defaults: dict[str, Any],
+    ) -> tuple[list[torch.Tensor], bool]:
+        """A new group's structure (as torch checks it), hyper-parameters, flags and parameters (``optim_args``),
+        against the groups before it; returns, as ``previous`` lists them, its tensors and whether they have names.
+
+        ``group["params"]`` becomes a list, as ``torch.optim.Optimizer.add_param_group`` makes it.
+        """
+        if "params" not in group:
+            raise ValueError(f"param group {index} has no 'params'")
+        if not isinstance(group["params"], (torch.Tensor, set)):
+            group["params"] = list(group["params"])
+        tensors, names = check_structure(group["params"], [named for _, named in previous])
+        merged = {**defaults, **group}
+        check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        check_flags(group, f"param group {index}")
+        check_params(tensors, index, [t for t, _ in previous], lambda p: self._describe(p, names))
+        return tensors, bool(names) or "param_names" in group
+
+    def _describe(self, p: torch.Tensor, names: Mapping[int, str]) -> str:
+        name = self._names.get(id(p)) or names.get(id(p))
+        return f"parameter {name!r}" if name else f"a parameter of shape {tuple(p.shape)}"
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group (checked like torch's); its parameters join the sharded buffers.
 
         Args:
             param_group: ``{"params": [...], **hyper-parameter overrides}``.
         """
+        previous = [(g["params"], "param_names" in g) for g in self.param_groups]
+        self._check_group(param_group, len(self.param_groups), previous, self.defaults)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             first = sum(len(g["params"]) for g in self.param_groups[:-1])
             indices = list(range(first, first + len(group["params"])))
-            self._check_replicated(group["params"], indices)
+            if not self._restoring:
+                self._check_replicated(group["params"], indices)
             self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
         except Exception:
             self.param_groups.pop()  # the pipeline checks before it changes anything
             raise
+        if group["amsgrad"]:
+            self._pipeline.allocate_max_exp_avg_sq(len(self.param_groups) - 1)
 
     def _param_name(self, index: int) -> str:
         i = index
@@ -242,6 +322,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._micro_step = 0
         hyper = [self._hyper(g) for g in self.param_groups]
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        self._consolidated = None  # the state is about to change
         self.last_step = self._pipeline.step(
             hyper, grad_scale=scale, max_grad_norm=self.max_grad_norm, check_finite=self.loss_scaler is not None
         )
@@ -252,7 +333,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     def _hyper(self, g: Mapping[str, Any]) -> GroupHyper:
         b1, b2 = (float(b) for b in g["betas"])
-        return GroupHyper(float(g["lr"]), b1, b2, float(g["eps"]), float(g["weight_decay"]), self.adam_w_mode)
+        return GroupHyper(
+            float(g["lr"]), b1, b2, float(g["eps"]), float(g["weight_decay"]), self.adam_w_mode,
+            amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
+        )  # fmt: skip
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.
@@ -282,107 +366,76 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         }
 
     # ---------------------------------------------------------------- state dicts
-    def _groups_for_save(self, extra: Mapping[str, Any]) -> list[dict[str, Any]]:
-        out, index = [], 0
-        for g in self.param_groups:
-            saved = {k: v for k, v in g.items() if k != "params"}
-            saved.update({k: saved.get(k, v) for k, v in extra.items()})
-            saved["params"] = list(range(index, index + len(g["params"])))
-            index += len(g["params"])
-            out.append(saved)
-        return out
-
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the state (reload with the same world size, stage and model)."""
-        return {
-            "state": dict(enumerate(zstate.shard_state(self._pipeline))),
-            "param_groups": self._groups_for_save({}),
-            _FORMAT: {
-                "layout": zstate.layout_signature(self._pipeline),
-                "steps": dict(self._pipeline.steps),
-                "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-                "shapes": [tuple(self._pipeline.param_shape(p)) for g in self.param_groups for p in g["params"]],
-            },
-        }
+        """This rank's shard of the state (reload with the same world size, stage and model); on the
+        rank given to ``consolidate_state_dict(to=...)``, the whole state it gathered, until the next
+        step or load. Registered state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        if self._consolidated is not None:
+            groups = optim_state.full_groups(self)
+            state_dict = {"state": {**self._consolidated, **self.state.extra}, "param_groups": groups}
+        else:
+            state_dict = optim_state.sharded(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole state in ``torch.optim.AdamW``'s layout (a collective: call it on every rank)."""
-        groups = self._groups_for_save({**_ADAMW_GROUP_KEYS, "decoupled_weight_decay": self.adam_w_mode})
-        return {"state": zstate.gather_full_state(self._pipeline), "param_groups": groups}
+        return optim_state.full(self)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state (AdamW's layout) on rank ``to``, as ``ZeroRedundancyOptimizer`` does:
+        a collective, call it on every rank; then ``state_dict()`` on rank ``to`` returns it (until the
+        next step or load). The other ranks hold one flat buffer of it at a time, and keep nothing.
+
+        Args:
+            to: the rank (in this optimizer's process group) that receives the state.
+        """
+        world = self._engine.world_size
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of this process group (0..{world - 1})")
+        keep = self._engine.rank == to
+        state = zstate.gather_full_state(self._pipeline, keep=keep)
+        self._consolidated = state if keep else None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()`` (same world size and stage) or ``full_state_dict()``/AdamW's (any).
+
+        Registered load-state-dict hooks run as in ``torch.optim.Optimizer.load_state_dict`` (the pre
+        hooks get a shallow copy and may return a replacement).
 
         Args:
             state_dict: a sharded or a full state; checked against this optimizer's parameters
                 before anything changes (errors name the first mismatching parameter).
         """
-        sharded = _FORMAT in state_dict
-        self._check_groups(state_dict)
-        if sharded:
-            self._check_sharded(state_dict[_FORMAT])
-        else:
-            self._check_full(state_dict["state"])
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update({k: v for k, v in saved.items() if k in group and k != "params"})
-        if sharded:
-            meta = state_dict[_FORMAT]
-            zstate.load_shard_state(self._pipeline, [state_dict["state"][i] for i in range(len(state_dict["state"]))])
-            self._pipeline.steps.update({int(k): int(v) for k, v in meta["steps"].items()})
-            if self.loss_scaler is not None and meta["loss_scaler"] is not None:
-                self.loss_scaler.load_state_dict(meta["loss_scaler"])
-        else:
-            zstate.scatter_full_state(self._pipeline, {int(k): v for k, v in state_dict["state"].items()})
+        if not isinstance(state_dict, Mapping):
+            kind = type(state_dict).__name__
+            raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', not a {kind}")
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        optim_state.load(self, state_dict)
+        self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
-    def _check_groups(self, state_dict: Mapping[str, Any]) -> None:
-        saved = state_dict.get("param_groups")
-        if not isinstance(saved, list) or "state" not in state_dict:
-            raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
-        if len(saved) != len(self.param_groups):
-            raise ValueError(
-                f"load_state_dict: the state has {len(saved)} param groups, this optimizer {len(self.param_groups)}"
-            )
-        for g, (mine, theirs) in enumerate(zip(self.param_groups, saved)):
-            if len(mine["params"]) != len(theirs["params"]):
-                raise ValueError(
-                    f"load_state_dict: param group {g} has {len(theirs['params'])} parameters in the state "
-                    f"but {len(mine['params'])} here"
-                )
+    # ---------------------------------------------------------------- copies
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickle and ``torch.save(opt)``: a snapshot of this rank's part (see ``optim_copy``)."""
+        return optim_copy.snapshot(self)
 
-    def _check_shapes(self, shapes: Mapping[int, tuple]) -> None:
-        here = [tuple(self._pipeline.param_shape(p)) for g in self.param_groups for p in g["params"]]
-        for index in sorted(shapes):
-            if not 0 <= index < len(here) or here[index] != tuple(shapes[index]):
-                mine = here[index] if 0 <= index < len(here) else "no such parameter"
-                raise ValueError(
-                    f"load_state_dict: {self._param_name(index)} has shape {tuple(shapes[index])} in the state "
-                    f"but {mine} here: the state comes from another model"
-                )
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild from ``__getstate__``'s snapshot on the same rank of a same-size process group."""
+        optim_copy.restore(self, state)
 
-    def _check_full(self, state: Mapping[Any, Any]) -> None:
-        trainable = {i for g in self._pipeline.buffers for i in g.indices}
-        shapes = {}
-        for key, entry in state.items():
-            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
-            if missing:
-                raise ValueError(f"load_state_dict: state[{key!r}] lacks {', '.join(missing)} (AdamW layout expected)")
-            shapes[int(key)] = tuple(entry["exp_avg"].shape)
-        self._check_shapes(shapes)
-        frozen = sorted(set(shapes) - trainable)
-        if frozen:
-            raise ValueError(f"load_state_dict: {self._param_name(frozen[0])} has state but is frozen here")
-
-    def _check_sharded(self, meta: Mapping[str, Any]) -> None:
-        self._check_shapes(dict(enumerate(meta["shapes"])))
-        if len(meta["shapes"]) != sum(len(g["params"]) for g in self.param_groups):
-            raise ValueError("load_state_dict: the state holds a different number of parameters")
-        if meta["layout"] != zstate.layout_signature(self._pipeline):
-            stage, world, _ = meta["layout"]
-            raise ValueError(
-                f"load_state_dict: this sharded state was saved by stage {stage} on {world} ranks with another "
-                f"layout (here: stage {self._pipeline.stage}, {self._engine.world_size} ranks, "
-                f"reduce_bucket_size {self.options.reduce_bucket_size}); use full_state_dict() to change them"
-            )
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
+        return optim_copy.deep_copy(self, memo)
 
 
 def _the_module(params_or_module: Any, module: Optional[nn.Module]) -> Optional[nn.Module]:

@@ -9,7 +9,8 @@ Usage (on every rank)::
 What each rank writes. Rank ``r`` of ``N`` writes one file with, for each flat buffer of the
 optimizer, its ``1/N`` part under the stage's layout (stages 1-3) or under the same layout cut
 into ``N`` shards (stage 0, whose state is replicated): the parameters' values, Adam ``m`` and
-``v``, and the fp32 master copy of low-precision parameters. Model tensors outside the optimizer
+``v``, AMSGrad's ``max_exp_avg_sq`` when the param group has used it, and the fp32 master copy
+of low-precision parameters. Model tensors outside the optimizer
 (buffers, frozen parameters) are cut into ``N`` even pieces. So no rank writes, nor holds more
 than what it already holds; rank 0 adds the small metadata file. The directory layout, the
 crash-safe commit order and the metadata are described in ``checkpoint.format``.
@@ -62,7 +63,7 @@ from .format import (
     write_small,
 )
 
-_STATE = ("exp_avg", "exp_avg_sq", "master")
+_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
 __all__ = ["CheckpointError", "consolidate", "load", "save"]
 
@@ -374,7 +375,10 @@ def _state_key(src: TensorSource, kind: str, index: int, name: str, trained: boo
     master = f"optim/{index}/master"
     if kind == "master":
         return master if master in src.meta["tensors"] else f"model/{name}"
-    return f"optim/{index}/{kind}" if trained else None
+    key = f"optim/{index}/{kind}"
+    if kind == "max_exp_avg_sq":  # saved only by param groups that used AMSGrad
+        return key if trained and key in src.meta["tensors"] else None
+    return key if trained else None
 
 
 def _param_key(src: TensorSource, index: int, name: str, dtype: torch.dtype) -> str:
@@ -391,6 +395,9 @@ def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], save
     moves: list[Move] = []
     params = src.meta["params"]
     for buf in pipeline.buffers:
+        saved_max = [f"optim/{saved[names[i]]}/max_exp_avg_sq" in src.meta["tensors"] for i in buf.indices]
+        if any(saved_max) and buf.max_exp_avg_sq is None:  # zeros until loaded: what a first AMSGrad step starts from
+            pipeline.allocate_max_exp_avg_sq(buf.group)
         for seg in buf.layout.segments(pipeline.shard_rank):
             slot = buf.layout.slots[seg.slot]
             name = names[buf.indices[slot.param]]

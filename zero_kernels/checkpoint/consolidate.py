@@ -95,6 +95,8 @@ def _structure(src: TensorSource, records: _Records) -> dict[str, Any]:
                 "exp_avg": lazy(f"optim/{index}/exp_avg"),
                 "exp_avg_sq": lazy(f"optim/{index}/exp_avg_sq"),
             }
+            if f"optim/{index}/max_exp_avg_sq" in meta["tensors"]:
+                state[index]["max_exp_avg_sq"] = lazy(f"optim/{index}/max_exp_avg_sq")
     return {"model": model, "optimizer": {"state": state, "param_groups": _adamw_groups(meta)}}
 
 

@@ -8,8 +8,9 @@ from ``layout.BufferLayout`` (params reversed, buckets of ``reduce_bucket_size``
 bucket split into ``num_shards`` equal parts; parameters straddle bucket and shard boundaries).
 Per buffer: ``param_flat`` (full parameters, each ``p.data`` a view of it; stage 3 replaces it),
 ``grad_flat`` (full gradients; stages 0 and 1) or ``grad_shard`` (this rank's reduced gradients;
-stages 2 and 3), ``exp_avg``/``exp_avg_sq`` (fp32, this rank's shard) and ``master`` (fp32 shard,
-only when the parameters are bf16/fp16; fp32 parameters are their own master).
+stages 2 and 3), ``exp_avg``/``exp_avg_sq`` (fp32, this rank's shard), ``max_exp_avg_sq`` (fp32
+shard, allocated when the param group first uses AMSGrad) and ``master`` (fp32 shard, only when
+the parameters are bf16/fp16; fp32 parameters are their own master).
 
 Backward. A post-accumulate-grad hook on each trainable parameter calls ``_on_grad_ready(p)``:
 it records that ``p`` has a gradient this step, and unless synchronisation is off (``no_sync``),
@@ -73,6 +74,7 @@ class FlatBuffer:
     master: Optional[torch.Tensor] = None
     exp_avg: Optional[torch.Tensor] = None
     exp_avg_sq: Optional[torch.Tensor] = None
+    max_exp_avg_sq: Optional[torch.Tensor] = None  # AMSGrad's running maximum of exp_avg_sq (when used)
     pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
     filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
@@ -109,6 +111,8 @@ class GroupHyper:
     eps: float
     weight_decay: float
     adamw: bool
+    amsgrad: bool = False
+    maximize: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,6 +228,16 @@ class Pipeline:
             self.refresh_master(buf)
         buf.pending = [0] * len(buf.layout.buckets)
 
+    def allocate_max_exp_avg_sq(self, group: int) -> None:
+        """Give param group ``group``'s buffers AMSGrad's running maximum (zeros, as AdamW starts it), once.
+
+        Args:
+            group: index of the param group.
+        """
+        for buf in self.buffers:
+            if buf.group == group and buf.max_exp_avg_sq is None:
+                buf.max_exp_avg_sq = torch.zeros_like(buf.exp_avg_sq)
+
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""
         for b in buf.layout.buckets:
@@ -277,6 +291,7 @@ class Pipeline:
 
     # ---------------------------------------------------------------- backward
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        self._check_dense(p)
         b, slot = self.where[id(p)]
         buf = self.buffers[b]
         self.has_grad[buf.indices[buf.layout.slots[slot].param]] = True
@@ -289,6 +304,15 @@ class Pipeline:
         for k in buf.layout.slot_buckets[slot]:
             buf.pending[k] -= 1
         self._launch_ready()
+
+    def _check_dense(self, p: torch.Tensor) -> None:
+        if p.grad.layout != torch.strided:
+            b, slot = self.where[id(p)]
+            index = self.buffers[b].indices[self.buffers[b].layout.slots[slot].param]
+            raise RuntimeError(
+                "ShardedFusedAdam does not support sparse gradients, please consider SparseAdam instead "
+                f"(parameter {index}, shape {tuple(p.shape)}, has a {p.grad.layout} gradient)"
+            )
 
     def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
         """Default (stages 0 and 1): make ``p.grad`` a view of ``grad_flat`` holding its value."""
@@ -329,6 +353,7 @@ class Pipeline:
             for slot_index, slot in enumerate(buf.layout.slots):
                 p = buf.params[slot.param]
                 if p.grad is not None:
+                    self._check_dense(p)
                     self.has_grad[buf.indices[slot.param]] = True
                     self._consume_grad(buf, slot_index, p)
         self._end_round()
@@ -454,15 +479,19 @@ class Pipeline:
     def _update_bucket(
         self, buf: FlatBuffer, bucket: Bucket, h: GroupHyper, grad_scale: float, with_grad: set[int]
     ) -> None:
+        if h.amsgrad and buf.max_exp_avg_sq is None:
+            self.allocate_max_exp_avg_sq(buf.group)
         master, grad = self._master_shard(buf, bucket), self._grad_shard(buf, bucket)
         m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
         out = self._param_shard(buf, bucket) if buf.master is not None else None
+        v_max = buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None
         for start, numel, step in self._runs(buf, bucket, with_grad):
             master_p, grad_p, m_p, v_p = (t.narrow(0, start, numel) for t in (master, grad, m, v))
             adam_step(
                 master_p, grad_p, m_p, v_p,
                 lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
                 adamw=h.adamw, grad_scale=grad_scale, out=None if out is None else out.narrow(0, start, numel),
+                max_exp_avg_sq=None if v_max is None else v_max.narrow(0, start, numel), maximize=h.maximize,
                 impl=self.impl,
             )  # fmt: skip
 
@@ -487,6 +516,12 @@ class Pipeline:
         """Full parameters inside the block; stages 0-2 always hold them, so this does nothing."""
         yield
 
+    @contextlib.contextmanager
+    def hooks_removed(self) -> Iterator[None]:
+        """The model without hooks that lead back to this pipeline inside the block (to copy or pickle
+        it); stages 0-2 hook only the parameters, which copies do not carry, so this does nothing."""
+        yield
+
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """Tensors this rank holds, by kind (``params`` lists only the flat buffers; the optimizer adds the rest)."""
         grads = [t for buf in self.buffers for t in (buf.grad_flat, buf.grad_shard, *buf.scratch.values())]
@@ -494,6 +529,8 @@ class Pipeline:
         return {
             "params": [buf.param_flat for buf in self.buffers],
             "grads": grads,
-            "optimizer": [t for buf in self.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq)],
+            "optimizer": [
+                t for buf in self.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq, buf.max_exp_avg_sq)
+            ],
             "buffers": [],
         }

@@ -201,6 +201,19 @@ class Stage3Pipeline(Stage2Pipeline):
             if self._hold_depth == 0:
                 self._scheduler.release()
 
+    @contextlib.contextmanager
+    def hooks_removed(self) -> Iterator[None]:
+        """The model without the scheduler's hooks inside the block (to copy or pickle it); a new
+        scheduler is installed after. Call it between steps, outside ``gathered_params()``."""
+        if self._hold_depth:
+            raise RuntimeError("ZeRO stage 3: the optimizer cannot be copied or pickled inside gathered_params()")
+        if self._scheduler is not None:
+            self._scheduler.remove()
+        try:
+            yield
+        finally:
+            self._install_scheduler()
+
     def _write_back(self) -> None:
         for buf in self.buffers:
             for bucket in buf.layout.buckets:

@@ -1,11 +1,13 @@
 """Optimizer state of a pipeline in two forms: this rank's shards, and full per-parameter tensors.
 
-- Sharded (``shard_state``/``load_shard_state``): the flat fp32 shards of every buffer (m, v and
-  the master copy when the parameters are low precision), valid only for the same layout
-  (``layout_signature``: world size, stage, buffers and buckets).
+- Sharded (``shard_state``/``load_shard_state``): the flat fp32 shards of every buffer (m, v,
+  AMSGrad's running maximum when the group has used it, and the master copy when the parameters
+  are low precision), valid only for the same layout (``layout_signature``: world size, stage,
+  buffers and buckets).
 - Full (``gather_full_state``/``scatter_full_state``): ``{param index: {"step", "exp_avg",
-  "exp_avg_sq"}}`` with tensors shaped like the parameters, the ``torch.optim.AdamW`` layout.
-  Gathering is a collective (every rank must call it); scattering only reads this rank's parts.
+  "exp_avg_sq"[, "max_exp_avg_sq"]}}`` with tensors shaped like the parameters, the
+  ``torch.optim.AdamW`` layout. Gathering is a collective (every rank must call it); scattering
+  only reads this rank's parts.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from .base import FlatBuffer, Pipeline
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_AMSGRAD = "max_exp_avg_sq"
 
 
 def layout_signature(pipeline: Pipeline) -> list[Any]:
@@ -30,18 +33,27 @@ def layout_signature(pipeline: Pipeline) -> list[Any]:
 
 def shard_state(pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
     """Copies of this rank's shards, one dict per buffer."""
-    names = (*_MOMENTS, "master")
+    names = (*_MOMENTS, _AMSGRAD, "master")
     return [{n: getattr(buf, n).clone() for n in names if getattr(buf, n) is not None} for buf in pipeline.buffers]
 
 
 def load_shard_state(pipeline: Pipeline, states: list[dict[str, torch.Tensor]]) -> None:
     """Copy shards saved by ``shard_state`` (same layout, checked by the caller) into the buffers."""
     for buf, saved in zip(pipeline.buffers, states):
+        _match_amsgrad(buf, _AMSGRAD in saved)
         for name, tensor in saved.items():
             if getattr(buf, name) is not None:
                 getattr(buf, name).copy_(tensor)
         if buf.master is not None and "master" not in saved:
             pipeline.refresh_master(buf)
+
+
+def _match_amsgrad(buf: FlatBuffer, loaded: bool) -> None:
+    """Before loading: a buffer receives AMSGrad's maximum when the state has one; else it restarts at zero."""
+    if loaded and buf.max_exp_avg_sq is None:
+        buf.max_exp_avg_sq = torch.zeros_like(buf.exp_avg_sq)
+    elif not loaded and buf.max_exp_avg_sq is not None:
+        buf.max_exp_avg_sq.zero_()
 
 
 def _gather(pipeline: Pipeline, buf: FlatBuffer, shard: torch.Tensor) -> torch.Tensor:
@@ -57,17 +69,23 @@ def _gather(pipeline: Pipeline, buf: FlatBuffer, shard: torch.Tensor) -> torch.T
     return full
 
 
-def gather_full_state(pipeline: Pipeline) -> dict[int, dict[str, torch.Tensor]]:
-    """``{param index: {"step", "exp_avg", "exp_avg_sq"}}`` for every parameter that has stepped."""
+def gather_full_state(pipeline: Pipeline, keep: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+    """``{param index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"]}}`` for every parameter that has stepped.
+
+    Args:
+        pipeline: the pipeline whose shards are gathered (a collective: every rank calls it).
+        keep: False on ranks that only take part: they return ``{}`` and hold one buffer at a time.
+    """
     out: dict[int, dict[str, torch.Tensor]] = {}
     for buf in pipeline.buffers:
-        full = {name: _gather(pipeline, buf, getattr(buf, name)) for name in _MOMENTS}
-        for slot in buf.layout.slots:
+        names = _MOMENTS + ((_AMSGRAD,) if buf.max_exp_avg_sq is not None else ())
+        full = {name: _gather(pipeline, buf, getattr(buf, name)) for name in names}
+        for slot in buf.layout.slots if keep else ():
             index = buf.indices[slot.param]
             if pipeline.steps[index] == 0:
                 continue
             entry = {"step": torch.tensor(float(pipeline.steps[index]))}
-            for name in _MOMENTS:
+            for name in names:
                 entry[name] = full[name].narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
             out[index] = entry
     return out
@@ -76,11 +94,13 @@ def gather_full_state(pipeline: Pipeline) -> dict[int, dict[str, torch.Tensor]]:
 def scatter_full_state(pipeline: Pipeline, state: dict[int, dict[str, torch.Tensor]]) -> None:
     """Load a full state (shapes checked by the caller); parameters absent from it start fresh."""
     for buf in pipeline.buffers:
-        for name in _MOMENTS:
+        entries = [state.get(i) for i in buf.indices]
+        _match_amsgrad(buf, any(e is not None and _AMSGRAD in e for e in entries))
+        for name in _MOMENTS + ((_AMSGRAD,) if buf.max_exp_avg_sq is not None else ()):
             full = torch.zeros(buf.layout.numel, dtype=torch.float32, device=buf.device)
             for slot in buf.layout.slots:
                 entry = state.get(buf.indices[slot.param])
-                if entry is not None:
+                if entry is not None and name in entry:
                     full.narrow(0, slot.offset, slot.numel).copy_(entry[name].reshape(-1))
             shard = getattr(buf, name)
             for b in buf.layout.buckets:
