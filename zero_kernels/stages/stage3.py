@@ -207,12 +207,14 @@ class Stage3Pipeline(Stage2Pipeline):
         scheduler is installed after. Call it between steps, outside ``gathered_params()``."""
         if self._hold_depth:
             raise RuntimeError("ZeRO stage 3: the optimizer cannot be copied or pickled inside gathered_params()")
-        if self._scheduler is not None:
+        installed = self._scheduler is not None
+        if installed:
             self._scheduler.remove()
         try:
             yield
         finally:
-            self._install_scheduler()
+            if installed:
+                self._install_scheduler()
 
     def _write_back(self) -> None:
         for buf in self.buffers:
