@@ -49,6 +49,7 @@ from transformers.trainer import SCHEDULER_NAME
 from .. import checkpoint
 from ..config import ZeroOptions
 from ..optim import ShardedFusedAdam
+from ..stages import adopt
 from . import agree
 
 __all__ = ["ZeroTrainer", "CHECKPOINT_DIR"]
@@ -206,6 +207,8 @@ class ZeroTrainer(Trainer):
                 f"ZeroTrainer: {checkpoint_dir} has no {CHECKPOINT_DIR}/ sharded checkpoint; it was not written by "
                 "ZeroTrainer, so the optimizer state cannot be restored"
             )
+        pipeline = self.zero_optimizer.pipeline
+        adopt.follow_replaced(pipeline, pipeline.name_of)  # Accelerate's model.to(device) copied the parameters
         checkpoint.load(sharded, self.model, self.zero_optimizer)
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
