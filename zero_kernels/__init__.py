@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import logging
-
-from . import checkpoint
+from . import checkpoint, log
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .env import settings
+from .integrations import save_pretrained
 from .optim import ShardedFusedAdam, initialize
 from .planner import estimate_comm, estimate_memory, recommend
 
 __version__ = "0.1.0"
 
-logging.getLogger("zero_kernels").setLevel(settings().log_level)
+log.setup(settings().log_level)
 
 __all__ = [
     "checkpoint",
@@ -25,4 +24,5 @@ __all__ = [
     "estimate_memory",
     "initialize",
     "recommend",
+    "save_pretrained",
 ]

@@ -27,7 +27,17 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
 - Clipping: ``max_grad_norm`` clips the global norm (one all-reduce of a scalar, shared with the
-  "has a gradient" flags), folded into the kernel's gradient multiplier.
+  "has a gradient" flags), folded into the kernel's gradient multiplier. Or call
+  ``opt.clip_grad_norm_(max_norm)`` before ``step()`` (what frameworks that clip themselves should
+  call: ``torch.nn.utils.clip_grad_norm_(model.parameters())`` sees no gradient at stages 2-3 and
+  only this rank's at stage 1).
+- Clearing: after every ``step()`` the optimizer forgets the step's gradients itself, so a loop
+  that calls only ``model.zero_grad()`` (as the Hugging Face Trainer does) trains as with AdamW
+  at every stage (``stages.grad_state``).
+- Parameters replaced after construction (``model.to(...)`` copies, ``p.data = ...``) are followed
+  at the next step; ``Parameter`` objects replaced in the model, or a new dtype, device or shape,
+  raise ``ValueError`` naming the parameter (``stages.adopt``). A model wrapped in
+  ``DistributedDataParallel`` is refused (``guards``).
 - AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
   and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
   ``capturable=True`` and ``differentiable=True`` are refused (``optim_args``).
@@ -39,17 +49,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
-from . import optim_copy, optim_state
+from . import guards, optim_copy, optim_state
 from .comm import make_engine
 from .config import FP16Config, ZeroConfig, ZeroOptions
 from .optim_args import check_flags, check_hyper, check_impl, check_params, check_process_group, check_structure
 from .precision import LossScaler
-from .stages import GroupHyper, Pipeline, StepResult, pipeline_class, requires_module, storage_bytes
+from .stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
 from .stages import state as zstate
 from .state_view import ShardedState
 
@@ -119,6 +130,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if max_grad_norm is not None and not max_grad_norm >= 0:
             raise ValueError(f"max_grad_norm must be >= 0 or None, got {max_grad_norm!r}")
         module = _the_module(params_or_module, module)
+        guards.refuse_ddp(module)
         if module is None and requires_module(self.options.stage):
             raise ValueError(
                 f"stage {self.options.stage} gathers parameters with module hooks: pass the model "
@@ -148,6 +160,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._micro_step = 0
         self._no_sync_depth = 0
+        self._clip_coef = 1.0  # set by clip_grad_norm_ for the next step
         self.last_step: Optional[StepResult] = None
         self._consolidated: Optional[dict[str, Any]] = None
         self._restoring = restore is not None
@@ -160,6 +173,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._restoring = False
         self.state = ShardedState(self._pipeline, self._params)
         self._update_sync()
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        self._held_names = {n: i for i, n in self._names.items() if i in held}
+        if module is not None:
+            guards.refuse_ddp_forward(module, self)
 
     # ---------------------------------------------------------------- param groups
     def _params(self) -> list[torch.Tensor]:
@@ -320,8 +337,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._update_sync()
             return loss
         self._micro_step = 0
+        self._follow_replaced_params()
         hyper = [self._hyper(g) for g in self.param_groups]
-        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        scale = self._clip_coef / (self.loss_scale * self.gradient_accumulation_steps)
+        self._clip_coef = 1.0
         self._consolidated = None  # the state is about to change
         self.last_step = self._pipeline.step(
             hyper, grad_scale=scale, max_grad_norm=self.max_grad_norm, check_finite=self.loss_scaler is not None
@@ -338,14 +357,55 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
         )  # fmt: skip
 
+    def _follow_replaced_params(self) -> None:
+        """Re-adopt parameters whose ``.data`` was replaced since the last step (see ``stages.adopt``)."""
+        module = self._pipeline.module
+        if module is not None:
+            adopt.check_module_params(module, self._held_names, self._pipeline.name_of)
+        adopt.follow_replaced(self._pipeline, self._pipeline.name_of)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global norm of this step's gradients to ``max_norm`` (applied by the next ``step()``).
+
+        What ``torch.nn.utils.clip_grad_norm_`` does for a plain optimizer, for gradients that live in
+        shards: the norm is taken over the reduced gradients of every rank (a collective: call it on
+        every rank, after the last backward of the step and before ``step()``).
+
+        Args:
+            max_norm: the largest global L2 norm the gradients may have; ``inf`` only measures it.
+            norm_type: 2 (the only norm supported).
+
+        Returns:
+            The global norm before clipping, as a 0-d float32 tensor.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_: norm_type must be 2, got {norm_type!r}")
+        if not max_norm >= 0:
+            raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm!r}")
+        if self._micro_step + 1 < self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"clip_grad_norm_ on accumulation micro-step {self._micro_step + 1} of "
+                f"{self.gradient_accumulation_steps}: the gradients are complete only before the step that "
+                "updates; call it there, or set max_grad_norm"
+            )
+        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        norm = grad_state.grad_norm(self._pipeline, scale)
+        self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
+        device = self._pipeline.buffers[0].device if self._pipeline.buffers else torch.device("cpu")
+        return torch.tensor(norm, dtype=torch.float32, device=device)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.
+
+        Not needed between steps: ``step()`` clears the gradient state the optimizer keeps for itself,
+        so a loop that calls only ``model.zero_grad()`` trains the same (see ``stages.grad_state``).
 
         Args:
             set_to_none: drop the gradients (``p.grad = None``) instead of zeroing them.
         """
         if self._micro_step != 0:
             return
+        self._clip_coef = 1.0
         self._pipeline.zero_grad(set_to_none)
 
     def gathered_params(self) -> contextlib.AbstractContextManager:

@@ -80,6 +80,7 @@ class ZeroOptions:
     stage3_param_persistence_threshold: int = _zero_default("stage3_param_persistence_threshold")
     stage3_max_live_parameters: int = _zero_default("stage3_max_live_parameters")
     stage3_max_reuse_distance: int = _zero_default("stage3_max_reuse_distance")
+    stage3_gather_16bit_weights_on_model_save: bool = _zero_default("stage3_gather_16bit_weights_on_model_save")
     offload_optimizer: str = "none"
     offload_param: str = "none"
 

@@ -69,6 +69,8 @@ ZERO_FIELDS: Dict[str, Field] = {
     "stage3_param_persistence_threshold": Field(integer(0), 100_000),
     "stage3_max_live_parameters": Field(integer(0), 1_000_000_000),
     "stage3_max_reuse_distance": Field(integer(0), 1_000_000_000),
+    # Whether the Hugging Face integration's save_model gathers full weights at stage 3 (DeepSpeed's default: no).
+    "stage3_gather_16bit_weights_on_model_save": Field(boolean(), False),
     "offload_optimizer": Field(OFFLOAD_OPTIMIZER, "none", auto=False),
     "offload_param": Field(OFFLOAD_PARAM, "none", auto=False),
     # Deprecated DeepSpeed spellings of offload_optimizer / offload_param with device "cpu".
@@ -82,9 +84,6 @@ ZERO_IGNORED: Dict[str, int] = {
         for k in (
             "round_robin_gradients",
             "sub_group_size",
-            "stage3_gather_16bit_weights_on_model_save",
-            "gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save",
             "elastic_checkpoint",
             "load_from_fp32_weights",
             "ignore_unused_parameters",
@@ -132,6 +131,8 @@ ZERO_ALIASES: Dict[str, str] = {
     "param_persistence_threshold": "stage3_param_persistence_threshold",
     "max_live_parameters": "stage3_max_live_parameters",
     "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
 }
 
 ZERO = Section(fields=ZERO_FIELDS, ignored=ZERO_IGNORED, aliases=ZERO_ALIASES)

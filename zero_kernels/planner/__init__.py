@@ -278,7 +278,8 @@ def _min_gpus(per_param_bytes: int, num_params: int, room: float) -> int | None:
 
 
 def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[StagePlan, ...], p3_bytes: int) -> str:
-    """Why nothing fits, by how much, and what would make it fit (more GPUs, optimizer offload)."""
+    """Why nothing fits, by how much, and what would make it fit: more GPUs; optimizer offload (labelled not
+    supported here, since zero_kernels refuses it)."""
     s3 = plans[3]
     short = s3.gpu_bytes - gpu_memory
     lines = [
@@ -296,13 +297,14 @@ def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[
             "reduce activations (activation checkpointing, a smaller micro-batch) or the largest layer."
         )
         return " ".join(lines)
-    lines.append(f"To fit at stage 3: use at least {need} GPUs,")
+    lines.append(f"To fit at stage 3: use at least {need} GPUs.")
     offloaded = s3.gpu_bytes - s3.memory.optimizer
     need_off = _min_gpus(p3_bytes, num_params, room)
     verdict = "fits" if offloaded <= gpu_memory else f"still short by {format_bytes(offloaded - gpu_memory)}"
     lines.append(
-        f"or offload the optimizer state to CPU memory (DeepSpeed zero_optimization.offload_optimizer), which "
-        f"leaves {format_bytes(offloaded)} per GPU on {gpus} GPUs ({verdict}; {need_off} GPUs suffice with offload)."
+        f"Offloading the optimizer state to CPU memory (DeepSpeed zero_optimization.offload_optimizer) would leave "
+        f"{format_bytes(offloaded)} per GPU on {gpus} GPUs ({verdict}; {need_off} GPUs would suffice with it), "
+        "but offload is not supported here: zero_kernels refuses offload_optimizer and offload_param."
     )
     return " ".join(lines)
 
@@ -390,7 +392,7 @@ def recommend(
 
     Raises:
         NoFitError: (a ValueError) when no stage fits; it says by how much, how many GPUs would do, and
-            what optimizer offload would leave.
+            what optimizer offload would leave (labelled not supported here: the optimizer refuses offload).
     """
     if isinstance(model, int) and not isinstance(model, bool):
         num_params = model

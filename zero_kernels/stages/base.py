@@ -54,6 +54,7 @@ import torch
 from ..comm import Handle
 from ..kernels import adam_step
 from ..layout import Bucket, BufferLayout
+from . import adopt, grad_state
 
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
 
@@ -172,6 +173,8 @@ class Pipeline:
         self._inflight: list[Inflight] = []  # in issue order
         self._round_open = False
         self._synced = False  # a synchronised backward happened since the last step
+        self._grads_final = False  # finish_grad_sync() ran since the last step
+        self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
 
     # ---------------------------------------------------------------- construction
     @property
@@ -262,6 +265,10 @@ class Pipeline:
         b, slot = where
         return self.buffers[b].layout.slots[slot].shape
 
+    def name_of(self, p: torch.Tensor) -> str:
+        """How errors name ``p``: by its name in the model when the pipeline has the model."""
+        return adopt.param_name(self.module, p) if self.module is not None else f"a parameter of shape {tuple(p.shape)}"
+
     def _place_params(self, buf: FlatBuffer) -> None:
         """Copy the parameters into ``param_flat`` and make each ``p.data`` a view of it."""
         buf.param_flat = torch.zeros(buf.layout.numel, dtype=buf.dtype, device=buf.device)
@@ -328,6 +335,8 @@ class Pipeline:
             buf = self.buffers[b]
             if buf.pending[k] > 0 and not flush:
                 return
+            if buf.pending[k] > 0:
+                grad_state.zero_dropped_grads(buf, buf.layout.buckets[k])
             self._launch_bucket(buf, buf.layout.buckets[k])
             self._next_launch += 1
             self._complete_inflight(keep=self.max_inflight)
@@ -404,11 +413,20 @@ class Pipeline:
                 yield self._grad_shard(buf, bucket)
 
     def finish_grad_sync(self) -> None:
-        """Make every gradient of this step present, reduced, in ``_grad_shard``."""
+        """Make every gradient of this step present, reduced, in ``_grad_shard`` (once per step)."""
+        if self._grads_final:
+            return
         if not self._synced:
             self._sync_manual_grads()
         self._complete_inflight()
         self._before_step()
+        grad_state.read_grad_flags(self)
+        self._grads_final = True
+
+    def reset_grad_sync(self) -> None:
+        """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""
+        self._synced = False
+        self._grads_final = False
 
     def _global_stats(self, need_norm: bool) -> tuple[set[int], Optional[float]]:
         """(indices of parameters with a gradient on some rank, squared norm or None): one all-reduce."""
@@ -446,7 +464,7 @@ class Pipeline:
         with_grad, sq = self._global_stats(need_norm=max_grad_norm is not None or check_finite)
         norm = None if sq is None else math.sqrt(sq) * grad_scale
         if check_finite and not math.isfinite(norm):
-            self._synced = False
+            grad_state.clear_after_step(self)
             return StepResult(norm, skipped=True)
         if max_grad_norm is not None:
             grad_scale *= min(1.0, max_grad_norm / (norm + 1e-6))
@@ -457,7 +475,7 @@ class Pipeline:
                 self._update_bucket(buf, bucket, hyper[buf.group], grad_scale, with_grad)
                 self._track(self._publish(buf, bucket))
         self._complete_inflight()
-        self._synced = False
+        grad_state.clear_after_step(self)
         return StepResult(norm, skipped=False)
 
     def _runs(self, buf: FlatBuffer, bucket: Bucket, with_grad: set[int]) -> Iterator[tuple[int, int, int]]:
@@ -497,7 +515,7 @@ class Pipeline:
 
     # ---------------------------------------------------------------- zero_grad, gathering, memory
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers)."""
+        """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers; see ``grad_state``)."""
         for buf in self.buffers:
             flat = None if buf.grad_flat is None else buf.grad_flat.untyped_storage().data_ptr()
             for p in buf.params:
@@ -510,6 +528,10 @@ class Pipeline:
                     t.zero_()
         if set_to_none:
             self.has_grad = dict.fromkeys(self.has_grad, False)
+            self.stepped_with = set()
+        else:
+            grad_state.keep_zero_grads(self)
+        self.reset_grad_sync()
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..layout import Bucket, BufferLayout
+from . import adopt, stage3_save
 from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
 from .stage3_hooks import Stage3Scheduler
@@ -64,6 +65,7 @@ class _Unit:
 
     def start_gather(self) -> None:
         buf, engine = self.buf, self.pipeline.engine
+        adopt.adopt_assigned_shard(self.pipeline, buf, buf.param_shard, self.pipeline.name_of)
         buf.full = torch.empty(buf.layout.numel, dtype=buf.dtype, device=buf.device)
         shard = buf.param_shard
         self._handles = [
@@ -112,6 +114,7 @@ class Stage3Pipeline(Stage2Pipeline):
         self._holder = _holders(module)
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
+        self._state_dict_guard = stage3_save.guard_state_dict(self)
 
     def add_group(self, group: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
         """Build one buffer per unit of param group ``group`` (see the module docstring)."""
@@ -234,6 +237,7 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def close(self) -> None:
         """Remove every hook; each parameter is left holding its full value."""
+        self._state_dict_guard.remove()
         if self._scheduler is not None:
             self._scheduler.hold()
             self._scheduler.remove()

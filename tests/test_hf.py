@@ -1,0 +1,159 @@
+"""The Hugging Face Trainer with ``ZeroTrainer`` on 2 gloo ranks, against the Trainer with ``torch.optim.AdamW``.
+
+Tiny models built from configs (random weights, no download). One spawn runs every case:
+
+- Llama, stages 0-3 (stage 3 with gathered units), 2 accumulation micro-batches per step, clipping
+  active: the weights after training match the plain Trainer's run (its DDP wrap + AdamW) to
+  fp32 noise, and so do the logged losses and gradient norms. (Llama has no biases: GPT-2's
+  attention key bias gets a gradient that is rounding noise, which Adam turns into full steps.)
+- GPT-2 (tied embeddings) at stage 3: a Trainer checkpoint taken halfway resumes, on a model built
+  from another seed, to the same weights as the uninterrupted run; ``save_model`` +
+  ``from_pretrained`` round-trips the weights exactly; without
+  ``stage3_gather_16bit_weights_on_model_save`` no weights file is written and a warning says where
+  they are.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+STEPS, BATCH, SEQ, VOCAB = 4, 2, 8, 64
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+
+
+def _data(count: int = STEPS * BATCH * 2 * 2) -> list:
+    g = torch.Generator().manual_seed(7)
+    return [{"input_ids": (ids := torch.randint(0, VOCAB, (SEQ,), generator=g)), "labels": ids} for _ in range(count)]
+
+
+def _gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ, bos_token_id=0,
+                        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def _llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0)  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def _args(output_dir: str, **kw):
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=BATCH,
+                gradient_accumulation_steps=2, learning_rate=2e-2, weight_decay=0.1, max_grad_norm=0.5,
+                lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                ddp_backend="gloo", disable_tqdm=True, seed=0, dataloader_num_workers=0)  # fmt: skip
+    return TrainingArguments(**{**base, **kw})
+
+
+def _weights(model, trainer=None) -> dict[str, torch.Tensor]:
+    held = trainer.zero_optimizer.gathered_params() if trainer is not None else torch.no_grad()
+    with held:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _close(a: dict, b: dict, what: str, tol: float) -> None:
+    """Element-wise within ``tol`` relative, plus ``tol`` x the tensor's largest magnitude for elements near zero."""
+    assert a.keys() == b.keys(), what
+    for k in a:
+        atol = tol * b[k].abs().max().item()
+        diff = (a[k] - b[k]).abs().max().item()
+        assert torch.allclose(a[k], b[k], rtol=tol, atol=atol), f"{what}: {k} differs by up to {diff:.3g}"
+
+
+def _history(trainer) -> list[tuple[float, float]]:
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+def _matrix(out: str) -> None:
+    """Llama at every stage against the Trainer with DDP + AdamW."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    ref_model = _llama()
+    ref = Trainer(model=ref_model, args=_args(os.path.join(out, "ref")), train_dataset=_data())
+    ref.train()
+    expected, expected_log = _weights(ref_model), _history(ref)
+    assert len(expected_log) == STEPS and max(n for _, n in expected_log) > 0.5, f"clipping inactive: {expected_log}"
+    for stage in (0, 1, 2, 3):
+        model = _llama()
+        zero = {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 100}
+        trainer = ZeroTrainer(model=model, args=_args(os.path.join(out, f"s{stage}")), train_dataset=_data(),
+                              zero_optimization=zero)  # fmt: skip
+        trainer.train()
+        assert trainer.model_wrapped is model, f"stage {stage}: wrapped in {type(trainer.model_wrapped).__name__}"
+        _close(_weights(model, trainer), expected, f"stage {stage} weights", tol=1e-5)
+        for (loss, norm), (rloss, rnorm) in zip(_history(trainer), expected_log):
+            assert loss == pytest.approx(rloss, rel=1e-5) and norm == pytest.approx(rnorm, rel=1e-4), (
+                f"stage {stage}: log {_history(trainer)} vs {expected_log}"
+            )
+
+
+def _resume_and_save(out: str) -> None:
+    """GPT-2 at stage 3: checkpoint, resume, save_model, from_pretrained."""
+    from transformers import GPT2LMHeadModel
+
+    from zero_kernels.integrations.hf import CHECKPOINT_DIR, ZeroTrainer
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 100, "stage3_gather_16bit_weights_on_model_save": True}
+    args = dict(save_strategy="steps", save_steps=STEPS // 2, output_dir=os.path.join(out, "run"))
+    model = _gpt2()
+    trainer = ZeroTrainer(model=model, args=_args(**args), train_dataset=_data(), zero_optimization=zero)
+    trainer.train()
+    final = _weights(model, trainer)
+    assert os.path.isdir(os.path.join(out, "run", f"checkpoint-{STEPS // 2}", CHECKPOINT_DIR))
+
+    resumed = _gpt2(seed=1)
+    again = ZeroTrainer(model=resumed, args=_args(**args), train_dataset=_data(), zero_optimization=zero)
+    again.train(resume_from_checkpoint=os.path.join(out, "run", f"checkpoint-{STEPS // 2}"))
+    _close(_weights(resumed, again), final, "resumed from checkpoint", tol=1e-6)
+
+    saved = os.path.join(out, "saved")
+    trainer.save_model(saved)
+    loaded = GPT2LMHeadModel.from_pretrained(saved).state_dict()
+    for k, v in loaded.items():
+        assert torch.equal(v, final[k]), f"from_pretrained: {k} differs"
+
+    no_gather = {**zero, "stage3_gather_16bit_weights_on_model_save": False}
+    quiet = ZeroTrainer(model=_gpt2(), args=_args(output_dir=os.path.join(out, "q"), max_steps=1),
+                        train_dataset=_data(), zero_optimization=no_gather)  # fmt: skip
+    quiet.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet.save_model(os.path.join(out, "sharded"))
+    assert any("stage3_gather_16bit_weights_on_model_save" in str(w.message) for w in caught)
+    assert not os.path.exists(os.path.join(out, "sharded", "model.safetensors"))
+    assert os.path.isdir(os.path.join(out, "sharded", CHECKPOINT_DIR))
+
+
+def _all_cases(rank: int, world: int, out: str) -> None:
+    _env(rank, world)
+    out = os.path.join(out, "shared")
+    _matrix(out)
+    _resume_and_save(out)
+
+
+@pytest.mark.distributed
+def test_trainer_matches_adamw_resumes_and_saves(spawn, tmp_path) -> None:
+    spawn(_all_cases, 2, str(tmp_path), timeout_s=600.0)

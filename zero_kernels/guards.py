@@ -1,0 +1,59 @@
+"""Set-ups that would reduce gradients twice: a model wrapped in ``DistributedDataParallel``.
+
+``ShardedFusedAdam`` reduces gradients across ranks itself (every stage). Under DDP they are
+all-reduced a second time, and DDP's buckets hold on to the shapes of stage 3's emptied
+parameters: results are silently wrong, or fail deep inside autograd. So DDP is refused where it
+can be seen:
+
+- at construction, when the optimizer is given a DDP module (as the model or as ``module=``) or a
+  model containing one;
+- at the first forward run inside a DDP wrapper built later (the Hugging Face Trainer wraps the
+  model after the optimizer exists; ``zero_kernels.integrations.hf.ZeroTrainer`` avoids the wrap).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+_FIX = (
+    "ShardedFusedAdam reduces gradients across ranks itself: pass the bare model and do not wrap it in "
+    "DistributedDataParallel (with the Hugging Face Trainer, use zero_kernels.integrations.hf.ZeroTrainer)"
+)
+
+
+def refuse_ddp(module: Optional[nn.Module]) -> None:
+    """ValueError when ``module`` is, or contains, a ``DistributedDataParallel`` wrapper.
+
+    Args:
+        module: the model given to the optimizer (None: nothing to check).
+    """
+    if module is None:
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, DistributedDataParallel):
+            where = "the model" if not name else f"sub-module {name!r} of the model"
+            raise ValueError(f"{where} is wrapped in DistributedDataParallel: {_FIX}")
+
+
+def refuse_ddp_forward(module: nn.Module, owner: Any) -> RemovableHandle:
+    """A forward pre-hook on ``module`` that raises when it runs inside a DDP forward while ``owner`` lives.
+
+    Args:
+        module: the model the optimizer trains.
+        owner: the optimizer; once it is garbage collected the hook does nothing.
+    """
+    ref = weakref.ref(owner)
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+        if active is None or ref() is None:
+            return
+        if any(m is mod for m in active.module.modules()):
+            raise RuntimeError(f"the model runs inside DistributedDataParallel, which was wrapped around it: {_FIX}")
+
+    return module.register_forward_pre_hook(hook)

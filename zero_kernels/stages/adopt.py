@@ -1,0 +1,130 @@
+"""Parameters replaced after the optimizer was built: followed when possible, refused when not.
+
+A pipeline makes each ``p.data`` a view of its flat parameter buffer (stage 3: of the gathered
+buffer, or an empty tensor while freed). Code outside the optimizer may replace ``p.data``: the
+Hugging Face Trainer calls ``model.to(device)`` (on CPUs ``"cpu:0"`` copies every tensor), users
+write ``p.data = ...``. The step then updated a buffer the model no longer reads: training
+silently stopped. ``follow_replaced`` runs before every step and re-adopts such parameters: the
+new values are copied into the buffer, ``p.data`` views it again, and the fp32 master shard takes
+the new values wherever they differ from what the master rounds to (so a copy with equal values
+keeps the master's extra precision). A new dtype, device or shape cannot be followed: it raises
+``ValueError`` naming the parameter. ``Parameter`` objects replaced in the model
+(``load_state_dict(..., assign=True)``, a module swapped) are caught by ``check_module_params``.
+
+Stage 3 units that are freed re-adopt in ``adopt_assigned_shard`` just before their next gather.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Mapping
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .base import FlatBuffer, Pipeline
+
+NameOf = Callable[[torch.Tensor], str]
+
+
+def _views(p: torch.Tensor, flat: torch.Tensor, offset: int, shape: torch.Size) -> bool:
+    same = p.dtype == flat.dtype and p.device == flat.device and tuple(p.shape) == tuple(shape)
+    return same and p.data_ptr() == flat[offset:].data_ptr()
+
+
+def param_name(module: nn.Module, p: torch.Tensor) -> str:
+    """``parameter 'name'`` of ``p`` in ``module`` (for error messages)."""
+    for name, q in module.named_parameters():
+        if q is p:
+            return f"parameter {name!r}"
+    return f"a parameter of shape {tuple(p.shape)}"
+
+
+def check_compatible(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size, name_of: NameOf) -> None:
+    """A replacement the buffers can take: same shape, dtype and device."""
+    if tuple(p.shape) == tuple(shape) and p.dtype == buf.dtype and p.device == buf.device:
+        return
+    raise ValueError(
+        f"{name_of(p)} was replaced after the optimizer was built and is now {p.dtype} {tuple(p.shape)} on "
+        f"{p.device}, while the optimizer holds {buf.dtype} {tuple(shape)} on {buf.device}: move or cast the "
+        "model (model.to(...), model.half()) before building the optimizer"
+    )
+
+
+def refresh_changed_master(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
+    """Give the fp32 master the parameter values wherever they differ from the master's rounding."""
+    if buf.master is None:
+        return
+    for bucket in buf.layout.buckets:
+        shard = pipeline._param_shard(buf, bucket)
+        master = buf.shard_slice(buf.master, bucket)
+        master.copy_(torch.where(shard == master.to(buf.dtype), master, shard.float()))
+
+
+def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
+    """Re-adopt parameters whose ``.data`` no longer views the flat buffer; returns how many.
+
+    Args:
+        pipeline: the optimizer's pipeline (buffers without ``param_flat`` are stage-3 units, skipped).
+        name_of: names a parameter in error messages.
+    """
+    adopted = 0
+    for buf in pipeline.buffers:
+        if buf.param_flat is None:
+            continue
+        changed = False
+        for slot in buf.layout.slots:
+            p = buf.params[slot.param]
+            if slot.numel == 0 or _views(p, buf.param_flat, slot.offset, slot.shape):
+                continue
+            check_compatible(buf, p, slot.shape, name_of)
+            view = buf.param_flat.narrow(0, slot.offset, slot.numel)
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(slot.shape)
+            changed = True
+            adopted += 1
+        if changed:
+            refresh_changed_master(pipeline, buf)
+    return adopted
+
+
+def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.Tensor, name_of: NameOf) -> bool:
+    """A freed stage-3 unit whose parameters were given full values: copy this rank's parts into ``shard``.
+
+    Args:
+        pipeline: the stage-3 pipeline.
+        buf: the unit's buffer (its parameters are empty tensors while freed).
+        shard: the unit's parameter shard, the all-gather source.
+        name_of: names a parameter in error messages.
+    """
+    assigned = [p for p in buf.params if p.numel() != 0]
+    if not assigned:
+        return False
+    for slot in buf.layout.slots:
+        p = buf.params[slot.param]
+        if p.numel() != 0:
+            check_compatible(buf, p, slot.shape, name_of)
+    for seg in buf.layout.segments(pipeline.shard_rank):
+        p = buf.params[buf.layout.slots[seg.slot].param]
+        if p.numel() != 0:
+            piece = p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel)
+            shard.narrow(0, seg.shard_offset, seg.numel).copy_(piece)
+    refresh_changed_master(pipeline, buf)
+    return True
+
+
+def check_module_params(module: nn.Module, held: Mapping[str, int], name_of: NameOf) -> None:
+    """Every model parameter the optimizer was built with is still the model's ``Parameter`` object.
+
+    Args:
+        module: the model.
+        held: model name -> ``id`` of the parameter the optimizer holds under that name.
+        name_of: names a parameter in error messages.
+    """
+    for name, p in module.named_parameters():
+        if name in held and held[name] != id(p):
+            raise ValueError(
+                f"model parameter {name!r} is no longer the Parameter the optimizer was built with (replaced by "
+                "load_state_dict(..., assign=True), a reassigned module or nn.Parameter): build the optimizer "
+                "after that, or copy values in place (load_state_dict without assign=True)"
+            )

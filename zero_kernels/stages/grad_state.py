@@ -1,0 +1,93 @@
+"""Which gradients a step uses, whichever way the user clears them between steps.
+
+Frameworks clear gradients with ``model.zero_grad()`` (or ``p.grad = None``), never reaching the
+optimizer, so the gradient state a pipeline keeps for itself must not outlive a step:
+
+- After every step, taken or skipped (fp16 overflow), the pipeline forgets which parameters had
+  a gradient and zeroes the reduced gradient shard of stages 2 and 3, as DeepSpeed's engine does
+  after its step. ``model.zero_grad()``, ``opt.zero_grad()`` or neither: the next step sees only
+  the gradients of the backward passes after this step. Accumulation over several backward
+  passes (``no_sync``, ``gradient_accumulation_steps``, or plain repeated ``backward``) before one
+  step is unchanged.
+- Stages 0 and 1 keep gradients in ``p.grad`` (views of the flat gradient buffer), so what the
+  user does to ``p.grad`` is seen: at the step, a parameter has a gradient exactly when
+  ``p.grad is not None`` (as ``torch.optim.AdamW`` decides), and before a bucket is reduced the
+  slots of parameters whose ``p.grad`` was dropped are zeroed (the buffer still holds the values
+  of an earlier step there).
+- Stages 2 and 3 keep no ``p.grad``. ``opt.zero_grad(set_to_none=False)`` after a step keeps the
+  parameters that had a gradient in it marked as having one (a zero gradient, as
+  ``torch.optim.AdamW`` sees ``p.grad`` filled with zeros); ``set_to_none=True`` and
+  ``model.zero_grad()`` leave them unmarked. Between a backward and the step only
+  ``opt.zero_grad()`` can discard the gradients already reduced into the shard.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..layout import Bucket
+
+if TYPE_CHECKING:
+    from .base import FlatBuffer, Pipeline
+
+
+def read_grad_flags(pipeline: "Pipeline") -> None:
+    """Stages whose gradients live in ``p.grad``: a parameter has a gradient iff ``p.grad is not None``."""
+    for buf in pipeline.buffers:
+        if buf.grad_flat is None:
+            continue
+        for slot in buf.layout.slots:
+            pipeline.has_grad[buf.indices[slot.param]] = buf.params[slot.param].grad is not None
+
+
+def zero_dropped_grads(buf: "FlatBuffer", bucket: Bucket) -> None:
+    """Before ``bucket`` is reduced: zero the slots of parameters whose ``p.grad`` the user dropped."""
+    if buf.grad_flat is None:
+        return
+    for index in bucket.slots:
+        slot = buf.layout.slots[index]
+        if buf.params[slot.param].grad is None:
+            lo, hi = max(slot.offset, bucket.start), min(slot.offset + slot.numel, bucket.start + bucket.numel)
+            buf.grad_flat[lo:hi].zero_()
+
+
+def clear_after_step(pipeline: "Pipeline") -> None:
+    """Forget this step's gradients (see the module docstring); called at the end of every step."""
+    pipeline.stepped_with = {i for i, has in pipeline.has_grad.items() if has}
+    pipeline.has_grad = dict.fromkeys(pipeline.has_grad, False)
+    for buf in pipeline.buffers:
+        if buf.grad_shard is not None:
+            buf.grad_shard.zero_()
+    pipeline.reset_grad_sync()
+
+
+def keep_zero_grads(pipeline: "Pipeline") -> None:
+    """``zero_grad(set_to_none=False)`` at stages 2-3: parameters that had a gradient in the last step keep one."""
+    for buf in pipeline.buffers:
+        if buf.grad_flat is not None:
+            continue
+        for i in buf.indices:
+            if i in pipeline.stepped_with:
+                pipeline.has_grad[i] = True
+
+
+def grad_norm(pipeline: "Pipeline", grad_scale: float) -> float:
+    """Global L2 norm of this step's reduced gradients times ``grad_scale`` (a collective: every rank calls it).
+
+    Args:
+        pipeline: the optimizer's pipeline.
+        grad_scale: multiplier of the reduced gradients (1 / (loss scale x accumulation steps)).
+    """
+    pipeline.finish_grad_sync()
+    if pipeline.grad_divisor_is_world:
+        grad_scale = grad_scale / pipeline.world_size
+    device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    for v in pipeline._norm_views():
+        sq += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
+    if pipeline.world_size > 1:
+        pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
+    return math.sqrt(float(sq)) * grad_scale
