@@ -40,6 +40,27 @@ def refuse_ddp(module: Optional[nn.Module]) -> None:
             raise ValueError(f"{where} is wrapped in DistributedDataParallel: {_FIX}")
 
 
+class _RefuseDDPForward:
+    """The forward pre-hook of ``refuse_ddp_forward``: a class, so that a model carrying it can still be
+    copied or pickled (a copy's hook is inert; the copied optimizer installs its own)."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = weakref.ref(owner)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._owner = lambda: None
+
+    def __call__(self, mod: nn.Module, args: Any) -> None:
+        active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+        if active is None or self._owner() is None:
+            return
+        if any(m is mod for m in active.module.modules()):
+            raise RuntimeError(f"the model runs inside DistributedDataParallel, which was wrapped around it: {_FIX}")
+
+
 def refuse_ddp_forward(module: nn.Module, owner: Any) -> RemovableHandle:
     """A forward pre-hook on ``module`` that raises when it runs inside a DDP forward while ``owner`` lives.
 
@@ -47,13 +68,4 @@ def refuse_ddp_forward(module: nn.Module, owner: Any) -> RemovableHandle:
         module: the model the optimizer trains.
         owner: the optimizer; once it is garbage collected the hook does nothing.
     """
-    ref = weakref.ref(owner)
-
-    def hook(mod: nn.Module, args: Any) -> None:
-        active = getattr(DistributedDataParallel, "_active_ddp_module", None)
-        if active is None or ref() is None:
-            return
-        if any(m is mod for m in active.module.modules()):
-            raise RuntimeError(f"the model runs inside DistributedDataParallel, which was wrapped around it: {_FIX}")
-
-    return module.register_forward_pre_hook(hook)
+    return module.register_forward_pre_hook(_RefuseDDPForward(owner))

@@ -213,9 +213,11 @@ class Stage3Pipeline(Stage2Pipeline):
         installed = self._scheduler is not None
         if installed:
             self._scheduler.remove()
+        self._state_dict_guard.remove()
         try:
             yield
         finally:
+            self._state_dict_guard = stage3_save.guard_state_dict(self)
             if installed:
                 self._install_scheduler()
 

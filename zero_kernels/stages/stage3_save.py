@@ -36,16 +36,21 @@ def _freed(pipeline: "Pipeline", p: nn.Parameter, value: Any) -> bool:
     return value.numel() == 0 and pipeline.param_shape(p).numel() != 0
 
 
-def guard_state_dict(pipeline: "Pipeline") -> RemovableHandle:
-    """Refuse ``pipeline.module.state_dict()`` while it would hold emptied stage-3 parameters.
+class _StateDictGuard:
+    """The state-dict post-hook of ``guard_state_dict``: a class, so that a model carrying it can still be
+    copied or pickled (a copy's guard is inert)."""
 
-    Args:
-        pipeline: the stage-3 pipeline (its ``module`` gets the hook).
-    """
-    ref = weakref.ref(pipeline)
+    def __init__(self, pipeline: "Pipeline") -> None:
+        self._pipeline = weakref.ref(pipeline)
 
-    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        owner = ref()
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._pipeline = lambda: None
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        owner = self._pipeline()
         if owner is None:
             return
         empty = []
@@ -62,4 +67,11 @@ def guard_state_dict(pipeline: "Pipeline") -> RemovableHandle:
                 f"uses each rank keeps only its shard of the parameters. {WHAT_TO_CALL}"
             )
 
-    return pipeline.module.register_state_dict_post_hook(hook)
+
+def guard_state_dict(pipeline: "Pipeline") -> RemovableHandle:
+    """Refuse ``pipeline.module.state_dict()`` while it would hold emptied stage-3 parameters.
+
+    Args:
+        pipeline: the stage-3 pipeline (its ``module`` gets the hook).
+    """
+    return pipeline.module.register_state_dict_post_hook(_StateDictGuard(pipeline))
