@@ -496,9 +496,11 @@ def all_gather_objects(engine: CommEngine, obj: Any, name: str = "objects") -> l
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     everyone = torch.empty(width * engine.world_size, dtype=torch.uint8, device=device)
     engine.all_gather(everyone, mine.to(device), name=name).wait()
+    raw = bytearray(everyone.numel())  # read back without numpy, which the CPU torch wheel does not bring
+    torch.frombuffer(raw, dtype=torch.uint8).copy_(everyone)
     out = []
-    for row in everyone.cpu().view(engine.world_size, width):
-        raw = row.numpy().tobytes()
-        (size,) = struct.unpack("<q", raw[:8])
-        out.append(pickle.loads(raw[8 : 8 + size]))
+    for rank in range(engine.world_size):
+        row = raw[rank * width : (rank + 1) * width]
+        (size,) = struct.unpack("<q", row[:8])
+        out.append(pickle.loads(row[8 : 8 + size]))
     return out

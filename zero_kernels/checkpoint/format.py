@@ -81,6 +81,14 @@ def check_byteorder() -> None:
         raise CheckpointError("checkpoint: raw little-endian tensor files need a little-endian host")
 
 
+def tensor_bytes(t: torch.Tensor) -> bytearray:
+    """The raw bytes of the elements of ``t`` (any device and layout), copied to host memory without numpy."""
+    out = bytearray(t.numel() * t.element_size())
+    if out:
+        torch.frombuffer(out, dtype=t.dtype).copy_(t.reshape(-1))
+    return out
+
+
 # ---------------------------------------------------------------- crash-safe writes
 def fsync_dir(path: Path) -> None:
     """Make a rename inside directory ``path`` durable (where the platform allows opening directories)."""
@@ -134,8 +142,8 @@ class BlockWriter:
         """Write the elements of 1-D ``t`` (any device) in chunks of bounded host memory."""
         step = max(1, _CHUNK_BYTES // t.element_size())
         for start in range(0, t.numel(), step):
-            chunk = t.narrow(0, start, min(step, t.numel() - start)).detach().cpu().contiguous()
-            self.write(memoryview(chunk.view(torch.uint8).numpy()))
+            chunk = t.narrow(0, start, min(step, t.numel() - start)).detach()
+            self.write(memoryview(tensor_bytes(chunk)))
 
     def finish(self) -> list[int]:
         """The CRCs of every block, the last partial one included."""
