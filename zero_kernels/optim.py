@@ -26,19 +26,27 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   averaged over the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
-- Clipping: ``max_grad_norm`` clips the global norm (one all-reduce of a scalar, shared with the
-  "has a gradient" flags), folded into the kernel's gradient multiplier.
+- Clipping: ``max_grad_norm`` clips the global norm (computed in the step's one exchange between
+  ranks, shared with the "has a gradient" flags), folded into the kernel's gradient multiplier.
+- Non-finite gradients (fp32/bf16): with ``skip_nonfinite_steps`` (the default) a step whose
+  gradients hold inf/NaN on any rank updates nothing on every rank, is counted in
+  ``skipped_steps`` and logged at WARNING; with it off, they are applied as ``torch.optim.AdamW`` would.
+- Ranks must agree: options and param groups are compared across ranks at construction, and the
+  hyper-parameters, gradient scale and clipping norm at every step (``agreement``); a difference
+  raises ``agreement.RanksDisagree`` on every rank, naming the key and every rank's value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
+from . import agreement
 from .comm import make_engine
 from .config import FP16Config, ZeroConfig, ZeroOptions
 from .precision import LossScaler
@@ -49,6 +57,7 @@ _ADAMW_GROUP_KEYS = dict(
     amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None
 )
 _FORMAT = "zero_kernels.sharded"
+log = logging.getLogger("zero_kernels")
 
 
 def check_hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
@@ -79,6 +88,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm to this value (None or 0: no clipping).
         gradient_accumulation_steps: micro-steps per update (see the module docstring).
         fp16: an ``FP16Config`` (or its fields as a dict) enabling loss scaling.
+        skip_nonfinite_steps: skip (on every rank) a step whose gradients hold inf/NaN on some rank,
+            and count it in ``skipped_steps``; False applies them, as ``torch.optim.AdamW`` does.
+            fp16 loss scaling always skips such steps.
         module: the model the parameters belong to, when ``params_or_module`` lists parameters or
             groups: stage 3 needs it to gather parameters; other stages use it to name parameters in errors.
         **zero_options: ``zero_optimization`` keys, e.g. ``reduce_bucket_size`` (elements).
@@ -99,6 +111,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         gradient_accumulation_steps: int = 1,
         fp16: Union[FP16Config, Mapping[str, Any], None] = None,
+        skip_nonfinite_steps: bool = True,
         module: Optional[nn.Module] = None,
         **zero_options: Any,
     ):
@@ -116,6 +129,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 f"stage {self.options.stage} gathers parameters with module hooks: pass the model "
                 "(ShardedFusedAdam(model, ...)), or the parameters or groups with module=model"
             )
+        if not isinstance(skip_nonfinite_steps, bool):
+            raise ValueError(f"skip_nonfinite_steps must be True or False, got {skip_nonfinite_steps!r}")
+        self.skip_nonfinite_steps = skip_nonfinite_steps
+        self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -130,6 +147,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._pipeline = pipeline_class(self.options.stage)(self._engine, self.options, impl=impl, module=module)
         params = module.parameters() if params_or_module is module else params_or_module
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
         self._update_sync()
 
     # ---------------------------------------------------------------- param groups
@@ -145,6 +163,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             first = sum(len(g["params"]) for g in self.param_groups[:-1])
             indices = list(range(first, first + len(group["params"])))
+            g = len(self.param_groups) - 1
+            agreement.check_optimizer(self, f"adding param group {g}", group=g, names=self._names)
             self._check_replicated(group["params"], indices)
             self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
         except Exception:
@@ -242,13 +262,27 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._micro_step = 0
         hyper = [self._hyper(g) for g in self.param_groups]
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps
         self.last_step = self._pipeline.step(
-            hyper, grad_scale=scale, max_grad_norm=self.max_grad_norm, check_finite=self.loss_scaler is not None
+            hyper, grad_scale=scale, max_grad_norm=self.max_grad_norm, check_finite=check_finite
         )
+        if self.last_step.skipped:
+            self.skipped_steps += 1
+            self._log_skip()
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step.skipped)
         self._update_sync()
         return loss
+
+    def _log_skip(self) -> None:
+        if self.loss_scaler is not None:
+            log.info("zero_kernels: fp16 overflow at loss scale %g: step skipped", self.loss_scale)
+            return
+        log.warning(
+            "zero_kernels: step skipped on every rank: some gradient is inf or NaN (%d steps skipped so far; "
+            "skip_nonfinite_steps=False applies such gradients)",
+            self.skipped_steps,
+        )
 
     def _hyper(self, g: Mapping[str, Any]) -> GroupHyper:
         b1, b2 = (float(b) for b in g["betas"])
@@ -436,6 +470,7 @@ def initialize(
         stage=config.stage, process_group=process_group, impl=impl, adam_w_mode=opt.adamw,
         max_grad_norm=config.gradient_clipping or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        fp16=config.fp16 if config.fp16.enabled else None, module=model, **zero,
+        fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,
+        module=model, **zero,
     )  # fmt: skip
     return model, optimizer
