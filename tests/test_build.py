@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -69,20 +68,6 @@ def test_no_jit_refuses_to_build(monkeypatch: pytest.MonkeyPatch, fresh_results:
     with pytest.raises(_ext.ExtensionUnavailable, match="ZERO_KERNELS_NO_JIT=1"):
         _ext.load("ops")
     assert not _ext.available("ops")
-
-
-def test_stale_build_lock_is_removed_and_a_fresh_one_kept(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    from torch.utils import cpp_extension
-
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    lock = tmp_path / "lock"
-    lock.touch()
-    _ext._remove_stale_lock("ops")
-    assert lock.exists()
-    old = time.time() - _ext.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
-    _ext._remove_stale_lock("ops")
-    assert not lock.exists()
 
 
 def test_unknown_extension_is_refused() -> None:

@@ -4,22 +4,26 @@
 extension cache, ``TORCH_EXTENSIONS_DIR``, rebuilds when a source changes). A module prebuilt by
 ``ZERO_KERNELS_BUILD_OPS=1 pip install`` is used instead when present. Every failure raises
 ``ExtensionUnavailable`` with what to install; callers with a pure-PyTorch path catch it.
+
+First use. A build takes minutes, so it is announced at WARNING (what is built, how long it
+usually takes, where it is cached) and its duration logged when done. Builds of one extension are
+serialised by ``_build_lock`` (a lock that dies with its holder): a process that waits for
+another's build says so, and a lock left by a killed build is removed instead of waited on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import logging
-import os
 import shutil
 import time
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from . import _build_spec
+from . import _build_lock, _build_spec
 from .env import settings
 
 log = logging.getLogger("zero_kernels")
@@ -29,27 +33,20 @@ class ExtensionUnavailable(RuntimeError):
     """The C++ extension cannot be built or loaded here; the message says what is missing."""
 
 
-# A build holds ``<build dir>/lock`` while it runs and torch waits for it without a limit. A build
-# that was killed leaves the file behind; one older than this is taken as stale and removed.
-STALE_LOCK_S = 20 * 60
-
-
 def module_name(name: str) -> str:
     return f"zero_kernels_{name}"
 
 
-def _remove_stale_lock(name: str) -> None:
+def _up_to_date(directory: str, name: str, sources: list[str]) -> bool:
+    """Whether a built library of ``name`` is newer than its sources and every header (no build needed)."""
     from torch.utils import cpp_extension
 
-    lock = os.path.join(cpp_extension._get_build_directory(module_name(name), verbose=False), "lock")
-    try:
-        age = time.time() - os.path.getmtime(lock)
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        log.warning("zero_kernels: removing the build lock %s, %.0f min old: a build was interrupted", lock, age / 60)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(lock)
+    library = Path(directory) / f"{module_name(name)}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+    if not library.is_file():
+        return False
+    headers = [p for d in _build_spec.include_dirs() for p in Path(d).rglob("*") if p.suffix in (".h", ".cuh")]
+    newest = max((Path(p).stat().st_mtime for p in [*sources, *headers]), default=0.0)
+    return library.stat().st_mtime >= newest
 
 
 def _missing_toolchain(with_cuda: bool) -> str | None:
@@ -90,25 +87,39 @@ def _build(name: str) -> ModuleType:
         raise ExtensionUnavailable(f"cannot build zero_kernels extension '{name}': {missing}")
     from torch.utils import cpp_extension
 
-    _remove_stale_lock(name)
+    sources = _build_spec.sources(name, with_cuda=with_cuda)
+    directory = cpp_extension._get_build_directory(module_name(name), verbose=False)
     start = time.perf_counter()
     try:
-        module = cpp_extension.load(
-            name=module_name(name),
-            sources=_build_spec.sources(name, with_cuda=with_cuda),
-            extra_include_paths=_build_spec.include_dirs(),
-            extra_cflags=_build_spec.CXX_FLAGS,
-            extra_ldflags=_build_spec.LD_FLAGS,
-            extra_cuda_cflags=_build_spec.NVCC_FLAGS,
-            with_cuda=with_cuda,
-            verbose=env.verbose_build,
-        )
+        with _build_lock.hold(directory, f"the C++ extension '{name}'"):
+            building = not _up_to_date(directory, name, sources)
+            if building:
+                log.warning(
+                    "zero_kernels: building the C++ extension '%s' (first use, or its sources changed); this usually "
+                    "takes %s%s. Later runs load it from %s (set TORCH_EXTENSIONS_DIR to move it; "
+                    "ZERO_KERNELS_BUILD_OPS=1 pip install builds it at install time)",
+                    name,
+                    _build_lock.BUILD_TIME,
+                    ", longer with CUDA sources" if with_cuda else "",
+                    directory,
+                )
+            module = cpp_extension.load(
+                name=module_name(name),
+                sources=sources,
+                extra_include_paths=_build_spec.include_dirs(),
+                extra_cflags=_build_spec.CXX_FLAGS,
+                extra_ldflags=_build_spec.LD_FLAGS,
+                extra_cuda_cflags=_build_spec.NVCC_FLAGS,
+                with_cuda=with_cuda,
+                verbose=env.verbose_build,
+            )
     except Exception as exc:  # compiler errors surface as RuntimeError/OSError/ImportError
         raise ExtensionUnavailable(
             f"building zero_kernels extension '{name}' failed: {exc}\n"
             "rerun with ZERO_KERNELS_VERBOSE_BUILD=1 to see the compiler output"
         ) from exc
-    log.info("zero_kernels: extension '%s' ready in %.1f s", name, time.perf_counter() - start)
+    level = logging.WARNING if building else logging.INFO
+    log.log(level, "zero_kernels: extension '%s' ready in %.1f s", name, time.perf_counter() - start)
     return module
 
 

@@ -23,6 +23,7 @@ measured by ``python -m benchmarks comm`` (``PRIMITIVES``); ``primitive=`` overr
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import struct
@@ -154,6 +155,28 @@ class CppHandle(Handle):
 
     def is_completed(self) -> bool:
         return self._op.is_completed()
+
+
+def _issue_errors_named(operation: str) -> Callable:
+    """Turn a backend error raised while ``operation`` is issued into a ``CommError`` naming it.
+
+    A peer that died makes gloo fail already when an operation is posted (sends and receives), not
+    only in ``wait()``; the caller then sees the same error type either way.
+    """
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def issue(self: "_EngineBase", *args: Any, name: str = "", **kwargs: Any) -> Handle:
+            try:
+                return method(self, *args, name=name, **kwargs)
+            except CommError:
+                raise
+            except RuntimeError as exc:  # RuntimeError, DistBackendError: a ValueError is a bad argument
+                raise CommError(f"{self.describe(operation, name)} failed: {exc}") from exc
+
+        return issue
+
+    return wrap
 
 
 def _check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
@@ -295,6 +318,7 @@ class TorchCommEngine(_EngineBase):
             keep.append(handle)
         self._pending = keep
 
+    @_issue_errors_named("reduce_scatter")
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
     ) -> Handle:
@@ -333,6 +357,7 @@ class TorchCommEngine(_EngineBase):
         epilogue = None if target is output else (lambda: output.copy_(target))
         return self._track(Handle(work, (input, target, output), epilogue, what))
 
+    @_issue_errors_named("all_gather")
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
     ) -> Handle:
@@ -357,6 +382,7 @@ class TorchCommEngine(_EngineBase):
             work = _all_gather_flat(output, source, group=self.group, async_op=True)
         return self._track(Handle(work, (input, source, output), None, what))
 
+    @_issue_errors_named("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
         """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min)."""
         what = self._check_all_reduce(name, tensor, op)
@@ -411,6 +437,7 @@ class CppCommEngine(_EngineBase):
         with torch.cuda.stream(side):
             return CppHandle(call(*args, compute_stream=compute, side_stream=side_handle), side)
 
+    @_issue_errors_named("reduce_scatter")
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
     ) -> Handle:
@@ -421,6 +448,7 @@ class CppCommEngine(_EngineBase):
             return Handle(None, ())
         return self._issue("reduce_scatter", input, output, input, name, getattr(self._ext.Primitive, primitive))
 
+    @_issue_errors_named("all_gather")
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
     ) -> Handle:
@@ -431,6 +459,7 @@ class CppCommEngine(_EngineBase):
             return Handle(None, ())
         return self._issue("all_gather", output, output, input, name, getattr(self._ext.Primitive, primitive))
 
+    @_issue_errors_named("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
         """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min)."""
         self._check_all_reduce(name, tensor, op)
@@ -496,9 +525,11 @@ def all_gather_objects(engine: CommEngine, obj: Any, name: str = "objects") -> l
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     everyone = torch.empty(width * engine.world_size, dtype=torch.uint8, device=device)
     engine.all_gather(everyone, mine.to(device), name=name).wait()
+    raw = bytearray(everyone.numel())  # read back without numpy, which the CPU torch wheel does not bring
+    torch.frombuffer(raw, dtype=torch.uint8).copy_(everyone)
     out = []
-    for row in everyone.cpu().view(engine.world_size, width):
-        raw = row.numpy().tobytes()
-        (size,) = struct.unpack("<q", raw[:8])
-        out.append(pickle.loads(raw[8 : 8 + size]))
+    for rank in range(engine.world_size):
+        row = raw[rank * width : (rank + 1) * width]
+        (size,) = struct.unpack("<q", row[:8])
+        out.append(pickle.loads(row[8 : 8 + size]))
     return out

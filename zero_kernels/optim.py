@@ -26,8 +26,8 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   averaged over the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
-- Clipping: ``max_grad_norm`` clips the global norm (one all-reduce of a scalar, shared with the
-  "has a gradient" flags), folded into the kernel's gradient multiplier. Or call
+- Clipping: ``max_grad_norm`` clips the global norm (computed in the step's one exchange between
+  ranks, shared with the "has a gradient" flags), folded into the kernel's gradient multiplier. Or call
   ``opt.clip_grad_norm_(max_norm)`` before ``step()`` (what frameworks that clip themselves should
   call: ``torch.nn.utils.clip_grad_norm_(model.parameters())`` sees no gradient at stages 2-3 and
   only this rank's at stage 1).
@@ -43,19 +43,26 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   ``capturable=True`` and ``differentiable=True`` are refused (``optim_args``).
 - ``opt.state[p]``: views of this rank's shards (``state_view``); state dicts: ``optim_state``;
   ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim_copy``.
+- Non-finite gradients (fp32/bf16): with ``skip_nonfinite_steps`` (the default) a step whose
+  gradients hold inf/NaN on any rank updates nothing on every rank, is counted in
+  ``skipped_steps`` and logged at WARNING; with it off, they are applied as ``torch.optim.AdamW`` would.
+- Ranks must agree: options and param groups are compared across ranks at construction, and the
+  hyper-parameters, gradient scale and clipping norm at every step (``agreement``); a difference
+  raises ``agreement.RanksDisagree`` on every rank, naming the key and every rank's value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
-from . import guards, optim_copy, optim_state
+from . import agreement, guards, optim_copy, optim_state
 from .comm import make_engine
 from .config import FP16Config, ZeroConfig, ZeroOptions
 from .optim_args import check_flags, check_hyper, check_impl, check_params, check_process_group, check_structure
@@ -65,6 +72,7 @@ from .stages import state as zstate
 from .state_view import ShardedState
 
 __all__ = ["ShardedFusedAdam", "check_hyper", "initialize"]
+log = logging.getLogger("zero_kernels")
 
 
 class ShardedFusedAdam(torch.optim.Optimizer):
@@ -87,6 +95,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm to this value (None or 0: no clipping).
         gradient_accumulation_steps: micro-steps per update (see the module docstring).
         fp16: an ``FP16Config`` (or its fields as a dict) enabling loss scaling.
+        skip_nonfinite_steps: skip (on every rank) a step whose gradients hold inf/NaN on some rank,
+            and count it in ``skipped_steps``; False applies them, as ``torch.optim.AdamW`` does.
+            fp16 loss scaling always skips such steps.
         module: the model the parameters belong to, when ``params_or_module`` lists parameters or
             groups: stage 3 needs it to gather parameters; other stages use it to name parameters in errors.
         **zero_options: ``zero_optimization`` keys, e.g. ``reduce_bucket_size`` (elements).
@@ -113,6 +124,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         max_grad_norm: Optional[float] = None,
         gradient_accumulation_steps: int = 1,
         fp16: Union[FP16Config, Mapping[str, Any], None] = None,
+        skip_nonfinite_steps: bool = True,
         module: Optional[nn.Module] = None,
         **zero_options: Any,
     ):
@@ -136,6 +148,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 f"stage {self.options.stage} gathers parameters with module hooks: pass the model "
                 "(ShardedFusedAdam(model, ...)), or the parameters or groups with module=model"
             )
+        if not isinstance(skip_nonfinite_steps, bool):
+            raise ValueError(f"skip_nonfinite_steps must be True or False, got {skip_nonfinite_steps!r}")
+        self.skip_nonfinite_steps = skip_nonfinite_steps
+        self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -170,6 +186,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         groups = self._checked_groups(params, defaults)  # every group is checked before anything changes
         self._pipeline = pipeline_class(self.options.stage)(self._engine, self.options, impl=impl, module=module)
         super().__init__(groups, defaults)
+        if not self._restoring:
+            agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
         self._restoring = False
         self.state = ShardedState(self._pipeline, self._params)
         self._update_sync()
@@ -240,6 +258,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             first = sum(len(g["params"]) for g in self.param_groups[:-1])
             indices = list(range(first, first + len(group["params"])))
             if not self._restoring:
+                g = len(self.param_groups) - 1
+                agreement.check_optimizer(self, f"adding param group {g}", group=g, names=self._names)
                 self._check_replicated(group["params"], indices)
             self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
         except Exception:
@@ -342,13 +362,27 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         scale = self._clip_coef / (self.loss_scale * self.gradient_accumulation_steps)
         self._clip_coef = 1.0
         self._consolidated = None  # the state is about to change
+        check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps
         self.last_step = self._pipeline.step(
-            hyper, grad_scale=scale, max_grad_norm=self.max_grad_norm, check_finite=self.loss_scaler is not None
+            hyper, grad_scale=scale, max_grad_norm=self.max_grad_norm, check_finite=check_finite
         )
+        if self.last_step.skipped:
+            self.skipped_steps += 1
+            self._log_skip()
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step.skipped)
         self._update_sync()
         return loss
+
+    def _log_skip(self) -> None:
+        if self.loss_scaler is not None:
+            log.info("zero_kernels: fp16 overflow at loss scale %g: step skipped", self.loss_scale)
+            return
+        log.warning(
+            "zero_kernels: step skipped on every rank: some gradient is inf or NaN (%d steps skipped so far; "
+            "skip_nonfinite_steps=False applies such gradients)",
+            self.skipped_steps,
+        )
 
     def _hyper(self, g: Mapping[str, Any]) -> GroupHyper:
         b1, b2 = (float(b) for b in g["betas"])
@@ -549,6 +583,7 @@ def initialize(
         stage=config.stage, process_group=process_group, impl=impl, adam_w_mode=opt.adamw,
         max_grad_norm=config.gradient_clipping or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        fp16=config.fp16 if config.fp16.enabled else None, module=model, **zero,
+        fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,
+        module=model, **zero,
     )  # fmt: skip
     return model, optimizer

@@ -76,6 +76,8 @@ def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
         "max_grad_norm": opt.max_grad_norm,
         "gradient_accumulation_steps": opt.gradient_accumulation_steps,
         "loss_scaler": opt.loss_scaler,
+        "skip_nonfinite_steps": opt.skip_nonfinite_steps,
+        "skipped_steps": opt.skipped_steps,
         "last_step": opt.last_step,
         "extra_state": opt.state.extra,
         "process_group": process_group,
@@ -131,7 +133,8 @@ def restore(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
     """Rebuild ``opt`` (a bare instance) from a snapshot; raises when it cannot live here."""
     if state.get(_TAG) != _VERSION:
         raise RuntimeError(f"not a snapshot of a {_TAG} (version {_VERSION}): {sorted(state)[:5]}")
-    for key in ("options", "adam_w_mode", "max_grad_norm", "gradient_accumulation_steps", "loss_scaler"):
+    keys = ("options", "adam_w_mode", "max_grad_norm", "gradient_accumulation_steps", "loss_scaler")
+    for key in (*keys, "skip_nonfinite_steps", "skipped_steps"):
         setattr(opt, key, state[key])
     shard = state["shard"]
     groups = state["param_groups"]

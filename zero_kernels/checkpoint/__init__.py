@@ -27,7 +27,6 @@ name, so the optimizer's stage, world size, bucket size and param dtype may all 
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import zlib
@@ -55,13 +54,16 @@ from .format import (
     TensorSource,
     check_byteorder,
     dtype_name,
+    extra_bytes,
     next_version,
     publish,
     rank_file,
-    read_metadata,
+    read_extra,
+    remove_unfinished,
     resolve,
     write_small,
 )
+from .metadata import read_metadata
 
 _STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
@@ -262,25 +264,16 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
     return [v for _, v in outcomes] if share else value
 
 
-def _extra_bytes(extra: Any) -> Optional[bytes]:
-    if extra is None:
-        return None
-    data = io.BytesIO()
-    try:
-        torch.save(extra, data)
-    except Exception as err:  # pickling raises many types; report it before any file is written
-        raise CheckpointError(f"checkpoint: extra cannot be saved with torch.save ({type(err).__name__}: {err})")
-    return data.getvalue()
-
-
 def _commit(root: Path, version: str, meta: dict, extra: Optional[bytes]) -> None:
-    """Rank 0: extra and metadata into the temporary version, rename it into place, point ``latest`` at it."""
+    """Rank 0: extra and metadata into the temporary version, rename it into place, point ``latest`` at it,
+    then remove what earlier saves that did not finish left behind."""
     folder = root / (TMP_PREFIX + version)
     if extra is not None:
         write_small(folder / EXTRA, extra)
     write_small(folder / METADATA, json.dumps(meta).encode())
     publish(folder, root / version)
     write_small(root / LATEST, version.encode())
+    remove_unfinished(root, version)
 
 
 def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = None) -> Path:
@@ -306,7 +299,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
         nonlocal blob
         if pipeline.rank != 0:
             return None
-        blob = _extra_bytes(extra)
+        blob = extra_bytes(extra)
         root.mkdir(parents=True, exist_ok=True)
         version = next_version(root)
         (root / (TMP_PREFIX + version)).mkdir()
@@ -418,18 +411,6 @@ def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], save
     return moves
 
 
-def _read_extra(version: Path, entry: Optional[dict]) -> Any:
-    if entry is None:
-        return None
-    try:
-        data = (version / EXTRA).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint: {version / EXTRA} is missing") from None
-    if len(data) != entry["bytes"] or zlib.crc32(data) != entry["crc32"]:
-        raise CheckpointError(f"checkpoint: {version / EXTRA} is truncated or corrupted (size or checksum mismatch)")
-    return torch.load(io.BytesIO(data), weights_only=True)
-
-
 def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipeline) -> tuple[dict, list[Move], Any]:
     """Check the checkpoint against the model and optimizer and read this rank's part; change nothing."""
     version = resolve(directory)
@@ -443,7 +424,7 @@ def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipe
         for name, t in tensors.items():
             if id(t) not in pipeline.where:
                 moves.append((t.detach(), src.full(f"model/{name}")))
-    return meta, moves, _read_extra(version, meta.get("extra"))
+    return meta, moves, read_extra(version, meta.get("extra"))
 
 
 @torch.no_grad()

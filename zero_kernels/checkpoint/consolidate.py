@@ -22,7 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from .format import DTYPES, PathLike, TensorSource, fsync_dir, read_metadata, resolve
+from .format import DTYPES, PathLike, TensorSource, fsync_dir, resolve
+from .metadata import read_metadata
 
 Producer = Callable[[], torch.Tensor]
 

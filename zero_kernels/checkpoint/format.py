@@ -10,7 +10,8 @@ A checkpoint *root* holds numbered versions and a pointer to the newest complete
         rank00001.bin           ... one file per rank of the world that saved
         extra.pt                the ``extra`` object given to ``save`` (torch.save; only if given)
         metadata.json           written after every other file of the version
-      .tmp-v000003/             a save in progress or killed midway: ignored by ``load``
+      .tmp-v000003/             a save in progress or killed midway: ignored by ``load``, removed
+                                by the next save that completes
 
 Writes. Every file is written to ``NAME.tmp``, flushed, fsynced and renamed to ``NAME``. A save
 fills ``.tmp-vNNNNNN/``; once every rank's file is in place, rank 0 writes ``metadata.json``,
@@ -24,14 +25,18 @@ to ``{"shape", "dtype", "pieces": [[file, elem_offset, byte_offset, numel], ...]
 ``elem_offset + i`` of the flattened tensor is at ``byte_offset + i * itemsize`` of rank file
 ``file``. Model tensors are keyed ``model/NAME``, Adam state ``optim/INDEX/{exp_avg,exp_avg_sq,
 master}``. The rest (``model`` key aliases, ``params``, ``param_groups``, ``loss_scaler``) is
-bookkeeping read by ``checkpoint.load`` and ``checkpoint.consolidate``.
+bookkeeping read by ``checkpoint.load`` and ``checkpoint.consolidate``. A checkpoint directory is
+untrusted input: ``metadata.read_metadata`` checks every field (shard file names are plain names
+inside the version, pieces lie inside their files) before anything is opened or allocated.
 """
 
 from __future__ import annotations
 
-import json
+import io
+import logging
 import os
 import re
+import shutil
 import sys
 import zlib
 from pathlib import Path
@@ -48,6 +53,7 @@ EXTRA = "extra.pt"
 TMP_PREFIX = ".tmp-"
 _VERSION_DIR = re.compile(r"v(\d{6,})")
 _CHUNK_BYTES = 16 << 20
+log = logging.getLogger("zero_kernels")
 
 DTYPES = {
     str(dt).removeprefix("torch."): dt
@@ -79,6 +85,14 @@ def check_byteorder() -> None:
     """The format is little-endian and written/read as raw memory: refuse big-endian hosts."""
     if sys.byteorder != "little":
         raise CheckpointError("checkpoint: raw little-endian tensor files need a little-endian host")
+
+
+def tensor_bytes(t: torch.Tensor) -> bytearray:
+    """The raw bytes of the elements of ``t`` (any device and layout), copied to host memory without numpy."""
+    out = bytearray(t.numel() * t.element_size())
+    if out:
+        torch.frombuffer(out, dtype=t.dtype).copy_(t.reshape(-1))
+    return out
 
 
 # ---------------------------------------------------------------- crash-safe writes
@@ -134,8 +148,8 @@ class BlockWriter:
         """Write the elements of 1-D ``t`` (any device) in chunks of bounded host memory."""
         step = max(1, _CHUNK_BYTES // t.element_size())
         for start in range(0, t.numel(), step):
-            chunk = t.narrow(0, start, min(step, t.numel() - start)).detach().cpu().contiguous()
-            self.write(memoryview(chunk.view(torch.uint8).numpy()))
+            chunk = t.narrow(0, start, min(step, t.numel() - start)).detach()
+            self.write(memoryview(tensor_bytes(chunk)))
 
     def finish(self) -> list[int]:
         """The CRCs of every block, the last partial one included."""
@@ -143,6 +157,62 @@ class BlockWriter:
             self.crcs.append(self._crc)
             self._crc = 0
         return self.crcs
+
+
+# ---------------------------------------------------------------- the extra object
+def extra_bytes(extra: Any) -> Optional[bytes]:
+    """``extra`` serialised with ``torch.save``, once it is known that ``read_extra`` can read it back.
+
+    Args:
+        extra: the object given to ``checkpoint.save`` (None: no extra file).
+    """
+    if extra is None:
+        return None
+    data = io.BytesIO()
+    try:
+        torch.save(extra, data)
+    except Exception as err:  # pickling raises many types; report it before any file is written
+        raise CheckpointError(f"checkpoint: extra cannot be saved with torch.save ({type(err).__name__}: {err})")
+    unpickle_extra(data.getvalue(), "extra")
+    return data.getvalue()
+
+
+def unpickle_extra(data: bytes, what: str) -> Any:
+    """``torch.load(weights_only=True)``: tensors, numbers, strings and containers; never runs code from the file.
+
+    Args:
+        data: the bytes of an extra file.
+        what: the file, for the message.
+    """
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as err:  # UnpicklingError for a refused object; others for a damaged archive
+        first_line = (str(err).splitlines() or [""])[0]
+        raise CheckpointError(
+            f"checkpoint: {what} cannot be loaded safely with torch.load(weights_only=True) "
+            f"({type(err).__name__}: {first_line}); extra may hold only tensors, numbers, strings, lists, "
+            "tuples and dicts"
+        ) from err
+
+
+def read_extra(version: Path, entry: Optional[dict]) -> Any:
+    """The ``extra`` object of ``version`` (None without one), checked against the metadata's size and CRC.
+
+    Args:
+        version: the version directory.
+        entry: the metadata's ``extra`` entry (``bytes``, ``crc32``) or None.
+    """
+    if entry is None:
+        return None
+    path = version / EXTRA
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint: {path} is missing") from None
+    data = path.read_bytes() if size == entry["bytes"] else b""
+    if size != entry["bytes"] or zlib.crc32(data) != entry["crc32"]:
+        raise CheckpointError(f"checkpoint: {path} is truncated or corrupted (size or checksum mismatch)")
+    return unpickle_extra(data, str(path))
 
 
 # ---------------------------------------------------------------- finding a version
@@ -163,6 +233,23 @@ def next_version(root: Path) -> str:
             if _VERSION_DIR.fullmatch(name):
                 numbers.append(int(name[1:]))
     return f"v{max(numbers) + 1:06d}"
+
+
+def remove_unfinished(root: Path, version: str) -> None:
+    """Remove the ``.tmp-v*`` directories numbered below ``version``: saves that were killed midway.
+
+    ``next_version`` numbers a save after every complete and partial one, so none of them is still
+    being written (unless two jobs save into the same root, which is not supported). A directory
+    that cannot be removed is logged and left.
+    """
+    number = int(version[1:])
+    for path in root.iterdir():
+        name = path.name.removeprefix(TMP_PREFIX)
+        if path.name.startswith(TMP_PREFIX) and _VERSION_DIR.fullmatch(name) and int(name[1:]) < number:
+            try:
+                shutil.rmtree(path)
+            except OSError as err:
+                log.warning("checkpoint: could not remove %s, left by a save that did not finish: %s", path, err)
 
 
 def resolve(directory: PathLike) -> Path:
@@ -190,27 +277,6 @@ def resolve(directory: PathLike) -> Path:
             f"({', '.join(partial) or 'no ' + METADATA}); it cannot be loaded"
         )
     raise CheckpointError(f"checkpoint: {path} is not a checkpoint (no {LATEST} and no {METADATA})")
-
-
-def read_metadata(version: Path) -> dict[str, Any]:
-    """Parse and check ``version/metadata.json`` (format, version, and the fields readers rely on)."""
-    try:
-        meta = json.loads((version / METADATA).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"checkpoint: {version / METADATA} cannot be read ({err})") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint: {version / METADATA} is not a {FORMAT} metadata file")
-    if meta.get("version") != VERSION:
-        raise CheckpointError(
-            f"checkpoint: {version} has format version {meta.get('version')!r}; this zero_kernels reads "
-            f"version {VERSION} only"
-        )
-    missing = [
-        k for k in ("world_size", "stage", "block_bytes", "files", "tensors", "model", "params") if k not in meta
-    ]
-    if missing:
-        raise CheckpointError(f"checkpoint: {version / METADATA} lacks {', '.join(missing)}")
-    return meta
 
 
 # ---------------------------------------------------------------- checked reads
@@ -309,15 +375,19 @@ class TensorSource:
         total = _numel(entry["shape"])
         numel = total - start if numel is None else numel
         dtype = DTYPES[entry["dtype"]]
-        out = torch.empty(numel, dtype=dtype)
-        size = out.element_size()
-        covered = 0
+        size = dtype.itemsize
+        parts = []
         for file, lo, byte_offset, n in entry["pieces"]:
             a, b = max(lo, start), min(lo + n, start + numel)
             if a < b:
-                data = self._reader(file).read(byte_offset + (a - lo) * size, (b - a) * size)
-                out.narrow(0, a - start, b - a).copy_(torch.frombuffer(bytearray(data), dtype=dtype))
-                covered += b - a
+                parts.append((self._reader(file), a, b, byte_offset + (a - lo) * size))
+        # Every reader has checked its file's real size: the pieces, and so ``out``, fit in the files.
+        out = torch.empty(numel, dtype=dtype)
+        covered = 0
+        for reader, a, b, offset in parts:
+            data = reader.read(offset, (b - a) * size)
+            out.narrow(0, a - start, b - a).copy_(torch.frombuffer(bytearray(data), dtype=dtype))
+            covered += b - a
         if covered != numel:
             raise CheckpointError(f"checkpoint: the pieces of {key!r} in {self.version} do not cover the tensor")
         return out

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from .format import TensorSource, describe, read_metadata, resolve
+from .format import TensorSource, describe, resolve
+from .metadata import read_metadata
 
 HELP = "show what a sharded checkpoint holds (world size, stage, files, tensors); --verify checks every checksum"
 

@@ -1,7 +1,8 @@
 """DeepSpeed JSON config -> one validated, frozen ``ZeroConfig``.
 
 ``ZeroConfig.from_deepspeed(path_or_dict)`` reads the keys zero_kernels acts on (``zero_optimization``,
-``optimizer``, ``bf16``/``fp16``, ``gradient_clipping``, the batch sizes, ``communication_data_type``)
+``optimizer``, ``bf16``/``fp16``, ``gradient_clipping``, the batch sizes, ``communication_data_type``,
+and zero_kernels' own ``skip_nonfinite_steps``)
 with DeepSpeed's defaults and checks. Keys DeepSpeed knows that change nothing here are accepted
 and logged once per parse on the ``zero_kernels`` logger; unknown keys and bad values raise
 ``ValueError`` naming the full key path, the value and what is allowed.
@@ -176,6 +177,7 @@ class ZeroConfig:
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None
     communication_data_type: Optional[torch.dtype] = None
+    skip_nonfinite_steps: bool = True
     world_size: int = 1
 
     def __post_init__(self) -> None:
@@ -183,8 +185,9 @@ class ZeroConfig:
             value = getattr(self, name)
             if not isinstance(value, kind) and not (name == "optimizer" and value is None):
                 raise ValueError(f"ZeroConfig.{name}={value!r} is invalid: expected a {kind.__name__}")
-        if not isinstance(self.bf16, bool):
-            raise ValueError(f"ZeroConfig.bf16={self.bf16!r} is invalid: expected true or false")
+        for name in ("bf16", "skip_nonfinite_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid: expected true or false")
         if self.communication_data_type not in (None, *COMM_DTYPES.values()):
             allowed = ", ".join(str(t) for t in COMM_DTYPES.values())
             raise ValueError(f"ZeroConfig.communication_data_type={self.communication_data_type!r}: expected {allowed}")
@@ -245,6 +248,7 @@ def _build(cls: type, top: Dict[str, Any], world: int, ctx: ParseContext) -> Zer
         train_micro_batch_size_per_gpu=micro,
         train_batch_size=batch,
         communication_data_type=top["communication_data_type"],
+        skip_nonfinite_steps=top["skip_nonfinite_steps"],
         world_size=world,
     )
 

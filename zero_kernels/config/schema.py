@@ -256,6 +256,9 @@ TOP = Section(
         "train_micro_batch_size_per_gpu": Field(integer(1), None),
         "train_batch_size": Field(integer(1), None),
         "communication_data_type": Field(choice(COMM_DTYPES, nullable=True), None),
+        # zero_kernels' own key (DeepSpeed ignores unknown top-level keys): skip a step whose
+        # gradients are not finite (fp32/bf16; fp16 loss scaling always skips).
+        "skip_nonfinite_steps": Field(boolean(), True),
     },
     ignored=TOP_IGNORED,
 )

@@ -26,12 +26,14 @@ returns: another backward before the step writes into the gradients again (stage
 ``p.grad``'s storage in place).
 
 Step. ``step()`` finishes gradient synchronisation (``_before_step``: stage 1 reduce-scatters
-here), combines across ranks, in one all-reduce, the per-parameter "has a gradient" flags and the
-squared gradient norm, then runs the fused kernel once per bucket on this rank's shard: master
-``_master_shard``, gradient ``_grad_shard``, fp32 m and v; for low-precision parameters the
-kernel writes the updated shard (``out=``) straight into ``_param_shard``, the all-gather input.
-``_publish`` then all-gathers each bucket back into ``param_flat`` (overlapping the next
-bucket's kernel). A kernel launch is split where per-parameter step counts differ.
+here), combines across ranks, in one all-gather (``stats``), the per-parameter "has a gradient"
+flags and the squared gradient norm (clipping) or whether every gradient is finite (skipping),
+checks that every rank passed the same hyper-parameters, then runs the fused kernel once per
+bucket on this rank's shard: master ``_master_shard``, gradient ``_grad_shard``, fp32 m and v;
+for low-precision parameters the kernel writes the updated shard (``out=``) straight into
+``_param_shard``, the all-gather input. ``_publish`` then all-gathers each bucket back into
+``param_flat`` (overlapping the next bucket's kernel). A kernel launch is split where
+per-parameter step counts differ.
 
 Rules. A parameter without a gradient on any rank this step (``p.grad is None`` in
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
@@ -54,7 +56,7 @@ import torch
 from ..comm import Handle
 from ..kernels import adam_step
 from ..layout import Bucket, BufferLayout
-from . import adopt, grad_state
+from . import adopt, grad_state, stats
 
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
 
@@ -118,7 +120,7 @@ class GroupHyper:
 
 @dataclass(frozen=True)
 class StepResult:
-    grad_norm: Optional[float]  # global norm of the unscaled, averaged gradients (when computed)
+    grad_norm: Optional[float]  # global norm of the unscaled, averaged gradients (computed when clipping)
     skipped: bool  # True when the gradients were not finite and nothing was updated
 
 
@@ -428,19 +430,12 @@ class Pipeline:
         self._synced = False
         self._grads_final = False
 
-    def _global_stats(self, need_norm: bool) -> tuple[set[int], Optional[float]]:
-        """(indices of parameters with a gradient on some rank, squared norm or None): one all-reduce."""
-        order = sorted(self.has_grad)
+    def _global_stats(self, checks: Sequence[tuple[str, float]], norm: bool, finite: bool) -> stats.StepStats:
+        """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
+        compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        flags = [1.0 if self.has_grad[i] else 0.0 for i in order]
-        packed = torch.tensor(flags + [0.0], dtype=torch.float64, device=device)
-        if need_norm:
-            for v in self._norm_views():
-                packed[-1] += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
-        if self.world_size > 1:
-            self.engine.all_reduce(packed, op="sum", name="step.stats").wait()
-        with_grad = {i for i, f in zip(order, packed[: len(order)].tolist()) if f > 0}
-        return with_grad, (float(packed[-1]) if need_norm else None)
+        views = self._norm_views() if norm or finite else None
+        return stats.exchange(self.engine, self.has_grad, views, checks, device, norm=norm)
 
     def step(
         self,
@@ -452,6 +447,9 @@ class Pipeline:
     ) -> StepResult:
         """Update this rank's shard and publish it.
 
+        Raises ``agreement.RanksDisagree`` on every rank, before any update, when the ranks pass
+        different hyper-parameters, gradient scales or clipping norms.
+
         Args:
             hyper: per param group hyper-parameters, indexed by group.
             grad_scale: multiplier of the reduced gradients (1 / (loss scale x accumulation steps)).
@@ -459,20 +457,21 @@ class Pipeline:
             check_finite: skip the step (and report it) if any gradient is inf/NaN on any rank.
         """
         self.finish_grad_sync()
+        checks = stats.step_checks(hyper, grad_scale, max_grad_norm)
         if self.grad_divisor_is_world:
             grad_scale = grad_scale / self.world_size
-        with_grad, sq = self._global_stats(need_norm=max_grad_norm is not None or check_finite)
-        norm = None if sq is None else math.sqrt(sq) * grad_scale
-        if check_finite and not math.isfinite(norm):
+        combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
+        norm = None if combined.sq_norm is None else math.sqrt(combined.sq_norm) * grad_scale
+        if check_finite and not combined.finite:
             grad_state.clear_after_step(self)
             return StepResult(norm, skipped=True)
         if max_grad_norm is not None:
             grad_scale *= min(1.0, max_grad_norm / (norm + 1e-6))
-        for i in with_grad:
+        for i in combined.with_grad:
             self.steps[i] += 1
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
-                self._update_bucket(buf, bucket, hyper[buf.group], grad_scale, with_grad)
+                self._update_bucket(buf, bucket, hyper[buf.group], grad_scale, combined.with_grad)
                 self._track(self._publish(buf, bucket))
         self._complete_inflight()
         grad_state.clear_after_step(self)

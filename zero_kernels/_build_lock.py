@@ -1,0 +1,173 @@
+"""One just-in-time build per extension at a time, and never a wait on a build that is no longer running.
+
+torch's ``cpp_extension.load`` guards a build directory with a bare ``lock`` file (``FileBaton``:
+created with ``O_EXCL``, removed when the build ends, no owner recorded) and waits for it silently
+and without limit. A build that is killed leaves it behind, and every later process would wait
+forever. So zero_kernels first takes its own lock, ``zero_kernels.lock`` beside torch's:
+
+- an exclusive ``fcntl.flock``, which the kernel releases when its holder exits or is killed: a
+  held lock always belongs to a live process;
+- the holder writes ``pid host start-time`` into the file and clears it when done, so a record
+  found by the next holder names a build that was interrupted;
+- a waiter says at WARNING which process it waits for and for how long, then every minute;
+- once a process holds the lock, torch's ``lock`` is judged by its owner: with no record left
+  (the last build finished) or a recorded process of this host that is gone, it is removed with a
+  warning; a recorded process that is alive (a file system whose locks do not work) is waited for,
+  and one on another host, whose liveness cannot be checked, until the file is ``STALE_LOCK_S`` old.
+
+Without ``fcntl`` (Windows) only that age rule applies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Iterator, Optional
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
+log = logging.getLogger("zero_kernels")
+
+LOCK_NAME = "zero_kernels.lock"
+TORCH_LOCK_NAME = "lock"
+# torch's lock with an owner that cannot be checked (another host, no fcntl) is stale after this long.
+STALE_LOCK_S = 20 * 60
+WAIT_LOG_S = 60.0  # a waiter repeats its message this often
+POLL_S = 0.25
+BUILD_TIME = "1-6 minutes on 2 CPU cores"
+
+
+def _record() -> str:
+    return f"{os.getpid()} {socket.gethostname()} {time.time():.0f}\n"
+
+
+def _parse(record: str) -> Optional[tuple[int, str, float]]:
+    parts = record.split()
+    try:
+        return int(parts[0]), parts[1], float(parts[2])
+    except (IndexError, ValueError):
+        return None
+
+
+def _describe(holder: Optional[tuple[int, str, float]]) -> str:
+    if holder is None:
+        return "another process"
+    pid, host, _ = holder
+    return f"process {pid}" + ("" if host == socket.gethostname() else f" on {host}")
+
+
+def alive(holder: Optional[tuple[int, str, float]]) -> Optional[bool]:
+    """Whether the recorded holder still runs: None when that cannot be told (no record, another host)."""
+    if holder is None or holder[1] != socket.gethostname():
+        return None
+    try:
+        os.kill(holder[0], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _read(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 256).decode(errors="replace")
+
+
+def _wait_for_flock(fd: int, path: str, what: str) -> None:
+    """Take the flock on ``fd``, saying at WARNING whom this process waits for, then every ``WAIT_LOG_S``."""
+    start: Optional[float] = None
+    last = 0.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if start is None or now - last >= WAIT_LOG_S:
+            holder = _parse(_read(fd))
+            since = "" if holder is None else f", which has been building it for {time.time() - holder[2]:.0f} s"
+            waited = "" if start is None else f"; waited {(now - start) / 60:.0f} min so far"
+            log.warning(
+                "zero_kernels: waiting for %s to finish building %s%s (lock %s; a build usually takes %s%s)",
+                _describe(holder),
+                what,
+                since,
+                path,
+                BUILD_TIME,
+                waited,
+            )
+            start = now if start is None else start
+            last = now
+        time.sleep(POLL_S)
+
+
+def _stale_because(previous: Optional[tuple[int, str, float]], age: float) -> Optional[str]:
+    """Why torch's lock belongs to no running build, or None when its owner may still be building."""
+    if fcntl is not None and previous is None:
+        return "no build is running: every build holds the zero_kernels lock, and the last one finished"
+    state = alive(previous)
+    if state is False:
+        return f"{_describe(previous)} was interrupted and is no longer running"
+    if state is None and age > STALE_LOCK_S:
+        return f"it is {age / 60:.0f} min old and its owner cannot be checked from here"
+    return None
+
+
+def _clear_torch_lock(directory: str, previous: Optional[tuple[int, str, float]], what: str) -> None:
+    """Remove torch's lock when no running build owns it; wait while its owner may still be building."""
+    lock = os.path.join(directory, TORCH_LOCK_NAME)
+    warned = False
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except FileNotFoundError:
+            return
+        reason = _stale_because(previous, age)
+        if reason is not None:
+            log.warning("zero_kernels: removing the build lock %s of %s: %s", lock, what, reason)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+            return
+        if not warned:
+            log.warning(
+                "zero_kernels: waiting for %s, which holds the build lock %s of %s", _describe(previous), lock, what
+            )
+            warned = True
+        time.sleep(POLL_S)
+
+
+@contextlib.contextmanager
+def hold(directory: str, what: str) -> Iterator[None]:
+    """Hold the build lock of ``directory`` (an extension's build directory) for the block.
+
+    Args:
+        directory: the build directory (created if missing).
+        what: the extension, for messages (e.g. "extension 'ops'").
+    """
+    os.makedirs(directory, exist_ok=True)
+    if fcntl is None:
+        _clear_torch_lock(directory, None, what)
+        yield
+        return
+    path = os.path.join(directory, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        _wait_for_flock(fd, path, what)
+        previous = _parse(_read(fd))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, _record().encode(), 0)
+        _clear_torch_lock(directory, previous, what)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # a record left behind marks an interrupted build
+    finally:
+        os.close(fd)  # releases the flock

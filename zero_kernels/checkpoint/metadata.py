@@ -1,0 +1,183 @@
+"""Reading a checkpoint's ``metadata.json``: parsed, then checked before anything is opened or allocated.
+
+A checkpoint directory may come from anywhere, so its metadata is untrusted input. ``read_metadata``
+makes sure that every field the readers use has the type and range they expect, so that a bad file
+raises one ``CheckpointError`` naming the field, never a ``KeyError`` or an allocator failure:
+
+- shard file names are plain names inside the version directory (no path separators, no ``..``);
+- every tensor's pieces lie inside the bytes the metadata gives their file, and cover the tensor
+  exactly once, so a tensor is never larger than the files that hold it (the readers check each
+  file's real size against the metadata before reading it);
+- bookkeeping (model names, optimizer parameters, param groups, loss scaler, extra) has the shape
+  ``checkpoint.load``, ``consolidate`` and ``inspect`` read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from .format import DTYPES, FORMAT, METADATA, VERSION, CheckpointError
+
+_ITEM_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+
+
+class _Checker:
+    def __init__(self, where: Path):
+        self.where = where
+
+    def fail(self, field: str, problem: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint: {self.where}: {field} {problem}")
+
+    def of_type(self, value: Any, kind: type, field: str) -> Any:
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise self.fail(field, f"must be an integer, not {value!r}")
+        if not isinstance(value, kind):
+            raise self.fail(field, f"must be a {_KIND_NAMES.get(kind, kind.__name__)}, not {type(value).__name__}")
+        return value
+
+    def count(self, value: Any, field: str, lo: int = 0, hi: Optional[int] = None) -> int:
+        self.of_type(value, int, field)
+        if value < lo or (hi is not None and value > hi):
+            bound = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise self.fail(field, f"must be {bound}, not {value}")
+        return value
+
+    def number(self, value: Any, field: str) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(field, f"must be a finite number, not {value!r}")
+        return float(value)
+
+
+_KIND_NAMES = {dict: "JSON object", list: "JSON list", str: "string", bool: "boolean"}
+
+
+def plain_file_name(name: Any) -> bool:
+    """True for a file name that stays inside its directory: no separators, not ``.``/``..``, printable."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0:")
+        and name.isprintable()
+        and Path(name).name == name
+    )
+
+
+def _files(c: _Checker, files: Any, block_bytes: int) -> list[int]:
+    sizes = []
+    for i, entry in enumerate(c.of_type(files, list, "files")):
+        field = f"files[{i}]"
+        c.of_type(entry, dict, field)
+        name = entry.get("name")
+        if not plain_file_name(name):
+            raise c.fail(f"{field}.name", f"{name!r} is not a plain file name inside the checkpoint directory")
+        size = c.count(entry.get("bytes"), f"{field}.bytes")
+        crcs = c.of_type(entry.get("crc32"), list, f"{field}.crc32")
+        if len(crcs) != -(-size // block_bytes):
+            raise c.fail(f"{field}.crc32", f"has {len(crcs)} checksums for {size} bytes in blocks of {block_bytes}")
+        for j, crc in enumerate(crcs):
+            c.count(crc, f"{field}.crc32[{j}]", 0, 0xFFFFFFFF)
+        sizes.append(size)
+    return sizes
+
+
+def _tensor(c: _Checker, key: str, entry: Any, sizes: list[int]) -> None:
+    field = f"tensors[{key!r}]"
+    c.of_type(entry, dict, field)
+    if entry.get("dtype") not in DTYPES:
+        raise c.fail(f"{field}.dtype", f"{entry.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    itemsize = _ITEM_BYTES[entry["dtype"]]
+    numel = 1
+    for j, s in enumerate(c.of_type(entry.get("shape"), list, f"{field}.shape")):
+        numel *= c.count(s, f"{field}.shape[{j}]")
+    spans = []
+    for j, piece in enumerate(c.of_type(entry.get("pieces"), list, f"{field}.pieces")):
+        where = f"{field}.pieces[{j}]"
+        if not isinstance(piece, list) or len(piece) != 4:
+            raise c.fail(where, "must be [file, first element, byte offset, elements]")
+        file = c.count(piece[0], f"{where}[0] (file)", 0, len(sizes) - 1)
+        first, offset, n = (c.count(v, f"{where}[{k}]") for k, v in enumerate(piece[1:], 1))
+        if offset + n * itemsize > sizes[file]:
+            raise c.fail(where, f"reads bytes {offset}..{offset + n * itemsize} of a {sizes[file]}-byte file")
+        spans.append((first, n))
+    covered = 0
+    for first, n in sorted(spans):
+        if first != covered:
+            break
+        covered += n
+    if covered != numel or sum(n for _, n in spans) != numel:
+        raise c.fail(f"{field}.pieces", f"do not cover the {numel} elements of shape {entry['shape']} exactly once")
+
+
+def _bookkeeping(c: _Checker, meta: dict[str, Any]) -> None:
+    tensors = meta["tensors"]
+    for name, key in c.of_type(meta["model"], dict, "model").items():
+        if key not in tensors:
+            raise c.fail(f"model[{name!r}]", f"names tensor {key!r}, which the checkpoint does not hold")
+    groups = c.of_type(meta.get("param_groups", []), list, "param_groups")
+    for g, group in enumerate(groups):
+        c.of_type(group, dict, f"param_groups[{g}]")
+        for key in ("lr", "eps", "weight_decay"):
+            if key in group:
+                c.number(group[key], f"param_groups[{g}].{key}")
+        if "betas" in group:
+            betas = c.of_type(group["betas"], list, f"param_groups[{g}].betas")
+            if len(betas) != 2:
+                raise c.fail(f"param_groups[{g}].betas", "must hold two numbers")
+            for b in betas:
+                c.number(b, f"param_groups[{g}].betas")
+    for i, p in enumerate(c.of_type(meta["params"], list, "params")):
+        c.of_type(p, dict, f"params[{i}]")
+        c.of_type(p.get("name"), str, f"params[{i}].name")
+        c.count(p.get("group"), f"params[{i}].group", 0, max(len(groups) - 1, 0))
+        c.of_type(p.get("trainable"), bool, f"params[{i}].trainable")
+        c.count(p.get("step"), f"params[{i}].step")
+    scaler = meta.get("loss_scaler")
+    if scaler is not None:
+        c.of_type(scaler, dict, "loss_scaler")
+        c.number(scaler.get("scale"), "loss_scaler.scale")
+        c.count(scaler.get("good_steps"), "loss_scaler.good_steps")
+        c.count(scaler.get("hysteresis_left"), "loss_scaler.hysteresis_left")
+    extra = meta.get("extra")
+    if extra is not None:
+        c.of_type(extra, dict, "extra")
+        c.count(extra.get("bytes"), "extra.bytes")
+        c.count(extra.get("crc32"), "extra.crc32", 0, 0xFFFFFFFF)
+    if not isinstance(meta.get("adam_w_mode", True), bool):
+        raise c.fail("adam_w_mode", "must be true or false")
+
+
+def read_metadata(version: Path) -> dict[str, Any]:
+    """Parse and check ``version/metadata.json``: format, version, and every field readers rely on.
+
+    Args:
+        version: a version directory.
+    """
+    path = version / METADATA
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"checkpoint: {path} cannot be read ({type(err).__name__}: {err})") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint: {path} is not a {FORMAT} metadata file")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(
+            f"checkpoint: {version} has format version {meta.get('version')!r}; this zero_kernels reads "
+            f"version {VERSION} only"
+        )
+    missing = [
+        k for k in ("world_size", "stage", "block_bytes", "files", "tensors", "model", "params") if k not in meta
+    ]
+    if missing:
+        raise CheckpointError(f"checkpoint: {path} lacks {', '.join(missing)}")
+    c = _Checker(path)
+    c.count(meta["world_size"], "world_size", 1)
+    c.count(meta["stage"], "stage", 0, 3)
+    block_bytes = c.count(meta["block_bytes"], "block_bytes", 1)
+    sizes = _files(c, meta["files"], block_bytes)
+    for key, entry in c.of_type(meta["tensors"], dict, "tensors").items():
+        _tensor(c, key, entry, sizes)
+    _bookkeeping(c, meta)
+    return meta

@@ -1,0 +1,118 @@
+"""The step's one exchange between ranks: gradient flags, squared norm and the values ranks must agree on.
+
+Each rank packs one float64 vector::
+
+    [ has_grad[i] for every parameter index i (sorted) | gradient column | checks ]
+
+and one all-gather gives every rank every rank's vector (``world x length``, a few kilobytes).
+Every rank then combines the rows itself, in rank order, so all get the same result:
+
+- a parameter has a gradient this step when some rank says so (OR of the flags);
+- the gradient column sums the ranks' parts: the squared norm of their gradient pieces when it is
+  needed (clipping), else only whether they are finite (0 or NaN, from a plain sum: several times
+  cheaper than a norm on CPUs); it is not finite when some gradient is inf/NaN on some rank;
+- ``checks`` (``lr``, betas, eps, weight decay per group, clipping, gradient scale) must be equal
+  on every rank: a difference raises ``agreement.RanksDisagree`` naming the value, every rank's
+  value and the ranks, on every rank, before anything is updated.
+
+An all-gather rather than an all-reduce: it carries the flags' OR, the norm's sum and the
+agreement check in one collective, and each rank sees who holds which value. This is the only place
+where the packed vector is built and read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from ..agreement import RanksDisagree, disagreement
+
+
+@dataclass(frozen=True)
+class StepStats:
+    with_grad: set[int]  # parameter indices with a gradient on some rank
+    sq_norm: Optional[float]  # squared global norm of the reduced gradients (None: not computed)
+    finite: Optional[bool]  # every gradient is finite on every rank (None: not checked)
+
+
+def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional[float]) -> list[tuple[str, float]]:
+    """(name, value) of every value of this step that must be the same on every rank (None becomes NaN).
+
+    Args:
+        hyper: per param group ``GroupHyper``.
+        grad_scale: the gradient multiplier (1 / (loss scale x accumulation steps)).
+        max_grad_norm: the clipping norm (None: off).
+    """
+    checks = []
+    for g, h in enumerate(hyper):
+        group = f"param_groups[{g}]"
+        checks += [
+            (f"{group}['lr']", h.lr),
+            (f"{group}['betas'][0]", h.beta1),
+            (f"{group}['betas'][1]", h.beta2),
+            (f"{group}['eps']", h.eps),
+            (f"{group}['weight_decay']", h.weight_decay),
+            (f"{group}['amsgrad']", float(h.amsgrad)),
+            (f"{group}['maximize']", float(h.maximize)),
+        ]
+    checks.append(("the gradient scale 1 / (loss scale x gradient_accumulation_steps)", grad_scale))
+    checks.append(("max_grad_norm (gradient_clipping)", math.nan if max_grad_norm is None else max_grad_norm))
+    return [(name, float(value)) for name, value in checks]
+
+
+def exchange(
+    engine: Any,
+    has_grad: Mapping[int, bool],
+    grad_views: Optional[Iterable[torch.Tensor]],
+    checks: Sequence[tuple[str, float]],
+    device: torch.device,
+    *,
+    norm: bool,
+) -> StepStats:
+    """Combine this step's statistics over ranks in one all-gather; raise if the ``checks`` differ.
+
+    Args:
+        engine: the communication engine.
+        has_grad: parameter index -> got a gradient on this rank.
+        grad_views: this rank's gradient pieces: their squares summed over ranks give the squared
+            global norm (None: neither the norm nor finiteness is needed).
+        checks: (name, value) pairs every rank must agree on (``step_checks``).
+        device: where the packed vector lives (the gradients' device; the backend's device).
+        norm: compute the squared norm (else only whether the gradients are finite).
+    """
+    order = sorted(has_grad)
+    n = len(order)
+    flags = [1.0 if has_grad[i] else 0.0 for i in order]
+    packed = torch.tensor(flags + [0.0] + [v for _, v in checks], dtype=torch.float64, device=device)
+    for v in grad_views or ():
+        if norm:
+            packed[n] += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
+        else:  # 0 when every element is finite, NaN otherwise; fp16 sums in fp32 so that it cannot overflow
+            packed[n] += v.sum(dtype=torch.float32 if v.dtype == torch.float16 else None).double() * 0.0
+    if engine.world_size > 1:
+        gathered = torch.empty(engine.world_size * packed.numel(), dtype=torch.float64, device=device)
+        engine.all_gather(gathered, packed, name="step.stats").wait()
+        rows = gathered.view(engine.world_size, -1).tolist()
+    else:
+        rows = [packed.tolist()]
+    for column, (name, _) in enumerate(checks):
+        message = disagreement(name, [_shown(row[n + 1 + column]) for row in rows])
+        if message is not None:
+            raise RanksDisagree(
+                f"ShardedFusedAdam.step: {message}. Every rank must use the same hyper-parameters (set them the "
+                "same way on every rank, e.g. with the same scheduler); nothing was updated, and this step's gradients "
+                "are spent: zero_grad() and run backward again"
+            )
+    with_grad = {i for column, i in enumerate(order) if any(row[column] > 0 for row in rows)}
+    if grad_views is None:
+        return StepStats(with_grad, None, None)
+    column = sum(row[n] for row in rows)
+    return StepStats(with_grad, column if norm else None, math.isfinite(column))
+
+
+def _shown(value: float) -> Optional[float]:
+    """A check's value as the user set it (NaN stands for None)."""
+    return None if math.isnan(value) else value
