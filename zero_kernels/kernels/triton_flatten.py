@@ -232,8 +232,8 @@ def _flatten_kernel(
 @dataclass(frozen=True)
 class _Table:
     meta: torch.Tensor  # int64 [tensors, _META_COLS] on the bucket's device
-    chunks: torch.Tensor  # int64 [programs, 2] on the bucket's device: contiguous chunks, then strided
-    contiguous: int  # programs of contiguous tensors (the first rows of ``chunks``)
+    contiguous: torch.Tensor  # int64 [programs, 2] on the bucket's device: chunks of contiguous tensors
+    strided: torch.Tensor  # int64 [programs, 2]: chunks of strided tensors
     chunk: int  # elements per program
     fallback: tuple[int, ...]  # indices of tensors copied by the reference path
     layouts: tuple[int, ...]  # layout code of each meta row
@@ -345,12 +345,13 @@ def _build_table(
     contiguous = sum(1 for r, _ in chunks if layouts[r] != _STRIDED)
     device = flat.device
     meta, table_chunks = _upload(rows, chunks, device)
+    parts = (table_chunks[:contiguous], table_chunks[contiguous:])
     ready, stream = None, None
     if device.type == "cuda":
         current = torch.cuda.current_stream(device)
         ready, stream = torch.cuda.Event(), current.cuda_stream
         ready.record(current)
-    return _Table(meta, table_chunks, contiguous, chunk, tuple(fallback), tuple(layouts), ready, stream)
+    return _Table(meta, *parts, chunk, tuple(fallback), tuple(layouts), ready, stream)
 
 
 def _table(op: str, tensors: Sequence[torch.Tensor], offsets: Sequence[int], flat: torch.Tensor) -> _Table:
@@ -397,10 +398,11 @@ def _launch(op: str, tensors, flat, offsets, scale: Scale) -> _Table:
     base = tensors[0].data_ptr() if len(tensors) == 1 else 0
     with tuning.launch_device(flat):
         table = _table(op, tensors, offsets, flat)
-        parts = ((False, table.chunks[: table.contiguous]), (True, table.chunks[table.contiguous :]))
         if table.ready is not None and torch.cuda.current_stream(flat.device).cuda_stream != table.stream:
-            torch.cuda.current_stream(flat.device).wait_event(table.ready)
-        for strided, chunks in parts:
+            current = torch.cuda.current_stream(flat.device)  # not the stream that sent the table: wait for it,
+            current.wait_event(table.ready)  # and keep its memory from being reused before this launch ran
+            table.meta.record_stream(current)
+        for strided, chunks in ((False, table.contiguous), (True, table.strided)):
             if chunks.shape[0] == 0:
                 continue
             config = tuning.FLATTEN_STRIDED if strided else tuning.FLATTEN
