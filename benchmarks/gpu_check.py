@@ -1,11 +1,12 @@
-"""GPU check of the Triton kernels: correctness on random data, launch-parameter sweep, summary.
+"""GPU check of the Triton kernels: correctness on random data, what each compiled variant costs, summary.
 
 ``python benchmarks/gpu_check.py [--json DIR]`` runs on a CUDA device: Adam (every flag, grad and
 copy dtype, sizes up to 2^26) and flatten/unflatten (a 2^26-element bucket of ~200 tensors, views,
 mixed dtypes) against the reference twins and torch.optim.AdamW, no recompilation across an lr
-schedule, then times the Adam and flatten kernels under a few (block, num_warps) choices to keep
-``zero_kernels/kernels/tuning.py`` honest. It exits 1 when a check fails, 2 without CUDA.
-``--summary DIR`` prints the short table of a finished run (checks and benchmark JSON files).
+schedule; then it prints, for every kernel variant those checks compiled, its registers, spills
+and the widest global load and store of its PTX (``kernels.aot`` holds the same limits without a
+GPU). It exits 1 when a check fails or a variant is over the limits, 2 without CUDA.
+``--summary DIR`` prints the short table of a finished run (every JSON file the GPU check wrote).
 """
 
 from __future__ import annotations
@@ -24,14 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 from benchmarks.adam import transformer_shapes  # noqa: E402
-from benchmarks.common import copy_bandwidth, timeit  # noqa: E402
 
 RTOL = 1.3e-6
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BIG = 1 << 26  # the largest size checked; --cpu-smoke lowers it
 DEVICE = "cuda"
-SWEEP_REPEAT = 30
 
 
 def _mismatches(ours: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float | torch.Tensor) -> str:
@@ -273,47 +272,6 @@ def check_flatten() -> list[str]:
     return problems
 
 
-def tuning_sweep() -> list[dict]:
-    """GB/s of the Adam and flatten kernels at 2^26 under each launch configuration."""
-    from zero_kernels.kernels import adam_step, flatten, triton_flatten, tuning
-
-    rows = []
-    bufs, grad = _state(BIG, 9), torch.randn(BIG, device=DEVICE)
-    tensors = [torch.randn(s, device=DEVICE) for s in transformer_shapes(BIG)]
-    offsets = torch.tensor([0] + [t.numel() for t in tensors[:-1]]).cumsum(0).tolist()
-    flat = torch.empty(BIG, device=DEVICE)
-    saved = {"ADAM": list(tuning.ADAM), "FLATTEN": list(tuning.FLATTEN)}
-    configs = [(b, w) for b in (1024, 2048, 4096) for w in (4, 8)]
-    try:
-        for block, warps in configs:
-            cfg = [(1 << 62, tuning.LaunchConfig(block=block, num_warps=warps))]
-            tuning.ADAM[:] = cfg
-            tuning.FLATTEN[:] = cfg
-            triton_flatten.cache_clear()
-
-            def run_adam() -> None:
-                adam_step(
-                    bufs["param"], grad, bufs["exp_avg"], bufs["exp_avg_sq"], lr=1e-3, step=1, impl="triton", **HYPER
-                )
-
-            timing = dict(warmup=min(3, SWEEP_REPEAT), repeat=SWEEP_REPEAT, device=DEVICE)
-            t_adam = timeit(run_adam, **timing)
-            t_flat = timeit(lambda: flatten(tensors, flat, offsets, impl="triton"), **timing)
-            rows.append(
-                {
-                    "block": block,
-                    "num_warps": warps,
-                    "adam_GB/s": 28 * BIG / t_adam / 1e9,
-                    "flatten_GB/s": 8 * BIG / t_flat / 1e9,
-                }
-            )
-    finally:
-        tuning.ADAM[:] = saved["ADAM"]
-        tuning.FLATTEN[:] = saved["FLATTEN"]
-        triton_flatten.cache_clear()
-    return rows
-
-
 CHECKS = {
     "adam: flags x dtypes x sizes vs reference": check_adam_variants,
     "adam: non-finite gradients, flag already set": check_adam_nonfinite,
@@ -321,6 +279,25 @@ CHECKS = {
     "adam: amsgrad + maximize vs torch.optim.AdamW": check_adam_amsgrad_maximize_vs_torch,
     "flatten/unflatten: 2^26 bucket, views, mixed dtypes": check_flatten,
 }
+
+
+def compiled_variants() -> list[dict]:
+    """Registers, spills and access widths of every Triton kernel variant compiled in this process."""
+    from zero_kernels.kernels import aot, triton_adam, triton_flatten
+
+    rows = []
+    for kernel in (triton_adam._adam_kernel, triton_adam._nonfinite_kernel, triton_flatten._flatten_kernel):
+        for cache, *_ in getattr(kernel, "device_caches", {}).values():
+            for compiled in cache.values():
+                registers, stack = aot.cubin_resources(compiled.asm["cubin"], compiled.metadata.name)
+                spills = getattr(compiled, "n_spills", None)  # the driver's count, once the kernel was loaded
+                row = {"kernel": kernel.fn.__name__, "num_warps": compiled.metadata.num_warps}
+                row.update(
+                    registers=registers, stack_bytes=stack, spills=spills, **aot.access_bits(compiled.asm["ptx"])
+                )
+                row["over_limits"] = registers > aot.MAX_REGISTERS or stack > 0 or bool(spills)
+                rows.append(row)
+    return rows
 
 
 def run_checks(json_dir: str | None) -> int:
@@ -341,26 +318,44 @@ def run_checks(json_dir: str | None) -> int:
         print(f"{status}  {name}  ({seconds:.1f} s)")
         for p in problems[:20]:
             print(f"      {p}")
-    sweep = tuning_sweep()
-    copy_gbs = copy_bandwidth(BIG, DEVICE)
-    print(f"\nlaunch configurations at {BIG} elements (copy bandwidth {copy_gbs:.0f} GB/s):")
-    for row in sweep:
-        print("  " + "  ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    variants = compiled_variants() if DEVICE == "cuda" else []
+    print(f"\n{len(variants)} compiled kernel variants (registers, stack frame, spills, widest global load/store):")
+    for v in variants:
+        flag = "  OVER THE LIMITS" if v["over_limits"] else ""
+        print(
+            f"  {v['kernel']:18s} warps {v['num_warps']}  regs {v['registers']:3d}  stack {v['stack_bytes']:3d} B  "
+            f"spills {v['spills']}  ld {v['load_bits']:3d} st {v['store_bits']:3d} bits "
+            f"({v['vector_loads']}/{v['vector_stores']} x 128){flag}"
+        )
+    if DEVICE == "cuda":  # the interpreter compiles nothing
+        over = sum(v["over_limits"] for v in variants)
+        problems = [f"{over} of {len(variants)} over the limits"] if over else []
+        problems += [] if variants else ["no compiled variant found in the kernels' caches"]
+        name = "compiled variants within 128 registers, no spills"
+        results.append({"check": name, "status": "FAIL" if problems else "PASS", "problems": problems})
     if json_dir:
         Path(json_dir).mkdir(parents=True, exist_ok=True)
-        payload = {"checks": results, "tuning": sweep, "copy_GB/s": copy_gbs}
+        payload = {"checks": results, "variants": variants}
         (Path(json_dir) / "gpu_check.json").write_text(json.dumps(payload, indent=1))
     return 0 if all(r["status"] == "PASS" for r in results) else 1
 
 
+def _checks_of(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["checks"] if path.exists() else []
+
+
 def summary(json_dir: str) -> int:
-    """The short table printed last: each check, each stage, then ours vs the best peer at the largest size."""
+    """The short table printed last: every check, each stage, the timings, ours vs the best peer."""
     root = Path(json_dir)
-    checks = root / "gpu_check.json"
     print("\n== summary ==")
-    if checks.exists():
-        for r in json.loads(checks.read_text())["checks"]:
-            print(f"{r['status']}  {r['check']}")
+    build = root / "comm_build.status"
+    print(f"comm engine build: {build.read_text().strip() if build.exists() else 'unknown'}")
+    for name in ("gpu_check.json", "gpu_streams.json"):
+        checks = _checks_of(root / name)
+        for r in checks:
+            print(f"{r['status']}  {r['check']}" + (f": {r['problems'][0][:150]}" if r["problems"] else ""))
+        if not checks:
+            print(f"{name}: no results")
     stages = root / "gpu_stages.json"
     if stages.exists():
         run = json.loads(stages.read_text())
@@ -368,8 +363,17 @@ def summary(json_dir: str) -> int:
             if r["provider"] != "torch.AdamW fused":
                 ratio = f"x{r['fused_vs_this']:.2f} vs fused AdamW" if "fused_vs_this" in r else "no timing"
                 print(f"{r['check']}  stage path {r['provider']} {r['dtype']} ({run['comm_engine']} comm), {ratio}")
+        for r in run.get("checks", []):
+            print(f"{r['status']}  {r['check']}" + (f": {r['problems'][0][:150]}" if r["problems"] else ""))
     else:
         print("stage path: no results")
+    timing = root / "gpu_timing.json"
+    if timing.exists():
+        found = json.loads(timing.read_text())
+        for r in found["adam"] + found["flatten"]:
+            print(f"{r['case']:26s} {r['provider']:26s} {r['ms']:.3f} ms {r['GBps']:.0f} GB/s")
+    else:
+        print("timing: no results")
     for subject in ("adam", "flatten"):
         path = root / f"{subject}.json"
         if not path.exists():
@@ -399,9 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         return summary(args.summary)
     if args.cpu_smoke:
-        global BIG, DEVICE, SWEEP_REPEAT
+        global BIG, DEVICE
         os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first imported, below
-        BIG, DEVICE, SWEEP_REPEAT = 1 << 15, "cpu", 1
+        BIG, DEVICE = 1 << 15, "cpu"
         return run_checks(args.json)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; this check runs the Triton kernels on a GPU (tests/ cover the CPU)")

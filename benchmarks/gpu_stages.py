@@ -5,9 +5,11 @@ group (NCCL on CUDA; gloo with ``--device cpu``, the smoke run for machines with
 stages 0-3 in fp32 and bf16, trains a small MLP a few steps with ``ShardedFusedAdam`` (``impl``
 auto: the Triton kernels on CUDA, the C++ kernels on CPU; the comm engine of ``ZERO_KERNELS_COMM``)
 in lock-step with ``torch.optim.AdamW`` on a deep copy, checking every parameter after every step.
-Then it times a training step (forward + backward + step + zero_grad, median) of each stage next
-to ``torch.optim.AdamW(fused=True)`` on the same model. Buckets hold about 1/7 of the model, so
-parameters straddle buckets; at stage 3 every weight matrix is gathered and freed around its use.
+Then it times a training step (forward + backward + step + zero_grad, median, CUDA events on a GPU)
+of each stage next to ``torch.optim.AdamW(fused=True)`` on the same model. Buckets hold about 1/7 of
+the model, so parameters straddle buckets; at stage 3 every weight matrix is gathered and freed
+around its use. Last, an fp16 run per stage with dynamic loss scaling and one forced overflow: that
+step must be skipped on every parameter, the scale must halve, and the next steps must train.
 
 Tolerances (as ``tests/test_stages.py``, from DESIGN.md). fp32: ``|ours - torch| <= 1e-5 |torch|
 + 1e-6 max|torch|`` per tensor (the kernel is within 1.3e-6 relative per step, and on one rank the
@@ -177,28 +179,77 @@ def check_stage(stage: int, dtype: torch.dtype, cfg: Config) -> list[str]:
     return []
 
 
-def _sync(cfg: Config) -> None:
-    if cfg.device == "cuda":
-        torch.cuda.synchronize()
+class _Clock:
+    """Marks on the current CUDA stream (events) or the wall clock; ``ms(a, b)`` after ``done()``."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self) -> object:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def done(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, a: object, b: object) -> float:
+        return a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
 
 
 def time_steps(model: nn.Module, opt: torch.optim.Optimizer, cfg: Config, dtype: torch.dtype) -> dict:
     """Median ms of a whole training step and of its ``step`` + ``zero_grad`` part."""
     x = batch(cfg, 0, dtype)
-    whole, update = [], []
+    clock = _Clock(cfg.device == "cuda")
+    marks = []
     for i in range(cfg.warmup + cfg.repeat):
-        _sync(cfg)
-        t0 = time.perf_counter()
+        t0 = clock.mark()
         loss_of(model, x).backward()
-        _sync(cfg)
-        t1 = time.perf_counter()
+        t1 = clock.mark()
         opt.step()
         opt.zero_grad()
-        _sync(cfg)
+        t2 = clock.mark()
         if i >= cfg.warmup:
-            whole.append(time.perf_counter() - t0)
-            update.append(time.perf_counter() - t1)
-    return {"step_ms": 1e3 * statistics.median(whole), "opt_ms": 1e3 * statistics.median(update)}
+            marks.append((t0, t1, t2))
+    clock.done()
+    whole = [clock.ms(t0, t2) for t0, _, t2 in marks]
+    update = [clock.ms(t1, t2) for _, t1, t2 in marks]
+    return {"step_ms": statistics.median(whole), "opt_ms": statistics.median(update)}
+
+
+def check_fp16_overflow(stage: int, cfg: Config) -> list[str]:
+    """fp16 with dynamic loss scaling: a forced overflow skips the step everywhere and halves the scale."""
+    model = make_model(cfg, torch.float16)
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 1, "loss_scale_window": 100}
+    opt = ShardedFusedAdam(model, lr=LR, weight_decay=WEIGHT_DECAY, stage=stage, fp16=fp16, **zero_options(cfg))
+    problems = []
+    for step in range(4):
+        scale = opt.loss_scale
+        with opt.gathered_params():
+            before = [p.detach().clone() for p in model.parameters()]
+        loss = loss_of(model, batch(cfg, step, torch.float16))
+        opt.backward(loss * float("inf") if step == 1 else loss)
+        opt.step()
+        opt.zero_grad()
+        with opt.gathered_params():
+            changed = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+            finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        what = f"fp16 stage {stage} step {step + 1}"
+        if step == 1:
+            if not opt.last_step.skipped or any(changed) or opt.loss_scale != scale / 2:
+                problems.append(
+                    f"{what} (overflow): skipped={opt.last_step.skipped}, {sum(changed)} parameters changed, "
+                    f"scale {scale} -> {opt.loss_scale} (expected {scale / 2})"
+                )
+        elif opt.last_step.skipped or not all(changed) or not finite or opt.loss_scale != scale:
+            problems.append(
+                f"{what}: skipped={opt.last_step.skipped}, {len(changed) - sum(changed)} parameters unchanged, "
+                f"finite={finite}, scale {scale} -> {opt.loss_scale}"
+            )
+    return problems
 
 
 def _guarded(fn: Callable[[], object]) -> tuple[object, list[str]]:
@@ -259,8 +310,22 @@ def _init_group(device: str) -> str:
     return backend
 
 
+def run_fp16(cfg: Config) -> list[dict]:
+    """One check per stage: fp16, dynamic loss scale, a forced overflow."""
+    checks = []
+    for stage in STAGES:
+        problems, raised = _guarded(lambda: check_fp16_overflow(stage, cfg))
+        problems = list(problems or []) + raised
+        name = f"fp16 stage {stage}: dynamic loss scale, forced overflow skipped, scale halved"
+        checks.append({"check": name, "status": "PASS" if not problems else "FAIL", "problems": problems})
+        print(f"{checks[-1]['status']}  {name}")
+        for p in problems[:5]:
+            print(f"      {p}")
+    return checks
+
+
 def run_stages(cfg: Config, json_dir: Optional[str]) -> int:
-    """Check and time every (dtype, stage); print the table; 0 when every check passes, else 1."""
+    """Check and time every (dtype, stage), then the fp16 runs; 0 when every check passes, else 1."""
     if cfg.device == "cpu":
         torch.set_num_threads(1)  # a smoke run on a small, possibly busy machine: no thread oversubscription
     backend = _init_group(cfg.device)
@@ -277,13 +342,14 @@ def run_stages(cfg: Config, json_dir: Optional[str]) -> int:
         for name in DTYPES:
             rows += run_dtype(name, cfg)
         print(LEGEND)
+        checks = run_fp16(cfg)
     finally:
         dist.destroy_process_group()
     if json_dir:
         Path(json_dir).mkdir(parents=True, exist_ok=True)
-        payload = {"backend": backend, "comm_engine": engine, "params": numel, "rows": rows}
+        payload = {"backend": backend, "comm_engine": engine, "params": numel, "rows": rows, "checks": checks}
         (Path(json_dir) / "gpu_stages.json").write_text(json.dumps(payload, indent=1))
-    return 0 if all(not r["problems"] for r in rows) else 1
+    return 0 if all(not r["problems"] for r in rows + checks) else 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:

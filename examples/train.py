@@ -62,10 +62,16 @@ def main() -> None:
     parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "ds_config.json"))
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
     args = parser.parse_args()
+    device = torch.device("cpu")
+    if torch.cuda.is_available():  # one GPU per rank: torchrun's LOCAL_RANK picks it, before NCCL starts
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     model, opt = initialize(model, args.config)

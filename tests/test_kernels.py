@@ -373,20 +373,26 @@ def test_flatten_every_layout_path(flat_dtype: torch.dtype) -> None:
 
 
 def test_flatten_table_is_cached() -> None:
+    """Several tensors: a table per set of addresses. One tensor: a table per layout, whatever its address."""
     views, _, offsets, size = _bucket(_random_fill, count=12)
     flat = torch.zeros(size, device=DEVICE)
     triton_flatten.cache_clear()
     flatten(views, flat, offsets, impl="triton")
-    assert triton_flatten.cache_info() == {"hits": 0, "misses": 1, "size": 1}
+    assert triton_flatten.cache_info() == {"hits": 0, "misses": 1, "host_copies": 1, "size": 1}
     views[3].mul_(2.0)  # new values, same storage: the table still holds
     flatten(views, flat, offsets, scale=0.5, impl="triton")
-    assert triton_flatten.cache_info() == {"hits": 1, "misses": 1, "size": 1}
+    assert triton_flatten.cache_info() == {"hits": 1, "misses": 1, "host_copies": 1, "size": 1}
     expected = flatten_ref(views, torch.zeros_like(flat), offsets, scale=0.5)
     assert torch.equal(flat, expected)
     views[0] = views[0].clone()  # new storage: a new table
     flatten(views, flat, offsets, impl="triton")
-    assert triton_flatten.cache_info() == {"hits": 1, "misses": 2, "size": 2}
+    assert triton_flatten.cache_info() == {"hits": 1, "misses": 2, "host_copies": 2, "size": 2}
     assert torch.equal(flat, flatten_ref(views, torch.zeros_like(flat), offsets))
+    held = [_randn(37, 50 + i) for i in range(3)]  # alive together: three addresses, one layout
+    for i, t in enumerate(held):
+        flatten([t], flat, [3], scale=float(i + 1), impl="triton")
+        assert torch.equal(flat[3:40], t * (i + 1)), f"one tensor at a new address ({i}) was not copied from there"
+    assert triton_flatten.cache_info() == {"hits": 3, "misses": 3, "host_copies": 3, "size": 3}
 
 
 def test_collapse_layout() -> None:

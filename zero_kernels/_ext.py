@@ -61,6 +61,11 @@ def _missing_toolchain(with_cuda: bool) -> str | None:
         return "no C++ compiler found (c++, g++ or clang++): install one, e.g. `apt-get install g++`"
     if with_cuda and cpp_extension.CUDA_HOME is None:
         return "torch has CUDA but no CUDA toolkit was found: install nvcc or set CUDA_HOME"
+    if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        return (
+            "torch has CUDA but no GPU is visible to choose the architectures to compile for: "
+            "set TORCH_CUDA_ARCH_LIST (e.g. '8.0;9.0')"
+        )
     return None
 
 

@@ -14,8 +14,11 @@ through ``torch.distributed`` with ``async_op=True`` and is the reference; ``aut
 
 On CPU (gloo) collectives run on gloo's own threads, so they overlap with compute on the calling
 thread; ``wait()`` blocks (without the GIL). On CUDA (NCCL) collectives run on the process group's
-internal stream and overlap is event-based: the C++ engine casts into and out of communication
-buffers on a side stream, and ``wait()`` makes the current stream wait, never the host.
+internal stream and overlap is event-based: the C++ engine issues each operation with a side stream
+current (the process group's stream follows the current stream) after making that side stream wait
+for the caller's current (compute) stream, so a collective never reads a buffer before the kernels
+queued to write it; casts into and out of communication buffers run on the side stream, and
+``wait()`` makes the current stream wait, never the host.
 
 Each operation is carried out by the fastest correct c10d primitive for its backend and size, as
 measured by ``python -m benchmarks comm`` (``PRIMITIVES``); ``primitive=`` overrides the choice.
@@ -430,6 +433,7 @@ class CppCommEngine(_EngineBase):
         return torch.cuda.current_stream(device).cuda_stream, side.cuda_stream, side
 
     def _issue(self, method: str, tensor: torch.Tensor, *args) -> CppHandle:
+        """Call the C++ engine; on CUDA with the side stream current, ``tensor``'s current stream as compute."""
         compute, side_handle, side = self._streams(tensor)
         call = getattr(self._engine, method)
         if side is None:
@@ -507,15 +511,33 @@ def make_engine(process_group: Optional[dist.ProcessGroup] = None, backend: Opti
     return ENGINES[choice](process_group)
 
 
-def all_gather_objects(engine: CommEngine, obj: Any, name: str = "objects") -> list:
+def collective_device(engine: CommEngine) -> torch.device:
+    """Where small exchanges of ``engine`` run: the CPU, or on NCCL the device its process group is bound
+    to (``init_process_group(device_id=...)``), else the current CUDA device."""
+    if engine.backend != "nccl":
+        return torch.device("cpu")
+    bound = getattr(engine.group, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def all_gather_objects(
+    engine: CommEngine, obj: Any, name: str = "objects", device: Optional[torch.device] = None
+) -> list:
     """Every rank's picklable ``obj``, in rank order (what ``dist.all_gather_object`` does, through ``engine``).
 
     The C++ engine releases its buffers only once gloo's worker has let go of them, so, unlike
     torch's version, a process may exit right after this returns.
+
+    Args:
+        engine: the communication engine of the ranks that exchange.
+        obj: this rank's object.
+        name: names the operation in errors.
+        device: where the bytes travel: the device of the caller's tensors (on NCCL each rank's
+            own GPU); None: ``collective_device(engine)``.
     """
     if engine.world_size == 1:
         return [obj]
-    device = torch.device("cuda", torch.cuda.current_device()) if engine.backend == "nccl" else torch.device("cpu")
+    device = collective_device(engine) if device is None else torch.device(device)
     payload = pickle.dumps(obj)
     data = struct.pack("<q", len(payload)) + payload
     longest = torch.tensor([float(len(data))], dtype=torch.float64, device=device)

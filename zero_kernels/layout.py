@@ -9,14 +9,18 @@ allowed to straddle bucket and shard boundaries so every rank holds exactly the 
 elements)::
 
     params (reversed)   [ p_{n-1} ][ p_{n-2} ]....[ p_0 ][pad]
-    buffer elements     0 ............................... numel        (numel % num_shards == 0)
+    buffer elements     0 ............................... numel        (numel % (num_shards * align) == 0)
     buckets             [ bucket 0   ][ bucket 1   ][ bucket 2 ]       (bucket_numel each, last shorter)
     shards of bucket k  [ r0 | r1 | ... | r_{N-1} ]                    (bucket.numel // N each)
 
 - Parameters are packed in *reverse* order of the list given, because autograd produces gradients
   roughly in reverse order of registration: bucket 0 fills first during backward.
-- ``bucket_numel`` is rounded up to a multiple of ``num_shards``; only the end of the buffer is
-  padded, so padding is at most ``num_shards - 1`` elements, zero-filled and never a parameter.
+- ``bucket_numel`` and the buffer are rounded up to a multiple of ``num_shards * align``, where
+  ``align`` (``align_elements``) is 64 bytes' worth of elements and at least 16: every rank's part
+  of every bucket then starts on a 64-byte boundary of the buffer and of the shard buffers (fp32
+  master, m and v included) and its length is a multiple of 16, which is what the kernels need
+  for 16-byte vector loads and stores. Only the end of the buffer is padded, so padding is at most
+  ``num_shards * align - 1`` elements, zero-filled, never a parameter and never saved.
 - Rank ``r``'s shard of bucket ``k`` is ``buffer[k.start + r*k.shard_numel : ... + k.shard_numel]``.
   The rank's *shard buffer* (fp32 master, Adam m and v, reduced gradients) is the concatenation of
   its bucket shards: bucket ``k``'s part sits at ``k.shard_offset`` and is ``k.shard_numel`` long.
@@ -33,6 +37,14 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
+
+ALIGN_BYTES = 64  # every rank's part of every bucket starts on such a boundary
+MIN_ALIGN_ELEMENTS = 16  # ... and its length is a multiple of at least this many elements
+
+
+def align_elements(element_size: int) -> int:
+    """Elements per alignment unit of a buffer of ``element_size``-byte elements."""
+    return max(MIN_ALIGN_ELEMENTS, ALIGN_BYTES // element_size)
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,7 @@ class Bucket:
 
     index: int
     start: int  # first element in the buffer
-    numel: int  # multiple of the number of shards
+    numel: int  # a multiple of num_shards * align_elements
     shard_numel: int  # numel // num_shards: each rank's part
     shard_offset: int  # where this bucket's part starts in a rank's shard buffer
     slots: tuple[int, ...]  # indices into ``BufferLayout.slots`` of the parameters overlapping it
@@ -78,7 +90,7 @@ class BufferLayout:
 
     slots: tuple[Slot, ...]
     buckets: tuple[Bucket, ...]
-    numel: int  # padded total, a multiple of ``num_shards``
+    numel: int  # padded total, a multiple of ``num_shards * align_elements``
     num_shards: int
     slot_buckets: tuple[tuple[int, ...], ...]  # per slot: indices of the buckets holding part of it
 
@@ -92,8 +104,9 @@ class BufferLayout:
         """Pack ``params`` (reversed) into one buffer cut into buckets of ``bucket_numel`` elements.
 
         Args:
-            params: the parameters of this buffer (one dtype); only their shapes are read.
-            bucket_numel: target elements per bucket (rounded up to a multiple of ``num_shards``).
+            params: the parameters of this buffer (one dtype); only their shapes and element size are read.
+            bucket_numel: target elements per bucket (rounded up to a multiple of ``num_shards *
+                align_elements``).
             num_shards: ranks the buffer is sharded over (1 = not sharded).
         """
         if num_shards < 1:
@@ -105,8 +118,9 @@ class BufferLayout:
             p = params[index]
             slots.append(Slot(param=index, offset=offset, numel=p.numel(), shape=p.shape))
             offset += p.numel()
-        numel = -(-offset // num_shards) * num_shards
-        step = -(-bucket_numel // num_shards) * num_shards
+        unit = num_shards * align_elements(params[0].element_size() if len(params) else 4)
+        numel = -(-offset // unit) * unit
+        step = -(-bucket_numel // unit) * unit
         buckets, start = [], 0
         while start < numel:
             size = min(step, numel - start)

@@ -87,18 +87,34 @@ const SideStreamOps& cuda_ops(const std::string& what) {
   return *ops;
 }
 
-// dst <- src (same numel), casting; on CUDA queued on the side stream after the compute stream.
+// dst <- src (same numel), casting; on CUDA queued on the side stream (ordered after the compute
+// stream by order_after_compute, or after the collective in an epilogue).
 void copy_in(const at::Tensor& dst, const at::Tensor& src, Streams streams, const std::string& what) {
   if (!dst.is_cuda()) {
     dst.copy_(src);
     return;
   }
   const SideStreamOps& ops = cuda_ops(what);
-  const int32_t device = dst.get_device();
-  check_cuda(ops.stream_wait(streams.side, streams.compute, device), ops, what);
   check_cuda(ops.cast_copy(dst.data_ptr(), cast_type(dst, what), src.data_ptr(), cast_type(src, what), src.numel(),
-                           streams.side, device),
+                           streams.side, dst.get_device()),
              ops, what);
+}
+
+// The one place where a CUDA operation is ordered: the side stream, current while the caller
+// issues (so the process group's own stream waits for it), waits for everything queued so far on
+// the compute stream. Every entry point calls it first, before it allocates, copies or issues
+// anything, for every primitive and dtype path: no collective or side-stream copy can then read a
+// buffer before the kernels that write it, nor write into a block that queued compute still reads
+// (a block the caching allocator handed back after compute freed it). CPU tensors need nothing.
+void order_after_compute(const at::Tensor& t, Streams streams, const std::string& what) {
+  if (!t.is_cuda()) {
+    return;
+  }
+  if (streams.side == 0 || streams.compute == 0) {
+    throw std::invalid_argument(what + ": CUDA tensors need the compute and side streams");
+  }
+  const SideStreamOps& ops = cuda_ops(what);
+  check_cuda(ops.stream_wait(streams.side, streams.compute, t.get_device()), ops, what);
 }
 
 // Runs after the collective: the optional copy-out on the side stream, then on CUDA the compute
@@ -317,6 +333,12 @@ std::shared_ptr<PendingOp> Engine::track(std::shared_ptr<PendingOp> op) {
   return op;
 }
 
+c10::intrusive_ptr<c10d::ProcessGroup> Engine::begin(const std::string& what, const at::Tensor& t, Streams streams) {
+  auto pg = group(what);
+  order_after_compute(t, streams, what);
+  return pg;
+}
+
 std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
                                                   const std::string& name, Primitive primitive, Streams streams) {
   const std::string what = describe("reduce_scatter", name);
@@ -325,7 +347,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
                   {Primitive::kAllReduceSlice, Primitive::kReduceScatterList, Primitive::kReduceScatterTensor,
                    Primitive::kReduceScatterP2P},
                   what);
-  const auto pg = group(what);
+  const auto pg = begin(what, input, streams);
   at::Tensor in = input;
   const int64_t n = output.numel();
   if (primitive == Primitive::kReduceScatterP2P) {
@@ -357,7 +379,7 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
   const std::string what = describe("all_gather", name);
   check_pair(input, output, world_size_, what);
   check_primitive(primitive, {Primitive::kAllGatherList, Primitive::kAllGatherTensor, Primitive::kAllGatherP2P}, what);
-  const auto pg = group(what);
+  const auto pg = begin(what, output, streams);
   at::Tensor out = output;
   at::Tensor source = input;
   if (input.scalar_type() != output.scalar_type()) {
@@ -385,7 +407,7 @@ std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const st
   check_flat(tensor, "the tensor", what);
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce_op(op, what);
-  const auto pg = group(what);
+  const auto pg = begin(what, tensor, streams);
   std::vector<at::Tensor> tensors{tensor};
   auto work = pg->allreduce(tensors, opts);
   return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{tensor},

@@ -37,8 +37,10 @@ enum class Primitive {
 const char* primitive_name(Primitive primitive);
 
 // Streams of a CUDA operation as integers (cudaStream_t); zero on CPU. The caller issues and
-// waits with `side` as the current stream, so the collective is ordered after the side-stream
-// copy-in, and `compute` waits for the side stream at the end of wait().
+// waits with `side` as the current stream, so the process group's stream follows the side stream;
+// every operation first makes the side stream wait for `compute` (Engine::begin), so the
+// collective and any cast follow the caller's kernels; `compute` waits for the side stream at
+// the end of wait().
 struct Streams {
   intptr_t compute = 0;
   intptr_t side = 0;
@@ -118,6 +120,9 @@ class Engine {
  private:
   std::string describe(const char* op, const std::string& name) const;
   c10::intrusive_ptr<c10d::ProcessGroup> group(const std::string& what) const;
+  // The start of every operation: its process group, and on CUDA the side stream ordered after the
+  // compute stream (order_after_compute in engine.cpp), before anything is allocated or issued.
+  c10::intrusive_ptr<c10d::ProcessGroup> begin(const std::string& what, const at::Tensor& t, Streams streams);
   std::shared_ptr<PendingOp> track(std::shared_ptr<PendingOp> op);
   uint32_t next_tag(const std::string& what, const at::Tensor& t);
   std::shared_ptr<PendingOp> reduce_scatter_p2p(c10d::ProcessGroup& pg, const at::Tensor& output, at::Tensor& input,

@@ -61,6 +61,30 @@ cudaError_t launch(void* dst, const void* src, int64_t numel, cudaStream_t strea
   return cudaGetLastError();
 }
 
+// Makes `device` current for its lifetime and gives the caller's current device back afterwards, so
+// that queueing side-stream work never changes the device a rank's own code runs on.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int32_t device) {
+    error_ = cudaGetDevice(&previous_);
+    if (error_ == cudaSuccess && previous_ != device) {
+      error_ = cudaSetDevice(device);
+    }
+  }
+  ~DeviceScope() {
+    if (error_ == cudaSuccess) {
+      cudaSetDevice(previous_);
+    }
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  cudaError_t error() const { return error_; }
+
+ private:
+  int previous_ = 0;
+  cudaError_t error_;
+};
+
 template <typename Dst>
 cudaError_t launch_from(CastType src_type, void* dst, const void* src, int64_t numel, cudaStream_t stream) {
   switch (src_type) {
@@ -81,9 +105,9 @@ int32_t cast_copy(void* dst, CastType dst_type, const void* src, CastType src_ty
   if (numel == 0) {
     return cudaSuccess;
   }
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) {
-    return err;
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) {
+    return scope.error();
   }
   auto s = reinterpret_cast<cudaStream_t>(stream);
   switch (dst_type) {
@@ -103,12 +127,12 @@ int32_t stream_wait(intptr_t waiter, intptr_t signaler, int32_t device) {
   if (waiter == signaler) {
     return cudaSuccess;
   }
-  cudaError_t err = cudaSetDevice(device);
-  if (err != cudaSuccess) {
-    return err;
+  DeviceScope scope(device);
+  if (scope.error() != cudaSuccess) {
+    return scope.error();
   }
   cudaEvent_t event;
-  err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
   if (err != cudaSuccess) {
     return err;
   }

@@ -12,7 +12,8 @@ namespace zero_kernels::comm {
 enum class CastType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
 
 // Streams travel as integers (cudaStream_t cast to intptr_t); each call returns a cudaError_t
-// value, 0 on success, and never synchronizes the host.
+// value, 0 on success, never synchronizes the host, and runs on `device` but leaves the caller's
+// current device as it found it.
 struct SideStreamOps {
   // Everything queued on `signaler` so far happens before anything queued next on `waiter`.
   int32_t (*stream_wait)(intptr_t waiter, intptr_t signaler, int32_t device);

@@ -1,20 +1,26 @@
 """Launch parameters of the Triton kernels, as data: one small table per kernel, keyed by size.
 
-Each table is a list of ``(max_elements, LaunchConfig)`` rows in increasing order; the first row
-whose bound is at least the problem size wins. The kernels are memory-bound element-wise loops,
-so the only choices are how many elements one program handles (``block``) and how many warps
-share them (``num_warps``): small problems keep blocks small so that enough programs exist to
-fill the device, large ones use bigger blocks to cut per-program overhead. The rows are a
-starting point: ``benchmarks/gpu_check.py`` times the alternatives on a GPU.
+Each table is a list of ``(max_elements, value)`` rows in increasing order; the first row whose
+bound is at least the problem size wins. The kernels are memory-bound element-wise loops, so the
+only choices are how many elements one program handles (``block``) and how many warps share them
+(``num_warps``): small problems keep blocks small so that enough programs exist to fill the
+device, large ones use bigger blocks to cut per-program overhead. The flatten kernel loops over
+its chunk a tile at a time, so its chunk size is a runtime argument and its tile is fixed. The
+rows are a starting point: ``benchmarks/gpu_check.py`` times the alternatives on a GPU.
 
 ``launch_device`` makes a launch run on the device of its tensors, not the current one.
+
+``launch_variants()`` lists the calls that make the kernels compile every variant the package can
+launch; ``python -m zero_kernels.kernels.aot`` compiles them for sm_80 and sm_90 without a GPU and
+reports registers, spills and vector widths (``tests/test_aot.py`` holds them to their bounds).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
-from typing import ContextManager
+from typing import Any, ContextManager, Iterator, TypeVar
 
 import torch
 
@@ -26,6 +32,7 @@ class LaunchConfig:
 
 
 _UNBOUNDED = 1 << 62
+T = TypeVar("T")
 
 # Adam on a flat shard: five streams per element (param, grad, m, v in; param, m, v, out back).
 ADAM = [
@@ -39,17 +46,22 @@ NONFINITE = [
     (_UNBOUNDED, LaunchConfig(block=4096, num_warps=8)),
 ]
 
-# Flatten/unflatten: one program copies one chunk of one tensor, so ``block`` is also the chunk
-# size of the per-bucket table. Keyed by the largest tensor of the bucket.
-FLATTEN = [
-    (1 << 12, LaunchConfig(block=512, num_warps=4)),
-    (1 << 18, LaunchConfig(block=1024, num_warps=4)),
-    (_UNBOUNDED, LaunchConfig(block=4096, num_warps=8)),
+# Flatten/unflatten: one program copies one chunk of one tensor, ``block`` elements (the tile) per
+# loop iteration: 8 per thread, two 16-byte vectors of fp32 or one of bf16/fp16 on aligned tensors.
+# Strided tensors have their own launch, with int64 index arithmetic on half the elements per thread.
+FLATTEN = LaunchConfig(block=1024, num_warps=4)
+FLATTEN_STRIDED = LaunchConfig(block=512, num_warps=4)
+
+# Elements per program (a runtime argument: no recompilation), keyed by the largest tensor of the
+# bucket; always a multiple of 16, so that every chunk of an aligned tensor starts aligned.
+FLATTEN_CHUNK = [
+    (1 << 18, 1024),
+    (_UNBOUNDED, 4096),
 ]
 
 
-def pick(table: list[tuple[int, LaunchConfig]], numel: int) -> LaunchConfig:
-    """The launch parameters for a problem of ``numel`` elements."""
+def pick(table: list[tuple[int, T]], numel: int) -> T:
+    """The row of ``table`` for a problem of ``numel`` elements."""
     for bound, config in table:
         if numel <= bound:
             return config
@@ -61,3 +73,63 @@ def launch_device(tensor: torch.Tensor) -> ContextManager:
     if tensor.is_cuda:
         return torch.cuda.device(tensor.device)
     return contextlib.nullcontext()
+
+
+def _row_sizes(table: list[tuple[int, Any]]) -> tuple[int, ...]:
+    """One problem size per row of ``table``, multiples of 16: each row's bound, the last one's start."""
+    sizes, low = [], 0
+    for bound, _ in table:
+        sizes.append(bound if bound < _UNBOUNDED else low + 16)
+        low = bound
+    return tuple(sizes[::-1])  # the largest first: the largest blocks are the heaviest
+
+
+# What a caller can vary in a launch, per public function, with every value it may take; the first
+# value of each axis is the heaviest (the most code and the widest dtypes). Axes not named in
+# ``kernels.aot`` are passed to the function as keyword arguments: a new Adam flag is one more row.
+LAUNCH_AXES: dict[str, dict[str, tuple]] = {
+    "adam_step": {
+        "grad_dtype": ("float32", "bfloat16", "float16"),
+        "out_dtype": ("bfloat16", "float16", "float32", None),
+        "adamw": (False, True),
+        "grad_scale": ("tensor", "float", None),
+        "found_inf": (True, False),
+        "numel": _row_sizes(ADAM),
+        "aligned": (True, False),
+    },
+    "flatten": {
+        "layout": ("aligned", "contiguous", "strided"),
+        "tensor_dtype": ("bfloat16", "float32", "float16"),
+        "flat_dtype": ("float32", "bfloat16", "float16"),
+        "scale": ("tensor", "float", None),
+        "numel": tuple(bound if bound < _UNBOUNDED else 1 << 19 for bound, _ in FLATTEN_CHUNK[::-1]),
+    },
+    "unflatten": {
+        "layout": ("aligned", "contiguous", "strided"),
+        "tensor_dtype": ("bfloat16", "float32", "float16"),
+        "flat_dtype": ("float32", "bfloat16", "float16"),
+        "scale": ("tensor", "float", None),
+        "numel": tuple(bound if bound < _UNBOUNDED else 1 << 19 for bound, _ in FLATTEN_CHUNK[::-1]),
+    },
+}
+
+
+def launch_variants(full: bool = False) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(public function, one value per axis of ``LAUNCH_AXES``) for every call to compile.
+
+    Args:
+        full: every combination of the axes (hundreds of compilations: minutes). By default the
+            heaviest combination, then each value of each axis changed from it alone: every dtype,
+            flag, tuning row and alignment is compiled, next to the heaviest of everything else.
+    """
+    for function, axes in LAUNCH_AXES.items():
+        names = list(axes)
+        if full:
+            for values in itertools.product(*axes.values()):
+                yield function, dict(zip(names, values))
+            continue
+        heaviest = {name: values[0] for name, values in axes.items()}
+        yield function, heaviest
+        for name, values in axes.items():
+            for value in values[1:]:
+                yield function, {**heaviest, name: value}

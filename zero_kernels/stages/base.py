@@ -490,8 +490,8 @@ class Pipeline:
             if step is not None:
                 yield start, numel, step
             start, numel, step = local, seg.numel, key
-        if step is not None:
-            yield start, numel, step
+        if step is not None:  # only padding follows (zero gradients): update it too, so the run stays aligned
+            yield start, bucket.shard_numel - start, step
 
     def _update_bucket(
         self, buf: FlatBuffer, bucket: Bucket, h: GroupHyper, grad_scale: float, with_grad: set[int]
