@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import shutil
 import time
 from pathlib import Path

@@ -166,6 +166,7 @@ def _adam_call(axes: dict[str, Any]) -> None:
         grad_scale=scale,
         found_inf=torch.zeros(1) if axes.pop("found_inf") else None,
         out=None if out_dtype is None else _tensor(n, _DTYPES[out_dtype], aligned),
+        max_exp_avg_sq=_tensor(n, torch.float32, aligned) if axes.pop("amsgrad") else None,
         **axes,
     )  # fmt: skip
 

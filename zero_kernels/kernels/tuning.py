@@ -94,6 +94,8 @@ LAUNCH_AXES: dict[str, dict[str, tuple]] = {
         "adamw": (False, True),
         "grad_scale": ("tensor", "float", None),
         "found_inf": (True, False),
+        "amsgrad": (True, False),
+        "maximize": (True, False),
         "numel": _row_sizes(ADAM),
         "aligned": (True, False),
     },
