@@ -101,7 +101,7 @@ def test_defaults_are_deepspeeds() -> None:
         "hysteresis": 2,
         "min_loss_scale": 1.0,
     }
-    assert cfg.optimizer is None and cfg.bf16 is False and cfg.gradient_clipping == 0.0
+    assert cfg.optimizer is None and cfg.bf16 is False and cfg.gradient_clipping == 1.0  # DeepSpeed 0.19's default
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
         None,
         None,

@@ -108,9 +108,10 @@ def _load(path: Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        what = f"global {found.group(1)}" if found else type(err).__name__
         raise CheckpointError(
-            f"DeepSpeed checkpoint file {path} holds an object that is not safe to load ({first}); "
+            f"DeepSpeed checkpoint file {path} holds an object that is not safe to load ({what}); "
             "only tensors, containers and DeepSpeed's stage, loss-scaler and fragment records are read"
         ) from None
     except (OSError, RuntimeError, EOFError) as err:
@@ -356,6 +357,12 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
     if not all(isinstance(o, dict) and "zero_stage" in o for o in optims):
         raise CheckpointError(f"{folder}: the optimizer state files are not DeepSpeed ZeRO optimizer states")
     stage = int(optims[0]["zero_stage"])
+    count = optims[0].get("partition_count")
+    count = max(count) if isinstance(count, (list, tuple)) else count
+    if count != len(optims):
+        raise CheckpointError(
+            f"{folder}: the checkpoint was saved by {count} ranks but holds optimizer state files for {len(optims)}"
+        )
     if stage == 3:
         model_file = _by_rank(folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state")[0]
     elif stage in (1, 2):

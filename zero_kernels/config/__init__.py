@@ -239,7 +239,7 @@ class ZeroConfig:
         if training_args is not None:
             from_args = training_args_overrides(training_args, world, given.get("total_num_steps"))
             overrides = {**from_args, **overrides}
-        ctx = ParseContext(overrides=overrides, auto_defaults=dict(TRAINER_DEFAULTS))
+        ctx = ParseContext(overrides=overrides, auto_defaults=dict(TRAINER_DEFAULTS), derived=set(_BATCH_KEYS))
         if "bf16" in data and "bfloat16" in data:
             raise ValueError('both "bf16" and its legacy spelling "bfloat16" are given: keep only "bf16"')
         top = TOP(data, "", ctx)

@@ -15,7 +15,7 @@ Key path -> ``TrainingArguments`` attribute:
 - ``optimizer.params.lr``/``betas``/``eps``/``weight_decay`` <- ``learning_rate``,
   ``(adam_beta1, adam_beta2)``, ``adam_epsilon``, ``weight_decay``.
 - ``fp16.enabled`` <- ``fp16 or fp16_full_eval``; ``bf16.enabled`` <- ``bf16 or bf16_full_eval``.
-- ``scheduler.params.warmup_min_lr`` <- 0; ``warmup_max_lr`` <- ``learning_rate``;
+- ``scheduler.params.warmup_min_lr`` <- 0; ``warmup_max_lr`` <- ``learning_rate`` (the optimizer's lr);
   ``total_num_steps`` <- ``max_steps`` (when > 0; the Trainer otherwise counts the data loader's
   batches, which zero_kernels cannot see: pass ``total_num_steps=``); ``warmup_num_steps`` <-
   ``max(1, get_warmup_steps(total_num_steps))``.
@@ -102,7 +102,6 @@ def training_args_overrides(args: Any, world: int, total_num_steps: Optional[int
         "optimizer.params.weight_decay": (_attribute(args, "weight_decay"), "weight_decay"),
         "fp16.enabled": (bool(_attribute(args, "fp16") or getattr(args, "fp16_full_eval", False)), "fp16"),
         "bf16.enabled": (bool(_attribute(args, "bf16") or getattr(args, "bf16_full_eval", False)), "bf16"),
-        "scheduler.params.warmup_max_lr": (lr, "learning_rate"),
     }
     values["bfloat16.enabled"] = values["bf16.enabled"]
     max_steps = getattr(args, "max_steps", -1)

@@ -251,6 +251,7 @@ class ParseContext:
     resolved: List[str] = field(default_factory=list)
     values: Dict[str, Any] = field(default_factory=dict)
     autos: Set[str] = field(default_factory=set)
+    derived: Set[str] = field(default_factory=set)  # "auto" paths whose value is derived (and logged) later
 
     def ignore(self, path: str, level: int) -> None:
         self.ignored.setdefault(level, []).append(path)
@@ -295,7 +296,7 @@ def _resolve(spec: Field, raw: Any, path: str, ctx: ParseContext) -> Tuple[Any, 
             value = value(ctx) if callable(value) else value
         else:
             value, why = spec.default, "DeepSpeed's default"
-        if value is not None:  # None: derived later (batch sizes), or a default that stays None
+        if value is not None or path not in ctx.derived:
             ctx.choose(path, value, why, auto=True)
         return value, path
     return raw, path

@@ -252,7 +252,8 @@ TOP = Section(
         "bf16": Field(BF16, None, auto=False),
         "bfloat16": Field(BFLOAT16, None, auto=False),
         "fp16": Field(FP16, None, auto=False),
-        "gradient_clipping": Field(number(0), 0.0),
+        # DeepSpeed's GRADIENT_CLIPPING_DEFAULT (1.0 in DeepSpeed 0.19; it was 0 in older releases).
+        "gradient_clipping": Field(number(0), 1.0),
         "gradient_accumulation_steps": Field(integer(1), None),
         "train_micro_batch_size_per_gpu": Field(integer(1), None),
         "train_batch_size": Field(integer(1), None),
