@@ -105,6 +105,41 @@ def test_training_args_fill_every_auto_the_trainer_would(caplog: pytest.LogCaptu
     assert sum("auto" in r.getMessage() for r in caplog.records) == 1, "resolved values are logged in one record"
 
 
+def test_matches_the_hf_trainer_where_transformers_is_installed() -> None:
+    """The values the Trainer's own DeepSpeed integration writes into the same template."""
+    transformers = pytest.importorskip("transformers")
+    integration = pytest.importorskip("transformers.integrations.deepspeed")
+    args = transformers.TrainingArguments(
+        output_dir="unused", report_to=[], use_cpu=True, learning_rate=3e-4, adam_beta1=0.85, adam_beta2=0.98,
+        adam_epsilon=1e-7, weight_decay=0.01, max_grad_norm=0.5, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, bf16=True, max_steps=200, warmup_steps=0.1,
+    )  # fmt: skip
+    trainer = integration.HfTrainerDeepSpeedConfig(json.loads(json.dumps(HF_TEMPLATE)))
+    trainer.trainer_config_process(args)
+    trainer.trainer_config_finalize(args, types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64)), 200)
+    theirs = trainer.config
+    ours = zk.ZeroConfig.from_deepspeed(HF_TEMPLATE, world_size=args.world_size, training_args=args, hidden_size=64)
+    opt, sched = theirs["optimizer"]["params"], theirs["scheduler"]["params"]
+    assert (ours.optimizer.lr, ours.optimizer.eps, ours.optimizer.weight_decay) == (
+        opt["lr"],
+        opt["eps"],
+        opt["weight_decay"],
+    )
+    assert list(ours.optimizer.betas) == list(opt["betas"])
+    assert (ours.gradient_clipping, ours.bf16, ours.fp16.enabled) == (
+        theirs["gradient_clipping"],
+        theirs["bf16"]["enabled"],
+        theirs["fp16"]["enabled"],
+    )
+    assert (ours.train_batch_size, ours.train_micro_batch_size_per_gpu, ours.gradient_accumulation_steps) == (
+        theirs["train_batch_size"],
+        theirs["train_micro_batch_size_per_gpu"],
+        theirs["gradient_accumulation_steps"],
+    )
+    assert ours.zero.reduce_bucket_size == theirs["zero_optimization"]["reduce_bucket_size"]
+    assert {k: ours.scheduler.params[k] for k in sched} == sched
+
+
 def test_without_training_args_auto_takes_the_trainers_defaults() -> None:
     template = {**HF_TEMPLATE, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}
     cfg = zk.ZeroConfig.from_deepspeed(template)
@@ -312,3 +347,16 @@ class _Unsafe:
 
     def __init__(self) -> None:
         self.payload = "not data"
+
+
+def test_fp16_dynamic_loss_scale_is_imported() -> None:
+    """fp16 runs cannot be made on this CPU: check the mapping of DeepSpeed's DynamicLossScaler state."""
+    from zero_kernels.checkpoint import deepspeed as ds_import
+
+    scaler = ds_import._DynamicLossScaler()
+    scaler.__setstate__(dict(cur_scale=2.0**12, cur_iter=30, last_overflow_iter=9, scale_window=8, cur_hysteresis=1))
+    state = ds_import._loss_scaler({"loss_scaler": scaler})
+    assert state == {"scale": 4096.0, "good_steps": (30 - 9 - 1) % 8, "hysteresis_left": 1}
+    static = ds_import._LossScaler()
+    static.__setstate__({"cur_scale": 1.0, "dynamic": False})
+    assert ds_import._loss_scaler({"loss_scaler": static}) is None

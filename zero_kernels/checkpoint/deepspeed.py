@@ -261,7 +261,12 @@ def _hyper(optims: list[dict[str, Any]], stage: int, params: list[_Param]) -> li
 
 
 def _loss_scaler(optim: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """The fp16 dynamic loss scale as ``precision.LossScaler`` state (None: no dynamic scaling)."""
+    """The fp16 dynamic loss scale as ``precision.LossScaler`` state (None: no dynamic scaling).
+
+    The scale and the hysteresis left carry over exactly; ``good_steps`` is the number of good steps
+    since the last overflow, modulo the window (DeepSpeed doubles one step later than
+    ``precision.LossScaler`` in each window, so the next doubling may come one step apart).
+    """
     scaler = optim.get("loss_scaler")
     if not isinstance(scaler, _DynamicLossScaler):
         return None
