@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import pickle
 import re
 from dataclasses import dataclass
@@ -334,6 +335,8 @@ def _write(root: Path, meta: dict[str, Any], pieces: list[tuple[str, torch.Tenso
             }
             writer.write_tensor(flat)
         crcs = writer.finish()
+        f.flush()
+        os.fsync(f.fileno())
     publish(tmp, final)
     meta["files"] = [{"name": final.name, "bytes": writer.size, "crc32": crcs}]
     write_small(folder / METADATA, json.dumps(meta).encode())
