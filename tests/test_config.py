@@ -102,7 +102,7 @@ def test_defaults_are_deepspeeds() -> None:
         "hysteresis": 2,
         "min_loss_scale": 1.0,
     }
-    assert cfg.optimizer is None and cfg.bf16 is False and cfg.gradient_clipping == 0.0
+    assert cfg.optimizer is None and cfg.bf16 is False and cfg.gradient_clipping == 1.0  # DeepSpeed 0.19's default
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (
         None,
         None,
@@ -214,6 +214,7 @@ def test_hf_auto_values_from_keywords(caplog: pytest.LogCaptureFixture) -> None:
             train_micro_batch_size_per_gpu=8,
             gradient_accumulation_steps=2,
             hidden_size=1024,
+            total_num_steps=100,
         )
     assert cfg.optimizer == OptimizerConfig(type="AdamW", lr=5e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     assert (cfg.bf16, cfg.fp16.enabled, cfg.gradient_clipping) == (True, False, 1.0)
@@ -221,23 +222,28 @@ def test_hf_auto_values_from_keywords(caplog: pytest.LogCaptureFixture) -> None:
     assert cfg.zero.reduce_bucket_size == 1024 * 1024
     assert cfg.zero.stage3_prefetch_bucket_size == int(0.9 * 1024 * 1024)
     assert cfg.zero.stage3_param_persistence_threshold == 10 * 1024
-    chosen = _messages(caplog, logging.INFO)
+    assert cfg.scheduler.params["total_num_steps"] == 100 and cfg.scheduler.params["warmup_num_steps"] == 1
+    chosen = _messages(caplog, logging.WARNING)
     for line in (
         "optimizer.params.lr=5e-05 (from keyword lr)",
         "optimizer.params.betas=(0.9, 0.95) (from keyword betas)",
-        "optimizer.params.eps=1e-08 (default)",
+        "optimizer.params.eps=1e-08 (Hugging Face Trainer default adam_epsilon)",
         "bf16.enabled=True (from keyword bf16)",
-        "fp16.enabled=False (default)",
+        "fp16.enabled=False (Hugging Face Trainer default fp16)",
         "zero_optimization.reduce_bucket_size=1048576 (from hidden_size=1024)",
         "train_batch_size=64 (derived for world_size=4)",
+        "scheduler.params.total_num_steps=100 (from keyword total_num_steps)",
+        "scheduler.params.warmup_num_steps=1 (Hugging Face Trainer default warmup_steps=0, at least 1)",
     ):
         assert line in chosen, f"{line!r} not logged; got: {chosen}"
 
 
 def test_hf_auto_values_default_without_keywords(caplog: pytest.LogCaptureFixture) -> None:
-    cfg = ZeroConfig.from_deepspeed({**HF_ZERO3, "train_micro_batch_size_per_gpu": 4}, world_size=2)
-    assert cfg.optimizer == OptimizerConfig(type="AdamW", lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    assert (cfg.bf16, cfg.fp16.enabled, cfg.gradient_clipping) == (False, False, 0.0)
+    config = {**HF_ZERO3, "train_micro_batch_size_per_gpu": 4, "scheduler": {"type": "WarmupLR", "params": {}}}
+    cfg = ZeroConfig.from_deepspeed(config, world_size=2)
+    # The Hugging Face Trainer's defaults, not DeepSpeed's (lr 1e-3, no clipping).
+    assert cfg.optimizer == OptimizerConfig(type="AdamW", lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    assert (cfg.bf16, cfg.fp16.enabled, cfg.gradient_clipping) == (False, False, 1.0)
     assert (cfg.zero.reduce_bucket_size, cfg.zero.stage3_prefetch_bucket_size) == (500_000_000, 50_000_000)
     assert cfg.zero.stage3_param_persistence_threshold == 100_000
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (8, 4, 1)
@@ -319,7 +325,6 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
         "bf16.immediate_grad_update",
     ]
     warning_keys = [
-        "scheduler",
         "zero_optimization.zero_hpz_partition_size",
         "zero_optimization.zero_quantized_weights",
         "zero_optimization.zero_quantized_gradients",
@@ -450,7 +455,8 @@ def test_bad_values_name_key_value_and_allowed(config: dict, where: str, allowed
 
 
 def test_zero_options_from_dict_uses_the_given_path() -> None:
-    with pytest.raises(ValueError, match=r"^ShardedFusedAdam\.stage=9 is invalid: expected an integer from 0 to 3$"):
+    expected = r"^ShardedFusedAdam\.stage=9 is invalid: expected an integer from 0 to 3, or a string holding one"
+    with pytest.raises(ValueError, match=expected):
         ZeroOptions.from_dict({"stage": 9}, path="ShardedFusedAdam")
     with pytest.raises(ValueError, match=r"^unknown key 'bucket' at the top level"):
         ZeroOptions.from_dict({"bucket": 9}, path="")

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "plan": "zero_kernels.planner.cli",
     "consolidate": "zero_kernels.checkpoint.cli",
     "inspect": "zero_kernels.checkpoint.inspect_cli",
+    "import-deepspeed": "zero_kernels.checkpoint.import_cli",
 }
 
 

@@ -61,10 +61,12 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from . import agreement, guards, optim_copy, optim_state
 from .comm import make_engine
 from .config import FP16Config, ZeroConfig, ZeroOptions
+from .config.hf import model_hidden_size
 from .optim_args import check_flags, check_hyper, check_impl, check_params, check_process_group, check_structure
 from .precision import LossScaler
 from .stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
@@ -550,9 +552,16 @@ def initialize(
     process_group: Any = None,
     impl: Optional[str] = None,
     model_parameters: Optional[Iterable[Any]] = None,
+    training_args: Any = None,
     **auto_values: Any,
-) -> tuple[nn.Module, ShardedFusedAdam]:
-    """Build the optimizer a DeepSpeed config describes; returns ``(model, optimizer)``.
+) -> Union[tuple[nn.Module, ShardedFusedAdam], tuple[nn.Module, ShardedFusedAdam, LRScheduler]]:
+    """Build the optimizer (and scheduler) a DeepSpeed config describes.
+
+    Returns ``(model, optimizer)``, or ``(model, optimizer, lr_scheduler)`` when the config has a
+    ``scheduler`` section: DeepSpeed's ``engine, optimizer, _, lr_scheduler = deepspeed.initialize(...)``
+    becomes ``model, optimizer, lr_scheduler = zk.initialize(...)`` (a config with a scheduler
+    unpacked into two names fails loudly instead of training at a constant lr). Call
+    ``lr_scheduler.step()`` after each ``optimizer.step()``, as DeepSpeed's engine does.
 
     The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does).
 
@@ -564,11 +573,18 @@ def initialize(
         model_parameters: parameters or param-group dicts of ``model`` (DeepSpeed's name; None: all
             of ``model``'s parameters in one group); the cast keeps the ``Parameter`` objects, so
             groups built before ``initialize`` stay valid.
-        **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``).
+        training_args: a Hugging Face ``TrainingArguments`` whose values fill ``"auto"`` entries as
+            the Trainer does (transformers is not imported; any object with its attributes works).
+        **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
+            sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
     """
     if not isinstance(config, ZeroConfig):
         world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
-        config = ZeroConfig.from_deepspeed(config, world_size=world, **auto_values)
+        if auto_values.get("hidden_size") is None:
+            auto_values["hidden_size"] = model_hidden_size(model)
+        config = ZeroConfig.from_deepspeed(config, world_size=world, training_args=training_args, **auto_values)
+    elif training_args is not None or auto_values:
+        raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
     if config.optimizer is None:
         raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
     if config.bf16:
@@ -586,4 +602,6 @@ def initialize(
         fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,
         module=model, **zero,
     )  # fmt: skip
-    return model, optimizer
+    if config.scheduler is None:
+        return model, optimizer
+    return model, optimizer, config.scheduler.build(optimizer)

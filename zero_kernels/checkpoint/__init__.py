@@ -2,9 +2,10 @@
 
 Usage (on every rank)::
 
-    zk.checkpoint.save("ckpt", model, optimizer, extra={"epoch": 3})
-    extra = zk.checkpoint.load("ckpt", model, optimizer)
+    zk.checkpoint.save("ckpt", model, optimizer, extra={"epoch": 3}, scheduler=lr_scheduler)
+    extra = zk.checkpoint.load("ckpt", model, optimizer, scheduler=lr_scheduler)
     zk.checkpoint.consolidate("ckpt", "model_and_adamw.pt")      # one process, streaming
+    zk.checkpoint.from_deepspeed("ds_ckpt", "ckpt")               # a DeepSpeed ZeRO checkpoint, imported
 
 What each rank writes. Rank ``r`` of ``N`` writes one file with, for each flat buffer of the
 optimizer, its ``1/N`` part under the stage's layout (stages 1-3) or under the same layout cut
@@ -40,6 +41,7 @@ from ..comm import all_gather_objects
 from ..layout import BufferLayout
 from ..stages import Pipeline
 from .consolidate import consolidate
+from .deepspeed import from_deepspeed
 from .format import (
     BLOCK_BYTES,
     EXTRA,
@@ -67,7 +69,7 @@ from .metadata import read_metadata
 
 _STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
-__all__ = ["CheckpointError", "consolidate", "load", "save"]
+__all__ = ["CheckpointError", "consolidate", "from_deepspeed", "load", "save"]
 
 
 # ---------------------------------------------------------------- what lives where
@@ -210,7 +212,20 @@ def _jsonable_group(g: int, group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _metadata(model: nn.Module, optimizer: Any, pipeline: Pipeline, results: list[dict], extra: Optional[dict]) -> dict:
+def _scheduler_state(scheduler: Any) -> Optional[dict]:
+    """The scheduler's ``state_dict()`` as JSON-able data (None without a scheduler)."""
+    if scheduler is None:
+        return None
+    state = scheduler.state_dict()
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint: the scheduler's state_dict() is not plain data ({err})") from None
+
+
+def _metadata(
+    model: nn.Module, optimizer: Any, pipeline: Pipeline, results: list[dict], extra: Optional[dict], scheduler: Any
+) -> dict:
     tensors, aliases = _model_tensors(model)
     names = _names(model, optimizer)
     specs = _specs(pipeline, tensors)
@@ -241,6 +256,7 @@ def _metadata(model: nn.Module, optimizer: Any, pipeline: Pipeline, results: lis
         "param_groups": groups,
         "adam_w_mode": bool(getattr(optimizer, "adam_w_mode", True)),
         "loss_scaler": None if scaler is None else scaler.state_dict(),
+        "lr_scheduler": _scheduler_state(scheduler),
         "extra": extra,
     }
 
@@ -277,7 +293,7 @@ def _commit(root: Path, version: str, meta: dict, extra: Optional[bytes]) -> Non
     remove_unfinished(root, version)
 
 
-def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = None) -> Path:
+def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = None, scheduler: Any = None) -> Path:
     """Save a new version of a sharded checkpoint under ``directory``; call it on every rank.
 
     Args:
@@ -285,6 +301,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
         model: the model the optimizer trains (tensors are named by its ``state_dict`` keys).
         optimizer: the ``ShardedFusedAdam`` training ``model``.
         extra: any ``torch.save``-able object to keep with the checkpoint; ``load`` returns it.
+        scheduler: an lr scheduler whose ``state_dict()`` is kept with the checkpoint (plain data).
 
     Returns:
         the directory of the new version (complete when this returns, on every rank).
@@ -301,6 +318,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
         if pipeline.rank != 0:
             return None
         blob = extra_bytes(extra)
+        _scheduler_state(scheduler)
         root.mkdir(parents=True, exist_ok=True)
         version = next_version(root)
         (root / (TMP_PREFIX + version)).mkdir()
@@ -314,7 +332,8 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     def finish() -> None:
         if pipeline.rank == 0:
             extra_entry = None if blob is None else {"bytes": len(blob), "crc32": zlib.crc32(blob)}
-            _commit(root, version, _metadata(model, optimizer, pipeline, results, extra_entry), blob)
+            meta = _metadata(model, optimizer, pipeline, results, extra_entry, scheduler)
+            _commit(root, version, meta, blob)
 
     _collect(pipeline, finish, share=False)
     return root / version
@@ -412,10 +431,14 @@ def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], save
     return moves
 
 
-def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipeline) -> tuple[dict, list[Move], Any]:
+def _stage(
+    directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipeline, scheduler: Any
+) -> tuple[dict, list[Move], Any]:
     """Check the checkpoint against the model and optimizer and read this rank's part; change nothing."""
     version = resolve(directory)
     meta = read_metadata(version)
+    if scheduler is not None and meta.get("lr_scheduler") is None:
+        raise CheckpointError(f"checkpoint: {version} holds no scheduler state; load it without scheduler=")
     names = _names(model, optimizer)
     _check_model(meta, pipeline, model, version)
     saved = _check_optimizer(meta, optimizer, names, version)
@@ -446,7 +469,7 @@ def _apply(meta: dict, moves: list[Move], optimizer: Any, pipeline: Pipeline, na
         scaler.load_state_dict(meta["loss_scaler"])
 
 
-def load(directory: PathLike, model: nn.Module, optimizer: Any) -> Any:
+def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: Any = None) -> Any:
     """Load the newest complete version under ``directory`` (or that version directory); call it on every rank.
 
     Works whatever the world size, stage, bucket size and parameter dtypes of the run that saved.
@@ -457,12 +480,18 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any) -> Any:
         directory: a checkpoint root written by ``save`` or one of its ``vNNNNNN`` version directories.
         model: the model (same parameter names and shapes as the one saved).
         optimizer: its ``ShardedFusedAdam`` (same param groups, by parameter name).
+        scheduler: an lr scheduler to restore from the state saved with ``save(..., scheduler=)``
+            (or imported from DeepSpeed); it is loaded after the optimizer's param groups.
 
     Returns:
         the ``extra`` object given to ``save`` (None when there was none).
     """
     check_byteorder()
     pipeline = _pipeline(optimizer)
-    meta, moves, extra = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline), share=False)
+    meta, moves, extra = _collect(
+        pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False
+    )
     _apply(meta, moves, optimizer, pipeline, _names(model, optimizer))
+    if scheduler is not None:
+        scheduler.load_state_dict(meta["lr_scheduler"])
     return extra

@@ -13,11 +13,18 @@ case-insensitive; ``"AdamW"`` always uses decoupled weight decay; ``"Adam"`` doe
 ``torch.optim.Adam``. ``weight_decay`` defaults to 0 as in DeepSpeed's FusedAdam, or to torch's
 default for the chosen class (1e-2 for AdamW, 0 for Adam) when ``params.torch_adam`` is true.
 
-Hugging Face Trainer configs write ``"auto"`` for many values. Each ``"auto"`` is filled from a
-keyword argument of ``from_deepspeed`` (see ``AUTO_KEYWORDS``; ``hidden_size`` fills the bucket
-sizes the way the Trainer does) or else from DeepSpeed's default, and the choice is logged. A
-keyword also fills a key the config leaves out; it is an error when it contradicts a value the
-config writes explicitly. ``"stage": "auto"`` is an error.
+Hugging Face Trainer configs write ``"auto"`` for many values. Each ``"auto"`` is filled, in
+order, from a keyword argument of ``from_deepspeed`` (see ``AUTO_KEYWORDS``; ``hidden_size`` fills
+the bucket sizes the way the Trainer does), from ``training_args`` (a ``TrainingArguments``, read
+as the Trainer reads it, see ``config.hf``), from the Trainer's own defaults for the keys it fills
+(lr 5e-5, gradient clipping 1.0, weight decay 0, ...), else from DeepSpeed's default; each value
+so chosen is logged once, at WARNING, with its source. An ``"auto"`` with nothing sensible to
+fill it (``"stage"``, a scheduler's ``total_num_steps``) is an error naming the key. A keyword
+also fills a key the config leaves out; a keyword or ``training_args`` value that contradicts a
+value the config writes explicitly is an error.
+
+The ``scheduler`` section (``config.scheduler``) is parsed into ``ZeroConfig.scheduler``;
+``SchedulerConfig.build(optimizer)`` makes the scheduler.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .hf import TRAINER_DEFAULTS, training_args_overrides
 from .rules import Override, ParseContext, Scalar, integer, logger, number, suggest
+from .scheduler import SchedulerConfig
 from .schema import (
     AUTO_KEYWORDS,
     COMM_DTYPES,
@@ -47,7 +56,7 @@ from .schema import (
     hidden_size_values,
 )
 
-__all__ = ["FP16Config", "OptimizerConfig", "ZeroConfig", "ZeroOptions"]
+__all__ = ["FP16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroOptions"]
 
 
 def _normalise(obj: Any, rules: Mapping[str, Scalar], prefix: str, nullable: Tuple[str, ...] = ()) -> None:
@@ -179,11 +188,13 @@ class ZeroConfig:
     communication_data_type: Optional[torch.dtype] = None
     skip_nonfinite_steps: bool = True
     world_size: int = 1
+    scheduler: Optional[SchedulerConfig] = None
 
     def __post_init__(self) -> None:
-        for name, kind in (("zero", ZeroOptions), ("fp16", FP16Config), ("optimizer", OptimizerConfig)):
+        kinds = (("zero", ZeroOptions), ("fp16", FP16Config), ("optimizer", OptimizerConfig))
+        for name, kind in kinds + (("scheduler", SchedulerConfig),):
             value = getattr(self, name)
-            if not isinstance(value, kind) and not (name == "optimizer" and value is None):
+            if not isinstance(value, kind) and not (name in ("optimizer", "scheduler") and value is None):
                 raise ValueError(f"ZeroConfig.{name}={value!r} is invalid: expected a {kind.__name__}")
         for name in ("bf16", "skip_nonfinite_steps"):
             if not isinstance(getattr(self, name), bool):
@@ -206,7 +217,12 @@ class ZeroConfig:
 
     @classmethod
     def from_deepspeed(
-        cls, source: Union[str, os.PathLike, Mapping], *, world_size: Optional[int] = None, **auto_values: Any
+        cls,
+        source: Union[str, os.PathLike, Mapping],
+        *,
+        world_size: Optional[int] = None,
+        training_args: Any = None,
+        **auto_values: Any,
     ) -> ZeroConfig:
         """Parse a DeepSpeed config file (path) or an already-loaded mapping.
 
@@ -214,17 +230,24 @@ class ZeroConfig:
             source: path to a JSON file, or a mapping with the same content.
             world_size: data-parallel size for the batch-size check; ``None`` = the initialised
                 ``torch.distributed`` world size, else 1.
+            training_args: a ``transformers.TrainingArguments`` (any object with its attributes) whose
+                values fill ``"auto"`` as the Hugging Face Trainer does; keywords take precedence.
             **auto_values: values for ``"auto"`` (or missing) keys, by the names in
-                ``AUTO_KEYWORDS`` (``lr``, ``train_micro_batch_size_per_gpu``, ``bf16``, ...) and
-                ``hidden_size``; ``None`` counts as not given.
+                ``AUTO_KEYWORDS`` (``lr``, ``train_micro_batch_size_per_gpu``, ``bf16``,
+                ``total_num_steps``, ...) and ``hidden_size``; ``None`` counts as not given.
         """
         data = _load(source)
         world = _world_size(world_size)
-        ctx = ParseContext(overrides=_overrides({k: v for k, v in auto_values.items() if v is not None}, data))
+        given = {k: v for k, v in auto_values.items() if v is not None}
+        overrides = _overrides(given, data)
+        if training_args is not None:
+            from_args = training_args_overrides(training_args, world, given.get("total_num_steps"))
+            overrides = {**from_args, **overrides}
+        ctx = ParseContext(overrides=overrides, auto_defaults=dict(TRAINER_DEFAULTS), derived=set(_BATCH_KEYS))
         if "bf16" in data and "bfloat16" in data:
             raise ValueError('both "bf16" and its legacy spelling "bfloat16" are given: keep only "bf16"')
         top = TOP(data, "", ctx)
-        _check_unused(ctx)
+        _check_unused(ctx, data)
         config = _build(cls, top, world, ctx)
         ctx.log()
         return config
@@ -250,6 +273,7 @@ def _build(cls: type, top: Dict[str, Any], world: int, ctx: ParseContext) -> Zer
         communication_data_type=top["communication_data_type"],
         skip_nonfinite_steps=top["skip_nonfinite_steps"],
         world_size=world,
+        scheduler=top["scheduler"],
     )
 
 
@@ -299,7 +323,7 @@ def _derive_batch(
     if batch is not None and micro is not None:
         for key, value in zip(_BATCH_KEYS, (batch, micro, accum)):
             if key in derived:
-                ctx.choose(key, value, f"derived for world_size={world}")
+                ctx.choose(key, value, f"derived for world_size={world}", auto=key in ctx.autos)
         _check_batch(batch, micro, accum, world, derived)
     return batch, micro, accum
 
@@ -347,13 +371,16 @@ def _overrides(auto_values: Mapping[str, Any], data: Mapping) -> Dict[str, Overr
     return out
 
 
-def _check_unused(ctx: ParseContext) -> None:
+def _check_unused(ctx: ParseContext, data: Mapping) -> None:
     for path, override in ctx.overrides.items():
-        if override.strict and path not in ctx.used:
+        if override.strict and override.fills_missing and path not in ctx.used:
             section = path.split(".")[0]
-            raise ValueError(
-                f"{override.source}={override.value!r} sets {path}, but the config has no {section!r} section"
+            where = (
+                f"which the config's {section!r} section does not take"
+                if section in data
+                else (f"but the config has no {section!r} section")
             )
+            raise ValueError(f"{override.source}={override.value!r} sets {path}, {where}")
 
 
 def _no_duplicates(pairs: Any) -> Dict[str, Any]:

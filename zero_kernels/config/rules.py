@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -93,6 +94,24 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Scalar:
 
     bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else _range_text(lo, hi, False, False)
     return Scalar(f"an integer {bounds}".strip(), convert)
+
+
+_INTEGER_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
+
+
+def enum_integer(lo: int, hi: int) -> Scalar:
+    """An integer from ``lo`` to ``hi`` read as DeepSpeed's config model reads an integer enum (the stage):
+    an int, an integral float (``2.0``) or a string holding one (``"2"``, ``"2.0"``). Booleans are
+    refused (DeepSpeed would read ``true`` as 1)."""
+
+    def convert(value: Any) -> int:
+        if isinstance(value, str) and _INTEGER_TEXT.fullmatch(value):
+            value = float(value)
+        if not _is_number(value) or not math.isfinite(value) or value != int(value) or not lo <= value <= hi:
+            raise Invalid
+        return int(value)
+
+    return Scalar(f'an integer from {lo} to {hi}, or a string holding one ("{hi}", "{hi}.0")', convert)
 
 
 def number(
@@ -205,11 +224,17 @@ class Section:
 
 @dataclass(frozen=True)
 class Override:
-    """A value given by keyword for one key path; ``strict``: a different explicit value is an error."""
+    """A value given for one key path (by keyword, or from Hugging Face ``TrainingArguments``).
+
+    ``strict``: a different explicit value is an error. ``fills_missing``: a strict override also
+    sets a key the config leaves out (keywords do; ``TrainingArguments``, like the Trainer, fill
+    only ``"auto"``).
+    """
 
     value: Any
     source: str
     strict: bool = True
+    fills_missing: bool = True
 
 
 @dataclass
@@ -217,34 +242,46 @@ class ParseContext:
     """What one parse was given by keyword and what it ignored and chose, logged once by ``log``."""
 
     overrides: Dict[str, Override] = field(default_factory=dict)
+    # Values for "auto" when no override gives one: key path -> (value, or a function of this
+    # context returning it, and the source logged with it).
+    auto_defaults: Dict[str, Tuple[Any, str]] = field(default_factory=dict)
     used: Set[str] = field(default_factory=set)
     ignored: Dict[int, List[str]] = field(default_factory=dict)
     chosen: List[str] = field(default_factory=list)
+    resolved: List[str] = field(default_factory=list)
+    values: Dict[str, Any] = field(default_factory=dict)
+    autos: Set[str] = field(default_factory=set)
+    derived: Set[str] = field(default_factory=set)  # "auto" paths whose value is derived (and logged) later
 
     def ignore(self, path: str, level: int) -> None:
         self.ignored.setdefault(level, []).append(path)
 
-    def choose(self, path: str, value: Any, why: str) -> None:
-        self.chosen.append(f"{path}={value!r} ({why})")
+    def choose(self, path: str, value: Any, why: str, *, auto: bool = False) -> None:
+        """Record a value zero_kernels chose; ``auto``: it stands for an ``"auto"`` of the config."""
+        (self.resolved if auto else self.chosen).append(f"{path}={value!r} ({why})")
 
     def log(self) -> None:
-        """One record per level for ignored keys and one for resolved values."""
+        """One record per level for ignored keys, one for derived values (INFO), one for "auto" values (WARNING)."""
         for level in sorted(self.ignored):
             keys = ", ".join(sorted(self.ignored[level]))
             logger.log(level, "DeepSpeed config keys accepted but without effect in zero_kernels: %s", keys)
         if self.chosen:
             logger.info("DeepSpeed config values chosen by zero_kernels: %s", ", ".join(self.chosen))
+        if self.resolved:
+            logger.warning('DeepSpeed config "auto" values resolved by zero_kernels: %s', ", ".join(self.resolved))
 
 
 def _resolve(spec: Field, raw: Any, path: str, ctx: ParseContext) -> Tuple[Any, str]:
     """The value to validate for ``path`` (a keyword override, a default for "auto", ``raw`` or
     MISSING) and the name to report it under."""
     override = ctx.overrides.get(path)
+    if raw == AUTO:
+        ctx.autos.add(path)
     if override is not None:
         ctx.used.add(path)
         where = f"{path} (from {override.source})"
-        if raw == AUTO or (raw is MISSING and override.strict):
-            ctx.choose(path, override.value, f"from {override.source}")
+        if raw == AUTO or (raw is MISSING and override.strict and override.fills_missing):
+            ctx.choose(path, override.value, f"from {override.source}", auto=raw == AUTO)
             return override.value, where
         if raw is not MISSING and override.strict and spec.rule(raw, path) != spec.rule(override.value, where):
             raise ValueError(
@@ -254,8 +291,14 @@ def _resolve(spec: Field, raw: Any, path: str, ctx: ParseContext) -> Tuple[Any, 
     if raw == AUTO:
         if not spec.auto:
             raise ValueError(f'{path}="auto" is not allowed here: write {spec.rule.allowed}')
-        ctx.choose(path, spec.default, "default" if spec.default is not None else "to be derived")
-        return spec.default, path
+        if path in ctx.auto_defaults:
+            value, why = ctx.auto_defaults[path]
+            value = value(ctx) if callable(value) else value
+        else:
+            value, why = spec.default, "DeepSpeed's default"
+        if value is not None or path not in ctx.derived:
+            ctx.choose(path, value, why, auto=True)
+        return value, path
     return raw, path
 
 
@@ -302,4 +345,5 @@ def parse_section(d: Mapping, path: str, section: Section, ctx: ParseContext) ->
             out[key] = None
         else:
             out[key] = spec.rule(value, where, ctx)
+        ctx.values[sub] = out[key]
     return out

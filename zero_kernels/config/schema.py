@@ -14,7 +14,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from .rules import Field, Scalar, Section, boolean, choice, integer, number, pair, rejected
+from .rules import Field, Scalar, Section, boolean, choice, enum_integer, integer, number, pair, rejected
+from .scheduler import SCHEDULER
 
 INFO, WARNING = logging.INFO, logging.WARNING
 
@@ -57,7 +58,7 @@ OFFLOAD_PARAM = Section(
 )
 
 ZERO_FIELDS: Dict[str, Field] = {
-    "stage": Field(integer(0, 3), 0, auto=False),
+    "stage": Field(enum_integer(0, 3), 0, auto=False),
     # None: DeepSpeed's stage-dependent default, on for stage 3 only.
     "overlap_comm": Field(boolean(), None),
     "contiguous_gradients": Field(boolean(), True),
@@ -220,7 +221,6 @@ TOP_IGNORED: Dict[str, int] = {
     **{
         k: WARNING
         for k in (
-            "scheduler",
             "amp",
             "torch_autocast",
             "compile",
@@ -248,10 +248,13 @@ TOP = Section(
     fields={
         "zero_optimization": Field(ZERO, None, auto=False),
         "optimizer": Field(OPTIMIZER, None, auto=False),
+        # After "optimizer": an "auto" warmup_max_lr takes the optimizer's resolved lr.
+        "scheduler": Field(SCHEDULER, None, auto=False),
         "bf16": Field(BF16, None, auto=False),
         "bfloat16": Field(BFLOAT16, None, auto=False),
         "fp16": Field(FP16, None, auto=False),
-        "gradient_clipping": Field(number(0), 0.0),
+        # DeepSpeed's GRADIENT_CLIPPING_DEFAULT (1.0 in DeepSpeed 0.19; it was 0 in older releases).
+        "gradient_clipping": Field(number(0), 1.0),
         "gradient_accumulation_steps": Field(integer(1), None),
         "train_micro_batch_size_per_gpu": Field(integer(1), None),
         "train_batch_size": Field(integer(1), None),
@@ -278,6 +281,7 @@ AUTO_KEYWORDS: Dict[str, str] = {
     "bf16": "bf16.enabled",
     "fp16": "fp16.enabled",
     **{k: f"zero_optimization.{k}" for k, f in ZERO_FIELDS.items() if f.auto},
+    **{k: f"scheduler.params.{k}" for k in ("total_num_steps", "warmup_num_steps", "warmup_min_lr", "warmup_max_lr")},
 }
 
 # ``hidden_size`` fills only "auto" bucket sizes, the way the Hugging Face Trainer derives them.

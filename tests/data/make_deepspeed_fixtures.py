@@ -1,0 +1,162 @@
+"""Make the DeepSpeed checkpoint fixtures of ``tests/test_migration.py`` with real DeepSpeed.
+
+Needs a Python environment with deepspeed (it runs on the CPU with gloo; ``"torch_adam": true``
+avoids building DeepSpeed's fused Adam op)::
+
+    python -m venv /tmp/venv-ds && /tmp/venv-ds/bin/pip install torch==2.13.0 deepspeed
+    /tmp/venv-ds/bin/python tests/data/make_deepspeed_fixtures.py tests/data/deepspeed
+
+For each (stage, precision) case, two gloo ranks train ``Tiny`` for ``STEPS_BEFORE`` steps under
+DeepSpeed with a ``WarmupLR`` scheduler and save a checkpoint (``CASE/ckpt``); then two fresh
+ranks load it into a new engine and train ``STEPS_AFTER`` more steps. ``CASE/resumed.pt`` keeps
+what that resumed run saw: the mean loss over the ranks and the learning rate of every step, and
+the fp32 weights (DeepSpeed's ``zero_to_fp32``) before and after. The batches come from
+``batch(step)``, the same function the tests use, so a run at another world size sees the same
+global batch. The config leaves ``gradient_clipping`` out, so DeepSpeed's default (1.0 in 0.19)
+clips, as zero_kernels' default does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+STEPS_BEFORE = 4
+STEPS_AFTER = 5
+ROWS = 6  # global batch rows; DeepSpeed's two ranks take 3 each
+WORLD = 2
+CASES = {
+    "stage1_fp32": (1, False),
+    "stage2_fp32": (2, False),
+    "stage3_fp32": (3, False),
+    "stage1_bf16": (1, True),
+    "stage2_bf16": (2, True),
+    "stage3_bf16": (3, True),
+}
+
+
+class Tiny(nn.Module):
+    """83 parameters in four tensors (an odd total: every stage pads its partitions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.fc2(torch.tanh(self.fc1(x))) - y).float().square().mean()
+
+
+def make_model() -> Tiny:
+    torch.manual_seed(0)
+    return Tiny()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of training step ``step`` (inputs, targets), fp32."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
+
+
+def groups(model: Tiny) -> list[dict]:
+    """Two param groups, as a Trainer makes them: weights decay, biases do not."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+
+
+def config(stage: int, bf16: bool) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": ROWS // WORLD,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 2e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-2, "warmup_num_steps": 6, "warmup_type": "linear"},
+        },
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1000,
+    }
+
+
+def _run(rank: int, case: str, stage: int, bf16: bool, out: str, port: int, resume: bool) -> None:
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = make_model()
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=groups(model), config=config(stage, bf16)
+    )
+    ckpt = Path(out) / case / "ckpt"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    lo, hi = rank * ROWS // WORLD, (rank + 1) * ROWS // WORLD
+    steps = range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER) if resume else range(STEPS_BEFORE)
+    if resume:
+        engine.load_checkpoint(str(ckpt))
+    losses, lrs = [], []
+    for step in steps:
+        x, y = batch(step)
+        lrs.append(engine.get_lr()[0])
+        loss = engine(x[lo:hi].to(dtype), y[lo:hi].to(dtype))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+    if not resume:
+        engine.save_checkpoint(str(ckpt), tag="global_step4")
+        return
+    dist.barrier()
+    if rank == 0:
+        before = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
+        after_dir = Path(out) / case / "after"
+        engine_state = {"losses": losses, "lrs": lrs, "weights_before": before}
+    engine.save_checkpoint(str(Path(out) / case / "after"), tag="end")
+    dist.barrier()
+    if rank == 0:
+        engine_state["weights_after"] = get_fp32_state_dict_from_zero_checkpoint(str(after_dir))
+        torch.save(engine_state, Path(out) / case / "resumed.pt")
+        shutil.rmtree(after_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", help="folder for the fixtures (one sub-folder per case)")
+    parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (repeatable)")
+    args = parser.parse_args()
+    for case in args.case or CASES:
+        stage, bf16 = CASES[case]
+        shutil.rmtree(Path(args.out) / case, ignore_errors=True)
+        for resume in (False, True):
+            mp.spawn(_run, args=(case, stage, bf16, args.out, _free_port(), resume), nprocs=WORLD, join=True)
+        info = {"stage": stage, "bf16": bf16, "world_size": WORLD, "config": config(stage, bf16)}
+        (Path(args.out) / case / "case.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(case, "done", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The ``scheduler`` section of a DeepSpeed config: ``{"type": NAME, "params": {...}}``.
+
+``type`` is one of DeepSpeed's schedules (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
+``OneCycle``, built from ``zero_kernels.schedulers``) or, as DeepSpeed allows, the name of a
+class of ``torch.optim.lr_scheduler`` (its params are passed through unchecked). The params of
+DeepSpeed's schedules are checked against their signatures (unknown names, bad values) and may be
+``"auto"``: filled from a keyword of ``from_deepspeed``, from ``training_args``, from the Hugging
+Face Trainer's defaults, else from the class's default; a required parameter with nothing to
+fill it (``total_num_steps``, ``cycle_min_lr``, ``cycle_max_lr``) is an error naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+
+from .. import schedulers
+from .rules import Field, ParseContext, Scalar, Section, boolean, choice, integer, join, number, suggest
+
+
+def _per_group() -> Scalar:
+    """A number, or a list with one number per param group (DeepSpeed's ``float or list``)."""
+    one = number()
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, (list, tuple)) and value:
+            return [one.convert(v) for v in value]
+        return one.convert(value)
+
+    return Scalar("a finite number or a list of them (one per param group)", convert)
+
+
+def _optional_count() -> Scalar:
+    count = integer(0)
+
+    def convert(value: Any) -> Optional[int]:
+        return None if value is None else count.convert(value)
+
+    return Scalar("an integer >= 0 or null", convert)
+
+
+_PER_GROUP = _per_group()
+PARAM_RULES: Dict[str, Scalar] = {
+    "warmup_min_lr": _PER_GROUP,
+    "warmup_max_lr": _PER_GROUP,
+    "cycle_min_lr": _PER_GROUP,
+    "cycle_max_lr": _PER_GROUP,
+    "cycle_min_mom": _PER_GROUP,
+    "cycle_max_mom": _PER_GROUP,
+    "warmup_num_steps": integer(1),
+    "total_num_steps": integer(1),
+    "cycle_first_step_size": integer(1),
+    "cycle_second_step_size": _optional_count(),
+    "cycle_first_stair_count": integer(0),
+    "cycle_second_stair_count": _optional_count(),
+    "decay_step_size": integer(0),
+    "last_batch_iteration": integer(-1),
+    "warmup_type": choice({t: t for t in schedulers.WARMUP_TYPES}),
+    "cycle_momentum": boolean(),
+    "warmup_min_ratio": number(0),
+    "cos_min_ratio": number(0),
+    "decay_lr_rate": number(),
+    "decay_mom_rate": number(),
+}
+
+
+def _params_section(cls: type) -> tuple[Section, tuple[str, ...]]:
+    """The params of one of DeepSpeed's schedules from its signature, and the required ones (default None here)."""
+    fields, required = {}, []
+    for name, p in list(inspect.signature(cls.__init__).parameters.items())[2:]:
+        if p.default is inspect.Parameter.empty:
+            required.append(name)
+        fields[name] = Field(PARAM_RULES[name], None if p.default is inspect.Parameter.empty else p.default)
+    return Section(fields=fields), tuple(required)
+
+
+_SECTIONS = {name: _params_section(cls) for name, cls in schedulers.SCHEDULERS.items()}
+_TORCH = {
+    name
+    for name, obj in vars(torch.optim.lr_scheduler).items()
+    if inspect.isclass(obj) and issubclass(obj, torch.optim.lr_scheduler.LRScheduler) and not name.startswith("_")
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """A parsed ``scheduler`` section: the class name and its keyword arguments."""
+
+    type: str
+    params: Dict[str, Any] = field(default_factory=dict)
+
+    def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        """The scheduler for ``optimizer``, as DeepSpeed builds it (``Class(optimizer, **params)``).
+
+        Args:
+            optimizer: the optimizer whose learning rates it sets.
+        """
+        cls = schedulers.SCHEDULERS.get(self.type) or getattr(torch.optim.lr_scheduler, self.type)
+        return cls(optimizer, **self.params)
+
+
+def _check_type(value: Any, path: str) -> str:
+    if isinstance(value, str) and (value in schedulers.SCHEDULERS or value in _TORCH):
+        return value
+    if value == "LRRangeTest":
+        raise ValueError(f"{path}='LRRangeTest' is not supported yet by zero_kernels")
+    names = sorted(schedulers.SCHEDULERS)
+    hint = suggest(str(value), [*names, *_TORCH])
+    raise ValueError(
+        f"{path}={value!r} is invalid{hint}: expected one of {', '.join(map(repr, names))} "
+        "or a class name of torch.optim.lr_scheduler (case-sensitive, as in DeepSpeed)"
+    )
+
+
+def parse_scheduler(value: Any, path: str, ctx: Optional[ParseContext] = None) -> SchedulerConfig:
+    """Check a ``scheduler`` section and resolve its ``"auto"`` params; errors name the key path.
+
+    Args:
+        value: the section's JSON value.
+        path: its key path (``"scheduler"``).
+        ctx: the parse's context (overrides, "auto" defaults, log).
+    """
+    ctx = ctx if ctx is not None else ParseContext()
+    if not isinstance(value, Mapping):
+        raise ValueError(f'{path}={value!r} is invalid: expected a JSON object such as {{"type": "WarmupLR"}}')
+    unknown = [k for k in value if k not in ("type", "params")]
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in {path}; expected 'type' and 'params'")
+    if "type" not in value:
+        raise ValueError(f"{path}.type is missing: expected one of {', '.join(map(repr, sorted(_SECTIONS)))}")
+    name = _check_type(value["type"], join(path, "type"))
+    params = value.get("params") or {}
+    where = join(path, "params")
+    if not isinstance(params, Mapping):
+        raise ValueError(f"{where}={params!r} is invalid: expected a JSON object")
+    if name not in _SECTIONS:
+        if any(v == "auto" for v in params.values()):
+            raise ValueError(f"{where}: \"auto\" is filled only for DeepSpeed's own schedules, not torch's {name}")
+        return SchedulerConfig(name, dict(params))
+    section, required = _SECTIONS[name]
+    parsed = section(params, where, ctx)
+    missing = [k for k in required if parsed[k] is None]
+    if missing:
+        how = "write a number"
+        if missing[0] == "total_num_steps":
+            how += ", pass total_num_steps=, or pass training_args with max_steps > 0"
+        raise ValueError(f"{join(where, missing[0])} is required by {name} and has no value: {how}")
+    return SchedulerConfig(name, parsed)
+
+
+SCHEDULER: Any = parse_scheduler
