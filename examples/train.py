@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_kernels.optim import initialize
+from zero_kernels import initialize
 
 
 class Block(nn.Module):

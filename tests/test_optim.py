@@ -16,6 +16,7 @@ from test_stages import BUCKET, LR, ROWS, STAGES, Net, batch, compare, make_mode
 from torch import nn
 
 import zero_kernels.optim as zo
+from zero_kernels.entry import initialize as zk_initialize
 from zero_kernels.planner import estimate_memory
 from zero_kernels.precision import LossScaler
 from zero_kernels.stages.stage2 import POOL_BUCKETS
@@ -221,7 +222,7 @@ def test_initialize_reads_deepspeed_config() -> None:
         "gradient_clipping": 0.5,
         "bf16": {"enabled": True},
     }
-    model, opt = zo.initialize(Net(), config)
+    model, opt = zk_initialize(Net(), config)
     assert isinstance(opt, zo.ShardedFusedAdam) and opt.options.stage == 2
     assert opt.options.reduce_bucket_size == 17 and opt.max_grad_norm == 0.5 and not opt.adam_w_mode
     assert opt.param_groups[0]["lr"] == 3e-3 and opt.param_groups[0]["weight_decay"] == 0.05
@@ -239,7 +240,7 @@ def test_initialize_passes_param_groups_with_the_model() -> None:
     named = list(net.named_parameters())
     groups = [{"params": [p for n, p in named if n.endswith("weight")]},
               {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}]  # fmt: skip
-    model, opt = zo.initialize(net, config, model_parameters=groups)
+    model, opt = zk_initialize(net, config, model_parameters=groups)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0] and opt.options.stage == 3
     model(batch(0, ROWS)).backward()
     opt.step()

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from . import checkpoint, log
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
+from .entry import initialize
 from .env import settings
 from .integrations import save_pretrained
-from .optim import ShardedFusedAdam, initialize
+from .optim import ShardedFusedAdam
 from .planner import estimate_comm, estimate_memory, recommend
 
 __version__ = "0.1.0"

@@ -5,7 +5,8 @@ param groups) would issue mismatched collectives, which crash inside the backend
 disagree on a hyper-parameter (``lr``, ...) would train silently wrong, each shard updated with its
 own rank's value. So:
 
-- at construction, each param group is checked before its first collective (``check_same``: one
+- at construction, each param group's parameter values are compared (``check_replicated``), and
+  each param group is checked before its first collective (``check_same``: one
   all-gather of a small fingerprint: the options, the group's hyper-parameters and its parameters'
   dtypes and shapes), and the number of groups once construction is done;
 - at every step, the values that can change (``lr``, betas, eps, weight decay, clipping, gradient
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import fields
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
 
 from .comm import all_gather_objects
 
@@ -155,3 +158,36 @@ def check_optimizer(
         fingerprint.update(options_fingerprint(opt.options, settings))
         fingerprint.update(group_fingerprint(group, opt.param_groups[group], names or {}))
     check_same(opt.pipeline.engine, fingerprint, "ShardedFusedAdam")
+
+
+def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
+    """The values of ``params`` must be the same on every rank (sizes and checksums, two small all-reduces).
+
+    Args:
+        engine: the communication engine.
+        params: a param group's parameters.
+        indices: each parameter's optimizer-wide index.
+        name_of: optimizer-wide index -> how errors name the parameter.
+    """
+    if engine.world_size == 1:
+        return
+    device = params[0].device if params else torch.device("cpu")
+    count = torch.tensor([len(params), -len(params)], dtype=torch.float64, device=device)
+    engine.all_reduce(count, op="max", name="check.count").wait()
+    if count[0] != -count[1]:
+        raise ValueError(
+            f"the ranks pass different numbers of parameters to the optimizer ({int(-count[1])} to {int(count[0])})"
+        )
+    stats = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
+    for i, p in enumerate(params):
+        stats[2 * i] = p.numel()
+        stats[2 * i + 1] = p.detach().double().sum()
+    packed = torch.cat([stats, -stats])
+    engine.all_reduce(packed, op="max", name="check.params").wait()
+    differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()
+    if differ:
+        what = "size" if differ[0] % 2 == 0 else "values"
+        raise ValueError(
+            f"{name_of(indices[differ[0] // 2])} has a different {what} on some rank: every rank "
+            "must start from the same model (same seed, or broadcast rank 0's parameters first)"
+        )

@@ -54,26 +54,23 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LRScheduler
 
 from . import agreement, guards, optim_copy, optim_state
 from .comm import make_engine
-from .config import FP16Config, ZeroConfig, ZeroOptions
-from .config.hf import model_hidden_size
+from .config import FP16Config, ZeroOptions
 from .optim_args import check_flags, check_hyper, check_impl, check_params, check_process_group, check_structure
 from .precision import LossScaler
 from .stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
 from .stages import state as zstate
 from .state_view import ShardedState
 
-__all__ = ["ShardedFusedAdam", "check_hyper", "initialize"]
+__all__ = ["ShardedFusedAdam", "check_hyper"]
 log = logging.getLogger("zero_kernels")
 
 
@@ -262,7 +259,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             if not self._restoring:
                 g = len(self.param_groups) - 1
                 agreement.check_optimizer(self, f"adding param group {g}", group=g, names=self._names)
-                self._check_replicated(group["params"], indices)
+                agreement.check_replicated(self._engine, group["params"], indices, self._param_name)
             self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
         except Exception:
             self.param_groups.pop()  # the pipeline checks before it changes anything
@@ -278,31 +275,6 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 return f"parameter {index} ({name!r}, group {g})" if name else f"parameter {index} (group {g})"
             i -= len(group["params"])
         return f"parameter {index}"
-
-    def _check_replicated(self, params: list[torch.Tensor], indices: list[int]) -> None:
-        """Sizes and checksums of ``params`` must agree on every rank (two small all-reduces)."""
-        if self._engine.world_size == 1:
-            return
-        device = params[0].device if params else torch.device("cpu")
-        count = torch.tensor([len(params), -len(params)], dtype=torch.float64, device=device)
-        self._engine.all_reduce(count, op="max", name="check.count").wait()
-        if count[0] != -count[1]:
-            raise ValueError(
-                f"the ranks pass different numbers of parameters to the optimizer ({int(-count[1])} to {int(count[0])})"
-            )
-        stats = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
-        for i, p in enumerate(params):
-            stats[2 * i] = p.numel()
-            stats[2 * i + 1] = p.detach().double().sum()
-        packed = torch.cat([stats, -stats])
-        self._engine.all_reduce(packed, op="max", name="check.params").wait()
-        differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()
-        if differ:
-            what = "size" if differ[0] % 2 == 0 else "values"
-            raise ValueError(
-                f"{self._param_name(indices[differ[0] // 2])} has a different {what} on some rank: every rank "
-                "must start from the same model (same seed, or broadcast rank 0's parameters first)"
-            )
 
     # ---------------------------------------------------------------- training loop
     def _update_sync(self) -> None:
@@ -543,65 +515,3 @@ def _the_module(params_or_module: Any, module: Optional[nn.Module]) -> Optional[
     if module is not None and module is not params_or_module:
         raise ValueError("module= names another model than the one passed as params_or_module; pass one of them")
     return params_or_module
-
-
-def initialize(
-    model: nn.Module,
-    config: Union[str, Mapping[str, Any], ZeroConfig],
-    *,
-    process_group: Any = None,
-    impl: Optional[str] = None,
-    model_parameters: Optional[Iterable[Any]] = None,
-    training_args: Any = None,
-    **auto_values: Any,
-) -> Union[tuple[nn.Module, ShardedFusedAdam], tuple[nn.Module, ShardedFusedAdam, LRScheduler]]:
-    """Build the optimizer (and scheduler) a DeepSpeed config describes.
-
-    Returns ``(model, optimizer)``, or ``(model, optimizer, lr_scheduler)`` when the config has a
-    ``scheduler`` section: DeepSpeed's ``engine, optimizer, _, lr_scheduler = deepspeed.initialize(...)``
-    becomes ``model, optimizer, lr_scheduler = zk.initialize(...)`` (a config with a scheduler
-    unpacked into two names fails loudly instead of training at a constant lr). Call
-    ``lr_scheduler.step()`` after each ``optimizer.step()``, as DeepSpeed's engine does.
-
-    The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does).
-
-    Args:
-        model: the model, replicated on every rank.
-        config: path of a DeepSpeed JSON file, its content as a dict, or a ``ZeroConfig``.
-        process_group: data-parallel group (None: the default group).
-        impl: kernel backend (None: ``ZERO_KERNELS_IMPL``).
-        model_parameters: parameters or param-group dicts of ``model`` (DeepSpeed's name; None: all
-            of ``model``'s parameters in one group); the cast keeps the ``Parameter`` objects, so
-            groups built before ``initialize`` stay valid.
-        training_args: a Hugging Face ``TrainingArguments`` whose values fill ``"auto"`` entries as
-            the Trainer does (transformers is not imported; any object with its attributes works).
-        **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
-            sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
-    """
-    if not isinstance(config, ZeroConfig):
-        world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
-        if auto_values.get("hidden_size") is None:
-            auto_values["hidden_size"] = model_hidden_size(model)
-        config = ZeroConfig.from_deepspeed(config, world_size=world, training_args=training_args, **auto_values)
-    elif training_args is not None or auto_values:
-        raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
-    if config.optimizer is None:
-        raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
-    if config.bf16:
-        model = model.to(torch.bfloat16)
-    elif config.fp16.enabled:
-        model = model.half()
-    opt = config.optimizer
-    zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
-    params = model if model_parameters is None else model_parameters
-    optimizer = ShardedFusedAdam(
-        params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-        stage=config.stage, process_group=process_group, impl=impl, adam_w_mode=opt.adamw,
-        max_grad_norm=config.gradient_clipping or None,
-        gradient_accumulation_steps=config.gradient_accumulation_steps,
-        fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,
-        module=model, **zero,
-    )  # fmt: skip
-    if config.scheduler is None:
-        return model, optimizer
-    return model, optimizer, config.scheduler.build(optimizer)

@@ -1,0 +1,84 @@
+"""``initialize``: a DeepSpeed JSON config -> the model, ``ShardedFusedAdam`` and its scheduler.
+
+The one entry point for users coming from ``deepspeed.initialize``: the config is parsed by
+``config.ZeroConfig`` (``"auto"`` values resolved as the Hugging Face Trainer does), the model cast
+to the config's precision, and the optimizer built from the ``optimizer`` and
+``zero_optimization`` sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+from .config import ZeroConfig
+from .config.hf import model_hidden_size
+from .optim import ShardedFusedAdam
+
+__all__ = ["initialize"]
+
+
+def initialize(
+    model: nn.Module,
+    config: Union[str, Mapping[str, Any], ZeroConfig],
+    *,
+    process_group: Any = None,
+    impl: Optional[str] = None,
+    model_parameters: Optional[Iterable[Any]] = None,
+    training_args: Any = None,
+    **auto_values: Any,
+) -> Union[tuple[nn.Module, ShardedFusedAdam], tuple[nn.Module, ShardedFusedAdam, LRScheduler]]:
+    """Build the optimizer (and scheduler) a DeepSpeed config describes.
+
+    Returns ``(model, optimizer)``, or ``(model, optimizer, lr_scheduler)`` when the config has a
+    ``scheduler`` section: DeepSpeed's ``engine, optimizer, _, lr_scheduler = deepspeed.initialize(...)``
+    becomes ``model, optimizer, lr_scheduler = zk.initialize(...)`` (a config with a scheduler
+    unpacked into two names fails loudly instead of training at a constant lr). Call
+    ``lr_scheduler.step()`` after each ``optimizer.step()``, as DeepSpeed's engine does.
+
+    The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does).
+
+    Args:
+        model: the model, replicated on every rank.
+        config: path of a DeepSpeed JSON file, its content as a dict, or a ``ZeroConfig``.
+        process_group: data-parallel group (None: the default group).
+        impl: kernel backend (None: ``ZERO_KERNELS_IMPL``).
+        model_parameters: parameters or param-group dicts of ``model`` (DeepSpeed's name; None: all
+            of ``model``'s parameters in one group); the cast keeps the ``Parameter`` objects, so
+            groups built before ``initialize`` stay valid.
+        training_args: a Hugging Face ``TrainingArguments`` whose values fill ``"auto"`` entries as
+            the Trainer does (transformers is not imported; any object with its attributes works).
+        **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
+            sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
+    """
+    if not isinstance(config, ZeroConfig):
+        world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
+        if auto_values.get("hidden_size") is None:
+            auto_values["hidden_size"] = model_hidden_size(model)
+        config = ZeroConfig.from_deepspeed(config, world_size=world, training_args=training_args, **auto_values)
+    elif training_args is not None or auto_values:
+        raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
+    if config.optimizer is None:
+        raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
+    if config.bf16:
+        model = model.to(torch.bfloat16)
+    elif config.fp16.enabled:
+        model = model.half()
+    opt = config.optimizer
+    zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
+    params = model if model_parameters is None else model_parameters
+    optimizer = ShardedFusedAdam(
+        params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+        stage=config.stage, process_group=process_group, impl=impl, adam_w_mode=opt.adamw,
+        max_grad_norm=config.gradient_clipping or None,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,
+        module=model, **zero,
+    )  # fmt: skip
+    if config.scheduler is None:
+        return model, optimizer
+    return model, optimizer, config.scheduler.build(optimizer)
