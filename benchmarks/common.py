@@ -118,3 +118,26 @@ def write_json(path: str, subject: str, rows: list[dict]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"subject": subject, "machine": machine_info(), "rows": rows}, f, indent=1)
+
+
+def run_named_checks(checks: dict[str, Callable[[], list[str]]]) -> list[dict]:
+    """Run each check (it returns its problems; none: pass), print PASS/FAIL lines, return the results.
+
+    An unattended run reports every check, whatever breaks: an exception counts as that check's problem.
+    """
+    import traceback
+
+    results = []
+    for name, check in checks.items():
+        start = time.perf_counter()
+        try:
+            problems = check()
+        except Exception:
+            problems = ["raised:\n" + traceback.format_exc()]
+        seconds = time.perf_counter() - start
+        status = "PASS" if not problems else "FAIL"
+        results.append({"check": name, "status": status, "seconds": round(seconds, 1), "problems": problems[:20]})
+        print(f"{status}  {name}  ({seconds:.1f} s)")
+        for p in problems[:20]:
+            print(f"      {p}")
+    return results

@@ -16,8 +16,6 @@ import json
 import math
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 from benchmarks.adam import transformer_shapes  # noqa: E402
+from benchmarks.common import run_named_checks  # noqa: E402
 
 RTOL = 1.3e-6
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -305,19 +304,7 @@ def run_checks(json_dir: str | None) -> int:
 
     where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
     print(f"gpu_check: {where}, torch {torch.__version__}, triton {triton.__version__}")
-    results = []
-    for name, check in CHECKS.items():
-        start = time.perf_counter()
-        try:
-            problems = check()
-        except Exception:  # an unattended run reports every check, whatever breaks
-            problems = ["raised:\n" + traceback.format_exc()]
-        seconds = time.perf_counter() - start
-        status = "PASS" if not problems else "FAIL"
-        results.append({"check": name, "status": status, "seconds": round(seconds, 1), "problems": problems[:20]})
-        print(f"{status}  {name}  ({seconds:.1f} s)")
-        for p in problems[:20]:
-            print(f"      {p}")
+    results = run_named_checks(CHECKS)
     variants = compiled_variants() if DEVICE == "cuda" else []
     print(f"\n{len(variants)} compiled kernel variants (registers, stack frame, spills, widest global load/store):")
     for v in variants:

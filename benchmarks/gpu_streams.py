@@ -25,7 +25,6 @@ import copy
 import json
 import socket
 import sys
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +36,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
+from benchmarks.common import run_named_checks  # noqa: E402
 from benchmarks.gpu_stages import LR, WEIGHT_DECAY, compare_fp32_step, sync_reference  # noqa: E402
 from zero_kernels import ShardedFusedAdam, _ext, comm  # noqa: E402
 
@@ -233,20 +233,8 @@ def _init_group() -> None:
 
 def run_checks(json_dir: Optional[str]) -> int:
     _init_group()
-    results = []
     try:
-        for name, check in CHECKS.items():
-            start = time.perf_counter()
-            try:
-                problems = check()
-            except Exception:  # an unattended run reports every check, whatever breaks
-                problems = ["raised:\n" + traceback.format_exc()]
-            seconds = time.perf_counter() - start
-            status = "PASS" if not problems else "FAIL"
-            results.append({"check": name, "status": status, "seconds": round(seconds, 1), "problems": problems[:20]})
-            print(f"{status}  {name}  ({seconds:.1f} s)")
-            for p in problems[:20]:
-                print(f"      {p}")
+        results = run_named_checks(CHECKS)
     finally:
         dist.destroy_process_group()
     if json_dir:
