@@ -7,6 +7,7 @@ import logging
 from . import checkpoint
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .env import settings
+from .model_hints import register_external_parameter, set_leaf_modules
 from .optim import ShardedFusedAdam, initialize
 from .planner import estimate_comm, estimate_memory, recommend
 
@@ -25,4 +26,6 @@ __all__ = [
     "estimate_memory",
     "initialize",
     "recommend",
+    "register_external_parameter",
+    "set_leaf_modules",
 ]
