@@ -23,11 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from _check import assert_close
+from test_stage3 import FakeUnit, Lin, _events
 from torch import nn
 
 import zero_kernels as zk
 from zero_kernels.comm import CommError
 from zero_kernels.model_hints import external_parameters
+from zero_kernels.stages import stage3_guard
+from zero_kernels.stages.stage3_hooks import Stage3Scheduler
 
 DIM, EXPERTS, ROWS, LR = 6, 4, 2, 2e-2
 # Per step, the expert each row of rank r is routed to: rank 0 uses every expert in steps 0 and 2 (its
@@ -63,6 +66,108 @@ def _train(
         ref_opt.zero_grad()
         with opt.gathered_params():
             _compare(model, ref, f"{what} world {world} step {step}")
+
+
+# -- the schedule with fake units, in one process ------------------------------------------------------
+
+
+class Pair(nn.Module):
+    """Lin modules ``x`` then ``y``; ``y`` only when ``both``: a module whose inside depends on the call."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.x, self.y = Lin("x", 4, log), Lin("y", 4, log)
+        self.both = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.x(h)
+        return self.y(h) if self.both else h
+
+
+class Outer(nn.Module):
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.a, self.pair = Lin("a", 4, log), Pair(log)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.pair(self.a(h)).sum()
+
+
+class Tied(nn.Module):
+    """The root reads ``a.weight`` after ``a`` has run."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.a, self.b = Lin("a", 4, log), Lin("b", 4, log)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (self.b(self.a(h)) @ self.a.weight).sum()
+
+
+def _scheduled(model: nn.Module, modules: dict[str, nn.Module], log: list) -> list[FakeUnit]:
+    """A fake unit per module of ``modules``, scheduled with a check that logs every batch before its gathers."""
+    units = [FakeUnit(tag, m.parameters(), log) for tag, m in modules.items()]
+
+    def check(batch: list[int], phase: str) -> None:
+        log.append(("check", "+".join(units[i].tag for i in batch) + "@" + phase))
+
+    Stage3Scheduler(model, units, prefetch_numel=0, check=check)
+    return units
+
+
+def test_leaf_module_is_gathered_whole_and_reduced_when_its_backward_ends() -> None:
+    log: list = []
+    model = Outer(log)
+    zk.set_leaf_modules(model, [Pair])
+    units = _scheduled(model, {"a": model.a, "x": model.pair.x, "y": model.pair.y}, log)
+    x = torch.randn(2, 4)
+    fwd = "check:a@forward gather:a wait:a fwd:a free:a check:x+y@forward gather:x gather:y wait:x wait:y "
+    bwd = "check:x+y@backward gather:x gather:y wait:x wait:y "
+    end = "reduce:x free:x reduce:y free:y check:a@backward gather:a wait:a bwd:a reduce:a free:a"
+    model(x).backward()
+    assert log == _events(fwd + "fwd:x fwd:y free:x free:y " + bwd + "bwd:y bwd:x " + end)
+    log.clear()
+    model.pair.both = False  # y is not run: the leaf gathers, frees and reduces it all the same
+    model(x).backward()
+    assert log == _events(fwd + "fwd:x free:x free:y " + bwd + "bwd:x " + end)
+    assert [[g is None for g in unit.grads[-1]] for unit in units] == [[False, False], [False, False], [True, True]]
+
+
+def test_parameter_read_outside_its_module_is_gathered_for_the_reader() -> None:
+    log: list = []
+    model = Tied(log)
+    _scheduled(model, {"a": model.a, "b": model.b}, log)
+    x = torch.randn(2, 4)
+    model(x).backward()  # the root's read of a.weight gathers it there (and registers it)
+    fwd = "check:a@forward gather:a wait:a fwd:a free:a check:b@forward gather:b wait:b fwd:b free:b "
+    bwd = "check:a@backward gather:a wait:a check:b@backward gather:b wait:b bwd:b reduce:b free:b "
+    bwd += "bwd:a reduce:a free:a"
+    assert log == _events(fwd + "check:a@forward gather:a wait:a free:a " + bwd)
+    assert [p is model.a.weight for p in external_parameters(model)] == [True]
+    log.clear()
+    model(x).backward()  # now the root gathers it before its forward and holds it until its end
+    fwd = "check:a@forward gather:a wait:a fwd:a check:b@forward gather:b wait:b fwd:b free:b free:a "
+    assert log == _events(fwd + bwd)
+
+
+def test_freed_parameter_calls_back_on_operations_not_on_metadata() -> None:
+    calls: list[str] = []
+
+    class Owner:
+        def on_use(self, p: nn.Parameter, func) -> None:
+            calls.append(stage3_guard.operation_name(func))
+            stage3_guard.mark_gathered(p)
+            p.data = torch.ones(3)
+
+    owner, p = Owner(), nn.Parameter(torch.ones(3))
+    p.data = torch.empty(0)
+    stage3_guard.mark_freed(p, owner.on_use)
+    assert isinstance(p, nn.Parameter) and type(p) is not nn.Parameter
+    metadata = (p.shape, p.numel(), p.dtype, p.grad, p.requires_grad, p.detach().numel())
+    assert metadata == ((0,), 0, torch.float32, None, True, 0)
+    assert calls == []
+    assert torch.cat([p, p]).tolist() == [1.0] * 6, "the callback runs first: the operation sees the gathered value"
+    assert calls == ["torch.cat"] and type(p) is nn.Parameter
 
 
 # -- ranks that gather different modules ----------------------------------------------------------------

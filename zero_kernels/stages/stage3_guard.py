@@ -8,13 +8,18 @@ its class when it is materialised): any operation on it first calls the ``on_use
 which gathers the parameter or raises a clear error. ``mark_gathered`` restores the class, so a
 gathered parameter costs nothing extra. Reading metadata (shape, dtype, ``.data``, ``.grad``,
 hooks, ``detach()``) is not a use.
+
+Under ``torch.compile`` the callback, and stage 3's hooks (``run_eagerly``), run eagerly: they
+issue collectives and change parameters, which a compiled graph must not capture.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 from torch._C import _disabled_torch_function_impl
 
@@ -37,13 +42,42 @@ class _Freed:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") not in _PASS:
-            for t in _tensors(args, kwargs):
-                ref = _on_use.get(id(t)) if isinstance(t, _Freed) else None
-                callback = ref() if ref is not None else None
-                if callback is not None:
-                    callback(t, func)
-        return _disabled_torch_function_impl(func, types, args, kwargs or {})
+        if torch.compiler.is_compiling():
+            return _handle_eagerly(func, types, args, kwargs)
+        return _handle(func, types, args, kwargs)
+
+
+def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
+    if getattr(func, "__name__", "") not in _PASS:
+        for t in _tensors(args, kwargs):
+            ref = _on_use.get(id(t)) if isinstance(t, _Freed) else None
+            callback = ref() if ref is not None else None
+            if callback is not None:
+                callback(t, func)
+    return _disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
+_handle_eagerly = torch._disable_dynamo(_handle)  # torch.compile runs it (a graph break), never traces it
+
+
+def run_eagerly(fn: Callable) -> Callable:
+    """``fn`` as a hook that ``torch.compile`` runs eagerly (a graph break) instead of tracing it.
+
+    Without ``torch.compile`` this costs one flag check per call.
+    """
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    disabled = torch._disable_dynamo(call)
+
+    @functools.wraps(fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return hook
 
 
 def _tensors(args: tuple, kwargs: Any) -> Iterator[Any]:

@@ -36,7 +36,6 @@ like any other's. ``hold()`` keeps every unit gathered until ``release()`` (``ga
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -136,26 +135,6 @@ def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _eager(fn: Callable) -> Callable:
-    """``fn`` as a hook that ``torch.compile`` runs eagerly (a graph break) instead of tracing it.
-
-    Without ``torch.compile`` this costs one flag check, and ``torch._dynamo`` is not imported.
-    """
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return fn(*args, **kwargs)
-
-    disabled = torch._disable_dynamo(call)
-
-    @functools.wraps(fn)
-    def hook(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return hook
-
-
 class Stage3Scheduler:
     """Installs the hooks on ``root`` and its sub-modules; ``remove()`` takes them off again.
 
@@ -207,9 +186,9 @@ class Stage3Scheduler:
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
         self._handles.append(
-            root.register_forward_pre_hook(_eager(self._root_pre_forward), prepend=True, with_kwargs=True)
+            root.register_forward_pre_hook(guard.run_eagerly(self._root_pre_forward), prepend=True, with_kwargs=True)
         )
-        self._handles.append(root.register_forward_hook(_eager(self._root_post_forward)))
+        self._handles.append(root.register_forward_hook(guard.run_eagerly(self._root_post_forward)))
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
@@ -232,7 +211,7 @@ class Stage3Scheduler:
                 inside = {id(q) for q in p.module.parameters()}
                 self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
             if p.module is not self.root:
-                pre, post = _eager(self._pre_forward_hook(p)), _eager(self._post_forward_hook(p))
+                pre, post = guard.run_eagerly(self._pre_forward_hook(p)), guard.run_eagerly(self._post_forward_hook(p))
                 self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._module_handles.append(p.module.register_forward_hook(post))
 
