@@ -391,6 +391,7 @@ def test_register_external_parameter_bad_input() -> None:
     zk.register_external_parameter(model.block, nn.Parameter(torch.zeros(3)))
     with pytest.raises(ValueError, match=r"registered on module 'block' \(Linear\) is not a parameter of the model"):
         zk.ShardedFusedAdam(model, stage=3)
+    assert all(p.numel() > 0 for p in model.parameters()), "the failed optimizer left the parameters alone"
 
 
 # -- torch.compile ----------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
 from .stage3_check import check_same_units
 from .stage3_hooks import Stage3Scheduler
-from .stage3_plan import holders
+from .stage3_plan import check_externals, holders
 
 
 @dataclass
@@ -112,12 +112,14 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, impl=impl, module=module)
-        self._holder = holders(module)
+        self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3_plan.holders``)
+        self._units: list[_Unit] = []
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
 
     def add_group(self, group: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
         """Build one buffer per unit of param group ``group`` (see the module docstring)."""
+        check_externals(self.module)  # before anything changes
         self._holder = holders(self.module)
         trainable = [(p, i) for p, i in zip(params, indices) if p.requires_grad]
         foreign = [tuple(p.shape) for p, _ in trainable if id(p) not in self._holder]

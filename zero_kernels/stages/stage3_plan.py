@@ -5,7 +5,7 @@
 - ``plan(root, owner)``: per module that runs hooks, the units it needs: the units of the parameters
   it holds directly (a leaf: of every parameter in its subtree) and of its external parameters. The
   sub-modules of a leaf module get no hooks; a leaf's external parameters include those registered
-  on its sub-modules.
+  on its sub-modules. ``check_externals(root)`` refuses external parameters the model does not hold.
 """
 
 from __future__ import annotations
@@ -55,14 +55,26 @@ def holders(root: nn.Module) -> dict[int, int]:
     return holder
 
 
+def check_externals(root: nn.Module) -> None:
+    """Raise ``ValueError`` if a module of ``root`` registered an external parameter that ``root`` does not hold."""
+    known = {id(p) for p in root.parameters()}
+    for name, module, _ in _walk(root):
+        for p in external_parameters(module):
+            if id(p) not in known:
+                raise ValueError(
+                    f"register_external_parameter: a parameter of shape {tuple(p.shape)} registered on module "
+                    f"'{name}' ({type(module).__name__}) is not a parameter of the model"
+                )
+
+
 def plan(root: nn.Module, owner: dict[int, int]) -> list[ModulePlan]:
-    """The modules of ``root`` that need units (``owner``: id(parameter) -> unit), root first if it does.
+    """The modules of ``root`` that need units (``owner``: id(parameter) -> unit), and the root, first.
 
     Args:
         root: the model.
         owner: the unit of each parameter that has one (frozen parameters have none).
     """
-    known = {id(p) for p in root.parameters()}
+    check_externals(root)
     needs: dict[int, set[int]] = {}
     names: dict[int, tuple[str, nn.Module, bool]] = {}
     for name, module, leaf in _walk(root):
@@ -70,15 +82,8 @@ def plan(root: nn.Module, owner: dict[int, int]) -> list[ModulePlan]:
         if target is module:
             names[id(module)] = (name, module, leaf is not None)
         units = needs.setdefault(id(target), set())
-        direct = list(module.parameters(recurse=False))
-        for p in external_parameters(module):
-            if id(p) not in known:
-                raise ValueError(
-                    f"register_external_parameter: a parameter of shape {tuple(p.shape)} registered on module "
-                    f"'{name}' ({type(module).__name__}) is not a parameter of the model"
-                )
-            direct.append(p)
-        units.update(owner[id(p)] for p in direct if id(p) in owner)
+        used = [*module.parameters(recurse=False), *external_parameters(module)]
+        units.update(owner[id(p)] for p in used if id(p) in owner)
     return [
         ModulePlan(module, name, tuple(sorted(needs[key])), leaf)
         for key, (name, module, leaf) in names.items()
