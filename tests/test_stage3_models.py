@@ -165,6 +165,7 @@ def test_freed_parameter_calls_back_on_operations_not_on_metadata() -> None:
     assert isinstance(p, nn.Parameter) and type(p) is not nn.Parameter
     metadata = (p.shape, p.numel(), p.dtype, p.grad, p.requires_grad, p.detach().numel())
     assert metadata == ((0,), 0, torch.float32, None, True, 0)
+    assert p.to("cpu").numel() == p.half().numel() == 0, "conversions frameworks apply to a built model pass"
     assert calls == []
     assert torch.cat([p, p]).tolist() == [1.0] * 6, "the callback runs first: the operation sees the gathered value"
     assert calls == ["torch.cat"] and type(p) is nn.Parameter

@@ -67,6 +67,7 @@ class _Unit:
         self.pipeline, self.buf = pipeline, buf
         self.params = buf.params
         self.numel = buf.layout.numel
+        self.param_numel = sum(slot.numel for slot in buf.layout.slots)
         self.persistent = buf.persistent
         self.uid, self.name, self.kind = uid, name, type(holder).__name__
         self._handles: list = []

@@ -28,7 +28,8 @@ _HASH_MOD = (1 << 61) - 1
 
 class Named(Protocol):
     uid: int  # the same number on every rank for the same unit
-    numel: int
+    numel: int  # elements one gather brings in (padding included)
+    param_numel: int  # elements of its parameters, for messages
     name: str  # qualified name of the module that holds the unit ('' for the root)
     kind: str  # that module's class name
 
@@ -62,7 +63,7 @@ def check_same_units(
     n = len(mine)
     if values[:n] == [-v for v in values[n:]]:
         return
-    everyone = all_gather_objects(engine, [(u.name, u.kind, u.numel) for u in units], name="stage3.check.units")
+    everyone = all_gather_objects(engine, [(u.name, u.kind, u.param_numel) for u in units], name="stage3.check.units")
     raise CommError(describe_mismatch(everyone, phase, suggest))
 
 

@@ -7,7 +7,9 @@ subclass of its own with a ``__torch_function__`` (as torch's ``UninitializedPar
 its class when it is materialised): any operation on it first calls the ``on_use`` callback given,
 which gathers the parameter or raises a clear error. ``mark_gathered`` restores the class, so a
 gathered parameter costs nothing extra. Reading metadata (shape, dtype, ``.data``, ``.grad``,
-hooks, ``detach()``) is not a use.
+hooks, ``detach()``) is not a use, nor are the conversions ``nn.Module.to()``, ``.half()``,
+``.cpu()`` and the like apply to every parameter (frameworks call them on a built model): on an
+empty tensor they give an empty tensor.
 
 Under ``torch.compile`` the callback, and stage 3's hooks (``run_eagerly``), run eagerly: they
 issue collectives and change parameters, which a compiled graph must not capture.
@@ -30,6 +32,7 @@ _PASS = {
     "data_ptr", "untyped_storage", "storage", "_typed_storage", "detach", "requires_grad_", "register_hook",
     "register_post_accumulate_grad_hook", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__",
     "__dir__", "is_floating_point", "is_complex", "get_device",
+    "to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type", "empty_like", "share_memory_", "pin_memory",
 }  # fmt: skip
 _on_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> callback of the scheduler that freed it
 _classes: dict[type, type] = {}
