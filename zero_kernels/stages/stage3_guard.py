@@ -33,6 +33,7 @@ _PASS = {
     "register_post_accumulate_grad_hook", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__", "__setstate__",
     "__dir__", "is_floating_point", "is_complex", "get_device",
     "to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type", "empty_like", "share_memory_", "pin_memory",
+    "_has_compatible_shallow_copy_type",
 }  # fmt: skip
 _on_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> callback of the scheduler that freed it
 _classes: dict[type, type] = {}
