@@ -7,6 +7,7 @@ from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .entry import initialize
 from .env import settings
 from .integrations import save_pretrained
+from .model_hints import register_external_parameter, set_leaf_modules
 from .optim import ShardedFusedAdam
 from .planner import estimate_comm, estimate_memory, recommend
 
@@ -25,5 +26,7 @@ __all__ = [
     "estimate_memory",
     "initialize",
     "recommend",
+    "register_external_parameter",
     "save_pretrained",
+    "set_leaf_modules",
 ]

@@ -1,9 +1,10 @@
 """Stage 3: as stage 2, and each rank keeps only its shard of the parameters between uses.
 
 Units. A *unit* is what is gathered and freed together: the trainable parameters of one param
-group and dtype that a module holds directly (``module.parameters(recurse=False)``); a parameter
-listed by several modules (weight tying) belongs to the first one in ``module.modules()`` order
-and is gathered for each of them. Parameters under ``stage3_param_persistence_threshold``
+group and dtype that a module holds directly (``module.parameters(recurse=False)``), or, for a
+leaf module (``model_hints.set_leaf_modules``), holds in its whole subtree; a parameter listed by
+several modules (weight tying) belongs to the first one in ``module.modules()`` order and is
+gathered for each of them. Parameters under ``stage3_param_persistence_threshold``
 elements are pooled, per param group and dtype, into one persistent unit that stays gathered
 (like stage 2: updated at the step and all-gathered back). Each unit is one ``FlatBuffer``
 (buckets of ``reduce_bucket_size`` elements, each split evenly over the ranks), so gathering a
@@ -13,19 +14,24 @@ optimizer's references, stay valid). Buffers are ordered from the last module to
 order in which backward produces gradients.
 
 When. ``stage3_hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
-prefetches up to ``stage3_prefetch_bucket_size`` elements ahead and frees after use. Once every
-trainable parameter of a unit has its gradient, the unit's gradients go through the stage-2
-path: copied (divided by the world size) into a bucket, reduce-scattered and added to the
-rank's gradient shard; ``p.grad`` becomes ``None``.
+prefetches up to ``stage3_prefetch_bucket_size`` elements ahead and frees after use. Before a
+batch of gathers is issued, every rank checks that every rank gathers the same units
+(``stage3_check``): ranks that diverge raise ``CommError`` instead of pairing different gathers.
+Once a unit's gradients are complete (for a leaf module: once its backward has ended), they go
+through the stage-2 path: copied (divided by the world size) into a bucket, reduce-scattered and
+added to the rank's gradient shard; ``p.grad`` becomes ``None``. A parameter without a gradient
+then counts as zero in the reduction (it is not marked as having a gradient: ranks where the
+data routed nothing to an expert add nothing to its gradient).
 
 Step. The fused kernel updates the rank's shard in place: fp32 parameters are their own master;
 for bf16/fp16 the kernel writes the updated values (``out=``) into ``param_shard``, the
 all-gather source of the next gather. Nothing is all-gathered at the step except persistent
 units (and units held by ``gathered_params``).
 
-Limits: frozen parameters are not sharded (they stay whole on every rank); parameters must be
-used inside the forward of a module that holds them; every rank must run the same graph (the
-same modules in the same order), as the collectives follow it.
+Limits: frozen parameters are not sharded (they stay whole on every rank); a parameter used
+outside the forward of a module that holds it must be registered (or is found on first use) as
+an external parameter of the module that uses it; every rank must run the same modules in the
+same order outside leaf modules, as the collectives follow them.
 """
 
 from __future__ import annotations
@@ -41,7 +47,9 @@ from ..layout import Bucket, BufferLayout
 from . import adopt, stage3_save
 from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
+from .stage3_check import check_same_units
 from .stage3_hooks import Stage3Scheduler
+from .stage3_plan import check_externals, holders
 
 
 @dataclass
@@ -56,11 +64,13 @@ class Stage3Buffer(FlatBuffer):
 class _Unit:
     """A ``Stage3Buffer`` seen by the scheduler: all-gather into ``full``, free, hand grads on."""
 
-    def __init__(self, pipeline: "Stage3Pipeline", buf: Stage3Buffer):
+    def __init__(self, pipeline: "Stage3Pipeline", buf: Stage3Buffer, uid: int, holder: nn.Module, name: str):
         self.pipeline, self.buf = pipeline, buf
         self.params = buf.params
         self.numel = buf.layout.numel
+        self.param_numel = sum(slot.numel for slot in buf.layout.slots)
         self.persistent = buf.persistent
+        self.uid, self.name, self.kind = uid, name, type(holder).__name__
         self._handles: list = []
 
     def start_gather(self) -> None:
@@ -87,17 +97,11 @@ class _Unit:
 
     def reduce_grads(self) -> None:
         for p in self.params:
-            if p.requires_grad and p.grad is not None:
-                self.pipeline._on_grad_ready(p)
-
-
-def _holders(module: nn.Module) -> dict[int, int]:
-    """id(parameter) -> index in ``module.modules()`` of the first module holding it directly."""
-    holder: dict[int, int] = {}
-    for index, m in enumerate(module.modules()):
-        for p in m.parameters(recurse=False):
-            holder.setdefault(id(p), index)
-    return holder
+            if p.requires_grad:
+                if p.grad is not None:
+                    self.pipeline._on_grad_ready(p)
+                else:
+                    self.pipeline._on_no_grad(p)
 
 
 class Stage3Pipeline(Stage2Pipeline):
@@ -111,13 +115,16 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, impl=impl, module=module)
-        self._holder = _holders(module)
+        self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3_plan.holders``)
+        self._units: list[_Unit] = []
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
         self._state_dict_guard = stage3_save.guard_state_dict(self)
 
     def add_group(self, group: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
         """Build one buffer per unit of param group ``group`` (see the module docstring)."""
+        check_externals(self.module)  # before anything changes
+        self._holder = holders(self.module)
         trainable = [(p, i) for p, i in zip(params, indices) if p.requires_grad]
         foreign = [tuple(p.shape) for p, _ in trainable if id(p) not in self._holder]
         if foreign:
@@ -149,9 +156,51 @@ class Stage3Pipeline(Stage2Pipeline):
     def _install_scheduler(self) -> None:
         if self._scheduler is not None:
             self._scheduler.remove()
-        units = [_Unit(self, buf) for buf in self.buffers]
+        modules = list(self.module.named_modules(remove_duplicate=True))
+        units = []
+        for uid, buf in enumerate(self.buffers):
+            name, holder = modules[self._holder[id(buf.params[0])]]
+            units.append(_Unit(self, buf, uid, holder, f"{name} (persistent parameters)" if buf.persistent else name))
         prefetch = int(self.options.stage3_prefetch_bucket_size)
-        self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch)
+        self._units = units
+        self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch, check=self._check_gathers)
+
+    def _check_gathers(self, batch: list[int], phase: str) -> None:
+        """Every rank must be about to gather the same units (``stage3_check``); else ``CommError``."""
+        units = [self._units[i] for i in batch]
+        check_same_units(self.engine, units, phase, self.buffers[batch[0]].device, self._suggest_leaf)
+
+    def _suggest_leaf(self, names: list[str]) -> str:
+        """The fix for ranks that gather the units of modules ``names``: their closest common caller as a leaf."""
+        common: list[str] = []
+        for level in zip(*(name.split(".") if name else [] for name in names)):
+            if len(set(level)) > 1:
+                break
+            common.append(level[0])
+        while common and isinstance(self.module.get_submodule(".".join(common)), (nn.ModuleList, nn.ModuleDict)):
+            common.pop()  # containers are never called: hooks on them never run
+        fix = (
+            "Where the data chooses the modules (a mixture of experts routing tokens), mark the module that makes "
+            "the choice as a leaf module, gathered whole on every rank: zero_kernels.set_leaf_modules(model, [{}])."
+        )
+        if len(names) < 2 or not common:
+            return fix.format("ThatModuleClass")
+        path = ".".join(common)
+        kind = type(self.module.get_submodule(path)).__name__
+        return f"The closest module around both is '{path}' ({kind}). " + fix.format(kind)
+
+    def _on_no_grad(self, p: nn.Parameter) -> None:
+        """``p`` has no gradient this round: its part of the buckets counts as zero (it is not marked as having one)."""
+        if not self.sync_enabled:
+            return
+        if not self._round_open:
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+        b, slot = self.where[id(p)]
+        buf = self.buffers[b]
+        for k in buf.layout.slot_buckets[slot]:
+            buf.pending[k] -= 1
+        self._launch_ready()
 
     def _place_params(self, buf: Stage3Buffer) -> None:
         """Persistent units keep the full buffer; the others keep this rank's shard and free the parameters."""

@@ -1,23 +1,34 @@
 """When stage 3 gathers, frees, prefetches and reduces: module hooks driving abstract parameter units.
 
 This module decides *when*; how a unit's parameters are laid out, gathered and reduced belongs to
-the unit object (see ``Unit``). A unit owns a disjoint set of parameters; the stage-3 pipeline
-builds one per module with direct parameters (``recurse=False``), so a module's forward needs the
-units owning its direct parameters (several with weight tying: a tied parameter belongs to the
-first module that lists it and is needed by every module that lists it).
+the unit object (see ``Unit``). A unit owns a disjoint set of parameters; which units a module
+needs comes from ``stage3_plan``: the units of the parameters it holds directly (several with
+weight tying), of its external parameters (``model_hints.register_external_parameter``), and for a
+leaf module (``model_hints.set_leaf_modules``) those of its whole subtree; a leaf's sub-modules get
+no hooks. The plan is read again at the start of a forward whenever a hint changed.
 
-Schedule, per module ``m`` that needs units:
+Schedule, per module ``m`` that needs units (the root always runs these hooks):
 
 - forward pre-hook: gather ``m``'s units (wait for them), then start gathers of the units that come
-  next in the previous forward's order, up to ``prefetch_numel`` elements ahead;
+  next in the previous forward's order, up to ``prefetch_numel`` elements ahead. The gathers started
+  together are one *batch*: ``check(batch, phase)`` runs before any of them is issued (stage 3 checks
+  there that every rank gathers the same units). A leaf module's inputs pass through an identity
+  autograd function whose backward marks the end of the leaf's backward;
 - forward post-hook: free ``m``'s units once no running module uses them; when autograd records
   the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
   again (before ``m``'s backward runs), prefetching along the previous backward's order;
 - post-accumulate-grad hook on each trainable parameter: once every trainable parameter of a unit
-  has its gradient, ``reduce_grads()`` the unit and free it;
-- end of backward (an autograd-engine callback): units whose trainable parameters did not all get
-  a gradient are reduced then, in unit order (every rank issues the same collectives in the same
-  order as long as every rank runs the same graph), and everything still gathered is freed.
+  has its gradient, ``reduce_grads()`` the unit and free it. The units of a leaf module are reduced
+  when the leaf's backward has ended instead (the backward of every forward call of the leaf), so
+  that every rank reduces them at the same point whichever experts its data used;
+- end of backward (an autograd-engine callback): units not reduced yet are reduced then, in unit
+  order (every rank issues the same collectives in the same order as long as every rank runs the
+  same modules), and everything still gathered is freed.
+
+A freed parameter is marked (``stage3_guard``): an operation on it inside a module's forward gathers
+its unit for that module from then on (an external parameter found by use, logged once); outside
+any forward it raises an error that says how to read it. Hooks are run eagerly under
+``torch.compile`` (a graph break around each), so compiled module bodies see gathered parameters.
 
 Persistent units are never gathered or freed here (they stay full); their gradients are reduced
 like any other's. ``hold()`` keeps every unit gathered until ``release()`` (``gathered_params``).
@@ -25,11 +36,19 @@ like any other's. ``hold()`` keeps every unit gathered until ``release()`` (``ga
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from .. import model_hints
+from . import stage3_guard as guard
+from .stage3_plan import ModulePlan, plan
+
+log = logging.getLogger("zero_kernels")
 
 _FREE, _IN_FLIGHT, _READY = "free", "in-flight", "ready"
 
@@ -52,6 +71,9 @@ class Unit(Protocol):
 
     def reduce_grads(self) -> None:
         """Reduce the gradients of the parameters into this rank's shard; a missing ``.grad`` is no gradient."""
+
+
+Check = Callable[[list[int], str], None]  # (indices of the units about to be gathered, "forward" | "backward" | ...)
 
 
 class _Pass:
@@ -80,6 +102,28 @@ class _Pass:
         self.recorded = []
 
 
+@dataclass
+class _Frame:
+    """A module whose forward is running, and the units it holds in use (external ones found by use added)."""
+
+    module: nn.Module
+    needs: list[int]
+
+
+class _LeafBackwardEnd(torch.autograd.Function):
+    """Identity on a leaf module's inputs; its backward runs once the leaf's whole backward has run."""
+
+    @staticmethod
+    def forward(ctx, done: Callable[[], None], *tensors: torch.Tensor):
+        ctx.done = done
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.done()
+        return (None, *grads)
+
+
 def _grad_tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors requiring grad inside nested tuples, lists and dicts."""
     if isinstance(obj, torch.Tensor):
@@ -98,13 +142,18 @@ class Stage3Scheduler:
         root: the model; its forward marks the start and end of a forward pass.
         units: parameter units; parameters of ``root`` that no unit owns are left alone.
         prefetch_numel: how many elements may be gathered ahead of use (0 disables prefetch).
+        check: called with each batch of units about to be gathered, before any is (None: no check).
     """
 
-    def __init__(self, root: nn.Module, units: Sequence[Unit], *, prefetch_numel: int) -> None:
+    def __init__(
+        self, root: nn.Module, units: Sequence[Unit], *, prefetch_numel: int, check: Optional[Check] = None
+    ) -> None:
         if prefetch_numel < 0:
             raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {prefetch_numel}")
+        self.root = root
         self.units = list(units)
         self.prefetch_numel = prefetch_numel
+        self._check = check
         self._owner = self._owners(self.units)
         self._state = [_READY if u.persistent else _FREE for u in self.units]
         self._in_use = [0] * len(self.units)
@@ -113,7 +162,15 @@ class Stage3Scheduler:
         self._reduced: set[int] = set()
         self._forward, self._backward = _Pass(), _Pass()
         self._in_forward = self._in_backward = self._held = False
+        self._stack: list[_Frame] = []
+        self._leaf_units: set[int] = set()  # reduced when their leaf's backward has ended
+        self._leaf_calls: dict[int, int] = {}  # id(leaf) -> forward calls whose backward has not ended
+        self._root_plan = ModulePlan(root, "", (), False)
+        self._generation = -1
+        self._names = {id(p): name for name, p in root.named_parameters()}
+        self._module_names = {id(m): name for name, m in root.named_modules()}
         self._handles: list[RemovableHandle] = []
+        self._module_handles: list[RemovableHandle] = []
         self._install(root)
 
     @staticmethod
@@ -127,37 +184,69 @@ class Stage3Scheduler:
         return owner
 
     def _install(self, root: nn.Module) -> None:
-        for module in root.modules():
-            owned = [self._owner[id(p)] for p in module.parameters(recurse=False) if id(p) in self._owner]
-            needs = tuple(sorted(set(owned)))
-            if needs:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(needs)))
-                self._handles.append(module.register_forward_hook(self._post_forward_hook(needs)))
-        self._handles.append(root.register_forward_pre_hook(self._root_pre_forward, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post_forward))
+        self._install_modules()
+        self._handles.append(
+            root.register_forward_pre_hook(guard.run_eagerly(self._root_pre_forward), prepend=True, with_kwargs=True)
+        )
+        self._handles.append(root.register_forward_hook(guard.run_eagerly(self._root_post_forward)))
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
+            if self._state[i] == _FREE:
+                for p in unit.params:
+                    guard.mark_freed(p, self._on_freed_use)
+
+    def _install_modules(self) -> None:
+        """(Re)read the plan (``stage3_plan``) and hook the modules that need units."""
+        plans = plan(self.root, self._owner)
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles = []
+        self._generation = model_hints.generation()
+        self._root_plan = plans[0]
+        self._leaf_units = set()
+        for p in plans:
+            if p.leaf:
+                inside = {id(q) for q in p.module.parameters()}
+                self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
+            if p.module is not self.root:
+                pre, post = guard.run_eagerly(self._pre_forward_hook(p)), guard.run_eagerly(self._post_forward_hook(p))
+                self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._module_handles.append(p.module.register_forward_hook(post))
 
     def remove(self) -> None:
-        """Take every hook off; parameters stay as they are."""
-        for handle in self._handles:
+        """Take every hook off; parameters stay as they are (freed ones lose their mark)."""
+        for handle in self._handles + self._module_handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._module_handles = [], []
+        for unit in self.units:
+            for p in unit.params:
+                guard.mark_gathered(p)
 
     # -- gather / free bookkeeping ------------------------------------------------------------
 
-    def _start(self, i: int) -> None:
-        if self._state[i] == _FREE:
+    def _phase(self) -> str:
+        return "backward" if self._in_backward else "forward"
+
+    def _start(self, batch: list[int], phase: str) -> None:
+        """Issue the gathers of ``batch`` (free units), after ``check``."""
+        if not batch:
+            return
+        if self._check is not None:
+            self._check(batch, phase)
+        for i in batch:
             self.units[i].start_gather()
             self._state[i] = _IN_FLIGHT
 
     def _finish(self, i: int) -> None:
-        self._start(i)
+        if self._state[i] == _FREE:
+            self._start([i], self._phase())
         if self._state[i] == _IN_FLIGHT:
             self.units[i].finish_gather()
             self._state[i] = _READY
+            for p in self.units[i].params:
+                guard.mark_gathered(p)
 
     def _free(self, i: int) -> None:
         if self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE:
@@ -166,29 +255,32 @@ class Stage3Scheduler:
         self.units[i].free()
         self._state[i] = _FREE
         self._used[i] = False
+        for p in self.units[i].params:
+            guard.mark_freed(p, self._on_freed_use)
 
-    def _gather(self, needs: tuple[int, ...], step: _Pass, active: bool) -> None:
+    def _gather(self, needs: Sequence[int], step: _Pass, active: bool) -> None:
         """Gather ``needs`` now and prefetch what ``step`` expects next (only inside a pass)."""
         ahead: list[int] = []
         for i in needs:
-            if self.units[i].persistent:
-                continue
-            if active and not self._used[i]:
+            if active and not self.units[i].persistent and not self._used[i]:
                 ahead = step.record(i)
-            self._start(i)
-        self._prefetch(ahead)
+        batch = list(dict.fromkeys(i for i in needs if self._state[i] == _FREE))
+        self._start(batch + self._prefetch(ahead, set(batch)), self._phase())
         for i in needs:
             self._finish(i)
             self._used[i] = True
 
-    def _prefetch(self, ahead: list[int]) -> None:
-        budget = self.prefetch_numel
+    def _prefetch(self, ahead: list[int], taken: set[int]) -> list[int]:
+        """The free units of ``ahead`` to start now, within the prefetch budget."""
+        budget, batch = self.prefetch_numel, []
         for j in ahead:
             if self.units[j].numel > budget:
-                return
+                break
             budget -= self.units[j].numel
-            if not self._in_use[j]:
-                self._start(j)
+            if not self._in_use[j] and self._state[j] == _FREE and j not in taken:
+                taken.add(j)
+                batch.append(j)
+        return batch
 
     def _free_all(self) -> None:
         for i in range(len(self.units)):
@@ -196,35 +288,101 @@ class Stage3Scheduler:
 
     # -- forward ------------------------------------------------------------------------------
 
-    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if not self._in_forward:
+            if self._generation != model_hints.generation():
+                self._install_modules()
             self._in_forward = True
             self._forward.begin()
+        return self._enter(self._root_plan, args, kwargs)
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._in_forward:
+        self._exit(module, output)
+        if self._in_forward and not self._stack:
             self._in_forward = False
             self._forward.end()
             self._free_all()
 
-    def _pre_forward_hook(self, needs: tuple[int, ...]):
-        def hook(module: nn.Module, args: Any) -> None:
-            self._gather(needs, self._forward, self._in_forward)
-            for i in needs:
-                self._in_use[i] += 1
+    def _pre_forward_hook(self, p: ModulePlan):
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            return self._enter(p, args, kwargs)
 
         return hook
 
-    def _post_forward_hook(self, needs: tuple[int, ...]):
+    def _post_forward_hook(self, p: ModulePlan):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            for i in needs:
+            self._exit(module, output)
+
+        return hook
+
+    def _enter(self, p: ModulePlan, args: Any, kwargs: Any) -> Any:
+        """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker."""
+        self._gather(p.needs, self._forward, self._in_forward)
+        for i in p.needs:
+            self._in_use[i] += 1
+        self._stack.append(_Frame(p.module, list(p.needs)))
+        if p.leaf and torch.is_grad_enabled():
+            return self._mark_leaf_inputs(p, args, kwargs)
+        return None
+
+    def _exit(self, module: nn.Module, output: Any) -> None:
+        """Free what ``module`` held (and frames left above it by an exception caught inside a forward)."""
+        if not self._stack:
+            return
+        while self._stack:
+            frame = self._stack.pop()
+            for i in frame.needs:
                 self._in_use[i] -= 1
                 self._free(i)
-            tensors = _grad_tensors(output)
-            if tensors and torch.is_grad_enabled():
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward_hook(needs), mode="any")
+            if frame.module is module:
+                break
+        tensors = _grad_tensors(output)
+        if frame.needs and tensors and torch.is_grad_enabled():
+            hook = self._pre_backward_hook(tuple(dict.fromkeys(frame.needs)))
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
 
-        return hook
+    def _mark_leaf_inputs(self, p: ModulePlan, args: tuple, kwargs: dict) -> Any:
+        """Route the leaf's floating-point inputs that require grad through ``_LeafBackwardEnd``."""
+        positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        names = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not positions and not names:
+            return None  # nothing upstream needs a gradient: the leaf's units are reduced at the end of backward
+        key = id(p.module)
+        self._leaf_calls[key] = self._leaf_calls.get(key, 0) + 1
+        marked = _LeafBackwardEnd.apply(self._leaf_done(p), *(args[k] for k in positions), *(kwargs[k] for k in names))
+        args = list(args)
+        for k, t in zip(positions, marked):
+            args[k] = t
+        kwargs = {**kwargs, **dict(zip(names, marked[len(positions) :]))}
+        return tuple(args), kwargs
+
+    def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
+        """A freed parameter is computed with: gather it for the running module, or explain."""
+        i = self._owner[id(param)]
+        name = self._names.get(id(param), "?")
+        if not self._stack:
+            where = "during backward" if self._in_backward else "outside any module's forward"
+            raise RuntimeError(
+                f"ZeRO stage 3: parameter '{name}' is used ({guard.operation_name(func)}) {where}, where it is not "
+                "gathered: stage 3 gathers parameters only around the forward (and backward) of the modules that "
+                "need them. Read it inside a module's forward (register it there with "
+                "zero_kernels.register_external_parameter(module, parameter) if another module holds it), or "
+                "inside `with optimizer.gathered_params():`"
+            )
+        frame = self._stack[-1]
+        user = self._module_names.get(id(frame.module), "?") or "<root>"
+        log.warning(
+            "ZeRO stage 3: module '%s' (%s) uses parameter '%s', which it does not hold, in its forward; it is "
+            "gathered for that module from now on. zero_kernels.register_external_parameter(module, parameter) "
+            "says so up front (and silences this message).",
+            user,
+            type(frame.module).__name__,
+            name,
+        )
+        model_hints.register_external_parameter(frame.module, param)
+        self._gather((i,), self._forward, False)
+        self._in_use[i] += 1
+        frame.needs.append(i)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -241,12 +399,32 @@ class Stage3Scheduler:
 
         return hook
 
+    def _leaf_done(self, p: ModulePlan) -> Callable[[], None]:
+        def done() -> None:
+            key = id(p.module)
+            self._leaf_calls[key] = self._leaf_calls.get(key, 0) - 1
+            if self._leaf_calls[key] == 0:
+                self._begin_backward()
+                for i in p.needs:
+                    if i in self._leaf_units and i not in self._reduced:
+                        self._reduce(i)
+
+        return done
+
     def _grad_ready_hook(self, i: int):
         def hook(param: nn.Parameter) -> None:
             self._begin_backward()
+            if i in self._reduced:
+                if i in self._leaf_units:
+                    raise RuntimeError(
+                        f"ZeRO stage 3: parameter '{self._names.get(id(param), '?')}' of a leaf module got its "
+                        "gradient after the leaf's backward had ended and its gradients were reduced; a parameter "
+                        "of a leaf module must be used only inside the leaf's forward"
+                    )
+                return
             ready = self._ready_grads[i]
             ready.add(id(param))
-            if i not in self._reduced and all(id(p) in ready for p in self.units[i].params if p.requires_grad):
+            if i not in self._leaf_units and all(id(p) in ready for p in self.units[i].params if p.requires_grad):
                 self._reduce(i)
 
         return hook
@@ -264,18 +442,16 @@ class Stage3Scheduler:
         self._backward.end()
         self._reduced = set()
         self._ready_grads = [set() for _ in self.units]
+        self._leaf_calls = {}
         self._in_backward = False
 
     # -- whole-model access -------------------------------------------------------------------
 
     def hold(self) -> None:
         """Gather every unit and keep it gathered until ``release()``."""
+        self._start([i for i in range(len(self.units)) if self._state[i] == _FREE], "gathered_params()")
         for i in range(len(self.units)):
-            if not self.units[i].persistent:
-                self._start(i)
-        for i in range(len(self.units)):
-            if not self.units[i].persistent:
-                self._finish(i)
+            self._finish(i)
         self._held = True
 
     def release(self) -> None:

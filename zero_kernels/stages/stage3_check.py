@@ -1,0 +1,87 @@
+"""Stage 3: before parameters are all-gathered, every rank checks that every rank gathers the same units.
+
+An all-gather pairs whatever the ranks issue at the same point: if rank 0 gathers module ``left``
+while rank 1 gathers ``right`` (data-dependent control flow, a mixture of experts), the same-sized
+case silently mixes their parameters and the different-sized one kills a rank inside the backend.
+So before issuing a batch of gathers (the units one module needs and those prefetched with them),
+each rank all-reduces a fixed-size signature of the batch (count, first unit and its size, total
+size and a hash of every (unit, size) in order) as [s, -s] with ``max``: equal maxima and minima
+mean every rank issues the same batch, so the data gathers are issued only then. Otherwise every
+rank exchanges what it was about to gather and raises ``CommError`` naming the modules and ranks.
+
+Cost: one small all-reduce per batch, waited on before the batch's gathers are issued (with the
+default prefetch a forward or backward pass has few batches). A 61-bit hash of the batch is compared,
+with the first unit and the count exactly, so a batch differing beyond its first unit escapes only
+on a hash collision (probability 2^-61).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from ..comm import CommError, all_gather_objects
+
+_HASH_MOD = (1 << 61) - 1
+
+
+class Named(Protocol):
+    uid: int  # the same number on every rank for the same unit
+    numel: int  # elements one gather brings in (padding included)
+    param_numel: int  # elements of its parameters, for messages
+    name: str  # qualified name of the module that holds the unit ('' for the root)
+    kind: str  # that module's class name
+
+
+def signature(units: Sequence[Named]) -> list[int]:
+    """Integers equal on two ranks when they gather the same units in the same order."""
+    digest = 0
+    for u in units:
+        digest = (digest * 1_000_003 + u.uid * 4_294_967_311 + u.numel) % _HASH_MOD
+    return [len(units), units[0].uid, units[0].numel, sum(u.numel for u in units), digest]
+
+
+def check_same_units(
+    engine, units: Sequence[Named], phase: str, device: torch.device, suggest: Callable[[list[str]], str]
+) -> None:
+    """Raise ``CommError`` on every rank unless every rank is about to gather ``units`` too.
+
+    Args:
+        engine: the comm engine (a collective: every rank must call this at the same point).
+        units: the units this rank is about to gather, in issue order (not empty).
+        phase: where the gathers happen, for the message ("forward", "backward", ...).
+        device: where the signature is exchanged (the units' device).
+        suggest: the fix to suggest, given the names of the modules the ranks disagree on.
+    """
+    if engine.world_size == 1:
+        return
+    mine = signature(units)
+    packed = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    engine.all_reduce(packed, op="max", name="stage3.check").wait()
+    values = packed.tolist()
+    n = len(mine)
+    if values[:n] == [-v for v in values[n:]]:
+        return
+    everyone = all_gather_objects(engine, [(u.name, u.kind, u.param_numel) for u in units], name="stage3.check.units")
+    raise CommError(describe_mismatch(everyone, phase, suggest))
+
+
+def describe_mismatch(everyone: list[list[tuple[str, str, int]]], phase: str, suggest: Callable) -> str:
+    """The message for ranks that gather different units: what each rank gathers where they first differ."""
+    at = 0
+    while all(at < len(batch) for batch in everyone) and len({batch[at] for batch in everyone}) == 1:
+        at += 1
+    names = [batch[at][0] for batch in everyone if at < len(batch)]
+
+    def what(batch: list[tuple[str, str, int]]) -> str:
+        if at >= len(batch):
+            return "nothing more"
+        name, kind, numel = batch[at]
+        return f"'{name or '<root>'}' ({kind}, {numel} elements)"
+
+    ranks = "; ".join(f"rank {r} gathers the parameters of {what(batch)}" for r, batch in enumerate(everyone))
+    return (
+        f"ZeRO stage 3: the ranks gather different parameters at the same point of the {phase}: {ranks}. "
+        f"Every rank must run the same modules in the same order (the gathers pair up in order). {suggest(names)}"
+    )
