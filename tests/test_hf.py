@@ -5,7 +5,10 @@ Tiny models built from configs (random weights, no download). One spawn runs eve
 - Llama, stages 0-3 (stage 3 with gathered units), 2 accumulation micro-batches per step, clipping
   active: the weights after training match the plain Trainer's run (its DDP wrap + AdamW) to
   fp32 noise, and so do the logged losses and gradient norms. (Llama has no biases: GPT-2's
-  attention key bias gets a gradient that is rounding noise, which Adam turns into full steps.)
+  attention key bias gets a gradient that is rounding noise, which Adam turns into full steps.
+  For the same reason ``adam_epsilon`` is 1e-3: an embedding element whose gradient cancels to
+  ~1e-7 of its row's would, with eps 1e-8, take a step of ~0.6 x lr whose size hangs on that
+  noise, so the last-ulp differences between the fused C++ kernel and AdamW grow to 1e-4.)
 - GPT-2 (tied embeddings) at stage 3: a Trainer checkpoint taken halfway resumes, on a model built
   from another seed, to the same weights as the uninterrupted run; ``save_model`` +
   ``from_pretrained`` round-trips the weights exactly; without
@@ -61,6 +64,7 @@ def _args(output_dir: str, **kw):
 
     base = dict(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=BATCH,
                 gradient_accumulation_steps=2, learning_rate=2e-2, weight_decay=0.1, max_grad_norm=0.5,
+                adam_epsilon=1e-3,
                 lr_scheduler_type="linear", logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
                 ddp_backend="gloo", disable_tqdm=True, seed=0, dataloader_num_workers=0)  # fmt: skip
     return TrainingArguments(**{**base, **kw})

@@ -107,8 +107,9 @@ def test_training_args_fill_every_auto_the_trainer_would(caplog: pytest.LogCaptu
 
 
 def test_matches_the_hf_trainer_where_transformers_is_installed() -> None:
-    """The values the Trainer's own DeepSpeed integration writes into the same template."""
+    """The values the Trainer's own DeepSpeed integration writes into the same template (it needs deepspeed)."""
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
     integration = pytest.importorskip("transformers.integrations.deepspeed")
     args = transformers.TrainingArguments(
         output_dir="unused", report_to=[], use_cpu=True, learning_rate=3e-4, adam_beta1=0.85, adam_beta2=0.98,
