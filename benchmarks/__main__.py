@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from .common import format_duration, machine_info, print_table, reporting, summary_rows, write_json
+from . import compare, plots
+from .common import format_duration, machine_info, print_table, read_runs, reporting, summary_rows, write_json
 
 _NOT_SUBJECTS = {"common", "compare", "plots", "e2e_deepspeed"}
 _COMMANDS = ("compare", "plot")
@@ -45,21 +46,16 @@ def _prebuild() -> None:
 
 def _command(argv: list[str]) -> int:
     if argv[0] == "compare":
-        from .compare import main as compare_main
-
-        return compare_main(argv[1:])
+        return compare.main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m benchmarks plot", description="plots of a run saved with --json")
     parser.add_argument("json_dir", help="folder written by --json")
     parser.add_argument("out_dir", help="folder for the PNG files")
     args = parser.parse_args(argv[1:])
-    from .common import read_runs
-    from .plots import PlotUnavailable, write_plots
-
     try:
         results, machine = read_runs(args.json_dir)
-        for path in write_plots(results, args.out_dir, machine):
+        for path in plots.write_plots(results, args.out_dir, machine):
             print(path)
-    except (PlotUnavailable, OSError, ValueError) as exc:
+    except (plots.PlotUnavailable, OSError, ValueError) as exc:
         print(f"python -m benchmarks plot: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -80,11 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown subject(s) {', '.join(unknown)}; available: {', '.join(sorted(available))}")
     if args.plot:
-        from .plots import PlotUnavailable, require_matplotlib
-
         try:
-            require_matplotlib()
-        except PlotUnavailable as exc:
+            plots.require_matplotlib()
+        except plots.PlotUnavailable as exc:
             parser.error(str(exc))
     started = time.time()
     machine = machine_info()
@@ -104,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     print_table("summary: ours vs the best peer (speedup = the peer's time / ours; above 1: ours is faster)", summaries)
     if args.plot:
-        from .plots import write_plots
-
-        for path in write_plots(results, args.plot, machine):
+        for path in plots.write_plots(results, args.plot, machine):
             print("plot:", path)
     print(f"\nwall time: {format_duration(time.time() - started)} ({len(names)} subjects)")
     return 0

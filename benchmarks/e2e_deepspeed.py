@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 PREFIX = "deepspeed-stage"
-NOTE = '"torch_adam": true (torch.optim.AdamW; not DeepSpeed\'s CPU FusedAdam)'
+NOTE = '"torch_adam": true (torch.optim.AdamW)'
 INSTALL_HINT = "pip install -e '.[bench]'"
 
 
@@ -97,6 +97,8 @@ def build(
     # inference all-reduce; training collectives go through torch.distributed (gloo) either way.
     if hasattr(ds_torch_comm, "build_shm_op"):
         ds_torch_comm.build_shm_op = lambda: None
+    # DeepSpeed 0.19 calls torch.distributed names that torch 2.13 deprecates, with a warning per call.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     rank = str(dist.get_rank())
     os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=str(dist.get_world_size()))  # DeepSpeed reads them
     deepspeed.init_distributed(dist_backend="gloo")  # takes over the process group this rank already joined

@@ -50,7 +50,7 @@ def _bars(ax: Any, groups: list, series: list[str], value: Callable[[Any, str], 
             if v is not None:
                 xs.append(g - 0.4 + (i + 0.5) * width)
                 ys.append(v)
-        ax.bar(xs, ys, width, label=name)
+        ax.bar(xs, ys, width, label=f" {name}")  # the space: matplotlib leaves labels starting "_" out
     ax.set_xticks(range(len(groups)))
     ax.set_ylabel(unit)
 
@@ -134,8 +134,13 @@ def _plot_e2e(plt: Any, rows: list[dict]) -> Any:
     providers = list(dict.fromkeys(r["provider"] for r in rows))
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 5))
     step = {p: _lookup(rows, "step_ms", provider=p) for p in providers}
-    colors = ["tab:blue" if p.startswith("zk-") else "tab:grey" for p in providers]
-    ax_t.bar(range(len(providers)), [step[p] or 0 for p in providers], color=colors)
+    families = {"ours": "tab:blue", "DeepSpeed": "tab:orange", "torch": "tab:grey"}
+    family = ["ours" if p.startswith("zk-") else "DeepSpeed" if p.startswith("deepspeed") else "torch"
+              for p in providers]  # fmt: skip
+    for name, color in families.items():
+        mine = [i for i, f in enumerate(family) if f == name]
+        ax_t.bar(mine, [step[providers[i]] or 0 for i in mine], color=color, label=name)
+    ax_t.legend(fontsize=7)
     for i, p in enumerate(providers):
         if step[p] is None:
             ax_t.annotate("failed", (i, 0), ha="center", va="bottom", fontsize=7, color="red")
@@ -148,7 +153,7 @@ def _plot_e2e(plt: Any, rows: list[dict]) -> Any:
         ax_m.bar(range(len(providers)), values, bottom=bottom, label=kind.replace("_MiB", ""))
         bottom = [b + v for b, v in zip(bottom, values)]
     rss = [_lookup(rows, "peak_rss_mb", provider=p) for p in providers]
-    ax_m.plot(range(len(providers)), rss, "k_", markersize=18, label="peak RSS (MB)")
+    ax_m.plot(range(len(providers)), rss, "k_", markersize=18, label="peak RSS")
     ax_m.set_ylabel("MiB per rank")
     ax_m.set_title("model state per rank, and peak RSS")
     ax_m.legend(fontsize=7)
