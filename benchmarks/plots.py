@@ -82,7 +82,8 @@ def _plot_adam(plt: Any, rows: list[dict]) -> Any:
         ax.set_xticklabels([f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else str(n) for n in sizes])
         ax.set_xlabel("parameters")
         _roofs(ax, sub, {"inplace_GB/s": "in-place roof", "copy_GB/s": "copy"})
-        ax.set_title(f"Adam step, {case} ({sub[0]['tensors']} tensors)")
+        count = sub[0]["tensors"]
+        ax.set_title(f"Adam step, {case} ({count} tensor{'s' if count != 1 else ''})")
         ax.legend(fontsize=7)
     return fig
 
