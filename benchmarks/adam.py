@@ -19,7 +19,7 @@ import torch
 
 from zero_kernels.kernels import adam_step, resolve_impl
 
-from .common import copy_bandwidth, inplace_bandwidth, synchronize, timeit
+from .common import copy_bandwidth, expect, inplace_bandwidth, progress, synchronize, timeit
 
 DESCRIPTION = "Adam step, fp32 state: ours (one flat shard) vs torch.optim.AdamW foreach/fused"
 
@@ -117,6 +117,7 @@ def _rows_for(case: str, n: int, device: torch.device, roof_gbs: float, repeat: 
     candidates.update({name: None for name in peers})
     for provider, why in candidates.items():
         row = {"case": case, "tensors": len(shapes), "n": n, "provider": provider}
+        progress(f"{case} n={n}", provider)
         if why is not None:
             rows.append({**row, "note": f"unavailable: {why}"})
             continue
@@ -143,6 +144,7 @@ def run(quick: bool) -> list[dict]:
     inplace_gbs = inplace_bandwidth(4 * sizes[-1], str(device))  # the footprint of the largest case
     copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))
     rows = []
+    expect(len(sizes) * 2 * (len(our_backends(device)) + 2))
     for n in sizes:
         for case in ("flat", "list"):
             rows += _rows_for(case, n, device, inplace_gbs, repeat)

@@ -31,6 +31,8 @@ import torch.multiprocessing as mp
 
 from zero_kernels import _ext, comm
 
+from .common import best_vs_peer, expect, progress
+
 DESCRIPTION = "gloo collectives per primitive and size, and overlap of reduce-scatter with compute (2 ranks)"
 
 WORLD_SIZE = 2
@@ -79,6 +81,8 @@ def _bandwidth_rows(engine, sizes_mb: list[float], repeat: int) -> list[dict]:
             numel = int(mb * 2**20 / 4) // WORLD_SIZE * WORLD_SIZE
             full, shard = torch.randn(numel), torch.randn(numel // WORLD_SIZE)
             chosen = engine.primitive_for(op, full) if op != "all_reduce" else "all_reduce"
+            if dist.get_rank() == 0:
+                progress(f"{op} {mb:g} MB", f"{engine.kind} engine")
             fns = {p: (lambda p=p: _issue(engine, op, full, shard, p).wait()) for p in primitives}
             for primitive, seconds in _interleaved_medians(fns, repeat).items():
                 rows.append(
@@ -164,9 +168,14 @@ def _overlap_rows(engines: list, bucket_mb: float, buckets: int, repeat: int) ->
 
 def _measure(engines: list[str], quick: bool) -> list[dict]:
     made = [comm.make_engine(backend=kind) for kind in engines]
+    sizes = [0.25, 4.0] if quick else [0.0625, 1.0, 4.0, 16.0]
+    if dist.get_rank() == 0:  # the ranks' progress: rank 0 reports it
+        expect(len(made) * len(PRIMITIVES) * len(sizes) + 1)
     rows = []
     for engine in made:
-        rows += _bandwidth_rows(engine, [0.25, 4.0] if quick else [0.0625, 1.0, 4.0, 16.0], 7 if quick else 20)
+        rows += _bandwidth_rows(engine, sizes, 7 if quick else 20)
+    if dist.get_rank() == 0:
+        progress("overlap 8 x 1 MB", " and ".join(f"{e.kind} engine" for e in made))
     return rows + _overlap_rows(made, 1.0, 8, 15 if quick else 40)
 
 
@@ -189,6 +198,25 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per reduce-scatter and all-gather size: the primitive our engines choose (the faster engine)
+    against the fastest of gloo's own collectives through plain ``torch.distributed``; per engine, the
+    share of communication hidden behind compute."""
+    marked = []
+    for r in rows:
+        if "mode" in r or not r["case"].startswith(("reduce_scatter", "all_gather")):
+            continue
+        if r["chosen"] == "yes":
+            marked.append({**r, "provider": f"ours: {r['provider']} engine, {r['primitive']}"})
+        elif r["provider"] == "torch" and not r["primitive"].endswith("_p2p"):
+            marked.append({**r, "provider": f"torch.distributed {r['primitive']}"})
+    lines = best_vs_peer(marked)
+    for r in rows:
+        if r.get("mode") == "overlapped":
+            lines.append({"case": r["case"], "ours": f"{r['provider']} engine", "note": f"hidden {r['hidden']:.0%}"})
+    return lines
 
 
 def run(quick: bool = True) -> list[dict]:

@@ -1,4 +1,5 @@
-"""End-to-end training step on 2 gloo ranks: our stages next to DDP, ZeroRedundancyOptimizer and FSDP2.
+"""End-to-end training step on 2 gloo ranks: our stages next to DDP, ZeroRedundancyOptimizer, FSDP2
+and, when it is installed, DeepSpeed at each stage (``e2e_deepspeed``).
 
 Each provider runs in fresh processes (so peak RSS is its own): a ~20M-parameter MLP stack,
 a few warm-up steps, then the median wall time of forward + backward + step + zero_grad, the
@@ -8,6 +9,8 @@ FSDP2's DTensors by their local shards). ``vs_peer`` is the step time of the nam
 ours, both the mean over ranks of this run (above 1: ours is faster). Providers run one after the
 other, so on a busy machine repeat the run before reading much into a ratio near 1. Our
 ``reduce_bucket_size`` is 2M elements (8 MB), the size of the DDP buckets (``bucket_cap_mb=8``).
+``vs_deepspeed`` is DeepSpeed's step time at the same stage divided by ours. A provider that fails
+(or whose processes die) is reported in its row (``error``), not fatal.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import resource
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -26,7 +30,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-DESCRIPTION = "training step on 2 gloo ranks: zero_kernels stages 0-3 vs DDP, ZeRO-1 (torch), FSDP2"
+from . import e2e_deepspeed
+from .common import expect, progress
+
+DESCRIPTION = "training step on 2 gloo ranks: zero_kernels stages 0-3 vs DDP, ZeRO-1 (torch), FSDP2, DeepSpeed"
 WORLD = 2
 PEERS = {
     "zk-stage0": "ddp+adamw-fused",
@@ -35,6 +42,7 @@ PEERS = {
     "zk-stage3": "fsdp2",
 }
 BUCKET_ELEMENTS = 2_000_000  # ours: reduce_bucket_size (8 MB of fp32), the size of the DDP buckets below
+LR = 1e-4
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -92,20 +100,33 @@ def _build(provider: str, model: nn.Module):
     return model, opt, lambda: _state_bytes(list(model.parameters()), opt)
 
 
+def _train_step(provider: str, model: nn.Module, x: torch.Tensor):
+    """(one training step: forward, backward, step and gradients cleared; memory report function)."""
+    if provider.startswith(e2e_deepspeed.PREFIX):
+        return e2e_deepspeed.build(provider, model, x, lr=LR, bucket_elements=BUCKET_ELEMENTS)
+    module, opt, report = _build(provider, model)
+
+    def step() -> None:
+        module(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    return step, report
+
+
 def _rank(rank: int, provider: str, port: int, width: int, depth: int, steps: int, out: str) -> None:
     torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # for DeepSpeed, which reads them
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
     )
     try:
-        module, opt, report = _build(provider, _model(width, depth))
-        x = torch.randn(8, width)
+        model = _model(width, depth)
+        step, report = _train_step(provider, model, torch.randn(8, width))
         times = []
         for _ in range(steps):
             start = time.perf_counter()
-            module(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
+            step()
             dist.barrier()
             times.append(time.perf_counter() - start)
         row = {"step_ms": 1e3 * statistics.median(times[2:]), "mem": report()}
@@ -125,11 +146,7 @@ def _free_port() -> int:
 
 def _with_peer_ratios(rows: list[dict]) -> list[dict]:
     """Add ``peer`` and ``vs_peer`` (peer's mean step time over ours) to our rows."""
-    times: dict[str, list[float]] = {}
-    for r in rows:
-        if "step_ms" in r:
-            times.setdefault(r["provider"], []).append(r["step_ms"])
-    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    mean = _mean_step_ms(rows)
     for r in rows:
         peer = PEERS.get(r["provider"])
         if peer in mean and r["provider"] in mean:
@@ -137,20 +154,73 @@ def _with_peer_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def _deepspeed_ratios(rows: list[dict]) -> list[dict]:
+    """Add ``vs_deepspeed`` (DeepSpeed's mean step time at the same stage over ours) to our rows."""
+    mean = _mean_step_ms(rows)
+    for r in rows:
+        ds = e2e_deepspeed.PREFIX + r["provider"][-1]
+        if r["provider"].startswith("zk-stage") and ds in mean and r["provider"] in mean:
+            r["vs_deepspeed"] = mean[ds] / mean[r["provider"]]
+    return rows
+
+
+def _mean_step_ms(rows: list[dict]) -> dict[str, float]:
+    """provider -> its step time, the mean over the ranks that measured one."""
+    times: dict[str, list[float]] = {}
+    for r in rows:
+        if "step_ms" in r:
+            times.setdefault(r["provider"], []).append(r["step_ms"])
+    return {k: sum(v) / len(v) for k, v in times.items()}
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per stage: ours against the fastest of its peers (the named peer and DeepSpeed at that stage)."""
+    mean = _mean_step_ms(rows)
+    out = []
+    for ours, peer in PEERS.items():
+        line = {"case": f"stage {ours[-1]}, {rows[0]['case']}" if rows else f"stage {ours[-1]}", "ours": ours}
+        peers = {p: mean[p] for p in (peer, e2e_deepspeed.PREFIX + ours[-1]) if p in mean}
+        if ours in mean:
+            line["ours_ms"] = mean[ours]
+        if peers:
+            best = min(peers, key=peers.get)
+            line.update(best_peer=best, peer_ms=peers[best])
+        if ours in mean and peers:
+            line["speedup"] = line["peer_ms"] / mean[ours]
+        out.append(line)
+    return out
+
+
+def _spawn(provider: str, width: int, depth: int, steps: int, out: str) -> list[dict]:
+    """The rows of one provider, one per rank; processes that die leave an ``error`` row."""
+    try:
+        mp.spawn(_rank, args=(provider, _free_port(), width, depth, steps, out), nprocs=WORLD, join=True)
+    except Exception as err:  # e.g. a rank killed by a signal: the other providers still run
+        return [{"error": f"{type(err).__name__}: {err}"[:120]} for _ in range(WORLD)]
+    rows = []
+    for rank in range(WORLD):
+        with open(f"{out}.{rank}") as f:
+            row = json.load(f)
+        mem = row.pop("mem", {})
+        rows.append({**row, **{f"{k}_MiB": v / 2**20 for k, v in mem.items()}})
+    return rows
+
+
 def run(quick: bool) -> list[dict]:
     width, depth, steps = (512, 10, 6) if quick else (768, 6, 12)
     providers = ["zk-stage0", "zk-stage1", "zk-stage2", "zk-stage3", "ddp+adamw-fused", "ddp+zero1-torch", "fsdp2"]
+    missing = e2e_deepspeed.unavailable()
+    if missing:
+        print(f"e2e: {missing}", file=sys.stderr)
+    else:
+        providers += [f"{e2e_deepspeed.PREFIX}{stage}" for stage in range(4)]
     rows = []
-    psi = sum(p.numel() for p in _model(width, depth).parameters())
+    case = f"{sum(p.numel() for p in _model(width, depth).parameters()) / 1e6:.1f}M params"
+    expect(len(providers))
     with tempfile.TemporaryDirectory() as tmp:
         for provider in providers:
-            out = os.path.join(tmp, provider)
-            args = (provider, _free_port(), width, depth, steps, out)
-            mp.spawn(_rank, args=args, nprocs=WORLD, join=True)
-            for rank in range(WORLD):
-                with open(f"{out}.{rank}") as f:
-                    row = json.load(f)
-                mem = row.pop("mem", {})
-                mib = {f"{k}_MiB": v / 2**20 for k, v in mem.items()}
-                rows.append({"case": f"{psi / 1e6:.1f}M params", "provider": provider, "rank": rank, **row, **mib})
-    return _with_peer_ratios(rows)
+            progress(case, provider)
+            note = {"note": e2e_deepspeed.NOTE} if provider.startswith(e2e_deepspeed.PREFIX) else {}
+            for rank, row in enumerate(_spawn(provider, width, depth, steps, os.path.join(tmp, provider))):
+                rows.append({"case": case, "provider": provider, "rank": rank, **note, **row})
+    return _deepspeed_ratios(_with_peer_ratios(rows))

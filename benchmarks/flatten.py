@@ -20,8 +20,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zero_kernels.kernels import flatten, unflatten
 
-from .adam import TIME_BUDGET_S, median_seconds, our_backends, transformer_shapes
-from .common import copy_bandwidth
+from .adam import TIME_BUDGET_S, _sizes, median_seconds, our_backends, transformer_shapes
+from .common import copy_bandwidth, expect, progress
 
 DESCRIPTION = "flatten/unflatten of ~200 tensors: ours (one launch) vs torch.cat / _flatten_dense_tensors / foreach"
 
@@ -78,6 +78,7 @@ def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat:
     rows = []
     for provider in [*notes, *fns]:
         row = {"case": case, "tensors": len(tensors), "n": n, "provider": provider}
+        progress(f"{case} n={n}", provider)
         if provider in notes:
             rows.append({**row, "note": notes[provider]})
             continue
@@ -93,13 +94,11 @@ def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat:
 
 def run(quick: bool) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        sizes = [1 << 24] if quick else [1 << 20, 1 << 22, 1 << 24, 1 << 26]
-    else:
-        sizes = [1 << 23] if quick else [1 << 20, 1 << 22, 1 << 24]
+    sizes = _sizes(quick, device)  # those of the Adam benchmark
     repeat = 50 if device.type == "cuda" else (5 if quick else 15)
     copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))  # the footprint of the largest case
     rows = []
+    expect(len(sizes) * len(CASES) * (len(our_backends(device)) + 2))  # two torch peers per case
     for n in sizes:
         for case in CASES:
             rows += _case_rows(case, n, device, copy_gbs, repeat)
