@@ -4,6 +4,7 @@
   experts trains correctly once its block is a leaf module, marked before or after the optimizer.
 - Ranks that gather different modules raise ``CommError`` on every rank, with the same sizes (which
   used to mix the modules' parameters silently) and different sizes (which used to kill a rank).
+  On a backend other than gloo the check runs on a gloo group of the same ranks (host only).
 - A parameter read outside its module (``F.linear(h, self.embed.weight)``, a tied output embedding)
   is gathered for the module that reads it, registered or found on first use; read outside any
   forward it raises an error naming it.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,9 +29,10 @@ from test_stage3 import FakeUnit, Lin, _events
 from torch import nn
 
 import zero_kernels as zk
-from zero_kernels.comm import CommError
+from zero_kernels.comm import CommError, TorchCommEngine
 from zero_kernels.model_hints import external_parameters
 from zero_kernels.stages import stage3_guard
+from zero_kernels.stages.stage3_check import check_same_units, control_engine
 from zero_kernels.stages.stage3_hooks import Stage3Scheduler
 
 DIM, EXPERTS, ROWS, LR = 6, 4, 2, 2e-2
@@ -297,8 +300,24 @@ def _moe_case(rank: int, world: int, when: str, **zero) -> None:
     _train(rank, world, model, ref, opt, _moe_batches(world), f"moe (leaf {when})", forward, MOE_ROWS)
 
 
+def _control_group_cases(rank: int) -> None:
+    """An engine on a non-gloo backend (NCCL) checks its gathers over a new gloo group of the same ranks."""
+    engine = TorchCommEngine()
+    assert control_engine(engine) is engine
+    engine.backend = "nccl"  # what routes the checks off the device; the collectives below run on gloo
+    control = control_engine(engine)
+    assert control is not engine and control.backend == "gloo" and control.group is not engine.group
+    assert dist.get_process_group_ranks(control.group) == dist.get_process_group_ranks(engine.group)
+    unit = SimpleNamespace(uid=3, numel=8, param_numel=6, name="left", kind="Linear")
+    check_same_units(control, [unit], "forward", torch.device("cpu"), lambda names: "")
+    other = SimpleNamespace(uid=4, numel=8, param_numel=6, name="right", kind="Linear")
+    with pytest.raises(CommError, match="rank 1 gathers the parameters of 'right'"):
+        check_same_units(control, [unit if rank == 0 else other], "forward", torch.device("cpu"), lambda names: "")
+
+
 def _data_dependent_cases(rank: int, world: int) -> None:
     if world == 2:
+        _control_group_cases(rank)
         _divergence_cases(rank, world)
     _moe_case(rank, world, "before", stage3_prefetch_bucket_size=0)
     if world == 2:

@@ -47,7 +47,7 @@ from ..layout import Bucket, BufferLayout
 from . import adopt, stage3_save
 from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
-from .stage3_check import check_same_units
+from .stage3_check import check_same_units, control_engine
 from .stage3_hooks import Stage3Scheduler
 from .stage3_plan import check_externals, holders
 
@@ -115,6 +115,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, impl=impl, module=module)
+        self._control = control_engine(engine)
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3_plan.holders``)
         self._units: list[_Unit] = []
         self._scheduler: Optional[Stage3Scheduler] = None
@@ -168,7 +169,8 @@ class Stage3Pipeline(Stage2Pipeline):
     def _check_gathers(self, batch: list[int], phase: str) -> None:
         """Every rank must be about to gather the same units (``stage3_check``); else ``CommError``."""
         units = [self._units[i] for i in batch]
-        check_same_units(self.engine, units, phase, self.buffers[batch[0]].device, self._suggest_leaf)
+        device = self.buffers[batch[0]].device if self._control is self.engine else torch.device("cpu")
+        check_same_units(self._control, units, phase, device, self._suggest_leaf)
 
     def _suggest_leaf(self, names: list[str]) -> str:
         """The fix for ranks that gather the units of modules ``names``: their closest common caller as a leaf."""
