@@ -3,8 +3,8 @@
 1. A loop that calls only ``model.zero_grad()`` (as the Hugging Face Trainer) matches AdamW,
    with accumulation (two backward passes, ``no_sync``) and a parameter unused in some steps.
 2. Parameters replaced after construction (``model.to("cpu:0")`` copies, ``p.data = ...``) are
-   followed; a bf16 master keeps its precision; ``load_state_dict(assign=True)`` and a new dtype
-   raise naming the parameter.
+   followed, also by a checkpoint loaded right after; a bf16 master keeps its precision;
+   ``load_state_dict(assign=True)`` and a new dtype raise naming the parameter.
 3. Stage 3: ``model.state_dict()`` of shards is refused with what to call; ``save_pretrained``
    writes full weights.
 4. A model wrapped in DDP is refused (given to the optimizer, or wrapped afterwards).
@@ -81,6 +81,29 @@ def replaced_params(rank: int, world: int, stage: int) -> None:
         ropt.zero_grad()
         with opt.gathered_params():
             compare(model, ref, f"stage {stage} replaced parameters step {step}")
+
+
+def replaced_then_loaded(rank: int, world: int, stage: int, directory: str) -> None:
+    """Item 2: a checkpoint loaded right after ``model.to("cpu:0")`` reaches the model and survives the next step."""
+    model, ref = make_models(torch.float32)
+    opt = make_opt(model, stage)
+    for step in range(2):
+        forward_backward(model, ref, rank, world, stage, step)
+        opt.step()
+        opt.zero_grad()
+    path = os.path.join(directory, f"replaced-then-loaded-{stage}")
+    zk.checkpoint.save(path, model, opt)
+    again, _ = make_models(torch.float32)
+    again_opt = make_opt(again, stage)
+    again.to(torch.device("cpu", 0))
+    zk.checkpoint.load(path, again, again_opt)
+    for m, o in ((model, opt), (again, again_opt)):
+        forward_backward(m, ref, rank, world, stage, 2)
+        o.step()
+        o.zero_grad()
+    with opt.gathered_params(), again_opt.gathered_params():
+        for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+            assert torch.equal(a, b), f"stage {stage}: {name} differs after a load that followed model.to"
 
 
 def master_kept(rank: int, world: int, stage: int) -> None:
@@ -176,6 +199,7 @@ def frameworks(rank: int, world: int, directory: str) -> None:
     for stage in STAGES:
         model_zero_grad_only(rank, world, stage)
         replaced_params(rank, world, stage)
+        replaced_then_loaded(rank, world, stage, directory)
         master_kept(rank, world, stage)
         replacement_errors(rank, world, stage)
         clipped(rank, world, stage)

@@ -488,6 +488,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self._follow_replaced_params()  # model.to(...) copies: load into what the model reads
         optim_state.load(self, state_dict)
         self._consolidated = None
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

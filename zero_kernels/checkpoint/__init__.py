@@ -39,7 +39,7 @@ from torch import nn
 
 from ..comm import all_gather_objects
 from ..layout import BufferLayout
-from ..stages import Pipeline
+from ..stages import Pipeline, adopt
 from .consolidate import consolidate
 from .deepspeed import from_deepspeed
 from .format import (
@@ -488,6 +488,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     """
     check_byteorder()
     pipeline = _pipeline(optimizer)
+    adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
     meta, moves, extra = _collect(
         pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False
     )
