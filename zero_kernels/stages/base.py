@@ -4,7 +4,7 @@ A pipeline owns the flat buffers of an optimizer's trainable parameters and driv
 ``ShardedFusedAdam`` keeps the books (param groups, hyper-parameters, loss scale) and calls in.
 
 Buffers. ``add_group(group, params, indices)`` builds one ``FlatBuffer`` per (param group, dtype)
-from ``layout.BufferLayout`` (params reversed, buckets of ``reduce_bucket_size`` elements, every
+from ``layout.BufferLayout`` (params reversed, buckets of ``bucket_numel()`` elements (``buckets``), every
 bucket split into ``num_shards`` equal parts; parameters straddle bucket and shard boundaries).
 Per buffer: ``param_flat`` (full parameters, each ``p.data`` a view of it; stage 3 replaces it),
 ``grad_flat`` (full gradients; stages 0 and 1) or ``grad_shard`` (this rank's reduced gradients;
@@ -55,8 +55,8 @@ import torch
 
 from ..comm import Handle
 from ..kernels import adam_step
-from ..layout import Bucket, BufferLayout
-from . import adopt, grad_state, stats
+from ..layout import Bucket, BufferLayout, align_elements
+from . import adopt, buckets, grad_state, stats
 
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
 
@@ -157,6 +157,7 @@ class Pipeline:
     requires_module: ClassVar[bool] = False  # True: needs the model, not just its parameters
     grad_divisor_is_world: ClassVar[bool] = False  # True: the reduced gradients are sums over ranks
     max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
+    allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         self.engine = engine
@@ -196,8 +197,16 @@ class Pipeline:
     def shard_rank(self) -> int:
         return self.rank if self.num_shards > 1 else 0
 
-    def bucket_numel(self) -> int:
-        return int(self.options.reduce_bucket_size)
+    def bucket_numel(self, element_size: int = 4) -> int:
+        """Elements per bucket of a buffer of ``element_size``-byte elements (``buckets.bucket_numel``).
+
+        Args:
+            element_size: bytes per element of the buffer.
+        """
+        allgather = self.options.allgather_bucket_size if self.allgather_by_bucket else None
+        size = buckets.bucket_numel(self.engine.backend, element_size, self.options.reduce_bucket_size, allgather)
+        unit = self.num_shards * align_elements(element_size)  # the layout's bucket unit: round down, not up
+        return max(unit, size // unit * unit)
 
     def add_group(self, group: int, params: Sequence[torch.nn.Parameter], indices: Sequence[int]) -> None:
         """Build the buffers of param group ``group``; ``indices`` number ``params`` in the optimizer.
@@ -214,7 +223,8 @@ class Pipeline:
         built = []  # every layout is built (and checked) before anything changes
         for (dtype, device), members in by_dtype.items():
             ps = [p for p, _ in members]
-            layout = BufferLayout.build(ps, bucket_numel=self.bucket_numel(), num_shards=self.num_shards)
+            size = self.bucket_numel(ps[0].element_size())
+            layout = BufferLayout.build(ps, bucket_numel=size, num_shards=self.num_shards)
             built.append(FlatBuffer(group, layout, ps, [i for _, i in members], dtype, device))
         for buf in built:
             self._allocate(buf)

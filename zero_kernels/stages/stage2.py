@@ -30,6 +30,7 @@ POOL_BUCKETS = Pipeline.max_inflight + 3  # idle scratch buckets kept for reuse 
 
 class Stage2Pipeline(Pipeline):
     stage = 2
+    allgather_by_bucket = True
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         super().__init__(engine, options, impl=impl, module=module)
