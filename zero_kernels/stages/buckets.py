@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Optional
 
 GRANULE_BYTES: dict[str, int] = {
-    "gloo": 8 << 20,  # measured: see benchmarks/RESULTS.md (issue 17)
+    "gloo": 8_000_000,  # 2M fp32 elements, measured: see benchmarks/RESULTS.md (issue 17)
     "nccl": 32 << 20,  # not measured here: DDP's 25 MB buckets, NCCL's bandwidth plateau
 }
 
