@@ -353,6 +353,7 @@ class Pipeline:
             self._sync_manual_grads()
         self._complete_inflight()
         self._before_step()
+        grad_state.zero_unwritten(self)
         grad_state.read_grad_flags(self)
         self._grads_final = True
 
@@ -453,9 +454,9 @@ class Pipeline:
                     p.grad = None
                 elif p.grad is not None and p.grad.untyped_storage().data_ptr() != flat:
                     p.grad.zero_()  # views of grad_flat are zeroed with it, below
-            for t in (buf.grad_flat, buf.grad_shard):
-                if t is not None:
-                    t.zero_()
+            if buf.grad_flat is not None:
+                buf.grad_flat.zero_()
+            buf.written.clear()  # grad_shard: overwritten by the next reduction (grad_state.zero_unwritten)
         if set_to_none:
             self.has_grad = dict.fromkeys(self.has_grad, False)
             self.stepped_with = set()

@@ -41,6 +41,7 @@ class FlatBuffer:
     pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
     filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
+    written: set[int] = field(default_factory=set)  # buckets whose part of grad_shard holds this step's gradients
 
     def shard_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """The part of a shard-sized tensor ``t`` that belongs to ``bucket``."""
