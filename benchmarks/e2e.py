@@ -8,7 +8,9 @@ ours; for the others the same measurement over their parameters, gradients and o
 FSDP2's DTensors by their local shards). ``vs_peer`` is the step time of the named peer divided by
 ours, both the mean over ranks of this run (above 1: ours is faster). Providers run one after the
 other, so on a busy machine repeat the run before reading much into a ratio near 1. Our
-``reduce_bucket_size`` is 2M elements (8 MB), the size of the DDP buckets (``bucket_cap_mb=8``).
+``reduce_bucket_size`` is 2M elements (8 MB), the size of the DDP buckets (``bucket_cap_mb=8``); stage 2
+also runs with the sizes of published DeepSpeed configs (``zk-stage2@5e7`` and DeepSpeed's default
+``zk-stage2@5e8``), and the ``bucket`` column says which size each row ran with.
 ``vs_deepspeed`` is DeepSpeed's step time at the same stage divided by ours. A provider that fails
 (or whose processes die) is reported in its row (``error``), not fatal.
 """
@@ -42,7 +44,20 @@ PEERS = {
     "zk-stage3": "fsdp2",
 }
 BUCKET_ELEMENTS = 2_000_000  # ours: reduce_bucket_size (8 MB of fp32), the size of the DDP buckets below
+PUBLISHED_BUCKETS = ("5e7", "5e8")  # reduce_bucket_size of a typical published DeepSpeed config; DeepSpeed's default
 LR = 1e-4
+
+
+def _base(provider: str) -> str:
+    """The provider without its bucket size: ``zk-stage2@5e7`` -> ``zk-stage2``."""
+    return provider.split("@")[0]
+
+
+def _bucket(provider: str) -> str:
+    """The bucket size a provider runs with, for the table (elements; DDP's ``bucket_cap_mb`` as fp32 elements)."""
+    if "@" in provider:
+        return provider.split("@")[1]
+    return "per module" if provider == "fsdp2" else f"{BUCKET_ELEMENTS:.0e}".replace("+0", "")
 
 
 def _model(width: int, depth: int) -> nn.Module:
@@ -78,7 +93,8 @@ def _build(provider: str, model: nn.Module):
     if provider.startswith("zk-stage"):
         from zero_kernels.optim import ShardedFusedAdam
 
-        opt = ShardedFusedAdam(model, lr=1e-4, stage=int(provider[-1]), reduce_bucket_size=BUCKET_ELEMENTS)
+        size = int(float(_bucket(provider)))
+        opt = ShardedFusedAdam(model, lr=1e-4, stage=int(_base(provider)[-1]), reduce_bucket_size=size)
         return model, opt, opt.memory_report
     if provider == "ddp+adamw-fused":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=8, gradient_as_bucket_view=True)
@@ -148,7 +164,7 @@ def _with_peer_ratios(rows: list[dict]) -> list[dict]:
     """Add ``peer`` and ``vs_peer`` (peer's mean step time over ours) to our rows."""
     mean = _mean_step_ms(rows)
     for r in rows:
-        peer = PEERS.get(r["provider"])
+        peer = PEERS.get(_base(r["provider"]))
         if peer in mean and r["provider"] in mean:
             r.update(peer=peer, vs_peer=mean[peer] / mean[r["provider"]])
     return rows
@@ -158,8 +174,9 @@ def _deepspeed_ratios(rows: list[dict]) -> list[dict]:
     """Add ``vs_deepspeed`` (DeepSpeed's mean step time at the same stage over ours) to our rows."""
     mean = _mean_step_ms(rows)
     for r in rows:
-        ds = e2e_deepspeed.PREFIX + r["provider"][-1]
-        if r["provider"].startswith("zk-stage") and ds in mean and r["provider"] in mean:
+        ds = e2e_deepspeed.PREFIX + _base(r["provider"])[-1]
+        same_bucket = "@" not in r["provider"]  # DeepSpeed runs with BUCKET_ELEMENTS
+        if r["provider"].startswith("zk-stage") and same_bucket and ds in mean and r["provider"] in mean:
             r["vs_deepspeed"] = mean[ds] / mean[r["provider"]]
     return rows
 
@@ -209,6 +226,7 @@ def _spawn(provider: str, width: int, depth: int, steps: int, out: str) -> list[
 def run(quick: bool) -> list[dict]:
     width, depth, steps = (512, 10, 6) if quick else (768, 6, 12)
     providers = ["zk-stage0", "zk-stage1", "zk-stage2", "zk-stage3", "ddp+adamw-fused", "ddp+zero1-torch", "fsdp2"]
+    providers += [f"zk-stage2@{size}" for size in PUBLISHED_BUCKETS]
     missing = e2e_deepspeed.unavailable()
     if missing:
         print(f"e2e: {missing}", file=sys.stderr)
@@ -222,5 +240,7 @@ def run(quick: bool) -> list[dict]:
             progress(case, provider)
             note = {"note": e2e_deepspeed.NOTE} if provider.startswith(e2e_deepspeed.PREFIX) else {}
             for rank, row in enumerate(_spawn(provider, width, depth, steps, os.path.join(tmp, provider))):
-                rows.append({"case": case, "provider": provider, "rank": rank, **note, **row})
+                rows.append(
+                    {"case": case, "provider": provider, "bucket": _bucket(provider), "rank": rank, **note, **row}
+                )
     return _deepspeed_ratios(_with_peer_ratios(rows))

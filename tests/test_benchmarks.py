@@ -243,7 +243,10 @@ def test_e2e_runs_deepspeed_at_every_stage_when_installed(monkeypatch):
     ds = [r for r in rows if r["provider"].startswith("deepspeed-stage")]
     assert sorted({r["provider"] for r in ds}) == [f"deepspeed-stage{s}" for s in range(4)]
     assert all(r["note"] == e2e_deepspeed.NOTE and '"torch_adam": true' in r["note"] for r in ds)
-    assert {r["vs_deepspeed"] for r in rows if r["provider"].startswith("zk-")} == {2.0}
+    assert {r["vs_deepspeed"] for r in rows if r["provider"].startswith("zk-") and "@" not in r["provider"]} == {2.0}
+    published = [r for r in rows if "@" in r["provider"]]  # DeepSpeed ran with another bucket size than these
+    assert {r["bucket"] for r in published} == {"5e7", "5e8"} and not any("vs_deepspeed" in r for r in published)
+    assert {r["bucket"] for r in rows if r["provider"] in ("zk-stage2", "deepspeed-stage2")} == {"2e6"}
 
 
 def test_e2e_without_deepspeed_says_so_in_one_line(monkeypatch, capsys):

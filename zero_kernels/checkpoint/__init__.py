@@ -112,7 +112,8 @@ def _shard_layout(pipeline: Pipeline, layout: BufferLayout, params: list) -> Buf
     """The layout a buffer is saved under: the stage's when it is sharded over every rank, else cut N ways."""
     if pipeline.num_shards == pipeline.world_size:
         return layout
-    return BufferLayout.build(params, bucket_numel=pipeline.bucket_numel(), num_shards=pipeline.world_size)
+    size = pipeline.bucket_numel(params[0].element_size()) if params else pipeline.bucket_numel()
+    return BufferLayout.build(params, bucket_numel=size, num_shards=pipeline.world_size)
 
 
 def _true_shape(pipeline: Pipeline, t: torch.Tensor) -> tuple[int, ...]:

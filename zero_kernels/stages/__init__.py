@@ -10,7 +10,8 @@ import importlib
 from enum import IntEnum
 from typing import Type
 
-from .base import FlatBuffer, GroupHyper, Pipeline, StepResult, storage_bytes
+from .base import Pipeline
+from .buffers import FlatBuffer, GroupHyper, StepResult, storage_bytes
 from .stage0 import Stage0Pipeline
 from .stage1 import Stage1Pipeline
 from .stage2 import Stage2Pipeline

@@ -3,14 +3,8 @@
 A pipeline owns the flat buffers of an optimizer's trainable parameters and drives three phases;
 ``ShardedFusedAdam`` keeps the books (param groups, hyper-parameters, loss scale) and calls in.
 
-Buffers. ``add_group(group, params, indices)`` builds one ``FlatBuffer`` per (param group, dtype)
-from ``layout.BufferLayout`` (params reversed, buckets of ``reduce_bucket_size`` elements, every
-bucket split into ``num_shards`` equal parts; parameters straddle bucket and shard boundaries).
-Per buffer: ``param_flat`` (full parameters, each ``p.data`` a view of it; stage 3 replaces it),
-``grad_flat`` (full gradients; stages 0 and 1) or ``grad_shard`` (this rank's reduced gradients;
-stages 2 and 3), ``exp_avg``/``exp_avg_sq`` (fp32, this rank's shard), ``max_exp_avg_sq`` (fp32
-shard, allocated when the param group first uses AMSGrad) and ``master`` (fp32 shard, only when
-the parameters are bf16/fp16; fp32 parameters are their own master).
+Buffers. ``add_group(group, params, indices)`` builds one ``buffers.FlatBuffer`` per (param group,
+dtype) from ``layout.BufferLayout``, its buckets of ``bucket_numel()`` elements (``stages.buckets``).
 
 Backward. A post-accumulate-grad hook on each trainable parameter calls ``_on_grad_ready(p)``:
 it records that ``p`` has a gradient this step, and unless synchronisation is off (``no_sync``),
@@ -48,90 +42,17 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
 from ..comm import Handle
 from ..kernels import adam_step
-from ..layout import Bucket, BufferLayout
-from . import adopt, grad_state, stats
+from ..layout import Bucket, BufferLayout, align_elements
+from . import adopt, buckets, grad_state, stats
+from .buffers import FlatBuffer, GroupHyper, Inflight, StepResult
 
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
-
-
-@dataclass
-class FlatBuffer:
-    """Tensors of one (param group, dtype) buffer; ``layout`` says where everything is."""
-
-    group: int
-    layout: BufferLayout
-    params: list[torch.nn.Parameter]  # the group's trainable parameters of this dtype, group order
-    indices: list[int]  # each parameter's index in the optimizer (AdamW state_dict numbering)
-    dtype: torch.dtype
-    device: torch.device
-    param_flat: Optional[torch.Tensor] = None
-    grad_flat: Optional[torch.Tensor] = None
-    grad_shard: Optional[torch.Tensor] = None
-    master: Optional[torch.Tensor] = None
-    exp_avg: Optional[torch.Tensor] = None
-    exp_avg_sq: Optional[torch.Tensor] = None
-    max_exp_avg_sq: Optional[torch.Tensor] = None  # AMSGrad's running maximum of exp_avg_sq (when used)
-    pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
-    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
-    filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
-
-    def shard_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """The part of a shard-sized tensor ``t`` that belongs to ``bucket``."""
-        return t.narrow(0, bucket.shard_offset, bucket.shard_numel)
-
-    def rank_slice(self, t: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
-        """``rank``'s part of ``bucket`` in a full-buffer-sized tensor ``t``."""
-        return t.narrow(0, bucket.rank_start(rank), bucket.shard_numel)
-
-    def bucket_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """All of ``bucket`` in a full-buffer-sized tensor ``t``."""
-        return t.narrow(0, bucket.start, bucket.numel)
-
-
-@dataclass(frozen=True)
-class Inflight:
-    """A collective the pipeline started: completed in issue order (``handle.wait()``, then ``epilogue``)."""
-
-    handle: Handle
-    epilogue: Optional[Callable[[], None]] = None
-    held: tuple[torch.Tensor, ...] = ()  # buffers only this operation keeps (counted by ``memory_tensors``)
-
-
-@dataclass(frozen=True)
-class GroupHyper:
-    """Hyper-parameters of one param group for this step (read from ``param_groups`` each step)."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw: bool
-    amsgrad: bool = False
-    maximize: bool = False
-
-
-@dataclass(frozen=True)
-class StepResult:
-    grad_norm: Optional[float]  # global norm of the unscaled, averaged gradients (computed when clipping)
-    skipped: bool  # True when the gradients were not finite and nothing was updated
-
-
-def storage_bytes(tensors: Sequence[Optional[torch.Tensor]]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def _grad_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
@@ -157,6 +78,7 @@ class Pipeline:
     requires_module: ClassVar[bool] = False  # True: needs the model, not just its parameters
     grad_divisor_is_world: ClassVar[bool] = False  # True: the reduced gradients are sums over ranks
     max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
+    allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         self.engine = engine
@@ -196,8 +118,16 @@ class Pipeline:
     def shard_rank(self) -> int:
         return self.rank if self.num_shards > 1 else 0
 
-    def bucket_numel(self) -> int:
-        return int(self.options.reduce_bucket_size)
+    def bucket_numel(self, element_size: int = 4) -> int:
+        """Elements per bucket of a buffer of ``element_size``-byte elements (``buckets.bucket_numel``).
+
+        Args:
+            element_size: bytes per element of the buffer.
+        """
+        allgather = self.options.allgather_bucket_size if self.allgather_by_bucket else None
+        size = buckets.bucket_numel(self.engine.backend, element_size, self.options.reduce_bucket_size, allgather)
+        unit = self.num_shards * align_elements(element_size)  # the layout's bucket unit: round down, not up
+        return max(unit, size // unit * unit)
 
     def add_group(self, group: int, params: Sequence[torch.nn.Parameter], indices: Sequence[int]) -> None:
         """Build the buffers of param group ``group``; ``indices`` number ``params`` in the optimizer.
@@ -214,7 +144,8 @@ class Pipeline:
         built = []  # every layout is built (and checked) before anything changes
         for (dtype, device), members in by_dtype.items():
             ps = [p for p, _ in members]
-            layout = BufferLayout.build(ps, bucket_numel=self.bucket_numel(), num_shards=self.num_shards)
+            size = self.bucket_numel(ps[0].element_size())
+            layout = BufferLayout.build(ps, bucket_numel=size, num_shards=self.num_shards)
             built.append(FlatBuffer(group, layout, ps, [i for _, i in members], dtype, device))
         for buf in built:
             self._allocate(buf)
@@ -422,6 +353,7 @@ class Pipeline:
             self._sync_manual_grads()
         self._complete_inflight()
         self._before_step()
+        grad_state.zero_unwritten(self)
         grad_state.read_grad_flags(self)
         self._grads_final = True
 
@@ -522,9 +454,9 @@ class Pipeline:
                     p.grad = None
                 elif p.grad is not None and p.grad.untyped_storage().data_ptr() != flat:
                     p.grad.zero_()  # views of grad_flat are zeroed with it, below
-            for t in (buf.grad_flat, buf.grad_shard):
-                if t is not None:
-                    t.zero_()
+            if buf.grad_flat is not None:
+                buf.grad_flat.zero_()
+            buf.written.clear()  # grad_shard: overwritten by the next reduction (grad_state.zero_unwritten)
         if set_to_none:
             self.has_grad = dict.fromkeys(self.has_grad, False)
             self.stepped_with = set()

@@ -4,9 +4,12 @@ Frameworks clear gradients with ``model.zero_grad()`` (or ``p.grad = None``), ne
 optimizer, so the gradient state a pipeline keeps for itself must not outlive a step:
 
 - After every step, taken or skipped (fp16 overflow), the pipeline forgets which parameters had
-  a gradient and zeroes the reduced gradient shard of stages 2 and 3, as DeepSpeed's engine does
-  after its step. ``model.zero_grad()``, ``opt.zero_grad()`` or neither: the next step sees only
-  the gradients of the backward passes after this step. Accumulation over several backward
+  a gradient and drops the reduced gradient shard of stages 2 and 3, as DeepSpeed's engine does
+  after its step. Nothing is zeroed then (nor by ``opt.zero_grad()``): the next reduction of each
+  bucket overwrites its part of the shard, later ones add to it, and ``zero_unwritten`` zeroes,
+  before the step reads them, the parts no reduction wrote; this saves a memset of the shard per
+  step and per ``zero_grad()``, and a read. ``model.zero_grad()``, ``opt.zero_grad()`` or neither:
+  the next step sees only the gradients of the backward passes after this step. Accumulation over several backward
   passes (``no_sync``, ``gradient_accumulation_steps``, or plain repeated ``backward``) before one
   step is unchanged.
 - Stages 0 and 1 keep gradients in ``p.grad`` (views of the flat gradient buffer), so what the
@@ -59,9 +62,19 @@ def clear_after_step(pipeline: "Pipeline") -> None:
     pipeline.stepped_with = {i for i, has in pipeline.has_grad.items() if has}
     pipeline.has_grad = dict.fromkeys(pipeline.has_grad, False)
     for buf in pipeline.buffers:
-        if buf.grad_shard is not None:
-            buf.grad_shard.zero_()
+        buf.written.clear()
     pipeline.reset_grad_sync()
+
+
+def zero_unwritten(pipeline: "Pipeline") -> None:
+    """Zero the parts of the gradient shards that no reduction wrote since the last step or ``zero_grad``."""
+    for buf in pipeline.buffers:
+        if buf.grad_shard is None:
+            continue
+        for bucket in buf.layout.buckets:
+            if bucket.index not in buf.written:
+                buf.shard_slice(buf.grad_shard, bucket).zero_()
+                buf.written.add(bucket.index)
 
 
 def keep_zero_grads(pipeline: "Pipeline") -> None:

@@ -15,6 +15,7 @@ from .base import Pipeline
 class Stage1Pipeline(Pipeline):
     stage = 1
     grad_divisor_is_world = True
+    allgather_by_bucket = True
 
     def _before_step(self) -> None:
         for buf in self.buffers:

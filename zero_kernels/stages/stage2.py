@@ -1,12 +1,13 @@
 """Stage 2: as stage 1, and each rank keeps only its shard of the reduced gradients.
 
 During backward each parameter's gradient is copied, divided by the world size, into a bucket
-of ``reduce_bucket_size`` elements, and ``p.grad`` is set to ``None`` (as DeepSpeed does): after
+of ``bucket_numel()`` elements (``buckets``), and ``p.grad`` is set to ``None`` (as DeepSpeed does): after
 backward ``p.grad`` is ``None`` for every trainable parameter, except under ``no_sync()`` where
 gradients accumulate in ``p.grad`` until the synchronised backward. A full bucket is
 reduce-scattered while backward goes on; once it completes (at most ``max_inflight`` are in
-flight, see ``base``) its rank part is added to ``grad_shard`` (so several backward passes before
-a step accumulate) and the bucket goes back to a pool, to be reused by the next bucket that fills.
+flight, see ``base``) its rank part is written into ``grad_shard`` (copied by the first reduction
+after a step, added by later ones, so several backward passes before a step accumulate) and the
+bucket goes back to a pool, to be reused by the next bucket that fills.
 The pool keeps at most ``POOL_BUCKETS`` buckets of the largest size (what backward uses at once:
 ``max_inflight + 1`` in flight, two being filled) and never more bytes than this rank's gradient
 shard; ``memory_report()`` shows it as ``buffers``. A fresh bucket per reduction (allocation, page
@@ -30,6 +31,7 @@ POOL_BUCKETS = Pipeline.max_inflight + 3  # idle scratch buckets kept for reuse 
 
 class Stage2Pipeline(Pipeline):
     stage = 2
+    allgather_by_bucket = True
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         super().__init__(engine, options, impl=impl, module=module)
@@ -85,7 +87,11 @@ class Stage2Pipeline(Pipeline):
         mine = scratch.narrow(0, self.rank * bucket.shard_numel, bucket.shard_numel)
 
         def accumulate() -> None:
-            self._grad_shard(buf, bucket).add_(mine)
+            if bucket.index in buf.written:
+                self._grad_shard(buf, bucket).add_(mine)
+            else:  # the first reduction since the step: what the shard held there is spent (grad_state)
+                self._grad_shard(buf, bucket).copy_(mine)
+                buf.written.add(bucket.index)
             self._give_back(buf, scratch._base)
 
         handle = self.engine.reduce_scatter(mine, scratch, name=f"grads.{bucket.index}")

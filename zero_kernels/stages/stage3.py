@@ -107,6 +107,7 @@ class _Unit:
 class Stage3Pipeline(Stage2Pipeline):
     stage = 3
     requires_module = True
+    allgather_by_bucket = False  # gathers by module unit, up to stage3_prefetch_bucket_size ahead
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         if not isinstance(module, nn.Module):
@@ -148,7 +149,8 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _add_unit(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> None:
         ps = [p for p, _ in members]
-        layout = BufferLayout.build(ps, bucket_numel=self.bucket_numel(), num_shards=self.num_shards)
+        size = self.bucket_numel(ps[0].element_size())
+        layout = BufferLayout.build(ps, bucket_numel=size, num_shards=self.num_shards)
         buf = Stage3Buffer(group, layout, ps, [i for _, i in members], ps[0].dtype, ps[0].device)
         buf.persistent = persistent
         self._allocate(buf)

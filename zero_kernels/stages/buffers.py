@@ -1,0 +1,95 @@
+"""The records a pipeline keeps: its flat buffers, the collectives in flight, a step's inputs and result.
+
+``FlatBuffer``: the tensors of one (param group, dtype) buffer, laid out by ``layout.BufferLayout``
+(params reversed, buckets of ``Pipeline.bucket_numel()`` elements, every bucket split into
+``num_shards`` equal parts; parameters straddle bucket and shard boundaries): ``param_flat`` (full
+parameters, each ``p.data`` a view of it; stage 3 replaces it), ``grad_flat`` (full gradients; stages
+0 and 1) or ``grad_shard`` (this rank's reduced gradients; stages 2 and 3), ``exp_avg``/``exp_avg_sq``
+(fp32, this rank's shard), ``max_exp_avg_sq`` (fp32 shard, allocated when the param group first uses
+AMSGrad) and ``master`` (fp32 shard, only when the parameters are bf16/fp16; fp32 parameters are their
+own master).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..comm import Handle
+from ..layout import Bucket, BufferLayout
+
+
+@dataclass
+class FlatBuffer:
+    """Tensors of one (param group, dtype) buffer; ``layout`` says where everything is."""
+
+    group: int
+    layout: BufferLayout
+    params: list[torch.nn.Parameter]  # the group's trainable parameters of this dtype, group order
+    indices: list[int]  # each parameter's index in the optimizer (AdamW state_dict numbering)
+    dtype: torch.dtype
+    device: torch.device
+    param_flat: Optional[torch.Tensor] = None
+    grad_flat: Optional[torch.Tensor] = None
+    grad_shard: Optional[torch.Tensor] = None
+    master: Optional[torch.Tensor] = None
+    exp_avg: Optional[torch.Tensor] = None
+    exp_avg_sq: Optional[torch.Tensor] = None
+    max_exp_avg_sq: Optional[torch.Tensor] = None  # AMSGrad's running maximum of exp_avg_sq (when used)
+    pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
+    scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
+    filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
+    written: set[int] = field(default_factory=set)  # buckets whose part of grad_shard holds this step's gradients
+
+    def shard_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """The part of a shard-sized tensor ``t`` that belongs to ``bucket``."""
+        return t.narrow(0, bucket.shard_offset, bucket.shard_numel)
+
+    def rank_slice(self, t: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
+        """``rank``'s part of ``bucket`` in a full-buffer-sized tensor ``t``."""
+        return t.narrow(0, bucket.rank_start(rank), bucket.shard_numel)
+
+    def bucket_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """All of ``bucket`` in a full-buffer-sized tensor ``t``."""
+        return t.narrow(0, bucket.start, bucket.numel)
+
+
+@dataclass(frozen=True)
+class Inflight:
+    """A collective the pipeline started: completed in issue order (``handle.wait()``, then ``epilogue``)."""
+
+    handle: Handle
+    epilogue: Optional[Callable[[], None]] = None
+    held: tuple[torch.Tensor, ...] = ()  # buffers only this operation keeps (counted by ``memory_tensors``)
+
+
+@dataclass(frozen=True)
+class GroupHyper:
+    """Hyper-parameters of one param group for this step (read from ``param_groups`` each step)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw: bool
+    amsgrad: bool = False
+    maximize: bool = False
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: Optional[float]  # global norm of the unscaled, averaged gradients (computed when clipping)
+    skipped: bool  # True when the gradients were not finite and nothing was updated
+
+
+def storage_bytes(tensors: Sequence[Optional[torch.Tensor]]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
