@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_kernels import _ext, comm
+from zero_kernels import _ext, comm, comm_objects
 
 SHARD_SIZES = (1, 7, 1000, 4099, 33, 65539, 2)
 
@@ -221,7 +221,7 @@ def _collectives_body(rank: int, world_size: int, names: list[str]) -> None:
         _check_ordering_stress(engine, rank, world_size, seed=5)
         if world_size == 2:
             _check_lifetime(engine, rank, world_size, gen)
-        objects = comm.all_gather_objects(engine, {"rank": rank, "text": "x" * 100 * rank})
+        objects = comm_objects.all_gather_objects(engine, {"rank": rank, "text": "x" * 100 * rank})
         assert objects == [{"rank": r, "text": "x" * 100 * r} for r in range(world_size)], objects
 
 

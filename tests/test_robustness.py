@@ -28,7 +28,7 @@ from _dist import run_ranks
 from torch import nn
 
 import zero_kernels.optim as zo
-from zero_kernels import _build_lock, _ext, comm
+from zero_kernels import _build_lock, _ext, comm, comm_objects
 from zero_kernels.agreement import RanksDisagree
 
 BUCKET = 7  # elements: parameters straddle buckets and shards
@@ -92,7 +92,7 @@ def numpy_free_body(root: str) -> None:
     assert zk.checkpoint.load(root, again, opt_again) == {"epoch": 3}
     for p, q in zip(model.parameters(), again.parameters()):
         assert torch.equal(p, q)
-    assert comm.all_gather_objects(_TwoRankLoopback(), {"a": [1, 2]}) == [{"a": [1, 2]}] * 2
+    assert comm_objects.all_gather_objects(_TwoRankLoopback(), {"a": [1, 2]}) == [{"a": [1, 2]}] * 2
 
 
 def test_package_needs_no_numpy(tmp_path: Path) -> None:

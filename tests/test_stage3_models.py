@@ -30,9 +30,10 @@ from torch import nn
 
 import zero_kernels as zk
 from zero_kernels.comm import CommError, TorchCommEngine
+from zero_kernels.comm_objects import control_engine
 from zero_kernels.model_hints import external_parameters
 from zero_kernels.stages import stage3_guard
-from zero_kernels.stages.stage3_check import check_same_units, control_engine
+from zero_kernels.stages.stage3_check import check_same_units
 from zero_kernels.stages.stage3_hooks import Stage3Scheduler
 
 DIM, EXPERTS, ROWS, LR = 6, 4, 2, 2e-2

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .comm import all_gather_objects
+from .comm_objects import all_gather_objects
 
 _ABSENT = "(absent)"
 
@@ -69,7 +69,7 @@ def disagreement(key: str, values: Sequence[Any]) -> Optional[str]:
 def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str) -> None:
     """Raise ``RanksDisagree`` on every rank unless every rank passed an equal ``fingerprint``.
 
-    A collective (``comm.all_gather_objects``) whose shape does not depend on the fingerprint, so it
+    A collective (``comm_objects.all_gather_objects``) whose shape does not depend on the fingerprint, so it
     is safe whatever the ranks disagree on. Values should be plain (numbers, strings, tuples).
 
     Args:

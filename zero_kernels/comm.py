@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import pickle
-import struct
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -509,49 +507,3 @@ def make_engine(process_group: Optional[dist.ProcessGroup] = None, backend: Opti
         else:
             choice = "cpp"
     return ENGINES[choice](process_group)
-
-
-def collective_device(engine: CommEngine) -> torch.device:
-    """Where small exchanges of ``engine`` run: the CPU, or on NCCL the device its process group is bound
-    to (``init_process_group(device_id=...)``), else the current CUDA device."""
-    if engine.backend != "nccl":
-        return torch.device("cpu")
-    bound = getattr(engine.group, "bound_device_id", None)
-    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def all_gather_objects(
-    engine: CommEngine, obj: Any, name: str = "objects", device: Optional[torch.device] = None
-) -> list:
-    """Every rank's picklable ``obj``, in rank order (what ``dist.all_gather_object`` does, through ``engine``).
-
-    The C++ engine releases its buffers only once gloo's worker has let go of them, so, unlike
-    torch's version, a process may exit right after this returns.
-
-    Args:
-        engine: the communication engine of the ranks that exchange.
-        obj: this rank's object.
-        name: names the operation in errors.
-        device: where the bytes travel: the device of the caller's tensors (on NCCL each rank's
-            own GPU); None: ``collective_device(engine)``.
-    """
-    if engine.world_size == 1:
-        return [obj]
-    device = collective_device(engine) if device is None else torch.device(device)
-    payload = pickle.dumps(obj)
-    data = struct.pack("<q", len(payload)) + payload
-    longest = torch.tensor([float(len(data))], dtype=torch.float64, device=device)
-    engine.all_reduce(longest, op="max", name=f"{name}.size").wait()
-    width = int(longest.item())
-    mine = torch.zeros(width, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    everyone = torch.empty(width * engine.world_size, dtype=torch.uint8, device=device)
-    engine.all_gather(everyone, mine.to(device), name=name).wait()
-    raw = bytearray(everyone.numel())  # read back without numpy, which the CPU torch wheel does not bring
-    torch.frombuffer(raw, dtype=torch.uint8).copy_(everyone)
-    out = []
-    for rank in range(engine.world_size):
-        row = raw[rank * width : (rank + 1) * width]
-        (size,) = struct.unpack("<q", row[:8])
-        out.append(pickle.loads(row[8 : 8 + size]))
-    return out

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..comm import all_gather_objects
+from ..comm_objects import all_gather_objects
 from ..layout import BufferLayout
 from ..stages import Pipeline, adopt
 from .consolidate import consolidate

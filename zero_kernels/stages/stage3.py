@@ -43,11 +43,12 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from ..comm_objects import control_engine
 from ..layout import Bucket, BufferLayout
 from . import adopt, stage3_save
 from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
-from .stage3_check import check_same_units, control_engine
+from .stage3_check import check_same_units
 from .stage3_hooks import Stage3Scheduler
 from .stage3_plan import check_externals, holders
 

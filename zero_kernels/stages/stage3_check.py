@@ -11,7 +11,7 @@ rank exchanges what it was about to gather and raises ``CommError`` naming the m
 
 Cost: one small all-reduce per batch, waited on before the batch's gathers are issued (with the
 default prefetch a forward or backward pass has few batches). The check runs on the host: on a
-backend other than gloo (NCCL) it goes over a gloo group of the same ranks (``control_engine``),
+backend other than gloo (NCCL) it goes over a gloo group of the same ranks (``comm_objects.control_engine``),
 so that waiting for it never waits for the GPU's queued work. A 61-bit hash of the batch is compared,
 with the first unit and the count exactly, so a batch differing beyond its first unit escapes only
 on a hash collision (probability 2^-61).
@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Callable, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..comm import CommError, TorchCommEngine, all_gather_objects
+from ..comm import CommError
+from ..comm_objects import all_gather_objects
 
 _HASH_MOD = (1 << 61) - 1
 
@@ -45,26 +45,13 @@ def signature(units: Sequence[Named]) -> list[int]:
     return [len(units), units[0].uid, units[0].numel, sum(u.numel for u in units), digest]
 
 
-def control_engine(engine):
-    """The engine for host-side checks among ``engine``'s ranks: ``engine`` itself on gloo (or alone).
-
-    On any other backend, a torch engine on a new gloo group of the same ranks: an exchange of
-    CPU tensors that never synchronises with a device stream. Collective over ``engine``'s ranks
-    (it creates a process group): call it at the same point on each of them.
-    """
-    if engine.world_size == 1 or engine.backend == "gloo":
-        return engine
-    ranks = dist.get_process_group_ranks(engine.group)
-    return TorchCommEngine(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
-
-
 def check_same_units(
     engine, units: Sequence[Named], phase: str, device: torch.device, suggest: Callable[[list[str]], str]
 ) -> None:
     """Raise ``CommError`` on every rank unless every rank is about to gather ``units`` too.
 
     Args:
-        engine: the comm engine for host-side checks (``control_engine``); a collective: every rank
+        engine: the comm engine for host-side checks (``comm_objects.control_engine``); a collective: every rank
             must call this at the same point.
         units: the units this rank is about to gather, in issue order (not empty).
         phase: where the gathers happen, for the message ("forward", "backward", ...).

@@ -1,0 +1,76 @@
+"""Exchanges of host data between ranks through a comm engine: Python objects, and a gloo group for checks.
+
+``all_gather_objects`` is what ``dist.all_gather_object`` does, through an engine (so a process
+may exit right after it returns). ``control_engine`` gives the engine on which host-side checks
+run without waiting for a GPU's queued work.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommEngine, TorchCommEngine
+
+
+def collective_device(engine: CommEngine) -> torch.device:
+    """Where small exchanges of ``engine`` run: the CPU, or on NCCL the device its process group is bound
+    to (``init_process_group(device_id=...)``), else the current CUDA device."""
+    if engine.backend != "nccl":
+        return torch.device("cpu")
+    bound = getattr(engine.group, "bound_device_id", None)
+    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def all_gather_objects(
+    engine: CommEngine, obj: Any, name: str = "objects", device: Optional[torch.device] = None
+) -> list:
+    """Every rank's picklable ``obj``, in rank order (what ``dist.all_gather_object`` does, through ``engine``).
+
+    The C++ engine releases its buffers only once gloo's worker has let go of them, so, unlike
+    torch's version, a process may exit right after this returns.
+
+    Args:
+        engine: the communication engine of the ranks that exchange.
+        obj: this rank's object.
+        name: names the operation in errors.
+        device: where the bytes travel: the device of the caller's tensors (on NCCL each rank's
+            own GPU); None: ``collective_device(engine)``.
+    """
+    if engine.world_size == 1:
+        return [obj]
+    device = collective_device(engine) if device is None else torch.device(device)
+    payload = pickle.dumps(obj)
+    data = struct.pack("<q", len(payload)) + payload
+    longest = torch.tensor([float(len(data))], dtype=torch.float64, device=device)
+    engine.all_reduce(longest, op="max", name=f"{name}.size").wait()
+    width = int(longest.item())
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    everyone = torch.empty(width * engine.world_size, dtype=torch.uint8, device=device)
+    engine.all_gather(everyone, mine.to(device), name=name).wait()
+    raw = bytearray(everyone.numel())  # read back without numpy, which the CPU torch wheel does not bring
+    torch.frombuffer(raw, dtype=torch.uint8).copy_(everyone)
+    out = []
+    for rank in range(engine.world_size):
+        row = raw[rank * width : (rank + 1) * width]
+        (size,) = struct.unpack("<q", row[:8])
+        out.append(pickle.loads(row[8 : 8 + size]))
+    return out
+
+
+def control_engine(engine: CommEngine) -> CommEngine:
+    """The engine for host-side checks among ``engine``'s ranks: ``engine`` itself on gloo (or alone).
+
+    On any other backend, a torch engine on a new gloo group of the same ranks: an exchange of
+    CPU tensors that never synchronises with a device stream. Collective over ``engine``'s ranks
+    (it creates a process group): call it at the same point on each of them.
+    """
+    if engine.world_size == 1 or engine.backend == "gloo":
+        return engine
+    ranks = dist.get_process_group_ranks(engine.group)
+    return TorchCommEngine(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
