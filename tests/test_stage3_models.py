@@ -310,10 +310,10 @@ def _control_group_cases(rank: int) -> None:
     assert control is not engine and control.backend == "gloo" and control.group is not engine.group
     assert dist.get_process_group_ranks(control.group) == dist.get_process_group_ranks(engine.group)
     unit = SimpleNamespace(uid=3, numel=8, param_numel=6, name="left", kind="Linear")
-    check_same_units(control, [unit], "forward", torch.device("cpu"), lambda names: "")
+    check_same_units(control, [unit], "forward", lambda names: "")
     other = SimpleNamespace(uid=4, numel=8, param_numel=6, name="right", kind="Linear")
     with pytest.raises(CommError, match="rank 1 gathers the parameters of 'right'"):
-        check_same_units(control, [unit if rank == 0 else other], "forward", torch.device("cpu"), lambda names: "")
+        check_same_units(control, [unit if rank == 0 else other], "forward", lambda names: "")
 
 
 def _data_dependent_cases(rank: int, world: int) -> None:

@@ -112,8 +112,7 @@ def _shard_layout(pipeline: Pipeline, layout: BufferLayout, params: list) -> Buf
     """The layout a buffer is saved under: the stage's when it is sharded over every rank, else cut N ways."""
     if pipeline.num_shards == pipeline.world_size:
         return layout
-    size = pipeline.bucket_numel(params[0].element_size()) if params else pipeline.bucket_numel()
-    return BufferLayout.build(params, bucket_numel=size, num_shards=pipeline.world_size)
+    return pipeline.build_layout(params, num_shards=pipeline.world_size)
 
 
 def _true_shape(pipeline: Pipeline, t: torch.Tensor) -> tuple[int, ...]:

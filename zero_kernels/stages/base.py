@@ -129,6 +129,16 @@ class Pipeline:
         unit = self.num_shards * align_elements(element_size)  # the layout's bucket unit: round down, not up
         return max(unit, size // unit * unit)
 
+    def build_layout(self, params: Sequence[torch.nn.Parameter], num_shards: Optional[int] = None) -> BufferLayout:
+        """The layout of a buffer of ``params`` (one dtype), its buckets of ``bucket_numel()`` elements.
+
+        Args:
+            params: the buffer's parameters, in group order.
+            num_shards: parts per bucket (None: this stage's ``num_shards``).
+        """
+        size = self.bucket_numel(params[0].element_size()) if params else self.bucket_numel()
+        return BufferLayout.build(params, bucket_numel=size, num_shards=num_shards or self.num_shards)
+
     def add_group(self, group: int, params: Sequence[torch.nn.Parameter], indices: Sequence[int]) -> None:
         """Build the buffers of param group ``group``; ``indices`` number ``params`` in the optimizer.
 
@@ -144,9 +154,7 @@ class Pipeline:
         built = []  # every layout is built (and checked) before anything changes
         for (dtype, device), members in by_dtype.items():
             ps = [p for p, _ in members]
-            size = self.bucket_numel(ps[0].element_size())
-            layout = BufferLayout.build(ps, bucket_numel=size, num_shards=self.num_shards)
-            built.append(FlatBuffer(group, layout, ps, [i for _, i in members], dtype, device))
+            built.append(FlatBuffer(group, self.build_layout(ps), ps, [i for _, i in members], dtype, device))
         for buf in built:
             self._allocate(buf)
             self._index(buf)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ..comm_objects import control_engine
-from ..layout import Bucket, BufferLayout
+from ..layout import Bucket
 from . import adopt, stage3_save
 from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
@@ -150,9 +150,7 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _add_unit(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> None:
         ps = [p for p, _ in members]
-        size = self.bucket_numel(ps[0].element_size())
-        layout = BufferLayout.build(ps, bucket_numel=size, num_shards=self.num_shards)
-        buf = Stage3Buffer(group, layout, ps, [i for _, i in members], ps[0].dtype, ps[0].device)
+        buf = Stage3Buffer(group, self.build_layout(ps), ps, [i for _, i in members], ps[0].dtype, ps[0].device)
         buf.persistent = persistent
         self._allocate(buf)
         self._index(buf)
@@ -172,8 +170,7 @@ class Stage3Pipeline(Stage2Pipeline):
     def _check_gathers(self, batch: list[int], phase: str) -> None:
         """Every rank must be about to gather the same units (``stage3_check``); else ``CommError``."""
         units = [self._units[i] for i in batch]
-        device = self.buffers[batch[0]].device if self._control is self.engine else torch.device("cpu")
-        check_same_units(self._control, units, phase, device, self._suggest_leaf)
+        check_same_units(self._control, units, phase, self._suggest_leaf)
 
     def _suggest_leaf(self, names: list[str]) -> str:
         """The fix for ranks that gather the units of modules ``names``: their closest common caller as a leaf."""

@@ -45,9 +45,7 @@ def signature(units: Sequence[Named]) -> list[int]:
     return [len(units), units[0].uid, units[0].numel, sum(u.numel for u in units), digest]
 
 
-def check_same_units(
-    engine, units: Sequence[Named], phase: str, device: torch.device, suggest: Callable[[list[str]], str]
-) -> None:
+def check_same_units(engine, units: Sequence[Named], phase: str, suggest: Callable[[list[str]], str]) -> None:
     """Raise ``CommError`` on every rank unless every rank is about to gather ``units`` too.
 
     Args:
@@ -55,13 +53,12 @@ def check_same_units(
             must call this at the same point.
         units: the units this rank is about to gather, in issue order (not empty).
         phase: where the gathers happen, for the message ("forward", "backward", ...).
-        device: where the signature is exchanged: the CPU for a gloo engine.
         suggest: the fix to suggest, given the names of the modules the ranks disagree on.
     """
     if engine.world_size == 1:
         return
     mine = signature(units)
-    packed = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    packed = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)  # host data: on the CPU, as gloo takes it
     engine.all_reduce(packed, op="max", name="stage3.check").wait()
     values = packed.tolist()
     n = len(mine)
