@@ -11,9 +11,10 @@ issued the way the engine issues it on several ranks, so its ordering shows on o
   compute still reads must not be written before that read.
 * ``stage 3 prefetch``: stage 3 with prefetch, with sleeps before each gradient's copy into its
   bucket and before each step, in lock-step with ``torch.optim.AdamW``.
-* ``sync``: one stage-2 and one stage-3 training step (after a warm-up step) under
-  ``torch.cuda.set_sync_debug_mode("error")``, forward + backward, then the step; the call that
-  synchronised is named (file, line, function).
+* ``sync``: stage-2 and stage-3 training steps (after a warm-up step) with clipping and the
+  non-finite check on, under ``torch.cuda.set_sync_debug_mode("error")``: forward + backward,
+  ``clip_grad_norm_`` (stage 3), then the step, twice; the call that synchronised is named (file,
+  line, function).
 
 Exit status: 0 all pass, 1 a check failed, 2 no CUDA device or no comm engine.
 """
@@ -193,18 +194,23 @@ def _sync_free(what: str, fn: Callable[[], None]) -> list[str]:
 
 
 def check_sync_free() -> list[str]:
-    """A stage-2 and a stage-3 step, after a warm-up step, under set_sync_debug_mode("error")."""
+    """Stage-2 and stage-3 steps, after a warm-up step, under set_sync_debug_mode("error"), with clipping and
+    the non-finite check on (the step's norm, clip coefficient and skip flag stay on the device), stage 3 also
+    through ``clip_grad_norm_``; two rounds, so that a step settles the one before it."""
     problems = []
     for stage in (2, 3):
         model = _model(width=512, depth=3)
-        opt = _ours(model, stage, stage3_param_persistence_threshold=0, reduce_bucket_size=200_000)
+        opt = _ours(model, stage, stage3_param_persistence_threshold=0, reduce_bucket_size=200_000, max_grad_norm=1.0)
         x = torch.randn(32, 512, device="cuda")
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        problems += _sync_free(f"stage {stage} forward + backward", lambda: model(x).square().mean().backward())
-        problems += _sync_free(f"stage {stage} step", opt.step)
-        opt.zero_grad()
+        for _ in range(2):
+            problems += _sync_free(f"stage {stage} forward + backward", lambda: model(x).square().mean().backward())
+            if stage == 3:
+                problems += _sync_free("stage 3 clip_grad_norm_", lambda: opt.clip_grad_norm_(0.5))
+            problems += _sync_free(f"stage {stage} step", opt.step)
+            opt.zero_grad()
         opt._pipeline.engine.synchronize()
     return problems
 

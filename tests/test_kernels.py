@@ -217,6 +217,38 @@ def test_adam_flag_already_set_writes_nothing(n: int) -> None:
         assert torch.equal(buffers[name], before[name]), f"{name} was written although found_inf was set"
 
 
+@pytest.mark.parametrize("impl", ["torch", "cpu", "triton"])
+def test_adam_skip_if_is_read_not_checked(impl: str) -> None:
+    """``skip_if``: a flag decided elsewhere (over every rank); set, nothing is written; clear, the step is
+    the step without a flag, a NaN in the gradient included (it is not checked); never written."""
+    if impl == "cpu" and DEVICE.type != "cpu":
+        pytest.skip("the C++ kernels take CPU tensors")
+    n = 4097
+    grad = _randn(n, 6)
+    grad[5] = math.nan
+    kwargs = dict(HYPER, lr=1e-3, step=3, impl=impl, grad_scale=torch.tensor([0.5], device=DEVICE))
+    skipped = _buffers(n, torch.float32, torch.bfloat16, found_inf=False)
+    before = _clone(skipped)
+    flag = torch.ones(1, device=DEVICE)
+    _run(adam_step, skipped, grad, skip_if=flag, **kwargs)
+    for name in ("param", "exp_avg", "exp_avg_sq", "out"):
+        assert torch.equal(skipped[name], before[name]), f"{impl}: {name} was written although skip_if was set"
+    assert flag.item() == 1.0
+    taken = _buffers(n, torch.float32, torch.bfloat16, found_inf=False)
+    plain = _clone(taken)
+    flag = torch.zeros(1, device=DEVICE)
+    _run(adam_step, taken, grad, skip_if=flag, **kwargs)
+    _run(adam_step, plain, grad, **kwargs)
+    assert flag.item() == 0.0, f"{impl}: skip_if was written"
+    assert taken["param"][5].isnan(), f"{impl}: a clear skip_if must not check the gradient"
+    for name in ("param", "exp_avg", "exp_avg_sq", "out"):
+        torch.testing.assert_close(taken[name], plain[name], rtol=0, atol=0, equal_nan=True, msg=f"{impl} {name}")
+    with pytest.raises(ValueError, match="found_inf .* or skip_if .*, not both"):
+        adam_step(taken["param"], grad, taken["exp_avg"], taken["exp_avg_sq"], found_inf=flag, skip_if=flag, **kwargs)
+    with pytest.raises(ValueError, match="skip_if must be a one-element float32 tensor"):
+        adam_step(taken["param"], grad, taken["exp_avg"], taken["exp_avg_sq"], skip_if=flag.double(), **kwargs)
+
+
 def test_adam_bad_arguments_name_the_buffer() -> None:
     n = 7
     param, exp_avg, exp_avg_sq = _adam_state(n)

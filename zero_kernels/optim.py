@@ -26,8 +26,10 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   averaged over the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
-- Clipping: ``max_grad_norm`` clips the global norm (computed in the step's one exchange between
-  ranks, shared with the "has a gradient" flags), folded into the kernel's gradient multiplier. Or call
+- Clipping: ``max_grad_norm`` clips the global norm (summed over ranks in the step's exchange),
+  folded into the kernel's gradient multiplier. The norm, that multiplier and the skip flag stay on
+  the gradients' device (``stages.outcome``): ``opt.last_step`` reads them when asked, and the step
+  counts, ``skipped_steps`` and the loss scale take the step into account when next read. Or call
   ``opt.clip_grad_norm_(max_norm)`` before ``step()`` (what frameworks that clip themselves should
   call: ``torch.nn.utils.clip_grad_norm_(model.parameters())`` sees no gradient at stages 2-3 and
   only this rank's at stage 1).
@@ -55,7 +57,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
@@ -64,10 +65,11 @@ from torch import nn
 from . import agreement, guards, optim_copy, optim_state
 from .comm import make_engine
 from .config import FP16Config, ZeroOptions
-from .optim_args import check_flags, check_hyper, check_impl, check_params, check_process_group, check_structure
+from .optim_args import check_flags, check_group, check_hyper, check_impl, check_process_group, checked_groups
 from .precision import LossScaler
 from .stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
 from .stages import state as zstate
+from .stages.outcome import clip_coef
 from .state_view import ShardedState
 
 __all__ = ["ShardedFusedAdam", "check_hyper"]
@@ -175,15 +177,16 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._micro_step = 0
         self._no_sync_depth = 0
-        self._clip_coef = 1.0  # set by clip_grad_norm_ for the next step
+        self._clip_coef: Optional[torch.Tensor] = None  # set by clip_grad_norm_ for the next step
         self.last_step: Optional[StepResult] = None
         self._consolidated: Optional[dict[str, Any]] = None
         self._restoring = restore is not None
         self._engine = make_engine(process_group)
         if restore is not None:
             restore.check(self._engine)
-        groups = self._checked_groups(params, defaults)  # every group is checked before anything changes
+        groups = checked_groups(params, defaults, self._describe)  # every group, before anything changes
         self._pipeline = pipeline_class(self.options.stage)(self._engine, self.options, impl=impl, module=module)
+        self._pipeline.step_counts.on_settle = self._account
         super().__init__(groups, defaults)
         if not self._restoring:
             agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
@@ -199,46 +202,6 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _checked_groups(self, params: Any, defaults: dict[str, Any]) -> list[Any]:
-        """The param groups, every one checked (``_check_group``) before the first is built."""
-        if isinstance(params, torch.Tensor):
-            raise TypeError(
-                "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
-                + torch.typename(params)
-            )
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        previous: list[tuple[list[torch.Tensor], bool]] = []
-        for g, group in enumerate(groups):
-            if not isinstance(group, dict):
-                raise TypeError(f"param_group must be a dict, but got {type(group)}")
-            previous.append(self._check_group(group, g, previous, defaults))
-        return groups
-
-    def _check_group(
-        self,
-        group: dict[str, Any],
-        index: int,
-        previous: list[tuple[list[torch.Tensor], bool]],
-        defaults: dict[str, Any],
-    ) -> tuple[list[torch.Tensor], bool]:
-        """A new group's structure (as torch checks it), hyper-parameters, flags and parameters (``optim_args``),
-        against the groups before it; returns, as ``previous`` lists them, its tensors and whether they have names.
-
-        ``group["params"]`` becomes a list, as ``torch.optim.Optimizer.add_param_group`` makes it.
-        """
-        if "params" not in group:
-            raise ValueError(f"param group {index} has no 'params'")
-        if not isinstance(group["params"], (torch.Tensor, set)):
-            group["params"] = list(group["params"])
-        tensors, names = check_structure(group["params"], [named for _, named in previous])
-        merged = {**defaults, **group}
-        check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
-        check_flags(group, f"param group {index}")
-        check_params(tensors, index, [t for t, _ in previous], lambda p: self._describe(p, names))
-        return tensors, bool(names) or "param_names" in group
-
     def _describe(self, p: torch.Tensor, names: Mapping[int, str]) -> str:
         name = self._names.get(id(p)) or names.get(id(p))
         return f"parameter {name!r}" if name else f"a parameter of shape {tuple(p.shape)}"
@@ -250,7 +213,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             param_group: ``{"params": [...], **hyper-parameter overrides}``.
         """
         previous = [(g["params"], "param_names" in g) for g in self.param_groups]
-        self._check_group(param_group, len(self.param_groups), previous, self.defaults)
+        check_group(param_group, len(self.param_groups), previous, self.defaults, self._describe)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -333,30 +296,51 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._micro_step = 0
         self._follow_replaced_params()
         hyper = [self._hyper(g) for g in self.param_groups]
-        scale = self._clip_coef / (self.loss_scale * self.gradient_accumulation_steps)
-        self._clip_coef = 1.0
+        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        clip, self._clip_coef = self._clip_coef, None
         self._consolidated = None  # the state is about to change
         check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps
         self.last_step = self._pipeline.step(
-            hyper, grad_scale=scale, max_grad_norm=self.max_grad_norm, check_finite=check_finite
+            hyper, grad_scale=scale, clip_coef=clip, max_grad_norm=self.max_grad_norm, check_finite=check_finite
         )
-        if self.last_step.skipped:
-            self.skipped_steps += 1
-            self._log_skip()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(self.last_step.skipped)
         self._update_sync()
         return loss
 
-    def _log_skip(self) -> None:
-        if self.loss_scaler is not None:
-            log.info("zero_kernels: fp16 overflow at loss scale %g: step skipped", self.loss_scale)
-            return
-        log.warning(
-            "zero_kernels: step skipped on every rank: some gradient is inf or NaN (%d steps skipped so far; "
-            "skip_nonfinite_steps=False applies such gradients)",
-            self.skipped_steps,
-        )
+    def _account(self, result: StepResult) -> None:
+        """A step's outcome, once known (``Pipeline.settle``): count a skipped step, update the loss scale."""
+        scaler = self._loss_scaler
+        if result.skipped and scaler is not None:
+            log.info("zero_kernels: fp16 overflow at loss scale %g: step skipped", scaler.scale)
+        elif result.skipped:
+            log.warning(
+                "zero_kernels: step skipped on every rank: some gradient is inf or NaN (%d steps skipped so far; "
+                "skip_nonfinite_steps=False applies such gradients)",
+                self._skipped_steps + 1,
+            )
+        self._skipped_steps += int(result.skipped)
+        if scaler is not None:
+            scaler.update(result.skipped)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps that updated nothing because some gradient was inf/NaN on some rank."""
+        self._pipeline.settle()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = int(value)
+
+    @property
+    def loss_scaler(self) -> Optional[LossScaler]:
+        """The fp16 loss-scale state (None without fp16), the last step's overflow accounted for."""
+        if getattr(self, "_pipeline", None) is not None:
+            self._pipeline.settle()
+        return self._loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, value: Optional[LossScaler]) -> None:
+        self._loss_scaler = value
 
     def _hyper(self, g: Mapping[str, Any]) -> GroupHyper:
         b1, b2 = (float(b) for b in g["betas"])
@@ -398,9 +382,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             )
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
         norm = grad_state.grad_norm(self._pipeline, scale)
-        self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else 1.0
-        device = self._pipeline.buffers[0].device if self._pipeline.buffers else torch.device("cpu")
-        return torch.tensor(norm, dtype=torch.float32, device=device)
+        self._clip_coef = torch.where(torch.isfinite(norm), clip_coef(norm, max_norm), 1.0)
+        return norm.float()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.

@@ -201,3 +201,62 @@ def sparse_grad_error(name: str) -> RuntimeError:
         f"ShardedFusedAdam does not support sparse gradients, please consider SparseAdam instead ({name} has a "
         "sparse gradient)"
     )
+
+
+Describe = Callable[[torch.Tensor, Mapping[int, str]], str]
+
+
+def checked_groups(params: Any, defaults: dict[str, Any], describe: Describe) -> list[Any]:
+    """The param groups of an optimizer's ``params`` argument, every one checked (``check_group``) before
+    the first is built.
+
+    Args:
+        params: what the optimizer was given: tensors, or dicts of param groups.
+        defaults: the optimizer's default hyper-parameters.
+        describe: how errors name a parameter, given the group's names by ``id``.
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+            + torch.typename(params)
+        )
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    previous: list[tuple[list[torch.Tensor], bool]] = []
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(group)}")
+        previous.append(check_group(group, g, previous, defaults, describe))
+    return groups
+
+
+def check_group(
+    group: dict[str, Any],
+    index: int,
+    previous: list[tuple[list[torch.Tensor], bool]],
+    defaults: dict[str, Any],
+    describe: Describe,
+) -> tuple[list[torch.Tensor], bool]:
+    """A new group's structure (as torch checks it), hyper-parameters, flags and parameters, against the
+    groups before it; returns, as ``previous`` lists them, its tensors and whether they have names.
+
+    ``group["params"]`` becomes a list, as ``torch.optim.Optimizer.add_param_group`` makes it.
+
+    Args:
+        group: the param group (a dict with ``params``).
+        index: its index among the optimizer's groups.
+        previous: (tensors, named) of each group before it.
+        defaults: the optimizer's default hyper-parameters.
+        describe: how errors name a parameter, given the group's names by ``id``.
+    """
+    if "params" not in group:
+        raise ValueError(f"param group {index} has no 'params'")
+    if not isinstance(group["params"], (torch.Tensor, set)):
+        group["params"] = list(group["params"])
+    tensors, names = check_structure(group["params"], [named for _, named in previous])
+    merged = {**defaults, **group}
+    check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+    check_flags(group, f"param group {index}")
+    check_params(tensors, index, [t for t, _ in previous], lambda p: describe(p, names))
+    return tensors, bool(names) or "param_names" in group

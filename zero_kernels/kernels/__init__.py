@@ -132,6 +132,7 @@ def adam_step(
     out: Optional[torch.Tensor] = None,
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
+    skip_if: Optional[torch.Tensor] = None,
     impl: Optional[str] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place; see ``reference.adam_step_ref`` for the arguments."""
@@ -152,6 +153,7 @@ def adam_step(
         out=out,
         max_exp_avg_sq=max_exp_avg_sq,
         maximize=maximize,
+        skip_if=skip_if,
     )
 
 

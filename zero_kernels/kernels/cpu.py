@@ -53,9 +53,12 @@ def adam_step_cpu(
     out: Optional[torch.Tensor] = None,
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
+    skip_if: Optional[torch.Tensor] = None,
 ) -> None:
     """One fused Adam/AdamW step on a flat CPU shard, in place; arguments as ``reference.adam_step_ref``."""
-    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq)
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
+    if skip_if is not None and skip_if.item() != 0:  # a CPU tensor: reading it costs nothing
+        return
     step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
     _ops().adam_step(
         param,

@@ -31,6 +31,7 @@ def check_adam_args(
     found_inf: Optional[torch.Tensor],
     out: Optional[torch.Tensor],
     max_exp_avg_sq: Optional[torch.Tensor] = None,
+    skip_if: Optional[torch.Tensor] = None,
 ) -> None:
     """Shapes, dtypes and devices every backend requires; raises ValueError naming the buffer."""
     n = param.numel()
@@ -52,8 +53,13 @@ def check_adam_args(
             raise ValueError(f"adam_step: {name} is on {t.device}, param on {param.device}")
     if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"adam_step: grad dtype {grad.dtype}; allowed: float32, bfloat16, float16")
-    if found_inf is not None and (found_inf.numel() != 1 or found_inf.dtype != torch.float32):
-        raise ValueError("adam_step: found_inf must be a one-element float32 tensor")
+    for name, flag in (("found_inf", found_inf), ("skip_if", skip_if)):
+        if flag is not None and (flag.numel() != 1 or flag.dtype != torch.float32):
+            raise ValueError(f"adam_step: {name} must be a one-element float32 tensor")
+        if flag is not None and flag.device != param.device:
+            raise ValueError(f"adam_step: {name} is on {flag.device}, param on {param.device}")
+    if found_inf is not None and skip_if is not None:
+        raise ValueError("adam_step: pass found_inf (check the gradient, then skip) or skip_if (skip), not both")
 
 
 def adam_step_ref(
@@ -74,6 +80,7 @@ def adam_step_ref(
     out: Optional[torch.Tensor] = None,
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
+    skip_if: Optional[torch.Tensor] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place.
 
@@ -93,8 +100,13 @@ def adam_step_ref(
             uses it instead of ``exp_avg_sq``. None: plain Adam.
         maximize: ascend the gradient (``maximize=True`` in ``torch.optim.AdamW``): the scaled
             gradient is negated before the L2 term and the moments.
+        skip_if: one-element fp32 flag decided elsewhere (e.g. over every rank), read only: when it
+            is non-zero nothing is written; the gradient is not checked. Not with ``found_inf``.
+            The fused backends read it on the device; this reference reads it on the host.
     """
-    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq)
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
+    if skip_if is not None and skip_if.item() != 0:
+        return
     if found_inf is not None:
         if not bool(torch.isfinite(grad).all()):
             found_inf.fill_(1.0)

@@ -4,7 +4,8 @@ The update reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp
 28 bytes per parameter with an fp32 gradient (24 with bf16/fp16), plus the optional low-precision
 copy. With ``found_inf`` a first kernel reads the gradient once more and ORs "some element is not
 finite" into the flag; every program of the update kernel then loads the flag and, when it is set,
-returns before touching memory, so no host synchronisation is needed anywhere. Loads and stores
+returns before touching memory, so no host synchronisation is needed anywhere. ``skip_if`` (a flag
+decided elsewhere, e.g. over every rank) is read the same way, without the first kernel. Loads and stores
 are vectorised when the shard size is a multiple of 16 (Triton specialises on it): pad shards.
 
 Variants are ``tl.constexpr`` flags of the one update kernel; a flag that is off compiles to
@@ -159,18 +160,18 @@ def adam_step_triton(
     out: Optional[torch.Tensor] = None,
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
+    skip_if: Optional[torch.Tensor] = None,
 ) -> None:
     """``reference.adam_step_ref`` as one fused Triton launch; same arguments, same results."""
-    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq)
+    check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
     scale_mode = _scale_mode(grad_scale, param)
     if out is not None and out.dtype not in _LOW_PRECISION_OUT:
         raise ValueError(f"adam_step: out dtype {out.dtype}; allowed: float32, bfloat16, float16")
-    if found_inf is not None and found_inf.device != param.device:
-        raise ValueError(f"adam_step: found_inf is on {found_inf.device}, param on {param.device}")
     step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
     n = param.numel()
     if n == 0:
         return
+    flag = found_inf if found_inf is not None else skip_if  # the update kernel reads either the same way
     with tuning.launch_device(param):
         if found_inf is not None:
             check = tuning.pick(tuning.NONFINITE, n)
@@ -185,7 +186,7 @@ def adam_step_triton(
             exp_avg_sq,
             out if out is not None else param,
             grad_scale if scale_mode == _SCALE_TENSOR else param,
-            found_inf if found_inf is not None else param,
+            flag if flag is not None else param,
             max_exp_avg_sq if max_exp_avg_sq is not None else param,
             n,
             float(1.0 - lr * weight_decay),
@@ -200,7 +201,7 @@ def adam_step_triton(
             float(grad_scale) if scale_mode == _SCALE_FLOAT else 1.0,
             ADAMW=bool(adamw),
             SCALE_MODE=scale_mode,
-            HAS_FOUND_INF=found_inf is not None,
+            HAS_FOUND_INF=flag is not None,
             HAS_OUT=out is not None,
             AMSGRAD=max_exp_avg_sq is not None,
             MAXIMIZE=bool(maximize),

@@ -11,7 +11,8 @@ from enum import IntEnum
 from typing import Type
 
 from .base import Pipeline
-from .buffers import FlatBuffer, GroupHyper, StepResult, storage_bytes
+from .buffers import FlatBuffer, GroupHyper, storage_bytes
+from .outcome import StepResult
 from .stage0 import Stage0Pipeline
 from .stage1 import Stage1Pipeline
 from .stage2 import Stage2Pipeline

@@ -20,14 +20,16 @@ returns: another backward before the step writes into the gradients again (stage
 ``p.grad``'s storage in place).
 
 Step. ``step()`` finishes gradient synchronisation (``_before_step``: stage 1 reduce-scatters
-here), combines across ranks, in one all-gather (``stats``), the per-parameter "has a gradient"
-flags and the squared gradient norm (clipping) or whether every gradient is finite (skipping),
-checks that every rank passed the same hyper-parameters, then runs the fused kernel once per
-bucket on this rank's shard: master ``_master_shard``, gradient ``_grad_shard``, fp32 m and v;
-for low-precision parameters the kernel writes the updated shard (``out=``) straight into
-``_param_shard``, the all-gather input. ``_publish`` then all-gathers each bucket back into
+here), combines across ranks (``stats``) the per-parameter "has a gradient" flags and the
+squared gradient norm (clipping) or whether every gradient is finite (skipping), checks that every
+rank passed the same hyper-parameters, turns the norm into the clip coefficient and skip flag on
+the gradients' device (``outcome``), then runs the fused kernel once per bucket on this rank's
+shard: master ``_master_shard``, gradient ``_grad_shard``, fp32 m and v; for low-precision
+parameters the kernel writes the updated shard (``out=``) straight into ``_param_shard``, the
+all-gather input. ``_publish`` then all-gathers each bucket back into
 ``param_flat`` (overlapping the next bucket's kernel). A kernel launch is split where
-per-parameter step counts differ.
+per-parameter step counts differ; the counts advance once the step's outcome is read
+(``outcome.StepCounts``).
 
 Rules. A parameter without a gradient on any rank this step (``p.grad is None`` in
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
@@ -40,17 +42,18 @@ Gradients are averaged over ranks (``grad_divisor``). Overrides: ``num_shards``,
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
 from ..comm import Handle
+from ..comm_objects import control_engine
 from ..kernels import adam_step
 from ..layout import Bucket, BufferLayout, align_elements
-from . import adopt, buckets, grad_state, stats
-from .buffers import FlatBuffer, GroupHyper, Inflight, StepResult
+from . import adopt, buckets, grad_state, outcome, stats
+from .buffers import FlatBuffer, GroupHyper, Inflight
+from .outcome import StepResult
 
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
 
@@ -87,7 +90,8 @@ class Pipeline:
         self.module = module
         self.buffers: list[FlatBuffer] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (buffer index, slot index)
-        self.steps: dict[int, int] = {}  # optimizer param index -> Adam step count
+        self.step_counts = outcome.StepCounts()  # optimizer param index -> Adam step count (``steps``)
+        self._control = control_engine(engine)  # host-side exchanges (``stats``) never wait for a device
         self.has_grad: dict[int, bool] = {}  # optimizer param index -> got a gradient this step
         self.sync_enabled = True
         self._ref = weakref.ref(self)
@@ -101,6 +105,15 @@ class Pipeline:
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
 
     # ---------------------------------------------------------------- construction
+    @property
+    def steps(self) -> dict[int, int]:
+        """Optimizer param index -> Adam step count, the last step's outcome applied (``outcome.StepCounts``)."""
+        return self.step_counts.settled()
+
+    def settle(self) -> None:
+        """Apply the last step's outcome to the step counts (``outcome.StepCounts.settle``)."""
+        self.step_counts.settle()
+
     @property
     def rank(self) -> int:
         return self.engine.rank
@@ -159,7 +172,7 @@ class Pipeline:
             self._allocate(buf)
             self._index(buf)
         for _, i in trainable:
-            self.steps.setdefault(i, 0)
+            self.step_counts.counts.setdefault(i, 0)
             self.has_grad.setdefault(i, False)
 
     def _allocate(self, buf: FlatBuffer) -> None:
@@ -375,47 +388,47 @@ class Pipeline:
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         views = self._norm_views() if norm or finite else None
-        return stats.exchange(self.engine, self.has_grad, views, checks, device, norm=norm)
+        return stats.exchange(self.engine, self._control, self.has_grad, views, checks, device, norm=norm)
 
     def step(
         self,
         hyper: Sequence[GroupHyper],
         *,
         grad_scale: float,
+        clip_coef: Optional[torch.Tensor] = None,
         max_grad_norm: Optional[float] = None,
         check_finite: bool = False,
     ) -> StepResult:
-        """Update this rank's shard and publish it.
+        """Update this rank's shard and publish it; what the gradients decide stays on their device (``outcome``).
 
         Raises ``agreement.RanksDisagree`` on every rank, before any update, when the ranks pass
-        different hyper-parameters, gradient scales or clipping norms.
+        different hyper-parameters, gradient scales or clipping norms. The step counts advance when
+        the outcome is settled (``settle``): at once when it is host memory, else when next read.
 
         Args:
             hyper: per param group hyper-parameters, indexed by group.
             grad_scale: multiplier of the reduced gradients (1 / (loss scale x accumulation steps)).
+            clip_coef: a float64 0-d tensor that multiplies ``grad_scale`` (``clip_grad_norm_``), or None.
             max_grad_norm: clip the global gradient norm to this (None: no clipping).
             check_finite: skip the step (and report it) if any gradient is inf/NaN on any rank.
         """
+        self.settle()
         self.finish_grad_sync()
         checks = stats.step_checks(hyper, grad_scale, max_grad_norm)
+        scale: outcome.Scale = grad_scale if clip_coef is None else clip_coef * grad_scale
         if self.grad_divisor_is_world:
-            grad_scale = grad_scale / self.world_size
+            scale = scale / self.world_size
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
-        norm = None if combined.sq_norm is None else math.sqrt(combined.sq_norm) * grad_scale
-        if check_finite and not combined.finite:
-            grad_state.clear_after_step(self)
-            return StepResult(norm, skipped=True)
-        if max_grad_norm is not None:
-            grad_scale *= min(1.0, max_grad_norm / (norm + 1e-6))
-        for i in combined.with_grad:
-            self.steps[i] += 1
+        decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
+        result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
-                self._update_bucket(buf, bucket, hyper[buf.group], grad_scale, combined.with_grad)
+                self._update_bucket(buf, bucket, hyper[buf.group], decision, combined.with_grad)
                 self._track(self._publish(buf, bucket))
         self._complete_inflight()
         grad_state.clear_after_step(self)
-        return StepResult(norm, skipped=False)
+        self.step_counts.pending(result, combined.with_grad)
+        return result
 
     def _runs(self, buf: FlatBuffer, bucket: Bucket, with_grad: set[int]) -> Iterator[tuple[int, int, int]]:
         """(start, numel, step) of the pieces of ``bucket``'s shard to update, merged where possible."""
@@ -423,7 +436,7 @@ class Pipeline:
         for seg in buf.layout.segments(self.shard_rank, bucket.index):
             index = buf.indices[buf.layout.slots[seg.slot].param]
             local = seg.shard_offset - bucket.shard_offset
-            key = self.steps[index] if index in with_grad else None
+            key = self.step_counts.counts[index] + 1 if index in with_grad else None
             if key is not None and key == step and start + numel == local:
                 numel += seg.numel
                 continue
@@ -434,10 +447,15 @@ class Pipeline:
             yield start, bucket.shard_numel - start, step
 
     def _update_bucket(
-        self, buf: FlatBuffer, bucket: Bucket, h: GroupHyper, grad_scale: float, with_grad: set[int]
+        self, buf: FlatBuffer, bucket: Bucket, h: GroupHyper, decision: outcome.Decision, with_grad: set[int]
     ) -> None:
         if h.amsgrad and buf.max_exp_avg_sq is None:
             self.allocate_max_exp_avg_sq(buf.group)
+        scale, skip = decision.grad_scale, decision.skip
+        if isinstance(scale, torch.Tensor):
+            scale = scale.to(buf.device)  # the same tensor unless the model spans devices
+        if skip is not None:
+            skip = skip.to(buf.device)
         master, grad = self._master_shard(buf, bucket), self._grad_shard(buf, bucket)
         m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
         out = self._param_shard(buf, bucket) if buf.master is not None else None
@@ -447,9 +465,9 @@ class Pipeline:
             adam_step(
                 master_p, grad_p, m_p, v_p,
                 lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
-                adamw=h.adamw, grad_scale=grad_scale, out=None if out is None else out.narrow(0, start, numel),
+                adamw=h.adamw, grad_scale=scale, out=None if out is None else out.narrow(0, start, numel),
                 max_exp_avg_sq=None if v_max is None else v_max.narrow(0, start, numel), maximize=h.maximize,
-                impl=self.impl,
+                skip_if=skip, impl=self.impl,
             )  # fmt: skip
 
     # ---------------------------------------------------------------- zero_grad, gathering, memory

@@ -79,12 +79,6 @@ class GroupHyper:
     maximize: bool = False
 
 
-@dataclass(frozen=True)
-class StepResult:
-    grad_norm: Optional[float]  # global norm of the unscaled, averaged gradients (computed when clipping)
-    skipped: bool  # True when the gradients were not finite and nothing was updated
-
-
 def storage_bytes(tensors: Sequence[Optional[torch.Tensor]]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
     seen: dict[int, int] = {}

@@ -26,7 +26,6 @@ optimizer, so the gradient state a pipeline keeps for itself must not outlive a 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -87,8 +86,9 @@ def keep_zero_grads(pipeline: "Pipeline") -> None:
                 pipeline.has_grad[i] = True
 
 
-def grad_norm(pipeline: "Pipeline", grad_scale: float) -> float:
-    """Global L2 norm of this step's reduced gradients times ``grad_scale`` (a collective: every rank calls it).
+def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
+    """Global L2 norm of this step's reduced gradients times ``grad_scale``, a float64 0-d tensor on their
+    device that the host does not read here (a collective: every rank calls it).
 
     Args:
         pipeline: the optimizer's pipeline.
@@ -98,9 +98,9 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float) -> float:
     if pipeline.grad_divisor_is_world:
         grad_scale = grad_scale / pipeline.world_size
     device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
-    sq = torch.zeros(1, dtype=torch.float64, device=device)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     for v in pipeline._norm_views():
         sq += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
     if pipeline.world_size > 1:
         pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
-    return math.sqrt(float(sq)) * grad_scale
+    return sq.sqrt() * grad_scale

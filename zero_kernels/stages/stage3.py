@@ -43,7 +43,6 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from ..comm_objects import control_engine
 from ..layout import Bucket
 from . import adopt, stage3_save
 from .base import FlatBuffer
@@ -117,7 +116,6 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, impl=impl, module=module)
-        self._control = control_engine(engine)
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3_plan.holders``)
         self._units: list[_Unit] = []
         self._scheduler: Optional[Stage3Scheduler] = None
@@ -144,7 +142,7 @@ class Stage3Pipeline(Stage2Pipeline):
         for key in sorted(units):
             self._add_unit(group, units[key], persistent=key[0])
         for _, i in trainable:
-            self.steps.setdefault(i, 0)
+            self.step_counts.counts.setdefault(i, 0)
             self.has_grad.setdefault(i, False)
         self._install_scheduler()
 

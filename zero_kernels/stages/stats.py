@@ -1,11 +1,12 @@
 """The step's one exchange between ranks: gradient flags, squared norm and the values ranks must agree on.
 
-Each rank packs one float64 vector::
+Each rank packs one float64 vector of host data::
 
     [ has_grad[i] for every parameter index i (sorted) | gradient column | checks ]
 
-and one all-gather gives every rank every rank's vector (``world x length``, a few kilobytes).
-Every rank then combines the rows itself, in rank order, so all get the same result:
+and one all-gather over the control engine gives every rank every rank's vector (``world x
+length``, a few kilobytes). Every rank then combines the rows itself, in rank order, so all get
+the same result:
 
 - a parameter has a gradient this step when some rank says so (OR of the flags);
 - the gradient column sums the ranks' parts: the squared norm of their gradient pieces when it is
@@ -18,6 +19,12 @@ Every rank then combines the rows itself, in rank order, so all get the same res
 An all-gather rather than an all-reduce: it carries the flags' OR, the norm's sum and the
 agreement check in one collective, and each rank sees who holds which value. This is the only place
 where the packed vector is built and read.
+
+Where the gradients live. On the CPU (gloo) the gradient column is host memory and rides in the
+packed vector. On a GPU the host must not read it (that would wait for the device): the packed
+vector, host data only, goes over the control engine (a gloo group of the same ranks, see
+``comm_objects.control_engine``), and the gradient column is all-reduced on the device by the
+gradients' engine and stays there (``outcome.decide`` turns it into the step's decision).
 """
 
 from __future__ import annotations
@@ -34,8 +41,7 @@ from ..agreement import RanksDisagree, disagreement
 @dataclass(frozen=True)
 class StepStats:
     with_grad: set[int]  # parameter indices with a gradient on some rank
-    sq_norm: Optional[float]  # squared global norm of the reduced gradients (None: not computed)
-    finite: Optional[bool]  # every gradient is finite on every rank (None: not checked)
+    grad_sq: Optional[torch.Tensor]  # float64 0-d on the gradients' device, summed over ranks (None: not computed)
 
 
 def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional[float]) -> list[tuple[str, float]]:
@@ -65,6 +71,7 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
 
 def exchange(
     engine: Any,
+    control: Any,
     has_grad: Mapping[int, bool],
     grad_views: Optional[Iterable[torch.Tensor]],
     checks: Sequence[tuple[str, float]],
@@ -72,45 +79,55 @@ def exchange(
     *,
     norm: bool,
 ) -> StepStats:
-    """Combine this step's statistics over ranks in one all-gather; raise if the ``checks`` differ.
+    """Combine this step's statistics over ranks; raise if the ``checks`` differ.
 
     Args:
-        engine: the communication engine.
+        engine: the communication engine of the gradients.
+        control: the engine for host data (``comm_objects.control_engine``): ``engine`` itself on gloo.
         has_grad: parameter index -> got a gradient on this rank.
         grad_views: this rank's gradient pieces: their squares summed over ranks give the squared
             global norm (None: neither the norm nor finiteness is needed).
         checks: (name, value) pairs every rank must agree on (``step_checks``).
-        device: where the packed vector lives (the gradients' device; the backend's device).
+        device: the gradients' device.
         norm: compute the squared norm (else only whether the gradients are finite).
     """
     order = sorted(has_grad)
     n = len(order)
+    column = None
+    if grad_views is not None:
+        column = torch.zeros((), dtype=torch.float64, device=device)
+        for v in grad_views:
+            if norm:
+                column += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
+            else:  # 0 when every element is finite, NaN otherwise; fp16 sums in fp32 so that it cannot overflow
+                column += v.sum(dtype=torch.float32 if v.dtype == torch.float16 else None).double() * 0.0
     flags = [1.0 if has_grad[i] else 0.0 for i in order]
-    packed = torch.tensor(flags + [0.0] + [v for _, v in checks], dtype=torch.float64, device=device)
-    for v in grad_views or ():
-        if norm:
-            packed[n] += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
-        else:  # 0 when every element is finite, NaN otherwise; fp16 sums in fp32 so that it cannot overflow
-            packed[n] += v.sum(dtype=torch.float32 if v.dtype == torch.float16 else None).double() * 0.0
-    if engine.world_size > 1:
-        gathered = torch.empty(engine.world_size * packed.numel(), dtype=torch.float64, device=device)
-        engine.all_gather(gathered, packed, name="step.stats").wait()
-        rows = gathered.view(engine.world_size, -1).tolist()
+    packed = torch.tensor(flags + [0.0] + [v for _, v in checks], dtype=torch.float64)
+    fold = column is not None and control is engine and column.device.type == "cpu"
+    if fold:  # host memory already: the gradient column rides the same all-gather
+        packed[n] = column
+    if control.world_size > 1:
+        gathered = torch.empty(control.world_size * packed.numel(), dtype=torch.float64)
+        control.all_gather(gathered, packed, name="step.stats").wait()
+        rows = gathered.view(control.world_size, -1).tolist()
     else:
         rows = [packed.tolist()]
-    for column, (name, _) in enumerate(checks):
-        message = disagreement(name, [_shown(row[n + 1 + column]) for row in rows])
+    for column_index, (name, _) in enumerate(checks):
+        message = disagreement(name, [_shown(row[n + 1 + column_index]) for row in rows])
         if message is not None:
             raise RanksDisagree(
                 f"ShardedFusedAdam.step: {message}. Every rank must use the same hyper-parameters (set them the "
                 "same way on every rank, e.g. with the same scheduler); nothing was updated, and this step's gradients "
                 "are spent: zero_grad() and run backward again"
             )
-    with_grad = {i for column, i in enumerate(order) if any(row[column] > 0 for row in rows)}
-    if grad_views is None:
-        return StepStats(with_grad, None, None)
-    column = sum(row[n] for row in rows)
-    return StepStats(with_grad, column if norm else None, math.isfinite(column))
+    with_grad = {i for k, i in enumerate(order) if any(row[k] > 0 for row in rows)}
+    if column is None:
+        return StepStats(with_grad, None)
+    if fold:
+        return StepStats(with_grad, torch.tensor(sum(row[n] for row in rows), dtype=torch.float64))
+    if engine.world_size > 1:  # on the device, in the engine's order: the host never reads it here
+        engine.all_reduce(column, op="sum", name="step.grad_sq").wait()
+    return StepStats(with_grad, column)
 
 
 def _shown(value: float) -> Optional[float]:
