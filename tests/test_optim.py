@@ -7,7 +7,9 @@ whole parameters (``model.state_dict()``, comparisons) inside ``opt.gathered_par
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +18,10 @@ from test_stages import BUCKET, LR, ROWS, STAGES, Net, batch, compare, make_mode
 from torch import nn
 
 import zero_kernels.optim as zo
+from zero_kernels.config import FP16Config
 from zero_kernels.entry import initialize as zk_initialize
 from zero_kernels.planner import estimate_memory
-from zero_kernels.precision import LossScaler
+from zero_kernels.precision import LossScaleError, LossScaler
 from zero_kernels.stages.stage2 import POOL_BUCKETS
 
 
@@ -129,7 +132,7 @@ def fp16_case(rank: int, world: int, stage: int) -> None:
             assert unchanged, f"stage {stage}: a skipped step changed params"
         else:
             assert not opt.last_step.skipped
-    assert scales == [16.0, 8.0, 8.0, 16.0], f"stage {stage} loss scales {scales}"
+    assert scales == [16.0, 8.0, 8.0, 8.0], f"stage {stage} loss scales {scales}"  # DeepSpeed's: 16 after 3 good
     assert not unchanged, f"stage {stage}: good steps did not update"
 
 
@@ -248,10 +251,52 @@ def test_initialize_passes_param_groups_with_the_model() -> None:
         assert [tuple(p.shape) for p in model.parameters()] == [tuple(p.shape) for p in Net().parameters()]
 
 
-def test_loss_scaler_rules() -> None:
-    scaler = LossScaler(scale=8.0, dynamic=True, window=3, hysteresis=2, min_scale=2.0, hysteresis_left=2)
-    trace = []
-    for overflow in (True, True, True, True, False, False, False):
-        scaler.update(overflow)
-        trace.append(scaler.scale)
-    assert trace == [8.0, 4.0, 2.0, 2.0, 2.0, 2.0, 4.0]
+TRACES = Path(__file__).parent / "data" / "deepspeed" / "loss_scale_traces.json"  # make_loss_scale_traces.py
+
+
+def test_loss_scaler_follows_deepspeed_step_by_step() -> None:
+    """30 overflow sequences under 6 fp16 configs, replayed through DeepSpeed 0.19.8's DynamicLossScaler:
+    the same scale and hysteresis after every step, and an error at the same step where DeepSpeed stops."""
+    cases = json.loads(TRACES.read_text())["cases"]
+    assert len(cases) == 30 and sum(c["raised_at"] is not None for c in cases) > 5
+    for n, case in enumerate(cases):
+        fp16 = FP16Config(enabled=True, loss_scale=0, **case["fp16"])
+        scaler = LossScaler.from_fp16_config(fp16)
+        scales, hysteresis_left, raised_at = [], [], None
+        for step, overflow in enumerate(case["overflows"]):
+            before = scaler.state_dict()
+            try:
+                scaler.update(overflow)
+            except LossScaleError:
+                assert scaler.state_dict() == before, f"case {n}: a refused update changed the scaler"
+                raised_at = step
+                break
+            scales.append(scaler.scale)
+            hysteresis_left.append(scaler.hysteresis_left)
+        what = f"case {n} {case['fp16']}"
+        assert scales == case["scales"], f"{what}: scales {scales} != DeepSpeed's {case['scales']}"
+        assert hysteresis_left == case["hysteresis_left"], f"{what}: hysteresis {hysteresis_left}"
+        assert raised_at == case["raised_at"], f"{what}: raised at step {raised_at}, DeepSpeed at {case['raised_at']}"
+
+
+def test_fp16_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None:
+    """DeepSpeed stops the run on an overflow at ``min_loss_scale``; skipping every step from then on would
+    train nothing, silently."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).half()
+    fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=3, hysteresis=2, min_loss_scale=4.0)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=0, fp16=fp16)
+    before = [p.detach().clone() for p in model.parameters()]
+    scales = []
+    for step in range(2):
+        x = torch.randn(2, 5).half()
+        x[0, 0] = math.inf
+        opt.backward(model(x).float().sum())
+        opt.step()
+        scales.append(opt.loss_scale)
+    assert scales == [8.0, 4.0] and opt.skipped_steps == 2
+    opt.backward(model(torch.full((2, 5), math.inf).half()).float().sum())
+    with pytest.raises(LossScaleError, match="overflowed at the minimum loss scale 4 .*min_loss_scale"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "an overflowing step changed params"
+    assert opt.loss_scale == 4.0 and opt.skipped_steps == 3 and opt.pipeline.steps == {0: 0, 1: 0}

@@ -264,16 +264,14 @@ def _hyper(optims: list[dict[str, Any]], stage: int, params: list[_Param]) -> li
 def _loss_scaler(optim: dict[str, Any]) -> Optional[dict[str, Any]]:
     """The fp16 dynamic loss scale as ``precision.LossScaler`` state (None: no dynamic scaling).
 
-    The scale and the hysteresis left carry over exactly; ``good_steps`` is the number of good steps
-    since the last overflow, modulo the window (DeepSpeed doubles one step later than
-    ``precision.LossScaler`` in each window, so the next doubling may come one step apart).
+    The scale, the hysteresis left and the good steps since the last overflow (DeepSpeed's
+    ``cur_iter - last_overflow_iter - 1``) carry over exactly: the resumed run scales as DeepSpeed's would.
     """
     scaler = optim.get("loss_scaler")
     if not isinstance(scaler, _DynamicLossScaler):
         return None
     s = scaler.__dict__
-    window = int(s.get("scale_window", 1000))
-    good = (int(s.get("cur_iter", 0)) - int(s.get("last_overflow_iter", -1)) - 1) % max(1, window)
+    good = max(0, int(s.get("cur_iter", 0)) - int(s.get("last_overflow_iter", -1)) - 1)
     return {"scale": float(s["cur_scale"]), "good_steps": good, "hysteresis_left": int(s.get("cur_hysteresis", 1))}
 
 

@@ -156,6 +156,7 @@ class FP16Config:
     loss_scale_window: int = FP16.fields["loss_scale_window"].default
     hysteresis: int = FP16.fields["hysteresis"].default
     min_loss_scale: float = FP16.fields["min_loss_scale"].default
+    consecutive_hysteresis: bool = FP16.fields["consecutive_hysteresis"].default
 
     def __post_init__(self) -> None:
         _normalise(self, {f.name: FP16.fields[f.name].rule for f in fields(self)}, "FP16Config")

@@ -170,11 +170,11 @@ FP16 = Section(
         "loss_scale_window": Field(integer(1), 1000),
         "hysteresis": Field(integer(1), 2),
         "min_loss_scale": Field(number(0, lo_open=True), 1.0),
+        "consecutive_hysteresis": Field(boolean(), False),
     },
     ignored={
         "auto_cast": WARNING,
         "fp16_master_weights_and_grads": WARNING,
-        "consecutive_hysteresis": INFO,
         "fused_mode": INFO,
     },
 )
