@@ -58,6 +58,16 @@ from .outcome import StepResult
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
 
 
+def second_gradient(stage: int, name: str) -> str:
+    """The error for a gradient that arrives after its parameter's gradients were reduced in this backward."""
+    return (
+        f"ShardedFusedAdam (stage {stage}): {name} got a second gradient in one backward pass, after its gradients "
+        "were reduced: a parameter used in more than one segment of reentrant activation checkpointing. Use "
+        "torch.utils.checkpoint(..., use_reentrant=False) (in transformers: gradient_checkpointing_enable("
+        "gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
+    )
+
+
 def _grad_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
         pipeline = ref()
@@ -82,6 +92,7 @@ class Pipeline:
     grad_divisor_is_world: ClassVar[bool] = False  # True: the reduced gradients are sums over ranks
     max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
+    reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         self.engine = engine
@@ -98,6 +109,7 @@ class Pipeline:
         self._hooks: list[Any] = []
         self._launch_order: list[tuple[int, int]] = []  # (buffer, bucket) in collective order
         self._next_launch = 0
+        self._reported: set[tuple[int, int]] = set()  # (buffer, slot) that reported in this round
         self._inflight: list[Inflight] = []  # in issue order
         self._round_open = False
         self._synced = False  # a synchronised backward happened since the last step
@@ -258,13 +270,39 @@ class Pipeline:
         self.has_grad[buf.indices[buf.layout.slots[slot].param]] = True
         if not self.sync_enabled:
             return
-        if not self._round_open:
-            self._round_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+        if not self._first_report(b, slot, p):
+            self._add_grad(buf, slot, p)
+            return
         self._consume_grad(buf, slot, p)
         for k in buf.layout.slot_buckets[slot]:
             buf.pending[k] -= 1
         self._launch_ready()
+
+    def _first_report(self, b: int, slot: int, p: torch.Tensor) -> bool:
+        """Open the round if needed; False when ``p`` already reported in it.
+
+        A parameter used in several segments of reentrant activation checkpointing
+        (``torch.utils.checkpoint(..., use_reentrant=True)``) gets its gradient once per segment,
+        each a backward of its own. A repeated gradient is added to the first while the parameter's
+        buckets wait; once one of them has been reduced it cannot be, and this raises.
+        """
+        if not self._round_open:
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+        if (b, slot) not in self._reported:
+            self._reported.add((b, slot))
+            return True
+        launched = set(self._launch_order[: self._next_launch])
+        if self.reduces_in_backward and any((b, k) in launched for k in self.buffers[b].layout.slot_buckets[slot]):
+            raise RuntimeError(second_gradient(self.stage, self.name_of(p)))
+        return False
+
+    def _add_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """A repeated gradient of ``p`` in this round, its buckets not yet reduced (``_first_report``).
+
+        Default (stages 0 and 1): ``p.grad`` views ``grad_flat`` and autograd added to it in place, or
+        replaced it by the sum: ``_consume_grad`` keeps the sum."""
+        self._consume_grad(buf, slot, p)
 
     def _check_dense(self, p: torch.Tensor) -> None:
         if p.grad.layout != torch.strided:
@@ -304,6 +342,7 @@ class Pipeline:
         self._round_open = False
         self._synced = True
         self._next_launch = 0
+        self._reported.clear()
         for buf in self.buffers:
             self._reset_pending(buf)
 

@@ -18,6 +18,7 @@ from .base import FlatBuffer, Pipeline
 
 class Stage0Pipeline(Pipeline):
     stage = 0
+    reduces_in_backward = True
 
     @property
     def num_shards(self) -> int:

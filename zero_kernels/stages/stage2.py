@@ -18,9 +18,10 @@ zeroed before it is reduced.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+from torch import Tensor
 
 from ..kernels import flatten
 from ..layout import Bucket
@@ -31,6 +32,7 @@ POOL_BUCKETS = Pipeline.max_inflight + 3  # idle scratch buckets kept for reuse 
 
 class Stage2Pipeline(Pipeline):
     stage = 2
+    reduces_in_backward = True
     allgather_by_bucket = True
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
@@ -55,15 +57,24 @@ class Stage2Pipeline(Pipeline):
             buf.filled[bucket.index] = set()
         return buf.scratch[bucket.index]
 
-    def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+    def _pieces(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, int, Tensor]]:
+        """(bucket index, its scratch, offset there, the piece of ``p.grad``) for each bucket ``p`` lies in."""
         s = buf.layout.slots[slot]
         for k in buf.layout.slot_buckets[slot]:
             bucket = buf.layout.buckets[k]
-            scratch = self._scratch(buf, bucket)
             lo, hi = max(s.offset, bucket.start), min(s.offset + s.numel, bucket.start + bucket.numel)
-            piece = p.grad.reshape(-1).narrow(0, lo - s.offset, hi - lo)
-            flatten([piece], scratch, [lo - bucket.start], scale=1.0 / self.world_size, impl=self.impl)
+            yield k, self._scratch(buf, bucket), lo - bucket.start, p.grad.reshape(-1).narrow(0, lo - s.offset, hi - lo)
+
+    def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        for k, scratch, offset, piece in self._pieces(buf, slot, p):
+            flatten([piece], scratch, [offset], scale=1.0 / self.world_size, impl=self.impl)
             buf.filled[k].add(slot)
+        p.grad = None
+
+    def _add_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """A repeated gradient (``Pipeline._first_report``): added to what the scratch holds."""
+        for _, scratch, offset, piece in self._pieces(buf, slot, p):
+            scratch.narrow(0, offset, piece.numel()).add_(piece.to(scratch.dtype), alpha=1.0 / self.world_size)
         p.grad = None
 
     def _zero_unfilled(self, buf: FlatBuffer, bucket: Bucket, scratch: torch.Tensor, filled: set[int]) -> None:

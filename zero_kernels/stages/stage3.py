@@ -193,10 +193,9 @@ class Stage3Pipeline(Stage2Pipeline):
         """``p`` has no gradient this round: its part of the buckets counts as zero (it is not marked as having one)."""
         if not self.sync_enabled:
             return
-        if not self._round_open:
-            self._round_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
         b, slot = self.where[id(p)]
+        if not self._first_report(b, slot, p):
+            return
         buf = self.buffers[b]
         for k in buf.layout.slot_buckets[slot]:
             buf.pending[k] -= 1

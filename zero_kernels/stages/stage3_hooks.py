@@ -46,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import model_hints
 from . import stage3_guard as guard
+from .base import second_gradient
 from .stage3_plan import ModulePlan, plan
 
 log = logging.getLogger("zero_kernels")
@@ -421,7 +422,7 @@ class Stage3Scheduler:
                         "gradient after the leaf's backward had ended and its gradients were reduced; a parameter "
                         "of a leaf module must be used only inside the leaf's forward"
                     )
-                return
+                raise RuntimeError(second_gradient(3, f"parameter '{self._names.get(id(param), '?')}'"))
             ready = self._ready_grads[i]
             ready.add(id(param))
             if i not in self._leaf_units and all(id(p) in ready for p in self.units[i].params if p.requires_grad):
