@@ -49,23 +49,12 @@ import torch
 
 from ..comm import Handle
 from ..comm_objects import control_engine
-from ..kernels import adam_step
 from ..layout import Bucket, BufferLayout, align_elements
-from . import adopt, buckets, grad_state, outcome, stats
+from . import adopt, buckets, grad_state, outcome, stats, update
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .outcome import StepResult
 
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
-
-
-def second_gradient(stage: int, name: str) -> str:
-    """The error for a gradient that arrives after its parameter's gradients were reduced in this backward."""
-    return (
-        f"ShardedFusedAdam (stage {stage}): {name} got a second gradient in one backward pass, after its gradients "
-        "were reduced: a parameter used in more than one segment of reentrant activation checkpointing. Use "
-        "torch.utils.checkpoint(..., use_reentrant=False) (in transformers: gradient_checkpointing_enable("
-        "gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
-    )
 
 
 def _grad_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
@@ -294,7 +283,7 @@ class Pipeline:
             return True
         launched = set(self._launch_order[: self._next_launch])
         if self.reduces_in_backward and any((b, k) in launched for k in self.buffers[b].layout.slot_buckets[slot]):
-            raise RuntimeError(second_gradient(self.stage, self.name_of(p)))
+            raise RuntimeError(grad_state.second_gradient(self.stage, self.name_of(p)))
         return False
 
     def _add_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
@@ -462,52 +451,12 @@ class Pipeline:
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
-                self._update_bucket(buf, bucket, hyper[buf.group], decision, combined.with_grad)
+                update.update_bucket(self, buf, bucket, hyper[buf.group], decision, combined.with_grad)
                 self._track(self._publish(buf, bucket))
         self._complete_inflight()
         grad_state.clear_after_step(self)
         self.step_counts.pending(result, combined.with_grad)
         return result
-
-    def _runs(self, buf: FlatBuffer, bucket: Bucket, with_grad: set[int]) -> Iterator[tuple[int, int, int]]:
-        """(start, numel, step) of the pieces of ``bucket``'s shard to update, merged where possible."""
-        start = numel = step = None
-        for seg in buf.layout.segments(self.shard_rank, bucket.index):
-            index = buf.indices[buf.layout.slots[seg.slot].param]
-            local = seg.shard_offset - bucket.shard_offset
-            key = self.step_counts.counts[index] + 1 if index in with_grad else None
-            if key is not None and key == step and start + numel == local:
-                numel += seg.numel
-                continue
-            if step is not None:
-                yield start, numel, step
-            start, numel, step = local, seg.numel, key
-        if step is not None:  # only padding follows (zero gradients): update it too, so the run stays aligned
-            yield start, bucket.shard_numel - start, step
-
-    def _update_bucket(
-        self, buf: FlatBuffer, bucket: Bucket, h: GroupHyper, decision: outcome.Decision, with_grad: set[int]
-    ) -> None:
-        if h.amsgrad and buf.max_exp_avg_sq is None:
-            self.allocate_max_exp_avg_sq(buf.group)
-        scale, skip = decision.grad_scale, decision.skip
-        if isinstance(scale, torch.Tensor):
-            scale = scale.to(buf.device)  # the same tensor unless the model spans devices
-        if skip is not None:
-            skip = skip.to(buf.device)
-        master, grad = self._master_shard(buf, bucket), self._grad_shard(buf, bucket)
-        m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
-        out = self._param_shard(buf, bucket) if buf.master is not None else None
-        v_max = buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None
-        for start, numel, step in self._runs(buf, bucket, with_grad):
-            master_p, grad_p, m_p, v_p = (t.narrow(0, start, numel) for t in (master, grad, m, v))
-            adam_step(
-                master_p, grad_p, m_p, v_p,
-                lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
-                adamw=h.adamw, grad_scale=scale, out=None if out is None else out.narrow(0, start, numel),
-                max_exp_avg_sq=None if v_max is None else v_max.narrow(0, start, numel), maximize=h.maximize,
-                skip_if=skip, impl=self.impl,
-            )  # fmt: skip
 
     # ---------------------------------------------------------------- zero_grad, gathering, memory
     def zero_grad(self, set_to_none: bool = True) -> None:

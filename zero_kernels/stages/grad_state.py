@@ -104,3 +104,13 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
     if pipeline.world_size > 1:
         pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
     return sq.sqrt() * grad_scale
+
+
+def second_gradient(stage: int, name: str) -> str:
+    """The error for a gradient that arrives after its parameter's gradients were reduced in this backward."""
+    return (
+        f"ShardedFusedAdam (stage {stage}): {name} got a second gradient in one backward pass, after its gradients "
+        "were reduced: a parameter used in more than one segment of reentrant activation checkpointing. Use "
+        "torch.utils.checkpoint(..., use_reentrant=False) (in transformers: gradient_checkpointing_enable("
+        "gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
+    )

@@ -46,7 +46,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import model_hints
 from . import stage3_guard as guard
-from .base import second_gradient
+from .grad_state import second_gradient
 from .stage3_plan import ModulePlan, plan
 
 log = logging.getLogger("zero_kernels")

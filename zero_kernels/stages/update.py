@@ -1,0 +1,80 @@
+"""The step's update of one bucket: this rank's shard through the fused Adam kernel.
+
+A launch covers a run of parameters with the same step count (the count after this update); runs
+are split where counts differ (a parameter that had no gradient on any rank is skipped) and merged
+where they agree, and the padding after the last parameter joins the last run so that it stays
+aligned. The gradient multiplier and the skip flag come from the step's decision (``outcome``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from ..kernels import adam_step
+from ..layout import Bucket
+from .buffers import FlatBuffer, GroupHyper
+from .outcome import Decision
+
+if TYPE_CHECKING:
+    from .base import Pipeline
+
+
+def runs(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, with_grad: set[int]) -> Iterator[tuple[int, int, int]]:
+    """(start, numel, step) of the pieces of ``bucket``'s shard to update, merged where possible.
+
+    Args:
+        pipeline: the optimizer's pipeline (this rank's shard, the step counts).
+        buf: the buffer ``bucket`` belongs to.
+        bucket: the bucket.
+        with_grad: parameter indices with a gradient on some rank this step.
+    """
+    start = numel = step = None
+    for seg in buf.layout.segments(pipeline.shard_rank, bucket.index):
+        index = buf.indices[buf.layout.slots[seg.slot].param]
+        local = seg.shard_offset - bucket.shard_offset
+        key = pipeline.step_counts.counts[index] + 1 if index in with_grad else None
+        if key is not None and key == step and start + numel == local:
+            numel += seg.numel
+            continue
+        if step is not None:
+            yield start, numel, step
+        start, numel, step = local, seg.numel, key
+    if step is not None:  # only padding follows (zero gradients): update it too, so the run stays aligned
+        yield start, bucket.shard_numel - start, step
+
+
+def update_bucket(
+    pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, h: GroupHyper, decision: Decision, with_grad: set[int]
+) -> None:
+    """Run the fused Adam kernel over this rank's shard of ``bucket``.
+
+    Args:
+        pipeline: the optimizer's pipeline.
+        buf: the buffer ``bucket`` belongs to.
+        bucket: the bucket.
+        h: the hyper-parameters of ``buf``'s param group.
+        decision: the step's gradient multiplier and skip flag (``outcome.decide``).
+        with_grad: parameter indices with a gradient on some rank this step.
+    """
+    if h.amsgrad and buf.max_exp_avg_sq is None:
+        pipeline.allocate_max_exp_avg_sq(buf.group)
+    scale, skip = decision.grad_scale, decision.skip
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(buf.device)  # the same tensor unless the model spans devices
+    if skip is not None:
+        skip = skip.to(buf.device)
+    master, grad = pipeline._master_shard(buf, bucket), pipeline._grad_shard(buf, bucket)
+    m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
+    out = pipeline._param_shard(buf, bucket) if buf.master is not None else None
+    v_max = buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None
+    for start, numel, step in runs(pipeline, buf, bucket, with_grad):
+        master_p, grad_p, m_p, v_p = (t.narrow(0, start, numel) for t in (master, grad, m, v))
+        adam_step(
+            master_p, grad_p, m_p, v_p,
+            lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
+            adamw=h.adamw, grad_scale=scale, out=None if out is None else out.narrow(0, start, numel),
+            max_exp_avg_sq=None if v_max is None else v_max.narrow(0, start, numel), maximize=h.maximize,
+            skip_if=skip, impl=pipeline.impl,
+        )  # fmt: skip
