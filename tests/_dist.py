@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -58,3 +60,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     """
     _prebuild_extensions()
     mp.spawn(_entry, args=(fn, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
+
+
+def _report(rank: int, world_size: int, fn: Callable[..., list[str]], out: str, *args: Any) -> None:
+    Path(out, str(rank)).write_text("\n".join(fn(rank, world_size, *args)) or "ok")
+
+
+def run_ranks_checked(fn: Callable[..., list[str]], world_size: int, *args: Any, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)``, which returns what it found wrong, on gloo ranks; assert that no
+    rank found anything (every rank's findings are shown)."""
+    with tempfile.TemporaryDirectory() as out:
+        run_ranks(_report, world_size, fn, out, *args, timeout_s=timeout_s)
+        results = {rank: Path(out, str(rank)).read_text() for rank in range(world_size)}
+    assert all(r == "ok" for r in results.values()), results

@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_ranks_checked
 from torch import nn
 
 import zero_kernels as zk
@@ -135,7 +135,7 @@ def _compare(rank: int, want: dict[str, Any], got: dict[str, Any], what: str) ->
             assert torch.equal(a, b), f"{what}: {key} differ by {(a.float() - b.float()).abs().max().item()}"
 
 
-def _body(rank: int, world: int, out: str) -> None:
+def _body(rank: int, world: int) -> list[str]:
     failures = []
     for stage in (0, 1, 2, 3):
         for dtype in (torch.float32, torch.float16):
@@ -161,12 +161,9 @@ def _body(rank: int, world: int, out: str) -> None:
                     outcome.StepResult.ready = ready
             except AssertionError as exc:
                 failures.append(str(exc))
-    Path(out, str(rank)).write_text("\n".join(failures) or "ok")
+    return failures
 
 
 @pytest.mark.distributed
-def test_device_decisions_train_the_same_read_now_or_later(spawn) -> None:
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_body, 2, out, timeout_s=600)
-        results = {rank: Path(out, str(rank)).read_text() for rank in range(2)}
-    assert all(r == "ok" for r in results.values()), results
+def test_device_decisions_train_the_same_read_now_or_later() -> None:
+    run_ranks_checked(_body, 2, timeout_s=600)
