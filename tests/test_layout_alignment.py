@@ -14,7 +14,7 @@ from torch import nn
 
 import zero_kernels.optim as zo
 from zero_kernels.layout import ALIGN_BYTES, BufferLayout, align_elements
-from zero_kernels.stages import base
+from zero_kernels.stages import update
 
 SHAPES = [(77,), (1,), (11, 5), (5,), (1000, 3), (3, 7, 2)]
 
@@ -48,7 +48,7 @@ def _aligned_adam_case(rank: int, world: int) -> None:
     """Adam launches get 64-byte aligned shards of multiples of 16 elements: stage 1 (slices of the full
     gradient buffer) and stage 3 (gradient and parameter shards, as stage 2)."""
     seen: list[tuple[str, int, int]] = []
-    real = base.adam_step
+    real = update.adam_step
 
     def spy(param, grad, exp_avg, exp_avg_sq, **kwargs):
         tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
@@ -58,7 +58,7 @@ def _aligned_adam_case(rank: int, world: int) -> None:
             seen.append((name, t.data_ptr() % ALIGN_BYTES, t.numel() % 16))
         real(param, grad, exp_avg, exp_avg_sq, **kwargs)
 
-    base.adam_step = spy
+    update.adam_step = spy
     try:
         for stage in (1, 3):
             for dtype in (torch.float32, torch.bfloat16):
@@ -74,7 +74,7 @@ def _aligned_adam_case(rank: int, world: int) -> None:
                 bad = [s for s in seen if s[1] or s[2]]
                 assert not bad, f"stage {stage} {dtype} rank {rank}: (tensor, address % 64, numel % 16) {bad[:4]}"
     finally:
-        base.adam_step = real
+        update.adam_step = real
 
 
 def test_stage_adam_launches_are_aligned(spawn) -> None:
