@@ -348,6 +348,27 @@ def test_sparse_gradients_refused_with_adamw_wording() -> None:
 
 
 # ---------------------------------------------------------------- state dicts
+@pytest.mark.parametrize("stage", STAGES)
+def test_parameter_frozen_at_construction_then_trained_is_refused(stage: int) -> None:
+    """AdamW would train it; ZeRO shards only what was trainable at construction: a loud error, not a
+    parameter that silently never moves. One that stays frozen, or gets no gradient, is fine."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    model[0].requires_grad_(True)
+    opt.step()  # no gradient yet: nothing to refuse
+    model(torch.randn(3, 4)).sum().backward()
+    with opt.gathered_params():
+        before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter 0 \('0.weight', group 0\) was frozen .* nothing was updated"):
+        opt.step()
+    with opt.gathered_params():
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a refused step changed weights"
+
+
 def test_state_dict_numbering_and_names_as_adamw() -> None:
     model, ref = make_models(torch.float32)
     opt = zo.ShardedFusedAdam(model.named_parameters(), lr=LR)

@@ -355,6 +355,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if module is not None:
             adopt.check_module_params(module, self._held_names, self._pipeline.name_of)
         adopt.follow_replaced(self._pipeline, self._pipeline.name_of)
+        adopt.check_unfrozen(self.param_groups, self._pipeline.has_grad, self._param_name)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global norm of this step's gradients to ``max_norm`` (applied by the next ``step()``).

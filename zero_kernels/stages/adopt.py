@@ -12,11 +12,16 @@ keeps the master's extra precision). A new dtype, device or shape cannot be foll
 (``load_state_dict(..., assign=True)``, a module swapped) are caught by ``check_module_params``.
 
 Stage 3 units that are freed re-adopt in ``adopt_assigned_shard`` just before their next gather.
+
+A parameter frozen (``requires_grad=False``) when the optimizer was built has no place in its
+buffers: unfrozen later, it would get gradients that no step uses (``torch.optim.AdamW`` would train
+it; DeepSpeed, which also shards only what is trainable at ``initialize``, would not).
+``check_unfrozen`` raises then instead.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -128,3 +133,24 @@ def check_module_params(module: nn.Module, held: Mapping[str, int], name_of: Nam
                 "load_state_dict(..., assign=True), a reassigned module or nn.Parameter): build the optimizer "
                 "after that, or copy values in place (load_state_dict without assign=True)"
             )
+
+
+def check_unfrozen(groups: Sequence[Mapping[str, Any]], trainable: Container[int], name: Callable[[int], str]) -> None:
+    """Raise ``ValueError`` when a parameter frozen at construction has a gradient now (see the module docstring).
+
+    Args:
+        groups: the optimizer's param groups.
+        trainable: optimizer indices of the parameters the pipeline holds (trainable at construction).
+        name: names a parameter by its optimizer index in the error.
+    """
+    index = 0
+    for group in groups:
+        for p in group["params"]:
+            if index not in trainable and p.requires_grad and p.grad is not None:
+                raise ValueError(
+                    f"{name(index)} was frozen (requires_grad=False) when the optimizer was built and has a gradient "
+                    "now: ZeRO shards only the parameters that are trainable at construction, so no step would use "
+                    "it. Unfreeze before building the optimizer (a new one can load opt.full_state_dict()), or "
+                    "freeze it again; nothing was updated"
+                )
+            index += 1
