@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from train import synthetic_batch  # the same rule as the dense example (examples/ is on the path)
 
 import zero_kernels as zk
 
@@ -73,14 +74,6 @@ class TinyMoELM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.linear(self.norm(x), self.embed.weight)  # output layer tied to the input embedding
-
-
-def synthetic_batch(step: int, rank: int, batch: int, context: int, vocab: int) -> torch.Tensor:
-    """Tokens following a learnable rule (next = 3 * previous + 1 mod vocab) from a random start."""
-    g = torch.Generator().manual_seed(step * 1000 + rank)
-    start = torch.randint(0, vocab, (batch, 1), generator=g)
-    steps = torch.arange(context + 1)
-    return (start * 3**steps + (3**steps - 1) // 2) % vocab
 
 
 def main() -> None:
