@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..layout import Bucket
+from . import stats
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline
@@ -98,9 +99,7 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
     if pipeline.grad_divisor_is_world:
         grad_scale = grad_scale / pipeline.world_size
     device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for v in pipeline._norm_views():
-        sq += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
+    sq = stats.grad_column(pipeline._norm_views(), device, norm=True)
     if pipeline.world_size > 1:
         pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
     return sq.sqrt() * grad_scale

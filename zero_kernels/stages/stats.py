@@ -69,6 +69,24 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
     return [(name, float(value)) for name, value in checks]
 
 
+def grad_column(views: Iterable[torch.Tensor], device: torch.device, *, norm: bool) -> torch.Tensor:
+    """This rank's part of the gradient column, a float64 0-d tensor on ``device`` (never read here).
+
+    Args:
+        views: this rank's gradient pieces.
+        device: the gradients' device.
+        norm: the sum of their squared norms; else a sum that is 0 when every element is finite, NaN
+            otherwise (several times cheaper than a norm on CPUs).
+    """
+    column = torch.zeros((), dtype=torch.float64, device=device)
+    for v in views:
+        if norm:
+            column += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
+        else:  # fp16 sums in fp32 so that it cannot overflow
+            column += v.sum(dtype=torch.float32 if v.dtype == torch.float16 else None).double() * 0.0
+    return column
+
+
 def exchange(
     engine: Any,
     control: Any,
@@ -93,14 +111,7 @@ def exchange(
     """
     order = sorted(has_grad)
     n = len(order)
-    column = None
-    if grad_views is not None:
-        column = torch.zeros((), dtype=torch.float64, device=device)
-        for v in grad_views:
-            if norm:
-                column += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
-            else:  # 0 when every element is finite, NaN otherwise; fp16 sums in fp32 so that it cannot overflow
-                column += v.sum(dtype=torch.float32 if v.dtype == torch.float16 else None).double() * 0.0
+    column = None if grad_views is None else grad_column(grad_views, device, norm=norm)
     flags = [1.0 if has_grad[i] else 0.0 for i in order]
     packed = torch.tensor(flags + [0.0] + [v for _, v in checks], dtype=torch.float64)
     fold = column is not None and control is engine and column.device.type == "cpu"
