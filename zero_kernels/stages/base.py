@@ -416,7 +416,19 @@ class Pipeline:
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         views = self._norm_views() if norm or finite else None
-        return stats.exchange(self.engine, self._control, self.has_grad, views, checks, device, norm=norm)
+        extra = self._step_columns()
+        combined = stats.exchange(
+            self.engine, self._control, self.has_grad, views, checks, device, norm=norm, extra=extra
+        )
+        self._verify_step_columns(combined.extra)
+        return combined
+
+    def _step_columns(self) -> list[float]:
+        """Values of this stage's own that ride the step's exchange (``stats``); default: none."""
+        return []
+
+    def _verify_step_columns(self, rows: list[list[float]]) -> None:
+        """Compare every rank's ``_step_columns()`` (``rows``, in rank order); raise before any update."""
 
     def step(
         self,
