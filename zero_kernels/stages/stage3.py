@@ -157,8 +157,9 @@ class Stage3Pipeline(Stage2Pipeline):
         self._index(buf)
 
     def _install_scheduler(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.remove()
+        previous = self._scheduler
+        if previous is not None:
+            previous.remove()
         modules = list(self.module.named_modules(remove_duplicate=True))
         units = []
         for uid, buf in enumerate(self.buffers):
@@ -167,6 +168,8 @@ class Stage3Pipeline(Stage2Pipeline):
         prefetch = int(self.options.stage3_prefetch_bucket_size)
         self._units = units
         self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch, check=self._check_gathers)
+        if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
+            self._scheduler.follow(previous)
 
     def _check_gathers(self, batch: list[int], phase: str, deferred: bool) -> None:
         """Every rank must be about to gather the same units (``stage3_check``); else ``CommError`` now, or at

@@ -217,6 +217,12 @@ class Stage3Scheduler:
                 self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._module_handles.append(p.module.register_forward_hook(post))
 
+    def follow(self, previous: "Stage3Scheduler") -> None:
+        """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same
+        plan: whether a pass is checked at once must not depend on hooks put back on one rank only."""
+        if len(previous.units) == len(self.units) and previous._generation == self._generation:
+            self._forward, self._backward = previous._forward, previous._backward
+
     def remove(self) -> None:
         """Take every hook off; parameters stay as they are (freed ones lose their mark)."""
         for handle in self._handles + self._module_handles:
