@@ -51,7 +51,7 @@ from .. import model_hints
 from . import stage3_guard as guard
 from .grad_state import second_gradient
 from .stage3_plan import ModulePlan, plan
-from .stage3_uses import UseTracker
+from .stage3_uses import UseTracker, grad_tensors
 
 log = logging.getLogger("zero_kernels")
 
@@ -124,17 +124,6 @@ class _Frame:
 
     module: nn.Module
     needs: list[int]
-
-
-def _grad_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors requiring grad inside nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _grad_tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _grad_tensors(item)]
-    return []
 
 
 class Stage3Scheduler:
@@ -347,7 +336,7 @@ class Stage3Scheduler:
                 self._free(i)
             if frame.module is module:
                 break
-        tensors = _grad_tensors(output)
+        tensors = grad_tensors(output)
         if frame.needs and tensors and torch.is_grad_enabled():
             hook = self._pre_backward_hook(tuple(dict.fromkeys(frame.needs)))
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")

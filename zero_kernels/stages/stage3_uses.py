@@ -36,14 +36,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 
-def _grad_inputs(obj: Any) -> list[torch.Tensor]:
+def grad_tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors requiring grad inside nested tuples, lists and dicts."""
     if isinstance(obj, torch.Tensor):
         return [obj] if obj.requires_grad else []
     if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _grad_inputs(item)]
+        return [t for item in obj for t in grad_tensors(item)]
     if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _grad_inputs(item)]
+        return [t for item in obj.values() for t in grad_tensors(item)]
     return []
 
 
@@ -88,7 +88,7 @@ class UseTracker:
         """A module that needs the units ``needs`` is called with autograd recording: watch its inputs."""
         seen: set[int] = set()
         watched = []
-        for t in _grad_inputs((args, kwargs)):
+        for t in grad_tensors((args, kwargs)):
             if t.grad_fn is not None and id(t) not in seen:
                 seen.add(id(t))
                 watched.append(t)
