@@ -216,6 +216,37 @@ def test_hooks_module_called_twice_in_one_forward():
     _check_grads(model, ref, units, x)
 
 
+class Branch(nn.Module):
+    """``tanh(x W1 (+ x W2 when use_w2))``: a module every rank runs that uses ``w2`` only for some data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(4, 4) / 4), nn.Parameter(torch.randn(4, 4) / 4)
+        self.use_w2 = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w1
+        if self.use_w2:
+            y = y + x @ self.w2
+        return torch.tanh(y)
+
+
+def test_hooks_reduce_at_the_same_point_whichever_parameters_got_a_gradient():
+    """The collectives (gathers, reductions) come in the same order whether ``w2`` was used or not."""
+    logs = []
+    for use_w2 in (True, False):
+        log: list = []
+        model = Chain(log)
+        model.b = Branch()
+        model.b.use_w2 = use_w2
+        units = [FakeUnit(t, getattr(model, t).parameters(), log) for t in "abc"]
+        Stage3Scheduler(model, units, prefetch_numel=0)
+        model(torch.randn(2, 4)).backward()
+        logs.append([e for e in log if e[0] in ("gather", "reduce")])
+        assert (units[1].grads[-1][1] is None) != use_w2, "w2's gradient is there exactly when it was used"
+    assert logs[0] == logs[1], f"with w2 {logs[0]}, without {logs[1]}"
+
+
 def test_hooks_tied_parameter_is_gathered_for_every_module_using_it():
     log: list = []
     model = Chain(log, "abc")
