@@ -1,4 +1,8 @@
-"""Spawn N gloo ranks on a free loopback port and run a picklable function on each."""
+"""Spawn N gloo ranks on a free loopback port and run a picklable function on each.
+
+Every rank runs under the collective-order audit (``_audit``): after every optimizer step its ranks
+check that they issued the same collectives in the same order.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeou
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
+    import _audit  # imports zero_kernels: in the ranks only
+
+    _audit.install()
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",

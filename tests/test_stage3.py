@@ -139,8 +139,11 @@ def test_hooks_gather_before_use_free_after_reduce_after_grads():
     x = torch.randn(2, 4)
     model(x).backward()
     fwd = "gather:a wait:a fwd:a free:a gather:b wait:b fwd:b free:b gather:c wait:c fwd:c free:c "
-    bwd = "gather:c wait:c bwd:c reduce:c free:c gather:b wait:b bwd:b reduce:b free:b "
-    bwd += "gather:a wait:a bwd:a reduce:a free:a"
+    # a unit is reduced when the gradient of its module's input is complete: after the gather that the
+    # previous module's backward starts with (its hook on the same tensor comes first); a's input needs
+    # no gradient, so a is reduced at the end of backward
+    bwd = "gather:c wait:c bwd:c gather:b wait:b reduce:c free:c bwd:b gather:a wait:a reduce:b free:b "
+    bwd += "bwd:a reduce:a free:a"
     assert log == _events(fwd + bwd)
     assert sched.gathered == [False, False, False]
     _check_grads(model, ref, units, x)
@@ -151,8 +154,8 @@ def test_hooks_prefetch_next_unit_in_forward_and_reverse_in_backward():
     x = torch.randn(2, 4)
     model(x).backward()  # the first forward records the order; its backward follows it in reverse
     fwd = "gather:a gather:b wait:a fwd:a free:a gather:c wait:b fwd:b free:b wait:c fwd:c free:c "
-    bwd = "gather:c gather:b wait:c bwd:c reduce:c free:c gather:a wait:b bwd:b reduce:b free:b "
-    bwd += "wait:a bwd:a reduce:a free:a"
+    bwd = "gather:c gather:b wait:c bwd:c gather:a wait:b reduce:c free:c bwd:b wait:a reduce:b free:b "
+    bwd += "bwd:a reduce:a free:a"
     assert log[12:] == _events(bwd)
     log.clear()
     model(x).backward()
@@ -172,6 +175,20 @@ def test_hooks_prefetch_budget_counts_elements_ahead():
     log2.clear()
     model2(x)
     assert log2[:4] == _events("gather:a gather:b gather:c wait:a")
+
+
+def test_hooks_prefetch_starts_when_the_next_unit_exceeds_the_budget():
+    """As DeepSpeed always prefetches the next parameter: a budget smaller than every unit (HF's "auto"
+    0.9 h^2 for h x h weights) still gathers the next unit ahead; 0 turns prefetch off."""
+    for budget, ahead in ((1, "gather:a gather:b wait:a"), (0, "gather:a wait:a fwd:a")):
+        log, model, _, _, _ = _setup(prefetch=budget)
+        x = torch.randn(2, 4)
+        model(x).backward()
+        log.clear()
+        model(x).backward()
+        assert log[:3] == _events(ahead), f"budget {budget}: {log[:3]}"
+        if budget:
+            assert log[12:16] == _events("gather:c gather:b wait:c bwd:c"), "backward prefetches one ahead too"
 
 
 def test_hooks_persistent_unit_is_never_gathered_nor_freed_but_reduced():
@@ -197,6 +214,37 @@ def test_hooks_module_called_twice_in_one_forward():
     bwd = "gather:a wait:a bwd:a gather:b wait:b bwd:b reduce:b free:b bwd:a reduce:a free:a reduce:c"
     assert log == _events(fwd + bwd)
     _check_grads(model, ref, units, x)
+
+
+class Branch(nn.Module):
+    """``tanh(x W1 (+ x W2 when use_w2))``: a module every rank runs that uses ``w2`` only for some data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(4, 4) / 4), nn.Parameter(torch.randn(4, 4) / 4)
+        self.use_w2 = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w1
+        if self.use_w2:
+            y = y + x @ self.w2
+        return torch.tanh(y)
+
+
+def test_hooks_reduce_at_the_same_point_whichever_parameters_got_a_gradient():
+    """The collectives (gathers, reductions) come in the same order whether ``w2`` was used or not."""
+    logs = []
+    for use_w2 in (True, False):
+        log: list = []
+        model = Chain(log)
+        model.b = Branch()
+        model.b.use_w2 = use_w2
+        units = [FakeUnit(t, getattr(model, t).parameters(), log) for t in "abc"]
+        Stage3Scheduler(model, units, prefetch_numel=0)
+        model(torch.randn(2, 4)).backward()
+        logs.append([e for e in log if e[0] in ("gather", "reduce")])
+        assert (units[1].grads[-1][1] is None) != use_w2, "w2's gradient is there exactly when it was used"
+    assert logs[0] == logs[1], f"with w2 {logs[0]}, without {logs[1]}"
 
 
 def test_hooks_tied_parameter_is_gathered_for_every_module_using_it():

@@ -112,7 +112,7 @@ def _scheduled(model: nn.Module, modules: dict[str, nn.Module], log: list) -> li
     """A fake unit per module of ``modules``, scheduled with a check that logs every batch before its gathers."""
     units = [FakeUnit(tag, m.parameters(), log) for tag, m in modules.items()]
 
-    def check(batch: list[int], phase: str) -> None:
+    def check(batch: list[int], phase: str, deferred: bool = False) -> None:
         log.append(("check", "+".join(units[i].tag for i in batch) + "@" + phase))
 
     Stage3Scheduler(model, units, prefetch_numel=0, check=check)
@@ -127,7 +127,7 @@ def test_leaf_module_is_gathered_whole_and_reduced_when_its_backward_ends() -> N
     x = torch.randn(2, 4)
     fwd = "check:a@forward gather:a wait:a fwd:a free:a check:x+y@forward gather:x gather:y wait:x wait:y "
     bwd = "check:x+y@backward gather:x gather:y wait:x wait:y "
-    end = "reduce:x free:x reduce:y free:y check:a@backward gather:a wait:a bwd:a reduce:a free:a"
+    end = "check:a@backward gather:a wait:a reduce:x free:x reduce:y free:y bwd:a reduce:a free:a"
     model(x).backward()
     assert log == _events(fwd + "fwd:x fwd:y free:x free:y " + bwd + "bwd:y bwd:x " + end)
     log.clear()

@@ -65,7 +65,15 @@ from torch import nn
 from . import agreement, guards, optim_copy, optim_state
 from .comm import make_engine
 from .config import FP16Config, ZeroOptions
-from .optim_args import check_flags, check_group, check_hyper, check_impl, check_process_group, checked_groups
+from .optim_args import (
+    check_flags,
+    check_group,
+    check_hyper,
+    check_impl,
+    check_process_group,
+    checked_groups,
+    comm_dtype,
+)
 from .precision import LossScaler
 from .stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
 from .stages import state as zstate
@@ -99,6 +107,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         skip_nonfinite_steps: skip (on every rank) a step whose gradients hold inf/NaN on some rank,
             and count it in ``skipped_steps``; False applies them, as ``torch.optim.AdamW`` does.
             fp16 loss scaling always skips such steps.
+        communication_data_type: the dtype gradients are reduced in (DeepSpeed's key): ``"fp32"``, ``"fp16"``,
+            ``"bf16"`` or a torch dtype; None (the default, as DeepSpeed's): the gradients' own dtype. With
+            ``"fp32"`` bf16/fp16 gradients are reduced, and at stages 2-3 accumulated until the step, in fp32.
         module: the model the parameters belong to, when ``params_or_module`` lists parameters or
             groups: stage 3 needs it to gather parameters; other stages use it to name parameters in errors.
         **zero_options: ``zero_optimization`` keys, e.g. ``reduce_bucket_size`` (elements).
@@ -126,6 +137,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         gradient_accumulation_steps: int = 1,
         fp16: Union[FP16Config, Mapping[str, Any], None] = None,
         skip_nonfinite_steps: bool = True,
+        communication_data_type: Union[str, torch.dtype, None] = None,
         module: Optional[nn.Module] = None,
         **zero_options: Any,
     ):
@@ -152,6 +164,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if not isinstance(skip_nonfinite_steps, bool):
             raise ValueError(f"skip_nonfinite_steps must be True or False, got {skip_nonfinite_steps!r}")
         self.skip_nonfinite_steps = skip_nonfinite_steps
+        self.communication_data_type = comm_dtype(communication_data_type)
         self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
@@ -185,7 +198,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if restore is not None:
             restore.check(self._engine)
         groups = checked_groups(params, defaults, self._describe)  # every group, before anything changes
-        self._pipeline = pipeline_class(self.options.stage)(self._engine, self.options, impl=impl, module=module)
+        self._pipeline = pipeline_class(self.options.stage)(
+            self._engine, self.options, impl=impl, module=module, comm_dtype=self.communication_data_type
+        )
         self._pipeline.step_counts.on_settle = self._account
         super().__init__(groups, defaults)
         if not self._restoring:

@@ -89,6 +89,22 @@ def check_impl(impl: Optional[str]) -> None:
         raise ValueError(f"impl={impl!r} is not a kernel backend; allowed: {', '.join(IMPLS)} (or None)")
 
 
+COMM_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def comm_dtype(value: Any) -> Optional[torch.dtype]:
+    """``communication_data_type``: ``"fp32"``, ``"fp16"``, ``"bf16"`` (any case, as DeepSpeed reads them), one of
+    those torch dtypes, or None (the gradients' own dtype)."""
+    if value is None or value in COMM_DTYPE_NAMES.values():
+        return value
+    if isinstance(value, str) and value.lower() in COMM_DTYPE_NAMES:
+        return COMM_DTYPE_NAMES[value.lower()]
+    raise ValueError(
+        f"communication_data_type={value!r}; allowed: {', '.join(COMM_DTYPE_NAMES)}, torch.float32, torch.float16, "
+        "torch.bfloat16 or None (the gradients' dtype)"
+    )
+
+
 def check_process_group(process_group: Any) -> None:
     """``process_group`` is a ``torch.distributed`` process group or None (the default group)."""
     if process_group is None:

@@ -77,6 +77,7 @@ def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
         "gradient_accumulation_steps": opt.gradient_accumulation_steps,
         "loss_scaler": opt.loss_scaler,
         "skip_nonfinite_steps": opt.skip_nonfinite_steps,
+        "communication_data_type": opt.communication_data_type,
         "skipped_steps": opt.skipped_steps,
         "last_step": opt.last_step,
         "extra_state": opt.state.extra,
@@ -136,6 +137,7 @@ def restore(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
     keys = ("options", "adam_w_mode", "max_grad_norm", "gradient_accumulation_steps", "loss_scaler")
     for key in (*keys, "skip_nonfinite_steps", "skipped_steps"):
         setattr(opt, key, state[key])
+    opt.communication_data_type = state.get("communication_data_type")  # absent from older snapshots
     shard = state["shard"]
     groups = state["param_groups"]
     params = [p for g in groups for p in g["params"]]

@@ -74,6 +74,7 @@ class Pipeline:
         options: the ``zero_optimization`` options (``config.ZeroOptions``).
         impl: kernel backend for ``kernels.adam_step``/``flatten`` (None: ``ZERO_KERNELS_IMPL``).
         module: the model, when the optimizer was given one (stage 3 needs it).
+        comm_dtype: the dtype gradients are reduced in (None: their own); see ``comm_dtype_of``.
     """
 
     stage: ClassVar[int]
@@ -83,9 +84,18 @@ class Pipeline:
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
 
-    def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
+    def __init__(
+        self,
+        engine: Any,
+        options: Any,
+        *,
+        impl: Optional[str] = None,
+        module: Any = None,
+        comm_dtype: Optional[torch.dtype] = None,
+    ):
         self.engine = engine
         self.options = options
+        self.comm_dtype = comm_dtype
         self.impl = impl
         self.module = module
         self.buffers: list[FlatBuffer] = []
@@ -122,6 +132,15 @@ class Pipeline:
     @property
     def world_size(self) -> int:
         return self.engine.world_size
+
+    def comm_dtype_of(self, buf: FlatBuffer) -> torch.dtype:
+        """The dtype ``buf``'s gradients are reduced in: ``communication_data_type``, else their own."""
+        return self.comm_dtype or buf.dtype
+
+    def accumulate_dtype_of(self, buf: FlatBuffer) -> torch.dtype:
+        """The dtype reduced gradients of ``buf`` are kept and added up in: the wider of theirs and the
+        communication dtype (fp32 for bf16 gradients reduced in fp32)."""
+        return torch.promote_types(buf.dtype, self.comm_dtype_of(buf))
 
     @property
     def num_shards(self) -> int:
@@ -416,7 +435,19 @@ class Pipeline:
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         views = self._norm_views() if norm or finite else None
-        return stats.exchange(self.engine, self._control, self.has_grad, views, checks, device, norm=norm)
+        extra = self._step_columns()
+        combined = stats.exchange(
+            self.engine, self._control, self.has_grad, views, checks, device, norm=norm, extra=extra
+        )
+        self._verify_step_columns(combined.extra)
+        return combined
+
+    def _step_columns(self) -> list[float]:
+        """Values of this stage's own that ride the step's exchange (``stats``); default: none."""
+        return []
+
+    def _verify_step_columns(self, rows: list[list[float]]) -> None:
+        """Compare every rank's ``_step_columns()`` (``rows``, in rank order); raise before any update."""
 
     def step(
         self,

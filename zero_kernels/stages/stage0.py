@@ -3,7 +3,9 @@
 Everything is replicated (``num_shards`` is 1: the "shard" is the whole buffer). Each gradient
 bucket is divided by the world size and all-reduced in place as soon as it fills during backward,
 so after backward ``p.grad`` (a view of ``grad_flat``) holds the mean over ranks, as with
-``DistributedDataParallel``. The step runs the kernel on the full buffer; nothing is gathered.
+``DistributedDataParallel``. With a wider ``communication_data_type`` (fp32 for bf16/fp16 gradients)
+the bucket is reduced in a copy of that dtype, and the mean written back into ``p.grad``'s dtype.
+The step runs the kernel on the full buffer; nothing is gathered.
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ class Stage0Pipeline(Pipeline):
         if self.world_size == 1:
             return
         grads = buf.bucket_slice(buf.grad_flat, bucket)
-        grads.div_(self.world_size)
-        self._track(self.engine.all_reduce(grads, op="sum", name=f"grads.{bucket.index}"))
+        comm = self.comm_dtype_of(buf)
+        if comm == grads.dtype:
+            grads.div_(self.world_size)
+            self._track(self.engine.all_reduce(grads, op="sum", name=f"grads.{bucket.index}"))
+            return
+        wide = grads.to(comm).div_(self.world_size)
+        handle = self.engine.all_reduce(wide, op="sum", name=f"grads.{bucket.index}")
+        self._track(handle, lambda: grads.copy_(wide), held=(wide,))
 
     def _norm_views(self) -> Iterator[torch.Tensor]:
         """Each rank sums the squares of its 1/world part of every (identical) reduced bucket."""

@@ -4,7 +4,8 @@ During backward ``p.grad`` is a view of the full ``grad_flat`` buffer holding th
 gradient. ``step()`` reduce-scatters each bucket in place (this rank's part of ``grad_flat``
 receives the sum over ranks; the step divides by the world size), updates the rank's shard and
 all-gathers the parameters. After ``step()`` the values ``p.grad`` shows are unspecified until
-``zero_grad()``.
+``zero_grad()``. With another ``communication_data_type`` (fp32 for bf16/fp16 gradients) each bucket
+is reduced in a copy of that dtype and the sum written back in the gradients' dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class Stage1Pipeline(Pipeline):
     def _before_step(self) -> None:
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
-                full = buf.bucket_slice(buf.grad_flat, bucket)
+                full = buf.bucket_slice(buf.grad_flat, bucket).to(self.comm_dtype_of(buf))
                 mine = self._grad_shard(buf, bucket)
                 self._track(self.engine.reduce_scatter(mine, full, name=f"grads.{bucket.index}"))
         self._complete_inflight()

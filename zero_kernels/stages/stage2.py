@@ -7,7 +7,10 @@ gradients accumulate in ``p.grad`` until the synchronised backward. A full bucke
 reduce-scattered while backward goes on; once it completes (at most ``max_inflight`` are in
 flight, see ``base``) its rank part is written into ``grad_shard`` (copied by the first reduction
 after a step, added by later ones, so several backward passes before a step accumulate) and the
-bucket goes back to a pool, to be reused by the next bucket that fills.
+bucket goes back to a pool, to be reused by the next bucket that fills. Buckets are of the
+communication dtype (``communication_data_type``, else the gradients' own) and ``grad_shard`` of the
+wider of the two: with ``"fp32"``, bf16/fp16 gradients are cast to fp32 as they are copied in,
+reduced in fp32 and added up in fp32 until the step.
 The pool keeps at most ``POOL_BUCKETS`` buckets of the largest size (what backward uses at once:
 ``max_inflight + 1`` in flight, two being filled) and never more bytes than this rank's gradient
 shard; ``memory_report()`` shows it as ``buffers``. A fresh bucket per reduction (allocation, page
@@ -35,24 +38,25 @@ class Stage2Pipeline(Pipeline):
     reduces_in_backward = True
     allgather_by_bucket = True
 
-    def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
-        super().__init__(engine, options, impl=impl, module=module)
+    def __init__(self, engine: Any, options: Any, **kwargs: Any):
+        super().__init__(engine, options, **kwargs)
         self._pool: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     def _allocate_grads(self, buf: FlatBuffer) -> None:
-        buf.grad_shard = torch.zeros(buf.layout.shard_numel, dtype=buf.dtype, device=buf.device)
+        buf.grad_shard = torch.zeros(buf.layout.shard_numel, dtype=self.accumulate_dtype_of(buf), device=buf.device)
 
     def _scratch(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """The bucket's scratch for this round: a pooled bucket, or a new zero-filled one."""
         if bucket.index not in buf.scratch:
-            pool = self._pool.setdefault((buf.dtype, buf.device), [])
+            dtype = self.comm_dtype_of(buf)
+            pool = self._pool.setdefault((dtype, buf.device), [])
             while pool and pool[-1].numel() < bucket.numel:  # smaller than a group added since
                 pool.pop()
             if pool:
                 whole = pool.pop()
             else:
                 size = max(b.numel for other in self.buffers for b in other.layout.buckets)
-                whole = torch.zeros(size, dtype=buf.dtype, device=buf.device)
+                whole = torch.zeros(size, dtype=dtype, device=buf.device)
             buf.scratch[bucket.index] = whole.narrow(0, 0, bucket.numel)
             buf.filled[bucket.index] = set()
         return buf.scratch[bucket.index]
@@ -110,7 +114,7 @@ class Stage2Pipeline(Pipeline):
 
     def _give_back(self, buf: FlatBuffer, whole: torch.Tensor) -> None:
         """Keep a finished scratch bucket for reuse, within the pool's limits."""
-        pool = self._pool.setdefault((buf.dtype, buf.device), [])
+        pool = self._pool.setdefault((whole.dtype, buf.device), [])
         pooled = sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
         shard = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers)
         if len(pool) < POOL_BUCKETS and pooled + whole.numel() * whole.element_size() <= shard:

@@ -14,10 +14,12 @@ optimizer's references, stay valid). Buffers are ordered from the last module to
 order in which backward produces gradients.
 
 When. ``stage3_hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
-prefetches up to ``stage3_prefetch_bucket_size`` elements ahead and frees after use. Before a
-batch of gathers is issued, every rank checks that every rank gathers the same units
-(``stage3_check``): ranks that diverge raise ``CommError`` instead of pairing different gathers.
-Once a unit's gradients are complete (for a leaf module: once its backward has ended), they go
+prefetches the next unit and more up to ``stage3_prefetch_bucket_size`` elements ahead, and frees
+after use. Every rank checks that every rank gathers the same units (``stage3_check``): before the
+gathers of the first pass of each kind, and in the step's exchange for passes that repeat it;
+ranks that diverge raise ``CommError`` instead of pairing different gathers. Once the backward of
+every forward use of a unit has ended (``stage3_uses``: a point that is the same on every rank,
+whichever of its parameters the data gave a gradient), or at the end of backward, its gradients go
 through the stage-2 path: copied (divided by the world size) into a bucket, reduce-scattered and
 added to the rank's gradient shard; ``p.grad`` becomes ``None``. A parameter without a gradient
 then counts as zero in the reduction (it is not marked as having a gradient: ranks where the
@@ -47,7 +49,7 @@ from ..layout import Bucket
 from . import adopt, stage3_save
 from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
-from .stage3_check import check_same_units
+from .stage3_check import DeferredChecks, check_same_units
 from .stage3_hooks import Stage3Scheduler
 from .stage3_plan import check_externals, holders
 
@@ -109,17 +111,18 @@ class Stage3Pipeline(Stage2Pipeline):
     requires_module = True
     allgather_by_bucket = False  # gathers by module unit, up to stage3_prefetch_bucket_size ahead
 
-    def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
+    def __init__(self, engine: Any, options: Any, *, module: Any = None, **kwargs: Any):
         if not isinstance(module, nn.Module):
             raise ValueError(
                 "ZeRO stage 3 needs the model: pass the nn.Module itself (ShardedFusedAdam(model, ...)), "
                 f"not its parameters; got {type(module).__name__}"
             )
-        super().__init__(engine, options, impl=impl, module=module)
+        super().__init__(engine, options, module=module, **kwargs)
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3_plan.holders``)
         self._units: list[_Unit] = []
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
+        self._deferred = DeferredChecks()  # gathers of repeated passes, compared at the step
         self._state_dict_guard = stage3_save.guard_state_dict(self)
 
     def add_group(self, group: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
@@ -154,8 +157,9 @@ class Stage3Pipeline(Stage2Pipeline):
         self._index(buf)
 
     def _install_scheduler(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.remove()
+        previous = self._scheduler
+        if previous is not None:
+            previous.remove()
         modules = list(self.module.named_modules(remove_duplicate=True))
         units = []
         for uid, buf in enumerate(self.buffers):
@@ -164,11 +168,23 @@ class Stage3Pipeline(Stage2Pipeline):
         prefetch = int(self.options.stage3_prefetch_bucket_size)
         self._units = units
         self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch, check=self._check_gathers)
+        if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
+            self._scheduler.follow(previous)
 
-    def _check_gathers(self, batch: list[int], phase: str) -> None:
-        """Every rank must be about to gather the same units (``stage3_check``); else ``CommError``."""
+    def _check_gathers(self, batch: list[int], phase: str, deferred: bool) -> None:
+        """Every rank must be about to gather the same units (``stage3_check``); else ``CommError`` now, or at
+        the step for a batch whose check is ``deferred``."""
         units = [self._units[i] for i in batch]
-        check_same_units(self._control, units, phase, self._suggest_leaf)
+        if deferred:
+            self._deferred.add(units, phase)
+        else:
+            check_same_units(self._control, units, phase, self._suggest_leaf)
+
+    def _step_columns(self) -> list[float]:
+        return self._deferred.columns()
+
+    def _verify_step_columns(self, rows: list[list[float]]) -> None:
+        self._deferred.verify(self._control, rows, self._units, self._suggest_leaf)
 
     def _suggest_leaf(self, names: list[str]) -> str:
         """The fix for ranks that gather the units of modules ``names``: their closest common caller as a leaf."""
@@ -214,7 +230,7 @@ class Stage3Pipeline(Stage2Pipeline):
             p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
-        """The scheduler's hooks hand gradients on (``_Unit.reduce_grads``) once a unit is complete."""
+        """The scheduler hands gradients on (``_Unit.reduce_grads``) when it reduces a unit."""
 
     def _param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
         if buf.persistent:

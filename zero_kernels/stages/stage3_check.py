@@ -9,12 +9,22 @@ size and a hash of every (unit, size) in order) as [s, -s] with ``max``: equal m
 mean every rank issues the same batch, so the data gathers are issued only then. Otherwise every
 rank exchanges what it was about to gather and raises ``CommError`` naming the modules and ranks.
 
-Cost: one small all-reduce per batch, waited on before the batch's gathers are issued (with the
-default prefetch a forward or backward pass has few batches). The check runs on the host: on a
-backend other than gloo (NCCL) it goes over a gloo group of the same ranks (``comm_objects.control_engine``),
-so that waiting for it never waits for the GPU's queued work. A 61-bit hash of the batch is compared,
-with the first unit and the count exactly, so a batch differing beyond its first unit escapes only
-on a hash collision (probability 2^-61).
+Cost: one small all-reduce per batch, waited on before the batch's gathers are issued. The check
+runs on the host: on a backend other than gloo (NCCL) it goes over a gloo group of the same ranks
+(``comm_objects.control_engine``), so that waiting for it never waits for the GPU's queued work. A
+61-bit hash of the batch is compared, with the first unit and the count exactly, so a batch
+differing beyond its first unit escapes only on a hash collision (probability 2^-61).
+
+Deferred checks. That all-reduce holds every host to the slowest once per batch (hundreds per
+iteration for a large model), so it is paid only where a difference between ranks is likely: the
+first pass of each kind (forward, backward) after the plan was read, a pass that leaves the order of
+the previous pass of its kind, and gathers outside a pass. A batch of a pass that repeats the
+previous one (checked) is folded into a running digest instead (``DeferredChecks``), compared in the
+step's existing exchange (``stats``): ranks whose gathers differed raise ``CommError`` there, naming
+the first batch that differs, before anything is updated. A difference that shows only on some
+ranks (one rank leaves the previous order, another does not) makes the leaving rank check at once
+while the others gather: that ends in the backend's timeout (``CommError`` naming the collective)
+rather than in this module's message.
 """
 
 from __future__ import annotations
@@ -35,6 +45,9 @@ class Named(Protocol):
     param_numel: int  # elements of its parameters, for messages
     name: str  # qualified name of the module that holds the unit ('' for the root)
     kind: str  # that module's class name
+
+
+MAX_LOGGED = 4096  # deferred batches remembered between two steps, to name the first that differs
 
 
 def signature(units: Sequence[Named]) -> list[int]:
@@ -70,6 +83,13 @@ def check_same_units(engine, units: Sequence[Named], phase: str, suggest: Callab
 
 def describe_mismatch(everyone: list[list[tuple[str, str, int]]], phase: str, suggest: Callable) -> str:
     """The message for ranks that gather different units: what each rank gathers where they first differ."""
+    return f"ZeRO stage 3: the ranks gather different parameters at the same point of the {phase}: " + _difference(
+        everyone, suggest
+    )
+
+
+def _difference(everyone: list[list[tuple[str, str, int]]], suggest: Callable) -> str:
+    """What each rank gathers where the batches ``everyone`` first differ, and the fix."""
     at = 0
     while all(at < len(batch) for batch in everyone) and len({batch[at] for batch in everyone}) == 1:
         at += 1
@@ -83,6 +103,65 @@ def describe_mismatch(everyone: list[list[tuple[str, str, int]]], phase: str, su
 
     ranks = "; ".join(f"rank {r} gathers the parameters of {what(batch)}" for r, batch in enumerate(everyone))
     return (
-        f"ZeRO stage 3: the ranks gather different parameters at the same point of the {phase}: {ranks}. "
-        f"Every rank must run the same modules in the same order (the gathers pair up in order). {suggest(names)}"
+        f"{ranks}. Every rank must run the same modules in the same order (the gathers pair up in order). "
+        f"{suggest(names)}"
     )
+
+
+class DeferredChecks:
+    """The batches gathered without a check since the last step: a running digest, and the first
+    ``MAX_LOGGED`` of them (phase, unit uids) to say which differ."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.digest = 0
+        self.count = 0
+        self.log: list[tuple[str, tuple[int, ...]]] = []
+
+    def add(self, units: Sequence[Named], phase: str) -> None:
+        """Fold the batch ``units`` (gathered in ``phase``) into the digest."""
+        for value in signature(units):
+            self.digest = (self.digest * 1_000_003 + value) % _HASH_MOD
+        self.count += 1
+        if len(self.log) < MAX_LOGGED:
+            self.log.append((phase, tuple(u.uid for u in units)))
+
+    def columns(self) -> list[float]:
+        """The values compared in the step's exchange (exact in float64)."""
+        return [float(self.count), float(self.digest >> 31), float(self.digest & ((1 << 31) - 1))]
+
+    def verify(self, engine, rows: Sequence[Sequence[float]], units: Sequence[Named], suggest: Callable) -> None:
+        """Raise ``CommError`` on every rank unless every rank's ``columns()`` (``rows``, in rank order) are
+        equal; forget the batches either way.
+
+        Args:
+            engine: the comm engine for host-side checks (a collective when the rows differ).
+            rows: every rank's columns, as the step's exchange gathered them.
+            units: the units by uid, to name them.
+            suggest: the fix to suggest, given the names of the modules the ranks disagree on.
+        """
+        log = self.log
+        self.clear()
+        if all(list(row) == list(rows[0]) for row in rows):
+            return
+        everyone = all_gather_objects(engine, log, name="stage3.check.deferred")
+        at = 0
+        while all(at < len(batches) for batches in everyone) and len({batches[at] for batches in everyone}) == 1:
+            at += 1
+        if all(at >= len(batches) for batches in everyone):
+            detail = f"They differ beyond the first {MAX_LOGGED} batches of gathers since the last step."
+        else:
+            phase = next(batches[at][0] for batches in everyone if at < len(batches))
+            described = [
+                [(units[i].name, units[i].kind, units[i].param_numel) for i in batches[at][1]]
+                if at < len(batches)
+                else []
+                for batches in everyone
+            ]
+            detail = f"First difference, in the {phase}: {_difference(described, suggest)}"
+        raise CommError(
+            "ZeRO stage 3: the ranks gathered different parameters since the last step, found in the step's exchange: "
+            f"the step is refused (nothing was updated; its parameters and gradients may be mixed up). {detail}"
+        )

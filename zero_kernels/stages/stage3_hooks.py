@@ -10,20 +10,23 @@ no hooks. The plan is read again at the start of a forward whenever a hint chang
 Schedule, per module ``m`` that needs units (the root always runs these hooks):
 
 - forward pre-hook: gather ``m``'s units (wait for them), then start gathers of the units that come
-  next in the previous forward's order, up to ``prefetch_numel`` elements ahead. The gathers started
-  together are one *batch*: ``check(batch, phase)`` runs before any of them is issued (stage 3 checks
-  there that every rank gathers the same units). A leaf module's inputs pass through an identity
-  autograd function whose backward marks the end of the leaf's backward;
+  next in the previous forward's order: at least the next one, and more while they fit in
+  ``prefetch_numel`` elements (0 disables prefetch). The gathers started together are one *batch*:
+  ``check(batch, phase, deferred)`` runs before any of them is issued (stage 3 checks there that every
+  rank gathers the same units; ``deferred`` when the pass follows the previous pass of its kind, see
+  ``Check``). With autograd recording, ``m``'s inputs are watched for the end of its backward
+  (``stage3_uses``);
 - forward post-hook: free ``m``'s units once no running module uses them; when autograd records
   the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
   again (before ``m``'s backward runs), prefetching along the previous backward's order;
-- post-accumulate-grad hook on each trainable parameter: once every trainable parameter of a unit
-  has its gradient, ``reduce_grads()`` the unit and free it. The units of a leaf module are reduced
-  when the leaf's backward has ended instead (the backward of every forward call of the leaf), so
-  that every rank reduces them at the same point whichever experts its data used;
+- once the backward of every forward use of a unit has ended (``stage3_uses``: a point that does not
+  depend on which of its parameters got a gradient on this rank), ``reduce_grads()`` the unit and
+  free it; a parameter's gradient arriving after that raises;
 - end of backward (an autograd-engine callback): units not reduced yet are reduced then, in unit
-  order (every rank issues the same collectives in the same order as long as every rank runs the
-  same modules), and everything still gathered is freed.
+  order, and everything still gathered is freed.
+
+So every rank issues the same collectives in the same order whatever its data, as long as every
+rank runs the same modules in the same order (a leaf module hides what its data chooses inside it).
 
 A freed parameter is marked (``stage3_guard``): an operation on it inside a module's forward gathers
 its unit for that module from then on (an external parameter found by use, logged once); outside
@@ -48,6 +51,7 @@ from .. import model_hints
 from . import stage3_guard as guard
 from .grad_state import second_gradient
 from .stage3_plan import ModulePlan, plan
+from .stage3_uses import UseTracker, grad_tensors
 
 log = logging.getLogger("zero_kernels")
 
@@ -74,7 +78,11 @@ class Unit(Protocol):
         """Reduce the gradients of the parameters into this rank's shard; a missing ``.grad`` is no gradient."""
 
 
-Check = Callable[[list[int], str], None]  # (indices of the units about to be gathered, "forward" | "backward" | ...)
+Check = Callable[[list[int], str, bool], None]
+"""``check(batch, phase, deferred)``: the units about to be gathered, "forward" | "backward" | ..., and whether
+the batch belongs to a pass that so far follows the previous pass of its kind, which every rank checked: the
+check may then be folded into a later exchange. The first pass of each kind after the plan was (re)read,
+passes that leave the previous order and gathers outside a pass are not deferred."""
 
 
 class _Pass:
@@ -84,6 +92,7 @@ class _Pass:
         self.expected: list[int] = []
         self.recorded: list[int] = []
         self.on_track = True
+        self.seen = False  # a pass of this kind has ended since the plan was read: ``expected`` is its order
 
     def begin(self, guess: Optional[list[int]] = None) -> None:
         if guess is not None and not self.expected:
@@ -101,6 +110,12 @@ class _Pass:
     def end(self) -> None:
         self.expected = self.recorded
         self.recorded = []
+        self.seen = True
+
+    @property
+    def deferrable(self) -> bool:
+        """The pass so far repeats the previous pass of its kind."""
+        return self.seen and self.on_track
 
 
 @dataclass
@@ -109,31 +124,6 @@ class _Frame:
 
     module: nn.Module
     needs: list[int]
-
-
-class _LeafBackwardEnd(torch.autograd.Function):
-    """Identity on a leaf module's inputs; its backward runs once the leaf's whole backward has run."""
-
-    @staticmethod
-    def forward(ctx, done: Callable[[], None], *tensors: torch.Tensor):
-        ctx.done = done
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.done()
-        return (None, *grads)
-
-
-def _grad_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors requiring grad inside nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _grad_tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _grad_tensors(item)]
-    return []
 
 
 class Stage3Scheduler:
@@ -159,13 +149,12 @@ class Stage3Scheduler:
         self._state = [_READY if u.persistent else _FREE for u in self.units]
         self._in_use = [0] * len(self.units)
         self._used = [False] * len(self.units)  # the gathered copy served a module since its gather
-        self._ready_grads: list[set[int]] = [set() for _ in self.units]
         self._reduced: set[int] = set()
+        self._uses = UseTracker(len(self.units), self._uses_ended)
         self._forward, self._backward = _Pass(), _Pass()
         self._in_forward = self._in_backward = self._held = False
         self._stack: list[_Frame] = []
-        self._leaf_units: set[int] = set()  # reduced when their leaf's backward has ended
-        self._leaf_calls: dict[int, int] = {}  # id(leaf) -> forward calls whose backward has not ended
+        self._leaf_units: set[int] = set()  # units of leaf modules (named in errors)
         self._root_plan = ModulePlan(root, "", (), False)
         self._generation = -1
         self._names = {id(p): name for name, p in root.named_parameters()}
@@ -205,6 +194,7 @@ class Stage3Scheduler:
             handle.remove()
         self._module_handles = []
         self._generation = model_hints.generation()
+        self._forward, self._backward = _Pass(), _Pass()  # a new plan: the next passes are checked at once
         self._root_plan = plans[0]
         self._leaf_units = set()
         for p in plans:
@@ -215,6 +205,12 @@ class Stage3Scheduler:
                 pre, post = guard.run_eagerly(self._pre_forward_hook(p)), guard.run_eagerly(self._post_forward_hook(p))
                 self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._module_handles.append(p.module.register_forward_hook(post))
+
+    def follow(self, previous: "Stage3Scheduler") -> None:
+        """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same
+        plan: whether a pass is checked at once must not depend on hooks put back on one rank only."""
+        if len(previous.units) == len(self.units) and previous._generation == self._generation:
+            self._forward, self._backward = previous._forward, previous._backward
 
     def remove(self) -> None:
         """Take every hook off; parameters stay as they are (freed ones lose their mark)."""
@@ -230,12 +226,12 @@ class Stage3Scheduler:
     def _phase(self) -> str:
         return "backward" if self._in_backward else "forward"
 
-    def _start(self, batch: list[int], phase: str) -> None:
+    def _start(self, batch: list[int], phase: str, deferred: bool = False) -> None:
         """Issue the gathers of ``batch`` (free units), after ``check``."""
         if not batch:
             return
         if self._check is not None:
-            self._check(batch, phase)
+            self._check(batch, phase, deferred)
         for i in batch:
             self.units[i].start_gather()
             self._state[i] = _IN_FLIGHT
@@ -266,16 +262,19 @@ class Stage3Scheduler:
             if active and not self.units[i].persistent and not self._used[i]:
                 ahead = step.record(i)
         batch = list(dict.fromkeys(i for i in needs if self._state[i] == _FREE))
-        self._start(batch + self._prefetch(ahead, set(batch)), self._phase())
+        self._start(batch + self._prefetch(ahead, set(batch)), self._phase(), active and step.deferrable)
         for i in needs:
             self._finish(i)
             self._used[i] = True
 
     def _prefetch(self, ahead: list[int], taken: set[int]) -> list[int]:
-        """The free units of ``ahead`` to start now, within the prefetch budget."""
+        """The free units of ``ahead`` to start now: the next one whatever its size (as DeepSpeed always
+        prefetches the next parameter), then more while they fit in the prefetch budget."""
+        if self.prefetch_numel == 0:
+            return []
         budget, batch = self.prefetch_numel, []
-        for j in ahead:
-            if self.units[j].numel > budget:
+        for k, j in enumerate(ahead):
+            if k > 0 and self.units[j].numel > budget:
                 break
             budget -= self.units[j].numel
             if not self._in_use[j] and self._state[j] == _FREE and j not in taken:
@@ -322,8 +321,8 @@ class Stage3Scheduler:
         for i in p.needs:
             self._in_use[i] += 1
         self._stack.append(_Frame(p.module, list(p.needs)))
-        if p.leaf and torch.is_grad_enabled():
-            return self._mark_leaf_inputs(p, args, kwargs)
+        if p.needs and torch.is_grad_enabled():
+            self._uses.begin(p.needs, args, kwargs)
         return None
 
     def _exit(self, module: nn.Module, output: Any) -> None:
@@ -337,25 +336,10 @@ class Stage3Scheduler:
                 self._free(i)
             if frame.module is module:
                 break
-        tensors = _grad_tensors(output)
+        tensors = grad_tensors(output)
         if frame.needs and tensors and torch.is_grad_enabled():
             hook = self._pre_backward_hook(tuple(dict.fromkeys(frame.needs)))
             torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
-
-    def _mark_leaf_inputs(self, p: ModulePlan, args: tuple, kwargs: dict) -> Any:
-        """Route the leaf's floating-point inputs that require grad through ``_LeafBackwardEnd``."""
-        positions = [k for k, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-        names = [k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and a.requires_grad]
-        if not positions and not names:
-            return None  # nothing upstream needs a gradient: the leaf's units are reduced at the end of backward
-        key = id(p.module)
-        self._leaf_calls[key] = self._leaf_calls.get(key, 0) + 1
-        marked = _LeafBackwardEnd.apply(self._leaf_done(p), *(args[k] for k in positions), *(kwargs[k] for k in names))
-        args = list(args)
-        for k, t in zip(positions, marked):
-            args[k] = t
-        kwargs = {**kwargs, **dict(zip(names, marked[len(positions) :]))}
-        return tuple(args), kwargs
 
     def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
         """A freed parameter is computed with: gather it for the running module, or explain."""
@@ -381,6 +365,7 @@ class Stage3Scheduler:
             name,
         )
         model_hints.register_external_parameter(frame.module, param)
+        self._uses.late.add(i)  # this use was not counted: its unit waits for the end of backward
         self._gather((i,), self._forward, False)
         self._in_use[i] += 1
         frame.needs.append(i)
@@ -400,18 +385,6 @@ class Stage3Scheduler:
 
         return hook
 
-    def _leaf_done(self, p: ModulePlan) -> Callable[[], None]:
-        def done() -> None:
-            key = id(p.module)
-            self._leaf_calls[key] = self._leaf_calls.get(key, 0) - 1
-            if self._leaf_calls[key] == 0:
-                self._begin_backward()
-                for i in p.needs:
-                    if i in self._leaf_units and i not in self._reduced:
-                        self._reduce(i)
-
-        return done
-
     def _grad_ready_hook(self, i: int):
         def hook(param: nn.Parameter) -> None:
             self._begin_backward()
@@ -423,12 +396,15 @@ class Stage3Scheduler:
                         "of a leaf module must be used only inside the leaf's forward"
                     )
                 raise RuntimeError(second_gradient(3, f"parameter '{self._names.get(id(param), '?')}'"))
-            ready = self._ready_grads[i]
-            ready.add(id(param))
-            if i not in self._leaf_units and all(id(p) in ready for p in self.units[i].params if p.requires_grad):
-                self._reduce(i)
 
         return hook
+
+    def _uses_ended(self, ready: list[int]) -> None:
+        """Every use of the units ``ready`` has ended its backward (``stage3_uses``): reduce them."""
+        self._begin_backward()
+        for i in ready:
+            if i not in self._reduced and any(p.requires_grad for p in self.units[i].params):
+                self._reduce(i)
 
     def _reduce(self, i: int) -> None:
         self._reduced.add(i)
@@ -442,8 +418,7 @@ class Stage3Scheduler:
         self._free_all()
         self._backward.end()
         self._reduced = set()
-        self._ready_grads = [set() for _ in self.units]
-        self._leaf_calls = {}
+        self._uses.reset()
         self._in_backward = False
 
     # -- whole-model access -------------------------------------------------------------------

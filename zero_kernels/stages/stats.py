@@ -2,7 +2,7 @@
 
 Each rank packs one float64 vector of host data::
 
-    [ has_grad[i] for every parameter index i (sorted) | gradient column | checks ]
+    [ has_grad[i] for every parameter index i (sorted) | gradient column | checks | extra ]
 
 and one all-gather over the control engine gives every rank every rank's vector (``world x
 length``, a few kilobytes). Every rank then combines the rows itself, in rank order, so all get
@@ -14,7 +14,9 @@ the same result:
   cheaper than a norm on CPUs); it is not finite when some gradient is inf/NaN on some rank;
 - ``checks`` (``lr``, betas, eps, weight decay per group, clipping, gradient scale) must be equal
   on every rank: a difference raises ``agreement.RanksDisagree`` naming the value, every rank's
-  value and the ranks, on every rank, before anything is updated.
+  value and the ranks, on every rank, before anything is updated;
+- ``extra`` columns are a pipeline's own (stage 3: the digest of the gathers it did not check at
+  once), returned per rank for the pipeline to compare.
 
 An all-gather rather than an all-reduce: it carries the flags' OR, the norm's sum and the
 agreement check in one collective, and each rank sees who holds which value. This is the only place
@@ -42,6 +44,7 @@ from ..agreement import RanksDisagree, disagreement
 class StepStats:
     with_grad: set[int]  # parameter indices with a gradient on some rank
     grad_sq: Optional[torch.Tensor]  # float64 0-d on the gradients' device, summed over ranks (None: not computed)
+    extra: list[list[float]]  # every rank's ``extra`` columns, in rank order
 
 
 def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional[float]) -> list[tuple[str, float]]:
@@ -96,6 +99,7 @@ def exchange(
     device: torch.device,
     *,
     norm: bool,
+    extra: Sequence[float] = (),
 ) -> StepStats:
     """Combine this step's statistics over ranks; raise if the ``checks`` differ.
 
@@ -108,12 +112,13 @@ def exchange(
         checks: (name, value) pairs every rank must agree on (``step_checks``).
         device: the gradients' device.
         norm: compute the squared norm (else only whether the gradients are finite).
+        extra: values returned per rank (``StepStats.extra``), not compared here.
     """
     order = sorted(has_grad)
     n = len(order)
     column = None if grad_views is None else grad_column(grad_views, device, norm=norm)
     flags = [1.0 if has_grad[i] else 0.0 for i in order]
-    packed = torch.tensor(flags + [0.0] + [v for _, v in checks], dtype=torch.float64)
+    packed = torch.tensor(flags + [0.0] + [v for _, v in checks] + [float(v) for v in extra], dtype=torch.float64)
     fold = column is not None and control is engine and column.device.type == "cpu"
     if fold:  # host memory already: the gradient column rides the same all-gather
         packed[n] = column
@@ -132,13 +137,14 @@ def exchange(
                 "are spent: zero_grad() and run backward again"
             )
     with_grad = {i for k, i in enumerate(order) if any(row[k] > 0 for row in rows)}
+    extras = [row[len(row) - len(extra) :] for row in rows]
     if column is None:
-        return StepStats(with_grad, None)
+        return StepStats(with_grad, None, extras)
     if fold:
-        return StepStats(with_grad, torch.tensor(sum(row[n] for row in rows), dtype=torch.float64))
+        return StepStats(with_grad, torch.tensor(sum(row[n] for row in rows), dtype=torch.float64), extras)
     if engine.world_size > 1:  # on the device, in the engine's order: the host never reads it here
         engine.all_reduce(column, op="sum", name="step.grad_sq").wait()
-    return StepStats(with_grad, column)
+    return StepStats(with_grad, column, extras)
 
 
 def _shown(value: float) -> Optional[float]:

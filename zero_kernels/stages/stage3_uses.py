@@ -1,0 +1,120 @@
+"""Stage 3: when a unit's gradients are reduced, decided at the same point on every rank.
+
+Reducing a unit is a collective, and the collectives of all ranks pair up in issue order, so the
+point where a unit is reduced must not depend on a rank's data. "Once every parameter of the unit
+has its gradient" does: a module that every rank runs may use one of its parameters only on some
+ranks (``if cond: y = y + x @ self.w2``), and a rank without that gradient would reduce later,
+after gathers the others issue first. Instead a unit is reduced once the backward of every forward
+use of it has ended, or at the end of backward; a parameter without a gradient then counts as zero.
+
+The end of a use's backward. When a module that needs units is called with autograd recording
+(``begin``), a hook goes on each of its inputs that requires grad and was computed (has a
+``grad_fn``). A tensor's hook runs once its gradient is complete, just before the node that
+produced it runs. Among the nodes that are ready the autograd engine runs the one created last
+first, and a parameter's gradient accumulation before any other; the input was created before
+the module ran, so when its hook runs, every node the module's forward created and every gradient
+accumulation of its parameters has run, whatever the data made the module do inside. The hooks of
+one use are counted down: the last one ends the use. That point depends only on the graph around
+the module, which every rank has in common.
+
+Late units, reduced at the end of backward (the same point on every rank too): the units of a call
+whose inputs need no gradient or are all leaf tensors (the first layer, an embedding: the end of
+its backward is not seen), and units with a use that never ends (a forward whose output is never
+backpropagated holds its units' reductions until the end of the next backward).
+
+Recomputation (activation checkpointing). A forward that runs while backward runs is recomputing a
+segment: with ``use_reentrant=False`` its graph is never backpropagated (the uses recorded by the
+original forward end instead); with reentrant checkpointing the original forward ran without
+autograd, and the recomputed segment's backward ends the uses. So a unit with a use recorded by a
+forward waits for those uses only, and a unit used only in recomputed segments waits for them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+
+def grad_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors requiring grad inside nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.requires_grad else []
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in grad_tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in grad_tensors(item)]
+    return []
+
+
+class _Use:
+    """One call of a module: its watched inputs count down to the end of its backward."""
+
+    def __init__(self, tracker: "UseTracker", needs: tuple[int, ...], recomputed: bool, pending: int):
+        self.tracker, self.needs, self.recomputed, self.pending = tracker, needs, recomputed, pending
+        self.round = tracker.round
+
+    def hook(self, grad: torch.Tensor) -> None:
+        self.pending -= 1
+        if self.pending == 0:
+            self.tracker._ended(self)
+
+
+class UseTracker:
+    """Counts, per unit, the uses whose backward has not ended; ``on_ready(units)`` gets the units whose
+    every use has ended (in ascending order), called from inside backward.
+
+    Args:
+        count: number of units.
+        on_ready: called with the units that may be reduced now.
+    """
+
+    def __init__(self, count: int, on_ready: Callable[[list[int]], None]) -> None:
+        self._count = count
+        self._on_ready = on_ready
+        self.round = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every use (at the end of backward): hooks of earlier uses that still run are ignored."""
+        self.round += 1
+        self._open = [0] * self._count  # uses recorded by a forward whose backward has not ended
+        self._open_recomputed = [0] * self._count  # the same for uses recorded while backward runs
+        self._used: set[int] = set()
+        self._used_recomputed: set[int] = set()
+        self.late: set[int] = set()  # reduced at the end of backward
+
+    def begin(self, needs: Sequence[int], args: Any, kwargs: Any) -> None:
+        """A module that needs the units ``needs`` is called with autograd recording: watch its inputs."""
+        seen: set[int] = set()
+        watched = []
+        for t in grad_tensors((args, kwargs)):
+            if t.grad_fn is not None and id(t) not in seen:
+                seen.add(id(t))
+                watched.append(t)
+        if not watched:
+            self.late.update(needs)
+            return
+        recomputed = torch._C._current_graph_task_id() != -1
+        use = _Use(self, tuple(needs), recomputed, len(watched))
+        opened, used = (self._open_recomputed, self._used_recomputed) if recomputed else (self._open, self._used)
+        for i in needs:
+            opened[i] += 1
+            used.add(i)
+        for t in watched:
+            t.register_hook(use.hook)
+
+    def _ended(self, use: _Use) -> None:
+        if use.round != self.round:
+            return
+        opened = self._open_recomputed if use.recomputed else self._open
+        for i in use.needs:
+            opened[i] -= 1
+        self._on_ready([i for i in sorted(set(use.needs)) if self._all_ended(i)])
+
+    def _all_ended(self, i: int) -> bool:
+        if i in self.late:
+            return False
+        if i in self._used:
+            return self._open[i] == 0
+        return i in self._used_recomputed and self._open_recomputed[i] == 0
