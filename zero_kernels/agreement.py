@@ -160,8 +160,23 @@ def check_optimizer(
     check_same(opt.pipeline.engine, fingerprint, "ShardedFusedAdam")
 
 
+CHECKSUM_CHUNK = 1 << 20  # elements summed in float64 at a time: at most an 8 MiB float64 copy
+
+
+def _checksum(p: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of ``p``'s values, a float64 0-d tensor on its device.
+
+    Chunk by chunk: ``p.double()`` (or ``sum(dtype=torch.float64)``, which casts its input first) would
+    hold a float64 copy of the whole parameter (8.4 GB for a 128k x 8192 embedding).
+    """
+    flat = p.detach().reshape(-1)
+    if flat.dtype == torch.float64 or flat.numel() <= CHECKSUM_CHUNK:
+        return flat.double().sum()
+    return torch.stack([chunk.double().sum() for chunk in flat.split(CHECKSUM_CHUNK)]).sum()
+
+
 def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
-    """The values of ``params`` must be the same on every rank (sizes and checksums, two small all-reduces).
+    """The values of ``params`` must be the same on every rank (sizes and float64 checksums, two small all-reduces).
 
     Args:
         engine: the communication engine.
@@ -181,7 +196,7 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
     stats = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
         stats[2 * i] = p.numel()
-        stats[2 * i + 1] = p.detach().double().sum()
+        stats[2 * i + 1] = _checksum(p)
     packed = torch.cat([stats, -stats])
     engine.all_reduce(packed, op="max", name="check.params").wait()
     differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()
