@@ -1,0 +1,108 @@
+"""Every CUDA event, stream and exchange names its device (the gradients' or the parameters'), never the current one.
+
+No GPU here: ``FakeCuda`` stands in for ``torch.cuda`` on a rank whose current device (0) is not
+the one its tensors live on (1), as after ``init_process_group(device_id=...)`` without
+``torch.cuda.set_device``; it logs on which device each allocation, copy and event happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import pytest
+import torch
+
+from zero_kernels.stages import outcome
+
+
+class FakeStream:
+    def __init__(self, device: int):
+        self.device = torch.device("cuda", device)
+
+
+class FakeCuda:
+    """The parts of ``torch.cuda`` a step's outcome uses, with device 0 current."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.log: list[tuple[str, int]] = []
+        fake = self
+
+        class Event:
+            def record(self, stream: Optional[FakeStream] = None) -> None:
+                stream = stream if stream is not None else fake.current_stream()
+                fake.log.append(("event", stream.device.index))
+
+            def query(self) -> bool:
+                return True
+
+            def synchronize(self) -> None:
+                pass
+
+        self.Event = Event
+
+    def current_device(self) -> int:
+        return self.current
+
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        previous, self.current = self.current, torch.device(device).index
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return FakeStream(self.current if device is None else torch.device(device).index)
+
+
+class OnGpu1(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:1 (results of torch operations on it say so too)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 1)
+
+
+class PinnedHost:
+    """What ``torch.empty(..., pin_memory=True)`` returns: logs where it was made and filled."""
+
+    def __init__(self, cuda: FakeCuda, shape: torch.Size, dtype: torch.dtype):
+        self.cuda, self.values = cuda, torch.empty(shape, dtype=dtype)
+        cuda.log.append(("pinned", cuda.current))
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "PinnedHost":
+        self.cuda.log.append(("copy", self.cuda.current))
+        self.values.copy_(src.as_subclass(torch.Tensor))
+        return self
+
+    def tolist(self) -> list:
+        return self.values.tolist()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    cuda = FakeCuda()
+    for name in ("Event", "current_device", "device", "current_stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    empty = torch.empty
+
+    def fake_empty(*shape: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return PinnedHost(cuda, torch.Size(*shape), kwargs["dtype"]) if pin_memory else empty(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    return cuda
+
+
+def test_step_result_copies_and_records_on_the_gradients_device(fake_cuda: FakeCuda) -> None:
+    """The norm and skip flag of a step on cuda:1, with cuda:0 current: the pinned buffer, the copy and the
+    event that completes it are all on cuda:1 (an event on cuda:0 completes without the copy: the host
+    would read the previous step's values)."""
+    norm = torch.tensor(2.5, dtype=torch.float64).as_subclass(OnGpu1)
+    skip = torch.ones(1).as_subclass(OnGpu1)
+    assert norm.device.type == "cuda" and torch.cat([norm.reshape(1)]).device.index == 1
+    result = outcome.StepResult(norm, skip)
+    assert fake_cuda.log == [("pinned", 1), ("copy", 1), ("event", 1)], fake_cuda.log
+    assert fake_cuda.current == 0, "the current device was not given back"
+    assert (result.grad_norm, result.skipped) == (2.5, True)
