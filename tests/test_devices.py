@@ -8,11 +8,13 @@ the one its tensors live on (1), as after ``init_process_group(device_id=...)`` 
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 
 import pytest
 import torch
 
+from zero_kernels import devices
 from zero_kernels.stages import outcome
 
 
@@ -106,3 +108,55 @@ def test_step_result_copies_and_records_on_the_gradients_device(fake_cuda: FakeC
     assert fake_cuda.log == [("pinned", 1), ("copy", 1), ("event", 1)], fake_cuda.log
     assert fake_cuda.current == 0, "the current device was not given back"
     assert (result.grad_norm, result.skipped) == (2.5, True)
+
+
+def test_a_current_device_other_than_the_parameters_is_refused_with_the_fix(fake_cuda: FakeCuda) -> None:
+    """Parameters on cuda:1 with cuda:0 current: construction stops before anything is made, saying what to call."""
+    import zero_kernels as zk
+
+    model = torch.nn.Linear(4, 3)
+    for name, p in list(model.named_parameters()):
+        setattr(model, name, torch.nn.Parameter(p.detach().clone().as_subclass(OnGpu1)))
+    assert model.weight.device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"on cuda:1 but cuda:0 is the current device.*torch\.cuda\.set_device"):
+        zk.ShardedFusedAdam(model, stage=1)
+    fake_cuda.current = 1  # what torch.cuda.set_device(LOCAL_RANK) does: now the check passes
+    assert devices.current_device_problem(model.weight.device) is None
+
+
+def test_a_rank_on_the_wrong_device_stops_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is exchanged: a rank whose own device is right raises too when another rank's is wrong."""
+    seen = []
+
+    def exchange(engine: Any, obj: Any, name: str, device: Any) -> list:
+        seen.append(device)
+        return [obj, "the parameters are on cuda:1 but cuda:0 is the current device"]
+
+    monkeypatch.setattr(devices, "all_gather_objects", exchange)
+    engine = SimpleNamespace(world_size=2, rank=0, backend="gloo")
+    with pytest.raises(ValueError, match=r"^ShardedFusedAdam: on rank 1: the parameters are on cuda:1.*set_device"):
+        devices.check_current_device(engine, torch.device("cpu"))
+    assert seen == [torch.device("cpu")], "the exchange must run on the parameters' device"
+    devices.check_current_device(engine, torch.device("cpu"), exchange=False)  # a copy: this rank only
+
+
+def test_construction_exchanges_run_on_the_parameters_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NCCL without a bound device, the fingerprint exchange names the parameters' device; an exchange that
+    names none is refused rather than run on whatever device is current (GPU 0 on every rank)."""
+    from zero_kernels import agreement, comm_objects
+
+    seen = []
+
+    def exchange(engine: Any, obj: Any, name: str, device: Any = None) -> list:
+        seen.append(device)
+        return [obj, obj]
+
+    monkeypatch.setattr(agreement, "all_gather_objects", exchange)
+    nccl = SimpleNamespace(
+        world_size=2, rank=0, backend="nccl", group=SimpleNamespace(bound_device_id=None), kind="cpp"
+    )
+    opt = SimpleNamespace(pipeline=SimpleNamespace(engine=nccl, device=torch.device("cuda", 1)))
+    agreement.check_optimizer(opt, "constructed with 1 param groups")
+    assert seen == [torch.device("cuda", 1)]
+    with pytest.raises(ValueError, match="needs a device"):
+        comm_objects.collective_device(nccl)

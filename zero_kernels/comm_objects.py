@@ -18,12 +18,21 @@ from .comm import CommEngine, TorchCommEngine
 
 
 def collective_device(engine: CommEngine) -> torch.device:
-    """Where small exchanges of ``engine`` run: the CPU, or on NCCL the device its process group is bound
-    to (``init_process_group(device_id=...)``), else the current CUDA device."""
+    """Where small exchanges of ``engine`` run when the caller names no device: the CPU, or on NCCL the
+    device its process group is bound to (``init_process_group(device_id=...)``). Never merely the
+    current CUDA device: on a rank that did not call ``torch.cuda.set_device`` that is GPU 0 on every rank.
+
+    Raises ``ValueError`` on NCCL without a bound device: the caller must name its tensors' device.
+    """
     if engine.backend != "nccl":
         return torch.device("cpu")
     bound = getattr(engine.group, "bound_device_id", None)
-    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+    if bound is None:
+        raise ValueError(
+            "an exchange over NCCL needs a device: pass the device of the tensors it is about (each rank its own "
+            "GPU), or bind the process group to one (init_process_group(..., device_id=...))"
+        )
+    return bound
 
 
 def all_gather_objects(
@@ -39,7 +48,7 @@ def all_gather_objects(
         obj: this rank's object.
         name: names the operation in errors.
         device: where the bytes travel: the device of the caller's tensors (on NCCL each rank's
-            own GPU); None: ``collective_device(engine)``.
+            own GPU); None: ``collective_device(engine)`` (the CPU, or NCCL's bound device).
     """
     if engine.world_size == 1:
         return [obj]

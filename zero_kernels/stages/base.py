@@ -88,6 +88,7 @@ class Pipeline:
         self.options = options
         self.impl = impl
         self.module = module
+        self.device: Optional[torch.device] = None  # the parameters' device, where exchanges run (set by the optimizer)
         self.buffers: list[FlatBuffer] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (buffer index, slot index)
         self.step_counts = outcome.StepCounts()  # optimizer param index -> Adam step count (``steps``)
