@@ -1,8 +1,9 @@
-"""Exchanges of host data between ranks through a comm engine: Python objects, and a gloo group for checks.
+"""Exchanges of host data between ranks through a comm engine: Python objects.
 
 ``all_gather_objects`` is what ``dist.all_gather_object`` does, through an engine (so a process
-may exit right after it returns). ``control_engine`` gives the engine on which host-side checks
-run without waiting for a GPU's queued work.
+may exit right after it returns); ``collective_device`` says where such an exchange runs when the
+caller names no device. The engine on which host-side checks run without waiting for a GPU's
+queued work is the control group's (``control``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import struct
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from .comm import CommEngine, TorchCommEngine
+from .comm import CommEngine
 
 
 def collective_device(engine: CommEngine) -> torch.device:
@@ -70,16 +70,3 @@ def all_gather_objects(
         (size,) = struct.unpack("<q", row[:8])
         out.append(pickle.loads(row[8 : 8 + size]))
     return out
-
-
-def control_engine(engine: CommEngine) -> CommEngine:
-    """The engine for host-side checks among ``engine``'s ranks: ``engine`` itself on gloo (or alone).
-
-    On any other backend, a torch engine on a new gloo group of the same ranks: an exchange of
-    CPU tensors that never synchronises with a device stream. Collective over ``engine``'s ranks
-    (it creates a process group): call it at the same point on each of them.
-    """
-    if engine.world_size == 1 or engine.backend == "gloo":
-        return engine
-    ranks = dist.get_process_group_ranks(engine.group)
-    return TorchCommEngine(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
