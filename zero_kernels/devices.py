@@ -25,10 +25,16 @@ FIX = (
 
 
 def parameters_device(groups: Iterable[Mapping[str, Any]]) -> Optional[torch.device]:
-    """The device of the first parameter of ``groups`` (param-group dicts; all on one device), or None."""
+    """The device of the first parameter of ``groups`` (checked param-group dicts: all on one device), or None.
+
+    A group's ``params`` are tensors or ``(name, tensor)`` pairs, or one tensor, as ``torch.optim`` takes them.
+    """
     for group in groups:
-        for p in group["params"]:
-            return p.device
+        params = group["params"]
+        for p in [params] if isinstance(params, torch.Tensor) else params:
+            tensor = p[1] if isinstance(p, tuple) else p
+            if isinstance(tensor, torch.Tensor):
+                return tensor.device
     return None
 
 
