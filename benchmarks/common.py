@@ -148,29 +148,6 @@ def read_runs(path: str) -> tuple[dict[str, list[dict]], dict]:
     return results, machine
 
 
-def run_named_checks(checks: dict[str, Callable[[], list[str]]]) -> list[dict]:
-    """Run each check (it returns its problems; none: pass), print PASS/FAIL lines, return the results.
-
-    An unattended run reports every check, whatever breaks: an exception counts as that check's problem.
-    """
-    import traceback
-
-    results = []
-    for name, check in checks.items():
-        start = time.perf_counter()
-        try:
-            problems = check()
-        except Exception:
-            problems = ["raised:\n" + traceback.format_exc()]
-        seconds = time.perf_counter() - start
-        status = "PASS" if not problems else "FAIL"
-        results.append({"check": name, "status": status, "seconds": round(seconds, 1), "problems": problems[:20]})
-        print(f"{status}  {name}  ({seconds:.1f} s)")
-        for p in problems[:20]:
-            print(f"      {p}")
-    return results
-
-
 def format_duration(seconds: float) -> str:
     """``seconds`` as ``m:ss`` (``h:mm:ss`` from an hour on)."""
     total = max(0, int(round(seconds)))

@@ -5,14 +5,14 @@ copy dtype, sizes up to 2^26) and flatten/unflatten (a 2^26-element bucket of ~2
 mixed dtypes) against the reference twins and torch.optim.AdamW, no recompilation across an lr
 schedule; then it prints, for every kernel variant those checks compiled, its registers, spills
 and the widest global load and store of its PTX (``kernels.aot`` holds the same limits without a
-GPU). It exits 1 when a check fails or a variant is over the limits, 2 without CUDA.
+GPU). ``--json DIR`` writes ``gpu_check.json`` after every check. It exits 1 when a check fails or a
+variant is over the limits, 2 without CUDA (every check written as skipped).
 ``--summary DIR`` prints the short table of a finished run (every JSON file the GPU check wrote).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 from benchmarks.adam import transformer_shapes  # noqa: E402
-from benchmarks.common import run_named_checks  # noqa: E402
+from benchmarks.gpu_report import Report, summary  # noqa: E402
 
 RTOL = 1.3e-6
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -194,6 +194,39 @@ def check_adam_vs_torch_and_no_recompile() -> list[str]:
     return problems
 
 
+def check_adam_window_no_recompile() -> list[str]:
+    """Pieces that start and end off 16-element boundaries (runs split where step counts differ), launched
+    on the aligned span around them with ``window``: the same results as the piece alone, only the piece
+    changed, and no new compiled variant (the scalar one an unaligned launch would need)."""
+    from zero_kernels.kernels import adam_step, adam_step_ref, triton_adam
+
+    n, problems = min(1 << 20, BIG), []
+    grad = torch.randn(n, device=DEVICE).to(torch.bfloat16)
+    span = _state(n, 7)
+    span["out"] = torch.zeros(n, dtype=torch.bfloat16, device=DEVICE)
+    adam_step(span["param"], grad, span["exp_avg"], span["exp_avg_sq"], out=span["out"], lr=1e-3, step=1,
+              impl="triton", **HYPER)  # fmt: skip
+    compiled = _kernel_count(triton_adam._adam_kernel)
+    for lo, hi in ((3, n - 5), (16, 41), (0, 7), (n - 9, n)):
+        ours = {k: v.clone() for k, v in span.items()}
+        ref = {k: v.clone() for k, v in span.items()}
+        adam_step(ours["param"], grad, ours["exp_avg"], ours["exp_avg_sq"], out=ours["out"], lr=1e-3, step=2,
+                  window=(lo, hi), impl="triton", **HYPER)  # fmt: skip
+        adam_step_ref(ref["param"][lo:hi], grad[lo:hi], ref["exp_avg"][lo:hi],
+                      ref["exp_avg_sq"][lo:hi], out=ref["out"][lo:hi], lr=1e-3, step=2, **HYPER)  # fmt: skip
+        for k in ours:
+            if not torch.equal(torch.cat([ours[k][:lo], ours[k][hi:]]), torch.cat([span[k][:lo], span[k][hi:]])):
+                problems.append(f"window ({lo}, {hi}): {k} changed outside the window")
+            bad = _mismatches(ours[k][lo:hi], ref[k][lo:hi], RTOL, RTOL * ref[k][lo:hi].float().abs().max().item())
+            if bad:
+                problems.append(f"window ({lo}, {hi}): {k}: {bad}")
+    if _kernel_count(triton_adam._adam_kernel) != compiled:
+        problems.append(
+            f"windowed launches compiled {_kernel_count(triton_adam._adam_kernel) - compiled} new variant(s)"
+        )
+    return problems
+
+
 def check_adam_amsgrad_maximize_vs_torch() -> list[str]:
     """The AMSGRAD and MAXIMIZE flags together, fp32, against torch.optim.AdamW(amsgrad=True, maximize=True)."""
     from zero_kernels.kernels import adam_step
@@ -276,8 +309,12 @@ CHECKS = {
     "adam: non-finite gradients, flag already set": check_adam_nonfinite,
     "adam: fp32 vs torch.optim.AdamW, lr schedule, no recompile": check_adam_vs_torch_and_no_recompile,
     "adam: amsgrad + maximize vs torch.optim.AdamW": check_adam_amsgrad_maximize_vs_torch,
+    "adam: unaligned pieces on aligned spans (window), no recompile": check_adam_window_no_recompile,
     "flatten/unflatten: 2^26 bucket, views, mixed dtypes": check_flatten,
 }
+
+
+VARIANTS = "compiled variants within 128 registers, no spills"
 
 
 def compiled_variants() -> list[dict]:
@@ -299,14 +336,11 @@ def compiled_variants() -> list[dict]:
     return rows
 
 
-def run_checks(json_dir: str | None) -> int:
-    import triton
-
-    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
-    print(f"gpu_check: {where}, torch {torch.__version__}, triton {triton.__version__}")
-    results = run_named_checks(CHECKS)
-    variants = compiled_variants() if DEVICE == "cuda" else []
-    print(f"\n{len(variants)} compiled kernel variants (registers, stack frame, spills, widest global load/store):")
+def check_compiled_variants(report: Report) -> list[str]:
+    """Every variant the checks above compiled, within the limits (``kernels.aot``'s, read from the cubins)."""
+    variants = compiled_variants()
+    report.set("variants", variants)
+    print(f"{len(variants)} compiled kernel variants (registers, stack frame, spills, widest global load/store):")
     for v in variants:
         flag = "  OVER THE LIMITS" if v["over_limits"] else ""
         print(
@@ -314,90 +348,45 @@ def run_checks(json_dir: str | None) -> int:
             f"spills {v['spills']}  ld {v['load_bits']:3d} st {v['store_bits']:3d} bits "
             f"({v['vector_loads']}/{v['vector_stores']} x 128){flag}"
         )
+    over = sum(v["over_limits"] for v in variants)
+    problems = [f"{over} of {len(variants)} over the limits"] if over else []
+    return problems + ([] if variants else ["no compiled variant found in the kernels' caches"])
+
+
+def run_checks(report: Report) -> int:
+    import triton
+
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
+    print(f"gpu_check: {where}, torch {torch.__version__}, triton {triton.__version__}")
+    report.run_all(CHECKS)
     if DEVICE == "cuda":  # the interpreter compiles nothing
-        over = sum(v["over_limits"] for v in variants)
-        problems = [f"{over} of {len(variants)} over the limits"] if over else []
-        problems += [] if variants else ["no compiled variant found in the kernels' caches"]
-        name = "compiled variants within 128 registers, no spills"
-        results.append({"check": name, "status": "FAIL" if problems else "PASS", "problems": problems})
-    if json_dir:
-        Path(json_dir).mkdir(parents=True, exist_ok=True)
-        payload = {"checks": results, "variants": variants}
-        (Path(json_dir) / "gpu_check.json").write_text(json.dumps(payload, indent=1))
-    return 0 if all(r["status"] == "PASS" for r in results) else 1
-
-
-def _checks_of(path: Path) -> list[dict]:
-    return json.loads(path.read_text())["checks"] if path.exists() else []
-
-
-def summary(json_dir: str) -> int:
-    """The short table printed last: every check, each stage, the timings, ours vs the best peer."""
-    root = Path(json_dir)
-    print("\n== summary ==")
-    build = root / "comm_build.status"
-    print(f"comm engine build: {build.read_text().strip() if build.exists() else 'unknown'}")
-    for name in ("gpu_check.json", "gpu_streams.json"):
-        checks = _checks_of(root / name)
-        for r in checks:
-            print(f"{r['status']}  {r['check']}" + (f": {r['problems'][0][:150]}" if r["problems"] else ""))
-        if not checks:
-            print(f"{name}: no results")
-    stages = root / "gpu_stages.json"
-    if stages.exists():
-        run = json.loads(stages.read_text())
-        for r in run["rows"]:
-            if r["provider"] != "torch.AdamW fused":
-                ratio = f"x{r['fused_vs_this']:.2f} vs fused AdamW" if "fused_vs_this" in r else "no timing"
-                print(f"{r['check']}  stage path {r['provider']} {r['dtype']} ({run['comm_engine']} comm), {ratio}")
-        for r in run.get("checks", []):
-            print(f"{r['status']}  {r['check']}" + (f": {r['problems'][0][:150]}" if r["problems"] else ""))
-    else:
-        print("stage path: no results")
-    timing = root / "gpu_timing.json"
-    if timing.exists():
-        found = json.loads(timing.read_text())
-        for r in found["adam"] + found["flatten"]:
-            print(f"{r['case']:26s} {r['provider']:26s} {r['ms']:.3f} ms {r['GBps']:.0f} GB/s")
-    else:
-        print("timing: no results")
-    for subject in ("adam", "flatten"):
-        path = root / f"{subject}.json"
-        if not path.exists():
-            print(f"{subject}: no results")
-            continue
-        rows = [r for r in json.loads(path.read_text())["rows"] if "median_ms" in r]
-        largest = max(r["n"] for r in rows)
-        for r in rows:
-            if r["n"] == largest and r["provider"].startswith("ours"):
-                ratio = r.get("vs_best_peer", math.nan)
-                roof = "inplace" if "of_inplace_bw" in r else "copy"
-                print(
-                    f"{subject:8s} {r['case']:24s} n={largest} {r['provider']:12s} {r['median_ms']:.3f} ms "
-                    f"{r['GB/s']:.0f} GB/s ({r[f'of_{roof}_bw']:.0%} of {roof}) x{ratio:.2f} vs best peer"
-                )
-    return 0
+        report.run(VARIANTS, lambda: check_compiled_variants(report))
+    return report.exit_status()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="DIR", help="also write gpu_check.json there")
+    parser.add_argument("--json", metavar="DIR", help="also write gpu_check.json there (after every check)")
     parser.add_argument("--summary", metavar="DIR", help="print the summary of a finished run and exit")
+    parser.add_argument("--worst-case", type=int, help="with --summary: the run's worst-case time, in seconds")
+    parser.add_argument("--elapsed", type=float, help="with --summary: how long the run took, in seconds")
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="run the same checks on the CPU in the Triton interpreter, small sizes"
     )
     args = parser.parse_args(argv)
     if args.summary:
-        return summary(args.summary)
+        return summary(args.summary, args.worst_case, args.elapsed)
     if args.cpu_smoke:
         global BIG, DEVICE
         os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first imported, below
         BIG, DEVICE = 1 << 15, "cpu"
-        return run_checks(args.json)
+        return run_checks(Report(args.json, "gpu_check"))
+    report = Report(args.json, "gpu_check")
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; this check runs the Triton kernels on a GPU (tests/ cover the CPU)")
-        return 2
-    return run_checks(args.json)
+        print("gpu_check: no CUDA device here: every check is skipped (tests/ cover the CPU)")
+        report.skip_all([*CHECKS, VARIANTS])
+        return report.exit_status()
+    return run_checks(report)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ Tolerances (as ``tests/test_stages.py``, from DESIGN.md). fp32: ``|ours - torch|
 + 1e-6 max|torch|`` per tensor (the kernel is within 1.3e-6 relative per step, and on one rank the
 gradients are the same). bf16: the largest error against an fp32 AdamW run on the same start and
 data is at most twice that of torch's AdamW on bf16 parameters, plus one bf16 ulp of the tensor's
-scale. Exit status: 0 all match, 1 a mismatch (or a stage raised), 2 CUDA asked for but absent.
+scale. ``--json DIR`` writes ``gpu_stages.json`` after every check. Exit status: 0 all match, 1 a
+mismatch (or a stage raised), 2 CUDA asked for but absent (every check written as skipped).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import socket
 import statistics
 import sys
@@ -39,6 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
+from benchmarks.gpu_report import Report  # noqa: E402
 from zero_kernels import ShardedFusedAdam, comm  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
@@ -272,28 +273,45 @@ def print_row(r: dict) -> None:
         print(f"      {p}")
 
 
-def run_dtype(name: str, cfg: Config) -> list[dict]:
-    """Rows of one dtype: torch's fused AdamW, then each stage (check, then timing)."""
+def stage_check(name: str, stage: int) -> str:
+    return f"{name} stage {stage}: lock-step with torch.optim.AdamW"
+
+
+def fp16_check(stage: int) -> str:
+    return f"fp16 stage {stage}: dynamic loss scale, forced overflow skipped, scale halved"
+
+
+def check_names() -> list[str]:
+    """Every check this script reports, in order."""
+    return [stage_check(name, stage) for name in DTYPES for stage in STAGES] + [fp16_check(s) for s in STAGES]
+
+
+def run_dtype(name: str, cfg: Config, report: Report) -> None:
+    """Rows of one dtype: torch's fused AdamW, then each stage (check, then timing); the report is written
+    after each."""
     dtype = DTYPES[name]
+    rows = report.data.setdefault("rows", [])
     model = make_model(cfg, dtype)
     fused = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     timing, problems = _guarded(lambda: time_steps(model, fused, cfg, dtype))
-    rows = [{"dtype": name, "provider": FUSED, "check": "-", **(timing or {}), "problems": problems}]
+    baseline = {"dtype": name, "provider": FUSED, "check": "-", **(timing or {}), "problems": problems}
+    rows.append(baseline)
+    print_row(baseline)
+    report.save()
     for stage in STAGES:
+        start = time.perf_counter()
         problems, raised = _guarded(lambda: check_stage(stage, dtype, cfg))
         problems = list(problems or []) + raised
         model = make_model(cfg, dtype)
         timing, raised = _guarded(lambda: time_steps(model, make_ours(model, stage, cfg), cfg, dtype))
         problems += raised
         status = "PASS" if not problems else "FAIL"
-        rows.append(
-            {"dtype": name, "provider": f"stage {stage}", "check": status, **(timing or {}), "problems": problems}
-        )
-    for r in rows:
-        if "step_ms" in r and "step_ms" in rows[0]:
-            r["fused_vs_this"] = rows[0]["step_ms"] / r["step_ms"]
-        print_row(r)
-    return rows
+        row = {"dtype": name, "provider": f"stage {stage}", "check": status, **(timing or {}), "problems": problems}
+        if "step_ms" in row and "step_ms" in baseline:
+            row["fused_vs_this"] = baseline["step_ms"] / row["step_ms"]
+        rows.append(row)
+        print_row(row)
+        report.record(stage_check(name, stage), status, problems, time.perf_counter() - start)
 
 
 def _init_group(device: str) -> str:
@@ -310,21 +328,7 @@ def _init_group(device: str) -> str:
     return backend
 
 
-def run_fp16(cfg: Config) -> list[dict]:
-    """One check per stage: fp16, dynamic loss scale, a forced overflow."""
-    checks = []
-    for stage in STAGES:
-        problems, raised = _guarded(lambda: check_fp16_overflow(stage, cfg))
-        problems = list(problems or []) + raised
-        name = f"fp16 stage {stage}: dynamic loss scale, forced overflow skipped, scale halved"
-        checks.append({"check": name, "status": "PASS" if not problems else "FAIL", "problems": problems})
-        print(f"{checks[-1]['status']}  {name}")
-        for p in problems[:5]:
-            print(f"      {p}")
-    return checks
-
-
-def run_stages(cfg: Config, json_dir: Optional[str]) -> int:
+def run_stages(cfg: Config, report: Report) -> int:
     """Check and time every (dtype, stage), then the fp16 runs; 0 when every check passes, else 1."""
     if cfg.device == "cpu":
         torch.set_num_threads(1)  # a smoke run on a small, possibly busy machine: no thread oversubscription
@@ -333,34 +337,33 @@ def run_stages(cfg: Config, json_dir: Optional[str]) -> int:
         engine = comm.make_engine().kind
         where = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
         numel = sum(p.numel() for p in make_model(cfg, torch.float32).parameters())
+        report.data.update(backend=backend, comm_engine=engine, params=numel)
         print(
             f"gpu_stages: {where}, {backend} world size 1, comm engine {engine}, torch {torch.__version__}, "
             f"{numel / 1e6:.2f}M params, {cfg.rows} rows, median of {cfg.repeat} steps"
         )
         print(HEADER)
-        rows = []
         for name in DTYPES:
-            rows += run_dtype(name, cfg)
+            run_dtype(name, cfg, report)
         print(LEGEND)
-        checks = run_fp16(cfg)
+        for stage in STAGES:
+            report.run(fp16_check(stage), lambda: check_fp16_overflow(stage, cfg))
     finally:
         dist.destroy_process_group()
-    if json_dir:
-        Path(json_dir).mkdir(parents=True, exist_ok=True)
-        payload = {"backend": backend, "comm_engine": engine, "params": numel, "rows": rows, "checks": checks}
-        (Path(json_dir) / "gpu_stages.json").write_text(json.dumps(payload, indent=1))
-    return 0 if all(not r["problems"] for r in rows + checks) else 1
+    return report.exit_status()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=sorted(CONFIGS), default="cuda", help="cpu: gloo smoke run, small model")
-    parser.add_argument("--json", metavar="DIR", help="also write gpu_stages.json there")
+    parser.add_argument("--json", metavar="DIR", help="also write gpu_stages.json there (after every check)")
     args = parser.parse_args(argv)
+    report = Report(args.json, "gpu_stages")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_stages: no CUDA device here; run with --device cpu for the smoke run")
-        return 2
-    return run_stages(CONFIGS[args.device], args.json)
+        print("gpu_stages: no CUDA device here: every check is skipped (--device cpu is the smoke run)")
+        report.skip_all(check_names())
+        return report.exit_status()
+    return run_stages(CONFIGS[args.device], report)
 
 
 if __name__ == "__main__":

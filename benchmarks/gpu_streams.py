@@ -9,6 +9,10 @@ issued the way the engine issues it on several ranks, so its ordering shows on o
   values, not the stale ones (a collective ordered only after the engine's side stream reads them
   before the fill runs). A freshly allocated output that reuses the block of a tensor that queued
   compute still reads must not be written before that read.
+* ``output side``: a sleep holds the engine's side stream, so the collective and the cast out of
+  its buffer run late; the result is read right after ``wait()``, without a host sync: on the
+  compute stream, on another stream current at ``wait()``, and on the compute stream after
+  ``synchronize()`` called with another stream current. Each must see the result, not zeros.
 * ``stage 3 prefetch``: stage 3 with prefetch, with sleeps before each gradient's copy into its
   bucket and before each step, in lock-step with ``torch.optim.AdamW``.
 * ``sync``: stage-2 and stage-3 training steps (after a warm-up step) with clipping and the
@@ -16,14 +20,14 @@ issued the way the engine issues it on several ranks, so its ordering shows on o
   ``clip_grad_norm_`` (stage 3), then the step, twice; the call that synchronised is named (file,
   line, function).
 
-Exit status: 0 all pass, 1 a check failed, 2 no CUDA device or no comm engine.
+``--json DIR`` writes ``gpu_streams.json`` after every check. Exit status: 0 all pass, 1 a check
+failed, 2 no CUDA device or no comm engine (every check written as skipped).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import socket
 import sys
 import traceback
@@ -37,7 +41,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
-from benchmarks.common import run_named_checks  # noqa: E402
+from benchmarks.gpu_report import Report  # noqa: E402
 from benchmarks.gpu_stages import LR, WEIGHT_DECAY, compare_fp32_step, sync_reference  # noqa: E402
 from zero_kernels import ShardedFusedAdam, _ext, comm  # noqa: E402
 
@@ -116,6 +120,70 @@ def _check_reused_block(engine: ThroughCpp) -> list[str]:
     if full.data_ptr() != address:
         problems.append("the all-gather output did not reuse the freed block: the hazard was not exercised")
     return problems + _expect("all-gather into a reused block", full, 9.0)
+
+
+def _late_side(engine: ThroughCpp, tensor: torch.Tensor) -> None:
+    """Hold the engine's side stream for ``tensor``'s device with a long sleep: what it queues next runs late."""
+    _, _, side = engine._streams(tensor)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+
+
+def _output_cases(engine: ThroughCpp, n: int) -> dict[str, Callable[[], tuple[torch.Tensor, comm.Handle, float]]]:
+    """Operations whose result lands through the side stream: (output, handle, expected value)."""
+
+    def reduce_scatter(primitive: str) -> Callable[[], tuple[torch.Tensor, comm.Handle, float]]:
+        def issue() -> tuple[torch.Tensor, comm.Handle, float]:
+            x, out = torch.full((n,), 3.0, device="cuda"), torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+            _late_side(engine, x)
+            return out, engine.reduce_scatter(out, x, name="rs", primitive=primitive), 3.0
+
+        return issue
+
+    def all_gather() -> tuple[torch.Tensor, comm.Handle, float]:
+        x, out = torch.full((n,), 5.0, dtype=torch.bfloat16, device="cuda"), torch.zeros(n, device="cuda")
+        _late_side(engine, x)
+        return out, engine.all_gather(out, x, name="ag", primitive="all_gather_tensor"), 5.0
+
+    def all_reduce() -> tuple[torch.Tensor, comm.Handle, float]:
+        x = torch.full((n,), 7.0, device="cuda")
+        _late_side(engine, x)
+        return x, engine.all_reduce(x, name="ar"), 7.0
+
+    return {
+        "reduce_scatter_tensor fp32 -> bf16 (cast out)": reduce_scatter("reduce_scatter_tensor"),
+        "all_reduce_slice fp32 -> bf16 (copy out)": reduce_scatter("all_reduce_slice"),
+        "all_gather_tensor bf16 -> fp32 (cast in)": all_gather,
+        "all_reduce (in place)": all_reduce,
+    }
+
+
+def check_output_order() -> list[str]:
+    """The result read right after ``wait()`` (no host sync between) while a sleep holds the side stream, so the
+    collective and its cast run late: on the compute stream (the one current at issue); on another stream
+    current at ``wait()`` (an autograd callback's, a user's); and on the compute stream after the engine's
+    ``synchronize()`` called with another stream current (an operation must finish on its side stream)."""
+    engine, problems = ThroughCpp(), []
+    for what, issue in _output_cases(engine, NUMEL).items():
+        for reader in ("compute after wait()", "another stream after wait()", "compute after synchronize()"):
+            torch.cuda.synchronize()
+            out, handle, value = issue()
+            if reader == "compute after wait()":
+                handle.wait()
+                seen = out.clone()
+            else:
+                other = torch.cuda.Stream()
+                with torch.cuda.stream(other):
+                    if reader == "another stream after wait()":
+                        handle.wait()
+                        seen = out.clone()
+                    else:
+                        engine.synchronize()
+                if reader == "compute after synchronize()":
+                    seen = out.clone()
+            problems += _expect(f"{what}, read on {reader}", seen, value)
+    engine.synchronize()
+    return problems
 
 
 def _model(width: int = 1024, depth: int = 4) -> nn.Module:
@@ -217,6 +285,7 @@ def check_sync_free() -> list[str]:
 
 CHECKS = {
     "engine: every primitive and dtype path waits for compute": check_engine_order,
+    "engine: the result is ordered for its reader (side stream held by a sleep)": check_output_order,
     "stage 3 with prefetch, sleeps in the way, vs torch.optim.AdamW": check_stage3_prefetch,
     "no host sync in a stage-2 and a stage-3 step": check_sync_free,
 }
@@ -237,31 +306,31 @@ def _init_group() -> None:
     )
 
 
-def run_checks(json_dir: Optional[str]) -> int:
+def run_checks(report: Report) -> int:
     _init_group()
     try:
-        results = run_named_checks(CHECKS)
+        report.run_all(CHECKS)
     finally:
         dist.destroy_process_group()
-    if json_dir:
-        Path(json_dir).mkdir(parents=True, exist_ok=True)
-        (Path(json_dir) / "gpu_streams.json").write_text(json.dumps({"checks": results}, indent=1))
-    return 0 if all(r["status"] == "PASS" for r in results) else 1
+    return report.exit_status()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="DIR", help="also write gpu_streams.json there")
+    parser.add_argument("--json", metavar="DIR", help="also write gpu_streams.json there (after every check)")
     args = parser.parse_args(argv)
+    report = Report(args.json, "gpu_streams")
     if not torch.cuda.is_available():
-        print("gpu_streams: no CUDA device here")
-        return 2
+        print("gpu_streams: no CUDA device here: every check is skipped")
+        report.skip_all(list(CHECKS))
+        return report.exit_status()
     try:
         _ext.load("comm")
     except _ext.ExtensionUnavailable as exc:
         print(f"gpu_streams: the C++ comm engine is unavailable: {exc}")
-        return 2
-    return run_checks(args.json)
+        report.skip_all(list(CHECKS), f"skipped: the C++ comm engine is unavailable ({str(exc)[:200]})")
+        return report.exit_status()
+    return run_checks(report)
 
 
 if __name__ == "__main__":

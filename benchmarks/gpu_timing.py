@@ -11,14 +11,15 @@
   launch per parameter piece, against ``torch.mul(..., out=)`` per piece (one kernel each too).
 * ``tuning sweep``: Adam and flatten GB/s at 2^26 elements under each (block, num_warps) choice.
 
-Times are medians of CUDA-event intervals (``benchmarks.common.timeit``). Exit status 2 without CUDA.
+Times are medians of CUDA-event intervals (``benchmarks.common.timeit``). ``--json DIR`` writes
+``gpu_timing.json`` after every section (each guarded). Exit status 2 without CUDA (every section
+written as skipped).
 ``--cpu-smoke`` runs the same code on the CPU (Triton interpreter, tiny sizes): a check of the script.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from benchmarks.adam import transformer_shapes  # noqa: E402
 from benchmarks.common import copy_bandwidth, timeit  # noqa: E402
+from benchmarks.gpu_report import Report  # noqa: E402
 from zero_kernels.layout import BufferLayout  # noqa: E402
 
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -160,37 +162,49 @@ def tuning_sweep() -> list[dict]:
     return rows
 
 
-def time_all(json_dir: Optional[str]) -> int:
+SECTIONS = {
+    "adam": ("timed: adam on an unaligned model, padded vs unpadded vs fused AdamW", time_unaligned_adam),
+    "flatten": ("timed: flatten as stage 2 calls it vs torch.mul(out=)", time_stage2_flatten),
+    "tuning": ("timed: (block, num_warps) sweep", tuning_sweep),
+}
+
+
+def _section(report: Report, key: str, fn: Callable[[], list[dict]]) -> list[str]:
+    rows = fn()
+    report.set(key, rows)
+    for r in rows:
+        print("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return []
+
+
+def time_all(report: Report) -> int:
     where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
-    print(f"gpu_timing: {where}, copy bandwidth {copy_bandwidth(BIG, DEVICE):.0f} GB/s")
-    payload = {}
-    for name, fn in (("adam", time_unaligned_adam), ("flatten", time_stage2_flatten), ("tuning", tuning_sweep)):
-        rows = fn()
-        payload[name] = rows
-        for r in rows:
-            print("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
-    if json_dir:
-        Path(json_dir).mkdir(parents=True, exist_ok=True)
-        (Path(json_dir) / "gpu_timing.json").write_text(json.dumps(payload, indent=1))
-    return 0
+    bandwidth = copy_bandwidth(BIG, DEVICE)
+    report.set("copy_GBps", bandwidth)
+    print(f"gpu_timing: {where}, copy bandwidth {bandwidth:.0f} GB/s")
+    for key, (name, function) in SECTIONS.items():
+        report.run(name, lambda: _section(report, key, function))
+    return report.exit_status()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", metavar="DIR", help="also write gpu_timing.json there")
+    parser.add_argument("--json", metavar="DIR", help="also write gpu_timing.json there (after every section)")
     parser.add_argument("--cpu-smoke", action="store_true", help="the same code on the CPU, tiny sizes")
     args = parser.parse_args(argv)
+    report = Report(args.json, "gpu_timing")
     if args.cpu_smoke:
         global BIG, REPEAT, BUCKET, DEVICE, MODEL
         os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first imported
         BIG, REPEAT, BUCKET, DEVICE, MODEL = 1 << 16, 1, 1 << 10, "cpu", dict(layers=1, width=37, vocab=101)
-        return time_all(args.json)
+        return time_all(report)
     if not torch.cuda.is_available():
-        print("gpu_timing: no CUDA device here")
-        return 2
-    return time_all(args.json)
+        print("gpu_timing: no CUDA device here: every timing is skipped")
+        report.skip_all([name for name, _ in SECTIONS.values()])
+        return report.exit_status()
+    return time_all(report)
 
 
 if __name__ == "__main__":

@@ -57,13 +57,15 @@ def synthetic_batch(step: int, rank: int, batch: int, context: int, vocab: int) 
     return (start * 3**steps + (3**steps - 1) // 2) % vocab
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "ds_config.json"))
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
-    args = parser.parse_args()
+def init_distributed() -> torch.device:
+    """This rank's device, made current, and under ``torchrun`` the process group, bound to it.
+
+    One GPU per rank: torchrun's ``LOCAL_RANK`` picks it, and it becomes the current device before
+    anything touches CUDA (``ShardedFusedAdam`` refuses parameters on a device that is not the current
+    one); NCCL is bound to it (``device_id``). On CPUs: gloo.
+    """
     device = torch.device("cpu")
-    if torch.cuda.is_available():  # one GPU per rank: torchrun's LOCAL_RANK picks it, before NCCL starts
+    if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
@@ -71,6 +73,15 @@ def main() -> None:
             dist.init_process_group("nccl", device_id=device)
         else:
             dist.init_process_group("gloo")
+    return device
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=os.path.join(os.path.dirname(__file__), "ds_config.json"))
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    args = parser.parse_args()
+    device = init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(0)
     model = TinyGPT().to(device)

@@ -18,13 +18,12 @@ block received on each rank in the last step.
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from train import synthetic_batch  # the same rule as the dense example (examples/ is on the path)
+from train import init_distributed, synthetic_batch  # as the dense example (examples/ is on the path)
 
 import zero_kernels as zk
 
@@ -80,10 +79,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
     args = parser.parse_args()
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = init_distributed()  # this rank's GPU made current before anything touches CUDA
     rank = dist.get_rank() if dist.is_initialized() else 0
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     vocab, context = 256, 32
     model = TinyMoELM(vocab=vocab, context=context).to(device)

@@ -1,4 +1,7 @@
-"""No host synchronisation in backward: stage 2 and 3 build each flatten table once, on the first step.
+"""Flatten tables: built once per layout (no host synchronisation in backward), never reused for an address
+whose alignment differs.
+
+Stage 2 and 3 build each flatten table once, on the first step.
 
 Stage 2 copies each gradient into its bucket with one flatten launch as it arrives. The launch's table
 (offsets, sizes, chunks) must not depend on where the gradient lives: on CUDA the caching allocator
@@ -9,12 +12,15 @@ next step's land at new addresses, and the tables built and host copies made are
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import triton.language as tl
 from torch import nn
 
 import zero_kernels as zk
-from zero_kernels.kernels import triton_flatten
+from zero_kernels.kernels import flatten, triton_flatten
 
 STEPS = 3
 
@@ -46,3 +52,52 @@ def test_tables_built_on_the_first_step_only(stage: int) -> None:
     assert 0 < built[0] <= pieces, f"first step: {built[0]} tables built, at most one per parameter piece ({pieces})"
     assert built[1:] == [0] * (STEPS - 1), f"tables built per step: {built}"
     assert copies == built, f"host copies per step: {copies} (one per table built)"
+
+
+def _hints_fault_when_false(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the interpreter fault as a GPU does on a false ``tl.multiple_of`` hint.
+
+    On a GPU the hint lets the compiler issue 16-byte vector loads and stores, which fault
+    (misaligned address) when the pointer is not a multiple of 16 after all; the interpreter only
+    records the hint. Here a hint that does not hold for the values it is given raises.
+    """
+    from triton.runtime import interpreter
+
+    patch_core = interpreter._patch_lang_core
+
+    def patched(lang: Any, scope: Any) -> None:
+        patch_core(lang, scope)
+        record = lang.multiple_of
+
+        def multiple_of(value: Any, divisor: Any) -> Any:
+            if isinstance(value, tl.tensor):
+                wrong = [int(v) for v in value.handle.data.reshape(-1) if int(v) % int(divisor)]
+                if wrong:
+                    raise RuntimeError(f"misaligned address: {wrong[0]:#x} is not a multiple of {divisor}")
+            return record(value, divisor)
+
+        scope.set_attr(lang, "multiple_of", multiple_of)
+
+    monkeypatch.setattr(interpreter, "_patch_lang_core", patched)
+
+
+def test_table_follows_the_flat_buffers_residue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flat buffer at 4 (mod 16) with an offset of 12 bytes is aligned; at 8 (mod 16) it is not: the table
+    built for the first must not serve the second (its vector path would fault on a GPU)."""
+    _hints_fault_when_false(monkeypatch)
+    base = torch.zeros(128)
+    assert base.data_ptr() % 64 == 0, "the CPU allocator is expected to hand out 64-byte aligned blocks"
+    tensor = torch.randn(32)  # aligned, 32 elements: the vector path wherever its flat side is aligned too
+    triton_flatten.cache_clear()
+    at_4, at_8 = base[1:49], base[2:50]  # flat buffers at 4 and 8 (mod 16); the tensor goes to offset 3
+    assert triton_flatten.bucket_layouts([tensor], [3], at_4)["aligned"] == 1
+    flatten([tensor], at_4, [3], impl="triton")
+    assert torch.equal(at_4[3:35], tensor)
+    assert triton_flatten.bucket_layouts([tensor], [3], at_8) == {
+        "aligned": 0, "contiguous": 1, "strided": 0, "fallback": 0
+    }  # fmt: skip
+    flatten([tensor], at_8, [3], impl="triton")
+    assert torch.equal(at_8[3:35], tensor)
+    back = torch.zeros(32)
+    triton_flatten.unflatten_triton(at_8, [back], [3])
+    assert torch.equal(back, tensor)

@@ -30,7 +30,7 @@ from torch import nn
 
 import zero_kernels as zk
 from zero_kernels.comm import CommError, TorchCommEngine
-from zero_kernels.comm_objects import control_engine
+from zero_kernels.control import ControlLink
 from zero_kernels.model_hints import external_parameters
 from zero_kernels.stages import stage3_guard
 from zero_kernels.stages.stage3_check import check_same_units
@@ -304,9 +304,10 @@ def _moe_case(rank: int, world: int, when: str, **zero) -> None:
 def _control_group_cases(rank: int) -> None:
     """An engine on a non-gloo backend (NCCL) checks its gathers over a new gloo group of the same ranks."""
     engine = TorchCommEngine()
-    assert control_engine(engine) is engine
+    link = ControlLink(engine)
+    assert link.get() is engine
     engine.backend = "nccl"  # what routes the checks off the device; the collectives below run on gloo
-    control = control_engine(engine)
+    control = link.get()
     assert control is not engine and control.backend == "gloo" and control.group is not engine.group
     assert dist.get_process_group_ranks(control.group) == dist.get_process_group_ranks(engine.group)
     unit = SimpleNamespace(uid=3, numel=8, param_numel=6, name="left", kind="Linear")

@@ -66,7 +66,7 @@ def disagreement(key: str, values: Sequence[Any]) -> Optional[str]:
     return f"the ranks disagree on {key}: {shown}"
 
 
-def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str) -> None:
+def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str, device: Optional[torch.device] = None) -> None:
     """Raise ``RanksDisagree`` on every rank unless every rank passed an equal ``fingerprint``.
 
     A collective (``comm_objects.all_gather_objects``) whose shape does not depend on the fingerprint, so it
@@ -76,10 +76,12 @@ def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str) -> None:
         engine: the communication engine (``comm.make_engine``).
         fingerprint: key -> value; keys in the order they should be reported.
         what: who checks, for the message (e.g. "ShardedFusedAdam").
+        device: where the exchange runs: the device of the tensors it is about (on NCCL this rank's GPU,
+            the parameters' device; None: ``comm_objects.collective_device``).
     """
     if engine.world_size == 1:
         return
-    rows = all_gather_objects(engine, dict(fingerprint), name="check.options")
+    rows = all_gather_objects(engine, dict(fingerprint), name="check.options", device=device)
     keys = list(rows[0])
     for row in rows[1:]:
         keys += [k for k in row if k not in rows[0]]
@@ -158,11 +160,26 @@ def check_optimizer(
         }
         fingerprint.update(options_fingerprint(opt.options, settings))
         fingerprint.update(group_fingerprint(group, opt.param_groups[group], names or {}))
-    check_same(opt.pipeline.engine, fingerprint, "ShardedFusedAdam")
+    check_same(opt.pipeline.engine, fingerprint, "ShardedFusedAdam", device=opt.pipeline.device)
+
+
+CHECKSUM_CHUNK = 1 << 20  # elements summed in float64 at a time: at most an 8 MiB float64 copy
+
+
+def _checksum(p: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of ``p``'s values, a float64 0-d tensor on its device.
+
+    Chunk by chunk: ``p.double()`` (or ``sum(dtype=torch.float64)``, which casts its input first) would
+    hold a float64 copy of the whole parameter (8.4 GB for a 128k x 8192 embedding).
+    """
+    flat = p.detach().reshape(-1)
+    if flat.dtype == torch.float64 or flat.numel() <= CHECKSUM_CHUNK:
+        return flat.double().sum()
+    return torch.stack([chunk.double().sum() for chunk in flat.split(CHECKSUM_CHUNK)]).sum()
 
 
 def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
-    """The values of ``params`` must be the same on every rank (sizes and checksums, two small all-reduces).
+    """The values of ``params`` must be the same on every rank (sizes and float64 checksums, two small all-reduces).
 
     Args:
         engine: the communication engine.
@@ -182,7 +199,7 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
     stats = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
         stats[2 * i] = p.numel()
-        stats[2 * i + 1] = p.detach().double().sum()
+        stats[2 * i + 1] = _checksum(p)
     packed = torch.cat([stats, -stats])
     engine.all_reduce(packed, op="max", name="check.params").wait()
     differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()

@@ -17,8 +17,10 @@ thread; ``wait()`` blocks (without the GIL). On CUDA (NCCL) collectives run on t
 internal stream and overlap is event-based: the C++ engine issues each operation with a side stream
 current (the process group's stream follows the current stream) after making that side stream wait
 for the caller's current (compute) stream, so a collective never reads a buffer before the kernels
-queued to write it; casts into and out of communication buffers run on the side stream, and
-``wait()`` makes the current stream wait, never the host.
+queued to write it; casts into and out of communication buffers run on the side stream, an
+operation is finished (``wait()``, ``synchronize()``, the engine's destructor) with that side
+stream current whatever stream the caller has current, and ``wait()`` makes the caller's current
+stream wait for it (as well as the stream current at issue), never the host.
 
 Each operation is carried out by the fastest correct c10d primitive for its backend and size, as
 measured by ``python -m benchmarks comm`` (``PRIMITIVES``); ``primitive=`` overrides the choice.
@@ -137,7 +139,12 @@ class _Works:
 
 
 class CppHandle(Handle):
-    """A handle on an operation of the C++ engine, which holds the buffers until it has finished."""
+    """A handle on an operation of the C++ engine, which holds the buffers until it has finished.
+
+    On CUDA the C++ engine finishes the operation on its side stream and makes the stream that was
+    current when it was issued wait for it; ``wait()`` also makes the caller's current stream wait
+    for it, so a consumer on another stream (an autograd callback's, a user's) reads the result.
+    """
 
     def __init__(self, op, side_stream: Optional["torch.cuda.Stream"] = None):
         super().__init__(None, (), what=op.what)
@@ -146,13 +153,11 @@ class CppHandle(Handle):
 
     def wait(self) -> None:
         try:
-            if self._side is None:
-                self._op.wait()
-            else:
-                with torch.cuda.stream(self._side):
-                    self._op.wait()
+            self._op.wait()
         except RuntimeError as exc:
             raise CommError(str(exc)) from exc
+        if self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
 
     def is_completed(self) -> bool:
         return self._op.is_completed()
@@ -437,7 +442,7 @@ class CppCommEngine(_EngineBase):
         if side is None:
             return CppHandle(call(*args, compute_stream=0, side_stream=0))
         with torch.cuda.stream(side):
-            return CppHandle(call(*args, compute_stream=compute, side_stream=side_handle), side)
+            return CppHandle(call(*args, compute_stream=compute, side_stream=side_handle, side=side), side)
 
     @_issue_errors_named("reduce_scatter")
     def reduce_scatter(

@@ -1,8 +1,9 @@
-"""Exchanges of host data between ranks through a comm engine: Python objects, and a gloo group for checks.
+"""Exchanges of host data between ranks through a comm engine: Python objects.
 
 ``all_gather_objects`` is what ``dist.all_gather_object`` does, through an engine (so a process
-may exit right after it returns). ``control_engine`` gives the engine on which host-side checks
-run without waiting for a GPU's queued work.
+may exit right after it returns); ``collective_device`` says where such an exchange runs when the
+caller names no device. The engine on which host-side checks run without waiting for a GPU's
+queued work is the control group's (``control``).
 """
 
 from __future__ import annotations
@@ -12,18 +13,26 @@ import struct
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from .comm import CommEngine, TorchCommEngine
+from .comm import CommEngine
 
 
 def collective_device(engine: CommEngine) -> torch.device:
-    """Where small exchanges of ``engine`` run: the CPU, or on NCCL the device its process group is bound
-    to (``init_process_group(device_id=...)``), else the current CUDA device."""
+    """Where small exchanges of ``engine`` run when the caller names no device: the CPU, or on NCCL the
+    device its process group is bound to (``init_process_group(device_id=...)``). Never merely the
+    current CUDA device: on a rank that did not call ``torch.cuda.set_device`` that is GPU 0 on every rank.
+
+    Raises ``ValueError`` on NCCL without a bound device: the caller must name its tensors' device.
+    """
     if engine.backend != "nccl":
         return torch.device("cpu")
     bound = getattr(engine.group, "bound_device_id", None)
-    return bound if bound is not None else torch.device("cuda", torch.cuda.current_device())
+    if bound is None:
+        raise ValueError(
+            "an exchange over NCCL needs a device: pass the device of the tensors it is about (each rank its own "
+            "GPU), or bind the process group to one (init_process_group(..., device_id=...))"
+        )
+    return bound
 
 
 def all_gather_objects(
@@ -39,7 +48,7 @@ def all_gather_objects(
         obj: this rank's object.
         name: names the operation in errors.
         device: where the bytes travel: the device of the caller's tensors (on NCCL each rank's
-            own GPU); None: ``collective_device(engine)``.
+            own GPU); None: ``collective_device(engine)`` (the CPU, or NCCL's bound device).
     """
     if engine.world_size == 1:
         return [obj]
@@ -61,16 +70,3 @@ def all_gather_objects(
         (size,) = struct.unpack("<q", row[:8])
         out.append(pickle.loads(row[8 : 8 + size]))
     return out
-
-
-def control_engine(engine: CommEngine) -> CommEngine:
-    """The engine for host-side checks among ``engine``'s ranks: ``engine`` itself on gloo (or alone).
-
-    On any other backend, a torch engine on a new gloo group of the same ranks: an exchange of
-    CPU tensors that never synchronises with a device stream. Collective over ``engine``'s ranks
-    (it creates a process group): call it at the same point on each of them.
-    """
-    if engine.world_size == 1 or engine.backend == "gloo":
-        return engine
-    ranks = dist.get_process_group_ranks(engine.group)
-    return TorchCommEngine(dist.new_group(ranks, backend="gloo", use_local_synchronization=True))

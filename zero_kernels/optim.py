@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import agreement, guards, optim_copy, optim_state
+from . import agreement, devices, guards, optim_copy, optim_state
 from .comm import make_engine
 from .config import FP16Config, ZeroOptions
 from .optim_args import (
@@ -198,9 +198,12 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if restore is not None:
             restore.check(self._engine)
         groups = checked_groups(params, defaults, self._describe)  # every group, before anything changes
+        device = devices.parameters_device(groups)
+        devices.check_current_device(self._engine, device, exchange=restore is None)  # before any other exchange
         self._pipeline = pipeline_class(self.options.stage)(
             self._engine, self.options, impl=impl, module=module, comm_dtype=self.communication_data_type
         )
+        self._pipeline.device = device
         self._pipeline.step_counts.on_settle = self._account
         super().__init__(groups, defaults)
         if not self._restoring:

@@ -1,5 +1,7 @@
 // Python bindings of the comm engine: one def per entry point, the GIL released around every call
 // into c10d (issuing may wait on the backend's queue, wait() blocks on CPU) and around destruction.
+// On CUDA the side stream comes twice: as a cudaStream_t for the side-stream kernels (side_stream) and
+// as the torch stream (side) that is made current while an operation is finished.
 #include <torch/python.h>
 
 #include "comm/engine.h"
@@ -47,27 +49,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "reduce_scatter",
           [](zk::Engine& e, const at::Tensor& output, const at::Tensor& input, const std::string& name,
-             zk::Primitive primitive, intptr_t compute_stream, intptr_t side_stream) {
-            return e.reduce_scatter(output, input, name, primitive, {compute_stream, side_stream});
+             zk::Primitive primitive, intptr_t compute_stream, intptr_t side_stream, std::optional<c10::Stream> side) {
+            return e.reduce_scatter(output, input, name, primitive, {compute_stream, side_stream, side});
           },
           py::arg("output"), py::arg("input"), py::arg("name"), py::arg("primitive"), py::arg("compute_stream") = 0,
-          py::arg("side_stream") = 0, Release())
+          py::arg("side_stream") = 0, py::arg("side") = py::none(), Release())
       .def(
           "all_gather",
           [](zk::Engine& e, const at::Tensor& output, const at::Tensor& input, const std::string& name,
-             zk::Primitive primitive, intptr_t compute_stream, intptr_t side_stream) {
-            return e.all_gather(output, input, name, primitive, {compute_stream, side_stream});
+             zk::Primitive primitive, intptr_t compute_stream, intptr_t side_stream, std::optional<c10::Stream> side) {
+            return e.all_gather(output, input, name, primitive, {compute_stream, side_stream, side});
           },
           py::arg("output"), py::arg("input"), py::arg("name"), py::arg("primitive"), py::arg("compute_stream") = 0,
-          py::arg("side_stream") = 0, Release())
+          py::arg("side_stream") = 0, py::arg("side") = py::none(), Release())
       .def(
           "all_reduce",
           [](zk::Engine& e, const at::Tensor& tensor, const std::string& op, const std::string& name,
-             intptr_t compute_stream, intptr_t side_stream) {
-            return e.all_reduce(tensor, op, name, {compute_stream, side_stream});
+             intptr_t compute_stream, intptr_t side_stream, std::optional<c10::Stream> side) {
+            return e.all_reduce(tensor, op, name, {compute_stream, side_stream, side});
           },
           py::arg("tensor"), py::arg("op"), py::arg("name"), py::arg("compute_stream") = 0, py::arg("side_stream") = 0,
-          Release())
+          py::arg("side") = py::none(), Release())
       .def("synchronize", &zk::Engine::synchronize, Release())
       .def("in_flight", &zk::Engine::in_flight, Release())
       .def_property_readonly("rank", &zk::Engine::rank)

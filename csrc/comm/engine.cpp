@@ -1,5 +1,7 @@
 #include "comm/engine.h"
 
+#include <c10/core/StreamGuard.h>
+
 #include <atomic>
 #include <chrono>
 #include <stdexcept>
@@ -200,11 +202,13 @@ const char* primitive_name(Primitive primitive) {
 }
 
 PendingOp::PendingOp(std::string what, std::vector<c10::intrusive_ptr<c10d::Work>> works,
-                     std::vector<at::Tensor> keep_alive, std::function<void()> epilogue)
+                     std::vector<at::Tensor> keep_alive, std::function<void()> epilogue,
+                     std::optional<c10::Stream> finish_on)
     : what_(std::move(what)),
       works_(std::move(works)),
       keep_alive_(std::move(keep_alive)),
       epilogue_(std::move(epilogue)),
+      finish_on_(finish_on),
       on_host_(keep_alive_.empty() || !keep_alive_.front().is_cuda()) {
   ++g_live_ops;
 }
@@ -213,7 +217,10 @@ PendingOp::~PendingOp() { --g_live_ops; }
 
 int64_t PendingOp::live() { return g_live_ops.load(); }
 
+// Finished with the side stream current, whoever calls: on NCCL a work's wait() orders the current
+// stream after the collective, and the epilogue's cast is queued on the side stream.
 void PendingOp::finish_locked() {
+  const c10::OptionalStreamGuard on_side(finish_on_);
   try {
     for (const auto& work : works_) {
       work->wait();
@@ -358,7 +365,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
     auto work = pg->allreduce(tensors);
     at::Tensor mine = in.narrow(0, static_cast<int64_t>(rank_) * n, n);
     return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{in, output},
-                                             epilogue(output, mine, streams, what)));
+                                             epilogue(output, mine, streams, what), streams.side_stream));
   }
   const bool direct = output.scalar_type() == input.scalar_type();
   at::Tensor target = direct ? output : at::empty({n}, input.options());
@@ -371,7 +378,8 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
     work = reduce_scatter_flat(*pg, target, in);
   }
   return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{in, target, output},
-                                           epilogue(direct ? at::Tensor() : output, target, streams, what)));
+                                           epilogue(direct ? at::Tensor() : output, target, streams, what),
+                                           streams.side_stream));
 }
 
 std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at::Tensor& input,
@@ -398,7 +406,7 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
     work = all_gather_flat(*pg, out, source);
   }
   return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{input, source, out},
-                                           epilogue(at::Tensor(), out, streams, what)));
+                                           epilogue(at::Tensor(), out, streams, what), streams.side_stream));
 }
 
 std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const std::string& op,
@@ -411,7 +419,7 @@ std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const st
   std::vector<at::Tensor> tensors{tensor};
   auto work = pg->allreduce(tensors, opts);
   return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{tensor},
-                                           epilogue(at::Tensor(), tensor, streams, what)));
+                                           epilogue(at::Tensor(), tensor, streams, what), streams.side_stream));
 }
 
 uint32_t Engine::next_tag(const std::string& what, const at::Tensor& t) {

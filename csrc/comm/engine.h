@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
@@ -17,6 +18,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,28 +38,34 @@ enum class Primitive {
 
 const char* primitive_name(Primitive primitive);
 
-// Streams of a CUDA operation as integers (cudaStream_t); zero on CPU. The caller issues and
-// waits with `side` as the current stream, so the process group's stream follows the side stream;
-// every operation first makes the side stream wait for `compute` (Engine::begin), so the
-// collective and any cast follow the caller's kernels; `compute` waits for the side stream at
-// the end of wait().
+// Streams of a CUDA operation: `compute` and `side` as integers (cudaStream_t), zero on CPU, and
+// `side_stream`, the side stream as torch knows it. The caller issues with the side stream current,
+// so the process group's stream follows it; every operation first makes the side stream wait for
+// `compute` (Engine::begin), so the collective and any cast follow the caller's kernels. Whoever
+// finishes an operation (PendingOp::wait, Engine::synchronize, the destructor, reaping) does it
+// with `side_stream` current, whatever stream is current on that thread: the work's wait then
+// orders the side stream after the collective, and the epilogue's cast reads the buffer only once
+// the collective wrote it; `compute` waits for the side stream at the end.
 struct Streams {
   intptr_t compute = 0;
   intptr_t side = 0;
+  std::optional<c10::Stream> side_stream;  // none on CPU
 };
 
 // One in-flight operation: one c10d work (a collective) or several (point-to-point). Holds the works
 // and every tensor they touch until all have finished.
 class PendingOp {
  public:
+  // `finish_on`: the stream made current while the operation is finished (its side stream; none on CPU).
   PendingOp(std::string what, std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> keep_alive,
-            std::function<void()> epilogue);
+            std::function<void()> epilogue, std::optional<c10::Stream> finish_on = std::nullopt);
   ~PendingOp();
   PendingOp(const PendingOp&) = delete;
   PendingOp& operator=(const PendingOp&) = delete;
 
-  // Completes the operation and runs its epilogue; idempotent. A failure, now or earlier, is
-  // raised as std::runtime_error naming the operation, bucket and rank.
+  // Completes the operation and runs its epilogue, with the side stream current (finish_on);
+  // idempotent. A failure, now or earlier, is raised as std::runtime_error naming the operation,
+  // bucket and rank.
   void wait();
   // True once the collective itself has finished (the epilogue may still be due in wait()).
   bool is_completed();
@@ -78,6 +86,7 @@ class PendingOp {
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::vector<at::Tensor> keep_alive_;
   std::function<void()> epilogue_;
+  const std::optional<c10::Stream> finish_on_;
   const bool on_host_;  // a CPU collective: wait() blocks until the backend has finished with it
   bool done_ = false;
   std::exception_ptr error_;
@@ -88,7 +97,8 @@ class PendingOp {
 class Engine {
  public:
   explicit Engine(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
-  // Waits for every operation still in flight (their buffers must outlive the collectives).
+  // Waits for every operation still in flight (their buffers must outlive the collectives), each
+  // finished on its side stream as in PendingOp::wait, whatever stream is current.
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -103,7 +113,8 @@ class Engine {
   // `tensor` reduced in place with op "sum", "max" or "min".
   std::shared_ptr<PendingOp> all_reduce(const at::Tensor& tensor, const std::string& op, const std::string& name,
                                         Streams streams);
-  // Waits for every operation issued so far; raises the first failure among them.
+  // Waits for every operation issued so far (each on its side stream, as PendingOp::wait); raises
+  // the first failure among them.
   void synchronize();
   // Operations the engine still holds (finished ones are dropped first).
   int64_t in_flight();

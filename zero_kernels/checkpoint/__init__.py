@@ -271,8 +271,7 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
     except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:
         value, error = None, str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
     mine = (error, value if share else None)
-    device = pipeline.buffers[0].device if pipeline.buffers else None  # on NCCL: this rank's GPU
-    outcomes = all_gather_objects(pipeline.engine, mine, name="checkpoint.outcomes", device=device)
+    outcomes = all_gather_objects(pipeline.engine, mine, name="checkpoint.outcomes", device=pipeline.device)
     failed = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message is not None]
     if failed:
         rank, message = failed[0]

@@ -154,6 +154,7 @@ def _adam_call(axes: dict[str, Any]) -> None:
     axes = dict(axes)
     n, aligned = axes.pop("numel"), axes.pop("aligned")
     n = n if aligned else n - 1
+    window = (3, n - 5) if axes.pop("window") else None  # a piece off the 16-element grid, as stages.update makes
     grad = _tensor(n, _DTYPES[axes.pop("grad_dtype")], aligned)
     out_dtype = axes.pop("out_dtype")
     scale = {"tensor": torch.ones(1), "float": 0.5, None: None}[axes.pop("grad_scale")]
@@ -167,6 +168,7 @@ def _adam_call(axes: dict[str, Any]) -> None:
         found_inf=torch.zeros(1) if axes.pop("found_inf") else None,
         out=None if out_dtype is None else _tensor(n, _DTYPES[out_dtype], aligned),
         max_exp_avg_sq=_tensor(n, torch.float32, aligned) if axes.pop("amsgrad") else None,
+        window=window,
         **axes,
     )  # fmt: skip
 

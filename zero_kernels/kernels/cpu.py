@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _ext
-from .reference import Scale, adam_scalars, check_adam_args, check_flat_args
+from .reference import Scale, adam_scalars, check_adam_args, check_flat_args, in_window
 
 
 def _ops() -> ModuleType:
@@ -54,9 +54,13 @@ def adam_step_cpu(
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
+    window: Optional[tuple[int, int]] = None,
 ) -> None:
     """One fused Adam/AdamW step on a flat CPU shard, in place; arguments as ``reference.adam_step_ref``."""
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
+    param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq = in_window(
+        window, param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq
+    )
     if skip_if is not None and skip_if.item() != 0:  # a CPU tensor: reading it costs nothing
         return
     step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)

@@ -62,6 +62,24 @@ def check_adam_args(
         raise ValueError("adam_step: pass found_inf (check the gradient, then skip) or skip_if (skip), not both")
 
 
+def check_window(window: Optional[tuple[int, int]], n: int) -> tuple[int, int]:
+    """``(lo, hi)`` of an Adam step's ``window`` over ``n`` elements (None: all of them); raises ValueError."""
+    if window is None:
+        return 0, n
+    lo, hi = (int(w) for w in window)
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"adam_step: window {tuple(window)} is not within the {n} elements (0 <= lo <= hi <= n)")
+    return lo, hi
+
+
+def in_window(
+    window: Optional[tuple[int, int]], *tensors: Optional[torch.Tensor]
+) -> tuple[Optional[torch.Tensor], ...]:
+    """``tensors`` (None stays None) narrowed to the elements ``window`` selects (``check_window``)."""
+    lo, hi = check_window(window, tensors[0].numel())
+    return tuple(None if t is None else t.narrow(0, lo, hi - lo) for t in tensors)
+
+
 def adam_step_ref(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -81,6 +99,7 @@ def adam_step_ref(
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
+    window: Optional[tuple[int, int]] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place.
 
@@ -103,8 +122,16 @@ def adam_step_ref(
         skip_if: one-element fp32 flag decided elsewhere (e.g. over every rank), read only: when it
             is non-zero nothing is written; the gradient is not checked. Not with ``found_inf``.
             The fused backends read it on the device; this reference reads it on the host.
+        window: ``(lo, hi)``: update only elements ``lo`` to ``hi - 1`` (and check only their
+            gradients for ``found_inf``); the others are left exactly as they are. A caller whose
+            piece of a flat buffer starts or ends off a 16-element boundary passes the aligned span
+            around it and the piece as the window, so that the fused kernels run their vector
+            variant. None: every element.
     """
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
+    param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq = in_window(
+        window, param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq
+    )
     if skip_if is not None and skip_if.item() != 0:
         return
     if found_inf is not None:

@@ -20,7 +20,8 @@ one warning when their bucket's table is built.
 
 Tables and host synchronisation. A launch of ONE tensor (what stage 2 does for each gradient as it
 arrives) uses a table that holds no address: the tensor's address is a kernel argument. Its table
-depends only on the layout (shape, strides, dtype, offset, alignment), so it is built once per
+depends only on the layout (shape, strides, dtype, offset, and the residues modulo 16 of the
+tensor's and the flat buffer's addresses, which decide the aligned rows), so it is built once per
 layout and then found again whatever address the tensor has in later steps. Several tensors need
 their addresses in the table; those tables are keyed on the addresses too and the last
 ``POINTER_TABLES`` are kept. A table goes to a CUDA device through pinned memory, asynchronously,
@@ -356,10 +357,12 @@ def _build_table(
 
 def _table(op: str, tensors: Sequence[torch.Tensor], offsets: Sequence[int], flat: torch.Tensor) -> _Table:
     one = len(tensors) == 1
-    flat_aligned = flat.data_ptr() % 16 == 0
-    layout = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors)
+    # Residues, not "aligned or not": which rows are aligned depends on the flat buffer's residue plus
+    # each offset (a residue of 4 with an offset of 12 bytes is aligned, one of 8 is not).
+    layout = tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in tensors)
     pointers = None if one else tuple(t.data_ptr() for t in tensors)
-    key = (op, flat.device, flat.element_size(), flat_aligned, layout, tuple(int(o) for o in offsets), pointers)
+    residue = flat.data_ptr() % 16
+    key = (op, flat.device, flat.element_size(), residue, layout, tuple(int(o) for o in offsets), pointers)
     cache = _LAYOUT_TABLES if one else _POINTER_TABLES
     table = cache.get(key)
     if table is not None:

@@ -98,6 +98,9 @@ LAUNCH_AXES: dict[str, dict[str, tuple]] = {
         "maximize": (True, False),
         "numel": _row_sizes(ADAM),
         "aligned": (True, False),
+        # The pipeline launches every bucket piece with a window, on an aligned span (stages.update): the
+        # window variant is compiled aligned; without one first, so that the unaligned variant is too.
+        "window": (False, True),
     },
     "flatten": {
         "layout": ("aligned", "contiguous", "strided"),

@@ -48,7 +48,7 @@ from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 import torch
 
 from ..comm import Handle
-from ..comm_objects import control_engine
+from ..control import ControlLink
 from ..layout import Bucket, BufferLayout, align_elements
 from . import adopt, buckets, grad_state, outcome, stats, update
 from .buffers import FlatBuffer, GroupHyper, Inflight
@@ -98,10 +98,11 @@ class Pipeline:
         self.comm_dtype = comm_dtype
         self.impl = impl
         self.module = module
+        self.device: Optional[torch.device] = None  # the parameters' device, where exchanges run (set by the optimizer)
         self.buffers: list[FlatBuffer] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (buffer index, slot index)
         self.step_counts = outcome.StepCounts()  # optimizer param index -> Adam step count (``steps``)
-        self._control = control_engine(engine)  # host-side exchanges (``stats``) never wait for a device
+        self._control_link = ControlLink(engine)  # host-side exchanges (``stats``) never wait for a device
         self.has_grad: dict[int, bool] = {}  # optimizer param index -> got a gradient this step
         self.sync_enabled = True
         self._ref = weakref.ref(self)
@@ -124,6 +125,12 @@ class Pipeline:
     def settle(self) -> None:
         """Apply the last step's outcome to the step counts (``outcome.StepCounts.settle``)."""
         self.step_counts.settle()
+
+    @property
+    def _control(self) -> Any:
+        """The engine for host data (``control``): this engine on gloo, else the process group's control
+        engine (made at its first host exchange, on every rank at the same point)."""
+        return self._control_link.get()
 
     @property
     def rank(self) -> int:

@@ -8,12 +8,12 @@ Adam kernels take the multiplier and the skip flag as one-element device tensors
 step then queues its work and returns without waiting for it.
 
 ``StepResult`` carries the norm and the flag back to the host: on CUDA they are copied into
-pinned memory behind an event, queued before the step's Adam kernels; ``ready()`` polls it, and
-reading ``grad_norm`` or ``skipped`` waits for that copy only (the event: the gradient norm, not
-the update, nor the rest of the device's queue). The pipeline reads ``skipped`` when its
-step counts are next needed (``Pipeline.settle``), typically at the next step, by which time the
-device has long passed the point where the flag was computed, while the next step's forward and
-backward stay queued.
+pinned memory behind an event, both on the gradients' device (not the current one), queued before
+the step's Adam kernels; ``ready()`` polls it, and reading ``grad_norm`` or ``skipped`` waits for
+that copy only (the event: the gradient norm, not the update, nor the rest of the device's queue).
+The pipeline reads ``skipped`` when its step counts are next needed (``Pipeline.settle``), typically
+at the next step, by which time the device has long passed the point where the flag was computed,
+while the next step's forward and backward stay queued.
 """
 
 from __future__ import annotations
@@ -62,6 +62,24 @@ def decide(
     return Decision(norm, skip, scale)
 
 
+def _to_host(flat: torch.Tensor) -> tuple[torch.Tensor, Optional[Any]]:
+    """(host copy of ``flat``, the CUDA event that completes it, or None when it is complete already).
+
+    On CUDA everything happens on ``flat``'s device, whatever device is current: the pinned buffer, the
+    copy queued on that device's current stream, and the event recorded on that stream (recorded on the
+    current device instead, it would complete independently of the copy: the host would read the last
+    step's values, and a rank whose current device is not its own would open a context on it).
+    """
+    if flat.device.type != "cuda":
+        return flat.to("cpu"), None
+    with torch.cuda.device(flat.device):
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(flat.device))
+    return host, event
+
+
 class StepResult:
     """What a step found: ``grad_norm`` (None unless clipping) and ``skipped``, read when asked.
 
@@ -78,14 +96,7 @@ class StepResult:
         if not parts:
             self._values = (None, False)
             return
-        flat = torch.cat(parts)
-        if flat.device.type == "cuda":
-            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-            self._host.copy_(flat, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = flat.to("cpu")
+        self._host, self._event = _to_host(torch.cat(parts))
 
     def ready(self) -> bool:
         """Whether reading the values would not wait for the device."""

@@ -11,7 +11,7 @@ rank exchanges what it was about to gather and raises ``CommError`` naming the m
 
 Cost: one small all-reduce per batch, waited on before the batch's gathers are issued. The check
 runs on the host: on a backend other than gloo (NCCL) it goes over a gloo group of the same ranks
-(``comm_objects.control_engine``), so that waiting for it never waits for the GPU's queued work. A
+(``control``), so that waiting for it never waits for the GPU's queued work. A
 61-bit hash of the batch is compared, with the first unit and the count exactly, so a batch
 differing beyond its first unit escapes only on a hash collision (probability 2^-61).
 
@@ -62,7 +62,7 @@ def check_same_units(engine, units: Sequence[Named], phase: str, suggest: Callab
     """Raise ``CommError`` on every rank unless every rank is about to gather ``units`` too.
 
     Args:
-        engine: the comm engine for host-side checks (``comm_objects.control_engine``); a collective: every rank
+        engine: the comm engine for host-side checks (``control``); a collective: every rank
             must call this at the same point.
         units: the units this rank is about to gather, in issue order (not empty).
         phase: where the gathers happen, for the message ("forward", "backward", ...).

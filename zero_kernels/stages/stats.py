@@ -25,7 +25,7 @@ where the packed vector is built and read.
 Where the gradients live. On the CPU (gloo) the gradient column is host memory and rides in the
 packed vector. On a GPU the host must not read it (that would wait for the device): the packed
 vector, host data only, goes over the control engine (a gloo group of the same ranks, see
-``comm_objects.control_engine``), and the gradient column is all-reduced on the device by the
+``control``), and the gradient column is all-reduced on the device by the
 gradients' engine and stays there (``outcome.decide`` turns it into the step's decision).
 """
 
@@ -105,7 +105,7 @@ def exchange(
 
     Args:
         engine: the communication engine of the gradients.
-        control: the engine for host data (``comm_objects.control_engine``): ``engine`` itself on gloo.
+        control: the engine for host data (``control``): ``engine`` itself on gloo.
         has_grad: parameter index -> got a gradient on this rank.
         grad_views: this rank's gradient pieces: their squares summed over ranks give the squared
             global norm (None: neither the norm nor finiteness is needed).

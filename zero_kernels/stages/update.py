@@ -1,9 +1,14 @@
 """The step's update of one bucket: this rank's shard through the fused Adam kernel.
 
-A launch covers a run of parameters with the same step count (the count after this update); runs
+A launch updates a run of parameters with the same step count (the count after this update); runs
 are split where counts differ (a parameter that had no gradient on any rank is skipped) and merged
 where they agree, and the padding after the last parameter joins the last run so that it stays
-aligned. The gradient multiplier and the skip flag come from the step's decision (``outcome``).
+aligned. A run split at a parameter boundary starts or ends anywhere, so each launch covers the
+16-element-aligned span around its run and updates the run only (``adam_step``'s ``window``): every
+launch has aligned tensors whose length is a multiple of 16, and runs the kernel's one compiled
+vector variant (an unaligned launch would compile a scalar variant mid-training, and run it).
+Neighbouring spans share at most one 16-element group; their launches run one after the other on
+the stream. The gradient multiplier and the skip flag come from the step's decision (``outcome``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from ..kernels import adam_step
-from ..layout import Bucket
+from ..layout import MIN_ALIGN_ELEMENTS, Bucket
 from .buffers import FlatBuffer, GroupHyper
 from .outcome import Decision
 
@@ -45,6 +50,16 @@ def runs(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, with_grad: set[i
         yield start, bucket.shard_numel - start, step
 
 
+def aligned_span(start: int, end: int, limit: int) -> tuple[int, int]:
+    """The 16-element-aligned span around elements ``[start, end)`` of a shard of ``limit`` elements.
+
+    A bucket's shard starts 64-byte aligned and holds a multiple of 16 elements (``layout``), so the
+    span's tensors are 16-byte aligned and its length a multiple of 16.
+    """
+    unit = MIN_ALIGN_ELEMENTS  # 16: what the Adam kernel's vector variant needs of a launch's start and length
+    return start // unit * unit, min(limit, -(-end // unit) * unit)
+
+
 def update_bucket(
     pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, h: GroupHyper, decision: Decision, with_grad: set[int]
 ) -> None:
@@ -70,11 +85,13 @@ def update_bucket(
     out = pipeline._param_shard(buf, bucket) if buf.master is not None else None
     v_max = buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None
     for start, numel, step in runs(pipeline, buf, bucket, with_grad):
-        master_p, grad_p, m_p, v_p = (t.narrow(0, start, numel) for t in (master, grad, m, v))
+        first, last = aligned_span(start, start + numel, bucket.shard_numel)
+        master_p, grad_p, m_p, v_p, out_p, v_max_p = (
+            None if t is None else t.narrow(0, first, last - first) for t in (master, grad, m, v, out, v_max)
+        )
         adam_step(
             master_p, grad_p, m_p, v_p,
             lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
-            adamw=h.adamw, grad_scale=scale, out=None if out is None else out.narrow(0, start, numel),
-            max_exp_avg_sq=None if v_max is None else v_max.narrow(0, start, numel), maximize=h.maximize,
-            skip_if=skip, impl=pipeline.impl,
+            adamw=h.adamw, grad_scale=scale, out=out_p, max_exp_avg_sq=v_max_p, maximize=h.maximize,
+            skip_if=skip, window=(start - first, start + numel - first), impl=pipeline.impl,
         )  # fmt: skip

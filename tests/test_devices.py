@@ -1,0 +1,162 @@
+"""Every CUDA event, stream and exchange names its device (the gradients' or the parameters'), never the current one.
+
+No GPU here: ``FakeCuda`` stands in for ``torch.cuda`` on a rank whose current device (0) is not
+the one its tensors live on (1), as after ``init_process_group(device_id=...)`` without
+``torch.cuda.set_device``; it logs on which device each allocation, copy and event happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Any, Iterator, Optional
+
+import pytest
+import torch
+
+from zero_kernels import devices
+from zero_kernels.stages import outcome
+
+
+class FakeStream:
+    def __init__(self, device: int):
+        self.device = torch.device("cuda", device)
+
+
+class FakeCuda:
+    """The parts of ``torch.cuda`` a step's outcome uses, with device 0 current."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.log: list[tuple[str, int]] = []
+        fake = self
+
+        class Event:
+            def record(self, stream: Optional[FakeStream] = None) -> None:
+                stream = stream if stream is not None else fake.current_stream()
+                fake.log.append(("event", stream.device.index))
+
+            def query(self) -> bool:
+                return True
+
+            def synchronize(self) -> None:
+                pass
+
+        self.Event = Event
+
+    def current_device(self) -> int:
+        return self.current
+
+    @contextlib.contextmanager
+    def device(self, device: Any) -> Iterator[None]:
+        previous, self.current = self.current, torch.device(device).index
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def current_stream(self, device: Any = None) -> FakeStream:
+        return FakeStream(self.current if device is None else torch.device(device).index)
+
+
+class OnGpu1(torch.Tensor):
+    """A CPU tensor that says it lives on cuda:1 (results of torch operations on it say so too)."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 1)
+
+
+class PinnedHost:
+    """What ``torch.empty(..., pin_memory=True)`` returns: logs where it was made and filled."""
+
+    def __init__(self, cuda: FakeCuda, shape: torch.Size, dtype: torch.dtype):
+        self.cuda, self.values = cuda, torch.empty(shape, dtype=dtype)
+        cuda.log.append(("pinned", cuda.current))
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "PinnedHost":
+        self.cuda.log.append(("copy", self.cuda.current))
+        self.values.copy_(src.as_subclass(torch.Tensor))
+        return self
+
+    def tolist(self) -> list:
+        return self.values.tolist()
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    cuda = FakeCuda()
+    for name in ("Event", "current_device", "device", "current_stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(cuda, name))
+    empty = torch.empty
+
+    def fake_empty(*shape: Any, pin_memory: bool = False, **kwargs: Any) -> Any:
+        return PinnedHost(cuda, torch.Size(*shape), kwargs["dtype"]) if pin_memory else empty(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    return cuda
+
+
+def test_step_result_copies_and_records_on_the_gradients_device(fake_cuda: FakeCuda) -> None:
+    """The norm and skip flag of a step on cuda:1, with cuda:0 current: the pinned buffer, the copy and the
+    event that completes it are all on cuda:1 (an event on cuda:0 completes without the copy: the host
+    would read the previous step's values)."""
+    norm = torch.tensor(2.5, dtype=torch.float64).as_subclass(OnGpu1)
+    skip = torch.ones(1).as_subclass(OnGpu1)
+    assert norm.device.type == "cuda" and torch.cat([norm.reshape(1)]).device.index == 1
+    result = outcome.StepResult(norm, skip)
+    assert fake_cuda.log == [("pinned", 1), ("copy", 1), ("event", 1)], fake_cuda.log
+    assert fake_cuda.current == 0, "the current device was not given back"
+    assert (result.grad_norm, result.skipped) == (2.5, True)
+
+
+def test_a_current_device_other_than_the_parameters_is_refused_with_the_fix(fake_cuda: FakeCuda) -> None:
+    """Parameters on cuda:1 with cuda:0 current: construction stops before anything is made, saying what to call."""
+    import zero_kernels as zk
+
+    model = torch.nn.Linear(4, 3)
+    for name, p in list(model.named_parameters()):
+        setattr(model, name, torch.nn.Parameter(p.detach().clone().as_subclass(OnGpu1)))
+    assert model.weight.device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"on cuda:1 but cuda:0 is the current device.*torch\.cuda\.set_device"):
+        zk.ShardedFusedAdam(model, stage=1)
+    fake_cuda.current = 1  # what torch.cuda.set_device(LOCAL_RANK) does: now the check passes
+    assert devices.current_device_problem(model.weight.device) is None
+
+
+def test_a_rank_on_the_wrong_device_stops_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is exchanged: a rank whose own device is right raises too when another rank's is wrong."""
+    seen = []
+
+    def exchange(engine: Any, obj: Any, name: str, device: Any) -> list:
+        seen.append(device)
+        return [obj, "the parameters are on cuda:1 but cuda:0 is the current device"]
+
+    monkeypatch.setattr(devices, "all_gather_objects", exchange)
+    engine = SimpleNamespace(world_size=2, rank=0, backend="gloo")
+    with pytest.raises(ValueError, match=r"^ShardedFusedAdam: on rank 1: the parameters are on cuda:1.*set_device"):
+        devices.check_current_device(engine, torch.device("cpu"))
+    assert seen == [torch.device("cpu")], "the exchange must run on the parameters' device"
+    devices.check_current_device(engine, torch.device("cpu"), exchange=False)  # a copy: this rank only
+
+
+def test_construction_exchanges_run_on_the_parameters_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NCCL without a bound device, the fingerprint exchange names the parameters' device; an exchange that
+    names none is refused rather than run on whatever device is current (GPU 0 on every rank)."""
+    from zero_kernels import agreement, comm_objects
+
+    seen = []
+
+    def exchange(engine: Any, obj: Any, name: str, device: Any = None) -> list:
+        seen.append(device)
+        return [obj, obj]
+
+    monkeypatch.setattr(agreement, "all_gather_objects", exchange)
+    nccl = SimpleNamespace(
+        world_size=2, rank=0, backend="nccl", group=SimpleNamespace(bound_device_id=None), kind="cpp"
+    )
+    opt = SimpleNamespace(pipeline=SimpleNamespace(engine=nccl, device=torch.device("cuda", 1)))
+    agreement.check_optimizer(opt, "constructed with 1 param groups")
+    assert seen == [torch.device("cuda", 1)]
+    with pytest.raises(ValueError, match="needs a device"):
+        comm_objects.collective_device(nccl)
