@@ -133,6 +133,7 @@ def adam_step(
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
+    adopt_out: bool = False,
     impl: Optional[str] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place; see ``reference.adam_step_ref`` for the arguments."""
@@ -154,6 +155,7 @@ def adam_step(
         max_exp_avg_sq=max_exp_avg_sq,
         maximize=maximize,
         skip_if=skip_if,
+        adopt_out=adopt_out,
     )
 
 

@@ -11,8 +11,9 @@ are vectorised when the shard size is a multiple of 16 (Triton specialises on it
 Variants are ``tl.constexpr`` flags of the one update kernel; a flag that is off compiles to
 nothing, so the default path runs the same instructions. Besides ``ADAMW``, ``SCALE_MODE``,
 ``HAS_FOUND_INF`` and ``HAS_OUT``: ``AMSGRAD`` (a fifth fp32 stream, the running maximum of
-``exp_avg_sq``, which the denominator then uses: 36 bytes per parameter) and ``MAXIMIZE`` (the
-scaled gradient is negated first).
+``exp_avg_sq``, which the denominator then uses: 36 bytes per parameter), ``MAXIMIZE`` (the
+scaled gradient is negated first) and ``ADOPT_OUT`` (``out`` is read first and its edits reach the
+fp32 params: one more low-precision read per element).
 
 Hyper-parameters are runtime scalars (an lr schedule never recompiles); the bias corrections and
 ``1 - beta`` factors are computed on the host in float64, as ``torch.optim.AdamW`` does. Math is
@@ -83,6 +84,7 @@ def _adam_kernel(
     HAS_OUT: tl.constexpr,
     AMSGRAD: tl.constexpr,  # normalise by the running maximum of the second moment
     MAXIMIZE: tl.constexpr,  # ascend: negate the scaled gradient
+    ADOPT_OUT: tl.constexpr,  # read out first: the fp32 params take its edits
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -96,6 +98,14 @@ def _adam_kernel(
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+    if ADOPT_OUT:  # where out is not p rounded to its dtype (bit for bit), p takes its value
+        o = tl.load(out_ptr + offs, mask=mask)
+        mine = cast_rne(p, out_ptr.dtype.element_ty)
+        if out_ptr.dtype.element_ty == tl.float32:
+            edited = o.to(tl.uint32, bitcast=True) != mine.to(tl.uint32, bitcast=True)
+        else:
+            edited = o.to(tl.uint16, bitcast=True) != mine.to(tl.uint16, bitcast=True)
+        p = tl.where(edited, o.to(tl.float32), p)
 
     if SCALE_MODE == 1:
         g = g * grad_scale
@@ -161,6 +171,7 @@ def adam_step_triton(
     max_exp_avg_sq: Optional[torch.Tensor] = None,
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
+    adopt_out: bool = False,
 ) -> None:
     """``reference.adam_step_ref`` as one fused Triton launch; same arguments, same results."""
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
@@ -205,6 +216,7 @@ def adam_step_triton(
             HAS_OUT=out is not None,
             AMSGRAD=max_exp_avg_sq is not None,
             MAXIMIZE=bool(maximize),
+            ADOPT_OUT=bool(adopt_out) and out is not None,
             BLOCK=config.block,
             num_warps=config.num_warps,
         )
