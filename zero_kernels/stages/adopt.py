@@ -6,8 +6,9 @@ Hugging Face Trainer calls ``model.to(device)`` (on CPUs ``"cpu:0"`` copies ever
 write ``p.data = ...``. The step then updated a buffer the model no longer reads: training
 silently stopped. ``follow_replaced`` runs before every step and re-adopts such parameters: the
 new values are copied into the buffer, ``p.data`` views it again, and the fp32 master shard takes
-the new values wherever they differ from what the master rounds to (so a copy with equal values
-keeps the master's extra precision). A new dtype, device or shape cannot be followed: it raises
+the new values wherever they differ from what the master rounds to (``master.adopt_edits``: a copy
+with equal values keeps the master's extra precision). Values written in place need none of this:
+the step finds them (``master``). A new dtype, device or shape cannot be followed: it raises
 ``ValueError`` naming the parameter. ``Parameter`` objects replaced in the model
 (``load_state_dict(..., assign=True)``, a module swapped) are caught by ``check_module_params``.
 
@@ -25,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from . import master
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline
@@ -56,16 +59,6 @@ def check_compatible(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size, name
     )
 
 
-def refresh_changed_master(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
-    """Give the fp32 master the parameter values wherever they differ from the master's rounding."""
-    if buf.master is None:
-        return
-    for bucket in buf.layout.buckets:
-        shard = pipeline._param_shard(buf, bucket)
-        master = buf.shard_slice(buf.master, bucket)
-        master.copy_(torch.where(shard == master.to(buf.dtype), master, shard.float()))
-
-
 def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
     """Re-adopt parameters whose ``.data`` no longer views the flat buffer; returns how many.
 
@@ -89,7 +82,7 @@ def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
             changed = True
             adopted += 1
         if changed:
-            refresh_changed_master(pipeline, buf)
+            master.adopt_edits(pipeline, buf)
     return adopted
 
 
@@ -114,7 +107,7 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
         if p.numel() != 0:
             piece = p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel)
             shard.narrow(0, seg.shard_offset, seg.numel).copy_(piece)
-    refresh_changed_master(pipeline, buf)
+    master.adopt_edits(pipeline, buf)
     return True
 
 

@@ -4,6 +4,8 @@ A launch covers a run of parameters with the same step count (the count after th
 are split where counts differ (a parameter that had no gradient on any rank is skipped) and merged
 where they agree, and the padding after the last parameter joins the last run so that it stays
 aligned. The gradient multiplier and the skip flag come from the step's decision (``outcome``).
+Low-precision parameters: the kernel writes them (``out=``) from the fp32 master, and first adopts
+what was written into them since the last step (``adopt_out``, see ``master``).
 """
 
 from __future__ import annotations
@@ -76,5 +78,5 @@ def update_bucket(
             lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
             adamw=h.adamw, grad_scale=scale, out=None if out is None else out.narrow(0, start, numel),
             max_exp_avg_sq=None if v_max is None else v_max.narrow(0, start, numel), maximize=h.maximize,
-            skip_if=skip, impl=pipeline.impl,
+            skip_if=skip, adopt_out=True, impl=pipeline.impl,
         )  # fmt: skip
