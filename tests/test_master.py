@@ -79,13 +79,14 @@ WRITES = {  # as write_in_place, as functions of the current value
 
 
 def write_replacing(m: Net, opt: zo.ShardedFusedAdam, step: int, state: dict[str, torch.Tensor]) -> None:
-    """The same writes as ``write_in_place``, as ``p.data = new`` (values read inside ``gathered_params()``)."""
+    """The same writes as ``write_in_place``, as ``p.data = new`` inside ``gathered_params()`` (at stage 3 the
+    block's end takes them)."""
     with opt.gathered_params():
         new = {n: fn(m.get_parameter(n).detach().clone()) for n, fn in WRITES.get(step, {}).items()}
-    if step == 1:
-        new = {n: v.clone() for n, v in state.items()}
-    for name, value in new.items():
-        m.get_parameter(name).data = value
+        if step == 1:
+            new = {n: v.clone() for n, v in state.items()}
+        for name, value in new.items():
+            m.get_parameter(name).data = value
 
 
 def edits_case(rank: int, world: int, stage: int, dtype: torch.dtype) -> None:

@@ -326,7 +326,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
 
     version = _collect(pipeline, start, share=True)[0]
     folder = root / (TMP_PREFIX + version)
-    master.sync(pipeline)  # the fp32 masters take what was written into the parameters since the last step
+    adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
     pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors)
     results = _collect(pipeline, lambda: _write_rank_file(folder, pipeline.rank, pieces), share=True)
 

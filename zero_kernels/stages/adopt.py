@@ -12,7 +12,8 @@ the step finds them (``master``). A new dtype, device or shape cannot be followe
 ``ValueError`` naming the parameter. ``Parameter`` objects replaced in the model
 (``load_state_dict(..., assign=True)``, a module swapped) are caught by ``check_module_params``.
 
-Stage 3 units that are freed re-adopt in ``adopt_assigned_shard`` just before their next gather.
+Stage 3 units that are freed re-adopt in ``adopt_assigned_shard`` just before their next gather;
+units gathered by ``gathered_params()`` re-adopt (``readopt``) when the block ends.
 
 A parameter frozen (``requires_grad=False``) when the optimizer was built has no place in its
 buffers: unfrozen later, it would get gradients that no step uses (``torch.optim.AdamW`` would train
@@ -59,6 +60,28 @@ def check_compatible(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size, name
     )
 
 
+def readopt(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> int:
+    """Parameters of ``buf`` whose ``.data`` no longer views ``flat`` (its full buffer): their values are copied
+    into ``flat`` and ``.data`` views it again; returns how many.
+
+    Args:
+        buf: the buffer.
+        flat: the full buffer its parameters view (``param_flat``, or a stage-3 unit's gathered buffer).
+        name_of: names a parameter in error messages.
+    """
+    adopted = 0
+    for slot in buf.layout.slots:
+        p = buf.params[slot.param]
+        if slot.numel == 0 or _views(p, flat, slot.offset, slot.shape):
+            continue
+        check_compatible(buf, p, slot.shape, name_of)
+        view = flat.narrow(0, slot.offset, slot.numel)
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view(slot.shape)
+        adopted += 1
+    return adopted
+
+
 def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
     """Re-adopt parameters whose ``.data`` no longer views the flat buffer; returns how many.
 
@@ -68,22 +91,18 @@ def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
     """
     adopted = 0
     for buf in pipeline.buffers:
-        if buf.param_flat is None:
-            continue
-        changed = False
-        for slot in buf.layout.slots:
-            p = buf.params[slot.param]
-            if slot.numel == 0 or _views(p, buf.param_flat, slot.offset, slot.shape):
-                continue
-            check_compatible(buf, p, slot.shape, name_of)
-            view = buf.param_flat.narrow(0, slot.offset, slot.numel)
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view(slot.shape)
-            changed = True
-            adopted += 1
-        if changed:
+        count = readopt(buf, buf.param_flat, name_of) if buf.param_flat is not None else 0
+        if count:
             master.adopt_edits(pipeline, buf)
+        adopted += count
     return adopted
+
+
+def current(pipeline: "Pipeline") -> None:
+    """Before the optimizer's state is read between steps (state dicts, checkpoints): replaced parameters are
+    followed and the fp32 masters take what was written into the parameters (``master.sync``)."""
+    follow_replaced(pipeline, pipeline.name_of)
+    master.sync(pipeline)
 
 
 def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.Tensor, name_of: NameOf) -> bool:

@@ -272,6 +272,7 @@ class Stage3Pipeline(Stage2Pipeline):
     def _write_back(self) -> None:
         for buf in self.buffers:
             if not buf.persistent:
+                adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
                 for bucket in buf.layout.buckets:
                     self._param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
             master.adopt_edits(self, buf)

@@ -10,10 +10,10 @@
   bf16/fp16 parameter). Gathering is a collective (every rank must call it); scattering only reads
   this rank's parts.
 
-Reading the masters first gives them what was written into the parameters since the last step;
-loading one keeps it where it rounds to the parameter's value, and the next step takes the
-parameter's value elsewhere (``master``): so a master from an older state than the model's
-weights never undoes the weights.
+Reading the masters first gives them what was written into the parameters since the last step
+(``adopt.current``); loading one keeps it where it rounds to the parameter's value, and the next
+step takes the parameter's value elsewhere (``master``): so a master from an older state than the
+model's weights never undoes the weights.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from .adopt import current
 from .base import FlatBuffer, Pipeline
-from .master import record, sync
+from .master import record
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _AMSGRAD = "max_exp_avg_sq"
@@ -40,7 +41,7 @@ def layout_signature(pipeline: Pipeline) -> list[Any]:
 
 def shard_state(pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
     """Copies of this rank's shards, one dict per buffer."""
-    sync(pipeline)
+    current(pipeline)
     names = (*_MOMENTS, _AMSGRAD, "master")
     return [{n: getattr(buf, n).clone() for n in names if getattr(buf, n) is not None} for buf in pipeline.buffers]
 
@@ -86,7 +87,7 @@ def gather_full_state(pipeline: Pipeline, keep: bool = True) -> dict[int, dict[s
         pipeline: the pipeline whose shards are gathered (a collective: every rank calls it).
         keep: False on ranks that only take part: they return ``{}`` and hold one buffer at a time.
     """
-    sync(pipeline)
+    current(pipeline)
     out: dict[int, dict[str, torch.Tensor]] = {}
     for buf in pipeline.buffers:
         names = _MOMENTS + ((_AMSGRAD,) if buf.max_exp_avg_sq is not None else ())
