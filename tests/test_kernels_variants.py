@@ -155,3 +155,36 @@ def test_cpp_entry_point_checks_max_exp_avg_sq() -> None:
         ops.adam_step(z, z, z.clone(), z.clone(), max_exp_avg_sq=torch.zeros(3), maximize=False, **scalars)
     with pytest.raises(ValueError, match="max_exp_avg_sq must be float32"):
         ops.adam_step(z, z, z.clone(), z.clone(), max_exp_avg_sq=torch.zeros(4).half(), maximize=True, **scalars)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("n", [7, 4097])
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_adopt_out_takes_the_edits_of_the_low_precision_copy(impl: str, n: int, out_dtype: torch.dtype) -> None:
+    """``adopt_out``: where ``out`` is no longer ``param`` rounded to its dtype, the update starts from ``out``'s
+    value; elsewhere from ``param`` with its full precision. Checked against the reference step run on the
+    expected start, and a skipped step adopts nothing either."""
+    s = _state(n, 3)
+    out = s["param"].to(out_dtype, copy=True)
+    edited = torch.zeros(n, dtype=torch.bool)
+    edited[::3] = True
+    out[edited] = (out[edited].float() * 0.5 + 0.25).to(out_dtype)
+    out[1] = s["param"][1].to(out_dtype)  # written again with the same value: not an edit
+    bits = torch.int16 if out.element_size() == 2 else torch.int32
+    changed = out.view(bits) != s["param"].to(out_dtype).view(bits)  # an edit that rounds the same is none
+    assert changed.sum() >= n // 4 and not changed[1]
+    start = torch.where(changed, out.float(), s["param"])
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    kwargs = dict(HYPER, lr=1e-3, step=2, adamw=True)
+    skipped = {k: v.clone() for k, v in s.items()}
+    skipped_out = out.clone()
+    adam_step(skipped["param"], grad, skipped["exp_avg"], skipped["exp_avg_sq"], out=skipped_out, adopt_out=True,
+              skip_if=torch.ones(1), impl=_backend(impl), **kwargs)  # fmt: skip
+    assert torch.equal(skipped["param"], s["param"]) and torch.equal(skipped_out, out), "a skipped step adopted"
+    ref = {**{k: v.clone() for k, v in s.items()}, "param": start.clone()}
+    ref_out = torch.empty_like(out)
+    _step(adam_step_ref, ref, grad, False, out=ref_out, **kwargs)
+    _step(adam_step, s, grad, False, out=out, adopt_out=True, impl=_backend(impl), **kwargs)
+    for name in STATE[:3]:
+        _close(s[name], ref[name], f"{impl} adopt_out {out_dtype} {name}")
+    assert torch.equal(out, s["param"].to(out_dtype)), "out is not the rounded param"

@@ -6,8 +6,9 @@ Two layouts, told apart by the ``zero_kernels.sharded`` key:
 - sharded (``state_dict()``): ``state`` maps each flat buffer's index to this rank's fp32 shards;
   it reloads only with the same stage, world size, bucket size and model.
 - full (``full_state_dict()``, ``consolidate_state_dict``, ``torch.optim.AdamW``'s): ``state`` maps
-  each parameter's index to AdamW's entry (``step``, ``exp_avg``, ``exp_avg_sq`` and, with AMSGrad,
-  ``max_exp_avg_sq``), shaped like the parameter; it loads at any stage and world size.
+  each parameter's index to AdamW's entry (``step``, ``exp_avg``, ``exp_avg_sq``, with AMSGrad
+  ``max_exp_avg_sq``, and for bf16/fp16 parameters their fp32 ``master``, an extra key AdamW keeps
+  and ignores), shaped like the parameter; it loads at any stage and world size.
 
 Both number parameters as torch does (a parameter listed twice keeps its first index) and keep the
 keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading
@@ -166,7 +167,7 @@ def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> None:
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
         if missing:
             raise ValueError(f"load_state_dict: state[{key!r}] lacks {', '.join(missing)} (AdamW layout expected)")
-        for name in ("exp_avg_sq", "max_exp_avg_sq"):
+        for name in ("exp_avg_sq", "max_exp_avg_sq", "master"):
             if name in entry and tuple(entry[name].shape) != tuple(entry["exp_avg"].shape):
                 raise ValueError(f"load_state_dict: state[{key!r}]['{name}'] is not shaped like its exp_avg")
         shapes[key] = tuple(entry["exp_avg"].shape)

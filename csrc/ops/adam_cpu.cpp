@@ -94,9 +94,17 @@ void write_out(const float* param, const at::Tensor& out, int64_t begin, int64_t
       at::kFloat, at::kBFloat16, at::kHalf);
 }
 
+// Gives the fp32 params [begin, begin + len) the values of out where out was edited (loops::adopt_edits).
+void adopt_out(float* param, const at::Tensor& out, int64_t begin, int64_t len) {
+  AT_DISPATCH_V2(
+      out.scalar_type(), "adam_step_adopt",
+      AT_WRAP([&] { loops::adopt_edits(param + begin, out.const_data_ptr<scalar_t>() + begin, len); }), at::kFloat,
+      at::kBFloat16, at::kHalf);
+}
+
 template <typename grad_t>
 void adam_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, int64_t n,
-               const loops::AdamCoefs& coefs, const std::optional<at::Tensor>& out) {
+               const loops::AdamCoefs& coefs, const std::optional<at::Tensor>& out, bool adopt) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     float staged[kBlock];
     for (int64_t i = begin; i < end; i += kBlock) {
@@ -108,6 +116,7 @@ void adam_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_
         loops::convert(grad + i, 1, staged, 1, len, false, 1.0f);
         g = staged;
       }
+      if (adopt && out) adopt_out(param, *out, i, len);  // the block stays in L1 for the update below
       if (max_exp_avg_sq != nullptr) {
         loops::adam_update_amsgrad(param + i, exp_avg + i, exp_avg_sq + i, max_exp_avg_sq + i, g, len, coefs);
       } else {
@@ -138,7 +147,7 @@ void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
                      if (*flag != 0.0f) return;
                    }
                    adam_pass(param.data_ptr<float>(), g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                             max_sq, n, coefs, out);
+                             max_sq, n, coefs, out, hyper.adopt_out);
                  }),
                  at::kFloat, at::kBFloat16, at::kHalf);
 }

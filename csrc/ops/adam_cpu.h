@@ -20,12 +20,15 @@ struct AdamHyper {
   bool adamw;                       // decoupled decay (AdamW) or L2 added to the gradient (Adam)
   std::optional<double> grad_scale; // gradient multiplier, applied first
   bool maximize = false;            // ascend: the scaled gradient is negated
+  bool adopt_out = false;           // out is also read first: its edits reach param (see below)
 };
 
 // Updates param, exp_avg, exp_avg_sq in place (fp32, contiguous, same numel) from grad (fp32, bf16
 // or fp16). found_inf (one fp32 element, optional): set to 1 when grad holds inf/nan; when it is
 // non-zero after that check nothing else is written. out (optional, fp32/bf16/fp16): receives the
-// updated params. max_exp_avg_sq (optional, fp32, same numel): AMSGrad, the running maximum of
+// updated params; with hyper.adopt_out it is read first, and wherever out[i] differs from param[i]
+// rounded to out's dtype, bit for bit (the low-precision copy was edited since it was written) param[i] takes
+// out[i]'s value before the update. max_exp_avg_sq (optional, fp32, same numel): AMSGrad, the running maximum of
 // exp_avg_sq, updated in place and used for the denominator. Throws c10::Error naming the
 // offending buffer on bad input.
 void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,

@@ -128,6 +128,25 @@ ZK_CPU_CLONES void convert(const Src* src_elems, int64_t src_stride, Dst* dst_el
   }
 }
 
+inline uint16_t bits_of(uint16_t x) { return x; }
+inline uint32_t bits_of(float x) { return c10::detail::fp32_to_bits(x); }
+
+template <typename T>
+ZK_CPU_CLONES void adopt_edits(float* __restrict param, const T* out_elems, int64_t n) {
+  using E = Elem<T>;
+  const auto* __restrict out = reinterpret_cast<const typename E::storage*>(out_elems);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float p = param[i];
+    const auto o = out[i];
+    param[i] = bits_of(o) != bits_of(E::store(p)) ? static_cast<float>(E::load(o)) : p;
+  }
+}
+
+template void adopt_edits<float>(float*, const float*, int64_t);
+template void adopt_edits<c10::Half>(float*, const c10::Half*, int64_t);
+template void adopt_edits<c10::BFloat16>(float*, const c10::BFloat16*, int64_t);
+
 template <typename T>
 ZK_CPU_CLONES bool any_nonfinite(const T* x, int64_t n) {
   using Bits = typename ExponentBits<T>::type;

@@ -40,6 +40,12 @@ void adam_update_amsgrad(float* param, float* exp_avg, float* exp_avg_sq, float*
 template <typename Src, typename Dst>
 void convert(const Src* src, int64_t src_stride, Dst* dst, int64_t dst_stride, int64_t n, bool scaled, float scale);
 
+// Where out[i] differs from param[i] rounded to T (the copy in T was edited since it was written),
+// param[i] = float(out[i]); elsewhere param[i] is kept. Compared bit for bit.
+// Supported types: float, c10::Half, c10::BFloat16.
+template <typename T>
+void adopt_edits(float* param, const T* out, int64_t n);
+
 // True when any of the n contiguous elements is inf or nan (tested on the exponent bits).
 template <typename T>
 bool any_nonfinite(const T* x, int64_t n);

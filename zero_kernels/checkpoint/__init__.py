@@ -39,7 +39,7 @@ from torch import nn
 
 from ..comm_objects import all_gather_objects
 from ..layout import BufferLayout
-from ..stages import Pipeline, adopt
+from ..stages import Pipeline, adopt, master
 from .consolidate import consolidate
 from .deepspeed import from_deepspeed
 from .format import (
@@ -325,6 +325,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
 
     version = _collect(pipeline, start, share=True)[0]
     folder = root / (TMP_PREFIX + version)
+    adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
     pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors)
     results = _collect(pipeline, lambda: _write_rank_file(folder, pipeline.rank, pieces), share=True)
 
@@ -457,6 +458,7 @@ def _apply(meta: dict, moves: list[Move], optimizer: Any, pipeline: Pipeline, na
             dst.zero_()
         else:
             dst.copy_(value.view(dst.shape))
+    master.record_all(pipeline)
     saved = {p["name"]: p for p in meta["params"]}
     for index in pipeline.steps:
         entry = saved[names[index]]

@@ -2,7 +2,11 @@
 
 The output is ``{"model": state_dict, "optimizer": torch.optim.AdamW state_dict}``, readable by
 ``torch.load(path, weights_only=True)`` and loadable with ``model.load_state_dict(out["model"])``
-and ``torch.optim.AdamW(model.parameters(), ...).load_state_dict(out["optimizer"])``.
+and ``torch.optim.AdamW(model.parameters(), ...).load_state_dict(out["optimizer"])``. A bf16/fp16
+parameter is written as its fp32 master (as DeepSpeed's ``zero_to_fp32.py`` does; loading it into
+a bf16 model rounds it to the trained bf16 values), and its optimizer entry also holds it as
+``master`` (the same storage, written once), so a ``ShardedFusedAdam`` resumes from the file bit
+for bit.
 
 Streaming. ``torch.save`` needs every tensor in memory. Here the pickle of the structure is
 written first, with each tensor a placeholder that names its storage record; then each record is
@@ -86,7 +90,9 @@ def _structure(src: TensorSource, records: _Records) -> dict[str, Any]:
             shared[key] = records.tensor(tuple(entry["shape"]), DTYPES[entry["dtype"]], lambda: src.full(key))
         return shared[key]
 
-    model = OrderedDict((name, lazy(key)) for name, key in meta["model"].items())
+    masters = {f"model/{p['name']}": f"optim/{i}/master" for i, p in enumerate(meta["params"])}
+    masters = {key: master for key, master in masters.items() if master in meta["tensors"]}
+    model = OrderedDict((name, lazy(masters.get(key, key))) for name, key in meta["model"].items())
     state = {}
     for index, param in enumerate(meta["params"]):
         if param["trainable"] and param["step"] > 0:
@@ -96,8 +102,9 @@ def _structure(src: TensorSource, records: _Records) -> dict[str, Any]:
                 "exp_avg": lazy(f"optim/{index}/exp_avg"),
                 "exp_avg_sq": lazy(f"optim/{index}/exp_avg_sq"),
             }
-            if f"optim/{index}/max_exp_avg_sq" in meta["tensors"]:
-                state[index]["max_exp_avg_sq"] = lazy(f"optim/{index}/max_exp_avg_sq")
+            for kind in ("max_exp_avg_sq", "master"):  # AMSGrad groups; bf16/fp16 parameters (the model's tensor)
+                if f"optim/{index}/{kind}" in meta["tensors"]:
+                    state[index][kind] = lazy(f"optim/{index}/{kind}")
     return {"model": model, "optimizer": {"state": state, "param_groups": _adamw_groups(meta)}}
 
 

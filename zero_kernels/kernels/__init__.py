@@ -134,6 +134,7 @@ def adam_step(
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
+    adopt_out: bool = False,
     impl: Optional[str] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place; see ``reference.adam_step_ref`` for the arguments."""
@@ -156,6 +157,7 @@ def adam_step(
         maximize=maximize,
         skip_if=skip_if,
         window=window,
+        adopt_out=adopt_out,
     )
 
 

@@ -55,6 +55,7 @@ def adam_step_cpu(
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
+    adopt_out: bool = False,
 ) -> None:
     """One fused Adam/AdamW step on a flat CPU shard, in place; arguments as ``reference.adam_step_ref``."""
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
@@ -82,6 +83,7 @@ def adam_step_cpu(
         out=out,
         max_exp_avg_sq=max_exp_avg_sq,
         maximize=bool(maximize),
+        adopt_out=bool(adopt_out),
     )
 
 

@@ -100,6 +100,7 @@ def adam_step_ref(
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
+    adopt_out: bool = False,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place.
 
@@ -114,6 +115,10 @@ def adam_step_ref(
         found_inf: one-element fp32 flag, in/out. Set to 1 if any gradient element is not finite;
             when the flag is non-zero (set now or before the call) nothing else is written.
         out: optional low-precision buffer that receives the updated params (cast).
+        adopt_out: read ``out`` first: wherever ``out`` differs from ``param`` rounded to ``out``'s
+            dtype (the low-precision copy was edited since the last update wrote it), ``param`` takes
+            ``out``'s value before the update (compared bit for bit). Each element costs one more
+            low-precision read. No effect without ``out``.
         max_exp_avg_sq: AMSGrad (``amsgrad=True`` in ``torch.optim.AdamW``): fp32, same number of
             elements, the running maximum of ``exp_avg_sq`` (updated in place); the denominator
             uses it instead of ``exp_avg_sq``. None: plain Adam.
@@ -140,6 +145,10 @@ def adam_step_ref(
         if found_inf.item() != 0:
             return
     step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
+    if adopt_out and out is not None:
+        bits = torch.int16 if out.element_size() == 2 else torch.int32
+        edited = out.view(bits) != param.to(out.dtype).view(bits)
+        param.copy_(torch.where(edited, out.float(), param))
     g = grad.float()
     if grad_scale is not None:
         g = g * grad_scale

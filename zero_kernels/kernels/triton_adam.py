@@ -17,7 +17,9 @@ nothing, so the default path runs the same instructions. Besides ``ADAMW``, ``SC
 ``exp_avg_sq``, which the denominator then uses: 36 bytes per parameter), ``MAXIMIZE`` (the
 scaled gradient is negated first) and ``WINDOW`` (``window=``: the blocks that hold elements
 outside the window reload those elements and store them back, the others run as without it; the
-pipeline passes a window with every launch, so it compiles this one variant, at its first step).
+pipeline passes a window with every launch, so it compiles this one variant, at its first step) and
+``ADOPT_OUT`` (``out`` is read first and its edits reach the fp32 params: one more low-precision read
+per element).
 
 Hyper-parameters are runtime scalars (an lr schedule never recompiles); the bias corrections and
 ``1 - beta`` factors are computed on the host in float64, as ``torch.optim.AdamW`` does. Math is
@@ -103,6 +105,7 @@ def _adam_kernel(
     AMSGRAD: tl.constexpr,  # normalise by the running maximum of the second moment
     MAXIMIZE: tl.constexpr,  # ascend: negate the scaled gradient
     WINDOW: tl.constexpr,  # update [lo, hi) only (a piece launched on the aligned span around it)
+    ADOPT_OUT: tl.constexpr,  # read out first: the fp32 params take its edits
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -116,6 +119,14 @@ def _adam_kernel(
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+    if ADOPT_OUT:  # where out is not p rounded to its dtype (bit for bit), p takes its value
+        o = tl.load(out_ptr + offs, mask=mask)
+        mine = cast_rne(p, out_ptr.dtype.element_ty)
+        if out_ptr.dtype.element_ty == tl.float32:
+            edited = o.to(tl.uint32, bitcast=True) != mine.to(tl.uint32, bitcast=True)
+        else:
+            edited = o.to(tl.uint16, bitcast=True) != mine.to(tl.uint16, bitcast=True)
+        p = tl.where(edited, o.to(tl.float32), p)
 
     if SCALE_MODE == 1:
         g = g * grad_scale
@@ -183,6 +194,7 @@ def adam_step_triton(
     maximize: bool = False,
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
+    adopt_out: bool = False,
 ) -> None:
     """``reference.adam_step_ref`` as one fused Triton launch; same arguments, same results.
 
@@ -235,6 +247,7 @@ def adam_step_triton(
             AMSGRAD=max_exp_avg_sq is not None,
             MAXIMIZE=bool(maximize),
             WINDOW=window is not None,
+            ADOPT_OUT=bool(adopt_out) and out is not None,
             BLOCK=config.block,
             num_warps=config.num_warps,
         )

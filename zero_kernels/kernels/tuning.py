@@ -96,6 +96,7 @@ LAUNCH_AXES: dict[str, dict[str, tuple]] = {
         "found_inf": (True, False),
         "amsgrad": (True, False),
         "maximize": (True, False),
+        "adopt_out": (True, False),
         "numel": _row_sizes(ADAM),
         "aligned": (True, False),
         # The pipeline launches every bucket piece with a window, on an aligned span (stages.update): the

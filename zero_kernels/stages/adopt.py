@@ -6,12 +6,14 @@ Hugging Face Trainer calls ``model.to(device)`` (on CPUs ``"cpu:0"`` copies ever
 write ``p.data = ...``. The step then updated a buffer the model no longer reads: training
 silently stopped. ``follow_replaced`` runs before every step and re-adopts such parameters: the
 new values are copied into the buffer, ``p.data`` views it again, and the fp32 master shard takes
-the new values wherever they differ from what the master rounds to (so a copy with equal values
-keeps the master's extra precision). A new dtype, device or shape cannot be followed: it raises
+the new values wherever they differ from what the master rounds to (``master.adopt_edits``: a copy
+with equal values keeps the master's extra precision). Values written in place need none of this:
+the step finds them (``master``). A new dtype, device or shape cannot be followed: it raises
 ``ValueError`` naming the parameter. ``Parameter`` objects replaced in the model
 (``load_state_dict(..., assign=True)``, a module swapped) are caught by ``check_module_params``.
 
-Stage 3 units that are freed re-adopt in ``adopt_assigned_shard`` just before their next gather.
+Stage 3 units that are freed re-adopt in ``adopt_assigned_shard`` just before their next gather;
+units gathered by ``gathered_params()`` re-adopt (``readopt``) when the block ends.
 
 A parameter frozen (``requires_grad=False``) when the optimizer was built has no place in its
 buffers: unfrozen later, it would get gradients that no step uses (``torch.optim.AdamW`` would train
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import torch
 from torch import nn
+
+from . import master
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline
@@ -56,14 +60,26 @@ def check_compatible(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size, name
     )
 
 
-def refresh_changed_master(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
-    """Give the fp32 master the parameter values wherever they differ from the master's rounding."""
-    if buf.master is None:
-        return
-    for bucket in buf.layout.buckets:
-        shard = pipeline._param_shard(buf, bucket)
-        master = buf.shard_slice(buf.master, bucket)
-        master.copy_(torch.where(shard == master.to(buf.dtype), master, shard.float()))
+def readopt(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> int:
+    """Parameters of ``buf`` whose ``.data`` no longer views ``flat`` (its full buffer): their values are copied
+    into ``flat`` and ``.data`` views it again; returns how many.
+
+    Args:
+        buf: the buffer.
+        flat: the full buffer its parameters view (``param_flat``, or a stage-3 unit's gathered buffer).
+        name_of: names a parameter in error messages.
+    """
+    adopted = 0
+    for slot in buf.layout.slots:
+        p = buf.params[slot.param]
+        if slot.numel == 0 or _views(p, flat, slot.offset, slot.shape):
+            continue
+        check_compatible(buf, p, slot.shape, name_of)
+        view = flat.narrow(0, slot.offset, slot.numel)
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view(slot.shape)
+        adopted += 1
+    return adopted
 
 
 def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
@@ -75,22 +91,18 @@ def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
     """
     adopted = 0
     for buf in pipeline.buffers:
-        if buf.param_flat is None:
-            continue
-        changed = False
-        for slot in buf.layout.slots:
-            p = buf.params[slot.param]
-            if slot.numel == 0 or _views(p, buf.param_flat, slot.offset, slot.shape):
-                continue
-            check_compatible(buf, p, slot.shape, name_of)
-            view = buf.param_flat.narrow(0, slot.offset, slot.numel)
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view(slot.shape)
-            changed = True
-            adopted += 1
-        if changed:
-            refresh_changed_master(pipeline, buf)
+        count = readopt(buf, buf.param_flat, name_of) if buf.param_flat is not None else 0
+        if count:
+            master.adopt_edits(pipeline, buf)
+        adopted += count
     return adopted
+
+
+def current(pipeline: "Pipeline") -> None:
+    """Before the optimizer's state is read between steps (state dicts, checkpoints): replaced parameters are
+    followed and the fp32 masters take what was written into the parameters (``master.sync``)."""
+    follow_replaced(pipeline, pipeline.name_of)
+    master.sync(pipeline)
 
 
 def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.Tensor, name_of: NameOf) -> bool:
@@ -114,7 +126,7 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
         if p.numel() != 0:
             piece = p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel)
             shard.narrow(0, seg.shard_offset, seg.numel).copy_(piece)
-    refresh_changed_master(pipeline, buf)
+    master.adopt_edits(pipeline, buf)
     return True
 
 

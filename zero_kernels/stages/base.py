@@ -26,10 +26,11 @@ rank passed the same hyper-parameters, turns the norm into the clip coefficient 
 the gradients' device (``outcome``), then runs the fused kernel once per bucket on this rank's
 shard: master ``_master_shard``, gradient ``_grad_shard``, fp32 m and v; for low-precision
 parameters the kernel writes the updated shard (``out=``) straight into ``_param_shard``, the
-all-gather input. ``_publish`` then all-gathers each bucket back into
-``param_flat`` (overlapping the next bucket's kernel). A kernel launch is split where
-per-parameter step counts differ; the counts advance once the step's outcome is read
-(``outcome.StepCounts``).
+all-gather input, having first taken what was written there since the last step as the master's
+value (``master``: in-place writes into bf16/fp16 parameters reach the fp32 master). ``_publish``
+then all-gathers each bucket back into ``param_flat`` (overlapping the next bucket's kernel). A
+kernel launch is split where per-parameter step counts differ; the counts advance once the step's
+outcome is read (``outcome.StepCounts``).
 
 Rules. A parameter without a gradient on any rank this step (``p.grad is None`` in
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
@@ -50,7 +51,7 @@ import torch
 from ..comm import Handle
 from ..control import ControlLink
 from ..layout import Bucket, BufferLayout, align_elements
-from . import adopt, buckets, grad_state, outcome, stats, update
+from . import adopt, buckets, grad_state, master, outcome, stats, update
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .outcome import StepResult
 
@@ -226,6 +227,7 @@ class Pipeline:
         """Set the fp32 master shard from the (low-precision) parameters."""
         for b in buf.layout.buckets:
             buf.shard_slice(buf.master, b).copy_(self._param_shard(buf, b))
+        master.record(buf)
 
     def _index(self, buf: FlatBuffer) -> None:
         b = len(self.buffers)
@@ -487,11 +489,13 @@ class Pipeline:
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
+        master.push_written(self)
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
                 update.update_bucket(self, buf, bucket, hyper[buf.group], decision, combined.with_grad)
                 self._track(self._publish(buf, bucket))
         self._complete_inflight()
+        master.record_all(self)
         grad_state.clear_after_step(self)
         self.step_counts.pending(result, combined.with_grad)
         return result

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..layout import Bucket
-from . import adopt, stage3_save
+from . import adopt, master, stage3_save
 from .base import FlatBuffer
 from .stage2 import Stage2Pipeline
 from .stage3_check import DeferredChecks, check_same_units
@@ -287,13 +287,11 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _write_back(self) -> None:
         for buf in self.buffers:
-            for bucket in buf.layout.buckets:
-                shard = self._param_shard(buf, bucket)
-                if not buf.persistent:
-                    shard.copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
-                if buf.master is not None:
-                    master = buf.shard_slice(buf.master, bucket)
-                    master.copy_(torch.where(shard == master.to(buf.dtype), master, shard.float()))
+            if not buf.persistent:
+                adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
+                for bucket in buf.layout.buckets:
+                    self._param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
+            master.adopt_edits(self, buf)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""

@@ -11,6 +11,12 @@ hooks, ``detach()``) is not a use, nor are the conversions ``nn.Module.to()``, `
 ``.cpu()`` and the like apply to every parameter (frameworks call them on a built model): on an
 empty tensor they give an empty tensor.
 
+What ``.data``, ``detach()`` and those conversions return for a freed parameter is empty too, and
+no gather can fill it later: computing with it (``p.data.norm()``, a snapshot ``p.data.clone()`` and
+its restore ``p.data.copy_(...)``, ``ema.lerp_(p.detach())``) would be as quietly wrong. So it is a
+``FreedRead``, a tensor whose ``__torch_function__`` passes metadata and those reads and calls the
+``on_read_use`` callback given to ``mark_freed`` (which raises) on any other operation.
+
 Under ``torch.compile`` the callback, and stage 3's hooks (``run_eagerly``), run eagerly: they
 issue collectives and change parameters, which a compiled graph must not capture.
 """
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -35,7 +41,14 @@ _PASS = {
     "to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type", "empty_like", "share_memory_", "pin_memory",
     "_has_compatible_shallow_copy_type",
 }  # fmt: skip
+_READS = {"detach", "to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type"}  # results stay marked
+_METADATA = {
+    "__get__", "__set__", "size", "dim", "numel", "nelement", "element_size", "is_contiguous", "data_ptr",
+    "untyped_storage", "storage", "_typed_storage", "__repr__", "__format__", "__dir__", "is_floating_point",
+    "is_complex", "get_device", "_has_compatible_shallow_copy_type", *_READS,
+}  # fmt: skip
 _on_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> callback of the scheduler that freed it
+_on_read_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> its callback for uses of what it gave
 _classes: dict[type, type] = {}
 
 
@@ -58,10 +71,55 @@ def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
             callback = ref() if ref is not None else None
             if callback is not None:
                 callback(t, func)
-    return _disabled_torch_function_impl(func, types, args, kwargs or {})
+    result = _disabled_torch_function_impl(func, types, args, kwargs or {})
+    if args and isinstance(args[0], _Freed) and not torch.compiler.is_compiling():
+        return _mark_read(func, result, args[0], _on_read_use.get(id(args[0])))
+    return result
 
 
 _handle_eagerly = torch._disable_dynamo(_handle)  # torch.compile runs it (a graph break), never traces it
+
+
+def _is_read(func: Any) -> bool:
+    """``func`` gives a tensor holding (a view or a copy of) its argument's values: ``.data``, detach, conversions."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") in ("data", "T", "mT", "H", "mH")
+    return name in _READS
+
+
+def _mark_read(func: Any, result: Any, param: nn.Parameter, report: "weakref.WeakMethod | None") -> Any:
+    """``result`` as a ``FreedRead`` of ``param`` when ``func`` read an emptied parameter (see the module docstring)."""
+    if report is None or not _is_read(func) or not isinstance(result, torch.Tensor) or result is param:
+        return result
+    if isinstance(result, nn.Parameter) or result.numel() != 0:
+        return result
+    read = result.as_subclass(FreedRead)
+    read._zk_param, read._zk_report = weakref.ref(param), report
+    return read
+
+
+class FreedRead(torch.Tensor):
+    """What ``.data``, ``detach()`` or a conversion gave for a freed parameter: empty, and unusable but for metadata."""
+
+    _zk_param: "weakref.ref"
+    _zk_report: "weakref.WeakMethod"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") not in _METADATA:
+            for t in _tensors(args, kwargs):
+                if isinstance(t, FreedRead):
+                    param, report = t._zk_param(), t._zk_report()
+                    if param is not None and report is not None:
+                        report(param, func)
+        result = _disabled_torch_function_impl(func, types, args, kwargs or {})
+        if args and isinstance(args[0], FreedRead):
+            source = args[0]
+            param = source._zk_param()
+            if param is not None and not isinstance(result, FreedRead):
+                return _mark_read(func, result, param, source._zk_report)
+        return result
 
 
 def run_eagerly(fn: Callable) -> Callable:
@@ -99,9 +157,13 @@ def _freed_class(cls: type) -> type:
     return _classes[cls]
 
 
-def mark_freed(param: nn.Parameter, on_use: OnUse) -> None:
-    """From now on an operation on ``param`` first calls ``on_use(param, func)`` (a bound method, held weakly)."""
+def mark_freed(param: nn.Parameter, on_use: OnUse, on_read_use: Optional[OnUse] = None) -> None:
+    """From now on an operation on ``param`` first calls ``on_use(param, func)``, and one on what its ``.data``,
+    ``detach()`` or a conversion gives calls ``on_read_use(param, func)``, which must raise (bound methods, held
+    weakly; without ``on_read_use`` those reads give plain empty tensors)."""
     _on_use[id(param)] = weakref.WeakMethod(on_use)
+    if on_read_use is not None:
+        _on_read_use[id(param)] = weakref.WeakMethod(on_read_use)
     if not isinstance(param, _Freed):
         param.__class__ = _freed_class(type(param))
 
@@ -109,6 +171,7 @@ def mark_freed(param: nn.Parameter, on_use: OnUse) -> None:
 def mark_gathered(param: nn.Parameter) -> None:
     """``param`` holds its value again: its own class back, no callback."""
     _on_use.pop(id(param), None)
+    _on_read_use.pop(id(param), None)
     if isinstance(param, _Freed):
         param.__class__ = type(param)._zk_original
 

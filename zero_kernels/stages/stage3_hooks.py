@@ -30,7 +30,8 @@ rank runs the same modules in the same order (a leaf module hides what its data 
 
 A freed parameter is marked (``stage3_guard``): an operation on it inside a module's forward gathers
 its unit for that module from then on (an external parameter found by use, logged once); outside
-any forward it raises an error that says how to read it. Hooks are run eagerly under
+any forward it raises an error that says how to read it, as does an operation on what its
+``.data`` or ``detach()`` gave while it was freed (an empty tensor, wherever it is used). Hooks are run eagerly under
 ``torch.compile`` (a graph break around each), so compiled module bodies see gathered parameters.
 
 Persistent units are never gathered or freed here (they stay full); their gradients are reduced
@@ -185,7 +186,7 @@ class Stage3Scheduler:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
             if self._state[i] == _FREE:
                 for p in unit.params:
-                    guard.mark_freed(p, self._on_freed_use)
+                    guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
 
     def _install_modules(self) -> None:
         """(Re)read the plan (``stage3_plan``) and hook the modules that need units."""
@@ -253,7 +254,7 @@ class Stage3Scheduler:
         self._state[i] = _FREE
         self._used[i] = False
         for p in self.units[i].params:
-            guard.mark_freed(p, self._on_freed_use)
+            guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
 
     def _gather(self, needs: Sequence[int], step: _Pass, active: bool) -> None:
         """Gather ``needs`` now and prefetch what ``step`` expects next (only inside a pass)."""
@@ -369,6 +370,25 @@ class Stage3Scheduler:
         self._gather((i,), self._forward, False)
         self._in_use[i] += 1
         frame.needs.append(i)
+
+    def _on_freed_read_use(self, param: nn.Parameter, func: Any) -> None:
+        """What ``.data``, ``detach()`` or a conversion gave for a freed parameter is computed with: explain."""
+        name = self._names.get(id(param), "?")
+        fix = (
+            "read parameters outside the forward inside `with optimizer.gathered_params():` (a copy taken there, "
+            "e.g. {n: p.detach().clone() for n, p in model.named_parameters()}, holds the full values; writes made "
+            "there reach every rank's shard)"
+        )
+        if self._stack:
+            fix = (
+                f"inside a forward, read it in a module that holds it, or register it for the module that reads it "
+                f"(zero_kernels.register_external_parameter(module, model.get_parameter('{name}'))); {fix}"
+            )
+        raise RuntimeError(
+            f"ZeRO stage 3: parameter '{name}' was read through .data, .detach() or a conversion while it was freed, "
+            f"and what that gave is now used ({guard.operation_name(func)}): between uses each rank holds only its "
+            f"shard, so it is an empty tensor. To fix it, {fix}"
+        )
 
     # -- backward -----------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ launch has aligned tensors whose length is a multiple of 16, and runs the kernel
 vector variant (an unaligned launch would compile a scalar variant mid-training, and run it).
 Neighbouring spans share at most one 16-element group; their launches run one after the other on
 the stream. The gradient multiplier and the skip flag come from the step's decision (``outcome``).
+Low-precision parameters: the kernel writes them (``out=``) from the fp32 master, and first adopts
+what was written into them since the last step (``adopt_out``, see ``master``).
 """
 
 from __future__ import annotations
@@ -93,5 +95,5 @@ def update_bucket(
             master_p, grad_p, m_p, v_p,
             lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
             adamw=h.adamw, grad_scale=scale, out=out_p, max_exp_avg_sq=v_max_p, maximize=h.maximize,
-            skip_if=skip, window=(start - first, start + numel - first), impl=pipeline.impl,
+            skip_if=skip, window=(start - first, start + numel - first), adopt_out=True, impl=pipeline.impl,
         )  # fmt: skip

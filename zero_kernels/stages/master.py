@@ -1,0 +1,83 @@
+"""The fp32 master of bf16/fp16 parameters follows what is written into the parameters.
+
+Low-precision parameters are trained through this rank's fp32 master shard (``FlatBuffer.master``):
+each step writes the parameters as the master rounded to their dtype, so between steps every
+parameter element is its master rounded, unless code outside the optimizer wrote the parameter:
+in place (``model.load_state_dict(pretrained)``, ``p.clamp_()``, ``p.data.mul_()``) or by replacing
+``p.data`` (``stages.adopt``). Such writes are found by value, not by version counters (``p.data``
+has a version counter of its own, so ``p.data.mul_()`` bumps none the optimizer could watch):
+
+- the step's kernel reads this rank's low-precision shard (``adam_step(adopt_out=True)``: one more
+  2-byte read per element) and, where an element is not the master rounded, starts the update from
+  the element's value. Elements the step does not update (a parameter no rank has a gradient for, a
+  skipped step) keep the written value and are adopted by the next step that updates them;
+- ``adopt_edits`` does the same for code that reads the master between steps (state dicts,
+  checkpoints): ``sync`` before reading.
+
+A master element that still rounds to its parameter keeps its extra precision.
+
+Writes into the master itself (``opt.state[p]["master"]``, a view of the shard) win over the
+parameter: its version counter, which views share, moves, and the next step first writes the
+parameters from the master (``push_written``). Every write the optimizer itself makes into a
+master (a load, a refresh, a CPU step run by the reference kernel) is ``record``-ed, so only
+writes from outside count.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .base import FlatBuffer, Pipeline
+
+
+def record(buf: "FlatBuffer") -> None:
+    """The master of ``buf`` as it is now is the optimizer's own (a write made by the optimizer)."""
+    if buf.master is not None:
+        buf.master_version = buf.master._version
+
+
+def record_all(pipeline: "Pipeline") -> None:
+    """``record`` every buffer of ``pipeline``."""
+    for buf in pipeline.buffers:
+        record(buf)
+
+
+def written(buf: "FlatBuffer") -> bool:
+    """True when code outside the optimizer wrote into the master of ``buf`` since the optimizer last did."""
+    return buf.master is not None and buf.master._version != buf.master_version
+
+
+def edited(params: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Where ``params`` (low precision) are not ``master`` rounded to their dtype, bit for bit (as the kernels do)."""
+    bits = torch.int16 if params.element_size() == 2 else torch.int32
+    return params.view(bits) != master.to(params.dtype).view(bits)
+
+
+def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
+    """Give the master of ``buf`` the parameter values wherever they are not the master rounded (this rank's shard)."""
+    if buf.master is None:
+        return
+    for bucket in buf.layout.buckets:
+        shard = pipeline._param_shard(buf, bucket)
+        master = buf.shard_slice(buf.master, bucket)
+        master.copy_(shard.float().where(edited(shard, master), master))
+    record(buf)
+
+
+def sync(pipeline: "Pipeline") -> None:
+    """Before reading the masters between steps: each takes the parameters' edits (unless written itself)."""
+    for buf in pipeline.buffers:
+        if buf.master is not None and not written(buf):
+            adopt_edits(pipeline, buf)
+
+
+def push_written(pipeline: "Pipeline") -> None:
+    """At the step, before the update: a master written from outside gives this rank's parameters its values."""
+    for buf in pipeline.buffers:
+        if written(buf):
+            for bucket in buf.layout.buckets:
+                pipeline._param_shard(buf, bucket).copy_(buf.shard_slice(buf.master, bucket))
+            record(buf)
