@@ -46,7 +46,8 @@ def exact_in_p_grad(optimizer: Any) -> bool:
     """Whether ``p.grad`` holds exactly the gradient ``optimizer``'s next step uses (torch's clip is right)."""
     stage, world = optimizer.options.stage, optimizer.pipeline.world_size
     shared = stage == 0 or (stage == 1 and world == 1)
-    return shared and optimizer.loss_scale == 1.0 and optimizer.gradient_accumulation_steps == 1
+    scaled = optimizer._loss_scaler is not None  # fp16: p.grad holds the gradients times the loss scale
+    return shared and not scaled and optimizer.gradient_accumulation_steps == 1
 
 
 def _why(optimizer: Any) -> str:

@@ -193,12 +193,15 @@ class ZeroTrainer(Trainer):
 
     def _resolved_config(self) -> ZeroConfig:
         """The config with its ``"auto"`` values filled, once the training length is known; logged once."""
-        if self.zero_config is None:
-            steps = self.state.max_steps or self.args.max_steps
-            steps = steps if steps and steps > 0 else None
-            self.zero_config = hf_config.resolve(self.zero_source, self.args, self.model, steps)
-            log.warning("%s", hf_config.describe(self.zero_source, self.zero_config, self.args, self.model, steps))
-        return self.zero_config
+        if self.zero_config is not None:
+            return self.zero_config
+        steps = self.state.max_steps or self.args.max_steps
+        steps = steps if steps and steps > 0 else None
+        config = hf_config.resolve(self.zero_source, self.args, self.model, steps)
+        if steps is not None:  # known once training starts: before, nothing is kept (nor logged)
+            self.zero_config = config
+            log.warning("%s", hf_config.describe(self.zero_source, config, self.args, self.model, steps))
+        return config
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """As the Trainer's; micro-batches before the last of an accumulation step do not communicate."""
