@@ -18,7 +18,17 @@ import time
 from pathlib import Path
 
 from . import compare, plots
-from .common import format_duration, machine_info, print_table, read_runs, reporting, summary_rows, write_json
+from .common import (
+    format_duration,
+    load_average,
+    load_warning,
+    machine_info,
+    print_table,
+    read_runs,
+    reporting,
+    summary_rows,
+    write_json,
+)
 
 _NOT_SUBJECTS = {"common", "compare", "plots", "e2e_deepspeed"}
 _COMMANDS = ("compare", "plot")
@@ -83,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     machine = machine_info()
     print("machine:", ", ".join(f"{k}={v}" for k, v in machine.items()), flush=True)
+    _warn_if_loaded("at the start")
     _prebuild()
     names = args.subject or sorted(available)
     results, summaries = {}, []
@@ -92,16 +103,34 @@ def main(argv: list[str] | None = None) -> int:
             rows = module.run(quick=not args.full)
         results[name] = rows
         print_table(f"{name}: {available[name]}", rows)
+        for note in getattr(module, "NOTES", []):
+            print(f"  {note}")
         summaries += [{"subject": name, **line} for line in summary_rows(module, rows)]
         if args.json:
             write_json(str(Path(args.json) / f"{name}.json"), name, rows)
         sys.stdout.flush()
     print_table("summary: ours vs the best peer (speedup = the peer's time / ours; above 1: ours is faster)", summaries)
+    print(f"  {SUMMARY_NOTE}")
     if args.plot:
         for path in plots.write_plots(results, args.plot, machine):
             print("plot:", path)
-    print(f"\nwall time: {format_duration(time.time() - started)} ({len(names)} subjects)")
+    load = load_average()
+    at_end = f", load average {'/'.join(f'{v:.2f}' for v in load)} at the end (1/5/15 min)" if load else ""
+    print(f"\nwall time: {format_duration(time.time() - started)} ({len(names)} subjects){at_end}")
+    _warn_if_loaded("at the end")
     return 0
+
+
+SUMMARY_NOTE = (
+    "speedup: the median over the interleaved rounds of the per-round ratio; low/high: its smallest and largest "
+    "round; verdict: faster or slower only when every round agrees"
+)
+
+
+def _warn_if_loaded(when: str) -> None:
+    warning = load_warning(when)
+    if warning:
+        print(warning, flush=True)
 
 
 if __name__ == "__main__":

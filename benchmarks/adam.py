@@ -3,28 +3,35 @@
 Two cases per size, on the same total number of parameters: ``flat`` (one tensor) and ``list``
 (about 200 tensors shaped like a transformer's). Ours always runs the whole shard as one flat
 buffer: that is what the optimizer hands it. GB/s counts the 28 bytes per parameter that must
-move (read param, grad, m, v; write param, m, v). Three of the four streams are updated in place, so
-the roof is the in-place read+write bandwidth measured in the same run (``inplace_bandwidth``):
-``of_inplace_bw`` is GB/s divided by it (the copy bandwidth, ``copy_GB/s``, is shown too, for
-reference: on CPUs a copy also reads the destination's lines before writing them, so it is lower).
-``vs_best_peer`` is the best torch.optim time divided by this one (above 1: faster than every peer).
+move (read param, grad, m, v; write param, m, v).
+
+Every provider of a case is timed in the same interleaved rounds (``common.interleaved_rounds``):
+``median_ms`` is the median over the rounds, ``rounds_ms`` each round's; ``vs_best_peer`` is the
+median over the rounds of the best torch.optim time divided by ours (above 1: faster than every
+peer), ``low``/``high`` its spread over the rounds, and ``verdict`` says faster or slower only when
+every round agrees. The roofs are timed in the same rounds, on the case's footprint: an in-place
+``add_`` (``inplace_GB/s``, the roof here: three of Adam's four streams are updated in place) and a
+``copy_`` (``copy_GB/s``, for reference: on CPUs a copy also reads the destination's lines before
+writing them, so it is lower); each is the best of its rounds, so that a kernel is compared with
+what the machine gave under the same load. ``of_inplace_bw`` is GB/s over that roof; a kernel above
+its roof is marked in ``note`` (the roof is torch's own streaming op, not the hardware's peak).
 """
 
 from __future__ import annotations
 
-import time
+import statistics
 from typing import Callable, Optional
 
 import torch
 
 from zero_kernels.kernels import adam_step, resolve_impl
 
-from .common import copy_bandwidth, expect, inplace_bandwidth, progress, synchronize, timeit
+from .common import copy_roof, expect, inplace_roof, interleaved_rounds, progress, ratio_stats
 
 DESCRIPTION = "Adam step, fp32 state: ours (one flat shard) vs torch.optim.AdamW foreach/fused"
 
 BYTES_PER_PARAM = 28
-TIME_BUDGET_S = 1.5  # per provider and case: slow providers get fewer runs (at least 3)
+TIME_BUDGET_S = 1.5  # per provider and case over all rounds: slow providers get fewer calls (one per round)
 HYPER = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
@@ -67,17 +74,44 @@ def our_backends(device: torch.device) -> dict[str, Optional[str]]:
     return found
 
 
-def median_seconds(fn: Callable[[], object], repeat: int, device: torch.device, budget_s: float) -> tuple[float, int]:
-    """(median seconds, repeats used): a first call (compilation, allocation), a second to size the
-    run, then ``repeat`` timed calls, fewer (at least 3) when that would take longer than ``budget_s``."""
-    fn()
-    synchronize(str(device))
-    start = time.perf_counter()
-    fn()
-    synchronize(str(device))
-    one = time.perf_counter() - start
-    repeat = max(3, min(repeat, int(budget_s / max(one, 1e-9))))
-    return timeit(fn, warmup=max(1, repeat // 5), repeat=repeat, device=str(device)), repeat
+def timed_rows(
+    label: str,
+    fns: dict[str, Callable[[], object]],
+    roofs: dict[str, tuple[Callable[[], object], int]],
+    device: torch.device,
+    rounds: int,
+) -> tuple[dict[str, list[float]], dict[str, int], dict[str, float]]:
+    """Time ``fns`` and the ``roofs`` (name -> (function, bytes moved)) in the same interleaved rounds.
+
+    Returns (seconds per round by provider, calls per round by provider, roof GB/s by name: the best round).
+    """
+    timed = {**fns, **{("roof", k): fn for k, (fn, _) in roofs.items()}}
+    seconds, calls = interleaved_rounds(
+        timed, rounds, budget_s=TIME_BUDGET_S, device=str(device), on_round=lambda r: progress(label, f"round {r + 1}")
+    )
+    roof_gbs = {k: max(moved / t / 1e9 for t in seconds[("roof", k)]) for k, (_, moved) in roofs.items()}
+    return {k: v for k, v in seconds.items() if k in fns}, calls, roof_gbs
+
+
+def provider_row(row: dict, seconds: list[float], calls: int, moved: int) -> dict:
+    """A timed row: median and per-round times, calls, GB/s (``moved`` bytes per call)."""
+    median = statistics.median(seconds)
+    return {**row, "median_ms": median * 1e3, "rounds_ms": [round(t * 1e3, 4) for t in seconds],
+            "runs": calls * len(seconds), "GB/s": moved / median / 1e9}  # fmt: skip
+
+
+def add_peer_ratios(rows: list[dict], peers: list[str], roof_column: str, share_column: str) -> None:
+    """``vs_best_peer`` with its spread and verdict on our rows; the share of the roof on every timed row."""
+    timed = [r for r in rows if "median_ms" in r]
+    peer_rows = [r for r in timed if r["provider"] in peers]
+    best = min(peer_rows, key=lambda r: r["median_ms"]) if peer_rows else None
+    for r in timed:
+        r[share_column] = r["GB/s"] / r[roof_column]
+        if r[share_column] > 1:
+            r["note"] = f"above the measured roof ({roof_column}: torch's streaming op under the same load)"
+        if best is not None and r["provider"] not in peers:
+            stats = ratio_stats(best["rounds_ms"], r["rounds_ms"])
+            r.update(vs_best_peer=stats["speedup"], low=stats["low"], high=stats["high"], verdict=stats["verdict"])
 
 
 def _ours(n: int, device: torch.device, impl: str) -> Callable[[], None]:
@@ -109,48 +143,44 @@ def _sizes(quick: bool, device: torch.device) -> list[int]:
     return [1 << 23] if quick else [1 << 20, 1 << 22, 1 << 24]
 
 
-def _rows_for(case: str, n: int, device: torch.device, roof_gbs: float, repeat: int) -> list[dict]:
+def _rows_for(case: str, n: int, device: torch.device, rounds: int) -> list[dict]:
     shapes = [(n,)] if case == "flat" else transformer_shapes(n)
-    rows = []
     peers = {"torch.AdamW foreach": dict(foreach=True), "torch.AdamW fused": dict(fused=True)}
+    rows, fns = [], {}
     candidates = {f"ours:{impl}": why for impl, why in our_backends(device).items()}
     candidates.update({name: None for name in peers})
     for provider, why in candidates.items():
         row = {"case": case, "tensors": len(shapes), "n": n, "provider": provider}
-        progress(f"{case} n={n}", provider)
-        if why is not None:
-            rows.append({**row, "note": f"unavailable: {why}"})
-            continue
         try:
-            fn = _torch(shapes, device, **peers[provider]) if provider in peers else _ours(n, device, provider[5:])
-            seconds, used = median_seconds(fn, repeat, device, budget_s=TIME_BUDGET_S)
-        except RuntimeError as exc:  # e.g. a fused path this torch build lacks
-            rows.append({**row, "note": f"unavailable: {str(exc).splitlines()[0]}"})
-            continue
-        gbs = BYTES_PER_PARAM * n / seconds / 1e9
-        rows.append({**row, "median_ms": seconds * 1e3, "runs": used, "GB/s": gbs, "of_inplace_bw": gbs / roof_gbs})
-        del fn
-    timed_peers = [r["median_ms"] for r in rows if r["provider"] in peers and "median_ms" in r]
-    for r in rows:
-        if timed_peers and "median_ms" in r:
-            r["vs_best_peer"] = min(timed_peers) / r["median_ms"]
-    return rows
+            if why is None:
+                fns[provider] = (
+                    _torch(shapes, device, **peers[provider]) if provider in peers else _ours(n, device, provider[5:])
+                )
+                fns[provider]()  # a fused path this torch build lacks fails here
+        except RuntimeError as exc:
+            why = str(exc).splitlines()[0]
+            fns.pop(provider, None)
+        rows.append(row if why is None else {**row, "note": f"unavailable: {why}"})
+    roofs = {"inplace": inplace_roof(4 * n, str(device)), "copy": copy_roof(2 * n, str(device))}
+    seconds, calls, roof_gbs = timed_rows(f"{case} n={n}", fns, roofs, device, rounds)
+    out = []
+    for row in rows:
+        if row["provider"] in seconds:
+            row = provider_row(row, seconds[row["provider"]], calls[row["provider"]], BYTES_PER_PARAM * n)
+        out.append({**row, "inplace_GB/s": roof_gbs["inplace"], "copy_GB/s": roof_gbs["copy"]})
+    add_peer_ratios(out, list(peers), "inplace_GB/s", "of_inplace_bw")
+    return out
 
 
 def run(quick: bool) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = _sizes(quick, device)
-    repeat = 50 if device.type == "cuda" else (5 if quick else 15)
-    inplace_gbs = inplace_bandwidth(4 * sizes[-1], str(device))  # the footprint of the largest case
-    copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))
+    rounds = 5 if quick else 9
     rows = []
-    expect(len(sizes) * 2 * (len(our_backends(device)) + 2))
+    expect(len(sizes) * 2 * rounds)
     for n in sizes:
         for case in ("flat", "list"):
-            rows += _rows_for(case, n, device, inplace_gbs, repeat)
+            rows += _rows_for(case, n, device, rounds)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    for r in rows:
-        r["inplace_GB/s"] = inplace_gbs
-        r["copy_GB/s"] = copy_gbs
     return rows

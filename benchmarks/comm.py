@@ -9,9 +9,13 @@ Overlap rows run a loop of matmuls (a stand-in for backward) that fills a gradie
 few steps and reduce-scatters it. ``t_compute`` is the loop without communication, ``t_comm``
 the same reduce-scatters alone, back to back; ``overlapped`` issues each reduce-scatter as its
 bucket fills and waits at the end, ``synchronous`` waits for each one at once. ``hidden`` =
-(t_compute + t_comm - t) / t_comm: 1.0 means communication cost nothing, 0 means none of it was
-hidden. Each rank uses one compute thread (``torch.set_num_threads(1)``); the 2 ranks share the
-machine's cores with gloo's own threads, so on a 2-core machine compute and transfers compete.
+(t_compute + t_comm - t) / t_comm (``NOTES``, printed under the table): 1.0 means communication
+cost nothing, 0 means none of it was hidden, below 0 that the run took longer than compute and
+communication back to back (they competed for the cores). ``hidden_low``/``hidden_high`` is its
+spread over the interleaved rounds. Bandwidth rows carry their rounds too (``rounds_ms``), so that
+the summary gives each ratio with its spread. Each rank uses one compute thread
+(``torch.set_num_threads(1)``); the 2 ranks share the machine's cores with gloo's own threads, so
+on a 2-core machine compute and transfers compete.
 """
 
 from __future__ import annotations
@@ -34,6 +38,11 @@ from zero_kernels import _ext, comm
 from .common import best_vs_peer, expect, progress
 
 DESCRIPTION = "gloo collectives per primitive and size, and overlap of reduce-scatter with compute (2 ranks)"
+NOTES = [
+    "hidden = (t_compute + t_comm - t) / t_comm, t the step's time in that mode: the share of the communication "
+    "time the step did not add to compute (1: all of it hidden; 0: none; below 0: the two slowed each other down); "
+    "hideable = min(1, t_compute / t_comm), the most that can hide",
+]
 
 WORLD_SIZE = 2
 PRIMITIVES = {
@@ -52,8 +61,9 @@ def _engines() -> list[str]:
     return ["torch", "cpp"]
 
 
-def _interleaved_medians(fns: dict, repeat: int) -> dict:
-    """Median seconds of each function, sampled round-robin so that all see the same machine load."""
+def _interleaved_samples(fns: dict, repeat: int) -> dict:
+    """Seconds of each function per round (the slowest rank's), sampled round-robin so that all see the same
+    machine load in each round; a first round warms up and is dropped."""
     samples: dict = {key: [] for key in fns}
     for _ in range(repeat + 1):
         for key, fn in fns.items():
@@ -61,9 +71,9 @@ def _interleaved_medians(fns: dict, repeat: int) -> dict:
             start = time.perf_counter()
             fn()
             samples[key].append(time.perf_counter() - start)
-    medians = torch.tensor([statistics.median(s[1:]) for s in samples.values()], dtype=torch.float64)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-    return dict(zip(fns, medians.tolist()))
+    table = torch.tensor([s[1:] for s in samples.values()], dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    return dict(zip(fns, table.tolist()))
 
 
 def _issue(engine, op: str, full: torch.Tensor, shard: torch.Tensor, primitive: str):
@@ -84,7 +94,8 @@ def _bandwidth_rows(engine, sizes_mb: list[float], repeat: int) -> list[dict]:
             if dist.get_rank() == 0:
                 progress(f"{op} {mb:g} MB", f"{engine.kind} engine")
             fns = {p: (lambda p=p: _issue(engine, op, full, shard, p).wait()) for p in primitives}
-            for primitive, seconds in _interleaved_medians(fns, repeat).items():
+            for primitive, samples in _interleaved_samples(fns, repeat).items():
+                seconds = statistics.median(samples)
                 rows.append(
                     {
                         "case": f"{op} {mb:g} MB",
@@ -92,6 +103,7 @@ def _bandwidth_rows(engine, sizes_mb: list[float], repeat: int) -> list[dict]:
                         "primitive": primitive,
                         "chosen": "yes" if primitive == chosen else "",
                         "median_ms": seconds * 1e3,
+                        "rounds_ms": [round(t * 1e3, 4) for t in samples],
                         "GB/s": numel * 4 / seconds / 1e9,
                     }
                 )
@@ -144,12 +156,15 @@ def _overlap_rows(engines: list, bucket_mb: float, buckets: int, repeat: int) ->
     for engine in engines:
         for mode, fn in _overlap_modes(engine, grads, shards, weights, steps_per_bucket).items():
             fns[(engine.kind, mode)] = fn
-    t = _interleaved_medians(fns, repeat)
+    samples = _interleaved_samples(fns, repeat)
+    t = {key: statistics.median(v) for key, v in samples.items()}
     t_compute = t[("all", "compute")]
     rows = []
     for engine in engines:
         t_comm = t[(engine.kind, "comm")]
         for mode in ("overlapped", "synchronous"):
+            rounds = zip(samples[("all", "compute")], samples[(engine.kind, "comm")], samples[(engine.kind, mode)])
+            hidden = sorted((c + m - x) / m for c, m, x in rounds)
             rows.append(
                 {
                     "case": f"overlap {buckets} x {bucket_mb:g} MB",
@@ -160,6 +175,8 @@ def _overlap_rows(engines: list, bucket_mb: float, buckets: int, repeat: int) ->
                     "t_comm_ms": t_comm * 1e3,
                     "median_ms": t[(engine.kind, mode)] * 1e3,
                     "hidden": (t_compute + t_comm - t[(engine.kind, mode)]) / t_comm,
+                    "hidden_low": hidden[0],
+                    "hidden_high": hidden[-1],
                     "hideable": min(1.0, t_compute / t_comm),
                 }
             )
@@ -215,7 +232,10 @@ def summary(rows: list[dict]) -> list[dict]:
     lines = best_vs_peer(marked)
     for r in rows:
         if r.get("mode") == "overlapped":
-            lines.append({"case": r["case"], "ours": f"{r['provider']} engine", "note": f"hidden {r['hidden']:.0%}"})
+            spread = f" ({r['hidden_low']:.0%} to {r['hidden_high']:.0%} over the rounds)" if "hidden_low" in r else ""
+            lines.append(
+                {"case": r["case"], "ours": f"{r['provider']} engine", "note": f"hidden {r['hidden']:.0%}{spread}"}
+            )
     return lines
 
 

@@ -68,20 +68,36 @@ def timeit(fn: Callable[[], Any], *, warmup: int = 3, repeat: int = 20, device: 
 
 
 def copy_bandwidth(numel: int, device: str = "cpu", *, repeat: int = 10) -> float:
-    """Measured memory bandwidth in GB/s of a large fp32 copy (read + write), the roof for this run."""
+    """Measured memory bandwidth in GB/s of a large fp32 copy (read + write)."""
+    fn, moved = copy_roof(numel, device)
+    return moved / timeit(fn, warmup=2, repeat=repeat, device=device) / 1e9
+
+
+def copy_roof(numel: int, device: str = "cpu") -> tuple[Callable[[], Any], int]:
+    """(an fp32 ``copy_`` of ``numel`` elements, the bytes it moves): time it in the rounds for a copy roof."""
     src = torch.randn(numel, device=device)
     dst = torch.empty_like(src)
-    seconds = timeit(lambda: dst.copy_(src), warmup=2, repeat=repeat, device=device)
-    return 2 * src.numel() * src.element_size() / seconds / 1e9
+    return (lambda: dst.copy_(src)), 2 * numel * 4
 
 
-def inplace_bandwidth(numel: int, device: str = "cpu", *, repeat: int = 10) -> float:
-    """Measured memory bandwidth in GB/s of an in-place fp32 update (``x.add_(1.0)``: every element read
-    and written back, 8 bytes), the roof of kernels that update their buffers in place, as Adam does.
-    It can exceed ``copy_bandwidth``: a copy's writes to another buffer also read its lines first."""
+def inplace_roof(numel: int, device: str = "cpu") -> tuple[Callable[[], Any], int]:
+    """(an in-place fp32 ``add_`` of ``numel`` elements, the bytes it moves): for an in-place roof."""
     x = torch.randn(numel, device=device)
-    seconds = timeit(lambda: x.add_(1.0), warmup=2, repeat=repeat, device=device)
-    return 2 * x.numel() * x.element_size() / seconds / 1e9
+    return (lambda: x.add_(1.0)), 2 * numel * 4
+
+
+def load_average() -> Optional[tuple[float, float, float]]:
+    """The 1, 5 and 15 minute load averages (runnable processes), or None where the OS does not say."""
+    try:
+        return os.getloadavg()
+    except (AttributeError, OSError):
+        return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), else the machine's count."""
+    getter = getattr(os, "sched_getaffinity", None)
+    return len(getter(0)) if getter is not None else (os.cpu_count() or 1)
 
 
 def machine_info() -> dict:
@@ -90,8 +106,11 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
-        "cores": os.cpu_count(),
+        "cores": usable_cores(),
     }
+    load = load_average()
+    if load is not None:
+        info["load_avg"] = "/".join(f"{v:.2f}" for v in load)  # over 1/5/15 minutes
     try:
         import triton
 
@@ -103,6 +122,85 @@ def machine_info() -> dict:
     return info
 
 
+def load_warning(when: str = "now") -> Optional[str]:
+    """A warning when the machine runs more processes than it has cores (timings then measure the contention
+    as much as the code), else None."""
+    load, cores = load_average(), usable_cores()
+    if load is None or load[0] <= cores:
+        return None
+    return (
+        f"WARNING: load average {load[0]:.2f} {when} exceeds the {cores} cores: other processes compete for the CPU, "
+        "so times are slower and noisier than on an idle machine; read the spreads, and trust only verdicts"
+    )
+
+
+# ---------------------------------------------------------------- interleaved rounds, ratios and verdicts
+def interleaved_rounds(
+    fns: dict[Any, Callable[[], Any]],
+    rounds: int,
+    *,
+    budget_s: float,
+    max_repeat: int = 50,
+    device: Optional[str] = None,
+    on_round: Callable[[int], None] = lambda r: None,
+) -> tuple[dict[Any, list[float]], dict[Any, int]]:
+    """Seconds per call of each function, one median per round; and the calls timed per round.
+
+    Each round times every function in turn (alternating the order between rounds), so that in each
+    round all of them run under the same machine load: ratios are then taken round by round
+    (``ratio_stats``), and their spread over the rounds says how far the load moved them. Each
+    function is called twice first (compilation and allocation; then once timed, to size its
+    rounds: as many calls as fit in ``budget_s`` over all rounds, 1 to ``max_repeat`` per round).
+
+    Args:
+        fns: what to time, by key.
+        rounds: how many rounds.
+        budget_s: the time each function may take over all its rounds.
+        max_repeat: the most calls per function and round.
+        device: where they run (CUDA: timed with events).
+        on_round: called with the round's index (from 0) as it starts (progress).
+    """
+    repeat = {}
+    for key, fn in fns.items():
+        fn()
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        one = max(time.perf_counter() - start, 1e-9)
+        repeat[key] = max(1, min(max_repeat, int(budget_s / rounds / one)))
+    out: dict[Any, list[float]] = {key: [] for key in fns}
+    for r in range(rounds):
+        on_round(r)
+        for key in list(fns) if r % 2 == 0 else list(reversed(fns)):
+            out[key].append(timeit(fns[key], warmup=0, repeat=repeat[key], device=device))
+    return out, repeat
+
+
+def ratio_stats(peer: list[float], ours: list[float]) -> dict:
+    """Round by round ``peer / ours`` (two lists of times of the same rounds): the median ratio and its spread.
+
+    Returns ``speedup`` (the median ratio; above 1: ours is faster), ``low`` and ``high`` (its smallest
+    and largest over the rounds) and ``verdict``.
+    """
+    ratios = sorted(p / o for p, o in zip(peer, ours) if o > 0)
+    if not ratios:
+        return {}
+    low, high = ratios[0], ratios[-1]
+    return {"speedup": statistics.median(ratios), "low": low, "high": high, "verdict": verdict(low, high, len(ratios))}
+
+
+def verdict(low: float, high: float, rounds: int) -> str:
+    """``faster`` or ``slower`` only when every round agrees (the spread stays on one side of 1)."""
+    if rounds < 3:
+        return f"no verdict: {rounds} round(s)"
+    if low > 1:
+        return "ours faster"
+    if high < 1:
+        return "ours slower"
+    return "no verdict: the rounds disagree"
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -110,13 +208,14 @@ def _fmt(value: Any) -> str:
 
 
 def print_table(title: str, rows: Iterable[dict]) -> None:
+    """Rows as a text table; list-valued columns (each round's times) are left to the JSON output."""
     rows = list(rows)
     if not rows:
         print(f"\n{title}: no rows")
         return
     columns: list[str] = []
     for row in rows:
-        columns += [k for k in row if k not in columns]
+        columns += [k for k, v in row.items() if k not in columns and not isinstance(v, list)]
     cells = [[_fmt(row.get(c, "")) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print(f"\n{title}")
@@ -296,8 +395,10 @@ def best_vs_peer(
         keys: the columns that make a case.
 
     Returns rows of ``case``, ``ours``, ``ours_ms``, ``best_peer``, ``peer_ms`` and ``speedup`` (the
-    peer's time over ours: above 1, ours is faster); a group without a timed peer or without a timed
-    provider of ours has no speedup.
+    peer's time over ours: above 1, ours is faster); where both rows carry the times of the same
+    interleaved rounds (``rounds_ms``), the speedup is the median of the per-round ratios, with its
+    ``low`` and ``high`` over the rounds and a ``verdict`` (``ratio_stats``). A group without a timed
+    peer or without a timed provider of ours has no speedup.
     """
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -309,13 +410,15 @@ def best_vs_peer(
         peers = [r for r in members if not is_ours(str(r["provider"]))]
         line: dict[str, Any] = {"case": " ".join(str(k) for k in key if k not in (None, ""))}
         if ours:
-            best = min(ours, key=lambda r: r[metric])
-            line.update(ours=best["provider"], ours_ms=best[metric])
+            mine = min(ours, key=lambda r: r[metric])
+            line.update(ours=mine["provider"], ours_ms=mine[metric])
         if peers:
             best = min(peers, key=lambda r: r[metric])
             line.update(best_peer=best["provider"], peer_ms=best[metric])
         if ours and peers:
             line["speedup"] = line["peer_ms"] / line["ours_ms"]
+            if mine.get("rounds_ms") and best.get("rounds_ms"):
+                line.update(ratio_stats(best["rounds_ms"], mine["rounds_ms"]))
         out.append(line)
     return out
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from .common import geometric_mean, print_table, read_runs
 
 TIME_METRICS = ("median_ms", "step_ms")
-_NOT_KEYS = {"runs", "chosen", "note", "error"}  # text or counts that vary between runs of the same case
+_NOT_KEYS = {"runs", "chosen", "note", "error", "verdict"}  # text or counts that vary between runs of a case
 
 
 def row_key(row: dict) -> tuple:

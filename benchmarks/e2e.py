@@ -1,13 +1,20 @@
 """End-to-end training step on 2 gloo ranks: our stages next to DDP, ZeroRedundancyOptimizer, FSDP2
 and, when it is installed, DeepSpeed at each stage (``e2e_deepspeed``).
 
-Each provider runs in fresh processes (so peak RSS is its own): a ~20M-parameter MLP stack,
-a few warm-up steps, then the median wall time of forward + backward + step + zero_grad, the
-peak resident set size of each rank, and the model-state bytes per rank (``memory_report()`` for
-ours; for the others the same measurement over their parameters, gradients and optimizer state,
-FSDP2's DTensors by their local shards). ``vs_peer`` is the step time of the named peer divided by
-ours, both the mean over ranks of this run (above 1: ours is faster). Providers run one after the
-other, so on a busy machine repeat the run before reading much into a ratio near 1. Our
+The model is a ~20M-parameter MLP stack; a step is forward + backward + step + zero_grad.
+
+- Memory: each provider runs a few steps in fresh processes (so peak RSS is its own): the peak
+  resident set size of each rank, and the model-state bytes per rank (``memory_report()`` for
+  ours; for the others the same measurement over their parameters, gradients and optimizer state,
+  FSDP2's DTensors by their local shards).
+- Time: one pair of processes runs every provider in interleaved rounds (each round every provider
+  in turn, the order alternating, each built afresh: warm-up steps, then the median of the timed
+  ones), so that all of them see the same machine load in a round. ``step_ms`` is each rank's
+  median over the rounds and ``rounds_ms`` its time in each.
+
+``vs_peer`` is the step time of the named peer divided by ours, both the mean over ranks, taken
+round by round: the median of the per-round ratios, ``low``/``high`` their spread and
+``verdict`` faster or slower only when every round agrees. Our
 ``reduce_bucket_size`` is 2M elements (8 MB), the size of the DDP buckets (``bucket_cap_mb=8``); stage 2
 also runs with the sizes of published DeepSpeed configs (``zk-stage2@5e7`` and DeepSpeed's default
 ``zk-stage2@5e8``), and the ``bucket`` column says which size each row ran with.
@@ -17,6 +24,7 @@ also runs with the sizes of published DeepSpeed configs (``zk-stage2@5e7`` and D
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import resource
@@ -26,6 +34,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -33,7 +42,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from . import e2e_deepspeed
-from .common import expect, progress
+from .common import expect, progress, ratio_stats
 
 DESCRIPTION = "training step on 2 gloo ranks: zero_kernels stages 0-3 vs DDP, ZeRO-1 (torch), FSDP2, DeepSpeed"
 WORLD = 2
@@ -130,27 +139,56 @@ def _train_step(provider: str, model: nn.Module, x: torch.Tensor):
     return step, report
 
 
-def _rank(rank: int, provider: str, port: int, width: int, depth: int, steps: int, out: str) -> None:
+def _join(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # for DeepSpeed, which reads them
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
     )
+
+
+def _step_ms(provider: str, width: int, depth: int, steps: int) -> tuple[float, Callable[[], dict]]:
+    """A fresh model under ``provider``: the median time of ``steps`` steps after 2 warm-up steps (ms), its report."""
+    model = _model(width, depth)
+    step, report = _train_step(provider, model, torch.randn(8, width))
+    times = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[2:]), report
+
+
+def _memory_rank(rank: int, provider: str, port: int, width: int, depth: int, out: str) -> None:
+    """One provider in fresh processes: its memory after a few steps."""
+    _join(rank, port)
     try:
-        model = _model(width, depth)
-        step, report = _train_step(provider, model, torch.randn(8, width))
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        row = {"step_ms": 1e3 * statistics.median(times[2:]), "mem": report()}
+        row = {"mem": _step_ms(provider, width, depth, 1)[1]()}
     except Exception as err:  # a provider that does not run here is reported, not fatal
         row = {"error": f"{type(err).__name__}: {err}"[:120]}
     row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     with open(f"{out}.{rank}", "w") as f:
         json.dump(row, f)
+    dist.destroy_process_group()
+
+
+def _timing_rank(rank: int, providers: list[str], rounds: int, port: int, width: int, depth: int, steps: int,
+                 out: str) -> None:  # fmt: skip
+    """Every provider in interleaved rounds in these processes: provider -> its step time per round (or error)."""
+    _join(rank, port)
+    times: dict[str, list] = {p: [] for p in providers}
+    for r in range(rounds):
+        for provider in providers if r % 2 == 0 else providers[::-1]:
+            if rank == 0:
+                progress(f"round {r + 1}/{rounds}", provider)
+            try:
+                times[provider].append(_step_ms(provider, width, depth, steps)[0])
+            except Exception as err:  # reported in the provider's rows; the others go on
+                times[provider].append(f"{type(err).__name__}: {err}"[:120])
+            gc.collect()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(times, f)
     dist.destroy_process_group()
 
 
@@ -160,38 +198,54 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rounds(rows: list[dict]) -> dict[str, list[float]]:
+    """provider -> its step time per round, the mean over the ranks (rounds where a rank failed are left out)."""
+    per_rank: dict[str, list[list[float]]] = {}
+    for r in rows:
+        if "rounds_ms" in r:
+            per_rank.setdefault(r["provider"], []).append(r["rounds_ms"])
+    return {p: [statistics.fmean(ts) for ts in zip(*ranks)] for p, ranks in per_rank.items()}
+
+
+def _ratio(rows_rounds: dict[str, list[float]], peer: str, ours: str) -> dict:
+    return ratio_stats(rows_rounds[peer], rows_rounds[ours]) if peer in rows_rounds and ours in rows_rounds else {}
+
+
 def _with_peer_ratios(rows: list[dict]) -> list[dict]:
-    """Add ``peer`` and ``vs_peer`` (peer's mean step time over ours) to our rows."""
-    mean = _mean_step_ms(rows)
+    """Add ``peer``, ``vs_peer`` (the peer's step time over ours), ``low``/``high`` and ``verdict`` to our rows."""
+    rounds = _rounds(rows)
     for r in rows:
         peer = PEERS.get(_base(r["provider"]))
-        if peer in mean and r["provider"] in mean:
-            r.update(peer=peer, vs_peer=mean[peer] / mean[r["provider"]])
+        stats = _ratio(rounds, peer, r["provider"])
+        if stats:
+            r.update(
+                peer=peer, vs_peer=stats["speedup"], low=stats["low"], high=stats["high"], verdict=stats["verdict"]
+            )
     return rows
 
 
 def _deepspeed_ratios(rows: list[dict]) -> list[dict]:
-    """Add ``vs_deepspeed`` (DeepSpeed's mean step time at the same stage over ours) to our rows."""
-    mean = _mean_step_ms(rows)
+    """Add ``vs_deepspeed`` (DeepSpeed's step time at the same stage over ours, median over rounds) to our rows."""
+    rounds = _rounds(rows)
     for r in rows:
         ds = e2e_deepspeed.PREFIX + _base(r["provider"])[-1]
         same_bucket = "@" not in r["provider"]  # DeepSpeed runs with BUCKET_ELEMENTS
-        if r["provider"].startswith("zk-stage") and same_bucket and ds in mean and r["provider"] in mean:
-            r["vs_deepspeed"] = mean[ds] / mean[r["provider"]]
+        stats = _ratio(rounds, ds, r["provider"])
+        if r["provider"].startswith("zk-stage") and same_bucket and stats:
+            r["vs_deepspeed"] = stats["speedup"]
+            r["vs_deepspeed_verdict"] = stats["verdict"]
     return rows
 
 
 def _mean_step_ms(rows: list[dict]) -> dict[str, float]:
-    """provider -> its step time, the mean over the ranks that measured one."""
-    times: dict[str, list[float]] = {}
-    for r in rows:
-        if "step_ms" in r:
-            times.setdefault(r["provider"], []).append(r["step_ms"])
-    return {k: sum(v) / len(v) for k, v in times.items()}
+    """provider -> its step time, the median over the rounds of the mean over the ranks."""
+    return {p: statistics.median(ts) for p, ts in _rounds(rows).items()}
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per stage: ours against the fastest of its peers (the named peer and DeepSpeed at that stage)."""
+    """Per stage: ours against the fastest of its peers (the named peer and DeepSpeed at that stage), with the
+    spread of the ratio over the rounds and a verdict."""
+    rounds = _rounds(rows)
     mean = _mean_step_ms(rows)
     out = []
     for ours, peer in PEERS.items():
@@ -204,27 +258,50 @@ def summary(rows: list[dict]) -> list[dict]:
             line.update(best_peer=best, peer_ms=peers[best])
         if ours in mean and peers:
             line["speedup"] = line["peer_ms"] / mean[ours]
+            line.update(_ratio(rounds, line["best_peer"], ours))
         out.append(line)
     return out
 
 
-def _spawn(provider: str, width: int, depth: int, steps: int, out: str) -> list[dict]:
-    """The rows of one provider, one per rank; processes that die leave an ``error`` row."""
+def _spawn(target: Callable, args: tuple, out: str) -> list[Any]:
+    """What each rank of ``target(rank, *args, out)`` wrote to ``out.<rank>``; an ``error`` per rank if they died."""
     try:
-        mp.spawn(_rank, args=(provider, _free_port(), width, depth, steps, out), nprocs=WORLD, join=True)
+        mp.spawn(target, args=(*args, out), nprocs=WORLD, join=True)
     except Exception as err:  # e.g. a rank killed by a signal: the other providers still run
         return [{"error": f"{type(err).__name__}: {err}"[:120]} for _ in range(WORLD)]
-    rows = []
+    found = []
     for rank in range(WORLD):
         with open(f"{out}.{rank}") as f:
-            row = json.load(f)
+            found.append(json.load(f))
+    return found
+
+
+def _memory(provider: str, width: int, depth: int, out: str) -> list[dict]:
+    """The memory rows of one provider, one per rank."""
+    rows = []
+    for row in _spawn(_memory_rank, (provider, _free_port(), width, depth), out):
         mem = row.pop("mem", {})
         rows.append({**row, **{f"{k}_MiB": v / 2**20 for k, v in mem.items()}})
     return rows
 
 
+def _timing(providers: list[str], rounds: int, width: int, depth: int, steps: int, out: str) -> list[dict]:
+    """Per rank: provider -> its step time per round (ms) or an error message."""
+    found = _spawn(_timing_rank, (providers, rounds, _free_port(), width, depth, steps), out)
+    return [got if "error" not in got else {p: [got["error"]] for p in providers} for got in found]
+
+
+def _row(memory: dict, times: list) -> dict:
+    """One rank's row of a provider: its memory, and its median step and every round's (or the first error)."""
+    errors = [t for t in times if isinstance(t, str)]
+    if "error" in memory or errors:
+        return {**memory, "error": memory.get("error") or errors[0]}
+    return {**memory, "step_ms": statistics.median(times), "rounds_ms": [round(t, 3) for t in times]}
+
+
 def run(quick: bool) -> list[dict]:
-    width, depth, steps = (512, 10, 6) if quick else (768, 6, 12)
+    width, depth, steps = (512, 10, 4) if quick else (768, 6, 10)
+    rounds = 3 if quick else 5
     providers = ["zk-stage0", "zk-stage1", "zk-stage2", "zk-stage3", "ddp+adamw-fused", "ddp+zero1-torch", "fsdp2"]
     providers += [f"zk-stage2@{size}" for size in PUBLISHED_BUCKETS]
     missing = e2e_deepspeed.unavailable()
@@ -232,15 +309,18 @@ def run(quick: bool) -> list[dict]:
         print(f"e2e: {missing}", file=sys.stderr)
     else:
         providers += [f"{e2e_deepspeed.PREFIX}{stage}" for stage in range(4)]
-    rows = []
     case = f"{sum(p.numel() for p in _model(width, depth).parameters()) / 1e6:.1f}M params"
-    expect(len(providers))
+    expect(len(providers) * (rounds + 1))
     with tempfile.TemporaryDirectory() as tmp:
+        memory = {}
         for provider in providers:
-            progress(case, provider)
-            note = {"note": e2e_deepspeed.NOTE} if provider.startswith(e2e_deepspeed.PREFIX) else {}
-            for rank, row in enumerate(_spawn(provider, width, depth, steps, os.path.join(tmp, provider))):
-                rows.append(
-                    {"case": case, "provider": provider, "bucket": _bucket(provider), "rank": rank, **note, **row}
-                )
+            progress(case, f"{provider}: memory, in fresh processes")
+            memory[provider] = _memory(provider, width, depth, os.path.join(tmp, provider))
+        timing = _timing(providers, rounds, width, depth, steps, os.path.join(tmp, "timing"))
+    rows = []
+    for provider in providers:
+        note = {"note": e2e_deepspeed.NOTE} if provider.startswith(e2e_deepspeed.PREFIX) else {}
+        for rank in range(WORLD):
+            row = _row(memory[provider][rank], timing[rank].get(provider, ["not timed"]))
+            rows.append({"case": case, "provider": provider, "bucket": _bucket(provider), "rank": rank, **note, **row})
     return _deepspeed_ratios(_with_peer_ratios(rows))

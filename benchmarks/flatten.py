@@ -6,9 +6,12 @@ in the peers) and ``unflatten fp32`` (back into the existing tensors). ``flatten
 places our tensors at offsets rounded up to 16 elements, as a bucket planner may, which lets the
 Triton kernel use vector loads and stores for tensors whose sizes are multiples of 16.
 
-GB/s counts the bytes that must move: every element read once and written once in its own dtype;
-``of_copy_bw`` divides it by the copy bandwidth measured in the same run, and ``vs_best_peer`` is
-the best torch time divided by this one.
+GB/s counts the bytes that must move: every element read once and written once in its own dtype.
+As in the Adam subject, every provider of a case and the roof are timed in the same interleaved
+rounds: ``vs_best_peer`` is the median over the rounds of the best torch time divided by ours, with
+its spread (``low``/``high``) and a ``verdict`` only when every round agrees; the roof,
+``copy_GB/s``, is the best round of an fp32 ``copy_`` moving as many bytes as the case, and
+``of_copy_bw`` is GB/s over it (a kernel above it is marked in ``note``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from zero_kernels.kernels import flatten, unflatten
 
-from .adam import TIME_BUDGET_S, _sizes, median_seconds, our_backends, transformer_shapes
-from .common import copy_bandwidth, expect, progress
+from .adam import _sizes, add_peer_ratios, our_backends, provider_row, timed_rows, transformer_shapes
+from .common import copy_roof, expect
 
 DESCRIPTION = "flatten/unflatten of ~200 tensors: ours (one launch) vs torch.cat / _flatten_dense_tensors / foreach"
 
@@ -55,7 +58,7 @@ def _peers(direction: str, tensors, flat, scale) -> dict[str, Callable[[], objec
     return {"torch.cat(out=)": cat, "_flatten_dense_tensors": flatten_dense}
 
 
-def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat: int) -> list[dict]:
+def _case_rows(case: str, n: int, device: torch.device, rounds: int) -> list[dict]:
     dtype, flat_dtype, scale, direction, align = CASES[case]
     tensors = [torch.randn(s, device=device).to(dtype) for s in transformer_shapes(n)]
     offsets, end = [], 0
@@ -75,33 +78,26 @@ def _case_rows(case: str, n: int, device: torch.device, copy_gbs: float, repeat:
             fns[f"ours:{impl}"] = lambda impl=impl: unflatten(flat, tensors, offsets, scale=scale, impl=impl)
     peers = _peers(direction, tensors, flat[:n], scale)  # torch packs the tensors: no gaps
     fns.update(peers)
+    roof = {"copy": copy_roof(moved // 8, str(device))}  # a copy moving as many bytes (8 per fp32 element)
+    seconds, calls, roof_gbs = timed_rows(f"{case} n={n}", fns, roof, device, rounds)
     rows = []
     for provider in [*notes, *fns]:
-        row = {"case": case, "tensors": len(tensors), "n": n, "provider": provider}
-        progress(f"{case} n={n}", provider)
+        row = {"case": case, "tensors": len(tensors), "n": n, "provider": provider, "copy_GB/s": roof_gbs["copy"]}
         if provider in notes:
             rows.append({**row, "note": notes[provider]})
-            continue
-        seconds, used = median_seconds(fns[provider], repeat, device, budget_s=TIME_BUDGET_S)
-        gbs = moved / seconds / 1e9
-        rows.append({**row, "median_ms": seconds * 1e3, "runs": used, "GB/s": gbs, "of_copy_bw": gbs / copy_gbs})
-    best_peer = min(r["median_ms"] for r in rows if r["provider"] in peers)
-    for r in rows:
-        if "median_ms" in r:
-            r["vs_best_peer"] = best_peer / r["median_ms"]
+        else:
+            rows.append(provider_row(row, seconds[provider], calls[provider], moved))
+    add_peer_ratios(rows, list(peers), "copy_GB/s", "of_copy_bw")
     return rows
 
 
 def run(quick: bool) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = _sizes(quick, device)  # those of the Adam benchmark
-    repeat = 50 if device.type == "cuda" else (5 if quick else 15)
-    copy_gbs = copy_bandwidth(2 * sizes[-1], str(device))  # the footprint of the largest case
+    rounds = 5 if quick else 9
     rows = []
-    expect(len(sizes) * len(CASES) * (len(our_backends(device)) + 2))  # two torch peers per case
+    expect(len(sizes) * len(CASES) * rounds)
     for n in sizes:
         for case in CASES:
-            rows += _case_rows(case, n, device, copy_gbs, repeat)
-    for r in rows:
-        r["copy_GB/s"] = copy_gbs
+            rows += _case_rows(case, n, device, rounds)
     return rows

@@ -129,23 +129,27 @@ def test_best_vs_peer_compares_our_fastest_with_the_fastest_peer():
 
 
 def test_e2e_summary_takes_the_faster_of_the_named_peer_and_deepspeed():
-    def rows(provider, *ms):
-        return [{"case": "1M params", "provider": provider, "rank": r, "step_ms": t} for r, t in enumerate(ms)]
+    def rows(provider, *per_rank_rounds):
+        return [
+            {"case": "1M params", "provider": provider, "rank": r, "step_ms": sorted(ts)[1], "rounds_ms": list(ts)}
+            for r, ts in enumerate(per_rank_rounds)
+        ]
 
     all_rows = [
-        *rows("zk-stage2", 100.0, 110.0),
-        *rows("ddp+adamw-fused", 120.0, 120.0),
-        *rows("deepspeed-stage2", 90.0, 90.0),
-        *rows("zk-stage3", 200.0, 200.0),
-        *rows("fsdp2", 500.0, 500.0),
+        *rows("zk-stage2", (100.0, 100.0, 100.0), (110.0, 110.0, 110.0)),
+        *rows("ddp+adamw-fused", (120.0, 120.0, 120.0), (120.0, 120.0, 120.0)),
+        *rows("deepspeed-stage2", (90.0, 90.0, 90.0), (90.0, 90.0, 90.0)),
+        *rows("zk-stage3", (200.0, 200.0, 200.0), (200.0, 200.0, 200.0)),
+        *rows("fsdp2", (500.0, 400.0, 600.0), (500.0, 400.0, 600.0)),
         {"case": "1M params", "provider": "deepspeed-stage3", "error": "boom"},
     ]
     lines = common.summary_rows(e2e, all_rows)
     stage2 = _find(lines, ours="zk-stage2")
     assert (stage2["best_peer"], stage2["peer_ms"], stage2["speedup"]) == ("deepspeed-stage2", 90.0, 90.0 / 105.0)
-    assert stage2["case"] == "stage 2, 1M params"
+    assert stage2["case"] == "stage 2, 1M params" and stage2["verdict"] == "ours slower"
     stage3 = _find(lines, ours="zk-stage3")
-    assert (stage3["best_peer"], stage3["speedup"]) == ("fsdp2", 2.5)
+    assert (stage3["best_peer"], stage3["speedup"], stage3["low"], stage3["high"]) == ("fsdp2", 2.5, 2.0, 3.0)
+    assert stage3["verdict"] == "ours faster"
     assert "speedup" not in _find(lines, ours="zk-stage0")
     with_ratios = e2e._deepspeed_ratios(e2e._with_peer_ratios(all_rows))
     assert [r["vs_deepspeed"] for r in with_ratios if r["provider"] == "zk-stage2"] == [90.0 / 105.0] * 2
@@ -213,31 +217,124 @@ def test_reporting_counts_measurements_and_hands_its_state_to_spawned_ranks(monk
     assert common._active is None and common._PROGRESS_ENV not in __import__("os").environ
 
 
+def _fake_rounds(fns, rounds, *, budget_s, max_repeat=50, device=None, on_round=lambda r: None):
+    """``interleaved_rounds`` without timing: ours 1 ms, the peers 2 ms, the roofs 1 ms, every round."""
+    for r in range(rounds):
+        on_round(r)
+    times = {k: [(1e-3 if isinstance(k, tuple) or str(k).startswith("ours") else 2e-3)] * rounds for k in fns}
+    return times, {k: 3 for k in fns}
+
+
 @pytest.mark.parametrize("module", [adam, flatten])
 def test_subjects_expect_as_many_measurements_as_they_report(module, monkeypatch):
     monkeypatch.setattr(module, "our_backends", lambda device: {"cpu": "no compiler", "torch": None})
-    monkeypatch.setattr(module, "median_seconds", lambda fn, repeat, device, budget_s: (1e-3, 3))
-    monkeypatch.setattr(module, "copy_bandwidth", lambda *a, **k: 1.0)
-    monkeypatch.setattr(adam, "inplace_bandwidth", lambda *a, **k: 1.0)
+    monkeypatch.setattr(adam, "interleaved_rounds", _fake_rounds)
     monkeypatch.setattr(module, "_sizes", lambda quick, device: [1 << 15, 1 << 16])
     buf = io.StringIO()
     with common.reporting(module.__name__, (1, 1), stream=buf) as reporter:
         rows = module.run(quick=True)
-    assert reporter.total == reporter.index == len(rows) > 0
+    cases = len({(r["case"], r["n"]) for r in rows})
+    assert reporter.total == reporter.index == cases * 5  # one progress line per round
     assert sum("median_ms" in r for r in rows) == len(rows) * 3 // 4  # every provider but the unavailable one ran
-    assert f"{len(rows)}/{len(rows)}" in buf.getvalue().splitlines()[-2]
+    assert f"{reporter.total}/{reporter.total}" in buf.getvalue().splitlines()[-2]
+
+
+# item 6 of issue 26: load, spreads, verdicts, roofs, definitions
+
+
+def test_ratios_come_with_their_spread_over_rounds_and_a_verdict_only_when_it_allows():
+    assert common.ratio_stats([2.0, 2.2, 1.8], [1.0, 1.0, 1.0]) == {
+        "speedup": 2.0, "low": 1.8, "high": 2.2, "verdict": "ours faster"}  # fmt: skip
+    assert common.ratio_stats([0.8, 1.5, 1.1], [1.0, 1.0, 1.0])["verdict"] == "no verdict: the rounds disagree"
+    assert common.ratio_stats([0.5, 0.9, 0.8], [1.0, 1.0, 1.0])["verdict"] == "ours slower"
+    assert common.ratio_stats([2.0, 2.0], [1.0, 1.0])["verdict"] == "no verdict: 2 round(s)"
+    rows = [
+        {"case": "c", "provider": "ours:cpu", "median_ms": 1.0, "rounds_ms": [1.0, 1.0, 1.0]},
+        {"case": "c", "provider": "torch", "median_ms": 1.1, "rounds_ms": [0.9, 1.1, 1.2]},
+    ]
+    (line,) = common.best_vs_peer(rows)
+    assert (line["low"], line["high"], line["verdict"]) == (0.9, 1.2, "no verdict: the rounds disagree")
+
+
+def test_rounds_are_interleaved_and_alternate_their_order(monkeypatch):
+    calls = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    monkeypatch.setattr(common, "timeit", lambda fn, warmup, repeat, device: (fn(), 1.0)[1])
+    times, repeat = common.interleaved_rounds(fns, 3, budget_s=1.0)
+    assert times == {k: [1.0, 1.0, 1.0] for k in "abc"}
+    assert calls[6:] == list("abccbaabc")  # after two calls each to size the rounds
+
+
+def test_roofs_are_timed_in_the_same_rounds_and_a_kernel_above_is_marked(monkeypatch):
+    monkeypatch.setattr(adam, "our_backends", lambda device: {"cpu": None, "torch": "not timed here"})
+    monkeypatch.setattr(adam, "_ours", lambda n, device, impl: lambda: None)
+    monkeypatch.setattr(adam, "_torch", lambda shapes, device, **flags: lambda: None)
+    seen = []
+
+    def rounds(fns, count, **kwargs):
+        seen.append(set(fns))
+        times = {k: [1e-3] * count for k in fns}
+        times[("roof", "inplace")] = [1e9, 2.0, 1e9][:count]  # its best round: 2 s, slower than ours
+        return times, {k: 1 for k in fns}
+
+    monkeypatch.setattr(adam, "interleaved_rounds", rounds)
+    rows = adam._rows_for("flat", 1 << 10, adam.torch.device("cpu"), 3)
+    assert {("roof", "inplace"), ("roof", "copy"), "ours:cpu", "torch.AdamW fused"} <= seen[0]
+    mine = _find(rows, provider="ours:cpu")
+    assert mine["inplace_GB/s"] == pytest.approx(2 * 4 * (1 << 12) / 2.0 / 1e9)  # the best round of add_
+    assert mine["of_inplace_bw"] > 1 and "above the measured roof" in mine["note"]
+    assert (mine["vs_best_peer"], mine["verdict"]) == (1.0, "no verdict: the rounds disagree")
+
+
+def test_machine_line_shows_load_and_cores_and_warns_when_loaded(monkeypatch, capsys):
+    monkeypatch.setattr(common, "load_average", lambda: (5.25, 4.0, 3.0))
+    monkeypatch.setattr(common, "usable_cores", lambda: 2)
+    import benchmarks.__main__ as runner
+
+    monkeypatch.setattr(runner, "load_average", lambda: (5.25, 4.0, 3.0))
+    monkeypatch.setattr(runner, "_prebuild", lambda: None)
+    monkeypatch.setattr(adam, "run", lambda quick: [{"case": "flat", "provider": "ours:cpu", "median_ms": 1.0}])
+    assert main(["adam"]) == 0
+    out = capsys.readouterr().out
+    machine = next(line for line in out.splitlines() if line.startswith("machine:"))
+    assert "cores=2" in machine and "load_avg=5.25/4.00/3.00" in machine
+    assert "WARNING: load average 5.25 at the start exceeds the 2 cores" in out
+    assert "load average 5.25/4.00/3.00 at the end" in out and "at the end exceeds the 2 cores" in out
+    monkeypatch.setattr(common, "load_average", lambda: (1.5, 1.0, 1.0))
+    assert common.load_warning() is None
+
+
+def test_hidden_is_defined_under_the_comm_table(monkeypatch, capsys):
+    import benchmarks.__main__ as runner
+
+    monkeypatch.setattr(runner, "_prebuild", lambda: None)
+    row = {"case": "overlap 8 x 1 MB", "provider": "cpp", "mode": "overlapped", "hidden": 0.3, "median_ms": 9.0}
+    monkeypatch.setattr(comm, "run", lambda quick: [row])
+    assert main(["comm"]) == 0
+    out = capsys.readouterr().out
+    assert "hidden = (t_compute + t_comm - t) / t_comm" in out
+    assert "median over the interleaved rounds" in out  # the summary says what its columns mean
 
 
 # e2e: the DeepSpeed peer's wiring
 
 
-def _fake_spawn(provider, width, depth, steps, out):
-    return [{"step_ms": 10.0 if provider.startswith("zk") else 20.0, "peak_rss_mb": 1.0, "params_MiB": 1.0}] * 2
+def _fake_memory(provider, width, depth, out):
+    return [{"peak_rss_mb": 1.0, "params_MiB": 1.0}] * 2
+
+
+def _fake_timing(providers, rounds, width, depth, steps, out):
+    return [{p: [10.0 if p.startswith("zk") else 20.0] * rounds for p in providers}] * 2
+
+
+def _fake_runs(monkeypatch):
+    monkeypatch.setattr(e2e, "_memory", _fake_memory)
+    monkeypatch.setattr(e2e, "_timing", _fake_timing)
+    monkeypatch.setattr(e2e, "_model", lambda width, depth: e2e.nn.Linear(2, 2))
 
 
 def test_e2e_runs_deepspeed_at_every_stage_when_installed(monkeypatch):
-    monkeypatch.setattr(e2e, "_spawn", _fake_spawn)
-    monkeypatch.setattr(e2e, "_model", lambda width, depth: e2e.nn.Linear(2, 2))
+    _fake_runs(monkeypatch)
     monkeypatch.setattr(e2e_deepspeed, "unavailable", lambda: None)
     rows = e2e.run(quick=True)
     ds = [r for r in rows if r["provider"].startswith("deepspeed-stage")]
@@ -250,8 +347,7 @@ def test_e2e_runs_deepspeed_at_every_stage_when_installed(monkeypatch):
 
 
 def test_e2e_without_deepspeed_says_so_in_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(e2e, "_spawn", _fake_spawn)
-    monkeypatch.setattr(e2e, "_model", lambda width, depth: e2e.nn.Linear(2, 2))
+    _fake_runs(monkeypatch)
     monkeypatch.setattr(e2e_deepspeed.importlib.util, "find_spec", lambda name: None)
     rows = e2e.run(quick=True)
     assert not any(r["provider"].startswith("deepspeed") for r in rows)
@@ -264,8 +360,10 @@ def test_e2e_reports_a_provider_whose_processes_die_in_its_rows(monkeypatch):
         raise RuntimeError("process 1 terminated with signal SIGKILL")
 
     monkeypatch.setattr(e2e.mp, "spawn", die)
-    rows = e2e._spawn("deepspeed-stage3", 8, 1, 3, "/nonexistent/out")
+    rows = e2e._memory("deepspeed-stage3", 8, 1, "/nonexistent/out")
     assert rows == [{"error": "RuntimeError: process 1 terminated with signal SIGKILL"}] * 2
+    timing = e2e._timing(["zk-stage2", "fsdp2"], 3, 8, 1, 3, "/nonexistent/out")
+    assert e2e._row({}, timing[0]["fsdp2"]) == {"error": "RuntimeError: process 1 terminated with signal SIGKILL"}
 
 
 def test_deepspeed_gets_the_config_ours_runs_with():

@@ -7,7 +7,8 @@
    ``load_state_dict(assign=True)`` and a new dtype raise naming the parameter.
 3. Stage 3: ``model.state_dict()`` of shards is refused with what to call; ``save_pretrained``
    writes full weights.
-4. A model wrapped in DDP is refused (given to the optimizer, or wrapped afterwards).
+4. A model wrapped in DDP is refused (given to the optimizer, or wrapped afterwards, also when the
+   optimizer was given only the parameters).
 5. ``opt.clip_grad_norm_`` matches ``torch.nn.utils.clip_grad_norm_`` + AdamW.
 6. ``ZERO_KERNELS_LOG_LEVEL=INFO`` prints once; the planner labels offload "not supported here".
 """
@@ -163,16 +164,27 @@ def stage3_saving(rank: int, world: int, directory: str) -> None:
 
 
 def ddp_refused(rank: int, world: int, stage: int) -> None:
-    """Item 4: DDP around the model, before or after the optimizer is built."""
+    """Item 4: DDP around the model, before or after the optimizer is built, whatever it was given."""
     model, _ = make_models(torch.float32)
     with pytest.raises(ValueError, match="wrapped in DistributedDataParallel"):
         make_opt(DistributedDataParallel(model), stage)
     model, _ = make_models(torch.float32)
     opt = make_opt(model, stage)
     wrapped = DistributedDataParallel(model)
-    with pytest.raises(RuntimeError, match="inside DistributedDataParallel"):
+    with pytest.raises(RuntimeError, match="DistributedDataParallel.*ZeroTrainer.*ZeroAccelerator"):
         wrapped(batch(0, ROWS))
     del opt
+    if stage == 3:
+        return  # stage 3 is always given the model
+    for run_first in (False, True):  # the model ran once before the wrap (found then), or not
+        model, _ = make_models(torch.float32)
+        opt = zo.ShardedFusedAdam(model.parameters(), lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+        if run_first:
+            model(batch(0, ROWS))
+        wrapped = DistributedDataParallel(model)
+        with pytest.raises(RuntimeError, match="DistributedDataParallel.*ZeroTrainer.*ZeroAccelerator"):
+            wrapped(batch(0, ROWS))
+        del opt
 
 
 def clipped(rank: int, world: int, stage: int) -> None:
@@ -203,7 +215,7 @@ def frameworks(rank: int, world: int, directory: str) -> None:
         master_kept(rank, world, stage)
         replacement_errors(rank, world, stage)
         clipped(rank, world, stage)
-    for stage in (0, 2):
+    for stage in STAGES:
         ddp_refused(rank, world, stage)
     stage3_saving(rank, world, directory)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -316,6 +317,7 @@ def fake_build(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any
     monkeypatch.setattr(_ext, "_prebuilt", lambda name: None)
     monkeypatch.setattr(_ext, "_missing_toolchain", lambda with_cuda: None)
     monkeypatch.setattr(_build_lock, "WAIT_LOG_S", 0.5)
+    monkeypatch.setattr(_build_lock, "FIRST_WAIT_LOG_S", 0.5, raising=False)
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(seen["dir"]))
 
     def load(name: str, **kwargs: Any) -> str:
@@ -346,6 +348,31 @@ def _holder(directory: Path, torch_lock: bool, seconds: float) -> subprocess.Pop
     return proc
 
 
+def load_slowly(directory: str, seconds: float) -> None:
+    """In another process: load the (up-to-date) build of 'ops' in ``directory``, the load taking ``seconds``."""
+    from torch.utils import cpp_extension
+
+    _ext._prebuilt = lambda name: None
+    _ext._missing_toolchain = lambda with_cuda: None
+    cpp_extension._get_build_directory = lambda name, verbose: directory
+
+    def load(name: str, **kwargs: Any) -> str:
+        print("held", flush=True)
+        time.sleep(seconds)
+        return name
+
+    cpp_extension.load = load
+    _ext.load("ops")
+
+
+def _loader(directory: Path, seconds: float) -> subprocess.Popen:
+    code = f"import test_robustness as t; t.load_slowly({str(directory)!r}, {seconds})"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
 def test_first_build_is_announced_and_a_cached_one_is_not(fake_build: dict, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="zero_kernels"):
         assert _ext.load("ops") == "zero_kernels_ops"
@@ -369,6 +396,38 @@ def test_waiting_for_another_build_names_it(fake_build: dict, caplog) -> None:
     assert fake_build["loads"] == 1
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert f"waiting for process {holder.pid} to finish building the C++ extension 'ops'" in messages, messages
+
+
+def test_loading_a_cached_build_waits_for_no_one(fake_build: dict, caplog) -> None:
+    """Every rank of a launch loads the cached build: none waits for another, none warns."""
+    _ext.load("ops")  # the first build; cached from now on
+    _ext._RESULTS.clear()
+    caplog.clear()
+    loader = _loader(fake_build["dir"], seconds=4.0)  # another process, in the middle of loading it
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+            _ext.load("ops")
+        took = time.monotonic() - start
+    finally:
+        loader.wait(timeout=60)
+    assert took < 2.0, f"waited {took:.1f} s for another process that was only loading the cached build"
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+
+
+def test_a_real_wait_says_how_long(monkeypatch: pytest.MonkeyPatch, fake_build: dict, caplog) -> None:
+    """A process that waits for a build says so only once the wait is real, with real durations."""
+    monkeypatch.setattr(_build_lock, "FIRST_WAIT_LOG_S", 1.2, raising=False)
+    holder = _holder(fake_build["dir"], torch_lock=False, seconds=3.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+            _ext.load("ops")
+    finally:
+        holder.wait(timeout=60)
+    waits = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert waits, [r.getMessage() for r in caplog.records]
+    found = re.search(r"building it for (\d+) s; waited (\d+) s so far", waits[0])
+    assert found and int(found[1]) >= 1 and int(found[2]) >= 1, waits[0]
 
 
 def test_lock_of_a_killed_build_is_removed_not_waited_on(fake_build: dict, caplog) -> None:

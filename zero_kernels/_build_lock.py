@@ -5,11 +5,15 @@ created with ``O_EXCL``, removed when the build ends, no owner recorded) and wai
 and without limit. A build that is killed leaves it behind, and every later process would wait
 forever. So zero_kernels first takes its own lock, ``zero_kernels.lock`` beside torch's:
 
-- an exclusive ``fcntl.flock``, which the kernel releases when its holder exits or is killed: a
-  held lock always belongs to a live process;
-- the holder writes ``pid host start-time`` into the file and clears it when done, so a record
-  found by the next holder names a build that was interrupted;
-- a waiter says at WARNING which process it waits for and for how long, then every minute;
+- an ``fcntl.flock``, which the kernel releases when its holder exits or is killed: a held lock
+  always belongs to a live process. Loading a build that is up to date takes it shared, so the
+  ranks of a launch load the cached build side by side without waiting for each other; a build
+  (or a leftover torch lock to judge) takes it exclusive, once no process is loading;
+- the exclusive holder writes ``pid host start-time`` into the file and clears it when done, so a
+  record found by the next holder names a build that was interrupted;
+- a waiter says at WARNING which process it waits for, how long that one has been building and how
+  long it has itself waited, once it has waited ``FIRST_WAIT_LOG_S`` (a short wait says nothing),
+  then every minute;
 - once a process holds the lock, torch's ``lock`` is judged by its owner: with no record left
   (the last build finished) or a recorded process of this host that is gone, it is removed with a
   warning; a recorded process that is alive (a file system whose locks do not work) is waited for,
@@ -25,7 +29,7 @@ import logging
 import os
 import socket
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 try:
     import fcntl
@@ -38,7 +42,8 @@ LOCK_NAME = "zero_kernels.lock"
 TORCH_LOCK_NAME = "lock"
 # torch's lock with an owner that cannot be checked (another host, no fcntl) is stale after this long.
 STALE_LOCK_S = 20 * 60
-WAIT_LOG_S = 60.0  # a waiter repeats its message this often
+FIRST_WAIT_LOG_S = 5.0  # a waiter says so once it has waited this long
+WAIT_LOG_S = 60.0  # then repeats its message this often
 POLL_S = 0.25
 BUILD_TIME = "1-6 minutes on 2 CPU cores"
 
@@ -80,32 +85,39 @@ def _read(fd: int) -> str:
     return os.read(fd, 256).decode(errors="replace")
 
 
-def _wait_for_flock(fd: int, path: str, what: str) -> None:
-    """Take the flock on ``fd``, saying at WARNING whom this process waits for, then every ``WAIT_LOG_S``."""
-    start: Optional[float] = None
-    last = 0.0
+def _age(holder: tuple[int, str, float]) -> float:
+    """Seconds since the holder started (never negative: the record's clock is rounded to the second)."""
+    return max(0.0, time.time() - holder[2])
+
+
+def _wait_for_flock(fd: int, path: str, what: str, mode: int) -> None:
+    """Take the flock on ``fd`` in ``mode``; past ``FIRST_WAIT_LOG_S`` say at WARNING whom this process waits
+    for, then every ``WAIT_LOG_S``."""
+    start = time.monotonic()
+    next_log = start + FIRST_WAIT_LOG_S
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
             return
         except BlockingIOError:
             pass
         now = time.monotonic()
-        if start is None or now - last >= WAIT_LOG_S:
+        if now >= next_log:
             holder = _parse(_read(fd))
-            since = "" if holder is None else f", which has been building it for {time.time() - holder[2]:.0f} s"
-            waited = "" if start is None else f"; waited {(now - start) / 60:.0f} min so far"
+            since = (
+                "" if holder is None else f", which has been building it for {max(0.0, time.time() - holder[2]):.0f} s"
+            )
             log.warning(
-                "zero_kernels: waiting for %s to finish building %s%s (lock %s; a build usually takes %s%s)",
+                "zero_kernels: waiting for %s to finish building %s%s; waited %.0f s so far (lock %s; a build "
+                "usually takes %s)",
                 _describe(holder),
                 what,
                 since,
+                now - start,
                 path,
                 BUILD_TIME,
-                waited,
             )
-            start = now if start is None else start
-            last = now
+            next_log = now + WAIT_LOG_S
         time.sleep(POLL_S)
 
 
@@ -145,28 +157,40 @@ def _clear_torch_lock(directory: str, previous: Optional[tuple[int, str, float]]
 
 
 @contextlib.contextmanager
-def hold(directory: str, what: str) -> Iterator[None]:
+def hold(directory: str, what: str, needs_build: Optional[Callable[[], bool]] = None) -> Iterator[bool]:
     """Hold the build lock of ``directory`` (an extension's build directory) for the block.
+
+    Yields whether a build is needed. When ``needs_build()`` says none is (the cached build is up to
+    date) and torch's lock is absent, the lock is held shared: other loaders do not wait. Otherwise
+    it is held exclusive, and ``needs_build()`` is asked again once held (another process may have
+    built meanwhile).
 
     Args:
         directory: the build directory (created if missing).
         what: the extension, for messages (e.g. "extension 'ops'").
+        needs_build: whether the extension must be (re)built; None: always (exclusive).
     """
+    needs_build = needs_build if needs_build is not None else (lambda: True)
     os.makedirs(directory, exist_ok=True)
     if fcntl is None:
         _clear_torch_lock(directory, None, what)
-        yield
+        yield needs_build()
         return
     path = os.path.join(directory, LOCK_NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _wait_for_flock(fd, path, what)
+        _wait_for_flock(fd, path, what, fcntl.LOCK_SH)
+        if not os.path.exists(os.path.join(directory, TORCH_LOCK_NAME)) and not needs_build():
+            yield False
+            return
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        _wait_for_flock(fd, path, what, fcntl.LOCK_EX)
         previous = _parse(_read(fd))
         os.ftruncate(fd, 0)
         os.pwrite(fd, _record().encode(), 0)
         _clear_torch_lock(directory, previous, what)
         try:
-            yield
+            yield needs_build()
         finally:
             os.ftruncate(fd, 0)  # a record left behind marks an interrupted build
     finally:

@@ -7,8 +7,9 @@ extension cache, ``TORCH_EXTENSIONS_DIR``, rebuilds when a source changes). A mo
 
 First use. A build takes minutes, so it is announced at WARNING (what is built, how long it
 usually takes, where it is cached) and its duration logged when done. Builds of one extension are
-serialised by ``_build_lock`` (a lock that dies with its holder): a process that waits for
-another's build says so, and a lock left by a killed build is removed instead of waited on.
+serialised by ``_build_lock`` (a lock that dies with its holder): processes that load a cached
+build share it and wait for nobody, a process that waits for another's build says so once the wait
+is real, and a lock left by a killed build is removed instead of waited on.
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ def _build(name: str) -> ModuleType:
     directory = cpp_extension._get_build_directory(module_name(name), verbose=False)
     start = time.perf_counter()
     try:
-        with _build_lock.hold(directory, f"the C++ extension '{name}'"):
-            building = not _up_to_date(directory, name, sources)
+
+        def stale() -> bool:
+            return not _up_to_date(directory, name, sources)
+
+        with _build_lock.hold(directory, f"the C++ extension '{name}'", stale) as building:
             if building:
                 log.warning(
                     "zero_kernels: building the C++ extension '%s' (first use, or its sources changed); this usually "

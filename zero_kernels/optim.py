@@ -30,16 +30,16 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   folded into the kernel's gradient multiplier. The norm, that multiplier and the skip flag stay on
   the gradients' device (``stages.outcome``): ``opt.last_step`` reads them when asked, and the step
   counts, ``skipped_steps`` and the loss scale take the step into account when next read. Or call
-  ``opt.clip_grad_norm_(max_norm)`` before ``step()`` (what frameworks that clip themselves should
-  call: ``torch.nn.utils.clip_grad_norm_(model.parameters())`` sees no gradient at stages 2-3 and
-  only this rank's at stage 1).
+  ``opt.clip_grad_norm_(max_norm)`` before ``step()``; once an optimizer exists,
+  ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` calls it (``torch_clip``: torch's
+  own would see no gradient at stages 2-3 and only this rank's at stage 1), and raises for a subset.
 - Clearing: after every ``step()`` the optimizer forgets the step's gradients itself, so a loop
   that calls only ``model.zero_grad()`` (as the Hugging Face Trainer does) trains as with AdamW
   at every stage (``stages.grad_state``).
 - Parameters replaced after construction (``model.to(...)`` copies, ``p.data = ...``) are followed
   at the next step; ``Parameter`` objects replaced in the model, or a new dtype, device or shape,
   raise ``ValueError`` naming the parameter (``stages.adopt``). A model wrapped in
-  ``DistributedDataParallel`` is refused (``guards``).
+  ``DistributedDataParallel`` is refused (``guards``), whatever the optimizer was given.
 - AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
   and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
   ``capturable=True`` and ``differentiable=True`` are refused (``optim_args``).
@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import agreement, devices, guards, optim_copy, optim_state
+from . import agreement, devices, guards, live, optim_copy, optim_state, torch_clip
 from .comm import make_engine
 from .config import FP16Config, ZeroOptions
 from .optim_args import (
@@ -213,8 +213,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._update_sync()
         held = {id(p) for g in self.param_groups for p in g["params"]}
         self._held_names = {n: i for i, n in self._names.items() if i in held}
-        if module is not None:
-            guards.refuse_ddp_forward(module, self)
+        live.register(self)
+        torch_clip.install()
+        guards.watch(self, module)
 
     # ---------------------------------------------------------------- param groups
     def _params(self) -> list[torch.Tensor]:
@@ -380,7 +381,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
         What ``torch.nn.utils.clip_grad_norm_`` does for a plain optimizer, for gradients that live in
         shards: the norm is taken over the reduced gradients of every rank (a collective: call it on
-        every rank, after the last backward of the step and before ``step()``).
+        every rank, after the last backward of the step and before ``step()``). Once this optimizer
+        exists, ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` calls this (see
+        ``torch_clip``).
 
         Args:
             max_norm: the largest global L2 norm the gradients may have; ``inf`` only measures it.
@@ -389,20 +392,29 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         Returns:
             The global norm before clipping, as a 0-d float32 tensor.
         """
+        _check_max_norm(max_norm)
+        norm = self._grad_norm(norm_type, "clip_grad_norm_")
+        self._clip_with_norm(max_norm, norm)
+        return norm.float()
+
+    def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
+        """The global norm of this step's reduced gradients, a 0-d float64 tensor (a collective; no clipping)."""
         if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_: norm_type must be 2, got {norm_type!r}")
-        if not max_norm >= 0:
-            raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm!r}")
+            raise ValueError(f"{what}: norm_type must be 2, got {norm_type!r}")
         if self._micro_step + 1 < self.gradient_accumulation_steps:
             raise RuntimeError(
-                f"clip_grad_norm_ on accumulation micro-step {self._micro_step + 1} of "
+                f"{what} on accumulation micro-step {self._micro_step + 1} of "
                 f"{self.gradient_accumulation_steps}: the gradients are complete only before the step that "
                 "updates; call it there, or set max_grad_norm"
             )
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
-        norm = grad_state.grad_norm(self._pipeline, scale)
+        return grad_state.grad_norm(self._pipeline, scale)
+
+    def _clip_with_norm(self, max_norm: float, norm: Union[float, torch.Tensor]) -> None:
+        """The next step scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` (a non-finite norm: 1)."""
+        _check_max_norm(max_norm)
+        norm = torch.as_tensor(norm, dtype=torch.float64)
         self._clip_coef = torch.where(torch.isfinite(norm), clip_coef(norm, max_norm), 1.0)
-        return norm.float()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.
@@ -507,6 +519,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
         return optim_copy.deep_copy(self, memo)
+
+
+def _check_max_norm(max_norm: Any) -> None:
+    if not max_norm >= 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm!r}")
 
 
 def _the_module(params_or_module: Any, module: Optional[nn.Module]) -> Optional[nn.Module]:

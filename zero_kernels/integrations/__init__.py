@@ -1,4 +1,5 @@
-"""Saving full weights from a sharded optimizer, and (``integrations.hf``) the Hugging Face Trainer.
+"""Saving full weights from a sharded optimizer; the Hugging Face Trainer (``integrations.hf``) and
+Accelerate (``integrations.accelerate``).
 
 ``save_pretrained(model, optimizer, directory)`` is what to call, on every rank, where a plain loop
 would call ``model.save_pretrained(directory)`` or ``torch.save(model.state_dict(), path)``: at stage
@@ -6,7 +7,8 @@ would call ``model.save_pretrained(directory)`` or ``torch.save(model.state_dict
 rank returns once the files are there. The ranks agree on the outcome, so a failed write on rank 0
 raises on every rank instead of leaving the others waiting.
 
-``integrations.hf`` needs ``transformers`` (``pip install 'zero_kernels[hf]'``); this module does not.
+``integrations.hf`` needs ``transformers``, ``integrations.accelerate`` needs ``accelerate`` (both in
+``pip install 'zero_kernels[hf]'``); this module needs neither.
 """
 
 from __future__ import annotations

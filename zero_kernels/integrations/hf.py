@@ -1,24 +1,33 @@
 """``ZeroTrainer``: the Hugging Face ``transformers.Trainer`` training with ``ShardedFusedAdam`` (stages 0-3).
 
-Needs ``transformers`` and ``accelerate`` (``pip install 'zero_kernels[hf]'``). The two lines a
-script changes::
+Needs ``transformers`` and ``accelerate`` (``pip install 'zero_kernels[hf]'``). A script written for
+the Trainer with DeepSpeed changes one name, ``Trainer`` -> ``ZeroTrainer``; the DeepSpeed config
+stays where it was::
 
     from zero_kernels.integrations.hf import ZeroTrainer
-    trainer = ZeroTrainer(model=model, args=args, train_dataset=ds, zero_optimization={"stage": 3})
+    args = TrainingArguments(..., deepspeed="ds_config.json")  # or ZeroTrainer(..., config="ds_config.json")
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=ds)
 
 Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the subclass owns:
 
-- the optimizer: ``ShardedFusedAdam`` with the arguments' ``learning_rate``, ``adam_beta1``,
-  ``adam_beta2``, ``adam_epsilon`` and ``weight_decay`` (not applied to biases and norms, as the
-  Trainer does), and the ``zero_optimization`` keys given (a mapping, or ``ZeroOptions``); or a
-  ``ShardedFusedAdam`` passed as ``optimizers=(opt, scheduler)``;
+- the config: a whole DeepSpeed config, from ``TrainingArguments(deepspeed=...)`` or ``config=``,
+  is read as the Trainer with DeepSpeed reads it: its optimizer, scheduler, clipping and bf16
+  sections, ``"auto"`` values from ``TrainingArguments`` and the model's hidden size, mismatches
+  refused (``hf_config``); one log line at WARNING says where each value came from. DeepSpeed
+  itself is switched off (the Trainer gets a copy of the arguments without it). With only
+  ``zero_optimization=`` keys (a mapping or a ``ZeroOptions``) the rest comes from the arguments;
+- the optimizer: ``ShardedFusedAdam`` with the config's optimizer over every trainable parameter,
+  or without one with the arguments' ``learning_rate``, ``adam_beta1``, ``adam_beta2``,
+  ``adam_epsilon`` and ``weight_decay`` (not applied to biases and norms, as the Trainer does); or
+  a ``ShardedFusedAdam`` passed as ``optimizers=(opt, scheduler)`` (not with a whole config);
 - the DDP wrap: the optimizer reduces gradients itself, so the model is prepared by Accelerate
   without ``DistributedDataParallel`` (mixed-precision autocast and device placement still apply);
   gradient-accumulation micro-batches but the last run under ``opt.no_sync()``;
 - zero_grad: the Trainer's ``model.zero_grad()`` is enough, as ``step()`` clears the optimizer's
   own gradient state;
-- clipping and the logged ``grad_norm``: ``opt.clip_grad_norm_(max_grad_norm)``, the global norm of
-  the reduced gradients (``clip_grad_norm_`` on the model sees none at stages 2-3);
+- clipping and the logged ``grad_norm``: ``opt.clip_grad_norm_``, the global norm of the reduced
+  gradients, to the config's ``gradient_clipping`` (DeepSpeed's default 1.0 when a whole config
+  leaves it out), else to ``max_grad_norm``;
 - saving: ``save_model`` writes full weights at stages 0-2, and at stage 3 when
   ``stage3_gather_16bit_weights_on_model_save`` is true (gathered on every rank, written by rank
   0: ``from_pretrained`` loads them). At stage 3 without it, as DeepSpeed, no weights file is
@@ -28,8 +37,8 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
 - loading: ``train(resume_from_checkpoint=...)`` restores model and optimizer from it, at any
   world size and stage.
 
-Not supported: ``fp16=True`` (torch's ``GradScaler`` cannot see sharded gradients; use ``bf16=True``
-or fp32), ``deepspeed=...`` and FSDP (``ZeroTrainer`` replaces them).
+Not supported: fp16 (``fp16=True`` or in the config: torch's ``GradScaler`` cannot see sharded
+gradients; use bf16 or fp32) and FSDP.
 """
 
 from __future__ import annotations
@@ -47,10 +56,10 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
-from ..config import ZeroOptions
+from ..config import ZeroConfig, ZeroOptions
 from ..optim import ShardedFusedAdam
 from ..stages import adopt
-from . import agree
+from . import agree, hf_config
 
 __all__ = ["ZeroTrainer", "CHECKPOINT_DIR"]
 
@@ -58,49 +67,68 @@ CHECKPOINT_DIR = "zero_kernels"  # inside a Trainer checkpoint folder: the shard
 log = logging.getLogger("zero_kernels")
 
 
-def _options(zero_optimization: Union[Mapping[str, Any], ZeroOptions, None]) -> ZeroOptions:
-    if zero_optimization is None:
-        return ZeroOptions(stage=1)
-    if isinstance(zero_optimization, ZeroOptions):
-        return zero_optimization
-    if not isinstance(zero_optimization, Mapping):
-        raise ValueError(
-            "ZeroTrainer: zero_optimization must be a mapping of DeepSpeed zero_optimization keys or a ZeroOptions, "
-            f"got {type(zero_optimization).__name__}"
-        )
-    return ZeroOptions.from_dict(zero_optimization)
-
-
 class ZeroTrainer(Trainer):
     """``transformers.Trainer`` with ZeRO-sharded AdamW; see the module docstring.
 
     Args:
         *args: as ``transformers.Trainer``.
-        zero_optimization: DeepSpeed ``zero_optimization`` keys (``{"stage": 2, ...}``) or a ``ZeroOptions``;
-            None: stage 1.
+        config: a whole DeepSpeed config (path of a JSON file, or a dict), read as the Trainer with
+            DeepSpeed reads it (``hf_config``); or give it as ``TrainingArguments(deepspeed=...)``.
+        zero_optimization: only DeepSpeed ``zero_optimization`` keys (``{"stage": 2, ...}``) or a
+            ``ZeroOptions`` (the rest from ``TrainingArguments``); a whole config or its path is taken as
+            ``config``. None of the three: stage 1.
         **kwargs: as ``transformers.Trainer``.
     """
 
-    def __init__(self, *args: Any, zero_optimization: Union[Mapping[str, Any], ZeroOptions, None] = None, **kwargs):
-        self.zero_options = _options(zero_optimization)
+    def __init__(
+        self,
+        *args: Any,
+        config: Union[str, os.PathLike, Mapping[str, Any], None] = None,
+        zero_optimization: Union[str, os.PathLike, Mapping[str, Any], ZeroOptions, None] = None,
+        **kwargs: Any,
+    ):
+        args = list(args)
+        training_args = args[1] if len(args) > 1 else kwargs.get("args")
+        self.zero_source = hf_config.find(config, zero_optimization, training_args)
+        if training_args is not None:
+            detached = hf_config.without_deepspeed(training_args)
+            if len(args) > 1:
+                args[1] = detached
+            else:
+                kwargs["args"] = detached
         given = kwargs.get("optimizers", (None, None))[0]
         if given is not None and not isinstance(given, ShardedFusedAdam):
             raise ValueError(
                 f"ZeroTrainer: optimizers=({type(given).__name__}, ...): pass a ShardedFusedAdam, or no optimizer "
                 "(the trainer builds one from the arguments and zero_optimization)"
             )
+        if given is not None and self.zero_source.whole:
+            raise ValueError(
+                f"ZeroTrainer: optimizers=(...) and a DeepSpeed config ({self.zero_source.origin}) both say how to "
+                "train: pass one (the Trainer with DeepSpeed refuses optimizers= too)"
+            )
         self.zero_optimizer: Optional[ShardedFusedAdam] = given
+        self.zero_config: Optional[ZeroConfig] = None  # the config resolved when training starts
         super().__init__(*args, **kwargs)
-        for flag in ("fp16", "deepspeed", "fsdp"):
+        for flag in ("fp16", "fsdp"):
             if getattr(self.args, flag):
                 raise ValueError(
                     f"ZeroTrainer: TrainingArguments({flag}=...) is not supported: ZeroTrainer shards the optimizer "
                     "itself (use bf16=True or fp32 for mixed precision: GradScaler cannot see sharded gradients)"
                 )
+        _refuse_deepspeed_partitioned(self.model)
+
+    @property
+    def zero_options(self) -> ZeroOptions:
+        """The ``zero_optimization`` options: the optimizer's, once it exists."""
+        if self.zero_optimizer is not None:
+            return self.zero_optimizer.options
+        return self._resolved_config().zero
 
     # ---------------------------------------------------------------- optimizer and DDP
     def create_accelerator_and_postprocess(self) -> None:
-        """As the Trainer's, with Accelerate preparing the model without a DDP wrapper."""
+        """As the Trainer's, with Accelerate preparing the model without a DDP wrapper (nor DeepSpeed)."""
+        hf_config.accelerate_without_deepspeed()
         super().create_accelerator_and_postprocess()
         prepare_model = self.accelerator.prepare_model
 
@@ -110,30 +138,70 @@ class ZeroTrainer(Trainer):
         self.accelerator.prepare_model = prepare_without_ddp
 
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
-        """Build the ``ShardedFusedAdam`` (once), with the Trainer's weight-decay groups.
+        """Build the ``ShardedFusedAdam`` (once), from the config's optimizer section or from the arguments.
 
         Args:
             model: the model (default: ``self.model``).
         """
         if self.zero_optimizer is None:
             model = self.model if model is None else model
-            decay = set(self.get_decay_parameter_names(model))
-            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            groups = [
-                {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-            ]
-            options = {f.name: getattr(self.zero_options, f.name) for f in dataclasses.fields(ZeroOptions)}
-            self.zero_optimizer = ShardedFusedAdam(
-                [g for g in groups if g["params"]],
-                lr=self.args.learning_rate,
-                betas=(self.args.adam_beta1, self.args.adam_beta2),
-                eps=self.args.adam_epsilon,
-                module=model,
-                **options,
-            )
+            config = self._resolved_config()
+            if config.fp16.enabled:
+                raise ValueError(
+                    f"ZeroTrainer: fp16 is enabled in {self.zero_source.origin}: the Trainer's loop cannot apply "
+                    "zero_kernels' loss scaling; use bf16 (or fp32)"
+                )
+            if config.bf16 and self.zero_source.whole:
+                model.to(torch.bfloat16)  # as DeepSpeed: bf16 weights, fp32 master weights in the optimizer
+            groups, hyper = self._groups(model, config)
+            options = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
+            self.zero_optimizer = ShardedFusedAdam(groups, module=model, **hyper, **options)
         self.optimizer = self.zero_optimizer
         return self.optimizer
+
+    def _groups(self, model: nn.Module, config: ZeroConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Param groups and hyper-parameters: the config's optimizer over every trainable parameter (as
+        DeepSpeed), else the Trainer's AdamW without weight decay on biases and norms."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        opt = config.optimizer if self.zero_source.whole else None
+        if opt is not None:
+            hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+            return [{"params": [p for _, p in named]}], {**hyper, "adam_w_mode": opt.adamw}
+        decay = set(self.get_decay_parameter_names(model))
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        hyper = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2))
+        return [g for g in groups if g["params"]], {**hyper, "eps": self.args.adam_epsilon}
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """The config's scheduler section when it has one (DeepSpeed's schedules), else the Trainer's.
+
+        Args:
+            num_training_steps: as ``Trainer.create_scheduler``.
+            optimizer: as ``Trainer.create_scheduler``.
+        """
+        config = self._resolved_config()
+        if self.lr_scheduler is None and self.zero_source.whole and config.scheduler is not None:
+            self.lr_scheduler = config.scheduler.build(self.optimizer if optimizer is None else optimizer)
+            self._created_lr_scheduler = True
+            return self.lr_scheduler
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _resolved_config(self) -> ZeroConfig:
+        """The config with its ``"auto"`` values filled, once the training length is known; logged once."""
+        if self.zero_config is not None:
+            return self.zero_config
+        steps = self.state.max_steps or self.args.max_steps
+        steps = steps if steps and steps > 0 else None
+        config = hf_config.resolve(self.zero_source, self.args, self.model, steps)
+        if steps is not None:  # known once training starts: before, nothing is kept (nor logged)
+            self.zero_config = config
+            log.warning("%s", hf_config.describe(self.zero_source, config, self.args, self.model, steps))
+        return config
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """As the Trainer's; micro-batches before the last of an accumulation step do not communicate."""
@@ -143,10 +211,15 @@ class ZeroTrainer(Trainer):
 
     # ---------------------------------------------------------------- clipping
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
-        return self.zero_optimizer.clip_grad_norm_(self.args.max_grad_norm)
+        return self._clip()
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        return self.zero_optimizer.clip_grad_norm_(float("inf")) if grad_norm is None else grad_norm
+        return self._clip() if grad_norm is None else grad_norm
+
+    def _clip(self) -> torch.Tensor:
+        """Clip to the config's gradient_clipping (a whole config), else to max_grad_norm; the norm before."""
+        limit = hf_config.clipping(self.zero_source, self._resolved_config(), self.args)
+        return self.zero_optimizer.clip_grad_norm_(float("inf") if limit is None else limit)
 
     # ---------------------------------------------------------------- saving and loading
     def _gathers_on_save(self) -> bool:
@@ -213,3 +286,13 @@ class ZeroTrainer(Trainer):
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _refuse_deepspeed_partitioned(model: Optional[nn.Module]) -> None:
+    """A model whose parameters DeepSpeed ZeRO-3 partitioned cannot be trained here: say why and what to do."""
+    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError(
+            "ZeroTrainer: the model's parameters were partitioned by DeepSpeed ZeRO-3 (from_pretrained does that "
+            "while a TrainingArguments(deepspeed=<a stage-3 config>) exists): load the model before building the "
+            "TrainingArguments, or give the config as ZeroTrainer(config=...) instead of in TrainingArguments"
+        )

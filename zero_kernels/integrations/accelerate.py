@@ -1,0 +1,78 @@
+"""``ZeroAccelerator``: Hugging Face Accelerate's ``Accelerator`` for models trained by ``ShardedFusedAdam``.
+
+Needs ``accelerate`` (``pip install 'zero_kernels[hf]'``). The loop of any Accelerate script, with
+one name changed::
+
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    accelerator = ZeroAccelerator()  # takes Accelerator's arguments
+    opt = zk.ShardedFusedAdam(model.parameters(), lr=3e-4, stage=2)  # stage 3: ShardedFusedAdam(model, ...)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+What differs from ``Accelerator``, only for a model holding parameters that a live
+``ShardedFusedAdam`` trains (build the optimizer before ``prepare``; any other model is prepared as
+usual):
+
+- ``prepare_model`` does not wrap it in ``DistributedDataParallel`` (the optimizer reduces the
+  gradients itself; DDP would reduce them again), as ``ZeroTrainer`` does for the Trainer; device
+  placement, mixed-precision autocast and ``torch.compile`` still apply;
+- ``no_sync(model)``, which ``accumulate(model)`` enters for every micro-batch but the last, also
+  enters the optimizer's ``no_sync()``: those backward passes accumulate locally;
+- ``clip_grad_norm_(model.parameters(), max_norm)`` is Accelerate's, which calls torch's
+  ``clip_grad_norm_``: for these parameters that is ``opt.clip_grad_norm_`` (``torch_clip``), the
+  global norm of the reduced gradients, applied by the next step.
+
+With a plain ``Accelerator`` on several processes the model is wrapped in DDP, and its first
+forward raises an error that names ``ZeroAccelerator`` (``guards``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+from accelerate import Accelerator
+from torch import nn
+
+from .. import live
+
+__all__ = ["ZeroAccelerator"]
+
+
+class ZeroAccelerator(Accelerator):
+    """``accelerate.Accelerator`` that leaves models trained by a ``ShardedFusedAdam`` unwrapped; see the
+    module docstring. Takes ``Accelerator``'s arguments."""
+
+    def prepare_model(
+        self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
+    ) -> nn.Module:
+        """As ``Accelerator.prepare_model``, without the DDP wrap for a model a ``ShardedFusedAdam`` trains.
+
+        Args:
+            model: the model.
+            device_placement: as ``Accelerator.prepare_model``.
+            evaluation_mode: as ``Accelerator.prepare_model``.
+        """
+        if live.training(model.parameters()):
+            evaluation_mode = True  # Accelerate's switch that leaves out the DDP/FSDP wrap, and nothing else
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """As ``Accelerator.no_sync``; also the ``no_sync()`` of the ``ShardedFusedAdam`` that trains ``model``.
+
+        Args:
+            model: a model given to ``prepare``.
+        """
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(super().no_sync(model))
+            for opt in live.training(model.parameters()):
+                stack.enter_context(opt.no_sync())
+            yield
