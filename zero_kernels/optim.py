@@ -43,7 +43,7 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 - AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
   and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
   ``capturable=True`` and ``differentiable=True`` are refused (``optim_args``).
-- ``opt.state[p]``: views of this rank's shards (``state_view``); state dicts: ``optim_state``;
+- ``opt.state[p]``: views of this rank's shards, reset the torch way (``state_view``); state dicts: ``optim_state``;
   ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim_copy``.
 - Non-finite gradients (fp32/bf16): with ``skip_nonfinite_steps`` (the default) a step whose
   gradients hold inf/NaN on any rank updates nothing on every rank, is counted in
@@ -197,6 +197,22 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._held_names = {n: i for i, n in self._names.items() if i in held}
         if module is not None:
             guards.refuse_ddp_forward(module, self)
+
+    @property
+    def state(self) -> Any:
+        """AdamW's per-parameter state as views of this rank's shards (``state_view``)."""
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """``opt.state = {}`` (or ``defaultdict(dict)``) resets every parameter's state, as with AdamW."""
+        current = self.__dict__.get("_state")
+        if isinstance(current, ShardedState) and value is not current:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"opt.state must be set to a dict, not a {type(value).__name__}")
+            current.replace(value)
+        else:
+            self.__dict__["_state"] = value  # torch's constructor, then _build
 
     # ---------------------------------------------------------------- param groups
     def _params(self) -> list[torch.Tensor]:

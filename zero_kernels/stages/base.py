@@ -104,6 +104,7 @@ class Pipeline:
         self._synced = False  # a synchronised backward happened since the last step
         self._grads_final = False  # finish_grad_sync() ran since the last step
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
+        self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
 
     # ---------------------------------------------------------------- construction
     @property
@@ -416,7 +417,24 @@ class Pipeline:
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         views = self._norm_views() if norm or finite else None
-        return stats.exchange(self.engine, self._control, self.has_grad, views, checks, device, norm=norm)
+        return stats.exchange(
+            self.engine, self._control, self.has_grad, views, checks, device, norm=norm,
+            counts=self.step_counts.counts, held=self.held_indices(), name=self._index_name,
+        )  # fmt: skip
+
+    def held_indices(self) -> set[int]:
+        """Optimizer indices of the parameters whose state this rank holds (all of it or a piece)."""
+        if self._held[0] != len(self.buffers):
+            held = {buf.indices[buf.layout.slots[seg.slot].param] for buf in self.buffers
+                    for seg in buf.layout.segments(self.shard_rank)}  # fmt: skip
+            self._held = (len(self.buffers), held)
+        return self._held[1]
+
+    def _index_name(self, index: int) -> str:
+        for buf in self.buffers:
+            if index in buf.indices:
+                return f"{self.name_of(buf.params[buf.indices.index(index)])} (optimizer index {index})"
+        return f"parameter {index}"
 
     def step(
         self,
@@ -447,6 +465,7 @@ class Pipeline:
         if self.grad_divisor_is_world:
             scale = scale / self.world_size
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
+        self.step_counts.counts.update(combined.counts)  # as the ranks holding each parameter's state have it
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
         for buf in self.buffers:
