@@ -82,6 +82,7 @@ class Pipeline:
     max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
+    grads_in_p_grad: ClassVar[bool] = True  # the step reads p.grad (stages 0, 1); False: a shard only it holds
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         self.engine = engine
@@ -406,6 +407,11 @@ class Pipeline:
         grad_state.zero_unwritten(self)
         grad_state.read_grad_flags(self)
         self._grads_final = True
+
+    @property
+    def reduced_since_step(self) -> bool:
+        """Whether a synchronised backward (or the step's own synchronisation) ran since the last step."""
+        return self._synced
 
     def reset_grad_sync(self) -> None:
         """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""

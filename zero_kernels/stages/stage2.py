@@ -34,6 +34,7 @@ class Stage2Pipeline(Pipeline):
     stage = 2
     reduces_in_backward = True
     allgather_by_bucket = True
+    grads_in_p_grad = False
 
     def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
         super().__init__(engine, options, impl=impl, module=module)
