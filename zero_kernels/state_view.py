@@ -227,8 +227,14 @@ class ShardedState(MutableMapping):
         self.extra.clear()
 
     def replace(self, state: Mapping[Any, Any]) -> None:
-        """``opt.state = state``: everything reset, then each entry of ``state`` set."""
-        entries = dict(state)
+        """``opt.state = state``: everything reset, then each entry of ``state`` set (its tensors copied first:
+        they may be views of the shards the reset zeroes, as ``opt.state = dict(opt.state)`` gives)."""
+        entries = {
+            key: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+            if isinstance(key, torch.Tensor) and isinstance(value, Mapping)
+            else value
+            for key, value in state.items()
+        }
         self.clear()
         for key, value in entries.items():
             self[key] = value
