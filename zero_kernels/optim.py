@@ -305,6 +305,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         """Micro-steps taken in the current ``gradient_accumulation_steps`` window (0 at a window's start)."""
         return self._micro_step
 
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        """Where a resumed window continues (``zero_kernels.checkpoint`` sets it)."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.gradient_accumulation_steps:
+            raise ValueError(f"micro_step must be in 0..{self.gradient_accumulation_steps - 1}, got {value!r}")
+        self._micro_step = value
+        self._update_sync()
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler: Any = None) -> Optional[float]:
         """One optimizer step (or one accumulation micro-step, see the module docstring).

@@ -104,6 +104,7 @@ class Pipeline:
         self._round_open = False
         self._synced = False  # a synchronised backward happened since the last step
         self._grads_final = False  # finish_grad_sync() ran since the last step
+        self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
 
@@ -256,6 +257,7 @@ class Pipeline:
     # ---------------------------------------------------------------- backward
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         self._check_dense(p)
+        self.window_open = True
         b, slot = self.where[id(p)]
         buf = self.buffers[b]
         self.has_grad[buf.indices[buf.layout.slots[slot].param]] = True
@@ -417,6 +419,13 @@ class Pipeline:
         """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""
         self._synced = False
         self._grads_final = False
+        self.window_open = False
+
+    def reopen(self, synced: bool) -> None:
+        """A window put back (``window.restore``): gradients held, reduced by a synchronised backward or not."""
+        self._synced = synced
+        self._grads_final = False
+        self.window_open = True
 
     def _global_stats(self, checks: Sequence[tuple[str, float]], norm: bool, finite: bool) -> stats.StepStats:
         """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
