@@ -4,26 +4,39 @@ During backward ``p.grad`` is a view of the full ``grad_flat`` buffer holding th
 gradient, and it stays so: the step never writes into it. ``step()`` copies each bucket of
 ``grad_flat`` into a scratch bucket and reduce-scatters that (a collective's input is scratch,
 see ``comm``) into ``grad_shard``, this rank's reduced gradients (the step divides by the world
-size), updates the rank's shard and all-gathers the parameters. So a second ``step()`` without
-a new backward, or a loop that never clears gradients (each backward adds to ``p.grad``), sees
-what ``torch.optim.AdamW`` with DDP-averaged gradients sees. ``grad_shard`` and the scratch
-buckets (at most ``max_inflight + 1`` at a time) live only from the reduction to the end of the
-step (or ``zero_grad()``); between steps stage 1 holds what the ZeRO formula counts. One rank
-reduces nothing: ``grad_flat`` is its reduced gradient.
+size), updates the rank's shard and all-gathers the parameters. So a second ``step()`` without a
+new backward, or a loop that never clears gradients (each backward adds to ``p.grad``), sees what
+``torch.optim.AdamW`` with DDP-averaged gradients sees. One rank reduces nothing: ``grad_flat`` is
+its reduced gradient.
+
+Memory. ``grad_shard`` (this rank's part of the gradients) and the idle scratch buckets (no more
+bytes than ``grad_shard``) are kept from one step to the next and shown by ``memory_report()`` as
+``buffers``: they hold nothing between steps. At the step up to ``STEP_INFLIGHT`` reductions are in
+flight. Allocating both afresh at every step, or two reductions in flight, made a 6.3M-parameter
+step on 2 gloo ranks about 1.5x slower than reducing in place (medians of 20 steps, loaded machine);
+kept and four in flight, about 1.1x (the copy of the gradients).
 """
 
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 
 from ..layout import Bucket
 from .base import FlatBuffer, Pipeline
 
+STEP_INFLIGHT = Pipeline.max_inflight + 2  # reductions in flight at the step
+
 
 class Stage1Pipeline(Pipeline):
     stage = 1
     grad_divisor_is_world = True
     allgather_by_bucket = True
+
+    def __init__(self, engine: Any, options: Any, *, impl: Optional[str] = None, module: Any = None):
+        super().__init__(engine, options, impl=impl, module=module)
+        self._idle: list[torch.Tensor] = []  # scratch buckets kept for the next reductions
 
     def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         if buf.grad_shard is None:  # one rank: the local gradient is the reduced one
@@ -33,23 +46,37 @@ class Stage1Pipeline(Pipeline):
     def _before_step(self) -> None:
         if self.world_size == 1:
             return
-        pool: list[torch.Tensor] = []
         for buf in self.buffers:
-            buf.grad_shard = torch.empty(buf.layout.shard_numel, dtype=buf.dtype, device=buf.device)
+            if buf.grad_shard is None:
+                buf.grad_shard = torch.empty(buf.layout.shard_numel, dtype=buf.dtype, device=buf.device)
             for bucket in buf.layout.buckets:
-                scratch = pool.pop() if pool and pool[-1].dtype == buf.dtype else None
-                if scratch is None or scratch.numel() < bucket.numel or scratch.device != buf.device:
-                    scratch = torch.empty(bucket.numel, dtype=buf.dtype, device=buf.device)
+                scratch = self._scratch(buf)
                 part = scratch.narrow(0, 0, bucket.numel)
                 part.copy_(buf.bucket_slice(buf.grad_flat, bucket))
                 handle = self.engine.reduce_scatter(self._grad_shard(buf, bucket), part, name=f"grads.{bucket.index}")
-                self._track(handle, lambda scratch=scratch: pool.append(scratch), held=(scratch,))
+                self._track(handle, lambda scratch=scratch: self._give_back(scratch), held=(scratch,))
                 buf.written.add(bucket.index)
-                self._complete_inflight(keep=self.max_inflight)
+                self._complete_inflight(keep=STEP_INFLIGHT)
         self._complete_inflight()
 
-    def reset_grad_sync(self) -> None:
-        """As the base; the reduced gradients of the step are dropped (``p.grad`` keeps the local ones)."""
-        for buf in self.buffers:
-            buf.grad_shard = None
-        super().reset_grad_sync()
+    def _scratch(self, buf: FlatBuffer) -> torch.Tensor:
+        """An idle scratch bucket that fits every bucket of ``buf``'s dtype and device, or a new one."""
+        size = max(b.numel for other in self.buffers if other.dtype == buf.dtype for b in other.layout.buckets)
+        for i, t in enumerate(self._idle):
+            if t.dtype == buf.dtype and t.device == buf.device and t.numel() >= size:
+                return self._idle.pop(i)
+        return torch.empty(size, dtype=buf.dtype, device=buf.device)
+
+    def _give_back(self, scratch: torch.Tensor) -> None:
+        """Keep a finished scratch bucket, while the idle ones hold no more bytes than the gradient shard."""
+        idle = sum(t.numel() * t.element_size() for t in self._idle) + scratch.numel() * scratch.element_size()
+        if idle <= sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers):
+            self._idle.append(scratch)
+
+    def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
+        """As the base, with the gradient shard and the idle scratch buckets as ``buffers``."""
+        tensors = super().memory_tensors()
+        shards = {id(buf.grad_shard) for buf in self.buffers}
+        tensors["grads"] = [t for t in tensors["grads"] if id(t) not in shards]
+        tensors["buffers"] = [buf.grad_shard for buf in self.buffers] + self._idle
+        return tensors
