@@ -1,6 +1,7 @@
 """Resetting Adam state the torch way, at every stage on 1-3 gloo ranks, against ``torch.optim.AdamW``
 given the same resets: ``opt.state[p] = {}``, ``del opt.state[p]``, ``opt.state.clear()``,
-``opt.state = defaultdict(dict)``, and ``opt.state[p] = {...}`` with whole-parameter tensors.
+``opt.state = defaultdict(dict)``, ``opt.state[p] = {...}`` with whole-parameter tensors, and
+``opt.state[p]["step"]`` set where a rank holds the state.
 
 Every rank runs the same statements, as any optimizer call; a rank that holds none of a parameter's
 state (``tiny`` has one element: at world sizes 2-3 one rank holds it) resets nothing there and
@@ -44,12 +45,18 @@ def _resets(model: Net, ref: Net) -> dict[int, Callable[[Any, Net, torch.optim.O
     def replace(opt: Any, m: Net, ropt: torch.optim.Optimizer) -> None:
         opt.state[m.head.weight] = _replacement(ref.head.weight, ropt)
 
+    def set_steps(opt: Any, m: Net, _: torch.optim.Optimizer) -> None:
+        for p in m.parameters():
+            if p in opt.state:  # only where this rank holds the state: the step carries it to the others
+                opt.state[p]["step"] = torch.tensor(10.0)
+
     return {
         0: lambda opt, m, _: opt.state.__setitem__(m.emb.weight, {}),
         1: lambda opt, m, _: (opt.state.__delitem__(m.tiny), opt.state.__delitem__(m.mid.bias)),
         2: lambda opt, m, _: opt.state.clear(),
         3: lambda opt, m, _: setattr(opt, "state", defaultdict(dict)),
         4: replace,
+        5: set_steps,
     }
 
 
@@ -61,7 +68,7 @@ def _reset_case(rank: int, world: int, stage: int) -> None:
         del opt.state[model.emb.weight]  # no state yet: as a dict (and AdamW's state)
     opt.state[model.frozen] = {}  # nothing to reset: no error
     resets = _resets(model, ref)
-    for step in range(6):
+    for step in range(7):
         x, span = batch(step, world * ROWS), extra_rows(step, world)
         model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage)).backward()
         ref(x, span).backward()
