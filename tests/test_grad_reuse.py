@@ -13,7 +13,7 @@ import pytest
 import torch
 from _check import assert_close
 from _dist import run_ranks_checked
-from test_stages import BUCKET, LR, ROWS, WORLD_SIZES, batch, compare, make_models
+from test_stages import BUCKET, LR, ROWS, WORLD_SIZES, batch, compare, make_models, two_groups
 
 import zero_kernels.optim as zo
 
@@ -21,8 +21,8 @@ import zero_kernels.optim as zo
 def _loop(rank: int, world: int, stage: int, mode: str) -> None:
     """``twice``: two steps per backward, then zero_grad; ``never``: no zero_grad at all."""
     model, ref = make_models(torch.float32)
-    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = zo.ShardedFusedAdam(two_groups(model), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+    ropt = torch.optim.AdamW(two_groups(ref), lr=LR)
     for step in range(4):
         x = batch(step, world * ROWS)
         model(x[rank * ROWS : (rank + 1) * ROWS]).backward()

@@ -69,8 +69,9 @@ class Stage1Pipeline(Pipeline):
 
     def _give_back(self, scratch: torch.Tensor) -> None:
         """Keep a finished scratch bucket, while the idle ones hold no more bytes than the gradient shard."""
-        idle = sum(t.numel() * t.element_size() for t in self._idle) + scratch.numel() * scratch.element_size()
-        if idle <= sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers):
+        shards = [b.grad_shard for b in self.buffers if b.grad_shard is not None]
+        idle = sum(t.numel() * t.element_size() for t in [*self._idle, scratch])
+        if idle <= sum(t.numel() * t.element_size() for t in shards):
             self._idle.append(scratch)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
