@@ -33,8 +33,9 @@ import zero_kernels as zk
 import zero_kernels.optim as zo
 from zero_kernels.__main__ import main as cli
 from zero_kernels.checkpoint import CheckpointError
-from zero_kernels.checkpoint.format import TensorSource, resolve
+from zero_kernels.checkpoint.format import OBJECTS, TensorSource, resolve
 from zero_kernels.checkpoint.metadata import read_metadata
+from zero_kernels.checkpoint.objects import read_file
 from zero_kernels.schedulers import WarmupDecayLR, WarmupLR
 
 DATA = Path(__file__).parent / "data"
@@ -255,7 +256,9 @@ def test_import_keeps_deepspeeds_fp32_weights_steps_and_groups(imported: dict[st
                 assert src.full(f"optim/{i}/exp_avg_sq").min() >= 0
                 assert p["step"] == fixtures.STEPS_BEFORE
         assert [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
-        assert meta["param_groups"][0]["betas"] == [0.9, 0.95] and meta["lr_scheduler"] == {"last_batch_iteration": 3}
+        book = read_file(version, OBJECTS, meta["objects"])
+        assert meta["param_groups"][0]["betas"] == [0.9, 0.95] and book["param_groups"][0]["betas"] == (0.9, 0.95)
+        assert book["lr_scheduler"] == {"last_batch_iteration": 3}, f"{case}: {book['lr_scheduler']}"
 
 
 def _resume(rank: int, world: int, stages: dict[str, int], imported: dict[str, str], out: str) -> None:

@@ -102,11 +102,13 @@ def memory_case(rank: int, world: int, stage: int) -> None:
     for key in ("params", "grads", "optimizer"):
         want = getattr(estimate, key)
         assert abs(report[key] - want) <= 0.05 * want, f"stage {stage} {key}: {report[key]} vs planner {want}"
-    # idle gradient buckets kept for reuse: at most POOL_BUCKETS of the largest bucket, and no more than the shard
+    # idle gradient buckets kept for reuse: at most POOL_BUCKETS of the largest bucket, and no more than the shard;
+    # stage 1 (on several ranks): its reduced gradient shard, and idle scratch buckets no larger than it
     bound = POOL_BUCKETS * 4 * max(b.numel for buf in opt._pipeline.buffers for b in buf.layout.buckets)
-    bound = min(bound, report["grads"]) if stage >= 2 else 0
+    shard = 4 * sum(buf.layout.shard_numel for buf in opt._pipeline.buffers)
+    bound = min(bound, report["grads"]) if stage >= 2 else 2 * shard if stage == 1 and world > 1 else 0
     pooled = report["buffers"]
-    assert (0 < pooled <= bound) if stage >= 2 else pooled == 0, f"stage {stage}: {pooled} B pooled, bound {bound}"
+    assert (0 < pooled <= bound) if bound else pooled == 0, f"stage {stage}: {pooled} B pooled, bound {bound}"
 
 
 def fp16_case(rank: int, world: int, stage: int) -> None:

@@ -26,6 +26,7 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   averaged over the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
+  Or ``torch.amp.GradScaler``, at every stage: ``scaler.step(opt)`` hands itself to ``step`` (``amp``).
 - Clipping: ``max_grad_norm`` clips the global norm (summed over ranks in the step's exchange),
   folded into the kernel's gradient multiplier. The norm, that multiplier and the skip flag stay on
   the gradients' device (``stages.outcome``): ``opt.last_step`` reads them when asked, and the step
@@ -43,7 +44,7 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 - AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
   and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
   ``capturable=True`` and ``differentiable=True`` are refused (``optim_args``).
-- ``opt.state[p]``: views of this rank's shards (``state_view``); state dicts: ``optim_state``;
+- ``opt.state[p]``: views of this rank's shards, reset the torch way (``state_view``); state dicts: ``optim_state``;
   ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim_copy``.
 - Non-finite gradients (fp32/bf16): with ``skip_nonfinite_steps`` (the default) a step whose
   gradients hold inf/NaN on any rank updates nothing on every rank, is counted in
@@ -57,12 +58,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
-from . import agreement, devices, guards, live, optim_copy, optim_state, torch_clip
+from . import agreement, amp, devices, guards, live, optim_copy, optim_state, torch_clip
 from .comm import make_engine
 from .config import FP16Config, ZeroOptions
 from .optim_args import (
@@ -190,7 +192,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._micro_step = 0
         self._no_sync_depth = 0
-        self._clip_coef: Optional[torch.Tensor] = None  # set by clip_grad_norm_ for the next step
+        self._clip: Optional[tuple[torch.Tensor, float, bool]] = None  # clip_grad_norm_'s (norm, max_norm, scale known)
+        self._grad_scaler: Optional[weakref.ref] = None  # the torch.amp.GradScaler that last stepped this optimizer
+        self._scaled_step = False  # the last step was driven by a GradScaler
         self.last_step: Optional[StepResult] = None
         self._consolidated: Optional[dict[str, Any]] = None
         self._restoring = restore is not None
@@ -216,6 +220,22 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         live.register(self)
         torch_clip.install()
         guards.watch(self, module)
+
+    @property
+    def state(self) -> Any:
+        """AdamW's per-parameter state as views of this rank's shards (``state_view``)."""
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """``opt.state = {}`` (or ``defaultdict(dict)``) resets every parameter's state, as with AdamW."""
+        current = self.__dict__.get("_state")
+        if isinstance(current, ShardedState) and value is not current:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"opt.state must be set to a dict, not a {type(value).__name__}")
+            current.replace(value)
+        else:
+            self.__dict__["_state"] = value  # torch's constructor, then _build
 
     # ---------------------------------------------------------------- param groups
     def _params(self) -> list[torch.Tensor]:
@@ -297,13 +317,30 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         """
         (loss * self.loss_scale).backward(**kwargs)
 
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler passes itself to step() (see ``amp``)
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps taken in the current ``gradient_accumulation_steps`` window (0 at a window's start)."""
+        return self._micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        """Where a resumed window continues (``zero_kernels.checkpoint`` sets it)."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.gradient_accumulation_steps:
+            raise ValueError(f"micro_step must be in 0..{self.gradient_accumulation_steps - 1}, got {value!r}")
+        self._micro_step = value
+        self._update_sync()
+
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler: Any = None) -> Optional[float]:
         """One optimizer step (or one accumulation micro-step, see the module docstring).
 
         Args:
             closure: re-evaluates the model and returns the loss (optional).
+            grad_scaler: the ``torch.amp.GradScaler`` of ``scaler.step(opt)``, which passes it (see ``amp``).
         """
+        scaled = amp.begin(grad_scaler, self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -316,20 +353,38 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._follow_replaced_params()
         hyper = [self._hyper(g) for g in self.param_groups]
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
-        clip, self._clip_coef = self._clip_coef, None
+        multiplier = self._take_clip(scaled)
+        if scaled is not None and scaled.multiplier is not None:
+            multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
         self._consolidated = None  # the state is about to change
-        check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps
+        check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps or scaled is not None
+        self._pipeline.settle()  # the last step's outcome is accounted as that step's
+        self._scaled_step = scaled is not None
         self.last_step = self._pipeline.step(
-            hyper, grad_scale=scale, clip_coef=clip, max_grad_norm=self.max_grad_norm, check_finite=check_finite
+            hyper, grad_scale=scale, clip_coef=multiplier, max_grad_norm=self.max_grad_norm, check_finite=check_finite
         )
+        if scaled is not None:
+            scaled.record(self, self.last_step.skip_flag)
         self._update_sync()
         return loss
+
+    def _take_clip(self, scaled: Optional[amp.ScaledStep]) -> Optional[torch.Tensor]:
+        """The coefficient ``clip_grad_norm_`` asked for (None: none), its norm corrected for a GradScaler."""
+        request, self._clip = self._clip, None
+        if request is None:
+            return None
+        norm, max_norm, scale_known = request
+        if scaled is not None and not scale_known:
+            norm = amp.correct_clip(norm, scaled, self)
+        return torch.where(torch.isfinite(norm), clip_coef(norm, max_norm), 1.0)
 
     def _account(self, result: StepResult) -> None:
         """A step's outcome, once known (``Pipeline.settle``): count a skipped step, update the loss scale."""
         scaler = self._loss_scaler
         if result.skipped and scaler is not None:
             log.info("zero_kernels: fp16 overflow at loss scale %g: step skipped", scaler.scale)
+        elif result.skipped and self._scaled_step:
+            log.info("zero_kernels: inf/NaN gradients under torch.amp.GradScaler: step skipped")
         elif result.skipped:
             log.warning(
                 "zero_kernels: step skipped on every rank: some gradient is inf or NaN (%d steps skipped so far; "
@@ -408,13 +463,15 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "updates; call it there, or set max_grad_norm"
             )
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
-        return grad_state.grad_norm(self._pipeline, scale)
+        factor, _ = amp.clip_factor(self)
+        return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale)
 
     def _clip_with_norm(self, max_norm: float, norm: Union[float, torch.Tensor]) -> None:
-        """The next step scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` (a non-finite norm: 1)."""
+        """The next step scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` (a non-finite norm: 1),
+        ``norm`` corrected there when it was measured before a GradScaler was known (``amp``)."""
         _check_max_norm(max_norm)
-        norm = torch.as_tensor(norm, dtype=torch.float64)
-        self._clip_coef = torch.where(torch.isfinite(norm), clip_coef(norm, max_norm), 1.0)
+        _, scale_known = amp.clip_factor(self)
+        self._clip = (torch.as_tensor(norm, dtype=torch.float64), float(max_norm), scale_known)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.
@@ -427,7 +484,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         """
         if self._micro_step != 0:
             return
-        self._clip_coef = 1.0
+        self._clip = None
         self._pipeline.zero_grad(set_to_none)
 
     def gathered_params(self) -> contextlib.AbstractContextManager:

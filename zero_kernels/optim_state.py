@@ -4,7 +4,10 @@
 Two layouts, told apart by the ``zero_kernels.sharded`` key:
 
 - sharded (``state_dict()``): ``state`` maps each flat buffer's index to this rank's fp32 shards;
-  it reloads only with the same stage, world size, bucket size and model.
+  it reloads only with the same stage, world size, bucket size and model. Where every rank holds
+  the whole state (stage 0, or one rank) ``state_dict()`` is the full layout instead, which
+  ``torch.optim.AdamW`` loads too, with ``master`` (the fp32 master of bf16/fp16 parameters) in each
+  entry and the loss scale under the ``zero_kernels.sharded`` key.
 - full (``full_state_dict()``, ``consolidate_state_dict``, ``torch.optim.AdamW``'s): ``state`` maps
   each parameter's index to AdamW's entry (``step``, ``exp_avg``, ``exp_avg_sq``, with AMSGrad
   ``max_exp_avg_sq``, and for bf16/fp16 parameters their fp32 ``master``, an extra key AdamW keeps
@@ -51,14 +54,40 @@ def groups_for_save(param_groups: list[dict[str, Any]], extra: Mapping[str, Any]
 
 
 def sharded(opt: "ShardedFusedAdam") -> dict[str, Any]:
-    """This rank's shard of the state (copies) and the metadata that checks a reload."""
+    """This rank's shard of the state (copies) and the metadata that checks a reload; the whole state in
+    AdamW's layout where this rank holds all of it (``whole``)."""
     pipeline = opt.pipeline
+    if pipeline.num_shards == 1:
+        return whole(opt)
     return {
         "state": {**dict(enumerate(zstate.shard_state(pipeline))), **opt.state.extra},
         "param_groups": groups_for_save(opt.param_groups, {}),
         FORMAT: {
             "layout": zstate.layout_signature(pipeline),
             "steps": dict(pipeline.steps),
+            "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+            "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
+        },
+    }
+
+
+def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
+    """The state of a rank that holds all of it, in AdamW's layout (no communication): each entry also
+    holds ``master`` for bf16/fp16 parameters; the loss scale rides under ``FORMAT``."""
+    pipeline = opt.pipeline
+    state = zstate.gather_full_state(pipeline)
+    for buf in pipeline.buffers:
+        if buf.master is None:
+            continue
+        for slot in buf.layout.slots:
+            entry = state.get(buf.indices[slot.param])
+            if entry is not None:
+                entry["master"] = buf.master.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
+    return {
+        "state": {**state, **opt.state.extra},
+        "param_groups": full_groups(opt),
+        FORMAT: {
+            "whole": True,
             "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
             "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
         },
@@ -86,7 +115,8 @@ def _is_index(key: Any) -> bool:
 
 def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     """Check ``state_dict`` against ``opt`` (nothing changes on an error), then load it."""
-    is_sharded = FORMAT in state_dict
+    meta = state_dict.get(FORMAT)
+    is_sharded = meta is not None and not meta.get("whole")
     saved_groups = _check_groups(opt, state_dict)
     state = state_dict["state"]
     if is_sharded:
@@ -104,14 +134,27 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
         _adopt(group, saved)
     pipeline = opt.pipeline
     if is_sharded:
-        meta = state_dict[FORMAT]
         zstate.load_shard_state(pipeline, [entries[i] for i in range(len(entries))])
         pipeline.steps.update({int(k): int(v) for k, v in meta["steps"].items()})
-        if opt.loss_scaler is not None and meta["loss_scaler"] is not None:
-            opt.loss_scaler.load_state_dict(meta["loss_scaler"])
     else:
         zstate.scatter_full_state(pipeline, entries)
+        _load_masters(pipeline, entries)
+    if opt.loss_scaler is not None and meta is not None and meta.get("loss_scaler") is not None:
+        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
     opt.state.extra = dict(extra)
+
+
+def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
+    """The fp32 masters a ``whole`` state carries, into this rank's part of the master shards."""
+    for buf in pipeline.buffers:
+        if buf.master is None:
+            continue
+        for seg in buf.layout.segments(pipeline.shard_rank):
+            slot = buf.layout.slots[seg.slot]
+            entry = entries.get(buf.indices[slot.param])
+            if entry is not None and "master" in entry:
+                value = entry["master"].reshape(-1).narrow(0, seg.param_offset, seg.numel)
+                buf.master.narrow(0, seg.shard_offset, seg.numel).copy_(value)
 
 
 def _adopt(group: dict[str, Any], saved: dict[str, Any]) -> None:

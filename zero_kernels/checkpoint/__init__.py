@@ -12,9 +12,12 @@ optimizer, its ``1/N`` part under the stage's layout (stages 1-3) or under the s
 into ``N`` shards (stage 0, whose state is replicated): the parameters' values, Adam ``m`` and
 ``v``, AMSGrad's ``max_exp_avg_sq`` when the param group has used it, and the fp32 master copy
 of low-precision parameters. Model tensors outside the optimizer
-(buffers, frozen parameters) are cut into ``N`` even pieces. So no rank writes, nor holds more
-than what it already holds; rank 0 adds the small metadata file. The directory layout, the
-crash-safe commit order and the metadata are described in ``checkpoint.format``.
+(buffers, frozen parameters) are cut into ``N`` even pieces, and a rank inside a gradient
+accumulation window adds the gradients it holds (``checkpoint.accumulation``). So no rank writes,
+nor holds more than what it already holds; rank 0 adds the metadata and the objects file (param
+groups, scheduler state, loss scale, the window's bookkeeping: ``checkpoint.objects``, lossless).
+The directory layout, the crash-safe commit order and the metadata are described in
+``checkpoint.format``.
 
 Every rank must see the same directory (a shared file system, as for any multi-node
 checkpoint): rank 0 creates the version, every rank writes its file into it. Call ``save`` and
@@ -23,7 +26,8 @@ checkpoint): rank 0 creates the version, every rank writes its file into it. Cal
 Loading reads, on each rank, only the element ranges its new layout needs (ranged reads of the
 rank files, checked block by block against the CRCs in the metadata), into staging tensors; the
 ranks agree that every read succeeded before anything is modified. Tensors are matched by model
-name, so the optimizer's stage, world size, bucket size and param dtype may all change.
+name, so the optimizer's stage, world size, bucket size and param dtype may all change (not
+inside an accumulation window, whose gradients resume only under the same layout).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -40,6 +45,8 @@ from torch import nn
 from ..comm_objects import all_gather_objects
 from ..layout import BufferLayout
 from ..stages import Pipeline, adopt, master
+from ..stages.window import Window
+from . import accumulation, objects
 from .consolidate import consolidate
 from .deepspeed import from_deepspeed
 from .format import (
@@ -48,6 +55,7 @@ from .format import (
     FORMAT,
     LATEST,
     METADATA,
+    OBJECTS,
     TMP_PREFIX,
     VERSION,
     BlockWriter,
@@ -56,16 +64,14 @@ from .format import (
     TensorSource,
     check_byteorder,
     dtype_name,
-    extra_bytes,
     next_version,
     publish,
     rank_file,
-    read_extra,
     remove_unfinished,
     resolve,
     write_small,
 )
-from .metadata import read_metadata
+from .metadata import check_objects, read_metadata
 
 _STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
@@ -195,40 +201,42 @@ def _specs(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> dict[str, di
     return specs
 
 
-def _jsonable_group(g: int, group: dict[str, Any]) -> dict[str, Any]:
+def _json_summary(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's options that JSON keeps as they are, for ``metadata.json`` (``inspect``, ``consolidate``
+    of version 1); the exact ones go to ``objects.pt``."""
     out = {}
     for key, value in group.items():
-        if key == "params":
-            continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         try:
             json.dumps(value)
-        except TypeError:
-            raise CheckpointError(
-                f"checkpoint: param group {g} option {key!r} ({type(value).__name__}) is not saveable"
-            )
+        except (TypeError, ValueError):
+            continue
         out[key] = list(value) if isinstance(value, tuple) else value
     return out
 
 
-def _scheduler_state(scheduler: Any) -> Optional[dict]:
-    """The scheduler's ``state_dict()`` as JSON-able data (None without a scheduler)."""
-    if scheduler is None:
-        return None
-    state = scheduler.state_dict()
-    try:
-        return json.loads(json.dumps(state))
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"checkpoint: the scheduler's state_dict() is not plain data ({err})") from None
+_LABELS = {"param_groups": "param_groups", "lr_scheduler": "the scheduler's state_dict()", "loss_scaler": "loss scale"}
+
+
+def _book(optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """What ``objects.pt`` holds besides the accumulation window (``accumulation.book``)."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    return {
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
+    }
 
 
 def _metadata(
-    model: nn.Module, optimizer: Any, pipeline: Pipeline, results: list[dict], extra: Optional[dict], scheduler: Any
+    model: nn.Module, optimizer: Any, pipeline: Pipeline, results: list[dict], files: dict[str, Optional[dict]]
 ) -> dict:
     tensors, aliases = _model_tensors(model)
     names = _names(model, optimizer)
     specs = _specs(pipeline, tensors)
+    for result in results:
+        specs.update(result["specs"])
     for spec in specs.values():
         spec["pieces"] = []
     for file, result in enumerate(results):
@@ -238,11 +246,10 @@ def _metadata(
     groups = []
     params = []
     for g, group in enumerate(optimizer.param_groups):
-        groups.append(_jsonable_group(g, group))
+        groups.append(_json_summary({k: v for k, v in group.items() if k != "params"}))
         for _ in group["params"]:
             i = len(params)
             params.append({"name": names[i], "group": g, "trainable": i in trainable, "step": pipeline.steps.get(i, 0)})
-    scaler = getattr(optimizer, "loss_scaler", None)
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -255,10 +262,12 @@ def _metadata(
         "params": params,
         "param_groups": groups,
         "adam_w_mode": bool(getattr(optimizer, "adam_w_mode", True)),
-        "loss_scaler": None if scaler is None else scaler.state_dict(),
-        "lr_scheduler": _scheduler_state(scheduler),
-        "extra": extra,
+        **files,
     }
+
+
+def _entry(blob: Optional[bytes]) -> Optional[dict[str, int]]:
+    return None if blob is None else {"bytes": len(blob), "crc32": zlib.crc32(blob)}
 
 
 def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
@@ -280,12 +289,13 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
     return [v for _, v in outcomes] if share else value
 
 
-def _commit(root: Path, version: str, meta: dict, extra: Optional[bytes]) -> None:
-    """Rank 0: extra and metadata into the temporary version, rename it into place, point ``latest`` at it,
-    then remove what earlier saves that did not finish left behind."""
+def _commit(root: Path, version: str, meta: dict, files: dict[str, Optional[bytes]]) -> None:
+    """Rank 0: the small files and metadata into the temporary version, rename it into place, point ``latest``
+    at it, then remove what earlier saves that did not finish left behind."""
     folder = root / (TMP_PREFIX + version)
-    if extra is not None:
-        write_small(folder / EXTRA, extra)
+    for name, data in files.items():
+        if data is not None:
+            write_small(folder / name, data)
     write_small(folder / METADATA, json.dumps(meta).encode())
     publish(folder, root / version)
     write_small(root / LATEST, version.encode())
@@ -299,8 +309,9 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
         directory: the checkpoint root (created if needed); earlier versions stay untouched.
         model: the model the optimizer trains (tensors are named by its ``state_dict`` keys).
         optimizer: the ``ShardedFusedAdam`` training ``model``.
-        extra: any ``torch.save``-able object to keep with the checkpoint; ``load`` returns it.
-        scheduler: an lr scheduler whose ``state_dict()`` is kept with the checkpoint (plain data).
+        extra: an object to keep with the checkpoint (``checkpoint.objects`` says which types); ``load``
+            returns it.
+        scheduler: an lr scheduler whose ``state_dict()`` is kept with the checkpoint, exactly.
 
     Returns:
         the directory of the new version (complete when this returns, on every rank).
@@ -316,8 +327,9 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
         nonlocal blob
         if pipeline.rank != 0:
             return None
-        blob = extra_bytes(extra)
-        _scheduler_state(scheduler)
+        blob = None if extra is None else objects.dumps(extra, "extra")
+        for key, value in _book(optimizer, scheduler).items():  # refused before anything is written
+            objects.encode(value, _LABELS[key])
         root.mkdir(parents=True, exist_ok=True)
         version = next_version(root)
         (root / (TMP_PREFIX + version)).mkdir()
@@ -326,14 +338,21 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     version = _collect(pipeline, start, share=True)[0]
     folder = root / (TMP_PREFIX + version)
     adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
-    pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors)
-    results = _collect(pipeline, lambda: _write_rank_file(folder, pipeline.rank, pieces), share=True)
+    held = accumulation.capture(optimizer, pipeline)
+    pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors) + held.pieces
+
+    def write() -> dict[str, Any]:
+        return {**_write_rank_file(folder, pipeline.rank, pieces), "specs": held.specs, "window": held.flags}
+
+    results = _collect(pipeline, write, share=True)
 
     def finish() -> None:
         if pipeline.rank == 0:
-            extra_entry = None if blob is None else {"bytes": len(blob), "crc32": zlib.crc32(blob)}
-            meta = _metadata(model, optimizer, pipeline, results, extra_entry, scheduler)
-            _commit(root, version, meta, blob)
+            book = {**_book(optimizer, scheduler), "window": accumulation.book(results, optimizer, pipeline)}
+            files = {OBJECTS: objects.dumps(book, "the checkpoint's objects"), EXTRA: blob}
+            entries = {"objects": _entry(files[OBJECTS]), "extra": _entry(blob)}
+            meta = _metadata(model, optimizer, pipeline, results, entries)
+            _commit(root, version, meta, files)
 
     _collect(pipeline, finish, share=False)
     return root / version
@@ -431,51 +450,81 @@ def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], save
     return moves
 
 
-def _stage(
-    directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipeline, scheduler: Any
-) -> tuple[dict, list[Move], Any]:
+def _read_book(version: Path, meta: dict, scheduler: Any) -> dict[str, Any]:
+    """``objects.pt``, checked; a version-1 checkpoint's JSON instead, its scheduler state given back the
+    types JSON took from it where ``scheduler``'s own state shows them (``objects.from_json``)."""
+    if meta["version"] >= 2:
+        book = objects.read_file(version, OBJECTS, meta["objects"])
+        return check_objects(book, meta, version / OBJECTS)
+    state = meta.get("lr_scheduler")
+    if scheduler is not None and state is not None:
+        state = objects.from_json(state, scheduler.state_dict())
+    groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta.get("param_groups", [])]
+    book = {"param_groups": groups, "lr_scheduler": state, "loss_scaler": meta.get("loss_scaler"), "window": None}
+    return check_objects(book, meta, version / METADATA)
+
+
+@dataclass
+class _Staged:
+    """What ``load`` read and checked on this rank, before anything changes."""
+
+    meta: dict
+    book: dict[str, Any]
+    moves: list[Move]
+    extra: Any
+    window: Optional[Window]
+
+
+def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipeline, scheduler: Any) -> _Staged:
     """Check the checkpoint against the model and optimizer and read this rank's part; change nothing."""
     version = resolve(directory)
     meta = read_metadata(version)
-    if scheduler is not None and meta.get("lr_scheduler") is None:
+    book = _read_book(version, meta, scheduler)
+    if scheduler is not None and book["lr_scheduler"] is None:
         raise CheckpointError(f"checkpoint: {version} holds no scheduler state; load it without scheduler=")
     names = _names(model, optimizer)
     _check_model(meta, pipeline, model, version)
     saved = _check_optimizer(meta, optimizer, names, version)
+    accumulation.check(book["window"], optimizer, pipeline, version)
     tensors, _ = _model_tensors(model)
     with TensorSource(version, meta) as src:
         moves = _stage_buffers(src, pipeline, names, saved)
         for name, t in tensors.items():
             if id(t) not in pipeline.where:
                 moves.append((t.detach(), src.full(f"model/{name}")))
-    return meta, moves, read_extra(version, meta.get("extra"))
+        window = accumulation.stage(src, book["window"], pipeline, version)
+    return _Staged(meta, book, moves, objects.read_file(version, EXTRA, meta.get("extra")), window)
 
 
 @torch.no_grad()
-def _apply(meta: dict, moves: list[Move], optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
-    for dst, value in moves:
+def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
+    for dst, value in staged.moves:
         if value is None:
             dst.zero_()
         else:
             dst.copy_(value.view(dst.shape))
     master.record_all(pipeline)
-    saved = {p["name"]: p for p in meta["params"]}
+    saved = {p["name"]: p for p in staged.meta["params"]}
     for index in pipeline.steps:
         entry = saved[names[index]]
         pipeline.steps[index] = int(entry["step"]) if entry["trainable"] else 0
-    for group, hyper in zip(optimizer.param_groups, meta["param_groups"]):
-        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
+    for group, hyper in zip(optimizer.param_groups, staged.book["param_groups"]):
+        group.update(hyper)
     scaler = getattr(optimizer, "loss_scaler", None)
-    if scaler is not None and meta.get("loss_scaler") is not None:
-        scaler.load_state_dict(meta["loss_scaler"])
+    if scaler is not None and staged.book["loss_scaler"] is not None:
+        scaler.load_state_dict(staged.book["loss_scaler"])
+    window = staged.book["window"]
+    accumulation.apply(staged.window, 0 if window is None else window["micro_step"], optimizer, pipeline)
 
 
 def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: Any = None) -> Any:
     """Load the newest complete version under ``directory`` (or that version directory); call it on every rank.
 
-    Works whatever the world size, stage, bucket size and parameter dtypes of the run that saved.
-    Every problem (missing, truncated or corrupted files, another model, another format version,
-    a save that did not finish) raises ``CheckpointError`` on every rank before anything changes.
+    Works whatever the world size, stage, bucket size and parameter dtypes of the run that saved,
+    except for a checkpoint saved inside a gradient accumulation window, which resumes that window
+    only under the same layout (``checkpoint.accumulation``). Every problem (missing, truncated or
+    corrupted files, another model, another format version, a save that did not finish) raises
+    ``CheckpointError`` on every rank before anything changes.
 
     Args:
         directory: a checkpoint root written by ``save`` or one of its ``vNNNNNN`` version directories.
@@ -490,10 +539,8 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     check_byteorder()
     pipeline = _pipeline(optimizer)
     adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
-    meta, moves, extra = _collect(
-        pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False
-    )
-    _apply(meta, moves, optimizer, pipeline, _names(model, optimizer))
+    staged = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False)
+    _apply(staged, optimizer, pipeline, _names(model, optimizer))
     if scheduler is not None:
-        scheduler.load_state_dict(meta["lr_scheduler"])
-    return extra
+        scheduler.load_state_dict(staged.book["lr_scheduler"])
+    return staged.extra

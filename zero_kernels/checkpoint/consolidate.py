@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 import torch
 
-from .format import DTYPES, PathLike, TensorSource, fsync_dir, resolve
-from .metadata import read_metadata
+from .format import DTYPES, OBJECTS, PathLike, TensorSource, fsync_dir, resolve
+from .metadata import check_objects, read_metadata
+from .objects import read_file
 
 Producer = Callable[[], torch.Tensor]
 
@@ -79,7 +80,7 @@ class _Records:
         return _Placeholder(ref, tuple(shape))
 
 
-def _structure(src: TensorSource, records: _Records) -> dict[str, Any]:
+def _structure(src: TensorSource, records: _Records, groups: list[dict[str, Any]]) -> dict[str, Any]:
     """The output object, every tensor a placeholder (tied model tensors share one)."""
     meta = src.meta
     shared: dict[str, _Placeholder] = {}
@@ -105,16 +106,23 @@ def _structure(src: TensorSource, records: _Records) -> dict[str, Any]:
             for kind in ("max_exp_avg_sq", "master"):  # AMSGrad groups; bf16/fp16 parameters (the model's tensor)
                 if f"optim/{index}/{kind}" in meta["tensors"]:
                     state[index][kind] = lazy(f"optim/{index}/{kind}")
-    return {"model": model, "optimizer": {"state": state, "param_groups": _adamw_groups(meta)}}
+    return {"model": model, "optimizer": {"state": state, "param_groups": _adamw_groups(meta, groups)}}
 
 
-def _adamw_groups(meta: dict[str, Any]) -> list[dict[str, Any]]:
+def _saved_groups(version: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The param groups as saved: exactly (``objects.pt``), or from a version-1 checkpoint's JSON."""
+    if meta["version"] >= 2:
+        return check_objects(read_file(version, OBJECTS, meta["objects"]), meta, version / OBJECTS)["param_groups"]
+    return [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"]]
+
+
+def _adamw_groups(meta: dict[str, Any], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The saved param groups completed with ``torch.optim.AdamW``'s own defaults for the other keys."""
     defaults = torch.optim.AdamW([torch.zeros(1)]).param_groups[0]
     out, first = [], 0
-    for g, hyper in enumerate(meta["param_groups"]):
+    for g, hyper in enumerate(saved):
         group = {k: v for k, v in defaults.items() if k != "params"}
-        group.update({k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
+        group.update({k: v.item() if isinstance(v, torch.Tensor) else v for k, v in hyper.items()})  # lr tensors
         if "decoupled_weight_decay" in defaults:
             group["decoupled_weight_decay"] = bool(meta.get("adam_w_mode", True))
         count = sum(1 for p in meta["params"] if p["group"] == g)
@@ -157,8 +165,9 @@ def consolidate(directory: PathLike, out_path: PathLike) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     records = _Records()
     try:
+        groups = _saved_groups(version, meta)
         with TensorSource(version, meta) as src:
-            _write(tmp, _structure(src, records), records)
+            _write(tmp, _structure(src, records, groups), records)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
     except BaseException:

@@ -40,17 +40,20 @@ import math
 import os
 import pickle
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from . import objects
 from .format import (
     BLOCK_BYTES,
     FORMAT,
     LATEST,
     METADATA,
+    OBJECTS,
     TMP_PREFIX,
     VERSION,
     BlockWriter,
@@ -276,11 +279,11 @@ def _loss_scaler(optim: dict[str, Any]) -> Optional[dict[str, Any]]:
 
 
 def _scheduler_state(state: Any) -> Optional[dict[str, Any]]:
-    """The scheduler's state when it can be kept as JSON (DeepSpeed's own: ``{"last_batch_iteration": n}``)."""
+    """The scheduler's state when a checkpoint can keep it (DeepSpeed's own: ``{"last_batch_iteration": n}``)."""
     try:
-        json.dumps(state)
-    except (TypeError, ValueError):
-        logger.warning("the DeepSpeed checkpoint's lr_scheduler state is not plain data; it is not imported")
+        objects.encode(state, "the DeepSpeed checkpoint's lr_scheduler state")
+    except CheckpointError as err:
+        logger.warning("%s; it is not imported", err)
         return None
     return state if isinstance(state, dict) else None
 
@@ -315,11 +318,14 @@ def _model_tensors(
 
 
 # ---------------------------------------------------------------- writing
-def _write(root: Path, meta: dict[str, Any], pieces: list[tuple[str, torch.Tensor]]) -> Path:
+def _write(root: Path, meta: dict[str, Any], pieces: list[tuple[str, torch.Tensor]], book: dict[str, Any]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     version = next_version(root)
     folder = root / (TMP_PREFIX + version)
     folder.mkdir()
+    data = objects.dumps(book, "the imported objects")
+    write_small(folder / OBJECTS, data)
+    meta["objects"] = {"bytes": len(data), "crc32": zlib.crc32(data)}
     final = folder / rank_file(0)
     tmp = final.with_name(final.name + ".tmp")
     with open(tmp, "wb") as f:
@@ -388,6 +394,7 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
         pieces += [(f"optim/{i}/{kind}", p.values[kind].view(p.shape)) for kind in kinds]
     model_keys = {key: f"model/{key}" for key in tensors}
     model_keys.update({alias: f"model/{target}" for alias, target in shared.items()})
+    groups = _hyper(optims, stage, params)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -397,11 +404,15 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
         "tensors": {},
         "model": model_keys,
         "params": [{"name": p.name, "group": p.group, "trainable": True, "step": p.step} for p in params],
-        "param_groups": _hyper(optims, stage, params),
+        "param_groups": groups,
         "adam_w_mode": _adam_w_mode(model_state),
-        "loss_scaler": _loss_scaler(optims[0]),
-        "lr_scheduler": _scheduler_state(model_state.get("lr_scheduler")),
         "extra": None,
         "imported_from": {"deepspeed": str(model_state.get("ds_version")), "tag": folder.name, "ranks": len(optims)},
     }
-    return _write(Path(out_dir), meta, pieces)
+    book = {
+        "param_groups": [{**g, "betas": tuple(g["betas"])} for g in groups],
+        "lr_scheduler": _scheduler_state(model_state.get("lr_scheduler")),
+        "loss_scaler": _loss_scaler(optims[0]),
+        "window": None,
+    }
+    return _write(Path(out_dir), meta, pieces, book)

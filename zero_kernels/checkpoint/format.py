@@ -8,7 +8,8 @@ A checkpoint *root* holds numbered versions and a pointer to the newest complete
       v000002/
         rank00000.bin           raw little-endian tensor pieces written by rank 0
         rank00001.bin           ... one file per rank of the world that saved
-        extra.pt                the ``extra`` object given to ``save`` (torch.save; only if given)
+        objects.pt              param groups, scheduler and loss-scale state, accumulation window
+        extra.pt                the ``extra`` object given to ``save`` (only if given)
         metadata.json           written after every other file of the version
       .tmp-v000003/             a save in progress or killed midway: ignored by ``load``, removed
                                 by the next save that completes
@@ -24,15 +25,19 @@ of ``block_bytes``) let a reader verify exactly the blocks it reads. ``tensors``
 to ``{"shape", "dtype", "pieces": [[file, elem_offset, byte_offset, numel], ...]}``: element
 ``elem_offset + i`` of the flattened tensor is at ``byte_offset + i * itemsize`` of rank file
 ``file``. Model tensors are keyed ``model/NAME``, Adam state ``optim/INDEX/{exp_avg,exp_avg_sq,
-master}``. The rest (``model`` key aliases, ``params``, ``param_groups``, ``loss_scaler``) is
-bookkeeping read by ``checkpoint.load`` and ``checkpoint.consolidate``. A checkpoint directory is
-untrusted input: ``metadata.read_metadata`` checks every field (shard file names are plain names
-inside the version, pieces lie inside their files) before anything is opened or allocated.
+master}``, the gradients of a rank's open accumulation window ``window/RANK/grad/INDEX`` and
+``window/RANK/shard/BUFFER``. The rest (``model`` key aliases, ``params``, a JSON summary of the
+``param_groups``) is bookkeeping read by ``checkpoint.load``, ``checkpoint.consolidate`` and
+``inspect``; ``objects`` and ``extra`` give the size and CRC of ``objects.pt`` and ``extra.pt``, whose
+objects keep their exact types (``checkpoint.objects``). Version 1 (before ``objects.pt``) kept the
+param groups, the loss scale and the scheduler's state in the JSON itself; it still loads. A
+checkpoint directory is untrusted input: ``metadata.read_metadata`` checks every field (shard file
+names are plain names inside the version, pieces lie inside their files) before anything is opened
+or allocated.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
@@ -45,11 +50,13 @@ from typing import Any, BinaryIO, Iterable, Optional, Union
 import torch
 
 FORMAT = "zero_kernels.checkpoint"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: param groups, loss scale and scheduler state in metadata.json
 BLOCK_BYTES = 1 << 20
 METADATA = "metadata.json"
 LATEST = "latest"
 EXTRA = "extra.pt"
+OBJECTS = "objects.pt"
 TMP_PREFIX = ".tmp-"
 _VERSION_DIR = re.compile(r"v(\d{6,})")
 _CHUNK_BYTES = 16 << 20
@@ -157,62 +164,6 @@ class BlockWriter:
             self.crcs.append(self._crc)
             self._crc = 0
         return self.crcs
-
-
-# ---------------------------------------------------------------- the extra object
-def extra_bytes(extra: Any) -> Optional[bytes]:
-    """``extra`` serialised with ``torch.save``, once it is known that ``read_extra`` can read it back.
-
-    Args:
-        extra: the object given to ``checkpoint.save`` (None: no extra file).
-    """
-    if extra is None:
-        return None
-    data = io.BytesIO()
-    try:
-        torch.save(extra, data)
-    except Exception as err:  # pickling raises many types; report it before any file is written
-        raise CheckpointError(f"checkpoint: extra cannot be saved with torch.save ({type(err).__name__}: {err})")
-    unpickle_extra(data.getvalue(), "extra")
-    return data.getvalue()
-
-
-def unpickle_extra(data: bytes, what: str) -> Any:
-    """``torch.load(weights_only=True)``: tensors, numbers, strings and containers; never runs code from the file.
-
-    Args:
-        data: the bytes of an extra file.
-        what: the file, for the message.
-    """
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as err:  # UnpicklingError for a refused object; others for a damaged archive
-        first_line = (str(err).splitlines() or [""])[0]
-        raise CheckpointError(
-            f"checkpoint: {what} cannot be loaded safely with torch.load(weights_only=True) "
-            f"({type(err).__name__}: {first_line}); extra may hold only tensors, numbers, strings, lists, "
-            "tuples and dicts"
-        ) from err
-
-
-def read_extra(version: Path, entry: Optional[dict]) -> Any:
-    """The ``extra`` object of ``version`` (None without one), checked against the metadata's size and CRC.
-
-    Args:
-        version: the version directory.
-        entry: the metadata's ``extra`` entry (``bytes``, ``crc32``) or None.
-    """
-    if entry is None:
-        return None
-    path = version / EXTRA
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint: {path} is missing") from None
-    data = path.read_bytes() if size == entry["bytes"] else b""
-    if size != entry["bytes"] or zlib.crc32(data) != entry["crc32"]:
-        raise CheckpointError(f"checkpoint: {path} is truncated or corrupted (size or checksum mismatch)")
-    return unpickle_extra(data, str(path))
 
 
 # ---------------------------------------------------------------- finding a version

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from .format import DTYPES, FORMAT, METADATA, VERSION, CheckpointError
+from .format import DTYPES, FORMAT, METADATA, READABLE_VERSIONS, CheckpointError
 
 _ITEM_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
@@ -140,11 +140,12 @@ def _bookkeeping(c: _Checker, meta: dict[str, Any]) -> None:
         c.number(scaler.get("scale"), "loss_scaler.scale")
         c.count(scaler.get("good_steps"), "loss_scaler.good_steps")
         c.count(scaler.get("hysteresis_left"), "loss_scaler.hysteresis_left")
-    extra = meta.get("extra")
-    if extra is not None:
-        c.of_type(extra, dict, "extra")
-        c.count(extra.get("bytes"), "extra.bytes")
-        c.count(extra.get("crc32"), "extra.crc32", 0, 0xFFFFFFFF)
+    for key in ("extra", "objects"):
+        entry = meta.get(key)
+        if entry is not None:
+            c.of_type(entry, dict, key)
+            c.count(entry.get("bytes"), f"{key}.bytes")
+            c.count(entry.get("crc32"), f"{key}.crc32", 0, 0xFFFFFFFF)
     if not isinstance(meta.get("adam_w_mode", True), bool):
         raise c.fail("adam_w_mode", "must be true or false")
 
@@ -162,11 +163,13 @@ def read_metadata(version: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint: {path} cannot be read ({type(err).__name__}: {err})") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint: {path} is not a {FORMAT} metadata file")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"checkpoint: {version} has format version {meta.get('version')!r}; this zero_kernels reads "
-            f"version {VERSION} only"
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}"
         )
+    if meta["version"] >= 2 and not isinstance(meta.get("objects"), dict):
+        raise CheckpointError(f"checkpoint: {path} lacks objects (format version {meta['version']})")
     missing = [
         k for k in ("world_size", "stage", "block_bytes", "files", "tensors", "model", "params") if k not in meta
     ]
@@ -181,3 +184,66 @@ def read_metadata(version: Path) -> dict[str, Any]:
         _tensor(c, key, entry, sizes)
     _bookkeeping(c, meta)
     return meta
+
+
+def check_objects(book: Any, meta: dict[str, Any], where: Path) -> dict[str, Any]:
+    """Check what ``objects.pt`` (or a version-1 metadata file) holds: the fields ``checkpoint.load`` reads.
+
+    Args:
+        book: the decoded objects: ``param_groups``, ``lr_scheduler``, ``loss_scaler``, ``window``.
+        meta: the checked metadata.
+        where: the file, for messages.
+    """
+    c = _Checker(where)
+    c.of_type(book, dict, "objects")
+    groups = c.of_type(book.get("param_groups"), list, "param_groups")
+    if len(groups) != len(meta.get("param_groups", groups)):
+        raise c.fail("param_groups", f"has {len(groups)} groups, the metadata {len(meta['param_groups'])}")
+    for g, group in enumerate(groups):
+        c.of_type(group, dict, f"param_groups[{g}]")
+        for key in ("lr", "eps", "weight_decay"):
+            if key in group:
+                c.number(_plain(group[key]), f"param_groups[{g}].{key}")
+        if "betas" in group:
+            betas = group["betas"]
+            if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+                raise c.fail(f"param_groups[{g}].betas", "must hold two numbers")
+            for b in betas:
+                c.number(_plain(b), f"param_groups[{g}].betas")
+    if book.get("lr_scheduler") is not None:
+        c.of_type(book["lr_scheduler"], dict, "lr_scheduler")
+    scaler = book.get("loss_scaler")
+    if scaler is not None:
+        c.of_type(scaler, dict, "loss_scaler")
+        c.number(scaler.get("scale"), "loss_scaler.scale")
+        c.count(scaler.get("good_steps"), "loss_scaler.good_steps")
+        c.count(scaler.get("hysteresis_left"), "loss_scaler.hysteresis_left")
+    if book.get("window") is not None:
+        _window(c, book["window"], meta["world_size"])
+    return book
+
+
+def _plain(value: Any) -> Any:
+    """A one-element tensor (an ``lr`` given as a tensor) as its number, for the checks."""
+    if hasattr(value, "numel") and hasattr(value, "item") and value.numel() == 1:
+        return value.item()
+    return value
+
+
+def _window(c: _Checker, window: Any, world_size: int) -> None:
+    c.of_type(window, dict, "window")
+    c.count(window.get("micro_step"), "window.micro_step")
+    c.of_type(window.get("layout"), list, "window.layout")
+    ranks = c.of_type(window.get("ranks"), list, "window.ranks")
+    if len(ranks) != world_size:
+        raise c.fail("window.ranks", f"has {len(ranks)} entries for {world_size} ranks")
+    for r, flags in enumerate(ranks):
+        field = f"window.ranks[{r}]"
+        c.of_type(flags, dict, field)
+        c.of_type(flags.get("synced"), bool, f"{field}.synced")
+        for key in ("has_grad", "stepped_with", "grads", "shards"):
+            for j, i in enumerate(c.of_type(flags.get(key), list, f"{field}.{key}")):
+                c.count(i, f"{field}.{key}[{j}]")
+        for b, written in enumerate(c.of_type(flags.get("written"), list, f"{field}.written")):
+            for j, k in enumerate(c.of_type(written, list, f"{field}.written[{b}]")):
+                c.count(k, f"{field}.written[{b}][{j}]")

@@ -37,8 +37,8 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
 - loading: ``train(resume_from_checkpoint=...)`` restores model and optimizer from it, at any
   world size and stage.
 
-Not supported: fp16 (``fp16=True`` or in the config: torch's ``GradScaler`` cannot see sharded
-gradients; use bf16 or fp32) and FSDP.
+Not supported: fp16 (``fp16=True`` or in the config: ``ZeroTrainer`` does not drive the Trainer's
+``GradScaler`` yet; use bf16 or fp32) and FSDP.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ZeroTrainer(Trainer):
             if getattr(self.args, flag):
                 raise ValueError(
                     f"ZeroTrainer: TrainingArguments({flag}=...) is not supported: ZeroTrainer shards the optimizer "
-                    "itself (use bf16=True or fp32 for mixed precision: GradScaler cannot see sharded gradients)"
+                    "itself (use bf16=True or fp32 for mixed precision: it does not drive the Trainer's GradScaler yet)"
                 )
         _refuse_deepspeed_partitioned(self.model)
 

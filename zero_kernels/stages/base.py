@@ -84,6 +84,7 @@ class Pipeline:
     max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
+    grads_in_p_grad: ClassVar[bool] = True  # the step reads p.grad (stages 0, 1); False: a shard only it holds
 
     def __init__(
         self,
@@ -115,7 +116,9 @@ class Pipeline:
         self._round_open = False
         self._synced = False  # a synchronised backward happened since the last step
         self._grads_final = False  # finish_grad_sync() ran since the last step
+        self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
+        self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
 
     # ---------------------------------------------------------------- construction
     @property
@@ -282,6 +285,7 @@ class Pipeline:
     # ---------------------------------------------------------------- backward
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         self._check_dense(p)
+        self.window_open = True
         b, slot = self.where[id(p)]
         buf = self.buffers[b]
         self.has_grad[buf.indices[buf.layout.slots[slot].param]] = True
@@ -434,10 +438,22 @@ class Pipeline:
         grad_state.read_grad_flags(self)
         self._grads_final = True
 
+    @property
+    def reduced_since_step(self) -> bool:
+        """Whether a synchronised backward (or the step's own synchronisation) ran since the last step."""
+        return self._synced
+
     def reset_grad_sync(self) -> None:
         """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""
         self._synced = False
         self._grads_final = False
+        self.window_open = False
+
+    def reopen(self, synced: bool) -> None:
+        """A window put back (``window.restore``): gradients held, reduced by a synchronised backward or not."""
+        self._synced = synced
+        self._grads_final = False
+        self.window_open = True
 
     def _global_stats(self, checks: Sequence[tuple[str, float]], norm: bool, finite: bool) -> stats.StepStats:
         """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
@@ -446,8 +462,9 @@ class Pipeline:
         views = self._norm_views() if norm or finite else None
         extra = self._step_columns()
         combined = stats.exchange(
-            self.engine, self._control, self.has_grad, views, checks, device, norm=norm, extra=extra
-        )
+            self.engine, self._control, self.has_grad, views, checks, device, norm=norm,
+            counts=self.step_counts.counts, held=self.held_indices(), name=self._index_name, extra=extra,
+        )  # fmt: skip
         self._verify_step_columns(combined.extra)
         return combined
 
@@ -457,6 +474,20 @@ class Pipeline:
 
     def _verify_step_columns(self, rows: list[list[float]]) -> None:
         """Compare every rank's ``_step_columns()`` (``rows``, in rank order); raise before any update."""
+
+    def held_indices(self) -> set[int]:
+        """Optimizer indices of the parameters whose state this rank holds (all of it or a piece)."""
+        if self._held[0] != len(self.buffers):
+            held = {buf.indices[buf.layout.slots[seg.slot].param] for buf in self.buffers
+                    for seg in buf.layout.segments(self.shard_rank)}  # fmt: skip
+            self._held = (len(self.buffers), held)
+        return self._held[1]
+
+    def _index_name(self, index: int) -> str:
+        for buf in self.buffers:
+            if index in buf.indices:
+                return f"{self.name_of(buf.params[buf.indices.index(index)])} (optimizer index {index})"
+        return f"parameter {index}"
 
     def step(
         self,
@@ -487,6 +518,7 @@ class Pipeline:
         if self.grad_divisor_is_world:
             scale = scale / self.world_size
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
+        self.step_counts.counts.update(combined.counts)  # as the ranks holding each parameter's state have it
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
         master.push_written(self)

@@ -89,6 +89,7 @@ class StepResult:
     """
 
     def __init__(self, norm: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None):
+        self.skip_flag = skip  # on the device, for whoever acts on it there (a GradScaler's found-inf)
         self._has_norm = norm is not None
         self._values: Optional[tuple[Optional[float], bool]] = None
         self._event: Optional[Any] = None
@@ -127,6 +128,7 @@ class StepResult:
         return {"values": (norm, skipped)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self.skip_flag = None
         self._values = tuple(state["values"])
         self._has_norm = self._values[0] is not None
         self._event = None

@@ -37,6 +37,7 @@ class Stage2Pipeline(Pipeline):
     stage = 2
     reduces_in_backward = True
     allgather_by_bucket = True
+    grads_in_p_grad = False
 
     def __init__(self, engine: Any, options: Any, **kwargs: Any):
         super().__init__(engine, options, **kwargs)

@@ -2,7 +2,8 @@
 
 Each rank packs one float64 vector of host data::
 
-    [ has_grad[i] for every parameter index i (sorted) | gradient column | checks | extra ]
+    [ has_grad[i] for every parameter index i (sorted) | step count of i (-1: state held elsewhere) |
+      gradient column | checks | extra ]
 
 and one all-gather over the control engine gives every rank every rank's vector (``world x
 length``, a few kilobytes). Every rank then combines the rows itself, in rank order, so all get
@@ -15,6 +16,9 @@ the same result:
 - ``checks`` (``lr``, betas, eps, weight decay per group, clipping, gradient scale) must be equal
   on every rank: a difference raises ``agreement.RanksDisagree`` naming the value, every rank's
   value and the ranks, on every rank, before anything is updated;
+- a parameter's Adam step count is what the ranks holding its state say (``opt.state[p]["step"]``
+  set there reaches every rank); ranks holding it that disagree (its state reset or set on some of
+  them only) raise ``RanksDisagree`` naming the parameter, on every rank, before anything is updated.
 - ``extra`` columns are a pipeline's own (stage 3: the digest of the gathers it did not check at
   once), returned per rank for the pipeline to compare.
 
@@ -32,8 +36,8 @@ gradients' engine and stays there (``outcome.decide`` turns it into the step's d
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -45,6 +49,7 @@ class StepStats:
     with_grad: set[int]  # parameter indices with a gradient on some rank
     grad_sq: Optional[torch.Tensor]  # float64 0-d on the gradients' device, summed over ranks (None: not computed)
     extra: list[list[float]]  # every rank's ``extra`` columns, in rank order
+    counts: dict[int, int] = field(default_factory=dict)  # parameter index -> step count of the ranks holding it
 
 
 def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional[float]) -> list[tuple[str, float]]:
@@ -99,9 +104,12 @@ def exchange(
     device: torch.device,
     *,
     norm: bool,
+    counts: Mapping[int, int],
+    held: set[int],
+    name: Callable[[int], str],
     extra: Sequence[float] = (),
 ) -> StepStats:
-    """Combine this step's statistics over ranks; raise if the ``checks`` differ.
+    """Combine this step's statistics over ranks; raise if the ``checks`` or the step counts differ.
 
     Args:
         engine: the communication engine of the gradients.
@@ -112,39 +120,66 @@ def exchange(
         checks: (name, value) pairs every rank must agree on (``step_checks``).
         device: the gradients' device.
         norm: compute the squared norm (else only whether the gradients are finite).
+        counts: parameter index -> this rank's Adam step count.
+        held: the parameter indices whose state this rank holds (all of it or a piece).
+        name: how the error names a parameter index.
         extra: values returned per rank (``StepStats.extra``), not compared here.
     """
     order = sorted(has_grad)
     n = len(order)
     column = None if grad_views is None else grad_column(grad_views, device, norm=norm)
     flags = [1.0 if has_grad[i] else 0.0 for i in order]
-    packed = torch.tensor(flags + [0.0] + [v for _, v in checks] + [float(v) for v in extra], dtype=torch.float64)
+    steps = [float(counts[i]) if i in held else -1.0 for i in order]
+    values = [*flags, *steps, 0.0, *(v for _, v in checks), *(float(v) for v in extra)]
+    packed = torch.tensor(values, dtype=torch.float64)
+    n2 = 2 * n  # where the gradient column sits
     fold = column is not None and control is engine and column.device.type == "cpu"
     if fold:  # host memory already: the gradient column rides the same all-gather
-        packed[n] = column
+        packed[n2] = column
     if control.world_size > 1:
         gathered = torch.empty(control.world_size * packed.numel(), dtype=torch.float64)
         control.all_gather(gathered, packed, name="step.stats").wait()
-        rows = gathered.view(control.world_size, -1).tolist()
+        table = gathered.view(control.world_size, -1)
     else:
-        rows = [packed.tolist()]
-    for column_index, (name, _) in enumerate(checks):
-        message = disagreement(name, [_shown(row[n + 1 + column_index]) for row in rows])
+        table = packed.view(1, -1)
+    rows = table.tolist()
+    for column_index, (check, _) in enumerate(checks):
+        message = disagreement(check, [_shown(row[n2 + 1 + column_index]) for row in rows])
         if message is not None:
             raise RanksDisagree(
                 f"ShardedFusedAdam.step: {message}. Every rank must use the same hyper-parameters (set them the "
                 "same way on every rank, e.g. with the same scheduler); nothing was updated, and this step's gradients "
                 "are spent: zero_grad() and run backward again"
             )
+    agreed = _agreed_counts(order, table[:, n:n2], name)
     with_grad = {i for k, i in enumerate(order) if any(row[k] > 0 for row in rows)}
     extras = [row[len(row) - len(extra) :] for row in rows]
     if column is None:
-        return StepStats(with_grad, None, extras)
+        return StepStats(with_grad, None, extras, agreed)
     if fold:
-        return StepStats(with_grad, torch.tensor(sum(row[n] for row in rows), dtype=torch.float64), extras)
+        return StepStats(with_grad, torch.tensor(sum(row[n2] for row in rows), dtype=torch.float64), extras, agreed)
     if engine.world_size > 1:  # on the device, in the engine's order: the host never reads it here
         engine.all_reduce(column, op="sum", name="step.grad_sq").wait()
-    return StepStats(with_grad, column, extras)
+    return StepStats(with_grad, column, extras, agreed)
+
+
+def _agreed_counts(order: list[int], steps: torch.Tensor, name: Callable[[int], str]) -> dict[int, int]:
+    """Each parameter's step count as the ranks holding its state have it (``steps``: world x parameters,
+    -1 where a rank holds none of it); raise where those ranks differ."""
+    held = steps >= 0
+    highest = steps.amax(0)
+    lowest = torch.where(held, steps, math.inf).amin(0)
+    conflicts = (held.any(0) & (highest != lowest)).nonzero().flatten().tolist()
+    if conflicts:
+        k = conflicts[0]
+        values = [int(v) if v >= 0 else None for v in steps[:, k].tolist()]
+        message = disagreement(f"the Adam step count of {name(order[k])}", values)
+        raise RanksDisagree(
+            f"ShardedFusedAdam.step: {message} (None: a rank that holds none of its state). Its state was reset "
+            "(opt.state[p] = {}, del opt.state[p], opt.state.clear()) or set on some ranks only: run those "
+            "statements on every rank. Nothing was updated"
+        )
+    return {i: int(c) for i, c, h in zip(order, highest.tolist(), held.any(0).tolist()) if h}
 
 
 def _shown(value: float) -> Optional[float]:

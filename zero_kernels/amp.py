@@ -1,0 +1,126 @@
+"""``torch.amp.GradScaler`` driving a ``ShardedFusedAdam``: torch's contract for optimizers that scale.
+
+GradScaler reaches gradients through ``p.grad``, which stages 2 and 3 do not keep, and decides on
+each rank alone whether a step is skipped. So the optimizer takes the scaling over, as torch lets an
+optimizer with ``_step_supports_amp_scaling`` do: ``scaler.step(opt)`` calls ``opt.step(grad_scaler=
+scaler)`` (torch warns once that it may pass the scale as attributes instead, in a later release),
+and the step
+
+- unscales the gradients inside the fused kernel: their multiplier gains ``1 / scale``, computed as
+  GradScaler computes it, unless ``scaler.unscale_(opt)`` already divided them in ``p.grad``
+  (stages 0 and 1 keep the gradients there; at stages 2 and 3 ``unscale_`` reaches nothing and the
+  reduced gradient shard is still scaled);
+- skips, on every rank, a step whose gradients hold inf/NaN on some rank (whatever
+  ``skip_nonfinite_steps`` says), and hands that global flag to the scaler as the found-inf of this
+  optimizer, so ``scaler.update()`` backs off or grows the scale the same way on every rank.
+
+``opt.clip_grad_norm_`` between ``scaler.unscale_(opt)`` and ``scaler.step(opt)`` measures the
+unscaled gradients once the optimizer has seen the scaler (from the second step on); at the first
+step it cannot know the scale, returns the norm of the scaled gradients and logs it once, while the
+step itself applies the right clipping (the norm is corrected then). ``max_grad_norm`` (clipping
+inside the step) is right from the first step. With ``gradient_accumulation_steps``, ``scaler.step``
+must come only on the micro-step that updates (GradScaler's scale must not change inside a window).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+log = logging.getLogger("zero_kernels")
+
+
+@dataclass(frozen=True)
+class ScaledStep:
+    """What one step takes from the scaler: the gradients' extra multiplier, and where to report found-inf."""
+
+    scaler: Any
+    multiplier: Optional[torch.Tensor]  # float64 0-d: 1 / scale when the gradients are still scaled, else None
+    inv_scale: torch.Tensor  # float64 0-d: 1 / scale
+
+    def record(self, opt: Any, skip: Optional[torch.Tensor]) -> None:
+        """Report the step's global inf/NaN flag as this optimizer's found-inf, for ``scaler.update()``."""
+        state = self.scaler._per_optimizer_states[id(opt)]
+        if skip is None:
+            skip = torch.zeros((), dtype=torch.float32, device=self.inv_scale.device)
+        state["found_inf_per_device"] = {skip.device: skip.detach().float().reshape(()).clone()}
+
+
+def _inv_scale(scaler: Any) -> torch.Tensor:
+    """``1 / scale`` as GradScaler's ``unscale_`` computes it (fp32), as a float64 0-d tensor."""
+    scale = scaler._scale
+    if scale is None:
+        raise RuntimeError("GradScaler: scaler.step(opt) before any scaler.scale(loss): there is no scale yet")
+    return scale.double().reciprocal().float().double()
+
+
+def _still_scaled(scaler: Any, opt: Any) -> bool:
+    """Whether the gradients the optimizer reads still carry the scale (``unscale_`` did not reach them)."""
+    state = scaler._per_optimizer_states[id(opt)]
+    if state["stage"] is OptState.READY:
+        return True
+    pipeline = opt.pipeline
+    if pipeline.grads_in_p_grad:
+        return False
+    reached = bool(state["found_inf_per_device"])  # unscale_ found gradients left in p.grad (no_sync)
+    if reached and pipeline.reduced_since_step:
+        raise RuntimeError(
+            f"ShardedFusedAdam (stage {pipeline.stage}): scaler.unscale_(opt) divided the gradients still in p.grad "
+            "(backward passes under no_sync) but cannot reach those already reduced into the gradient shard; run "
+            "the last backward of the step outside no_sync (or do not call scaler.unscale_(opt))"
+        )
+    return not reached
+
+
+def begin(scaler: Any, opt: Any) -> Optional[ScaledStep]:
+    """The scaled step ``scaler`` asks of ``opt`` (None: no scaler, or a disabled one); raises on misuse.
+
+    Args:
+        scaler: the ``grad_scaler`` given to ``opt.step`` (a ``torch.amp.GradScaler``).
+        opt: the ``ShardedFusedAdam``.
+    """
+    if scaler is None or not scaler.is_enabled():
+        return None
+    if opt.loss_scaler is not None:
+        raise ValueError(
+            "ShardedFusedAdam.step: a torch.amp.GradScaler and the fp16 loss scaling of the config both scale the "
+            "loss; use one of them (opt.backward(loss) with the fp16 config, or scaler.scale(loss).backward())"
+        )
+    if opt.micro_step + 1 < opt.gradient_accumulation_steps:
+        raise RuntimeError(
+            f"ShardedFusedAdam.step: scaler.step(opt) on accumulation micro-step {opt.micro_step + 1} of "
+            f"{opt.gradient_accumulation_steps}: the scale must not change inside the window. Call opt.step() on "
+            "the first micro-steps and scaler.step(opt); scaler.update() on the last, or accumulate with opt.no_sync()"
+        )
+    opt._grad_scaler = weakref.ref(scaler)
+    inv = _inv_scale(scaler)
+    return ScaledStep(scaler, inv if _still_scaled(scaler, opt) else None, inv)
+
+
+def clip_factor(opt: Any) -> tuple[Optional[torch.Tensor], bool]:
+    """(extra multiplier of the gradients for ``clip_grad_norm_``, whether the scaler is known).
+
+    The multiplier is ``1 / scale`` when the optimizer has seen an enabled GradScaler and the gradients
+    it reads are still scaled; unknown until the first ``scaler.step(opt)``.
+    """
+    ref = getattr(opt, "_grad_scaler", None)
+    scaler = ref() if ref is not None else None
+    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+        return None, scaler is not None
+    return (_inv_scale(scaler) if _still_scaled(scaler, opt) else None), True
+
+
+def correct_clip(norm: torch.Tensor, step: ScaledStep, opt: Any) -> torch.Tensor:
+    """A norm ``clip_grad_norm_`` measured before the scaler was known, as the unscaled gradients have it."""
+    if step.multiplier is None and opt.pipeline.grads_in_p_grad:
+        return norm  # unscale_ divided p.grad before the norm was taken
+    log.warning(
+        "zero_kernels: opt.clip_grad_norm_() ran before the optimizer had seen the GradScaler, so it returned the "
+        "norm of the scaled gradients; the step clips by the unscaled norm, and later calls return it"
+    )
+    return norm * step.inv_scale.to(norm.device)

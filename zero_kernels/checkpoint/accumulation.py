@@ -1,0 +1,141 @@
+"""The gradient accumulation window in a checkpoint: saved where it is open, honoured or refused on load.
+
+A checkpoint saved between the backward passes of one step (micro-steps under ``no_sync`` or
+``gradient_accumulation_steps``, or repeated backward) must not resume as if they never happened.
+So each rank whose window is open (``stages.window``) writes the gradients it holds into its rank
+file (``window/RANK/grad/INDEX``, ``window/RANK/shard/BUFFER``), and ``objects.pt`` keeps the
+micro-step count, the layout and each rank's flags. Loading puts every rank's window back exactly
+when the layout is the same (world size, stage, bucket size, model: ``stages.state.layout_signature``);
+a rank's gradients mean nothing under another layout, so an open window there is a
+``CheckpointError`` that says to save at a window boundary (after ``opt.step()``). A checkpoint
+saved at a boundary, or by an earlier version, loads with an empty window (as after ``zero_grad()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..stages import Pipeline
+from ..stages import state as zstate
+from ..stages import window as zwindow
+from .format import CheckpointError, TensorSource, dtype_name
+
+Piece = tuple[str, int, torch.Tensor]  # (tensor key, first element, source view)
+
+
+@dataclass
+class Held:
+    """This rank's window as ``save`` writes it: pieces for the rank file, their specs, the flags."""
+
+    pieces: list[Piece] = field(default_factory=list)
+    specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    flags: Optional[dict[str, Any]] = None  # None: the window is closed
+
+
+def _grad_key(rank: int, index: int) -> str:
+    return f"window/{rank}/grad/{index}"
+
+
+def _shard_key(rank: int, b: int) -> str:
+    return f"window/{rank}/shard/{b}"
+
+
+def capture(optimizer: Any, pipeline: Pipeline) -> Held:
+    """What this rank saves of its window (nothing when it is closed)."""
+    if optimizer.micro_step == 0 and not pipeline.window_open:
+        return Held()
+    window = zwindow.capture(pipeline)
+    held = Held(flags={**window.flags, "grads": sorted(window.grads), "shards": sorted(window.shards)})
+    rank = pipeline.rank
+    tensors = [(_grad_key(rank, i), g) for i, g in window.grads.items()]
+    tensors += [(_shard_key(rank, b), s) for b, s in window.shards.items()]
+    for key, t in tensors:
+        held.pieces.append((key, 0, t.reshape(-1)))
+        held.specs[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+    return held
+
+
+def book(results: list[dict[str, Any]], optimizer: Any, pipeline: Pipeline) -> Optional[dict[str, Any]]:
+    """The window entry of ``objects.pt`` from every rank's ``Held.flags`` (None: closed on every rank)."""
+    flags = [r["window"] for r in results]
+    if all(f is None for f in flags):
+        return None
+    empty = {"synced": False, "has_grad": [], "stepped_with": [], "written": [[] for _ in pipeline.buffers],
+             "grads": [], "shards": []}  # fmt: skip
+    return {
+        "micro_step": optimizer.micro_step,
+        "layout": zstate.layout_signature(pipeline),
+        "ranks": [empty if f is None else f for f in flags],
+    }
+
+
+def check(entry: Optional[dict[str, Any]], optimizer: Any, pipeline: Pipeline, version: Path) -> None:
+    """Raise unless a saved window (``entry``; None: none) can be honoured here."""
+    if entry is None:
+        return
+    here = zstate.layout_signature(pipeline)
+    if entry["layout"] != here:
+        stage_, world, _ = entry["layout"]
+        raise CheckpointError(
+            f"checkpoint: {version} was saved inside a gradient accumulation window (micro-step "
+            f"{entry['micro_step']} of the step, gradients of earlier backward passes held) by stage {stage_} on "
+            f"{world} ranks; those gradients resume only at the same world size, stage, bucket size and model "
+            f"(here: stage {pipeline.stage} on {pipeline.world_size} ranks, or another layout). Save at a window "
+            "boundary (after opt.step()) to resume elsewhere"
+        )
+    if not entry["micro_step"] < optimizer.gradient_accumulation_steps:
+        raise CheckpointError(
+            f"checkpoint: {version} was saved at accumulation micro-step {entry['micro_step']}, but this optimizer "
+            f"takes gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
+        )
+    _check_indices(entry["ranks"][pipeline.rank], pipeline, version)
+
+
+def stage(
+    src: TensorSource, entry: Optional[dict[str, Any]], pipeline: Pipeline, version: Path
+) -> Optional[zwindow.Window]:
+    """This rank's part of a saved window, read (``check`` it first); None when there is none."""
+    if entry is None:
+        return None
+    flags = entry["ranks"][pipeline.rank]
+    window = zwindow.Window({k: flags[k] for k in ("synced", "has_grad", "stepped_with", "written")})
+    sizes = {buf.indices[slot.param]: slot.numel for buf in pipeline.buffers for slot in buf.layout.slots}
+    for i in flags["grads"]:
+        window.grads[i] = _read(src, _grad_key(pipeline.rank, i), sizes[i], version)
+    for b in flags["shards"]:
+        window.shards[b] = _read(src, _shard_key(pipeline.rank, b), pipeline.buffers[b].layout.shard_numel, version)
+    return window
+
+
+def _check_indices(flags: dict[str, Any], pipeline: Pipeline, version: Path) -> None:
+    trainable = set(pipeline.has_grad)
+    for key in ("has_grad", "stepped_with", "grads"):
+        unknown = sorted(set(flags[key]) - trainable)
+        if unknown:
+            raise CheckpointError(f"checkpoint: {version}: the window names parameter {unknown[0]}, not trained here")
+    count = len(pipeline.buffers)
+    if len(flags["written"]) != count or any(not 0 <= b < count for b in flags["shards"]):
+        raise CheckpointError(f"checkpoint: {version}: the window does not match the {count} flat buffers here")
+    if flags["shards"] and pipeline.grads_in_p_grad:
+        raise CheckpointError(f"checkpoint: {version}: the window holds gradient shards, which stage 0-1 keep none of")
+
+
+def _read(src: TensorSource, key: str, numel: int, version: Path) -> torch.Tensor:
+    entry = src.entry(key)
+    if torch.Size(entry["shape"]).numel() != numel:
+        raise CheckpointError(f"checkpoint: {version}: {key} has shape {entry['shape']}, not {numel} elements")
+    return src.full(key)
+
+
+def apply(window: Optional[zwindow.Window], micro_step: int, optimizer: Any, pipeline: Pipeline) -> None:
+    """Put the staged window back (None: start with an empty one) and the micro-step count."""
+    if window is None:
+        zwindow.clear(pipeline)
+        optimizer.micro_step = 0
+        return
+    zwindow.restore(pipeline, window)
+    optimizer.micro_step = micro_step
