@@ -297,10 +297,13 @@ def test_state_read_right_after_an_in_place_write_holds_it(stage: int) -> None:
     with opt.gathered_params(), torch.no_grad():
         model.emb.weight.mul_(3.0)
         model.tiny.fill_(0.3)
-    sharded = opt.state_dict()["state"]
-    for b, buf in enumerate(opt.pipeline.buffers):  # one rank: each shard is the whole buffer
-        flat = buf.param_flat if buf.param_flat is not None else buf.param_shard
-        assert torch.equal(sharded[b]["master"].to(torch.bfloat16), flat), f"stage {stage}: state_dict() buffer {b}"
+    state = opt.state_dict()["state"]  # one rank holds everything: AdamW's layout
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert sorted(state) == [i for i, p in enumerate(params) if p.requires_grad], f"stage {stage}: state_dict()"
+    with opt.gathered_params():
+        for index, entry in state.items():
+            master = entry["master"].to(torch.bfloat16)
+            assert torch.equal(master, params[index]), f"stage {stage}: state_dict() parameter {index}"
     check_masters(opt.full_state_dict(), model, opt, f"stage {stage}")
 
 
