@@ -5,6 +5,7 @@ bandwidth measured in the same run), ``flatten.png`` (GB/s per case and provider
 bandwidth), ``comm.png`` (GB/s per primitive and size for each collective, and the communication
 hidden behind compute), ``e2e.png`` (step time and model-state memory per provider). Each title
 names the device the run measured (from the run's machine facts): a CPU run says CPU.
+``links.png`` (step time against link rate, and the planner's predictions) is drawn by ``links.plot``.
 matplotlib is an optional extra (``pip install -e '.[bench]'``).
 """
 
@@ -164,7 +165,13 @@ def _plot_e2e(plt: Any, rows: list[dict]) -> Any:
     return fig
 
 
-PLOTTERS = {"adam": _plot_adam, "flatten": _plot_flatten, "comm": _plot_comm, "e2e": _plot_e2e}
+def _plot_links(plt: Any, rows: list[dict]) -> Any:
+    from .links import plot
+
+    return plot(plt, rows)
+
+
+PLOTTERS = {"adam": _plot_adam, "flatten": _plot_flatten, "comm": _plot_comm, "e2e": _plot_e2e, "links": _plot_links}
 
 
 def write_plots(results: dict[str, list[dict]], out_dir: str, machine: dict) -> list[str]:
