@@ -50,6 +50,7 @@ for ns in "$@"; do
     pids=$(ip netns pids "$ns" 2>/dev/null)
     [ -n "$pids" ] && kill -9 $pids 2>/dev/null
     ip netns del "$ns" 2>/dev/null
+    ip link del "$ns" 2>/dev/null
 done
 exit 0
 """
@@ -84,12 +85,14 @@ def _tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _kill_and_delete(netns: str) -> None:
-    """Kill every process in ``netns`` and delete it (its veth end, and so the pair, goes with it)."""
+    """Kill every process in ``netns`` and delete it (its veth end, and so the pair, goes with it; an end of
+    the same name still outside, a pair made but not yet moved, is deleted too)."""
     pids = _ip("netns", "pids", netns, check=False).stdout.split()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
     _ip("netns", "del", netns, check=False)
+    _ip("link", "del", netns, check=False)
 
 
 def _alive(pid: int) -> bool:
