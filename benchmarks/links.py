@@ -204,7 +204,7 @@ class _Planner:
         limited = _cluster(self.probe, "1gbit")  # any limited rate: the search varies it
         rate, why = crossover_Bps(self.num_params, limited, self.compute, **self.options)
         if rate is None:
-            return f"planner: {why}"
+            return f"planner: {why}: no crossover"
         return f"planner: stage 3 slower than stage 2 below {netns.format_rate(rate * 8)}"
 
 
@@ -249,7 +249,9 @@ def _check(rows: list[dict], planner: _Planner) -> dict:
     """The last row: the planner's worst error where the link limits the step: the limited rates slower
     than what the host moved without a limit (faster ones leave the step to the host, as without a limit:
     their error is the run-to-run noise of a CPU-bound step, reported in the note)."""
-    host = planner.probe["host_Bps"] if planner.probe else 0.0
+    if not planner.compute:
+        return {"case": "check", "provider": "planner", "note": "no calibration: measure our stages at rate none too"}
+    host = planner.probe["host_Bps"]
     limited = [r for r in rows if "error_pct" in r and r["case"] != planner.rate]
     bound = [r for r in limited if netns.parse_rate(r["case"]) / 8 * tcp_payload_share() < host]
     if not bound:
