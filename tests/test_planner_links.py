@@ -133,7 +133,7 @@ def test_crossover_where_stage3_stops_hiding_its_gathers() -> None:
     assert gap(rate * 0.98) > 0 > gap(rate * 1.02)
     heavy = {2: compute, 3: Compute(0.5, 1.0, 0.0)}  # stage 3 slower even with no communication at all
     assert links.crossover_Bps(PSI, gloo(), heavy)[0] is None
-    assert "slower than stage 2 at every rate" in links.crossover_Bps(PSI, gloo(), heavy)[1]
+    assert "slower than stage 2 at every link rate" in links.crossover_Bps(PSI, gloo(), heavy)[1]
 
 
 def test_tcp_payload_share_and_bad_input() -> None:

@@ -322,7 +322,8 @@ def crossover_Bps(
     """The link rate (bytes per second each way) below which stage 3's step is longer than stage 2's.
 
     Returns (rate, why): the rate where the two steps are equal, or None with why there is none in
-    ``[low, high]`` (stage 3 slower everywhere, or faster everywhere).
+    ``[low, high]`` (stage 3 slower everywhere, or faster everywhere). Stage 3 moves more bytes than
+    stage 2 (3Ψ against 2Ψ), so its lead can only shrink as the link slows: one crossing at most.
 
     Args:
         num_params: Ψ.
