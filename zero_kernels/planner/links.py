@@ -323,7 +323,7 @@ def crossover_Bps(
 
     Returns (rate, why): the rate where the two steps are equal, or None with why there is none in
     ``[low, high]`` (stage 3 slower everywhere, or faster everywhere). Stage 3 moves more bytes than
-    stage 2 (3Ψ against 2Ψ), so its lead can only shrink as the link slows: one crossing at most.
+    stage 2 (3Ψ against 2Ψ), so the gap grows as the link slows; the search assumes one crossing.
 
     Args:
         num_params: Ψ.
