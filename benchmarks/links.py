@@ -15,7 +15,8 @@ ranks; ``link_MB`` the bytes this rank's node sent over the link per step, per r
 payload rate a probe reached across the link at that rate (every rank exchanging with its partner
 on the other node at once). ``planned_ms`` and ``planned_MB`` are the planner's
 (``zero_kernels.planner.links``): its compute is fitted to the step measured without a limit (the
-``calibration`` row), its links are that run's probe (the unlimited link and loopback), and a
+``calibration`` row: the mean of a run before the limited rates and one after), its links are that
+run's probe (the unlimited link and loopback), and a
 limited link carries ``rate x tcp_payload_share()`` of payload (at most what the unlimited one did).
 ``error_pct`` is the prediction's error against the measurement; the ``check`` row, the table's last,
 is the worst where the link limits the step: at the rates whose payload is below what the host moved
@@ -96,10 +97,13 @@ def _all_providers() -> list[str]:
 
 
 def _plan(rates: list[str], providers: list[str]) -> list[tuple[str, list[str]]]:
-    """(rate, providers) phases: everything but DeepSpeed at each rate, then DeepSpeed at each rate."""
+    """(rate, providers) phases: everything but DeepSpeed at each rate, then DeepSpeed at each rate. A
+    pass that starts without a limit ends without one too: the planner's calibration is the mean of
+    the two, one before and one after the limited rates (this machine's load drifts in between)."""
     deepspeed = [p for p in providers if p.startswith(e2e_deepspeed.PREFIX)]
     others = [p for p in providers if p not in deepspeed]
-    return [(r, others) for r in rates if others] + [(r, deepspeed) for r in rates if deepspeed]
+    order = [*rates, "none"] if rates[0] == "none" and len(rates) > 1 else list(rates)
+    return [(r, group) for group in (others, deepspeed) if group for r in order]
 
 
 def _providers() -> list[str]:
@@ -145,9 +149,11 @@ def _mean(values: list[float]) -> Optional[float]:
 
 
 def _gather(out: str) -> tuple[dict[tuple[str, str], dict], dict[tuple[str, str], dict]]:
-    """((rate, provider) -> measurement averaged over ranks, (rate, provider) -> that phase's probe)."""
+    """((rate, provider) -> measurement averaged over ranks and over the phases that measured it, (rate,
+    provider) -> the probe of those phases, averaged too)."""
     ranks = [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json"))]
-    measured, probes = {}, {}
+    samples: dict[tuple[str, str], list[dict]] = {}
+    probes: dict[tuple[str, str], list[dict]] = {}
     for index, phase in enumerate(ranks[0]["phases"]):
         same = [r["phases"][index] for r in ranks]
         probe = {k: statistics.fmean(p["probe"][k] for p in same) for k in same[0]["probe"]}
@@ -155,12 +161,15 @@ def _gather(out: str) -> tuple[dict[tuple[str, str], dict], dict[tuple[str, str]
             rows = [p["providers"][provider] for p in same]
             errors = [r["error"] for r in rows if "error" in r]
             key = (phase["rate"], provider)
-            probes[key] = probe
-            if errors:
-                measured[key] = {"error": errors[0]}
-                continue
-            measured[key] = {k: _mean([r[k] for r in rows if k in r]) for k in rows[0]}
-    return measured, probes
+            probes.setdefault(key, []).append(probe)
+            mean = {k: _mean([r[k] for r in rows if k in r]) for k in rows[0]}
+            samples.setdefault(key, []).append({"error": errors[0]} if errors else mean)
+    measured = {}
+    for key, runs in samples.items():
+        failed = [r for r in runs if "error" in r]
+        measured[key] = failed[0] if failed else {k: statistics.fmean(r[k] for r in runs) for k in runs[0]}
+        measured[key]["runs"] = len(runs)
+    return measured, {key: {k: statistics.fmean(p[k] for p in ps) for k in ps[0]} for key, ps in probes.items()}
 
 
 def _cluster(probe: dict, rate: str) -> Cluster:
@@ -220,11 +229,13 @@ def _rows(measured: dict, probes: dict, planner: _Planner) -> list[dict]:
         if prediction is not None:
             row.update(planned_ms=prediction.step_s * 1e3, error_pct=100 * (prediction.step_s * 1e3 / m["step_ms"] - 1))
         row["link_MB"] = m.get("tx_bytes", float("nan")) / 1e6
+        if not provider.startswith(e2e_deepspeed.PREFIX):  # DeepSpeed's step is timed in one piece
+            row.update(fwd_ms=m["fwd_ms"], bwd_ms=m["bwd_ms"], opt_ms=m["opt_ms"])
         if prediction is not None:
             row["planned_MB"] = prediction.link_bytes / 1e6
         row["link_MB/s"] = probes[(rate, provider)]["link_Bps"] / 1e6
         if rate == planner.rate and prediction is not None:
-            row["note"] = "calibration"
+            row["note"] = f"calibration (mean of {m['runs']} runs)" if m["runs"] > 1 else "calibration"
         rows.append(row)
     return rows
 
