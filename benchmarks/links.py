@@ -333,7 +333,7 @@ def plot(plt: Any, rows: list[dict]) -> Any:
             ax.plot([x for x, _ in mine], [r["step_ms"] for _, r in mine], marker="o", label=provider,
                     linestyle="-" if ours else "--", linewidth=2 if ours else 1)  # fmt: skip
             planned = [(x, r["planned_ms"]) for x, r in mine if "planned_ms" in r]
-            if planned:
+            if planned and ours:
                 ax.plot([x for x, _ in planned], [y for _, y in planned], marker="x", linestyle=":", color="black",
                         label="planner")  # fmt: skip
         ax.set_xscale("log")
