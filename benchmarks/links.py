@@ -13,11 +13,12 @@ Columns: ``step_ms`` the median step (forward, backward, optimizer step and a ba
 ranks; ``link_MB`` the bytes this rank's node sent over the link per step, per rank (from
 ``/sys/class/net/<end>/statistics``, so headers and retransmissions included); ``link_MB/s`` the
 payload rate a probe reached across the link at that rate (every rank exchanging with its partner
-on the other node at once). ``planned_ms`` and ``planned_MB`` are the planner's
-(``zero_kernels.planner.links``): its compute is fitted to the step measured without a limit (the
-``calibration`` row: the mean of a run before the limited rates and one after), its links are that
-run's probe (the unlimited link and loopback), and a
-limited link carries ``rate x tcp_payload_share()`` of payload (at most what the unlimited one did).
+on the other node at once); ``fwd_ms``, ``bwd_ms``, ``opt_ms`` the step's parts (waits included).
+``planned_ms`` and ``planned_MB`` are the planner's (``zero_kernels.planner.links``): its compute is
+fitted to the step measured without a limit (the ``calibration`` row: the mean of a run before the
+limited rates and one after), the host's rate (every byte a node sends goes through its CPUs) and
+the latency come from that run's probe, and a limited link carries ``rate x tcp_payload_share()``
+of payload.
 ``error_pct`` is the prediction's error against the measurement; the ``check`` row, the table's last,
 is the worst where the link limits the step: at the rates whose payload is below what the host moved
 without a limit (the planner is held to 25 % there; faster limits leave the step to the host's CPUs,
@@ -229,11 +230,11 @@ def _rows(measured: dict, probes: dict, planner: _Planner) -> list[dict]:
         if prediction is not None:
             row.update(planned_ms=prediction.step_s * 1e3, error_pct=100 * (prediction.step_s * 1e3 / m["step_ms"] - 1))
         row["link_MB"] = m.get("tx_bytes", float("nan")) / 1e6
-        if not provider.startswith(e2e_deepspeed.PREFIX):  # DeepSpeed's step is timed in one piece
-            row.update(fwd_ms=m["fwd_ms"], bwd_ms=m["bwd_ms"], opt_ms=m["opt_ms"])
         if prediction is not None:
             row["planned_MB"] = prediction.link_bytes / 1e6
         row["link_MB/s"] = probes[(rate, provider)]["link_Bps"] / 1e6
+        if not provider.startswith(e2e_deepspeed.PREFIX):  # DeepSpeed's step is timed in one piece
+            row.update(fwd_ms=m["fwd_ms"], bwd_ms=m["bwd_ms"], opt_ms=m["opt_ms"])
         if rate == planner.rate and prediction is not None:
             row["note"] = f"calibration (mean of {m['runs']} runs)" if m["runs"] > 1 else "calibration"
         rows.append(row)
