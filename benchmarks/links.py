@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -142,7 +143,10 @@ def _launch(plan: list[tuple[str, list[str]]], quick: bool, out: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     with netns.emulated_nodes() as nodes:
         target = ["-m", "benchmarks._links_rank", out, json.dumps(config)]
-        netns.torchrun_on_nodes(nodes, target, nproc_per_node=RANKS_PER_NODE, env=env, timeout_s=1800)
+        progress_line = re.compile(r"\[\d+/\d+ links\] ").match  # rank 0's progress (common.progress)
+        netns.torchrun_on_nodes(
+            nodes, target, nproc_per_node=RANKS_PER_NODE, env=env, timeout_s=1800, echo=progress_line
+        )
 
 
 def _mean(values: list[float]) -> Optional[float]:

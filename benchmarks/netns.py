@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 PREFIX = "zk"
 _NAME = re.compile(rf"^{PREFIX}(\d+)s(\d+)([ab])$")
@@ -335,6 +335,7 @@ def torchrun_on_nodes(
     nproc_per_node: int = 2,
     env: Optional[dict] = None,
     timeout_s: float = 300.0,
+    echo: Callable[[str], bool] = lambda line: False,
 ) -> list[str]:
     """Run ``target`` under torchrun on every node, ranks joined across the link; return each node's output.
 
@@ -348,6 +349,7 @@ def torchrun_on_nodes(
         nproc_per_node: ranks per node.
         env: the environment of the launchers.
         timeout_s: seconds the whole job may take.
+        echo: which lines of the output to copy to this process's stderr as they come (progress).
     """
     master = nodes.nodes[0]
     procs = []
@@ -358,7 +360,7 @@ def torchrun_on_nodes(
             nodes.launch(node, argv, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     outputs: list[str] = [""] * len(procs)
-    readers = [threading.Thread(target=_drain, args=(p, outputs, i), daemon=True) for i, p in enumerate(procs)]
+    readers = [threading.Thread(target=_drain, args=(p, outputs, i, echo), daemon=True) for i, p in enumerate(procs)]
     for reader in readers:
         reader.start()
     deadline = time.monotonic() + timeout_s
@@ -380,9 +382,12 @@ def torchrun_on_nodes(
     return outputs
 
 
-def _drain(proc: subprocess.Popen, outputs: list[str], index: int) -> None:
+def _drain(proc: subprocess.Popen, outputs: list[str], index: int, echo: Callable[[str], bool]) -> None:
     for line in proc.stdout:
         outputs[index] += line
+        if echo(line):
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def link_bytes(ifname: str) -> tuple[int, int]:
