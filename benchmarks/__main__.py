@@ -81,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full", action="store_true", help="full sweep instead of the quick default")
     parser.add_argument("--json", metavar="DIR", help="also write one JSON file of rows per subject")
     parser.add_argument("--plot", metavar="DIR", help="also write PNG plots (needs matplotlib)")
+    hooks = {name: importlib.import_module(f"benchmarks.{name}") for name in sorted(available)}
+    for module in hooks.values():  # a subject's own options: add_arguments(parser), then configure(args)
+        getattr(module, "add_arguments", lambda _: None)(parser)
     args = parser.parse_args(argv)
+    for module in hooks.values():
+        getattr(module, "configure", lambda _: None)(args)
     unknown = [s for s in args.subject if s not in available]
     if unknown:
         parser.error(f"unknown subject(s) {', '.join(unknown)}; available: {', '.join(sorted(available))}")

@@ -8,6 +8,7 @@ model-state memory per provider). Bars carry the spread over the interleaved rou
 and slowest round); a roof is drawn over its own group of bars and named for what it is (torch's
 ``add_``/``copy_`` at the case's footprint, the best round), and a bar above its roof is marked.
 Each title names the device the run measured (from the run's machine facts) and its load.
+``links.png`` (step time against link rate, and the planner's predictions) is drawn by ``links.plot``.
 matplotlib is an optional extra (``pip install -e '.[bench]'``).
 """
 
@@ -240,7 +241,13 @@ def _plot_e2e(plt: Any, rows: list[dict]) -> Any:
     return fig
 
 
-PLOTTERS = {"adam": _plot_adam, "flatten": _plot_flatten, "comm": _plot_comm, "e2e": _plot_e2e}
+def _plot_links(plt: Any, rows: list[dict]) -> Any:
+    from .links import plot
+
+    return plot(plt, rows)
+
+
+PLOTTERS = {"adam": _plot_adam, "flatten": _plot_flatten, "comm": _plot_comm, "e2e": _plot_e2e, "links": _plot_links}
 
 
 def write_plots(results: dict[str, list[dict]], out_dir: str, machine: dict) -> list[str]:

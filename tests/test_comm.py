@@ -337,3 +337,17 @@ def test_primitive_table_is_consulted() -> None:
     assert comm.choose_primitive("nccl", "reduce_scatter", 1 << 20) == "reduce_scatter_tensor"
     assert comm.choose_primitive("nccl", "all_gather", 1) == "all_gather_tensor"
     assert comm.choose_primitive("gloo", "all_gather", 1) == "all_gather_p2p"
+
+
+def test_point_to_point_posts_every_receive_before_any_send(monkeypatch) -> None:
+    """gloo tells a sender that its receiver is ready in-band, on the pair's socket: a receive posted after
+    a send to the same peer waits behind that send's bytes, and on a slow link a pair's two directions
+    then take turns (``python -m benchmarks links``; benchmarks/RESULTS.md has the measurement)."""
+    posted = []
+    monkeypatch.setattr(dist, "irecv", lambda t, peer, **kw: posted.append(("recv", peer)))
+    monkeypatch.setattr(dist, "isend", lambda t, peer, **kw: posted.append(("send", peer)))
+    engine = comm.TorchCommEngine()
+    chunks = {peer: torch.zeros(3) for peer in (1, 2, 3)}
+    engine._exchange("all_gather", chunks, {peer: torch.empty(3) for peer in chunks})
+    assert [kind for kind, _ in posted] == ["recv"] * 3 + ["send"] * 3, posted
+    assert sorted(peer for _, peer in posted[:3]) == sorted(peer for _, peer in posted[3:]) == [1, 2, 3]

@@ -432,20 +432,26 @@ uint32_t Engine::next_tag(const std::string& what, const at::Tensor& t) {
 // Every rank sends chunk j of `input` to rank j and receives its own chunk from each peer into a
 // scratch row; the epilogue sums those rows into its own chunk (input is scratch) and casts that into
 // `output`. Each byte crosses one link once: half the traffic of an all-reduce.
+// Both point-to-point primitives post every receive before any send: gloo tells a sender that its
+// receiver is ready in-band, on the pair's socket, so a receive posted after a send to the same peer
+// waits behind that send's bytes and the pair's two directions take turns (half the rate on a slow link).
 std::shared_ptr<PendingOp> Engine::reduce_scatter_p2p(c10d::ProcessGroup& pg, const at::Tensor& output,
                                                       at::Tensor& input, const std::string& what) {
   const int64_t n = output.numel();
   const int tag = static_cast<int>(next_tag(what, input));
   at::Tensor received = at::empty({world_size_ - 1, n}, input.options());
   Works works;
-  for (int peer = 0, row = 0; peer < world_size_; ++peer) {
-    if (peer == rank_) {
-      continue;
+  for (int peer = 0, row = 0; peer < world_size_; ++peer) {  // receives first: see the note above
+    if (peer != rank_) {
+      std::vector<at::Tensor> recv{received.select(0, row++)};
+      works.push_back(pg.recv(recv, peer, tag));
     }
-    std::vector<at::Tensor> send{input.narrow(0, static_cast<int64_t>(peer) * n, n)};
-    std::vector<at::Tensor> recv{received.select(0, row++)};
-    works.push_back(pg.send(send, peer, tag));
-    works.push_back(pg.recv(recv, peer, tag));
+  }
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer != rank_) {
+      std::vector<at::Tensor> send{input.narrow(0, static_cast<int64_t>(peer) * n, n)};
+      works.push_back(pg.send(send, peer, tag));
+    }
   }
   at::Tensor mine = input.narrow(0, static_cast<int64_t>(rank_) * n, n);
   auto sum = [output, mine, received]() {
@@ -469,14 +475,17 @@ std::shared_ptr<PendingOp> Engine::all_gather_p2p(c10d::ProcessGroup& pg, at::Te
   const int tag = static_cast<int>(next_tag(what, output));
   output.narrow(0, static_cast<int64_t>(rank_) * n, n).copy_(source);
   Works works;
-  for (int peer = 0; peer < world_size_; ++peer) {
-    if (peer == rank_) {
-      continue;
+  for (int peer = 0; peer < world_size_; ++peer) {  // receives first: see the note above reduce_scatter_p2p
+    if (peer != rank_) {
+      std::vector<at::Tensor> recv{output.narrow(0, static_cast<int64_t>(peer) * n, n)};
+      works.push_back(pg.recv(recv, peer, tag));
     }
-    std::vector<at::Tensor> send{source};
-    std::vector<at::Tensor> recv{output.narrow(0, static_cast<int64_t>(peer) * n, n)};
-    works.push_back(pg.send(send, peer, tag));
-    works.push_back(pg.recv(recv, peer, tag));
+  }
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer != rank_) {
+      std::vector<at::Tensor> send{source};
+      works.push_back(pg.send(send, peer, tag));
+    }
   }
   return track(std::make_shared<PendingOp>(what, std::move(works), std::vector<at::Tensor>{input, source, output},
                                            nullptr));
