@@ -10,9 +10,11 @@ test that needs it and is not marked fails there.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
+from typing import Iterator
 
 import pytest
 import torch
@@ -69,12 +71,28 @@ def _unmarked_spawn(*args, **kwargs):
     raise AssertionError("this test starts ranks: mark it @pytest.mark.distributed (tests/README.md, tiers)")
 
 
-@pytest.fixture(autouse=True)
-def _spawn_needs_the_distributed_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    if request.node.get_closest_marker("distributed"):
+@contextlib.contextmanager
+def _spawns_refused(item: pytest.Item) -> Iterator[None]:
+    """Unless ``item`` is marked ``distributed``: every way a test starts ranks raises while it runs."""
+    if item.get_closest_marker("distributed"):
+        yield
         return
-    monkeypatch.setattr(torch.multiprocessing, "spawn", _unmarked_spawn)
-    monkeypatch.setattr(torch.multiprocessing, "start_processes", _unmarked_spawn)
-    netns = sys.modules.get("benchmarks.netns")
-    if netns is not None:
-        monkeypatch.setattr(netns, "torchrun_on_nodes", _unmarked_spawn)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.multiprocessing, "spawn", _unmarked_spawn)
+        patch.setattr(torch.multiprocessing, "start_processes", _unmarked_spawn)
+        netns = sys.modules.get("benchmarks.netns")
+        if netns is not None:
+            patch.setattr(netns, "torchrun_on_nodes", _unmarked_spawn)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _spawns_refused(item):  # module fixtures a test needs count as the test's own
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _spawns_refused(item):
+        yield

@@ -211,6 +211,7 @@ def test_each_rank_writes_only_its_part(runs: dict[str, Any]) -> None:
     assert len(sizes0) == 2 and max(sizes0) < 0.6 * sum(sizes0), f"stage 0 at world 2 writes halves: {sizes0}"
 
 
+@pytest.mark.distributed  # the runs fixture spawns
 def test_consolidated_file_continues_like_adamw(runs: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
     out = runs["tmp"] / "consolidated.pt"
     parser = argparse.ArgumentParser()
@@ -261,6 +262,7 @@ def _set_version(version: Path) -> None:
     (version / "metadata.json").write_text(json.dumps(meta))
 
 
+@pytest.mark.distributed  # the runs fixture spawns
 def test_bad_checkpoints_raise_and_change_nothing(runs: dict[str, Any]) -> None:
     cases = [
         ("missing", lambda v: (v / "rank00001.bin").unlink(), "rank00001.bin is missing"),
@@ -312,6 +314,7 @@ def _crash(root: Path, kill_at: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
 
 
+@pytest.mark.distributed  # the runs fixture spawns
 def test_save_killed_midway_leaves_the_previous_checkpoint(runs: dict[str, Any], tmp_path: Path) -> None:
     points = {"shard": "rank00000.bin", "rename": "v000002"}  # the shard file not renamed; the version not renamed
     procs = {name: _crash(tmp_path / name, kill_at) for name, kill_at in points.items()}

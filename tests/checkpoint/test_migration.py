@@ -318,6 +318,7 @@ def test_resume_deepspeed_checkpoint_on_one_rank_matches_deepspeeds_run(imported
         _check_resumed(case, results[case], "world 1")
 
 
+@pytest.mark.distributed
 def test_resume_deepspeed_checkpoint_on_three_ranks_at_another_stage(imported: dict[str, Path]) -> None:
     """One checkpoint per DeepSpeed stage (both precisions covered), each at another stage on 3 ranks."""
     stages = {"stage1_fp32": 3, "stage2_bf16": 1, "stage3_fp32": 2}
@@ -340,7 +341,7 @@ def test_import_command_line_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
         zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
     optim = ds / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     torch.save({"client_state": _Unsafe(), "optimizer_state_dict": {}}, optim)
-    with pytest.raises(CheckpointError, match=r"not safe to load \(global test_migration._Unsafe\)"):
+    with pytest.raises(CheckpointError, match=r"not safe to load \(global tests\.checkpoint\.test_migration\._Unsafe"):
         zk.checkpoint.from_deepspeed(ds, tmp_path / "out", tag="global_step4")
     optim.unlink()
     with pytest.raises(CheckpointError, match="saved by 2 ranks but holds optimizer state files for 1"):

@@ -17,6 +17,7 @@ def fresh_results(monkeypatch: pytest.MonkeyPatch) -> dict:
     """Forget remembered build outcomes for the duration of a test."""
     results: dict = {}
     monkeypatch.setattr(_ext, "_RESULTS", results)
+    monkeypatch.delenv("ZERO_KERNELS_NO_JIT", raising=False)  # set by a run without ext tests: these build nothing
     return results
 
 
@@ -26,6 +27,7 @@ def test_import_needs_no_compiler_or_ninja(tmp_path) -> None:
     empty.mkdir()
     environ = dict(os.environ, PATH=str(empty), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
     environ.pop("ZERO_KERNELS_IMPL", None)
+    environ.pop("ZERO_KERNELS_NO_JIT", None)
     code = (
         "import torch, zero_kernels as zk\n"
         "from zero_kernels import _ext\n"

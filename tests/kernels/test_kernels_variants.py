@@ -147,6 +147,7 @@ def test_max_exp_avg_sq_is_checked(impl: str) -> None:
         adam_step(s["param"], grad, s["exp_avg"], s["exp_avg_sq"], max_exp_avg_sq=torch.zeros(4), **kwargs)
 
 
+@pytest.mark.ext
 def test_cpp_entry_point_checks_max_exp_avg_sq() -> None:
     ops = _ext.load("ops")
     scalars = dict(HYPER, lr=1e-3, step_size=1e-3, bc2_sqrt=1.0, adamw=True, grad_scale=None, found_inf=None, out=None)

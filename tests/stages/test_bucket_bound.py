@@ -88,5 +88,6 @@ def _bound(rank: int, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2])
+@pytest.mark.distributed
 def test_bucket_bound_with_published_sizes(spawn, world_size: int) -> None:
     spawn(_bound, world_size)

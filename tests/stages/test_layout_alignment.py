@@ -80,6 +80,7 @@ def _aligned_adam_case(rank: int, world: int) -> None:
         update.adam_step = real
 
 
+@pytest.mark.distributed
 def test_stage_adam_launches_are_aligned(spawn) -> None:
     spawn(_aligned_adam_case, 2)
 

@@ -1,6 +1,6 @@
 """GPU check of the Triton kernels: correctness on random data, what each compiled variant costs, summary.
 
-``python benchmarks/gpu_check.py [--json DIR]`` runs on a CUDA device: Adam (every flag, grad and
+``python tests/gpu/gpu_check.py [--json DIR]`` runs on a CUDA device: Adam (every flag, grad and
 copy dtype, sizes up to 2^26) and flatten/unflatten (a 2^26-element bucket of ~200 tensors, views,
 mixed dtypes) against the reference twins and torch.optim.AdamW, no recompilation across an lr
 schedule; then it prints, for every kernel variant those checks compiled, its registers, spills
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
 
 from benchmarks.adam import transformer_shapes  # noqa: E402
 from benchmarks.gpu_report import Report, summary  # noqa: E402

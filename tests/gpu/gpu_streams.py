@@ -1,6 +1,6 @@
 """GPU check of stream ordering and host synchronisation, on one NCCL rank.
 
-``python benchmarks/gpu_streams.py [--json DIR]`` needs a CUDA device and the C++ comm engine. The
+``python tests/gpu/gpu_streams.py [--json DIR]`` needs a CUDA device and the C++ comm engine. The
 engine's one-rank shortcut is taken out (``ThroughCpp``): every operation is a real NCCL collective
 issued the way the engine issues it on several ranks, so its ordering shows on one GPU.
 
@@ -39,15 +39,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
 
 from benchmarks.gpu_report import Report  # noqa: E402
-from benchmarks.gpu_stages import LR, WEIGHT_DECAY, compare_fp32_step, sync_reference  # noqa: E402
+from tests.gpu.gpu_stages import LR, WEIGHT_DECAY, compare_fp32_step, sync_reference  # noqa: E402
 from zero_kernels import ShardedFusedAdam, _ext, comm  # noqa: E402
 
 SLEEP_CYCLES = 100_000_000  # about 50 ms of a spinning kernel: far longer than a launch takes
 NUMEL = 1 << 22
-ROOT = str(Path(__file__).resolve().parent.parent)
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class ThroughCpp(comm.CppCommEngine):

@@ -1,6 +1,6 @@
 """GPU check of the whole stage path: every ZeRO stage on one rank, NCCL, against torch.optim.AdamW.
 
-``python benchmarks/gpu_stages.py [--device cpu] [--json DIR]`` initialises a world-size-1 process
+``python tests/gpu/gpu_stages.py [--device cpu] [--json DIR]`` initialises a world-size-1 process
 group (NCCL on CUDA; gloo with ``--device cpu``, the smoke run for machines without a GPU) and, for
 stages 0-3 in fp32 and bf16, trains a small MLP a few steps with ``ShardedFusedAdam`` (``impl``
 auto: the Triton kernels on CUDA, the C++ kernels on CPU; the comm engine of ``ZERO_KERNELS_COMM``)
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
 
 from benchmarks.gpu_report import Report  # noqa: E402
 from zero_kernels import ShardedFusedAdam, comm  # noqa: E402
