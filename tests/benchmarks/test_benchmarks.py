@@ -225,6 +225,7 @@ def _fake_rounds(fns, rounds, *, budget_s, max_repeat=50, device=None, on_round=
     return times, {k: 3 for k in fns}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", [adam, flatten])
 def test_subjects_expect_as_many_measurements_as_they_report(module, monkeypatch):
     monkeypatch.setattr(module, "our_backends", lambda device: {"cpu": "no compiler", "torch": None})
@@ -407,6 +408,7 @@ def test_figure_titles_name_the_device_measured():
     assert plots.device_label({"gpu": "NVIDIA H200", "torch": "2.14"}).startswith("GPU NVIDIA H200")
 
 
+@pytest.mark.slow
 def test_plots_of_every_subject(tmp_path):
     pytest.importorskip("matplotlib")
     bandwidth = {"inplace_GB/s": 30.0, "copy_GB/s": 15.0}

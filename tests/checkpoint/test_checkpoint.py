@@ -2,7 +2,7 @@
 
 One reference run trains ``STEPS_BEFORE`` steps (snapshot A) then ``STEPS_AFTER`` more (snapshot
 B) on the whole batch. The sharded runs train on ``1/world`` of the same batch per rank, so their
-averaged gradients equal the reference's up to summation order (see test_stages for the
+averaged gradients equal the reference's up to summation order (see tests/helpers/lockstep.py for the
 tolerances). Checkpoints cross world sizes and stages:
 
 - world 3, stage 2 saves after A; world 2 loads it at stage 3 and at stage 0, compares with A,

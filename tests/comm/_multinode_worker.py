@@ -2,7 +2,7 @@
 
 ``python _multinode_worker.py OUT_DIR``: checks the node groups made from torchrun's environment
 (membership, which traffic stays on the node, a two-level all-reduce against the flat one), then
-trains every stage in lock-step with single-process ``torch.optim.AdamW`` (``test_stages``), and
+trains every stage in lock-step with single-process ``torch.optim.AdamW`` (``tests.helpers.lockstep``), and
 writes what it found wrong, or ``ok``, to ``OUT_DIR/<rank>``.
 """
 

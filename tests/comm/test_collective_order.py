@@ -6,7 +6,7 @@ else at the end of backward: the ranks then issued their gathers and reductions 
 which aborted gloo ("Received data size doesn't match expected size") when the sizes differed and mixed
 parameters with gradients silently when they matched. Here such models train at every stage, with and
 without prefetch and gradient accumulation, next to ``torch.optim.AdamW`` on the whole batch (a gradient
-missing on a rank counts as zero), while the audit of ``_audit`` (part of every spawned test) compares
+missing on a rank counts as zero), while the audit of ``tests.helpers.audit`` (part of every spawned test) compares
 the ranks' collectives after every step.
 """
 

@@ -94,6 +94,7 @@ def numpy_free_body(root: str) -> None:
     assert comm_objects.all_gather_objects(_TwoRankLoopback(), {"a": [1, 2]}) == [{"a": [1, 2]}] * 2
 
 
+@pytest.mark.slow  # a fresh interpreter that saves, loads and gathers
 def test_package_needs_no_numpy(tmp_path: Path) -> None:
     blocker = tmp_path / "blocked" / "numpy"
     blocker.mkdir(parents=True)

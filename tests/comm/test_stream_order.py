@@ -5,7 +5,7 @@ On NCCL a collective's ``wait()`` makes the *current* stream wait for it, and th
 
 - an operation is finished with its side stream current, whoever finishes it (``PendingOp::wait``,
   ``Engine::synchronize``, the engine's destructor): the C++ test ``csrc/tests/test_comm.cpp``
-  (run by ``tests/test_cmake.py``) checks it with a fake device, and here the Python engine must
+  (run by ``tests/extension/test_cmake.py``) checks it with a fake device, and here the Python engine must
   hand the side stream to C++ with every operation;
 - ``CppHandle.wait()`` makes the caller's current stream wait for the side stream, whichever stream
   that is (an autograd callback's, a user's), not only the stream current when it was issued.

@@ -21,6 +21,7 @@ def fresh_results(monkeypatch: pytest.MonkeyPatch) -> dict:
     return results
 
 
+@pytest.mark.slow  # a fresh interpreter that trains
 def test_import_needs_no_compiler_or_ninja(tmp_path) -> None:
     """With nothing on PATH the package imports, says what is missing, and trains on the torch path."""
     empty = tmp_path / "bin"

@@ -52,7 +52,7 @@ def _state(n: int, seed: int) -> dict:
 
 
 def _compare_state(ours: dict, ref: dict, before: torch.Tensor) -> list[str]:
-    """One step's error, as in tests/test_kernels.py: param within RTOL of itself plus RTOL of the
+    """One step's error, as in tests/kernels/test_kernels.py: param within RTOL of itself plus RTOL of the
     oracle's update (``before`` is where the step started); moments within RTOL of their largest element.
     ``_sync`` then starts the next step from ``ref``."""
     problems = []

@@ -11,7 +11,7 @@ the model, so parameters straddle buckets; at stage 3 every weight matrix is gat
 around its use. Last, an fp16 run per stage with dynamic loss scaling and one forced overflow: that
 step must be skipped on every parameter, the scale must halve, and the next steps must train.
 
-Tolerances (as ``tests/test_stages.py``, from DESIGN.md). fp32: ``|ours - torch| <= 1e-5 |torch|
+Tolerances (as ``tests/helpers/lockstep.py``, from DESIGN.md). fp32: ``|ours - torch| <= 1e-5 |torch|
 + 1e-6 max|torch|`` per tensor (the kernel is within 1.3e-6 relative per step, and on one rank the
 gradients are the same). bf16: the largest error against an fp32 AdamW run on the same start and
 data is at most twice that of torch's AdamW on bf16 parameters, plus one bf16 ulp of the tensor's

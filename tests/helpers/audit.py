@@ -1,7 +1,7 @@
 """The collective-order audit: every rank of a distributed test must issue the same collectives in the same order.
 
 Collectives pair up in issue order, so ranks that issue different sequences crash inside the backend,
-hang, or (same kinds and sizes) silently mix data. ``install()`` (run in every rank ``_dist`` spawns)
+hang, or (same kinds and sizes) silently mix data. ``install()`` (run in every rank ``tests.helpers.dist`` spawns)
 wraps the comm engines' collectives to record ``(op, numel)`` per process group, in issue order, and
 ``Pipeline.step`` to audit after every step that returns: the ranks of the pipeline's group exchange
 what they recorded since the last audit, and every rank raises ``AssertionError`` naming the first

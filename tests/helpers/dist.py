@@ -1,6 +1,6 @@
 """Spawn N gloo ranks on a free loopback port and run a picklable function on each.
 
-Every rank runs under the collective-order audit (``_audit``): after every optimizer step its ranks
+Every rank runs under the collective-order audit (``tests.helpers.audit``): after every optimizer step its ranks
 check that they issued the same collectives in the same order.
 """
 

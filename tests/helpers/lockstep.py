@@ -1,10 +1,18 @@
 """Lock-step training against a single process running ``torch.optim.AdamW`` on the whole batch.
 
-The model (``Net``: awkward sizes, a frozen parameter, one used in some steps only), its data by step
-and rank, the element-wise comparison of every parameter (fp32 and bf16 tolerances of DESIGN.md,
-explained in ``tests/stages/test_stages.py``), and ``run_lockstep``, which trains ``steps`` steps of
-the optimizer under test next to the reference and compares after each. Used by every test that
+The model (``Net``: awkward sizes, a frozen parameter, one used in some steps only), its data by
+step and rank, the element-wise comparison of every parameter (``compare``: the tolerances below),
+and ``run_lockstep``, which trains ``steps`` steps of the optimizer under test next to the reference
+and compares after each. Used by every test that
 compares a ShardedFusedAdam with AdamW; in spawned ranks and in one process (world size 1).
+
+Tolerances. fp32: the kernel is within 1.3e-6 relative of torch per step (DESIGN.md); the data
+parallel gradients differ from the single-process ones only by summation order (~1e-7 relative),
+so after a handful of steps ``rtol=1e-5`` holds, with ``atol = 1e-6 x`` the largest magnitude of
+the parameter tensor for elements near zero. bf16: error against an fp32 AdamW run on the same
+(bf16-rounded) start and data may be at most twice the error torch's own AdamW on bf16 params
+makes against the same reference (max over each tensor), plus one bf16 ulp of the tensor's scale
+for tensors where torch happens to be exact.
 """
 
 from __future__ import annotations

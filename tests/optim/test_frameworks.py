@@ -233,6 +233,7 @@ log.info("second message")  # the application's handler prints it; zero_kernels'
 """
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_log_level_prints_once() -> None:
     env = {**os.environ, "ZERO_KERNELS_LOG_LEVEL": "INFO"}
     out = subprocess.run([sys.executable, "-c", LOG_SCRIPT], env=env, capture_output=True, text=True, timeout=300)

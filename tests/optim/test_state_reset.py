@@ -5,7 +5,7 @@ given the same resets: ``opt.state[p] = {}``, ``del opt.state[p]``, ``opt.state.
 
 Every rank runs the same statements, as any optimizer call; a rank that holds none of a parameter's
 state (``tiny`` has one element: at world sizes 2-3 one rank holds it) resets nothing there and
-raises nothing. Parameters are compared after every step (``test_stages.compare``), the state at
+raises nothing. Parameters are compared after every step (``tests.helpers.lockstep.compare``), the state at
 the end (``full_state_dict()`` against AdamW's ``state_dict()``). A reset made on one rank only
 raises ``RanksDisagree`` on every rank at the next step, naming the parameter.
 """

@@ -276,6 +276,7 @@ def test_cli_rejects_bad_sizes(capsys) -> None:
     assert exit_info.value.code == 2 and "--params='0': must be > 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_python_dash_m_entry_point() -> None:
     cmd = [sys.executable, "-m", "zero_kernels"] + PLAN
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)

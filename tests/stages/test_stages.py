@@ -9,13 +9,7 @@ on some ranks only (only where the rank's rows need it). Stage 3 gathers a modul
 with collectives, so every rank must call the same modules: there ``extra`` is called on every rank
 whenever some rank's rows need it (on an empty slice of rows elsewhere), and on no rank otherwise.
 
-Tolerances. fp32: the kernel is within 1.3e-6 relative of torch per step (DESIGN.md); the data
-parallel gradients differ from the single-process ones only by summation order (~1e-7 relative),
-so after a handful of steps ``rtol=1e-5`` holds, with ``atol = 1e-6 x`` the largest magnitude of
-the parameter tensor for elements near zero. bf16: error against an fp32 AdamW run on the same
-(bf16-rounded) start and data may be at most twice the error torch's own AdamW on bf16 params
-makes against the same reference (max over each tensor), plus one bf16 ulp of the tensor's scale
-for tensors where torch happens to be exact.
+Tolerances: ``tests.helpers.lockstep``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ and ``model.load_state_dict`` into it raise an error naming the parameter and
 ``gathered_params()``, and change nothing; metadata reads and conversions of the model still pass.
 Inside ``gathered_params()`` the same code works: a best-weights snapshot and its restore, an EMA
 and ``torch.optim.swa_utils.AveragedModel`` match the same code run on ``torch.optim.AdamW``'s
-model, element by element (fp32 tolerance of DESIGN.md, as ``test_stages.compare``).
+model, element by element (fp32 tolerance of DESIGN.md, as ``tests.helpers.lockstep.compare``).
 """
 
 from __future__ import annotations
