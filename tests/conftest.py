@@ -10,11 +10,11 @@ test that needs it and is not marked fails there.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 import random
 import sys
-from typing import Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -67,32 +67,40 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         os.environ["ZERO_KERNELS_NO_JIT"] = "1"
 
 
-def _unmarked_spawn(*args, **kwargs):
-    raise AssertionError("this test starts ranks: mark it @pytest.mark.distributed (tests/README.md, tiers)")
+_spawn_allowed = True  # outside a test (collection), and inside a test marked distributed
 
 
-@contextlib.contextmanager
-def _spawns_refused(item: pytest.Item) -> Iterator[None]:
-    """Unless ``item`` is marked ``distributed``: every way a test starts ranks raises while it runs."""
-    if item.get_closest_marker("distributed"):
-        yield
-        return
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.multiprocessing, "spawn", _unmarked_spawn)
-        patch.setattr(torch.multiprocessing, "start_processes", _unmarked_spawn)
-        netns = sys.modules.get("benchmarks.netns")
-        if netns is not None:
-            patch.setattr(netns, "torchrun_on_nodes", _unmarked_spawn)
-        yield
+def _guarded(start: Callable[..., Any]) -> Callable[..., Any]:
+    """``start`` (a way to start ranks), raising unless the running test is marked ``distributed``."""
+
+    @functools.wraps(start)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if not _spawn_allowed:
+            raise AssertionError("this test starts ranks: mark it @pytest.mark.distributed (tests/README.md, tiers)")
+        return start(*args, **kwargs)
+
+    guarded.tiers_guard = True  # type: ignore[attr-defined]
+    return guarded
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
-    with _spawns_refused(item):  # module fixtures a test needs count as the test's own
-        yield
+def _guard(module: Any, name: str) -> None:
+    """Wrap ``module.name`` once, for the session (a test's own monkeypatch of it restores the wrapper)."""
+    if not getattr(getattr(module, name), "tiers_guard", False):
+        setattr(module, name, _guarded(getattr(module, name)))
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    with _spawns_refused(item):
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
+    """While ``item`` sets up (module fixtures it needs count as its own), runs and tears down, starting
+    ranks raises unless it is marked ``distributed``."""
+    global _spawn_allowed
+    _guard(torch.multiprocessing, "spawn")
+    _guard(torch.multiprocessing, "start_processes")
+    netns = sys.modules.get("benchmarks.netns")
+    if netns is not None:
+        _guard(netns, "torchrun_on_nodes")
+    _spawn_allowed = item.get_closest_marker("distributed") is not None
+    try:
         yield
+    finally:
+        _spawn_allowed = True
