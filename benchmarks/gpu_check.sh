@@ -9,10 +9,10 @@
 #             before it ends; a failed build is reported (the compiler's output is shown), the
 #             ordering checks are then skipped and the stages use the torch engine
 #   cuda      whether a CUDA device exists
-#   kernels   the Triton kernels against their references (gpu_check.py), and what each variant costs
-#   ordering  the comm engine's stream ordering, input and output side, and no host syncs (gpu_streams.py)
-#   stages    every ZeRO stage against torch.optim.AdamW, fp16 overflow, a timed step (gpu_stages.py)
-#   timing    the kernels as the optimizer uses them (gpu_timing.py)
+#   kernels   the Triton kernels against their references (tests/gpu/gpu_check.py), and what each variant costs
+#   ordering  the comm engine's stream ordering, input and output side, and no host syncs (tests/gpu/gpu_streams.py)
+#   stages    every ZeRO stage against torch.optim.AdamW, fp16 overflow, a timed step (tests/gpu/gpu_stages.py)
+#   timing    the kernels as the optimizer uses them (benchmarks/gpu_timing.py)
 #   bench     the quick adam and flatten benchmarks (python -m benchmarks)
 #   summary   every check of every JSON file, then one line: passed, failed, skipped
 # Every script writes its JSON after each check (each check guarded), so a step stopped by its limit
@@ -75,16 +75,16 @@ step() {  # step SECONDS COMMAND...: exit 1 (a failure) marks the run failed; 2 
     fi
 }
 
-step "$KERNELS_S" "$PYTHON" benchmarks/gpu_check.py --json "$results"
-step "$ORDERING_S" "$PYTHON" benchmarks/gpu_streams.py --json "$results"
-step "$STAGES_S" "$PYTHON" benchmarks/gpu_stages.py --json "$results"
+step "$KERNELS_S" "$PYTHON" tests/gpu/gpu_check.py --json "$results"
+step "$ORDERING_S" "$PYTHON" tests/gpu/gpu_streams.py --json "$results"
+step "$STAGES_S" "$PYTHON" tests/gpu/gpu_stages.py --json "$results"
 step "$TIMING_S" "$PYTHON" benchmarks/gpu_timing.py --json "$results"
 if [ "$cuda" = "1" ]; then
     step "$BENCH_S" "$PYTHON" -m benchmarks adam flatten --json "$results"
 else
     echo "benchmarks: skipped: no CUDA device"
 fi
-limit "$SUMMARY_S" "$PYTHON" benchmarks/gpu_check.py --summary "$results" --worst-case "$WORST_CASE_S" \
+limit "$SUMMARY_S" "$PYTHON" tests/gpu/gpu_check.py --summary "$results" --worst-case "$WORST_CASE_S" \
     --elapsed "$((SECONDS - started))"
 if [ "$failed" -ne 0 ]; then
     exit 1

@@ -1,4 +1,4 @@
-"""Make the DeepSpeed checkpoint fixtures of ``tests/test_migration.py`` with real DeepSpeed.
+"""Make the DeepSpeed checkpoint fixtures of ``tests/checkpoint/test_migration.py`` with real DeepSpeed.
 
 Needs a Python environment with deepspeed (it runs on the CPU with gloo; ``"torch_adam": true``
 avoids building DeepSpeed's fused Adam op)::

@@ -1,6 +1,6 @@
 """Make ``deepspeed/loss_scale_traces.json``: DeepSpeed's fp16 dynamic loss scale, step by step.
 
-``tests/test_optim.py`` replays these overflow sequences through ``zero_kernels.precision.LossScaler``
+``tests/optim/test_optim.py`` replays these overflow sequences through ``zero_kernels.precision.LossScaler``
 and compares the scale and hysteresis after every step with DeepSpeed's. DeepSpeed's
 ``DynamicLossScaler`` is plain Python, so it runs here without a GPU (fp16 training itself does not
 run on DeepSpeed's CPU accelerator). Needs deepspeed (see ``make_deepspeed_fixtures.py``)::

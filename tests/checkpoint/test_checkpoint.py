@@ -1,0 +1,360 @@
+"""Sharded checkpoints against an uninterrupted single-process ``torch.optim.AdamW`` run.
+
+One reference run trains ``STEPS_BEFORE`` steps (snapshot A) then ``STEPS_AFTER`` more (snapshot
+B) on the whole batch. The sharded runs train on ``1/world`` of the same batch per rank, so their
+averaged gradients equal the reference's up to summation order (see tests/helpers/lockstep.py for the
+tolerances). Checkpoints cross world sizes and stages:
+
+- world 3, stage 2 saves after A; world 2 loads it at stage 3 and at stage 0, compares with A,
+  continues to B (stage 3) and saves again (stage 3 and stage 0 writers at world 2);
+- one process loads each of these at stages 0 and 1 and compares with A or B, and continues;
+- the consolidated file loads into a plain model and ``torch.optim.AdamW`` and continues to B.
+
+Every parameter, buffer and Adam state tensor (m, v, step) is compared element by element (``compare``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.checkpoint as ck
+import zero_kernels.checkpoint.cli as consolidate_cli
+import zero_kernels.checkpoint.inspect_cli as inspect_cli
+import zero_kernels.optim as zo
+from tests.helpers.check import assert_close
+from tests.helpers.dist import run_ranks
+from tests.helpers.paths import pythonpath
+from zero_kernels.checkpoint.format import ShardReader
+
+ROWS = 6  # global batch: divisible by world sizes 1, 2 and 3
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+LR, WD = 2e-2, 0.1
+BUCKET = 13  # elements: parameters straddle buckets and shards
+RTOL = 1e-5
+
+Snapshot = dict[str, dict[str, torch.Tensor]]
+
+
+class Net(nn.Module):
+    """Awkward sizes (77, 1, 60, 6), a frozen parameter and a buffer that forward updates."""
+
+    def __init__(self, mid: int = 5) -> None:
+        super().__init__()
+        self.tiny = nn.Parameter(torch.tensor([1.3]))
+        self.frozen = nn.Parameter(torch.randn(mid), requires_grad=False)
+        self.register_buffer("calls", torch.zeros(()))
+        self.emb = nn.Linear(6, 11)
+        self.mid = nn.Linear(11, mid)
+        self.head = nn.Linear(mid, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = torch.tanh(self.emb(x)) * self.tiny
+        h = torch.tanh(self.mid(h) + self.frozen)
+        return self.head(h).square().mean()
+
+
+def make_net(mid: int = 5) -> Net:
+    torch.manual_seed(0)
+    return Net(mid)
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(ROWS, 6, generator=torch.Generator().manual_seed(100 + step))
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int = 0, world: int = 1) -> None:
+    per, dtype = ROWS // world, model.emb.weight.dtype
+    for step in steps:
+        model(batch(step)[rank * per : (rank + 1) * per].to(dtype)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(model: nn.Module, state: dict[int, dict[str, torch.Tensor]]) -> Snapshot:
+    """Model tensors by state_dict key; Adam state by parameter name (``model.parameters()`` order)."""
+    names = [n for n, _ in model.named_parameters()]
+    out: Snapshot = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    for index, entry in state.items():
+        out[names[int(index)]] = {k: torch.as_tensor(v).detach().clone().float() for k, v in entry.items()}
+    return out
+
+
+def zk_snapshot(model: nn.Module, opt: zo.ShardedFusedAdam) -> Snapshot:
+    state = opt.full_state_dict()["state"]
+    with opt.gathered_params():
+        return snapshot(model, state)
+
+
+def compare(actual: Snapshot, expected: Snapshot, what: str) -> None:
+    """Element by element: ``rtol`` plus an ``atol`` of ``RTOL`` x the largest magnitude of that kind of tensor
+    (model tensors, m, v, step) over the model, for elements that cancel out (m near zero)."""
+    assert actual.keys() == expected.keys(), f"{what}: tensors {sorted(actual)} != {sorted(expected)}"
+    scale: dict[str, float] = {}
+    for group in expected.values():
+        for kind, e in group.items():
+            kind = "model" if group is expected["model"] else kind
+            scale[kind] = max(scale.get(kind, 0.0), float(e.abs().max()) if e.numel() else 0.0)
+    for group in expected:
+        assert actual[group].keys() == expected[group].keys(), f"{what} {group}: {actual[group].keys()}"
+        for name, e in expected[group].items():
+            atol = RTOL * scale["model" if group == "model" else name]
+            assert_close(actual[group][name], e, rtol=RTOL, atol=atol, what=f"{what}: {group} {name}")
+
+
+def reference() -> tuple[Snapshot, Snapshot]:
+    model = make_net()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    train(model, opt, range(STEPS_BEFORE))
+    a = snapshot(model, opt.state_dict()["state"])
+    train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    return a, snapshot(model, opt.state_dict()["state"])
+
+
+def zk_opt(model: nn.Module, stage: int, lr: float = LR, **zero: Any) -> zo.ShardedFusedAdam:
+    """An optimizer to load into: a wrong ``lr`` checks that the saved hyper-parameters come back."""
+    zero.setdefault("reduce_bucket_size", BUCKET)
+    if stage == 3:
+        zero.setdefault("stage3_param_persistence_threshold", 2)
+    return zo.ShardedFusedAdam(model, lr=lr, weight_decay=WD, stage=stage, **zero)
+
+
+# ---------------------------------------------------------------- rank functions
+def _save_world3(rank: int, world: int, root: str) -> None:
+    model = make_net()
+    opt = zk_opt(model, stage=2)
+    train(model, opt, range(STEPS_BEFORE), rank, world)
+    ck.save(root, model, opt, extra={"step": STEPS_BEFORE, "note": "after A"})
+
+
+def _load_world2(rank: int, world: int, root: str, roots: dict[str, str], a: Snapshot, b: Snapshot) -> None:
+    model = make_net()
+    opt = zk_opt(model, stage=3, lr=0.5)
+    read = _count_reads()
+    assert ck.load(root, model, opt) == {"step": STEPS_BEFORE, "note": "after A"}
+    total = sum(p.stat().st_size for p in Path(root).glob("v*/rank*.bin"))
+    assert sum(read) < 0.6 * total, f"rank {rank} of 2 at stage 3 read {sum(read)} of the {total} bytes saved"
+    assert opt.param_groups[0]["lr"] == LR
+    compare(zk_snapshot(model, opt), a, f"world 2 stage 3 rank {rank} loaded")
+    train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER), rank, world)
+    compare(zk_snapshot(model, opt), b, f"world 2 stage 3 rank {rank} continued")
+    ck.save(roots["stage3"], model, opt)
+    model0 = make_net()
+    opt0 = zk_opt(model0, stage=0, reduce_bucket_size=7)
+    ck.load(root, model0, opt0)
+    compare(zk_snapshot(model0, opt0), a, f"world 2 stage 0 rank {rank} loaded")
+    ck.save(roots["stage0"], model0, opt0)
+
+
+def _count_reads() -> list[int]:
+    """Record the size of every byte range read from a rank file from now on (in this process)."""
+    sizes: list[int] = []
+    read = ShardReader.read
+
+    def counted(self: ShardReader, offset: int, n: int) -> bytes:
+        sizes.append(n)
+        return read(self, offset, n)
+
+    ShardReader.read = counted
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The reference snapshots and the checkpoints of the sharded runs (two spawns in all)."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    a, b = reference()
+    roots = {"w3s2": str(tmp / "w3s2"), "stage3": str(tmp / "w2s3"), "stage0": str(tmp / "w2s0")}
+    run_ranks(_save_world3, 3, roots["w3s2"])
+    run_ranks(_load_world2, 2, roots["w3s2"], roots, a, b)
+    return {"a": a, "b": b, "tmp": tmp, **roots}
+
+
+# ---------------------------------------------------------------- tests
+@pytest.mark.distributed
+def test_any_world_size_and_stage_matches_an_uninterrupted_run(runs: dict[str, Any]) -> None:
+    for stage in (0, 1):
+        model = make_net()
+        opt = zk_opt(model, stage=stage, lr=0.5)
+        ck.load(runs["w3s2"], model, opt)
+        compare(zk_snapshot(model, opt), runs["a"], f"world 3 stage 2 -> world 1 stage {stage}")
+        train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+        compare(zk_snapshot(model, opt), runs["b"], f"world 1 stage {stage} continued")
+    for root, want in ((runs["stage3"], "b"), (runs["stage0"], "a")):
+        model = make_net()
+        opt = zk_opt(model, stage=1, reduce_bucket_size=1000)
+        assert ck.load(root, model, opt) is None
+        compare(zk_snapshot(model, opt), runs[want], f"{root} -> world 1 stage 1")
+
+
+@pytest.mark.distributed
+def test_each_rank_writes_only_its_part(runs: dict[str, Any]) -> None:
+    version = Path(runs["w3s2"]) / "v000001"
+    meta = json.loads((version / "metadata.json").read_text())
+    assert (meta["world_size"], meta["stage"], len(meta["files"])) == (3, 2, 3)
+    total = sum(4 * torch.Size(t["shape"]).numel() for t in meta["tensors"].values())
+    sizes = [(version / f["name"]).stat().st_size for f in meta["files"]]
+    assert sum(sizes) == total, f"the rank files hold {sum(sizes)} bytes, the tensors {total}: no duplicates"
+    assert max(sizes) <= total / 3 + 4 * 13, f"rank files {sizes}: each about a third of {total}"
+    sizes0 = [p.stat().st_size for p in (Path(runs["stage0"]) / "v000001").glob("rank*.bin")]
+    assert len(sizes0) == 2 and max(sizes0) < 0.6 * sum(sizes0), f"stage 0 at world 2 writes halves: {sizes0}"
+
+
+@pytest.mark.distributed  # the runs fixture spawns
+def test_consolidated_file_continues_like_adamw(runs: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
+    out = runs["tmp"] / "consolidated.pt"
+    parser = argparse.ArgumentParser()
+    consolidate_cli.add_arguments(parser)
+    assert consolidate_cli.run(parser.parse_args([runs["w3s2"], str(out)])) == 0
+    saved = torch.load(out, weights_only=True)
+    model = Net()
+    model.load_state_dict(saved["model"])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    opt.load_state_dict(saved["optimizer"])
+    assert opt.param_groups[0]["lr"] == LR and opt.param_groups[0]["weight_decay"] == WD
+    compare(snapshot(model, opt.state_dict()["state"]), runs["a"], "consolidated")
+    train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER))
+    compare(snapshot(model, opt.state_dict()["state"]), runs["b"], "consolidated, continued with AdamW")
+
+    parser = argparse.ArgumentParser()
+    inspect_cli.add_arguments(parser)
+    assert inspect_cli.run(parser.parse_args([runs["w3s2"], "--verify"])) == 0
+    text = capsys.readouterr().out
+    assert "stage 2 on 3 ranks" in text and "3 shard files" in text, text
+    assert "mid.weight  (5, 11)  float32  3" in text and "frozen  (5,)  float32  -" in text, text
+    assert "every checksum matches" in text, text
+
+
+def _trained_one_step() -> tuple[nn.Module, zo.ShardedFusedAdam, Snapshot]:
+    model = make_net()
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(1))
+    return model, opt, zk_snapshot(model, opt)
+
+
+def _broken(runs: dict[str, Any], name: str, damage) -> Path:
+    root = runs["tmp"] / f"broken-{name}"
+    shutil.copytree(runs["w3s2"], root)
+    damage(root / "v000001")
+    return root
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _set_version(version: Path) -> None:
+    meta = json.loads((version / "metadata.json").read_text())
+    meta["version"] = 99
+    (version / "metadata.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.distributed  # the runs fixture spawns
+def test_bad_checkpoints_raise_and_change_nothing(runs: dict[str, Any]) -> None:
+    cases = [
+        ("missing", lambda v: (v / "rank00001.bin").unlink(), "rank00001.bin is missing"),
+        ("truncated", lambda v: os.truncate(v / "rank00002.bin", 100), "truncated"),
+        ("corrupted", lambda v: _flip_byte(v / "rank00000.bin", 150), "corrupted \\(checksum mismatch"),
+        ("version", _set_version, "format version 99"),
+        ("metadata", lambda v: (v / "metadata.json").write_text("{"), "metadata.json cannot be read"),
+        ("extra", lambda v: _flip_byte(v / "extra.pt", 40), "extra.pt is truncated or corrupted"),
+    ]
+    model, opt, before = _trained_one_step()
+    for name, damage, message in cases:
+        with pytest.raises(ck.CheckpointError, match=message):
+            ck.load(_broken(runs, name, damage), model, opt)
+        compare(zk_snapshot(model, opt), before, f"after a failed load ({name})")
+    with pytest.raises(ck.CheckpointError, match="'frozen' has shape \\(4,\\) here but \\(5,\\)"):
+        other = make_net(mid=4)
+        ck.load(runs["w3s2"], other, zk_opt(other, stage=1))
+    with pytest.raises(ck.CheckpointError, match="does not exist"):
+        ck.load(runs["tmp"] / "nowhere", model, opt)
+    compare(zk_snapshot(model, opt), before, "after failed loads")
+    out = runs["tmp"] / "unused.pt"
+    with pytest.raises(ck.CheckpointError, match="truncated"):
+        ck.consolidate(_broken(runs, "consolidate", lambda v: os.truncate(v / "rank00000.bin", 8)), out)
+    assert not out.exists() and not out.with_name("unused.pt.tmp").exists()
+
+
+# ---------------------------------------------------------------- a save killed midway
+def crash_save(root: str, kill_at: str) -> None:
+    """Save after A, take one more step, then save again and die (``os._exit``) at ``kill_at``."""
+    model = make_net()
+    opt = zk_opt(model, stage=2)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(root, model, opt)
+    train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + 1))
+    publish = ck.publish
+
+    def dying(tmp: Path, final: Path) -> None:
+        if final.name == kill_at:
+            os._exit(17)
+        publish(tmp, final)
+
+    ck.publish = dying
+    ck.save(root, model, opt)
+
+
+def _crash(root: Path, kill_at: str) -> subprocess.Popen:
+    code = f"import tests.checkpoint.test_checkpoint as t; t.crash_save({str(root)!r}, {kill_at!r})"
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+
+
+@pytest.mark.distributed  # the runs fixture spawns
+def test_save_killed_midway_leaves_the_previous_checkpoint(runs: dict[str, Any], tmp_path: Path) -> None:
+    points = {"shard": "rank00000.bin", "rename": "v000002"}  # the shard file not renamed; the version not renamed
+    procs = {name: _crash(tmp_path / name, kill_at) for name, kill_at in points.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 17, f"kill at {name}: exit status {proc.returncode}: {err.decode()[-2000:]}"
+        root = tmp_path / name
+        assert (root / "latest").read_text() == "v000001" and (root / ".tmp-v000002").is_dir()
+        model = make_net()
+        opt = zk_opt(model, stage=0, lr=0.5)
+        ck.load(root, model, opt)
+        compare(zk_snapshot(model, opt), runs["a"], f"previous checkpoint after a kill at {name}")
+        with pytest.raises(ck.CheckpointError, match="a save that did not finish"):
+            ck.load(root / ".tmp-v000002", model, opt)
+        assert ck.save(root, model, opt).name == "v000003" and (root / "latest").read_text() == "v000003"
+        again = make_net()
+        opt_again = zk_opt(again, stage=1)
+        ck.load(root, again, opt_again)
+        compare(zk_snapshot(again, opt_again), runs["a"], f"a new save after a kill at {name}")
+
+
+def test_bf16_parameters_keep_their_fp32_master(tmp_path: Path) -> None:
+    """The fp32 master comes back: bf16 runs loaded at stages 0 and 2 continue bit for bit like the saved
+    stage 1 run, and an fp32 model loads the master itself (rounding to the saved bf16 values)."""
+    model = make_net().to(torch.bfloat16)
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path, model, opt)
+    fp32 = make_net()
+    ck.load(tmp_path, fp32, zk_opt(fp32, stage=0))
+    saved = dict(model.named_parameters())
+    for name, p in fp32.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.to(torch.bfloat16), saved[name].detach()), name
+    assert not all(torch.equal(p, saved[n].float()) for n, p in fp32.named_parameters()), "fp32 got the bf16 values"
+    loaded = {stage: make_net().to(torch.bfloat16) for stage in (0, 2)}
+    opts = {stage: zk_opt(m, stage=stage, lr=0.5) for stage, m in loaded.items()}
+    for stage, m in loaded.items():
+        ck.load(tmp_path, m, opts[stage])
+        train(m, opts[stage], range(STEPS_BEFORE, STEPS_BEFORE + 2))
+    train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + 2))
+    for stage, m in loaded.items():
+        for name, p in m.named_parameters():
+            assert torch.equal(p, saved[name]), f"bf16 loaded at stage {stage}: {name} differs after 2 steps"

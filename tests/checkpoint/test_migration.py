@@ -1,0 +1,368 @@
+"""Coming from DeepSpeed or the Hugging Face Trainer: "auto" values, the stage as a string, the
+scheduler section, and DeepSpeed ZeRO checkpoints resumed here.
+
+The DeepSpeed fixtures under ``tests/data/deepspeed`` were made by real DeepSpeed (two gloo ranks,
+stages 1-3, fp32 and bf16 with fp32 master; ``tests/data/make_deepspeed_fixtures.py``): each holds
+a checkpoint after 4 steps and what DeepSpeed's own resumed run saw over the next 5 (losses, lr,
+and ``zero_to_fp32`` weights before and after). No deepspeed is needed here.
+
+Tolerances. fp32: the resumed run here differs from DeepSpeed's only by summation order (another
+world size) and the fused kernel (<= 1.3e-6 relative per step), so losses agree to 1e-5 relative
+and weights after 5 steps to 1e-5 relative (plus 1e-6 of the tensor's scale near zero). bf16: the
+forward runs in bf16 on both sides, so losses agree to a few bf16 ulps (2e-2 relative) and the
+bf16 weights to one bf16 ulp of their scale.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import shutil
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zero_kernels as zk
+import zero_kernels.optim as zo
+from tests.helpers.check import assert_close
+from tests.helpers.dist import run_ranks
+from tests.helpers.paths import DATA
+from zero_kernels.__main__ import main as cli
+from zero_kernels.checkpoint import CheckpointError
+from zero_kernels.checkpoint.format import OBJECTS, TensorSource, resolve
+from zero_kernels.checkpoint.metadata import read_metadata
+from zero_kernels.checkpoint.objects import read_file
+from zero_kernels.schedulers import WarmupDecayLR, WarmupLR
+
+_spec = importlib.util.spec_from_file_location("make_deepspeed_fixtures", DATA / "make_deepspeed_fixtures.py")
+fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixtures)
+CASES = sorted(fixtures.CASES)
+
+
+# ---------------------------------------------------------------- "auto" values and training_args
+def _args(**changes: Any) -> types.SimpleNamespace:
+    """A stand-in for transformers.TrainingArguments with non-default values (duck-typed)."""
+    values = dict(
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, max_grad_norm=0.5, learning_rate=3e-4,
+        adam_beta1=0.85, adam_beta2=0.98, adam_epsilon=1e-7, weight_decay=0.01, fp16=False, fp16_full_eval=False,
+        bf16=True, bf16_full_eval=False, max_steps=200, warmup_steps=0.1,
+    )  # fmt: skip
+    values.update(changes)
+    args = types.SimpleNamespace(**values)
+    args.get_warmup_steps = lambda total: int(args.warmup_steps) if args.warmup_steps >= 1 else -(-total * 1 // 10)
+    return args
+
+
+HF_TEMPLATE = {
+    "fp16": {"enabled": "auto"},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto",
+        },
+    },
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "overlap_comm": "auto"},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+}  # fmt: skip
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> str:
+    records = [r for r in caplog.records if r.name == "zero_kernels" and r.levelno >= logging.WARNING]
+    return "\n".join(r.getMessage() for r in records)
+
+
+def test_training_args_fill_every_auto_the_trainer_would(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        cfg = zk.ZeroConfig.from_deepspeed(HF_TEMPLATE, world_size=3, training_args=_args(), hidden_size=64)
+    opt = cfg.optimizer
+    assert (opt.lr, opt.betas, opt.eps, opt.weight_decay) == (3e-4, (0.85, 0.98), 1e-7, 0.01)
+    assert (cfg.gradient_clipping, cfg.bf16, cfg.fp16.enabled) == (0.5, True, False)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size) == (4, 2, 24)
+    assert cfg.zero.reduce_bucket_size == 64 * 64
+    assert cfg.scheduler.type == "WarmupDecayLR"
+    params = cfg.scheduler.params
+    assert (params["warmup_min_lr"], params["warmup_max_lr"]) == (0.0, 3e-4)
+    assert (params["total_num_steps"], params["warmup_num_steps"]) == (200, 20)  # max_steps; ceil(0.1 * 200)
+    logged = _warnings(caplog)
+    for line in (
+        "optimizer.params.lr=0.0003 (from training_args.learning_rate)",
+        "gradient_clipping=0.5 (from training_args.max_grad_norm)",
+        "train_batch_size=24 (from training_args.",
+        "scheduler.params.warmup_num_steps=20 (from training_args.warmup_steps)",
+        "scheduler.params.warmup_min_lr=0.0 (as the Hugging Face Trainer fills it)",
+        "zero_optimization.overlap_comm=None (DeepSpeed's default)",
+    ):
+        assert line in logged, f"{line!r} not logged at WARNING; got: {logged}"
+    assert sum("auto" in r.getMessage() for r in caplog.records) == 1, "resolved values are logged in one record"
+
+
+def test_matches_the_hf_trainer_where_transformers_is_installed() -> None:
+    """The values the Trainer's own DeepSpeed integration writes into the same template (it needs deepspeed)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("deepspeed")
+    integration = pytest.importorskip("transformers.integrations.deepspeed")
+    args = transformers.TrainingArguments(
+        output_dir="unused", report_to=[], use_cpu=True, learning_rate=3e-4, adam_beta1=0.85, adam_beta2=0.98,
+        adam_epsilon=1e-7, weight_decay=0.01, max_grad_norm=0.5, per_device_train_batch_size=4,
+        gradient_accumulation_steps=2, bf16=True, max_steps=200, warmup_steps=0.1,
+    )  # fmt: skip
+    trainer = integration.HfTrainerDeepSpeedConfig(json.loads(json.dumps(HF_TEMPLATE)))
+    trainer.trainer_config_process(args)
+    trainer.trainer_config_finalize(args, types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64)), 200)
+    theirs = trainer.config
+    ours = zk.ZeroConfig.from_deepspeed(HF_TEMPLATE, world_size=args.world_size, training_args=args, hidden_size=64)
+    opt, sched = theirs["optimizer"]["params"], theirs["scheduler"]["params"]
+    assert (ours.optimizer.lr, ours.optimizer.eps, ours.optimizer.weight_decay) == (
+        opt["lr"],
+        opt["eps"],
+        opt["weight_decay"],
+    )
+    assert list(ours.optimizer.betas) == list(opt["betas"])
+    assert (ours.gradient_clipping, ours.bf16, ours.fp16.enabled) == (
+        theirs["gradient_clipping"],
+        theirs["bf16"]["enabled"],
+        theirs["fp16"]["enabled"],
+    )
+    assert (ours.train_batch_size, ours.train_micro_batch_size_per_gpu, ours.gradient_accumulation_steps) == (
+        theirs["train_batch_size"],
+        theirs["train_micro_batch_size_per_gpu"],
+        theirs["gradient_accumulation_steps"],
+    )
+    assert ours.zero.reduce_bucket_size == theirs["zero_optimization"]["reduce_bucket_size"]
+    assert {k: ours.scheduler.params[k] for k in sched} == sched
+
+
+def test_without_training_args_auto_takes_the_trainers_defaults() -> None:
+    template = {**HF_TEMPLATE, "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto"}}}
+    cfg = zk.ZeroConfig.from_deepspeed(template)
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay, cfg.gradient_clipping) == (5e-5, 0.0, 1.0)
+    assert (cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (8, 1)
+    assert cfg.scheduler.params["warmup_max_lr"] == 5e-5
+    keyword = zk.ZeroConfig.from_deepspeed(template, training_args=_args(), lr=1e-2)  # keywords come first
+    assert (keyword.optimizer.lr, keyword.scheduler.params["warmup_max_lr"]) == (1e-2, 1e-2)
+
+
+@pytest.mark.parametrize(
+    "config, kwargs, fragments",
+    [
+        (HF_TEMPLATE, {}, ("scheduler.params.total_num_steps is required by WarmupDecayLR", "total_num_steps=")),
+        (
+            {**HF_TEMPLATE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+            {"training_args": _args()},
+            ("optimizer.params.lr=0.001", "training_args.learning_rate=0.0003", '"auto"'),
+        ),
+        ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_stepz": 3}}}, {}, ("'warmup_num_stepz'",)),
+        ({"scheduler": {"type": "warmuplr"}}, {}, ("scheduler.type='warmuplr'", "did you mean 'WarmupLR'")),
+        ({"scheduler": {"type": "LRRangeTest"}}, {}, ("LRRangeTest", "not supported yet")),
+        ({"scheduler": {"type": "WarmupLR"}}, {"training_args": object()}, ("training_args has no attribute",)),
+        ({"scheduler": {"type": "WarmupLR"}}, {"total_num_steps": 5}, ("sets scheduler.params.total_num_steps",)),
+    ],
+)
+def test_auto_and_scheduler_errors_name_the_key(config: dict, kwargs: dict, fragments: tuple) -> None:
+    with pytest.raises(ValueError) as err:
+        zk.ZeroConfig.from_deepspeed(config, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} missing from: {err.value}"
+
+
+# ---------------------------------------------------------------- the stage as DeepSpeed reads it
+def test_stage_given_as_a_string() -> None:
+    for value, stage in (("2", 2), ("2.0", 2), (" 3 ", 3), (1.0, 1), ("0", 0)):
+        assert zk.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": value}}).stage == stage
+    assert zo.ShardedFusedAdam(torch.nn.Linear(2, 2), stage="2").options.stage == 2
+    for value in ("2.5", "4", "two", True, "", "auto"):
+        with pytest.raises(ValueError, match="zero_optimization.stage") as err:
+            zk.ZeroConfig.from_deepspeed({"zero_optimization": {"stage": value}})
+        assert "from 0 to 3" in str(err.value)
+    with pytest.raises(ValueError, match=r"zero_optimization.stage='5' is invalid: expected an integer from 0 to 3"):
+        zo.ShardedFusedAdam(torch.nn.Linear(2, 2), stage="5")
+
+
+# ---------------------------------------------------------------- initialize and the scheduler
+def test_initialize_returns_the_scheduler_when_the_config_has_one() -> None:
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}, "zero_optimization": {"stage": "1"}}
+    model, opt = zk.initialize(torch.nn.Linear(3, 2), config)
+    assert isinstance(opt, zo.ShardedFusedAdam)
+    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}}
+    scheduled = {**config, "scheduler": warmup}
+    model, opt, scheduler = zk.initialize(torch.nn.Linear(3, 2), scheduled)
+    assert isinstance(scheduler, WarmupLR) and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+    seen = []
+    for _ in range(4):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.0, 0.0, 0.05, 0.1])
+    torch_sched = {**config, "scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}}
+    _, _, step_lr = zk.initialize(torch.nn.Linear(3, 2), torch_sched)
+    assert isinstance(step_lr, torch.optim.lr_scheduler.StepLR)
+
+
+def test_checkpoint_keeps_the_scheduler(tmp_path: Path) -> None:
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2}},
+    }
+    model, opt, scheduler = zk.initialize(torch.nn.Linear(3, 2), config)
+    for _ in range(3):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        scheduler.step()
+    zk.checkpoint.save(tmp_path, model, opt, scheduler=scheduler)
+    model2, opt2, scheduler2 = zk.initialize(torch.nn.Linear(3, 2), config)
+    zk.checkpoint.load(tmp_path, model2, opt2, scheduler=scheduler2)
+    assert isinstance(scheduler2, WarmupDecayLR)
+    assert scheduler2.last_epoch == scheduler.last_epoch == 3
+    assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+    scheduler.step(), scheduler2.step()
+    assert opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+    bare = zk.initialize(torch.nn.Linear(3, 2), {"optimizer": config["optimizer"]})
+    zk.checkpoint.save(tmp_path / "bare", *bare)
+    with pytest.raises(CheckpointError, match="holds no scheduler state"):
+        zk.checkpoint.load(tmp_path / "bare", model2, opt2, scheduler=scheduler2)
+
+
+# ---------------------------------------------------------------- DeepSpeed checkpoints
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("imported")
+    return {case: zk.checkpoint.from_deepspeed(DATA / "deepspeed" / case / "ckpt", root / case) for case in CASES}
+
+
+def _resumed(case: str) -> dict[str, Any]:
+    return torch.load(DATA / "deepspeed" / case / "resumed.pt", weights_only=True)
+
+
+def test_import_keeps_deepspeeds_fp32_weights_steps_and_groups(imported: dict[str, Path]) -> None:
+    for case in CASES:
+        version = resolve(imported[case])
+        meta = read_metadata(version)
+        before = _resumed(case)["weights_before"]  # DeepSpeed's own zero_to_fp32 of the checkpoint
+        with TensorSource(version, meta) as src:
+            for i, p in enumerate(meta["params"]):
+                key = f"optim/{i}/master" if "bf16" in case else f"model/{p['name']}"
+                assert torch.equal(src.full(key), before[p["name"]]), f"{case} {p['name']}"
+                assert src.full(f"optim/{i}/exp_avg_sq").min() >= 0
+                assert p["step"] == fixtures.STEPS_BEFORE
+        assert [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
+        book = read_file(version, OBJECTS, meta["objects"])
+        assert meta["param_groups"][0]["betas"] == [0.9, 0.95] and book["param_groups"][0]["betas"] == (0.9, 0.95)
+        assert book["lr_scheduler"] == {"last_batch_iteration": 3}, f"{case}: {book['lr_scheduler']}"
+
+
+def _resume(rank: int, world: int, stages: dict[str, int], imported: dict[str, str], out: str) -> None:
+    results = {}
+    rows = fixtures.ROWS // world
+    for case, stage in stages.items():
+        info = json.loads((DATA / "deepspeed" / case / "case.json").read_text())
+        config = {**info["config"], "zero_optimization": {"stage": stage, "reduce_bucket_size": 16}}
+        model = fixtures.make_model()
+        model, opt, scheduler = zk.initialize(model, config, model_parameters=fixtures.groups(model))
+        zk.checkpoint.load(imported[case], model, opt, scheduler=scheduler)
+        dtype = torch.bfloat16 if info["bf16"] else torch.float32
+        losses, lrs = [], []
+        for step in range(fixtures.STEPS_BEFORE, fixtures.STEPS_BEFORE + fixtures.STEPS_AFTER):
+            x, y = fixtures.batch(step)
+            lrs.append(opt.param_groups[0]["lr"])
+            loss = model(x[rank * rows : (rank + 1) * rows].to(dtype), y[rank * rows : (rank + 1) * rows].to(dtype))
+            loss.backward()
+            opt.step()
+            scheduler.step()
+            opt.zero_grad()
+            total = loss.detach().float().reshape(1)
+            if world > 1:
+                dist.all_reduce(total)
+            losses.append(total.item() / world)
+        with opt.gathered_params():
+            weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        results[case] = {"losses": losses, "lrs": lrs, "weights": weights}
+    if rank == 0:
+        torch.save(results, out)
+
+
+def _check_resumed(case: str, got: dict[str, Any], where: str) -> None:
+    theirs = _resumed(case)
+    assert got["lrs"] == pytest.approx(theirs["lrs"], rel=1e-12), f"{case} {where}: lr per step"
+    bf16 = "bf16" in case
+    assert_close(
+        torch.tensor(got["losses"]), torch.tensor(theirs["losses"]), rtol=2e-2 if bf16 else 1e-5, what=f"{case} loss"
+    )
+    for name, value in got["weights"].items():
+        expected = theirs["weights_after"][name]
+        if bf16:
+            expected = expected.to(torch.bfloat16).float()
+        scale = expected.abs().max().item()
+        assert_close(
+            value, expected, rtol=0 if bf16 else 1e-5, atol=scale * (2**-7 if bf16 else 1e-6), what=f"{case} {name}"
+        )
+
+
+def test_resume_deepspeed_checkpoint_on_one_rank_matches_deepspeeds_run(imported: dict[str, Path]) -> None:
+    """World 1 (DeepSpeed saved on 2), stage 0 for stage-1 checkpoints, else the same stage."""
+    stages = {case: {1: 0, 2: 2, 3: 3}[fixtures.CASES[case][0]] for case in CASES}
+    out = Path(imported[CASES[0]]).parent.parent / "world1.pt"
+    _resume(0, 1, stages, {c: str(v) for c, v in imported.items()}, str(out))
+    results = torch.load(out, weights_only=True)
+    for case in CASES:
+        _check_resumed(case, results[case], "world 1")
+
+
+@pytest.mark.distributed
+def test_resume_deepspeed_checkpoint_on_three_ranks_at_another_stage(imported: dict[str, Path]) -> None:
+    """One checkpoint per DeepSpeed stage (both precisions covered), each at another stage on 3 ranks."""
+    stages = {"stage1_fp32": 3, "stage2_bf16": 1, "stage3_fp32": 2}
+    out = Path(imported[CASES[0]]).parent.parent / "world3.pt"
+    run_ranks(_resume, 3, stages, {c: str(v) for c, v in imported.items()}, str(out))
+    results = torch.load(out, weights_only=True)
+    for case in stages:
+        _check_resumed(case, results[case], "world 3")
+
+
+def test_import_command_line_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    ds = tmp_path / "ds"
+    shutil.copytree(DATA / "deepspeed" / "stage2_fp32" / "ckpt", ds)
+    assert cli(["import-deepspeed", str(ds), str(tmp_path / "out"), "--tag", "global_step4"]) == 0
+    assert "saved by stage 2" in capsys.readouterr().out
+    assert cli(["import-deepspeed", str(ds), str(tmp_path / "out"), "--tag", "global_step9"]) == 2
+    assert "no checkpoint tag 'global_step9'; tags there: global_step4" in capsys.readouterr().err
+    (ds / "latest").unlink()
+    with pytest.raises(CheckpointError, match="no 'latest' file: pass the checkpoint's tag"):
+        zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
+    optim = ds / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"client_state": _Unsafe(), "optimizer_state_dict": {}}, optim)
+    with pytest.raises(CheckpointError, match=r"not safe to load \(global tests\.checkpoint\.test_migration\._Unsafe"):
+        zk.checkpoint.from_deepspeed(ds, tmp_path / "out", tag="global_step4")
+    optim.unlink()
+    with pytest.raises(CheckpointError, match="saved by 2 ranks but holds optimizer state files for 1"):
+        zk.checkpoint.from_deepspeed(ds, tmp_path / "out", tag="global_step4")
+
+
+class _Unsafe:
+    """An object in a checkpoint file that the importer must refuse to unpickle."""
+
+    def __init__(self) -> None:
+        self.payload = "not data"
+
+
+def test_fp16_dynamic_loss_scale_is_imported() -> None:
+    """fp16 runs cannot be made on this CPU: check the mapping of DeepSpeed's DynamicLossScaler state."""
+    from zero_kernels.checkpoint import deepspeed as ds_import
+
+    scaler = ds_import._DynamicLossScaler()
+    scaler.__setstate__(dict(cur_scale=2.0**12, cur_iter=30, last_overflow_iter=9, scale_window=8, cur_hysteresis=1))
+    state = ds_import._loss_scaler({"loss_scaler": scaler})
+    assert state == {"scale": 4096.0, "good_steps": 30 - 9 - 1, "hysteresis_left": 1}
+    static = ds_import._LossScaler()
+    static.__setstate__({"cur_scale": 1.0, "dynamic": False})
+    assert ds_import._loss_scaler({"loss_scaler": static}) is None

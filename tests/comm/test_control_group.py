@@ -1,0 +1,147 @@
+"""The control group (host data off the device's queue): one per process group, made at the first host exchange,
+shared by every optimizer and copy on that group, destroyed with the process group.
+
+On NCCL the step's host data goes over a gloo group of the same ranks (``zero_kernels.control``).
+Here the data groups are gloo, so the tests clear ``control.HOST_BACKENDS``: gloo engines then get a
+control group of their own, as NCCL ones do. ``dist.new_group`` and ``dist.destroy_process_group``
+are spied on; a copy made by one rank alone must not communicate at all (every collective raises
+while it is made: the other rank is not there to answer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import pickle
+import sys
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.dist import run_ranks_checked
+from zero_kernels import comm, control
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _optimizer(model: nn.Module, stage: int = 2, group: Any = None) -> zk.ShardedFusedAdam:
+    return zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=64, process_group=group)
+
+
+def _step(model: nn.Module, opt: zk.ShardedFusedAdam, rank: int) -> None:
+    model(torch.full((3, 6), float(rank + 1))).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@contextlib.contextmanager
+def _no_communication() -> Iterator[None]:
+    """Every collective (and making a group) raises inside."""
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("communicated")
+
+    saved: list[tuple[Any, str, Callable]] = [(dist, "new_group", dist.new_group)]
+    for engine in (comm.TorchCommEngine, comm.CppCommEngine):
+        saved += [(engine, name, getattr(engine, name)) for name in ("all_reduce", "all_gather", "reduce_scatter")]
+    for owner, name, _ in saved:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _body(rank: int, world: int) -> list[str]:
+    failures: list[str] = []
+
+    def check(ok: bool, what: str) -> None:
+        if not ok:
+            failures.append(f"rank {rank}: {what}")
+
+    made: list[Any] = []  # control groups made (groups the test makes itself are not counted)
+    destroyed: list[Any] = []  # control groups destroyed
+    new_group, destroy = dist.new_group, dist.destroy_process_group
+
+    def spy_new_group(*args: Any, **kwargs: Any) -> Any:
+        group = new_group(*args, **kwargs)
+        if sys._getframe(1).f_globals["__name__"] == control.__name__:
+            made.append(group)
+        return group
+
+    def spy_destroy(group: Any = None) -> None:
+        destroyed.extend(g for g in made if g is group)  # holding the data group would keep it alive
+        destroy(group)
+
+    dist.new_group, dist.destroy_process_group = spy_new_group, spy_destroy
+    host_backends, control.HOST_BACKENDS = control.HOST_BACKENDS, frozenset()
+    try:
+        data = dist.new_group([0, 1])  # the optimizers' process group
+        model = _model()
+        opt = _optimizer(model, group=data)
+        check(not made, "building the optimizer made a group")
+        _step(model, opt, rank)
+        check(len(made) == 1, f"{len(made)} groups after the first step (one expected)")
+        shared = opt.pipeline._control
+        check(shared.group is made[0] and shared is not opt.pipeline.engine, "the step's host data is not on it")
+
+        other = _model()
+        second = _optimizer(other, stage=1, group=data)
+        _step(other, second, rank)
+        check(len(made) == 1 and second.pipeline._control is shared, "a second optimizer made its own group")
+
+        if rank == 0:  # rank 1 is not there to answer: a copy that communicated would raise
+            with _no_communication():
+                alone = copy.deepcopy(opt)
+                alone_model, alone_opt = copy.deepcopy((model, second))
+            check(len(made) == 1, "a copy made a group")
+            del alone, alone_model, alone_opt
+        dist.barrier()
+        twin_model, twin = copy.deepcopy((model, opt))
+        _step(twin_model, twin, rank)
+        check(len(made) == 1 and twin.pipeline._control is shared, "a copy that steps made its own group")
+
+        del opt, second, twin, twin_model
+        if rank == 0:  # the optimizers go at different moments on different ranks (garbage collection)
+            gc.collect()
+        check(not destroyed, f"destroyed before its process group: {destroyed}")
+        later = _optimizer(_model(), group=data)
+        _step(later.pipeline.module, later, rank)
+        check(len(made) == 1 and later.pipeline._control is shared, "a later optimizer made another group")
+        mine = dist.new_group([0, 1], use_local_synchronization=True)  # the ranks still name new groups alike
+        dist.all_reduce(torch.ones(1), group=mine)
+
+        world_model = _model()
+        on_world = _optimizer(world_model)  # the default group: a control group of its own
+        _step(world_model, on_world, rank)
+        check(len(made) == 2 and on_world.pipeline._control is not shared, "the default group shared another's")
+        if rank == 0:
+            with _no_communication():
+                loaded_model, loaded = pickle.loads(pickle.dumps((world_model, on_world)))
+            check(len(made) == 2, "unpickling made a group")
+            del loaded_model, loaded
+        dist.barrier()
+
+        del later, shared
+        dist.destroy_process_group(data)
+        del data
+        gc.collect()
+        check(made[0] in destroyed, "the control group outlived its process group")
+    finally:
+        dist.new_group, dist.destroy_process_group = new_group, destroy
+        control.HOST_BACKENDS = host_backends
+    return failures
+
+
+@pytest.mark.distributed
+def test_one_control_group_per_process_group_made_lazily_shared_and_destroyed_with_it() -> None:
+    run_ranks_checked(_body, 2, timeout_s=120)

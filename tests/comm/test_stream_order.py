@@ -1,0 +1,144 @@
+"""Stream ordering of the C++ engine's CUDA path, checked on the CPU with fake streams.
+
+On NCCL a collective's ``wait()`` makes the *current* stream wait for it, and the engine's epilogue
+(a cast out of the communication buffer) is queued on its side stream. So:
+
+- an operation is finished with its side stream current, whoever finishes it (``PendingOp::wait``,
+  ``Engine::synchronize``, the engine's destructor): the C++ test ``csrc/tests/test_comm.cpp``
+  (run by ``tests/extension/test_cmake.py``) checks it with a fake device, and here the Python engine must
+  hand the side stream to C++ with every operation;
+- ``CppHandle.wait()`` makes the caller's current stream wait for the side stream, whichever stream
+  that is (an autograd callback's, a user's), not only the stream current when it was issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from zero_kernels import comm
+
+
+class FakeStream:
+    """A stream that records which streams it was made to wait for."""
+
+    def __init__(self, name: str, device: int = 1):
+        self.name, self.device = name, torch.device("cuda", device)
+        self.cuda_stream = hash(name) & 0xFFFF
+        self.waited_for: list[str] = []
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.waited_for.append(other.name)
+
+
+def _index(device: Any) -> int:
+    """The CUDA device index of ``device`` (an index, a ``torch.device`` or None: the current one, 1)."""
+    if device is None:
+        return 1
+    return device if isinstance(device, int) else torch.device(device).index
+
+
+@pytest.fixture
+def streams(monkeypatch: pytest.MonkeyPatch) -> dict[str, FakeStream]:
+    """torch.cuda with a current stream per device that ``torch.cuda.stream(s)`` changes."""
+    current = {1: FakeStream("compute")}
+    made: dict[str, FakeStream] = {"compute": current[1]}
+
+    def current_stream(device: Any = None) -> FakeStream:
+        return current[_index(device)]
+
+    @contextlib.contextmanager
+    def stream(s: FakeStream) -> Iterator[None]:
+        previous, current[s.device.index] = current[s.device.index], s
+        try:
+            yield
+        finally:
+            current[s.device.index] = previous
+
+    def new_stream(device: Any = None) -> FakeStream:
+        made["side"] = FakeStream("side", _index(device))
+        return made["side"]
+
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    made["set_current"] = lambda s: current.__setitem__(1, s)
+    return made
+
+
+class RecordingOp:
+    what = "all_reduce of bucket 'b'"
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+def test_wait_orders_the_callers_current_stream(streams: dict[str, Any]) -> None:
+    """Issued with one stream current, waited on with another: the waiting stream follows the side stream."""
+    side = FakeStream("side")
+    handle = comm.CppHandle(RecordingOp(), side)
+    callback = FakeStream("autograd callback")
+    streams["set_current"](callback)
+    handle.wait()
+    assert callback.waited_for == ["side"], "the caller's stream does not wait for the operation"
+    user = FakeStream("user")
+    streams["set_current"](user)
+    handle.wait()  # idempotent in C++; every caller's stream is still ordered
+    assert user.waited_for == ["side"] and handle._op.waits == 2
+
+
+def test_cpu_handles_touch_no_stream(streams: dict[str, Any]) -> None:
+    handle = comm.CppHandle(RecordingOp(), None)
+    handle.wait()
+    assert streams["compute"].waited_for == []
+
+
+class OnGpu1(torch.Tensor):
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 1)
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_every_operation_hands_its_side_stream_to_the_engine(streams: dict[str, Any]) -> None:
+    """The C++ engine finishes an operation on the stream it is given (``side``): each call must give it, and
+    issue with the side stream current while the caller's stream is the compute stream."""
+    calls = []
+
+    def record(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> RecordingOp:
+            calls.append((name, kwargs, torch.cuda.current_stream(1).name))
+            return RecordingOp()
+
+        return call
+
+    engine = comm.CppCommEngine.__new__(comm.CppCommEngine)
+    engine.rank, engine.world_size, engine.backend, engine._group = 0, 2, "nccl", None
+    engine._side_streams = {}
+    engine._engine = SimpleNamespace(**{n: record(n) for n in ("all_reduce", "all_gather", "reduce_scatter")})
+    engine._ext = SimpleNamespace(Primitive=SimpleNamespace(all_gather_tensor=1, reduce_scatter_tensor=2))
+    full, shard = torch.zeros(8).as_subclass(OnGpu1), torch.zeros(4).as_subclass(OnGpu1)
+    handles = [
+        engine.all_reduce(full, name="a"),
+        engine.all_gather(full, shard, name="g"),
+        engine.reduce_scatter(shard, full, name="r"),
+    ]
+    side = streams["side"]
+    assert [c[0] for c in calls] == ["all_reduce", "all_gather", "reduce_scatter"]
+    for name, kwargs, current in calls:
+        assert kwargs.get("side") is side, f"{name}: the side stream was not handed to the engine"
+        assert kwargs["side_stream"] == side.cuda_stream and kwargs["compute_stream"] == streams["compute"].cuda_stream
+        assert current == "side", f"{name} was issued with {current} current"
+    for handle in handles:
+        handle.wait()
+    assert streams["compute"].waited_for == ["side"] * 3

@@ -1,0 +1,82 @@
+"""Spawn N gloo ranks on a free loopback port and run a picklable function on each.
+
+Every rank runs under the collective-order audit (``tests.helpers.audit``): after every optimizer step its ranks
+check that they issued the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    from tests.helpers import audit  # imports zero_kernels: in the ranks only
+
+    audit.install()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _prebuild_extensions() -> None:
+    """Build, in the parent, the C++ extensions the ranks will load, so that they load from the cache.
+
+    Without this every rank would race to build the same extension on first use.
+    """
+    from zero_kernels import _ext
+    from zero_kernels.env import settings
+
+    env = settings()
+    if env.impl in ("auto", "cpu"):
+        _ext.available("ops")
+    if env.comm in ("auto", "cpp"):
+        _ext.available("comm")
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raises a rank's failure.
+
+    ``fn`` must be a module-level function (it is pickled into the spawned processes). Spawning
+    costs a few seconds (each rank imports torch): run many checks inside one call.
+    """
+    _prebuild_extensions()
+    mp.spawn(_entry, args=(fn, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
+
+
+def _report(rank: int, world_size: int, fn: Callable[..., list[str]], out: str, *args: Any) -> None:
+    Path(out, str(rank)).write_text("\n".join(fn(rank, world_size, *args)) or "ok")
+
+
+def run_ranks_checked(fn: Callable[..., list[str]], world_size: int, *args: Any, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)``, which returns what it found wrong, on gloo ranks; assert that no
+    rank found anything (every rank's findings are shown)."""
+    with tempfile.TemporaryDirectory() as out:
+        run_ranks(_report, world_size, fn, out, *args, timeout_s=timeout_s)
+        results = {rank: Path(out, str(rank)).read_text() for rank in range(world_size)}
+    assert all(r == "ok" for r in results.values()), results

@@ -1,0 +1,150 @@
+"""Hugging Face Accelerate's usual loop with ``ShardedFusedAdam`` on 2 gloo ranks, against DDP + ``AdamW``.
+
+The reference: a plain ``Accelerator``, ``prepare(model, AdamW, loader)`` (Accelerate wraps the model
+in DDP), ``accumulate`` over 2 micro-batches, ``accelerator.clip_grad_norm_`` with clipping active.
+The same loop then runs at stages 0-3:
+
+1. ``ZeroAccelerator().prepare(model, opt, loader)``, the optimizer given the parameters (stages
+   0-2) or the model (stage 3): the model is not wrapped, and after every step the weights and the
+   norm ``accelerator.clip_grad_norm_`` returns match the reference.
+2. A plain ``Accelerator`` preparing only the optimizer and the loader (the model left alone):
+   the same weights and norms (torch's clip is routed to the optimizer's global norm).
+3. A plain ``Accelerator`` preparing the model too wraps it in DDP: its first forward raises an
+   error naming ``ZeroAccelerator``, at every stage, whatever the optimizer was given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from tests.helpers.check import assert_close
+
+pytest.importorskip("accelerate")
+
+WORLD, ROWS, STEPS, ACCUMULATE, LR, MAX_NORM = 2, 2, 3, 2, 2e-2, 0.05
+STAGES = (0, 1, 2, 3)
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 5), nn.Tanh(), nn.Linear(5, 1))
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(WORLD * ROWS * STEPS * ACCUMULATE, 6, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=ROWS, shuffle=False)
+
+
+def _accelerator(kind: type):
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    return kind(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+
+
+def _train(accelerator, model: nn.Module, opt: torch.optim.Optimizer, loader) -> list[tuple[float, dict]]:
+    """Accelerate's documented loop; after each optimizer step: (clip norm, weights)."""
+    inner = getattr(model, "module", model)
+    sharded = getattr(opt.optimizer, "gathered_params", contextlib.nullcontext)  # opt: Accelerate's wrapper
+    history = []
+    for (x,) in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).square().mean())
+            if accelerator.sync_gradients:
+                norm = float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
+            opt.step()
+            opt.zero_grad()
+        if accelerator.sync_gradients:
+            with sharded():
+                history.append((norm, {k: v.detach().clone() for k, v in inner.state_dict().items()}))
+    return history
+
+
+def _reference() -> list[tuple[float, dict]]:
+    from accelerate import Accelerator
+
+    accelerator = _accelerator(Accelerator)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, opt, loader = accelerator.prepare(model, opt, _loader())
+    assert isinstance(model, nn.parallel.DistributedDataParallel)
+    history = _train(accelerator, model, opt, loader)
+    assert max(n for n, _ in history) > MAX_NORM, "clipping inactive"
+    return history
+
+
+def _sharded(model: nn.Module, stage: int):
+    import zero_kernels as zk
+
+    if stage == 3:
+        return zk.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=13, stage3_param_persistence_threshold=10)
+    return zk.ShardedFusedAdam(model.parameters(), lr=LR, stage=stage, reduce_bucket_size=13)
+
+
+def _check(history: list, expected: list, what: str) -> None:
+    assert len(history) == len(expected) == STEPS, what
+    for step, ((norm, weights), (rnorm, rweights)) in enumerate(zip(history, expected)):
+        assert norm == pytest.approx(rnorm, rel=1e-5), f"{what} step {step}: clip norm {norm} vs DDP's {rnorm}"
+        for name, value in rweights.items():
+            scale = value.abs().max().item()
+            assert_close(weights[name], value, rtol=1e-5, atol=1e-6 * scale, what=f"{what} step {step} {name}")
+
+
+def zero_accelerator(stage: int, expected: list) -> None:
+    """Item 1."""
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    accelerator = _accelerator(ZeroAccelerator)
+    model = _model()
+    opt = _sharded(model, stage)
+    prepared, aopt, loader = accelerator.prepare(model, opt, _loader())
+    assert prepared is model, f"stage {stage}: wrapped in {type(prepared).__name__}"
+    _check(_train(accelerator, prepared, aopt, loader), expected, f"ZeroAccelerator stage {stage}")
+
+
+def optimizer_and_loader_only(stage: int, expected: list) -> None:
+    """Item 2."""
+    from accelerate import Accelerator
+
+    accelerator = _accelerator(Accelerator)
+    model = _model()
+    aopt, loader = accelerator.prepare(_sharded(model, stage), _loader())
+    _check(_train(accelerator, model, aopt, loader), expected, f"Accelerator(opt, loader) stage {stage}")
+
+
+def plain_accelerator_refused(stage: int) -> None:
+    """Item 3."""
+    from accelerate import Accelerator
+
+    accelerator = _accelerator(Accelerator)
+    model = _model()
+    opt = _sharded(model, stage)
+    prepared, opt, loader = accelerator.prepare(model, opt, _loader())
+    assert isinstance(prepared, nn.parallel.DistributedDataParallel)
+    with pytest.raises(RuntimeError, match="DistributedDataParallel.*ZeroAccelerator in place of Accelerator"):
+        prepared(next(iter(loader))[0])
+
+
+def all_cases(rank: int, world: int) -> None:
+    _env(rank, world)
+    expected = _reference()
+    for stage in STAGES:
+        zero_accelerator(stage, expected)
+        optimizer_and_loader_only(stage, expected)
+        plain_accelerator_refused(stage)
+
+
+@pytest.mark.distributed
+def test_accelerate_loop_matches_ddp_adamw(spawn) -> None:
+    spawn(all_cases, WORLD, timeout_s=300.0)

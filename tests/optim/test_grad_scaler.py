@@ -1,0 +1,116 @@
+"""``torch.amp.GradScaler`` at every stage on 1-3 gloo ranks, against ``torch.optim.AdamW`` with its own
+GradScaler on the whole batch: ``scaler.scale(loss).backward()``, ``scaler.step(opt)``,
+``scaler.update()``, with ``scaler.unscale_(opt)`` and ``opt.clip_grad_norm_`` between, or with
+``max_grad_norm``; fp32 parameters, and fp16 autocast. One step gets an inf input on the last rank:
+both skip it and back off, and the scales then grow alike (``growth_interval=2``). Parameters and
+scales are compared after every step, element by element. The reference runs each rank's rows through
+forward and backward on their own and averages the gradients, as the ranks do, so that fp16 autocast
+rounds alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.optim as zo
+from tests.helpers.dist import run_ranks_checked
+from tests.helpers.lockstep import BUCKET, LR, ROWS, STAGES, WORLD_SIZES, batch, compare, make_models
+
+MAX_NORM = 0.05
+SCALER = dict(init_scale=2.0**12, growth_interval=2)
+OVERFLOW_STEP = 2
+
+
+def _inputs(step: int, world: int) -> torch.Tensor:
+    x = batch(step, world * ROWS)
+    if step == OVERFLOW_STEP:
+        x[-1, 0] = math.inf  # on the last rank's rows
+    return x
+
+
+def _autocast(fp16: bool) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.float16) if fp16 else contextlib.nullcontext()
+
+
+def _scaled_loop(rank: int, world: int, stage: int, mode: str, fp16: bool) -> None:
+    """``mode``: ``plain``, ``unscale_clip`` (unscale_, then clip), or ``max_grad_norm`` (clipping in the step)."""
+    model, ref = make_models(torch.float32)
+    kwargs = {"max_grad_norm": MAX_NORM} if mode == "max_grad_norm" else {}
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET, **kwargs)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler, rscaler = torch.amp.GradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+    what = f"stage {stage} {mode}{' fp16 autocast' if fp16 else ''}"
+    for step in range(5):
+        x = _inputs(step, world)
+        with _autocast(fp16):
+            loss = model(x[rank * ROWS : (rank + 1) * ROWS])
+        scaler.scale(loss).backward()
+        for r in range(world):  # each rank's rows on their own, averaged as the ranks average them
+            with _autocast(fp16):
+                rloss = ref(x[r * ROWS : (r + 1) * ROWS])
+            rscaler.scale(rloss).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad /= world
+        if mode == "unscale_clip":
+            scaler.unscale_(opt)
+            norm = opt.clip_grad_norm_(MAX_NORM)
+            rscaler.unscale_(ropt)
+            rnorm = nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            if step > 0 and math.isfinite(rnorm):  # from the second step on the optimizer knows the scaler
+                assert float(norm) == pytest.approx(float(rnorm), rel=1e-4), f"{what} step {step}: norm"
+        if mode == "max_grad_norm":
+            rscaler.unscale_(ropt)
+            nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        scaler.step(opt)
+        rscaler.step(ropt)
+        scaler.update()
+        rscaler.update()
+        opt.zero_grad()
+        ropt.zero_grad()
+        assert scaler.get_scale() == rscaler.get_scale(), f"{what} step {step}: scale"
+        assert opt.last_step.skipped == (step == OVERFLOW_STEP), f"{what} step {step}: skipped"
+        with opt.gathered_params():
+            compare(model, ref, f"{what} step {step}")
+    assert scaler.get_scale() > SCALER["init_scale"] / 2, f"{what}: the scale never grew back"
+
+
+def _misuse(rank: int, world: int) -> None:
+    """GradScaler with the fp16 config, and scaler.step on a micro-step that does not update: errors."""
+    model, _ = make_models(torch.float32)
+    scaler = torch.amp.GradScaler("cpu")
+    for kwargs, error, message in (
+        (dict(fp16={"enabled": True}), ValueError, "both scale the loss"),
+        (dict(gradient_accumulation_steps=2), RuntimeError, "micro-step 1 of 2"),
+    ):
+        opt = zo.ShardedFusedAdam(model, lr=LR, stage=2, **kwargs)
+        scaler.scale(model(batch(0, ROWS))).backward()
+        with pytest.raises(error, match=message):
+            scaler.step(opt)
+        opt.pipeline.close()
+        scaler = torch.amp.GradScaler("cpu")
+
+
+def _body(rank: int, world: int) -> list[str]:
+    problems = []
+    cases = [(_misuse, ())]
+    for stage in STAGES:  # scaled gradients at the step (READY), and unscaled before it (UNSCALED)
+        cases += [(_scaled_loop, (stage, "max_grad_norm", False)), (_scaled_loop, (stage, "unscale_clip", False))]
+        cases.append((_scaled_loop, (stage, "plain", True)))
+    for case, args in cases:
+        try:
+            case(rank, world, *args)
+        except Exception as err:  # every case runs; each rank reports what it found wrong
+            problems.append(f"{case.__name__}{args}: {type(err).__name__}: {err}")
+    return problems
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
+def test_grad_scaler_matches_adamw(world: int) -> None:
+    run_ranks_checked(_body, world)

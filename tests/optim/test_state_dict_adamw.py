@@ -1,0 +1,96 @@
+"""``opt.state_dict()`` where a rank holds the whole state (one rank at any stage, stage 0 on any number
+of ranks) is ``torch.optim.AdamW``'s layout: AdamW loads it and continues element by element as the
+optimizer that saved it, and it loads back into ``ShardedFusedAdam`` at any stage (with the fp32
+master of bf16 parameters, so a bf16 run resumes bit for bit).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import zero_kernels.optim as zo
+from tests.helpers.check import assert_close
+from tests.helpers.dist import run_ranks_checked
+from tests.helpers.lockstep import BUCKET, LR, ROWS, STAGES, WORLD_SIZES, Net, batch, compare, make_models
+
+
+def groups(m: Net) -> list[dict]:
+    return [
+        {"params": [m.emb.weight, m.tiny, m.mid.bias], "amsgrad": True},
+        {"params": [m.emb.bias, m.mid.weight, m.frozen, m.extra.weight, m.extra.bias, m.head.weight, m.head.bias]},
+    ]
+
+
+def _step(model: Net, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x, (0, x.shape[0])).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _continue_with_adamw(rank: int, world: int, stage: int) -> None:
+    """Ours trains on this rank's rows; AdamW loads our state_dict() and continues on the whole batch."""
+    model, _ = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+    for step in range(3):
+        _step(model, opt, batch(step, world * ROWS)[rank * ROWS : (rank + 1) * ROWS])
+    with opt.gathered_params():
+        ref = copy.deepcopy(model)
+    ropt = torch.optim.AdamW(groups(ref), lr=0.5)
+    ropt.load_state_dict(opt.state_dict())
+    assert ropt.param_groups[1]["lr"] == LR and ropt.param_groups[0]["amsgrad"], f"stage {stage}: groups"
+    for step in range(3, 6):
+        x = batch(step, world * ROWS)
+        _step(model, opt, x[rank * ROWS : (rank + 1) * ROWS])
+        _step(ref, ropt, x)
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} world {world}: AdamW from state_dict(), step {step}")
+    theirs = ropt.state_dict()["state"]
+    for index, entry in opt.full_state_dict()["state"].items():
+        assert float(entry["step"]) == float(theirs[index]["step"]), f"stage {stage}: state[{index}] step"
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in entry:
+                scale = entry[key].abs().max().item()
+                assert_close(theirs[index][key], entry[key], rtol=1e-5, atol=1e-6 * scale, what=f"[{index}] {key}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_one_rank_state_dict_continues_in_adamw(stage: int) -> None:
+    _continue_with_adamw(0, 1, stage)
+
+
+def test_one_rank_bf16_state_dict_resumes_bit_for_bit_at_any_stage() -> None:
+    model, _ = make_models(torch.bfloat16)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1, reduce_bucket_size=BUCKET)
+    for step in range(3):
+        _step(model, opt, batch(step, ROWS, torch.bfloat16))
+    saved, weights = opt.state_dict(), copy.deepcopy(model.state_dict())
+    assert all("master" in entry for entry in saved["state"].values()), "the fp32 master is in each entry"
+    for step in range(3, 5):
+        _step(model, opt, batch(step, ROWS, torch.bfloat16))
+    for stage in STAGES:
+        again = Net().to(torch.bfloat16)
+        again.load_state_dict(weights)
+        opt2 = zo.ShardedFusedAdam(again, lr=0.5, stage=stage, reduce_bucket_size=BUCKET + 4)
+        opt2.load_state_dict(saved)
+        for step in range(3, 5):
+            _step(again, opt2, batch(step, ROWS, torch.bfloat16))
+        with opt2.gathered_params():
+            for (name, got), want in zip(again.named_parameters(), model.parameters()):
+                assert torch.equal(got, want), f"bf16 state_dict() loaded at stage {stage}: {name} differs"
+
+
+def _stage0_body(rank: int, world: int) -> list[str]:
+    try:
+        _continue_with_adamw(rank, world, 0)
+    except AssertionError as err:
+        return [str(err)]
+    return []
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1], ids=lambda w: f"world{w}")
+def test_stage0_state_dict_continues_in_adamw_on_every_rank(world: int) -> None:
+    run_ranks_checked(_stage0_body, world)

@@ -1,0 +1,450 @@
+"""Stage 3 on the shapes of real models, in lock-step with ``torch.optim.AdamW`` on the whole batch.
+
+- A mixture of experts (top-1 routing, 4 experts) whose ranks route their rows to different
+  experts trains correctly once its block is a leaf module, marked before or after the optimizer.
+- Ranks that gather different modules raise ``CommError`` on every rank, with the same sizes (which
+  used to mix the modules' parameters silently) and different sizes (which used to kill a rank).
+  On a backend other than gloo the check runs on a gloo group of the same ranks (host only).
+- A parameter read outside its module (``F.linear(h, self.embed.weight)``, a tied output embedding)
+  is gathered for the module that reads it, registered or found on first use; read outside any
+  forward it raises an error naming it.
+- ``torch.compile`` (aot_eager) at every stage.
+
+Tolerances as in ``test_stage3.py``: fp32, ``rtol=1e-5`` with ``atol = 1e-6 x`` the tensor's largest
+magnitude, after every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.check import assert_close
+from tests.stages.stage3.test_stage3 import FakeUnit, Lin, _events
+from zero_kernels.comm import CommError, TorchCommEngine
+from zero_kernels.control import ControlLink
+from zero_kernels.model_hints import external_parameters
+from zero_kernels.stages import stage3_guard
+from zero_kernels.stages.stage3_check import check_same_units
+from zero_kernels.stages.stage3_hooks import Stage3Scheduler
+
+DIM, EXPERTS, ROWS, LR = 6, 4, 2, 2e-2
+# Per step, the expert each row of rank r is routed to: rank 0 uses every expert in steps 0 and 2 (its
+# gradients are complete when its backward reaches the block, the others' are not), no rank uses
+# expert 3 in step 1 (it gets no gradient: AdamW leaves it alone).
+ROUTES = (
+    ((0, 1, 2, 3), (1, 2, 1, 2), (0, 2, 0, 2)),
+    ((0, 1, 2, 0), (1, 2, 1, 1), (2, 0, 0, 2)),
+    ((3, 2, 1, 0), (2, 2, 2, 2), (0, 1, 0, 1)),
+)
+MOE_ROWS = 4
+SMALL = dict(stage3_param_persistence_threshold=0, reduce_bucket_size=16)
+
+
+def _compare(model: nn.Module, ref: nn.Module, what: str) -> None:
+    """Every element of every parameter (stage 3: inside ``gathered_params``)."""
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, r, rtol=1e-5, atol=1e-6 * r.detach().abs().max().item(), what=f"{what} {name}")
+
+
+def _train(
+    rank: int, world: int, model: nn.Module, ref: nn.Module, opt, batches, what: str, forward=None, rows: int = ROWS
+) -> None:
+    """Steps of ``model`` on this rank's rows next to AdamW and ``ref`` on all rows; compares after every step."""
+    forward = forward or (lambda m, x: m(x))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    for step, x in enumerate(batches):
+        forward(model, x[rank * rows : (rank + 1) * rows]).backward()
+        opt.step()
+        opt.zero_grad()
+        forward(ref, x).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with opt.gathered_params():
+            _compare(model, ref, f"{what} world {world} step {step}")
+
+
+# -- the schedule with fake units, in one process ------------------------------------------------------
+
+
+class Pair(nn.Module):
+    """Lin modules ``x`` then ``y``; ``y`` only when ``both``: a module whose inside depends on the call."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.x, self.y = Lin("x", 4, log), Lin("y", 4, log)
+        self.both = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.x(h)
+        return self.y(h) if self.both else h
+
+
+class Outer(nn.Module):
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.a, self.pair = Lin("a", 4, log), Pair(log)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.pair(self.a(h)).sum()
+
+
+class Tied(nn.Module):
+    """The root reads ``a.weight`` after ``a`` has run."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.a, self.b = Lin("a", 4, log), Lin("b", 4, log)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (self.b(self.a(h)) @ self.a.weight).sum()
+
+
+def _scheduled(model: nn.Module, modules: dict[str, nn.Module], log: list) -> list[FakeUnit]:
+    """A fake unit per module of ``modules``, scheduled with a check that logs every batch before its gathers."""
+    units = [FakeUnit(tag, m.parameters(), log) for tag, m in modules.items()]
+
+    def check(batch: list[int], phase: str, deferred: bool = False) -> None:
+        log.append(("check", "+".join(units[i].tag for i in batch) + "@" + phase))
+
+    Stage3Scheduler(model, units, prefetch_numel=0, check=check)
+    return units
+
+
+def test_leaf_module_is_gathered_whole_and_reduced_when_its_backward_ends() -> None:
+    log: list = []
+    model = Outer(log)
+    zk.set_leaf_modules(model, [Pair])
+    units = _scheduled(model, {"a": model.a, "x": model.pair.x, "y": model.pair.y}, log)
+    x = torch.randn(2, 4)
+    fwd = "check:a@forward gather:a wait:a fwd:a free:a check:x+y@forward gather:x gather:y wait:x wait:y "
+    bwd = "check:x+y@backward gather:x gather:y wait:x wait:y "
+    end = "check:a@backward gather:a wait:a reduce:x free:x reduce:y free:y bwd:a reduce:a free:a"
+    model(x).backward()
+    assert log == _events(fwd + "fwd:x fwd:y free:x free:y " + bwd + "bwd:y bwd:x " + end)
+    log.clear()
+    model.pair.both = False  # y is not run: the leaf gathers, frees and reduces it all the same
+    model(x).backward()
+    assert log == _events(fwd + "fwd:x free:x free:y " + bwd + "bwd:x " + end)
+    assert [[g is None for g in unit.grads[-1]] for unit in units] == [[False, False], [False, False], [True, True]]
+
+
+def test_parameter_read_outside_its_module_is_gathered_for_the_reader() -> None:
+    log: list = []
+    model = Tied(log)
+    _scheduled(model, {"a": model.a, "b": model.b}, log)
+    x = torch.randn(2, 4)
+    model(x).backward()  # the root's read of a.weight gathers it there (and registers it)
+    fwd = "check:a@forward gather:a wait:a fwd:a free:a check:b@forward gather:b wait:b fwd:b free:b "
+    bwd = "check:a@backward gather:a wait:a check:b@backward gather:b wait:b bwd:b reduce:b free:b "
+    bwd += "bwd:a reduce:a free:a"
+    assert log == _events(fwd + "check:a@forward gather:a wait:a free:a " + bwd)
+    assert [p is model.a.weight for p in external_parameters(model)] == [True]
+    log.clear()
+    model(x).backward()  # now the root gathers it before its forward and holds it until its end
+    fwd = "check:a@forward gather:a wait:a fwd:a check:b@forward gather:b wait:b fwd:b free:b free:a "
+    assert log == _events(fwd + bwd)
+
+
+def test_freed_parameter_calls_back_on_operations_not_on_metadata() -> None:
+    calls: list[str] = []
+
+    class Owner:
+        def on_use(self, p: nn.Parameter, func) -> None:
+            calls.append(stage3_guard.operation_name(func))
+            stage3_guard.mark_gathered(p)
+            p.data = torch.ones(3)
+
+    owner, p = Owner(), nn.Parameter(torch.ones(3))
+    p.data = torch.empty(0)
+    stage3_guard.mark_freed(p, owner.on_use)
+    assert isinstance(p, nn.Parameter) and type(p) is not nn.Parameter
+    metadata = (p.shape, p.numel(), p.dtype, p.grad, p.requires_grad, p.detach().numel())
+    assert metadata == ((0,), 0, torch.float32, None, True, 0)
+    lin = nn.Linear(2, 2)
+    for q in lin.parameters():
+        q.data = torch.empty(0)
+        stage3_guard.mark_freed(q, owner.on_use)
+    lin.to(torch.device("cpu", 0)).half()  # the conversions frameworks apply to a built model pass
+    assert calls == []
+    assert torch.cat([p, p]).tolist() == [1.0] * 6, "the callback runs first: the operation sees the gathered value"
+    assert calls == ["torch.cat"] and type(p) is nn.Parameter
+
+
+# -- ranks that gather different modules ----------------------------------------------------------------
+
+
+class Fork(nn.Module):
+    """``a``, then ``left`` or ``right`` as the caller says (``right`` without bias: another size)."""
+
+    def __init__(self, same_size: bool) -> None:
+        super().__init__()
+        self.a, self.left, self.right = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4, bias=same_size)
+
+    def forward(self, x: torch.Tensor, which: str) -> torch.Tensor:
+        return getattr(self, which)(self.a(x)).square().mean()
+
+
+def _divergence_cases(rank: int, world: int) -> None:
+    x = torch.randn(ROWS, 4)
+    for same_size in (True, False):
+        torch.manual_seed(0)
+        model = Fork(same_size)
+        zk.ShardedFusedAdam(model, lr=LR, stage=3, **SMALL, stage3_prefetch_bucket_size=0)
+        with pytest.raises(CommError) as err:
+            model(x, "left" if rank == 0 else "right")
+        text = str(err.value)
+        right = "20" if same_size else "16"
+        assert "the ranks gather different parameters at the same point of the forward" in text, text
+        assert "rank 0 gathers the parameters of 'left' (Linear, 20 elements); " in text, text
+        assert f"rank 1 gathers the parameters of 'right' (Linear, {right} elements)" in text, text
+        assert "zero_kernels.set_leaf_modules(model, [" in text, text
+    torch.manual_seed(0)
+    model = MoENet()
+    zk.ShardedFusedAdam(model, lr=LR, stage=3, **SMALL, stage3_prefetch_bucket_size=0)
+    with pytest.raises(CommError) as err:
+        model(_moe_batches(world)[0][rank * MOE_ROWS : (rank + 1) * MOE_ROWS])
+    text = str(err.value)
+    assert "rank 0 gathers the parameters of 'moe.experts.0.up' (Linear, 56 elements)" in text, text
+    assert "rank 1 gathers the parameters of 'moe.experts.1.up' (Linear, 56 elements)" in text, text
+    assert "closest module around both is 'moe' (MoEBlock)" in text, text
+    assert "set_leaf_modules(model, [MoEBlock])" in text, text
+
+
+# -- mixture of experts: leaf modules -----------------------------------------------------------------
+
+
+class Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, 8), nn.Linear(8, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class MoEBlock(nn.Module):
+    """Top-1 routing: each row goes through the expert its router scores highest, scaled by that probability."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
+        with torch.no_grad():  # a row whose feature e is largest goes to expert e
+            self.router.weight.copy_(2 * torch.eye(EXPERTS, DIM) + 0.01 * torch.randn(EXPERTS, DIM))
+        self.used: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, choice = self.router(x).softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero().flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]) * gate[rows, None])
+        self.used = sorted(set(choice.tolist()))
+        return x + out
+
+
+class MoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pre = nn.Linear(DIM, DIM)
+        self.moe = MoEBlock()
+        self.head = nn.Linear(DIM, 2)
+        with torch.no_grad():  # small: each row keeps the feature that routes it
+            self.pre.weight.mul_(0.05)
+            self.pre.bias.mul_(0.05)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(x + self.pre(x))).square().mean()
+
+
+def _moe_batches(world: int) -> list[torch.Tensor]:
+    """A row routed to expert e (``ROUTES``) has a large feature e."""
+    out = []
+    for step, routes in enumerate(ROUTES):
+        x = 0.1 * torch.randn(world * MOE_ROWS, DIM, generator=torch.Generator().manual_seed(100 + step))
+        for r in range(world):
+            for k, e in enumerate(routes[r]):
+                x[r * MOE_ROWS + k, e] += 3.0
+        out.append(x)
+    return out
+
+
+def _moe_case(rank: int, world: int, when: str, **zero) -> None:
+    torch.manual_seed(0)
+    model = MoENet()
+    ref = copy.deepcopy(model)
+    if when == "before":
+        assert zk.set_leaf_modules(model, [MoEBlock]) == [model.moe]
+    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL, **zero)
+    if when == "after":
+        zk.set_leaf_modules(model, ["MoEBlock"])
+    used, step = [None] * world, iter(ROUTES)
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        loss = m(x)
+        if m is model:
+            dist.all_gather_object(used, m.moe.used)
+            routes = next(step)
+            assert used == [sorted(set(routes[r])) for r in range(world)], f"routing is not as planned: {used}"
+        return loss
+
+    _train(rank, world, model, ref, opt, _moe_batches(world), f"moe (leaf {when})", forward, MOE_ROWS)
+
+
+def _control_group_cases(rank: int) -> None:
+    """An engine on a non-gloo backend (NCCL) checks its gathers over a new gloo group of the same ranks."""
+    engine = TorchCommEngine()
+    link = ControlLink(engine)
+    assert link.get() is engine
+    engine.backend = "nccl"  # what routes the checks off the device; the collectives below run on gloo
+    control = link.get()
+    assert control is not engine and control.backend == "gloo" and control.group is not engine.group
+    assert dist.get_process_group_ranks(control.group) == dist.get_process_group_ranks(engine.group)
+    unit = SimpleNamespace(uid=3, numel=8, param_numel=6, name="left", kind="Linear")
+    check_same_units(control, [unit], "forward", lambda names: "")
+    other = SimpleNamespace(uid=4, numel=8, param_numel=6, name="right", kind="Linear")
+    with pytest.raises(CommError, match="rank 1 gathers the parameters of 'right'"):
+        check_same_units(control, [unit if rank == 0 else other], "forward", lambda names: "")
+
+
+def _data_dependent_cases(rank: int, world: int) -> None:
+    if world == 2:
+        _control_group_cases(rank)
+        _divergence_cases(rank, world)
+    _moe_case(rank, world, "before", stage3_prefetch_bucket_size=0)
+    if world == 2:
+        _moe_case(rank, world, "after", stage3_prefetch_bucket_size=400)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (2, 3), ids=lambda w: f"world{w}")
+def test_data_dependent_modules_raise_or_train_as_leaf_modules(spawn, world: int) -> None:
+    """Ranks gathering different modules raise ``CommError`` on every rank (world 2); a mixture of experts
+    whose ranks route to different experts matches AdamW once its block is a leaf module."""
+    spawn(_data_dependent_cases, world)
+
+
+def test_set_leaf_modules_bad_input() -> None:
+    model = MoENet()
+    with pytest.raises(ValueError, match=r"no module of MoENet is one of \['Attention'\]; its classes: \['Expert'"):
+        zk.set_leaf_modules(model, ["Attention"])
+    with pytest.raises(ValueError, match="non-empty list of nn.Module subclasses or class names"):
+        zk.set_leaf_modules(model, [])
+    with pytest.raises(ValueError, match="non-empty list"):
+        zk.set_leaf_modules(model, [int])
+    with pytest.raises(ValueError, match="model must be an nn.Module"):
+        zk.set_leaf_modules([model], [MoEBlock])
+
+
+# -- a parameter used outside its module: the tied output embedding -------------------------------------
+
+VOCAB = 10
+
+
+class TiedLM(nn.Module):
+    """Logits from the input embedding's weight, read in the root's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.block = nn.Linear(DIM, DIM)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.block(self.embed(tokens[:, :-1])))
+        logits = F.linear(h, self.embed.weight)
+        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _token_batches(world: int, steps: int) -> list[torch.Tensor]:
+    return [
+        torch.randint(0, VOCAB, (world * ROWS, 5), generator=torch.Generator().manual_seed(s)) for s in range(steps)
+    ]
+
+
+def _external_cases(rank: int, world: int) -> None:
+    records = _Records()
+    logging.getLogger("zero_kernels").addHandler(records)
+    for registered in (True, False):
+        torch.manual_seed(0)
+        model = TiedLM()
+        ref = copy.deepcopy(model)
+        if registered:
+            zk.register_external_parameter(model, model.embed.weight)
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL, stage3_prefetch_bucket_size=0)
+        _train(rank, world, model, ref, opt, _token_batches(world, 3), f"tied embedding (registered: {registered})")
+        found = [m for m in records.messages if "uses parameter 'embed.weight'" in m]
+        assert len(found) == (0 if registered else 1), records.messages
+        assert "module '<root>' (TiedLM)" in found[0] if found else True
+        assert [p is model.embed.weight for p in external_parameters(model)] == [True]
+    with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' is used \(.*\) outside any module's forward"):
+        model.embed.weight.square().sum()
+    with pytest.raises(RuntimeError, match="gathered_params"):
+        torch.cat([model.block.weight, model.block.weight])
+    with opt.gathered_params():
+        assert model.embed.weight.square().sum() > 0
+
+
+@pytest.mark.distributed
+def test_tied_output_embedding_read_in_root_forward_matches_adamw(spawn) -> None:
+    spawn(_external_cases, 2)
+
+
+def test_register_external_parameter_bad_input() -> None:
+    model = TiedLM()
+    with pytest.raises(ValueError, match="parameter must be an nn.Parameter, got Tensor"):
+        zk.register_external_parameter(model, torch.zeros(2))
+    with pytest.raises(ValueError, match="module must be an nn.Module"):
+        zk.register_external_parameter("model", model.embed.weight)
+    zk.register_external_parameter(model.block, nn.Parameter(torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"registered on module 'block' \(Linear\) is not a parameter of the model"):
+        zk.ShardedFusedAdam(model, stage=3)
+    assert all(p.numel() > 0 for p in model.parameters()), "the failed optimizer left the parameters alone"
+
+
+# -- torch.compile ----------------------------------------------------------------------------------------
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x))).square().mean()
+
+
+def _compiled_cases(rank: int, world: int) -> None:
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    torch.manual_seed(0)
+    model = Small()
+    compiled = torch.compile(model, backend="aot_eager")
+    for stage in (0, 1, 2, 3):
+        ref = copy.deepcopy(model)
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=stage, **SMALL)
+        step = lambda m, x: (compiled if m is model else m)(x)  # noqa: E731
+        _train(rank, world, model, ref, opt, batches, f"compiled stage {stage}", step)
+        opt.pipeline.close()
+
+
+@pytest.mark.distributed
+def test_torch_compile_matches_adamw_at_every_stage(spawn) -> None:
+    spawn(_compiled_cases, 2)

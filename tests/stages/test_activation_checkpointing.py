@@ -1,0 +1,102 @@
+"""Activation checkpointing (``torch.utils.checkpoint``) at every stage, against ``torch.optim.AdamW``.
+
+Reentrant checkpointing runs each segment's backward as a backward of its own, so a parameter used
+in several segments gets its gradient several times in one backward pass. Before its gradients
+are reduced the repeats add up; after (its bucket reduced at stages 0 and 2, its unit at stage 3)
+they cannot, and the step would silently miss them: that raises instead, saying what to use.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import zero_kernels as zk
+from tests.helpers.dist import run_ranks_checked
+
+ROWS, STEPS = 4, 3
+WIDE = 1 << 30  # one bucket: nothing is reduced before the end of backward
+NARROW = 16  # a bucket per few parameters: reduced while backward runs
+
+
+class Net(nn.Module):
+    """Three checkpointed blocks (``shared``: one block used in all three segments), then ``out``,
+    checkpointed too (``last``: the first gradients then come from a segment's backward)."""
+
+    def __init__(self, shared: bool, reentrant: bool, last: bool):
+        super().__init__()
+        self.reentrant, self.last = reentrant, last
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(1 if shared else 3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for i in range(3):
+            block = self.blocks[i % len(self.blocks)]
+            h = checkpoint(lambda t, b=block: torch.tanh(b(t)), h, use_reentrant=self.reentrant)
+        return checkpoint(self.out, h, use_reentrant=self.reentrant) if self.last else self.out(h)
+
+
+def _train(rank: int, world: int, stage: int, net: tuple[bool, bool, bool], bucket: int) -> float:
+    """Largest difference from AdamW after ``STEPS`` steps."""
+    torch.manual_seed(0)
+    model = Net(*net)
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=bucket, max_grad_norm=None,
+                              stage3_param_persistence_threshold=0)  # fmt: skip
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x = torch.randn(ROWS * world, 6, generator=torch.Generator().manual_seed(step))
+        model(x[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+    with opt.gathered_params():
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+STAGES, BUCKETS, BOTH = (0, 1, 2, 3), (WIDE, NARROW), (True, False)
+CASES = [  # (stage, (shared, reentrant, last), bucket, raises)
+    *[(s, (False, r, last), b, False) for s in STAGES for r in BOTH for last in BOTH for b in BUCKETS],
+    *[(s, (True, False, last), b, False) for s in STAGES for last in BOTH for b in BUCKETS],
+    # each segment's backward ends a round of its own: the repeats are reduced one round after another
+    *[(s, (True, True, True), b, False) for s in STAGES for b in BUCKETS],
+    # one round: repeats add up until the parameter's gradients are reduced, then raise
+    *[(s, (True, True, False), WIDE, False) for s in (0, 1, 2)],
+    (1, (True, True, False), NARROW, False),
+    *[(s, (True, True, False), NARROW, True) for s in (0, 2)],
+    # stage 3: the shared block's input is its segment's input (a leaf), so the end of its backward is not
+    # seen: its unit is reduced at the end of backward, after every segment's repeat has added up
+    *[(3, (True, True, False), b, False) for b in BUCKETS],
+]
+
+
+def _body(rank: int, world: int) -> list[str]:
+    failures = []
+    for stage, net, bucket, raises in CASES:
+        what = f"stage {stage} (shared, reentrant, last checkpointed)={net} bucket={bucket}"
+        try:
+            err = _train(rank, world, stage, net, bucket)
+            if raises:
+                failures.append(f"{what}: trained (error {err:.1e}) where it must raise")
+            elif err > 1e-5:
+                failures.append(f"{what}: differs from AdamW by {err:.2e}")
+        except RuntimeError as exc:
+            if (
+                not raises
+                or "second gradient in one backward pass" not in str(exc)
+                or "use_reentrant=False" not in str(exc)
+            ):
+                failures.append(f"{what}: {exc}")
+    return failures
+
+
+@pytest.mark.distributed
+def test_activation_checkpointing_matches_adamw_or_raises() -> None:
+    run_ranks_checked(_body, 2, timeout_s=600)

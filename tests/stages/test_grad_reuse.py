@@ -1,0 +1,58 @@
+"""Stages 0 and 1 keep ``p.grad`` (stage 0: the mean over ranks, stage 1: the local gradient), so a
+step that reuses it behaves as ``torch.optim.AdamW`` with DDP-averaged gradients: a second
+``step()`` without a new backward, and a loop that never clears gradients (each backward adds to
+``p.grad``). Compared after every step, element by element, with AdamW on the whole batch.
+
+Stages 2 and 3 forget the gradients at each step, as DeepSpeed does (documented), so they are not
+checked here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zero_kernels.optim as zo
+from tests.helpers.check import assert_close
+from tests.helpers.dist import run_ranks_checked
+from tests.helpers.lockstep import BUCKET, LR, ROWS, WORLD_SIZES, batch, compare, make_models, two_groups
+
+
+def _loop(rank: int, world: int, stage: int, mode: str) -> None:
+    """``twice``: two steps per backward, then zero_grad; ``never``: no zero_grad at all."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(two_groups(model), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+    ropt = torch.optim.AdamW(two_groups(ref), lr=LR)
+    for step in range(4):
+        x = batch(step, world * ROWS)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).backward()
+        ref(x).backward()
+        local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        for _ in range(2 if mode == "twice" else 1):
+            opt.step()
+            ropt.step()
+            compare(model, ref, f"stage {stage} {mode} step {step}")
+        for n, p in model.named_parameters():  # stage 0 may average its (equal) means again: rounding only
+            if n in local:
+                what = f"stage {stage} {mode} step {step}: the step changed {n}.grad"
+                assert_close(p.grad, local[n], rtol=0 if stage == 1 else 1e-6, what=what)
+        if mode == "twice":
+            opt.zero_grad()
+            ropt.zero_grad()
+
+
+def _body(rank: int, world: int) -> list[str]:
+    problems = []
+    for stage in (0, 1):
+        for mode in ("twice", "never"):
+            try:
+                _loop(rank, world, stage, mode)
+            except AssertionError as err:
+                problems.append(str(err))
+    return problems
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
+def test_steps_that_reuse_p_grad_match_adamw(world: int) -> None:
+    run_ranks_checked(_body, world)
