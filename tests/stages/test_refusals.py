@@ -20,7 +20,7 @@ import re
 
 import pytest
 import torch
-from _dist import run_ranks_checked
+from tests.helpers.dist import run_ranks_checked
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dist import run_ranks_checked
+from tests.helpers.dist import run_ranks_checked
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
