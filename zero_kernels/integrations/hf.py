@@ -56,10 +56,11 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
-from ..config import ZeroConfig, ZeroOptions
-from ..optim import ShardedFusedAdam
+from ..config.zero_config import ZeroConfig, ZeroOptions
+from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
-from . import agree, hf_config
+from . import hf_config
+from .save import agree
 
 __all__ = ["ZeroTrainer", "CHECKPOINT_DIR"]
 

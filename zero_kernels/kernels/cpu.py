@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _ext
+from .._build import ext as _ext
 from .reference import Scale, adam_scalars, check_adam_args, check_flat_args, in_window
 
 

@@ -14,7 +14,7 @@ import re
 import sys
 from typing import Callable
 
-from . import LINKS, NoFitError, StagePlan, format_bytes, recommend
+from .choose import LINKS, NoFitError, StagePlan, format_bytes, recommend
 from .models import DTYPE_BYTES
 
 HELP = "which ZeRO stage fits, and what it costs per GPU and per step"

@@ -48,11 +48,11 @@ from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
-from ..comm import Handle
-from ..control import ControlLink
-from ..layout import Bucket, BufferLayout, align_elements
+from ..comm.control import ControlLink
+from ..comm.engines import Handle
 from . import adopt, buckets, grad_state, master, outcome, stats, update
 from .buffers import FlatBuffer, GroupHyper, Inflight
+from .layout import Bucket, BufferLayout, align_elements
 from .outcome import StepResult
 
 _owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)

@@ -17,8 +17,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..comm import Handle
-from ..layout import Bucket, BufferLayout
+from ..comm.engines import Handle
+from .layout import Bucket, BufferLayout
 
 
 @dataclass

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..layout import Bucket
 from . import stats
+from .layout import Bucket
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline

@@ -14,8 +14,8 @@ from typing import Iterator
 
 import torch
 
-from ..layout import Bucket
 from .base import FlatBuffer, Pipeline
+from .layout import Bucket
 
 
 class Stage0Pipeline(Pipeline):

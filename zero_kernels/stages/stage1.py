@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..layout import Bucket
 from .base import FlatBuffer, Pipeline
+from .layout import Bucket
 
 STEP_INFLIGHT = Pipeline.max_inflight + 2  # reductions in flight at the step
 

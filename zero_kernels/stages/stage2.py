@@ -26,9 +26,9 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..kernels import flatten
-from ..layout import Bucket
+from ..kernels.dispatch import flatten
 from .base import FlatBuffer, Pipeline
+from .layout import Bucket
 
 POOL_BUCKETS = Pipeline.max_inflight + 3  # idle scratch buckets kept for reuse (memory_report()["buffers"])
 

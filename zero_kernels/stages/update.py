@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from ..kernels import adam_step
-from ..layout import MIN_ALIGN_ELEMENTS, Bucket
+from ..kernels.dispatch import adam_step
 from .buffers import FlatBuffer, GroupHyper
+from .layout import MIN_ALIGN_ELEMENTS, Bucket
 from .outcome import Decision
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _ext
+from .._build import ext as _ext
 
 log = logging.getLogger("zero_kernels")
 
@@ -499,7 +499,7 @@ def make_engine(process_group: Optional[dist.ProcessGroup] = None, backend: Opti
     ``cpp`` raises ``ExtensionUnavailable`` when the C++ engine cannot be built; ``auto`` then
     falls back to the torch engine and logs why, once.
     """
-    from .env import COMM_BACKENDS, settings
+    from ..env import COMM_BACKENDS, settings
 
     choice = backend or settings().comm
     if choice not in COMM_BACKENDS:

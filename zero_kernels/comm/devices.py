@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from .agreement import ranks_text
-from .comm_objects import all_gather_objects
+from .objects import all_gather_objects
 
 FIX = (
     "call torch.cuda.set_device(int(os.environ['LOCAL_RANK'])) first thing in the script (before building the "

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from . import live
+from .. import live
 
 _FIX = (
     "ShardedFusedAdam reduces gradients across ranks itself, so DDP would reduce them a second time. Train the "

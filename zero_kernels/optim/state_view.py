@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from .stages import Pipeline
+from ..stages import Pipeline
 
 _KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")

@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .comm import TorchCommEngine
-from .comm_objects import all_gather_objects
+from .engines import TorchCommEngine
+from .objects import all_gather_objects
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
-    from .base import Pipeline
+    from ..base import Pipeline
 
 WHAT_TO_CALL = (
     "on every rank, call zero_kernels.save_pretrained(model, optimizer, directory) for full weights (a Hugging "

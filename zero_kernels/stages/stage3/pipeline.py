@@ -45,13 +45,14 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from .. import adopt, master
+from ..base import FlatBuffer
 from ..layout import Bucket
-from . import adopt, master, stage3_save
-from .base import FlatBuffer
-from .stage2 import Stage2Pipeline
-from .stage3_check import DeferredChecks, check_same_units
-from .stage3_hooks import Stage3Scheduler
-from .stage3_plan import check_externals, holders
+from ..stage2 import Stage2Pipeline
+from . import save as stage3_save
+from .check import DeferredChecks, check_same_units
+from .hooks import Stage3Scheduler
+from .plan import check_externals, holders
 
 
 @dataclass

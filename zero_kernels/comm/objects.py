@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from .comm import CommEngine
+from .engines import CommEngine
 
 
 def collective_device(engine: CommEngine) -> torch.device:

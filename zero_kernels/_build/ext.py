@@ -25,8 +25,8 @@ from types import ModuleType
 
 import torch
 
-from . import _build_lock, _build_spec
-from .env import settings
+from . import lock as _build_lock, spec as _build_spec
+from ..env import settings
 
 log = logging.getLogger("zero_kernels")
 

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .stages import state as zstate
+from ..stages import state as zstate
 
 if TYPE_CHECKING:
-    from .optim import ShardedFusedAdam
+    from .optimizer import ShardedFusedAdam
 
 _TAG = "zero_kernels.ShardedFusedAdam"
 _VERSION = 1

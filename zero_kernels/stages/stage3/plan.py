@@ -15,7 +15,7 @@ from typing import Iterator, Optional
 
 from torch import nn
 
-from ..model_hints import external_parameters, is_leaf
+from .model_hints import external_parameters, is_leaf
 
 
 @dataclass(frozen=True)

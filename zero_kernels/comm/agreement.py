@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from .comm_objects import all_gather_objects
+from .objects import all_gather_objects
 
 _ABSENT = "(absent)"
 

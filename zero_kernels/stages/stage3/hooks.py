@@ -48,11 +48,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import model_hints
-from . import stage3_guard as guard
-from .grad_state import second_gradient
-from .stage3_plan import ModulePlan, plan
-from .stage3_uses import UseTracker, grad_tensors
+from ..grad_state import second_gradient
+from . import guard as guard
+from . import model_hints
+from .plan import ModulePlan, plan
+from .uses import UseTracker, grad_tensors
 
 log = logging.getLogger("zero_kernels")
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .env import IMPLS
+from ..env import IMPLS
 
 ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
 IMPLEMENTATION_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}

@@ -24,7 +24,7 @@ EXTENSIONS = {
 
 def csrc_root() -> Path:
     """csrc/ of a source checkout (editable install) or the copy shipped inside the package."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the zero_kernels package
     for candidate in (here.parent / "csrc", here / "csrc"):
         if candidate.is_dir():
             return candidate

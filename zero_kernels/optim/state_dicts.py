@@ -25,11 +25,11 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .optim_args import ALGORITHM_FLAGS, IMPLEMENTATION_FLAGS, check_flags
-from .stages import state as zstate
+from ..stages import state as zstate
+from .args import ALGORITHM_FLAGS, IMPLEMENTATION_FLAGS, check_flags
 
 if TYPE_CHECKING:
-    from .optim import ShardedFusedAdam
+    from .optimizer import ShardedFusedAdam
 
 FORMAT = "zero_kernels.sharded"
 KEEP_OWN = (*IMPLEMENTATION_FLAGS, "decoupled_weight_decay")  # group keys a load does not change

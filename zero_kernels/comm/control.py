@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from .comm import CommEngine, TorchCommEngine
+from .engines import CommEngine, TorchCommEngine
 
 log = logging.getLogger("zero_kernels")
 

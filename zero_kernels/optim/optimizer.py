@@ -64,22 +64,18 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from . import agreement, amp, devices, guards, live, optim_copy, optim_state, torch_clip
-from .comm import make_engine
-from .config import FP16Config, ZeroOptions
-from .optim_args import (
-    check_flags,
-    check_group,
-    check_hyper,
-    check_impl,
-    check_process_group,
-    checked_groups,
-    comm_dtype,
-)
+from .. import live
+from ..comm import agreement, devices
+from ..comm.engines import make_engine
+from ..config.zero_config import FP16Config, ZeroOptions
+from ..stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
+from ..stages import state as zstate
+from ..stages.outcome import clip_coef
+from . import amp, guards, torch_clip
+from . import copies as optim_copy
+from . import state_dicts as optim_state
+from .args import check_flags, check_group, check_hyper, check_impl, check_process_group, checked_groups, comm_dtype
 from .precision import LossScaler
-from .stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
-from .stages import state as zstate
-from .stages.outcome import clip_coef
 from .state_view import ShardedState
 
 __all__ = ["ShardedFusedAdam", "check_hyper"]

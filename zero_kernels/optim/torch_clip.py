@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import live
+from .. import live
 
 _in_torch_clip = contextvars.ContextVar("zero_kernels_in_torch_clip", default=False)
 _installed = False
