@@ -49,7 +49,7 @@ from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 import torch
 
 from ..comm.control import ControlLink
-from ..comm.engines import Handle
+from ..comm.handles import Handle
 from . import adopt, buckets, grad_state, master, outcome, stats, update
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .layout import Bucket, BufferLayout, align_elements

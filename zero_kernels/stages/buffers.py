@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..comm.engines import Handle
+from ..comm.handles import Handle
 from .layout import Bucket, BufferLayout
 
 

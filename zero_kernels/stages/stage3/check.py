@@ -33,8 +33,8 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from ...comm.engines import CommError
 from ...comm.objects import all_gather_objects
+from ...comm.primitives import CommError
 
 _HASH_MOD = (1 << 61) - 1
 
