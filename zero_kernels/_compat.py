@@ -36,6 +36,7 @@ MOVED = {
     "zero_kernels.stages.stage3_plan": "zero_kernels.stages.stage3.plan",
     "zero_kernels.stages.stage3_save": "zero_kernels.stages.stage3.save",
     "zero_kernels.stages.stage3_uses": "zero_kernels.stages.stage3.uses",
+    "zero_kernels.stages.state": "zero_kernels.stages.state_door",
 }
 
 

@@ -43,8 +43,7 @@ import torch
 from torch import nn
 
 from ..comm.objects import all_gather_objects
-from ..stages import Pipeline, adopt, master
-from ..stages.layout import BufferLayout
+from ..stages import Pipeline, adopt, master, state_door
 from ..stages.window import Window
 from . import accumulation, objects
 from .consolidate import consolidate
@@ -72,8 +71,6 @@ from .format import (
     write_small,
 )
 from .metadata import check_objects, read_metadata
-
-_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
 __all__ = ["CheckpointError", "consolidate", "from_deepspeed", "load", "save"]
 
@@ -114,44 +111,13 @@ def _names(model: nn.Module, optimizer: Any) -> list[str]:
     return out
 
 
-def _shard_layout(pipeline: Pipeline, layout: BufferLayout, params: list) -> BufferLayout:
-    """The layout a buffer is saved under: the stage's when it is sharded over every rank, else cut N ways."""
-    if pipeline.num_shards == pipeline.world_size:
-        return layout
-    return pipeline.build_layout(params, num_shards=pipeline.world_size)
-
-
-def _true_shape(pipeline: Pipeline, t: torch.Tensor) -> tuple[int, ...]:
-    """The shape of a model tensor (stage 3 parameters are empty between uses)."""
-    where = pipeline.where.get(id(t))
-    if where is None:
-        return tuple(t.shape)
-    b, slot = where
-    return tuple(pipeline.buffers[b].layout.slots[slot].shape)
-
-
 # ---------------------------------------------------------------- save
 def _buffer_pieces(pipeline: Pipeline, names: list[str]) -> list[tuple[str, int, torch.Tensor]]:
     """(tensor key, first element, source view) of this rank's part of every flat buffer."""
     pieces = []
-    for buf in pipeline.buffers:
-        layout = _shard_layout(pipeline, buf.layout, buf.params)
-        own = layout is buf.layout
-        param_shard = getattr(buf, "param_shard", None)
-        for seg in layout.segments(pipeline.rank if layout.num_shards > 1 else 0):
-            slot = layout.slots[seg.slot]
-            index = buf.indices[slot.param]
-            full_offset = slot.offset + seg.param_offset
-            at = seg.shard_offset if own else full_offset
-            if buf.param_flat is not None:
-                value = buf.param_flat.narrow(0, full_offset, seg.numel)
-            else:
-                value = param_shard.narrow(0, seg.shard_offset, seg.numel)
-            pieces.append((f"model/{names[index]}", seg.param_offset, value))
-            for kind in _STATE:
-                t = getattr(buf, kind)
-                if t is not None:
-                    pieces.append((f"optim/{index}/{kind}", seg.param_offset, t.narrow(0, at, seg.numel)))
+    for piece in state_door.save_pieces(pipeline):
+        pieces.append((f"model/{names[piece.index]}", piece.start, piece.value))
+        pieces.extend((f"optim/{piece.index}/{kind}", piece.start, t) for kind, t in piece.state.items())
     return pieces
 
 
@@ -189,15 +155,11 @@ def _write_rank_file(folder: Path, rank: int, pieces: list[tuple[str, int, torch
 def _specs(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """Shape and dtype of every tensor key (the same on every rank)."""
     specs = {
-        f"model/{n}": {"shape": list(_true_shape(pipeline, t)), "dtype": dtype_name(t.dtype)}
-        for n, t in tensors.items()
+        f"model/{n}": {"shape": list(pipeline.param_shape(t)), "dtype": dtype_name(t.dtype)} for n, t in tensors.items()
     }
-    for buf in pipeline.buffers:
-        for slot in buf.layout.slots:
-            index = buf.indices[slot.param]
-            for kind in _STATE:
-                if getattr(buf, kind) is not None:
-                    specs[f"optim/{index}/{kind}"] = {"shape": list(slot.shape), "dtype": "float32"}
+    for index, shape, kinds in state_door.param_states(pipeline):
+        for kind in kinds:
+            specs[f"optim/{index}/{kind}"] = {"shape": list(shape), "dtype": "float32"}
     return specs
 
 
@@ -242,7 +204,7 @@ def _metadata(
     for file, result in enumerate(results):
         for key, start, offset, numel in result["pieces"]:
             specs[key]["pieces"].append([file, start, offset, numel])
-    trainable = {i for buf in pipeline.buffers for i in buf.indices}
+    trainable = state_door.trained_indices(pipeline)
     groups = []
     params = []
     for g, group in enumerate(optimizer.param_groups):
@@ -368,7 +330,7 @@ def _check_model(meta: dict, pipeline: Pipeline, model: nn.Module, version: Path
             raise CheckpointError(
                 f"checkpoint: model tensor {key!r} is not in {version}: it was saved from another model"
             )
-        shape, spec = _true_shape(pipeline, tensors[name]), meta["tensors"][saved[key]]
+        shape, spec = tuple(pipeline.param_shape(tensors[name])), meta["tensors"][saved[key]]
         if tuple(spec["shape"]) != shape:
             raise CheckpointError(
                 f"checkpoint: model tensor {key!r} has shape {shape} here but {tuple(spec['shape'])} in {version}: "
@@ -424,29 +386,20 @@ Move = tuple[torch.Tensor, Optional[torch.Tensor]]  # (destination, value; None:
 
 def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], saved: dict[str, int]) -> list[Move]:
     """Read what this rank's flat buffers need: its shard of the state, its parameters (shard or whole)."""
+    params, tensors = src.meta["params"], src.meta["tensors"]
+    # zeros until loaded: what a first AMSGrad step starts from
+    state_door.allocate_amsgrad(pipeline, lambda i: f"optim/{saved[names[i]]}/max_exp_avg_sq" in tensors)
     moves: list[Move] = []
-    params = src.meta["params"]
-    for buf in pipeline.buffers:
-        saved_max = [f"optim/{saved[names[i]]}/max_exp_avg_sq" in src.meta["tensors"] for i in buf.indices]
-        if any(saved_max) and buf.max_exp_avg_sq is None:  # zeros until loaded: what a first AMSGrad step starts from
-            pipeline.allocate_max_exp_avg_sq(buf.group)
-        for seg in buf.layout.segments(pipeline.shard_rank):
-            slot = buf.layout.slots[seg.slot]
-            name = names[buf.indices[slot.param]]
-            index = saved[name]
-            for kind in _STATE:
-                if getattr(buf, kind) is not None:
-                    key = _state_key(src, kind, index, name, params[index]["trainable"])
-                    value = None if key is None else src.read(key, seg.param_offset, seg.numel)
-                    moves.append((getattr(buf, kind).narrow(0, seg.shard_offset, seg.numel), value))
-            if buf.param_flat is None:
-                value = src.read(_param_key(src, index, name, buf.dtype), seg.param_offset, seg.numel)
-                moves.append((buf.param_shard.narrow(0, seg.shard_offset, seg.numel), value))
-        if buf.param_flat is not None:
-            for slot in buf.layout.slots:
-                name = names[buf.indices[slot.param]]
-                value = src.read(_param_key(src, saved[name], name, buf.dtype))
-                moves.append((buf.param_flat.narrow(0, slot.offset, slot.numel), value))
+    for piece in state_door.load_pieces(pipeline):
+        name = names[piece.index]
+        index = saved[name]
+        for kind, dest in piece.state.items():
+            key = _state_key(src, kind, index, name, params[index]["trainable"])
+            moves.append((dest, None if key is None else src.read(key, piece.start, piece.numel)))
+        if piece.param is not None:
+            moves.append((piece.param, src.read(_param_key(src, index, name, piece.dtype), piece.start, piece.numel)))
+    for i, dtype, dest in state_door.whole_params(pipeline):
+        moves.append((dest, src.read(_param_key(src, saved[names[i]], names[i], dtype))))
     return moves
 
 

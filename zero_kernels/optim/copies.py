@@ -34,13 +34,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..stages import state as zstate
+from ..stages import state_door as zstate
 
 if TYPE_CHECKING:
     from .optimizer import ShardedFusedAdam
 
 _TAG = "zero_kernels.ShardedFusedAdam"
 _VERSION = 1
+# the optimizer's settings a snapshot carries (attributes of ``ShardedFusedAdam``)
+SETTINGS = (
+    "options",
+    "adam_w_mode",
+    "max_grad_norm",
+    "gradient_accumulation_steps",
+    "loss_scaler",
+    "skip_nonfinite_steps",
+    "skipped_steps",
+    "communication_data_type",
+)
 
 
 @dataclass(frozen=True)
@@ -70,30 +81,16 @@ def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
         "param_groups": opt.param_groups,
         "module": pipeline.module if pipeline.requires_module else None,
         "names": [opt._names.get(id(p)) for p in params],
-        "options": opt.options,
+        **{key: getattr(opt, key) for key in SETTINGS},
         "impl": pipeline.impl,
-        "adam_w_mode": opt.adam_w_mode,
-        "max_grad_norm": opt.max_grad_norm,
-        "gradient_accumulation_steps": opt.gradient_accumulation_steps,
-        "loss_scaler": opt.loss_scaler,
-        "skip_nonfinite_steps": opt.skip_nonfinite_steps,
-        "communication_data_type": opt.communication_data_type,
-        "skipped_steps": opt.skipped_steps,
         "last_step": opt.last_step,
         "extra_state": opt.state.extra,
         "process_group": process_group,
         "origin": Origin(pipeline.rank, pipeline.world_size),
         "shard": {
             "layout": zstate.layout_signature(pipeline),
-            "buffers": [
-                {
-                    n: getattr(buf, n)
-                    for n in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-                    if getattr(buf, n) is not None
-                }
-                for buf in pipeline.buffers
-            ],  # fmt: skip
-            "param_shards": [getattr(buf, "param_shard", None) for buf in pipeline.buffers],
+            "buffers": zstate.shard_tensors(pipeline),
+            "param_shards": zstate.param_shards(pipeline),
             "steps": dict(pipeline.steps),
             "shapes": [tuple(pipeline.param_shape(p)) for p in params],
         },
@@ -109,7 +106,7 @@ def deep_copy(opt: "ShardedFusedAdam", memo: dict[int, Any]) -> "ShardedFusedAda
         memo[id(group)] = group
     with opt.pipeline.hooks_removed():
         state = copy.deepcopy(_portable(opt, group), memo)
-    restore(new, state)
+    new.__setstate__(state)
     return new
 
 
@@ -130,30 +127,36 @@ def snapshot(opt: "ShardedFusedAdam") -> dict[str, Any]:
     return state
 
 
-def restore(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
-    """Rebuild ``opt`` (a bare instance) from a snapshot; raises when it cannot live here."""
+def check(state: dict[str, Any]) -> None:
+    """Raise unless ``state`` is a snapshot this version rebuilds from."""
     if state.get(_TAG) != _VERSION:
         raise RuntimeError(f"not a snapshot of a {_TAG} (version {_VERSION}): {sorted(state)[:5]}")
-    keys = ("options", "adam_w_mode", "max_grad_norm", "gradient_accumulation_steps", "loss_scaler")
-    for key in (*keys, "skip_nonfinite_steps", "skipped_steps"):
-        setattr(opt, key, state[key])
-    opt.communication_data_type = state.get("communication_data_type")  # absent from older snapshots
-    shard = state["shard"]
+
+
+def settings(state: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's settings a snapshot carries (``SETTINGS``; absent from older snapshots: None)."""
+    return {key: state.get(key) for key in SETTINGS}
+
+
+def param_groups(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The snapshot's param groups, stage 3's freed parameters given back their shapes (zeros until loaded)."""
     groups = state["param_groups"]
     params = [p for g in groups for p in g["params"]]
-    for p, shape in zip(params, shard["shapes"]):
+    for p, shape in zip(params, state["shard"]["shapes"]):
         if p.requires_grad and p.numel() == 0 and math.prod(shape) > 0:  # stage 3 frees parameters between uses
             p.data = torch.zeros(shape, dtype=p.dtype, device=p.device)
-    opt._build(groups, state["defaults"], module=state["module"], process_group=state["process_group"],
-               impl=state["impl"], restore=state["origin"])  # fmt: skip
-    opt._names.update({id(p): n for p, n in zip(params, state["names"]) if n is not None})
+    return groups
+
+
+def load_shards(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
+    """Into ``opt``, rebuilt from ``state`` by its own methods: this rank's shards, step counts, the last step's
+    result and the other keys of ``opt.state``; raises when the rebuilt layout is not the saved one."""
+    shard = state["shard"]
     pipeline = opt.pipeline
     if zstate.layout_signature(pipeline) != shard["layout"]:
         raise RuntimeError("the rebuilt optimizer has another flat-buffer layout than the saved one")
     zstate.load_shard_state(pipeline, shard["buffers"])
     pipeline.steps.update(shard["steps"])
-    for buf, values in zip(pipeline.buffers, shard["param_shards"]):
-        if values is not None:
-            buf.param_shard.copy_(values)
+    zstate.load_param_shards(pipeline, shard["param_shards"])
     opt.last_step = state["last_step"]
     opt.state.extra = dict(state["extra_state"])

@@ -69,7 +69,7 @@ from ..comm import agreement, devices
 from ..comm.engines import make_engine
 from ..config.zero_config import FP16Config, ZeroOptions
 from ..stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
-from ..stages import state as zstate
+from ..stages import state_door as zstate
 from ..stages.outcome import clip_coef
 from . import amp, guards, torch_clip
 from . import copies as optim_copy
@@ -567,8 +567,17 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         return optim_copy.snapshot(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild from ``__getstate__``'s snapshot on the same rank of a same-size process group."""
-        optim_copy.restore(self, state)
+        """Rebuild from ``__getstate__``'s snapshot on the same rank of a same-size process group: the settings,
+        then engine, pipeline and param groups as at construction, then this rank's shards."""
+        optim_copy.check(state)
+        for key, value in optim_copy.settings(state).items():
+            setattr(self, key, value)
+        groups = optim_copy.param_groups(state)
+        self._build(groups, state["defaults"], module=state["module"], process_group=state["process_group"],
+                    impl=state["impl"], restore=state["origin"])  # fmt: skip
+        params = [p for g in groups for p in g["params"]]
+        self._names.update({id(p): n for p, n in zip(params, state["names"]) if n is not None})
+        optim_copy.load_shards(self, state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
         return optim_copy.deep_copy(self, memo)

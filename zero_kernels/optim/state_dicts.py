@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ..stages import state as zstate
+from ..stages import state_door as zstate
 from .args import ALGORITHM_FLAGS, IMPLEMENTATION_FLAGS, check_flags
 
 if TYPE_CHECKING:
@@ -75,14 +75,7 @@ def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
     """The state of a rank that holds all of it, in AdamW's layout (no communication): each entry also
     holds ``master`` for bf16/fp16 parameters; the loss scale rides under ``FORMAT``."""
     pipeline = opt.pipeline
-    state = zstate.gather_full_state(pipeline)
-    for buf in pipeline.buffers:
-        if buf.master is None:
-            continue
-        for slot in buf.layout.slots:
-            entry = state.get(buf.indices[slot.param])
-            if entry is not None:
-                entry["master"] = buf.master.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
+    state = zstate.gather_full_state(pipeline)  # with "master" of low-precision parameters
     return {
         "state": {**state, **opt.state.extra},
         "param_groups": full_groups(opt),
@@ -146,15 +139,10 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
 
 def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
     """The fp32 masters a ``whole`` state carries, into this rank's part of the master shards."""
-    for buf in pipeline.buffers:
-        if buf.master is None:
-            continue
-        for seg in buf.layout.segments(pipeline.shard_rank):
-            slot = buf.layout.slots[seg.slot]
-            entry = entries.get(buf.indices[slot.param])
-            if entry is not None and "master" in entry:
-                value = entry["master"].reshape(-1).narrow(0, seg.param_offset, seg.numel)
-                buf.master.narrow(0, seg.shard_offset, seg.numel).copy_(value)
+    for piece in zstate.load_pieces(pipeline):
+        entry = entries.get(piece.index)
+        if "master" in piece.state and entry is not None and "master" in entry:
+            piece.state["master"].copy_(entry["master"].reshape(-1).narrow(0, piece.start, piece.numel))
 
 
 def _adopt(group: dict[str, Any], saved: dict[str, Any]) -> None:

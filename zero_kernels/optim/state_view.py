@@ -40,31 +40,24 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from ..stages import Pipeline
+from ..stages import state_door as door
+from ..stages.state_door import KINDS as _KINDS
+from ..stages.state_door import MOMENTS as _MOMENTS
+from ..stages.state_door import HeldPiece as _Piece
 
-_KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-
-class _Piece:
-    """Where this rank holds state of one parameter: buffer ``b``, shard ``start``, ``numel`` elements
-    (contiguous in the shard), and which elements of the flattened parameter they are (``ranges``)."""
-
-    def __init__(self, b: int, start: int) -> None:
-        self.b, self.start, self.numel = b, start, 0
-        self.ranges: list[tuple[int, int]] = []  # (first element in the parameter, count)
-
-    def take(self, value: torch.Tensor, shape: torch.Size, full: torch.Size) -> torch.Tensor:
-        """``value`` shaped as this piece's view (``shape``): given so, or as the whole parameter (``full``)."""
-        value = torch.as_tensor(value)
-        if tuple(value.shape) == tuple(shape) or value.numel() == self.numel:
-            return value.reshape(shape)
-        if value.numel() == full.numel():
-            flat = value.reshape(-1)
-            return torch.cat([flat.narrow(0, lo, n) for lo, n in self.ranges]).reshape(shape)
-        raise ValueError(
-            f"opt.state[p]: a value of shape {tuple(value.shape)} fits neither this rank's piece {tuple(shape)} "
-            f"nor the parameter's shape {tuple(full)}"
-        )
+def _take(piece: _Piece, value: torch.Tensor, shape: torch.Size, full: torch.Size) -> torch.Tensor:
+    """``value`` shaped as ``piece``'s view (``shape``): given so, or as the whole parameter (``full``)."""
+    value = torch.as_tensor(value)
+    if tuple(value.shape) == tuple(shape) or value.numel() == piece.numel:
+        return value.reshape(shape)
+    if value.numel() == full.numel():
+        flat = value.reshape(-1)
+        return torch.cat([flat.narrow(0, lo, n) for lo, n in piece.ranges]).reshape(shape)
+    raise ValueError(
+        f"opt.state[p]: a value of shape {tuple(value.shape)} fits neither this rank's piece {tuple(shape)} "
+        f"nor the parameter's shape {tuple(full)}"
+    )
 
 
 class ParamState(dict):
@@ -85,7 +78,7 @@ class ParamState(dict):
             super().__setitem__(key, torch.tensor(float(value)))
         elif key in self:
             view = dict.__getitem__(self, key)
-            view.copy_(self._piece.take(value, view.shape, self._full))
+            view.copy_(_take(self._piece, value, view.shape, self._full))
         else:
             raise KeyError(
                 f"opt.state[p] holds {', '.join(self)}: {key!r} cannot be added, the state lives in the shards"
@@ -118,23 +111,13 @@ class ShardedState(MutableMapping):
     def _piece(self, p: torch.Tensor) -> Optional[_Piece]:
         pipeline = self._pipeline
         if self._pieces_of != len(pipeline.buffers):
-            self._pieces = {}
-            for b, buf in enumerate(pipeline.buffers):
-                for seg in buf.layout.segments(pipeline.shard_rank):
-                    key = id(buf.params[buf.layout.slots[seg.slot].param])
-                    piece = self._pieces.setdefault(key, _Piece(b, seg.shard_offset))
-                    piece.numel += seg.numel  # contiguous in the shard (see layout)
-                    piece.ranges.append((seg.param_offset, seg.numel))
+            self._pieces = door.held_pieces(pipeline)
             self._pieces_of = len(pipeline.buffers)
         return self._pieces.get(id(p))
 
     def _trained(self, p: torch.Tensor) -> Optional[int]:
         """``p``'s optimizer index when the optimizer trains it (on any rank), else None."""
-        where = self._pipeline.where.get(id(p))
-        if where is None:
-            return None
-        buf = self._pipeline.buffers[where[0]]
-        return buf.indices[buf.layout.slots[where[1]].param]
+        return door.trained_index(self._pipeline, p)
 
     def _index(self, p: torch.Tensor) -> Optional[int]:
         """``p``'s optimizer index when this rank holds state of it, else None."""
@@ -144,15 +127,7 @@ class ShardedState(MutableMapping):
         return index if self._pipeline.steps[index] > 0 else None
 
     def _views(self, p: torch.Tensor, piece: _Piece) -> dict[str, torch.Tensor]:
-        buf = self._pipeline.buffers[piece.b]
-        slot = buf.layout.slots[self._pipeline.where[id(p)][1]]
-        values = {}
-        for kind in _KINDS:
-            t = getattr(buf, kind)
-            if t is not None:
-                view = t.narrow(0, piece.start, piece.numel)
-                values[kind] = view.view(slot.shape) if piece.numel == slot.numel else view
-        return values
+        return door.piece_views(self._pipeline, piece)
 
     def entry(self, p: torch.Tensor) -> Optional[ParamState]:
         """``p``'s state on this rank, or None when this rank holds none of it (or it has not stepped)."""
@@ -202,7 +177,7 @@ class ShardedState(MutableMapping):
         piece = self._piece(key)
         views = self._views(key, piece) if piece is not None and value else {}
         full = self._pipeline.param_shape(key)
-        taken = {k: piece.take(v, views[k].shape, full).clone() for k, v in value.items() if k in views}
+        taken = {k: _take(piece, v, views[k].shape, full).clone() for k, v in value.items() if k in views}
         step = int(float(value["step"])) if value else 0  # everything checked: now change
         self._reset(key, index)
         self._pipeline.steps[index] = step
