@@ -64,8 +64,8 @@ def book(results: list[dict[str, Any]], optimizer: Any, pipeline: Pipeline) -> O
     flags = [r["window"] for r in results]
     if all(f is None for f in flags):
         return None
-    empty = {"synced": False, "has_grad": [], "stepped_with": [], "written": [[] for _ in pipeline.buffers],
-             "grads": [], "shards": []}  # fmt: skip
+    empty = {"synced": False, "owed": False, "has_grad": [], "stepped_with": [],
+             "written": [[] for _ in pipeline.buffers], "grads": [], "shards": []}  # fmt: skip
     return {
         "micro_step": optimizer.micro_step,
         "layout": zstate.layout_signature(pipeline),
@@ -103,6 +103,7 @@ def stage(
         return None
     flags = entry["ranks"][pipeline.rank]
     window = zwindow.Window({k: flags[k] for k in ("synced", "has_grad", "stepped_with", "written")})
+    window.flags["owed"] = flags.get("owed", False)  # absent from checkpoints of earlier versions
     sizes = zstate.param_numels(pipeline)
     for i in flags["grads"]:
         window.grads[i] = _read(src, _grad_key(pipeline.rank, i), sizes[i], version)

@@ -241,6 +241,8 @@ def _window(c: _Checker, window: Any, world_size: int) -> None:
         field = f"window.ranks[{r}]"
         c.of_type(flags, dict, field)
         c.of_type(flags.get("synced"), bool, f"{field}.synced")
+        if "owed" in flags:
+            c.of_type(flags["owed"], bool, f"{field}.owed")
         for key in ("has_grad", "stepped_with", "grads", "shards"):
             for j, i in enumerate(c.of_type(flags.get(key), list, f"{field}.{key}")):
                 c.count(i, f"{field}.{key}[{j}]")

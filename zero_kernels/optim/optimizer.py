@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
@@ -468,6 +469,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         _check_max_norm(max_norm)
         _, scale_known = amp.clip_factor(self)
         self._clip = (torch.as_tensor(norm, dtype=torch.float64), float(max_norm), scale_known)
+        self._pipeline.clipped = math.isfinite(float(max_norm))  # a later gradient of this step is refused
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.

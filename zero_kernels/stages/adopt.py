@@ -12,8 +12,9 @@ the step finds them (``master``). A new dtype, device or shape cannot be followe
 ``ValueError`` naming the parameter. ``Parameter`` objects replaced in the model
 (``load_state_dict(..., assign=True)``, a module swapped) are caught by ``check_module_params``.
 
-Stage 3 units that are freed re-adopt in ``adopt_assigned_shard`` just before their next gather;
-units gathered by ``gathered_params()`` re-adopt (``readopt``) when the block ends.
+Stage 3 units that are freed take assigned values into their shard (``adopt_freed``) wherever the others
+are followed (before the step and before the state is read) and just before their next gather; units
+gathered by ``gathered_params()`` re-adopt (``readopt``) when the block ends.
 
 A parameter frozen (``requires_grad=False``) when the optimizer was built has no place in its
 buffers: unfrozen later, it would get gradients that no step uses (``torch.optim.AdamW`` would train
@@ -91,11 +92,35 @@ def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
     """
     adopted = 0
     for buf in pipeline.buffers:
-        count = readopt(buf, buf.param_flat, name_of) if buf.param_flat is not None else 0
+        if buf.param_flat is None:
+            adopted += adopt_freed(pipeline, buf, name_of)
+            continue
+        count = readopt(buf, buf.param_flat, name_of)
         if count:
             master.adopt_edits(pipeline, buf)
         adopted += count
     return adopted
+
+
+def adopt_freed(pipeline: "Pipeline", buf: "FlatBuffer", name_of: NameOf) -> int:
+    """A freed stage-3 unit whose parameters were given values (``p.data = ...`` outside a forward): this rank's
+    parts go into its parameter shard (and fp32 master) now, and the parameters are freed again, so state reads
+    and the step see the new values and the next gather does not bring back what the step updated; returns how
+    many parameters. A unit gathered now (``full``) re-adopts when it is freed (``readopt``).
+
+    Args:
+        pipeline: the stage-3 pipeline.
+        buf: one of its units' buffers (``Stage3Buffer``).
+        name_of: names a parameter in error messages.
+    """
+    if getattr(buf, "full", None) is not None or getattr(buf, "param_shard", None) is None:
+        return 0
+    assigned = [p for p in buf.params if p.numel() != 0]
+    if not adopt_assigned_shard(pipeline, buf, buf.param_shard, name_of):
+        return 0
+    for p in assigned:
+        p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
+    return len(assigned)
 
 
 def current(pipeline: "Pipeline") -> None:

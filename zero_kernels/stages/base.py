@@ -50,7 +50,7 @@ import torch
 
 from ..comm.control import ControlLink
 from ..comm.handles import Handle
-from . import adopt, buckets, grad_state, master, outcome, stats, update
+from . import adopt, buckets, grad_state, master, outcome, refusals, stats, update
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .layout import Bucket, BufferLayout, align_elements
 from .outcome import StepResult
@@ -106,7 +106,7 @@ class Pipeline:
         self.step_counts = outcome.StepCounts()  # optimizer param index -> Adam step count (``steps``)
         self._control_link = ControlLink(engine)  # host-side exchanges (``stats``) never wait for a device
         self.has_grad: dict[int, bool] = {}  # optimizer param index -> got a gradient this step
-        self.sync_enabled = True
+        self._sync_enabled = True
         self._ref = weakref.ref(self)
         self._hooks: list[Any] = []
         self._launch_order: list[tuple[int, int]] = []  # (buffer, bucket) in collective order
@@ -115,7 +115,10 @@ class Pipeline:
         self._inflight: list[Inflight] = []  # in issue order
         self._round_open = False
         self._synced = False  # a synchronised backward happened since the last step
-        self._grads_final = False  # finish_grad_sync() ran since the last step
+        self._owed = False  # gradients may be left unreduced after it: the step reduces once more (``sync_enabled``)
+        self._grads_final = False  # finish_grad_sync() ran since the last step, and no gradient arrived since
+        self.clipped = False  # clip_grad_norm_ measured this step's gradients (set by the optimizer)
+        self.refusals = refusals.Refusals()  # problems found in backward, raised at the step on every rank
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
@@ -283,15 +286,38 @@ class Pipeline:
                     del _owners[id(p)]
 
     # ---------------------------------------------------------------- backward
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether a backward reduces its gradients (False under ``no_sync`` and on accumulation micro-steps)."""
+        return self._sync_enabled
+
+    @sync_enabled.setter
+    def sync_enabled(self, value: bool) -> None:
+        """Turned off after a synchronised backward of this step (``no_sync`` entered then), what the next backward
+        passes leave in ``p.grad`` is owed one more round of reduction, at the step unless a synchronised backward
+        comes first; every rank owes it, the ``no_sync`` pattern being the same on every rank."""
+        if self._sync_enabled and not value and self._synced:
+            self._owed = True
+            self._grads_final = False
+        self._sync_enabled = value
+
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         self._check_dense(p)
         self.window_open = True
         b, slot = self.where[id(p)]
         buf = self.buffers[b]
-        self.has_grad[buf.indices[buf.layout.slots[slot].param]] = True
+        index = buf.indices[buf.layout.slots[slot].param]
+        self.has_grad[index] = True
+        self._note_gradient(index, p)
         if not self.sync_enabled:
+            if self.grads_in_p_grad:  # p.grad views grad_flat: the next reduction of its bucket takes it
+                self._consume_grad(buf, slot, p)
             return
-        if not self._first_report(b, slot, p):
+        first = self._first_report(b, slot, p)
+        if first is None:
+            self._drop_grad(buf, slot, p)
+            return
+        if not first:
             self._add_grad(buf, slot, p)
             return
         self._consume_grad(buf, slot, p)
@@ -299,13 +325,14 @@ class Pipeline:
             buf.pending[k] -= 1
         self._launch_ready()
 
-    def _first_report(self, b: int, slot: int, p: torch.Tensor) -> bool:
-        """Open the round if needed; False when ``p`` already reported in it.
+    def _first_report(self, b: int, slot: int, p: torch.Tensor) -> Optional[bool]:
+        """Open the round if needed; False when ``p`` already reported in it, None when it cannot be taken.
 
         A parameter used in several segments of reentrant activation checkpointing
         (``torch.utils.checkpoint(..., use_reentrant=True)``) gets its gradient once per segment,
         each a backward of its own. A repeated gradient is added to the first while the parameter's
-        buckets wait; once one of them has been reduced it cannot be, and this raises.
+        buckets wait; once one of them has been reduced it cannot be: refused (``refusals``: whether
+        the bucket was reduced already depends on this rank's data, so every rank raises at the step).
         """
         if not self._round_open:
             self._round_open = True
@@ -315,8 +342,27 @@ class Pipeline:
             return True
         launched = set(self._launch_order[: self._next_launch])
         if self.reduces_in_backward and any((b, k) in launched for k in self.buffers[b].layout.slot_buckets[slot]):
-            raise RuntimeError(grad_state.second_gradient(self.stage, self.name_of(p)))
+            buf = self.buffers[b]
+            self._refuse(refusals.SECOND_GRADIENT, buf.indices[buf.layout.slots[slot].param], p)
+            return None
         return False
+
+    def _refuse(self, kind: int, index: int, p: torch.Tensor) -> None:
+        """Problem ``kind`` with parameter ``p`` (optimizer index ``index``): raised now on one rank, else recorded
+        and raised by the step on every rank (``refusals``)."""
+        if self.world_size == 1:
+            raise RuntimeError(refusals.describe(kind, self.stage, self.name_of(p)))
+        self.refusals.record(kind, index)
+
+    def _note_gradient(self, index: int, p: torch.Tensor) -> None:
+        """A gradient arrives: one after ``finish_grad_sync`` makes the step finish again, one after
+        ``clip_grad_norm_`` is refused (``refusals``)."""
+        self._grads_final = False
+        if self.clipped:
+            self._refuse(refusals.AFTER_CLIP, index, p)
+
+    def _drop_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """A gradient refused (``_first_report``): the step raises; default (stage 0): it stays in ``p.grad``."""
 
     def _add_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
         """A repeated gradient of ``p`` in this round, its buckets not yet reduced (``_first_report``).
@@ -349,10 +395,22 @@ class Pipeline:
             if buf.pending[k] > 0 and not flush:
                 return
             if buf.pending[k] > 0:
+                self._take_unreported(b, buf.layout.buckets[k])
                 grad_state.zero_dropped_grads(buf, buf.layout.buckets[k])
             self._launch_bucket(buf, buf.layout.buckets[k])
             self._next_launch += 1
             self._complete_inflight(keep=self.max_inflight)
+
+    def _take_unreported(self, b: int, bucket: Bucket) -> None:
+        """Before ``bucket`` is reduced at the end of a round: gradients in ``p.grad`` of parameters that did not
+        report in it (an earlier backward under ``no_sync`` gave them one, this one none) join it."""
+        buf = self.buffers[b]
+        for slot in bucket.slots:
+            p = buf.params[buf.layout.slots[slot].param]
+            if p.grad is not None and (b, slot) not in self._reported:
+                self._check_dense(p)
+                self._reported.add((b, slot))
+                self._consume_grad(buf, slot, p)
 
     def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
         """Start reducing ``bucket``'s gradients (``self._track`` the collective); default: at the step."""
@@ -362,6 +420,7 @@ class Pipeline:
         self._complete_inflight()  # a next backward accumulates into p.grad: stage 0 reduces it in place
         self._round_open = False
         self._synced = True
+        self._owed = False  # the round took every gradient in p.grad
         self._next_launch = 0
         self._reported.clear()
         for buf in self.buffers:
@@ -427,16 +486,38 @@ class Pipeline:
                 yield self._grad_shard(buf, bucket)
 
     def finish_grad_sync(self) -> None:
-        """Make every gradient of this step present, reduced, in ``_grad_shard`` (once per step)."""
+        """Make every gradient of this step present, reduced, in ``_grad_shard`` (again after a gradient arrived).
+
+        A round of reduction at the step when no synchronised backward ran, or gradients were left in
+        ``p.grad`` after it (``sync_enabled``); else stages 0-1 read what ``p.grad`` holds (a new tensor put
+        there after backward, as ``torch.optim.AdamW`` with DDP would), and stages 2-3 refuse a ``p.grad``
+        that no reduction took (``refusals``).
+        """
         if self._grads_final:
             return
-        if not self._synced:
+        if not self._synced or self._owed:
             self._sync_manual_grads()
+        else:
+            self._take_replaced_grads()
         self._complete_inflight()
         self._before_step()
         grad_state.zero_unwritten(self)
         grad_state.read_grad_flags(self)
         self._grads_final = True
+
+    def _take_replaced_grads(self) -> None:
+        """Stages 0-1: ``p.grad`` replaced by a new tensor after backward is what the step reads; stages 2-3: a
+        ``p.grad`` no reduction took is refused."""
+        for buf in self.buffers:
+            for slot_index, slot in enumerate(buf.layout.slots):
+                p = buf.params[slot.param]
+                if p.grad is None:
+                    continue
+                self._check_dense(p)
+                if self.grads_in_p_grad:
+                    self._consume_grad(buf, slot_index, p)
+                else:
+                    self._refuse(refusals.UNSEEN_GRADIENT, buf.indices[slot.param], p)
 
     @property
     def reduced_since_step(self) -> bool:
@@ -446,12 +527,22 @@ class Pipeline:
     def reset_grad_sync(self) -> None:
         """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""
         self._synced = False
+        self._owed = False
         self._grads_final = False
+        self.clipped = False
+        self.refusals.clear()
         self.window_open = False
 
-    def reopen(self, synced: bool) -> None:
-        """A window put back (``window.restore``): gradients held, reduced by a synchronised backward or not."""
+    @property
+    def owed(self) -> bool:
+        """Whether gradients left in ``p.grad`` after this step's synchronised backward await a round at the step."""
+        return self._owed
+
+    def reopen(self, synced: bool, owed: bool = False) -> None:
+        """A window put back (``window.restore``): gradients held, reduced by a synchronised backward or not, and
+        whether more were left in ``p.grad`` after it (``owed``)."""
         self._synced = synced
+        self._owed = owed and synced
         self._grads_final = False
         self.window_open = True
 
@@ -460,12 +551,13 @@ class Pipeline:
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         views = self._norm_views() if norm or finite else None
-        extra = self._step_columns()
+        extra = self.refusals.columns() + self._step_columns()
         combined = stats.exchange(
             self.engine, self._control, self.has_grad, views, checks, device, norm=norm,
             counts=self.step_counts.counts, held=self.held_indices(), name=self._index_name, extra=extra,
         )  # fmt: skip
-        self._verify_step_columns(combined.extra)
+        self._verify_step_columns([row[2:] for row in combined.extra])
+        self.refusals.verify([row[:2] for row in combined.extra], self.stage, self._index_name)
         return combined
 
     def _step_columns(self) -> list[float]:

@@ -82,6 +82,10 @@ class Stage2Pipeline(Pipeline):
             scratch.narrow(0, offset, piece.numel()).add_(piece.to(scratch.dtype), alpha=1.0 / self.world_size)
         p.grad = None
 
+    def _drop_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """A refused gradient (``Pipeline._first_report``): the step raises; it must not linger in a bucket."""
+        p.grad = None
+
     def _zero_unfilled(self, buf: FlatBuffer, bucket: Bucket, scratch: torch.Tensor, filled: set[int]) -> None:
         """Zero what no gradient was copied into: the pieces of parameters without one, and the padding
         (parameters lie back to back from the buffer's start; padding only follows the last one)."""

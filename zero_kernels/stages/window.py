@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class Window:
     """What one rank holds inside a window (``flags`` are plain data; the tensors are this rank's)."""
 
-    flags: dict[str, Any]  # synced, has_grad, stepped_with: parameter indices; written: bucket indices per buffer
+    flags: dict[str, Any]  # synced, owed, has_grad, stepped_with: parameter indices; written: bucket indices per buffer
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # optimizer index -> p.grad
     shards: dict[int, torch.Tensor] = field(default_factory=dict)  # buffer index -> reduced gradient shard
 
@@ -37,6 +37,7 @@ def capture(pipeline: "Pipeline") -> Window:
     """This rank's window (references, not copies: save it before the next backward or step)."""
     flags = {
         "synced": pipeline.reduced_since_step,
+        "owed": pipeline.owed,
         "has_grad": sorted(i for i, has in pipeline.has_grad.items() if has),
         "stepped_with": sorted(pipeline.stepped_with),
         "written": [sorted(buf.written) for buf in pipeline.buffers],
@@ -77,7 +78,7 @@ def restore(pipeline: "Pipeline", window: Window) -> None:
                 p.grad = view
             else:
                 _set_grad(p, grad.to(buf.dtype).reshape(slot.shape).clone())
-    pipeline.reopen(bool(window.flags["synced"]))
+    pipeline.reopen(bool(window.flags["synced"]), bool(window.flags.get("owed", False)))
 
 
 def _set_grad(p: torch.Tensor, grad: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ issue collectives and change parameters, which a compiled graph must not capture
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from typing import Any, Callable, Iterator, Optional
@@ -62,6 +63,15 @@ class _Freed:
         if torch.compiler.is_compiling():
             return _handle_eagerly(func, types, args, kwargs)
         return _handle(func, types, args, kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of a freed parameter would be empty: ``on_use(param, copy.deepcopy)`` raises (or copies it as
+        it is when no callback is registered)."""
+        ref = _on_use.get(id(self))
+        callback = ref() if ref is not None else None
+        if callback is not None:
+            callback(self, copy.deepcopy)
+        return self._zk_original.__deepcopy__(self, memo)
 
 
 def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:

@@ -40,6 +40,7 @@ like any other's. ``hold()`` keeps every unit gathered until ``release()`` (``ga
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -119,6 +120,25 @@ class _Pass:
         return self.seen and self.on_track
 
 
+class _ModelHook:
+    """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``,
+    pickle; ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that
+    drives this scheduler (its gathers and pass bookkeeping) from the copy's forward. Run eagerly under
+    ``torch.compile`` (``stage3_guard.run_eagerly``)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn: Optional[Callable[..., Any]] = guard.run_eagerly(fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._fn = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return None if self._fn is None else self._fn(*args, **kwargs)
+
+
 @dataclass
 class _Frame:
     """A module whose forward is running, and the units it holds in use (external ones found by use added)."""
@@ -177,9 +197,9 @@ class Stage3Scheduler:
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
         self._handles.append(
-            root.register_forward_pre_hook(guard.run_eagerly(self._root_pre_forward), prepend=True, with_kwargs=True)
+            root.register_forward_pre_hook(_ModelHook(self._root_pre_forward), prepend=True, with_kwargs=True)
         )
-        self._handles.append(root.register_forward_hook(guard.run_eagerly(self._root_post_forward)))
+        self._handles.append(root.register_forward_hook(_ModelHook(self._root_post_forward)))
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
@@ -203,7 +223,7 @@ class Stage3Scheduler:
                 inside = {id(q) for q in p.module.parameters()}
                 self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
             if p.module is not self.root:
-                pre, post = guard.run_eagerly(self._pre_forward_hook(p)), guard.run_eagerly(self._post_forward_hook(p))
+                pre, post = _ModelHook(self._pre_forward_hook(p)), _ModelHook(self._post_forward_hook(p))
                 self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._module_handles.append(p.module.register_forward_hook(post))
 
@@ -346,6 +366,15 @@ class Stage3Scheduler:
         """A freed parameter is computed with: gather it for the running module, or explain."""
         i = self._owner[id(param)]
         name = self._names.get(id(param), "?")
+        if func is copy.deepcopy:
+            raise RuntimeError(
+                f"ZeRO stage 3: copy.deepcopy of the model (or of parameter '{name}') while its parameters are "
+                "freed: between uses each rank holds only its shard, so the copy would hold empty tensors. Copy it "
+                "inside `with optimizer.gathered_params():` on every rank (e.g. "
+                "`with opt.gathered_params(): ema = torch.optim.swa_utils.AveragedModel(model)`): the copy then "
+                "holds the full values and none of the optimizer's hooks; or build it from "
+                "zero_kernels.checkpoint's consolidated weights"
+            )
         if not self._stack:
             where = "during backward" if self._in_backward else "outside any module's forward"
             raise RuntimeError(

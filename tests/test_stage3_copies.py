@@ -1,0 +1,141 @@
+"""Stage 3: parameters assigned while freed, and copies of the model, on 1-2 gloo ranks, against ``torch.optim.AdamW``.
+
+- ``p.data = new`` outside a forward, while ``p`` is freed, reaches this rank's shard (and the fp32
+  master) before anything reads it: a checkpoint saved right after holds ``new``, and a step taken
+  right after (its gradients from a backward before the assignment) updates ``new``, as AdamW does,
+  instead of leaving the update to be overwritten by the next gather.
+- ``copy.deepcopy(model)`` (what ``torch.optim.swa_utils.AveragedModel`` and EMA helpers do) while the
+  parameters are freed raises on every rank, naming ``gathered_params()``; made inside
+  ``gathered_params()`` it is a plain full copy: the optimizer's hooks in it are inert (its forward,
+  run on one rank alone, gathers nothing), and the averaged weights match AveragedModel on AdamW's.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import run_ranks_checked
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+import zero_kernels as zk
+
+ROWS, LR, BUCKET = 3, 1e-2, 16
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 7), nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _batch(step: int, world: int) -> torch.Tensor:
+    return torch.randn(ROWS * world, 6, generator=torch.Generator().manual_seed(step))
+
+
+def _backward(model: Net, ref: Net, rank: int, world: int, step: int) -> None:
+    x = _batch(step, world)
+    model(x[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
+    ref(x).square().mean().backward()
+
+
+def _step(opt: torch.optim.Optimizer, ropt: torch.optim.Optimizer) -> None:
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+
+
+def _make(world: int) -> tuple[Net, Net, zk.ShardedFusedAdam, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    return model, ref, opt, torch.optim.AdamW(ref.parameters(), lr=LR)
+
+
+def _differences(model: nn.Module, ref: nn.Module, what: str) -> list[str]:
+    found = []
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        if not torch.allclose(p, r, rtol=1e-5, atol=1e-6 * r.abs().max().item()):
+            found.append(f"{what}: {name} differs from AdamW's by {(p - r).abs().max().item():.3g}")
+    return found
+
+
+def _assigned(seed: int) -> torch.Tensor:
+    return torch.randn(7, 6, generator=torch.Generator().manual_seed(seed))
+
+
+def _assign_case(rank: int, world: int, directory: str) -> list[str]:
+    model, ref, opt, ropt = _make(world)
+    _backward(model, ref, rank, world, 0)
+    _step(opt, ropt)
+    for m in (model, ref):  # freed in the model: outside any forward
+        m.a.weight.data = _assigned(1)
+    zk.checkpoint.save(directory, model, opt)
+    loaded, _, opt2, _ = _make(world)
+    zk.checkpoint.load(directory, loaded, opt2)
+    with opt2.gathered_params():
+        found = _differences(loaded, ref, f"world {world}: a checkpoint saved after p.data = ...")
+    _backward(model, ref, rank, world, 1)
+    _step(opt, ropt)
+    _backward(model, ref, rank, world, 2)
+    for m in (model, ref):  # between the backward and the step
+        m.a.weight.data = _assigned(2)
+    _step(opt, ropt)
+    with opt.gathered_params():
+        found += _differences(model, ref, f"world {world}: the step after p.data = ... (after backward)")
+    _backward(model, ref, rank, world, 3)
+    _step(opt, ropt)
+    with opt.gathered_params():
+        found += _differences(model, ref, f"world {world}: one step later")
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_data_assigned_while_freed_reaches_the_shard(world: int, tmp_path: Path) -> None:
+    run_ranks_checked(_assign_case, world, str(tmp_path), timeout_s=60)
+
+
+def _copy_case(rank: int, world: int) -> list[str]:
+    model, ref, opt, ropt = _make(world)
+    _backward(model, ref, rank, world, 0)
+    _step(opt, ropt)
+    found = []
+    for what, fn in {"deepcopy": lambda: copy.deepcopy(model), "AveragedModel": lambda: AveragedModel(model)}.items():
+        try:
+            fn()
+            found.append(f"{what} of the freed model did not raise")
+        except RuntimeError as exc:
+            if "copy.deepcopy" not in str(exc) or "gathered_params()" not in str(exc):
+                found.append(f"{what}: {exc}")
+    with opt.gathered_params():
+        averaged = AveragedModel(model)
+    ref_averaged = AveragedModel(ref)
+    for step in (1, 2):
+        _backward(model, ref, rank, world, step)
+        _step(opt, ropt)
+        with opt.gathered_params():
+            averaged.update_parameters(model)
+        ref_averaged.update_parameters(ref)
+    found += _differences(averaged.module, ref_averaged.module, "AveragedModel")
+    if rank == 0:  # evaluated on one rank alone: the copy gathers nothing
+        x = _batch(9, 1)
+        if not torch.allclose(averaged(x), ref_averaged(x), rtol=1e-5, atol=1e-6):
+            found.append("the AveragedModel's output differs from AdamW's")
+    _backward(model, ref, rank, world, 3)
+    _step(opt, ropt)
+    with opt.gathered_params():
+        found += _differences(model, ref, "training after the copy")
+    return found
+
+
+@pytest.mark.distributed
+def test_copies_of_the_model_are_full_or_refused() -> None:
+    run_ranks_checked(_copy_case, 2, timeout_s=60)
