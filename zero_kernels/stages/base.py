@@ -306,7 +306,7 @@ class Pipeline:
         self.window_open = True
         b, slot = self.where[id(p)]
         buf = self.buffers[b]
-        index = buf.indices[buf.layout.slots[slot].param]
+        index = buf.index_of(slot)
         self.has_grad[index] = True
         self._note_gradient(index, p)
         if not self.sync_enabled:
@@ -343,7 +343,7 @@ class Pipeline:
         launched = set(self._launch_order[: self._next_launch])
         if self.reduces_in_backward and any((b, k) in launched for k in self.buffers[b].layout.slot_buckets[slot]):
             buf = self.buffers[b]
-            self._refuse(refusals.SECOND_GRADIENT, buf.indices[buf.layout.slots[slot].param], p)
+            self._refuse(refusals.SECOND_GRADIENT, buf.index_of(slot), p)
             return None
         return False
 
@@ -374,7 +374,7 @@ class Pipeline:
     def _check_dense(self, p: torch.Tensor) -> None:
         if p.grad.layout != torch.strided:
             b, slot = self.where[id(p)]
-            index = self.buffers[b].indices[self.buffers[b].layout.slots[slot].param]
+            index = self.buffers[b].index_of(slot)
             raise RuntimeError(
                 "ShardedFusedAdam does not support sparse gradients, please consider SparseAdam instead "
                 f"(parameter {index}, shape {tuple(p.shape)}, has a {p.grad.layout} gradient)"
@@ -436,7 +436,7 @@ class Pipeline:
                 p = buf.params[slot.param]
                 if p.grad is not None:
                     self._check_dense(p)
-                    self.has_grad[buf.indices[slot.param]] = True
+                    self.has_grad[buf.index_of(slot)] = True
                     self._consume_grad(buf, slot_index, p)
         self._end_round()
 
@@ -517,7 +517,7 @@ class Pipeline:
                 if self.grads_in_p_grad:
                     self._consume_grad(buf, slot_index, p)
                 else:
-                    self._refuse(refusals.UNSEEN_GRADIENT, buf.indices[slot.param], p)
+                    self._refuse(refusals.UNSEEN_GRADIENT, buf.index_of(slot), p)
 
     @property
     def reduced_since_step(self) -> bool:
@@ -570,7 +570,7 @@ class Pipeline:
     def held_indices(self) -> set[int]:
         """Optimizer indices of the parameters whose state this rank holds (all of it or a piece)."""
         if self._held[0] != len(self.buffers):
-            held = {buf.indices[buf.layout.slots[seg.slot].param] for buf in self.buffers
+            held = {buf.index_of(seg.slot) for buf in self.buffers
                     for seg in buf.layout.segments(self.shard_rank)}  # fmt: skip
             self._held = (len(self.buffers), held)
         return self._held[1]

@@ -43,7 +43,7 @@ def read_grad_flags(pipeline: "Pipeline") -> None:
         if buf.grad_flat is None:
             continue
         for slot in buf.layout.slots:
-            pipeline.has_grad[buf.indices[slot.param]] = buf.params[slot.param].grad is not None
+            pipeline.has_grad[buf.index_of(slot)] = buf.params[slot.param].grad is not None
 
 
 def zero_dropped_grads(buf: "FlatBuffer", bucket: Bucket) -> None:

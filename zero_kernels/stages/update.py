@@ -39,7 +39,7 @@ def runs(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, with_grad: set[i
     """
     start = numel = step = None
     for seg in buf.layout.segments(pipeline.shard_rank, bucket.index):
-        index = buf.indices[buf.layout.slots[seg.slot].param]
+        index = buf.index_of(seg.slot)
         local = seg.shard_offset - bucket.shard_offset
         key = pipeline.step_counts.counts[index] + 1 if index in with_grad else None
         if key is not None and key == step and start + numel == local:

@@ -68,7 +68,7 @@ def restore(pipeline: "Pipeline", window: Window) -> None:
         pipeline.buffers[b].grad_shard.copy_(shard)
     for buf in pipeline.buffers:
         for slot in buf.layout.slots:
-            grad = window.grads.get(buf.indices[slot.param])
+            grad = window.grads.get(buf.index_of(slot))
             if grad is None:
                 continue
             p = buf.params[slot.param]
