@@ -24,8 +24,8 @@ here), combines across ranks (``stats``) the per-parameter "has a gradient" flag
 squared gradient norm (clipping) or whether every gradient is finite (skipping), checks that every
 rank passed the same hyper-parameters, turns the norm into the clip coefficient and skip flag on
 the gradients' device (``outcome``), then runs the fused kernel once per bucket on this rank's
-shard: master ``_master_shard``, gradient ``_grad_shard``, fp32 m and v; for low-precision
-parameters the kernel writes the updated shard (``out=``) straight into ``_param_shard``, the
+shard: master ``master_shard``, gradient ``grad_shard``, fp32 m and v; for low-precision
+parameters the kernel writes the updated shard (``out=``) straight into ``param_shard``, the
 all-gather input, having first taken what was written there since the last step as the master's
 value (``master``: in-place writes into bf16/fp16 parameters reach the fp32 master). ``_publish``
 then all-gathers each bucket back into ``param_flat`` (overlapping the next bucket's kernel). A
@@ -34,9 +34,10 @@ outcome is read (``outcome.StepCounts``).
 
 Rules. A parameter without a gradient on any rank this step (``p.grad is None`` in
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
-Gradients are averaged over ranks (``grad_divisor``). Overrides: ``num_shards``,
-``_place_params``, ``_allocate_grads``, ``_consume_grad``, ``_launch_bucket``, ``_before_step``,
-``_grad_shard``, ``_param_shard``, ``_publish``, ``_norm_views``, ``_register_grad_hooks``,
+Gradients are averaged over ranks (``grad_divisor``). Public override points (the shard accessors
+the update, ``master`` and ``stats`` use): ``grad_shard``, ``param_shard``, ``master_shard``,
+``norm_views``. Overrides within the stages: ``num_shards``, ``_place_params``, ``_allocate_grads``,
+``_consume_grad``, ``_launch_bucket``, ``_before_step``, ``_publish``, ``_register_grad_hooks``,
 ``gathered_params``, ``zero_grad``.
 """
 
@@ -232,7 +233,7 @@ class Pipeline:
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""
         for b in buf.layout.buckets:
-            buf.shard_slice(buf.master, b).copy_(self._param_shard(buf, b))
+            buf.shard_slice(buf.master, b).copy_(self.param_shard(buf, b))
         master.record(buf)
 
     def _index(self, buf: FlatBuffer) -> None:
@@ -454,39 +455,47 @@ class Pipeline:
                 op.epilogue()
 
     def _before_step(self) -> None:
-        """Finish the reduction of gradients into ``_grad_shard`` (stage 1 reduces here)."""
+        """Finish the reduction of gradients into ``grad_shard`` (stage 1 reduces here)."""
 
     # ---------------------------------------------------------------- step
-    def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    # The shard accessors (grad_shard, param_shard, master_shard, norm_views) are the public override
+    # points through which the update, the masters and the statistics reach this rank's shards: a stage
+    # (or a state tier) that keeps a shard elsewhere overrides them.
+    def grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's reduced gradients of ``bucket``."""
         if buf.grad_flat is not None:
             return buf.rank_slice(buf.grad_flat, bucket, self.shard_rank)
         return buf.shard_slice(buf.grad_shard, bucket)
 
-    def _param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """``grad_shard`` under its name before it was public, kept for one release."""
+        return self.grad_shard(buf, bucket)
+
+    def param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
 
-    def _master_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    def master_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """This rank's fp32 master of ``bucket`` (the parameters themselves when they are fp32)."""
         if buf.master is not None:
             return buf.shard_slice(buf.master, bucket)
-        return self._param_shard(buf, bucket)
+        return self.param_shard(buf, bucket)
 
     def _publish(self, buf: FlatBuffer, bucket: Bucket) -> Optional[Handle]:
         """Bring every rank's updated shard of ``bucket`` into ``param_flat``."""
         if self.num_shards == 1:
             return None
         full = buf.bucket_slice(buf.param_flat, bucket)
-        return self.engine.all_gather(full, self._param_shard(buf, bucket), name=f"params.{bucket.index}")
+        return self.engine.all_gather(full, self.param_shard(buf, bucket), name=f"params.{bucket.index}")
 
-    def _norm_views(self) -> Iterator[torch.Tensor]:
+    def norm_views(self) -> Iterator[torch.Tensor]:
         """Gradient pieces whose squares, summed over ranks, give the squared global norm."""
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
-                yield self._grad_shard(buf, bucket)
+                yield self.grad_shard(buf, bucket)
 
     def finish_grad_sync(self) -> None:
-        """Make every gradient of this step present, reduced, in ``_grad_shard`` (again after a gradient arrived).
+        """Make every gradient of this step present, reduced, in ``grad_shard`` (again after a gradient arrived).
 
         A round of reduction at the step when no synchronised backward ran, or gradients were left in
         ``p.grad`` after it (``sync_enabled``); else stages 0-1 read what ``p.grad`` holds (a new tensor put
@@ -550,7 +559,7 @@ class Pipeline:
         """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        views = self._norm_views() if norm or finite else None
+        views = self.norm_views() if norm or finite else None
         extra = self.refusals.columns() + self._step_columns()
         combined = stats.exchange(
             self.engine, self._control, self.has_grad, views, checks, device, norm=norm,

@@ -99,7 +99,7 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
     if pipeline.grad_divisor_is_world:
         grad_scale = grad_scale / pipeline.world_size
     device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
-    sq = stats.grad_column(pipeline._norm_views(), device, norm=True)
+    sq = stats.grad_column(pipeline.norm_views(), device, norm=True)
     if pipeline.world_size > 1:
         pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
     return sq.sqrt() * grad_scale

@@ -82,9 +82,9 @@ def update_bucket(
         scale = scale.to(buf.device)  # the same tensor unless the model spans devices
     if skip is not None:
         skip = skip.to(buf.device)
-    master, grad = pipeline._master_shard(buf, bucket), pipeline._grad_shard(buf, bucket)
+    master, grad = pipeline.master_shard(buf, bucket), pipeline.grad_shard(buf, bucket)
     m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
-    out = pipeline._param_shard(buf, bucket) if buf.master is not None else None
+    out = pipeline.param_shard(buf, bucket) if buf.master is not None else None
     v_max = buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None
     for start, numel, step in runs(pipeline, buf, bucket, with_grad):
         first, last = aligned_span(start, start + numel, bucket.shard_numel)

@@ -233,9 +233,9 @@ class Stage3Pipeline(Stage2Pipeline):
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
         """The scheduler hands gradients on (``_Unit.reduce_grads``) when it reduces a unit."""
 
-    def _param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
+    def param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
         if buf.persistent:
-            return super()._param_shard(buf, bucket)
+            return super().param_shard(buf, bucket)
         return buf.shard_slice(buf.param_shard, bucket)
 
     def _publish(self, buf: Stage3Buffer, bucket: Bucket):
@@ -245,7 +245,7 @@ class Stage3Pipeline(Stage2Pipeline):
         if buf.full is None:
             return None
         full = buf.bucket_slice(buf.full, bucket)
-        return self.engine.all_gather(full, self._param_shard(buf, bucket), name=f"params.{bucket.index}")
+        return self.engine.all_gather(full, self.param_shard(buf, bucket), name=f"params.{bucket.index}")
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
@@ -291,7 +291,7 @@ class Stage3Pipeline(Stage2Pipeline):
             if not buf.persistent:
                 adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
                 for bucket in buf.layout.buckets:
-                    self._param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
+                    self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
             master.adopt_edits(self, buf)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
