@@ -7,7 +7,7 @@ extension cache, ``TORCH_EXTENSIONS_DIR``, rebuilds when a source changes). A mo
 
 First use. A build takes minutes, so it is announced at WARNING (what is built, how long it
 usually takes, where it is cached) and its duration logged when done. Builds of one extension are
-serialised by ``_build_lock`` (a lock that dies with its holder): processes that load a cached
+serialised by ``_build.lock`` (a lock that dies with its holder): processes that load a cached
 build share it and wait for nobody, a process that waits for another's build says so once the wait
 is real, and a lock left by a killed build is removed instead of waited on.
 """

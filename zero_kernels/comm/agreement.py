@@ -69,7 +69,7 @@ def disagreement(key: str, values: Sequence[Any]) -> Optional[str]:
 def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str, device: Optional[torch.device] = None) -> None:
     """Raise ``RanksDisagree`` on every rank unless every rank passed an equal ``fingerprint``.
 
-    A collective (``comm_objects.all_gather_objects``) whose shape does not depend on the fingerprint, so it
+    A collective (``comm.objects.all_gather_objects``) whose shape does not depend on the fingerprint, so it
     is safe whatever the ranks disagree on. Values should be plain (numbers, strings, tuples).
 
     Args:
@@ -77,7 +77,7 @@ def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str, device: O
         fingerprint: key -> value; keys in the order they should be reported.
         what: who checks, for the message (e.g. "ShardedFusedAdam").
         device: where the exchange runs: the device of the tensors it is about (on NCCL this rank's GPU,
-            the parameters' device; None: ``comm_objects.collective_device``).
+            the parameters' device; None: ``comm.objects.collective_device``).
     """
     if engine.world_size == 1:
         return

@@ -43,9 +43,9 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   ``DistributedDataParallel`` is refused (``guards``), whatever the optimizer was given.
 - AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
   and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
-  ``capturable=True`` and ``differentiable=True`` are refused (``optim_args``).
-- ``opt.state[p]``: views of this rank's shards, reset the torch way (``state_view``); state dicts: ``optim_state``;
-  ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim_copy``.
+  ``capturable=True`` and ``differentiable=True`` are refused (``optim.args``).
+- ``opt.state[p]``: views of this rank's shards, reset the torch way (``state_view``); state dicts: ``optim.state_dicts``;
+  ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim.copies``.
 - Non-finite gradients (fp32/bf16): with ``skip_nonfinite_steps`` (the default) a step whose
   gradients hold inf/NaN on any rank updates nothing on every rank, is counted in
   ``skipped_steps`` and logged at WARNING; with it off, they are applied as ``torch.optim.AdamW`` would.
@@ -565,7 +565,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- copies
     def __getstate__(self) -> dict[str, Any]:
-        """For pickle and ``torch.save(opt)``: a snapshot of this rank's part (see ``optim_copy``)."""
+        """For pickle and ``torch.save(opt)``: a snapshot of this rank's part (see ``optim.copies``)."""
         return optim_copy.snapshot(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -2,7 +2,7 @@
 
 This module decides *when*; how a unit's parameters are laid out, gathered and reduced belongs to
 the unit object (see ``Unit``). A unit owns a disjoint set of parameters; which units a module
-needs comes from ``stage3_plan``: the units of the parameters it holds directly (several with
+needs comes from ``stage3.plan``: the units of the parameters it holds directly (several with
 weight tying), of its external parameters (``model_hints.register_external_parameter``), and for a
 leaf module (``model_hints.set_leaf_modules``) those of its whole subtree; a leaf's sub-modules get
 no hooks. The plan is read again at the start of a forward whenever a hint changed.
@@ -15,11 +15,11 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
   ``check(batch, phase, deferred)`` runs before any of them is issued (stage 3 checks there that every
   rank gathers the same units; ``deferred`` when the pass follows the previous pass of its kind, see
   ``Check``). With autograd recording, ``m``'s inputs are watched for the end of its backward
-  (``stage3_uses``);
+  (``stage3.uses``);
 - forward post-hook: free ``m``'s units once no running module uses them; when autograd records
   the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
   again (before ``m``'s backward runs), prefetching along the previous backward's order;
-- once the backward of every forward use of a unit has ended (``stage3_uses``: a point that does not
+- once the backward of every forward use of a unit has ended (``stage3.uses``: a point that does not
   depend on which of its parameters got a gradient on this rank), ``reduce_grads()`` the unit and
   free it; a parameter's gradient arriving after that raises;
 - end of backward (an autograd-engine callback): units not reduced yet are reduced then, in unit
@@ -28,7 +28,7 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
 So every rank issues the same collectives in the same order whatever its data, as long as every
 rank runs the same modules in the same order (a leaf module hides what its data chooses inside it).
 
-A freed parameter is marked (``stage3_guard``): an operation on it inside a module's forward gathers
+A freed parameter is marked (``stage3.guard``): an operation on it inside a module's forward gathers
 its unit for that module from then on (an external parameter found by use, logged once); outside
 any forward it raises an error that says how to read it, as does an operation on what its
 ``.data`` or ``detach()`` gave while it was freed (an empty tensor, wherever it is used). Hooks are run eagerly under
@@ -124,7 +124,7 @@ class _ModelHook:
     """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``,
     pickle; ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that
     drives this scheduler (its gathers and pass bookkeeping) from the copy's forward. Run eagerly under
-    ``torch.compile`` (``stage3_guard.run_eagerly``)."""
+    ``torch.compile`` (``stage3.guard.run_eagerly``)."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self._fn: Optional[Callable[..., Any]] = guard.run_eagerly(fn)
@@ -209,7 +209,7 @@ class Stage3Scheduler:
                     guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
 
     def _install_modules(self) -> None:
-        """(Re)read the plan (``stage3_plan``) and hook the modules that need units."""
+        """(Re)read the plan (``stage3.plan``) and hook the modules that need units."""
         plans = plan(self.root, self._owner)
         for handle in self._module_handles:
             handle.remove()
@@ -449,7 +449,7 @@ class Stage3Scheduler:
         return hook
 
     def _uses_ended(self, ready: list[int]) -> None:
-        """Every use of the units ``ready`` has ended its backward (``stage3_uses``): reduce them."""
+        """Every use of the units ``ready`` has ended its backward (``stage3.uses``): reduce them."""
         self._begin_backward()
         for i in ready:
             if i not in self._reduced and any(p.requires_grad for p in self.units[i].params):

@@ -1,7 +1,7 @@
 """What ZeRO stage 3 must know about a model that its module tree does not say: leaf modules and external parameters.
 
 Stage 3 gathers the parameters a module holds just before the module runs and frees them after
-(``stages/stage3.py``). Two common shapes of model break that rule; these calls describe them:
+(``stages/stage3/pipeline.py``). Two common shapes of model break that rule; these calls describe them:
 
 - **Leaf modules** (``set_leaf_modules``): a module whose sub-modules run depending on the data, as a
   mixture of experts routes each rank's tokens to different experts. Every rank must gather the same

@@ -15,10 +15,10 @@ order in which backward produces gradients.
 
 When. ``stage3_hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
 prefetches the next unit and more up to ``stage3_prefetch_bucket_size`` elements ahead, and frees
-after use. Every rank checks that every rank gathers the same units (``stage3_check``): before the
+after use. Every rank checks that every rank gathers the same units (``stage3.check``): before the
 gathers of the first pass of each kind, and in the step's exchange for passes that repeat it;
 ranks that diverge raise ``CommError`` instead of pairing different gathers. Once the backward of
-every forward use of a unit has ended (``stage3_uses``: a point that is the same on every rank,
+every forward use of a unit has ended (``stage3.uses``: a point that is the same on every rank,
 whichever of its parameters the data gave a gradient), or at the end of backward, its gradients go
 through the stage-2 path: copied (divided by the world size) into a bucket, reduce-scattered and
 added to the rank's gradient shard; ``p.grad`` becomes ``None``. A parameter without a gradient
@@ -119,7 +119,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, module=module, **kwargs)
-        self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3_plan.holders``)
+        self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3.plan.holders``)
         self._units: list[_Unit] = []
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
@@ -173,7 +173,7 @@ class Stage3Pipeline(Stage2Pipeline):
             self._scheduler.follow(previous)
 
     def _check_gathers(self, batch: list[int], phase: str, deferred: bool) -> None:
-        """Every rank must be about to gather the same units (``stage3_check``); else ``CommError`` now, or at
+        """Every rank must be about to gather the same units (``stage3.check``); else ``CommError`` now, or at
         the step for a batch whose check is ``deferred``."""
         units = [self._units[i] for i in batch]
         if deferred:
