@@ -44,8 +44,8 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 - AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
   and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
   ``capturable=True`` and ``differentiable=True`` are refused (``optim.args``).
-- ``opt.state[p]``: views of this rank's shards, reset the torch way (``state_view``); state dicts: ``optim.state_dicts``;
-  ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim.copies``.
+- ``opt.state[p]``: views of this rank's shards, reset the torch way (``state_view``); state dicts:
+  ``optim.state_dicts``; ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim.copies``.
 - Non-finite gradients (fp32/bf16): with ``skip_nonfinite_steps`` (the default) a step whose
   gradients hold inf/NaN on any rank updates nothing on every rank, is counted in
   ``skipped_steps`` and logged at WARNING; with it off, they are applied as ``torch.optim.AdamW`` would.
