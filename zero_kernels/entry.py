@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from .config import ZeroConfig
 from .config.hf import model_hidden_size
-from .config.zero_config import ZeroConfig
 from .optim.optimizer import ShardedFusedAdam
 
 __all__ = ["initialize"]

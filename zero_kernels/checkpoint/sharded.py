@@ -46,8 +46,6 @@ from ..comm.objects import all_gather_objects
 from ..stages import Pipeline, adopt, master, state_door
 from ..stages.window import Window
 from . import accumulation, objects
-from .consolidate import consolidate
-from .deepspeed import from_deepspeed
 from .format import (
     BLOCK_BYTES,
     EXTRA,
@@ -71,8 +69,6 @@ from .format import (
     write_small,
 )
 from .metadata import check_objects, read_metadata
-
-__all__ = ["CheckpointError", "consolidate", "from_deepspeed", "load", "save"]
 
 
 # ---------------------------------------------------------------- what lives where

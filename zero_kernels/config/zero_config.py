@@ -56,8 +56,6 @@ from .schema import (
     hidden_size_values,
 )
 
-__all__ = ["FP16Config", "OptimizerConfig", "SchedulerConfig", "ZeroConfig", "ZeroOptions"]
-
 
 def _normalise(obj: Any, rules: Mapping[str, Scalar], prefix: str, nullable: Tuple[str, ...] = ()) -> None:
     """Check and normalise each field of a frozen dataclass in place (``None`` kept where nullable)."""

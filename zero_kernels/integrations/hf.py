@@ -56,7 +56,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
-from ..config.zero_config import ZeroConfig, ZeroOptions
+from ..config import ZeroConfig, ZeroOptions
 from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
 from . import hf_config

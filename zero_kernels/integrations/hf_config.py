@@ -35,8 +35,8 @@ import os
 import types
 from typing import Any, Mapping, Optional, Union
 
+from ..config import ZeroConfig, ZeroOptions
 from ..config.hf import TRAINER_DEFAULTS, model_hidden_size, training_args_overrides
-from ..config.zero_config import ZeroConfig, ZeroOptions
 from ..config.zero_config import _load as read_config
 
 __all__ = [

@@ -19,8 +19,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["save_pretrained", "agree"]
-
 STATE_DICT_FILE = "model_state_dict.pt"
 
 

@@ -183,14 +183,3 @@ def unflatten(
 ) -> None:
     """Copy ``flat`` back into tensors at ``offsets``, in place; see ``reference.unflatten_ref``."""
     _function("unflatten", impl, flat.device)(flat, tensors, offsets, scale=scale)
-
-
-__all__ = [
-    "adam_step",
-    "flatten",
-    "unflatten",
-    "resolve_impl",
-    "adam_step_ref",
-    "flatten_ref",
-    "unflatten_ref",
-]

@@ -68,7 +68,7 @@ from torch import nn
 from .. import live
 from ..comm import agreement, devices
 from ..comm.engines import make_engine
-from ..config.zero_config import FP16Config, ZeroOptions
+from ..config import FP16Config, ZeroOptions
 from ..stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
 from ..stages import state_door as zstate
 from ..stages.outcome import clip_coef

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .models import (
-    LINKS,
     STAGES,
     CommEstimate,
     LinkPreset,
@@ -26,20 +25,6 @@ from .models import (
     get_link,
     shard_elements,
 )
-
-__all__ = [
-    "LINKS",
-    "CommEstimate",
-    "LinkPreset",
-    "MemoryEstimate",
-    "NoFitError",
-    "Recommendation",
-    "StagePlan",
-    "estimate_comm",
-    "estimate_memory",
-    "format_bytes",
-    "recommend",
-]
 
 # Step times within this fraction of the fastest count as equal (the model is not finer than that);
 # among equals the lowest stage wins: it moves the fewest bytes and launches the fewest collectives.

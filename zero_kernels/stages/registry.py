@@ -11,8 +11,6 @@ from enum import IntEnum
 from typing import Type
 
 from .base import Pipeline
-from .buffers import FlatBuffer, GroupHyper, storage_bytes
-from .outcome import StepResult
 from .stage0 import Stage0Pipeline
 from .stage1 import Stage1Pipeline
 from .stage2 import Stage2Pipeline
@@ -56,16 +54,3 @@ def pipeline_class(stage: int) -> Type[Pipeline]:
 def requires_module(stage: int) -> bool:
     """True when the pipeline of ``stage`` needs the model (not just its parameters)."""
     return pipeline_class(stage).requires_module
-
-
-__all__ = [
-    "FlatBuffer",
-    "GroupHyper",
-    "PIPELINES",
-    "Pipeline",
-    "Stage",
-    "StepResult",
-    "pipeline_class",
-    "requires_module",
-    "storage_bytes",
-]

@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..kernels.dispatch import flatten
+from ..kernels import flatten
 from .base import FlatBuffer, Pipeline
 from .layout import Bucket
 

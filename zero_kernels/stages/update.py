@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from ..kernels.dispatch import adam_step
+from ..kernels import adam_step
 from .buffers import FlatBuffer, GroupHyper
 from .layout import MIN_ALIGN_ELEMENTS, Bucket
 from .outcome import Decision
