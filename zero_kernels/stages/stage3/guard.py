@@ -15,7 +15,9 @@ What ``.data``, ``detach()`` and those conversions return for a freed parameter 
 no gather can fill it later: computing with it (``p.data.norm()``, a snapshot ``p.data.clone()`` and
 its restore ``p.data.copy_(...)``, ``ema.lerp_(p.detach())``) would be as quietly wrong. So it is a
 ``FreedRead``, a tensor whose ``__torch_function__`` passes metadata and those reads and calls the
-``on_read_use`` callback given to ``mark_freed`` (which raises) on any other operation.
+``on_read_use`` callback given to ``mark_freed`` (which raises) on any other operation. A deep copy of
+a freed parameter (``copy.deepcopy(model)``: ``AveragedModel``, EMA helpers) would be empty too: it
+calls ``on_use(param, copy.deepcopy)``, which raises.
 
 Under ``torch.compile`` the callback, and stage 3's hooks (``run_eagerly``), run eagerly: they
 issue collectives and change parameters, which a compiled graph must not capture.
