@@ -6,7 +6,8 @@
   the parameter, before anything is updated; the ranks then train on in step (no collective left
   unpaired) and match AdamW. Stage 1 reduces at the step: the repeats add up, as in AdamW.
 - A backward under ``no_sync()`` after the step's synchronised backward: its gradients count
-  (reduced at the step), at every stage, as with DDP and DeepSpeed.
+  (reduced at the step), at every stage, as with DDP and DeepSpeed; a checkpoint saved then resumes
+  owing that reduction.
 - ``p.grad`` set by hand after the synchronised backward: stages 0-1 step with it as AdamW does;
   stages 2-3, which hold only a shard of the reduced gradients, refuse it on every rank at the step
   (set on one rank only, too), nothing updated.
@@ -236,3 +237,36 @@ def _after_clip_body(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_gradient_after_clip_raises_on_every_rank() -> None:
     run_ranks_checked(_after_clip_body, WORLD, timeout_s=60)
+
+
+def _owed_window_resumed(rank: int, world: int, stage: int, directory: str) -> list[str]:
+    """A checkpoint saved after a synchronised backward and one under ``no_sync()``, resumed: the step still
+    reduces what the second left (the window carries that it is owed)."""
+    torch.manual_seed(0)
+    model = Plain()
+    ref = copy.deepcopy(model)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
+    first, second = _batch(0), _batch(1)
+    model(_rows(first, rank)).backward()
+    with opt.no_sync():
+        model(_rows(second, rank)).backward()
+    saved = f"{directory}/stage{stage}"
+    zk.checkpoint.save(saved, model, opt)
+    torch.manual_seed(1)
+    resumed = Plain()
+    opt2 = _opt(resumed, stage)
+    zk.checkpoint.load(saved, resumed, opt2)
+    opt2.step()
+    for x in (first, second):
+        (sum(ref(_rows(x, r)) for r in range(WORLD)) / WORLD).backward()
+    ropt.step()
+    return _differences(resumed, opt2, ref, f"stage {stage}: resumed window owing a reduction")
+
+
+def _owed_window_body(rank: int, world: int, directory: str) -> list[str]:
+    return [f for stage in (0, 2, 3) for f in _owed_window_resumed(rank, world, stage, directory)]
+
+
+@pytest.mark.distributed
+def test_a_window_owing_a_reduction_resumes_from_a_checkpoint(tmp_path) -> None:
+    run_ranks_checked(_owed_window_body, WORLD, str(tmp_path), timeout_s=60)
