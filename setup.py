@@ -14,8 +14,8 @@ from setuptools import find_packages, setup
 ROOT = Path(__file__).resolve().parent
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_zk_setup_{name}", ROOT / "zero_kernels" / f"{name}.py")
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(f"_zk_setup_{name}", ROOT / "zero_kernels" / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -23,7 +23,7 @@ def _load(name: str):
 
 
 def _ext_modules() -> dict:
-    if not _load("env").settings().build_ops:
+    if not _load("env", "env.py").settings().build_ops:
         return {}
     try:
         import torch
@@ -33,7 +33,7 @@ def _ext_modules() -> dict:
             "ZERO_KERNELS_BUILD_OPS=1 compiles against the installed torch: install torch first and run "
             "`ZERO_KERNELS_BUILD_OPS=1 pip install --no-build-isolation .`"
         ) from exc
-    spec = _load("_build_spec")
+    spec = _load("build_spec", "_build/spec.py")
     with_cuda = torch.version.cuda is not None
     kind = cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension
     modules = [

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from . import checkpoint, log
+from . import _compat, checkpoint, log
 from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .entry import initialize
 from .env import settings
 from .integrations import save_pretrained
-from .model_hints import register_external_parameter, set_leaf_modules
 from .optim import ShardedFusedAdam
 from .planner import estimate_comm, estimate_memory, recommend
+from .stages.stage3 import register_external_parameter, set_leaf_modules
 
 __version__ = "0.1.0"
 
 log.setup(settings().log_level)
+_compat.register()
 
 __all__ = [
     "checkpoint",

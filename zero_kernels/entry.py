@@ -17,7 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .config import ZeroConfig
 from .config.hf import model_hidden_size
-from .optim import ShardedFusedAdam
+from .optim.optimizer import ShardedFusedAdam
 
 __all__ = ["initialize"]
 

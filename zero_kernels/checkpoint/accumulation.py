@@ -5,7 +5,7 @@ A checkpoint saved between the backward passes of one step (micro-steps under ``
 So each rank whose window is open (``stages.window``) writes the gradients it holds into its rank
 file (``window/RANK/grad/INDEX``, ``window/RANK/shard/BUFFER``), and ``objects.pt`` keeps the
 micro-step count, the layout and each rank's flags. Loading puts every rank's window back exactly
-when the layout is the same (world size, stage, bucket size, model: ``stages.state.layout_signature``);
+when the layout is the same (world size, stage, bucket size, model: ``stages.state_door.layout_signature``);
 a rank's gradients mean nothing under another layout, so an open window there is a
 ``CheckpointError`` that says to save at a window boundary (after ``opt.step()``). A checkpoint
 saved at a boundary, or by an earlier version, loads with an empty window (as after ``zero_grad()``).
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from ..stages import Pipeline
-from ..stages import state as zstate
+from ..stages import state_door as zstate
 from ..stages import window as zwindow
 from .format import CheckpointError, TensorSource, dtype_name
 
@@ -104,11 +104,11 @@ def stage(
     flags = entry["ranks"][pipeline.rank]
     window = zwindow.Window({k: flags[k] for k in ("synced", "has_grad", "stepped_with", "written")})
     window.flags["owed"] = flags.get("owed", False)  # absent from checkpoints of earlier versions
-    sizes = {buf.indices[slot.param]: slot.numel for buf in pipeline.buffers for slot in buf.layout.slots}
+    sizes = zstate.param_numels(pipeline)
     for i in flags["grads"]:
         window.grads[i] = _read(src, _grad_key(pipeline.rank, i), sizes[i], version)
     for b in flags["shards"]:
-        window.shards[b] = _read(src, _shard_key(pipeline.rank, b), pipeline.buffers[b].layout.shard_numel, version)
+        window.shards[b] = _read(src, _shard_key(pipeline.rank, b), zstate.shard_numels(pipeline)[b], version)
     return window
 
 

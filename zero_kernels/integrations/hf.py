@@ -57,9 +57,10 @@ from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
 from ..config import ZeroConfig, ZeroOptions
-from ..optim import ShardedFusedAdam
+from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
-from . import agree, hf_config
+from . import hf_config
+from .save import agree
 
 __all__ = ["ZeroTrainer", "CHECKPOINT_DIR"]
 

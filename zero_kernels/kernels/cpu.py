@@ -13,8 +13,17 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import _ext
-from .reference import Scale, adam_scalars, check_adam_args, check_flat_args, in_window
+from .._build import ext as _ext
+from .reference import (
+    SCALE_NONE,
+    SCALE_TENSOR,
+    Scale,
+    adam_scalars,
+    check_adam_args,
+    check_flat_args,
+    in_window,
+    scale_kind,
+)
 
 
 def _ops() -> ModuleType:
@@ -23,16 +32,10 @@ def _ops() -> ModuleType:
 
 def _scale_value(what: str, scale: Scale) -> Optional[float]:
     """A float or a one-element float32 tensor as a Python float; None stays None."""
-    if scale is None:
+    kind = scale_kind(what, scale)
+    if kind == SCALE_NONE:
         return None
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1 or scale.dtype != torch.float32:
-            raise ValueError(
-                f"{what} must be a float or a one-element float32 tensor, "
-                f"got {scale.numel()} element(s) of {scale.dtype}"
-            )
-        return float(scale.item())
-    return float(scale)
+    return float(scale.item()) if kind == SCALE_TENSOR else float(scale)
 
 
 def adam_step_cpu(

@@ -12,6 +12,23 @@ from typing import Optional, Sequence, Union
 import torch
 
 Scale = Union[float, torch.Tensor, None]
+SCALE_NONE, SCALE_FLOAT, SCALE_TENSOR = 0, 1, 2  # what a Scale is (the Triton kernels branch on it)
+
+
+def scale_kind(what: str, scale: Scale, device: Optional[torch.device] = None) -> int:
+    """Which ``SCALE_*`` ``scale`` is: None, a Python number, or a one-element float32 tensor (on ``device``
+    when given, as the Triton kernels read it there); ValueError naming ``what`` for anything else."""
+    if scale is None:
+        return SCALE_NONE
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or scale.dtype != torch.float32 or (device is not None and scale.device != device):
+            on = "" if device is None else f" on {device}"
+            got = f"{scale.numel()} element(s) of {scale.dtype}" + ("" if device is None else f" on {scale.device}")
+            raise ValueError(f"{what} must be a float or a one-element float32 tensor{on}, got {got}")
+        return SCALE_TENSOR
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return SCALE_FLOAT
+    raise ValueError(f"{what} must be None, a float or a one-element tensor, got {type(scale)}")
 
 
 def adam_scalars(*, lr: float, beta1: float, beta2: float, step: int) -> tuple[float, float]:

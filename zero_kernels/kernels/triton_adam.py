@@ -37,11 +37,10 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import tuning
-from .reference import Scale, adam_scalars, check_adam_args, check_window
+from .reference import SCALE_FLOAT, SCALE_TENSOR, Scale, adam_scalars, check_adam_args, check_window, scale_kind
 from .triton_flatten import cast_rne
 
 _LOW_PRECISION_OUT = (torch.float32, torch.bfloat16, torch.float16)
-_SCALE_NONE, _SCALE_FLOAT, _SCALE_TENSOR = 0, 1, 2
 
 
 @triton.jit(do_not_specialize=["lo", "hi"])
@@ -159,21 +158,6 @@ def _adam_kernel(
 INTERPRETED: bool = isinstance(_adam_kernel, InterpretedFunction)
 
 
-def _scale_mode(grad_scale: Scale, param: torch.Tensor) -> int:
-    if grad_scale is None:
-        return _SCALE_NONE
-    if isinstance(grad_scale, torch.Tensor):
-        if grad_scale.numel() != 1 or grad_scale.dtype != torch.float32 or grad_scale.device != param.device:
-            raise ValueError(
-                f"adam_step: grad_scale must be a float or a one-element float32 tensor on {param.device}, "
-                f"got {grad_scale.numel()} element(s) of {grad_scale.dtype} on {grad_scale.device}"
-            )
-        return _SCALE_TENSOR
-    if isinstance(grad_scale, (int, float)) and not isinstance(grad_scale, bool):
-        return _SCALE_FLOAT
-    raise ValueError(f"adam_step: grad_scale must be None, a float or a one-element tensor, got {type(grad_scale)}")
-
-
 def adam_step_triton(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -203,7 +187,7 @@ def adam_step_triton(
     """
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
     lo, hi = check_window(window, param.numel())
-    scale_mode = _scale_mode(grad_scale, param)
+    scale_mode = scale_kind("adam_step: grad_scale", grad_scale, param.device)
     if out is not None and out.dtype not in _LOW_PRECISION_OUT:
         raise ValueError(f"adam_step: out dtype {out.dtype}; allowed: float32, bfloat16, float16")
     step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
@@ -224,7 +208,7 @@ def adam_step_triton(
             exp_avg,
             exp_avg_sq,
             out if out is not None else param,
-            grad_scale if scale_mode == _SCALE_TENSOR else param,
+            grad_scale if scale_mode == SCALE_TENSOR else param,
             flag if flag is not None else param,
             max_exp_avg_sq if max_exp_avg_sq is not None else param,
             n,
@@ -239,7 +223,7 @@ def adam_step_triton(
             float(eps),
             float(step_size),
             float(bc2_sqrt),
-            float(grad_scale) if scale_mode == _SCALE_FLOAT else 1.0,
+            float(grad_scale) if scale_mode == SCALE_FLOAT else 1.0,
             ADAMW=bool(adamw),
             SCALE_MODE=scale_mode,
             HAS_FOUND_INF=flag is not None,

@@ -41,7 +41,15 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .reference import Scale, check_flat_args, flatten_ref, unflatten_ref
+from .reference import (
+    SCALE_FLOAT,
+    SCALE_TENSOR,
+    Scale,
+    check_flat_args,
+    flatten_ref,
+    scale_kind,
+    unflatten_ref,
+)
 
 log = logging.getLogger("zero_kernels")
 
@@ -62,8 +70,6 @@ _META_COLS: tl.constexpr = tl.constexpr(12)
 _STRIDED: tl.constexpr = tl.constexpr(0)
 _CONTIGUOUS: tl.constexpr = tl.constexpr(1)
 _ALIGNED: tl.constexpr = tl.constexpr(2)
-
-_SCALE_NONE, _SCALE_FLOAT, _SCALE_TENSOR = 0, 1, 2
 
 
 @triton.jit
@@ -378,26 +384,11 @@ def _table(op: str, tensors: Sequence[torch.Tensor], offsets: Sequence[int], fla
     return table
 
 
-def _scale_mode(op: str, scale: Scale, flat: torch.Tensor) -> int:
-    if scale is None:
-        return _SCALE_NONE
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1 or scale.dtype != torch.float32 or scale.device != flat.device:
-            raise ValueError(
-                f"{op}: scale must be a float or a one-element float32 tensor on {flat.device}, "
-                f"got {scale.numel()} element(s) of {scale.dtype} on {scale.device}"
-            )
-        return _SCALE_TENSOR
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        return _SCALE_FLOAT
-    raise ValueError(f"{op}: scale must be None, a float or a one-element tensor, got {type(scale)}")
-
-
 def _launch(op: str, tensors, flat, offsets, scale: Scale) -> _Table:
     check_flat_args(op, tensors, flat, offsets)
     if flat.dtype not in DTYPE_CODES:
         raise ValueError(f"{op}: flat buffer dtype {flat.dtype}; allowed: float32, bfloat16, float16")
-    mode = _scale_mode(op, scale, flat)
+    mode = scale_kind(f"{op}: scale", scale, flat.device)
     base = tensors[0].data_ptr() if len(tensors) == 1 else 0
     with tuning.launch_device(flat):
         table = _table(op, tensors, offsets, flat)
@@ -415,8 +406,8 @@ def _launch(op: str, tensors, flat, offsets, scale: Scale) -> _Table:
                 base,
                 table.meta,
                 chunks,
-                scale.data_ptr() if mode == _SCALE_TENSOR else 0,
-                float(scale) if mode == _SCALE_FLOAT else 1.0,
+                scale.data_ptr() if mode == SCALE_TENSOR else 0,
+                float(scale) if mode == SCALE_FLOAT else 1.0,
                 mode,
                 table.chunk,
                 TO_FLAT=op == "flatten",

@@ -14,8 +14,8 @@ import re
 import sys
 from typing import Callable
 
-from . import LINKS, NoFitError, StagePlan, format_bytes, recommend
-from .models import DTYPE_BYTES
+from .choose import NoFitError, StagePlan, format_bytes, recommend
+from .models import DTYPE_BYTES, LINKS
 
 HELP = "which ZeRO stage fits, and what it costs per GPU and per step"
 

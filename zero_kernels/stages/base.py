@@ -6,7 +6,7 @@ A pipeline owns the flat buffers of an optimizer's trainable parameters and driv
 Buffers. ``add_group(group, params, indices)`` builds one ``buffers.FlatBuffer`` per (param group,
 dtype) from ``layout.BufferLayout``, its buckets of ``bucket_numel()`` elements (``stages.buckets``).
 
-Backward. A post-accumulate-grad hook on each trainable parameter calls ``_on_grad_ready(p)``:
+Backward (``stages.backward``). A post-accumulate-grad hook on each trainable parameter calls ``_on_grad_ready(p)``:
 it records that ``p`` has a gradient this step, and unless synchronisation is off (``no_sync``),
 ``_consume_grad`` moves ``p.grad`` into the stage's gradient buffer and each bucket whose
 parameters have all reported is handed to ``_launch_bucket``, strictly in global bucket order so
@@ -24,8 +24,8 @@ here), combines across ranks (``stats``) the per-parameter "has a gradient" flag
 squared gradient norm (clipping) or whether every gradient is finite (skipping), checks that every
 rank passed the same hyper-parameters, turns the norm into the clip coefficient and skip flag on
 the gradients' device (``outcome``), then runs the fused kernel once per bucket on this rank's
-shard: master ``_master_shard``, gradient ``_grad_shard``, fp32 m and v; for low-precision
-parameters the kernel writes the updated shard (``out=``) straight into ``_param_shard``, the
+shard: master ``master_shard``, gradient ``grad_shard``, fp32 m and v; for low-precision
+parameters the kernel writes the updated shard (``out=``) straight into ``param_shard``, the
 all-gather input, having first taken what was written there since the last step as the master's
 value (``master``: in-place writes into bf16/fp16 parameters reach the fp32 master). ``_publish``
 then all-gathers each bucket back into ``param_flat`` (overlapping the next bucket's kernel). A
@@ -34,9 +34,10 @@ outcome is read (``outcome.StepCounts``).
 
 Rules. A parameter without a gradient on any rank this step (``p.grad is None`` in
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
-Gradients are averaged over ranks (``grad_divisor``). Overrides: ``num_shards``,
-``_place_params``, ``_allocate_grads``, ``_consume_grad``, ``_launch_bucket``, ``_before_step``,
-``_grad_shard``, ``_param_shard``, ``_publish``, ``_norm_views``, ``_register_grad_hooks``,
+Gradients are averaged over ranks (``grad_divisor``). Public override points (the shard accessors
+the update, ``master`` and ``stats`` use): ``grad_shard``, ``param_shard``, ``master_shard``,
+``norm_views``. Overrides within the stages: ``num_shards``, ``_place_params``, ``_allocate_grads``,
+``_consume_grad``, ``_launch_bucket``, ``_before_step``, ``_publish``, ``_register_grad_hooks``,
 ``gathered_params``, ``zero_grad``.
 """
 
@@ -44,30 +45,20 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+from typing import Any, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
-from ..comm import Handle
-from ..control import ControlLink
-from ..layout import Bucket, BufferLayout, align_elements
+from ..comm.control import ControlLink
+from ..comm.handles import Handle
 from . import adopt, buckets, grad_state, master, outcome, refusals, stats, update
+from .backward import BackwardRound, grad_hook, owners
 from .buffers import FlatBuffer, GroupHyper, Inflight
+from .layout import Bucket, BufferLayout, align_elements
 from .outcome import StepResult
 
-_owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
 
-
-def _grad_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        pipeline = ref()
-        if pipeline is not None and _owners.get(id(param)) is ref:
-            pipeline._on_grad_ready(param)
-
-    return hook
-
-
-class Pipeline:
+class Pipeline(BackwardRound):
     """Base of the stage pipelines; see the module docstring for the phases and the overrides.
 
     Args:
@@ -232,7 +223,7 @@ class Pipeline:
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""
         for b in buf.layout.buckets:
-            buf.shard_slice(buf.master, b).copy_(self._param_shard(buf, b))
+            buf.shard_slice(buf.master, b).copy_(self.param_shard(buf, b))
         master.record(buf)
 
     def _index(self, buf: FlatBuffer) -> None:
@@ -241,7 +232,7 @@ class Pipeline:
         for slot_index, slot in enumerate(buf.layout.slots):
             p = buf.params[slot.param]
             self.where[id(p)] = (b, slot_index)
-            _owners[id(p)] = self._ref
+            owners[id(p)] = self._ref
         self._register_grad_hooks(buf)
         self._launch_order += [(b, k.index) for k in buf.layout.buckets]
         self._reset_pending(buf)
@@ -273,7 +264,7 @@ class Pipeline:
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
         for p in buf.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(_grad_hook(self._ref)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(grad_hook(self._ref)))
 
     def close(self) -> None:
         """Remove the gradient hooks (the parameters keep their current values)."""
@@ -282,211 +273,48 @@ class Pipeline:
         self._hooks = []
         for buf in self.buffers:
             for p in buf.params:
-                if _owners.get(id(p)) is self._ref:
-                    del _owners[id(p)]
-
-    # ---------------------------------------------------------------- backward
-    @property
-    def sync_enabled(self) -> bool:
-        """Whether a backward reduces its gradients (False under ``no_sync`` and on accumulation micro-steps)."""
-        return self._sync_enabled
-
-    @sync_enabled.setter
-    def sync_enabled(self, value: bool) -> None:
-        """Turned off after a synchronised backward of this step (``no_sync`` entered then), what the next backward
-        passes leave in ``p.grad`` is owed one more round of reduction, at the step unless a synchronised backward
-        comes first; every rank owes it, the ``no_sync`` pattern being the same on every rank."""
-        if self._sync_enabled and not value and self._synced:
-            self._owed = True
-            self._grads_final = False
-        self._sync_enabled = value
-
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        self._check_dense(p)
-        self.window_open = True
-        b, slot = self.where[id(p)]
-        buf = self.buffers[b]
-        index = buf.indices[buf.layout.slots[slot].param]
-        self.has_grad[index] = True
-        self._note_gradient(index, p)
-        if not self.sync_enabled:
-            if self.grads_in_p_grad:  # p.grad views grad_flat: the next reduction of its bucket takes it
-                self._consume_grad(buf, slot, p)
-            return
-        first = self._first_report(b, slot, p)
-        if first is None:
-            self._drop_grad(buf, slot, p)
-            return
-        if not first:
-            self._add_grad(buf, slot, p)
-            return
-        self._consume_grad(buf, slot, p)
-        for k in buf.layout.slot_buckets[slot]:
-            buf.pending[k] -= 1
-        self._launch_ready()
-
-    def _first_report(self, b: int, slot: int, p: torch.Tensor) -> Optional[bool]:
-        """Open the round if needed; False when ``p`` already reported in it, None when it cannot be taken.
-
-        A parameter used in several segments of reentrant activation checkpointing
-        (``torch.utils.checkpoint(..., use_reentrant=True)``) gets its gradient once per segment,
-        each a backward of its own. A repeated gradient is added to the first while the parameter's
-        buckets wait; once one of them has been reduced it cannot be: refused (``refusals``: whether
-        the bucket was reduced already depends on this rank's data, so every rank raises at the step).
-        """
-        if not self._round_open:
-            self._round_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
-        if (b, slot) not in self._reported:
-            self._reported.add((b, slot))
-            return True
-        launched = set(self._launch_order[: self._next_launch])
-        if self.reduces_in_backward and any((b, k) in launched for k in self.buffers[b].layout.slot_buckets[slot]):
-            buf = self.buffers[b]
-            self._refuse(refusals.SECOND_GRADIENT, buf.indices[buf.layout.slots[slot].param], p)
-            return None
-        return False
-
-    def _refuse(self, kind: int, index: int, p: torch.Tensor) -> None:
-        """Problem ``kind`` with parameter ``p`` (optimizer index ``index``): raised now on one rank, else recorded
-        and raised by the step on every rank (``refusals``)."""
-        if self.world_size == 1:
-            raise RuntimeError(refusals.describe(kind, self.stage, self.name_of(p)))
-        self.refusals.record(kind, index)
-
-    def _note_gradient(self, index: int, p: torch.Tensor) -> None:
-        """A gradient arrives: one after ``finish_grad_sync`` makes the step finish again, one after
-        ``clip_grad_norm_`` is refused (``refusals``)."""
-        self._grads_final = False
-        if self.clipped:
-            self._refuse(refusals.AFTER_CLIP, index, p)
-
-    def _drop_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
-        """A gradient refused (``_first_report``): the step raises; default (stage 0): it stays in ``p.grad``."""
-
-    def _add_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
-        """A repeated gradient of ``p`` in this round, its buckets not yet reduced (``_first_report``).
-
-        Default (stages 0 and 1): ``p.grad`` views ``grad_flat`` and autograd added to it in place, or
-        replaced it by the sum: ``_consume_grad`` keeps the sum."""
-        self._consume_grad(buf, slot, p)
-
-    def _check_dense(self, p: torch.Tensor) -> None:
-        if p.grad.layout != torch.strided:
-            b, slot = self.where[id(p)]
-            index = self.buffers[b].indices[self.buffers[b].layout.slots[slot].param]
-            raise RuntimeError(
-                "ShardedFusedAdam does not support sparse gradients, please consider SparseAdam instead "
-                f"(parameter {index}, shape {tuple(p.shape)}, has a {p.grad.layout} gradient)"
-            )
-
-    def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
-        """Default (stages 0 and 1): make ``p.grad`` a view of ``grad_flat`` holding its value."""
-        s = buf.layout.slots[slot]
-        view = buf.grad_flat.narrow(0, s.offset, s.numel).view(s.shape)
-        if p.grad is not view and (p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape):
-            view.copy_(p.grad)
-            p.grad = view
-
-    def _launch_ready(self, flush: bool = False) -> None:
-        while self._next_launch < len(self._launch_order):
-            b, k = self._launch_order[self._next_launch]
-            buf = self.buffers[b]
-            if buf.pending[k] > 0 and not flush:
-                return
-            if buf.pending[k] > 0:
-                self._take_unreported(b, buf.layout.buckets[k])
-                grad_state.zero_dropped_grads(buf, buf.layout.buckets[k])
-            self._launch_bucket(buf, buf.layout.buckets[k])
-            self._next_launch += 1
-            self._complete_inflight(keep=self.max_inflight)
-
-    def _take_unreported(self, b: int, bucket: Bucket) -> None:
-        """Before ``bucket`` is reduced at the end of a round: gradients in ``p.grad`` of parameters that did not
-        report in it (an earlier backward under ``no_sync`` gave them one, this one none) join it."""
-        buf = self.buffers[b]
-        for slot in bucket.slots:
-            p = buf.params[buf.layout.slots[slot].param]
-            if p.grad is not None and (b, slot) not in self._reported:
-                self._check_dense(p)
-                self._reported.add((b, slot))
-                self._consume_grad(buf, slot, p)
-
-    def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
-        """Start reducing ``bucket``'s gradients (``self._track`` the collective); default: at the step."""
-
-    def _end_round(self) -> None:
-        self._launch_ready(flush=True)
-        self._complete_inflight()  # a next backward accumulates into p.grad: stage 0 reduces it in place
-        self._round_open = False
-        self._synced = True
-        self._owed = False  # the round took every gradient in p.grad
-        self._next_launch = 0
-        self._reported.clear()
-        for buf in self.buffers:
-            self._reset_pending(buf)
-
-    def _reset_pending(self, buf: FlatBuffer) -> None:
-        buf.pending = [sum(1 for _ in k.slots) for k in buf.layout.buckets]
-
-    def _sync_manual_grads(self) -> None:
-        """A synchronisation round at the step for gradients no hook consumed (set by hand, or no_sync)."""
-        for buf in self.buffers:
-            for slot_index, slot in enumerate(buf.layout.slots):
-                p = buf.params[slot.param]
-                if p.grad is not None:
-                    self._check_dense(p)
-                    self.has_grad[buf.indices[slot.param]] = True
-                    self._consume_grad(buf, slot_index, p)
-        self._end_round()
-
-    def _track(self, handle: Optional[Handle], epilogue: Optional[Callable[[], None]] = None, held: tuple = ()) -> None:
-        """Remember a collective just issued (None: nothing was issued) until it is completed."""
-        if handle is not None:
-            self._inflight.append(Inflight(handle, epilogue, held))
-
-    def _complete_inflight(self, keep: int = 0) -> None:
-        """Complete the oldest collectives, in issue order, until at most ``keep`` are in flight."""
-        while len(self._inflight) > keep:
-            op = self._inflight.pop(0)
-            op.handle.wait()
-            if op.epilogue is not None:
-                op.epilogue()
-
-    def _before_step(self) -> None:
-        """Finish the reduction of gradients into ``_grad_shard`` (stage 1 reduces here)."""
+                if owners.get(id(p)) is self._ref:
+                    del owners[id(p)]
 
     # ---------------------------------------------------------------- step
-    def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    # The shard accessors (grad_shard, param_shard, master_shard, norm_views) are the public override
+    # points through which the update, the masters and the statistics reach this rank's shards: a stage
+    # (or a state tier) that keeps a shard elsewhere overrides them.
+    def grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's reduced gradients of ``bucket``."""
         if buf.grad_flat is not None:
             return buf.rank_slice(buf.grad_flat, bucket, self.shard_rank)
         return buf.shard_slice(buf.grad_shard, bucket)
 
-    def _param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """``grad_shard`` under its name before it was public, kept for one release."""
+        return self.grad_shard(buf, bucket)
+
+    def param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
 
-    def _master_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    def master_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """This rank's fp32 master of ``bucket`` (the parameters themselves when they are fp32)."""
         if buf.master is not None:
             return buf.shard_slice(buf.master, bucket)
-        return self._param_shard(buf, bucket)
+        return self.param_shard(buf, bucket)
 
     def _publish(self, buf: FlatBuffer, bucket: Bucket) -> Optional[Handle]:
         """Bring every rank's updated shard of ``bucket`` into ``param_flat``."""
         if self.num_shards == 1:
             return None
         full = buf.bucket_slice(buf.param_flat, bucket)
-        return self.engine.all_gather(full, self._param_shard(buf, bucket), name=f"params.{bucket.index}")
+        return self.engine.all_gather(full, self.param_shard(buf, bucket), name=f"params.{bucket.index}")
 
-    def _norm_views(self) -> Iterator[torch.Tensor]:
+    def norm_views(self) -> Iterator[torch.Tensor]:
         """Gradient pieces whose squares, summed over ranks, give the squared global norm."""
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
-                yield self._grad_shard(buf, bucket)
+                yield self.grad_shard(buf, bucket)
 
     def finish_grad_sync(self) -> None:
-        """Make every gradient of this step present, reduced, in ``_grad_shard`` (again after a gradient arrived).
+        """Make every gradient of this step present, reduced, in ``grad_shard`` (again after a gradient arrived).
 
         A round of reduction at the step when no synchronised backward ran, or gradients were left in
         ``p.grad`` after it (``sync_enabled``); else stages 0-1 read what ``p.grad`` holds (a new tensor put
@@ -517,7 +345,7 @@ class Pipeline:
                 if self.grads_in_p_grad:
                     self._consume_grad(buf, slot_index, p)
                 else:
-                    self._refuse(refusals.UNSEEN_GRADIENT, buf.indices[slot.param], p)
+                    self._refuse(refusals.UNSEEN_GRADIENT, buf.index_of(slot), p)
 
     @property
     def reduced_since_step(self) -> bool:
@@ -550,7 +378,7 @@ class Pipeline:
         """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        views = self._norm_views() if norm or finite else None
+        views = self.norm_views() if norm or finite else None
         extra = self.refusals.columns() + self._step_columns()
         combined = stats.exchange(
             self.engine, self._control, self.has_grad, views, checks, device, norm=norm,
@@ -570,7 +398,7 @@ class Pipeline:
     def held_indices(self) -> set[int]:
         """Optimizer indices of the parameters whose state this rank holds (all of it or a piece)."""
         if self._held[0] != len(self.buffers):
-            held = {buf.indices[buf.layout.slots[seg.slot].param] for buf in self.buffers
+            held = {buf.index_of(seg.slot) for buf in self.buffers
                     for seg in buf.layout.segments(self.shard_rank)}  # fmt: skip
             self._held = (len(self.buffers), held)
         return self._held[1]

@@ -13,12 +13,12 @@ own master).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ..comm import Handle
-from ..layout import Bucket, BufferLayout
+from ..comm.handles import Handle
+from .layout import Bucket, BufferLayout, Slot
 
 
 @dataclass
@@ -43,6 +43,17 @@ class FlatBuffer:
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
     filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
     written: set[int] = field(default_factory=set)  # buckets whose part of grad_shard holds this step's gradients
+
+    def index_of(self, slot: Union[Slot, int]) -> int:
+        """The optimizer index (AdamW ``state_dict`` numbering) of the parameter in ``slot`` (a slot or its number)."""
+        if isinstance(slot, int):
+            slot = self.layout.slots[slot]
+        return self.indices[slot.param]
+
+    def indexed_slots(self) -> Iterator[tuple[int, Slot]]:
+        """(optimizer index, slot) of every parameter of the buffer, in layout order."""
+        for slot in self.layout.slots:
+            yield self.index_of(slot), slot
 
     def shard_slice(self, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """The part of a shard-sized tensor ``t`` that belongs to ``bucket``."""

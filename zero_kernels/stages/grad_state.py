@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..layout import Bucket
 from . import stats
+from .layout import Bucket
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline
@@ -43,7 +43,7 @@ def read_grad_flags(pipeline: "Pipeline") -> None:
         if buf.grad_flat is None:
             continue
         for slot in buf.layout.slots:
-            pipeline.has_grad[buf.indices[slot.param]] = buf.params[slot.param].grad is not None
+            pipeline.has_grad[buf.index_of(slot)] = buf.params[slot.param].grad is not None
 
 
 def zero_dropped_grads(buf: "FlatBuffer", bucket: Bucket) -> None:
@@ -99,7 +99,7 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
     if pipeline.grad_divisor_is_world:
         grad_scale = grad_scale / pipeline.world_size
     device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
-    sq = stats.grad_column(pipeline._norm_views(), device, norm=True)
+    sq = stats.grad_column(pipeline.norm_views(), device, norm=True)
     if pipeline.world_size > 1:
         pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
     return sq.sqrt() * grad_scale

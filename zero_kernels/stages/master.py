@@ -61,7 +61,7 @@ def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
     if buf.master is None:
         return
     for bucket in buf.layout.buckets:
-        shard = pipeline._param_shard(buf, bucket)
+        shard = pipeline.param_shard(buf, bucket)
         master = buf.shard_slice(buf.master, bucket)
         master.copy_(shard.float().where(edited(shard, master), master))
     record(buf)
@@ -79,5 +79,5 @@ def push_written(pipeline: "Pipeline") -> None:
     for buf in pipeline.buffers:
         if written(buf):
             for bucket in buf.layout.buckets:
-                pipeline._param_shard(buf, bucket).copy_(buf.shard_slice(buf.master, bucket))
+                pipeline.param_shard(buf, bucket).copy_(buf.shard_slice(buf.master, bucket))
             record(buf)

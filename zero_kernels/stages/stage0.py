@@ -14,8 +14,8 @@ from typing import Iterator
 
 import torch
 
-from ..layout import Bucket
 from .base import FlatBuffer, Pipeline
+from .layout import Bucket
 
 
 class Stage0Pipeline(Pipeline):
@@ -39,7 +39,7 @@ class Stage0Pipeline(Pipeline):
         handle = self.engine.all_reduce(wide, op="sum", name=f"grads.{bucket.index}")
         self._track(handle, lambda: grads.copy_(wide), held=(wide,))
 
-    def _norm_views(self) -> Iterator[torch.Tensor]:
+    def norm_views(self) -> Iterator[torch.Tensor]:
         """Each rank sums the squares of its 1/world part of every (identical) reduced bucket."""
         for buf in self.buffers:
             for bucket in buf.layout.buckets:

@@ -25,8 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..layout import Bucket
 from .base import FlatBuffer, Pipeline
+from .layout import Bucket
 
 STEP_INFLIGHT = Pipeline.max_inflight + 2  # reductions in flight at the step
 
@@ -40,9 +40,9 @@ class Stage1Pipeline(Pipeline):
         super().__init__(engine, options, **kwargs)
         self._idle: list[torch.Tensor] = []  # scratch buckets kept for the next reductions
 
-    def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    def grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         if buf.grad_shard is None:  # one rank: the local gradient is the reduced one
-            return super()._grad_shard(buf, bucket)
+            return super().grad_shard(buf, bucket)
         return buf.shard_slice(buf.grad_shard, bucket)
 
     def _before_step(self) -> None:
@@ -64,7 +64,7 @@ class Stage1Pipeline(Pipeline):
         scratch = self._scratch(buf)
         part = scratch.narrow(0, 0, bucket.numel)
         part.copy_(buf.bucket_slice(buf.grad_flat, bucket))
-        target = self._grad_shard(buf, bucket)
+        target = self.grad_shard(buf, bucket)
         out = (
             target if target.dtype == part.dtype else part.narrow(0, self.rank * bucket.shard_numel, bucket.shard_numel)
         )

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 
 from ..kernels import flatten
-from ..layout import Bucket
 from .base import FlatBuffer, Pipeline
+from .layout import Bucket
 
 POOL_BUCKETS = Pipeline.max_inflight + 3  # idle scratch buckets kept for reuse (memory_report()["buffers"])
 
@@ -108,9 +108,9 @@ class Stage2Pipeline(Pipeline):
 
         def accumulate() -> None:
             if bucket.index in buf.written:
-                self._grad_shard(buf, bucket).add_(mine)
+                self.grad_shard(buf, bucket).add_(mine)
             else:  # the first reduction since the step: what the shard held there is spent (grad_state)
-                self._grad_shard(buf, bucket).copy_(mine)
+                self.grad_shard(buf, bucket).copy_(mine)
                 buf.written.add(bucket.index)
             self._give_back(buf, scratch._base)
 

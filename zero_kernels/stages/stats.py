@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ..agreement import RanksDisagree, disagreement
+from ..comm.agreement import RanksDisagree, disagreement
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from ..kernels import adam_step
-from ..layout import MIN_ALIGN_ELEMENTS, Bucket
 from .buffers import FlatBuffer, GroupHyper
+from .layout import MIN_ALIGN_ELEMENTS, Bucket
 from .outcome import Decision
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def runs(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, with_grad: set[i
     """
     start = numel = step = None
     for seg in buf.layout.segments(pipeline.shard_rank, bucket.index):
-        index = buf.indices[buf.layout.slots[seg.slot].param]
+        index = buf.index_of(seg.slot)
         local = seg.shard_offset - bucket.shard_offset
         key = pipeline.step_counts.counts[index] + 1 if index in with_grad else None
         if key is not None and key == step and start + numel == local:
@@ -82,9 +82,9 @@ def update_bucket(
         scale = scale.to(buf.device)  # the same tensor unless the model spans devices
     if skip is not None:
         skip = skip.to(buf.device)
-    master, grad = pipeline._master_shard(buf, bucket), pipeline._grad_shard(buf, bucket)
+    master, grad = pipeline.master_shard(buf, bucket), pipeline.grad_shard(buf, bucket)
     m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
-    out = pipeline._param_shard(buf, bucket) if buf.master is not None else None
+    out = pipeline.param_shard(buf, bucket) if buf.master is not None else None
     v_max = buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None
     for start, numel, step in runs(pipeline, buf, bucket, with_grad):
         first, last = aligned_span(start, start + numel, bucket.shard_numel)

@@ -10,7 +10,7 @@ is *open* from the first backward after a step or ``zero_grad()`` until the next
 ``capture`` takes all of it, ``restore`` puts it back: a checkpoint saved inside a window carries
 it so that the resumed run continues the window exactly. It is this rank's, laid out for this
 world size, stage and bucket size, so it goes back only into the same layout
-(``stages.state.layout_signature``); ``clear`` empties the window (as ``zero_grad()``).
+(``stages.state_door.layout_signature``); ``clear`` empties the window (as ``zero_grad()``).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def restore(pipeline: "Pipeline", window: Window) -> None:
         pipeline.buffers[b].grad_shard.copy_(shard)
     for buf in pipeline.buffers:
         for slot in buf.layout.slots:
-            grad = window.grads.get(buf.indices[slot.param])
+            grad = window.grads.get(buf.index_of(slot))
             if grad is None:
                 continue
             p = buf.params[slot.param]

@@ -1,0 +1,495 @@
+"""Sharded checkpoints: every rank saves only its part; load at any world size and any stage.
+
+Usage (on every rank)::
+
+    zk.checkpoint.save("ckpt", model, optimizer, extra={"epoch": 3}, scheduler=lr_scheduler)
+    extra = zk.checkpoint.load("ckpt", model, optimizer, scheduler=lr_scheduler)
+    zk.checkpoint.consolidate("ckpt", "model_and_adamw.pt")      # one process, streaming
+    zk.checkpoint.from_deepspeed("ds_ckpt", "ckpt")               # a DeepSpeed ZeRO checkpoint, imported
+
+What each rank writes. Rank ``r`` of ``N`` writes one file with, for each flat buffer of the
+optimizer, its ``1/N`` part under the stage's layout (stages 1-3) or under the same layout cut
+into ``N`` shards (stage 0, whose state is replicated): the parameters' values, Adam ``m`` and
+``v``, AMSGrad's ``max_exp_avg_sq`` when the param group has used it, and the fp32 master copy
+of low-precision parameters. Model tensors outside the optimizer
+(buffers, frozen parameters) are cut into ``N`` even pieces, and a rank inside a gradient
+accumulation window adds the gradients it holds (``checkpoint.accumulation``). So no rank writes,
+nor holds more than what it already holds; rank 0 adds the metadata and the objects file (param
+groups, scheduler state, loss scale, the window's bookkeeping: ``checkpoint.objects``, lossless).
+The directory layout, the crash-safe commit order and the metadata are described in
+``checkpoint.format``.
+
+Every rank must see the same directory (a shared file system, as for any multi-node
+checkpoint): rank 0 creates the version, every rank writes its file into it. Call ``save`` and
+``load`` between steps, outside ``gathered_params()``.
+
+Loading reads, on each rank, only the element ranges its new layout needs (ranged reads of the
+rank files, checked block by block against the CRCs in the metadata), into staging tensors; the
+ranks agree that every read succeeded before anything is modified. Tensors are matched by model
+name, so the optimizer's stage, world size, bucket size and param dtype may all change (not
+inside an accumulation window, whose gradients resume only under the same layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..comm.objects import all_gather_objects
+from ..stages import Pipeline, adopt, master, state_door
+from ..stages.window import Window
+from . import accumulation, objects
+from .format import (
+    BLOCK_BYTES,
+    EXTRA,
+    FORMAT,
+    LATEST,
+    METADATA,
+    OBJECTS,
+    TMP_PREFIX,
+    VERSION,
+    BlockWriter,
+    CheckpointError,
+    PathLike,
+    TensorSource,
+    check_byteorder,
+    dtype_name,
+    next_version,
+    publish,
+    rank_file,
+    remove_unfinished,
+    resolve,
+    write_small,
+)
+from .metadata import check_objects, read_metadata
+
+
+# ---------------------------------------------------------------- what lives where
+def _pipeline(optimizer: Any) -> Pipeline:
+    pipeline = getattr(optimizer, "pipeline", None)
+    if not isinstance(pipeline, Pipeline):
+        raise TypeError(f"checkpoint: expected a zero_kernels ShardedFusedAdam, got {type(optimizer).__name__}")
+    return pipeline
+
+
+def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(first state_dict key -> tensor, every state_dict key -> its first key): tied tensors are stored once."""
+    first: dict[int, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        name = first.setdefault(id(t), key)
+        tensors.setdefault(name, t)
+        aliases[key] = name
+    return tensors, aliases
+
+
+def _names(model: nn.Module, optimizer: Any) -> list[str]:
+    """The model name of every optimizer parameter, in optimizer (AdamW state_dict) order."""
+    tensors, _ = _model_tensors(model)
+    by_id = {id(t): name for name, t in tensors.items()}
+    out = []
+    for g, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in by_id:
+                raise CheckpointError(
+                    f"checkpoint: a parameter of param group {g} (shape {tuple(p.shape)}) is not in the model's "
+                    "state_dict; checkpoints name every tensor by its model name"
+                )
+            out.append(by_id[id(p)])
+    return out
+
+
+# ---------------------------------------------------------------- save
+def _buffer_pieces(pipeline: Pipeline, names: list[str]) -> list[tuple[str, int, torch.Tensor]]:
+    """(tensor key, first element, source view) of this rank's part of every flat buffer."""
+    pieces = []
+    for piece in state_door.save_pieces(pipeline):
+        pieces.append((f"model/{names[piece.index]}", piece.start, piece.value))
+        pieces.extend((f"optim/{piece.index}/{kind}", piece.start, t) for kind, t in piece.state.items())
+    return pieces
+
+
+def _other_pieces(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
+    """This rank's even ``1/N`` piece of every model tensor the optimizer does not shard."""
+    pieces, rank, world = [], pipeline.rank, pipeline.world_size
+    for name, t in tensors.items():
+        if id(t) in pipeline.where:
+            continue
+        flat = t.detach().reshape(-1)
+        per = -(-flat.numel() // world)
+        lo, hi = min(rank * per, flat.numel()), min((rank + 1) * per, flat.numel())
+        if hi > lo:
+            pieces.append((f"model/{name}", lo, flat.narrow(0, lo, hi - lo)))
+    return pieces
+
+
+def _write_rank_file(folder: Path, rank: int, pieces: list[tuple[str, int, torch.Tensor]]) -> dict[str, Any]:
+    """Write this rank's pieces to its file crash-safely; return the file entry and the piece table."""
+    final = folder / rank_file(rank)
+    tmp = final.with_name(final.name + ".tmp")
+    table = []
+    with open(tmp, "wb") as f:
+        writer = BlockWriter(f, BLOCK_BYTES)
+        for key, start, view in pieces:
+            table.append([key, start, writer.size, view.numel()])
+            writer.write_tensor(view)
+        crcs = writer.finish()
+        f.flush()
+        os.fsync(f.fileno())
+    publish(tmp, final)
+    return {"file": {"name": final.name, "bytes": writer.size, "crc32": crcs}, "pieces": table}
+
+
+def _specs(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Shape and dtype of every tensor key (the same on every rank)."""
+    specs = {
+        f"model/{n}": {"shape": list(pipeline.param_shape(t)), "dtype": dtype_name(t.dtype)} for n, t in tensors.items()
+    }
+    for index, shape, kinds in state_door.param_states(pipeline):
+        for kind in kinds:
+            specs[f"optim/{index}/{kind}"] = {"shape": list(shape), "dtype": "float32"}
+    return specs
+
+
+def _json_summary(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's options that JSON keeps as they are, for ``metadata.json`` (``inspect``, ``consolidate``
+    of version 1); the exact ones go to ``objects.pt``."""
+    out = {}
+    for key, value in group.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+_LABELS = {"param_groups": "param_groups", "lr_scheduler": "the scheduler's state_dict()", "loss_scaler": "loss scale"}
+
+
+def _book(optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """What ``objects.pt`` holds besides the accumulation window (``accumulation.book``)."""
+    scaler = getattr(optimizer, "loss_scaler", None)
+    return {
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "loss_scaler": None if scaler is None else scaler.state_dict(),
+    }
+
+
+def _metadata(
+    model: nn.Module, optimizer: Any, pipeline: Pipeline, results: list[dict], files: dict[str, Optional[dict]]
+) -> dict:
+    tensors, aliases = _model_tensors(model)
+    names = _names(model, optimizer)
+    specs = _specs(pipeline, tensors)
+    for result in results:
+        specs.update(result["specs"])
+    for spec in specs.values():
+        spec["pieces"] = []
+    for file, result in enumerate(results):
+        for key, start, offset, numel in result["pieces"]:
+            specs[key]["pieces"].append([file, start, offset, numel])
+    trainable = state_door.trained_indices(pipeline)
+    groups = []
+    params = []
+    for g, group in enumerate(optimizer.param_groups):
+        groups.append(_json_summary({k: v for k, v in group.items() if k != "params"}))
+        for _ in group["params"]:
+            i = len(params)
+            params.append({"name": names[i], "group": g, "trainable": i in trainable, "step": pipeline.steps.get(i, 0)})
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": pipeline.world_size,
+        "stage": pipeline.stage,
+        "block_bytes": BLOCK_BYTES,
+        "files": [r["file"] for r in results],
+        "tensors": specs,
+        "model": {key: f"model/{name}" for key, name in aliases.items()},
+        "params": params,
+        "param_groups": groups,
+        "adam_w_mode": bool(getattr(optimizer, "adam_w_mode", True)),
+        **files,
+    }
+
+
+def _entry(blob: Optional[bytes]) -> Optional[dict[str, int]]:
+    return None if blob is None else {"bytes": len(blob), "crc32": zlib.crc32(blob)}
+
+
+def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
+    """Run ``fn`` on every rank; if it failed on any rank, raise the first failure on every rank.
+
+    Returns every rank's result (``share``: gathered to all ranks, so keep them small) or this rank's.
+    """
+    try:
+        value, error = fn(), None
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:
+        value, error = None, str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
+    mine = (error, value if share else None)
+    outcomes = all_gather_objects(pipeline.engine, mine, name="checkpoint.outcomes", device=pipeline.device)
+    failed = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        where = "" if pipeline.world_size == 1 else f"rank {rank}: "
+        raise CheckpointError(f"{where}{message}; nothing was changed")
+    return [v for _, v in outcomes] if share else value
+
+
+def _commit(root: Path, version: str, meta: dict, files: dict[str, Optional[bytes]]) -> None:
+    """Rank 0: the small files and metadata into the temporary version, rename it into place, point ``latest``
+    at it, then remove what earlier saves that did not finish left behind."""
+    folder = root / (TMP_PREFIX + version)
+    for name, data in files.items():
+        if data is not None:
+            write_small(folder / name, data)
+    write_small(folder / METADATA, json.dumps(meta).encode())
+    publish(folder, root / version)
+    write_small(root / LATEST, version.encode())
+    remove_unfinished(root, version)
+
+
+def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = None, scheduler: Any = None) -> Path:
+    """Save a new version of a sharded checkpoint under ``directory``; call it on every rank.
+
+    Args:
+        directory: the checkpoint root (created if needed); earlier versions stay untouched.
+        model: the model the optimizer trains (tensors are named by its ``state_dict`` keys).
+        optimizer: the ``ShardedFusedAdam`` training ``model``.
+        extra: an object to keep with the checkpoint (``checkpoint.objects`` says which types); ``load``
+            returns it.
+        scheduler: an lr scheduler whose ``state_dict()`` is kept with the checkpoint, exactly.
+
+    Returns:
+        the directory of the new version (complete when this returns, on every rank).
+    """
+    check_byteorder()
+    pipeline = _pipeline(optimizer)
+    root = Path(directory)
+    names = _names(model, optimizer)
+    tensors, _ = _model_tensors(model)
+    blob: Optional[bytes] = None
+
+    def start() -> Optional[str]:
+        nonlocal blob
+        if pipeline.rank != 0:
+            return None
+        blob = None if extra is None else objects.dumps(extra, "extra")
+        for key, value in _book(optimizer, scheduler).items():  # refused before anything is written
+            objects.encode(value, _LABELS[key])
+        root.mkdir(parents=True, exist_ok=True)
+        version = next_version(root)
+        (root / (TMP_PREFIX + version)).mkdir()
+        return version
+
+    version = _collect(pipeline, start, share=True)[0]
+    folder = root / (TMP_PREFIX + version)
+    adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
+    held = accumulation.capture(optimizer, pipeline)
+    pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors) + held.pieces
+
+    def write() -> dict[str, Any]:
+        return {**_write_rank_file(folder, pipeline.rank, pieces), "specs": held.specs, "window": held.flags}
+
+    results = _collect(pipeline, write, share=True)
+
+    def finish() -> None:
+        if pipeline.rank == 0:
+            book = {**_book(optimizer, scheduler), "window": accumulation.book(results, optimizer, pipeline)}
+            files = {OBJECTS: objects.dumps(book, "the checkpoint's objects"), EXTRA: blob}
+            entries = {"objects": _entry(files[OBJECTS]), "extra": _entry(blob)}
+            meta = _metadata(model, optimizer, pipeline, results, entries)
+            _commit(root, version, meta, files)
+
+    _collect(pipeline, finish, share=False)
+    return root / version
+
+
+# ---------------------------------------------------------------- load
+def _check_model(meta: dict, pipeline: Pipeline, model: nn.Module, version: Path) -> None:
+    """Every model tensor is in the checkpoint with its shape, and nothing else is: else name the first mismatch."""
+    tensors, aliases = _model_tensors(model)
+    saved = meta["model"]
+    for key, name in aliases.items():
+        if key not in saved:
+            raise CheckpointError(
+                f"checkpoint: model tensor {key!r} is not in {version}: it was saved from another model"
+            )
+        shape, spec = tuple(pipeline.param_shape(tensors[name])), meta["tensors"][saved[key]]
+        if tuple(spec["shape"]) != shape:
+            raise CheckpointError(
+                f"checkpoint: model tensor {key!r} has shape {shape} here but {tuple(spec['shape'])} in {version}: "
+                "it was saved from another model"
+            )
+    unknown = [key for key in saved if key not in aliases]
+    if unknown:
+        raise CheckpointError(f"checkpoint: {version} holds model tensor {unknown[0]!r}, which this model lacks")
+
+
+def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path) -> dict[str, int]:
+    """The optimizer holds the saved parameters in the same param groups; returns name -> saved index."""
+    saved = {p["name"]: i for i, p in enumerate(meta["params"])}
+    if len(meta["param_groups"]) != len(optimizer.param_groups) or len(saved) != len(names):
+        raise CheckpointError(
+            f"checkpoint: {version} has {len(meta['param_groups'])} param groups with {len(saved)} parameters; "
+            f"this optimizer has {len(optimizer.param_groups)} with {len(names)}"
+        )
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        for _ in group["params"]:
+            name = names[index]
+            index += 1
+            if name not in saved or meta["params"][saved[name]]["group"] != g:
+                where = (
+                    "not optimized" if name not in saved else f"in param group {meta['params'][saved[name]]['group']}"
+                )
+                raise CheckpointError(
+                    f"checkpoint: parameter {name!r} is in param group {g} here but {where} in {version}"
+                )
+    return saved
+
+
+def _state_key(src: TensorSource, kind: str, index: int, name: str, trained: bool) -> Optional[str]:
+    """Where a state kind of a parameter comes from (None: zeros, the state of a parameter never trained)."""
+    master = f"optim/{index}/master"
+    if kind == "master":
+        return master if master in src.meta["tensors"] else f"model/{name}"
+    key = f"optim/{index}/{kind}"
+    if kind == "max_exp_avg_sq":  # saved only by param groups that used AMSGrad
+        return key if trained and key in src.meta["tensors"] else None
+    return key if trained else None
+
+
+def _param_key(src: TensorSource, index: int, name: str, dtype: torch.dtype) -> str:
+    """fp32 parameters load the fp32 master copy when the checkpoint has one, else the saved value."""
+    master = f"optim/{index}/master"
+    return master if dtype == torch.float32 and master in src.meta["tensors"] else f"model/{name}"
+
+
+Move = tuple[torch.Tensor, Optional[torch.Tensor]]  # (destination, value; None: zeros)
+
+
+def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], saved: dict[str, int]) -> list[Move]:
+    """Read what this rank's flat buffers need: its shard of the state, its parameters (shard or whole)."""
+    params, tensors = src.meta["params"], src.meta["tensors"]
+    # zeros until loaded: what a first AMSGrad step starts from
+    state_door.allocate_amsgrad(pipeline, lambda i: f"optim/{saved[names[i]]}/max_exp_avg_sq" in tensors)
+    moves: list[Move] = []
+    for piece in state_door.load_pieces(pipeline):
+        name = names[piece.index]
+        index = saved[name]
+        for kind, dest in piece.state.items():
+            key = _state_key(src, kind, index, name, params[index]["trainable"])
+            moves.append((dest, None if key is None else src.read(key, piece.start, piece.numel)))
+        if piece.param is not None:
+            moves.append((piece.param, src.read(_param_key(src, index, name, piece.dtype), piece.start, piece.numel)))
+    for i, dtype, dest in state_door.whole_params(pipeline):
+        moves.append((dest, src.read(_param_key(src, saved[names[i]], names[i], dtype))))
+    return moves
+
+
+def _read_book(version: Path, meta: dict, scheduler: Any) -> dict[str, Any]:
+    """``objects.pt``, checked; a version-1 checkpoint's JSON instead, its scheduler state given back the
+    types JSON took from it where ``scheduler``'s own state shows them (``objects.from_json``)."""
+    if meta["version"] >= 2:
+        book = objects.read_file(version, OBJECTS, meta["objects"])
+        return check_objects(book, meta, version / OBJECTS)
+    state = meta.get("lr_scheduler")
+    if scheduler is not None and state is not None:
+        state = objects.from_json(state, scheduler.state_dict())
+    groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta.get("param_groups", [])]
+    book = {"param_groups": groups, "lr_scheduler": state, "loss_scaler": meta.get("loss_scaler"), "window": None}
+    return check_objects(book, meta, version / METADATA)
+
+
+@dataclass
+class _Staged:
+    """What ``load`` read and checked on this rank, before anything changes."""
+
+    meta: dict
+    book: dict[str, Any]
+    moves: list[Move]
+    extra: Any
+    window: Optional[Window]
+
+
+def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipeline, scheduler: Any) -> _Staged:
+    """Check the checkpoint against the model and optimizer and read this rank's part; change nothing."""
+    version = resolve(directory)
+    meta = read_metadata(version)
+    book = _read_book(version, meta, scheduler)
+    if scheduler is not None and book["lr_scheduler"] is None:
+        raise CheckpointError(f"checkpoint: {version} holds no scheduler state; load it without scheduler=")
+    names = _names(model, optimizer)
+    _check_model(meta, pipeline, model, version)
+    saved = _check_optimizer(meta, optimizer, names, version)
+    accumulation.check(book["window"], optimizer, pipeline, version)
+    tensors, _ = _model_tensors(model)
+    with TensorSource(version, meta) as src:
+        moves = _stage_buffers(src, pipeline, names, saved)
+        for name, t in tensors.items():
+            if id(t) not in pipeline.where:
+                moves.append((t.detach(), src.full(f"model/{name}")))
+        window = accumulation.stage(src, book["window"], pipeline, version)
+    return _Staged(meta, book, moves, objects.read_file(version, EXTRA, meta.get("extra")), window)
+
+
+@torch.no_grad()
+def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
+    for dst, value in staged.moves:
+        if value is None:
+            dst.zero_()
+        else:
+            dst.copy_(value.view(dst.shape))
+    master.record_all(pipeline)
+    saved = {p["name"]: p for p in staged.meta["params"]}
+    for index in pipeline.steps:
+        entry = saved[names[index]]
+        pipeline.steps[index] = int(entry["step"]) if entry["trainable"] else 0
+    for group, hyper in zip(optimizer.param_groups, staged.book["param_groups"]):
+        group.update(hyper)
+    scaler = getattr(optimizer, "loss_scaler", None)
+    if scaler is not None and staged.book["loss_scaler"] is not None:
+        scaler.load_state_dict(staged.book["loss_scaler"])
+    window = staged.book["window"]
+    accumulation.apply(staged.window, 0 if window is None else window["micro_step"], optimizer, pipeline)
+
+
+def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: Any = None) -> Any:
+    """Load the newest complete version under ``directory`` (or that version directory); call it on every rank.
+
+    Works whatever the world size, stage, bucket size and parameter dtypes of the run that saved,
+    except for a checkpoint saved inside a gradient accumulation window, which resumes that window
+    only under the same layout (``checkpoint.accumulation``). Every problem (missing, truncated or
+    corrupted files, another model, another format version, a save that did not finish) raises
+    ``CheckpointError`` on every rank before anything changes.
+
+    Args:
+        directory: a checkpoint root written by ``save`` or one of its ``vNNNNNN`` version directories.
+        model: the model (same parameter names and shapes as the one saved).
+        optimizer: its ``ShardedFusedAdam`` (same param groups, by parameter name).
+        scheduler: an lr scheduler to restore from the state saved with ``save(..., scheduler=)``
+            (or imported from DeepSpeed); it is loaded after the optimizer's param groups.
+
+    Returns:
+        the ``extra`` object given to ``save`` (None when there was none).
+    """
+    check_byteorder()
+    pipeline = _pipeline(optimizer)
+    adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
+    staged = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False)
+    _apply(staged, optimizer, pipeline, _names(model, optimizer))
+    if scheduler is not None:
+        scheduler.load_state_dict(staged.book["lr_scheduler"])
+    return staged.extra

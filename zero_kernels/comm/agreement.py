@@ -1,0 +1,211 @@
+"""Ranks must agree: the optimizer's options and hyper-parameters compared across ranks.
+
+Ranks that disagree on an option that shapes the collectives (stage, bucket sizes, dtypes, the
+param groups) would issue mismatched collectives, which crash inside the backend or hang; ranks that
+disagree on a hyper-parameter (``lr``, ...) would train silently wrong, each shard updated with its
+own rank's value. So:
+
+- at construction, each param group's parameter values are compared (``check_replicated``), and
+  each param group is checked before its first collective (``check_same``: one
+  all-gather of a small fingerprint: the options, the group's hyper-parameters and its parameters'
+  dtypes and shapes), and the number of groups once construction is done;
+- at every step, the values that can change (``lr``, betas, eps, weight decay, clipping, gradient
+  scale) travel in the step's existing stats exchange (``stages.stats``) and are compared there.
+
+A disagreement raises ``RanksDisagree`` on every rank, naming the key, every value and its ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from .objects import all_gather_objects
+
+_ABSENT = "(absent)"
+
+
+class RanksDisagree(ValueError):
+    """The ranks were given different options or hyper-parameters; the message names the key and the values."""
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """``[0]`` -> ``"rank 0"``; ``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+    spans: list[list[int]] = []
+    for r in sorted(ranks):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def disagreement(key: str, values: Sequence[Any]) -> Optional[str]:
+    """None when every rank's value (``values[rank]``) equals rank 0's, else a sentence naming them all."""
+    if all(_same(v, values[0]) for v in values):
+        return None
+    groups: list[tuple[Any, list[int]]] = []
+    for rank, value in enumerate(values):
+        for seen, ranks in groups:
+            if _same(seen, value):
+                ranks.append(rank)
+                break
+        else:
+            groups.append((value, [rank]))
+    shown = ", ".join(f"{v if v is _ABSENT else repr(v)} on {ranks_text(ranks)}" for v, ranks in groups)
+    return f"the ranks disagree on {key}: {shown}"
+
+
+def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str, device: Optional[torch.device] = None) -> None:
+    """Raise ``RanksDisagree`` on every rank unless every rank passed an equal ``fingerprint``.
+
+    A collective (``comm.objects.all_gather_objects``) whose shape does not depend on the fingerprint, so it
+    is safe whatever the ranks disagree on. Values should be plain (numbers, strings, tuples).
+
+    Args:
+        engine: the communication engine (``comm.make_engine``).
+        fingerprint: key -> value; keys in the order they should be reported.
+        what: who checks, for the message (e.g. "ShardedFusedAdam").
+        device: where the exchange runs: the device of the tensors it is about (on NCCL this rank's GPU,
+            the parameters' device; None: ``comm.objects.collective_device``).
+    """
+    if engine.world_size == 1:
+        return
+    rows = all_gather_objects(engine, dict(fingerprint), name="check.options", device=device)
+    keys = list(rows[0])
+    for row in rows[1:]:
+        keys += [k for k in row if k not in rows[0]]
+    for key in keys:
+        message = disagreement(key, [row.get(key, _ABSENT) for row in rows])
+        if message is not None:
+            raise RanksDisagree(
+                f"{what}: {message}. Every rank must build the optimizer with the same options, param groups "
+                "and hyper-parameters (same config, same code path)"
+            )
+
+
+def options_fingerprint(options: Any, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer-wide values ranks must agree on: the ``zero_optimization`` options and ``settings``.
+
+    Args:
+        options: the ``config.ZeroOptions``.
+        settings: other optimizer-wide values by name (``adam_w_mode``, ``max_grad_norm``, ...).
+    """
+    out: dict[str, Any] = {"stage": options.stage}
+    out.update({f"zero_optimization.{f.name}": getattr(options, f.name) for f in fields(options) if f.name != "stage"})
+    out.update(settings)
+    return out
+
+
+def group_fingerprint(g: int, group: Mapping[str, Any], names: Mapping[int, str]) -> dict[str, Any]:
+    """Param group ``g``'s hyper-parameters and, per parameter, its dtype, shape, device type and trainability.
+
+    Args:
+        g: index of the group.
+        group: the group (``params`` and hyper-parameters, as in ``param_groups``).
+        names: ``id(parameter)`` -> model name, where known (used in the keys).
+    """
+    out: dict[str, Any] = {
+        f"param_groups[{g}]['lr']": float(group["lr"]),
+        f"param_groups[{g}]['betas']": tuple(float(b) for b in group["betas"]),
+        f"param_groups[{g}]['eps']": float(group["eps"]),
+        f"param_groups[{g}]['weight_decay']": float(group["weight_decay"]),
+        f"param_groups[{g}]['amsgrad']": bool(group.get("amsgrad", False)),
+        f"param_groups[{g}]['maximize']": bool(group.get("maximize", False)),
+        f"the number of parameters of param_groups[{g}]": len(group["params"]),
+    }
+    for i, p in enumerate(group["params"]):
+        name = names.get(id(p))
+        key = f"param_groups[{g}]['params'][{i}]" + (f" ({name!r})" if name else "")
+        kind = "trainable" if p.requires_grad else "frozen"
+        out[key] = f"{str(p.dtype).removeprefix('torch.')} {tuple(p.shape)} {kind} on {p.device.type}"
+    return out
+
+
+def check_optimizer(
+    opt: Any, label: str, *, group: Optional[int] = None, names: Optional[Mapping[int, str]] = None
+) -> None:
+    """Every rank must be at ``label`` of building ``opt`` with the same options and param group ``group``.
+
+    Args:
+        opt: the ``ShardedFusedAdam`` being built.
+        label: where construction stands ("adding param group 1", ...): ranks at different points
+            (a different number of param groups) disagree on it.
+        group: the index of the param group being added (None: compare ``label`` only).
+        names: ``id(parameter)`` -> model name, to name parameters in the message.
+    """
+    fingerprint: dict[str, Any] = {"the construction step": label}
+    if group is not None:
+        scaler = opt.loss_scaler
+        settings = {
+            "adam_w_mode": opt.adam_w_mode,
+            "max_grad_norm": opt.max_grad_norm,
+            "gradient_accumulation_steps": opt.gradient_accumulation_steps,
+            "fp16 loss scaling": None
+            if scaler is None
+            else (scaler.scale, scaler.dynamic, scaler.window, scaler.hysteresis, scaler.min_scale),
+            "skip_nonfinite_steps": opt.skip_nonfinite_steps,
+            "communication_data_type": str(opt.communication_data_type),
+            "the comm engine": opt.pipeline.engine.kind,
+        }
+        fingerprint.update(options_fingerprint(opt.options, settings))
+        fingerprint.update(group_fingerprint(group, opt.param_groups[group], names or {}))
+    check_same(opt.pipeline.engine, fingerprint, "ShardedFusedAdam", device=opt.pipeline.device)
+
+
+CHECKSUM_CHUNK = 1 << 20  # elements summed in float64 at a time: at most an 8 MiB float64 copy
+
+
+def _checksum(p: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of ``p``'s values, a float64 0-d tensor on its device.
+
+    Chunk by chunk: ``p.double()`` (or ``sum(dtype=torch.float64)``, which casts its input first) would
+    hold a float64 copy of the whole parameter (8.4 GB for a 128k x 8192 embedding).
+    """
+    flat = p.detach().reshape(-1)
+    if flat.dtype == torch.float64 or flat.numel() <= CHECKSUM_CHUNK:
+        return flat.double().sum()
+    return torch.stack([chunk.double().sum() for chunk in flat.split(CHECKSUM_CHUNK)]).sum()
+
+
+def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
+    """The values of ``params`` must be the same on every rank (sizes and float64 checksums, two small all-reduces).
+
+    Args:
+        engine: the communication engine.
+        params: a param group's parameters.
+        indices: each parameter's optimizer-wide index.
+        name_of: optimizer-wide index -> how errors name the parameter.
+    """
+    if engine.world_size == 1:
+        return
+    device = params[0].device if params else torch.device("cpu")
+    count = torch.tensor([len(params), -len(params)], dtype=torch.float64, device=device)
+    engine.all_reduce(count, op="max", name="check.count").wait()
+    if count[0] != -count[1]:
+        raise ValueError(
+            f"the ranks pass different numbers of parameters to the optimizer ({int(-count[1])} to {int(count[0])})"
+        )
+    stats = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
+    for i, p in enumerate(params):
+        stats[2 * i] = p.numel()
+        stats[2 * i + 1] = _checksum(p)
+    packed = torch.cat([stats, -stats])
+    engine.all_reduce(packed, op="max", name="check.params").wait()
+    differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()
+    if differ:
+        what = "size" if differ[0] % 2 == 0 else "values"
+        raise ValueError(
+            f"{name_of(indices[differ[0] // 2])} has a different {what} on some rank: every rank "
+            "must start from the same model (same seed, or broadcast rank 0's parameters first)"
+        )

@@ -1,0 +1,90 @@
+"""The C++ engine (``csrc/comm``): it calls the c10d ``ProcessGroup`` from C++ and owns ordering and
+lifetime of every operation it issues.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .._build import ext as _ext
+from .engine_base import EngineBase, issue_errors_named
+from .handles import CppHandle, Handle
+from .primitives import (
+    CommError,
+)
+
+
+class CppCommEngine(EngineBase):
+    """The C++ engine (``csrc/comm``): c10d collectives issued and tracked from C++."""
+
+    kind = "cpp"
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        self._ext = _ext.load("comm")
+        super().__init__(process_group)
+        self._engine = self._ext.Engine(self.group) if self.world_size > 1 else None
+        self._side_streams: dict[int, "torch.cuda.Stream"] = {}
+
+    def _streams(self, tensor: torch.Tensor) -> tuple[int, int, Optional["torch.cuda.Stream"]]:
+        if not tensor.is_cuda:
+            return 0, 0, None
+        device = tensor.device.index
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device=device)
+        side = self._side_streams[device]
+        return torch.cuda.current_stream(device).cuda_stream, side.cuda_stream, side
+
+    def _issue(self, method: str, tensor: torch.Tensor, *args) -> CppHandle:
+        """Call the C++ engine; on CUDA with the side stream current, ``tensor``'s current stream as compute."""
+        compute, side_handle, side = self._streams(tensor)
+        call = getattr(self._engine, method)
+        if side is None:
+            return CppHandle(call(*args, compute_stream=0, side_stream=0))
+        with torch.cuda.stream(side):
+            return CppHandle(call(*args, compute_stream=compute, side_stream=side_handle, side=side), side)
+
+    @issue_errors_named("reduce_scatter")
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
+    ) -> Handle:
+        """As ``TorchCommEngine.reduce_scatter``; the C++ engine holds the buffers until it is done."""
+        _, primitive = self._prepare("reduce_scatter", name, output, input, primitive)
+        if self.world_size == 1:
+            output.copy_(input)
+            return Handle(None, ())
+        return self._issue("reduce_scatter", input, output, input, name, getattr(self._ext.Primitive, primitive))
+
+    @issue_errors_named("all_gather")
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, name: str = "", primitive: Optional[str] = None
+    ) -> Handle:
+        """As ``TorchCommEngine.all_gather``; the C++ engine holds the buffers until it is done."""
+        _, primitive = self._prepare("all_gather", name, input, output, primitive)
+        if self.world_size == 1:
+            output.copy_(input)
+            return Handle(None, ())
+        return self._issue("all_gather", output, output, input, name, getattr(self._ext.Primitive, primitive))
+
+    @issue_errors_named("all_reduce")
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
+        """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min)."""
+        self._check_all_reduce(name, tensor, op)
+        if self.world_size == 1:
+            return Handle(None, ())
+        return self._issue("all_reduce", tensor, tensor, op, name)
+
+    def synchronize(self) -> None:
+        """Wait for every operation issued so far; raises the first failure among them."""
+        if self._engine is None:
+            return
+        try:
+            self._engine.synchronize()
+        except RuntimeError as exc:
+            raise CommError(str(exc)) from exc
+
+    def in_flight(self) -> int:
+        """Operations the C++ engine still holds (finished ones are dropped first)."""
+        return 0 if self._engine is None else self._engine.in_flight()

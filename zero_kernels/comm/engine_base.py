@@ -1,0 +1,132 @@
+"""What both engines share: rank facts, argument checks, error naming and the world-size-1 path."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .handles import Handle
+from .primitives import (
+    ALL_GATHER_PRIMITIVES,
+    DEFAULT_PRIMITIVES,
+    REDUCE_OPS,
+    REDUCE_SCATTER_PRIMITIVES,
+    CommError,
+    choose_primitive,
+    describe_choices,
+)
+
+log = logging.getLogger("zero_kernels")
+
+
+def issue_errors_named(operation: str) -> Callable:
+    """Turn a backend error raised while ``operation`` is issued into a ``CommError`` naming it.
+
+    A peer that died makes gloo fail already when an operation is posted (sends and receives), not
+    only in ``wait()``; the caller then sees the same error type either way.
+    """
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def issue(self: "EngineBase", *args: Any, name: str = "", **kwargs: Any) -> Handle:
+            try:
+                return method(self, *args, name=name, **kwargs)
+            except CommError:
+                raise
+            except RuntimeError as exc:  # RuntimeError, DistBackendError: a ValueError is a bad argument
+                raise CommError(f"{self.describe(operation, name)} failed: {exc}") from exc
+
+        return issue
+
+    return wrap
+
+
+def check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
+    for role, t in (("shard", shard), ("full buffer", full)):
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: the {role} must be contiguous")
+    if full.numel() != shard.numel() * world_size:
+        raise ValueError(
+            f"{what}: full buffer has {full.numel()} elements, expected {world_size} x {shard.numel()} (shard elements)"
+        )
+
+
+def check_primitive(what: str, primitive: str, allowed: tuple[str, ...]) -> None:
+    if primitive not in allowed:
+        raise ValueError(f"{what}: primitive {primitive!r}; allowed: {', '.join(allowed)}")
+
+
+class EngineBase:
+    """Rank facts, argument checks and the world-size-1 path shared by both engines."""
+
+    kind = ""
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
+        self.distributed = dist.is_available() and dist.is_initialized()
+        group = process_group if process_group is not None else (dist.group.WORLD if self.distributed else None)
+        self._group = None if group is None else weakref.ref(group)
+        self.rank = dist.get_rank(group) if self.distributed else 0
+        self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.backend = dist.get_backend(group) if self.distributed else "local"
+        log.info(
+            "zero_kernels comm: %s engine on %s, rank %d of %d; primitives: %s",
+            self.kind,
+            self.backend,
+            self.rank,
+            self.world_size,
+            describe_choices(self.backend),
+        )
+
+    @property
+    def group(self) -> Optional[dist.ProcessGroup]:
+        """The process group (None without one). Held weakly, so that ``destroy_process_group()`` really
+        destroys it, and with it the backend's threads, while an optimizer is still alive."""
+        return self._ensure_group("zero_kernels comm")
+
+    def _ensure_group(self, what: str) -> Optional[dist.ProcessGroup]:
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise CommError(
+                f"{what}: the process group of this {self.kind} engine was destroyed; "
+                "create the optimizer again after init_process_group"
+            )
+        return group
+
+    def describe(self, operation: str, name: str) -> str:
+        return (
+            f"zero_kernels comm: {operation} of bucket '{name}' on rank {self.rank} of {self.world_size} "
+            f"({self.backend})"
+        )
+
+    def primitive_for(self, operation: str, tensor: torch.Tensor) -> str:
+        """The primitive this engine uses for ``operation`` on a bucket like ``tensor`` (the full buffer)."""
+        primitive = choose_primitive(self.backend, operation, tensor.numel() * tensor.element_size())
+        return DEFAULT_PRIMITIVES[operation] if tensor.is_cuda and primitive.endswith("_p2p") else primitive
+
+    def _prepare(
+        self, operation: str, name: str, shard: torch.Tensor, full: torch.Tensor, primitive: Optional[str]
+    ) -> tuple[str, str]:
+        what = self.describe(operation, name)
+        self._ensure_group(what)
+        check_pair(what, shard, full, self.world_size)
+        if primitive is None:
+            primitive = self.primitive_for(operation, full)
+        allowed = REDUCE_SCATTER_PRIMITIVES if operation == "reduce_scatter" else ALL_GATHER_PRIMITIVES
+        check_primitive(what, primitive, allowed)
+        return what, primitive
+
+    def _check_all_reduce(self, name: str, tensor: torch.Tensor, op: str) -> str:
+        what = self.describe("all_reduce", name)
+        self._ensure_group(what)
+        if op not in REDUCE_OPS:
+            raise ValueError(f"{what}: op {op!r}; allowed: {', '.join(REDUCE_OPS)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what}: the tensor must be contiguous")
+        return what

@@ -1,0 +1,131 @@
+"""Process groups along the node boundary: the ranks of this node, and this rank's peers on other nodes.
+
+A multi-node job (``torchrun --nnodes M --nproc_per_node L``) has ``LOCAL_WORLD_SIZE`` = L ranks on
+each node. Hierarchical schemes (ZeRO++'s secondary partitions, a two-level all-reduce) talk within a
+node over its fast links and across nodes over the slow one; ``node_groups()`` gives them both groups:
+
+- ``intra``: the ranks of this node (size L);
+- ``inter``: the ranks that have this rank's local rank, one per node (size M), in node order.
+
+Where a rank lives comes from its launcher's environment: the node is ``GROUP_RANK`` (torchrun's node
+rank) or, without it, the host name; the local rank is ``LOCAL_RANK`` and the node's size
+``LOCAL_WORLD_SIZE`` (when set, every node must have that many ranks). Every rank tells every other
+where it lives (one all-gather), so every rank checks the same facts and raises the same error when
+they do not make a regular grid (nodes of unequal size, local ranks missing or repeated): no rank is
+left waiting. The groups are built once per default process group: the first call is collective
+(every rank must make it), later calls return the same groups until the default group is destroyed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from .engines import TorchCommEngine
+from .objects import all_gather_objects
+
+
+@dataclass(frozen=True)
+class NodeGroups:
+    """This rank's place in the grid of nodes and local ranks, and the groups along it.
+
+    Attributes:
+        node: this rank's node, from 0 (nodes are ordered by their lowest global rank).
+        nodes: number of nodes.
+        local_rank: this rank's place on its node, from 0.
+        local_world_size: ranks per node.
+        intra_ranks: the global ranks of this node, by local rank.
+        inter_ranks: the global ranks with this local rank, by node.
+        intra: the process group of ``intra_ranks``.
+        inter: the process group of ``inter_ranks``.
+    """
+
+    node: int
+    nodes: int
+    local_rank: int
+    local_world_size: int
+    intra_ranks: tuple[int, ...]
+    inter_ranks: tuple[int, ...]
+    intra: Any
+    inter: Any
+
+
+_cache: Optional[tuple[weakref.ReferenceType, NodeGroups]] = None
+
+
+def _where() -> tuple[str, Optional[int], Optional[int]]:
+    """(node key, local rank, local world size) of this process, from its launcher's environment."""
+    node = os.environ.get("GROUP_RANK")
+    key = f"node {node}" if node is not None else f"host {socket.gethostname()}"
+    local = os.environ.get("LOCAL_RANK")
+    size = os.environ.get("LOCAL_WORLD_SIZE")
+    return key, (int(local) if local is not None else None), (int(size) if size is not None else None)
+
+
+def grid(places: list[tuple[str, Optional[int], Optional[int]]]) -> list[list[int]]:
+    """The global ranks of each node, by local rank, from every rank's ``(node key, local rank, local world
+    size)``; a ValueError says what is irregular. Pure: every rank computes the same result or error.
+
+    Args:
+        places: per global rank, its node key, its ``LOCAL_RANK`` (None: its order on its node) and its
+            ``LOCAL_WORLD_SIZE`` (None: unknown).
+    """
+    nodes: dict[str, list[int]] = {}
+    for rank, (key, _, _) in enumerate(places):
+        nodes.setdefault(key, []).append(rank)
+    sizes = {size for _, _, size in places}
+    if len(sizes) > 1:
+        raise ValueError(f"ranks disagree on LOCAL_WORLD_SIZE: {sorted(sizes, key=str)}")
+    counts = {key: len(ranks) for key, ranks in nodes.items()}
+    expected = sizes.pop()
+    if len(set(counts.values())) > 1 or (expected is not None and set(counts.values()) != {expected}):
+        want = f"LOCAL_WORLD_SIZE={expected} each" if expected is not None else "equal sizes"
+        raise ValueError(f"nodes must have {want}; ranks per node: {counts}")
+    rows = []
+    for key, ranks in nodes.items():
+        locals_ = [places[r][1] for r in ranks]
+        if all(lr is None for lr in locals_):
+            rows.append(ranks)
+            continue
+        if sorted(lr for lr in locals_ if lr is not None) != list(range(len(ranks))):
+            raise ValueError(f"{key}: LOCAL_RANK values {locals_} are not 0..{len(ranks) - 1}, once each")
+        rows.append([r for _, r in sorted(zip(locals_, ranks))])
+    return rows
+
+
+def node_groups() -> NodeGroups:
+    """The intra-node and inter-node process groups of this rank (built on the first call: collective).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: (on every rank) the ranks do not form nodes of equal size with local ranks 0..L-1.
+    """
+    global _cache
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("node_groups() needs torch.distributed initialised (init_process_group)")
+    world = dist.group.WORLD
+    if _cache is not None and _cache[0]() is world:
+        return _cache[1]
+    rows = grid(all_gather_objects(TorchCommEngine(), _where(), name="node_groups"))
+    rank = dist.get_rank()
+    intra = [dist.new_group(ranks=row) for row in rows]  # every rank creates every group, in the same order
+    inter = [dist.new_group(ranks=[row[i] for row in rows]) for i in range(len(rows[0]))]
+    node = next(n for n, row in enumerate(rows) if rank in row)
+    local = rows[node].index(rank)
+    groups = NodeGroups(
+        node=node,
+        nodes=len(rows),
+        local_rank=local,
+        local_world_size=len(rows[0]),
+        intra_ranks=tuple(rows[node]),
+        inter_ranks=tuple(row[local] for row in rows),
+        intra=intra[node],
+        inter=inter[local],
+    )
+    _cache = (weakref.ref(world), groups)
+    return groups

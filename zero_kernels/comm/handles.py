@@ -1,0 +1,88 @@
+"""One in-flight operation of an engine: ``Handle`` (torch engine, and the world-size-1 path) and
+``CppHandle`` (C++ engine); ``wait()`` completes it and raises ``CommError`` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .primitives import CommError
+
+
+class Handle:
+    """One in-flight collective; ``wait()`` completes it (idempotent) and runs its epilogue."""
+
+    def __init__(
+        self,
+        work: Union[dist.Work, "Works", None],
+        keep_alive: tuple,
+        epilogue: Optional[Callable[[], None]] = None,
+        what: str = "",
+    ):
+        self._work = work
+        self._keep_alive = keep_alive
+        self._epilogue = epilogue
+        self._what = what
+        self._error: Optional[CommError] = None
+        self._done = False
+
+    def wait(self) -> None:
+        if not self._done:
+            try:
+                if self._work is not None:
+                    self._work.wait()
+                if self._epilogue is not None:
+                    self._epilogue()
+            except Exception as exc:  # the backend's own error type varies (RuntimeError, DistBackendError)
+                self._error = CommError(f"{self._what} failed: {exc}")
+                self._error.__cause__ = exc
+            self._done = True
+            self._work = self._epilogue = None
+            self._keep_alive = ()
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+
+class Works:
+    """Several c10d works (the sends and receives of one point-to-point operation) as one."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+class CppHandle(Handle):
+    """A handle on an operation of the C++ engine, which holds the buffers until it has finished.
+
+    On CUDA the C++ engine finishes the operation on its side stream and makes the stream that was
+    current when it was issued wait for it; ``wait()`` also makes the caller's current stream wait
+    for it, so a consumer on another stream (an autograd callback's, a user's) reads the result.
+    """
+
+    def __init__(self, op, side_stream: Optional["torch.cuda.Stream"] = None):
+        super().__init__(None, (), what=op.what)
+        self._op = op
+        self._side = side_stream
+
+    def wait(self) -> None:
+        try:
+            self._op.wait()
+        except RuntimeError as exc:
+            raise CommError(str(exc)) from exc
+        if self._side is not None:
+            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
+
+    def is_completed(self) -> bool:
+        return self._op.is_completed()

@@ -1,0 +1,413 @@
+"""DeepSpeed JSON config -> one validated, frozen ``ZeroConfig``.
+
+``ZeroConfig.from_deepspeed(path_or_dict)`` reads the keys zero_kernels acts on (``zero_optimization``,
+``optimizer``, ``bf16``/``fp16``, ``gradient_clipping``, the batch sizes, ``communication_data_type``,
+and zero_kernels' own ``skip_nonfinite_steps``)
+with DeepSpeed's defaults and checks. Keys DeepSpeed knows that change nothing here are accepted
+and logged once per parse on the ``zero_kernels`` logger; unknown keys and bad values raise
+``ValueError`` naming the full key path, the value and what is allowed.
+
+Mapping of DeepSpeed's optimizer settings (``deepspeed/runtime/engine.py``): the type name is
+case-insensitive; ``"AdamW"`` always uses decoupled weight decay; ``"Adam"`` does too unless
+``params.adam_w_mode`` is false (its default is true), in which case decay is the L2 term of
+``torch.optim.Adam``. ``weight_decay`` defaults to 0 as in DeepSpeed's FusedAdam, or to torch's
+default for the chosen class (1e-2 for AdamW, 0 for Adam) when ``params.torch_adam`` is true.
+
+Hugging Face Trainer configs write ``"auto"`` for many values. Each ``"auto"`` is filled, in
+order, from a keyword argument of ``from_deepspeed`` (see ``AUTO_KEYWORDS``; ``hidden_size`` fills
+the bucket sizes the way the Trainer does), from ``training_args`` (a ``TrainingArguments``, read
+as the Trainer reads it, see ``config.hf``), from the Trainer's own defaults for the keys it fills
+(lr 5e-5, gradient clipping 1.0, weight decay 0, ...), else from DeepSpeed's default; each value
+so chosen is logged once, at WARNING, with its source. An ``"auto"`` with nothing sensible to
+fill it (``"stage"``, a scheduler's ``total_num_steps``) is an error naming the key. A keyword
+also fills a key the config leaves out; a keyword or ``training_args`` value that contradicts a
+value the config writes explicitly is an error.
+
+The ``scheduler`` section (``config.scheduler``) is parsed into ``ZeroConfig.scheduler``;
+``SchedulerConfig.build(optimizer)`` makes the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from .hf import TRAINER_DEFAULTS, training_args_overrides
+from .rules import Override, ParseContext, Scalar, integer, logger, number, suggest
+from .scheduler import SchedulerConfig
+from .schema import (
+    AUTO_KEYWORDS,
+    COMM_DTYPES,
+    FP16,
+    HIDDEN_SIZE_RULE,
+    OFFLOAD_DEVICE,
+    OPTIMIZER,
+    OPTIMIZER_PARAMS,
+    TOP,
+    ZERO,
+    ZERO_FIELDS,
+    hidden_size_values,
+)
+
+
+def _normalise(obj: Any, rules: Mapping[str, Scalar], prefix: str, nullable: Tuple[str, ...] = ()) -> None:
+    """Check and normalise each field of a frozen dataclass in place (``None`` kept where nullable)."""
+    for name, rule in rules.items():
+        value = getattr(obj, name)
+        if value is None and name in nullable:
+            continue
+        object.__setattr__(obj, name, rule(value, f"{prefix}.{name}"))
+
+
+def _zero_default(name: str) -> Any:
+    return ZERO_FIELDS[name].default
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """The ``zero_optimization`` section: stage, bucket sizes and overlap switches.
+
+    ``overlap_comm=None`` takes DeepSpeed's stage-dependent default: on for stage 3 only. Offload
+    devices other than ``"none"`` are parsed but not supported yet.
+    """
+
+    stage: int = _zero_default("stage")
+    overlap_comm: Optional[bool] = _zero_default("overlap_comm")
+    contiguous_gradients: bool = _zero_default("contiguous_gradients")
+    reduce_bucket_size: int = _zero_default("reduce_bucket_size")
+    allgather_bucket_size: int = _zero_default("allgather_bucket_size")
+    reduce_scatter: bool = _zero_default("reduce_scatter")
+    stage3_prefetch_bucket_size: int = _zero_default("stage3_prefetch_bucket_size")
+    stage3_param_persistence_threshold: int = _zero_default("stage3_param_persistence_threshold")
+    stage3_max_live_parameters: int = _zero_default("stage3_max_live_parameters")
+    stage3_max_reuse_distance: int = _zero_default("stage3_max_reuse_distance")
+    stage3_gather_16bit_weights_on_model_save: bool = _zero_default("stage3_gather_16bit_weights_on_model_save")
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    def __post_init__(self) -> None:
+        rules = {f.name: ZERO_FIELDS[f.name].rule for f in fields(self) if not f.name.startswith("offload")}
+        rules.update(offload_optimizer=OFFLOAD_DEVICE, offload_param=OFFLOAD_DEVICE)
+        _normalise(self, rules, "ZeroOptions", nullable=("overlap_comm",))
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+
+    @classmethod
+    def from_dict(cls, d: Mapping, *, path: str = "zero_optimization") -> ZeroOptions:
+        """Parse a ``zero_optimization`` mapping; errors name keys as ``{path}.{key}``.
+
+        ``"auto"`` values take DeepSpeed's defaults; accepted-but-ignored keys are logged.
+        """
+        ctx = ParseContext()
+        options = cls._from_parsed(ZERO(d, path, ctx))
+        ctx.log()
+        return options
+
+    @classmethod
+    def _from_parsed(cls, values: Mapping[str, Any]) -> ZeroOptions:
+        return cls(**{f.name: values[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The ``optimizer`` section: Adam hyper-parameters and the weight-decay mode.
+
+    ``adamw``: decoupled weight decay (``torch.optim.AdamW``) when true, L2 decay added to the
+    gradient (``torch.optim.Adam``) when false; ``None`` means true. ``weight_decay=None`` takes
+    torch's default for that update rule (1e-2 decoupled, 0 for L2).
+    """
+
+    type: str
+    lr: float = OPTIMIZER_PARAMS.fields["lr"].default
+    betas: Tuple[float, float] = OPTIMIZER_PARAMS.fields["betas"].default
+    eps: float = OPTIMIZER_PARAMS.fields["eps"].default
+    weight_decay: Optional[float] = None
+    adamw: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        rules = {name: OPTIMIZER_PARAMS.fields[name].rule for name in ("lr", "betas", "eps", "weight_decay")}
+        _normalise(self, {"type": OPTIMIZER.fields["type"].rule, **rules}, "OptimizerConfig", ("weight_decay",))
+        if self.adamw is None:
+            object.__setattr__(self, "adamw", True)
+        if not isinstance(self.adamw, bool):
+            raise ValueError(f"OptimizerConfig.adamw={self.adamw!r} is invalid: expected true or false")
+        if self.type == "AdamW" and not self.adamw:
+            raise ValueError("OptimizerConfig.adamw=False contradicts type='AdamW': use type='Adam' for L2 decay")
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", 1e-2 if self.adamw else 0.0)
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """The ``fp16`` section. ``loss_scale=0`` means dynamic loss scaling from ``2**initial_scale_power``."""
+
+    enabled: bool = FP16.fields["enabled"].default
+    loss_scale: float = FP16.fields["loss_scale"].default
+    initial_scale_power: int = FP16.fields["initial_scale_power"].default
+    loss_scale_window: int = FP16.fields["loss_scale_window"].default
+    hysteresis: int = FP16.fields["hysteresis"].default
+    min_loss_scale: float = FP16.fields["min_loss_scale"].default
+    consecutive_hysteresis: bool = FP16.fields["consecutive_hysteresis"].default
+
+    def __post_init__(self) -> None:
+        _normalise(self, {f.name: FP16.fields[f.name].rule for f in fields(self)}, "FP16Config")
+
+
+_COUNT = integer(1)
+_CLIP = number(0)
+
+
+def _check_precision(fp16: bool, bf16: bool, bf16_key: str = "bf16") -> None:
+    if fp16 and bf16:
+        raise ValueError(f"fp16.enabled and {bf16_key}.enabled are both true: enable at most one of them")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """Everything zero_kernels reads from a DeepSpeed config, validated and immutable.
+
+    ``world_size`` is the data-parallel size the batch sizes were checked against.
+    """
+
+    zero: ZeroOptions = field(default_factory=ZeroOptions)
+    optimizer: Optional[OptimizerConfig] = None
+    bf16: bool = False
+    fp16: FP16Config = field(default_factory=FP16Config)
+    gradient_clipping: float = 0.0
+    gradient_accumulation_steps: int = 1
+    train_micro_batch_size_per_gpu: Optional[int] = None
+    train_batch_size: Optional[int] = None
+    communication_data_type: Optional[torch.dtype] = None
+    skip_nonfinite_steps: bool = True
+    world_size: int = 1
+    scheduler: Optional[SchedulerConfig] = None
+
+    def __post_init__(self) -> None:
+        kinds = (("zero", ZeroOptions), ("fp16", FP16Config), ("optimizer", OptimizerConfig))
+        for name, kind in kinds + (("scheduler", SchedulerConfig),):
+            value = getattr(self, name)
+            if not isinstance(value, kind) and not (name in ("optimizer", "scheduler") and value is None):
+                raise ValueError(f"ZeroConfig.{name}={value!r} is invalid: expected a {kind.__name__}")
+        for name in ("bf16", "skip_nonfinite_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid: expected true or false")
+        if self.communication_data_type not in (None, *COMM_DTYPES.values()):
+            allowed = ", ".join(str(t) for t in COMM_DTYPES.values())
+            raise ValueError(f"ZeroConfig.communication_data_type={self.communication_data_type!r}: expected {allowed}")
+        counts = ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size", "world_size")
+        rules = {"gradient_clipping": _CLIP, **{name: _COUNT for name in counts}}
+        _normalise(self, rules, "ZeroConfig", ("train_micro_batch_size_per_gpu", "train_batch_size"))
+        _check_precision(self.fp16.enabled, self.bf16)
+        batch, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
+        if batch is not None and micro is not None:
+            _check_batch(batch, micro, self.gradient_accumulation_steps, self.world_size, ())
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage, 0 to 3."""
+        return self.zero.stage
+
+    @classmethod
+    def from_deepspeed(
+        cls,
+        source: Union[str, os.PathLike, Mapping],
+        *,
+        world_size: Optional[int] = None,
+        training_args: Any = None,
+        **auto_values: Any,
+    ) -> ZeroConfig:
+        """Parse a DeepSpeed config file (path) or an already-loaded mapping.
+
+        Args:
+            source: path to a JSON file, or a mapping with the same content.
+            world_size: data-parallel size for the batch-size check; ``None`` = the initialised
+                ``torch.distributed`` world size, else 1.
+            training_args: a ``transformers.TrainingArguments`` (any object with its attributes) whose
+                values fill ``"auto"`` as the Hugging Face Trainer does; keywords take precedence.
+            **auto_values: values for ``"auto"`` (or missing) keys, by the names in
+                ``AUTO_KEYWORDS`` (``lr``, ``train_micro_batch_size_per_gpu``, ``bf16``,
+                ``total_num_steps``, ...) and ``hidden_size``; ``None`` counts as not given.
+        """
+        data = _load(source)
+        world = _world_size(world_size)
+        given = {k: v for k, v in auto_values.items() if v is not None}
+        overrides = _overrides(given, data)
+        if training_args is not None:
+            from_args = training_args_overrides(training_args, world, given.get("total_num_steps"))
+            overrides = {**from_args, **overrides}
+        ctx = ParseContext(overrides=overrides, auto_defaults=dict(TRAINER_DEFAULTS), derived=set(_BATCH_KEYS))
+        if "bf16" in data and "bfloat16" in data:
+            raise ValueError('both "bf16" and its legacy spelling "bfloat16" are given: keep only "bf16"')
+        top = TOP(data, "", ctx)
+        _check_unused(ctx, data)
+        config = _build(cls, top, world, ctx)
+        ctx.log()
+        return config
+
+
+def _build(cls: type, top: Dict[str, Any], world: int, ctx: ParseContext) -> ZeroConfig:
+    legacy = top["bfloat16"] is not None
+    bf16 = (top["bfloat16"] if legacy else top["bf16"])["enabled"]
+    fp16 = FP16Config(**top["fp16"])
+    _check_precision(fp16.enabled, bf16, "bfloat16" if legacy else "bf16")
+    batch, micro, accum = _derive_batch(
+        top["train_batch_size"], top["train_micro_batch_size_per_gpu"], top["gradient_accumulation_steps"], world, ctx
+    )
+    return cls(
+        zero=ZeroOptions._from_parsed(top["zero_optimization"]),
+        optimizer=_optimizer(top["optimizer"]),
+        bf16=bf16,
+        fp16=fp16,
+        gradient_clipping=top["gradient_clipping"],
+        gradient_accumulation_steps=accum,
+        train_micro_batch_size_per_gpu=micro,
+        train_batch_size=batch,
+        communication_data_type=top["communication_data_type"],
+        skip_nonfinite_steps=top["skip_nonfinite_steps"],
+        world_size=world,
+        scheduler=top["scheduler"],
+    )
+
+
+def _optimizer(values: Optional[Mapping[str, Any]]) -> Optional[OptimizerConfig]:
+    """DeepSpeed's Adam/AdamW selection rules applied to a parsed ``optimizer`` section."""
+    if values is None:
+        return None
+    if values["type"] is None:
+        raise ValueError("optimizer.type is missing: expected one of 'Adam', 'AdamW'")
+    params = values["params"]
+    adamw = values["type"] == "AdamW" or params["adam_w_mode"]
+    if values["type"] == "AdamW" and not params["adam_w_mode"]:
+        logger.warning("optimizer.params.adam_w_mode=false has no effect with type AdamW (as in DeepSpeed)")
+    decay = params["weight_decay"]
+    if decay is None:
+        decay = 1e-2 if params["torch_adam"] and adamw else 0.0
+    return OptimizerConfig(
+        type=values["type"], lr=params["lr"], betas=params["betas"], eps=params["eps"], weight_decay=decay, adamw=adamw
+    )
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def _derive_batch(
+    batch: Optional[int], micro: Optional[int], accum: Optional[int], world: int, ctx: ParseContext
+) -> Tuple[Optional[int], Optional[int], int]:
+    """Fill the missing batch sizes as DeepSpeed does, then check they agree with ``world``.
+
+    With neither ``train_batch_size`` nor ``train_micro_batch_size_per_gpu`` given (DeepSpeed
+    refuses that; the optimizer does not need them) both stay ``None`` and accumulation defaults to 1.
+    """
+    given = (batch is not None, micro is not None, accum is not None)
+    if given == (True, True, False):
+        accum = batch // micro // world
+    elif given == (True, False, True):
+        micro = batch // world // accum
+    elif given == (False, True, True):
+        batch = micro * accum * world
+    elif given == (True, False, False):
+        micro, accum = batch // world, 1
+    elif given == (False, True, False):
+        batch, accum = micro * world, 1
+    elif batch is None and micro is None:
+        accum = 1 if accum is None else accum
+    derived = tuple(k for k, was in zip(_BATCH_KEYS, given) if not was)
+    if batch is not None and micro is not None:
+        for key, value in zip(_BATCH_KEYS, (batch, micro, accum)):
+            if key in derived:
+                ctx.choose(key, value, f"derived for world_size={world}", auto=key in ctx.autos)
+        _check_batch(batch, micro, accum, world, derived)
+    return batch, micro, accum
+
+
+def _check_batch(batch: int, micro: int, accum: int, world: int, derived: Tuple[str, ...]) -> None:
+    """DeepSpeed's rule: train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps * world."""
+    values = dict(zip(_BATCH_KEYS, (batch, micro, accum)))
+    shown = {k: f"{k}={v}" + (" (derived)" if k in derived else "") for k, v in values.items()}
+    bad = [shown[k] for k, v in values.items() if v < 1]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} is invalid: batch sizes must be >= 1 (world_size={world})")
+    if batch != micro * accum * world:
+        raise ValueError(
+            f"{shown['train_batch_size']} must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
+            f"world_size = {micro} * {accum} * {world} = {micro * accum * world} "
+            f"({shown['train_micro_batch_size_per_gpu']}, {shown['gradient_accumulation_steps']})"
+        )
+
+
+def _world_size(world_size: Optional[int]) -> int:
+    if world_size is None:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return integer(1)(world_size, "world_size")
+
+
+def _overrides(auto_values: Mapping[str, Any], data: Mapping) -> Dict[str, Override]:
+    """Keyword arguments of ``from_deepspeed`` -> key path -> ``Override``."""
+    out: Dict[str, Override] = {}
+    if "hidden_size" in auto_values:
+        hidden = HIDDEN_SIZE_RULE(auto_values["hidden_size"], "hidden_size")
+        for path, value in hidden_size_values(hidden):
+            out[path] = Override(value, f"hidden_size={hidden}", strict=False)
+    for name, value in auto_values.items():
+        if name == "hidden_size":
+            continue
+        if name not in AUTO_KEYWORDS:
+            known = [*AUTO_KEYWORDS, "hidden_size"]
+            raise ValueError(
+                f"unknown keyword {name!r}{suggest(name, known)}; allowed: world_size, {', '.join(sorted(known))}"
+            )
+        path = AUTO_KEYWORDS[name]
+        if name == "bf16" and "bfloat16" in data and "bf16" not in data:
+            path = "bfloat16.enabled"
+        out[path] = Override(value, f"keyword {name}")
+    return out
+
+
+def _check_unused(ctx: ParseContext, data: Mapping) -> None:
+    for path, override in ctx.overrides.items():
+        if override.strict and override.fills_missing and path not in ctx.used:
+            section = path.split(".")[0]
+            where = (
+                f"which the config's {section!r} section does not take"
+                if section in data
+                else (f"but the config has no {section!r} section")
+            )
+            raise ValueError(f"{override.source}={override.value!r} sets {path}, {where}")
+
+
+def _no_duplicates(pairs: Any) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r} in the DeepSpeed config")
+        out[key] = value
+    return out
+
+
+def _load(source: Union[str, os.PathLike, Mapping]) -> Mapping:
+    """The config as a mapping: given as one, or read from a JSON file."""
+    if isinstance(source, Mapping):
+        return source
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"DeepSpeed config must be a file path or a mapping, not {type(source).__name__}")
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"DeepSpeed config file {str(path)!r} does not exist or is not a file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"DeepSpeed config file {str(path)!r} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
+        ) from None
+    except ValueError as err:
+        raise ValueError(f"DeepSpeed config file {str(path)!r}: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"DeepSpeed config file {str(path)!r} holds a {type(data).__name__}, expected a JSON object")
+    return data

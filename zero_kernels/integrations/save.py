@@ -1,0 +1,74 @@
+"""Saving full weights from a sharded optimizer; the Hugging Face Trainer (``integrations.hf``) and
+Accelerate (``integrations.accelerate``).
+
+``save_pretrained(model, optimizer, directory)`` is what to call, on every rank, where a plain loop
+would call ``model.save_pretrained(directory)`` or ``torch.save(model.state_dict(), path)``: at stage
+3 it gathers the parameters (each rank holds only its shard between uses), rank 0 writes, and every
+rank returns once the files are there. The ranks agree on the outcome, so a failed write on rank 0
+raises on every rank instead of leaving the others waiting.
+
+``integrations.hf`` needs ``transformers``, ``integrations.accelerate`` needs ``accelerate`` (both in
+``pip install 'zero_kernels[hf]'``); this module needs neither.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+STATE_DICT_FILE = "model_state_dict.pt"
+
+
+def agree(optimizer: Any, ok: bool, what: str) -> None:
+    """Every rank learns whether every rank succeeded at ``what``; RuntimeError on all of them if not.
+
+    Args:
+        optimizer: the ``ShardedFusedAdam`` whose ranks take part.
+        ok: whether this rank succeeded.
+        what: what was done, for the message.
+    """
+    engine = optimizer.pipeline.engine
+    failed = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+    if engine.world_size > 1:
+        device = optimizer.pipeline.buffers[0].device if optimizer.pipeline.buffers else failed.device
+        failed = failed.to(device)
+        engine.all_reduce(failed, op="sum", name="save.outcome").wait()
+    if failed.item() and ok:
+        raise RuntimeError(f"{what} failed on {int(failed.item())} other rank(s); see their error")
+
+
+def save_pretrained(model: nn.Module, optimizer: Any, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+    """Write ``model``'s full weights to ``save_directory`` at any stage (a collective: call it on every rank).
+
+    A Hugging Face model is written by its own ``save_pretrained(save_directory, **kwargs)`` (so
+    ``from_pretrained(save_directory)`` loads it); any other module as ``model_state_dict.pt``,
+    loadable with ``model.load_state_dict(torch.load(path))``. Rank 0 writes.
+
+    Args:
+        model: the model ``optimizer`` trains.
+        optimizer: its ``ShardedFusedAdam``.
+        save_directory: the output directory (created by rank 0).
+        **kwargs: passed to the model's ``save_pretrained`` (e.g. ``safe_serialization``).
+    """
+    rank = optimizer.pipeline.engine.rank
+    ok = True
+    try:
+        with optimizer.gathered_params():
+            if rank == 0:
+                _write(model, save_directory, kwargs)
+    except Exception:
+        ok = False
+        agree(optimizer, ok, "save_pretrained")
+        raise
+    agree(optimizer, ok, "save_pretrained")
+
+
+def _write(model: nn.Module, save_directory: str | os.PathLike, kwargs: dict[str, Any]) -> None:
+    os.makedirs(save_directory, exist_ok=True)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(save_directory, **kwargs)
+    else:
+        torch.save(model.state_dict(), os.path.join(save_directory, STATE_DICT_FILE))

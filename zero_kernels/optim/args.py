@@ -1,0 +1,278 @@
+"""Checks of ``ShardedFusedAdam``'s arguments, with ``torch.optim.AdamW``'s wording where AdamW has the check.
+
+Every check runs before the optimizer changes anything, and each error names the argument (or the
+parameter, by its model name when the optimizer knows the model) and what is allowed.
+
+AdamW's keyword arguments split in two kinds:
+
+- ``amsgrad`` and ``maximize`` change the algorithm: implemented, per param group as in AdamW.
+- ``foreach``, ``fused``, ``capturable``, ``differentiable`` choose among torch's implementations.
+  The update here is always one fused kernel per flat shard, so ``foreach`` and ``fused`` are
+  accepted with any of AdamW's values and have no effect. ``capturable=True`` (CUDA-graph capture)
+  and ``differentiable=True`` (autograd through the step) cannot be honoured and are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..env import IMPLS
+
+ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
+IMPLEMENTATION_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
+TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_REFUSED = {
+    "capturable": "the step reads the ranks' gradient flags and norm on the host, so it cannot be captured in "
+    "a CUDA graph",
+    "differentiable": "the step updates the parameters in place outside autograd",
+}
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
+    """``torch.optim.AdamW``'s checks of the hyper-parameters, with its wording (a tensor ``lr``
+    or tensor ``betas`` must have one element; both betas are numbers or both tensors)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, torch.Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    tensors = [isinstance(b, torch.Tensor) for b in betas]
+    if not (all(tensors) or all(_is_real(b) for b in betas)):
+        raise ValueError("betas must be either both floats or both Tensors")
+
+
+def check_flags(values: Mapping[str, Any], where: str) -> None:
+    """AdamW's flags: ``amsgrad``/``maximize`` booleans; ``foreach``/``fused`` None or booleans (no
+    effect); ``capturable``/``differentiable`` must be False.
+
+    Args:
+        values: the flags given (others are ignored).
+        where: how the error names their origin ("ShardedFusedAdam" or "param group 1").
+    """
+    for key in ALGORITHM_FLAGS:
+        if key in values and not isinstance(values[key], bool):
+            raise ValueError(f"{where}: {key} must be True or False, got {values[key]!r}")
+    for key in ("foreach", "fused"):
+        if key in values and values[key] is not None and not isinstance(values[key], bool):
+            raise ValueError(f"{where}: {key} must be None, True or False (it has no effect here), got {values[key]!r}")
+    for key, why in _REFUSED.items():
+        if key in values and values[key] not in (False, None):
+            raise ValueError(
+                f"{where}: {key}={values[key]!r} is not supported: {why}; leave {key}=False "
+                f"(torch.optim.AdamW offers it)"
+            )
+
+
+def check_impl(impl: Optional[str]) -> None:
+    """``impl`` names a kernel backend (None: ``ZERO_KERNELS_IMPL``)."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not a kernel backend; allowed: {', '.join(IMPLS)} (or None)")
+
+
+COMM_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def comm_dtype(value: Any) -> Optional[torch.dtype]:
+    """``communication_data_type``: ``"fp32"``, ``"fp16"``, ``"bf16"`` (any case, as DeepSpeed reads them), one of
+    those torch dtypes, or None (the gradients' own dtype)."""
+    if value is None or value in COMM_DTYPE_NAMES.values():
+        return value
+    if isinstance(value, str) and value.lower() in COMM_DTYPE_NAMES:
+        return COMM_DTYPE_NAMES[value.lower()]
+    raise ValueError(
+        f"communication_data_type={value!r}; allowed: {', '.join(COMM_DTYPE_NAMES)}, torch.float32, torch.float16, "
+        "torch.bfloat16 or None (the gradients' dtype)"
+    )
+
+
+def check_process_group(process_group: Any) -> None:
+    """``process_group`` is a ``torch.distributed`` process group or None (the default group)."""
+    if process_group is None:
+        return
+    if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup (e.g. from dist.new_group()) or None for "
+            f"the default group, got {type(process_group).__name__} {process_group!r}; the backend ('gloo', "
+            "'nccl') is chosen by dist.init_process_group"
+        )
+
+
+def check_structure(params: Any, previous_named: list[bool]) -> tuple[list[torch.Tensor], dict[int, str]]:
+    """``torch.optim.Optimizer.add_param_group``'s checks of a group's ``params``, with its wording, run
+    before anything is built; returns the tensors and their names (from ``(name, tensor)`` pairs).
+
+    Args:
+        params: the group's ``params`` (a tensor, or an iterable of tensors or pairs; not a set).
+        previous_named: for each group before it, whether its parameters were given with names.
+    """
+    if isinstance(params, set):
+        raise TypeError(
+            "optimizer parameters need to be organized in ordered collections, but the ordering of tensors in sets "
+            "will change between runs. Please use a list instead."
+        )
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    pairs = [p for p in params if isinstance(p, tuple)]
+    if pairs and len(pairs) != len(params):
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(t))
+        if not (t.is_leaf or t.retains_grad):
+            raise ValueError("can't optimize a non-leaf Tensor")
+    named = bool(pairs)
+    if any(before != named for before in previous_named):
+        raise ValueError(
+            "all optimizer param groups should be with/without names. "
+            f"cannot add param group {'with names' if named else 'without names'} to the optimizer"
+        )
+    return tensors, {id(t): name for name, t in pairs}
+
+
+def check_params(
+    params: list[torch.Tensor],
+    group: int,
+    previous: list[list[torch.Tensor]],
+    describe: Callable[[torch.Tensor], str],
+) -> None:
+    """The parameters of a new param group, against themselves and the groups before it.
+
+    Args:
+        params: the new group's tensors.
+        group: the index the new group will have.
+        previous: the tensors of each group before it.
+        describe: names a parameter in errors.
+    """
+    seen: dict[int, int] = {}
+    for g, other in enumerate(previous):
+        for p in other:
+            seen.setdefault(id(p), g)
+    mine: set[int] = set()
+    for p in params:
+        if id(p) in mine:
+            raise ValueError(
+                f"optimizer contains a parameter group with duplicate parameters: {describe(p)} appears twice in "
+                f"param group {group}; list each parameter once"
+            )
+        if id(p) in seen:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: {describe(p)} is in param groups "
+                f"{seen[id(p)]} and {group}"
+            )
+        mine.add(id(p))
+        _check_tensor(p, describe)
+    everything = [p for other in previous for p in other] + params
+    devices = {}
+    for p in everything:
+        devices.setdefault(p.device, p)
+    if len(devices) > 1:
+        (da, a), (db, b) = list(devices.items())[:2]
+        raise ValueError(
+            f"parameters on two devices: {describe(a)} is on {da}, {describe(b)} on {db}; every parameter must be "
+            "on this rank's one device (move the model with model.to(device) first)"
+        )
+
+
+def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
+    if p.layout != torch.strided:
+        raise ValueError(f"ShardedFusedAdam does not support sparse parameters: {describe(p)} has layout {p.layout}")
+    if not p.requires_grad:
+        return
+    if p.is_complex():
+        raise ValueError(
+            f"ShardedFusedAdam does not support complex parameters: {describe(p)} is {p.dtype}; store it as a real "
+            "tensor with a last dimension of 2 (torch.view_as_real) and train that"
+        )
+    if p.dtype not in TRAINABLE_DTYPES:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in TRAINABLE_DTYPES)
+        raise ValueError(
+            f"ShardedFusedAdam trains {allowed} parameters; {describe(p)} is {str(p.dtype).replace('torch.', '')}: "
+            "cast it (e.g. model.float()) or freeze it (requires_grad=False)"
+        )
+
+
+def sparse_grad_error(name: str) -> RuntimeError:
+    """AdamW's error for a sparse gradient, naming the parameter."""
+    return RuntimeError(
+        f"ShardedFusedAdam does not support sparse gradients, please consider SparseAdam instead ({name} has a "
+        "sparse gradient)"
+    )
+
+
+Describe = Callable[[torch.Tensor, Mapping[int, str]], str]
+
+
+def checked_groups(params: Any, defaults: dict[str, Any], describe: Describe) -> list[Any]:
+    """The param groups of an optimizer's ``params`` argument, every one checked (``check_group``) before
+    the first is built.
+
+    Args:
+        params: what the optimizer was given: tensors, or dicts of param groups.
+        defaults: the optimizer's default hyper-parameters.
+        describe: how errors name a parameter, given the group's names by ``id``.
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+            + torch.typename(params)
+        )
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    previous: list[tuple[list[torch.Tensor], bool]] = []
+    for g, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(group)}")
+        previous.append(check_group(group, g, previous, defaults, describe))
+    return groups
+
+
+def check_group(
+    group: dict[str, Any],
+    index: int,
+    previous: list[tuple[list[torch.Tensor], bool]],
+    defaults: dict[str, Any],
+    describe: Describe,
+) -> tuple[list[torch.Tensor], bool]:
+    """A new group's structure (as torch checks it), hyper-parameters, flags and parameters, against the
+    groups before it; returns, as ``previous`` lists them, its tensors and whether they have names.
+
+    ``group["params"]`` becomes a list, as ``torch.optim.Optimizer.add_param_group`` makes it.
+
+    Args:
+        group: the param group (a dict with ``params``).
+        index: its index among the optimizer's groups.
+        previous: (tensors, named) of each group before it.
+        defaults: the optimizer's default hyper-parameters.
+        describe: how errors name a parameter, given the group's names by ``id``.
+    """
+    if "params" not in group:
+        raise ValueError(f"param group {index} has no 'params'")
+    if not isinstance(group["params"], (torch.Tensor, set)):
+        group["params"] = list(group["params"])
+    tensors, names = check_structure(group["params"], [named for _, named in previous])
+    merged = {**defaults, **group}
+    check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+    check_flags(group, f"param group {index}")
+    check_params(tensors, index, [t for t, _ in previous], lambda p: describe(p, names))
+    return tensors, bool(names) or "param_names" in group

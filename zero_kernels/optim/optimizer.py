@@ -1,0 +1,601 @@
+"""``ShardedFusedAdam``: ZeRO stages 0-3 behind the ``torch.optim.AdamW`` contract, and ``initialize``.
+
+The optimizer keeps the books (param groups, hyper-parameters read every step, loss scale,
+accumulation counter, state dicts); the stage pipeline (``stages.pipeline_class(stage)``) owns
+buffers, hooks and communication; the math is one ``kernels.adam_step`` call per bucket shard.
+
+Training loop, unchanged from plain PyTorch::
+
+    opt = ShardedFusedAdam(model, lr=1e-3, stage=2, reduce_bucket_size=50_000_000)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the model, given as
+``module=`` (as ``deepspeed.initialize(model=..., model_parameters=groups)``)::
+
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = ShardedFusedAdam(groups, lr=1e-3, stage=3, module=model)
+
+- Gradients: see each stage's module for what ``p.grad`` holds after backward (stage 0: the mean
+  over ranks, as DDP; stage 1: the local gradient; stage 2: ``None``, as DeepSpeed).
+- A parameter with no gradient on any rank in a step (``p.grad is None`` everywhere) is left
+  alone, as ``torch.optim.AdamW`` does: value, m, v and its step count do not change.
+- Accumulation: ``with opt.no_sync(): loss.backward()`` for all micro-steps but the last (grads
+  accumulate locally; divide the loss yourself, as with DDP), or ``gradient_accumulation_steps=k``:
+  call ``backward``/``step``/``zero_grad`` every micro-step; only every k-th ``step`` updates,
+  ``zero_grad`` between is ignored, communication happens on the k-th, and the gradients are
+  averaged over the k micro-steps (DeepSpeed's rule).
+- fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
+  the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
+  Or ``torch.amp.GradScaler``, at every stage: ``scaler.step(opt)`` hands itself to ``step`` (``amp``).
+- Clipping: ``max_grad_norm`` clips the global norm (summed over ranks in the step's exchange),
+  folded into the kernel's gradient multiplier. The norm, that multiplier and the skip flag stay on
+  the gradients' device (``stages.outcome``): ``opt.last_step`` reads them when asked, and the step
+  counts, ``skipped_steps`` and the loss scale take the step into account when next read. Or call
+  ``opt.clip_grad_norm_(max_norm)`` before ``step()``; once an optimizer exists,
+  ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` calls it (``torch_clip``: torch's
+  own would see no gradient at stages 2-3 and only this rank's at stage 1), and raises for a subset.
+- Clearing: after every ``step()`` the optimizer forgets the step's gradients itself, so a loop
+  that calls only ``model.zero_grad()`` (as the Hugging Face Trainer does) trains as with AdamW
+  at every stage (``stages.grad_state``).
+- Parameters replaced after construction (``model.to(...)`` copies, ``p.data = ...``) are followed
+  at the next step; ``Parameter`` objects replaced in the model, or a new dtype, device or shape,
+  raise ``ValueError`` naming the parameter (``stages.adopt``). A model wrapped in
+  ``DistributedDataParallel`` is refused (``guards``), whatever the optimizer was given.
+- AdamW's arguments: ``amsgrad`` and ``maximize`` work as in AdamW, per param group; ``foreach``
+  and ``fused`` are accepted and change nothing (the update is always one fused kernel per shard);
+  ``capturable=True`` and ``differentiable=True`` are refused (``optim.args``).
+- ``opt.state[p]``: views of this rank's shards, reset the torch way (``state_view``); state dicts:
+  ``optim.state_dicts``; ``copy.deepcopy``, pickle and ``torch.save(opt)``: ``optim.copies``.
+- Non-finite gradients (fp32/bf16): with ``skip_nonfinite_steps`` (the default) a step whose
+  gradients hold inf/NaN on any rank updates nothing on every rank, is counted in
+  ``skipped_steps`` and logged at WARNING; with it off, they are applied as ``torch.optim.AdamW`` would.
+- Ranks must agree: options and param groups are compared across ranks at construction, and the
+  hyper-parameters, gradient scale and clipping norm at every step (``agreement``); a difference
+  raises ``agreement.RanksDisagree`` on every rank, naming the key and every rank's value.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from .. import live
+from ..comm import agreement, devices
+from ..comm.engines import make_engine
+from ..config import FP16Config, ZeroOptions
+from ..stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
+from ..stages import state_door as zstate
+from ..stages.outcome import clip_coef
+from . import amp, guards, torch_clip
+from . import copies as optim_copy
+from . import state_dicts as optim_state
+from .args import check_flags, check_group, check_hyper, check_impl, check_process_group, checked_groups, comm_dtype
+from .precision import LossScaler
+from .state_view import ShardedState
+
+__all__ = ["ShardedFusedAdam", "check_hyper"]
+log = logging.getLogger("zero_kernels")
+
+
+class ShardedFusedAdam(torch.optim.Optimizer):
+    """Adam/AdamW with ZeRO-sharded state and a fused update.
+
+    Args:
+        params_or_module: an ``nn.Module`` (its parameters form one group), or parameters / param-group
+            dicts / ``(name, parameter)`` pairs, as for ``torch.optim.AdamW``. Trainable parameters are
+            float32, bfloat16 or float16, dense, on one device; each appears once.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults and checks; ``lr`` and
+            ``betas`` may be one-element tensors).
+        amsgrad, maximize: as ``torch.optim.AdamW`` (per param group; the state gains ``max_exp_avg_sq``).
+        foreach, fused: accepted for AdamW compatibility; no effect (the update is always fused).
+        capturable, differentiable: must be False (CUDA-graph capture and autograd through the step
+            are not supported).
+        stage: ZeRO stage 0-3.
+        process_group: data-parallel group (None: the default group, or a single process).
+        impl: kernel backend, ``auto | triton | cpu | torch`` (None: ``ZERO_KERNELS_IMPL``).
+        adam_w_mode: decoupled weight decay (AdamW) if True; L2 added to the gradient (Adam) if False.
+        max_grad_norm: clip the global gradient norm to this value (None or 0: no clipping).
+        gradient_accumulation_steps: micro-steps per update (see the module docstring).
+        fp16: an ``FP16Config`` (or its fields as a dict) enabling loss scaling.
+        skip_nonfinite_steps: skip (on every rank) a step whose gradients hold inf/NaN on some rank,
+            and count it in ``skipped_steps``; False applies them, as ``torch.optim.AdamW`` does.
+            fp16 loss scaling always skips such steps.
+        communication_data_type: the dtype gradients are reduced in (DeepSpeed's key): ``"fp32"``, ``"fp16"``,
+            ``"bf16"`` or a torch dtype; None (the default, as DeepSpeed's): the gradients' own dtype. With
+            ``"fp32"`` bf16/fp16 gradients are reduced, and at stages 2-3 accumulated until the step, in fp32.
+        module: the model the parameters belong to, when ``params_or_module`` lists parameters or
+            groups: stage 3 needs it to gather parameters; other stages use it to name parameters in errors.
+        **zero_options: ``zero_optimization`` keys, e.g. ``reduce_bucket_size`` (elements).
+    """
+
+    def __init__(
+        self,
+        params_or_module: Union[nn.Module, Iterable[Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: Optional[bool] = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: Optional[bool] = None,
+        stage: int = 1,
+        process_group: Any = None,
+        impl: Optional[str] = None,
+        adam_w_mode: bool = True,
+        max_grad_norm: Optional[float] = None,
+        gradient_accumulation_steps: int = 1,
+        fp16: Union[FP16Config, Mapping[str, Any], None] = None,
+        skip_nonfinite_steps: bool = True,
+        communication_data_type: Union[str, torch.dtype, None] = None,
+        module: Optional[nn.Module] = None,
+        **zero_options: Any,
+    ):
+        check_hyper(lr, betas, eps, weight_decay)
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                     differentiable=differentiable, fused=fused)  # fmt: skip
+        check_flags(flags, "ShardedFusedAdam")
+        check_impl(impl)
+        check_process_group(process_group)
+        self.options = ZeroOptions.from_dict({"stage": stage, **zero_options})
+        if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+            raise ValueError(
+                f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}"
+            )
+        if max_grad_norm is not None and not max_grad_norm >= 0:
+            raise ValueError(f"max_grad_norm must be >= 0 or None, got {max_grad_norm!r}")
+        module = _the_module(params_or_module, module)
+        guards.refuse_ddp(module)
+        if module is None and requires_module(self.options.stage):
+            raise ValueError(
+                f"stage {self.options.stage} gathers parameters with module hooks: pass the model "
+                "(ShardedFusedAdam(model, ...)), or the parameters or groups with module=model"
+            )
+        if not isinstance(skip_nonfinite_steps, bool):
+            raise ValueError(f"skip_nonfinite_steps must be True or False, got {skip_nonfinite_steps!r}")
+        self.skip_nonfinite_steps = skip_nonfinite_steps
+        self.communication_data_type = comm_dtype(communication_data_type)
+        self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
+        self.adam_w_mode = bool(adam_w_mode)
+        self.max_grad_norm = max_grad_norm or None
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        if isinstance(fp16, Mapping):
+            fp16 = FP16Config(**fp16)
+        self.loss_scaler = LossScaler.from_fp16_config(fp16) if fp16 is not None and fp16.enabled else None
+        params = module.parameters() if params_or_module is module else params_or_module
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+        self._build(params, defaults, module=module, process_group=process_group, impl=impl)
+
+    def _build(
+        self,
+        params: Any,
+        defaults: dict[str, Any],
+        *,
+        module: Optional[nn.Module],
+        process_group: Any,
+        impl: Optional[str],
+        restore: Optional[optim_copy.Origin] = None,
+    ) -> None:
+        """Engine, pipeline and param groups: at construction, and when a copy is rebuilt (``restore``)."""
+        self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        self._micro_step = 0
+        self._no_sync_depth = 0
+        self._clip: Optional[tuple[torch.Tensor, float, bool]] = None  # clip_grad_norm_'s (norm, max_norm, scale known)
+        self._grad_scaler: Optional[weakref.ref] = None  # the torch.amp.GradScaler that last stepped this optimizer
+        self._scaled_step = False  # the last step was driven by a GradScaler
+        self.last_step: Optional[StepResult] = None
+        self._consolidated: Optional[dict[str, Any]] = None
+        self._restoring = restore is not None
+        self._engine = make_engine(process_group)
+        if restore is not None:
+            restore.check(self._engine)
+        groups = checked_groups(params, defaults, self._describe)  # every group, before anything changes
+        device = devices.parameters_device(groups)
+        devices.check_current_device(self._engine, device, exchange=restore is None)  # before any other exchange
+        self._pipeline = pipeline_class(self.options.stage)(
+            self._engine, self.options, impl=impl, module=module, comm_dtype=self.communication_data_type
+        )
+        self._pipeline.device = device
+        self._pipeline.step_counts.on_settle = self._account
+        super().__init__(groups, defaults)
+        if not self._restoring:
+            agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
+        self._restoring = False
+        self.state = ShardedState(self._pipeline, self._params)
+        self._update_sync()
+        held = {id(p) for g in self.param_groups for p in g["params"]}
+        self._held_names = {n: i for i, n in self._names.items() if i in held}
+        live.register(self)
+        torch_clip.install()
+        guards.watch(self, module)
+
+    @property
+    def state(self) -> Any:
+        """AdamW's per-parameter state as views of this rank's shards (``state_view``)."""
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        """``opt.state = {}`` (or ``defaultdict(dict)``) resets every parameter's state, as with AdamW."""
+        current = self.__dict__.get("_state")
+        if isinstance(current, ShardedState) and value is not current:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"opt.state must be set to a dict, not a {type(value).__name__}")
+            current.replace(value)
+        else:
+            self.__dict__["_state"] = value  # torch's constructor, then _build
+
+    # ---------------------------------------------------------------- param groups
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _describe(self, p: torch.Tensor, names: Mapping[int, str]) -> str:
+        name = self._names.get(id(p)) or names.get(id(p))
+        return f"parameter {name!r}" if name else f"a parameter of shape {tuple(p.shape)}"
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group (checked like torch's); its parameters join the sharded buffers.
+
+        Args:
+            param_group: ``{"params": [...], **hyper-parameter overrides}``.
+        """
+        previous = [(g["params"], "param_names" in g) for g in self.param_groups]
+        check_group(param_group, len(self.param_groups), previous, self.defaults, self._describe)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            first = sum(len(g["params"]) for g in self.param_groups[:-1])
+            indices = list(range(first, first + len(group["params"])))
+            if not self._restoring:
+                g = len(self.param_groups) - 1
+                agreement.check_optimizer(self, f"adding param group {g}", group=g, names=self._names)
+                agreement.check_replicated(self._engine, group["params"], indices, self._param_name)
+            self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
+        except Exception:
+            self.param_groups.pop()  # the pipeline checks before it changes anything
+            raise
+        if group["amsgrad"]:
+            self._pipeline.allocate_max_exp_avg_sq(len(self.param_groups) - 1)
+
+    def _param_name(self, index: int) -> str:
+        i = index
+        for g, group in enumerate(self.param_groups):
+            if i < len(group["params"]):
+                name = self._names.get(id(group["params"][i])) or (group.get("param_names") or [None] * (i + 1))[i]
+                return f"parameter {index} ({name!r}, group {g})" if name else f"parameter {index} (group {g})"
+            i -= len(group["params"])
+        return f"parameter {index}"
+
+    # ---------------------------------------------------------------- training loop
+    def _update_sync(self) -> None:
+        last_micro = self._micro_step == self.gradient_accumulation_steps - 1
+        self._pipeline.sync_enabled = last_micro and self._no_sync_depth == 0
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside communicates."""
+        self._no_sync_depth += 1
+        self._update_sync()
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+            self._update_sync()
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The stage pipeline that owns the flat buffers, the shards and the per-parameter step counts.
+
+        An advanced, read-only accessor for code that works on the sharded layout itself, such as
+        ``zero_kernels.checkpoint``; training code needs only the optimizer's own methods.
+        """
+        return self._pipeline
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without fp16 loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(loss * loss_scale).backward(**kwargs)``: the fp16 way to run backward.
+
+        Args:
+            loss: the scalar loss of this micro-step.
+            **kwargs: passed to ``Tensor.backward``.
+        """
+        (loss * self.loss_scale).backward(**kwargs)
+
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler passes itself to step() (see ``amp``)
+
+    @property
+    def micro_step(self) -> int:
+        """Micro-steps taken in the current ``gradient_accumulation_steps`` window (0 at a window's start)."""
+        return self._micro_step
+
+    @micro_step.setter
+    def micro_step(self, value: int) -> None:
+        """Where a resumed window continues (``zero_kernels.checkpoint`` sets it)."""
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.gradient_accumulation_steps:
+            raise ValueError(f"micro_step must be in 0..{self.gradient_accumulation_steps - 1}, got {value!r}")
+        self._micro_step = value
+        self._update_sync()
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler: Any = None) -> Optional[float]:
+        """One optimizer step (or one accumulation micro-step, see the module docstring).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+            grad_scaler: the ``torch.amp.GradScaler`` of ``scaler.step(opt)``, which passes it (see ``amp``).
+        """
+        scaled = amp.begin(grad_scaler, self)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._micro_step += 1
+        if self._micro_step < self.gradient_accumulation_steps:
+            self._update_sync()
+            return loss
+        self._micro_step = 0
+        self._follow_replaced_params()
+        hyper = [self._hyper(g) for g in self.param_groups]
+        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        multiplier = self._take_clip(scaled)
+        if scaled is not None and scaled.multiplier is not None:
+            multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
+        self._consolidated = None  # the state is about to change
+        check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps or scaled is not None
+        self._pipeline.settle()  # the last step's outcome is accounted as that step's
+        self._scaled_step = scaled is not None
+        self.last_step = self._pipeline.step(
+            hyper, grad_scale=scale, clip_coef=multiplier, max_grad_norm=self.max_grad_norm, check_finite=check_finite
+        )
+        if scaled is not None:
+            scaled.record(self, self.last_step.skip_flag)
+        self._update_sync()
+        return loss
+
+    def _take_clip(self, scaled: Optional[amp.ScaledStep]) -> Optional[torch.Tensor]:
+        """The coefficient ``clip_grad_norm_`` asked for (None: none), its norm corrected for a GradScaler."""
+        request, self._clip = self._clip, None
+        if request is None:
+            return None
+        norm, max_norm, scale_known = request
+        if scaled is not None and not scale_known:
+            norm = amp.correct_clip(norm, scaled, self)
+        return torch.where(torch.isfinite(norm), clip_coef(norm, max_norm), 1.0)
+
+    def _account(self, result: StepResult) -> None:
+        """A step's outcome, once known (``Pipeline.settle``): count a skipped step, update the loss scale."""
+        scaler = self._loss_scaler
+        if result.skipped and scaler is not None:
+            log.info("zero_kernels: fp16 overflow at loss scale %g: step skipped", scaler.scale)
+        elif result.skipped and self._scaled_step:
+            log.info("zero_kernels: inf/NaN gradients under torch.amp.GradScaler: step skipped")
+        elif result.skipped:
+            log.warning(
+                "zero_kernels: step skipped on every rank: some gradient is inf or NaN (%d steps skipped so far; "
+                "skip_nonfinite_steps=False applies such gradients)",
+                self._skipped_steps + 1,
+            )
+        self._skipped_steps += int(result.skipped)
+        if scaler is not None:
+            scaler.update(result.skipped)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps that updated nothing because some gradient was inf/NaN on some rank."""
+        self._pipeline.settle()
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = int(value)
+
+    @property
+    def loss_scaler(self) -> Optional[LossScaler]:
+        """The fp16 loss-scale state (None without fp16), the last step's overflow accounted for."""
+        if getattr(self, "_pipeline", None) is not None:
+            self._pipeline.settle()
+        return self._loss_scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, value: Optional[LossScaler]) -> None:
+        self._loss_scaler = value
+
+    def _hyper(self, g: Mapping[str, Any]) -> GroupHyper:
+        b1, b2 = (float(b) for b in g["betas"])
+        return GroupHyper(
+            float(g["lr"]), b1, b2, float(g["eps"]), float(g["weight_decay"]), self.adam_w_mode,
+            amsgrad=bool(g.get("amsgrad", False)), maximize=bool(g.get("maximize", False)),
+        )  # fmt: skip
+
+    def _follow_replaced_params(self) -> None:
+        """Re-adopt parameters whose ``.data`` was replaced since the last step (see ``stages.adopt``)."""
+        module = self._pipeline.module
+        if module is not None:
+            adopt.check_module_params(module, self._held_names, self._pipeline.name_of)
+        adopt.follow_replaced(self._pipeline, self._pipeline.name_of)
+        adopt.check_unfrozen(self.param_groups, self._pipeline.has_grad, self._param_name)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global norm of this step's gradients to ``max_norm`` (applied by the next ``step()``).
+
+        What ``torch.nn.utils.clip_grad_norm_`` does for a plain optimizer, for gradients that live in
+        shards: the norm is taken over the reduced gradients of every rank (a collective: call it on
+        every rank, after the last backward of the step and before ``step()``). Once this optimizer
+        exists, ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` calls this (see
+        ``torch_clip``).
+
+        Args:
+            max_norm: the largest global L2 norm the gradients may have; ``inf`` only measures it.
+            norm_type: 2 (the only norm supported).
+
+        Returns:
+            The global norm before clipping, as a 0-d float32 tensor.
+        """
+        _check_max_norm(max_norm)
+        norm = self._grad_norm(norm_type, "clip_grad_norm_")
+        self._clip_with_norm(max_norm, norm)
+        return norm.float()
+
+    def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
+        """The global norm of this step's reduced gradients, a 0-d float64 tensor (a collective; no clipping)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"{what}: norm_type must be 2, got {norm_type!r}")
+        if self._micro_step + 1 < self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"{what} on accumulation micro-step {self._micro_step + 1} of "
+                f"{self.gradient_accumulation_steps}: the gradients are complete only before the step that "
+                "updates; call it there, or set max_grad_norm"
+            )
+        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        factor, _ = amp.clip_factor(self)
+        return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale)
+
+    def _clip_with_norm(self, max_norm: float, norm: Union[float, torch.Tensor]) -> None:
+        """The next step scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` (a non-finite norm: 1),
+        ``norm`` corrected there when it was measured before a GradScaler was known (``amp``)."""
+        _check_max_norm(max_norm)
+        _, scale_known = amp.clip_factor(self)
+        self._clip = (torch.as_tensor(norm, dtype=torch.float64), float(max_norm), scale_known)
+        self._pipeline.clipped = math.isfinite(float(max_norm))  # a later gradient of this step is refused
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.
+
+        Not needed between steps: ``step()`` clears the gradient state the optimizer keeps for itself,
+        so a loop that calls only ``model.zero_grad()`` trains the same (see ``stages.grad_state``).
+
+        Args:
+            set_to_none: drop the gradients (``p.grad = None``) instead of zeroing them.
+        """
+        if self._micro_step != 0:
+            return
+        self._clip = None
+        self._pipeline.zero_grad(set_to_none)
+
+    def gathered_params(self) -> contextlib.AbstractContextManager:
+        """Full parameters inside the block (stage 3 gathers them; stages 0-2 always have them)."""
+        return self._pipeline.gathered_params()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, measured from the storages: ``params``, ``grads`` and ``optimizer``
+        state (the model states of DESIGN.md's formula), and ``buffers``, the idle gradient buckets
+        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets)."""
+        held = self._pipeline.memory_tensors()
+        params = [p for g in self.param_groups for p in g["params"]]
+        return {
+            "params": storage_bytes(held["params"] + params),
+            "grads": storage_bytes(held["grads"] + [p.grad for p in params]),
+            "optimizer": storage_bytes(held["optimizer"]),
+            "buffers": storage_bytes(held["buffers"]),
+        }
+
+    # ---------------------------------------------------------------- state dicts
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the state (reload with the same world size, stage and model); on the
+        rank given to ``consolidate_state_dict(to=...)``, the whole state it gathered, until the next
+        step or load. Registered state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        if self._consolidated is not None:
+            groups = optim_state.full_groups(self)
+            state_dict = {"state": {**self._consolidated, **self.state.extra}, "param_groups": groups}
+        else:
+            state_dict = optim_state.sharded(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole state in ``torch.optim.AdamW``'s layout (a collective: call it on every rank)."""
+        return optim_state.full(self)
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state (AdamW's layout) on rank ``to``, as ``ZeroRedundancyOptimizer`` does:
+        a collective, call it on every rank; then ``state_dict()`` on rank ``to`` returns it (until the
+        next step or load). The other ranks hold one flat buffer of it at a time, and keep nothing.
+
+        Args:
+            to: the rank (in this optimizer's process group) that receives the state.
+        """
+        world = self._engine.world_size
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
+            raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of this process group (0..{world - 1})")
+        keep = self._engine.rank == to
+        state = zstate.gather_full_state(self._pipeline, keep=keep)
+        self._consolidated = state if keep else None
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()`` (same world size and stage) or ``full_state_dict()``/AdamW's (any).
+
+        Registered load-state-dict hooks run as in ``torch.optim.Optimizer.load_state_dict`` (the pre
+        hooks get a shallow copy and may return a replacement).
+
+        Args:
+            state_dict: a sharded or a full state; checked against this optimizer's parameters
+                before anything changes (errors name the first mismatching parameter).
+        """
+        if not isinstance(state_dict, Mapping):
+            kind = type(state_dict).__name__
+            raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', not a {kind}")
+        state_dict = dict(state_dict)
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._follow_replaced_params()  # model.to(...) copies: load into what the model reads
+        optim_state.load(self, state_dict)
+        self._consolidated = None
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ---------------------------------------------------------------- copies
+    def __getstate__(self) -> dict[str, Any]:
+        """For pickle and ``torch.save(opt)``: a snapshot of this rank's part (see ``optim.copies``)."""
+        return optim_copy.snapshot(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild from ``__getstate__``'s snapshot on the same rank of a same-size process group: the settings,
+        then engine, pipeline and param groups as at construction, then this rank's shards."""
+        optim_copy.check(state)
+        for key, value in optim_copy.settings(state).items():
+            setattr(self, key, value)
+        groups = optim_copy.param_groups(state)
+        self._build(groups, state["defaults"], module=state["module"], process_group=state["process_group"],
+                    impl=state["impl"], restore=state["origin"])  # fmt: skip
+        params = [p for g in groups for p in g["params"]]
+        self._names.update({id(p): n for p, n in zip(params, state["names"]) if n is not None})
+        optim_copy.load_shards(self, state)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
+        return optim_copy.deep_copy(self, memo)
+
+
+def _check_max_norm(max_norm: Any) -> None:
+    if not max_norm >= 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm!r}")
+
+
+def _the_module(params_or_module: Any, module: Optional[nn.Module]) -> Optional[nn.Module]:
+    """The model: ``params_or_module`` when it is one, else ``module`` (both given: they must agree)."""
+    if module is not None and not isinstance(module, nn.Module):
+        raise ValueError(f"module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(params_or_module, nn.Module):
+        return module
+    if module is not None and module is not params_or_module:
+        raise ValueError("module= names another model than the one passed as params_or_module; pass one of them")
+    return params_or_module

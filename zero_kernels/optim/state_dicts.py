@@ -1,0 +1,221 @@
+"""State dicts of ``ShardedFusedAdam``: build them, check them, load them; and the snapshot that
+``copy.deepcopy`` and pickle carry.
+
+Two layouts, told apart by the ``zero_kernels.sharded`` key:
+
+- sharded (``state_dict()``): ``state`` maps each flat buffer's index to this rank's fp32 shards;
+  it reloads only with the same stage, world size, bucket size and model. Where every rank holds
+  the whole state (stage 0, or one rank) ``state_dict()`` is the full layout instead, which
+  ``torch.optim.AdamW`` loads too, with ``master`` (the fp32 master of bf16/fp16 parameters) in each
+  entry and the loss scale under the ``zero_kernels.sharded`` key.
+- full (``full_state_dict()``, ``consolidate_state_dict``, ``torch.optim.AdamW``'s): ``state`` maps
+  each parameter's index to AdamW's entry (``step``, ``exp_avg``, ``exp_avg_sq``, with AMSGrad
+  ``max_exp_avg_sq``, and for bf16/fp16 parameters their fp32 ``master``, an extra key AdamW keeps
+  and ignores), shaped like the parameter; it loads at any stage and world size.
+
+Both number parameters as torch does (a parameter listed twice keeps its first index) and keep the
+keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading
+replaces each param group by the saved one as torch does (``param_names``, ``initial_lr``,
+``amsgrad``...; ``amsgrad``/``maximize`` absent from an older state: False, AdamW's defaults),
+except for AdamW's implementation flags and ``decoupled_weight_decay``, which this optimizer fixes.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..stages import state_door as zstate
+from .args import ALGORITHM_FLAGS, IMPLEMENTATION_FLAGS, check_flags
+
+if TYPE_CHECKING:
+    from .optimizer import ShardedFusedAdam
+
+FORMAT = "zero_kernels.sharded"
+KEEP_OWN = (*IMPLEMENTATION_FLAGS, "decoupled_weight_decay")  # group keys a load does not change
+_ADAMW_GROUP_KEYS = {**ALGORITHM_FLAGS, **IMPLEMENTATION_FLAGS}
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+def groups_for_save(param_groups: list[dict[str, Any]], extra: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The groups with parameter indices as ``torch.optim.Optimizer.state_dict`` numbers them; ``extra``
+    fills keys a group lacks."""
+    index: dict[int, int] = {}
+    start, out = 0, []
+    for group in param_groups:
+        saved = {k: v for k, v in group.items() if k != "params"}
+        for k, v in extra.items():
+            saved.setdefault(k, v)
+        index.update({id(p): i for i, p in enumerate(group["params"], start) if id(p) not in index})
+        saved["params"] = [index[id(p)] for p in group["params"]]
+        start += len(group["params"])
+        out.append(saved)
+    return out
+
+
+def sharded(opt: "ShardedFusedAdam") -> dict[str, Any]:
+    """This rank's shard of the state (copies) and the metadata that checks a reload; the whole state in
+    AdamW's layout where this rank holds all of it (``whole``)."""
+    pipeline = opt.pipeline
+    if pipeline.num_shards == 1:
+        return whole(opt)
+    return {
+        "state": {**dict(enumerate(zstate.shard_state(pipeline))), **opt.state.extra},
+        "param_groups": groups_for_save(opt.param_groups, {}),
+        FORMAT: {
+            "layout": zstate.layout_signature(pipeline),
+            "steps": dict(pipeline.steps),
+            "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+            "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
+        },
+    }
+
+
+def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
+    """The state of a rank that holds all of it, in AdamW's layout (no communication): each entry also
+    holds ``master`` for bf16/fp16 parameters; the loss scale rides under ``FORMAT``."""
+    pipeline = opt.pipeline
+    state = zstate.gather_full_state(pipeline)  # with "master" of low-precision parameters
+    return {
+        "state": {**state, **opt.state.extra},
+        "param_groups": full_groups(opt),
+        FORMAT: {
+            "whole": True,
+            "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+            "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
+        },
+    }
+
+
+def full_groups(opt: "ShardedFusedAdam") -> list[dict[str, Any]]:
+    """The param groups as ``torch.optim.AdamW`` saves them (every AdamW key present)."""
+    groups = groups_for_save(opt.param_groups, _ADAMW_GROUP_KEYS)
+    for group in groups:
+        group["decoupled_weight_decay"] = opt.adam_w_mode
+    return groups
+
+
+def full(opt: "ShardedFusedAdam") -> dict[str, Any]:
+    """The whole state in AdamW's layout (a collective: every rank calls it)."""
+    state = zstate.gather_full_state(opt.pipeline)
+    return {"state": {**state, **opt.state.extra}, "param_groups": full_groups(opt)}
+
+
+# ---------------------------------------------------------------- loading
+def _is_index(key: Any) -> bool:
+    return isinstance(key, int) and not isinstance(key, bool)
+
+
+def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
+    """Check ``state_dict`` against ``opt`` (nothing changes on an error), then load it."""
+    meta = state_dict.get(FORMAT)
+    is_sharded = meta is not None and not meta.get("whole")
+    saved_groups = _check_groups(opt, state_dict)
+    state = state_dict["state"]
+    if is_sharded:
+        _check_sharded(opt, state_dict[FORMAT])
+        count = len(opt.pipeline.buffers)
+        missing = [i for i in range(count) if i not in state]
+        if missing:
+            raise ValueError(f"load_state_dict: the sharded state lacks buffer {missing[0]} (of {count})")
+        entries = {i: state[i] for i in range(count)}
+    else:
+        entries = {k: v for k, v in state.items() if _is_index(k)}
+        _check_full(opt, entries)
+    extra = {k: v for k, v in state.items() if k not in entries}
+    for group, saved in zip(opt.param_groups, saved_groups):
+        _adopt(group, saved)
+    pipeline = opt.pipeline
+    if is_sharded:
+        zstate.load_shard_state(pipeline, [entries[i] for i in range(len(entries))])
+        pipeline.steps.update({int(k): int(v) for k, v in meta["steps"].items()})
+    else:
+        zstate.scatter_full_state(pipeline, entries)
+        _load_masters(pipeline, entries)
+    if opt.loss_scaler is not None and meta is not None and meta.get("loss_scaler") is not None:
+        opt.loss_scaler.load_state_dict(meta["loss_scaler"])
+    opt.state.extra = dict(extra)
+
+
+def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
+    """The fp32 masters a ``whole`` state carries, into this rank's part of the master shards."""
+    for piece in zstate.load_pieces(pipeline):
+        entry = entries.get(piece.index)
+        if "master" in piece.state and entry is not None and "master" in entry:
+            piece.state["master"].copy_(entry["master"].reshape(-1).narrow(0, piece.start, piece.numel))
+
+
+def _adopt(group: dict[str, Any], saved: dict[str, Any]) -> None:
+    """``group`` becomes the saved one, as torch's load does (absent flags: AdamW's defaults), keeping its
+    parameters, its implementation flags and, when the saved group has none, its ``param_names``."""
+    new = {k: v for k, v in saved.items() if k != "params" and k not in KEEP_OWN}
+    for key, default in ALGORITHM_FLAGS.items():
+        new.setdefault(key, default)
+    new.update({k: group[k] for k in (*KEEP_OWN, "params") if k in group})
+    if "param_names" in group and "param_names" not in new:
+        new["param_names"] = group["param_names"]
+    group.clear()
+    group.update(new)
+
+
+def _check_groups(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Group count and sizes as here; returns a deep copy of the saved groups (as torch does)."""
+    saved = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    if not isinstance(saved, list) or "state" not in state_dict:
+        raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups'")
+    if len(saved) != len(opt.param_groups):
+        raise ValueError(
+            f"load_state_dict: the state has {len(saved)} param groups, this optimizer {len(opt.param_groups)}"
+        )
+    for g, (mine, theirs) in enumerate(zip(opt.param_groups, saved)):
+        if len(mine["params"]) != len(theirs["params"]):
+            raise ValueError(
+                f"load_state_dict: param group {g} has {len(theirs['params'])} parameters in the state "
+                f"but {len(mine['params'])} here"
+            )
+        missing = [k for k in _HYPER if k not in theirs]
+        if missing:
+            raise ValueError(f"load_state_dict: param group {g} of the state lacks {', '.join(missing)}")
+        check_flags({k: v for k, v in theirs.items() if k in ALGORITHM_FLAGS}, f"load_state_dict: param group {g}")
+    return copy.deepcopy(saved)
+
+
+def _check_shapes(opt: "ShardedFusedAdam", shapes: Mapping[int, tuple]) -> None:
+    here = [tuple(opt.pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]]
+    for index in sorted(shapes):
+        if not 0 <= index < len(here) or here[index] != tuple(shapes[index]):
+            mine = here[index] if 0 <= index < len(here) else "no such parameter"
+            raise ValueError(
+                f"load_state_dict: {opt._param_name(index)} has shape {tuple(shapes[index])} in the state "
+                f"but {mine} here: the state comes from another model"
+            )
+
+
+def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> None:
+    trainable = {i for buf in opt.pipeline.buffers for i in buf.indices}
+    shapes = {}
+    for key, entry in entries.items():
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
+        if missing:
+            raise ValueError(f"load_state_dict: state[{key!r}] lacks {', '.join(missing)} (AdamW layout expected)")
+        for name in ("exp_avg_sq", "max_exp_avg_sq", "master"):
+            if name in entry and tuple(entry[name].shape) != tuple(entry["exp_avg"].shape):
+                raise ValueError(f"load_state_dict: state[{key!r}]['{name}'] is not shaped like its exp_avg")
+        shapes[key] = tuple(entry["exp_avg"].shape)
+    _check_shapes(opt, shapes)
+    frozen = sorted(set(shapes) - trainable)
+    if frozen:
+        raise ValueError(f"load_state_dict: {opt._param_name(frozen[0])} has state but is frozen here")
+
+
+def _check_sharded(opt: "ShardedFusedAdam", meta: Mapping[str, Any]) -> None:
+    _check_shapes(opt, dict(enumerate(meta["shapes"])))
+    if len(meta["shapes"]) != sum(len(g["params"]) for g in opt.param_groups):
+        raise ValueError("load_state_dict: the state holds a different number of parameters")
+    if meta["layout"] != zstate.layout_signature(opt.pipeline):
+        stage, world, _ = meta["layout"]
+        raise ValueError(
+            f"load_state_dict: this sharded state was saved by stage {stage} on {world} ranks with another "
+            f"layout (here: stage {opt.pipeline.stage}, {opt.pipeline.world_size} ranks, "
+            f"reduce_bucket_size {opt.options.reduce_bucket_size}); use full_state_dict() to change them"
+        )

@@ -1,0 +1,206 @@
+"""The backward round of a pipeline: gradients reported by their hooks, moved into the stage's buffers,
+and reduced bucket by bucket, in the same order on every rank (see ``stages.base`` for the phases).
+
+``BackwardRound`` is the half of ``Pipeline`` that runs during ``loss.backward()``; the pipeline's
+constructor sets the state it uses (``where``, ``buffers``, ``has_grad``, the launch order and the
+collectives in flight) and the stages override ``_consume_grad``, ``_launch_bucket`` and
+``_before_step``. ``grad_hook`` is the post-accumulate-grad hook every trainable parameter gets;
+``owners`` says which pipeline handles a parameter (the one built last).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from ..comm.handles import Handle
+from . import grad_state, refusals
+from .buffers import FlatBuffer, Inflight
+from .layout import Bucket
+
+owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
+
+
+def grad_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        pipeline = ref()
+        if pipeline is not None and owners.get(id(param)) is ref:
+            pipeline._on_grad_ready(param)
+
+    return hook
+
+
+class BackwardRound:
+    """The backward half of ``Pipeline`` (a base class of it; see the module docstring)."""
+
+    @property
+    def sync_enabled(self) -> bool:
+        """Whether a backward reduces its gradients (False under ``no_sync`` and on accumulation micro-steps)."""
+        return self._sync_enabled
+
+    @sync_enabled.setter
+    def sync_enabled(self, value: bool) -> None:
+        """Turned off after a synchronised backward of this step (``no_sync`` entered then), what the next backward
+        passes leave in ``p.grad`` is owed one more round of reduction, at the step unless a synchronised backward
+        comes first; every rank owes it, the ``no_sync`` pattern being the same on every rank."""
+        if self._sync_enabled and not value and self._synced:
+            self._owed = True
+            self._grads_final = False
+        self._sync_enabled = value
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        self._check_dense(p)
+        self.window_open = True
+        b, slot = self.where[id(p)]
+        buf = self.buffers[b]
+        index = buf.index_of(slot)
+        self.has_grad[index] = True
+        self._note_gradient(index, p)
+        if not self.sync_enabled:
+            if self.grads_in_p_grad:  # p.grad views grad_flat: the next reduction of its bucket takes it
+                self._consume_grad(buf, slot, p)
+            return
+        first = self._first_report(b, slot, p)
+        if first is None:
+            self._drop_grad(buf, slot, p)
+            return
+        if not first:
+            self._add_grad(buf, slot, p)
+            return
+        self._consume_grad(buf, slot, p)
+        for k in buf.layout.slot_buckets[slot]:
+            buf.pending[k] -= 1
+        self._launch_ready()
+
+    def _first_report(self, b: int, slot: int, p: torch.Tensor) -> Optional[bool]:
+        """Open the round if needed; False when ``p`` already reported in it, None when it cannot be taken.
+
+        A parameter used in several segments of reentrant activation checkpointing
+        (``torch.utils.checkpoint(..., use_reentrant=True)``) gets its gradient once per segment,
+        each a backward of its own. A repeated gradient is added to the first while the parameter's
+        buckets wait; once one of them has been reduced it cannot be: refused (``refusals``: whether
+        the bucket was reduced already depends on this rank's data, so every rank raises at the step).
+        """
+        if not self._round_open:
+            self._round_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+        if (b, slot) not in self._reported:
+            self._reported.add((b, slot))
+            return True
+        launched = set(self._launch_order[: self._next_launch])
+        if self.reduces_in_backward and any((b, k) in launched for k in self.buffers[b].layout.slot_buckets[slot]):
+            buf = self.buffers[b]
+            self._refuse(refusals.SECOND_GRADIENT, buf.index_of(slot), p)
+            return None
+        return False
+
+    def _refuse(self, kind: int, index: int, p: torch.Tensor) -> None:
+        """Problem ``kind`` with parameter ``p`` (optimizer index ``index``): raised now on one rank, else recorded
+        and raised by the step on every rank (``refusals``)."""
+        if self.world_size == 1:
+            raise RuntimeError(refusals.describe(kind, self.stage, self.name_of(p)))
+        self.refusals.record(kind, index)
+
+    def _note_gradient(self, index: int, p: torch.Tensor) -> None:
+        """A gradient arrives: one after ``finish_grad_sync`` makes the step finish again, one after
+        ``clip_grad_norm_`` is refused (``refusals``)."""
+        self._grads_final = False
+        if self.clipped:
+            self._refuse(refusals.AFTER_CLIP, index, p)
+
+    def _drop_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """A gradient refused (``_first_report``): the step raises; default (stage 0): it stays in ``p.grad``."""
+
+    def _add_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """A repeated gradient of ``p`` in this round, its buckets not yet reduced (``_first_report``).
+
+        Default (stages 0 and 1): ``p.grad`` views ``grad_flat`` and autograd added to it in place, or
+        replaced it by the sum: ``_consume_grad`` keeps the sum."""
+        self._consume_grad(buf, slot, p)
+
+    def _check_dense(self, p: torch.Tensor) -> None:
+        if p.grad.layout != torch.strided:
+            b, slot = self.where[id(p)]
+            index = self.buffers[b].index_of(slot)
+            raise RuntimeError(
+                "ShardedFusedAdam does not support sparse gradients, please consider SparseAdam instead "
+                f"(parameter {index}, shape {tuple(p.shape)}, has a {p.grad.layout} gradient)"
+            )
+
+    def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
+        """Default (stages 0 and 1): make ``p.grad`` a view of ``grad_flat`` holding its value."""
+        s = buf.layout.slots[slot]
+        view = buf.grad_flat.narrow(0, s.offset, s.numel).view(s.shape)
+        if p.grad is not view and (p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape):
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _launch_ready(self, flush: bool = False) -> None:
+        while self._next_launch < len(self._launch_order):
+            b, k = self._launch_order[self._next_launch]
+            buf = self.buffers[b]
+            if buf.pending[k] > 0 and not flush:
+                return
+            if buf.pending[k] > 0:
+                self._take_unreported(b, buf.layout.buckets[k])
+                grad_state.zero_dropped_grads(buf, buf.layout.buckets[k])
+            self._launch_bucket(buf, buf.layout.buckets[k])
+            self._next_launch += 1
+            self._complete_inflight(keep=self.max_inflight)
+
+    def _take_unreported(self, b: int, bucket: Bucket) -> None:
+        """Before ``bucket`` is reduced at the end of a round: gradients in ``p.grad`` of parameters that did not
+        report in it (an earlier backward under ``no_sync`` gave them one, this one none) join it."""
+        buf = self.buffers[b]
+        for slot in bucket.slots:
+            p = buf.params[buf.layout.slots[slot].param]
+            if p.grad is not None and (b, slot) not in self._reported:
+                self._check_dense(p)
+                self._reported.add((b, slot))
+                self._consume_grad(buf, slot, p)
+
+    def _launch_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        """Start reducing ``bucket``'s gradients (``self._track`` the collective); default: at the step."""
+
+    def _end_round(self) -> None:
+        self._launch_ready(flush=True)
+        self._complete_inflight()  # a next backward accumulates into p.grad: stage 0 reduces it in place
+        self._round_open = False
+        self._synced = True
+        self._owed = False  # the round took every gradient in p.grad
+        self._next_launch = 0
+        self._reported.clear()
+        for buf in self.buffers:
+            self._reset_pending(buf)
+
+    def _reset_pending(self, buf: FlatBuffer) -> None:
+        buf.pending = [sum(1 for _ in k.slots) for k in buf.layout.buckets]
+
+    def _sync_manual_grads(self) -> None:
+        """A synchronisation round at the step for gradients no hook consumed (set by hand, or no_sync)."""
+        for buf in self.buffers:
+            for slot_index, slot in enumerate(buf.layout.slots):
+                p = buf.params[slot.param]
+                if p.grad is not None:
+                    self._check_dense(p)
+                    self.has_grad[buf.index_of(slot)] = True
+                    self._consume_grad(buf, slot_index, p)
+        self._end_round()
+
+    def _track(self, handle: Optional[Handle], epilogue: Optional[Callable[[], None]] = None, held: tuple = ()) -> None:
+        """Remember a collective just issued (None: nothing was issued) until it is completed."""
+        if handle is not None:
+            self._inflight.append(Inflight(handle, epilogue, held))
+
+    def _complete_inflight(self, keep: int = 0) -> None:
+        """Complete the oldest collectives, in issue order, until at most ``keep`` are in flight."""
+        while len(self._inflight) > keep:
+            op = self._inflight.pop(0)
+            op.handle.wait()
+            if op.epilogue is not None:
+                op.epilogue()
+
+    def _before_step(self) -> None:
+        """Finish the reduction of gradients into ``grad_shard`` (stage 1 reduces here)."""

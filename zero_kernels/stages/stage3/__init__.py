@@ -1,0 +1,14 @@
+"""ZeRO stage 3: parameters gathered per module just before use and freed after.
+
+``pipeline`` (the stage-3 pipeline and its buffers), ``plan`` (which parameters a module gathers),
+``hooks`` (the forward/backward hooks that gather and free), ``uses`` and ``guard`` (reads of a freed
+parameter caught), ``check`` (ranks gather the same thing), ``save`` (full weights out), and
+``model_hints`` (leaf modules and external parameters the module tree does not say).
+"""
+
+from __future__ import annotations
+
+from .model_hints import register_external_parameter, set_leaf_modules
+from .pipeline import Stage3Buffer, Stage3Pipeline
+
+__all__ = ["Stage3Buffer", "Stage3Pipeline", "register_external_parameter", "set_leaf_modules"]

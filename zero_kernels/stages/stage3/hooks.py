@@ -1,0 +1,490 @@
+"""When stage 3 gathers, frees, prefetches and reduces: module hooks driving abstract parameter units.
+
+This module decides *when*; how a unit's parameters are laid out, gathered and reduced belongs to
+the unit object (see ``Unit``). A unit owns a disjoint set of parameters; which units a module
+needs comes from ``stage3.plan``: the units of the parameters it holds directly (several with
+weight tying), of its external parameters (``model_hints.register_external_parameter``), and for a
+leaf module (``model_hints.set_leaf_modules``) those of its whole subtree; a leaf's sub-modules get
+no hooks. The plan is read again at the start of a forward whenever a hint changed.
+
+Schedule, per module ``m`` that needs units (the root always runs these hooks):
+
+- forward pre-hook: gather ``m``'s units (wait for them), then start gathers of the units that come
+  next in the previous forward's order: at least the next one, and more while they fit in
+  ``prefetch_numel`` elements (0 disables prefetch). The gathers started together are one *batch*:
+  ``check(batch, phase, deferred)`` runs before any of them is issued (stage 3 checks there that every
+  rank gathers the same units; ``deferred`` when the pass follows the previous pass of its kind, see
+  ``Check``). With autograd recording, ``m``'s inputs are watched for the end of its backward
+  (``stage3.uses``);
+- forward post-hook: free ``m``'s units once no running module uses them; when autograd records
+  the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
+  again (before ``m``'s backward runs), prefetching along the previous backward's order;
+- once the backward of every forward use of a unit has ended (``stage3.uses``: a point that does not
+  depend on which of its parameters got a gradient on this rank), ``reduce_grads()`` the unit and
+  free it; a parameter's gradient arriving after that raises;
+- end of backward (an autograd-engine callback): units not reduced yet are reduced then, in unit
+  order, and everything still gathered is freed.
+
+So every rank issues the same collectives in the same order whatever its data, as long as every
+rank runs the same modules in the same order (a leaf module hides what its data chooses inside it).
+
+A freed parameter is marked (``stage3.guard``): an operation on it inside a module's forward gathers
+its unit for that module from then on (an external parameter found by use, logged once); outside
+any forward it raises an error that says how to read it, as does an operation on what its
+``.data`` or ``detach()`` gave while it was freed (an empty tensor, wherever it is used). Hooks are run eagerly under
+``torch.compile`` (a graph break around each), so compiled module bodies see gathered parameters.
+
+Persistent units are never gathered or freed here (they stay full); their gradients are reduced
+like any other's. ``hold()`` keeps every unit gathered until ``release()`` (``gathered_params``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..grad_state import second_gradient
+from . import guard as guard
+from . import model_hints
+from .plan import ModulePlan, plan
+from .uses import UseTracker, grad_tensors
+
+log = logging.getLogger("zero_kernels")
+
+_FREE, _IN_FLIGHT, _READY = "free", "in-flight", "ready"
+
+
+class Unit(Protocol):
+    """The parameters the scheduler gathers, frees and reduces together."""
+
+    params: Sequence[nn.Parameter]  # owned parameters; no parameter belongs to two units
+    numel: int  # elements one gather brings in; counted against the prefetch budget
+    persistent: bool  # always gathered: the scheduler never gathers nor frees it
+
+    def start_gather(self) -> None:
+        """Issue the gather of the full parameters (may return before it completes)."""
+
+    def finish_gather(self) -> None:
+        """Wait for the gather started last and give each parameter its full value."""
+
+    def free(self) -> None:
+        """Drop the full parameters (each keeps its ``Parameter`` object)."""
+
+    def reduce_grads(self) -> None:
+        """Reduce the gradients of the parameters into this rank's shard; a missing ``.grad`` is no gradient."""
+
+
+Check = Callable[[list[int], str, bool], None]
+"""``check(batch, phase, deferred)``: the units about to be gathered, "forward" | "backward" | ..., and whether
+the batch belongs to a pass that so far follows the previous pass of its kind, which every rank checked: the
+check may then be folded into a later exchange. The first pass of each kind after the plan was (re)read,
+passes that leave the previous order and gathers outside a pass are not deferred."""
+
+
+class _Pass:
+    """Order of unit uses in one forward or backward pass, and the order expected from the last one."""
+
+    def __init__(self) -> None:
+        self.expected: list[int] = []
+        self.recorded: list[int] = []
+        self.on_track = True
+        self.seen = False  # a pass of this kind has ended since the plan was read: ``expected`` is its order
+
+    def begin(self, guess: Optional[list[int]] = None) -> None:
+        if guess is not None and not self.expected:
+            self.expected = guess
+        self.recorded = []
+        self.on_track = True
+
+    def record(self, index: int) -> list[int]:
+        """Record a use of unit ``index``; return the units expected to follow (empty once off track)."""
+        pos = len(self.recorded)
+        self.recorded.append(index)
+        self.on_track = self.on_track and pos < len(self.expected) and self.expected[pos] == index
+        return self.expected[pos + 1 :] if self.on_track else []
+
+    def end(self) -> None:
+        self.expected = self.recorded
+        self.recorded = []
+        self.seen = True
+
+    @property
+    def deferrable(self) -> bool:
+        """The pass so far repeats the previous pass of its kind."""
+        return self.seen and self.on_track
+
+
+class _ModelHook:
+    """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``,
+    pickle; ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that
+    drives this scheduler (its gathers and pass bookkeeping) from the copy's forward. Run eagerly under
+    ``torch.compile`` (``stage3.guard.run_eagerly``)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn: Optional[Callable[..., Any]] = guard.run_eagerly(fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._fn = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return None if self._fn is None else self._fn(*args, **kwargs)
+
+
+@dataclass
+class _Frame:
+    """A module whose forward is running, and the units it holds in use (external ones found by use added)."""
+
+    module: nn.Module
+    needs: list[int]
+
+
+class Stage3Scheduler:
+    """Installs the hooks on ``root`` and its sub-modules; ``remove()`` takes them off again.
+
+    Args:
+        root: the model; its forward marks the start and end of a forward pass.
+        units: parameter units; parameters of ``root`` that no unit owns are left alone.
+        prefetch_numel: how many elements may be gathered ahead of use (0 disables prefetch).
+        check: called with each batch of units about to be gathered, before any is (None: no check).
+    """
+
+    def __init__(
+        self, root: nn.Module, units: Sequence[Unit], *, prefetch_numel: int, check: Optional[Check] = None
+    ) -> None:
+        if prefetch_numel < 0:
+            raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {prefetch_numel}")
+        self.root = root
+        self.units = list(units)
+        self.prefetch_numel = prefetch_numel
+        self._check = check
+        self._owner = self._owners(self.units)
+        self._state = [_READY if u.persistent else _FREE for u in self.units]
+        self._in_use = [0] * len(self.units)
+        self._used = [False] * len(self.units)  # the gathered copy served a module since its gather
+        self._reduced: set[int] = set()
+        self._uses = UseTracker(len(self.units), self._uses_ended)
+        self._forward, self._backward = _Pass(), _Pass()
+        self._in_forward = self._in_backward = self._held = False
+        self._stack: list[_Frame] = []
+        self._leaf_units: set[int] = set()  # units of leaf modules (named in errors)
+        self._root_plan = ModulePlan(root, "", (), False)
+        self._generation = -1
+        self._names = {id(p): name for name, p in root.named_parameters()}
+        self._module_names = {id(m): name for name, m in root.named_modules()}
+        self._handles: list[RemovableHandle] = []
+        self._module_handles: list[RemovableHandle] = []
+        self._install(root)
+
+    @staticmethod
+    def _owners(units: Sequence[Unit]) -> dict[int, int]:
+        owner: dict[int, int] = {}
+        for i, unit in enumerate(units):
+            for p in unit.params:
+                if id(p) in owner:
+                    raise ValueError(f"a parameter of shape {tuple(p.shape)} belongs to units {owner[id(p)]} and {i}")
+                owner[id(p)] = i
+        return owner
+
+    def _install(self, root: nn.Module) -> None:
+        self._install_modules()
+        self._handles.append(
+            root.register_forward_pre_hook(_ModelHook(self._root_pre_forward), prepend=True, with_kwargs=True)
+        )
+        self._handles.append(root.register_forward_hook(_ModelHook(self._root_post_forward)))
+        for i, unit in enumerate(self.units):
+            for p in unit.params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
+            if self._state[i] == _FREE:
+                for p in unit.params:
+                    guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
+
+    def _install_modules(self) -> None:
+        """(Re)read the plan (``stage3.plan``) and hook the modules that need units."""
+        plans = plan(self.root, self._owner)
+        for handle in self._module_handles:
+            handle.remove()
+        self._module_handles = []
+        self._generation = model_hints.generation()
+        self._forward, self._backward = _Pass(), _Pass()  # a new plan: the next passes are checked at once
+        self._root_plan = plans[0]
+        self._leaf_units = set()
+        for p in plans:
+            if p.leaf:
+                inside = {id(q) for q in p.module.parameters()}
+                self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
+            if p.module is not self.root:
+                pre, post = _ModelHook(self._pre_forward_hook(p)), _ModelHook(self._post_forward_hook(p))
+                self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._module_handles.append(p.module.register_forward_hook(post))
+
+    def follow(self, previous: "Stage3Scheduler") -> None:
+        """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same
+        plan: whether a pass is checked at once must not depend on hooks put back on one rank only."""
+        if len(previous.units) == len(self.units) and previous._generation == self._generation:
+            self._forward, self._backward = previous._forward, previous._backward
+
+    def remove(self) -> None:
+        """Take every hook off; parameters stay as they are (freed ones lose their mark)."""
+        for handle in self._handles + self._module_handles:
+            handle.remove()
+        self._handles, self._module_handles = [], []
+        for unit in self.units:
+            for p in unit.params:
+                guard.mark_gathered(p)
+
+    # -- gather / free bookkeeping ------------------------------------------------------------
+
+    def _phase(self) -> str:
+        return "backward" if self._in_backward else "forward"
+
+    def _start(self, batch: list[int], phase: str, deferred: bool = False) -> None:
+        """Issue the gathers of ``batch`` (free units), after ``check``."""
+        if not batch:
+            return
+        if self._check is not None:
+            self._check(batch, phase, deferred)
+        for i in batch:
+            self.units[i].start_gather()
+            self._state[i] = _IN_FLIGHT
+
+    def _finish(self, i: int) -> None:
+        if self._state[i] == _FREE:
+            self._start([i], self._phase())
+        if self._state[i] == _IN_FLIGHT:
+            self.units[i].finish_gather()
+            self._state[i] = _READY
+            for p in self.units[i].params:
+                guard.mark_gathered(p)
+
+    def _free(self, i: int) -> None:
+        if self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE:
+            return
+        self._finish(i)
+        self.units[i].free()
+        self._state[i] = _FREE
+        self._used[i] = False
+        for p in self.units[i].params:
+            guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
+
+    def _gather(self, needs: Sequence[int], step: _Pass, active: bool) -> None:
+        """Gather ``needs`` now and prefetch what ``step`` expects next (only inside a pass)."""
+        ahead: list[int] = []
+        for i in needs:
+            if active and not self.units[i].persistent and not self._used[i]:
+                ahead = step.record(i)
+        batch = list(dict.fromkeys(i for i in needs if self._state[i] == _FREE))
+        self._start(batch + self._prefetch(ahead, set(batch)), self._phase(), active and step.deferrable)
+        for i in needs:
+            self._finish(i)
+            self._used[i] = True
+
+    def _prefetch(self, ahead: list[int], taken: set[int]) -> list[int]:
+        """The free units of ``ahead`` to start now: the next one whatever its size (as DeepSpeed always
+        prefetches the next parameter), then more while they fit in the prefetch budget."""
+        if self.prefetch_numel == 0:
+            return []
+        budget, batch = self.prefetch_numel, []
+        for k, j in enumerate(ahead):
+            if k > 0 and self.units[j].numel > budget:
+                break
+            budget -= self.units[j].numel
+            if not self._in_use[j] and self._state[j] == _FREE and j not in taken:
+                taken.add(j)
+                batch.append(j)
+        return batch
+
+    def _free_all(self) -> None:
+        for i in range(len(self.units)):
+            self._free(i)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if not self._in_forward:
+            if self._generation != model_hints.generation():
+                self._install_modules()
+            self._in_forward = True
+            self._forward.begin()
+        return self._enter(self._root_plan, args, kwargs)
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._exit(module, output)
+        if self._in_forward and not self._stack:
+            self._in_forward = False
+            self._forward.end()
+            self._free_all()
+
+    def _pre_forward_hook(self, p: ModulePlan):
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            return self._enter(p, args, kwargs)
+
+        return hook
+
+    def _post_forward_hook(self, p: ModulePlan):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._exit(module, output)
+
+        return hook
+
+    def _enter(self, p: ModulePlan, args: Any, kwargs: Any) -> Any:
+        """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker."""
+        self._gather(p.needs, self._forward, self._in_forward)
+        for i in p.needs:
+            self._in_use[i] += 1
+        self._stack.append(_Frame(p.module, list(p.needs)))
+        if p.needs and torch.is_grad_enabled():
+            self._uses.begin(p.needs, args, kwargs)
+        return None
+
+    def _exit(self, module: nn.Module, output: Any) -> None:
+        """Free what ``module`` held (and frames left above it by an exception caught inside a forward)."""
+        if not self._stack:
+            return
+        while self._stack:
+            frame = self._stack.pop()
+            for i in frame.needs:
+                self._in_use[i] -= 1
+                self._free(i)
+            if frame.module is module:
+                break
+        tensors = grad_tensors(output)
+        if frame.needs and tensors and torch.is_grad_enabled():
+            hook = self._pre_backward_hook(tuple(dict.fromkeys(frame.needs)))
+            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+
+    def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
+        """A freed parameter is computed with: gather it for the running module, or explain."""
+        i = self._owner[id(param)]
+        name = self._names.get(id(param), "?")
+        if func is copy.deepcopy:
+            raise RuntimeError(
+                f"ZeRO stage 3: copy.deepcopy of the model (or of parameter '{name}') while its parameters are "
+                "freed: between uses each rank holds only its shard, so the copy would hold empty tensors. Copy it "
+                "inside `with optimizer.gathered_params():` on every rank (e.g. "
+                "`with opt.gathered_params(): ema = torch.optim.swa_utils.AveragedModel(model)`): the copy then "
+                "holds the full values and none of the optimizer's hooks; or build it from "
+                "zero_kernels.checkpoint's consolidated weights"
+            )
+        if not self._stack:
+            where = "during backward" if self._in_backward else "outside any module's forward"
+            raise RuntimeError(
+                f"ZeRO stage 3: parameter '{name}' is used ({guard.operation_name(func)}) {where}, where it is not "
+                "gathered: stage 3 gathers parameters only around the forward (and backward) of the modules that "
+                "need them. Read it inside a module's forward (register it there with "
+                "zero_kernels.register_external_parameter(module, parameter) if another module holds it), or "
+                "inside `with optimizer.gathered_params():`"
+            )
+        frame = self._stack[-1]
+        user = self._module_names.get(id(frame.module), "?") or "<root>"
+        log.warning(
+            "ZeRO stage 3: module '%s' (%s) uses parameter '%s', which it does not hold, in its forward; it is "
+            "gathered for that module from now on. zero_kernels.register_external_parameter(module, parameter) "
+            "says so up front (and silences this message).",
+            user,
+            type(frame.module).__name__,
+            name,
+        )
+        model_hints.register_external_parameter(frame.module, param)
+        self._uses.late.add(i)  # this use was not counted: its unit waits for the end of backward
+        self._gather((i,), self._forward, False)
+        self._in_use[i] += 1
+        frame.needs.append(i)
+
+    def _on_freed_read_use(self, param: nn.Parameter, func: Any) -> None:
+        """What ``.data``, ``detach()`` or a conversion gave for a freed parameter is computed with: explain."""
+        name = self._names.get(id(param), "?")
+        fix = (
+            "read parameters outside the forward inside `with optimizer.gathered_params():` (a copy taken there, "
+            "e.g. {n: p.detach().clone() for n, p in model.named_parameters()}, holds the full values; writes made "
+            "there reach every rank's shard)"
+        )
+        if self._stack:
+            fix = (
+                f"inside a forward, read it in a module that holds it, or register it for the module that reads it "
+                f"(zero_kernels.register_external_parameter(module, model.get_parameter('{name}'))); {fix}"
+            )
+        raise RuntimeError(
+            f"ZeRO stage 3: parameter '{name}' was read through .data, .detach() or a conversion while it was freed, "
+            f"and what that gave is now used ({guard.operation_name(func)}): between uses each rank holds only its "
+            f"shard, so it is an empty tensor. To fix it, {fix}"
+        )
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self._backward.begin(guess=self._forward.expected[::-1])
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward_hook(self, needs: tuple[int, ...]):
+        def hook(grads: Any) -> None:
+            self._begin_backward()
+            self._gather(needs, self._backward, True)
+
+        return hook
+
+    def _grad_ready_hook(self, i: int):
+        def hook(param: nn.Parameter) -> None:
+            self._begin_backward()
+            if i in self._reduced:
+                if i in self._leaf_units:
+                    raise RuntimeError(
+                        f"ZeRO stage 3: parameter '{self._names.get(id(param), '?')}' of a leaf module got its "
+                        "gradient after the leaf's backward had ended and its gradients were reduced; a parameter "
+                        "of a leaf module must be used only inside the leaf's forward"
+                    )
+                raise RuntimeError(second_gradient(3, f"parameter '{self._names.get(id(param), '?')}'"))
+
+        return hook
+
+    def _uses_ended(self, ready: list[int]) -> None:
+        """Every use of the units ``ready`` has ended its backward (``stage3.uses``): reduce them."""
+        self._begin_backward()
+        for i in ready:
+            if i not in self._reduced and any(p.requires_grad for p in self.units[i].params):
+                self._reduce(i)
+
+    def _reduce(self, i: int) -> None:
+        self._reduced.add(i)
+        self.units[i].reduce_grads()
+        self._free(i)
+
+    def _end_backward(self) -> None:
+        for i, unit in enumerate(self.units):
+            if i not in self._reduced and any(p.requires_grad for p in unit.params):
+                self._reduce(i)
+        self._free_all()
+        self._backward.end()
+        self._reduced = set()
+        self._uses.reset()
+        self._in_backward = False
+
+    # -- whole-model access -------------------------------------------------------------------
+
+    def hold(self) -> None:
+        """Gather every unit and keep it gathered until ``release()``."""
+        self._start([i for i in range(len(self.units)) if self._state[i] == _FREE], "gathered_params()")
+        for i in range(len(self.units)):
+            self._finish(i)
+        self._held = True
+
+    def release(self) -> None:
+        """End ``hold()``: free every unit no running module uses."""
+        self._held = False
+        self._free_all()
+
+    @property
+    def gathered(self) -> list[bool]:
+        """Per unit: whether its full parameters are present (persistent units always are)."""
+        return [state == _READY for state in self._state]

@@ -1,0 +1,103 @@
+"""What ZeRO stage 3 must know about a model that its module tree does not say: leaf modules and external parameters.
+
+Stage 3 gathers the parameters a module holds just before the module runs and frees them after
+(``stages/stage3/pipeline.py``). Two common shapes of model break that rule; these calls describe them:
+
+- **Leaf modules** (``set_leaf_modules``): a module whose sub-modules run depending on the data, as a
+  mixture of experts routes each rank's tokens to different experts. Every rank must gather the same
+  parameters in the same order, so a leaf module's whole subtree is gathered when the leaf is entered,
+  and its sub-modules get no hooks. Its gradients are reduced once the leaf's backward has ended.
+- **External parameters** (``register_external_parameter``): a parameter that a module's forward reads
+  although another module holds it, such as ``F.linear(h, self.embed.weight)`` in the root's forward
+  (a tied output embedding). It is gathered with the reading module's own parameters. Stage 3 also
+  finds such a use by itself the first time it happens inside a module's forward (and logs it once).
+
+Both may be called before or after the optimizer is built; a stage-3 optimizer picks changes up at
+the next forward of its model. Called before, a leaf module's parameters share one buffer (one
+all-gather per bucket); called after, the leaf gathers the buffers of its sub-modules together.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterable, Union
+
+from torch import nn
+
+LEAF_ATTR = "_zero_kernels_leaf"
+EXTERNAL_ATTR = "_zero_kernels_external"
+_changes = itertools.count(1)
+_generation = 0
+
+
+def _changed() -> None:
+    global _generation
+    _generation = next(_changes)
+
+
+def generation() -> int:
+    """A number that changes whenever a hint is set anywhere (stage 3 re-reads the hints then)."""
+    return _generation
+
+
+def set_leaf_modules(model: nn.Module, leaf_classes: Iterable[Union[type, str]]) -> list[nn.Module]:
+    """Mark the modules of ``model`` (itself included) that are instances of ``leaf_classes`` as leaf modules.
+
+    Args:
+        model: the model (or any part of it).
+        leaf_classes: ``nn.Module`` subclasses, or class names (matched against ``type(m).__name__``).
+
+    Returns:
+        The modules marked, in ``model.modules()`` order.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"set_leaf_modules: model must be an nn.Module, got {type(model).__name__}")
+    classes = list(leaf_classes) if not isinstance(leaf_classes, (type, str)) else [leaf_classes]
+    bad = [c for c in classes if not (isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)))]
+    if not classes or bad:
+        raise ValueError(
+            "set_leaf_modules: leaf_classes must be a non-empty list of nn.Module subclasses or class names, "
+            f"got {bad or classes}"
+        )
+    types = tuple(c for c in classes if isinstance(c, type))
+    names = {c for c in classes if isinstance(c, str)}
+    marked = [m for m in model.modules() if isinstance(m, types) or type(m).__name__ in names]
+    if not marked:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        wanted = [c if isinstance(c, str) else c.__name__ for c in classes]
+        raise ValueError(
+            f"set_leaf_modules: no module of {type(model).__name__} is one of {wanted}; its classes: {present}"
+        )
+    for m in marked:
+        setattr(m, LEAF_ATTR, True)
+    _changed()
+    return marked
+
+
+def is_leaf(module: nn.Module) -> bool:
+    """Whether ``set_leaf_modules`` marked ``module``."""
+    return bool(getattr(module, LEAF_ATTR, False))
+
+
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """Say that ``module``'s forward reads ``parameter``, held by another module: stage 3 gathers it for ``module`` too.
+
+    Args:
+        module: the module whose forward reads the parameter (the model itself for code in its forward).
+        parameter: a parameter of the same model, held by another module.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"register_external_parameter: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(parameter, nn.Parameter):
+        raise ValueError(
+            f"register_external_parameter: parameter must be an nn.Parameter, got {type(parameter).__name__}"
+        )
+    registered = module.__dict__.setdefault(EXTERNAL_ATTR, [])
+    if not any(p is parameter for p in registered):
+        registered.append(parameter)
+        _changed()
+
+
+def external_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters registered for ``module`` with ``register_external_parameter``."""
+    return list(module.__dict__.get(EXTERNAL_ATTR, ()))

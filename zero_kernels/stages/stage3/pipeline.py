@@ -1,0 +1,310 @@
+"""Stage 3: as stage 2, and each rank keeps only its shard of the parameters between uses.
+
+Units. A *unit* is what is gathered and freed together: the trainable parameters of one param
+group and dtype that a module holds directly (``module.parameters(recurse=False)``), or, for a
+leaf module (``model_hints.set_leaf_modules``), holds in its whole subtree; a parameter listed by
+several modules (weight tying) belongs to the first one in ``module.modules()`` order and is
+gathered for each of them. Parameters under ``stage3_param_persistence_threshold``
+elements are pooled, per param group and dtype, into one persistent unit that stays gathered
+(like stage 2: updated at the step and all-gathered back). Each unit is one ``FlatBuffer``
+(buckets of ``reduce_bucket_size`` elements, each split evenly over the ranks), so gathering a
+unit is one all-gather per bucket into a full buffer that the parameters view; freeing sets
+every ``p.data`` to an empty tensor (the ``Parameter`` objects, and so the model's and the
+optimizer's references, stay valid). Buffers are ordered from the last module to the first, the
+order in which backward produces gradients.
+
+When. ``stage3_hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
+prefetches the next unit and more up to ``stage3_prefetch_bucket_size`` elements ahead, and frees
+after use. Every rank checks that every rank gathers the same units (``stage3.check``): before the
+gathers of the first pass of each kind, and in the step's exchange for passes that repeat it;
+ranks that diverge raise ``CommError`` instead of pairing different gathers. Once the backward of
+every forward use of a unit has ended (``stage3.uses``: a point that is the same on every rank,
+whichever of its parameters the data gave a gradient), or at the end of backward, its gradients go
+through the stage-2 path: copied (divided by the world size) into a bucket, reduce-scattered and
+added to the rank's gradient shard; ``p.grad`` becomes ``None``. A parameter without a gradient
+then counts as zero in the reduction (it is not marked as having a gradient: ranks where the
+data routed nothing to an expert add nothing to its gradient).
+
+Step. The fused kernel updates the rank's shard in place: fp32 parameters are their own master;
+for bf16/fp16 the kernel writes the updated values (``out=``) into ``param_shard``, the
+all-gather source of the next gather. Nothing is all-gathered at the step except persistent
+units (and units held by ``gathered_params``).
+
+Limits: frozen parameters are not sharded (they stay whole on every rank); a parameter used
+outside the forward of a module that holds it must be registered (or is found on first use) as
+an external parameter of the module that uses it; every rank must run the same modules in the
+same order outside leaf modules, as the collectives follow them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .. import adopt, master
+from ..base import FlatBuffer
+from ..layout import Bucket
+from ..stage2 import Stage2Pipeline
+from . import save as stage3_save
+from .check import DeferredChecks, check_same_units
+from .hooks import Stage3Scheduler
+from .plan import check_externals, holders
+
+
+@dataclass
+class Stage3Buffer(FlatBuffer):
+    """A unit's buffer: ``param_shard`` (this rank's parameters) and ``full`` (while gathered)."""
+
+    persistent: bool = False
+    param_shard: Optional[torch.Tensor] = None
+    full: Optional[torch.Tensor] = None
+
+
+class _Unit:
+    """A ``Stage3Buffer`` seen by the scheduler: all-gather into ``full``, free, hand grads on."""
+
+    def __init__(self, pipeline: "Stage3Pipeline", buf: Stage3Buffer, uid: int, holder: nn.Module, name: str):
+        self.pipeline, self.buf = pipeline, buf
+        self.params = buf.params
+        self.numel = buf.layout.numel
+        self.param_numel = sum(slot.numel for slot in buf.layout.slots)
+        self.persistent = buf.persistent
+        self.uid, self.name, self.kind = uid, name, type(holder).__name__
+        self._handles: list = []
+
+    def start_gather(self) -> None:
+        buf, engine = self.buf, self.pipeline.engine
+        adopt.adopt_assigned_shard(self.pipeline, buf, buf.param_shard, self.pipeline.name_of)
+        buf.full = torch.empty(buf.layout.numel, dtype=buf.dtype, device=buf.device)
+        shard = buf.param_shard
+        self._handles = [
+            engine.all_gather(buf.bucket_slice(buf.full, b), buf.shard_slice(shard, b), name=f"gather.{b.index}")
+            for b in buf.layout.buckets
+        ]
+
+    def finish_gather(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        for slot in self.buf.layout.slots:
+            self.params[slot.param].data = self.buf.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def free(self) -> None:
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.buf.dtype, device=self.buf.device)
+        self.buf.full = None
+
+    def reduce_grads(self) -> None:
+        for p in self.params:
+            if p.requires_grad:
+                if p.grad is not None:
+                    self.pipeline._on_grad_ready(p)
+                else:
+                    self.pipeline._on_no_grad(p)
+
+
+class Stage3Pipeline(Stage2Pipeline):
+    stage = 3
+    requires_module = True
+    allgather_by_bucket = False  # gathers by module unit, up to stage3_prefetch_bucket_size ahead
+
+    def __init__(self, engine: Any, options: Any, *, module: Any = None, **kwargs: Any):
+        if not isinstance(module, nn.Module):
+            raise ValueError(
+                "ZeRO stage 3 needs the model: pass the nn.Module itself (ShardedFusedAdam(model, ...)), "
+                f"not its parameters; got {type(module).__name__}"
+            )
+        super().__init__(engine, options, module=module, **kwargs)
+        self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3.plan.holders``)
+        self._units: list[_Unit] = []
+        self._scheduler: Optional[Stage3Scheduler] = None
+        self._hold_depth = 0
+        self._deferred = DeferredChecks()  # gathers of repeated passes, compared at the step
+        self._state_dict_guard = stage3_save.guard_state_dict(self)
+
+    def add_group(self, group: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
+        """Build one buffer per unit of param group ``group`` (see the module docstring)."""
+        check_externals(self.module)  # before anything changes
+        self._holder = holders(self.module)
+        trainable = [(p, i) for p, i in zip(params, indices) if p.requires_grad]
+        foreign = [tuple(p.shape) for p, _ in trainable if id(p) not in self._holder]
+        if foreign:
+            raise ValueError(
+                f"ZeRO stage 3: {len(foreign)} parameter(s) (shapes {foreign[:3]}) are not parameters of the "
+                "model given to the optimizer; stage 3 can only gather the model's own parameters"
+            )
+        threshold = int(self.options.stage3_param_persistence_threshold)
+        units: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
+        for p, i in trainable:
+            persistent = p.numel() < threshold
+            key = (persistent, -1 if persistent else -self._holder[id(p)], str(p.dtype), str(p.device))
+            units.setdefault(key, []).append((p, i))
+        for key in sorted(units):
+            self._add_unit(group, units[key], persistent=key[0])
+        for _, i in trainable:
+            self.step_counts.counts.setdefault(i, 0)
+            self.has_grad.setdefault(i, False)
+        self._install_scheduler()
+
+    def _add_unit(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> None:
+        ps = [p for p, _ in members]
+        buf = Stage3Buffer(group, self.build_layout(ps), ps, [i for _, i in members], ps[0].dtype, ps[0].device)
+        buf.persistent = persistent
+        self._allocate(buf)
+        self._index(buf)
+
+    def _install_scheduler(self) -> None:
+        previous = self._scheduler
+        if previous is not None:
+            previous.remove()
+        modules = list(self.module.named_modules(remove_duplicate=True))
+        units = []
+        for uid, buf in enumerate(self.buffers):
+            name, holder = modules[self._holder[id(buf.params[0])]]
+            units.append(_Unit(self, buf, uid, holder, f"{name} (persistent parameters)" if buf.persistent else name))
+        prefetch = int(self.options.stage3_prefetch_bucket_size)
+        self._units = units
+        self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch, check=self._check_gathers)
+        if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
+            self._scheduler.follow(previous)
+
+    def _check_gathers(self, batch: list[int], phase: str, deferred: bool) -> None:
+        """Every rank must be about to gather the same units (``stage3.check``); else ``CommError`` now, or at
+        the step for a batch whose check is ``deferred``."""
+        units = [self._units[i] for i in batch]
+        if deferred:
+            self._deferred.add(units, phase)
+        else:
+            check_same_units(self._control, units, phase, self._suggest_leaf)
+
+    def _step_columns(self) -> list[float]:
+        return self._deferred.columns()
+
+    def _verify_step_columns(self, rows: list[list[float]]) -> None:
+        self._deferred.verify(self._control, rows, self._units, self._suggest_leaf)
+
+    def _suggest_leaf(self, names: list[str]) -> str:
+        """The fix for ranks that gather the units of modules ``names``: their closest common caller as a leaf."""
+        common: list[str] = []
+        for level in zip(*(name.split(".") if name else [] for name in names)):
+            if len(set(level)) > 1:
+                break
+            common.append(level[0])
+        while common and isinstance(self.module.get_submodule(".".join(common)), (nn.ModuleList, nn.ModuleDict)):
+            common.pop()  # containers are never called: hooks on them never run
+        fix = (
+            "Where the data chooses the modules (a mixture of experts routing tokens), mark the module that makes "
+            "the choice as a leaf module, gathered whole on every rank: zero_kernels.set_leaf_modules(model, [{}])."
+        )
+        if len(names) < 2 or not common:
+            return fix.format("ThatModuleClass")
+        path = ".".join(common)
+        kind = type(self.module.get_submodule(path)).__name__
+        return f"The closest module around both is '{path}' ({kind}). " + fix.format(kind)
+
+    def _on_no_grad(self, p: nn.Parameter) -> None:
+        """``p`` has no gradient this round: its part of the buckets counts as zero (it is not marked as having one)."""
+        if not self.sync_enabled:
+            return
+        b, slot = self.where[id(p)]
+        if not self._first_report(b, slot, p):
+            return
+        buf = self.buffers[b]
+        for k in buf.layout.slot_buckets[slot]:
+            buf.pending[k] -= 1
+        self._launch_ready()
+
+    def _place_params(self, buf: Stage3Buffer) -> None:
+        """Persistent units keep the full buffer; the others keep this rank's shard and free the parameters."""
+        if buf.persistent:
+            super()._place_params(buf)
+            return
+        buf.param_shard = torch.zeros(buf.layout.shard_numel, dtype=buf.dtype, device=buf.device)
+        for seg in buf.layout.segments(self.shard_rank):
+            flat = buf.params[buf.layout.slots[seg.slot].param].detach().reshape(-1)
+            buf.param_shard.narrow(0, seg.shard_offset, seg.numel).copy_(flat.narrow(0, seg.param_offset, seg.numel))
+        for p in buf.params:
+            p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
+
+    def _register_grad_hooks(self, buf: FlatBuffer) -> None:
+        """The scheduler hands gradients on (``_Unit.reduce_grads``) when it reduces a unit."""
+
+    def param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
+        if buf.persistent:
+            return super().param_shard(buf, bucket)
+        return buf.shard_slice(buf.param_shard, bucket)
+
+    def _publish(self, buf: Stage3Buffer, bucket: Bucket):
+        """Persistent units and units gathered right now receive the updated shards; the others gather later."""
+        if buf.persistent:
+            return super()._publish(buf, bucket)
+        if buf.full is None:
+            return None
+        full = buf.bucket_slice(buf.full, bucket)
+        return self.engine.all_gather(full, self.param_shard(buf, bucket), name=f"params.{bucket.index}")
+
+    @contextlib.contextmanager
+    def gathered_params(self) -> Iterator[None]:
+        """Every parameter holds its full value inside the block; changes go back to the shards on exit.
+
+        Each rank writes back its own part of each parameter (and its fp32 master where the value
+        changed), so every rank must make the same change.
+        """
+        if self._scheduler is None:
+            yield
+            return
+        self._hold_depth += 1
+        if self._hold_depth == 1:
+            self._scheduler.hold()
+        try:
+            yield
+            if self._hold_depth == 1:
+                self._write_back()
+        finally:
+            self._hold_depth -= 1
+            if self._hold_depth == 0:
+                self._scheduler.release()
+
+    @contextlib.contextmanager
+    def hooks_removed(self) -> Iterator[None]:
+        """The model without the scheduler's hooks inside the block (to copy or pickle it); a new
+        scheduler is installed after. Call it between steps, outside ``gathered_params()``."""
+        if self._hold_depth:
+            raise RuntimeError("ZeRO stage 3: the optimizer cannot be copied or pickled inside gathered_params()")
+        installed = self._scheduler is not None
+        if installed:
+            self._scheduler.remove()
+        self._state_dict_guard.remove()
+        try:
+            yield
+        finally:
+            self._state_dict_guard = stage3_save.guard_state_dict(self)
+            if installed:
+                self._install_scheduler()
+
+    def _write_back(self) -> None:
+        for buf in self.buffers:
+            if not buf.persistent:
+                adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
+                for bucket in buf.layout.buckets:
+                    self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
+            master.adopt_edits(self, buf)
+
+    def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
+        """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
+        tensors = super().memory_tensors()
+        tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.param_shard, buf.full)]
+        return tensors
+
+    def close(self) -> None:
+        """Remove every hook; each parameter is left holding its full value."""
+        self._state_dict_guard.remove()
+        if self._scheduler is not None:
+            self._scheduler.hold()
+            self._scheduler.remove()
+            self._scheduler = None
+        super().close()

@@ -1,0 +1,130 @@
+"""Stage 3 and the model's state dicts: a state dict of shards, or a load into them, is refused with what to call.
+
+Between uses a stage-3 parameter is an empty tensor and each rank holds only its shard, so
+``model.state_dict()`` (and Hugging Face ``save_pretrained``, which calls it) would write empty
+weights without a word. Gathering inside ``state_dict()`` is no way out: it is a collective, and
+``state_dict()`` is commonly called on one rank only, where it would wait forever. So a
+state-dict hook raises instead, naming the first emptied parameter and what to call (on every
+rank): ``zero_kernels.save_pretrained(model, opt, directory)`` for full weights,
+``with opt.gathered_params(): model.state_dict()``, or ``zero_kernels.checkpoint.save``.
+
+Allowed: state dicts taken inside ``gathered_params()`` (every parameter is whole), and
+``state_dict(keep_vars=True)``, which returns the ``Parameter`` objects themselves for code that
+handles the sharded layout (``zero_kernels.checkpoint``).
+
+``model.load_state_dict(...)`` (or a sub-module's) into emptied parameters would fail with torch's
+"size mismatch ... torch.Size([0])", or with ``assign=True`` replace them: a load-state-dict
+pre-hook on every module raises first, before anything is copied, naming the first emptied
+parameter the state dict holds and what to do (on every rank: load inside ``gathered_params()``,
+whose exit writes the values back to the shards and the fp32 masters, or
+``zero_kernels.checkpoint.load`` for a checkpoint).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from ..base import Pipeline
+
+WHAT_TO_CALL = (
+    "on every rank, call zero_kernels.save_pretrained(model, optimizer, directory) for full weights (a Hugging "
+    "Face model's save_pretrained, or a plain state dict file), or take the state dict inside "
+    "`with optimizer.gathered_params():`; zero_kernels.checkpoint.save(directory, model, optimizer) writes a "
+    "sharded checkpoint"
+)
+
+
+def _freed(pipeline: "Pipeline", p: nn.Parameter, value: Any) -> bool:
+    return value.numel() == 0 and pipeline.param_shape(p).numel() != 0
+
+
+class _StateDictGuard:
+    """The state-dict post-hook of ``guard_state_dict``: a class, so that a model carrying it can still be
+    copied or pickled (a copy's guard is inert)."""
+
+    def __init__(self, pipeline: "Pipeline") -> None:
+        self._pipeline = weakref.ref(pipeline)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._pipeline = lambda: None
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        owner = self._pipeline()
+        if owner is None:
+            return
+        empty = []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, nn.Parameter):
+                return  # keep_vars=True: the caller handles the sharded layout itself
+            if value is not None and _freed(owner, p, value):
+                empty.append(prefix + name)
+        if empty:
+            more = f" and {len(empty) - 1} more" if len(empty) > 1 else ""
+            raise RuntimeError(
+                f"model.state_dict() at ZeRO stage 3 would hold an empty tensor for {empty[0]!r}{more}: between "
+                f"uses each rank keeps only its shard of the parameters. {WHAT_TO_CALL}"
+            )
+
+
+class _LoadGuard:
+    """The load-state-dict pre-hook of ``guard_state_dict`` on one module: checks the loaded module's subtree once,
+    where the load starts (``prefix`` empty: the module ``load_state_dict`` was called on); inert in a copy."""
+
+    def __init__(self, pipeline: "Pipeline") -> None:
+        self._pipeline = weakref.ref(pipeline)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._pipeline = lambda: None
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        owner = self._pipeline()
+        if owner is None or prefix:
+            return
+        params = module.named_parameters(remove_duplicate=False)
+        empty = [n for n, p in params if n in state_dict and _freed(owner, p, p)]
+        if empty:
+            more = f" and {len(empty) - 1} more" if len(empty) > 1 else ""
+            raise RuntimeError(
+                f"load_state_dict() at ZeRO stage 3 would copy into {empty[0]!r}{more}, which each rank holds only a "
+                "shard of between uses (an empty tensor): nothing was loaded. On every rank, load inside `with "
+                "optimizer.gathered_params(): model.load_state_dict(state_dict)` (the values go back to each rank's "
+                "shard and fp32 master when the block ends), or load a zero_kernels checkpoint with "
+                "zero_kernels.checkpoint.load(directory, model, optimizer)"
+            )
+
+
+class _Handles:
+    """The hooks ``guard_state_dict`` put on a model; ``remove()`` takes them off."""
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def guard_state_dict(pipeline: "Pipeline") -> _Handles:
+    """Refuse ``state_dict()`` of ``pipeline.module`` while it would hold emptied stage-3 parameters, and
+    ``load_state_dict()`` of it or of any of its modules into emptied parameters.
+
+    Args:
+        pipeline: the stage-3 pipeline (its ``module`` and sub-modules get the hooks).
+    """
+    handles = [pipeline.module.register_state_dict_post_hook(_StateDictGuard(pipeline))]
+    load_guard = _LoadGuard(pipeline)
+    handles += [m.register_load_state_dict_pre_hook(load_guard) for m in pipeline.module.modules()]
+    return _Handles(handles)

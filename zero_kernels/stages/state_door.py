@@ -1,0 +1,324 @@
+"""The one door to the sharded optimizer state: everything outside ``stages/`` that reads or writes a
+shard, a flat buffer or the layout goes through here.
+
+What it serves:
+
+- the state tensors of a buffer (``KINDS``: Adam's ``exp_avg`` and ``exp_avg_sq``, AMSGrad's
+  ``max_exp_avg_sq`` once a group has used it, the fp32 ``master`` of bf16/fp16 parameters), named once;
+- sharded state (``shard_state``/``load_shard_state``): the flat fp32 shards of every buffer, valid only
+  for the same layout (``layout_signature``: world size, stage, buffers and buckets), for the sharded
+  state dict and the copies;
+- full state (``gather_full_state``/``scatter_full_state``): ``{param index: {"step", "exp_avg",
+  "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}}`` with tensors shaped like the parameters, the
+  ``torch.optim.AdamW`` layout (which keeps extra keys such as ``master``). Gathering is a collective
+  (every rank must call it); scattering only reads this rank's parts;
+- per-parameter pieces this rank holds (``held_pieces``/``piece_views``: the ``opt.state`` views);
+- a checkpoint's pieces out and in (``save_pieces``, ``load_pieces``, ``whole_params``), which hide
+  where the parameters live (whole in ``param_flat`` at stages 0-2, this rank's ``param_shard`` at
+  stage 3).
+
+Reading the masters first gives them what was written into the parameters since the last step
+(``adopt.current``); loading one keeps it where it rounds to the parameter's value, and the next
+step takes the parameter's value elsewhere (``master``): so a master from an older state than the
+model's weights never undoes the weights.
+
+Where a shard lives is this module's business alone. Today every state tensor is a device tensor
+of the buffer (``buf.exp_avg``...), and the functions above hand out views of it. A host-memory or
+file tier (offload) plugs in here: ``state_tensors`` becomes the place that returns the tier's tensor
+(pinned host memory, or a buffer read from its file and written back when the caller is done), the
+functions that hand out views wrap them in that read/write-back, and callers (state dicts, copies,
+``opt.state``, checkpoints) do not change; the update reads the tier through the pipeline's shard
+accessors (``Pipeline.master_shard`` and the others), the stages' own override points.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from .adopt import current
+from .base import FlatBuffer, Pipeline
+from .master import record
+
+KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")  # every state tensor a buffer may have
+MOMENTS = KINDS[:3]  # Adam's state proper (a reset zeroes these; the master is the parameter's value)
+_MOMENTS = KINDS[:2]
+_AMSGRAD = KINDS[2]
+
+
+def state_tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
+    """``{kind: this rank's shard}`` of the state tensors ``buf`` has, in ``KINDS`` order."""
+    return {kind: getattr(buf, kind) for kind in KINDS if getattr(buf, kind) is not None}
+
+
+def layout_signature(pipeline: Pipeline) -> list[Any]:
+    """What must match for a sharded state to load: stage, world size, and each buffer's shape."""
+    buffers = [
+        [buf.group, str(buf.dtype), buf.layout.numel, [b.numel for b in buf.layout.buckets], buf.indices]
+        for buf in pipeline.buffers
+    ]
+    return [pipeline.stage, pipeline.world_size, buffers]
+
+
+def shard_state(pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
+    """Copies of this rank's shards, one dict per buffer."""
+    current(pipeline)
+    return [{n: t.clone() for n, t in state_tensors(buf).items()} for buf in pipeline.buffers]
+
+
+def load_shard_state(pipeline: Pipeline, states: list[dict[str, torch.Tensor]]) -> None:
+    """Copy shards saved by ``shard_state`` (same layout, checked by the caller) into the buffers."""
+    for buf, saved in zip(pipeline.buffers, states):
+        _match_amsgrad(buf, _AMSGRAD in saved)
+        for name, tensor in saved.items():
+            if getattr(buf, name) is not None:
+                getattr(buf, name).copy_(tensor)
+        if buf.master is not None and "master" not in saved:
+            pipeline.refresh_master(buf)
+        record(buf)
+
+
+def _match_amsgrad(buf: FlatBuffer, loaded: bool) -> None:
+    """Before loading: a buffer receives AMSGrad's maximum when the state has one; else it restarts at zero."""
+    if loaded and buf.max_exp_avg_sq is None:
+        buf.max_exp_avg_sq = torch.zeros_like(buf.exp_avg_sq)
+    elif not loaded and buf.max_exp_avg_sq is not None:
+        buf.max_exp_avg_sq.zero_()
+
+
+def _gather(pipeline: Pipeline, buf: FlatBuffer, shard: torch.Tensor) -> torch.Tensor:
+    if pipeline.num_shards == 1:
+        return shard
+    full = torch.empty(buf.layout.numel, dtype=shard.dtype, device=shard.device)
+    handles = [
+        pipeline.engine.all_gather(buf.bucket_slice(full, b), buf.shard_slice(shard, b), name=f"state.{b.index}")
+        for b in buf.layout.buckets
+    ]
+    for h in handles:
+        h.wait()
+    return full
+
+
+def gather_full_state(pipeline: Pipeline, keep: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+    """``{param index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}}`` for every parameter
+    that has stepped (``master``: bf16/fp16 parameters).
+
+    Args:
+        pipeline: the pipeline whose shards are gathered (a collective: every rank calls it).
+        keep: False on ranks that only take part: they return ``{}`` and hold one buffer at a time.
+    """
+    current(pipeline)
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for buf in pipeline.buffers:
+        full = {name: _gather(pipeline, buf, t) for name, t in state_tensors(buf).items()}
+        for index, slot in buf.indexed_slots() if keep else ():
+            if pipeline.steps[index] == 0:
+                continue
+            entry = {"step": torch.tensor(float(pipeline.steps[index]))}
+            for name, values in full.items():
+                entry[name] = values.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
+            out[index] = entry
+    return out
+
+
+def scatter_full_state(pipeline: Pipeline, state: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Load a full state (shapes checked by the caller); parameters absent from it start fresh, and low-precision
+    parameters without a ``master`` entry (fp32 parameters ignore one) start their master from their values."""
+    for buf in pipeline.buffers:
+        entries = [state.get(i) for i in buf.indices]
+        _match_amsgrad(buf, any(e is not None and _AMSGRAD in e for e in entries))
+        for name in _MOMENTS + ((_AMSGRAD,) if buf.max_exp_avg_sq is not None else ()):
+            _scatter(pipeline, buf, state, name)
+        if buf.master is not None:
+            pipeline.refresh_master(buf)
+            _scatter(pipeline, buf, state, "master")
+            record(buf)
+        for index, slot in buf.indexed_slots():
+            entry = state.get(index)
+            pipeline.steps[index] = 0 if entry is None else int(float(entry["step"]))
+
+
+def _scatter(pipeline: Pipeline, buf: FlatBuffer, state: dict, name: str) -> None:
+    """This rank's shard of ``name`` from the state's entries; where they lack it: zeros, or for ``master``
+    what the shard holds (the parameters' values)."""
+    full = torch.zeros(buf.layout.numel, dtype=torch.float32, device=buf.device)
+    given = torch.zeros(buf.layout.numel, dtype=torch.bool, device=buf.device)
+    for index, slot in buf.indexed_slots():
+        entry = state.get(index)
+        if entry is not None and name in entry:
+            full.narrow(0, slot.offset, slot.numel).copy_(entry[name].reshape(-1))
+            given.narrow(0, slot.offset, slot.numel).fill_(True)
+    shard = getattr(buf, name)
+    for b in buf.layout.buckets:
+        mine = buf.shard_slice(shard, b)
+        values = buf.rank_slice(full, b, pipeline.shard_rank)
+        mine.copy_(values if name != "master" else values.where(buf.rank_slice(given, b, pipeline.shard_rank), mine))
+
+
+# ---------------------------------------------------------------- pieces: where this rank's state is
+@dataclass
+class HeldPiece:
+    """What this rank holds of one parameter: ``numel`` elements from ``start`` in buffer ``buffer``'s shard
+    (contiguous there), which are the elements ``ranges`` (first element, count) of the flattened parameter.
+
+    ``shape`` is the parameter's; ``whole`` is True when this rank holds every element of it.
+    """
+
+    buffer: int
+    index: int
+    start: int
+    shape: torch.Size
+    numel: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def whole(self) -> bool:
+        return self.numel == math.prod(self.shape)
+
+
+def held_pieces(pipeline: Pipeline) -> dict[int, HeldPiece]:
+    """``{id(parameter): its HeldPiece}`` for every parameter this rank holds state of."""
+    pieces: dict[int, HeldPiece] = {}
+    for b, buf in enumerate(pipeline.buffers):
+        for seg in buf.layout.segments(pipeline.shard_rank):
+            slot = buf.layout.slots[seg.slot]
+            piece = pieces.setdefault(
+                id(buf.params[slot.param]), HeldPiece(b, buf.index_of(slot), seg.shard_offset, slot.shape)
+            )
+            piece.numel += seg.numel  # contiguous in the shard (see layout)
+            piece.ranges.append((seg.param_offset, seg.numel))
+    return pieces
+
+
+def piece_views(pipeline: Pipeline, piece: HeldPiece) -> dict[str, torch.Tensor]:
+    """The state tensors of ``piece`` (views into the shards: writes change the optimizer), shaped as the
+    parameter when this rank holds all of it, else 1-D."""
+    buf = pipeline.buffers[piece.buffer]
+    views = {kind: t.narrow(0, piece.start, piece.numel) for kind, t in state_tensors(buf).items()}
+    return {kind: v.view(piece.shape) for kind, v in views.items()} if piece.whole else views
+
+
+def trained_index(pipeline: Pipeline, p: torch.Tensor) -> Optional[int]:
+    """``p``'s optimizer index when the pipeline trains it (on any rank), else None."""
+    where = pipeline.where.get(id(p))
+    if where is None:
+        return None
+    return pipeline.buffers[where[0]].index_of(where[1])
+
+
+def trained_indices(pipeline: Pipeline) -> set[int]:
+    """The optimizer indices of every parameter the pipeline trains."""
+    return {i for buf in pipeline.buffers for i in buf.indices}
+
+
+def param_numels(pipeline: Pipeline) -> dict[int, int]:
+    """``{optimizer index: element count}`` of every trained parameter."""
+    return {index: slot.numel for buf in pipeline.buffers for index, slot in buf.indexed_slots()}
+
+
+def param_states(pipeline: Pipeline) -> Iterator[tuple[int, torch.Size, tuple[str, ...]]]:
+    """(optimizer index, shape, the state kinds it has) of every trained parameter."""
+    for buf in pipeline.buffers:
+        kinds = tuple(state_tensors(buf))
+        for index, slot in buf.indexed_slots():
+            yield index, slot.shape, kinds
+
+
+# ---------------------------------------------------------------- checkpoints: pieces out and in
+@dataclass(frozen=True)
+class SavedPiece:
+    """A run of one parameter that this rank saves: from element ``start`` of the flattened parameter,
+    its values (``value``) and its state (``state``: kind -> tensor), all of the same length."""
+
+    index: int
+    start: int
+    value: torch.Tensor
+    state: dict[str, torch.Tensor]
+
+
+def save_pieces(pipeline: Pipeline) -> Iterator[SavedPiece]:
+    """This rank's part of every buffer: its shard under the stage's layout, or, where every rank holds
+    all of it (stage 0), the same layout cut into one part per rank. Read the masters first (``current``)."""
+    for buf in pipeline.buffers:
+        layout = buf.layout
+        if pipeline.num_shards != pipeline.world_size:
+            layout = pipeline.build_layout(buf.params, num_shards=pipeline.world_size)
+        own = layout is buf.layout
+        state = state_tensors(buf)
+        for seg in layout.segments(pipeline.rank if layout.num_shards > 1 else 0):
+            slot = layout.slots[seg.slot]
+            full_offset = slot.offset + seg.param_offset
+            at = seg.shard_offset if own else full_offset
+            if buf.param_flat is not None:
+                value = buf.param_flat.narrow(0, full_offset, seg.numel)
+            else:  # stage 3: this rank's parameter shard
+                value = buf.param_shard.narrow(0, seg.shard_offset, seg.numel)
+            views = {kind: t.narrow(0, at, seg.numel) for kind, t in state.items()}
+            yield SavedPiece(buf.index_of(slot), seg.param_offset, value, views)
+
+
+@dataclass(frozen=True)
+class LoadPiece:
+    """A run of one parameter that this rank loads: ``numel`` elements from element ``start`` of the
+    flattened parameter into ``state`` (kind -> destination view) and, when the parameters are sharded
+    (stage 3), into ``param``; ``dtype`` is the parameter's."""
+
+    index: int
+    start: int
+    numel: int
+    dtype: torch.dtype
+    state: dict[str, torch.Tensor]
+    param: Optional[torch.Tensor]
+
+
+def load_pieces(pipeline: Pipeline) -> Iterator[LoadPiece]:
+    """Where this rank's shard of every buffer is loaded into (see ``whole_params`` for parameters every
+    rank holds whole)."""
+    for buf in pipeline.buffers:
+        state = state_tensors(buf)
+        for seg in buf.layout.segments(pipeline.shard_rank):
+            at, n = seg.shard_offset, seg.numel
+            param = buf.param_shard.narrow(0, at, n) if buf.param_flat is None else None
+            views = {kind: t.narrow(0, at, n) for kind, t in state.items()}
+            yield LoadPiece(buf.index_of(seg.slot), seg.param_offset, n, buf.dtype, views, param)
+
+
+def whole_params(pipeline: Pipeline) -> Iterator[tuple[int, torch.dtype, torch.Tensor]]:
+    """(optimizer index, dtype, destination) of every parameter this rank holds whole (stages 0-2)."""
+    for buf in pipeline.buffers:
+        if buf.param_flat is not None:
+            for index, slot in buf.indexed_slots():
+                yield index, buf.dtype, buf.param_flat.narrow(0, slot.offset, slot.numel)
+
+
+def allocate_amsgrad(pipeline: Pipeline, wanted: Callable[[int], bool]) -> None:
+    """Give AMSGrad's maximum (zeros) to the buffers holding a parameter for which ``wanted(index)``."""
+    for buf in pipeline.buffers:
+        if buf.max_exp_avg_sq is None and any(wanted(i) for i in buf.indices):
+            pipeline.allocate_max_exp_avg_sq(buf.group)
+
+
+# ---------------------------------------------------------------- copies: the shards themselves
+def shard_tensors(pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
+    """This rank's state shards, one dict per buffer (the tensors themselves: the caller copies)."""
+    return [state_tensors(buf) for buf in pipeline.buffers]
+
+
+def param_shards(pipeline: Pipeline) -> list[Optional[torch.Tensor]]:
+    """Per buffer: this rank's parameter shard where parameters are sharded (stage 3), else None."""
+    return [getattr(buf, "param_shard", None) for buf in pipeline.buffers]
+
+
+def load_param_shards(pipeline: Pipeline, shards: list[Optional[torch.Tensor]]) -> None:
+    """Copy ``param_shards``' values (same layout) into this rank's parameter shards."""
+    for buf, values in zip(pipeline.buffers, shards):
+        if values is not None:
+            buf.param_shard.copy_(values)
+
+
+def shard_numels(pipeline: Pipeline) -> list[int]:
+    """Per buffer: the elements of this rank's shard."""
+    return [buf.layout.shard_numel for buf in pipeline.buffers]
