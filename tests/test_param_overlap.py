@@ -271,7 +271,10 @@ def test_config_key() -> None:
 
 def test_one_rank_has_nothing_in_flight() -> None:
     model = TiedNet()
-    opt = zk.ShardedFusedAdam(model, lr=LR, stage=2, overlap_param_gather=True)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": {"stage": 2}}
+    config["zero_optimization"]["overlap_param_gather"] = True
+    model, opt = zk.initialize(model, config)
+    assert opt.pipeline.gathers.enabled
     model(tokens(0, 1)).backward()
     opt.step()
     assert opt.pipeline.gathers.in_flight == 0

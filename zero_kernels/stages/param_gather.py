@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # Operations that read no value of a parameter: they run on a pending one without waiting.
 _CALLS = {
     "size", "dim", "numel", "nelement", "element_size", "is_contiguous", "is_floating_point", "is_complex",
-    "get_device", "data_ptr", "untyped_storage", "requires_grad_", "register_hook",
+    "get_device", "data_ptr", "untyped_storage", "requires_grad_", "register_hook", "__len__",
     "register_post_accumulate_grad_hook", "_has_compatible_shallow_copy_type",
 }  # fmt: skip
 _GETS = {
