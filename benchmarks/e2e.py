@@ -17,7 +17,8 @@ round by round: the median of the per-round ratios, ``low``/``high`` their sprea
 ``verdict`` faster or slower only when every round agrees. Our
 ``reduce_bucket_size`` is 2M elements (8 MB), the size of the DDP buckets (``bucket_cap_mb=8``); stage 2
 also runs with the sizes of published DeepSpeed configs (``zk-stage2@5e7`` and DeepSpeed's default
-``zk-stage2@5e8``), and the ``bucket`` column says which size each row ran with.
+``zk-stage2@5e8``), and the ``bucket`` column says which size each row ran with; stages 1 and 2 also with
+``overlap_param_gather`` (``zk-stage1+overlap``, ``zk-stage2+overlap``), against the same peers.
 ``vs_deepspeed`` is DeepSpeed's step time at the same stage divided by ours. A provider that fails
 (or whose processes die) is reported in its row (``error``), not fatal.
 """
@@ -52,14 +53,16 @@ PEERS = {
     "zk-stage2": "ddp+adamw-fused",
     "zk-stage3": "fsdp2",
 }
+OVERLAP = "+overlap"  # our provider with "overlap_param_gather": true (stages 1-2)
+OVERLAPPED = ("zk-stage1" + OVERLAP, "zk-stage2" + OVERLAP)
 BUCKET_ELEMENTS = 2_000_000  # ours: reduce_bucket_size (8 MB of fp32), the size of the DDP buckets below
 PUBLISHED_BUCKETS = ("5e7", "5e8")  # reduce_bucket_size of a typical published DeepSpeed config; DeepSpeed's default
 LR = 1e-4
 
 
 def _base(provider: str) -> str:
-    """The provider without its bucket size: ``zk-stage2@5e7`` -> ``zk-stage2``."""
-    return provider.split("@")[0]
+    """The provider without its bucket size or overlap: ``zk-stage2@5e7`` -> ``zk-stage2``."""
+    return provider.split("@")[0].removesuffix(OVERLAP)
 
 
 def _bucket(provider: str) -> str:
@@ -103,7 +106,8 @@ def _build(provider: str, model: nn.Module):
         from zero_kernels.optim import ShardedFusedAdam
 
         size = int(float(_bucket(provider)))
-        opt = ShardedFusedAdam(model, lr=1e-4, stage=int(_base(provider)[-1]), reduce_bucket_size=size)
+        stage, overlap = int(_base(provider)[-1]), provider.endswith(OVERLAP)
+        opt = ShardedFusedAdam(model, lr=1e-4, stage=stage, reduce_bucket_size=size, overlap_param_gather=overlap)
         return model, opt, opt.memory_report
     if provider == "ddp+adamw-fused":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=8, gradient_as_bucket_view=True)
@@ -248,9 +252,10 @@ def summary(rows: list[dict]) -> list[dict]:
     rounds = _rounds(rows)
     mean = _mean_step_ms(rows)
     out = []
-    for ours, peer in PEERS.items():
-        line = {"case": f"stage {ours[-1]}, {rows[0]['case']}" if rows else f"stage {ours[-1]}", "ours": ours}
-        peers = {p: mean[p] for p in (peer, e2e_deepspeed.PREFIX + ours[-1]) if p in mean}
+    for ours in (*PEERS, *OVERLAPPED):
+        stage, peer = _base(ours)[-1], PEERS[_base(ours)]
+        line = {"case": f"stage {stage}, {rows[0]['case']}" if rows else f"stage {stage}", "ours": ours}
+        peers = {p: mean[p] for p in (peer, e2e_deepspeed.PREFIX + stage) if p in mean}
         if ours in mean:
             line["ours_ms"] = mean[ours]
         if peers:
@@ -303,7 +308,7 @@ def run(quick: bool) -> list[dict]:
     width, depth, steps = (512, 10, 4) if quick else (768, 6, 10)
     rounds = 3 if quick else 5
     providers = ["zk-stage0", "zk-stage1", "zk-stage2", "zk-stage3", "ddp+adamw-fused", "ddp+zero1-torch", "fsdp2"]
-    providers += [f"zk-stage2@{size}" for size in PUBLISHED_BUCKETS]
+    providers += [f"zk-stage2@{size}" for size in PUBLISHED_BUCKETS] + list(OVERLAPPED)
     missing = e2e_deepspeed.unavailable()
     if missing:
         print(f"e2e: {missing}", file=sys.stderr)

@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--link-providers",
         metavar="NAMES",
-        help=f"links: comma-separated providers among {','.join(_all_providers())} (default: all available)",
+        help=f"links: comma-separated providers among {','.join(_all_providers())} "
+        "(default: all available but the +overlap ones)",
     )
 
 
@@ -95,7 +96,7 @@ def configure(args: argparse.Namespace) -> None:
 
 
 def _all_providers() -> list[str]:
-    return [*OURS, *PEERS, *(f"{e2e_deepspeed.PREFIX}{s}" for s in range(4))]
+    return [*OURS, *PEERS, *(f"{e2e_deepspeed.PREFIX}{s}" for s in range(4)), *e2e.OVERLAPPED]
 
 
 def _plan(rates: list[str], providers: list[str]) -> list[tuple[str, list[str]]]:
@@ -109,7 +110,7 @@ def _plan(rates: list[str], providers: list[str]) -> list[tuple[str, list[str]]]
 
 
 def _providers() -> list[str]:
-    chosen = _options.get("providers") or _all_providers()
+    chosen = _options.get("providers") or [p for p in _all_providers() if p not in e2e.OVERLAPPED]
     missing = e2e_deepspeed.unavailable()
     if missing and any(p.startswith(e2e_deepspeed.PREFIX) for p in chosen):
         print(f"links: {missing}", file=sys.stderr)

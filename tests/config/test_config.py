@@ -86,6 +86,7 @@ def test_defaults_are_deepspeeds() -> None:
         "reduce_bucket_size": 500_000_000,
         "allgather_bucket_size": 500_000_000,
         "reduce_scatter": True,
+        "overlap_param_gather": False,  # ours (Megatron's name): off, as Megatron's
         "stage3_prefetch_bucket_size": 50_000_000,
         "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000,

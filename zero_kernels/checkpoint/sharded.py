@@ -276,6 +276,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     """
     check_byteorder()
     pipeline = _pipeline(optimizer)
+    pipeline.wait_params()
     root = Path(directory)
     names = _names(model, optimizer)
     tensors, _ = _model_tensors(model)
@@ -487,6 +488,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     """
     check_byteorder()
     pipeline = _pipeline(optimizer)
+    pipeline.wait_params()
     adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
     staged = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False)
     _apply(staged, optimizer, pipeline, _names(model, optimizer))

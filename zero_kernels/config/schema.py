@@ -65,6 +65,9 @@ ZERO_FIELDS: Dict[str, Field] = {
     "reduce_bucket_size": Field(integer(1), 500_000_000),
     "allgather_bucket_size": Field(integer(1), 500_000_000),
     "reduce_scatter": Field(boolean(), True),
+    # Not a DeepSpeed key (Megatron's overlap_param_gather): stages 1-2 wait for the all-gather after the
+    # step where the next forward first uses a parameter, not in the step.
+    "overlap_param_gather": Field(boolean(), False),
     # 0 is DeepSpeed's way to turn prefetching off, so it is allowed here.
     "stage3_prefetch_bucket_size": Field(integer(0), 50_000_000),
     "stage3_param_persistence_threshold": Field(integer(0), 100_000),

@@ -84,6 +84,7 @@ class ZeroOptions:
     reduce_bucket_size: int = _zero_default("reduce_bucket_size")
     allgather_bucket_size: int = _zero_default("allgather_bucket_size")
     reduce_scatter: bool = _zero_default("reduce_scatter")
+    overlap_param_gather: bool = _zero_default("overlap_param_gather")
     stage3_prefetch_bucket_size: int = _zero_default("stage3_prefetch_bucket_size")
     stage3_param_persistence_threshold: int = _zero_default("stage3_param_persistence_threshold")
     stage3_max_live_parameters: int = _zero_default("stage3_max_live_parameters")

@@ -347,6 +347,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._update_sync()
             return loss
         self._micro_step = 0
+        self.wait_params()
         self._follow_replaced_params()
         hyper = [self._hyper(g) for g in self.param_groups]
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
@@ -485,6 +486,12 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._clip = None
         self._pipeline.zero_grad(set_to_none)
 
+    def wait_params(self) -> None:
+        """Finish the parameter all-gathers that ``overlap_param_gather`` leaves in flight after a step (stages
+        1-2; otherwise there are none). Every use of a parameter waits by itself; call this before reading a
+        tensor taken from a parameter before the step (a kept ``p.data`` or ``model.state_dict()``)."""
+        self._pipeline.wait_params()
+
     def gathered_params(self) -> contextlib.AbstractContextManager:
         """Full parameters inside the block (stage 3 gathers them; stages 0-2 always have them)."""
         return self._pipeline.gathered_params()
@@ -507,6 +514,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         """This rank's shard of the state (reload with the same world size, stage and model); on the
         rank given to ``consolidate_state_dict(to=...)``, the whole state it gathered, until the next
         step or load. Registered state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
+        self.wait_params()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         if self._consolidated is not None:
@@ -522,6 +530,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole state in ``torch.optim.AdamW``'s layout (a collective: call it on every rank)."""
+        self.wait_params()
         return optim_state.full(self)
 
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -536,6 +545,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
             raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of this process group (0..{world - 1})")
         keep = self._engine.rank == to
+        self.wait_params()
         state = zstate.gather_full_state(self._pipeline, keep=keep)
         self._consolidated = state if keep else None
 
@@ -553,6 +563,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             kind = type(state_dict).__name__
             raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', not a {kind}")
         state_dict = dict(state_dict)
+        self.wait_params()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
@@ -566,6 +577,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     # ---------------------------------------------------------------- copies
     def __getstate__(self) -> dict[str, Any]:
         """For pickle and ``torch.save(opt)``: a snapshot of this rank's part (see ``optim.copies``)."""
+        self.wait_params()
         return optim_copy.snapshot(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -582,6 +594,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         optim_copy.load_shards(self, state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
+        self.wait_params()
         return optim_copy.deep_copy(self, memo)
 
 

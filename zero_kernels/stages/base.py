@@ -28,7 +28,8 @@ shard: master ``master_shard``, gradient ``grad_shard``, fp32 m and v; for low-p
 parameters the kernel writes the updated shard (``out=``) straight into ``param_shard``, the
 all-gather input, having first taken what was written there since the last step as the master's
 value (``master``: in-place writes into bf16/fp16 parameters reach the fp32 master). ``_publish``
-then all-gathers each bucket back into ``param_flat`` (overlapping the next bucket's kernel). A
+then all-gathers each bucket back into ``param_flat`` (overlapping the next bucket's kernel; with
+``overlap_param_gather`` the step leaves them in flight until a parameter is used, ``param_gather``). A
 kernel launch is split where per-parameter step counts differ; the counts advance once the step's
 outcome is read (``outcome.StepCounts``).
 
@@ -51,7 +52,7 @@ import torch
 
 from ..comm.control import ControlLink
 from ..comm.handles import Handle
-from . import adopt, buckets, grad_state, master, outcome, refusals, stats, update
+from . import adopt, buckets, grad_state, master, outcome, param_gather, refusals, stats, update
 from .backward import BackwardRound, grad_hook, owners
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .layout import Bucket, BufferLayout, align_elements
@@ -113,6 +114,8 @@ class Pipeline(BackwardRound):
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
+        overlap = self.allgather_by_bucket and getattr(options, "overlap_param_gather", False)
+        self.gathers = param_gather.ParamGathers(overlap)  # the step's all-gathers, kept in flight when overlapping
 
     # ---------------------------------------------------------------- construction
     @property
@@ -268,6 +271,7 @@ class Pipeline(BackwardRound):
 
     def close(self) -> None:
         """Remove the gradient hooks (the parameters keep their current values)."""
+        self.wait_params()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -431,6 +435,7 @@ class Pipeline(BackwardRound):
             max_grad_norm: clip the global gradient norm to this (None: no clipping).
             check_finite: skip the step (and report it) if any gradient is inf/NaN on any rank.
         """
+        self.wait_params()
         self.settle()
         self.finish_grad_sync()
         checks = stats.step_checks(hyper, grad_scale, max_grad_norm)
@@ -445,8 +450,9 @@ class Pipeline(BackwardRound):
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
                 update.update_bucket(self, buf, bucket, hyper[buf.group], decision, combined.with_grad)
-                self._track(self._publish(buf, bucket))
+                self._track(self.gathers.defer(buf, bucket, self._publish(buf, bucket)))
         self._complete_inflight()
+        self.gathers.arm()
         master.record_all(self)
         grad_state.clear_after_step(self)
         self.step_counts.pending(result, combined.with_grad)
@@ -472,9 +478,14 @@ class Pipeline(BackwardRound):
             grad_state.keep_zero_grads(self)
         self.reset_grad_sync()
 
+    def wait_params(self) -> None:
+        """Finish the parameter all-gathers the last step left in flight (``overlap_param_gather``)."""
+        self.gathers.wait()
+
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
-        """Full parameters inside the block; stages 0-2 always hold them, so this does nothing."""
+        """Full parameters inside the block; stages 0-2 hold them once the step's all-gathers are waited for."""
+        self.wait_params()
         yield
 
     @contextlib.contextmanager
