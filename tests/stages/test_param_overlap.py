@@ -19,10 +19,10 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.helpers.check import assert_close
 from torch import nn
 
 import zero_kernels as zk
+from tests.helpers.check import assert_close
 from zero_kernels.config import ZeroOptions
 from zero_kernels.stages.param_gather import is_pending
 

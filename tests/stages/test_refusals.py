@@ -20,11 +20,11 @@ import re
 
 import pytest
 import torch
-from tests.helpers.dist import run_ranks_checked
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zero_kernels as zk
+from tests.helpers.dist import run_ranks_checked
 
 WORLD, ROWS, LR = 2, 4, 1e-2
 NARROW = 16  # elements per bucket: buckets are reduced while backward runs

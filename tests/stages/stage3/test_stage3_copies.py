@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers.dist import run_ranks_checked
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
 
 import zero_kernels as zk
+from tests.helpers.dist import run_ranks_checked
 
 ROWS, LR, BUCKET = 3, 1e-2, 16
 
