@@ -4,7 +4,7 @@ Against a single process running ``torch.optim.AdamW`` on the whole batch and to
 stage on 1, 2 and 3 ranks, with clipping active:
 
 1. ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, also through a reference bound
-   before any optimizer existed, and ``get_total_norm`` of the gradients then
+   before zero_kernels was imported, and ``get_total_norm`` of the gradients then
    ``clip_grads_with_norm_``: the same norm and the same weights as the reference.
 2. With the optimizer's own accumulation (``gradient_accumulation_steps=2``) at stage 0, where
    ``p.grad`` holds the sum of the micro-steps: still the reference's norm and weights.
@@ -19,14 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import clip_grad_norm_ as clip_bound_early  # bound at import, before any optimizer exists
 
 import zero_kernels as zk
 from tests.helpers.lockstep import LR, ROWS, Net, batch, compare, make_models
-
-# isort: split
-# Bound at import, before any optimizer exists, and after zero_kernels is imported, as this test has
-# always run in the ranks: bound before that import, a rank of the 2- and 3-rank runs aborts.
-from torch.nn.utils import clip_grad_norm_ as clip_bound_early  # noqa: E402
 
 STAGES = (0, 1, 2, 3)
 MAX_NORM = 0.05
