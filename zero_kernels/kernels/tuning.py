@@ -6,13 +6,14 @@ only choices are how many elements one program handles (``block``) and how many 
 (``num_warps``): small problems keep blocks small so that enough programs exist to fill the
 device, large ones use bigger blocks to cut per-program overhead. The flatten kernel loops over
 its chunk a tile at a time, so its chunk size is a runtime argument and its tile is fixed. The
-rows are a starting point: ``benchmarks/gpu_check.py`` times the alternatives on a GPU.
+rows are a starting point: ``tests/gpu/gpu_check.py`` (run by ``benchmarks/gpu_check.sh``) times the
+alternatives on a GPU.
 
 ``launch_device`` makes a launch run on the device of its tensors, not the current one.
 
 ``launch_variants()`` lists the calls that make the kernels compile every variant the package can
 launch; ``python -m zero_kernels.kernels.aot`` compiles them for sm_80 and sm_90 without a GPU and
-reports registers, spills and vector widths (``tests/test_aot.py`` holds them to their bounds).
+reports registers, spills and vector widths (``tests/kernels/test_aot.py`` holds them to their bounds).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ every ``p.data`` to an empty tensor (the ``Parameter`` objects, and so the model
 optimizer's references, stay valid). Buffers are ordered from the last module to the first, the
 order in which backward produces gradients.
 
-When. ``stage3_hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
+When. ``hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
 prefetches the next unit and more up to ``stage3_prefetch_bucket_size`` elements ahead, and frees
 after use. Every rank checks that every rank gathers the same units (``stage3.check``): before the
 gathers of the first pass of each kind, and in the step's exchange for passes that repeat it;
