@@ -26,9 +26,12 @@ constexpr uint32_t kTagSpan = 1u << 29;
 // A host (gloo) collective's worker thread still holds the finished work, and through it the
 // tensors, for a few microseconds after wait() returns. Wait (bounded) until it lets go, so that the
 // last reference to a tensor Python handed us is dropped on the waiting thread: dropped on a backend
-// thread, it needs the GIL, which aborts the process while the interpreter is shutting down.
+// thread, it needs the GIL, which aborts the process while the interpreter is shutting down
+// ("terminate called without an active exception"). On a loaded machine that thread can stay
+// descheduled far longer than microseconds, so the bound is generous: it is only reached when that
+// thread does not get to run.
 void wait_for_backend_release(const c10::intrusive_ptr<c10d::Work>& work) {
-  constexpr auto kLimit = std::chrono::milliseconds(100);
+  constexpr auto kLimit = std::chrono::seconds(5);
   const auto start = std::chrono::steady_clock::now();
   while (work.use_count() > 1 && std::chrono::steady_clock::now() - start < kLimit) {
     std::this_thread::yield();
