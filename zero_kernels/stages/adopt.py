@@ -147,7 +147,7 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
         if p.numel() != 0:
             check_compatible(buf, p, slot.shape, name_of)
     for seg in buf.layout.segments(pipeline.shard_rank):
-        p = buf.params[buf.layout.slots[seg.slot].param]
+        p = buf.param_of(seg.slot)
         if p.numel() != 0:
             piece = p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel)
             shard.narrow(0, seg.shard_offset, seg.numel).copy_(piece)

@@ -155,7 +155,7 @@ class BackwardRound:
         report in it (an earlier backward under ``no_sync`` gave them one, this one none) join it."""
         buf = self.buffers[b]
         for slot in bucket.slots:
-            p = buf.params[buf.layout.slots[slot].param]
+            p = buf.param_of(slot)
             if p.grad is not None and (b, slot) not in self._reported:
                 self._check_dense(p)
                 self._reported.add((b, slot))

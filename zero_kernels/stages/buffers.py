@@ -50,6 +50,12 @@ class FlatBuffer:
             slot = self.layout.slots[slot]
         return self.indices[slot.param]
 
+    def param_of(self, slot: Union[Slot, int]) -> torch.Tensor:
+        """The parameter in ``slot`` (a slot or its number)."""
+        if isinstance(slot, int):
+            slot = self.layout.slots[slot]
+        return self.params[slot.param]
+
     def indexed_slots(self) -> Iterator[tuple[int, Slot]]:
         """(optimizer index, slot) of every parameter of the buffer, in layout order."""
         for slot in self.layout.slots:

@@ -147,7 +147,7 @@ class ParamGathers:
         self._handles.append(handle)
         self._release.append([])
         for slot in bucket.slots:
-            p = buf.params[buf.layout.slots[slot].param]
+            p = buf.param_of(slot)
             self._last[id(p)] = (position, p)
         return None
 

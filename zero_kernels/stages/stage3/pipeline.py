@@ -225,7 +225,7 @@ class Stage3Pipeline(Stage2Pipeline):
             return
         buf.param_shard = torch.zeros(buf.layout.shard_numel, dtype=buf.dtype, device=buf.device)
         for seg in buf.layout.segments(self.shard_rank):
-            flat = buf.params[buf.layout.slots[seg.slot].param].detach().reshape(-1)
+            flat = buf.param_of(seg.slot).detach().reshape(-1)
             buf.param_shard.narrow(0, seg.shard_offset, seg.numel).copy_(flat.narrow(0, seg.param_offset, seg.numel))
         for p in buf.params:
             p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
