@@ -137,7 +137,7 @@ _RESULTS: dict[str, ModuleType | ExtensionUnavailable] = {}
 
 
 def load(name: str) -> ModuleType:
-    """The compiled extension ``name`` ("ops" or "comm"); raises ExtensionUnavailable.
+    """The compiled extension ``name`` ("ops", "comm" or "io"); raises ExtensionUnavailable.
 
     The outcome, module or failure, is remembered for the life of the process.
     """

@@ -19,6 +19,7 @@ NVCC_FLAGS = ["-O3", "-std=c++17"]
 EXTENSIONS = {
     "ops": ["ops"],
     "comm": ["comm"],
+    "io": ["io"],
 }
 
 
