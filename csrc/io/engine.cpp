@@ -150,26 +150,24 @@ std::vector<Engine::Piece> Engine::split(const std::shared_ptr<Request>& request
 std::shared_ptr<Request> Engine::submit(const std::string& path, char* data, int64_t nbytes, int64_t offset,
                                         bool write, std::shared_ptr<void> keep_alive) {
   auto request = std::make_shared<Request>(path, write, data, nbytes, offset, std::move(keep_alive));
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) {
-      request->fail(EBADF, "submitting to a closed engine");
-      request->finish();
-      return request;
-    }
-  }
   open_files(*request);
   auto pieces = request->failed() ? std::vector<Piece>{} : split(request);
-  if (pieces.empty()) {
-    request->finish();
-    return request;
-  }
   request->remaining_ = static_cast<int64_t>(pieces.size());
+  bool queued = false;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto& piece : pieces) queue_.push_back(std::move(piece));
+    std::lock_guard<std::mutex> lock(mutex_);  // checked where the pieces are queued: close() may run meanwhile
+    if (stopping_) {
+      request->fail(EBADF, "submitting to a closed engine");
+    } else {
+      for (auto& piece : pieces) queue_.push_back(std::move(piece));
+      queued = !pieces.empty();
+    }
   }
-  queue_cv_.notify_all();
+  if (queued) {
+    queue_cv_.notify_all();
+  } else {
+    request->finish();
+  }
   return request;
 }
 
