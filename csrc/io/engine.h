@@ -4,11 +4,11 @@
 // the first 4 KiB boundary, then block_size pieces of whole 4 KiB pages, then a tail of less than a
 // page. The aligned pieces go through a descriptor opened with O_DIRECT (memory that is not page
 // aligned passes through the worker's aligned bounce buffer); the head and tail, and every piece of
-// a file whose file system refuses O_DIRECT (tmpfs), through a buffered descriptor. Pieces of every
-// request share one FIFO queue served by threads * queue_depth workers calling pread/pwrite, so
-// that many blocks are in flight: measured on this project's machines, that pool moves as many bytes
-// as libaio or io_uring at the same depth and needs no library (the docstring of
-// zero_kernels/offload/aio.py gives the figures).
+// a file whose file system refuses O_DIRECT (ramfs, tmpfs before Linux 6.6), through a buffered
+// descriptor. Pieces of every request share one FIFO queue served by threads * queue_depth workers
+// calling pread/pwrite, so that many blocks are in flight: measured on this project's machines, that
+// pool moves as many bytes as libaio or io_uring at the same depth and needs no library (the
+// docstring of zero_kernels/offload/aio.py gives the figures).
 //
 // Errors never throw across threads: the first failure of a request (errno and what failed) is kept
 // and returned by wait().

@@ -46,6 +46,13 @@ def test_every_provider_is_measured_on_the_same_file_then_removed(tmp_path, monk
         (case, provider) for case in ("write", "read") for provider in ("dd bs=1M", "dd bs=16M", "ours python-odirect")
     }
     assert all(len(r["rounds_ms"]) == 3 and r["GB/s"] > 0 and r["MiB"] == 16 for r in rows)
+    for r in rows:  # the engine against the better dd of each round
+        if r["provider"].startswith("ours"):
+            dds = [x["rounds_ms"] for x in rows if x["case"] == r["case"] and x["provider"].startswith("dd")]
+            ratios = sorted(min(d) / o for *d, o in zip(*dds, r["rounds_ms"]))
+            assert (r["vs_disk_low"], r["vs_disk"], r["vs_disk_high"]) == pytest.approx(tuple(ratios))
+        else:
+            assert "vs_disk" not in r
     summary = common.best_vs_peer(rows)
     assert {line["case"] for line in summary} == {"write", "read"}
     assert all(line["best_peer"].startswith("dd") and line["speedup"] > 0 for line in summary)

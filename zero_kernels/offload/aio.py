@@ -22,10 +22,11 @@ How bytes move. A request is cut in file space into a head up to the first 4 KiB
 ``block_size`` bytes of whole 4 KiB pages, and a tail of less than a page. The aligned pieces go through
 a descriptor opened with ``O_DIRECT`` (no page cache: the disk's own speed, and host memory left to the
 training) where ``direct`` is true and the file system allows it; the head, the tail and every piece of
-a file on a file system that refuses ``O_DIRECT`` (tmpfs) go through a buffered descriptor, and
-``backend`` then ends in ``+buffered``. Pieces of all requests share one FIFO queue served by
-``threads * queue_depth`` workers calling ``pread``/``pwrite``: up to ``queue_depth`` blocks in flight
-per thread, in submission order.
+a file on a file system that refuses ``O_DIRECT`` (ramfs, tmpfs before Linux 6.6) go through a
+buffered descriptor, and ``backend`` then ends in ``+buffered``. Pieces of all requests share one FIFO
+queue served by ``threads * queue_depth`` workers calling ``pread``/``pwrite``: up to ``queue_depth``
+blocks in flight per thread, in submission order. Each request holds its file open (two descriptors
+with ``O_DIRECT``) until it has finished.
 
 - ``cpp-*``: the C++ engine (``csrc/io``, built just in time as the extension ``io``), its workers
   outside the GIL; memory that is not page aligned passes through each worker's aligned bounce buffer.
