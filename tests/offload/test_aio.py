@@ -9,8 +9,10 @@ the process may mount, and skipped with the reason otherwise; they are unmounted
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
+import mmap
 import os
 import shutil
 import subprocess
@@ -98,7 +100,7 @@ def unaligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     base = FileIO(direct=False).empty(numel + aio.PAGE // itemsize + 1, dtype)
     out = base[1 : numel + 1]
-    assert out.data_ptr() % aio.PAGE
+    assert numel == 0 or out.data_ptr() % aio.PAGE
     return out
 
 
@@ -114,7 +116,7 @@ def test_every_dtype_lands_in_the_file_and_comes_back(make_io, disk_dir: Path, d
     assert as_bytes(back) == as_bytes(tensor)
 
 
-SIZES = [1, SMALL_BLOCK - 1, SMALL_BLOCK, SMALL_BLOCK + 1, 5 * SMALL_BLOCK + 3]
+SIZES = [0, 1, SMALL_BLOCK - 1, SMALL_BLOCK, SMALL_BLOCK + 1, 5 * SMALL_BLOCK + 3]
 OFFSETS = [0, 1, aio.PAGE - 1, aio.PAGE, 3 * aio.PAGE + 7]
 
 
@@ -205,6 +207,53 @@ def test_buffered_when_direct_is_off(make_io, disk_dir: Path) -> None:
     tensor = random_tensor(5000, torch.float32)
     io.write(disk_dir / "f", tensor, 9).wait()
     assert file_bytes(disk_dir / "f", 9, 20000) == as_bytes(tensor)
+
+
+def resident_pages(path: Path) -> int:
+    """How many of the file's pages are in the page cache (``mincore`` of a private mapping)."""
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+        start = ctypes.c_char.from_buffer(mapping)
+        ok = libc.mincore(ctypes.c_void_p(ctypes.addressof(start)), ctypes.c_size_t(size), pages) == 0
+        del start
+    assert ok, os.strerror(ctypes.get_errno())
+    return sum(p & 1 for p in pages)
+
+
+def file_system(path: Path) -> str:
+    """The type of the file system ``path`` is on (the longest mount point above it)."""
+    best, kind = "", "?"
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        _, point, fstype, *_ = line.split()
+        if str(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+            best, kind = point, fstype
+    return kind
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_o_direct_goes_past_the_page_cache(make_io, disk_dir: Path, direct: bool) -> None:
+    """With ``direct`` the file's pages never enter the page cache, written or read; without, they do (which
+    shows that the count sees them)."""
+    if not Path("/proc/self/mounts").exists() or file_system(disk_dir) in ("tmpfs", "ramfs", "?"):
+        pytest.skip(f"{disk_dir} is not on a disk file system: its pages live in memory")
+    io = make_io(direct=direct)
+    tensor = io.empty(1 << 20, torch.uint8)
+    tensor.fill_(5)
+    io.write(disk_dir / "f", tensor).wait()
+    if direct and io.backend.endswith("+buffered"):
+        pytest.skip(f"the file system of {disk_dir} refuses O_DIRECT")
+    assert resident_pages(disk_dir / "f") == (0 if direct else 256)
+    fd = os.open(disk_dir / "f", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert resident_pages(disk_dir / "f") == 0
+    io.read(disk_dir / "f", tensor).wait()
+    assert resident_pages(disk_dir / "f") == (0 if direct else 256)
 
 
 @contextlib.contextmanager
