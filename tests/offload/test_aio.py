@@ -98,9 +98,10 @@ def file_bytes(path: Path, offset: int, nbytes: int) -> bytes:
 def unaligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous tensor whose address is one element past a page boundary."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    base = FileIO(direct=False).empty(numel + aio.PAGE // itemsize + 1, dtype)
-    out = base[1 : numel + 1]
-    assert numel == 0 or out.data_ptr() % aio.PAGE
+    raw = torch.empty((numel + 1) * itemsize + aio.PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % aio.PAGE + itemsize
+    out = raw[start : start + numel * itemsize].view(dtype)
+    assert numel == 0 or out.data_ptr() % aio.PAGE == itemsize
     return out
 
 
