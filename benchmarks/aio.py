@@ -6,7 +6,9 @@ page cache, so nothing has to be dropped), one ``B``-byte request at a time, for
 16 MiB (a large request lets the kernel split it and keep several in flight: the stronger peer). Then
 each engine (the C++ one when the extension builds, and the pure-Python fallback) writes and reads the
 same file from a block-aligned tensor with its default settings (1 MiB blocks, queue depth 8, one
-thread). Every provider works on the same file in interleaved rounds; ``GB/s`` is ``--size`` over the
+thread). Cases: ``write new`` (the file removed before each write, so the write allocates it),
+``write`` (overwriting the file in place) and ``read``; nothing is fsynced (the engine does not sync).
+Every provider works on the same file in interleaved rounds; ``GB/s`` is ``--size`` over the
 median round, and an engine's ``vs_disk`` its bandwidth over the better ``dd``'s in the same round
 (median, with ``vs_disk_low``/``vs_disk_high`` over the rounds; the goal is at least 0.85). The
 summary's ``speedup`` is that ratio for the faster engine. The file lives in the system temp directory or in
@@ -38,6 +40,7 @@ NOTES = [
     "engine. The disk is shared with whatever else runs on the machine",
 ]
 DD_BLOCKS = {"dd bs=1M": 1 << 20, "dd bs=16M": 16 << 20}
+CASES = ("write new", "write", "read")  # write new: into a file made by the write; write: overwriting one
 _options: dict[str, Any] = {"size": 1 << 30, "path": None}
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -69,7 +72,8 @@ def configure(args: argparse.Namespace) -> None:
 
 
 def _dd(path: str, size: int, block: int, write: bool) -> Callable[[], None]:
-    """One ``dd``: ``size`` bytes in ``block``-byte O_DIRECT requests, one at a time (the write ends with fsync)."""
+    """One ``dd``: ``size`` bytes in ``block``-byte O_DIRECT requests, one at a time (no fsync, as
+    ``dd oflag=direct`` without ``conv=fsync``: the engine does not sync either)."""
     buffer = mmap.mmap(-1, block)  # page aligned, as O_DIRECT asks
     view = memoryview(buffer)
 
@@ -80,8 +84,6 @@ def _dd(path: str, size: int, block: int, write: bool) -> Callable[[], None]:
                 moved = os.pwritev(fd, [view], at) if write else os.preadv(fd, [view], at)
                 if moved != block:
                     raise OSError(f"dd: short {'write' if write else 'read'} at byte {at} of {path}")
-            if write:
-                os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -91,6 +93,17 @@ def _dd(path: str, size: int, block: int, write: bool) -> Callable[[], None]:
 def _engine(io: FileIO, path: str, tensor: torch.Tensor, write: bool) -> Callable[[], None]:
     def run() -> None:
         (io.write if write else io.read)(path, tensor).wait()
+
+    return run
+
+
+def _new_file(path: str, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` on a file that does not exist yet (removed first: every provider pays the same unlink)."""
+
+    def run() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        fn()
 
     return run
 
@@ -124,17 +137,18 @@ def run(quick: bool) -> list[dict]:
     size, rounds = _options["size"], 3 if quick else 5
     directory = _options["path"] or tempfile.gettempdir()
     path = os.path.join(directory, f"zero_kernels_aio_bench_{os.getpid()}.dat")
-    expect(2 * rounds)
+    expect(len(CASES) * rounds)
     rows: list[dict] = []
     try:
         with _engines() as engines:
             tensor = next(iter(engines.values())).empty(size, torch.uint8)
             tensor.fill_(7)
-            _dd(path, size, 16 << 20, write=True)()  # the file exists before anything reads it
-            for write in (True, False):
-                case = "write" if write else "read"
+            for case in CASES:  # "read" last: the writes leave the file it reads
+                write = case != "read"
                 fns = {name: _dd(path, size, block, write) for name, block in DD_BLOCKS.items()}
                 fns.update({f"ours {io.backend}": _engine(io, path, tensor, write) for io in engines.values()})
+                if case == "write new":
+                    fns = {name: _new_file(path, fn) for name, fn in fns.items()}
                 times, _ = interleaved_rounds(
                     fns, rounds, budget_s=0, max_repeat=1, on_round=lambda r: progress(case, f"round {r + 1}")
                 )

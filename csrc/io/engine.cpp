@@ -1,6 +1,7 @@
 #include "io/engine.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -125,13 +126,30 @@ void Engine::open_files(Request& request) {
   }
   if (!options_.direct) return;
   request.fd_direct_ = ::open(request.path_.c_str(), flags | O_DIRECT, 0644);
-  if (request.fd_direct_ >= 0) return;
+  if (request.fd_direct_ >= 0) {
+    if (request.write_) reserve(request);
+    return;
+  }
   if (errno != EINVAL) {
     request.fail(errno, std::string(opening) + " with O_DIRECT");
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);  // the file system refuses O_DIRECT: buffered I/O only
   if (buffered_paths_.size() < 16) buffered_paths_.push_back(request.path_);
+}
+
+// Allocates the blocks a write adds past the end of the file before any piece runs: direct writes that
+// extend a file are serialised by the file system (ext4, xfs), writes into allocated blocks run side by
+// side (measured on ext4: a new 512 MiB file at 1.3 GB/s, 2.3 GB/s allocated first, allocation included).
+// A file system without fallocate is left to allocate as the pieces come; one that is full fails now.
+void Engine::reserve(Request& request) {
+  struct stat st;
+  const int64_t end = request.offset_ + request.nbytes_;
+  if (::fstat(request.fd_direct_, &st) != 0 || st.st_size >= end) return;
+  const int64_t from = std::max<int64_t>(st.st_size, request.offset_);
+  if (::fallocate(request.fd_direct_, 0, from, end - from) == 0) return;
+  if (errno == ENOSPC || errno == EDQUOT || errno == EFBIG)
+    request.fail(errno, byte_range("reserving", from, end - from) + " for writing");
 }
 
 std::vector<Engine::Piece> Engine::split(const std::shared_ptr<Request>& request) const {

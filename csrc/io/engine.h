@@ -95,6 +95,7 @@ class Engine {
     bool direct;
   };
   void open_files(Request& request);
+  void reserve(Request& request);
   std::vector<Piece> split(const std::shared_ptr<Request>& request) const;
   void work();
   void run(const Piece& piece, char* bounce);

@@ -41,9 +41,11 @@ def test_every_provider_is_measured_on_the_same_file_then_removed(tmp_path, monk
     buf = io.StringIO()
     with common.reporting("aio", (1, 1), stream=buf) as reporter:
         rows = bench.run(quick=True)
-    assert reporter.total == reporter.index == 6
+    assert reporter.total == reporter.index == 9
     assert {(r["case"], r["provider"]) for r in rows} == {
-        (case, provider) for case in ("write", "read") for provider in ("dd bs=1M", "dd bs=16M", "ours python-odirect")
+        (case, provider)
+        for case in ("write new", "write", "read")
+        for provider in ("dd bs=1M", "dd bs=16M", "ours python-odirect")
     }
     assert all(len(r["rounds_ms"]) == 3 and r["GB/s"] > 0 and r["MiB"] == 16 for r in rows)
     for r in rows:  # the engine against the better dd of each round
@@ -54,6 +56,6 @@ def test_every_provider_is_measured_on_the_same_file_then_removed(tmp_path, monk
         else:
             assert "vs_disk" not in r
     summary = common.best_vs_peer(rows)
-    assert {line["case"] for line in summary} == {"write", "read"}
+    assert {line["case"] for line in summary} == {"write new", "write", "read"}
     assert all(line["best_peer"].startswith("dd") and line["speedup"] > 0 for line in summary)
     assert list(tmp_path.iterdir()) == []

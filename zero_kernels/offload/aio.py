@@ -26,7 +26,9 @@ a file on a file system that refuses ``O_DIRECT`` (ramfs, tmpfs before Linux 6.6
 buffered descriptor, and ``backend`` then ends in ``+buffered``. Pieces of all requests share one FIFO
 queue served by ``threads * queue_depth`` workers calling ``pread``/``pwrite``: up to ``queue_depth``
 blocks in flight per thread, in submission order. Each request holds its file open (two descriptors
-with ``O_DIRECT``) until it has finished.
+with ``O_DIRECT``) until it has finished. A direct write first allocates (``fallocate``) what it adds past
+the end of the file: the file system serialises direct writes that extend a file, not those into
+allocated blocks (a new 512 MiB file on ext4: 1.3 GB/s, 2.3 GB/s allocated first, allocation included).
 
 - ``cpp-*``: the C++ engine (``csrc/io``, built just in time as the extension ``io``), its workers
   outside the GIL; memory that is not page aligned passes through each worker's aligned bounce buffer.
@@ -317,6 +319,8 @@ class _PythonEngine:
     def submit(self, path: str, tensor: torch.Tensor, offset: int, write: bool) -> tuple[Callable, Callable]:
         request = _Request(path, write, tensor)
         direct_fd = self._open(request)
+        if write and direct_fd is not None:
+            _reserve(request, direct_fd, offset, tensor.numel() * tensor.element_size())
         pieces = (
             []
             if request.error[0]
@@ -365,6 +369,33 @@ class _PythonEngine:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _fallocate() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``fallocate`` (Linux), which never falls back to writing zeros as ``os.posix_fallocate`` may."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).fallocate
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return function
+
+
+_FALLOCATE = _fallocate()
+
+
+def _reserve(request: _Request, fd: int, offset: int, nbytes: int) -> None:
+    """Allocate what a direct write adds past the end of the file first, as the C++ engine does (direct writes
+    that extend a file are serialised by the file system); a full file system fails the request now."""
+    end = offset + nbytes
+    size = os.fstat(fd).st_size
+    if _FALLOCATE is None or size >= end:
+        return
+    start = max(size, offset)
+    if _FALLOCATE(fd, 0, start, end - start) != 0:
+        code = ctypes.get_errno()
+        if code in (_errno.ENOSPC, _errno.EDQUOT, _errno.EFBIG):
+            request.fail(code, f"reserving bytes {start}..{end} for writing")
 
 
 def _split(offset: int, nbytes: int, block_size: int, direct: bool) -> list[tuple[int, int, bool]]:
