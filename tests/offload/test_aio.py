@@ -360,6 +360,8 @@ def test_bad_arguments_are_refused_at_once(make_io, disk_dir: Path) -> None:
     io = make_io()
     with pytest.raises(ValueError, match="contiguous"):
         io.write(disk_dir / "f", torch.ones(4, 4).t())
+    with pytest.raises(ValueError, match="dense"):
+        io.write(disk_dir / "f", torch.ones(4).to_sparse())
     with pytest.raises(ValueError, match="offset"):
         io.read(disk_dir / "f", torch.ones(4), offset=-1)
     io.close()

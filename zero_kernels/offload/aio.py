@@ -128,6 +128,8 @@ def _check_flag(name: str, value: Any) -> bool:
 def _check_tensor(tensor: Any, offset: Any, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"FileIO.{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"FileIO.{what}: the tensor must be dense, got layout {tensor.layout}")
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError(
             f"FileIO.{what}: the tensor must be a contiguous CPU tensor, got one on {tensor.device}"
