@@ -25,6 +25,7 @@ LAYERS = {
     "planner": 1,
     "kernels": 2,
     "comm": 2,
+    "offload": 2,
     "stages": 3,
     "optim": 4,
     "checkpoint": 4,
