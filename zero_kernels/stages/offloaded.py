@@ -88,7 +88,11 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
         _spill(tier, buf)
     except OSError as err:
         problem = str(err)
-    _agree(pipeline.engine, problem, "offload.reserve")
+    try:
+        _agree(pipeline.engine, problem, "offload.reserve")
+    except OSError:
+        tier.close()  # its files are removed; the parameters keep their values
+        raise
 
 
 def _agree(engine: Any, problem: Optional[str], name: str) -> None:
