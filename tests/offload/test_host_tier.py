@@ -95,3 +95,12 @@ def test_pinning_only_where_cuda_is() -> None:
     tier = HostTier(OffloadOptimizerConfig(device="cpu", pin_memory=True))
     assert tier.pin is torch.cuda.is_available()
     assert tier.zeros(8).is_pinned() is torch.cuda.is_available()
+
+
+def test_host_update_never_asks_triton_for_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert offloaded.host_impl("triton") == "auto" and offloaded.host_impl("cpu") == "cpu"
+    monkeypatch.setenv("ZERO_KERNELS_IMPL", "triton")
+    assert offloaded.host_impl(None) == "auto"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton runs on the CPU: the same kernel as without offload
+    assert offloaded.host_impl("triton") == "triton"

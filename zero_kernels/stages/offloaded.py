@@ -22,11 +22,13 @@ Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..comm.objects import all_gather_objects
+from ..env import settings
 from ..log import LOGGER_NAME
 from ..offload import DiskTier, HostTier
 from . import master
@@ -168,10 +170,18 @@ def update_bucket(
         state.get("max_exp_avg_sq") if h.amsgrad else None,
     )
     with tier.compute():
-        launch(pipeline, buf, bucket, h, decision, with_grad, tensors)
+        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl))
     if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
     tier.up(device_params, params)
+
+
+def host_impl(impl: Optional[str]) -> Optional[str]:
+    """The kernel backend of the host update: the pipeline's, unless that is Triton (a GPU kernel; the host
+    state is updated by the C++ CPU Adam, or the PyTorch reference without the extension)."""
+    chosen = impl or settings().impl
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton on the CPU: the host may use it too
+    return "auto" if chosen == "triton" and not interpreted else impl
 
 
 def _state(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:

@@ -95,6 +95,7 @@ def _match_amsgrad(buf: FlatBuffer, loaded: bool) -> None:
 def _gather(pipeline: Pipeline, buf: FlatBuffer, shard: torch.Tensor) -> torch.Tensor:
     if pipeline.num_shards == 1:
         return shard
+    shard = shard.to(buf.device)  # an offloaded shard is gathered where the parameters are
     full = torch.empty(buf.layout.numel, dtype=shard.dtype, device=shard.device)
     handles = [
         pipeline.engine.all_gather(buf.bucket_slice(full, b), buf.shard_slice(shard, b), name=f"state.{b.index}")
@@ -155,6 +156,7 @@ def _scatter(pipeline: Pipeline, buf: FlatBuffer, state: dict, name: str) -> Non
             full.narrow(0, slot.offset, slot.numel).copy_(entry[name].reshape(-1))
             given.narrow(0, slot.offset, slot.numel).fill_(True)
     shard = getattr(buf, name)
+    full, given = full.to(shard.device), given.to(shard.device)  # an offloaded shard: this rank's part goes down
     for b in buf.layout.buckets:
         mine = buf.shard_slice(shard, b)
         values = buf.rank_slice(full, b, pipeline.shard_rank)
