@@ -60,9 +60,10 @@ def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
     """Give the master of ``buf`` the parameter values wherever they are not the master rounded (this rank's shard)."""
     if buf.master is None:
         return
+    buf.ready()
     for bucket in buf.layout.buckets:
-        shard = pipeline.param_shard(buf, bucket)
         master = buf.shard_slice(buf.master, bucket)
+        shard = pipeline.param_shard(buf, bucket).to(master.device)  # a copy down when the state is offloaded
         master.copy_(shard.float().where(edited(shard, master), master))
     record(buf)
 

@@ -1,0 +1,216 @@
+"""The step's update when the optimizer state lives in a tier (``offload_optimizer``): host memory or files.
+
+Per bucket, in the step's bucket order:
+
+1. the bucket's reduced gradient shard is copied down into the buffer's host copy (``HostTier.down``:
+   in the dtype the stage keeps it in; bf16: 2 bytes per parameter);
+2. where the device parameters differ from the host copy the tier last pushed up (a load or an
+   edit since the last step; ``HostTier.changed``, by a fingerprint taken on the device), the bucket
+   is copied down, so the update adopts the edit exactly as without offload;
+3. the same fused kernel as without offload (``update.launch``: the C++ CPU Adam where the extension
+   is built, else the PyTorch reference; the same backend both ways on a CPU-only machine, so results
+   are bit for bit those without offload) updates the host state on the tier's threads
+   (``HostTier.compute``), writing the new low-precision values into the host parameter copy (fp32
+   parameters: their master is that copy);
+4. the bucket's parameters go up (``HostTier.up``), then the stage all-gathers them as usual.
+
+The state tensors of a bucket come from ``tier.state(buf, bucket)``: views of resident host tensors
+(host tier) or of a sub-group swapped in from its files (disk tier), written back by ``tier.release``.
+Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run before, unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ..comm.objects import all_gather_objects
+from ..env import settings
+from ..log import LOGGER_NAME
+from ..offload import DiskTier, HostTier
+from . import master
+from .buffers import FlatBuffer, GroupHyper
+from .layout import Bucket
+from .outcome import Decision
+from .update import BucketTensors, launch
+
+if TYPE_CHECKING:
+    from .base import Pipeline
+
+
+logger = logging.getLogger(LOGGER_NAME)
+PARAMS_STAY = (
+    "zero_optimization.offload_param.device=%r is accepted but not acted on yet: stage 3's parameter shards stay "
+    "on the parameters' device (memory as without it; results are the same). offload_optimizer is honoured"
+)
+
+
+def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
+    """The state tier ``options.offload_optimizer`` asks for, or None; a tier that cannot start on some rank
+    raises on every rank (after the others closed theirs). ``offload_param`` is only warned about."""
+    if options.offload_param.enabled:
+        logger.warning(PARAMS_STAY, options.offload_param.device)
+    config = options.offload_optimizer
+    if not config.enabled:
+        return None
+    tier: Optional[HostTier] = None
+    problem: Optional[str] = None
+    try:
+        if config.device == "cpu":
+            tier = HostTier(config)
+        else:
+            tier = DiskTier(config, options.aio, rank=engine.rank)
+    except (OSError, ValueError) as err:
+        problem = str(err)
+    try:
+        _agree(engine, problem, "offload.start")
+    except OSError:
+        if tier is not None:
+            tier.close()
+        raise
+    return tier
+
+
+def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
+    """Give a new buffer its host copies, the parameters' taken from the device once; the disk tier then
+    writes its state into the files and frees it (a disk without room raises on every rank)."""
+    tier = pipeline.tier
+    shard = tier.attach(id(buf), buf.layout.shard_numel, buf.dtype, pipeline.accumulate_dtype_of(buf))
+    for bucket in buf.layout.buckets:
+        tier.init(buf.shard_slice(shard.params, bucket), pipeline.param_shard(buf, bucket), (id(buf), bucket.index))
+    if tier.kind != "disk":
+        return
+    buf.groups = sub_groups(buf, pipeline.options.sub_group_size)
+    problem = None
+    try:
+        tier.add_buffer(id(buf), [g[3] for g in buf.groups], tuple(_tensors(buf)))
+        _spill(tier, buf)
+    except OSError as err:
+        problem = str(err)
+    try:
+        _agree(pipeline.engine, problem, "offload.reserve")
+    except OSError:
+        tier.close()  # its files are removed; the parameters keep their values
+        raise
+
+
+def _agree(engine: Any, problem: Optional[str], name: str) -> None:
+    """Raise on every rank when ``problem`` is set on any."""
+    problems = all_gather_objects(engine, problem, name=name) if engine.world_size > 1 else [problem]
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        text = "; ".join(f"rank {r}: {p}" for r, p in failed)
+        raise OSError(f"zero_optimization.offload_optimizer could not start: {text}")
+
+
+def sub_groups(buf: FlatBuffer, size: int) -> list[tuple[int, int, int, int]]:
+    """The disk tier's sub-groups of ``buf``: runs of whole buckets of at most ``size`` elements of this rank's
+    shard (a bucket larger than ``size`` is a sub-group of its own), as (first bucket, end bucket, shard offset,
+    elements)."""
+    groups: list[tuple[int, int, int, int]] = []
+    for bucket in buf.layout.buckets:
+        if groups and groups[-1][3] + bucket.shard_numel <= size:
+            first, _, offset, numel = groups[-1]
+            groups[-1] = (first, bucket.index + 1, offset, numel + bucket.shard_numel)
+        else:
+            groups.append((bucket.index, bucket.index + 1, bucket.shard_offset, bucket.shard_numel))
+    return groups
+
+
+def _resident(buf: FlatBuffer) -> bool:
+    return buf.exp_avg.device.type != "meta"
+
+
+def _spill(tier: Any, buf: FlatBuffer) -> None:
+    """Write the state of ``buf`` into its files and free it; ``buf.ready()`` reads it in again."""
+    tensors = _tensors(buf)
+    tier.spill(id(buf), tensors)
+    for kind, t in tensors.items():
+        setattr(buf, kind, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    master.record(buf)
+    buf.swap_in = lambda: _swap_in(tier, buf)
+
+
+def _swap_in(tier: Any, buf: FlatBuffer) -> None:
+    if _resident(buf):
+        return
+    tensors = {kind: tier.empty(t.numel(), t.dtype) for kind, t in _tensors(buf).items()}
+    tier.fill(id(buf), tensors)
+    for kind, t in tensors.items():
+        setattr(buf, kind, t)
+    master.record(buf)
+
+
+def update_bucket(
+    pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, h: GroupHyper, decision: Decision, with_grad: set[int]
+) -> None:
+    """One bucket's update through the tier (see the module docstring); same arguments as ``update.update_bucket``."""
+    tier = pipeline.tier
+    if h.amsgrad and buf.max_exp_avg_sq is None:
+        pipeline.allocate_max_exp_avg_sq(buf.group)
+    if tier.kind == "disk" and bucket.index == 0 and _resident(buf):
+        _spill(tier, buf)  # read in for the state door since the last step: back to the files
+    shard = tier.shards[id(buf)]
+    device_params = pipeline.param_shard(buf, bucket)
+    params = buf.shard_slice(shard.params, bucket)
+    if tier.changed((id(buf), bucket.index), device_params, params):
+        tier.down(params, device_params)
+    grads = tier.down(buf.shard_slice(shard.grads, bucket), pipeline.grad_shard(buf, bucket))
+    state = _state(pipeline, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
+    low = buf.master is not None
+    tensors = BucketTensors(
+        state["master"] if low else params,
+        grads,
+        state["exp_avg"],
+        state["exp_avg_sq"],
+        params if low else None,
+        state.get("max_exp_avg_sq") if h.amsgrad else None,
+    )
+    with tier.compute():
+        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl))
+    if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
+        tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
+    tier.up(device_params, params, (id(buf), bucket.index))
+
+
+def host_impl(impl: Optional[str]) -> Optional[str]:
+    """The kernel backend of the host update: the pipeline's, unless that is Triton (a GPU kernel; the host
+    state is updated by the C++ CPU Adam, or the PyTorch reference without the extension)."""
+    chosen = impl or settings().impl
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton on the CPU: the host may use it too
+    return "auto" if chosen == "triton" and not interpreted else impl
+
+
+def _state(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """``{kind: this rank's shard of bucket}`` of the state tensors ``buf`` has, in host memory."""
+    return {kind: buf.shard_slice(t, bucket) for kind, t in _tensors(buf).items()}
+
+
+def _tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
+    kinds = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+    return {kind: getattr(buf, kind) for kind in kinds if getattr(buf, kind) is not None}
+
+
+def _group_of(buf: FlatBuffer, bucket: Bucket) -> tuple[int, int, int, int]:
+    return next(g for g in buf.groups if g[0] <= bucket.index < g[1])
+
+
+def _swapped(tier: Any, buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """``{kind: this rank's shard of bucket}`` from the sub-group swapped in from the disk tier's files."""
+    group = _group_of(buf, bucket)
+    loaded = tier.load(id(buf), buf.groups.index(group), tuple(_tensors(buf)))
+    return {kind: t.narrow(0, bucket.shard_offset - group[2], bucket.shard_numel) for kind, t in loaded.items()}
+
+
+def finish_step(pipeline: "Pipeline") -> None:
+    """After the last bucket: the disk tier's writes complete."""
+    pipeline.tier.finish()
+
+
+def memory(pipeline: "Pipeline") -> dict[str, list[torch.Tensor]]:
+    """The tensors of the optimizer state by tier: ``host`` (the resident state and the tier's host copies)."""
+    state = [t for buf in pipeline.buffers for t in _tensors(buf).values() if t.device.type != "meta"]
+    return {"host": state + pipeline.tier.host_tensors()}
