@@ -194,12 +194,14 @@ def test_done_turns_true_without_wait(make_io, disk_dir: Path) -> None:
     assert (disk_dir / "f").stat().st_size == 10 * SMALL_BLOCK
 
 
-def test_empty_is_block_aligned(make_io) -> None:
+def test_empty_is_page_aligned_and_small(make_io) -> None:
     io = make_io(block_size=SMALL_BLOCK)
     for numel, dtype in [(0, torch.float32), (1, torch.bfloat16), (SMALL_BLOCK + 1, torch.int64)]:
         t = io.empty(numel, dtype)
         assert (t.numel(), t.dtype, t.is_contiguous()) == (numel, dtype, True)
-        assert t.data_ptr() % SMALL_BLOCK == 0
+        assert t.data_ptr() % 4096 == 0
+        nbytes = t.numel() * t.element_size()
+        assert t.untyped_storage().nbytes() <= -(-max(nbytes, 1) // 4096) * 4096 + 4096  # a page of slack, no more
 
 
 def test_buffered_when_direct_is_off(make_io, disk_dir: Path) -> None:

@@ -4,7 +4,7 @@ Interface::
 
     io = FileIO(block_size=1 << 20, queue_depth=8, threads=1, single_submit=False, overlap_events=True,
                 direct=True)
-    buf = io.empty(numel, dtype)          # host tensor at a block_size-aligned address (bytes rounded up
+    buf = io.empty(numel, dtype)          # host tensor at a page-aligned address (bytes rounded up
                                           # to whole 4 KiB pages inside), the fastest to move
     h = io.write(path, tensor, offset=0)  # returns at once; the file is created if missing, never truncated
     h = io.read(path, tensor, offset=0)   # returns at once; fills ``tensor`` from the file's bytes
@@ -188,14 +188,14 @@ class FileIO:
         return self._submit(path, tensor, offset, write=False)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised host tensor of ``numel`` elements at a ``block_size``-aligned address, its storage
-        rounded up to whole pages; pinned when CUDA is available (fast copies to the device)."""
+        """An uninitialised host tensor of ``numel`` elements at a page-aligned address (what direct I/O needs),
+        its storage rounded up to whole pages; pinned when CUDA is available (fast copies to the device)."""
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"FileIO.empty: numel must be an integer >= 0, got {numel!r}")
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = max(PAGE, -(-numel * itemsize // PAGE) * PAGE)
-        raw = torch.empty(nbytes + self.block_size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        shift = -raw.data_ptr() % self.block_size
+        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        shift = -raw.data_ptr() % PAGE
         return raw[shift : shift + nbytes].view(dtype)[:numel]
 
     def close(self) -> None:
