@@ -24,6 +24,7 @@ LAYERS = {
     "config": 1,
     "kernels": 2,
     "comm": 2,
+    "offload": 2,
     "planner": 3,
     "stages": 3,
     "optim": 4,

@@ -10,51 +10,65 @@ otherwise), and alternative spellings. Defaults follow DeepSpeed's own config cl
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 from typing import Dict, Tuple
 
 import torch
 
+from .offload import (
+    AIO_RULES,
+    OPTIMIZER_RULES,
+    PARAM_RULES,
+    AioConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+)
 from .rules import Field, Scalar, Section, boolean, choice, enum_integer, integer, number, pair, rejected
 from .scheduler import SCHEDULER
 
 INFO, WARNING = logging.INFO, logging.WARNING
 
 OPTIMIZER_TYPES = ("Adam", "AdamW")
-OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "nvme"}
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
-OFFLOAD_DEVICE: Scalar = choice(OFFLOAD_DEVICES, supported=("none",))
+# A bare device name is accepted too ("cpu" stands for {"device": "cpu"}).
+_OFFLOAD_ALLOWED = 'a JSON object such as {"device": "cpu"}, a device name, or null'
 
-_OFFLOAD_COMMON = ("nvme_path", "buffer_count", "pin_memory")
-# A bare device name is accepted too, so that ZeroOptions round-trips through from_dict.
-_OFFLOAD_ALLOWED = 'a JSON object such as {"device": "none"}, a device name, or null'
+
+def _block_fields(kind: type, rules: Dict[str, Scalar]) -> Dict[str, Field]:
+    defaults = {f.name: f.default for f in fields(kind)}
+    return {name: Field(rule, defaults[name], auto=False) for name, rule in rules.items()}
+
+
 OFFLOAD_OPTIMIZER = Section(
-    fields={"device": Field(OFFLOAD_DEVICE, "none", auto=False)},
-    ignored={
-        k: INFO
-        for k in _OFFLOAD_COMMON
-        + (
-            "pipeline_read",
-            "pipeline_write",
-            "fast_init",
-            "ratio",
-            "super_offload",
-            "convert_grad_on_cpu",
-            "cpuadam_cores_perc",
-        )
+    fields={
+        **_block_fields(OffloadOptimizerConfig, OPTIMIZER_RULES),
+        "super_offload": Field(boolean(supported=(False,)), False, auto=False),
     },
-    finish=lambda d: d["device"],
+    ignored={"convert_grad_on_cpu": INFO},
+    finish=lambda d: OffloadOptimizerConfig(**{k: d[k] for k in OPTIMIZER_RULES}),
     nullable=True,
     shorthand="device",
     allowed=_OFFLOAD_ALLOWED,
 )
 OFFLOAD_PARAM = Section(
-    fields={"device": Field(OFFLOAD_DEVICE, "none", auto=False)},
-    ignored={k: INFO for k in _OFFLOAD_COMMON + ("buffer_size", "max_in_cpu")},
-    finish=lambda d: d["device"],
+    fields=_block_fields(OffloadParamConfig, PARAM_RULES),
+    finish=lambda d: OffloadParamConfig(**d),
     nullable=True,
     shorthand="device",
     allowed=_OFFLOAD_ALLOWED,
+)
+# DeepSpeed 0.19 reads "aio" at the top level only, and its thread count as "intra_op_parallelism";
+# Hugging Face's NVMe template nests it in zero_optimization and writes "thread_count" (``zero_config``
+# accepts both with one warning).
+AIO = Section(
+    fields={
+        **_block_fields(AioConfig, AIO_RULES),
+        "use_gds": Field(boolean(supported=(False,)), False, auto=False),
+    },
+    aliases={"thread_count": "intra_op_parallelism"},
+    finish=lambda d: AioConfig(**{k: d[k] for k in AIO_RULES}),
+    optional=True,
 )
 
 ZERO_FIELDS: Dict[str, Field] = {
@@ -75,11 +89,15 @@ ZERO_FIELDS: Dict[str, Field] = {
     "stage3_max_reuse_distance": Field(integer(0), 1_000_000_000),
     # Whether the Hugging Face integration's save_model gathers full weights at stage 3 (DeepSpeed's default: no).
     "stage3_gather_16bit_weights_on_model_save": Field(boolean(), False),
-    "offload_optimizer": Field(OFFLOAD_OPTIMIZER, "none", auto=False),
-    "offload_param": Field(OFFLOAD_PARAM, "none", auto=False),
-    # Deprecated DeepSpeed spellings of offload_optimizer / offload_param with device "cpu".
-    "cpu_offload": Field(boolean(supported=(False,)), False, auto=False),
-    "cpu_offload_param": Field(boolean(supported=(False,)), False, auto=False),
+    "offload_optimizer": Field(OFFLOAD_OPTIMIZER, None, auto=False),
+    "offload_param": Field(OFFLOAD_PARAM, None, auto=False),
+    # Elements of the optimizer state swapped in and out at once by the disk tier (DeepSpeed's default).
+    "sub_group_size": Field(integer(1), 1_000_000_000),
+    "aio": Field(AIO, None, auto=False),  # the Hugging Face template's place; DeepSpeed reads it at the top level
+    # Deprecated DeepSpeed spellings: offload_optimizer / offload_param {"device": "cpu"}, and their pin_memory.
+    "cpu_offload": Field(boolean(), False, auto=False),
+    "cpu_offload_param": Field(boolean(), False, auto=False),
+    "cpu_offload_use_pin_memory": Field(boolean(), False, auto=False),
 }
 
 ZERO_IGNORED: Dict[str, int] = {
@@ -87,14 +105,12 @@ ZERO_IGNORED: Dict[str, int] = {
         k: INFO
         for k in (
             "round_robin_gradients",
-            "sub_group_size",
             "elastic_checkpoint",
             "load_from_fp32_weights",
             "ignore_unused_parameters",
             "allgather_partitions",
             "use_multi_rank_bucket_allreduce",
             "memory_efficient_linear",
-            "cpu_offload_use_pin_memory",
             "legacy_stage1",
             "stage3_model_persistence_threshold",
             "model_persistence_threshold",
@@ -208,7 +224,6 @@ TOP_IGNORED: Dict[str, int] = {
             "zero_force_ds_cpu_optimizer",
             "dataloader_drop_last",
             "checkpoint",
-            "aio",
             "autotuning",
             "vocabulary_size",
             "timers",
@@ -265,6 +280,7 @@ TOP = Section(
         # zero_kernels' own key (DeepSpeed ignores unknown top-level keys): skip a step whose
         # gradients are not finite (fp32/bf16; fp16 loss scaling always skips).
         "skip_nonfinite_steps": Field(boolean(), True),
+        "aio": Field(AIO, None, auto=False),
     },
     ignored=TOP_IGNORED,
 )

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .hf import TRAINER_DEFAULTS, training_args_overrides
+from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, as_block
 from .rules import Override, ParseContext, Scalar, integer, logger, number, suggest
 from .scheduler import SchedulerConfig
 from .schema import (
@@ -47,7 +48,6 @@ from .schema import (
     COMM_DTYPES,
     FP16,
     HIDDEN_SIZE_RULE,
-    OFFLOAD_DEVICE,
     OPTIMIZER,
     OPTIMIZER_PARAMS,
     TOP,
@@ -72,10 +72,12 @@ def _zero_default(name: str) -> Any:
 
 @dataclass(frozen=True)
 class ZeroOptions:
-    """The ``zero_optimization`` section: stage, bucket sizes and overlap switches.
+    """The ``zero_optimization`` section: stage, bucket sizes, overlap switches and offload.
 
-    ``overlap_comm=None`` takes DeepSpeed's stage-dependent default: on for stage 3 only. Offload
-    devices other than ``"none"`` are parsed but not supported yet.
+    ``overlap_comm=None`` takes DeepSpeed's stage-dependent default: on for stage 3 only. The offload
+    blocks (``config.offload``) may be given as their dataclass, a mapping of their keys or a device
+    name; ``offload_optimizer`` needs stage 1, 2 or 3, ``offload_param`` stage 3 (as DeepSpeed).
+    ``aio`` is the top-level ``aio`` block of a DeepSpeed config (the disk tier's I/O knobs).
     """
 
     stage: int = _zero_default("stage")
@@ -90,15 +92,20 @@ class ZeroOptions:
     stage3_max_live_parameters: int = _zero_default("stage3_max_live_parameters")
     stage3_max_reuse_distance: int = _zero_default("stage3_max_reuse_distance")
     stage3_gather_16bit_weights_on_model_save: bool = _zero_default("stage3_gather_16bit_weights_on_model_save")
-    offload_optimizer: str = "none"
-    offload_param: str = "none"
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
+    sub_group_size: int = _zero_default("sub_group_size")
+    aio: AioConfig = field(default_factory=AioConfig)
 
     def __post_init__(self) -> None:
-        rules = {f.name: ZERO_FIELDS[f.name].rule for f in fields(self) if not f.name.startswith("offload")}
-        rules.update(offload_optimizer=OFFLOAD_DEVICE, offload_param=OFFLOAD_DEVICE)
+        blocks = {"offload_optimizer": OffloadOptimizerConfig, "offload_param": OffloadParamConfig, "aio": AioConfig}
+        rules = {f.name: ZERO_FIELDS[f.name].rule for f in fields(self) if f.name not in blocks}
         _normalise(self, rules, "ZeroOptions", nullable=("overlap_comm",))
+        for name, kind in blocks.items():
+            object.__setattr__(self, name, as_block(kind, getattr(self, name), name))
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
+        _check_offload_stage(self)
 
     @classmethod
     def from_dict(cls, d: Mapping, *, path: str = "zero_optimization") -> ZeroOptions:
@@ -112,8 +119,44 @@ class ZeroOptions:
         return options
 
     @classmethod
-    def _from_parsed(cls, values: Mapping[str, Any]) -> ZeroOptions:
-        return cls(**{f.name: values[f.name] for f in fields(cls)})
+    def _from_parsed(cls, values: Mapping[str, Any], aio: Optional[AioConfig] = None) -> ZeroOptions:
+        values = _deprecated_offload(values)
+        return cls(**{**{f.name: values[f.name] for f in fields(cls)}, "aio": aio or values["aio"]})
+
+
+def _check_offload_stage(options: ZeroOptions) -> None:
+    """Offload where DeepSpeed has it: the optimizer state at stages 1-3, the parameters at stage 3."""
+    if options.offload_optimizer.enabled and options.stage == 0:
+        raise ValueError(
+            f"zero_optimization.offload_optimizer.device={options.offload_optimizer.device!r} needs stage 1, 2 or 3 "
+            "(stage 0 keeps no sharded optimizer state to offload); stage is 0"
+        )
+    if options.offload_param.enabled and options.stage != 3:
+        raise ValueError(
+            f"zero_optimization.offload_param.device={options.offload_param.device!r} needs stage 3 (as in "
+            f"DeepSpeed: only stage 3 partitions the parameters); stage is {options.stage}"
+        )
+
+
+def _deprecated_offload(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """DeepSpeed's old spellings: ``cpu_offload``/``cpu_offload_param`` true stand for device ``"cpu"``, and
+    ``cpu_offload_use_pin_memory`` for ``pin_memory`` of both; they may not contradict the new blocks."""
+    out = dict(values)
+    pin = values.get("cpu_offload_use_pin_memory", False)
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        block = out[new]
+        if values.get(old):
+            if block.enabled and block.device != "cpu":
+                raise ValueError(
+                    f"zero_optimization.{old}=true contradicts zero_optimization.{new}.device={block.device!r}: "
+                    f"keep only {new}"
+                )
+            logger.info("zero_optimization.%s is DeepSpeed's deprecated spelling of %s.device='cpu'", old, new)
+            block = replace(block, device="cpu")
+        if pin and block.enabled:
+            block = replace(block, pin_memory=True)
+        out[new] = block
+    return out
 
 
 @dataclass(frozen=True)
@@ -246,6 +289,7 @@ class ZeroConfig:
         ctx = ParseContext(overrides=overrides, auto_defaults=dict(TRAINER_DEFAULTS), derived=set(_BATCH_KEYS))
         if "bf16" in data and "bfloat16" in data:
             raise ValueError('both "bf16" and its legacy spelling "bfloat16" are given: keep only "bf16"')
+        _aio_forms(data)
         top = TOP(data, "", ctx)
         _check_unused(ctx, data)
         config = _build(cls, top, world, ctx)
@@ -262,7 +306,7 @@ def _build(cls: type, top: Dict[str, Any], world: int, ctx: ParseContext) -> Zer
         top["train_batch_size"], top["train_micro_batch_size_per_gpu"], top["gradient_accumulation_steps"], world, ctx
     )
     return cls(
-        zero=ZeroOptions._from_parsed(top["zero_optimization"]),
+        zero=ZeroOptions._from_parsed(top["zero_optimization"], top["aio"]),
         optimizer=_optimizer(top["optimizer"]),
         bf16=bf16,
         fp16=fp16,
@@ -275,6 +319,31 @@ def _build(cls: type, top: Dict[str, Any], world: int, ctx: ParseContext) -> Zer
         world_size=world,
         scheduler=top["scheduler"],
     )
+
+
+def _aio_forms(data: Mapping) -> None:
+    """The ``aio`` block where DeepSpeed 0.19 reads it (top level, ``intra_op_parallelism``), or in the Hugging
+    Face template's form (inside ``zero_optimization``, ``thread_count``) with one warning; never both places."""
+    zero = data.get("zero_optimization")
+    nested = isinstance(zero, Mapping) and "aio" in zero
+    if nested and "aio" in data:
+        raise ValueError('"aio" is given both at the top level and in zero_optimization: keep only the top-level one')
+    block = zero["aio"] if nested else data.get("aio")
+    threads = isinstance(block, Mapping) and "thread_count" in block
+    if not (nested or threads):
+        return
+    what = []
+    if nested:
+        what.append(
+            "zero_optimization.aio is read by zero_kernels, but DeepSpeed 0.19 reads aio only at the top level "
+            "and would ignore this block (using its defaults)"
+        )
+    if threads:
+        what.append(
+            "aio.thread_count is read as intra_op_parallelism, DeepSpeed 0.19's name for it (DeepSpeed would "
+            "ignore thread_count and use 1 thread)"
+        )
+    logger.warning('%s; move it to the top-level "aio" block as intra_op_parallelism', "; ".join(what))
 
 
 def _optimizer(values: Optional[Mapping[str, Any]]) -> Optional[OptimizerConfig]:

@@ -499,15 +499,22 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the storages: ``params``, ``grads`` and ``optimizer``
         state (the model states of DESIGN.md's formula), and ``buffers``, the idle gradient buckets
-        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets)."""
+        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets). With
+        ``offload_optimizer``, ``optimizer`` counts only what stays on the parameters' device and two
+        more tiers are shown: ``host`` (the state in host memory, with the tier's host copies of the
+        parameter and gradient shards) and ``disk`` (the state's files under ``nvme_path``)."""
         held = self._pipeline.memory_tensors()
         params = [p for g in self.param_groups for p in g["params"]]
-        return {
+        report = {
             "params": storage_bytes(held["params"] + params),
             "grads": storage_bytes(held["grads"] + [p.grad for p in params]),
             "optimizer": storage_bytes(held["optimizer"]),
             "buffers": storage_bytes(held["buffers"]),
         }
+        if self._pipeline.tier is not None:
+            report["host"] = storage_bytes(held["host"])
+            report["disk"] = self._pipeline.tier.disk_bytes()
+        return report
 
     # ---------------------------------------------------------------- state dicts
     def state_dict(self) -> dict[str, Any]:

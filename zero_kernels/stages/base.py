@@ -52,7 +52,7 @@ import torch
 
 from ..comm.control import ControlLink
 from ..comm.handles import Handle
-from . import adopt, buckets, grad_state, master, outcome, param_gather, refusals, stats, update
+from . import adopt, buckets, grad_state, master, offloaded, outcome, param_gather, refusals, stats, update
 from .backward import BackwardRound, grad_hook, owners
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .layout import Bucket, BufferLayout, align_elements
@@ -116,6 +116,7 @@ class Pipeline(BackwardRound):
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
         overlap = self.allgather_by_bucket and getattr(options, "overlap_param_gather", False)
         self.gathers = param_gather.ParamGathers(overlap)  # the step's all-gathers, kept in flight when overlapping
+        self.tier = offloaded.make_tier(options, engine)  # where the optimizer state lives when offloaded (else None)
 
     # ---------------------------------------------------------------- construction
     @property
@@ -206,12 +207,20 @@ class Pipeline(BackwardRound):
     def _allocate(self, buf: FlatBuffer) -> None:
         self._place_params(buf)
         self._allocate_grads(buf)
-        n, kw = buf.layout.shard_numel, dict(dtype=torch.float32, device=buf.device)
-        buf.exp_avg, buf.exp_avg_sq = torch.zeros(n, **kw), torch.zeros(n, **kw)
+        n = buf.layout.shard_numel
+        buf.exp_avg, buf.exp_avg_sq = self._state_zeros(buf, n), self._state_zeros(buf, n)
         if buf.dtype != torch.float32:
-            buf.master = torch.empty(n, **kw)
+            buf.master = self._state_zeros(buf, n)
             self.refresh_master(buf)
+        if self.tier is not None:
+            offloaded.attach(self, buf)
         buf.pending = [0] * len(buf.layout.buckets)
+
+    def _state_zeros(self, buf: FlatBuffer, numel: int) -> torch.Tensor:
+        """An fp32 state shard of zeros: on the buffer's device, or in the tier's host memory when offloaded."""
+        if self.tier is not None:
+            return self.tier.zeros(numel)
+        return torch.zeros(numel, dtype=torch.float32, device=buf.device)
 
     def allocate_max_exp_avg_sq(self, group: int) -> None:
         """Give param group ``group``'s buffers AMSGrad's running maximum (zeros, as AdamW starts it), once.
@@ -221,7 +230,7 @@ class Pipeline(BackwardRound):
         """
         for buf in self.buffers:
             if buf.group == group and buf.max_exp_avg_sq is None:
-                buf.max_exp_avg_sq = torch.zeros_like(buf.exp_avg_sq)
+                buf.max_exp_avg_sq = self._state_zeros(buf, buf.layout.shard_numel)
 
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""
@@ -270,8 +279,10 @@ class Pipeline(BackwardRound):
             self._hooks.append(p.register_post_accumulate_grad_hook(grad_hook(self._ref)))
 
     def close(self) -> None:
-        """Remove the gradient hooks (the parameters keep their current values)."""
+        """Remove the gradient hooks (the parameters keep their current values); a disk tier removes its files."""
         self.wait_params()
+        if self.tier is not None:
+            self.tier.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -447,10 +458,13 @@ class Pipeline(BackwardRound):
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
         master.push_written(self)
+        update_bucket = update.update_bucket if self.tier is None else offloaded.update_bucket
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
-                update.update_bucket(self, buf, bucket, hyper[buf.group], decision, combined.with_grad)
+                update_bucket(self, buf, bucket, hyper[buf.group], decision, combined.with_grad)
                 self._track(self.gathers.defer(buf, bucket, self._publish(buf, bucket)))
+        if self.tier is not None:
+            offloaded.finish_step(self)
         self._complete_inflight()
         self.gathers.arm()
         master.record_all(self)
@@ -495,14 +509,17 @@ class Pipeline(BackwardRound):
         yield
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
-        """Tensors this rank holds, by kind (``params`` lists only the flat buffers; the optimizer adds the rest)."""
+        """Tensors this rank holds, by kind (``params`` lists only the flat buffers; the optimizer adds the rest).
+        With offload, the optimizer state is under ``host`` (``offloaded.memory``), not ``optimizer``."""
         grads = [t for buf in self.buffers for t in (buf.grad_flat, buf.grad_shard, *buf.scratch.values())]
         grads += [t for op in self._inflight for t in op.held]
-        return {
+        state = [t for buf in self.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq, buf.max_exp_avg_sq)]
+        tensors = {
             "params": [buf.param_flat for buf in self.buffers],
             "grads": grads,
-            "optimizer": [
-                t for buf in self.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq, buf.max_exp_avg_sq)
-            ],
+            "optimizer": state if self.tier is None else [],
             "buffers": [],
         }
+        if self.tier is not None:
+            tensors.update(offloaded.memory(self))
+        return tensors

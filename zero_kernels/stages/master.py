@@ -61,8 +61,8 @@ def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
     if buf.master is None:
         return
     for bucket in buf.layout.buckets:
-        shard = pipeline.param_shard(buf, bucket)
         master = buf.shard_slice(buf.master, bucket)
+        shard = pipeline.param_shard(buf, bucket).to(master.device)  # a copy down when the state is offloaded
         master.copy_(shard.float().where(edited(shard, master), master))
     record(buf)
 

@@ -15,7 +15,8 @@ what was written into them since the last step (``adopt_out``, see ``master``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
@@ -62,10 +63,24 @@ def aligned_span(start: int, end: int, limit: int) -> tuple[int, int]:
     return start // unit * unit, min(limit, -(-end // unit) * unit)
 
 
+@dataclass(frozen=True)
+class BucketTensors:
+    """What one bucket's update reads and writes, each over this rank's shard of the bucket: the fp32
+    ``master``, the reduced ``grad``, Adam's ``m`` and ``v``, the low-precision parameters ``out`` (None for
+    fp32 parameters, their own master) and AMSGrad's ``v_max`` (None unless the group uses it)."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    out: Optional[torch.Tensor]
+    v_max: Optional[torch.Tensor]
+
+
 def update_bucket(
     pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, h: GroupHyper, decision: Decision, with_grad: set[int]
 ) -> None:
-    """Run the fused Adam kernel over this rank's shard of ``bucket``.
+    """Run the fused Adam kernel over this rank's shard of ``bucket``, where the shards live on the device.
 
     Args:
         pipeline: the optimizer's pipeline.
@@ -77,19 +92,39 @@ def update_bucket(
     """
     if h.amsgrad and buf.max_exp_avg_sq is None:
         pipeline.allocate_max_exp_avg_sq(buf.group)
+    tensors = BucketTensors(
+        pipeline.master_shard(buf, bucket),
+        pipeline.grad_shard(buf, bucket),
+        buf.shard_slice(buf.exp_avg, bucket),
+        buf.shard_slice(buf.exp_avg_sq, bucket),
+        pipeline.param_shard(buf, bucket) if buf.master is not None else None,
+        buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None,
+    )
+    launch(pipeline, buf, bucket, h, decision, with_grad, tensors)
+
+
+def launch(
+    pipeline: "Pipeline",
+    buf: FlatBuffer,
+    bucket: Bucket,
+    h: GroupHyper,
+    decision: Decision,
+    with_grad: set[int],
+    tensors: BucketTensors,
+) -> None:
+    """The kernel launches of one bucket's update over ``tensors`` (on the device, or a state tier's host copies)."""
+    device = tensors.master.device
     scale, skip = decision.grad_scale, decision.skip
     if isinstance(scale, torch.Tensor):
-        scale = scale.to(buf.device)  # the same tensor unless the model spans devices
+        scale = scale.to(device)  # the same tensor unless the model spans devices or the state is offloaded
     if skip is not None:
-        skip = skip.to(buf.device)
-    master, grad = pipeline.master_shard(buf, bucket), pipeline.grad_shard(buf, bucket)
-    m, v = buf.shard_slice(buf.exp_avg, bucket), buf.shard_slice(buf.exp_avg_sq, bucket)
-    out = pipeline.param_shard(buf, bucket) if buf.master is not None else None
-    v_max = buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None
+        skip = skip.to(device)
+    t = tensors
+    every = (t.master, t.grad, t.m, t.v, t.out, t.v_max)
     for start, numel, step in runs(pipeline, buf, bucket, with_grad):
         first, last = aligned_span(start, start + numel, bucket.shard_numel)
         master_p, grad_p, m_p, v_p, out_p, v_max_p = (
-            None if t is None else t.narrow(0, first, last - first) for t in (master, grad, m, v, out, v_max)
+            None if x is None else x.narrow(0, first, last - first) for x in every
         )
         adam_step(
             master_p, grad_p, m_p, v_p,

@@ -1,0 +1,159 @@
+"""The offload blocks of a DeepSpeed config: ``offload_optimizer``, ``offload_param`` and ``aio``.
+
+Each block is a small frozen dataclass, checked again when built directly (``ZeroOptions`` takes a
+device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
+(``deepspeed/runtime/zero/offload_config.py``, ``deepspeed/runtime/swap_tensor/aio_config.py``).
+
+- ``OffloadOptimizerConfig``: where this rank's optimizer state lives: ``"none"`` (the parameters'
+  device), ``"cpu"`` (host memory, ``pin_memory``: page-locked when CUDA is there) or ``"nvme"``
+  (files under ``nvme_path``, swapped through ``buffer_count`` host buffers; ``pipeline_read``
+  reads the next sub-group ahead, ``pipeline_write`` writes the last one behind).
+  ``cpuadam_cores_perc``: the share of this process's cores the host Adam uses (the environment
+  variable ``ZERO_KERNELS_CPU_ADAM_THREADS`` overrides it). ``ratio``: only ``1.0`` (all of it).
+- ``OffloadParamConfig``: stage 3's parameter shards in host memory (``"cpu"``); ``"nvme"`` is
+  refused (not supported yet).
+- ``AioConfig``: the file I/O engine's knobs (the thread count is ``intra_op_parallelism``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Union
+
+from .rules import Invalid, Scalar, boolean, choice, integer, number
+
+OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "nvme"}
+DEVICE: Scalar = choice(OFFLOAD_DEVICES)
+PARAM_DEVICE: Scalar = choice(OFFLOAD_DEVICES, supported=("none", "cpu"))
+RATIO: Scalar = number(0, 1, lo_open=True)
+SUPPORTED_RATIO = 1.0
+
+
+def _path(value: Any) -> Optional[str]:
+    """A non-empty directory path (a string) or null."""
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise Invalid
+
+
+PATH: Scalar = Scalar("a directory path (a non-empty string) or null", _path)
+
+
+def _check(obj: Any, rules: Mapping[str, Scalar], prefix: str) -> None:
+    for name, rule in rules.items():
+        object.__setattr__(obj, name, rule(getattr(obj, name), f"{prefix}.{name}"))
+
+
+def _need_path(device: str, path: Optional[str], prefix: str) -> None:
+    if device == "nvme" and path is None:
+        raise ValueError(f'{prefix}.device="nvme" needs {prefix}.nvme_path (a directory for the swap files)')
+
+
+@dataclass(frozen=True)
+class OffloadOptimizerConfig:
+    """``zero_optimization.offload_optimizer`` (see the module docstring)."""
+
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+    fast_init: bool = False
+    ratio: float = 1.0
+    cpuadam_cores_perc: float = 0.8
+
+    def __post_init__(self) -> None:
+        prefix = "offload_optimizer"
+        _check(self, OPTIMIZER_RULES, prefix)
+        if self.ratio != SUPPORTED_RATIO:
+            raise ValueError(
+                f"{prefix}.ratio={self.ratio!r} is not supported yet by zero_kernels; supported: 1.0 (all the state)"
+            )
+        _need_path(self.device, self.nvme_path, prefix)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class OffloadParamConfig:
+    """``zero_optimization.offload_param`` (stage 3 only)."""
+
+    device: str = "none"
+    nvme_path: Optional[str] = None
+    pin_memory: bool = False
+    buffer_count: int = 5
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+
+    def __post_init__(self) -> None:
+        _check(self, PARAM_RULES, "offload_param")
+        _need_path(self.device, self.nvme_path, "offload_param")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """The top-level ``aio`` block: the asynchronous file I/O of the disk tier."""
+
+    block_size: int = 1 << 20
+    queue_depth: int = 8
+    intra_op_parallelism: int = 1
+    single_submit: bool = False
+    overlap_events: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self, AIO_RULES, "aio")
+
+
+OPTIMIZER_RULES: dict[str, Scalar] = {
+    "device": DEVICE,
+    "nvme_path": PATH,
+    "pin_memory": boolean(),
+    "buffer_count": integer(1),
+    "pipeline_read": boolean(),
+    "pipeline_write": boolean(),
+    "fast_init": boolean(),
+    "ratio": RATIO,
+    "cpuadam_cores_perc": number(0, 1, lo_open=True),
+}
+PARAM_RULES: dict[str, Scalar] = {
+    "device": PARAM_DEVICE,
+    "nvme_path": PATH,
+    "pin_memory": boolean(),
+    "buffer_count": integer(1),
+    "buffer_size": integer(1),
+    "max_in_cpu": integer(0),
+}
+AIO_RULES: dict[str, Scalar] = {
+    "block_size": integer(4096),
+    "queue_depth": integer(1),
+    "intra_op_parallelism": integer(1),
+    "single_submit": boolean(),
+    "overlap_events": boolean(),
+}
+
+Block = Union[OffloadOptimizerConfig, OffloadParamConfig, AioConfig]
+
+
+def as_block(kind: type, value: Any, name: str) -> Block:
+    """``value`` as a ``kind`` block: the block itself, a mapping of its keys, a device name, or None (defaults)."""
+    if isinstance(value, kind):
+        return value
+    if value is None:
+        return kind()
+    if isinstance(value, str) and kind is not AioConfig:
+        return kind(device=value)
+    if isinstance(value, Mapping):
+        known = {f.name for f in fields(kind)}
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            raise ValueError(f"ZeroOptions.{name}: unknown key {unknown[0]!r}; expected one of {', '.join(known)}")
+        return kind(**value)
+    raise ValueError(f"ZeroOptions.{name}={value!r} is invalid: expected a {kind.__name__}, a mapping or a device name")

@@ -1,0 +1,146 @@
+"""The host tier: this rank's optimizer state in host memory, and what crosses the bus each step.
+
+The state tensors of a buffer (``exp_avg``, ``exp_avg_sq``, AMSGrad's maximum, the fp32 ``master`` of
+bf16/fp16 parameters) are host tensors (page-locked when CUDA is available and ``pin_memory`` is
+set), allocated by ``zeros``/``empty``. Each buffer also has two host copies in the parameters' and
+the gradients' dtypes (``HostShard``):
+
+- ``params``: this rank's parameter shard as the tier last pushed it up. The update writes the new
+  low-precision values into it (fp32 parameters: it is their master) and ``up`` copies each bucket
+  to the device: 2 bytes per parameter for bf16/fp16, 4 for fp32.
+- ``grads``: each bucket of the reduced gradient shard, copied down (``down``) in the dtype the stage
+  keeps it in (bf16 gradients: 2 bytes per parameter).
+
+Writes into the device parameters between steps (a loaded checkpoint, ``p.data.mul_()``) are found
+without copying the parameters down: ``changed`` compares a fingerprint of the device bucket (two sums
+of the elements' bits, one position-weighted, computed where the parameters are) with that of
+``params``; only a bucket that differs is copied down, and the update then adopts it exactly as
+without offload.
+
+``bytes_down``/``bytes_up`` count what crossed (``traffic``). The host Adam runs on ``threads``
+threads: ``ZERO_KERNELS_CPU_ADAM_THREADS`` when set, else ``cpuadam_cores_perc`` of this process's
+cores (``cpu_threads``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from ..config.offload import OffloadOptimizerConfig
+
+THREADS_VARIABLE = "ZERO_KERNELS_CPU_ADAM_THREADS"
+_WEIGHT_PERIOD = 251  # position weights 1..251 of the fingerprint: int32 products never overflow
+
+
+def cpu_threads(share: float) -> int:
+    """Threads of the host Adam: ``ZERO_KERNELS_CPU_ADAM_THREADS``, else ``share`` of the usable cores (>= 1)."""
+    value = os.environ.get(THREADS_VARIABLE, "").strip()
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"environment variable {THREADS_VARIABLE}={value!r}: expected an integer >= 1")
+        return int(value)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, int(cores * share))
+
+
+def fingerprint(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums of ``t``'s bits (plain and position-weighted), computed on ``t``'s device."""
+    bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).to(torch.int64)
+    weights = torch.arange(t.numel(), device=t.device, dtype=torch.int64) % _WEIGHT_PERIOD + 1
+    return torch.stack([bits.sum(), (bits * weights).sum()])
+
+
+@dataclass
+class HostShard:
+    """A buffer's host copies: ``params`` (param dtype, this rank's shard) and ``grads`` (the gradients' dtype)."""
+
+    params: torch.Tensor
+    grads: Optional[torch.Tensor] = None
+
+
+class HostTier:
+    """Optimizer state in host memory (see the module docstring).
+
+    Args:
+        config: the ``offload_optimizer`` block.
+    """
+
+    kind = "host"
+
+    def __init__(self, config: OffloadOptimizerConfig):
+        self.config = config
+        self.pin = bool(config.pin_memory) and torch.cuda.is_available()
+        self.threads = cpu_threads(config.cpuadam_cores_perc)
+        self.device = torch.device("cpu")
+        self.shards: dict[int, HostShard] = {}  # id(buffer) -> its host copies
+        self.bytes_down = 0
+        self.bytes_up = 0
+        self.bytes_init = 0  # copied down once, when a buffer joined
+
+    # ---------------------------------------------------------------- host memory
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor (page-locked when the tier pins)."""
+        return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+
+    def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.empty(numel, dtype).zero_()
+
+    def attach(self, key: int, shard_numel: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> HostShard:
+        """Make the host copies of a buffer (``key``: its id); the caller fills ``params`` with ``init``."""
+        shard = HostShard(self.empty(shard_numel, dtype), self.empty(shard_numel, grad_dtype))
+        self.shards[key] = shard
+        return shard
+
+    def init(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """The first copy of a buffer's parameters down (counted apart from the steps' traffic)."""
+        dst.copy_(src)
+        self.bytes_init += src.numel() * src.element_size()
+
+    # ---------------------------------------------------------------- crossing the bus
+    def down(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Copy a device tensor into its host copy ``dst`` (same dtype); returns ``dst``."""
+        dst.copy_(src)
+        self.bytes_down += src.numel() * src.element_size()
+        return dst
+
+    def up(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy a host tensor into its device place ``dst``."""
+        dst.copy_(src)
+        self.bytes_up += src.numel() * src.element_size()
+
+    def changed(self, device_part: torch.Tensor, host_part: torch.Tensor) -> bool:
+        """Whether the device tensor differs from its host copy (by ``fingerprint``; 16 bytes cross)."""
+        theirs = fingerprint(device_part).to(self.device)
+        self.bytes_down += theirs.numel() * theirs.element_size()
+        return not torch.equal(theirs, fingerprint(host_part))
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes that crossed since construction: ``down``, ``up`` (steps), ``init`` (first copies)."""
+        return {"down": self.bytes_down, "up": self.bytes_up, "init": self.bytes_init}
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        """The host Adam's threads inside the block (torch's intra-op pool, which the C++ kernel uses)."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    # ---------------------------------------------------------------- the state
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The tier's own host copies (the state tensors are the buffers')."""
+        return [t for s in self.shards.values() for t in (s.params, s.grads) if t is not None]
+
+    def disk_bytes(self) -> int:
+        """Bytes of the state's files (none: the state is in memory)."""
+        return 0
+
+    def close(self) -> None:
+        """Nothing to release beyond memory (the disk tier removes its files)."""
