@@ -198,3 +198,20 @@ def test_cli_measures_what_it_is_not_given(tmp_path, capsys) -> None:
     assert "measured here (cpu kernel" in out and "this machine's" in out and f"free under {tmp_path}" in out
     gbps, impl = cpu_adam_gbps()
     assert gbps > 0 and impl == "cpu" and memory_copy_gbps() > 0
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_json_loads_through_zero_config(tmp_path, capsys, optimizer: str) -> None:
+    from zero_kernels.config import ZeroConfig
+
+    path = tmp_path / "ds.json"
+    disk = ["--nvme-path", str(tmp_path), "--disk-gbps", "20", "--disk-space", "100TB"]
+    assert main(PLAN + ["--offload", optimizer, *FIGURES, *disk, "--json", str(path)]) == 0
+    written = json.loads(path.read_text())
+    cfg = ZeroConfig.from_deepspeed(str(path), world_size=8)
+    assert cfg.zero.stage == 3 and cfg.zero.offload_optimizer.device == optimizer
+    assert cfg.zero.offload_optimizer.pin_memory is True
+    assert cfg.zero.sub_group_size == written["zero_optimization"]["sub_group_size"]
+    if optimizer == "nvme":
+        assert cfg.zero.offload_optimizer.nvme_path == str(tmp_path) and cfg.zero.offload_optimizer.pipeline_read
+        assert (cfg.zero.aio.block_size, cfg.zero.aio.queue_depth) == (AIO["block_size"], AIO["queue_depth"])
