@@ -5,6 +5,7 @@ The tiers hold storage and move bytes; the pipelines (``stages.offloaded``) deci
 
 from __future__ import annotations
 
+from .disk import DiskTier, remove_stale_runs
 from .host import THREADS_VARIABLE, HostShard, HostTier, cpu_threads
 
-__all__ = ["THREADS_VARIABLE", "HostShard", "HostTier", "cpu_threads"]
+__all__ = ["THREADS_VARIABLE", "DiskTier", "HostShard", "HostTier", "cpu_threads", "remove_stale_runs"]

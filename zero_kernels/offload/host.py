@@ -142,5 +142,8 @@ class HostTier:
         """Bytes of the state's files (none: the state is in memory)."""
         return 0
 
+    def finish(self) -> None:
+        """After a step's last bucket (the disk tier waits for its writes)."""
+
     def close(self) -> None:
         """Nothing to release beyond memory (the disk tier removes its files)."""

@@ -230,10 +230,12 @@ class Pipeline(BackwardRound):
         """
         for buf in self.buffers:
             if buf.group == group and buf.max_exp_avg_sq is None:
+                buf.ready()
                 buf.max_exp_avg_sq = self._state_zeros(buf, buf.layout.shard_numel)
 
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""
+        buf.ready()
         for b in buf.layout.buckets:
             buf.shard_slice(buf.master, b).copy_(self.param_shard(buf, b))
         master.record(buf)

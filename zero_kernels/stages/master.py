@@ -60,6 +60,7 @@ def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
     """Give the master of ``buf`` the parameter values wherever they are not the master rounded (this rank's shard)."""
     if buf.master is None:
         return
+    buf.ready()
     for bucket in buf.layout.buckets:
         master = buf.shard_slice(buf.master, bucket)
         shard = pipeline.param_shard(buf, bucket).to(master.device)  # a copy down when the state is offloaded

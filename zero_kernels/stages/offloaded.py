@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..comm.objects import all_gather_objects
-from ..offload import HostTier
+from ..offload import DiskTier, HostTier
+from . import master
 from .buffers import FlatBuffer, GroupHyper
 from .layout import Bucket
 from .outcome import Decision
@@ -48,27 +49,82 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
         if config.device == "cpu":
             tier = HostTier(config)
         else:
-            from ..offload import DiskTier
-
             tier = DiskTier(config, options.aio, rank=engine.rank)
     except (OSError, ValueError) as err:
         problem = str(err)
-    problems = all_gather_objects(engine, problem, name="offload.start") if engine.world_size > 1 else [problem]
-    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if failed:
+    try:
+        _agree(engine, problem, "offload.start")
+    except OSError:
         if tier is not None:
             tier.close()
-        text = "; ".join(f"rank {r}: {p}" for r, p in failed)
-        raise OSError(f"zero_optimization.offload_optimizer could not start: {text}")
+        raise
     return tier
 
 
 def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
-    """Give a new buffer its host copies, the parameters' taken from the device once."""
+    """Give a new buffer its host copies, the parameters' taken from the device once; the disk tier then
+    writes its state into the files and frees it (a disk without room raises on every rank)."""
     tier = pipeline.tier
     shard = tier.attach(id(buf), buf.layout.shard_numel, buf.dtype, pipeline.accumulate_dtype_of(buf))
     for bucket in buf.layout.buckets:
         tier.init(buf.shard_slice(shard.params, bucket), pipeline.param_shard(buf, bucket))
+    if tier.kind != "disk":
+        return
+    buf.groups = sub_groups(buf, pipeline.options.sub_group_size)
+    problem = None
+    try:
+        tier.add_buffer(id(buf), [g[3] for g in buf.groups], tuple(_tensors(buf)))
+        _spill(tier, buf)
+    except OSError as err:
+        problem = str(err)
+    _agree(pipeline.engine, problem, "offload.reserve")
+
+
+def _agree(engine: Any, problem: Optional[str], name: str) -> None:
+    """Raise on every rank when ``problem`` is set on any."""
+    problems = all_gather_objects(engine, problem, name=name) if engine.world_size > 1 else [problem]
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        text = "; ".join(f"rank {r}: {p}" for r, p in failed)
+        raise OSError(f"zero_optimization.offload_optimizer could not start: {text}")
+
+
+def sub_groups(buf: FlatBuffer, size: int) -> list[tuple[int, int, int, int]]:
+    """The disk tier's sub-groups of ``buf``: runs of whole buckets of at most ``size`` elements of this rank's
+    shard (a bucket larger than ``size`` is a sub-group of its own), as (first bucket, end bucket, shard offset,
+    elements)."""
+    groups: list[tuple[int, int, int, int]] = []
+    for bucket in buf.layout.buckets:
+        if groups and groups[-1][3] + bucket.shard_numel <= size:
+            first, _, offset, numel = groups[-1]
+            groups[-1] = (first, bucket.index + 1, offset, numel + bucket.shard_numel)
+        else:
+            groups.append((bucket.index, bucket.index + 1, bucket.shard_offset, bucket.shard_numel))
+    return groups
+
+
+def _resident(buf: FlatBuffer) -> bool:
+    return buf.exp_avg.device.type != "meta"
+
+
+def _spill(tier: Any, buf: FlatBuffer) -> None:
+    """Write the state of ``buf`` into its files and free it; ``buf.ready()`` reads it in again."""
+    tensors = _tensors(buf)
+    tier.spill(id(buf), tensors)
+    for kind, t in tensors.items():
+        setattr(buf, kind, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    master.record(buf)
+    buf.swap_in = lambda: _swap_in(tier, buf)
+
+
+def _swap_in(tier: Any, buf: FlatBuffer) -> None:
+    if _resident(buf):
+        return
+    tensors = {kind: tier.empty(t.numel(), t.dtype) for kind, t in _tensors(buf).items()}
+    tier.fill(id(buf), tensors)
+    for kind, t in tensors.items():
+        setattr(buf, kind, t)
+    master.record(buf)
 
 
 def update_bucket(
@@ -78,13 +134,15 @@ def update_bucket(
     tier = pipeline.tier
     if h.amsgrad and buf.max_exp_avg_sq is None:
         pipeline.allocate_max_exp_avg_sq(buf.group)
+    if tier.kind == "disk" and bucket.index == 0 and _resident(buf):
+        _spill(tier, buf)  # read in for the state door since the last step: back to the files
     shard = tier.shards[id(buf)]
     device_params = pipeline.param_shard(buf, bucket)
     params = buf.shard_slice(shard.params, bucket)
     if tier.changed(device_params, params):
         tier.down(params, device_params)
     grads = tier.down(buf.shard_slice(shard.grads, bucket), pipeline.grad_shard(buf, bucket))
-    state = _state(pipeline, buf, bucket)
+    state = _state(pipeline, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
     low = buf.master is not None
     tensors = BucketTensors(
         state["master"] if low else params,
@@ -96,6 +154,8 @@ def update_bucket(
     )
     with tier.compute():
         launch(pipeline, buf, bucket, h, decision, with_grad, tensors)
+    if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
+        tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
     tier.up(device_params, params)
 
 
@@ -109,11 +169,23 @@ def _tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
     return {kind: getattr(buf, kind) for kind in kinds if getattr(buf, kind) is not None}
 
 
+def _group_of(buf: FlatBuffer, bucket: Bucket) -> tuple[int, int, int, int]:
+    return next(g for g in buf.groups if g[0] <= bucket.index < g[1])
+
+
+def _swapped(tier: Any, buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """``{kind: this rank's shard of bucket}`` from the sub-group swapped in from the disk tier's files."""
+    group = _group_of(buf, bucket)
+    loaded = tier.load(id(buf), buf.groups.index(group), tuple(_tensors(buf)))
+    return {kind: t.narrow(0, bucket.shard_offset - group[2], bucket.shard_numel) for kind, t in loaded.items()}
+
+
 def finish_step(pipeline: "Pipeline") -> None:
-    """After the last bucket (the disk tier's writes complete here)."""
+    """After the last bucket: the disk tier's writes complete."""
+    pipeline.tier.finish()
 
 
 def memory(pipeline: "Pipeline") -> dict[str, list[torch.Tensor]]:
-    """The tensors of the optimizer state by tier: ``host`` (the state and the tier's host copies)."""
-    state = [t for buf in pipeline.buffers for t in _tensors(buf).values()]
+    """The tensors of the optimizer state by tier: ``host`` (the resident state and the tier's host copies)."""
+    state = [t for buf in pipeline.buffers for t in _tensors(buf).values() if t.device.type != "meta"]
     return {"host": state + pipeline.tier.host_tensors()}

@@ -50,7 +50,9 @@ _AMSGRAD = KINDS[2]
 
 
 def state_tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
-    """``{kind: this rank's shard}`` of the state tensors ``buf`` has, in ``KINDS`` order."""
+    """``{kind: this rank's shard}`` of the state tensors ``buf`` has, in ``KINDS`` order (read in from the
+    disk tier's files when it holds them: written back at the next step)."""
+    buf.ready()
     return {kind: getattr(buf, kind) for kind in KINDS if getattr(buf, kind) is not None}
 
 
@@ -83,6 +85,7 @@ def load_shard_state(pipeline: Pipeline, states: list[dict[str, torch.Tensor]]) 
 
 def _match_amsgrad(buf: FlatBuffer, loaded: bool) -> None:
     """Before loading: a buffer receives AMSGrad's maximum when the state has one; else it restarts at zero."""
+    buf.ready()
     if loaded and buf.max_exp_avg_sq is None:
         buf.max_exp_avg_sq = torch.zeros_like(buf.exp_avg_sq)
     elif not loaded and buf.max_exp_avg_sq is not None:

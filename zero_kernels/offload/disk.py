@@ -1,0 +1,297 @@
+"""The disk tier: this rank's optimizer state in files under ``nvme_path``, swapped through host buffers.
+
+Files. ``<nvme_path>/zero_kernels/<run>/rank<R>/b<buffer>.g<sub-group>.<kind>``, one per state kind
+(``exp_avg``, ``exp_avg_sq``, AMSGrad's ``max_exp_avg_sq``, the ``master`` of bf16/fp16 parameters)
+of each sub-group of each buffer (``add_buffer``: the pipeline chooses the sub-groups). ``<run>`` is
+``<host>-<pid>-<token>``: a new tier first removes the run directories of this host whose process is
+gone (a killed run's files), and its own directory is removed by ``close`` or, at the latest, when the
+tier is collected or the interpreter exits (a finalizer).
+
+Start. The constructor makes its directory and writes, reads back and removes a small file: a missing
+or unwritable ``nvme_path`` raises ``OSError`` naming it before anything else is set up. ``add_buffer``
+reserves the buffer's bytes on the disk (``posix_fallocate`` where the file system has it), so a disk
+without room for the state fails there, naming the path and the bytes it needed.
+
+Swapping. ``buffer_count`` host buffers (slots) hold one sub-group each. ``load(key, g)`` returns
+sub-group ``g``'s tensors, read from its files (waiting for a read started earlier), and with
+``pipeline_read`` starts reading ``g + 1`` into a free slot; ``store(key, g)`` writes it back, in the
+background with ``pipeline_write`` (its slot is free once the write is done), else at once. So the
+host Adam of one sub-group runs while the next is read and the previous written. ``finish`` waits for
+every write. ``spill``/``fill`` write and read a whole buffer (its state made resident for the state
+door between steps, and put back at the next step).
+
+I/O goes through ``FileIO`` (``_aio_standin``, the single import point of the engine); every
+error names the file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..config.offload import AioConfig, OffloadOptimizerConfig
+from ._aio_standin import FileIO, IOHandle  # the one place the I/O engine is chosen
+from .host import HostTier
+
+_PROBE_BYTES = 4096
+ELEMENT = 4  # bytes of every state element (fp32)
+
+
+@dataclass
+class _Slot:
+    """One host buffer: the sub-group it holds (``(key, g)`` or None) and the I/O in flight on it."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    kinds: tuple[str, ...] = ()  # the state kinds it holds now
+    holds: Optional[tuple[int, int]] = None
+    reading: list[IOHandle] = field(default_factory=list)
+    writing: list[IOHandle] = field(default_factory=list)
+
+    def wait_reads(self) -> None:
+        for h in self.reading:
+            h.wait()
+        self.reading = []
+
+    def wait_writes(self) -> None:
+        for h in self.writing:
+            h.wait()
+        self.writing = []
+
+    def idle(self) -> bool:
+        return not self.reading and all(h.done() for h in self.writing)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_runs(base: Path) -> list[Path]:
+    """Remove the run directories under ``base`` of this host whose owning process is gone; returns them."""
+    host = socket.gethostname()
+    removed = []
+    if not base.is_dir():
+        return removed
+    for run in base.iterdir():
+        name, _, rest = run.name.rpartition("-")
+        owner, _, pid = name.rpartition("-")
+        if owner == host and pid.isdigit() and run.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(run, ignore_errors=True)
+            removed.append(run)
+    return removed
+
+
+def probe(directory: Path) -> None:
+    """Create ``directory`` and write, read back and remove a small file in it; raise ``OSError`` naming it."""
+    path = directory / ".probe"
+    data = os.urandom(_PROBE_BYTES)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        if path.read_bytes() != data:
+            raise OSError(5, "a file written there did not read back the same")
+        path.unlink()
+    except OSError as err:
+        raise OSError(
+            err.errno, f"offload_optimizer.nvme_path: cannot use {str(directory)!r}: {err.strerror or err}"
+        ) from None
+
+
+class DiskTier(HostTier):
+    """Optimizer state in files (see the module docstring).
+
+    Args:
+        config: the ``offload_optimizer`` block (``device="nvme"``, ``nvme_path``, ``buffer_count``, ...).
+        aio: the ``aio`` block (the I/O engine's knobs).
+        rank: this process's rank (its directory).
+    """
+
+    kind = "disk"
+
+    def __init__(self, config: OffloadOptimizerConfig, aio: AioConfig, *, rank: int):
+        super().__init__(config)
+        base = Path(config.nvme_path) / "zero_kernels"
+        root = Path(config.nvme_path)
+        if not root.is_dir():
+            raise OSError(2, f"offload_optimizer.nvme_path={str(root)!r} is not a directory (it must exist)")
+        remove_stale_runs(base)
+        self.run = base / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.root = self.run / f"rank{rank}"
+        probe(self.root)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.run), True)
+        self.io = FileIO(
+            block_size=aio.block_size,
+            queue_depth=aio.queue_depth,
+            threads=aio.intra_op_parallelism,
+            single_submit=aio.single_submit,
+            overlap_events=aio.overlap_events,
+        )
+        self.groups: dict[int, list[int]] = {}  # key -> element count of each sub-group
+        self.names: dict[int, int] = {}  # key -> buffer number in the file names
+        self.slots: list[_Slot] = [_Slot() for _ in range(config.buffer_count)]
+        self.read_ahead = config.pipeline_read
+        self.write_behind = config.pipeline_write
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    # ---------------------------------------------------------------- files
+    def path(self, key: int, g: int, kind: str) -> Path:
+        return self.root / f"b{self.names[key]}.g{g}.{kind}"
+
+    def add_buffer(self, key: int, group_numels: list[int], kinds: tuple[str, ...]) -> None:
+        """Register a buffer's sub-groups (elements each) and reserve its files for ``kinds``."""
+        self.names[key] = len(self.names)
+        self.groups[key] = list(group_numels)
+        for kind in kinds:
+            self.reserve(key, kind)
+
+    def reserve(self, key: int, kind: str) -> None:
+        """Make the files of state ``kind`` of a buffer, their bytes reserved on the disk."""
+        for g, numel in enumerate(self.groups[key]):
+            path = self.path(key, g, kind)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    if hasattr(os, "posix_fallocate"):
+                        os.posix_fallocate(fd, 0, numel * ELEMENT)
+                    else:
+                        os.ftruncate(fd, numel * ELEMENT)
+                finally:
+                    os.close(fd)
+            except OSError as err:
+                raise OSError(
+                    err.errno,
+                    f"offload_optimizer.nvme_path: cannot reserve {numel * ELEMENT} bytes in {str(path)!r} "
+                    f"({self._needed(key, kind)} bytes in all for this buffer's {kind}): {err.strerror or err}",
+                ) from None
+
+    def _needed(self, key: int, kind: str) -> int:
+        return sum(self.groups[key]) * ELEMENT
+
+    def disk_bytes(self) -> int:
+        """Bytes of the state's files."""
+        if not self.root.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.root.iterdir() if p.name != ".probe")
+
+    # ---------------------------------------------------------------- whole buffers
+    def spill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write a buffer's whole state (``{kind: its shard}``, host tensors) into its files."""
+        handles = []
+        for kind, t in tensors.items():
+            if not self.path(key, 0, kind).exists():
+                self.reserve(key, kind)
+            at = 0
+            for g, numel in enumerate(self.groups[key]):
+                handles.append(self.io.write(self.path(key, g, kind), t.narrow(0, at, numel).contiguous()))
+                at += numel
+            self.bytes_written += t.numel() * t.element_size()
+        for h in handles:
+            h.wait()
+
+    def fill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Read a buffer's whole state from its files into ``{kind: host tensor}``."""
+        handles = []
+        for kind, t in tensors.items():
+            at = 0
+            for g, numel in enumerate(self.groups[key]):
+                handles.append(self.io.read(self.path(key, g, kind), t.narrow(0, at, numel)))
+                at += numel
+            self.bytes_read += t.numel() * t.element_size()
+        for h in handles:
+            h.wait()
+
+    # ---------------------------------------------------------------- sub-groups, swapped
+    def load(self, key: int, g: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Sub-group ``g`` of buffer ``key`` in a slot (``{kind: tensor}``); reads the next one ahead."""
+        slot = self._holding(key, g)
+        if slot is None:
+            slot = self._start_read(key, g, kinds)
+        slot.wait_reads()
+        if self.read_ahead and g + 1 < len(self.groups[key]) and self._holding(key, g + 1) is None:
+            free = self._free_slot(block=False, keep=slot)
+            if free is not None:
+                self._start_read(key, g + 1, kinds, free)
+        numel = self.groups[key][g]
+        return {kind: slot.tensors[kind].narrow(0, 0, numel) for kind in kinds}
+
+    def store(self, key: int, g: int) -> None:
+        """Write sub-group ``g`` back from its slot (in the background with ``pipeline_write``)."""
+        slot = self._holding(key, g)
+        numel = self.groups[key][g]
+        for kind in slot.kinds:
+            slot.writing.append(self.io.write(self.path(key, g, kind), slot.tensors[kind].narrow(0, 0, numel)))
+            self.bytes_written += numel * ELEMENT
+        slot.holds = None
+        if not self.write_behind:
+            slot.wait_writes()
+
+    def finish(self) -> None:
+        """Every write done, every read ahead dropped."""
+        for slot in self.slots:
+            slot.wait_reads()
+            slot.wait_writes()
+            slot.holds = None
+
+    def _holding(self, key: int, g: int) -> Optional[_Slot]:
+        return next((s for s in self.slots if s.holds == (key, g)), None)
+
+    def _free_slot(self, *, block: bool, keep: Optional[_Slot] = None) -> Optional[_Slot]:
+        """A slot holding nothing whose writes are done; ``block``: wait for the oldest writes (or drop a read
+        ahead) when there is none."""
+        for s in self.slots:
+            if s is not keep and s.holds is None and s.idle():
+                s.wait_writes()
+                return s
+        if not block:
+            return None
+        for s in self.slots:
+            if s is not keep and s.holds is None:
+                s.wait_writes()
+                return s
+        victim = next(s for s in self.slots if s is not keep)
+        victim.wait_reads()
+        victim.holds = None
+        return victim
+
+    def _start_read(self, key: int, g: int, kinds: tuple[str, ...], slot: Optional[_Slot] = None) -> _Slot:
+        slot = slot or self._free_slot(block=True)
+        numel = self.groups[key][g]
+        size = max(n for groups in self.groups.values() for n in groups)
+        for kind in kinds:
+            if kind not in slot.tensors or slot.tensors[kind].numel() < size:
+                slot.tensors[kind] = self.io.empty(size, torch.float32)
+        slot.kinds = kinds
+        slot.holds = (key, g)
+        slot.reading = [self.io.read(self.path(key, g, k), slot.tensors[k].narrow(0, 0, numel)) for k in kinds]
+        self.bytes_read += numel * ELEMENT * len(kinds)
+        return slot
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The tier's host copies and its swap buffers."""
+        return super().host_tensors() + [t for s in self.slots for t in s.tensors.values()]
+
+    def traffic(self) -> dict[str, int]:
+        """As the host tier's, with the state's bytes ``read`` from and ``written`` to the files."""
+        return {**super().traffic(), "read": self.bytes_read, "written": self.bytes_written}
+
+    def close(self) -> None:
+        """Wait for the I/O in flight, stop the engine and remove this run's files."""
+        try:
+            self.finish()
+        finally:
+            self.io.close()
+            self._finalizer()
