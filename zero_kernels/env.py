@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 IMPLS = ("auto", "triton", "cpu", "torch")
 COMM_BACKENDS = ("auto", "cpp", "torch")
@@ -20,6 +21,8 @@ VARIABLES = {
     "ZERO_KERNELS_NO_JIT": "1 = never compile the extension at run time; use the pure-PyTorch path",
     "ZERO_KERNELS_VERBOSE_BUILD": "1 = show compiler output of the just-in-time build",
     "ZERO_KERNELS_LOG_LEVEL": "level of the zero_kernels logger: DEBUG | INFO | WARNING | ERROR (default WARNING)",
+    "ZERO_KERNELS_CPU_ADAM_THREADS": "threads of the host Adam with offload_optimizer (default: "
+    "offload_optimizer.cpuadam_cores_perc of the process's cores)",
 }
 
 
@@ -38,6 +41,17 @@ def _choice(name: str, allowed: tuple[str, ...], default: str, *, upper: bool = 
     if value not in allowed:
         raise ValueError(f"environment variable {name}={value!r}: allowed values are {', '.join(allowed)}")
     return value
+
+
+def cpu_adam_threads() -> Optional[int]:
+    """``ZERO_KERNELS_CPU_ADAM_THREADS`` (an integer >= 1), or None when unset."""
+    name = "ZERO_KERNELS_CPU_ADAM_THREADS"
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"environment variable {name}={value!r}: expected an integer >= 1")
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ A disagreement raises ``RanksDisagree`` on every rank, naming the key, every val
 from __future__ import annotations
 
 import math
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -102,9 +102,21 @@ def options_fingerprint(options: Any, settings: Mapping[str, Any]) -> dict[str, 
         settings: other optimizer-wide values by name (``adam_w_mode``, ``max_grad_norm``, ...).
     """
     out: dict[str, Any] = {"stage": options.stage}
-    out.update({f"zero_optimization.{f.name}": getattr(options, f.name) for f in fields(options) if f.name != "stage"})
+    for f in fields(options):
+        if f.name != "stage":
+            out.update(_option(f"zero_optimization.{f.name}", getattr(options, f.name)))
     out.update(settings)
     return out
+
+
+RANK_LOCAL = ("nvme_path",)  # options each rank may set for itself (a node's own disk)
+
+
+def _option(key: str, value: Any) -> dict[str, Any]:
+    """A nested block (a dataclass) compared key by key, without its ``RANK_LOCAL`` keys."""
+    if not is_dataclass(value):
+        return {key: value}
+    return {f"{key}.{f.name}": getattr(value, f.name) for f in fields(value) if f.name not in RANK_LOCAL}
 
 
 def group_fingerprint(g: int, group: Mapping[str, Any], names: Mapping[int, str]) -> dict[str, Any]:

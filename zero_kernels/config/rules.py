@@ -16,7 +16,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 logger = logging.getLogger("zero_kernels")
@@ -217,6 +217,8 @@ class Section:
             value = {}
         elif isinstance(value, str) and self.shorthand is not None:
             value = {self.shorthand: value}
+        elif is_dataclass(value) and not isinstance(value, type):
+            value = asdict(value)  # a parsed block given back (``ZeroOptions`` fields as keywords)
         if not isinstance(value, Mapping):
             raise ValueError(f"{path}={value!r} is invalid: expected {self.allowed}")
         return self.finish(parse_section(value, path, self, ctx if ctx is not None else ParseContext()))

@@ -94,8 +94,9 @@ def remove_stale_runs(base: Path) -> list[Path]:
     return removed
 
 
-def probe(directory: Path) -> None:
-    """Create ``directory`` and write, read back and remove a small file in it; raise ``OSError`` naming it."""
+def probe(directory: Path, given: str) -> None:
+    """Create ``directory`` and write, read back and remove a small file in it; raise ``OSError`` naming it and
+    ``given`` (the ``nvme_path`` it is under)."""
     path = directory / ".probe"
     data = os.urandom(_PROBE_BYTES)
     try:
@@ -106,7 +107,9 @@ def probe(directory: Path) -> None:
         path.unlink()
     except OSError as err:
         raise OSError(
-            err.errno, f"offload_optimizer.nvme_path: cannot use {str(directory)!r}: {err.strerror or err}"
+            err.errno,
+            f"offload_optimizer.nvme_path={given!r}: cannot write and read back files in {str(directory)!r}: "
+            f"{err.strerror or err}",
         ) from None
 
 
@@ -130,7 +133,7 @@ class DiskTier(HostTier):
         remove_stale_runs(base)
         self.run = base / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.root = self.run / f"rank{rank}"
-        probe(self.root)
+        probe(self.root, config.nvme_path)
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.run), True)
         self.io = FileIO(
             block_size=aio.block_size,

@@ -32,18 +32,17 @@ from typing import Iterator, Optional
 import torch
 
 from ..config.offload import OffloadOptimizerConfig
+from ..env import cpu_adam_threads
 
-THREADS_VARIABLE = "ZERO_KERNELS_CPU_ADAM_THREADS"
+THREADS_VARIABLE = "ZERO_KERNELS_CPU_ADAM_THREADS"  # read by ``env.cpu_adam_threads``
 _WEIGHT_PERIOD = 251  # position weights 1..251 of the fingerprint: int32 products never overflow
 
 
 def cpu_threads(share: float) -> int:
     """Threads of the host Adam: ``ZERO_KERNELS_CPU_ADAM_THREADS``, else ``share`` of the usable cores (>= 1)."""
-    value = os.environ.get(THREADS_VARIABLE, "").strip()
-    if value:
-        if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"environment variable {THREADS_VARIABLE}={value!r}: expected an integer >= 1")
-        return int(value)
+    given = cpu_adam_threads()
+    if given is not None:
+        return given
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, int(cores * share))
 

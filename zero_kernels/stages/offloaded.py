@@ -21,11 +21,13 @@ Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..comm.objects import all_gather_objects
+from ..log import LOGGER_NAME
 from ..offload import DiskTier, HostTier
 from . import master
 from .buffers import FlatBuffer, GroupHyper
@@ -37,9 +39,18 @@ if TYPE_CHECKING:
     from .base import Pipeline
 
 
+logger = logging.getLogger(LOGGER_NAME)
+PARAMS_STAY = (
+    "zero_optimization.offload_param.device=%r is accepted but not acted on yet: stage 3's parameter shards stay "
+    "on the parameters' device (memory as without it; results are the same). offload_optimizer is honoured"
+)
+
+
 def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     """The state tier ``options.offload_optimizer`` asks for, or None; a tier that cannot start on some rank
-    raises on every rank (after the others closed theirs)."""
+    raises on every rank (after the others closed theirs). ``offload_param`` is only warned about."""
+    if options.offload_param.enabled:
+        logger.warning(PARAMS_STAY, options.offload_param.device)
     config = options.offload_optimizer
     if not config.enabled:
         return None
@@ -77,7 +88,11 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
         _spill(tier, buf)
     except OSError as err:
         problem = str(err)
-    _agree(pipeline.engine, problem, "offload.reserve")
+    try:
+        _agree(pipeline.engine, problem, "offload.reserve")
+    except OSError:
+        tier.close()  # its files are removed; the parameters keep their values
+        raise
 
 
 def _agree(engine: Any, problem: Optional[str], name: str) -> None:

@@ -1,0 +1,80 @@
+"""Training with an offload tier next to the same configuration without it, compared bit for bit.
+
+``pair_case`` trains two copies of ``lockstep.Net`` on the same rows, one optimizer with the tier and
+one without, and after every step compares the parameters and the full optimizer state element by
+element (``torch.equal``: the tier runs the same kernel on the same values, so nothing may differ).
+The schedule exercises what the step decides before the update: two micro-steps under ``no_sync``
+(accumulation), gradient clipping, a step whose gradient holds an inf (skipped: bf16/fp32), and fp16
+loss scaling from 2**20 (the first steps overflow and are skipped while the scale comes down).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+import zero_kernels.optim as zo
+from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
+
+STEPS = 4
+NONFINITE_STEP = 2
+CLIP = 0.05
+
+
+def _make(model: Net, stage: int, dtype: torch.dtype, offload: dict | None) -> zo.ShardedFusedAdam:
+    kwargs: dict = dict(STAGE3) if stage == 3 else {}
+    if dtype == torch.float16:
+        kwargs["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
+    if offload is not None:
+        kwargs["offload_optimizer"] = offload
+        kwargs["sub_group_size"] = 32  # several sub-groups: swapping is exercised
+    return zo.ShardedFusedAdam(
+        model, lr=2e-2, stage=stage, reduce_bucket_size=BUCKET, max_grad_norm=CLIP, amsgrad=True, **kwargs
+    )
+
+
+def _micro(model: Net, opt: zo.ShardedFusedAdam, rows: torch.Tensor, step: int, dtype: torch.dtype) -> None:
+    loss = model(rows.to(dtype)).float()
+    if step == NONFINITE_STEP and dtype != torch.float16:
+        loss = loss * torch.tensor(float("inf"))
+    if dtype == torch.float16:
+        opt.backward(loss)
+    else:
+        loss.backward()
+
+
+def _state(opt: zo.ShardedFusedAdam) -> dict:
+    return opt.full_state_dict()["state"]
+
+
+def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: dict) -> dict:
+    """Train with and without ``offload`` and compare after every step; returns the tiered optimizer's
+    traffic and the parameter count, for the caller's checks."""
+    torch.manual_seed(0)
+    plain = Net().to(dtype)
+    tiered = copy.deepcopy(plain)
+    a, b = _make(plain, stage, dtype, None), _make(tiered, stage, dtype, offload)
+    for step in range(STEPS):
+        x = batch(step, 2 * world * ROWS)
+        for model, opt in ((plain, a), (tiered, b)):
+            for m in range(2):
+                rows = x[(m * world + rank) * ROWS : (m * world + rank + 1) * ROWS]
+                with opt.no_sync() if m == 0 else contextlib.nullcontext():
+                    _micro(model, opt, rows, step, dtype)
+            opt.step()
+            opt.zero_grad()
+        what = f"stage {stage} {dtype} {offload['device']} step {step}"
+        assert a.skipped_steps == b.skipped_steps, what
+        with a.gathered_params(), b.gathered_params():
+            for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+                assert torch.equal(p, q), f"{what}: parameter {name} differs"
+        sa, sb = _state(a), _state(b)
+        assert sa.keys() == sb.keys(), what
+        for i in sa:
+            for kind in sa[i]:
+                assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
+    assert a.skipped_steps >= 1, "the schedule must skip a step"
+    numel = sum(buf.layout.shard_numel for buf in b._pipeline.buffers)
+    return {"traffic": b._pipeline.tier.traffic(), "shard_numel": numel, "steps": STEPS}

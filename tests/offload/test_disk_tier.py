@@ -1,0 +1,155 @@
+"""The disk tier: the state in files of the expected size while training (the memory freed), a killed run's
+files removed at the next start, and a missing, unwritable or full ``nvme_path`` refused with its name
+before anything changes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.optim as zo
+from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig
+from zero_kernels.offload import DiskTier
+
+SUB_GROUP = 2048
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32)).to(torch.bfloat16)
+
+
+def _opt(model: nn.Module, path: Path, **extra) -> zo.ShardedFusedAdam:
+    offload = {"device": "nvme", "nvme_path": str(path), "pipeline_read": True, "pipeline_write": True, **extra}
+    return zo.ShardedFusedAdam(model, stage=2, reduce_bucket_size=1024, sub_group_size=SUB_GROUP,
+                               offload_optimizer=offload)  # fmt: skip
+
+
+def _step(model: nn.Module, opt: zo.ShardedFusedAdam) -> None:
+    model(torch.randn(4, 64).to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_state_lives_in_files_while_training(tmp_path: Path) -> None:
+    model = _model()
+    opt = _opt(model, tmp_path)
+    pipeline = opt._pipeline
+    tier = pipeline.tier
+    for _ in range(2):
+        _step(model, opt)
+    (buf,) = pipeline.buffers
+    assert tier.root.parent.parent == tmp_path / "zero_kernels" and tier.root.name == "rank0"
+    assert len(buf.groups) > 1 and all(numel <= SUB_GROUP for *_, numel in buf.groups)
+    expected = {f"b0.g{g}.{kind}": numel * 4 for g, (*_, numel) in enumerate(buf.groups)
+                for kind in ("exp_avg", "exp_avg_sq", "master")}  # fmt: skip
+    assert {p.name: p.stat().st_size for p in tier.root.iterdir()} == expected
+    assert all(getattr(buf, k).device.type == "meta" for k in ("exp_avg", "exp_avg_sq", "master"))  # freed
+    report = opt.memory_report()
+    assert report["disk"] == sum(expected.values()) == buf.layout.shard_numel * 12
+    swap_buffers = 4 * 3 * (SUB_GROUP * 4 + 4096)  # buffer_count (4) x kinds x a sub-group, aligned
+    assert report["optimizer"] == 0 and report["host"] <= swap_buffers + buf.layout.shard_numel * 4
+    m = next(iter(opt.full_state_dict()["state"].values()))["exp_avg"]  # read in from the files
+    assert m.abs().sum() > 0 and buf.exp_avg.device.type == "cpu"
+    _step(model, opt)
+    assert buf.exp_avg.device.type == "meta"  # written back and freed again by the step
+    opt._pipeline.tier.close()
+    assert not tier.run.exists()
+
+
+def test_files_removed_when_the_optimizer_is_collected(tmp_path: Path) -> None:
+    model = _model()
+    opt = _opt(model, tmp_path)
+    run = opt._pipeline.tier.run
+    assert run.exists()
+    del opt
+    import gc
+
+    gc.collect()
+    assert not run.exists()
+
+
+KILLED = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    import zero_kernels.optim as zo
+    model = torch.nn.Linear(8, 8)
+    opt = zo.ShardedFusedAdam(model, stage=1, offload_optimizer={"device": "nvme", "nvme_path": sys.argv[1]})
+    print(opt._pipeline.tier.run, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+    """
+)
+
+
+def test_killed_runs_files_removed_at_the_next_start(tmp_path: Path) -> None:
+    env = {**os.environ, "ZERO_KERNELS_IMPL": "torch"}
+    done = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    stale = Path(done.stdout.strip())
+    assert stale.is_dir() and any(stale.rglob("*.exp_avg"))  # left behind by the killed run
+    live = tmp_path / "zero_kernels" / f"{os.uname().nodename}-{os.getpid()}-keep"
+    live.mkdir()  # a run of a process that is alive is never touched
+    tier = DiskTier(OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path)), AioConfig(), rank=0)
+    assert not stale.exists() and live.exists() and tier.root.exists()
+    tier.close()
+
+
+def _untouched(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    opt = zo.ShardedFusedAdam(model, stage=2)  # the model is still good for an optimizer without offload
+    _step(model, opt)
+
+
+def test_missing_nvme_path_is_refused_naming_it(tmp_path: Path) -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    missing = tmp_path / "no" / "such"
+    with pytest.raises(OSError, match=f"nvme_path={str(missing)!r} is not a directory"):
+        _opt(model, missing)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(OSError, match="is not a directory"):
+        _opt(model, a_file)
+    _untouched(model, before)
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str) -> Iterator[Path]:
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root and mount")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_unwritable_nvme_path_is_refused_naming_it(tmp_path: Path) -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with _tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
+        with pytest.raises(OSError, match=f"nvme_path={str(ro)!r}: cannot write .*(Read-only|read-only)"):
+            _opt(model, ro)
+    _untouched(model, before)
+
+
+def test_full_disk_is_refused_naming_path_and_bytes(tmp_path: Path) -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with _tmpfs(tmp_path / "small", "size=64k") as small:
+        with pytest.raises(OSError, match=rf"cannot reserve \d+ bytes in '{small}/zero_kernels/.*No space left"):
+            _opt(model, small)
+        assert not any((small / "zero_kernels").iterdir())  # the failed run's files are gone
+    _untouched(model, before)

@@ -1,0 +1,97 @@
+"""The host tier: bytes crossing per step (counted), the host Adam's threads, what memory_report shows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.optim as zo
+import zero_kernels.stages.offloaded as offloaded
+from zero_kernels.offload import THREADS_VARIABLE, HostTier, cpu_threads
+
+BUCKET = 4096  # elements: the 16-byte fingerprint per bucket is small next to the bucket's bytes
+
+
+def _model(dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32)).to(dtype)
+
+
+def _train(model: nn.Module, opt: zo.ShardedFusedAdam, steps: int, dtype: torch.dtype) -> None:
+    for step in range(steps):
+        model(
+            torch.randn(4, 64, generator=torch.Generator().manual_seed(step)).to(dtype)
+        ).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype, per_param", [(torch.bfloat16, 4), (torch.float32, 8)])
+def test_bytes_crossing_per_step(stage: int, dtype: torch.dtype, per_param: int) -> None:
+    """bf16: the gradient down and the parameters up, 2 bytes each (4 per parameter); fp32: 4 each (8)."""
+    model = _model(dtype)
+    opt = zo.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET, offload_optimizer={"device": "cpu"})
+    steps = 3
+    _train(model, opt, steps, dtype)
+    tier = opt._pipeline.tier
+    numel = sum(buf.layout.shard_numel for buf in opt._pipeline.buffers)
+    buckets = sum(len(buf.layout.buckets) for buf in opt._pipeline.buffers)
+    traffic = tier.traffic()
+    size = torch.finfo(dtype).bits // 8
+    assert traffic["up"] == steps * numel * size
+    assert traffic["down"] == steps * (numel * size + 16 * buckets)  # the gradients, and one fingerprint per bucket
+    assert (traffic["up"] + traffic["down"]) / (steps * numel) <= per_param + 0.01
+    assert traffic["init"] == numel * size  # the parameters' first copy down
+
+
+def test_memory_report_shows_the_host_tier() -> None:
+    model = _model(torch.bfloat16)
+    opt = zo.ShardedFusedAdam(model, stage=1, reduce_bucket_size=BUCKET, offload_optimizer={"device": "cpu"})
+    _train(model, opt, 1, torch.bfloat16)
+    report = opt.memory_report()
+    numel = sum(buf.layout.shard_numel for buf in opt._pipeline.buffers)
+    assert report["optimizer"] == 0 and report["disk"] == 0
+    assert report["host"] == numel * (12 + 2 + 2)  # master, m, v; the host copies of parameters and gradients
+    plain = zo.ShardedFusedAdam(_model(torch.bfloat16), stage=1, reduce_bucket_size=BUCKET)
+    assert "host" not in plain.memory_report() and plain.memory_report()["optimizer"] == numel * 12
+
+
+def test_cpu_adam_threads_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(THREADS_VARIABLE, "3")
+    assert cpu_threads(0.8) == 3
+    monkeypatch.setenv(THREADS_VARIABLE, "zero")
+    with pytest.raises(ValueError, match=f"{THREADS_VARIABLE}='zero'"):
+        cpu_threads(0.8)
+    monkeypatch.delenv(THREADS_VARIABLE)
+    assert cpu_threads(1e-9) == 1
+
+
+def test_the_update_runs_on_the_tiers_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(THREADS_VARIABLE, "2")
+    seen = []
+    real = offloaded.launch
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(offloaded, "launch", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _model(torch.float32)
+        opt = zo.ShardedFusedAdam(model, stage=1, offload_optimizer={"device": "cpu"})
+        _train(model, opt, 1, torch.float32)
+        assert seen and set(seen) == {2} and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_pinning_only_where_cuda_is() -> None:
+    from zero_kernels.config.offload import OffloadOptimizerConfig
+
+    tier = HostTier(OffloadOptimizerConfig(device="cpu", pin_memory=True))
+    assert tier.pin is torch.cuda.is_available()
+    assert tier.zeros(8).is_pinned() is torch.cuda.is_available()

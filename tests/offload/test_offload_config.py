@@ -1,0 +1,189 @@
+"""The offload keys as users write them: the Hugging Face templates, the NVMe template (nested ``aio``,
+``thread_count``), the deprecated spellings, keyword arguments, and every bad value named."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+import zero_kernels as zk
+from zero_kernels.config import ZeroConfig, ZeroOptions
+from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+
+HF_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "zero_optimization": {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "allgather_partitions": True,
+        "allgather_bucket_size": 2e8,
+        "overlap_comm": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}  # fmt: skip
+HF_ZERO3 = copy.deepcopy(HF_ZERO2)
+HF_ZERO3["zero_optimization"] = {
+    "stage": 3,
+    "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    "offload_param": {"device": "cpu", "pin_memory": True},
+    "overlap_comm": True,
+    "contiguous_gradients": True,
+    "sub_group_size": 1e9,
+    "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+    "stage3_max_live_parameters": 1e9,
+    "stage3_max_reuse_distance": 1e9,
+    "stage3_gather_16bit_weights_on_model_save": True,
+}
+
+
+def _nvme_template(path: str) -> dict:
+    config = copy.deepcopy(HF_ZERO3)
+    zero = config["zero_optimization"]
+    zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path, "pin_memory": True, "buffer_count": 4,
+                                 "fast_init": False}  # fmt: skip
+    zero["offload_param"] = {"device": "nvme", "nvme_path": path, "pin_memory": True, "buffer_count": 5,
+                             "buffer_size": 1e8, "max_in_cpu": 1e9}  # fmt: skip
+    zero["aio"] = {"block_size": 262144, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+                   "overlap_events": True}  # fmt: skip
+    return config
+
+
+def test_hf_zero2_template_offloads_the_optimizer() -> None:
+    zero = ZeroConfig.from_deepspeed(HF_ZERO2).zero
+    assert zero.offload_optimizer == OffloadOptimizerConfig(device="cpu", pin_memory=True)
+    assert zero.offload_param == OffloadParamConfig() and zero.aio == AioConfig()
+
+
+def test_hf_zero3_template_reads_both_blocks_and_sub_group_size() -> None:
+    zero = ZeroConfig.from_deepspeed(HF_ZERO3, hidden_size=64).zero
+    assert zero.offload_optimizer.device == "cpu" and zero.offload_optimizer.pin_memory is True
+    assert zero.offload_param == OffloadParamConfig(device="cpu", pin_memory=True)
+    assert zero.sub_group_size == 1_000_000_000 and type(zero.sub_group_size) is int
+
+
+def test_nvme_template_nested_aio_and_thread_count_warn_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        zero = ZeroConfig.from_deepspeed(_nvme_template("/local_nvme"), hidden_size=64).zero
+    assert zero.offload_optimizer == OffloadOptimizerConfig(
+        device="nvme", nvme_path="/local_nvme", pin_memory=True, buffer_count=4
+    )
+    assert zero.offload_param.buffer_size == 100_000_000 and zero.offload_param.max_in_cpu == 1_000_000_000
+    assert zero.aio == AioConfig(block_size=262144, queue_depth=32, intra_op_parallelism=1)
+    aio_warnings = [r.getMessage() for r in caplog.records if "aio" in r.getMessage()]
+    assert len(aio_warnings) == 1, aio_warnings
+    text = aio_warnings[0]
+    assert "DeepSpeed 0.19 reads aio only at the top level" in text and "intra_op_parallelism" in text
+
+
+def test_top_level_aio_is_deepspeeds_place_and_silent(caplog: pytest.LogCaptureFixture) -> None:
+    config = {"zero_optimization": {"stage": 3}, "aio": {"intra_op_parallelism": 4, "queue_depth": 16}}
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        zero = ZeroConfig.from_deepspeed(config).zero
+    assert zero.aio == AioConfig(intra_op_parallelism=4, queue_depth=16)
+    assert not [r for r in caplog.records if "aio" in r.getMessage()]
+
+
+def test_deprecated_spellings() -> None:
+    zero = ZeroOptions.from_dict(
+        {"stage": 3, "cpu_offload": True, "cpu_offload_param": True, "cpu_offload_use_pin_memory": True}
+    )
+    assert zero.offload_optimizer == OffloadOptimizerConfig(device="cpu", pin_memory=True)
+    assert zero.offload_param == OffloadParamConfig(device="cpu", pin_memory=True)
+    assert ZeroOptions.from_dict({"stage": 2, "cpu_offload": True}).offload_optimizer.device == "cpu"
+
+
+def test_shorthand_keywords_and_round_trip(tmp_path) -> None:
+    options = ZeroOptions(stage=2, offload_optimizer="cpu")
+    assert options.offload_optimizer == OffloadOptimizerConfig(device="cpu")
+    full = ZeroConfig.from_deepspeed(_nvme_template(str(tmp_path)), hidden_size=64).zero
+    assert ZeroOptions.from_dict(dataclasses.asdict(full)) == full
+    opt = zk.ShardedFusedAdam(
+        torch.nn.Linear(4, 4), stage=2, offload_optimizer={"device": "cpu", "cpuadam_cores_perc": 0.5}
+    )
+    assert opt.options.offload_optimizer.cpuadam_cores_perc == 0.5 and opt._pipeline.tier is not None
+
+
+def test_initialize_with_the_zero3_template_trains() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    config = copy.deepcopy(HF_ZERO3)
+    config["fp16"]["enabled"] = False
+    model, opt = zk.initialize(model, config, lr=1e-2, train_micro_batch_size_per_gpu=1, hidden_size=8)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    assert opt._pipeline.tier is not None and opt.memory_report()["optimizer"] == 0
+
+
+BAD = [
+    ({"offload_optimizer": {"device": "gpu"}}, "offload_optimizer.device='gpu'", "'none', 'cpu', 'nvme'"),
+    ({"offload_optimizer": {"device": "nvme"}}, 'offload_optimizer.device="nvme" needs', "nvme_path"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "offload_optimizer.ratio=0.5", "supported: 1.0"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 2}}, "offload_optimizer.ratio=2", "<= 1"),
+    ({"offload_optimizer": {"device": "cpu", "buffer_count": 0}}, "offload_optimizer.buffer_count=0", ">= 1"),
+    ({"offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}, "offload_optimizer.pin_memory='yes'", "true"),
+    ({"offload_optimizer": {"device": "cpu", "nvme_path": ""}}, "offload_optimizer.nvme_path=''", "directory"),
+    ({"offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0}}, "cpuadam_cores_perc=0", "> 0"),
+    ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "super_offload=True", "not supported yet"),
+    ({"offload_optimizer": {"device": "cpu", "pipline_read": True}}, "'pipline_read'", "did you mean 'pipeline_read'"),
+    ({"offload_optimizer": 3}, "zero_optimization.offload_optimizer=3", '{"device": "cpu"}'),
+    ({"offload_param": {"device": "cpu"}}, "offload_param.device='cpu' needs stage 3", "stage is 1"),
+    ({"offload_param": {"device": "nvme"}, "stage": 3}, 'offload_param.device="nvme" needs', "nvme_path"),
+    ({"offload_param": {"device": "cpu", "buffer_size": 0}, "stage": 3}, "offload_param.buffer_size=0", ">= 1"),
+    ({"offload_optimizer": "cpu", "stage": 0}, "offload_optimizer.device='cpu' needs stage 1, 2 or 3", "stage is 0"),
+    ({"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "cpu_offload=true", "nvme"),
+    ({"cpu_offload": "yes"}, "zero_optimization.cpu_offload='yes'", "true or false"),
+    ({"sub_group_size": 0}, "zero_optimization.sub_group_size=0", ">= 1"),
+    ({"aio": {"thread_count": 0}}, "intra_op_parallelism", ">= 1"),
+    ({"aio": {"block_size": 100}}, "aio.block_size=100", ">= 4096"),
+    ({"aio": {"use_gds": True}}, "aio.use_gds=True", "not supported yet"),
+    ({"aio": {"queue": 3}}, "'queue' in zero_optimization.aio", "queue_depth"),
+]
+
+
+@pytest.mark.parametrize("zero, where, allowed", BAD, ids=[w for _, w, _ in BAD])
+def test_bad_values_name_the_key_and_what_is_allowed(zero: dict, where: str, allowed: str) -> None:
+    with pytest.raises(ValueError) as err:
+        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 1, **zero}})
+    assert where in str(err.value) and allowed in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ({"aio": {"queue_depth": 0}}, "aio.queue_depth=0"),
+        ({"aio": {}, "zero_optimization": {"stage": 3, "aio": {}}}, "both at the top level and in zero_optimization"),
+    ],
+)
+def test_bad_top_level_aio(config: dict, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        ZeroConfig.from_deepspeed(config)
+
+
+@pytest.mark.parametrize(
+    "build, fragment",
+    [
+        (lambda: OffloadOptimizerConfig(device="disk"), "offload_optimizer.device='disk'"),
+        (lambda: OffloadOptimizerConfig(device="nvme"), "needs offload_optimizer.nvme_path"),
+        (lambda: AioConfig(intra_op_parallelism=0), "aio.intra_op_parallelism=0"),
+        (lambda: ZeroOptions(stage=2, offload_optimizer={"device": "cpu", "bogus": 1}), "unknown key 'bogus'"),
+        (lambda: ZeroOptions(stage=2, offload_optimizer=7), "ZeroOptions.offload_optimizer=7"),
+    ],
+)
+def test_direct_construction_is_checked(build, fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        build()

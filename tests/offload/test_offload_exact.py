@@ -1,0 +1,116 @@
+"""Offload to host memory and to disk gives the weights and state of the same run without offload, bit for
+bit, at stages 1-3 on 2 gloo ranks (accumulation, clipping, a non-finite step, fp16 overflow, AMSGrad);
+and a checkpoint saved with offload resumes without it at another world size, and the other way round."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_kernels as zk
+import zero_kernels.optim as zo
+from tests.helpers.dist import run_ranks
+from tests.helpers.lockstep import BUCKET, ROWS, Net, batch
+from tests.offload.exactness import pair_case
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _tiers(scratch: Path, rank: int) -> list[dict]:
+    nvme = scratch / f"nvme{rank}"  # each rank its own disk (nvme_path is the one option ranks may differ on)
+    nvme.mkdir(exist_ok=True)
+    disk = {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 3, "pipeline_read": True, "pipeline_write": True}
+    return [{"device": "cpu", "pin_memory": True}, disk]
+
+
+def _exact_ranks(rank: int, world: int, scratch: str) -> None:
+    for offload in _tiers(Path(scratch), rank):
+        for stage in (1, 2, 3):
+            for dtype in DTYPES:
+                pair_case(rank, world, stage, dtype, offload)
+
+
+@pytest.mark.distributed
+def test_offload_is_exact_at_stages_1_to_3_on_two_ranks(tmp_path: Path) -> None:
+    run_ranks(_exact_ranks, 2, str(tmp_path), timeout_s=300.0)
+
+
+# ---------------------------------------------------------------- checkpoints across tiers and world sizes
+def _train(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, steps: range) -> None:
+    for step in steps:
+        x = batch(step, world * ROWS)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _opt(model: Net, stage: int, offload: dict | None) -> zo.ShardedFusedAdam:
+    kwargs = {"offload_optimizer": offload, "sub_group_size": 32} if offload else {}
+    return zo.ShardedFusedAdam(model, lr=2e-2, stage=stage, reduce_bucket_size=BUCKET, amsgrad=True, **kwargs)
+
+
+def _save_ranks(rank: int, world: int, scratch: str) -> None:
+    """At 2 ranks: the same training saved with the disk tier (stage 3) and without offload (stage 2)."""
+    nvme = Path(scratch) / f"nvme{rank}"
+    nvme.mkdir(exist_ok=True)
+    for name, stage, offload in (("tier", 3, {"device": "nvme", "nvme_path": str(nvme)}), ("plain", 2, None)):
+        torch.manual_seed(0)
+        model = Net()
+        opt = _opt(model, stage, offload)
+        _train(model, opt, rank, world, range(3))
+        zk.checkpoint.save(Path(scratch) / name, model, opt)
+        if offload:
+            opt._pipeline.tier.close()
+
+
+@pytest.mark.distributed
+def test_checkpoint_resumes_across_tiers_and_world_sizes(tmp_path: Path) -> None:
+    run_ranks(_save_ranks, 2, str(tmp_path))
+    shutil.rmtree(tmp_path / "nvme0")  # nothing under nvme_path is needed to resume
+    shutil.rmtree(tmp_path / "nvme1")
+    (tmp_path / "nvme").mkdir()
+    resumed = {}
+    for saved, offload in (("tier", None), ("plain", {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}),
+                           ("tier", {"device": "cpu"})):  # fmt: skip
+        torch.manual_seed(1)
+        model = Net()
+        opt = _opt(model, 1, offload)
+        zk.checkpoint.load(tmp_path / saved, model, opt)
+        before = copy.deepcopy(opt.full_state_dict()["state"])
+        _train(model, opt, 0, 1, range(3, 5))
+        resumed[(saved, str(offload))] = (before, opt.full_state_dict()["state"], copy.deepcopy(model.state_dict()))
+    values = list(resumed.values())
+    for before, after, weights in values[1:]:
+        ref_before, ref_after, ref_weights = values[0]
+        for i in ref_before:
+            for kind in ref_before[i]:
+                assert torch.equal(before[i][kind], ref_before[i][kind]), (i, kind)
+                assert torch.equal(after[i][kind], ref_after[i][kind]), (i, kind)
+        for name in ref_weights:
+            assert torch.equal(weights[name], ref_weights[name]), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_edits_between_steps_are_adopted_as_without_offload(dtype: torch.dtype, tmp_path: Path) -> None:
+    """In-place writes into the parameters and a loaded model state between steps reach the offloaded master."""
+    torch.manual_seed(0)
+    plain = Net().to(dtype)
+    tiered = copy.deepcopy(plain)
+    a = _opt(plain, 1, None)
+    b = _opt(tiered, 1, {"device": "nvme", "nvme_path": str(tmp_path)})
+    loaded = {k: v * 0.5 for k, v in plain.state_dict().items()}
+    for step in range(3):
+        for model, opt in ((plain, a), (tiered, b)):
+            model(batch(step, ROWS).to(dtype)).float().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                model.emb.weight.data.mul_(2)
+            if step == 1:
+                model.load_state_dict(loaded)
+        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+            assert torch.equal(p, q), f"step {step}: {name}"
