@@ -89,9 +89,9 @@ def test_subject_at_a_tiny_size() -> None:
         offloaded = r["provider"].endswith(("-cpu", "-nvme"))
         assert ("down_MB" in r) == offloaded
         if offloaded:  # bf16: the gradient shard down, the parameter shard up, 2 bytes per element each
-            assert r["down_MB"] == r["up_MB"] > 0
+            assert r["up_MB"] > 0 and 0 <= r["down_MB"] - r["up_MB"] <= 1e-4  # + 16-byte fingerprints per bucket
         if r["provider"].endswith("-nvme"):  # fp32 master, m and v read and written once per step
-            assert r["read_MB"] == r["written_MB"] == pytest.approx(6 * r["down_MB"])
+            assert r["read_MB"] == r["written_MB"] == pytest.approx(6 * r["up_MB"])
             assert r["disk_MB"] >= r["read_MB"] and r["io_of_disk"] > 0
     (disk,) = [r for r in rows if r["provider"] == offload.DISK]
     assert disk["disk_write_GBps"] > 0
@@ -104,6 +104,7 @@ def test_subject_at_a_tiny_size() -> None:
         assert "step_ms" in r or r["error"]
 
 
+@pytest.mark.slow  # a fresh process
 @pytest.mark.distributed
 @pytest.mark.ext
 def test_big_case_at_a_tiny_size() -> None:
