@@ -10,6 +10,9 @@ DeepSpeed through ``deepspeed.initialize``, on the same bf16 MLP and the same ba
   ``deepspeed-stage3-nvme`` (its ``async_io`` op, built against ``libaio``); DeepSpeed reads NVMe offload of
   the optimizer only at stage 3. When DeepSpeed is absent, or an op cannot build, its rows say why.
 
+NVMe runs read ahead and write behind (``pipeline_read``/``pipeline_write``) through ``BUFFERS`` host
+buffers of ``SUB_GROUP`` elements, for both.
+
 One pair of processes times every provider in interleaved rounds (each round every provider in turn, the
 order alternating, each built afresh: warm-up steps, then the median of the timed ones). ``step_ms`` is the
 median over the rounds; ``vs_deepspeed`` is DeepSpeed's step with the same offload at the same stage over
@@ -58,7 +61,10 @@ WORLD = 2
 STAGES = (2, 3)
 LR = 1e-4
 BUCKET_ELEMENTS = 2_000_000
-SUB_GROUP = 1 << 20  # elements per swapped sub-group (DeepSpeed's and ours)
+SUB_GROUP = 1 << 18  # elements per swapped sub-group (DeepSpeed's and ours): 1 MiB of fp32, 16+ per rank
+# offload_optimizer.buffer_count: DeepSpeed's pipelined swapper (pipeline_read/write) runs out of swap buffers
+# at stage 3 with 4 or 8 here ("try increasing 'buffer_count'"); 16 lets it run.
+BUFFERS = 16
 DISK_PROBE_BYTES = 256 << 20
 _PROBE_BLOCK = 8 << 20
 AIO = {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
@@ -100,7 +106,9 @@ def config(stage: int, device: str, nvme_path: Optional[str], *, micro_batch: in
     if device != "none":
         zero["offload_optimizer"] = {"device": device, "pin_memory": True}
     if device == "nvme":
-        zero["offload_optimizer"].update(nvme_path=nvme_path, buffer_count=4, pipeline_read=True, pipeline_write=True)
+        zero["offload_optimizer"].update(
+            nvme_path=nvme_path, buffer_count=BUFFERS, pipeline_read=True, pipeline_write=True
+        )
         cfg["aio"] = dict(AIO)
     return cfg
 
@@ -334,7 +342,7 @@ def _folder() -> str:
     base = _options["dir"]
     if base:
         os.makedirs(base, exist_ok=True)
-    return tempfile.mkdtemp(prefix="zk-offload-bench-", dir=base or os.getcwd())
+    return tempfile.mkdtemp(prefix="zk-offload-bench-", dir=base)
 
 
 def run(quick: bool, shape: Optional[tuple[int, int, int]] = None, rounds: Optional[int] = None) -> list[dict]:
