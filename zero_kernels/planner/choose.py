@@ -32,6 +32,11 @@ from .offload import OffloadEstimate, OffloadSetup, device_memory, estimate_offl
 _TIE = 0.02
 # Buckets are sized so the latency term stays under this fraction of a collective's bandwidth term.
 _LATENCY_SHARE = 0.05
+# offload_param is planned as DeepSpeed applies it; zero_kernels reads the key but does not apply it yet.
+PARAM_NOTE = (
+    "offload_param: planned as DeepSpeed applies it (parameter shards off the device); zero_kernels accepts the "
+    "key but keeps stage 3's parameter shards on the device for now, so with it the device holds them too."
+)
 # DeepSpeed's default reduce_bucket_size / allgather_bucket_size, in elements.
 _MAX_BUCKET = 500_000_000
 
@@ -498,6 +503,8 @@ def recommend(
     reasons = _reasons(choice, plans, resolved, step_compute)
     if choice.offload is not None:
         reasons.append(_plain_line(plan_stages(num_params, **kwargs)))
+    if choice.stage == 3 and offload is not None and offload.param != "none":
+        reasons.append(PARAM_NOTE)
     config = deepspeed_config(
         choice.stage,
         param_dtype=param_dtype,

@@ -6,7 +6,8 @@ per element) off the device: to host memory (``cpu``) or to files on a disk (``n
 Adam updates it. Per step the reduced gradient shard goes down the host link (in the gradient dtype:
 2 bytes per element in bf16 training, once per micro-step at stages 2 and 3, once per step at stage 1,
 which accumulates on the device) and the updated 16-bit parameter shard comes back up (2 bytes): 4 bytes
-per parameter of the shard in bf16 training. The host keeps the gradient shard it receives. With
+per parameter of the shard in bf16 training. The host keeps a copy of the gradient shard it receives and of
+the parameter shard it sends (as the host tier does: 16 bytes per element with the state in bf16). With
 ``nvme`` the state is read and written back once per step (2·K bytes per element of the shard) through
 ``buffer_count`` pinned buffers of ``sub_group_size`` elements; read-ahead and write-behind run the CPU
 Adam of one sub-group while the next is read and the previous written, so the update takes the longer of
@@ -216,10 +217,11 @@ def estimate_offload(
     param_off = setup.param if stage == 3 else "none"
     gathers = 2 * setup.grad_accum  # stage 3: forward and backward of every micro-step
     sub = sub_group_elements(shard)
-    grads_host = elem * shard if setup.optimizer != "none" else 0
-    host = grads_host + (state if setup.optimizer == "cpu" else 0)
+    # host copies of the gradient and parameter shards (the parameter copy is the offloaded shard itself)
+    copies = 2 * elem * shard if setup.optimizer != "none" else (elem * shard if param_off == "cpu" else 0)
+    host = copies + (state if setup.optimizer == "cpu" else 0)
     host += OPTIMIZER_BUFFERS * sub * k_bytes if setup.optimizer == "nvme" else 0
-    host += {"none": 0, "cpu": elem * shard, "nvme": PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem}[param_off]
+    host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
     disk = (state if setup.optimizer == "nvme" else 0) + (elem * shard if param_off == "nvme" else 0)
     down = elem * shard * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" else 0
     up_after = elem * shard if setup.optimizer != "none" and param_off == "none" else 0
