@@ -387,7 +387,8 @@ def big_model(num_params: int, width: int = 4096) -> nn.Module:
 
 
 def _peak_rss() -> int:
-    """Peak resident bytes of this process (``VmHWM``; ``ru_maxrss`` where /proc is absent)."""
+    """Peak resident bytes of this process since it started or since ``_reset_peak_rss`` (``VmHWM``;
+    ``ru_maxrss`` where /proc is absent)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -398,31 +399,51 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _reset_peak_rss() -> bool:
+    """Restart ``VmHWM`` from the current resident size (Linux: ``5`` into ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, folder: str, out: str) -> None:
-    """One rank trains the big model at stage 3 with its optimizer state on disk; it writes what it measured."""
+    """One rank trains the big model at stage 3 with its optimizer state on disk; it writes what it measured:
+    the peak resident memory of the whole run and of its steps alone (after the optimizer was built), the
+    state's bytes on disk, the bytes read and written per step, forward + backward and update times."""
     import zero_kernels as zk
 
     _join(rank, 1, port)
     torch.set_num_threads(os.cpu_count() or 1)
     model = big_model(num_params, width)
-    x = torch.randn(4, model[0].in_features, dtype=torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    x = torch.randn(4, width, dtype=torch.bfloat16)
     module, opt = zk.initialize(model, config(3, "nvme", folder, micro_batch=4))
-    times, state_on_disk = [], 0
+    built_rss = _peak_rss()
+    resettable = _reset_peak_rss()
+    marks, state_on_disk = [], 0
     before: dict[str, int] = {}
     for i in range(steps + 1):
         if i == 1:
             before = _traffic(opt)
         start = time.perf_counter()
         module(x).float().square().mean().backward()
+        middle = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - start)
+        marks.append((start, middle, time.perf_counter()))
         state_on_disk = max(state_on_disk, opt.memory_report().get("disk", 0))
     moved = {k: (v - before.get(k, 0)) / steps for k, v in _traffic(opt).items()}
+    timed = marks[1:]
     result = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "step_s": statistics.median(times[1:]),
-        "peak_rss_GB": _peak_rss() / 1e9,
+        "params": params,
+        "step_s": statistics.median(end - start for start, _, end in timed),
+        "fwd_bwd_s": statistics.median(middle - start for start, middle, _ in timed),
+        "update_s": statistics.median(end - middle for _, middle, end in timed),
+        "peak_rss_GB": max(built_rss, _peak_rss()) / 1e9,
+        "steps_peak_rss_GB": _peak_rss() / 1e9 if resettable else None,
         "state_on_disk_GB": state_on_disk / 1e9,
         "read_GB": moved.get("read", 0) / 1e9,
         "written_GB": moved.get("written", 0) / 1e9,
@@ -457,6 +478,7 @@ def run_big(num_params: int, steps: int = 3, width: int = 4096) -> list[dict]:
     row.update(
         state_GB=state / 1e9,
         state_over_rss=state / (got["peak_rss_GB"] * 1e9),
+        state_over_steps_rss=state / (got["steps_peak_rss_GB"] * 1e9) if got["steps_peak_rss_GB"] else None,
         io_GBps=io_bytes / got["step_s"] / 1e9,
         io_of_disk=io_bytes / got["step_s"] / disk_Bps,
         step_over_io_bound=got["step_s"] / (io_bytes / disk_Bps) if io_bytes else None,
