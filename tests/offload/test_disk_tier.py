@@ -153,3 +153,38 @@ def test_full_disk_is_refused_naming_path_and_bytes(tmp_path: Path) -> None:
             _opt(model, small)
         assert not any((small / "zero_kernels").iterdir())  # the failed run's files are gone
     _untouched(model, before)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_state_views_and_copies_go_through_the_tier(device: str, tmp_path: Path) -> None:
+    """Writes into ``opt.state[p]`` reach the tier's state (the disk tier: read in, written back at the step),
+    and a deep copy or a pickle gets a tier of its own with the same state."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    offload = {"device": device, "nvme_path": str(tmp_path)}
+    a = zo.ShardedFusedAdam(plain, stage=2, amsgrad=True)
+    b = zo.ShardedFusedAdam(tiered, stage=2, amsgrad=True, offload_optimizer=offload, sub_group_size=16,
+                            reduce_bucket_size=16)  # fmt: skip
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    for model, opt in ((plain, a), (tiered, b)):
+        for step in range(3):
+            model(x).float().sum().backward()
+            if step == 1:
+                p = next(model.parameters())
+                opt.state[p]["exp_avg"].fill_(0.25)
+                opt.state[p]["master"].add_(0.5)
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(plain.parameters(), tiered.parameters()):
+        assert torch.equal(p, q)
+    copied = copy.deepcopy(b)
+    assert copied._pipeline.tier is not b._pipeline.tier and type(copied._pipeline.tier) is type(b._pipeline.tier)
+    pickled = io.BytesIO()
+    torch.save(b, pickled)
+    for other in (copied, torch.load(io.BytesIO(pickled.getvalue()), weights_only=False)):
+        theirs, ours = other.full_state_dict()["state"], b.full_state_dict()["state"]
+        assert all(torch.equal(theirs[i][k], ours[i][k]) for i in ours for k in ours[i])

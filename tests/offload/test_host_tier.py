@@ -10,7 +10,7 @@ import zero_kernels.optim as zo
 import zero_kernels.stages.offloaded as offloaded
 from zero_kernels.offload import THREADS_VARIABLE, HostTier, cpu_threads
 
-BUCKET = 4096  # elements: the 16-byte fingerprint per bucket is small next to the bucket's bytes
+BUCKET = 4096  # elements
 
 
 def _model(dtype: torch.dtype) -> nn.Module:
@@ -37,11 +37,10 @@ def test_bytes_crossing_per_step(stage: int, dtype: torch.dtype, per_param: int)
     _train(model, opt, steps, dtype)
     tier = opt._pipeline.tier
     numel = sum(buf.layout.shard_numel for buf in opt._pipeline.buffers)
-    buckets = sum(len(buf.layout.buckets) for buf in opt._pipeline.buffers)
     traffic = tier.traffic()
     size = torch.finfo(dtype).bits // 8
     assert traffic["up"] == steps * numel * size
-    assert traffic["down"] == steps * (numel * size + 16 * buckets)  # the gradients, and one fingerprint per bucket
+    assert traffic["down"] == steps * numel * size  # the gradients (edits are found without copying down)
     assert (traffic["up"] + traffic["down"]) / (steps * numel) <= per_param + 0.01
     assert traffic["init"] == numel * size  # the parameters' first copy down
 
@@ -95,3 +94,31 @@ def test_pinning_only_where_cuda_is() -> None:
     tier = HostTier(OffloadOptimizerConfig(device="cpu", pin_memory=True))
     assert tier.pin is torch.cuda.is_available()
     assert tier.zeros(8).is_pinned() is torch.cuda.is_available()
+
+
+def test_host_update_never_asks_triton_for_host_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert offloaded.host_impl("triton") == "auto" and offloaded.host_impl("cpu") == "cpu"
+    monkeypatch.setenv("ZERO_KERNELS_IMPL", "triton")
+    assert offloaded.host_impl(None) == "auto"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton runs on the CPU: the same kernel as without offload
+    assert offloaded.host_impl("triton") == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fingerprint_sees_swaps_and_signs_of_zero(dtype: torch.dtype) -> None:
+    """What ``HostTier.changed`` compares on a GPU: equal bits give equal prints; swapped elements, a
+    -0.0 for a 0.0 or one changed bit do not."""
+    from zero_kernels.offload.host import fingerprint
+
+    t = torch.randn(100_003).to(dtype)
+    t[7] = 0.0
+    assert torch.equal(fingerprint(t), fingerprint(t.clone()))
+    swapped = t.clone()
+    swapped[[10, 20]] = t[[20, 10]]
+    signed = t.clone()
+    signed[7] = -0.0
+    flipped = t.clone()
+    flipped.view(torch.int16)[99_999] ^= 1
+    for other in (swapped, signed, flipped):
+        assert not torch.equal(fingerprint(t), fingerprint(other))

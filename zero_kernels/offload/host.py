@@ -12,10 +12,11 @@ the gradients' dtypes (``HostShard``):
   keeps it in (bf16 gradients: 2 bytes per parameter).
 
 Writes into the device parameters between steps (a loaded checkpoint, ``p.data.mul_()``) are found
-without copying the parameters down: ``changed`` compares a fingerprint of the device bucket (two sums
-of the elements' bits, one position-weighted, computed where the parameters are) with that of
-``params``; only a bucket that differs is copied down, and the update then adopts it exactly as
-without offload.
+without copying the parameters down (``changed``): the device bucket's ``fingerprint`` (two exact sums
+of its bits as 16-bit words, one position-weighted, computed on the device) is compared with the one
+taken when the tier last pushed it up, on the device; only a bucket that differs is copied down, and
+the update then adopts it exactly as without offload. (Where the "device" is the CPU, the bits are
+compared directly.)
 
 ``bytes_down``/``bytes_up`` count what crossed (``traffic``). The host Adam runs on ``threads``
 threads: ``ZERO_KERNELS_CPU_ADAM_THREADS`` when set, else ``cpuadam_cores_perc`` of this process's
@@ -25,9 +26,10 @@ cores (``cpu_threads``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Hashable, Iterator, Optional
 
 import torch
 
@@ -47,11 +49,22 @@ def cpu_threads(share: float) -> int:
     return max(1, int(cores * share))
 
 
+def words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as 16-bit words (compared bit for bit: -0.0 is not 0.0, a NaN equals itself)."""
+    return t.view(torch.int16)
+
+
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums of ``t``'s bits (plain and position-weighted), computed on ``t``'s device."""
-    bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).to(torch.int64)
-    weights = torch.arange(t.numel(), device=t.device, dtype=torch.int64) % _WEIGHT_PERIOD + 1
-    return torch.stack([bits.sum(), (bits * weights).sum()])
+    """Two sums of ``t``'s 16-bit words, plain and position-weighted (1..251), on ``t``'s device: float64
+    sums of integers below 2**53, so exact whatever the order of summation."""
+    w = words(t).to(torch.float64)
+    return torch.stack([w.sum(), w.mul_(_weights(w.numel(), w.device)).sum()])
+
+
+@functools.lru_cache(maxsize=8)
+def _weights(numel: int, device: torch.device) -> torch.Tensor:
+    """The position weights of ``fingerprint`` (kept for the few bucket sizes a model has)."""
+    return torch.arange(numel, device=device, dtype=torch.float64).remainder_(_WEIGHT_PERIOD).add_(1)
 
 
 @dataclass
@@ -77,6 +90,7 @@ class HostTier:
         self.threads = cpu_threads(config.cpuadam_cores_perc)
         self.device = torch.device("cpu")
         self.shards: dict[int, HostShard] = {}  # id(buffer) -> its host copies
+        self._prints: dict[Hashable, torch.Tensor] = {}  # piece -> fingerprint of its device values (``changed``)
         self.bytes_down = 0
         self.bytes_up = 0
         self.bytes_init = 0  # copied down once, when a buffer joined
@@ -95,10 +109,12 @@ class HostTier:
         self.shards[key] = shard
         return shard
 
-    def init(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """The first copy of a buffer's parameters down (counted apart from the steps' traffic)."""
+    def init(self, dst: torch.Tensor, src: torch.Tensor, key: Hashable) -> None:
+        """The first copy of a buffer's parameters down (counted apart from the steps' traffic); ``key`` names
+        the piece for ``changed``."""
         dst.copy_(src)
         self.bytes_init += src.numel() * src.element_size()
+        self._remember(key, src)
 
     # ---------------------------------------------------------------- crossing the bus
     def down(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -107,16 +123,30 @@ class HostTier:
         self.bytes_down += src.numel() * src.element_size()
         return dst
 
-    def up(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy a host tensor into its device place ``dst``."""
+    def up(self, dst: torch.Tensor, src: torch.Tensor, key: Optional[Hashable] = None) -> None:
+        """Copy a host tensor into its device place ``dst`` (``key``: the piece, for ``changed``)."""
         dst.copy_(src)
         self.bytes_up += src.numel() * src.element_size()
+        if key is not None:
+            self._remember(key, dst)
 
-    def changed(self, device_part: torch.Tensor, host_part: torch.Tensor) -> bool:
-        """Whether the device tensor differs from its host copy (by ``fingerprint``; 16 bytes cross)."""
-        theirs = fingerprint(device_part).to(self.device)
-        self.bytes_down += theirs.numel() * theirs.element_size()
-        return not torch.equal(theirs, fingerprint(host_part))
+    def changed(self, key: Hashable, device_part: torch.Tensor, host_part: torch.Tensor) -> bool:
+        """Whether the device tensor differs from the host copy last pushed up or taken down for ``key``.
+
+        Where the "device" is host memory too (a CPU-only machine) the bits themselves are compared;
+        else the device's ``fingerprint`` is compared with the one taken when the copy was made, on the
+        device: nothing but the answer crosses the bus, and the host does no work.
+        """
+        if device_part.device == host_part.device:
+            return not torch.equal(words(device_part), words(host_part))
+        now = fingerprint(device_part)
+        before = self._prints.get(key)
+        self._prints[key] = now
+        return before is None or not torch.equal(now, before)
+
+    def _remember(self, key: Hashable, device_part: torch.Tensor) -> None:
+        if device_part.device != self.device:
+            self._prints[key] = fingerprint(device_part)
 
     def traffic(self) -> dict[str, int]:
         """Bytes that crossed since construction: ``down``, ``up`` (steps), ``init`` (first copies)."""

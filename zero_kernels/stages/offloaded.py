@@ -5,8 +5,8 @@ Per bucket, in the step's bucket order:
 1. the bucket's reduced gradient shard is copied down into the buffer's host copy (``HostTier.down``:
    in the dtype the stage keeps it in; bf16: 2 bytes per parameter);
 2. where the device parameters differ from the host copy the tier last pushed up (a load or an
-   edit since the last step; ``HostTier.changed``), the bucket is copied down, so the update adopts
-   the edit exactly as without offload;
+   edit since the last step; ``HostTier.changed``, by a fingerprint taken on the device), the bucket
+   is copied down, so the update adopts the edit exactly as without offload;
 3. the same fused kernel as without offload (``update.launch``: the C++ CPU Adam where the extension
    is built, else the PyTorch reference; the same backend both ways on a CPU-only machine, so results
    are bit for bit those without offload) updates the host state on the tier's threads
@@ -22,11 +22,13 @@ Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run 
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..comm.objects import all_gather_objects
+from ..env import settings
 from ..log import LOGGER_NAME
 from ..offload import DiskTier, HostTier
 from . import master
@@ -78,7 +80,7 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
     tier = pipeline.tier
     shard = tier.attach(id(buf), buf.layout.shard_numel, buf.dtype, pipeline.accumulate_dtype_of(buf))
     for bucket in buf.layout.buckets:
-        tier.init(buf.shard_slice(shard.params, bucket), pipeline.param_shard(buf, bucket))
+        tier.init(buf.shard_slice(shard.params, bucket), pipeline.param_shard(buf, bucket), (id(buf), bucket.index))
     if tier.kind != "disk":
         return
     buf.groups = sub_groups(buf, pipeline.options.sub_group_size)
@@ -154,7 +156,7 @@ def update_bucket(
     shard = tier.shards[id(buf)]
     device_params = pipeline.param_shard(buf, bucket)
     params = buf.shard_slice(shard.params, bucket)
-    if tier.changed(device_params, params):
+    if tier.changed((id(buf), bucket.index), device_params, params):
         tier.down(params, device_params)
     grads = tier.down(buf.shard_slice(shard.grads, bucket), pipeline.grad_shard(buf, bucket))
     state = _state(pipeline, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
@@ -168,10 +170,18 @@ def update_bucket(
         state.get("max_exp_avg_sq") if h.amsgrad else None,
     )
     with tier.compute():
-        launch(pipeline, buf, bucket, h, decision, with_grad, tensors)
+        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl))
     if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
-    tier.up(device_params, params)
+    tier.up(device_params, params, (id(buf), bucket.index))
+
+
+def host_impl(impl: Optional[str]) -> Optional[str]:
+    """The kernel backend of the host update: the pipeline's, unless that is Triton (a GPU kernel; the host
+    state is updated by the C++ CPU Adam, or the PyTorch reference without the extension)."""
+    chosen = impl or settings().impl
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton on the CPU: the host may use it too
+    return "auto" if chosen == "triton" and not interpreted else impl
 
 
 def _state(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:

@@ -22,13 +22,14 @@ Reading the masters first gives them what was written into the parameters since 
 step takes the parameter's value elsewhere (``master``): so a master from an older state than the
 model's weights never undoes the weights.
 
-Where a shard lives is this module's business alone. Today every state tensor is a device tensor
-of the buffer (``buf.exp_avg``...), and the functions above hand out views of it. A host-memory or
-file tier (offload) plugs in here: ``state_tensors`` becomes the place that returns the tier's tensor
-(pinned host memory, or a buffer read from its file and written back when the caller is done), the
-functions that hand out views wrap them in that read/write-back, and callers (state dicts, copies,
-``opt.state``, checkpoints) do not change; the update reads the tier through the pipeline's shard
-accessors (``Pipeline.master_shard`` and the others), the stages' own override points.
+Where a shard lives is this module's business alone. Without offload every state tensor is a device
+tensor of the buffer (``buf.exp_avg``...), and the functions above hand out views of it. With
+``offload_optimizer`` (``stages.offloaded``, ``offload``) the same attributes are host tensors (the host
+tier), or stand-ins on the ``meta`` device while the disk tier keeps the state in its files:
+``state_tensors`` (and every function here that reaches the state) first calls ``buf.ready()``, which
+reads the whole shard in; the next step writes it back and frees it. Full states are gathered and
+scattered where the parameters are. Callers (state dicts, copies, ``opt.state``, checkpoints) do not
+change; the update reaches the tier through ``stages.offloaded``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _match_amsgrad(buf: FlatBuffer, loaded: bool) -> None:
 def _gather(pipeline: Pipeline, buf: FlatBuffer, shard: torch.Tensor) -> torch.Tensor:
     if pipeline.num_shards == 1:
         return shard
+    shard = shard.to(buf.device)  # an offloaded shard is gathered where the parameters are
     full = torch.empty(buf.layout.numel, dtype=shard.dtype, device=shard.device)
     handles = [
         pipeline.engine.all_gather(buf.bucket_slice(full, b), buf.shard_slice(shard, b), name=f"state.{b.index}")
@@ -155,6 +157,7 @@ def _scatter(pipeline: Pipeline, buf: FlatBuffer, state: dict, name: str) -> Non
             full.narrow(0, slot.offset, slot.numel).copy_(entry[name].reshape(-1))
             given.narrow(0, slot.offset, slot.numel).fill_(True)
     shard = getattr(buf, name)
+    full, given = full.to(shard.device), given.to(shard.device)  # an offloaded shard: this rank's part goes down
     for b in buf.layout.buckets:
         mine = buf.shard_slice(shard, b)
         values = buf.rank_slice(full, b, pipeline.shard_rank)

@@ -100,7 +100,7 @@ def update_bucket(
         pipeline.param_shard(buf, bucket) if buf.master is not None else None,
         buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None,
     )
-    launch(pipeline, buf, bucket, h, decision, with_grad, tensors)
+    launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl)
 
 
 def launch(
@@ -111,8 +111,10 @@ def launch(
     decision: Decision,
     with_grad: set[int],
     tensors: BucketTensors,
+    impl: Optional[str],
 ) -> None:
-    """The kernel launches of one bucket's update over ``tensors`` (on the device, or a state tier's host copies)."""
+    """The kernel launches of one bucket's update over ``tensors`` (on the device, or a state tier's host copies)
+    with kernel backend ``impl`` (``kernels.adam_step``'s)."""
     device = tensors.master.device
     scale, skip = decision.grad_scale, decision.skip
     if isinstance(scale, torch.Tensor):
@@ -130,5 +132,5 @@ def launch(
             master_p, grad_p, m_p, v_p,
             lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
             adamw=h.adamw, grad_scale=scale, out=out_p, max_exp_avg_sq=v_max_p, maximize=h.maximize,
-            skip_if=skip, window=(start - first, start + numel - first), adopt_out=True, impl=pipeline.impl,
+            skip_if=skip, window=(start - first, start + numel - first), adopt_out=True, impl=impl,
         )  # fmt: skip
