@@ -25,8 +25,10 @@ write then read of ``DISK_PROBE_BYTES``); ``io_of_disk`` is our state I/O per st
 share of the mean of the two. ``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
 
 ``--big``: one rank trains a bf16 model of ``--big-params`` parameters at stage 3 with its optimizer
-state on disk (12 bytes per parameter) and reports its peak resident memory (``VmHWM``), the state's bytes
-on disk, the state I/O rate against the disk's, and the step against (state bytes moved / disk bandwidth).
+state on disk (12 bytes per parameter) and reports its peak resident memory (``VmHWM``; ``steps_peak``:
+since the optimizer was built), the state's bytes on disk, the state I/O rate against the disk's over the
+whole step (``io_of_disk``) and over the update alone (``update_io_of_disk``: the I/O runs there), and
+the step against (state bytes moved / disk bandwidth) (``step_over_io_bound``).
 """
 
 from __future__ import annotations
@@ -481,6 +483,7 @@ def run_big(num_params: int, steps: int = 3, width: int = 4096) -> list[dict]:
         state_over_steps_rss=state / (got["steps_peak_rss_GB"] * 1e9) if got["steps_peak_rss_GB"] else None,
         io_GBps=io_bytes / got["step_s"] / 1e9,
         io_of_disk=io_bytes / got["step_s"] / disk_Bps,
+        update_io_of_disk=io_bytes / got["update_s"] / disk_Bps,
         step_over_io_bound=got["step_s"] / (io_bytes / disk_Bps) if io_bytes else None,
     )
     return [row]
