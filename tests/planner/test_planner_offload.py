@@ -216,3 +216,34 @@ def test_json_loads_through_zero_config(tmp_path, capsys, optimizer: str) -> Non
     if optimizer == "nvme":
         assert cfg.zero.offload_optimizer.nvme_path == str(tmp_path) and cfg.zero.offload_optimizer.pipeline_read
         assert (cfg.zero.aio.block_size, cfg.zero.aio.queue_depth) == (AIO["block_size"], AIO["queue_depth"])
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, optimizer: str) -> None:
+    import torch
+
+    import zero_kernels as zk
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    numel = sum(p.numel() for p in model.parameters())
+    block = {"device": optimizer, **({"nvme_path": str(tmp_path)} if optimizer == "nvme" else {})}
+    cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": block, "sub_group_size": 1 << 20}}  # fmt: skip
+    module, opt = zk.initialize(model, cfg)
+    tier = opt._pipeline.tier
+    module(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+    before = dict(tier.traffic())
+    opt.step()
+    moved = {k: v - before.get(k, 0) for k, v in tier.traffic().items()}
+    setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1)
+    est = estimate_offload(numel, 1, 2, setup)
+    assert moved["up"] == pytest.approx(est.bus_up, rel=0.01)  # the flat buffer pads each piece a little
+    assert moved["down"] == pytest.approx(est.bus_down, rel=0.01)
+    report = opt.memory_report()
+    if optimizer == "cpu":
+        assert report["host"] == pytest.approx(est.host_bytes, rel=0.01)
+    else:
+        assert report["disk"] == pytest.approx(est.disk_bytes, rel=0.01)
+        assert moved["read"] == pytest.approx(est.disk_read, rel=0.01)
+        assert moved["written"] == pytest.approx(est.disk_write, rel=0.01)
