@@ -1,7 +1,8 @@
 """``python -m benchmarks [SUBJECT ...] [--full] [--json DIR] [--plot DIR]``: run subjects, print tables.
 
 With no subject every available subject runs in its quick form (the embedded default, the main
-job); progress goes to stderr, and a summary of ours against the best peer ends the output.
+job), except those that set ``IN_DEFAULT_RUN = False`` (they run when named); progress goes to
+stderr, and a summary of ours against the best peer ends the output.
 
 ``python -m benchmarks compare A B [--metric COLUMN]``: the ratio per case between two runs saved
 with ``--json`` (files or folders).
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", ", ".join(f"{k}={v}" for k, v in machine.items()), flush=True)
     _warn_if_loaded("at the start")
     _prebuild()
-    names = args.subject or sorted(available)
+    names = args.subject or [n for n in sorted(available) if getattr(hooks[n], "IN_DEFAULT_RUN", True)]
     results, summaries = {}, []
     for place, name in enumerate(names, 1):
         module = importlib.import_module(f"benchmarks.{name}")

@@ -78,18 +78,8 @@ def _memory(engine, inputs: torch.Tensor) -> dict:
     return {k: sum(v.values()) for k, v in kinds.items()}
 
 
-def build(
-    provider: str, model: nn.Module, inputs: torch.Tensor, *, lr: float, bucket_elements: int
-) -> tuple[Callable[[], None], Callable[[], dict]]:
-    """(one training step, memory report) of ``model`` under DeepSpeed on the gloo group already joined.
-
-    Args:
-        provider: ``deepspeed-stageN``.
-        model: the e2e model, the same on every rank.
-        inputs: this rank's batch.
-        lr: the learning rate ours runs with.
-        bucket_elements: ours' ``reduce_bucket_size``.
-    """
+def engine(model: nn.Module, cfg: dict):
+    """A DeepSpeed engine of ``model`` under ``cfg`` on the gloo group this rank already joined."""
     import deepspeed
     import deepspeed.comm.torch as ds_torch_comm
 
@@ -102,11 +92,27 @@ def build(
     rank = str(dist.get_rank())
     os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=str(dist.get_world_size()))  # DeepSpeed reads them
     deepspeed.init_distributed(dist_backend="gloo")  # takes over the process group this rank already joined
+    built, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    return built
+
+
+def build(
+    provider: str, model: nn.Module, inputs: torch.Tensor, *, lr: float, bucket_elements: int
+) -> tuple[Callable[[], None], Callable[[], dict]]:
+    """(one training step, memory report) of ``model`` under DeepSpeed on the gloo group already joined.
+
+    Args:
+        provider: ``deepspeed-stageN``.
+        model: the e2e model, the same on every rank.
+        inputs: this rank's batch.
+        lr: the learning rate ours runs with.
+        bucket_elements: ours' ``reduce_bucket_size``.
+    """
     cfg = config(int(provider[len(PREFIX) :]), lr=lr, bucket_elements=bucket_elements, micro_batch=inputs.shape[0])
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    ds = engine(model, cfg)
 
     def step() -> None:
-        engine.backward(engine(inputs).square().mean())
-        engine.step()  # steps and clears the gradients
+        ds.backward(ds(inputs).square().mean())
+        ds.step()  # steps and clears the gradients
 
-    return step, lambda: _memory(engine, inputs)
+    return step, lambda: _memory(ds, inputs)

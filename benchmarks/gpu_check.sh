@@ -12,20 +12,24 @@
 #   kernels   the Triton kernels against their references (tests/gpu/gpu_check.py), and what each variant costs
 #   ordering  the comm engine's stream ordering, input and output side, and no host syncs (tests/gpu/gpu_streams.py)
 #   stages    every ZeRO stage against torch.optim.AdamW, fp16 overflow, a timed step (tests/gpu/gpu_stages.py)
+#   offload   stages 2 and 3 with the optimizer state in host memory: bytes over the bus per step, weights as
+#             without offload, step time with and without, the share of the offload's work hidden
+#             (benchmarks/gpu_offload.py)
 #   timing    the kernels as the optimizer uses them (benchmarks/gpu_timing.py)
 #   bench     the quick adam and flatten benchmarks (python -m benchmarks)
 #   summary   every check of every JSON file, then one line: passed, failed, skipped
 # Every script writes its JSON after each check (each check guarded), so a step stopped by its limit
 # keeps what it finished. `timeout -k GRACE` kills a step GRACE seconds after its limit, so the worst
-# case is the sum of the limits plus one GRACE per step: WORST_CASE_S below, 286 s.
+# case is the sum of the limits plus one GRACE per step: WORST_CASE_S below, 298 s.
 # Without CUDA the run still goes end to end: every GPU check is written as skipped (exit 2).
 # Exits 1 when a check or the build failed (the rest still runs), 2 when nothing could run (no CUDA), else 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-BUILD_S=90 CUDA_S=10 KERNELS_S=50 ORDERING_S=30 STAGES_S=45 TIMING_S=30 BENCH_S=10 SUMMARY_S=5 GRACE_S=2
-STEPS=8
-WORST_CASE_S=$((BUILD_S + CUDA_S + KERNELS_S + ORDERING_S + STAGES_S + TIMING_S + BENCH_S + SUMMARY_S + STEPS * GRACE_S))
+BUILD_S=80 CUDA_S=10 KERNELS_S=50 ORDERING_S=30 STAGES_S=45 OFFLOAD_S=20 TIMING_S=30 BENCH_S=10 SUMMARY_S=5 GRACE_S=2
+STEPS=9
+WORST_CASE_S=$((BUILD_S + CUDA_S + KERNELS_S + ORDERING_S + STAGES_S + OFFLOAD_S + TIMING_S + BENCH_S + SUMMARY_S \
+    + STEPS * GRACE_S))
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1  # a step stopped by its time limit still shows what it printed
 results="${1:-$(mktemp -d)}"
@@ -78,6 +82,7 @@ step() {  # step SECONDS COMMAND...: exit 1 (a failure) marks the run failed; 2 
 step "$KERNELS_S" "$PYTHON" tests/gpu/gpu_check.py --json "$results"
 step "$ORDERING_S" "$PYTHON" tests/gpu/gpu_streams.py --json "$results"
 step "$STAGES_S" "$PYTHON" tests/gpu/gpu_stages.py --json "$results"
+step "$OFFLOAD_S" "$PYTHON" benchmarks/gpu_offload.py --json "$results"
 step "$TIMING_S" "$PYTHON" benchmarks/gpu_timing.py --json "$results"
 if [ "$cuda" = "1" ]; then
     step "$BENCH_S" "$PYTHON" -m benchmarks adam flatten --json "$results"

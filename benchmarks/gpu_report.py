@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 NO_CUDA = "skipped: no CUDA device"
-SCRIPTS = ("gpu_check", "gpu_streams", "gpu_stages", "gpu_timing")
+SCRIPTS = ("gpu_check", "gpu_streams", "gpu_stages", "gpu_offload", "gpu_timing")
 
 
 class Report:
@@ -116,6 +116,11 @@ def _print_checks(root: Path) -> dict[str, int]:
             if r.get("provider") not in (None, "torch.AdamW fused"):
                 ratio = f"x{r['fused_vs_this']:.2f} vs fused AdamW" if "fused_vs_this" in r else "no timing"
                 print(f"        stage path {r['provider']} {r['dtype']} ({found.get('comm_engine')} comm): {ratio}")
+        for r in found.get("offload", []):
+            print(
+                f"        offload stage {r['stage']}: {r['plain_ms']:.1f} ms without, {r['offload_ms']:.1f} ms with "
+                f"(bus {r['bus_ms']:.1f} ms, host Adam {r['host_adam_ms']:.1f} ms alone; hidden {r['hidden']:.2f})"
+            )
         for section in ("adam", "flatten"):
             for r in found.get(section, []):
                 print(f"        {r['case']:26s} {r['provider']:26s} {r['ms']:.3f} ms {r['GBps']:.0f} GB/s")

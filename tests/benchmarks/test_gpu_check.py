@@ -99,3 +99,46 @@ def test_report_is_written_after_every_check_and_guards_each(tmp_path: Path) -> 
     skipped = Report(str(tmp_path), "gpu_timing")
     skipped.skip_all(["a", "b"])
     assert skipped.exit_status() == 2
+
+
+@pytest.mark.ext  # the host tier's C++ Adam
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs the GPU checks for real")
+def test_offload_case_smoke_run_on_cpu(tmp_path: Path) -> None:
+    from benchmarks import gpu_offload
+
+    script = ROOT / "benchmarks" / "gpu_offload.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--json", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    found = json.loads((tmp_path / "gpu_offload.json").read_text())
+    assert [c["check"] for c in found["checks"]] == gpu_offload.check_names()
+    assert {c["status"] for c in found["checks"]} == {"PASS"}
+    assert [r["stage"] for r in found["offload"]] == list(gpu_offload.STAGES)
+    for row in found["offload"]:
+        for way in ("down", "up"):
+            assert 2.0 <= row[f"{way}_bytes_per_param"] <= 2.0 + gpu_offload.TRAFFIC_SLACK
+        assert min(row[k] for k in ("plain_ms", "offload_ms", "bus_ms", "host_adam_ms")) > 0
+        assert row["hidden"] == pytest.approx(
+            (row["plain_ms"] + row["bus_ms"] + row["host_adam_ms"] - row["offload_ms"])
+            / (row["bus_ms"] + row["host_adam_ms"])
+        )
+
+
+def test_offload_checks_catch_extra_bytes_and_wrong_weights() -> None:
+    from benchmarks import gpu_offload
+
+    assert gpu_offload.check_bytes(1000, {"down": 2000.0, "up": 2004.0}) == []
+    assert "down: 3.0000 bytes" in gpu_offload.check_bytes(1000, {"down": 3000.0, "up": 2000.0})[0]
+    assert "up: 0.0000 bytes" in gpu_offload.check_bytes(1000, {"down": 2000.0})[0]
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.load_state_dict(a.state_dict())
+    assert gpu_offload.check_weights(a, b) == []
+    with torch.no_grad():
+        a.weight[0, 0] += 0.1 * float(b.weight.abs().max())
+        a.bias[0] = float("nan")
+    assert [p.split(":")[0] for p in gpu_offload.check_weights(a, b)] == ["weight", "bias"]

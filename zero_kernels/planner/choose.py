@@ -9,8 +9,8 @@ The memory and communication models live in :mod:`zero_kernels.planner.models`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 from .models import (
     STAGES,
@@ -25,12 +25,18 @@ from .models import (
     get_link,
     shard_elements,
 )
+from .offload import OffloadEstimate, OffloadSetup, device_memory, estimate_offload, offload_keys
 
 # Step times within this fraction of the fastest count as equal (the model is not finer than that);
 # among equals the lowest stage wins: it moves the fewest bytes and launches the fewest collectives.
 _TIE = 0.02
 # Buckets are sized so the latency term stays under this fraction of a collective's bandwidth term.
 _LATENCY_SHARE = 0.05
+# offload_param is planned as DeepSpeed applies it; zero_kernels reads the key but does not apply it yet.
+PARAM_NOTE = (
+    "offload_param: planned as DeepSpeed applies it (parameter shards off the device); zero_kernels accepts the "
+    "key but keeps stage 3's parameter shards on the device for now, so with it the device holds them too."
+)
 # DeepSpeed's default reduce_bucket_size / allgather_bucket_size, in elements.
 _MAX_BUCKET = 500_000_000
 
@@ -45,8 +51,11 @@ class StagePlan:
         activation_bytes: activation memory per GPU added to ``memory.total``.
         fits: whether ``memory.total + activation_bytes`` is within the GPU memory.
         comm: communication per step.
-        exposed_comm_s: communication seconds not hidden behind forward or backward compute.
+        exposed_comm_s: communication (and offload traffic) seconds not hidden behind forward or backward
+            compute, and the offloaded update after backward.
         step_s: compute seconds plus ``exposed_comm_s``.
+        offload: with offload, what the host and the disk hold and move (``memory`` is then what stays on
+            the device, and ``fits`` needs the host memory and the disk to fit too); else None.
     """
 
     stage: int
@@ -56,6 +65,7 @@ class StagePlan:
     comm: CommEstimate
     exposed_comm_s: float
     step_s: float
+    offload: Optional[OffloadEstimate] = None
 
     @property
     def gpu_bytes(self) -> int:
@@ -137,13 +147,17 @@ def _compute_seconds(
     return 6.0 * num_params * tokens_per_step / (gpus * achieved_tflops * 1e12)
 
 
-def _exposed(comm: CommEstimate, compute_s: float) -> float:
-    """Communication left over after hiding each phase's collectives behind that phase's compute."""
+def _exposed(comm: CommEstimate, compute_s: float, offload: Optional[OffloadEstimate] = None) -> float:
+    """Communication left over after hiding each phase's collectives behind that phase's compute; with
+    offload, each phase's offload traffic runs beside its collectives (other links), and the offloaded
+    update comes after backward."""
     forward, backward = compute_s / 3.0, 2.0 * compute_s / 3.0
+    extra = offload.phase_s if offload is not None else {"forward": 0.0, "backward": 0.0, "after": 0.0}
     return (
-        max(0.0, comm.phase_s["forward"] - forward)
-        + max(0.0, comm.phase_s["backward"] - backward)
+        max(0.0, max(comm.phase_s["forward"], extra["forward"]) - forward)
+        + max(0.0, max(comm.phase_s["backward"], extra["backward"]) - backward)
         + comm.phase_s["after"]
+        + extra["after"]
     )
 
 
@@ -164,9 +178,17 @@ def default_bucket_elements(link: LinkPreset, gpus: int, elem_bytes: int) -> int
 
 
 def deepspeed_config(
-    stage: int, *, param_dtype: str, bucket_elements: int, lr: float = 1e-3, weight_decay: float = 1e-2
+    stage: int,
+    *,
+    param_dtype: str,
+    bucket_elements: int,
+    lr: float = 1e-3,
+    weight_decay: float = 1e-2,
+    offload: Optional[OffloadSetup] = None,
+    sub_group_size: Optional[int] = None,
+    largest_layer_params: Optional[int] = None,
 ) -> dict[str, Any]:
-    """A DeepSpeed config dict for ``stage``: precision, AdamW, bucket sizes. Batch sizes are the user's.
+    """A DeepSpeed config dict for ``stage``: precision, AdamW, bucket sizes, offload. Batch sizes are the user's.
 
     Args:
         stage: ZeRO stage, 0 to 3.
@@ -174,6 +196,10 @@ def deepspeed_config(
         bucket_elements: ``reduce_bucket_size`` (and the all-gather / prefetch bucket) in elements.
         lr: AdamW learning rate (ShardedFusedAdam's default).
         weight_decay: AdamW weight decay (ShardedFusedAdam's default).
+        offload: with an active offload, its ``offload_optimizer`` / ``offload_param`` and
+            ``sub_group_size`` keys, and the top-level ``aio`` block when a disk is used.
+        sub_group_size: elements per swapped sub-group (with ``offload``).
+        largest_layer_params: the largest stage-3 unit (with ``offload_param`` to nvme: its buffer size).
     """
     dtype_bytes("param_dtype", param_dtype)
     zero: dict[str, Any] = {
@@ -186,7 +212,14 @@ def deepspeed_config(
         zero["allgather_bucket_size"] = bucket_elements
     if stage == 3:
         zero["stage3_prefetch_bucket_size"] = bucket_elements
+    top: dict[str, Any] = {}
+    if offload is not None and offload.active:
+        keys, top = offload_keys(
+            offload, stage, sub_group_size=sub_group_size or 1, largest_layer_params=largest_layer_params
+        )
+        zero.update(keys)
     return {
+        **top,
         "bf16": {"enabled": param_dtype == "bf16"},
         "fp16": {"enabled": param_dtype == "fp16"},
         "optimizer": {
@@ -209,8 +242,9 @@ def plan_stages(
     largest_layer_params: int | None = None,
     compute_s: float | None = None,
     bucket_elements: int = _MAX_BUCKET,
+    offload: Optional[OffloadSetup] = None,
 ) -> tuple[StagePlan, ...]:
-    """Every stage's memory, communication and step time, in stage order.
+    """Every stage's memory, communication and step time, in stage order (stages 1-3 with offload).
 
     Args:
         num_params: Ψ.
@@ -223,9 +257,11 @@ def plan_stages(
         largest_layer_params: the stage-3 gathered unit, or None.
         compute_s: compute seconds per step per GPU, or None (communication fully exposed).
         bucket_elements: collective bucket size in elements.
+        offload: the offload to plan (:class:`OffloadSetup`); None or inactive plans without.
     """
+    active = offload is not None and offload.active
     plans = []
-    for stage in STAGES:
+    for stage in STAGES[1:] if active else STAGES:
         memory = estimate_memory(
             num_params,
             gpus,
@@ -243,9 +279,16 @@ def plan_stages(
             comm_dtype=param_dtype,
             bucket_elements=bucket_elements,
         )
-        exposed = _exposed(comm, compute_s or 0.0)
-        fits = memory.total + activation_bytes <= gpu_memory
-        plans.append(StagePlan(stage, memory, activation_bytes, fits, comm, exposed, (compute_s or 0.0) + exposed))
+        off = None
+        if active:
+            off = estimate_offload(
+                num_params, gpus, stage, offload, param_dtype=param_dtype, master_weights=master_weights
+            )
+            memory = device_memory(memory, offload if stage == 3 else replace(offload, param="none"))
+        exposed = _exposed(comm, compute_s or 0.0, off)
+        fits = memory.total + activation_bytes <= gpu_memory and (off is None or off.fits)
+        step = (compute_s or 0.0) + exposed
+        plans.append(StagePlan(stage, memory, activation_bytes, fits, comm, exposed, step, off))
     return tuple(plans)
 
 
@@ -263,16 +306,21 @@ def _min_gpus(per_param_bytes: int, num_params: int, room: float) -> int | None:
 
 
 def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[StagePlan, ...], p3_bytes: int) -> str:
-    """Why nothing fits, by how much, and what would make it fit: more GPUs; optimizer offload (labelled not
-    supported here, since zero_kernels refuses it)."""
-    s3 = plans[3]
+    """Why nothing fits, by how much, and what would make it fit: more GPUs, or optimizer offload."""
+    s3 = plans[-1]
     short = s3.gpu_bytes - gpu_memory
     lines = [
         f"num_params={num_params} does not fit on gpus={gpus} with gpu_memory={format_bytes(gpu_memory)} at any "
         f"stage: even stage 3 needs {format_bytes(s3.gpu_bytes)} per GPU ({format_bytes(s3.memory.total)} model "
         f"states and working set + {format_bytes(s3.activation_bytes)} activations), "
-        f"{format_bytes(short)} ({100 * short / gpu_memory:.1f}%) more than available."
+        + (
+            f"{format_bytes(short)} ({100 * short / gpu_memory:.1f}%) more than available."
+            if short > 0
+            else "which fits the GPU, but not the host or the disk."
+        )
     ]
+    if s3.offload is not None:
+        return " ".join(lines + [_offload_shortfall(s3)])
     room = gpu_memory - s3.activation_bytes - s3.memory.working_set
     per_param = (s3.memory.params + s3.memory.grads + s3.memory.optimizer) // shard_elements(num_params, gpus)
     need = _min_gpus(per_param, num_params, room)
@@ -287,11 +335,22 @@ def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[
     need_off = _min_gpus(p3_bytes, num_params, room)
     verdict = "fits" if offloaded <= gpu_memory else f"still short by {format_bytes(offloaded - gpu_memory)}"
     lines.append(
-        f"Offloading the optimizer state to CPU memory (DeepSpeed zero_optimization.offload_optimizer) would leave "
-        f"{format_bytes(offloaded)} per GPU on {gpus} GPUs ({verdict}; {need_off} GPUs would suffice with it), "
-        "but offload is not supported here: zero_kernels refuses offload_optimizer and offload_param."
+        f"Offloading the optimizer state (zero_optimization.offload_optimizer, device cpu or nvme) would leave "
+        f"{format_bytes(offloaded)} per GPU on {gpus} GPUs ({verdict}; {need_off} GPUs would suffice with it): "
+        "plan it with --offload cpu (recommend(..., offload=OffloadSetup(...)))."
     )
     return " ".join(lines)
+
+
+def _offload_shortfall(plan: StagePlan) -> str:
+    """Which of the host memory and the disk the offload at ``plan``'s stage overflows, and by how much."""
+    off = plan.offload
+    parts = [f"With offload, stage 3 holds {format_bytes(off.host_bytes)} of host memory per rank"]
+    parts.append(f"and {format_bytes(off.disk_bytes)} on disk per rank" if off.disk_bytes else "")
+    verdicts = [] if off.host_fits else ["the host memory is too small"]
+    verdicts += [] if off.disk_fits else ["the disk is too small"]
+    tail = f" ({'; '.join(verdicts)})" if verdicts else ""
+    return " ".join(p for p in parts if p) + tail + "."
 
 
 def _reasons(choice: StagePlan, plans: tuple[StagePlan, ...], link: LinkPreset, compute_s: float | None) -> list[str]:
@@ -311,9 +370,12 @@ def _reasons(choice: StagePlan, plans: tuple[StagePlan, ...], link: LinkPreset, 
             f"compute {compute_s * 1e3:.1f} ms per step; {choice.exposed_comm_s * 1e3:.1f} ms of communication "
             f"not hidden behind it; estimated step {choice.step_s * 1e3:.1f} ms."
         )
+    if choice.offload is not None:
+        reasons += _offload_reasons(choice)
     too_big = [str(p.stage) for p in plans if not p.fits]
     if too_big:
-        reasons.append(f"stage(s) {', '.join(too_big)} do not fit in GPU memory.")
+        where = "GPU memory" if choice.offload is None else "GPU memory, host memory or disk"
+        reasons.append(f"stage(s) {', '.join(too_big)} do not fit in {where}.")
     for other in plans:
         if other.fits and other.stage > choice.stage:
             reasons.append(
@@ -323,6 +385,28 @@ def _reasons(choice: StagePlan, plans: tuple[StagePlan, ...], link: LinkPreset, 
     if choice.stage == 3 and choice.memory.working_set == 0:
         reasons.append("stage-3 working set not counted: pass largest_layer_params (or a module).")
     return reasons
+
+
+def _offload_reasons(choice: StagePlan) -> list[str]:
+    """What the offload at the chosen stage holds and moves, and what its update costs after backward."""
+    off = choice.offload
+    lines = [
+        f"offload: {format_bytes(off.host_bytes)} of host memory and {format_bytes(off.disk_bytes)} on disk per "
+        f"rank; per step {format_bytes(off.bus_down)} down and {format_bytes(off.bus_up)} up the host link, "
+        f"{format_bytes(off.disk_read)} read and {format_bytes(off.disk_write)} written on disk.",
+        f"offload: CPU Adam {off.adam_s * 1e3:.1f} ms per step; {off.phase_s['after'] * 1e3:.1f} ms of update "
+        f"and uploads after backward, {off.phase_s['backward'] * 1e3:.1f} ms of host traffic beside backward.",
+    ]
+    return lines
+
+
+def _plain_line(plain: tuple[StagePlan, ...]) -> str:
+    """How the best stage without offload compares (one reason line)."""
+    fitting = [p for p in plain if p.fits]
+    if not fitting:
+        return "without offload no stage fits in GPU memory."
+    best = _pick(plain)
+    return f"without offload stage {best.stage} fits too, with a step estimated at {best.step_s * 1e3:.1f} ms."
 
 
 def recommend(
@@ -341,6 +425,7 @@ def recommend(
     link_gbps: float | None = None,
     latency_us: float | None = None,
     bucket_elements: int | None = None,
+    offload: Optional[OffloadSetup] = None,
 ) -> Recommendation:
     """The ZeRO stage to train ``model`` with on ``gpus`` data-parallel GPUs, why, and its DeepSpeed config.
 
@@ -371,13 +456,17 @@ def recommend(
         latency_us: override of the preset's per-ring-step latency, microseconds.
         bucket_elements: collective bucket size in elements; default: the smallest bucket whose latency
             is under 5% of its transfer time (see :func:`default_bucket_elements`).
+        offload: plan with the optimizer state (and stage 3's parameters) in host memory or on disk
+            (:class:`~zero_kernels.planner.offload.OffloadSetup`): stages 1-3 are planned, a stage fits
+            when the device, the host memory and the disk all hold their part, and the step adds the
+            host link, disk and CPU Adam times the compute cannot hide; the config gets the offload keys.
 
     Returns:
         A :class:`Recommendation`.
 
     Raises:
         NoFitError: (a ValueError) when no stage fits; it says by how much, how many GPUs would do, and
-            what optimizer offload would leave (labelled not supported here: the optimizer refuses offload).
+            what optimizer offload would leave (and, with ``offload``, whether the host or the disk is short).
     """
     if isinstance(model, int) and not isinstance(model, bool):
         num_params = model
@@ -396,8 +485,7 @@ def recommend(
     resolved = _resolve_link(link, link_gbps, latency_us)
     step_compute = _compute_seconds(num_params, gpus, tokens_per_step, achieved_tflops, compute_s)
     bucket = default_bucket_elements(resolved, gpus, elem) if bucket_elements is None else bucket_elements
-    plans = plan_stages(
-        num_params,
+    kwargs: dict[str, Any] = dict(
         gpus=gpus,
         gpu_memory=gpu_memory,
         link=resolved,
@@ -408,8 +496,21 @@ def recommend(
         compute_s=step_compute,
         bucket_elements=bucket,
     )
+    plans = plan_stages(num_params, **kwargs, offload=offload)
     if not any(p.fits for p in plans):
         raise NoFitError(_no_fit_message(num_params, gpus, gpu_memory, plans, 2 * elem), plans)
     choice = _pick(plans)
-    config = deepspeed_config(choice.stage, param_dtype=param_dtype, bucket_elements=bucket)
-    return Recommendation(choice.stage, tuple(_reasons(choice, plans, resolved, step_compute)), config, plans)
+    reasons = _reasons(choice, plans, resolved, step_compute)
+    if choice.offload is not None:
+        reasons.append(_plain_line(plan_stages(num_params, **kwargs)))
+    if choice.stage == 3 and offload is not None and offload.param != "none":
+        reasons.append(PARAM_NOTE)
+    config = deepspeed_config(
+        choice.stage,
+        param_dtype=param_dtype,
+        bucket_elements=bucket,
+        offload=offload,
+        sub_group_size=choice.offload.sub_group_size if choice.offload else None,
+        largest_layer_params=largest_layer_params,
+    )
+    return Recommendation(choice.stage, tuple(reasons), config, plans)

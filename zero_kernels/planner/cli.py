@@ -3,6 +3,7 @@
 Example::
 
     python -m zero_kernels plan --params 7.5e9 --gpus 64 --gpu-memory 80GB --link ib-400 --json ds.json
+    python -m zero_kernels plan --params 70B --gpus 8 --gpu-memory 80GB --link nvlink --offload cpu --json ds.json
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 import sys
 from typing import Callable
 
+from . import offload_cli
 from .choose import NoFitError, StagePlan, format_bytes, recommend
 from .models import DTYPE_BYTES, LINKS
 
@@ -101,17 +103,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-s", type=float, help="compute seconds per step per GPU")
     parser.add_argument("--bucket", type=_arg(parse_count, "--bucket"), help="collective bucket size, elements")
     parser.add_argument("--json", metavar="PATH", help="write the recommended DeepSpeed config to PATH")
+    offload_cli.add_arguments(parser, _arg(parse_bytes, "size"))
 
 
 def format_table(plans: tuple[StagePlan, ...], gpu_memory: float) -> str:
-    """One row per stage: memory per GPU, whether it fits, communication per step and the step estimate."""
-    head = ("stage", "params", "grads", "optimizer", "working set", "activations", "total/GPU", "fits?")
-    head += ("sent/GPU/step", "comm time", "step time")
+    """One row per stage: memory per GPU, whether it fits, communication per step and the step estimate; with
+    offload also host memory and disk per rank, and the bytes crossing the host link and the disk per step."""
+    offload = any(p.offload is not None for p in plans)
+    head = ("stage", "params", "grads", "optimizer", "working set", "activations", "total/GPU")
+    head += ("host/rank", "disk/rank", "bus/step", "disk I/O/step") if offload else ()
+    head += ("fits?", "sent/GPU/step", "comm time", "step time")
     rows = [head]
     for p in plans:
         m = p.memory
         row = (str(p.stage), format_bytes(m.params), format_bytes(m.grads), format_bytes(m.optimizer))
         row += (format_bytes(m.working_set), format_bytes(p.activation_bytes), format_bytes(p.gpu_bytes))
+        if p.offload is not None:
+            o = p.offload
+            row += (format_bytes(o.host_bytes), format_bytes(o.disk_bytes), format_bytes(o.bus_down + o.bus_up))
+            row += (format_bytes(o.disk_read + o.disk_write),)
         row += ("yes" if p.fits else "no", format_bytes(p.comm.bytes_sent), f"{p.comm.time_s * 1e3:.1f} ms")
         rows.append(row + (f"{p.step_s * 1e3:.1f} ms",))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -122,6 +132,9 @@ def format_table(plans: tuple[StagePlan, ...], gpu_memory: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table and the recommendation; write the DeepSpeed config when ``--json`` is given."""
+    offload, sources = offload_cli.setup(args)
+    for line in sources:
+        print(f"offload figure: {line}")
     try:
         rec = recommend(
             args.params,
@@ -137,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
             achieved_tflops=args.tflops,
             compute_s=args.compute_s,
             bucket_elements=args.bucket,
+            offload=offload,
         )
     except NoFitError as exc:
         print(format_table(exc.plans, args.gpu_memory))

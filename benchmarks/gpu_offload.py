@@ -1,0 +1,283 @@
+"""GPU check of offload: bytes over the bus per step, step time with and without offload, overlap.
+
+``python benchmarks/gpu_offload.py [--device cpu] [--json DIR]`` initialises a world-size-1 process group
+(NCCL on CUDA; gloo with ``--device cpu``, the smoke run for machines without a GPU) and, at stages 2
+and 3, trains a bf16 MLP on the same batches twice, each from a DeepSpeed config through
+``zero_kernels.initialize``: without offload, and with ``"offload_optimizer": {"device": "cpu",
+"pin_memory": true}`` (the optimizer state in page-locked host memory, updated by the C++ CPU Adam).
+
+Checks (each guarded; the JSON is written after each):
+
+- ``stageS offload cpu: bytes per step``: what the offload tier counted crossing the bus per step, each
+  way between 2 and 2.01 bytes per parameter (bf16: the gradient shard down, the updated parameter shard
+  up; the 16-byte fingerprint of each bucket on top), so at most ~4 bytes per parameter in all.
+- ``stageS offload cpu: weights as without offload``: after the steps every parameter within one bf16
+  ulp of its tensor's largest magnitude of the run without offload (the host runs the C++ Adam, the
+  device Triton's: the same fp32 math, whose last bit may round apart).
+
+Timings (the ``offload`` rows): the median training step without and with offload (wall clock, the
+device synchronised after every step: the host's Adam is part of the step), ``bus_ms`` the same bytes
+copied alone (page-locked, down then up), ``host_adam_ms`` the C++ Adam alone on a state of the shard's
+size with the tier's threads, and ``hidden`` = (plain + bus + host Adam - offload) / (bus + host Adam):
+the share of the offload's own work that did not lengthen the step (1: all of it hidden; 0: none; below
+0: it slowed the rest down too).
+
+Exit status: 0 every check passes, 1 a check failed, 2 CUDA asked for but absent (every check written as
+skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+
+from benchmarks.gpu_report import Report  # noqa: E402
+
+STAGES = (2, 3)
+LR = 1e-3
+BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one ulp is at most 2^-7 of a value's magnitude
+TRAFFIC_SLACK = 0.01  # bytes per parameter each way may exceed 2 by this (the buckets' fingerprints, padding)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Model and run sizes for one device."""
+
+    device: str
+    width: int
+    depth: int
+    rows: int
+    steps: int
+    warmup: int
+    repeat: int
+
+
+CONFIGS = {
+    "cuda": Config("cuda", width=1536, depth=4, rows=256, steps=3, warmup=2, repeat=5),  # about 76M parameters
+    "cpu": Config("cpu", width=64, depth=2, rows=8, steps=3, warmup=1, repeat=3),
+}
+
+
+CHECKS = ("bytes per step", "weights as without offload")
+
+
+def check_name(stage: int, what: str) -> str:
+    return f"stage{stage} offload cpu: {what}"
+
+
+def check_names() -> list[str]:
+    return [check_name(s, what) for s in STAGES for what in CHECKS]
+
+
+def make_model(cfg: Config) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(cfg.depth):
+        layers += [nn.Linear(cfg.width, 4 * cfg.width), nn.GELU(), nn.Linear(4 * cfg.width, cfg.width)]
+    return nn.Sequential(*layers).to(cfg.device)
+
+
+def ds_config(stage: int, offload: bool, cfg: Config, numel: int) -> dict:
+    """The DeepSpeed config of one run: bf16, AdamW, buckets of about 1/7 of the model."""
+    zero = {"stage": stage, "reduce_bucket_size": numel // 7 + 1}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": cfg.rows,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
+
+
+def _sync(cfg: Config) -> None:
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _tier(opt) -> Optional[object]:
+    """The optimizer's offload tier (its ``traffic()`` counts the bytes that crossed), or None."""
+    return getattr(getattr(opt, "_pipeline", None), "tier", None)
+
+
+class Run:
+    """One model trained at ``stage``, with or without offload: its weights after ``cfg.steps`` steps, the
+    bytes its tier moved per step, and its median step time."""
+
+    def __init__(self, stage: int, offload: bool, cfg: Config):
+        import zero_kernels as zk
+
+        model = make_model(cfg)
+        self.numel = sum(p.numel() for p in model.parameters())
+        self.model, self.opt = zk.initialize(model, ds_config(stage, offload, cfg, self.numel))
+        self.cfg = cfg
+        self.x = torch.randn(cfg.rows, cfg.width, generator=torch.Generator().manual_seed(1)).to(cfg.device)
+        self.x = self.x.to(torch.bfloat16)
+
+    def step(self) -> None:
+        self.model(self.x).float().square().mean().backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def train(self) -> dict[str, float]:
+        """``cfg.steps`` steps; the tier's bytes per step (``down``, ``up``) over them."""
+        tier = _tier(self.opt)
+        before = dict(tier.traffic()) if tier is not None else {}
+        for _ in range(self.cfg.steps):
+            self.step()
+        _sync(self.cfg)
+        after = dict(tier.traffic()) if tier is not None else {}
+        return {k: (after[k] - before.get(k, 0)) / self.cfg.steps for k in ("down", "up") if k in after}
+
+    def step_ms(self) -> float:
+        times = []
+        for i in range(self.cfg.warmup + self.cfg.repeat):
+            _sync(self.cfg)
+            start = time.perf_counter()
+            self.step()
+            _sync(self.cfg)
+            if i >= self.cfg.warmup:
+                times.append(1e3 * (time.perf_counter() - start))
+        return statistics.median(times)
+
+
+def check_bytes(numel: int, moved: dict[str, float]) -> list[str]:
+    problems = []
+    for way in ("down", "up"):
+        per_param = moved.get(way, 0.0) / numel
+        if not 2.0 <= per_param <= 2.0 + TRAFFIC_SLACK:
+            problems.append(f"{way}: {per_param:.4f} bytes per parameter per step, expected 2 to {2 + TRAFFIC_SLACK}")
+    return problems
+
+
+def check_weights(ours: nn.Module, plain: nn.Module) -> list[str]:
+    problems = []
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters()):
+        a, b = p.detach().float(), q.detach().float()
+        tol = BF16_ULP * float(b.abs().max())
+        worst = float((a - b).abs().max()) if a.numel() else 0.0
+        if not worst <= tol:  # NaN fails too
+            problems.append(f"{name}: differs by {worst:.3g} from the run without offload (tolerance {tol:.3g})")
+    return problems
+
+
+def bus_ms(numel: int, cfg: Config) -> float:
+    """The offload's bus traffic alone: 2 bytes per parameter down into page-locked memory, then 2 up."""
+    pin = cfg.device == "cuda"
+    device_side = torch.randn(numel, device=cfg.device).to(torch.bfloat16)
+    host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=pin)
+    times = []
+    for i in range(cfg.warmup + cfg.repeat):
+        _sync(cfg)
+        start = time.perf_counter()
+        host.copy_(device_side, non_blocking=pin)
+        _sync(cfg)
+        device_side.copy_(host, non_blocking=pin)
+        _sync(cfg)
+        if i >= cfg.warmup:
+            times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def host_adam_ms(numel: int, cfg: Config, threads: int) -> float:
+    """The host tier's update alone: the C++ Adam over ``numel`` elements of fp32 state, bf16 in and out."""
+    from zero_kernels.kernels import adam_step
+
+    master, m, v = (torch.randn(numel) for _ in range(3))
+    grad, out = torch.randn(numel).to(torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for i in range(cfg.warmup + cfg.repeat):
+            start = time.perf_counter()
+            adam_step(master, grad, m, v, lr=LR, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1, out=out)
+            if i >= cfg.warmup:
+                times.append(1e3 * (time.perf_counter() - start))
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times)
+
+
+def run_stage(stage: int, cfg: Config, report: Report) -> dict:
+    """Check and time one stage; its timing row."""
+    plain, offloaded = Run(stage, False, cfg), Run(stage, True, cfg)
+    plain.train()
+    moved = offloaded.train()
+    report.run(check_name(stage, CHECKS[0]), lambda: check_bytes(offloaded.numel, moved))
+    report.run(check_name(stage, CHECKS[1]), lambda: check_weights(offloaded.model, plain.model))
+    row = {"stage": stage, "params": offloaded.numel, "plain_ms": plain.step_ms(), "offload_ms": offloaded.step_ms()}
+    row.update({f"{k}_bytes_per_param": v / offloaded.numel for k, v in moved.items()})
+    threads = getattr(_tier(offloaded.opt), "threads", torch.get_num_threads())
+    row.update(bus_ms=bus_ms(offloaded.numel, cfg), host_adam_ms=host_adam_ms(offloaded.numel, cfg, threads))
+    work = row["bus_ms"] + row["host_adam_ms"]
+    row["hidden"] = (row["plain_ms"] + work - row["offload_ms"]) / work
+    return row
+
+
+def _init_group(device: str) -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    return backend
+
+
+def run_all(cfg: Config, report: Report) -> int:
+    if cfg.device == "cpu":
+        torch.set_num_threads(1)  # a smoke run on a small, possibly busy machine
+    backend = _init_group(cfg.device)
+    rows: list[dict] = []
+    try:
+        where = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
+        print(f"gpu_offload: {where}, {backend} world size 1, torch {torch.__version__}")
+        for stage in STAGES:
+            try:
+                rows.append(run_stage(stage, cfg, report))
+            except Exception as err:  # its checks not yet recorded fail; the next stage still runs
+                done = {c["check"] for c in report.checks}
+                for name in (check_name(stage, what) for what in CHECKS):
+                    if name not in done:
+                        report.record(name, "FAIL", [f"raised: {type(err).__name__}: {err}"])
+            report.set("offload", rows)
+        for r in rows:
+            print(
+                f"  stage {r['stage']}: {r['params'] / 1e6:.1f}M params, step {r['plain_ms']:.1f} ms without offload, "
+                f"{r['offload_ms']:.1f} ms with; bus {r['bus_ms']:.1f} ms, host Adam {r['host_adam_ms']:.1f} ms alone; "
+                f"hidden {r['hidden']:.2f}"
+            )
+    finally:
+        dist.destroy_process_group()
+    return report.exit_status()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=sorted(CONFIGS), default="cuda", help="cpu: gloo smoke run, small model")
+    parser.add_argument("--json", metavar="DIR", help="also write gpu_offload.json there (after every check)")
+    args = parser.parse_args(argv)
+    report = Report(args.json, "gpu_offload")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_offload: no CUDA device here: every check is skipped (--device cpu is the smoke run)")
+        report.skip_all(check_names())
+        return report.exit_status()
+    return run_all(CONFIGS[args.device], report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,489 @@
+"""Offload on 2 gloo ranks: the optimizer state on the device, in host memory or on disk, ours next to
+DeepSpeed's own offload; and, with ``--big``, a model whose state is several times the memory it runs in.
+
+Every provider is built from the same DeepSpeed JSON (``config``): ours through ``zero_kernels.initialize``,
+DeepSpeed through ``deepspeed.initialize``, on the same bf16 MLP and the same batches. Stages 2 and 3:
+
+- ``zk-stageS`` (no offload), ``zk-stageS-cpu`` (``offload_optimizer`` to host memory), ``zk-stageS-nvme``
+  (to files under the run's folder, ``--offload-dir``);
+- ``deepspeed-stageS-cpu`` (its ``DeepSpeedCPUAdam``, JIT-built with ninja on first use, minutes) and
+  ``deepspeed-stage3-nvme`` (its ``async_io`` op, built against ``libaio``); DeepSpeed reads NVMe offload of
+  the optimizer only at stage 3. When DeepSpeed is absent, or an op cannot build, its rows say why.
+
+NVMe runs read ahead and write behind (``pipeline_read``/``pipeline_write``) through ``BUFFERS`` host
+buffers of ``SUB_GROUP`` elements, for both.
+
+One pair of processes times every provider in interleaved rounds (each round every provider in turn, the
+order alternating, each built afresh: warm-up steps, then the median of the timed ones). ``step_ms`` is the
+median over the rounds; ``vs_deepspeed`` is DeepSpeed's step with the same offload at the same stage over
+ours, the median of the per-round ratios, with ``low``/``high`` and a ``verdict``.
+
+Bytes per step (ours, counted by the offload tier over the timed steps): ``down_MB``/``up_MB`` across the
+host link, ``read_MB``/``written_MB`` of state files. The disk's sequential bandwidth is measured in the
+same run, in the same folder, before the ranks start (``disk_write_GBps``, ``disk_read_GBps``: an O_DIRECT
+write then read of ``DISK_PROBE_BYTES``); ``io_of_disk`` is our state I/O per step over the step time, as a
+share of the mean of the two. ``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
+
+``--big``: one rank trains a bf16 model of ``--big-params`` parameters at stage 3 with its optimizer
+state on disk (12 bytes per parameter) and reports its peak resident memory (``VmHWM``; ``steps_peak``:
+since the optimizer was built), the state's bytes on disk, the state I/O rate against the disk's over the
+whole step (``io_of_disk``) and over the update alone (``update_io_of_disk``: the I/O runs there), and
+the step against (state bytes moved / disk bandwidth) (``step_over_io_bound``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import os
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from . import e2e_deepspeed
+from .common import expect, progress, ratio_stats
+
+DESCRIPTION = "offload on 2 gloo ranks, stages 2 and 3: none, cpu, nvme (ours) vs DeepSpeed's cpu and nvme"
+# Not in the default run: DeepSpeed's CPU Adam and async_io ops build on first use (minutes), and the
+# quick form alone takes over a minute on 2 cores. ``python -m benchmarks offload`` runs it.
+IN_DEFAULT_RUN = False
+WORLD = 2
+STAGES = (2, 3)
+LR = 1e-4
+BUCKET_ELEMENTS = 2_000_000
+SUB_GROUP = 1 << 18  # elements per swapped sub-group (DeepSpeed's and ours): 1 MiB of fp32, 16+ per rank
+# offload_optimizer.buffer_count: DeepSpeed's pipelined swapper (pipeline_read/write) runs out of swap buffers
+# at stage 3 with 4 or 8 here ("try increasing 'buffer_count'"); 16 lets it run.
+BUFFERS = 16
+DISK_PROBE_BYTES = 256 << 20
+_PROBE_BLOCK = 8 << 20
+AIO = {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+       "overlap_events": True}  # fmt: skip
+NOTES = [
+    "io_of_disk: our state I/O per step (read + written) over the step time, as a share of the disk's bandwidth "
+    "measured in this run (the mean of its O_DIRECT write and read)",
+]
+
+DISK = "disk (sequential, this run's folder)"  # the row of the disk's measured bandwidth
+_options: dict[str, Any] = {"dir": None, "big": False, "big_params": 400_000_000}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument(
+        "--offload-dir", metavar="DIR", help="offload: folder for the state files (default: a temp dir)"
+    )
+    parser.add_argument("--big", action="store_true", help="offload: the capacity case instead (1 rank, NVMe)")
+    parser.add_argument("--big-params", type=float, default=4e8, help="offload --big: parameters (default 4e8)")
+
+
+def configure(args) -> None:
+    _options.update(dir=args.offload_dir, big=args.big, big_params=int(args.big_params))
+
+
+# ---------------------------------------------------------------- the JSON every provider runs
+def config(stage: int, device: str, nvme_path: Optional[str], *, micro_batch: int) -> dict:
+    """The DeepSpeed config of a run at ``stage`` with the optimizer state on ``device`` (none, cpu, nvme)."""
+    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": BUCKET_ELEMENTS, "sub_group_size": SUB_GROUP}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "steps_per_print": 1 << 30,
+    }
+    if device != "none":
+        zero["offload_optimizer"] = {"device": device, "pin_memory": True}
+    if device == "nvme":
+        zero["offload_optimizer"].update(
+            nvme_path=nvme_path, buffer_count=BUFFERS, pipeline_read=True, pipeline_write=True
+        )
+        cfg["aio"] = dict(AIO)
+    return cfg
+
+
+def providers(deepspeed: bool) -> list[str]:
+    """Ours at every offload and stage; DeepSpeed's cpu at stages 2 and 3 and nvme at stage 3 when installed."""
+    out = [f"zk-stage{s}{suffix}" for s in STAGES for suffix in ("", "-cpu", "-nvme")]
+    if deepspeed:
+        out += [f"{e2e_deepspeed.PREFIX}{s}-cpu" for s in STAGES] + [f"{e2e_deepspeed.PREFIX}3-nvme"]
+    return out
+
+
+def _parse(provider: str) -> tuple[str, int, str]:
+    """``deepspeed-stage3-nvme`` -> (``deepspeed``, 3, ``nvme``); ``zk-stage2`` -> (``zk``, 2, ``none``)."""
+    who, _, rest = provider.partition("-stage")
+    stage, _, device = rest.partition("-")
+    return who, int(stage), device or "none"
+
+
+def peer_of(provider: str) -> Optional[str]:
+    """DeepSpeed's provider with the same offload at the same stage, if it runs one."""
+    who, stage, device = _parse(provider)
+    if who != "zk" or device == "none" or (device == "nvme" and stage != 3):
+        return None
+    return f"{e2e_deepspeed.PREFIX}{stage}-{device}"
+
+
+# ---------------------------------------------------------------- the disk, measured here
+def disk_bandwidth(folder: str, size: int = DISK_PROBE_BYTES) -> dict:
+    """Sequential write then read of ``size`` bytes in ``folder``, with O_DIRECT where the file system takes
+    it (the page cache would measure memory): ``disk_write_GBps``, ``disk_read_GBps``, ``disk_probe``."""
+    path = os.path.join(folder, "disk_probe")
+    block = mmap.mmap(-1, _PROBE_BLOCK)  # page-aligned, as O_DIRECT needs
+    block.write(os.urandom(4096) * (_PROBE_BLOCK // 4096))
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
+    except OSError:  # tmpfs and others refuse O_DIRECT
+        direct = 0
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        for _ in range(size // _PROBE_BLOCK):
+            os.write(fd, block)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | direct)
+        start = time.perf_counter()
+        while os.readv(fd, [block]) > 0:
+            pass
+        read_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.remove(path)
+    how = "O_DIRECT" if direct else "buffered (O_DIRECT refused: the page cache may inflate the read)"
+    return {"disk_write_GBps": size / write_s / 1e9, "disk_read_GBps": size / read_s / 1e9, "disk_probe": how}
+
+
+# ---------------------------------------------------------------- one provider on one rank
+def _model(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+    return nn.Sequential(*layers)
+
+
+def _tier(opt: Any) -> Any:
+    """The optimizer's offload tier, whose ``traffic()`` counts the bytes it moved (None without offload)."""
+    return getattr(getattr(opt, "_pipeline", None), "tier", None)
+
+
+def _traffic(opt: Any) -> dict[str, int]:
+    tier = _tier(opt)
+    return dict(tier.traffic()) if tier is not None else {}
+
+
+def _build(provider: str, model: nn.Module, x: torch.Tensor, folder: str) -> tuple[Callable[[], None], Any]:
+    """(one training step, the optimizer or engine) of ``provider`` on the gloo group already joined."""
+    who, stage, device = _parse(provider)
+    path = os.path.join(folder, provider) if device == "nvme" else None
+    if path:
+        os.makedirs(path, exist_ok=True)
+    cfg = config(stage, device, path, micro_batch=x.shape[0])
+    if who == "zk":
+        import zero_kernels as zk
+
+        module, opt = zk.initialize(model, cfg)
+        xb = x.to(torch.bfloat16)
+
+        def step() -> None:
+            module(xb).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step, opt
+    engine = e2e_deepspeed.engine(model, cfg)
+    xb = x.to(torch.bfloat16)
+
+    def ds_step() -> None:
+        engine.backward(engine(xb).float().square().mean())
+        engine.step()
+
+    return ds_step, engine
+
+
+def _measure(provider: str, width: int, depth: int, steps: int, folder: str) -> dict:
+    """A fresh model under ``provider``: the median step (ms) after 2 warm-up steps, bytes per timed step,
+    and the offload tiers of ``memory_report()``."""
+    model = _model(width, depth)
+    step, handle = _build(provider, model, torch.randn(8, width), folder)
+    times = []
+    before: dict[str, int] = {}
+    for i in range(steps + 2):
+        if i == 2:
+            before = _traffic(handle)
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    moved = {f"{k}_MB": (v - before.get(k, 0)) / steps / 1e6 for k, v in _traffic(handle).items() if k != "init"}
+    report = handle.memory_report() if hasattr(handle, "memory_report") else {}
+    tiers = {f"{k}_MB": report[k] / 1e6 for k in ("host", "disk") if k in report}
+    return {"ms": 1e3 * statistics.median(times[2:]), **moved, **tiers}
+
+
+def _join(rank: int, world: int, port: int) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # for DeepSpeed, which reads them
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
+
+
+def _timing_rank(rank: int, names: list[str], rounds: int, port: int, shape: tuple[int, int, int], folder: str,
+                 out: str) -> None:  # fmt: skip
+    """Every provider in interleaved rounds in these processes: provider -> its result per round (or error)."""
+    _join(rank, WORLD, port)
+    width, depth, steps = shape
+    results: dict[str, list] = {p: [] for p in names}
+    for r in range(rounds):
+        for provider in names if r % 2 == 0 else names[::-1]:
+            if rank == 0:
+                progress(f"round {r + 1}/{rounds}", provider)
+            try:
+                results[provider].append(_measure(provider, width, depth, steps, folder))
+            except Exception as err:  # reported in the provider's rows; the others go on
+                results[provider].append(f"{type(err).__name__}: {err}"[:160])
+            gc.collect()
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(target: Callable, args: tuple, out: str, world: int) -> list[Any]:
+    """What each rank of ``target(rank, *args, out)`` wrote to ``out.<rank>``; an ``error`` per rank if they died."""
+    try:
+        mp.spawn(target, args=(*args, out), nprocs=world, join=True)
+    except Exception as err:  # e.g. a rank killed by a signal
+        return [{"error": f"{type(err).__name__}: {err}"[:160]} for _ in range(world)]
+    found = []
+    for rank in range(world):
+        with open(f"{out}.{rank}") as f:
+            found.append(json.load(f))
+    return found
+
+
+# ---------------------------------------------------------------- rows
+def _row(results: list) -> dict:
+    """One rank's row of a provider: its median step, every round's, and the rest of its last round."""
+    errors = [r for r in results if isinstance(r, str)]
+    if errors:
+        return {"error": errors[0]}
+    last = {k: v for k, v in results[-1].items() if k != "ms"}
+    times = [r["ms"] for r in results]
+    return {"step_ms": statistics.median(times), "rounds_ms": [round(t, 3) for t in times], **last}
+
+
+def _rounds(rows: list[dict]) -> dict[str, list[float]]:
+    """provider -> its step time per round, the mean over the ranks."""
+    per_rank: dict[str, list[list[float]]] = {}
+    for r in rows:
+        if "rounds_ms" in r:
+            per_rank.setdefault(r["provider"], []).append(r["rounds_ms"])
+    return {p: [statistics.fmean(ts) for ts in zip(*ranks)] for p, ranks in per_rank.items()}
+
+
+def _with_ratios(rows: list[dict], disk: dict) -> list[dict]:
+    """Add ``vs_deepspeed`` (DeepSpeed's step with the same offload over ours) and ``io_of_disk`` (the state
+    I/O of all ranks, which share the disk, per step over the step time, as a share of the disk's bandwidth)."""
+    rounds = _rounds(rows)
+    disk_Bps = (disk["disk_write_GBps"] + disk["disk_read_GBps"]) / 2 * 1e9
+    io_MB: dict[str, float] = {}
+    for r in rows:
+        io_MB[r["provider"]] = io_MB.get(r["provider"], 0.0) + r.get("read_MB", 0) + r.get("written_MB", 0)
+    for r in rows:
+        peer = peer_of(r["provider"])
+        if peer in rounds and r["provider"] in rounds:
+            stats = ratio_stats(rounds[peer], rounds[r["provider"]])
+            r.update(peer=peer, vs_deepspeed=stats["speedup"], low=stats["low"], high=stats["high"])
+            r["verdict"] = stats["verdict"]
+        if io_MB[r["provider"]] and r.get("step_ms"):
+            r["io_of_disk"] = io_MB[r["provider"]] * 1e6 / (r["step_ms"] / 1e3) / disk_Bps
+    return rows
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per offloaded provider of ours with a DeepSpeed peer: ours against it."""
+    rounds = _rounds(rows)
+    out = []
+    for ours in dict.fromkeys(r["provider"] for r in rows if "rank" in r):
+        peer = peer_of(ours)
+        if peer is None:
+            continue
+        line: dict[str, Any] = {"case": rows[0]["case"], "ours": ours, "best_peer": peer}
+        if ours in rounds and peer in rounds:
+            line.update(ours_ms=statistics.median(rounds[ours]), peer_ms=statistics.median(rounds[peer]))
+            line.update(ratio_stats(rounds[peer], rounds[ours]))
+        out.append(line)
+    return out
+
+
+def _folder() -> str:
+    base = _options["dir"]
+    if base:
+        os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix="zk-offload-bench-", dir=base)
+
+
+def run(quick: bool, shape: Optional[tuple[int, int, int]] = None, rounds: Optional[int] = None) -> list[dict]:
+    """The offload comparison (or, with ``--big``, the capacity case)."""
+    if _options["big"]:
+        return run_big(_options["big_params"])
+    width, depth, steps = shape or ((512, 4, 3) if quick else (768, 6, 5))
+    rounds = rounds or (3 if quick else 5)
+    missing = e2e_deepspeed.unavailable()
+    if missing:
+        print(f"offload: {missing}", file=sys.stderr)
+    names = providers(deepspeed=missing is None)
+    params = sum(p.numel() for p in _model(width, depth).parameters())
+    case = f"{params / 1e6:.1f}M params bf16"
+    expect(len(names) * rounds)
+    folder = _folder()
+    try:
+        disk = disk_bandwidth(folder)
+        found = _spawn(_timing_rank, (names, rounds, _free_port(), (width, depth, steps), folder),
+                       os.path.join(folder, "timing"), WORLD)  # fmt: skip
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    found = [got if "error" not in got else {p: [got["error"]] for p in names} for got in found]
+    rows = []
+    for provider in names:
+        for rank in range(WORLD):
+            row = _row(found[rank].get(provider, ["not timed"]))
+            rows.append({"case": case, "provider": provider, "rank": rank, **row})
+    return _with_ratios(rows, disk) + [{"case": case, "provider": DISK, **disk}]
+
+
+# ---------------------------------------------------------------- the capacity case
+def big_model(num_params: int, width: int = 4096) -> nn.Module:
+    """A stack of bias-free ``width`` x ``width`` bf16 layers with about ``num_params`` parameters, built in
+    bf16 (no fp32 copy ever exists, so the resident peak is the training's)."""
+    torch.manual_seed(0)
+    depth = max(1, round(num_params / (width * width)))
+    layers = [nn.Linear(width, width, bias=False, dtype=torch.bfloat16) for _ in range(depth)]
+    for layer in layers:
+        nn.init.normal_(layer.weight, std=width**-0.5)
+    return nn.Sequential(*layers)
+
+
+def _peak_rss() -> int:
+    """Peak resident bytes of this process since it started or since ``_reset_peak_rss`` (``VmHWM``;
+    ``ru_maxrss`` where /proc is absent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Restart ``VmHWM`` from the current resident size (Linux: ``5`` into ``/proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, folder: str, out: str) -> None:
+    """One rank trains the big model at stage 3 with its optimizer state on disk; it writes what it measured:
+    the peak resident memory of the whole run and of its steps alone (after the optimizer was built), the
+    state's bytes on disk, the bytes read and written per step, forward + backward and update times."""
+    import zero_kernels as zk
+
+    _join(rank, 1, port)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = big_model(num_params, width)
+    params = sum(p.numel() for p in model.parameters())
+    x = torch.randn(4, width, dtype=torch.bfloat16)
+    module, opt = zk.initialize(model, config(3, "nvme", folder, micro_batch=4))
+    built_rss = _peak_rss()
+    resettable = _reset_peak_rss()
+    marks, state_on_disk = [], 0
+    before: dict[str, int] = {}
+    for i in range(steps + 1):
+        if i == 1:
+            before = _traffic(opt)
+        start = time.perf_counter()
+        module(x).float().square().mean().backward()
+        middle = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        marks.append((start, middle, time.perf_counter()))
+        state_on_disk = max(state_on_disk, opt.memory_report().get("disk", 0))
+    moved = {k: (v - before.get(k, 0)) / steps for k, v in _traffic(opt).items()}
+    timed = marks[1:]
+    result = {
+        "params": params,
+        "step_s": statistics.median(end - start for start, _, end in timed),
+        "fwd_bwd_s": statistics.median(middle - start for start, middle, _ in timed),
+        "update_s": statistics.median(end - middle for _, middle, end in timed),
+        "peak_rss_GB": max(built_rss, _peak_rss()) / 1e9,
+        "steps_peak_rss_GB": _peak_rss() / 1e9 if resettable else None,
+        "state_on_disk_GB": state_on_disk / 1e9,
+        "read_GB": moved.get("read", 0) / 1e9,
+        "written_GB": moved.get("written", 0) / 1e9,
+    }
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def run_big(num_params: int, steps: int = 3, width: int = 4096) -> list[dict]:
+    """The capacity case in a fresh process (its peak resident memory is its own)."""
+    folder = _folder()
+    expect(1)
+    progress(f"{num_params / 1e6:.0f}M params bf16, stage 3, state on disk", "zk-stage3-nvme")
+    try:
+        disk = disk_bandwidth(folder)
+        args = (num_params, width, steps, _free_port(), folder)
+        (got,) = _spawn(_big_rank, args, os.path.join(folder, "big"), 1)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    row: dict[str, Any] = {"case": f"{num_params / 1e6:.0f}M params bf16, 1 rank", "provider": "zk-stage3-nvme"}
+    row.update(got)
+    row.update(disk)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if load is not None:
+        row["load_1min"] = load
+    if "error" in got:
+        return [row]
+    state = 12 * got["params"]
+    disk_Bps = (disk["disk_write_GBps"] + disk["disk_read_GBps"]) / 2 * 1e9
+    io_bytes = (got["read_GB"] + got["written_GB"]) * 1e9
+    row.update(
+        state_GB=state / 1e9,
+        state_over_rss=state / (got["peak_rss_GB"] * 1e9),
+        state_over_steps_rss=state / (got["steps_peak_rss_GB"] * 1e9) if got["steps_peak_rss_GB"] else None,
+        io_GBps=io_bytes / got["step_s"] / 1e9,
+        io_of_disk=io_bytes / got["step_s"] / disk_Bps,
+        update_io_of_disk=io_bytes / got["update_s"] / disk_Bps,
+        step_over_io_bound=got["step_s"] / (io_bytes / disk_Bps) if io_bytes else None,
+    )
+    return [row]

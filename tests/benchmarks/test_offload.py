@@ -1,0 +1,117 @@
+"""The offload benchmark: one JSON for every provider, DeepSpeed's peers where it reads the same offload, the
+disk measured in the run, ratios and the disk share taken over the ranks; and the subject itself at a tiny
+size (2 gloo ranks; DeepSpeed's rows only where it is installed) and its ``--big`` case at a tiny size."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from benchmarks import offload
+from benchmarks.__main__ import main
+from zero_kernels import ZeroConfig
+
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.mark.parametrize("stage", offload.STAGES)
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+def test_every_provider_reads_the_same_json(tmp_path, stage: int, device: str) -> None:
+    cfg = offload.config(stage, device, str(tmp_path) if device == "nvme" else None, micro_batch=8)
+    parsed = ZeroConfig.from_deepspeed(cfg, world_size=2)
+    assert parsed.stage == stage and parsed.bf16 and parsed.zero.offload_optimizer.device == device
+    assert parsed.zero.sub_group_size == offload.SUB_GROUP
+    if device == "nvme":
+        assert parsed.zero.offload_optimizer.nvme_path == str(tmp_path) and cfg["aio"] == offload.AIO
+    if HAS_DEEPSPEED:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+        theirs = DeepSpeedZeroConfig(**cfg["zero_optimization"])
+        assert (theirs.stage, theirs.sub_group_size) == (stage, offload.SUB_GROUP)
+        got = theirs.offload_optimizer.device if theirs.offload_optimizer else "none"
+        assert got == device
+
+
+def test_deepspeed_peers_where_it_offloads_the_same_way() -> None:
+    assert offload.providers(deepspeed=False) == [f"zk-stage{s}{d}" for s in (2, 3) for d in ("", "-cpu", "-nvme")]
+    ds = [p for p in offload.providers(deepspeed=True) if p.startswith("deepspeed")]
+    assert ds == ["deepspeed-stage2-cpu", "deepspeed-stage3-cpu", "deepspeed-stage3-nvme"]
+    assert [offload.peer_of(p) for p in ("zk-stage2-cpu", "zk-stage3-nvme", "zk-stage2-nvme", "zk-stage2")] == [
+        "deepspeed-stage2-cpu",
+        "deepspeed-stage3-nvme",
+        None,  # DeepSpeed offloads the optimizer to NVMe only at stage 3
+        None,
+    ]
+
+
+def test_ratios_per_round_and_the_disk_share_of_all_ranks() -> None:
+    rows = [
+        {"provider": "zk-stage3-nvme", "rank": r, "step_ms": 100.0, "rounds_ms": [100.0, 100.0, 100.0],
+         "read_MB": 10.0, "written_MB": 10.0} for r in (0, 1)
+    ] + [{"provider": "deepspeed-stage3-nvme", "rank": r, "step_ms": 300.0, "rounds_ms": [250.0, 300.0, 350.0]}
+         for r in (0, 1)]  # fmt: skip
+    disk = {"disk_write_GBps": 1.0, "disk_read_GBps": 0.6}
+    ours = offload._with_ratios([dict(r, case="c") for r in rows], disk)[0]
+    assert ours["vs_deepspeed"] == 3.0 and (ours["low"], ours["high"]) == (2.5, 3.5)
+    assert ours["verdict"] == "ours faster"
+    assert ours["io_of_disk"] == pytest.approx(40e6 / 0.1 / 0.8e9)  # both ranks' 20 MB per 100 ms step
+
+
+def test_disk_bandwidth_is_measured_in_the_folder_and_leaves_nothing(tmp_path) -> None:
+    got = offload.disk_bandwidth(str(tmp_path), size=16 << 20)
+    assert got["disk_write_GBps"] > 0 and got["disk_read_GBps"] > 0 and got["disk_probe"]
+    assert os.listdir(tmp_path) == []
+
+
+def test_not_in_the_default_run(monkeypatch) -> None:
+    import benchmarks.__main__ as runner
+
+    ran = []
+    for name in runner.subjects():
+        module = __import__(f"benchmarks.{name}", fromlist=["run"])
+        monkeypatch.setattr(module, "run", lambda quick, name=name: ran.append(name) or [])
+    monkeypatch.setattr(runner, "_prebuild", lambda: None)
+    assert main([]) == 0
+    assert "offload" in runner.subjects() and "offload" not in ran and "adam" in ran
+    ran.clear()
+    assert main(["offload"]) == 0 and ran == ["offload"]
+
+
+@pytest.mark.distributed
+@pytest.mark.ext
+def test_subject_at_a_tiny_size() -> None:
+    rows = offload.run(quick=True, shape=(16, 1, 1), rounds=1)
+    ours = [r for r in rows if r["provider"].startswith("zk-")]
+    assert len(ours) == 12 and all("step_ms" in r for r in ours), [r.get("error") for r in ours]
+    for r in ours:
+        offloaded = r["provider"].endswith(("-cpu", "-nvme"))
+        assert ("down_MB" in r) == offloaded
+        if offloaded:  # bf16: the gradient shard down, the parameter shard up, 2 bytes per element each
+            assert r["up_MB"] > 0 and 0 <= r["down_MB"] - r["up_MB"] <= 1e-4  # + 16-byte fingerprints per bucket
+        if r["provider"].endswith("-nvme"):  # fp32 master, m and v read and written once per step
+            assert r["read_MB"] == r["written_MB"] == pytest.approx(6 * r["up_MB"])
+            assert r["disk_MB"] >= r["read_MB"] and r["io_of_disk"] > 0
+    (disk,) = [r for r in rows if r["provider"] == offload.DISK]
+    assert disk["disk_write_GBps"] > 0
+    peers = [r for r in rows if r["provider"].startswith("deepspeed")]
+    if not HAS_DEEPSPEED:
+        assert peers == []
+        return
+    assert {r["provider"] for r in peers} == {"deepspeed-stage2-cpu", "deepspeed-stage3-cpu", "deepspeed-stage3-nvme"}
+    for r in peers:  # timed, or one line saying why not (an op that cannot build here)
+        assert "step_ms" in r or r["error"]
+
+
+@pytest.mark.slow  # a fresh process
+@pytest.mark.distributed
+@pytest.mark.ext
+def test_big_case_at_a_tiny_size() -> None:
+    (row,) = offload.run_big(64 * 64 * 4, steps=2, width=64)
+    assert row["params"] == 64 * 64 * 4 and "error" not in row
+    assert row["state_on_disk_GB"] * 1e9 >= 12 * row["params"]
+    assert row["read_GB"] == row["written_GB"] and row["read_GB"] * 1e9 >= 12 * row["params"]
+    assert row["peak_rss_GB"] >= row["steps_peak_rss_GB"] > 0
+    assert row["update_io_of_disk"] >= row["io_of_disk"] > 0 and row["step_over_io_bound"] > 0
+    assert row["step_s"] >= row["update_s"] > 0 and row["fwd_bwd_s"] > 0

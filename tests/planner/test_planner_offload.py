@@ -1,0 +1,249 @@
+"""The planner with offload: what the device, the host and the disk hold, what crosses the host link and the
+disk per step, the step it predicts, the offload config it writes, and ``plan --offload``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import replace
+
+import pytest
+
+from zero_kernels.__main__ import main
+from zero_kernels.planner import NoFitError, OffloadSetup, estimate_memory, estimate_offload, recommend
+from zero_kernels.planner.offload import AIO, MAX_SUB_GROUP, sub_group_elements
+from zero_kernels.planner.rates import cpu_adam_gbps, memory_copy_gbps
+
+GB = 10**9
+PSI, N = 8 * GB, 8  # a shard of 1e9 elements per rank
+SHARD = PSI // N
+CPU = OffloadSetup("cpu", "none", bus_gbps=50.0, adam_gbps=100.0, host_memory=2000 * GB, ranks_per_node=8)
+NVME = replace(CPU, optimizer="nvme", disk_gbps=20.0, disk_space=1000 * GB, nvme_path="/local_nvme")
+FIGURES = ["--bus-gbps", "50", "--cpu-adam-gbps", "100", "--host-memory", "2TB", "--gpus-per-node", "8"]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cpu_offload_moves_the_state_to_the_host_and_4_bytes_per_parameter_over_the_bus(stage: int) -> None:
+    est = estimate_offload(PSI, N, stage, CPU)
+    assert est.host_bytes == 12 * SHARD + 4 * SHARD  # fp32 master, m, v + bf16 copies of the gradient and params
+    assert est.disk_bytes == 0 and est.disk_read == est.disk_write == 0
+    assert (est.bus_down, est.bus_up) == (2 * SHARD, 2 * SHARD)
+    plans = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=CPU).plans
+    device = {p.stage: p.memory for p in plans}[stage]
+    plain = estimate_memory(PSI, N, stage)
+    assert device.optimizer == 0 and device.total == plain.total - plain.optimizer
+    assert [p.stage for p in plans] == [1, 2, 3]  # offload needs stage 1 or more
+
+
+def test_nvme_offload_reads_and_writes_the_state_once_per_step_through_sub_groups() -> None:
+    est = estimate_offload(PSI, N, 2, NVME)
+    sub = sub_group_elements(SHARD)
+    assert sub % (1 << 20) == 0 and SHARD / 32 <= sub < SHARD / 32 + (1 << 20)
+    assert est.sub_group_size == sub
+    assert est.disk_bytes == est.disk_read == est.disk_write == 12 * SHARD
+    assert est.host_bytes == 4 * SHARD + 4 * sub * 12  # gradient and parameter copies, 4 sub-group buffers
+    assert sub_group_elements(10) == 1 << 20 and sub_group_elements(10**12) == MAX_SUB_GROUP
+
+
+def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
+    setup = replace(NVME, param="nvme")
+    cpu = estimate_offload(PSI, N, 3, replace(CPU, param="cpu", grad_accum=2))
+    assert cpu.bus_up == 2 * SHARD * 2 * 2  # forward and backward of 2 micro-steps; nothing after the update
+    assert cpu.bus_down == 2 * SHARD * 2 and cpu.host_bytes == 16 * SHARD  # the parameter copy is the shard
+    nvme = estimate_offload(PSI, N, 3, setup)
+    assert nvme.disk_bytes == 12 * SHARD + 2 * SHARD
+    assert nvme.disk_read == 12 * SHARD + 2 * 2 * SHARD and nvme.disk_write == 12 * SHARD + 2 * SHARD
+    assert estimate_offload(PSI, N, 2, setup).disk_bytes == 12 * SHARD  # offload_param counts at stage 3 only
+    rec = recommend(PSI, gpus=N, gpu_memory=10 * GB, link="nvlink", offload=setup)
+    assert rec.plans[-1].memory.params == 0 and rec.plans[-1].memory.optimizer == 0
+    assert rec.stage == 3 and rec.reasons[-1].startswith("offload_param: planned as DeepSpeed applies it")
+
+
+def test_gradient_accumulation_moves_the_shard_down_every_micro_step_from_stage_2() -> None:
+    acc = replace(CPU, grad_accum=4)
+    assert estimate_offload(PSI, N, 1, acc).bus_down == 2 * SHARD  # stage 1 accumulates on the device
+    assert estimate_offload(PSI, N, 2, acc).bus_down == 4 * 2 * SHARD
+
+
+def test_the_update_after_backward_is_the_adam_or_the_disk_whichever_is_longer() -> None:
+    cpu = estimate_offload(PSI, N, 2, CPU)
+    adam_s = 12 * SHARD * 8 / (100 * GB)  # the node's 8 ranks share its CPU Adam
+    assert cpu.adam_s == pytest.approx(adam_s)
+    assert cpu.phase_s["after"] == pytest.approx(adam_s + 2 * SHARD / (50 * GB))
+    assert cpu.phase_s["backward"] == pytest.approx(2 * SHARD / (50 * GB))
+    nvme = estimate_offload(PSI, N, 2, NVME)
+    disk_s = 2 * 12 * SHARD / (20 * GB / 8)  # read + write, the node's disk shared by its 8 ranks
+    assert disk_s > adam_s and nvme.phase_s["after"] == pytest.approx(disk_s + 2 * SHARD / (50 * GB))
+    fast_disk = estimate_offload(PSI, N, 2, replace(NVME, disk_gbps=10_000.0))
+    assert fast_disk.phase_s["after"] == pytest.approx(adam_s + 2 * SHARD / (50 * GB))
+
+
+def test_offload_step_adds_what_compute_cannot_hide() -> None:
+    compute = 100.0
+    plain = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", compute_s=compute)
+    rec = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", compute_s=compute, offload=CPU)
+    for p in rec.plans:
+        same = plain.plans[p.stage]
+        after = p.offload.phase_s["after"]
+        assert p.step_s == pytest.approx(same.step_s + after)  # bus traffic beside backward hides under compute
+
+
+def test_offload_makes_a_model_fit_that_fits_nowhere_without() -> None:
+    psi, mem = 70 * GB, 80 * GB
+    with pytest.raises(NoFitError) as err:
+        recommend(psi, gpus=8, gpu_memory=mem, link="nvlink")
+    msg = str(err.value)
+    assert "not supported" not in msg and "--offload cpu" in msg
+    rec = recommend(psi, gpus=8, gpu_memory=mem, link="nvlink", offload=CPU)
+    assert rec.stage == 3 and rec.plans[-1].gpu_bytes <= mem
+    assert any("without offload no stage fits" in r for r in rec.reasons)
+    assert rec.deepspeed["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+
+
+def test_offload_says_when_a_stage_would_fit_without_it() -> None:
+    rec = recommend(10**9, gpus=8, gpu_memory=80 * GB, link="nvlink", offload=CPU)
+    assert any(r.startswith("without offload stage 0 fits too") for r in rec.reasons)
+
+
+def test_host_memory_or_disk_too_small_is_named() -> None:
+    small_host = replace(CPU, host_memory=120 * GB)  # 8 ranks x 16 GB of state and copies
+    with pytest.raises(NoFitError, match="host memory is too small"):
+        recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=small_host)
+    small_disk = replace(NVME, disk_space=90 * GB)  # 8 ranks x 12 GB of state files
+    with pytest.raises(NoFitError, match="the disk is too small"):
+        recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=small_disk)
+    rec = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=replace(NVME, disk_space=97 * GB))
+    assert all(p.fits for p in rec.plans)
+
+
+def test_config_keys_as_deepspeed_spells_them() -> None:
+    cpu = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=replace(CPU, param="cpu"))
+    zero = cpu.deepspeed["zero_optimization"]
+    assert "aio" not in cpu.deepspeed and zero["sub_group_size"] == MAX_SUB_GROUP
+    assert ("offload_param" in zero) == (cpu.stage == 3)
+    both = replace(NVME, param="nvme")
+    rec = recommend(PSI, gpus=N, gpu_memory=10 * GB, link="nvlink", offload=both, largest_layer_params=3 * 10**8)
+    zero = rec.deepspeed["zero_optimization"]
+    assert rec.stage == 3 and rec.deepspeed["aio"] == AIO
+    assert zero["offload_optimizer"] == {
+        "device": "nvme",
+        "nvme_path": "/local_nvme",
+        "pin_memory": True,
+        "buffer_count": 4,
+        "pipeline_read": True,
+        "pipeline_write": True,
+    }
+    assert zero["offload_param"]["buffer_size"] == 3 * 10**8  # holds the largest gathered unit
+    assert zero["sub_group_size"] == sub_group_elements(SHARD)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_deepspeed_reads_the_config() -> None:
+    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    rec = recommend(PSI, gpus=N, gpu_memory=10 * GB, link="nvlink", offload=replace(NVME, param="nvme"))
+    zero = DeepSpeedZeroConfig(**rec.deepspeed["zero_optimization"])
+    assert zero.offload_optimizer.device == "nvme" and zero.offload_param.device == "nvme"
+    assert str(zero.offload_optimizer.nvme_path) == "/local_nvme" and zero.sub_group_size == sub_group_elements(SHARD)
+    assert {k: v for k, v in get_aio_config(rec.deepspeed).items() if k in AIO} == AIO
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: replace(CPU, optimizer="gpu"), "offload='gpu': allowed devices are none, cpu, nvme"),
+        (lambda: replace(CPU, param="disk"), "offload_param='disk'"),
+        (lambda: replace(CPU, bus_gbps=0), "bus_gbps=0"),
+        (lambda: replace(CPU, grad_accum=0), "grad_accum=0"),
+        (lambda: replace(CPU, optimizer="nvme"), "disk_gbps=None: offload to nvme needs it .plan --disk-gbps"),
+        (lambda: replace(NVME, disk_space=-1), "disk_space=-1"),
+        (lambda: estimate_offload(PSI, N, 0, CPU), "stage=0: offload needs ZeRO stage 1, 2 or 3"),
+    ],
+)
+def test_bad_offload_input(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+PLAN = ["plan", "--params", "70B", "--gpus", "8", "--gpu-memory", "80GB", "--link", "nvlink"]
+
+
+def test_cli_offload_table_and_json(tmp_path, capsys) -> None:
+    path = tmp_path / "ds.json"
+    assert main(PLAN + ["--offload", "cpu", *FIGURES, "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "host/rank" in out and "disk I/O/step" in out and "recommended: ZeRO stage 3" in out
+    assert "offload figure" not in out  # every figure given
+    setup = replace(CPU, host_memory=2 * 10**12)
+    assert json.loads(path.read_text()) == recommend(70 * GB, gpus=8, gpu_memory=80 * GB, link="nvlink",
+                                                     offload=setup).deepspeed  # fmt: skip
+
+
+def test_cli_nvme_needs_the_disk_figures(tmp_path, capsys) -> None:
+    assert main(PLAN + ["--offload", "nvme", *FIGURES, "--nvme-path", str(tmp_path)]) == 2
+    assert "--disk-gbps" in capsys.readouterr().err
+    missing = str(tmp_path / "absent")
+    assert main(PLAN + ["--offload", "nvme", *FIGURES, "--nvme-path", missing, "--disk-gbps", "3"]) == 2
+    assert "give --disk-space" in capsys.readouterr().err
+    args = ["--offload", "nvme", *FIGURES, "--nvme-path", missing, "--disk-gbps", "3", "--disk-space", "2TB"]
+    assert main(PLAN + args) == 0
+    assert "recommended: ZeRO stage" in capsys.readouterr().out
+
+
+@pytest.mark.ext  # measures the C++ CPU Adam
+def test_cli_measures_what_it_is_not_given(tmp_path, capsys) -> None:
+    args = ["plan", "--params", "100M", "--gpus", "2", "--gpu-memory", "1GB", "--link", "nvlink"]
+    assert main(args + ["--offload", "nvme", "--nvme-path", str(tmp_path), "--disk-gbps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "measured here (cpu kernel" in out and "this machine's" in out and f"free under {tmp_path}" in out
+    gbps, impl = cpu_adam_gbps()
+    assert gbps > 0 and impl == "cpu" and memory_copy_gbps() > 0
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_json_loads_through_zero_config(tmp_path, capsys, optimizer: str) -> None:
+    from zero_kernels.config import ZeroConfig
+
+    path = tmp_path / "ds.json"
+    disk = ["--nvme-path", str(tmp_path), "--disk-gbps", "20", "--disk-space", "100TB"]
+    assert main(PLAN + ["--offload", optimizer, *FIGURES, *disk, "--json", str(path)]) == 0
+    written = json.loads(path.read_text())
+    cfg = ZeroConfig.from_deepspeed(str(path), world_size=8)
+    assert cfg.zero.stage == 3 and cfg.zero.offload_optimizer.device == optimizer
+    assert cfg.zero.offload_optimizer.pin_memory is True
+    assert cfg.zero.sub_group_size == written["zero_optimization"]["sub_group_size"]
+    if optimizer == "nvme":
+        assert cfg.zero.offload_optimizer.nvme_path == str(tmp_path) and cfg.zero.offload_optimizer.pipeline_read
+        assert (cfg.zero.aio.block_size, cfg.zero.aio.queue_depth) == (AIO["block_size"], AIO["queue_depth"])
+
+
+@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
+def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, optimizer: str) -> None:
+    import torch
+
+    import zero_kernels as zk
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    numel = sum(p.numel() for p in model.parameters())
+    block = {"device": optimizer, **({"nvme_path": str(tmp_path)} if optimizer == "nvme" else {})}
+    cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": block, "sub_group_size": 1 << 20}}  # fmt: skip
+    module, opt = zk.initialize(model, cfg)
+    tier = opt._pipeline.tier
+    module(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+    before = dict(tier.traffic())
+    opt.step()
+    moved = {k: v - before.get(k, 0) for k, v in tier.traffic().items()}
+    setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1)
+    est = estimate_offload(numel, 1, 2, setup)
+    assert moved["up"] == pytest.approx(est.bus_up, rel=0.01)  # the flat buffer pads each piece a little
+    assert moved["down"] == pytest.approx(est.bus_down, rel=0.01)
+    report = opt.memory_report()
+    if optimizer == "cpu":
+        assert report["host"] == pytest.approx(est.host_bytes, rel=0.01)
+    else:
+        assert report["disk"] == pytest.approx(est.disk_bytes, rel=0.01)
+        assert moved["read"] == pytest.approx(est.disk_read, rel=0.01)
+        assert moved["written"] == pytest.approx(est.disk_write, rel=0.01)
