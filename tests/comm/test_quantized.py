@@ -2,8 +2,8 @@
 
 Nodes are emulated in the spawned ranks' environment (``GROUP_RANK``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, read by ``comm.groups.node_groups``): 2 nodes x 2 ranks (nodes interleaved over
-the global ranks, so routing by rank number alone would be wrong), 3 nodes x 1 rank, 1 node x 3 ranks
-and 1 node x 2 ranks; in fp32, bf16 and fp16, for sizes smaller than a block and not divisible by
+the global ranks, so routing by rank number alone would be wrong), 3 nodes x 1 rank and 1 node x 3
+ranks; in fp32, bf16 and fp16, for sizes smaller than a block and not divisible by
 anything.
 
 The bound, per output element of rank r = (node d, local l) at position j (with qmax = 7):
@@ -37,7 +37,6 @@ GRIDS = {
     "2 nodes x 2, interleaved": (4, [0, 1, 0, 1]),
     "3 nodes x 1": (3, [0, 1, 2]),
     "1 node x 3": (3, [0, 0, 0]),
-    "1 node x 2": (2, [0, 0]),
 }
 
 
@@ -115,6 +114,7 @@ def _check_sums(rank: int, world: int, nodes_of: list[int]) -> list[str]:
                 problems.append(f"{dtype} n={n}: [{j}] {out[j].item()} vs {exact[j].item()}, bound {bound[j].item()}")
             if not bool(err.gt(0).any()) and n > 1 and dtype == torch.float32:
                 problems.append(f"{dtype} n={n}: exact to the last bit: nothing was quantized")
+    qrs.reduce_scatter(torch.empty(0), torch.empty(0), name="empty").wait()  # nothing to send: no error
     return problems + _check_exact_routing(rank, world, qrs) + _check_bytes(world, rows, qrs)
 
 
