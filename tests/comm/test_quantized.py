@@ -115,7 +115,21 @@ def _check_sums(rank: int, world: int, nodes_of: list[int]) -> list[str]:
             if not bool(err.gt(0).any()) and n > 1 and dtype == torch.float32:
                 problems.append(f"{dtype} n={n}: exact to the last bit: nothing was quantized")
     qrs.reduce_scatter(torch.empty(0), torch.empty(0), name="empty").wait()  # nothing to send: no error
+    problems += _check_non_finite(rank, world, qrs)
     return problems + _check_exact_routing(rank, world, qrs) + _check_bytes(world, rows, qrs)
+
+
+def _check_non_finite(rank: int, world: int, qrs) -> list[str]:
+    """An inf on one rank, bound for the last rank: that rank's output is not finite there."""
+    n = 50
+    inp = torch.randn(world * n, dtype=torch.bfloat16)
+    if rank == 0:
+        inp[(world - 1) * n + 3] = float("inf")
+    out = torch.empty(n, dtype=torch.bfloat16)
+    qrs.reduce_scatter(out, inp, name="overflow").wait()
+    if rank == world - 1 and bool(out[3].isfinite()):
+        return ["an inf gradient was reduced to a finite value"]
+    return []  # other ranks may see NaN too (their values shared its block): the step's check is global
 
 
 def _check_exact_routing(rank: int, world: int, qrs) -> list[str]:
@@ -176,6 +190,13 @@ def _check_feedback(rank: int, world: int, nodes_of: list[int]) -> list[str]:
         problems.append("the first reduction with error feedback differs from the plain one (no error yet)")
     if torch.equal(outs["reset"][1], outs["reset"][0]) or not torch.equal(outs["reset"][2], outs["reset"][0]):
         problems.append("reset_T=2: the third reduction must start again from no error, the second must not")
+    overflow = xs[rank].clone()
+    overflow[::7] = float("inf")
+    loco.reduce_scatter(torch.empty(n), overflow, name="bucket").wait()
+    out = torch.empty(n)
+    loco.reduce_scatter(out, xs[rank].clone(), name="bucket").wait()
+    if not bool(out.isfinite().all()):
+        problems.append("after an overflow step the error feedback keeps the next reductions non-finite")
     return problems
 
 

@@ -23,7 +23,11 @@ scale per block).
 Error feedback (``zeropp_loco_param``, after LoCo): with ``err_beta = b`` each hop keeps, per bucket, the
 moving average ``e <- b * e + (1 - b) * (c - Q(c))`` of its quantization error, where ``c = x + e`` is
 what it quantizes in place of ``x``; over many reductions of a bucket the errors cancel instead of
-adding up. The buffers (fp32, one bucket's hop inputs) are zeroed every ``reset_T`` reductions.
+adding up. The buffers (fp32, one bucket's hop inputs) are zeroed every ``reset_T`` reductions; where a
+reduction held inf or NaN (an fp16 overflow step) they are zeroed at once, so the next step starts clean.
+A non-finite input reaches ``out``: its block dequantizes to NaN at every hop, so the step's non-finite
+check sees it (values that shared the block, possibly bound for other ranks, become NaN too; that check
+is over every rank, so the step is skipped either way).
 
 The kernels come in as ``codec`` (``zero_kernels.kernels``: ``quantize``, ``dequantize``,
 ``QuantizedBlocks``): ``comm`` and ``kernels`` are wings of the same layer and do not import each other.
@@ -231,7 +235,8 @@ class QuantizedReduceScatter:
     def _remember_error(self, values: torch.Tensor, qb: Any, key: Any, hop: int) -> None:
         beta = self.feedback.beta
         sent = self.codec.dequantize(qb, torch.float32).view(values.shape)
-        self._errors[(key, hop)].mul_(beta).add_(values - sent, alpha=1.0 - beta)
+        error = self._errors[(key, hop)].mul_(beta).add_(values - sent, alpha=1.0 - beta)
+        error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # an overflow step must not poison the next ones
 
     def _count(self, key: Any, inp: torch.Tensor, n: int) -> None:
         self._reductions[key] = self._reductions.get(key, 0) + 1
