@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "ops/loops_cpu.h"
@@ -47,43 +46,6 @@ void check_values(const char* op, const char* name, const at::Tensor& t) {
                     "; allowed: float32, bfloat16, float16");
 }
 
-// The scale of n staged values: absmax / qmax, NaN when one is NaN (as a max that propagates NaN).
-float block_scale(const float* v, int64_t n, float qmax) {
-  float absmax = 0.0f;
-  int nan = 0;
-#pragma omp simd reduction(max : absmax) reduction(| : nan)
-  for (int64_t i = 0; i < n; ++i) {
-    absmax = std::max(absmax, std::fabs(v[i]));
-    nan |= static_cast<int>(v[i] != v[i]);
-  }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : absmax / qmax;
-}
-
-// q[i] = rint(v[i] / scale) clamped to [-qmax, qmax] (round half to even: the default rounding mode).
-void round_block(const float* v, int8_t* q, int64_t n, float scale, float qmax) {
-  if (!std::isfinite(scale) || scale == 0.0f) {
-    std::fill(q, q + n, int8_t{0});
-    return;
-  }
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::rint(std::clamp(v[i] / scale, -qmax, qmax)));
-}
-
-void pack_int4(const int8_t* q, uint8_t* out, int64_t n) {
-#pragma omp simd
-  for (int64_t j = 0; j < n / 2; ++j) {
-    out[j] = static_cast<uint8_t>((q[2 * j] & 0x0F) | ((q[2 * j + 1] & 0x0F) << 4));
-  }
-}
-
-void unpack_int4(const uint8_t* in, float* v, int64_t n, float scale) {
-#pragma omp simd
-  for (int64_t j = 0; j < n / 2; ++j) {
-    v[2 * j] = static_cast<float>(static_cast<int8_t>(in[j] << 4) >> 4) * scale;
-    v[2 * j + 1] = static_cast<float>(static_cast<int8_t>(in[j]) >> 4) * scale;
-  }
-}
-
 template <typename T>
 void quantize_blocks(const T* x, int64_t numel, int64_t bits, int64_t block, uint8_t* data, float* scales,
                      int64_t begin, int64_t end) {
@@ -94,10 +56,14 @@ void quantize_blocks(const T* x, int64_t numel, int64_t bits, int64_t block, uin
     const int64_t n = std::min(block, numel - b * block);
     loops::convert(x + b * block, 1, stage.data(), 1, n, false, 1.0f);
     std::fill(stage.begin() + n, stage.end(), 0.0f);
-    scales[b] = block_scale(stage.data(), block, qmax);
+    const float scale = scales[b] = loops::block_scale(stage.data(), block, qmax);
     int8_t* dst = bits == 8 ? reinterpret_cast<int8_t*>(data + b * block) : q.data();
-    round_block(stage.data(), dst, block, scales[b], qmax);
-    if (bits == 4) pack_int4(q.data(), data + b * block / 2, block);
+    if (!std::isfinite(scale) || scale == 0.0f) {
+      std::fill(dst, dst + block, int8_t{0});  // nothing sent for an all-zero or non-finite block
+    } else {
+      loops::quantize_block(stage.data(), dst, block, scale, qmax);
+    }
+    if (bits == 4) loops::pack_int4(q.data(), data + b * block / 2, block);
   }
 }
 
@@ -106,14 +72,7 @@ void dequantize_blocks(const uint8_t* data, const float* scales, int64_t numel, 
                        int64_t begin, int64_t end) {
   std::vector<float> stage(block);
   for (int64_t b = begin; b < end; ++b) {
-    const float scale = scales[b];
-    if (bits == 8) {
-      const auto* q = reinterpret_cast<const int8_t*>(data + b * block);
-#pragma omp simd
-      for (int64_t i = 0; i < block; ++i) stage[i] = static_cast<float>(q[i]) * scale;
-    } else {
-      unpack_int4(data + b * block / 2, stage.data(), block, scale);
-    }
+    loops::dequantize_block(data + b * block * bits / 8, bits, stage.data(), block, scales[b]);
     loops::convert(stage.data(), 1, out + b * block, 1, std::min(block, numel - b * block), false, 1.0f);
   }
 }

@@ -62,10 +62,10 @@ FLATTEN_CHUNK = [
 
 # Block quantization (``quant``): elements per block, one fp32 scale each, by bits. Measured with the
 # C++ kernel on this project's 2-core CPU (quantize + dequantize of 2^21 bf16/fp32 elements, one thread,
-# block sizes interleaved, best of 15): 64: 3.7-4.2 ms, 256: 3.1-3.5, 1024: 3.05-3.3, 2048: 3.03-3.36,
-# 4096: 3.04-3.51, 16384: 3.3-3.7 ms. 1024-4096 are equally fast; 2048 keeps the scales at 0.4 % of the
-# int4 bytes (0.2 % of int8) and the error of a block within one row of a typical layer. A Triton
-# program handles one block (its tile the next power of two).
+# block sizes interleaved, best of 15): 64: 0.80-1.23 ms, 256: 0.53-0.69, 1024: 0.41-0.55, 2048: 0.39-0.61,
+# 4096: 0.41-0.78, 8192: 0.62-0.85, 16384: 0.65-0.88 ms. 1024-2048 are the fastest (a block's fp32 stage
+# stays in L1); 2048 keeps the scales at 0.4 % of the int4 bytes (0.2 % of int8). A Triton program
+# handles one block (its tile the next power of two).
 QUANT_BLOCK = {4: 2048, 8: 2048}
 
 
