@@ -4,7 +4,9 @@
 // ZK_CPU_CLONES. Needs -fno-math-errno so that sqrt becomes a vector instruction.
 #include "ops/loops_cpu.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
 #define ZK_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -47,6 +49,44 @@ ZK_CPU_CLONES void adam_update_amsgrad(float* __restrict param, float* __restric
     exp_avg_sq[i] = v;
     max_exp_avg_sq[i] = v_max;
     param[i] = p * k.decay + (k.neg_step_size * m) / denom;
+  }
+}
+
+ZK_CPU_CLONES float block_scale(const float* __restrict v, int64_t n, float qmax) {
+  float absmax = 0.0f;
+  int nan = 0;
+#pragma omp simd reduction(max : absmax) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    absmax = std::max(absmax, std::fabs(v[i]));
+    nan |= static_cast<int>(v[i] != v[i]);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : absmax / qmax;
+}
+
+ZK_CPU_CLONES void quantize_block(const float* __restrict v, int8_t* __restrict q, int64_t n, float scale,
+                                  float qmax) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::rint(std::clamp(v[i] / scale, -qmax, qmax)));
+}
+
+ZK_CPU_CLONES void pack_int4(const int8_t* __restrict q, uint8_t* __restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n / 2; ++j) {
+    out[j] = static_cast<uint8_t>((q[2 * j] & 0x0F) | ((q[2 * j + 1] & 0x0F) << 4));
+  }
+}
+
+ZK_CPU_CLONES void dequantize_block(const uint8_t* __restrict data, int64_t bits, float* __restrict v, int64_t n,
+                                    float scale) {
+  if (bits == 8) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(static_cast<int8_t>(data[i])) * scale;
+    return;
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < n / 2; ++j) {
+    v[2 * j] = static_cast<float>(static_cast<int8_t>(data[j] << 4) >> 4) * scale;
+    v[2 * j + 1] = static_cast<float>(static_cast<int8_t>(data[j]) >> 4) * scale;
   }
 }
 

@@ -46,6 +46,18 @@ void convert(const Src* src, int64_t src_stride, Dst* dst, int64_t dst_stride, i
 template <typename T>
 void adopt_edits(float* param, const T* out, int64_t n);
 
+// Block quantization (quant_cpu.cpp): absmax / qmax of n contiguous values, NaN when one is NaN.
+float block_scale(const float* v, int64_t n, float qmax);
+
+// q[i] = rint(v[i] / scale) clamped to [-qmax, qmax] (a true division, ties to even); scale finite, not 0.
+void quantize_block(const float* v, int8_t* q, int64_t n, float scale, float qmax);
+
+// out[j] = the int4 values q[2j] (low nibble) and q[2j + 1] (high nibble); n even.
+void pack_int4(const int8_t* q, uint8_t* out, int64_t n);
+
+// v[i] = float(q[i]) * scale for n values stored as int8 bytes (bits 8) or int4 nibbles (bits 4, n even).
+void dequantize_block(const uint8_t* data, int64_t bits, float* v, int64_t n, float scale);
+
 // True when any of the n contiguous elements is inf or nan (tested on the exponent bits).
 template <typename T>
 bool any_nonfinite(const T* x, int64_t n);

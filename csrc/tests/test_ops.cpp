@@ -1,8 +1,8 @@
 // C++ tests of the CPU kernels, run by ctest without Python (see CMakeLists.txt).
 //
 // Adam (also with AMSGrad and maximize) is compared with a scalar double-precision loop,
-// flatten/unflatten with a round trip and with ATen's own copies; the found-inf flag and the input
-// checks are exercised as well.
+// flatten/unflatten with a round trip and with ATen's own copies, block quantization with a scalar
+// double loop; the found-inf flag and the input checks are exercised as well.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -15,6 +15,7 @@
 
 #include "ops/adam_cpu.h"
 #include "ops/flatten_cpu.h"
+#include "ops/quant_cpu.h"
 
 namespace {
 
@@ -182,6 +183,49 @@ void expect_value_error(const std::function<void()>& fn, const std::string& need
   }
 }
 
+// Block quantization against a scalar loop in double: each scale is absmax / qmax rounded once to
+// float, each integer the float quotient rounded half to even and clamped; a NaN block sends zeros
+// under a NaN scale. The round trip is within half a scale of every input.
+void test_quantize_against_double_loop(int64_t n, int64_t bits, int64_t block, at::ScalarType dtype) {
+  const std::string name = "quantize n=" + std::to_string(n) + " bits=" + std::to_string(bits) +
+                           " block=" + std::to_string(block) + " " + c10::toString(dtype);
+  at::Tensor x = (at::randn({n}) * 3.0).to(dtype);
+  if (n > 2 * block) x[block + 1] = NAN;
+  const int64_t blocks = (n + block - 1) / block;
+  at::Tensor data = at::empty({blocks * block * bits / 8}, at::kByte), scales = at::empty({blocks});
+  zero_kernels::quantize_cpu(x, bits, block, data, scales);
+  const std::vector<double> xs = to_vector(x);
+  const double qmax = bits == 8 ? 127.0 : 7.0;
+  const uint8_t* d = data.const_data_ptr<uint8_t>();
+  int bad = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    double absmax = 0.0;
+    bool nan = false;
+    for (int64_t i = b * block; i < std::min(n, (b + 1) * block); ++i) {
+      absmax = std::max(absmax, std::abs(xs[i]));
+      nan |= std::isnan(xs[i]);
+    }
+    const float scale = nan ? NAN : static_cast<float>(absmax / qmax);
+    const float got = scales.const_data_ptr<float>()[b];
+    bad += !(got == scale || (std::isnan(got) && std::isnan(scale)));
+    for (int64_t i = b * block; i < (b + 1) * block; ++i) {
+      const float quotient = i < n && scale > 0 && std::isfinite(scale) ? static_cast<float>(xs[i] / scale) : 0.0f;
+      const int want = static_cast<int>(std::nearbyint(std::clamp(static_cast<double>(quotient), -qmax, qmax)));
+      const int q = bits == 8 ? static_cast<int8_t>(d[i]) : ((((d[i / 2] >> (4 * (i % 2))) & 0x0F) ^ 8) - 8);
+      bad += q != want;
+    }
+  }
+  at::Tensor back = at::empty({n}, dtype);
+  zero_kernels::dequantize_cpu(data, scales, bits, block, back);
+  const std::vector<double> ys = to_vector(back);
+  for (int64_t i = 0; i < n; ++i) {
+    const double scale = scales.const_data_ptr<float>()[i / block];
+    const double ulp = dtype == at::kFloat ? 0.0 : std::abs(ys[i]) * (dtype == at::kBFloat16 ? 0x1p-7 : 0x1p-10);
+    bad += std::isnan(scale) ? !std::isnan(ys[i]) : !(std::abs(ys[i] - xs[i]) <= scale * (0.5 + qmax * 0x1p-22) + ulp);
+  }
+  expect(bad == 0, name + ": " + std::to_string(bad) + " values or scales differ from the double loop");
+}
+
 void test_checks() {
   at::Tensor p = at::zeros({4}), m = at::zeros({4}), v = at::zeros({3});
   const auto h = hyper_for_step(1, true, std::nullopt);
@@ -196,6 +240,9 @@ void test_checks() {
   expect_value_error(
       [&] { zero_kernels::unflatten_cpu(at::zeros({6}), {at::zeros({3}).expand({2, 3})}, {0}, std::nullopt); },
       "share memory");
+  expect_value_error(
+      [&] { zero_kernels::quantize_cpu(at::zeros({8}), 4, 7, at::empty({4}, at::kByte), at::empty({2})); },
+      "even for bits=4");
 }
 
 }  // namespace
@@ -212,6 +259,12 @@ int main() {
   for (const int64_t n : {7, 4097, 100003}) {
     test_amsgrad_maximize_against_double_loop(n, true);
     test_amsgrad_maximize_against_double_loop(n, false);
+  }
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const int64_t n : {1, 63, 64, 65, 4099}) {
+      test_quantize_against_double_loop(n, 8, 64, dtype);
+      test_quantize_against_double_loop(n, 4, 64, dtype);
+    }
   }
   test_found_inf();
   test_flatten_round_trip();
