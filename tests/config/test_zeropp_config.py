@@ -33,9 +33,9 @@ def test_defaults_are_deepspeeds() -> None:
     z = ZeroOptions.from_dict({"stage": 3})
     assert (z.quantized_weights, z.quantized_nontrainable_weights, z.hpz_partition_size) == (False, False, 1)
     assert (z.quantized_gradients, z.loco_param) == (False, None)
-    assert ZeroOptions.from_dict({"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {}}).loco_param == (
-        LocoParam(0.8, 1024)
-    )
+    assert ZeroOptions.from_dict(
+        {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {}}
+    ).loco_param == (LocoParam(0.8, 1024))
 
 
 def test_keyword_spellings_and_round_trip() -> None:

@@ -55,7 +55,7 @@ class NodeGroups:
     inter: Any
 
 
-_cache: Optional[tuple[weakref.ReferenceType, NodeGroups]] = None
+_cache: Optional[tuple[weakref.ReferenceType, NodeGroups, list[list[int]]]] = None  # and every node's ranks
 
 
 def _where() -> tuple[str, Optional[int], Optional[int]]:
@@ -127,5 +127,32 @@ def node_groups() -> NodeGroups:
         intra=intra[node],
         inter=inter[local],
     )
-    _cache = (weakref.ref(world), groups)
+    _cache = (weakref.ref(world), groups, rows)
     return groups
+
+
+def node_subgroup(size: int, what: str = "node_subgroup") -> Any:
+    """The process group of this rank and the ``size`` - 1 ranks beside it on its node (its node's ranks cut,
+    by local rank, into runs of ``size``): ``node_groups().intra`` when ``size`` is the ranks per node.
+    Collective (every rank makes every such group, in the same order).
+
+    Raises:
+        ValueError: (on every rank alike) ``size`` does not divide the ranks per node; ``what`` names the setting.
+    """
+    groups = node_groups()
+    if size < 1 or groups.local_world_size % size:
+        raise ValueError(
+            f"{what}={size} must be the number of ranks per node or a divisor of it; this job has "
+            f"{groups.nodes} node(s) of {groups.local_world_size} rank(s) (LOCAL_WORLD_SIZE)"
+        )
+    if size == groups.local_world_size:
+        return groups.intra
+    assert _cache is not None
+    rank, mine = dist.get_rank(), None
+    for row in _cache[2]:
+        for start in range(0, len(row), size):
+            ranks = list(row[start : start + size])
+            group = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                mine = group
+    return mine

@@ -58,7 +58,6 @@ OFFLOAD_PARAM = Section(
 )
 
 
-
 class LocoParam(NamedTuple):
     """``zeropp_loco_param``: error feedback of the quantized gradient reduction (LoCo): the carried
     error decays by ``err_beta`` and is reset every ``reset_T`` steps (DeepSpeed's defaults 0.8, 1024)."""

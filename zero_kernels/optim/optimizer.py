@@ -498,8 +498,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the storages: ``params``, ``grads`` and ``optimizer``
-        state (the model states of DESIGN.md's formula), and ``buffers``, the idle gradient buckets
-        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets)."""
+        state (the model states of DESIGN.md's formula), ``buffers``, the idle gradient buckets
+        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets), and ``secondary``, ZeRO++'s
+        copies of parameters at stage 3: hpZ's secondary partition and qwZ's int8 copy of this rank's shard."""
         held = self._pipeline.memory_tensors()
         params = [p for g in self.param_groups for p in g["params"]]
         return {
@@ -507,6 +508,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             "grads": storage_bytes(held["grads"] + [p.grad for p in params]),
             "optimizer": storage_bytes(held["optimizer"]),
             "buffers": storage_bytes(held["buffers"]),
+            "secondary": storage_bytes(held["secondary"]),
         }
 
     # ---------------------------------------------------------------- state dicts
