@@ -10,6 +10,8 @@
 * ``flatten as stage 2 calls it``: each gradient copied, scaled by 1/world, into its bucket with one
   launch per parameter piece, against ``torch.mul(..., out=)`` per piece (one kernel each too).
 * ``tuning sweep``: Adam and flatten GB/s at 2^26 elements under each (block, num_warps) choice.
+* ``quant``: block quantize and dequantize (int8 and int4, bf16 and fp32) at 2^26 elements, GB/s of the
+  bytes each reads and writes, as a fraction of the device's copy bandwidth (goal: at least 0.8).
 
 Times are medians of CUDA-event intervals (``benchmarks.common.timeit``). ``--json DIR`` writes
 ``gpu_timing.json`` after every section (each guarded). Exit status 2 without CUDA (every section
@@ -162,10 +164,34 @@ def tuning_sweep() -> list[dict]:
     return rows
 
 
+def time_quant() -> list[dict]:
+    """quantize and dequantize of 2^26 elements, bits 8 and 4, against the device's copy bandwidth."""
+    from zero_kernels.kernels import QuantizedBlocks, dequantize, quantize, tuning
+
+    bandwidth = copy_bandwidth(BIG, DEVICE)
+    rows = []
+    for bits, dtype in [(b, d) for b in (8, 4) for d in (torch.bfloat16, torch.float32)]:
+        block = tuning.QUANT_BLOCK[bits]
+        x = torch.randn(BIG, device=DEVICE).to(dtype)
+        qb = QuantizedBlocks.empty(BIG, bits, block, DEVICE)
+        out = torch.empty_like(x)
+        moved = BIG * x.element_size() + qb.nbytes()  # the values on one side, integers + scales on the other
+        for op, fn in (
+            ("quantize", lambda: quantize(x, bits, block, out=qb, impl="triton")),
+            ("dequantize", lambda: dequantize(qb, dtype, out=out, impl="triton")),
+        ):
+            ms = _ms(fn)
+            gbps = moved / (ms * 1e-3) / 1e9
+            rows.append({"case": f"{op} int{bits} {str(dtype)[6:]}", "block": block, "ms": ms, "GBps": gbps,
+                         "of_copy_bandwidth": gbps / bandwidth, "goal": 0.8})  # fmt: skip
+    return rows
+
+
 SECTIONS = {
     "adam": ("timed: adam on an unaligned model, padded vs unpadded vs fused AdamW", time_unaligned_adam),
     "flatten": ("timed: flatten as stage 2 calls it vs torch.mul(out=)", time_stage2_flatten),
     "tuning": ("timed: (block, num_warps) sweep", tuning_sweep),
+    "quant": ("timed: quantize/dequantize vs copy bandwidth (goal >= 80 %)", time_quant),
 }
 
 

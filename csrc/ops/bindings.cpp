@@ -1,10 +1,11 @@
 // Python bindings of the CPU kernels: one m.def per op, the GIL released around the work.
-// Input checks sit at the top of each C++ entry point (adam_cpu.cpp, flatten_cpu.cpp), so
-// they also guard callers that use the kernels without Python.
+// Input checks sit at the top of each C++ entry point (adam_cpu.cpp, flatten_cpu.cpp,
+// quant_cpu.cpp), so they also guard callers that use the kernels without Python.
 #include <torch/extension.h>
 
 #include "ops/adam_cpu.h"
 #include "ops/flatten_cpu.h"
+#include "ops/quant_cpu.h"
 
 namespace {
 
@@ -33,5 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("unflatten", &zero_kernels::unflatten_cpu, "copy a flat buffer back into tensors in place (cast, scale)",
         py::arg("flat"), py::arg("tensors"), py::arg("offsets"), py::kw_only(), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantize", &zero_kernels::quantize_cpu, "block quantization into preallocated data and scales",
+        py::arg("x"), py::arg("bits"), py::arg("block"), py::arg("data"), py::arg("scales"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &zero_kernels::dequantize_cpu, "block dequantization into a preallocated tensor",
+        py::arg("data"), py::arg("scales"), py::arg("bits"), py::arg("block"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,12 +1,13 @@
 """GPU check of the Triton kernels: correctness on random data, what each compiled variant costs, summary.
 
 ``python tests/gpu/gpu_check.py [--json DIR]`` runs on a CUDA device: Adam (every flag, grad and
-copy dtype, sizes up to 2^26) and flatten/unflatten (a 2^26-element bucket of ~200 tensors, views,
-mixed dtypes) against the reference twins and torch.optim.AdamW, no recompilation across an lr
-schedule; then it prints, for every kernel variant those checks compiled, its registers, spills
-and the widest global load and store of its PTX (``kernels.aot`` holds the same limits without a
-GPU). ``--json DIR`` writes ``gpu_check.json`` after every check. It exits 1 when a check fails or a
-variant is over the limits, 2 without CUDA (every check written as skipped).
+copy dtype, sizes up to 2^26), flatten/unflatten (a 2^26-element bucket of ~200 tensors, views,
+mixed dtypes) and block quantize/dequantize (bit for bit) against the reference twins and
+torch.optim.AdamW, no recompilation across an lr schedule; then it prints, for every kernel variant
+those checks compiled, its registers, spills and the widest global load and store of its PTX
+(``kernels.aot`` holds the same limits without a GPU). ``--json DIR`` writes ``gpu_check.json`` after
+every check. It exits 1 when a check fails or a variant is over the limits, 2 without CUDA (every
+check written as skipped).
 ``--summary DIR`` prints the short table of a finished run (every JSON file the GPU check wrote).
 """
 
@@ -304,6 +305,29 @@ def check_flatten() -> list[str]:
     return problems
 
 
+def check_quant() -> list[str]:
+    """quantize/dequantize (bits 8 and 4, every dtype, 2^26 and odd sizes, non-finite blocks) == the reference."""
+    from zero_kernels.kernels import dequantize, dequantize_ref, quantize, quantize_ref, tuning
+
+    problems = []
+    for bits, dtype, n in [(b, d, n) for b in (8, 4) for d in DTYPES for n in (BIG, BIG // 7 + 3)]:
+        block = tuning.QUANT_BLOCK[bits]
+        x = torch.randn(n, device=DEVICE).to(dtype)
+        x[n // 3] = float("nan")
+        x[n - 2] = float("inf")
+        ours, ref = quantize(x, bits, block, impl="triton"), quantize_ref(x, bits, block)
+        case = f"bits={bits} {dtype} n={n}"
+        if not torch.equal(ours.data, ref.data) or not torch.equal(
+            ours.scales.nan_to_num(7.0), ref.scales.nan_to_num(7.0)
+        ):
+            problems.append(f"quantize {case}: {int((ours.data != ref.data).sum())} bytes differ")
+        back, back_ref = dequantize(ref, dtype, impl="triton"), dequantize_ref(ref, dtype)
+        if not torch.equal(back.nan_to_num(7.0), back_ref.nan_to_num(7.0)):
+            problems.append(f"dequantize {case}: {int((back != back_ref).sum())} elements differ")
+        del x, ours, ref, back, back_ref
+    return problems
+
+
 CHECKS = {
     "adam: flags x dtypes x sizes vs reference": check_adam_variants,
     "adam: non-finite gradients, flag already set": check_adam_nonfinite,
@@ -311,6 +335,7 @@ CHECKS = {
     "adam: amsgrad + maximize vs torch.optim.AdamW": check_adam_amsgrad_maximize_vs_torch,
     "adam: unaligned pieces on aligned spans (window), no recompile": check_adam_window_no_recompile,
     "flatten/unflatten: 2^26 bucket, views, mixed dtypes": check_flatten,
+    "quantize/dequantize: bits 8 and 4, every dtype, non-finite blocks vs reference": check_quant,
 }
 
 
@@ -319,10 +344,11 @@ VARIANTS = "compiled variants within 128 registers, no spills"
 
 def compiled_variants() -> list[dict]:
     """Registers, spills and access widths of every Triton kernel variant compiled in this process."""
-    from zero_kernels.kernels import aot, triton_adam, triton_flatten
+    from zero_kernels.kernels import aot, triton_adam, triton_flatten, triton_quant
 
     rows = []
-    for kernel in (triton_adam._adam_kernel, triton_adam._nonfinite_kernel, triton_flatten._flatten_kernel):
+    kernels = (triton_adam._adam_kernel, triton_adam._nonfinite_kernel, triton_flatten._flatten_kernel)
+    for kernel in kernels + (triton_quant._quantize_kernel, triton_quant._dequantize_kernel):
         for cache, *_ in getattr(kernel, "device_caches", {}).values():
             for compiled in cache.values():
                 registers, stack = aot.cubin_resources(compiled.asm["cubin"], compiled.metadata.name)

@@ -11,6 +11,8 @@ float32's rounding of ``x/scale`` and of ``q*scale`` (each at most half an ulp o
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -19,11 +21,30 @@ from zero_kernels.kernels.quant_reference import QMAX, unpack
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-BACKENDS = {
-    "reference": (quantize_ref, dequantize_ref),
-    "face": (quantize, dequantize),
-}
+IMPLS = ["torch", "cpu", "triton"]  # the reference, the C++ kernel, the Triton kernel (interpreted without CUDA)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 64
+
+
+def _device(impl: str) -> torch.device:
+    return DEVICE if impl == "triton" else torch.device("cpu")
+
+
+def _backend(impl: str) -> tuple[Callable[..., QuantizedBlocks], Callable[..., torch.Tensor]]:
+    """quantize and dequantize of one backend on CPU tensors in and out (run on the backend's device)."""
+    device = _device(impl)
+
+    def quant(x: torch.Tensor, bits: int, block: int) -> QuantizedBlocks:
+        return _to(quantize(x.to(device), bits, block, impl=impl), torch.device("cpu"))
+
+    def dequant(qb: QuantizedBlocks, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(_to(qb, device), dtype, impl=impl).cpu()
+
+    return quant, dequant
+
+
+def _to(qb: QuantizedBlocks, device: torch.device) -> QuantizedBlocks:
+    return QuantizedBlocks(qb.data.to(device), qb.scales.to(device), qb.numel, qb.bits, qb.block)
 
 
 def _oracle(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +71,8 @@ def _bound(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype)
     return bound.reshape(-1)
 
 
-def _check(x: torch.Tensor, bits: int, block: int, backend: str) -> QuantizedBlocks:
-    quant, dequant = BACKENDS[backend]
+def _check(x: torch.Tensor, bits: int, block: int, impl: str) -> QuantizedBlocks:
+    quant, dequant = _backend(impl)
     qb = quant(x, bits, block)
     q, scales = _oracle(x, bits, block)
     assert (qb.numel, qb.bits, qb.block) == (x.numel(), bits, block)
@@ -69,55 +90,55 @@ def _check(x: torch.Tensor, bits: int, block: int, backend: str) -> QuantizedBlo
     return qb
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
 @pytest.mark.parametrize("n", [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17, 1001])
-def test_quantize_matches_float64(backend: str, bits: int, dtype: torch.dtype, n: int) -> None:
+def test_quantize_matches_float64(impl: str, bits: int, dtype: torch.dtype, n: int) -> None:
     g = torch.Generator().manual_seed(n)
     x = (torch.randn(n, generator=g) * torch.logspace(-3, 3, n).sqrt()).to(dtype)
-    _check(x, bits, BLOCK, backend)
+    _check(x, bits, BLOCK, impl)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits,block", [(8, 33), (8, 1), (4, 2), (4, 4096)])
-def test_any_block_size(backend: str, bits: int, block: int) -> None:
+def test_any_block_size(impl: str, bits: int, block: int) -> None:
     x = torch.randn(2 * block + 3)
-    _check(x, bits, block, backend)
+    _check(x, bits, block, impl)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits", [8, 4])
-def test_ties_round_to_even_and_values_clamp(backend: str, bits: int) -> None:
+def test_ties_round_to_even_and_values_clamp(impl: str, bits: int) -> None:
     qmax = QMAX[bits]
     x = torch.tensor([float(qmax), 0.5, 1.5, 2.5, -0.5, -2.5, -float(qmax), 3.5])  # scale exactly 1
-    qb = _check(x, bits, 8, backend)
+    qb = _check(x, bits, 8, impl)
     assert unpack(qb.data, bits).tolist() == [qmax, 0, 2, 2, 0, -2, -qmax, 4]
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_int4_packs_low_nibble_first(backend: str) -> None:
-    qb = BACKENDS[backend][0](torch.tensor([1.0, -1.0, 7.0, -7.0]), 4, 4)
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int4_packs_low_nibble_first(impl: str) -> None:
+    qb = _backend(impl)[0](torch.tensor([1.0, -1.0, 7.0, -7.0]), 4, 4)
     assert qb.data.tolist() == [0xF1, 0x97]
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
-def test_all_zero_blocks(backend: str, bits: int, dtype: torch.dtype) -> None:
+def test_all_zero_blocks(impl: str, bits: int, dtype: torch.dtype) -> None:
     x = torch.randn(3 * BLOCK + 5).to(dtype)
     x[BLOCK : 2 * BLOCK] = 0
     x[3 * BLOCK :] = 0  # the padded last block, all zero
-    qb = _check(x, bits, BLOCK, backend)
+    qb = _check(x, bits, BLOCK, impl)
     assert qb.scales[1] == 0 and qb.scales[3] == 0
-    assert bool((BACKENDS[backend][1](qb, dtype)[BLOCK : 2 * BLOCK] == 0).all())
+    assert bool((_backend(impl)[1](qb, dtype)[BLOCK : 2 * BLOCK] == 0).all())
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
-def test_non_finite_input_poisons_its_block_only(backend: str, bits: int, dtype: torch.dtype) -> None:
-    quant, dequant = BACKENDS[backend]
+def test_non_finite_input_poisons_its_block_only(impl: str, bits: int, dtype: torch.dtype) -> None:
+    quant, dequant = _backend(impl)
     x = torch.randn(4 * BLOCK).to(dtype)
     x[3] = float("inf")
     x[BLOCK + 5] = float("nan")
@@ -128,21 +149,21 @@ def test_non_finite_input_poisons_its_block_only(backend: str, bits: int, dtype:
     assert bool((unpack(qb.data, bits)[: 3 * BLOCK] == 0).all()), "a non-finite block sends no integers"
     out = dequant(qb, dtype)
     assert bool(out[: 3 * BLOCK].isnan().all()), "every value of a non-finite block dequantizes to NaN"
-    _check(x[3 * BLOCK :].clone(), bits, BLOCK, backend)  # the finite block is unchanged by its neighbours
+    _check(x[3 * BLOCK :].clone(), bits, BLOCK, impl)  # the finite block is unchanged by its neighbours
     assert torch.equal(out[3 * BLOCK :], dequant(quant(x[3 * BLOCK :].clone(), bits, BLOCK), dtype))
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_out_buffers_are_written_in_place(backend: str) -> None:
-    quant, dequant = BACKENDS[backend]
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_buffers_are_written_in_place(impl: str) -> None:
+    device = _device(impl)
     x = torch.randn(2 * BLOCK + 9, dtype=torch.bfloat16)
     expected = quantize_ref(x, 4, BLOCK)
-    out = QuantizedBlocks.empty(x.numel(), 4, BLOCK)
-    assert quant(x, 4, BLOCK, out=out) is out
-    assert torch.equal(out.data, expected.data) and torch.equal(out.scales, expected.scales)
-    values = torch.full((x.numel(),), 123.0, dtype=torch.float16)
-    assert dequant(out, torch.float16, out=values) is values
-    assert torch.equal(values, dequantize_ref(expected, torch.float16))
+    out = QuantizedBlocks.empty(x.numel(), 4, BLOCK, device)
+    assert quantize(x.to(device), 4, BLOCK, out=out, impl=impl) is out
+    assert torch.equal(out.data.cpu(), expected.data) and torch.equal(out.scales.cpu(), expected.scales)
+    values = torch.full((x.numel(),), 123.0, dtype=torch.float16, device=device)
+    assert dequantize(out, torch.float16, out=values, impl=impl) is values
+    assert torch.equal(values.cpu(), dequantize_ref(expected, torch.float16))
 
 
 def test_empty_input() -> None:

@@ -81,14 +81,19 @@ class Compiled:
 def vectors_needed(kernel: str) -> tuple[int, int]:
     """(loads, stores) of ``VECTOR_BITS`` an aligned variant of ``kernel`` must contain at least.
 
-    The non-finite check stores one flag: only its loads. The flatten kernel picks its dtypes at run
+    The non-finite check stores one flag: only its loads. The quantization kernels must move their
+    float side (quantize's loads, dequantize's stores) in vectors; their integer side is 16 bytes per
+    thread for int8 and 8 for int4 (the even/odd split of a tile leaves a thread 64-bit runs of bytes,
+    which a warp still reads and writes as whole lines). The flatten kernel picks its dtypes at run
     time: each of its nine (tensor, flat) dtype pairs has its own copy loop, and each loop must move
     a thread's share of a tile in 16-byte vectors.
     """
     from .triton_flatten import DTYPE_CODES
 
-    if kernel == "_nonfinite_kernel":
+    if kernel in ("_nonfinite_kernel", "_quantize_kernel"):
         return 1, 0
+    if kernel == "_dequantize_kernel":
+        return 0, 1
     if kernel != "_flatten_kernel":
         return 1, 1
     per_thread = tuning.FLATTEN.block // (32 * tuning.FLATTEN.num_warps)
@@ -126,11 +131,11 @@ def _recording() -> Iterator[list[_Launch]]:
     """Replace every Triton kernel of the kernel modules by a recorder while inside."""
     import triton
 
-    from . import triton_adam, triton_flatten
+    from . import triton_adam, triton_flatten, triton_quant
 
     launches: list[_Launch] = []
     saved = []
-    for module in (triton_adam, triton_flatten):
+    for module in (triton_adam, triton_flatten, triton_quant):
         for name, value in vars(module).items():
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 saved.append((module, name, value))
@@ -190,17 +195,34 @@ def _flatten_call(function: str, axes: dict[str, Any]) -> None:
         unflatten_triton(flat, [tensor], [16], scale=scale)
 
 
+def _quant_call(function: str, axes: dict[str, Any]) -> None:
+    from .quant_reference import QuantizedBlocks
+    from .triton_quant import dequantize_triton, quantize_triton
+
+    bits, dtype, aligned = axes["bits"], _DTYPES[axes["dtype"]], axes["aligned"]
+    block = tuning.QUANT_BLOCK[bits]
+    n = 4 * block if aligned else 4 * block - 1
+    if function == "quantize":
+        quantize_triton(_tensor(n, dtype, aligned), bits, block)
+    else:
+        dequantize_triton(QuantizedBlocks.empty(n, bits, block), dtype, out=_tensor(n, dtype, aligned))
+
+
 def _launches(function: str, axes: dict[str, Any]) -> list[_Launch]:
     with _recording() as launches:
         if function == "adam_step":
             _adam_call(axes)
+        elif function in ("quantize", "dequantize"):
+            _quant_call(function, axes)
         else:
             _flatten_call(function, axes)
     return launches
 
 
 def _describes_alignment(function: str, axes: dict[str, Any]) -> bool:
-    return bool(axes.get("aligned")) if function == "adam_step" else axes.get("layout") == "aligned"
+    if function in ("adam_step", "quantize", "dequantize"):
+        return bool(axes.get("aligned"))
+    return axes.get("layout") == "aligned"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ the update, ``master`` and ``stats`` use): ``grad_shard``, ``param_shard``, ``ma
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from typing import Any, ClassVar, Iterator, Optional, Sequence
 
@@ -57,6 +58,8 @@ from .backward import BackwardRound, grad_hook, owners
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .layout import Bucket, BufferLayout, align_elements
 from .outcome import StepResult
+
+log = logging.getLogger("zero_kernels")
 
 
 class Pipeline(BackwardRound):
@@ -77,6 +80,7 @@ class Pipeline(BackwardRound):
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
     grads_in_p_grad: ClassVar[bool] = True  # the step reads p.grad (stages 0, 1); False: a shard only it holds
+    quantizes_gradients: ClassVar[bool] = False  # True: zero_quantized_gradients applies (stages 2, 3: qgZ)
 
     def __init__(
         self,
@@ -114,6 +118,8 @@ class Pipeline(BackwardRound):
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
+        if getattr(options, "quantized_gradients", False) and not self.quantizes_gradients:
+            log.warning("zero_quantized_gradients applies at stages 2 and 3; stage %d reduces unquantized", self.stage)
         overlap = self.allgather_by_bucket and getattr(options, "overlap_param_gather", False)
         self.gathers = param_gather.ParamGathers(overlap)  # the step's all-gathers, kept in flight when overlapping
         self.param_traffic = quantized_gather.Traffic()  # what parameter all-gathers sent (ZeRO++), logged once
