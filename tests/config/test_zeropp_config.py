@@ -24,7 +24,7 @@ def test_keys_are_carried_not_ignored(caplog: pytest.LogCaptureFixture) -> None:
         cfg = ZeroConfig.from_deepspeed({"zero_optimization": ZEROPP}, world_size=4)
     z = cfg.zero
     assert (z.quantized_weights, z.hpz_partition_size, z.quantized_gradients) == (True, 2, True)
-    assert z.loco_param == LocoParam(0.5, 64)
+    assert z.loco_param == LocoParam(err_beta=0.5, reset_T=64)
     assert z.quantized_nontrainable_weights is False
     assert not any("without effect" in r.getMessage() for r in caplog.records)
 
@@ -35,7 +35,7 @@ def test_defaults_are_deepspeeds() -> None:
     assert (z.quantized_gradients, z.loco_param) == (False, None)
     assert ZeroOptions.from_dict(
         {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {}}
-    ).loco_param == (LocoParam(0.8, 1024))
+    ).loco_param == (LocoParam())
 
 
 def test_keyword_spellings_and_round_trip() -> None:
@@ -51,6 +51,16 @@ def test_off_values_are_accepted_at_every_stage() -> None:
         off = {"zero_quantized_weights": False, "zero_hpz_partition_size": 1, "zero_quantized_gradients": False}
         ZeroOptions.from_dict({"stage": stage, **off, "zero_hpz_partition_size": 0, "zeropp_loco_param": None})
     assert ZeroOptions.from_dict({"stage": 1, "zero_quantized_weights": True}).quantized_weights
+    assert ZeroOptions.from_dict({"stage": 2, "zero_quantized_gradients": True}).quantized_gradients
+
+
+def test_loco_param_is_deepspeeds_dict_read_only() -> None:
+    loco = ZeroOptions.from_dict(ZEROPP).loco_param
+    assert loco == {"err_beta": 0.5, "reset_T": 64} and isinstance(loco, dict)
+    assert (loco.err_beta, loco.reset_T) == (0.5, 64)
+    with pytest.raises(TypeError, match="read-only"):
+        loco["err_beta"] = 0.1
+    hash(ZeroOptions.from_dict(ZEROPP))
 
 
 @pytest.mark.parametrize(
@@ -58,7 +68,7 @@ def test_off_values_are_accepted_at_every_stage() -> None:
     [
         ({"stage": 0, "zero_quantized_weights": True}, ("zero_optimization.zero_quantized_weights", "stages 1-3")),
         ({"stage": 2, "zero_hpz_partition_size": 2}, ("zero_optimization.zero_hpz_partition_size=2", "stage 3 only")),
-        ({"stage": 2, "zero_quantized_gradients": True}, ("zero_quantized_gradients", "stage 3 only", "stage is 2")),
+        ({"stage": 1, "zero_quantized_gradients": True}, ("zero_quantized_gradients", "stages 2-3", "stage is 1")),
         ({"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}, ("zeropp_loco_param", "zero_quantized_gradients")),
         ({"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 1.5}}, ("err_beta=1.5",)),
         ({"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"reset": 3}}, ("unknown key 'reset'",)),

@@ -10,7 +10,7 @@ otherwise), and alternative spellings. Defaults follow DeepSpeed's own config cl
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -58,17 +58,37 @@ OFFLOAD_PARAM = Section(
 )
 
 
-class LocoParam(NamedTuple):
+class LocoParam(dict):
     """``zeropp_loco_param``: error feedback of the quantized gradient reduction (LoCo): the carried
-    error decays by ``err_beta`` and is reset every ``reset_T`` steps (DeepSpeed's defaults 0.8, 1024)."""
+    error decays by ``err_beta`` and is reset every ``reset_T`` steps (DeepSpeed's defaults 0.8, 1024).
 
-    err_beta: float = 0.8
-    reset_T: int = 1024
+    A read-only dict with DeepSpeed's keys (what DeepSpeed's config holds), also read as attributes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        dict.__init__(self, {"err_beta": 0.8, "reset_T": 1024})
+        dict.update(self, *args, **kwargs)
+
+    @property
+    def err_beta(self) -> float:
+        return self["err_beta"]
+
+    @property
+    def reset_T(self) -> int:  # noqa: N802 (DeepSpeed's key)
+        return self["reset_T"]
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("zeropp_loco_param is read-only: make a new one")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _read_only
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
 
 
 _LOCO = Section(
     fields={"err_beta": Field(number(0, 1), 0.8, auto=False), "reset_T": Field(integer(1), 1024, auto=False)},
-    finish=lambda d: LocoParam(**d),
+    finish=LocoParam,
     allowed='a JSON object such as {"err_beta": 0.8, "reset_T": 1024}, or null',
 )
 
@@ -77,7 +97,7 @@ def _loco(value: Any, path: str, ctx: Any = None) -> Optional[LocoParam]:
     """null (off), a ``{"err_beta", "reset_T"}`` object, or a ``LocoParam`` (checked again)."""
     if value is None:
         return None
-    return _LOCO(value._asdict() if isinstance(value, LocoParam) else value, path, ctx)
+    return _LOCO(value, path, ctx)
 
 
 # ZeRO++ (DeepSpeed's ``zero_*`` keys): the field of ``ZeroOptions`` each is carried in.

@@ -81,12 +81,12 @@ def _zero_default(name: str) -> Any:
 ZEROPP_STAGES: Dict[str, Tuple[int, ...]] = {
     "quantized_weights": (1, 2, 3),  # stages 1-2: the parameter all-gather after the step
     "hpz_partition_size": (3,),
-    "quantized_gradients": (3,),
+    "quantized_gradients": (2, 3),  # stage 3 reduces through stage 2's path
 }
 _ZEROPP_WHAT = {
     "quantized_weights": "quantizes the parameter all-gather, which stage 0 does not have",
     "hpz_partition_size": "keeps a secondary partition of the parameters gathered at stage 3",
-    "quantized_gradients": "quantizes stage 3's gradient reduction",
+    "quantized_gradients": "quantizes the gradient reduce-scatter, which stages 0-1 do not have",
 }
 
 
@@ -103,7 +103,7 @@ def _check_zeropp(options: "ZeroOptions") -> None:
             )
     if options.loco_param is not None and not options.quantized_gradients:
         raise ValueError(
-            f"zero_optimization.zeropp_loco_param={dict(options.loco_param._asdict())!r} is the error feedback of "
+            f"zero_optimization.zeropp_loco_param={dict(options.loco_param)!r} is the error feedback of "
             "quantized gradients: it needs zero_optimization.zero_quantized_gradients=true"
         )
 
@@ -128,7 +128,7 @@ class ZeroOptions:
     (``zero_quantized_weights``: parameter all-gathers send int8 blocks; stages 1-3),
     ``quantized_nontrainable_weights`` (false only), ``hpz_partition_size`` (``zero_hpz_partition_size``:
     ranks holding a secondary partition for the backward gather; stage 3; 0 and 1 are off),
-    ``quantized_gradients`` (``zero_quantized_gradients``; stage 3) and ``loco_param``
+    ``quantized_gradients`` (``zero_quantized_gradients``; stages 2-3) and ``loco_param``
     (``zeropp_loco_param``: a ``LocoParam`` or None; needs quantized gradients).
     """
 
