@@ -25,6 +25,7 @@ RUNS = {
     "plain": {},
     "hpz": {"zero_hpz_partition_size": 2},
     "qwz+hpz": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2},
+    "zero++": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
 }
 STEPS, WIDTH = 3, 128
 
