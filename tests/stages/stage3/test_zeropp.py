@@ -101,8 +101,8 @@ def _within_half_scale(exact: torch.Tensor, got: torch.Tensor, block: int) -> No
     assert bool((err <= bound).all()), f"{exact.dtype}: error {float((err - bound).max())} over half a scale"
 
 
-def _gathers_case(rank: int, world: int) -> None:
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+def _gathers_case(rank: int, world: int, dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)) -> None:
+    for dtype in dtypes:
         model, opt, _ = _train(rank, dtype, steps=1, zero_quantized_weights=True)
         pipeline = opt._pipeline
         exact = {}
@@ -146,6 +146,17 @@ def _gathers_case(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_qwz_gathers_are_the_reference_dequantization(spawn) -> None:
     spawn(_gathers_case, 2)
+
+
+@pytest.mark.distributed
+def test_qwz_gathers_on_three_nodes_of_one_rank(spawn) -> None:
+    """An odd world (three nodes of one rank: shards that split no size evenly), bf16."""
+    spawn(_odd_case, 3)
+
+
+def _odd_case(rank: int, world: int) -> None:
+    os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    _gathers_case(rank, world, (torch.bfloat16,))
 
 
 def _adam_bound(steps: int, b1: float = 0.9, b2: float = 0.999) -> float:
