@@ -19,8 +19,8 @@ after use. Every rank checks that every rank gathers the same units (``stage3.ch
 gathers of the first pass of each kind, and in the step's exchange for passes that repeat it;
 ranks that diverge raise ``CommError`` instead of pairing different gathers. How each gather runs (plain;
 int8 blocks with ``zero_quantized_weights``; from the node's secondary partition with
-``zero_hpz_partition_size``; plain and exact inside ``gathered_params()``) is ``stage3.gathers``'s business. Once the backward of
-every forward use of a unit has ended (``stage3.uses``: a point that is the same on every rank,
+``zero_hpz_partition_size``; plain and exact inside ``gathered_params()``) is ``stage3.gathers``'s business.
+Once the backward of every forward use of a unit has ended (``stage3.uses``: a point that is the same on every rank,
 whichever of its parameters the data gave a gradient), or at the end of backward, its gradients go
 through the stage-2 path: copied (divided by the world size) into a bucket, reduce-scattered and
 added to the rank's gradient shard; ``p.grad`` becomes ``None``. A parameter without a gradient
