@@ -10,6 +10,8 @@ plain stage 3 (and, with qwZ, to qwZ alone), with activation checkpointing, on 2
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 from pathlib import Path
@@ -181,14 +183,39 @@ def _training_case(rank: int, world: int) -> None:
         off, off_opt, _ = _train(rank, torch.float32, stage, zero_quantized_weights=False, zero_hpz_partition_size=1)
         for a, b in zip(_exact(plain, plain_opt) + _state(plain_opt), _exact(off, off_opt) + _state(off_opt)):
             assert torch.equal(a, b), f"stage {stage}: the keys off changed training"
-        model, opt, losses = _train(rank, torch.float32, stage, zero_quantized_weights=True)
+        with _records() as records:
+            model, opt, losses = _train(rank, torch.float32, stage, zero_quantized_weights=True)
+        logged = [r for r in records if "ZeRO++ parameter all-gathers" in r]
+        assert len(logged) == 1 and "int8" in logged[0], f"stage {stage}: logged {logged}"
         if stage == 2:  # between steps: own parameters exact, the others' the dequantized values; exact inside
             _stage2_copies(opt, rank, world)
+            late, late_opt, _ = _train(
+                rank, torch.float32, stage, zero_quantized_weights=True, overlap_param_gather=True
+            )
+            for a, b in zip(_exact(late, late_opt) + _state(late_opt), _exact(model, opt) + _state(opt)):
+                assert torch.equal(a, b), "qwZ's gather finished at first use (overlap_param_gather) changed training"
         diffs = [float((a - b).abs().max()) for a, b in zip(_exact(plain, plain_opt), _exact(model, opt))]
         assert max(diffs) <= bound, f"stage {stage}: masters {max(diffs)} apart, Adam allows {bound}"
         assert max(diffs) > 0, f"stage {stage}: nothing was quantized"
         for q, p in zip(losses, plain_losses):
             assert abs(q - p) <= 0.02 * p, f"stage {stage}: loss {q} with qwZ, {p} without"
+
+
+@contextlib.contextmanager
+def _records():
+    """The messages of the ``zero_kernels`` logger (any level) inside the block."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger("zero_kernels")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _stage2_copies(opt, rank: int, world: int) -> None:
