@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import pickle
 
 import pytest
 
@@ -61,6 +63,8 @@ def test_loco_param_is_deepspeeds_dict_read_only() -> None:
     with pytest.raises(TypeError, match="read-only"):
         loco["err_beta"] = 0.1
     hash(ZeroOptions.from_dict(ZEROPP))
+    assert copy.deepcopy(loco) == pickle.loads(pickle.dumps(loco)) == loco
+    assert type(pickle.loads(pickle.dumps(loco))) is LocoParam
 
 
 @pytest.mark.parametrize(

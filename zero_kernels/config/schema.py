@@ -85,6 +85,9 @@ class LocoParam(dict):
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(tuple(sorted(self.items())))
 
+    def __reduce__(self) -> tuple:
+        return LocoParam, (dict(self),)
+
 
 _LOCO = Section(
     fields={"err_beta": Field(number(0, 1), 0.8, auto=False), "reset_T": Field(integer(1), 1024, auto=False)},

@@ -11,6 +11,7 @@ plain stage 3 (and, with qwZ, to qwZ alone), with activation checkpointing, on 2
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -300,6 +301,29 @@ def _hpz_case(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_hpz_on_two_nodes_equals_plain_stage3_with_activation_checkpointing(spawn) -> None:
     spawn(_hpz_case, 4, timeout_s=300)
+
+
+def _subgroup_case(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="4")  # one node of 4: hpZ over pairs of it
+    runs = []
+    for kw in ({}, {"zero_hpz_partition_size": 2}):
+        model, opt, losses = _train(rank, torch.bfloat16, recompute=True, steps=2, **kw)
+        runs.append(_exact(model, opt) + _state(opt))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "hpZ over half a node differs from plain stage 3"
+    assert dist.get_process_group_ranks(opt._pipeline.unit_gathers.secondary_engine.group) == [
+        rank // 2 * 2,
+        rank // 2 * 2 + 1,
+    ]
+    if rank == 0:  # a copy is made on one rank alone: its hpZ group is the one already made, no collective
+        copied = copy.deepcopy(opt)
+        assert copied._pipeline.unit_gathers.secondary_engine.group is opt._pipeline.unit_gathers.secondary_engine.group
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_hpz_over_part_of_a_node(spawn) -> None:
+    spawn(_subgroup_case, 4, timeout_s=300)
 
 
 def _save_case(rank: int, world: int, directory: str) -> None:
