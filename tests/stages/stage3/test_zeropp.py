@@ -179,7 +179,7 @@ def _adam_bound(steps: int, b1: float = 0.9, b2: float = 0.999) -> float:
 
 def _training_case(rank: int, world: int) -> None:
     bound = _adam_bound(STEPS)
-    for stage in (2, 3):
+    for stage in (1, 2, 3):
         plain, plain_opt, plain_losses = _train(rank, torch.float32, stage)
         off, off_opt, _ = _train(rank, torch.float32, stage, zero_quantized_weights=False, zero_hpz_partition_size=1)
         for a, b in zip(_exact(plain, plain_opt) + _state(plain_opt), _exact(off, off_opt) + _state(off_opt)):
@@ -188,8 +188,9 @@ def _training_case(rank: int, world: int) -> None:
             model, opt, losses = _train(rank, torch.float32, stage, zero_quantized_weights=True)
         logged = [r for r in records if "ZeRO++ parameter all-gathers" in r]
         assert len(logged) == 1 and "int8" in logged[0], f"stage {stage}: logged {logged}"
-        if stage == 2:  # between steps: own parameters exact, the others' the dequantized values; exact inside
-            _stage2_copies(opt, rank, world)
+        if stage < 3:  # between steps: own parameters exact, the others' the dequantized values; exact inside
+            _copies_between_steps(opt, rank, world)
+        if stage == 2:
             late, late_opt, _ = _train(
                 rank, torch.float32, stage, zero_quantized_weights=True, overlap_param_gather=True
             )
@@ -219,7 +220,7 @@ def _records():
         logger.setLevel(level)
 
 
-def _stage2_copies(opt, rank: int, world: int) -> None:
+def _copies_between_steps(opt, rank: int, world: int) -> None:
     pipeline = opt._pipeline
     for buf in pipeline.buffers:
         before = buf.param_flat.clone()
