@@ -55,6 +55,16 @@ PEERS = {
 }
 OVERLAP = "+overlap"  # our provider with "overlap_param_gather": true (stages 1-2)
 OVERLAPPED = ("zk-stage1" + OVERLAP, "zk-stage2" + OVERLAP)
+# Stage 3 with ZeRO++ (the ``links`` benchmark's rows): provider suffix -> zero_optimization keys; "hpz" stands
+# for the ranks per node (LOCAL_WORLD_SIZE, else this run's world: one node).
+ZEROPP = {
+    "+qwz": {"zero_quantized_weights": True},
+    "+hpz": {"zero_hpz_partition_size": "hpz"},
+    "+qwz+hpz": {"zero_quantized_weights": True, "zero_hpz_partition_size": "hpz"},
+    "+zpp": {"zero_quantized_weights": True, "zero_hpz_partition_size": "hpz", "zero_quantized_gradients": True},
+}
+ZEROPP_PROVIDERS = tuple("zk-stage3" + suffix for suffix in ZEROPP)
+_LONGEST_FIRST = sorted(ZEROPP, key=len, reverse=True)
 BUCKET_ELEMENTS = 2_000_000  # ours: reduce_bucket_size (8 MB of fp32), the size of the DDP buckets below
 PUBLISHED_BUCKETS = ("5e7", "5e8")  # reduce_bucket_size of a typical published DeepSpeed config; DeepSpeed's default
 LR = 1e-4
@@ -62,7 +72,15 @@ LR = 1e-4
 
 def _base(provider: str) -> str:
     """The provider without its bucket size or overlap: ``zk-stage2@5e7`` -> ``zk-stage2``."""
-    return provider.split("@")[0].removesuffix(OVERLAP)
+    base = provider.split("@")[0].removesuffix(OVERLAP)
+    return next((base.removesuffix(s) for s in _LONGEST_FIRST if base.endswith(s)), base)
+
+
+def _zeropp(provider: str) -> dict:
+    """The ZeRO++ keys of a ``zk-stage3+...`` provider (none for the others)."""
+    keys = next((ZEROPP[s] for s in _LONGEST_FIRST if provider.split("@")[0].endswith(s)), {})
+    hpz = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    return {k: hpz if v == "hpz" else v for k, v in keys.items()}
 
 
 def _bucket(provider: str) -> str:
@@ -107,7 +125,9 @@ def _build(provider: str, model: nn.Module):
 
         size = int(float(_bucket(provider)))
         stage, overlap = int(_base(provider)[-1]), provider.endswith(OVERLAP)
-        opt = ShardedFusedAdam(model, lr=1e-4, stage=stage, reduce_bucket_size=size, overlap_param_gather=overlap)
+        opt = ShardedFusedAdam(
+            model, lr=1e-4, stage=stage, reduce_bucket_size=size, overlap_param_gather=overlap, **_zeropp(provider)
+        )
         return model, opt, opt.memory_report
     if provider == "ddp+adamw-fused":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=8, gradient_as_bucket_view=True)

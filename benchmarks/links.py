@@ -4,7 +4,8 @@ the peers beside it, and the planner's prediction beside each measurement.
 Two network namespaces joined by a veth pair (``benchmarks.netns``), ``torchrun --nnodes 2
 --nproc_per_node 2`` in each with ``GLOO_SOCKET_IFNAME`` on its end of the link: 4 gloo ranks, the two
 of a node talking over its loopback, the nodes over the link, limited with ``tc ... tbf`` on both
-ends to each rate in turn (``none``: no limit). At each rate: our stages 0-3, DDP and FSDP2 (and
+ends to each rate in turn (``none``: no limit). At each rate: our stages 0-3, stage 3 with ZeRO++
+(``ZEROPP``: its ``note`` gives its link bytes and step against plain stage 3's and stage 2's), DDP and FSDP2 (and
 DeepSpeed at each stage when it is installed, in a second pass over the rates, so that what it
 patches cannot touch the others) train the e2e model (``benchmarks.e2e``: an MLP of Linear-GELU-Linear
 blocks, here width 256 and depth 4, 2.1M parameters, 8 rows a step, one thread per rank).
@@ -53,6 +54,10 @@ from .common import best_vs_peer, expect
 DESCRIPTION = "2 emulated nodes x 2 gloo ranks over a slowed link: stages 0-3, DDP, FSDP2, DeepSpeed; the planner"
 RATES = ("none", "10gbit", "1gbit", "200mbit")
 OURS = ("zk-stage0", "zk-stage1", "zk-stage2", "zk-stage3")
+# Stage 3 with ZeRO++ (``e2e.ZEROPP``): +qwz quantized weights, +hpz the secondary partition per node, +qwz+hpz
+# both, +zpp both and quantized gradients. The default runs +zpp; the others when named.
+ZEROPP = e2e.ZEROPP_PROVIDERS
+ZEROPP_DEFAULT = ("zk-stage3+zpp",)
 PEERS = ("ddp+adamw-fused", "fsdp2")
 WIDTH, DEPTH, ROWS = 256, 4, 8
 NODES, RANKS_PER_NODE = 2, 2
@@ -71,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--link-providers",
         metavar="NAMES",
         help=f"links: comma-separated providers among {','.join(_all_providers())} "
-        "(default: all available but the +overlap ones)",
+        "(default: all available but the +overlap ones and of ZeRO++ only zk-stage3+zpp)",
     )
 
 
@@ -96,7 +101,7 @@ def configure(args: argparse.Namespace) -> None:
 
 
 def _all_providers() -> list[str]:
-    return [*OURS, *PEERS, *(f"{e2e_deepspeed.PREFIX}{s}" for s in range(4)), *e2e.OVERLAPPED]
+    return [*OURS, *ZEROPP, *PEERS, *(f"{e2e_deepspeed.PREFIX}{s}" for s in range(4)), *e2e.OVERLAPPED]
 
 
 def _plan(rates: list[str], providers: list[str]) -> list[tuple[str, list[str]]]:
@@ -110,7 +115,8 @@ def _plan(rates: list[str], providers: list[str]) -> list[tuple[str, list[str]]]
 
 
 def _providers() -> list[str]:
-    chosen = _options.get("providers") or [p for p in _all_providers() if p not in e2e.OVERLAPPED]
+    optional = [*e2e.OVERLAPPED, *(p for p in ZEROPP if p not in ZEROPP_DEFAULT)]
+    chosen = _options.get("providers") or [p for p in _all_providers() if p not in optional]
     missing = e2e_deepspeed.unavailable()
     if missing and any(p.startswith(e2e_deepspeed.PREFIX) for p in chosen):
         print(f"links: {missing}", file=sys.stderr)
@@ -243,7 +249,24 @@ def _rows(measured: dict, probes: dict, planner: _Planner) -> list[dict]:
         if rate == planner.rate and prediction is not None:
             row["note"] = f"calibration (mean of {m['runs']} runs)" if m["runs"] > 1 else "calibration"
         rows.append(row)
+    _compare_zeropp(rows)
     return rows
+
+
+def _compare_zeropp(rows: list[dict]) -> None:
+    """On each ZeRO++ row, its link bytes and step against plain stage 3's and stage 2's at the same rate."""
+    by = {(r["case"], r["provider"]): r for r in rows if "step_ms" in r}
+    for (rate, provider), row in by.items():
+        if provider not in ZEROPP:
+            continue
+        parts = []
+        stage3, stage2 = by.get((rate, OURS[3])), by.get((rate, OURS[2]))
+        if stage3 is not None:
+            parts.append(f"link {row['link_MB'] / stage3['link_MB']:.2f}x stage 3")
+            parts.append(f"step {row['step_ms'] / stage3['step_ms']:.2f}x stage 3")
+        if stage2 is not None:
+            parts.append(f"{row['step_ms'] / stage2['step_ms']:.2f}x stage 2")
+        row["note"] = ", ".join(parts)
 
 
 def _measured_crossover(rows: list[dict]) -> str:
@@ -316,7 +339,7 @@ def summary(rows: list[dict]) -> list[dict]:
 
 # Drawn beside each of our stages: peers of the same scheme (DDP, FSDP2; DeepSpeed's same stage), and
 # beside stage 3 our stage 2, the trade-off the crossover is about.
-PEERS_OF = {0: ("ddp+adamw-fused",), 1: (), 2: ("ddp+adamw-fused",), 3: ("fsdp2", "zk-stage2")}
+PEERS_OF = {0: ("ddp+adamw-fused",), 1: (), 2: ("ddp+adamw-fused",), 3: ("fsdp2", "zk-stage2", *ZEROPP)}
 
 
 def plot(plt: Any, rows: list[dict]) -> Any:

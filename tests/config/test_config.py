@@ -97,6 +97,11 @@ def test_defaults_are_deepspeeds() -> None:
         "offload_param": dataclasses.asdict(OffloadParamConfig()),
         "sub_group_size": 1_000_000_000,
         "aio": dataclasses.asdict(AioConfig()),
+        "quantized_weights": False,
+        "quantized_nontrainable_weights": False,
+        "hpz_partition_size": 1,
+        "quantized_gradients": False,
+        "loco_param": None,
     }
     assert dataclasses.asdict(cfg.fp16) == {
         "enabled": False,
@@ -328,9 +333,6 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
         "bf16.immediate_grad_update",
     ]
     warning_keys = [
-        "zero_optimization.zero_hpz_partition_size",
-        "zero_optimization.zero_quantized_weights",
-        "zero_optimization.zero_quantized_gradients",
         "zero_optimization.mics_shard_size",
         "fp16.auto_cast",
     ]

@@ -282,3 +282,16 @@ def test_python_dash_m_entry_point() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "recommended: ZeRO stage 2" in done.stdout
+
+
+def test_zeropp_copies_are_counted_at_stage3_only() -> None:
+    psi, n = 1_000_000, 8
+    plain = estimate_memory(psi, n, 3)
+    hpz = estimate_memory(psi, n, 3, hpz_partition_size=4)
+    both = estimate_memory(psi, n, 3, hpz_partition_size=4, quantized_weights=True)
+    assert plain.secondary == 0 and hpz.secondary == 2 * psi // 4 and hpz.total == plain.total + hpz.secondary
+    # int8 secondary (half the bf16 one) and the int8 copy of the shard, each with a float32 scale per block
+    assert both.secondary == int((1 + 4 / 2048) * (psi // 4 + psi // n))
+    assert estimate_memory(psi, n, 2, hpz_partition_size=4).secondary == 0
+    with pytest.raises(ValueError, match="hpz_partition_size=-1"):
+        estimate_memory(psi, n, 3, hpz_partition_size=-1)

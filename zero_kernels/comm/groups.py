@@ -55,7 +55,8 @@ class NodeGroups:
     inter: Any
 
 
-_cache: Optional[tuple[weakref.ReferenceType, NodeGroups]] = None
+# (the default group, its node groups, every node's ranks, the subgroups made by size)
+_cache: Optional[tuple[weakref.ReferenceType, NodeGroups, list[list[int]], dict[int, Any]]] = None
 
 
 def _where() -> tuple[str, Optional[int], Optional[int]]:
@@ -127,5 +128,35 @@ def node_groups() -> NodeGroups:
         intra=intra[node],
         inter=inter[local],
     )
-    _cache = (weakref.ref(world), groups)
+    _cache = (weakref.ref(world), groups, rows, {})
     return groups
+
+
+def node_subgroup(size: int, what: str = "node_subgroup") -> Any:
+    """The process group of this rank and the ``size`` - 1 ranks beside it on its node (its node's ranks cut,
+    by local rank, into runs of ``size``): ``node_groups().intra`` when ``size`` is the ranks per node.
+    The first call for a size is collective (every rank makes every such group, in the same order); later
+    calls return the same group until the default group is destroyed.
+
+    Raises:
+        ValueError: (on every rank alike) ``size`` does not divide the ranks per node; ``what`` names the setting.
+    """
+    groups = node_groups()
+    if size < 1 or groups.local_world_size % size:
+        raise ValueError(
+            f"{what}={size} must be the number of ranks per node or a divisor of it; this job has "
+            f"{groups.nodes} node(s) of {groups.local_world_size} rank(s) (LOCAL_WORLD_SIZE)"
+        )
+    if size == groups.local_world_size:
+        return groups.intra
+    assert _cache is not None
+    made = _cache[3]
+    if size not in made:
+        rank = dist.get_rank()
+        for row in _cache[2]:
+            for start in range(0, len(row), size):
+                ranks = list(row[start : start + size])
+                group = dist.new_group(ranks=ranks)
+                if rank in ranks:
+                    made[size] = group
+    return made[size]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import fields
-from typing import Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -71,6 +71,61 @@ AIO = Section(
     optional=True,
 )
 
+
+class LocoParam(dict):
+    """``zeropp_loco_param``: error feedback of the quantized gradient reduction (LoCo): the carried
+    error decays by ``err_beta`` and is reset every ``reset_T`` steps (DeepSpeed's defaults 0.8, 1024).
+
+    A read-only dict with DeepSpeed's keys (what DeepSpeed's config holds), also read as attributes.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        dict.__init__(self, {"err_beta": 0.8, "reset_T": 1024})
+        dict.update(self, *args, **kwargs)
+
+    @property
+    def err_beta(self) -> float:
+        return self["err_beta"]
+
+    @property
+    def reset_T(self) -> int:  # noqa: N802 (DeepSpeed's key)
+        return self["reset_T"]
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("zeropp_loco_param is read-only: make a new one")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _read_only
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self) -> tuple:
+        return LocoParam, (dict(self),)
+
+
+_LOCO = Section(
+    fields={"err_beta": Field(number(0, 1), 0.8, auto=False), "reset_T": Field(integer(1), 1024, auto=False)},
+    finish=LocoParam,
+    allowed='a JSON object such as {"err_beta": 0.8, "reset_T": 1024}, or null',
+)
+
+
+def _loco(value: Any, path: str, ctx: Any = None) -> Optional[LocoParam]:
+    """null (off), a ``{"err_beta", "reset_T"}`` object, or a ``LocoParam`` (checked again)."""
+    if value is None:
+        return None
+    return _LOCO(value, path, ctx)
+
+
+# ZeRO++ (DeepSpeed's ``zero_*`` keys): the field of ``ZeroOptions`` each is carried in.
+ZEROPP_FIELDS: Dict[str, str] = {
+    "quantized_weights": "zero_quantized_weights",
+    "quantized_nontrainable_weights": "zero_quantized_nontrainable_weights",
+    "hpz_partition_size": "zero_hpz_partition_size",
+    "quantized_gradients": "zero_quantized_gradients",
+    "loco_param": "zeropp_loco_param",
+}
+
 ZERO_FIELDS: Dict[str, Field] = {
     "stage": Field(enum_integer(0, 3), 0, auto=False),
     # None: DeepSpeed's stage-dependent default, on for stage 3 only.
@@ -98,6 +153,14 @@ ZERO_FIELDS: Dict[str, Field] = {
     "cpu_offload": Field(boolean(), False, auto=False),
     "cpu_offload_param": Field(boolean(), False, auto=False),
     "cpu_offload_use_pin_memory": Field(boolean(), False, auto=False),
+    # ZeRO++ (``ZEROPP_FIELDS``; the stages each applies at are checked by ``ZeroOptions``).
+    "zero_quantized_weights": Field(boolean(), False, auto=False),
+    # Frozen parameters stay whole on every rank at stage 3 here: nothing of them is gathered to quantize.
+    "zero_quantized_nontrainable_weights": Field(boolean(supported=(False,)), False, auto=False),
+    # 0 and 1 both mean no secondary partition (DeepSpeed: ge=0, on above 1).
+    "zero_hpz_partition_size": Field(integer(0), 1, auto=False),
+    "zero_quantized_gradients": Field(boolean(), False, auto=False),
+    "zeropp_loco_param": Field(_loco, None, auto=False),
 }
 
 ZERO_IGNORED: Dict[str, int] = {
@@ -134,11 +197,6 @@ ZERO_IGNORED: Dict[str, int] = {
     **{
         k: WARNING
         for k in (
-            "zero_hpz_partition_size",
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
-            "zeropp_loco_param",
             "mics_shard_size",
             "zenflow",
         )
@@ -153,6 +211,8 @@ ZERO_ALIASES: Dict[str, str] = {
     "max_reuse_distance": "stage3_max_reuse_distance",
     "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
     "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    # ZeroOptions' field names, so that keyword arguments may use either spelling.
+    **{name: key for name, key in ZEROPP_FIELDS.items()},
 }
 
 ZERO = Section(fields=ZERO_FIELDS, ignored=ZERO_IGNORED, aliases=ZERO_ALIASES)

@@ -53,6 +53,8 @@ from .schema import (
     TOP,
     ZERO,
     ZERO_FIELDS,
+    ZEROPP_FIELDS,
+    LocoParam,
     hidden_size_values,
 )
 
@@ -66,8 +68,53 @@ def _normalise(obj: Any, rules: Mapping[str, Scalar], prefix: str, nullable: Tup
         object.__setattr__(obj, name, rule(value, f"{prefix}.{name}"))
 
 
+def _key(name: str) -> str:
+    """The ``zero_optimization`` key a ``ZeroOptions`` field is read from."""
+    return ZEROPP_FIELDS.get(name, name)
+
+
 def _zero_default(name: str) -> Any:
-    return ZERO_FIELDS[name].default
+    return ZERO_FIELDS[_key(name)].default
+
+
+# The stages each ZeRO++ switch acts at; elsewhere turning it on is an error (off is accepted anywhere).
+ZEROPP_STAGES: Dict[str, Tuple[int, ...]] = {
+    "quantized_weights": (1, 2, 3),  # stages 1-2: the parameter all-gather after the step
+    "hpz_partition_size": (3,),
+    "quantized_gradients": (2, 3),  # stage 3 reduces through stage 2's path
+}
+_ZEROPP_WHAT = {
+    "quantized_weights": "quantizes the parameter all-gather, which stage 0 does not have",
+    "hpz_partition_size": "keeps a secondary partition of the parameters gathered at stage 3",
+    "quantized_gradients": "quantizes the gradient reduce-scatter, which stages 0-1 do not have",
+}
+
+
+def _check_zeropp(options: "ZeroOptions") -> None:
+    """Each ZeRO++ switch that is on must act at ``options.stage``; LoCo needs quantized gradients."""
+    for name, stages in ZEROPP_STAGES.items():
+        value = getattr(options, name)
+        on = value > 1 if name == "hpz_partition_size" else value
+        if on and options.stage not in stages:
+            where = "stage 3" if stages == (3,) else f"stages {stages[0]}-{stages[-1]}"
+            raise ValueError(
+                f"zero_optimization.{_key(name)}={value!r} applies at {where} only ({_ZEROPP_WHAT[name]}); "
+                f"the stage is {options.stage}"
+            )
+    if options.loco_param is not None and not options.quantized_gradients:
+        raise ValueError(
+            f"zero_optimization.zeropp_loco_param={dict(options.loco_param)!r} is the error feedback of "
+            "quantized gradients: it needs zero_optimization.zero_quantized_gradients=true"
+        )
+
+
+def check_hpz(hpz: int, world_size: int) -> None:
+    """``zero_hpz_partition_size`` must divide the data-parallel world size (1 and 0: off)."""
+    if hpz > 1 and world_size % hpz:
+        raise ValueError(
+            f"zero_optimization.zero_hpz_partition_size={hpz} must divide the world size {world_size} "
+            "(it is the number of ranks of one node, or a divisor of it, that hold a secondary partition)"
+        )
 
 
 @dataclass(frozen=True)
@@ -78,6 +125,13 @@ class ZeroOptions:
     blocks (``config.offload``) may be given as their dataclass, a mapping of their keys or a device
     name; ``offload_optimizer`` needs stage 1, 2 or 3, ``offload_param`` stage 3 (as DeepSpeed).
     ``aio`` is the top-level ``aio`` block of a DeepSpeed config (the disk tier's I/O knobs).
+
+    ZeRO++ (read from DeepSpeed's keys, ``schema.ZEROPP_FIELDS``): ``quantized_weights``
+    (``zero_quantized_weights``: parameter all-gathers send int8 blocks; stages 1-3),
+    ``quantized_nontrainable_weights`` (false only), ``hpz_partition_size`` (``zero_hpz_partition_size``:
+    ranks holding a secondary partition for the backward gather; stage 3; 0 and 1 are off),
+    ``quantized_gradients`` (``zero_quantized_gradients``; stages 2-3) and ``loco_param``
+    (``zeropp_loco_param``: a ``LocoParam`` or None; needs quantized gradients).
     """
 
     stage: int = _zero_default("stage")
@@ -96,16 +150,22 @@ class ZeroOptions:
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     sub_group_size: int = _zero_default("sub_group_size")
     aio: AioConfig = field(default_factory=AioConfig)
+    quantized_weights: bool = _zero_default("quantized_weights")
+    quantized_nontrainable_weights: bool = _zero_default("quantized_nontrainable_weights")
+    hpz_partition_size: int = _zero_default("hpz_partition_size")
+    quantized_gradients: bool = _zero_default("quantized_gradients")
+    loco_param: Optional[LocoParam] = None
 
     def __post_init__(self) -> None:
         blocks = {"offload_optimizer": OffloadOptimizerConfig, "offload_param": OffloadParamConfig, "aio": AioConfig}
-        rules = {f.name: ZERO_FIELDS[f.name].rule for f in fields(self) if f.name not in blocks}
-        _normalise(self, rules, "ZeroOptions", nullable=("overlap_comm",))
+        rules = {f.name: ZERO_FIELDS[_key(f.name)].rule for f in fields(self) if f.name not in blocks}
+        _normalise(self, rules, "ZeroOptions", nullable=("overlap_comm", "loco_param"))
         for name, kind in blocks.items():
             object.__setattr__(self, name, as_block(kind, getattr(self, name), name))
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
         _check_offload_stage(self)
+        _check_zeropp(self)
 
     @classmethod
     def from_dict(cls, d: Mapping, *, path: str = "zero_optimization") -> ZeroOptions:
@@ -121,7 +181,7 @@ class ZeroOptions:
     @classmethod
     def _from_parsed(cls, values: Mapping[str, Any], aio: Optional[AioConfig] = None) -> ZeroOptions:
         values = _deprecated_offload(values)
-        return cls(**{**{f.name: values[f.name] for f in fields(cls)}, "aio": aio or values["aio"]})
+        return cls(**{**{f.name: values[_key(f.name)] for f in fields(cls)}, "aio": aio or values["aio"]})
 
 
 def _check_offload_stage(options: ZeroOptions) -> None:
@@ -252,6 +312,7 @@ class ZeroConfig:
         batch, micro = self.train_batch_size, self.train_micro_batch_size_per_gpu
         if batch is not None and micro is not None:
             _check_batch(batch, micro, self.gradient_accumulation_steps, self.world_size, ())
+        check_hpz(self.zero.hpz_partition_size, self.world_size)
 
     @property
     def stage(self) -> int:

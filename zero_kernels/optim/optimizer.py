@@ -499,7 +499,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the storages: ``params``, ``grads`` and ``optimizer``
         state (the model states of DESIGN.md's formula), and ``buffers``, the idle gradient buckets
-        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets). With
+        kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets), and ``secondary``, ZeRO++'s
+        copies of parameters at stage 3: hpZ's secondary partition and qwZ's int8 copy of this rank's shard. With
         ``offload_optimizer``, ``optimizer`` counts only what stays on the parameters' device and two
         more tiers are shown: ``host`` (the state in host memory, with the tier's host copies of the
         parameter and gradient shards) and ``disk`` (the state's files under ``nvme_path``)."""
@@ -510,6 +511,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             "grads": storage_bytes(held["grads"] + [p.grad for p in params]),
             "optimizer": storage_bytes(held["optimizer"]),
             "buffers": storage_bytes(held["buffers"]),
+            "secondary": storage_bytes(held["secondary"]),
         }
         if self._pipeline.tier is not None:
             report["host"] = storage_bytes(held["host"])

@@ -161,7 +161,9 @@ class MemoryEstimate:
         grads: gradients (whole, or this rank's shard at stages 2 and 3).
         optimizer: Adam m and v, plus the fp32 master copy when there is one (this rank's shard at 1-3).
         working_set: stage 3 only: the largest gathered unit's full parameters and gradients.
-        total: the sum of the four.
+        total: the sum of the five.
+        secondary: stage 3 with ZeRO++ only: hpZ's secondary partition at its peak (every unit gathered once
+            since the step: 1/H of the model) and qwZ's int8 copy of this rank's shard.
     """
 
     params: int
@@ -169,6 +171,7 @@ class MemoryEstimate:
     optimizer: int
     working_set: int
     total: int
+    secondary: int = 0
 
 
 def shard_elements(num_params: int, world_size: int) -> int:
@@ -190,6 +193,8 @@ def estimate_memory(
     grad_dtype: str | None = None,
     master_weights: bool = True,
     largest_layer_params: int | None = None,
+    hpz_partition_size: int = 1,
+    quantized_weights: bool = False,
 ) -> MemoryEstimate:
     """Model-state bytes per GPU for ``num_params`` parameters trained with Adam at ``stage``.
 
@@ -207,6 +212,10 @@ def estimate_memory(
         master_weights: whether the optimizer keeps an fp32 master copy (4 bytes per parameter).
         largest_layer_params: parameters of the largest unit stage 3 gathers at once (one module's own
             parameters); its full parameters and gradients are the stage-3 working set. None counts 0.
+        hpz_partition_size: ZeRO++'s ``zero_hpz_partition_size`` H (stage 3; 0 and 1: off): each rank keeps
+            ``ceil(Ψ/H)`` parameters of the secondary partition, in ``param_dtype`` or, with
+            ``quantized_weights``, as int8 with a float32 scale per block.
+        quantized_weights: ZeRO++'s ``zero_quantized_weights`` (stage 3 keeps its shard's int8 copy for the step).
 
     Returns:
         A :class:`MemoryEstimate` in bytes.
@@ -221,13 +230,29 @@ def estimate_memory(
         check_count("largest_layer_params", largest_layer_params)
         if largest_layer_params > num_params:
             raise ValueError(f"largest_layer_params={largest_layer_params}: cannot exceed num_params={num_params}")
+    if isinstance(hpz_partition_size, bool) or not isinstance(hpz_partition_size, int) or hpz_partition_size < 0:
+        raise ValueError(f"hpz_partition_size={hpz_partition_size!r}: expected an integer >= 0 (0 and 1: off)")
     shard = shard_elements(num_params, world_size)
     shard_params, shard_grads, shard_opt = _SHARDED[stage]
     params = p_bytes * (shard if shard_params else num_params)
     grads = g_bytes * (shard if shard_grads else num_params)
     optimizer = k_bytes * (shard if shard_opt else num_params)
     working = (p_bytes + g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
-    return MemoryEstimate(params, grads, optimizer, working, params + grads + optimizer + working)
+    secondary = _zeropp_bytes(num_params, shard, hpz_partition_size, quantized_weights, p_bytes) if stage == 3 else 0
+    total = params + grads + optimizer + working + secondary
+    return MemoryEstimate(params, grads, optimizer, working, total, secondary)
+
+
+# int8 plus a float32 scale per block of (at most) 2048 elements: ``stages.quantized_gather.WEIGHT_BLOCK``.
+_INT8_BYTES = 1 + 4 / 2048
+
+
+def _zeropp_bytes(num_params: int, shard: int, hpz: int, quantized: bool, p_bytes: int) -> int:
+    """Stage 3's ZeRO++ copies per rank: hpZ's secondary partition and qwZ's quantized shard."""
+    per_param = _INT8_BYTES if quantized else p_bytes
+    secondary = per_param * -(-num_params // hpz) if hpz > 1 else 0
+    copy = _INT8_BYTES * shard if quantized else 0
+    return int(secondary + copy)
 
 
 @dataclass(frozen=True)

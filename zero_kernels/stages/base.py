@@ -53,7 +53,19 @@ import torch
 
 from ..comm.control import ControlLink
 from ..comm.handles import Handle
-from . import adopt, buckets, grad_state, master, offloaded, outcome, param_gather, refusals, stats, update
+from . import (
+    adopt,
+    buckets,
+    grad_state,
+    master,
+    offloaded,
+    outcome,
+    param_gather,
+    quantized_gather,
+    refusals,
+    stats,
+    update,
+)
 from .backward import BackwardRound, grad_hook, owners
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .layout import Bucket, BufferLayout, align_elements
@@ -123,6 +135,7 @@ class Pipeline(BackwardRound):
         overlap = self.allgather_by_bucket and getattr(options, "overlap_param_gather", False)
         self.gathers = param_gather.ParamGathers(overlap)  # the step's all-gathers, kept in flight when overlapping
         self.tier = offloaded.make_tier(options, engine)  # where the optimizer state lives when offloaded (else None)
+        self.param_traffic = quantized_gather.Traffic()  # what parameter all-gathers sent (ZeRO++), logged once
 
     # ---------------------------------------------------------------- construction
     @property
@@ -328,7 +341,10 @@ class Pipeline(BackwardRound):
         if self.num_shards == 1:
             return None
         full = buf.bucket_slice(buf.param_flat, bucket)
-        return self.engine.all_gather(full, self.param_shard(buf, bucket), name=f"params.{bucket.index}")
+        shard, name = self.param_shard(buf, bucket), f"params.{bucket.index}"
+        if getattr(self.options, "quantized_weights", False):  # qwZ: this rank's chunk of full is its exact shard
+            return quantized_gather.publish(self.engine, full, shard, name, self.param_traffic)
+        return self.engine.all_gather(full, shard, name=name)
 
     def norm_views(self) -> Iterator[torch.Tensor]:
         """Gradient pieces whose squares, summed over ranks, give the squared global norm."""
@@ -475,6 +491,7 @@ class Pipeline(BackwardRound):
             offloaded.finish_step(self)
         self._complete_inflight()
         self.gathers.arm()
+        self.param_traffic.log_once()
         master.record_all(self)
         grad_state.clear_after_step(self)
         self.step_counts.pending(result, combined.with_grad)
@@ -506,9 +523,21 @@ class Pipeline(BackwardRound):
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
-        """Full parameters inside the block; stages 0-2 hold them once the step's all-gathers are waited for."""
+        """Full parameters inside the block; stages 0-2 hold them once the step's all-gathers are waited for
+        (with ``zero_quantized_weights``, gathered again unquantized: exact, e.g. for saving)."""
         self.wait_params()
+        self.gather_exact(self.buffers)
         yield
+
+    def gather_exact(self, buffers: Sequence[FlatBuffer]) -> None:
+        """qwZ: all-gather ``buffers`` (whole ``param_flat``) again unquantized, so that every rank holds every
+        rank's exact parameters (the step's quantized gather left the dequantized values of other ranks)."""
+        if not getattr(self.options, "quantized_weights", False) or self.num_shards == 1:
+            return
+        for buf in buffers:
+            for bucket in buf.layout.buckets:
+                full = buf.bucket_slice(buf.param_flat, bucket)
+                self.engine.all_gather(full, self.param_shard(buf, bucket), name=f"exact.{bucket.index}").wait()
 
     @contextlib.contextmanager
     def hooks_removed(self) -> Iterator[None]:
@@ -527,6 +556,7 @@ class Pipeline(BackwardRound):
             "grads": grads,
             "optimizer": state if self.tier is None else [],
             "buffers": [],
+            "secondary": [],
         }
         if self.tier is not None:
             tensors.update(offloaded.memory(self))

@@ -17,8 +17,10 @@ When. ``hooks.Stage3Scheduler`` gathers a unit before each forward and backward 
 prefetches the next unit and more up to ``stage3_prefetch_bucket_size`` elements ahead, and frees
 after use. Every rank checks that every rank gathers the same units (``stage3.check``): before the
 gathers of the first pass of each kind, and in the step's exchange for passes that repeat it;
-ranks that diverge raise ``CommError`` instead of pairing different gathers. Once the backward of
-every forward use of a unit has ended (``stage3.uses``: a point that is the same on every rank,
+ranks that diverge raise ``CommError`` instead of pairing different gathers. How each gather runs (plain;
+int8 blocks with ``zero_quantized_weights``; from the node's secondary partition with
+``zero_hpz_partition_size``; plain and exact inside ``gathered_params()``) is ``stage3.gathers``'s business.
+Once the backward of every forward use of a unit has ended (``stage3.uses``: a point that is the same on every rank,
 whichever of its parameters the data gave a gradient), or at the end of backward, its gradients go
 through the stage-2 path: copied (divided by the world size) into a bucket, reduce-scattered and
 added to the rank's gradient shard; ``p.grad`` becomes ``None``. A parameter without a gradient
@@ -51,6 +53,7 @@ from ..layout import Bucket
 from ..stage2 import Stage2Pipeline
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
+from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
 from .plan import check_externals, holders
 
@@ -62,6 +65,8 @@ class Stage3Buffer(FlatBuffer):
     persistent: bool = False
     param_shard: Optional[torch.Tensor] = None
     full: Optional[torch.Tensor] = None
+    secondary: Optional[list] = None  # hpZ: this rank's part of each gathered bucket, until the step (``gathers``)
+    secondary_stamp: Optional[tuple] = None
 
 
 class _Unit:
@@ -77,12 +82,13 @@ class _Unit:
         self._handles: list = []
 
     def start_gather(self) -> None:
-        buf, engine = self.buf, self.pipeline.engine
+        buf = self.buf
         adopt.adopt_assigned_shard(self.pipeline, buf, buf.param_shard, self.pipeline.name_of)
         buf.full = torch.empty(buf.layout.numel, dtype=buf.dtype, device=buf.device)
         shard = buf.param_shard
+        gathers, exact = self.pipeline.unit_gathers, self.pipeline.holding
         self._handles = [
-            engine.all_gather(buf.bucket_slice(buf.full, b), buf.shard_slice(shard, b), name=f"gather.{b.index}")
+            gathers.start(buf, b, buf.shard_slice(shard, b), f"gather.{b.index}", exact=exact)
             for b in buf.layout.buckets
         ]
 
@@ -90,6 +96,7 @@ class _Unit:
         for handle in self._handles:
             handle.wait()
         self._handles = []
+        self.pipeline.unit_gathers.finish(self.buf, self.buf.param_shard)
         for slot in self.buf.layout.slots:
             self.params[slot.param].data = self.buf.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
@@ -119,6 +126,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, module=module, **kwargs)
+        self.unit_gathers = UnitGathers(self.engine, self.options, self.param_traffic)
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3.plan.holders``)
         self._units: list[_Unit] = []
         self._scheduler: Optional[Stage3Scheduler] = None
@@ -244,8 +252,33 @@ class Stage3Pipeline(Stage2Pipeline):
             return super()._publish(buf, bucket)
         if buf.full is None:
             return None
-        full = buf.bucket_slice(buf.full, bucket)
-        return self.engine.all_gather(full, self.param_shard(buf, bucket), name=f"params.{bucket.index}")
+        return self.unit_gathers.start(
+            buf, bucket, self.param_shard(buf, bucket), f"params.{bucket.index}", keep=False, exact=self.holding
+        )
+
+    def _gather_held_exact(self) -> None:
+        """qwZ: the units gathered now (persistent ones, and any a pass left gathered) hold other ranks'
+        dequantized values; ``gathered_params()`` gathers them again unquantized (the others it gathers so)."""
+        if not self.unit_gathers.quantized:
+            return
+        self.gather_exact([buf for buf in self.buffers if buf.persistent])
+        for buf in self.buffers:
+            if not buf.persistent and buf.full is not None:
+                for b in buf.layout.buckets:
+                    full, shard = buf.bucket_slice(buf.full, b), buf.shard_slice(buf.param_shard, b)
+                    self.engine.all_gather(full, shard, name=f"exact.{b.index}").wait()
+
+    @property
+    def holding(self) -> bool:
+        """Inside ``gathered_params()``: gathers are exact (no quantization, no secondary partition)."""
+        return self._hold_depth > 0
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """As every stage; the shards change, so ZeRO++'s quantized copies and secondary partitions go first."""
+        self.unit_gathers.changed()
+        for buf in self.buffers:
+            buf.secondary = buf.secondary_stamp = None
+        return super().step(*args, **kwargs)
 
     @contextlib.contextmanager
     def gathered_params(self) -> Iterator[None]:
@@ -259,6 +292,7 @@ class Stage3Pipeline(Stage2Pipeline):
             return
         self._hold_depth += 1
         if self._hold_depth == 1:
+            self._gather_held_exact()
             self._scheduler.hold()
         try:
             yield
@@ -298,6 +332,7 @@ class Stage3Pipeline(Stage2Pipeline):
         """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
         tensors = super().memory_tensors()
         tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.param_shard, buf.full)]
+        tensors["secondary"] += [t for buf in self.buffers for t in buf.secondary or ()] + self.unit_gathers.tensors()
         return tensors
 
     def close(self) -> None:

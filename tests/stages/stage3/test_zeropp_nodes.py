@@ -1,0 +1,50 @@
+"""ZeRO++ on two emulated nodes of two ranks (``benchmarks.netns``, no rate limit): the bytes that cross the
+link per step, counted on the link (``tx_bytes``), against plain stage 3's. Needs root; skipped elsewhere.
+
+Expected, per step and node, of plain stage 3's three parameter-sized collectives (forward all-gather,
+backward all-gather, gradient reduce-scatter): hpZ keeps the backward gather inside the node (2/3 of
+plain); qwZ sends the forward gather as int8 blocks (a quarter of fp32, plus a scale per block):
+(1/4 + 0 + 1) / 3 = 0.42 of plain; qgZ sends the reduce-scatter as int4 blocks (an eighth of fp32, plus
+scales): (1/4 + 0 + 1/8) / 3 = 0.125 of plain, the issue's goal 0.3. Tested with headroom for headers and
+the small persistent unit (measured here: plain stage 3 1.51-1.61 MB per step, hpZ 0.66-0.68x, qwZ + hpZ
+0.41-0.44x, all three 0.10-0.11x).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks import netns
+from tests.helpers.dist import _prebuild_extensions
+from tests.helpers.paths import ROOT
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.distributed
+@pytest.mark.netns
+def test_zeropp_link_bytes_on_two_nodes() -> None:
+    reason = netns.unavailable()
+    if reason:
+        pytest.skip(reason)
+    _prebuild_extensions()
+    root = str(ROOT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory() as out, netns.emulated_nodes() as nodes:
+        netns.torchrun_on_nodes(nodes, [str(HERE / "_zeropp_nodes_worker.py"), out], env=env, timeout_s=240)
+        results = [json.loads(Path(out, f"{rank}.json").read_text()) for rank in range(4)]
+    for result in results:
+        assert "error" not in result, result["error"]
+    node0 = results[0]  # local rank 0 of node 0 counted its node's end of the link
+    plain, hpz, both, every = (node0[k]["tx_bytes"] for k in ("plain", "hpz", "qwz+hpz", "zero++"))
+    assert plain >= 3 * 4 * node0["plain"]["params"] / 2 * 0.9, f"plain stage 3 sent only {plain} bytes"
+    assert hpz <= 0.8 * plain, f"hpZ sent {hpz / plain:.2f}x plain stage 3's bytes over the link"
+    assert both <= 0.48 * plain, f"qwZ + hpZ sent {both / plain:.2f}x plain stage 3's bytes over the link"
+    assert every <= 0.3 * plain, f"qwZ + hpZ + qgZ sent {every / plain:.2f}x plain stage 3's bytes over the link"
+    for result in results:
+        assert result["hpz"]["losses"] == result["plain"]["losses"], "hpZ changed training"
