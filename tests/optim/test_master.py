@@ -440,3 +440,14 @@ def test_an_edit_between_steps_survives_copies_and_state_dict_loads(spawn) -> No
     ``state_dict()`` loaded into a new optimizer (weights taken after it) or into the optimizer itself equal the
     original in ``full_state_dict()``, ``opt.state`` and the weights, now and after one more step."""
     spawn(edit_copy_cases, 2)
+
+
+def test_a_write_into_the_master_outlives_gathered_params() -> None:
+    """A ``gathered_params()`` block after a write into ``opt.state[p]["master"]`` keeps the write (stage 3 writes
+    the block's values back to the shards at its end; the other stages do nothing there)."""
+    stage = 3
+    model, opt = train_bf16(stage, 0, 1, range(2))
+    expected = opt.state[model.mid.weight]["master"].add_(0.5).clone()
+    with opt.gathered_params():
+        pass
+    assert torch.equal(opt.full_state_dict()["state"][4]["master"], expected), f"stage {stage}"

@@ -81,10 +81,16 @@ def sync(pipeline: "Pipeline") -> None:
     """Before reading the masters between steps: a master written from outside gives the parameters its values
     (as the next step would), every other takes the parameters' edits."""
     for buf in pipeline.buffers:
-        if written(buf):
-            push(pipeline, buf)
-        elif buf.master is not None:
-            adopt_edits(pipeline, buf)
+        settle(pipeline, buf)
+
+
+def settle(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
+    """After the parameters of ``buf`` may have been written: its master, if written from outside, gives them its
+    values, else takes their edits."""
+    if written(buf):
+        push(pipeline, buf)
+    elif buf.master is not None:
+        adopt_edits(pipeline, buf)
 
 
 def push_written(pipeline: "Pipeline") -> None:
