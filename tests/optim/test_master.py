@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
+import itertools
 import os
 from typing import Any, Optional
 
@@ -340,3 +342,112 @@ def test_a_write_into_the_master_wins_at_the_next_step(stage: int) -> None:
         runs.append(weights(model, opt))
     for name, value in runs[0].items():
         assert torch.equal(value, runs[1][name]), f"stage {stage}: {name}"
+
+
+# ---------------------------------------------------------------- an edit between steps survives copies and loads
+OFFLOADS = ({}, {"offload_optimizer": {"device": "cpu"}})
+
+
+def train_low(model: Net, opt: zo.ShardedFusedAdam, stage: int, rank: int, world: int, steps: range) -> None:
+    dtype = model.head.bias.dtype
+    for step in steps:
+        x, span = batch(step, world * ROWS), extra_rows(step, world)
+        model(x[rank * ROWS : (rank + 1) * ROWS].to(dtype), local(span, rank, stage)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def edited_run(stage: int, dtype: torch.dtype, options: dict, edit: str, rank: int, world: int) -> tuple:
+    """One step, then +0.5 written into every master this rank holds (``edit="master"``) or into the parameters."""
+    model, _ = make_models(dtype)
+    opt = make_opt(model, stage, **options)
+    train_low(model, opt, stage, rank, world, range(1))
+    with torch.no_grad():
+        if edit == "master":
+            for p in model.parameters():
+                if "master" in opt.state[p]:
+                    opt.state[p]["master"].add_(0.5)
+        else:
+            with gathered_if(opt, stage, ("emb.weight",)) or contextlib.nullcontext():
+                model.emb.weight.add_(0.5)
+                model.tiny.add_(0.5)
+    return model, opt
+
+
+def copies_of(model: Net, opt: zo.ShardedFusedAdam, stage: int, options: dict) -> dict[str, tuple]:
+    """The optimizer (and model) by ``copy.deepcopy``, by pickle, and by ``state_dict()`` into a new one."""
+    if stage == 3:
+        opt2, model2 = copy.deepcopy((opt, model))
+    else:
+        model2, opt2 = copy.deepcopy((model, opt))
+    data = io.BytesIO()
+    torch.save(opt if stage == 3 else {"model": model, "opt": opt}, data)
+    data.seek(0)
+    loaded = torch.load(data, weights_only=False)
+    opt3 = loaded if stage == 3 else loaded["opt"]
+    model3 = opt3.pipeline.module if stage == 3 else loaded["model"]
+    saved_state = opt.state_dict()
+    model4, _ = make_models(model.head.bias.dtype)
+    opt4 = make_opt(model4, stage, **options)
+    with opt4.gathered_params():
+        model4.load_state_dict(weights(model, opt))
+    opt4.load_state_dict(saved_state)
+    return {"deepcopy": (model2, opt2), "pickle": (model3, opt3), "state_dict": (model4, opt4)}
+
+
+def same_views(model: Net, opt: zo.ShardedFusedAdam, other: Net, other_opt: zo.ShardedFusedAdam, what: str) -> None:
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        mine, theirs = opt.state[p], other_opt.state[q]
+        assert sorted(mine) == sorted(theirs), f"{what}: opt.state[{name}] keys"
+        for key, value in mine.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[key])), (
+                f"{what}: opt.state[{name}][{key}]"
+            )
+
+
+def same_observables(model: Net, opt: zo.ShardedFusedAdam, other: Net, other_opt: zo.ShardedFusedAdam, what: str):
+    same_state(other_opt.full_state_dict(), opt.full_state_dict(), f"{what}: full_state_dict()")
+    same_views(model, opt, other, other_opt, what)
+    for (name, a), b in zip(weights(model, opt).items(), weights(other, other_opt).values()):
+        assert torch.equal(a, b), f"{what}: weight {name}"
+
+
+def edit_copy_cases(rank: int, world: int) -> None:
+    for stage, dtype, options, edit in itertools.product((1, 2, 3), LOW, OFFLOADS, ("master", "param")):
+        what = f"stage {stage} {dtype} {options or 'on device'} {edit} edited, world {world}"
+        model, opt = edited_run(stage, dtype, options, edit, rank, world)
+        copies = copies_of(model, opt, stage, options)
+        twin, twin_opt = edited_run(stage, dtype, options, edit, rank, world)
+        twin_opt.load_state_dict(twin_opt.state_dict())  # a round trip into the optimizer itself
+        copies["load_state_dict(state_dict())"] = (twin, twin_opt)
+        edited = opt.full_state_dict()["state"][0]["master"]  # emb.weight's: +0.5 either way
+        plain = make_models(dtype)[0]
+        plain_opt = make_opt(plain, stage, **options)
+        train_low(plain, plain_opt, stage, rank, world, range(1))
+        assert torch.equal(edited, plain_opt.full_state_dict()["state"][0]["master"] + 0.5) or edit == "param", what
+        for how, (other, other_opt) in copies.items():
+            same_observables(model, opt, other, other_opt, f"{what}, {how}")
+        for how, (other, other_opt) in copies.items():
+            train_low(other, other_opt, stage, rank, world, range(1, 2))
+        train_low(model, opt, stage, rank, world, range(1, 2))
+        for how, (other, other_opt) in copies.items():
+            same_observables(model, opt, other, other_opt, f"{what}, {how}, one more step")
+
+
+@pytest.mark.distributed
+def test_an_edit_between_steps_survives_copies_and_state_dict_loads(spawn) -> None:
+    """``opt.state[p]["master"]`` or a parameter written after a step: ``copy.deepcopy``, pickle, and
+    ``state_dict()`` loaded into a new optimizer (weights taken after it) or into the optimizer itself equal the
+    original in ``full_state_dict()``, ``opt.state`` and the weights, now and after one more step."""
+    spawn(edit_copy_cases, 2)
+
+
+def test_a_write_into_the_master_outlives_gathered_params() -> None:
+    """A ``gathered_params()`` block after a write into ``opt.state[p]["master"]`` keeps the write (stage 3 writes
+    the block's values back to the shards at its end; the other stages do nothing there)."""
+    stage = 3
+    model, opt = train_bf16(stage, 0, 1, range(2))
+    expected = opt.state[model.mid.weight]["master"].add_(0.5).clone()
+    with opt.gathered_params():
+        pass
+    assert torch.equal(opt.full_state_dict()["state"][4]["master"], expected), f"stage {stage}"

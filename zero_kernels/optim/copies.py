@@ -90,6 +90,7 @@ def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
         "shard": {
             "layout": zstate.layout_signature(pipeline),
             "buffers": zstate.shard_tensors(pipeline),
+            "written": zstate.written_masters(pipeline),
             "param_shards": zstate.param_shards(pipeline),
             "steps": dict(pipeline.steps),
             "shapes": [tuple(pipeline.param_shape(p)) for p in params],
@@ -156,6 +157,7 @@ def load_shards(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
     if zstate.layout_signature(pipeline) != shard["layout"]:
         raise RuntimeError("the rebuilt optimizer has another flat-buffer layout than the saved one")
     zstate.load_shard_state(pipeline, shard["buffers"])
+    zstate.mark_written(pipeline, shard.get("written", []))
     pipeline.steps.update(shard["steps"])
     zstate.load_param_shards(pipeline, shard["param_shards"])
     opt.last_step = state["last_step"]

@@ -18,9 +18,12 @@ A master element that still rounds to its parameter keeps its extra precision.
 
 Writes into the master itself (``opt.state[p]["master"]``, a view of the shard) win over the
 parameter: its version counter, which views share, moves, and the next step first writes the
-parameters from the master (``push_written``). Every write the optimizer itself makes into a
-master (a load, a refresh, a CPU step run by the reference kernel) is ``record``-ed, so only
-writes from outside count.
+parameters from the master (``push_written``); so does the next read of the state (``sync``), so that
+a state dict holds a master that rounds to its parameter (loaded, a master that does not is taken
+for an old one and gives way to the parameter: ``state_door``). A copy of the optimizer, which may
+copy the parameters before or after it, carries the flag instead (``unrecord``). Every write the
+optimizer itself makes into a master (a load, a refresh, a CPU step run by the reference kernel) is
+``record``-ed, so only writes from outside count.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ def record(buf: "FlatBuffer") -> None:
     """The master of ``buf`` as it is now is the optimizer's own (a write made by the optimizer)."""
     if buf.master is not None:
         buf.master_version = buf.master._version
+
+
+def unrecord(buf: "FlatBuffer") -> None:
+    """The master of ``buf`` as it is now counts as written from outside (a copy of a master that was)."""
+    if buf.master is not None:
+        buf.master_version = -1
 
 
 def record_all(pipeline: "Pipeline") -> None:
@@ -69,16 +78,30 @@ def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
 
 
 def sync(pipeline: "Pipeline") -> None:
-    """Before reading the masters between steps: each takes the parameters' edits (unless written itself)."""
+    """Before reading the masters between steps: a master written from outside gives the parameters its values
+    (as the next step would), every other takes the parameters' edits."""
     for buf in pipeline.buffers:
-        if buf.master is not None and not written(buf):
-            adopt_edits(pipeline, buf)
+        settle(pipeline, buf)
+
+
+def settle(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
+    """After the parameters of ``buf`` may have been written: its master, if written from outside, gives them its
+    values, else takes their edits."""
+    if written(buf):
+        push(pipeline, buf)
+    elif buf.master is not None:
+        adopt_edits(pipeline, buf)
 
 
 def push_written(pipeline: "Pipeline") -> None:
     """At the step, before the update: a master written from outside gives this rank's parameters its values."""
     for buf in pipeline.buffers:
         if written(buf):
-            for bucket in buf.layout.buckets:
-                pipeline.param_shard(buf, bucket).copy_(buf.shard_slice(buf.master, bucket))
-            record(buf)
+            push(pipeline, buf)
+
+
+def push(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
+    """This rank's parameters of ``buf`` take its master's values, rounded; the master is the optimizer's again."""
+    for bucket in buf.layout.buckets:
+        pipeline.param_shard(buf, bucket).copy_(buf.shard_slice(buf.master, bucket))
+    record(buf)

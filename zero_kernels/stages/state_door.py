@@ -42,7 +42,7 @@ import torch
 
 from .adopt import current
 from .base import FlatBuffer, Pipeline
-from .master import record
+from .master import record, unrecord, written
 
 KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")  # every state tensor a buffer may have
 MOMENTS = KINDS[:3]  # Adam's state proper (a reset zeroes these; the master is the parameter's value)
@@ -311,6 +311,19 @@ def allocate_amsgrad(pipeline: Pipeline, wanted: Callable[[int], bool]) -> None:
 def shard_tensors(pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
     """This rank's state shards, one dict per buffer (the tensors themselves: the caller copies)."""
     return [state_tensors(buf) for buf in pipeline.buffers]
+
+
+def written_masters(pipeline: Pipeline) -> list[bool]:
+    """Per buffer: whether its master was written from outside since the optimizer last wrote it (``master``):
+    such a master wins over the parameters at the next read or step, which a copy must know."""
+    return [written(buf) for buf in pipeline.buffers]
+
+
+def mark_written(pipeline: Pipeline, flags: list[bool]) -> None:
+    """After loading a copy's shards: the masters ``written_masters`` flagged count as written from outside."""
+    for buf, flag in zip(pipeline.buffers, flags):
+        if flag:
+            unrecord(buf)
 
 
 def param_shards(pipeline: Pipeline) -> list[Optional[torch.Tensor]]:

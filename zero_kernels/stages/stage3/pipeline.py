@@ -326,7 +326,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
                 for bucket in buf.layout.buckets:
                     self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
-            master.adopt_edits(self, buf)
+            master.settle(self, buf)  # a master written from outside wins, as at the step
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
