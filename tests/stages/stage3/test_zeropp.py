@@ -356,3 +356,36 @@ def test_payload_blocks_fit_the_shard() -> None:
         layout = Payload(n)
         assert layout.block <= quantized_gather.WEIGHT_BLOCK and layout.block % 4 == 0
         assert n <= layout.blocks * layout.block < n + 4 * layout.blocks + 4, n
+
+
+def _offload_case(rank: int, world: int, directory: str) -> None:
+    """qwZ + hpZ + qgZ with the optimizer state in host memory or on disk: the same weights, full state dict and
+    losses as without offload, bit for bit (bf16 with an fp32 master, clipping), on 2 nodes of 2 ranks."""
+    _two_nodes(rank)
+    nvme = Path(directory, f"nvme{rank}")
+    nvme.mkdir()
+    zeropp = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+    runs = {}
+    for name, offload in (
+        ("none", None),
+        ("cpu", {"device": "cpu"}),
+        ("nvme", {"device": "nvme", "nvme_path": str(nvme)}),
+    ):
+        kw = dict(zeropp, max_grad_norm=0.05)
+        if offload is not None:
+            kw.update(offload_optimizer=offload, sub_group_size=500)
+        model, opt, losses = _train(rank, torch.bfloat16, recompute=True, steps=4, **kw)
+        runs[name] = (_exact(model, opt) + _state(opt), losses, opt.full_state_dict())
+    for name in ("cpu", "nvme"):
+        for a, b in zip(runs["none"][0], runs[name][0]):
+            assert torch.equal(a, b), f"offload {name}: the weights or state differ from ZeRO++ without offload"
+        assert runs[name][1] == runs["none"][1], f"offload {name}: losses {runs[name][1]} vs {runs['none'][1]}"
+        full, want = runs[name][2], runs["none"][2]
+        for i, state in want["state"].items():
+            for kind, t in state.items():
+                assert torch.equal(full["state"][i][kind], t), f"offload {name}: full_state_dict {i} {kind} differs"
+
+
+@pytest.mark.distributed
+def test_zeropp_with_offload_equals_zeropp_without(spawn, tmp_path: Path) -> None:
+    spawn(_offload_case, 4, str(tmp_path), timeout_s=300)
