@@ -412,8 +412,9 @@ def same_observables(model: Net, opt: zo.ShardedFusedAdam, other: Net, other_opt
         assert torch.equal(a, b), f"{what}: weight {name}"
 
 
-def edit_copy_cases(rank: int, world: int) -> None:
-    for stage, dtype, options, edit in itertools.product((1, 2, 3), LOW, OFFLOADS, ("master", "param")):
+def edit_copy_cases(rank: int, world: int, nvme_path: str) -> None:
+    offloads = (*OFFLOADS, {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}})
+    for stage, dtype, options, edit in itertools.product((1, 2, 3), LOW, offloads, ("master", "param")):
         what = f"stage {stage} {dtype} {options or 'on device'} {edit} edited, world {world}"
         model, opt = edited_run(stage, dtype, options, edit, rank, world)
         copies = copies_of(model, opt, stage, options)
@@ -435,11 +436,12 @@ def edit_copy_cases(rank: int, world: int) -> None:
 
 
 @pytest.mark.distributed
-def test_an_edit_between_steps_survives_copies_and_state_dict_loads(spawn) -> None:
-    """``opt.state[p]["master"]`` or a parameter written after a step: ``copy.deepcopy``, pickle, and
-    ``state_dict()`` loaded into a new optimizer (weights taken after it) or into the optimizer itself equal the
-    original in ``full_state_dict()``, ``opt.state`` and the weights, now and after one more step."""
-    spawn(edit_copy_cases, 2)
+def test_an_edit_between_steps_survives_copies_and_state_dict_loads(spawn, tmp_path) -> None:
+    """``opt.state[p]["master"]`` or a parameter written after a step, the state on the device, in host memory
+    or on disk: ``copy.deepcopy``, pickle, and ``state_dict()`` loaded into a new optimizer (weights taken after
+    it) or into the optimizer itself equal the original in ``full_state_dict()``, ``opt.state`` and the
+    weights, now and after one more step."""
+    spawn(edit_copy_cases, 2, str(tmp_path))
 
 
 def test_a_write_into_the_master_outlives_gathered_params() -> None:
@@ -451,3 +453,19 @@ def test_a_write_into_the_master_outlives_gathered_params() -> None:
     with opt.gathered_params():
         pass
     assert torch.equal(opt.full_state_dict()["state"][4]["master"], expected), f"stage {stage}"
+
+
+@pytest.mark.parametrize("read", ("state_dict", "full_state_dict"))
+def test_a_write_into_the_master_inside_gathered_params_survives_a_state_read(read: str) -> None:
+    """Inside ``gathered_params()``: ``opt.state[p]["master"]`` written, then the state read (which gives the
+    parameters the written master's values): the block's end writes back the parameters as they are then, so the
+    write survives, and the parameter read inside the block after the state read shows it."""
+    stage = 3
+    model, opt = train_bf16(stage, 0, 1, range(2))
+    with opt.gathered_params():
+        expected = opt.state[model.mid.weight]["master"].add_(0.5).clone()
+        getattr(opt, read)()
+        assert torch.equal(model.mid.weight, expected.to(torch.bfloat16)), f"{read}: the parameter inside the block"
+    assert torch.equal(opt.full_state_dict()["state"][4]["master"], expected), read
+    with opt.gathered_params():
+        assert torch.equal(model.mid.weight, expected.to(torch.bfloat16)), f"{read}: the parameter after the block"

@@ -330,6 +330,10 @@ class Pipeline(BackwardRound):
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
 
+    def live_param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """This rank's parameters of ``bucket`` as the model sees them now (what the master follows)."""
+        return self.param_shard(buf, bucket)
+
     def master_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's fp32 master of ``bucket`` (the parameters themselves when they are fp32)."""
         if buf.master is not None:

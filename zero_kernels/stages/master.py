@@ -24,6 +24,11 @@ for an old one and gives way to the parameter: ``state_door``). A copy of the op
 copy the parameters before or after it, carries the flag instead (``unrecord``). Every write the
 optimizer itself makes into a master (a load, a refresh, a CPU step run by the reference kernel) is
 ``record``-ed, so only writes from outside count.
+
+Inside stage 3's ``gathered_params()`` the model reads and writes the gathered buffer, which the block's end
+writes back to the shards: there the master follows, and is pushed into, that buffer's part of this rank
+(``Pipeline.live_param_shard``), so a state read inside the block neither misses the block's edits nor
+loses a master written before it.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
     buf.ready()
     for bucket in buf.layout.buckets:
         master = buf.shard_slice(buf.master, bucket)
-        shard = pipeline.param_shard(buf, bucket).to(master.device)  # a copy down when the state is offloaded
+        shard = pipeline.live_param_shard(buf, bucket).to(master.device)  # a copy down when the state is offloaded
         master.copy_(shard.float().where(edited(shard, master), master))
     record(buf)
 
@@ -101,7 +106,12 @@ def push_written(pipeline: "Pipeline") -> None:
 
 
 def push(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
-    """This rank's parameters of ``buf`` take its master's values, rounded; the master is the optimizer's again."""
+    """This rank's parameters of ``buf`` take its master's values, rounded, in the shard and where the model reads
+    them now (stage 3 inside ``gathered_params()``); the master is the optimizer's again."""
     for bucket in buf.layout.buckets:
-        pipeline.param_shard(buf, bucket).copy_(buf.shard_slice(buf.master, bucket))
+        value = buf.shard_slice(buf.master, bucket)
+        shard, live = pipeline.param_shard(buf, bucket), pipeline.live_param_shard(buf, bucket)
+        shard.copy_(value)
+        if live.data_ptr() != shard.data_ptr():
+            live.copy_(value)
     record(buf)

@@ -246,6 +246,13 @@ class Stage3Pipeline(Stage2Pipeline):
             return super().param_shard(buf, bucket)
         return buf.shard_slice(buf.param_shard, bucket)
 
+    def live_param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
+        """Inside ``gathered_params()`` the model reads (and writes) the gathered buffer, which the block's end
+        writes back to the shard: this rank's part of it."""
+        if self.holding and not buf.persistent and buf.full is not None:
+            return buf.rank_slice(buf.full, bucket, self.shard_rank)
+        return self.param_shard(buf, bucket)
+
     def _publish(self, buf: Stage3Buffer, bucket: Bucket):
         """Persistent units and units gathered right now receive the updated shards; the others gather later."""
         if buf.persistent:
