@@ -23,8 +23,12 @@ NONFINITE_STEP = 2
 CLIP = 0.05
 
 
-def _make(model: Net, stage: int, dtype: torch.dtype, offload: dict | None) -> zo.ShardedFusedAdam:
+def _make(
+    model: Net, stage: int, dtype: torch.dtype, offload: dict | None, params: dict | None = None
+) -> zo.ShardedFusedAdam:
     kwargs: dict = dict(STAGE3) if stage == 3 else {}
+    if params is not None:
+        kwargs["offload_param"] = params
     if dtype == torch.float16:
         kwargs["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
     if offload is not None:
@@ -49,13 +53,13 @@ def _state(opt: zo.ShardedFusedAdam) -> dict:
     return opt.full_state_dict()["state"]
 
 
-def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: dict) -> dict:
-    """Train with and without ``offload`` and compare after every step; returns the tiered optimizer's
-    traffic and the parameter count, for the caller's checks."""
+def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: dict, params: dict | None = None) -> dict:
+    """Train with and without ``offload`` (and ``params``: the ``offload_param`` block) and compare after every
+    step; returns the tiered optimizer's traffic and the parameter count, for the caller's checks."""
     torch.manual_seed(0)
     plain = Net().to(dtype)
     tiered = copy.deepcopy(plain)
-    a, b = _make(plain, stage, dtype, None), _make(tiered, stage, dtype, offload)
+    a, b = _make(plain, stage, dtype, None), _make(tiered, stage, dtype, offload, params)
     for step in range(STEPS):
         x = batch(step, 2 * world * ROWS)
         for model, opt in ((plain, a), (tiered, b)):
@@ -65,7 +69,7 @@ def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: di
                     _micro(model, opt, rows, step, dtype)
             opt.step()
             opt.zero_grad()
-        what = f"stage {stage} {dtype} {offload['device']} step {step}"
+        what = f"stage {stage} {dtype} {offload['device']} params {params} step {step}"
         assert a.skipped_steps == b.skipped_steps, what
         with a.gathered_params(), b.gathered_params():
             for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
@@ -77,4 +81,6 @@ def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: di
                 assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
     assert a.skipped_steps >= 1, "the schedule must skip a step"
     numel = sum(buf.layout.shard_numel for buf in b._pipeline.buffers)
-    return {"traffic": b._pipeline.tier.traffic(), "shard_numel": numel, "steps": STEPS}
+    on_host = sum(buf.layout.shard_numel for buf in b._pipeline.buffers if not getattr(buf, "persistent", True))
+    device_numel = numel - on_host if params is not None else numel  # shards whose parameters stay on the device
+    return {"traffic": b._pipeline.tier.traffic(), "shard_numel": numel, "device_numel": device_numel, "steps": STEPS}

@@ -57,6 +57,48 @@ def test_memory_report_shows_the_host_tier() -> None:
     assert "host" not in plain.memory_report() and plain.memory_report()["optimizer"] == numel * 12
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stage3_offload_param_keeps_the_shards_in_the_host_copies(dtype: torch.dtype, caplog) -> None:
+    """The HF ZeRO-3 template (``offload_param`` and ``offload_optimizer`` on the cpu): each unit's parameter
+    shard is the tier's host copy, so nothing goes up at the step (only the gradients come down), the shards
+    count under ``host`` and not ``params``, and no warning says the key is ignored."""
+    cpu = {"device": "cpu", "pin_memory": True}
+    kwargs = dict(reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    model = _model(dtype)
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        opt = zo.ShardedFusedAdam(model, stage=3, offload_optimizer=cpu, offload_param=cpu, **kwargs)
+    assert "offload_param" not in caplog.text
+    steps = 2
+    _train(model, opt, steps, dtype)
+    pipeline, tier = opt._pipeline, opt._pipeline.tier
+    for buf in pipeline.buffers:
+        assert buf.param_shard.data_ptr() == tier.shards[id(buf)].params.data_ptr()
+    numel = sum(buf.layout.shard_numel for buf in pipeline.buffers)
+    size = torch.finfo(dtype).bits // 8
+    assert tier.traffic()["up"] == 0 and tier.traffic()["down"] == steps * numel * size
+    twin = _model(dtype)
+    plain = zo.ShardedFusedAdam(twin, stage=3, offload_optimizer=cpu, **kwargs)
+    _train(twin, plain, steps, dtype)
+    report, before = opt.memory_report(), plain.memory_report()
+    assert before["params"] - report["params"] == numel * size  # the device shards are gone
+    assert report["host"] == before["host"]  # they were the host copies already
+    with opt.gathered_params(), plain.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "params, optimizer, says",
+    [("nvme", "cpu", "(the parameters' files are not written)"), ("cpu", "none", "without offload_optimizer")],
+)
+def test_offload_param_not_acted_on_says_so(params: str, optimizer: str, says: str, tmp_path, caplog) -> None:
+    block = {"device": params, "nvme_path": str(tmp_path)} if params == "nvme" else {"device": params}
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        opt = zo.ShardedFusedAdam(_model(torch.float32), stage=3, offload_param=block, offload_optimizer=optimizer)
+    assert "offload_param.device" in caplog.text and says in caplog.text
+    assert not opt._pipeline.params_offloaded
+
+
 def test_cpu_adam_threads_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(THREADS_VARIABLE, "3")
     assert cpu_threads(0.8) == 3

@@ -32,6 +32,13 @@ def _exact_ranks(rank: int, world: int, scratch: str) -> None:
         for stage in (1, 2, 3):
             for dtype in DTYPES:
                 pair_case(rank, world, stage, dtype, offload)
+        # stage 3's parameter shards in host memory too (the HF ZeRO-3 template): nothing goes up at the step
+        for dtype in DTYPES if offload["device"] == "cpu" else (torch.bfloat16,):
+            result = pair_case(rank, world, 3, dtype, offload, {"device": "cpu", "pin_memory": True})
+            size = torch.finfo(dtype).bits // 8
+            up = result["steps"] * result["device_numel"] * size  # the persistent units' shards only
+            assert result["device_numel"] < result["shard_numel"] / 2, "most parameters must be in sharded units"
+            assert result["traffic"]["up"] == up, f"offload_param with {offload['device']}, {dtype}"
 
 
 @pytest.mark.distributed
@@ -50,14 +57,19 @@ def _train(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, steps: r
 
 def _opt(model: Net, stage: int, offload: dict | None) -> zo.ShardedFusedAdam:
     kwargs = {"offload_optimizer": offload, "sub_group_size": 32} if offload else {}
+    if offload and offload.get("params"):  # stage 3 with the parameter shards in host memory too
+        kwargs["offload_optimizer"] = {"device": offload["device"]}
+        kwargs["offload_param"] = {"device": "cpu"}
     return zo.ShardedFusedAdam(model, lr=2e-2, stage=stage, reduce_bucket_size=BUCKET, amsgrad=True, **kwargs)
 
 
 def _save_ranks(rank: int, world: int, scratch: str) -> None:
-    """At 2 ranks: the same training saved with the disk tier (stage 3) and without offload (stage 2)."""
+    """At 2 ranks: the same training saved with the disk tier (stage 3), without offload (stage 2), and with
+    the parameter shards in host memory too (stage 3)."""
     nvme = Path(scratch) / f"nvme{rank}"
     nvme.mkdir(exist_ok=True)
-    for name, stage, offload in (("tier", 3, {"device": "nvme", "nvme_path": str(nvme)}), ("plain", 2, None)):
+    for name, stage, offload in (("tier", 3, {"device": "nvme", "nvme_path": str(nvme)}), ("plain", 2, None),
+                                 ("params", 3, {"device": "cpu", "params": True})):  # fmt: skip
         torch.manual_seed(0)
         model = Net()
         opt = _opt(model, stage, offload)
@@ -74,15 +86,19 @@ def test_checkpoint_resumes_across_tiers_and_world_sizes(tmp_path: Path) -> None
     shutil.rmtree(tmp_path / "nvme1")
     (tmp_path / "nvme").mkdir()
     resumed = {}
-    for saved, offload in (("tier", None), ("plain", {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}),
-                           ("tier", {"device": "cpu"})):  # fmt: skip
+    disk = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    cases = [("tier", 1, None), ("plain", 1, disk), ("tier", 1, {"device": "cpu"}), ("params", 1, None),
+             ("plain", 3, {"device": "cpu", "params": True})]  # fmt: skip
+    for saved, stage, offload in cases:
         torch.manual_seed(1)
         model = Net()
-        opt = _opt(model, 1, offload)
+        opt = _opt(model, stage, offload)
         zk.checkpoint.load(tmp_path / saved, model, opt)
         before = copy.deepcopy(opt.full_state_dict()["state"])
         _train(model, opt, 0, 1, range(3, 5))
-        resumed[(saved, str(offload))] = (before, opt.full_state_dict()["state"], copy.deepcopy(model.state_dict()))
+        with opt.gathered_params():
+            weights = copy.deepcopy(model.state_dict())
+        resumed[(saved, stage, str(offload))] = (before, opt.full_state_dict()["state"], weights)
     values = list(resumed.values())
     for before, after, weights in values[1:]:
         ref_before, ref_after, ref_weights = values[0]

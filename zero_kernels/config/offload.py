@@ -11,8 +11,9 @@ device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
   ``cpuadam_cores_perc``: the share of this process's cores the host Adam uses (the environment
   variable ``ZERO_KERNELS_CPU_ADAM_THREADS`` overrides it). ``ratio``: only ``1.0`` (all of it).
 - ``OffloadParamConfig``: stage 3's parameter shards in host memory or files. Parsed and checked
-  (stage 3 only, ``nvme_path`` with ``"nvme"``) so that the templates users copy start, but not acted on
-  yet: the pipeline warns once that the parameter shards stay on the device.
+  (stage 3 only, ``nvme_path`` with ``"nvme"``); acted on with ``"cpu"`` and the optimizer offloaded
+  (the shards are the state tier's host copies), otherwise the pipeline warns once that the parameter
+  shards stay on the device.
 - ``AioConfig``: the file I/O engine's knobs (the thread count is ``intra_op_parallelism``).
 """
 

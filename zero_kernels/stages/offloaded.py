@@ -14,6 +14,9 @@ Per bucket, in the step's bucket order:
    parameters: their master is that copy);
 4. the bucket's parameters go up (``HostTier.up``), then the stage all-gathers them as usual.
 
+Stage 3 with ``offload_param`` on the cpu keeps its parameter shards in the host copies themselves (the stage's
+``params_offloaded``): steps 2 and 4 then have nothing to do, and its gathers copy the shards up.
+
 The state tensors of a bucket come from ``tier.state(buf, bucket)``: views of resident host tensors
 (host tier) or of a sub-group swapped in from its files (disk tier), written back by ``tier.release``.
 Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run before, unchanged.
@@ -43,17 +46,20 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER_NAME)
 PARAMS_STAY = (
-    "zero_optimization.offload_param.device=%r is accepted but not acted on yet: stage 3's parameter shards stay "
-    "on the parameters' device (memory as without it; results are the same). offload_optimizer is honoured"
+    "zero_optimization.offload_param.device=%r is accepted but not acted on %s: stage 3's parameter shards stay "
+    "on the parameters' device (memory as without it; results are the same)"
 )
 
 
 def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     """The state tier ``options.offload_optimizer`` asks for, or None; a tier that cannot start on some rank
-    raises on every rank (after the others closed theirs). ``offload_param`` is only warned about."""
-    if options.offload_param.enabled:
-        logger.warning(PARAMS_STAY, options.offload_param.device)
+    raises on every rank (after the others closed theirs). ``offload_param`` is acted on by stage 3 with the
+    device cpu and the optimizer offloaded; otherwise it is warned about."""
     config = options.offload_optimizer
+    if options.offload_param.device == "nvme":
+        logger.warning(PARAMS_STAY, "nvme", "(the parameters' files are not written)")
+    elif options.offload_param.enabled and not config.enabled:
+        logger.warning(PARAMS_STAY, "cpu", "without offload_optimizer (set its device to cpu or nvme)")
     if not config.enabled:
         return None
     tier: Optional[HostTier] = None
@@ -156,7 +162,8 @@ def update_bucket(
     shard = tier.shards[id(buf)]
     device_params = pipeline.param_shard(buf, bucket)
     params = buf.shard_slice(shard.params, bucket)
-    if tier.changed((id(buf), bucket.index), device_params, params):
+    separate = device_params.data_ptr() != params.data_ptr()  # the same with stage 3's offload_param
+    if separate and tier.changed((id(buf), bucket.index), device_params, params):
         tier.down(params, device_params)
     grads = tier.down(buf.shard_slice(shard.grads, bucket), pipeline.grad_shard(buf, bucket))
     state = _state(pipeline, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
@@ -173,7 +180,8 @@ def update_bucket(
         launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl))
     if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
-    tier.up(device_params, params, (id(buf), bucket.index))
+    if separate:
+        tier.up(device_params, params, (id(buf), bucket.index))
 
 
 def host_impl(impl: Optional[str]) -> Optional[str]:

@@ -359,8 +359,8 @@ def test_payload_blocks_fit_the_shard() -> None:
 
 
 def _offload_case(rank: int, world: int, directory: str) -> None:
-    """qwZ + hpZ + qgZ with the optimizer state in host memory or on disk: the same weights, full state dict and
-    losses as without offload, bit for bit (bf16 with an fp32 master, clipping), on 2 nodes of 2 ranks."""
+    """qwZ + hpZ + qgZ with the optimizer state in host memory or on disk (and the parameter shards in host
+    memory): the same weights, full state dict and losses as without offload, bit for bit (bf16 with an fp32 master, clipping), on 2 nodes of 2 ranks."""
     _two_nodes(rank)
     nvme = Path(directory, f"nvme{rank}")
     nvme.mkdir()
@@ -370,13 +370,16 @@ def _offload_case(rank: int, world: int, directory: str) -> None:
         ("none", None),
         ("cpu", {"device": "cpu"}),
         ("nvme", {"device": "nvme", "nvme_path": str(nvme)}),
+        ("cpu+params", {"device": "cpu"}),
     ):
         kw = dict(zeropp, max_grad_norm=0.05)
         if offload is not None:
             kw.update(offload_optimizer=offload, sub_group_size=500)
+        if name.endswith("+params"):  # the parameter shards in host memory too (qwZ quantizes them there)
+            kw.update(offload_param={"device": "cpu"})
         model, opt, losses = _train(rank, torch.bfloat16, recompute=True, steps=4, **kw)
         runs[name] = (_exact(model, opt) + _state(opt), losses, opt.full_state_dict())
-    for name in ("cpu", "nvme"):
+    for name in ("cpu", "nvme", "cpu+params"):
         for a, b in zip(runs["none"][0], runs[name][0]):
             assert torch.equal(a, b), f"offload {name}: the weights or state differ from ZeRO++ without offload"
         assert runs[name][1] == runs["none"][1], f"offload {name}: losses {runs[name][1]} vs {runs['none'][1]}"

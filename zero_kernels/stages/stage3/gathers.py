@@ -16,6 +16,10 @@ boundary. The parts hold exactly the values the first gather produced, so the ba
 forward's parameters bit for bit (and, without qwZ, exactly the shards). The secondary partition is
 dropped when the shard changes: at the step, and at any write into the shard (``gathered_params``,
 a loaded state dict or checkpoint, a parameter assigned between steps).
+
+A shard in host memory (``offload_param``) is copied to the gathered buffer's device first (``on_device``:
+the shard, or with qwZ its int8 payload, quantized on the host: half the bytes of bf16 cross the bus);
+``uploaded`` counts those bytes.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class UnitGathers:
             self.secondary_engine = make_engine(
                 node_subgroup(self.hpz_size, "zero_optimization.zero_hpz_partition_size")
             )
+        self.uploaded = 0  # bytes of host shards copied to the device for a gather (``offload_param``)
         self._layouts: dict[int, Payload] = {}
         self._received: dict[int, list[tuple[Bucket, torch.Tensor]]] = {}  # id(buf) -> what to keep, until finish
 
@@ -68,6 +73,13 @@ class UnitGathers:
     def changed(self) -> None:
         """The step wrote the shards: quantized copies and secondary partitions are stale."""
         self.quantizer.changed()
+
+    def on_device(self, t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """``t`` on the device of ``full``: a copy up when ``t`` is in host memory (``offload_param``)."""
+        if t.device == full.device:
+            return t
+        self.uploaded += t.numel() * t.element_size()
+        return t.to(full.device, non_blocking=True)
 
     # ------------------------------------------------------------------ one bucket
     def start(
@@ -85,16 +97,16 @@ class UnitGathers:
         over the whole group, kept for nothing (``gathered_params()``: full values to save or edit)."""
         full = buf.bucket_slice(buf.full, bucket)
         if exact:
-            return self.engine.all_gather(full, shard, name=name)
+            return self.engine.all_gather(full, self.on_device(shard, full), name=name)
         if self._secondary_valid(buf, shard):
             return self._from_secondary(buf, bucket, full, shard, name)
         if not self.quantized:
             self.traffic.plain += shard.numel() * shard.element_size()
-            handle = self.engine.all_gather(full, shard, name=name)
+            handle = self.engine.all_gather(full, self.on_device(shard, full), name=name)
             received = full
         else:
             layout = self.layout(shard.numel())
-            payload = self.quantizer.payload((id(buf), bucket.index), shard, layout)
+            payload = self.on_device(self.quantizer.payload((id(buf), bucket.index), shard, layout), full)
             self.traffic.quantized += layout.nbytes
             self.traffic.unquantized_equivalent += shard.numel() * shard.element_size()
             handle, received = all_gather_quantized(

@@ -32,6 +32,11 @@ for bf16/fp16 the kernel writes the updated values (``out=``) into ``param_shard
 all-gather source of the next gather. Nothing is all-gathered at the step except persistent
 units (and units held by ``gathered_params``).
 
+Offload. With ``offload_param`` on the cpu and the optimizer state offloaded (``offload_optimizer``), the
+host tier's copy of a unit's parameter shard is the shard itself: the host Adam writes the new values there,
+nothing goes up at the step, and each gather copies the shard (or its int8 payload with
+``zero_quantized_weights``) to the device first (``stage3.gathers``). Persistent units stay on the device.
+
 Limits: frozen parameters are not sharded (they stay whole on every rank); a parameter used
 outside the forward of a module that holds it must be registered (or is found on first use) as
 an external parameter of the module that uses it; every rank must run the same modules in the
@@ -226,6 +231,16 @@ class Stage3Pipeline(Stage2Pipeline):
             buf.pending[k] -= 1
         self._launch_ready()
 
+    @property
+    def params_offloaded(self) -> bool:
+        """``offload_param`` acted on: the parameter shards live in the state tier's host memory."""
+        return self.tier is not None and self.options.offload_param.device == "cpu"
+
+    def _allocate(self, buf: Stage3Buffer) -> None:
+        super()._allocate(buf)
+        if self.params_offloaded and not buf.persistent:
+            buf.param_shard = self.tier.shards[id(buf)].params  # the host copy, filled from the device shard
+
     def _place_params(self, buf: Stage3Buffer) -> None:
         """Persistent units keep the full buffer; the others keep this rank's shard and free the parameters."""
         if buf.persistent:
@@ -273,6 +288,7 @@ class Stage3Pipeline(Stage2Pipeline):
             if not buf.persistent and buf.full is not None:
                 for b in buf.layout.buckets:
                     full, shard = buf.bucket_slice(buf.full, b), buf.shard_slice(buf.param_shard, b)
+                    shard = self.unit_gathers.on_device(shard, full)
                     self.engine.all_gather(full, shard, name=f"exact.{b.index}").wait()
 
     @property
@@ -339,6 +355,8 @@ class Stage3Pipeline(Stage2Pipeline):
         """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
         tensors = super().memory_tensors()
         tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.param_shard, buf.full)]
+        if self.params_offloaded:  # the shards are the tier's host copies, counted under ``host``
+            tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.full)]
         tensors["secondary"] += [t for buf in self.buffers for t in buf.secondary or ()] + self.unit_gathers.tensors()
         return tensors
 
