@@ -253,9 +253,9 @@ def _two_nodes(rank: int) -> None:
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")
 
 
-def _hpz_case(rank: int, world: int) -> None:
-    _two_nodes(rank)
-    for dtype in (torch.float32, torch.bfloat16):
+def _hpz_case(rank: int, world: int, dtypes: tuple = (torch.float32, torch.bfloat16)) -> None:
+    _two_nodes(rank)  # nodes of 2 ranks: 2 nodes at 4 ranks, 3 at 6
+    for dtype in dtypes:
         runs = {}
         for name, kw in (
             ("plain", {}),
@@ -295,13 +295,19 @@ def _hpz_case(rank: int, world: int) -> None:
             }
             planned = estimate_memory(psi, world, 3, hpz_partition_size=2, quantized_weights=quantized, **kw)
             assert abs(held - planned.secondary) <= 0.1 * planned.secondary, f"{run}: {held} held, {planned}"
-    with pytest.raises(ValueError, match="zero_hpz_partition_size=4 must be the number of ranks per node"):
+    with pytest.raises(ValueError, match="zero_hpz_partition_size=4 must (be the number of ranks per node|divide)"):
         zk.ShardedFusedAdam(Net(torch.float32), stage=3, zero_hpz_partition_size=4)
 
 
 @pytest.mark.distributed
 def test_hpz_on_two_nodes_equals_plain_stage3_with_activation_checkpointing(spawn) -> None:
     spawn(_hpz_case, 4, timeout_s=300)
+
+
+@pytest.mark.distributed
+def test_hpz_on_three_nodes_equals_plain_stage3(spawn) -> None:
+    """An odd node count (3 nodes of 2 ranks): hpZ's groups stay inside each node, bf16."""
+    spawn(_hpz_case, 6, (torch.bfloat16,), timeout_s=300)
 
 
 def _subgroup_case(rank: int, world: int) -> None:
@@ -360,7 +366,8 @@ def test_payload_blocks_fit_the_shard() -> None:
 
 def _offload_case(rank: int, world: int, directory: str) -> None:
     """qwZ + hpZ + qgZ with the optimizer state in host memory or on disk (and the parameter shards in host
-    memory): the same weights, full state dict and losses as without offload, bit for bit (bf16 with an fp32 master, clipping), on 2 nodes of 2 ranks."""
+    memory): the same weights, full state dict and losses as without offload, bit for bit (bf16 with an fp32
+    master, clipping), on 2 nodes of 2 ranks."""
     _two_nodes(rank)
     nvme = Path(directory, f"nvme{rank}")
     nvme.mkdir()
