@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import statistics
 import tempfile
 import time
@@ -35,7 +34,7 @@ import torch.multiprocessing as mp
 
 from zero_kernels import _ext, comm
 
-from .common import best_vs_peer, expect, progress
+from .common import best_vs_peer, expect, free_port, progress
 
 DESCRIPTION = "gloo collectives per primitive and size, and overlap of reduce-scatter with compute (2 ranks)"
 NOTES = [
@@ -211,12 +210,6 @@ def _rank(rank: int, port: int, engines: list[str], quick: bool, out_path: str) 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def summary(rows: list[dict]) -> list[dict]:
     """Per reduce-scatter and all-gather size: the primitive our engines choose (the faster engine)
     against the fastest of gloo's own collectives through plain ``torch.distributed``; per engine, the
@@ -243,6 +236,6 @@ def run(quick: bool = True) -> list[dict]:
     engines = _engines()
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "rows.pkl")
-        mp.spawn(_rank, args=(_free_port(), engines, quick, out_path), nprocs=WORLD_SIZE, join=True)
+        mp.spawn(_rank, args=(free_port(), engines, quick, out_path), nprocs=WORLD_SIZE, join=True)
         with open(out_path, "rb") as f:
             return pickle.load(f)

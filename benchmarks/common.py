@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing: timing, machine facts, progress, summary, table and JSON output.
+"""Shared benchmark plumbing: timing, machine facts, progress, summary, table and JSON output, ranks.
 
 A subject is a module ``benchmarks/<name>.py`` that defines ``DESCRIPTION: str`` and
 ``run(quick: bool) -> list[dict]``. Each row names at least ``case`` and ``provider`` and holds
@@ -17,17 +17,22 @@ of a multi-process subject can report too.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import os
 import platform
+import socket
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, TextIO
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def _on_cuda(device: torch.device | str | None) -> bool:
@@ -432,3 +437,70 @@ def summary_rows(module: Any, rows: list[dict]) -> list[dict]:
 def geometric_mean(values: Iterable[float]) -> float:
     values = [v for v in values if v > 0]
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+# ---------------------------------------------------------------- subjects in several processes (gloo, loopback)
+def error_text(err: BaseException) -> str:
+    """A failure as a row reports it: its type and the start of its message."""
+    return f"{type(err).__name__}: {err}"[:160]
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank: int, world: int, port: int, *, timeout_s: float) -> None:
+    """Join the gloo group of ``world`` ranks at ``port`` (one thread per rank; DeepSpeed reads MASTER_*)."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def provider_rounds(rank: int, providers: list[str], rounds: int, measure: Callable[[str], Any]) -> dict[str, list]:
+    """provider -> ``measure(provider)`` per round, or the error it raised (the others go on); the order of the
+    providers alternates between rounds, and rank 0 reports progress."""
+    results: dict[str, list] = {p: [] for p in providers}
+    for r in range(rounds):
+        for provider in providers if r % 2 == 0 else providers[::-1]:
+            if rank == 0:
+                progress(f"round {r + 1}/{rounds}", provider)
+            try:
+                results[provider].append(measure(provider))
+            except Exception as err:  # reported in the provider's rows
+                results[provider].append(error_text(err))
+            gc.collect()
+    return results
+
+
+def finish_rank(out: str, rank: int, result: Any) -> None:
+    """Write this rank's ``result`` to ``out.<rank>`` for ``spawn_ranks`` and leave the process group."""
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def spawn_ranks(target: Callable, args: tuple, out: str, world: int) -> list[Any]:
+    """What each rank of ``target(rank, *args, out)`` wrote to ``out.<rank>``; an ``error`` per rank if they died."""
+    try:
+        mp.spawn(target, args=(*args, out), nprocs=world, join=True)
+    except Exception as err:  # e.g. a rank killed by a signal: the other providers still run
+        return [{"error": error_text(err)} for _ in range(world)]
+    found = []
+    for rank in range(world):
+        with open(f"{out}.{rank}") as f:
+            found.append(json.load(f))
+    return found
+
+
+def rounds_by_provider(rows: list[dict]) -> dict[str, list[float]]:
+    """provider -> its step time per round (``rounds_ms``), the mean over the ranks (rows without it are left out)."""
+    per_rank: dict[str, list[list[float]]] = {}
+    for r in rows:
+        if "rounds_ms" in r:
+            per_rank.setdefault(r["provider"], []).append(r["rounds_ms"])
+    return {p: [statistics.fmean(ts) for ts in zip(*ranks)] for p, ranks in per_rank.items()}

@@ -25,25 +25,31 @@ also runs with the sizes of published DeepSpeed configs (``zk-stage2@5e7`` and D
 
 from __future__ import annotations
 
-import gc
-import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from . import e2e_deepspeed
-from .common import expect, progress, ratio_stats
+from .common import (
+    error_text,
+    expect,
+    finish_rank,
+    free_port,
+    join,
+    progress,
+    provider_rounds,
+    ratio_stats,
+    rounds_by_provider,
+    spawn_ranks,
+)
 
 DESCRIPTION = "training step on 2 gloo ranks: zero_kernels stages 0-3 vs DDP, ZeRO-1 (torch), FSDP2, DeepSpeed"
 WORLD = 2
@@ -163,14 +169,6 @@ def _train_step(provider: str, model: nn.Module, x: torch.Tensor):
     return step, report
 
 
-def _join(rank: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # for DeepSpeed, which reads them
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
-    )
-
-
 def _step_ms(provider: str, width: int, depth: int, steps: int) -> tuple[float, Callable[[], dict]]:
     """A fresh model under ``provider``: the median time of ``steps`` steps after 2 warm-up steps (ms), its report."""
     model = _model(width, depth)
@@ -186,49 +184,21 @@ def _step_ms(provider: str, width: int, depth: int, steps: int) -> tuple[float, 
 
 def _memory_rank(rank: int, provider: str, port: int, width: int, depth: int, out: str) -> None:
     """One provider in fresh processes: its memory after a few steps."""
-    _join(rank, port)
+    join(rank, WORLD, port, timeout_s=300)
     try:
         row = {"mem": _step_ms(provider, width, depth, 1)[1]()}
     except Exception as err:  # a provider that does not run here is reported, not fatal
-        row = {"error": f"{type(err).__name__}: {err}"[:120]}
+        row = {"error": error_text(err)}
     row["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(row, f)
-    dist.destroy_process_group()
+    finish_rank(out, rank, row)
 
 
 def _timing_rank(rank: int, providers: list[str], rounds: int, port: int, width: int, depth: int, steps: int,
                  out: str) -> None:  # fmt: skip
     """Every provider in interleaved rounds in these processes: provider -> its step time per round (or error)."""
-    _join(rank, port)
-    times: dict[str, list] = {p: [] for p in providers}
-    for r in range(rounds):
-        for provider in providers if r % 2 == 0 else providers[::-1]:
-            if rank == 0:
-                progress(f"round {r + 1}/{rounds}", provider)
-            try:
-                times[provider].append(_step_ms(provider, width, depth, steps)[0])
-            except Exception as err:  # reported in the provider's rows; the others go on
-                times[provider].append(f"{type(err).__name__}: {err}"[:120])
-            gc.collect()
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(times, f)
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rounds(rows: list[dict]) -> dict[str, list[float]]:
-    """provider -> its step time per round, the mean over the ranks (rounds where a rank failed are left out)."""
-    per_rank: dict[str, list[list[float]]] = {}
-    for r in rows:
-        if "rounds_ms" in r:
-            per_rank.setdefault(r["provider"], []).append(r["rounds_ms"])
-    return {p: [statistics.fmean(ts) for ts in zip(*ranks)] for p, ranks in per_rank.items()}
+    join(rank, WORLD, port, timeout_s=300)
+    times = provider_rounds(rank, providers, rounds, lambda provider: _step_ms(provider, width, depth, steps)[0])
+    finish_rank(out, rank, times)
 
 
 def _ratio(rows_rounds: dict[str, list[float]], peer: str, ours: str) -> dict:
@@ -237,7 +207,7 @@ def _ratio(rows_rounds: dict[str, list[float]], peer: str, ours: str) -> dict:
 
 def _with_peer_ratios(rows: list[dict]) -> list[dict]:
     """Add ``peer``, ``vs_peer`` (the peer's step time over ours), ``low``/``high`` and ``verdict`` to our rows."""
-    rounds = _rounds(rows)
+    rounds = rounds_by_provider(rows)
     for r in rows:
         peer = PEERS.get(_base(r["provider"]))
         stats = _ratio(rounds, peer, r["provider"])
@@ -250,7 +220,7 @@ def _with_peer_ratios(rows: list[dict]) -> list[dict]:
 
 def _deepspeed_ratios(rows: list[dict]) -> list[dict]:
     """Add ``vs_deepspeed`` (DeepSpeed's step time at the same stage over ours, median over rounds) to our rows."""
-    rounds = _rounds(rows)
+    rounds = rounds_by_provider(rows)
     for r in rows:
         ds = e2e_deepspeed.PREFIX + _base(r["provider"])[-1]
         same_bucket = "@" not in r["provider"]  # DeepSpeed runs with BUCKET_ELEMENTS
@@ -263,13 +233,13 @@ def _deepspeed_ratios(rows: list[dict]) -> list[dict]:
 
 def _mean_step_ms(rows: list[dict]) -> dict[str, float]:
     """provider -> its step time, the median over the rounds of the mean over the ranks."""
-    return {p: statistics.median(ts) for p, ts in _rounds(rows).items()}
+    return {p: statistics.median(ts) for p, ts in rounds_by_provider(rows).items()}
 
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per stage: ours against the fastest of its peers (the named peer and DeepSpeed at that stage), with the
     spread of the ratio over the rounds and a verdict."""
-    rounds = _rounds(rows)
+    rounds = rounds_by_provider(rows)
     mean = _mean_step_ms(rows)
     out = []
     for ours in (*PEERS, *OVERLAPPED):
@@ -288,23 +258,10 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def _spawn(target: Callable, args: tuple, out: str) -> list[Any]:
-    """What each rank of ``target(rank, *args, out)`` wrote to ``out.<rank>``; an ``error`` per rank if they died."""
-    try:
-        mp.spawn(target, args=(*args, out), nprocs=WORLD, join=True)
-    except Exception as err:  # e.g. a rank killed by a signal: the other providers still run
-        return [{"error": f"{type(err).__name__}: {err}"[:120]} for _ in range(WORLD)]
-    found = []
-    for rank in range(WORLD):
-        with open(f"{out}.{rank}") as f:
-            found.append(json.load(f))
-    return found
-
-
 def _memory(provider: str, width: int, depth: int, out: str) -> list[dict]:
     """The memory rows of one provider, one per rank."""
     rows = []
-    for row in _spawn(_memory_rank, (provider, _free_port(), width, depth), out):
+    for row in spawn_ranks(_memory_rank, (provider, free_port(), width, depth), out, WORLD):
         mem = row.pop("mem", {})
         rows.append({**row, **{f"{k}_MiB": v / 2**20 for k, v in mem.items()}})
     return rows
@@ -312,7 +269,7 @@ def _memory(provider: str, width: int, depth: int, out: str) -> list[dict]:
 
 def _timing(providers: list[str], rounds: int, width: int, depth: int, steps: int, out: str) -> list[dict]:
     """Per rank: provider -> its step time per round (ms) or an error message."""
-    found = _spawn(_timing_rank, (providers, rounds, _free_port(), width, depth, steps), out)
+    found = spawn_ranks(_timing_rank, (providers, rounds, free_port(), width, depth, steps), out, WORLD)
     return [got if "error" not in got else {p: [got["error"]] for p in providers} for got in found]
 
 

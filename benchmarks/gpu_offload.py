@@ -28,13 +28,10 @@ skipped).
 
 from __future__ import annotations
 
-import argparse
-import socket
 import statistics
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -45,6 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 from benchmarks.gpu_report import Report  # noqa: E402
+from benchmarks.gpu_script import join_alone, main_with_smoke_run  # noqa: E402
 
 STAGES = (2, 3)
 LR = 1e-3
@@ -228,20 +226,10 @@ def run_stage(stage: int, cfg: Config, report: Report) -> dict:
     return row
 
 
-def _init_group(device: str) -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))  # fmt: skip
-    return backend
-
-
 def run_all(cfg: Config, report: Report) -> int:
     if cfg.device == "cpu":
         torch.set_num_threads(1)  # a smoke run on a small, possibly busy machine
-    backend = _init_group(cfg.device)
+    backend = join_alone(cfg.device)
     rows: list[dict] = []
     try:
         where = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
@@ -267,16 +255,7 @@ def run_all(cfg: Config, report: Report) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=sorted(CONFIGS), default="cuda", help="cpu: gloo smoke run, small model")
-    parser.add_argument("--json", metavar="DIR", help="also write gpu_offload.json there (after every check)")
-    args = parser.parse_args(argv)
-    report = Report(args.json, "gpu_offload")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_offload: no CUDA device here: every check is skipped (--device cpu is the smoke run)")
-        report.skip_all(check_names())
-        return report.exit_status()
-    return run_all(CONFIGS[args.device], report)
+    return main_with_smoke_run("gpu_offload", CONFIGS, check_names, run_all, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
 
+from zero_kernels.liveness import process_alive
+
 PREFIX = "zk"
 _NAME = re.compile(rf"^{PREFIX}(\d+)s(\d+)([ab])$")
 SUBNET = "10.77.0"  # private to the two namespaces: it cannot clash with the host's networks
@@ -95,16 +97,6 @@ def _kill_and_delete(netns: str) -> None:
     _ip("link", "del", netns, check=False)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale() -> list[str]:
     """Delete the namespaces and stray veth ends of earlier runs whose creating process is gone.
 
@@ -114,7 +106,7 @@ def remove_stale() -> list[str]:
     listed = _ip("netns", "list", check=False).stdout.split("\n")
     for name in (line.split()[0] for line in listed if line.strip()):
         match = _NAME.match(name)
-        if match and not _alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             _kill_and_delete(name)
             removed.append(name)
     links = _ip("-o", "link", "show", check=False).stdout.split("\n")
@@ -122,7 +114,7 @@ def remove_stale() -> list[str]:
         fields = line.split(":")
         name = fields[1].strip().split("@")[0] if len(fields) > 1 else ""
         match = _NAME.match(name)
-        if match and not _alive(int(match.group(1))):  # a pair made but never moved into its namespaces
+        if match and not process_alive(int(match.group(1))):  # a pair made but never moved into its namespaces
             _ip("link", "del", name, check=False)
             removed.append(name)
     return removed

@@ -33,27 +33,32 @@ the step against (state bytes moved / disk bandwidth) (``step_over_io_bound``).
 
 from __future__ import annotations
 
-import gc
-import json
 import mmap
 import os
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from . import e2e_deepspeed
-from .common import expect, progress, ratio_stats
+from .common import (
+    expect,
+    finish_rank,
+    free_port,
+    join,
+    progress,
+    provider_rounds,
+    ratio_stats,
+    rounds_by_provider,
+    spawn_ranks,
+)
 
 DESCRIPTION = "offload on 2 gloo ranks, stages 2 and 3: none, cpu, nvme (ours) vs DeepSpeed's cpu and nvme"
 # Not in the default run: DeepSpeed's CPU Adam and async_io ops build on first use (minutes), and the
@@ -238,51 +243,13 @@ def _measure(provider: str, width: int, depth: int, steps: int, folder: str) -> 
     return {"ms": 1e3 * statistics.median(times[2:]), **moved, **tiers}
 
 
-def _join(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # for DeepSpeed, which reads them
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
-    )
-
-
 def _timing_rank(rank: int, names: list[str], rounds: int, port: int, shape: tuple[int, int, int], folder: str,
                  out: str) -> None:  # fmt: skip
     """Every provider in interleaved rounds in these processes: provider -> its result per round (or error)."""
-    _join(rank, WORLD, port)
+    join(rank, WORLD, port, timeout_s=600)
     width, depth, steps = shape
-    results: dict[str, list] = {p: [] for p in names}
-    for r in range(rounds):
-        for provider in names if r % 2 == 0 else names[::-1]:
-            if rank == 0:
-                progress(f"round {r + 1}/{rounds}", provider)
-            try:
-                results[provider].append(_measure(provider, width, depth, steps, folder))
-            except Exception as err:  # reported in the provider's rows; the others go on
-                results[provider].append(f"{type(err).__name__}: {err}"[:160])
-            gc.collect()
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(target: Callable, args: tuple, out: str, world: int) -> list[Any]:
-    """What each rank of ``target(rank, *args, out)`` wrote to ``out.<rank>``; an ``error`` per rank if they died."""
-    try:
-        mp.spawn(target, args=(*args, out), nprocs=world, join=True)
-    except Exception as err:  # e.g. a rank killed by a signal
-        return [{"error": f"{type(err).__name__}: {err}"[:160]} for _ in range(world)]
-    found = []
-    for rank in range(world):
-        with open(f"{out}.{rank}") as f:
-            found.append(json.load(f))
-    return found
+    results = provider_rounds(rank, names, rounds, lambda provider: _measure(provider, width, depth, steps, folder))
+    finish_rank(out, rank, results)
 
 
 # ---------------------------------------------------------------- rows
@@ -296,19 +263,10 @@ def _row(results: list) -> dict:
     return {"step_ms": statistics.median(times), "rounds_ms": [round(t, 3) for t in times], **last}
 
 
-def _rounds(rows: list[dict]) -> dict[str, list[float]]:
-    """provider -> its step time per round, the mean over the ranks."""
-    per_rank: dict[str, list[list[float]]] = {}
-    for r in rows:
-        if "rounds_ms" in r:
-            per_rank.setdefault(r["provider"], []).append(r["rounds_ms"])
-    return {p: [statistics.fmean(ts) for ts in zip(*ranks)] for p, ranks in per_rank.items()}
-
-
 def _with_ratios(rows: list[dict], disk: dict) -> list[dict]:
     """Add ``vs_deepspeed`` (DeepSpeed's step with the same offload over ours) and ``io_of_disk`` (the state
     I/O of all ranks, which share the disk, per step over the step time, as a share of the disk's bandwidth)."""
-    rounds = _rounds(rows)
+    rounds = rounds_by_provider(rows)
     disk_Bps = (disk["disk_write_GBps"] + disk["disk_read_GBps"]) / 2 * 1e9
     io_MB: dict[str, float] = {}
     for r in rows:
@@ -326,7 +284,7 @@ def _with_ratios(rows: list[dict], disk: dict) -> list[dict]:
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per offloaded provider of ours with a DeepSpeed peer: ours against it."""
-    rounds = _rounds(rows)
+    rounds = rounds_by_provider(rows)
     out = []
     for ours in dict.fromkeys(r["provider"] for r in rows if "rank" in r):
         peer = peer_of(ours)
@@ -363,7 +321,7 @@ def run(quick: bool, shape: Optional[tuple[int, int, int]] = None, rounds: Optio
     folder = _folder()
     try:
         disk = disk_bandwidth(folder)
-        found = _spawn(_timing_rank, (names, rounds, _free_port(), (width, depth, steps), folder),
+        found = spawn_ranks(_timing_rank, (names, rounds, free_port(), (width, depth, steps), folder),
                        os.path.join(folder, "timing"), WORLD)  # fmt: skip
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -417,7 +375,7 @@ def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, fol
     state's bytes on disk, the bytes read and written per step, forward + backward and update times."""
     import zero_kernels as zk
 
-    _join(rank, 1, port)
+    join(rank, 1, port, timeout_s=600)
     torch.set_num_threads(os.cpu_count() or 1)
     model = big_model(num_params, width)
     params = sum(p.numel() for p in model.parameters())
@@ -450,9 +408,7 @@ def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, fol
         "read_GB": moved.get("read", 0) / 1e9,
         "written_GB": moved.get("written", 0) / 1e9,
     }
-    with open(f"{out}.{rank}", "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    finish_rank(out, rank, result)
 
 
 def run_big(num_params: int, steps: int = 3, width: int = 4096) -> list[dict]:
@@ -462,8 +418,8 @@ def run_big(num_params: int, steps: int = 3, width: int = 4096) -> list[dict]:
     progress(f"{num_params / 1e6:.0f}M params bf16, stage 3, state on disk", "zk-stage3-nvme")
     try:
         disk = disk_bandwidth(folder)
-        args = (num_params, width, steps, _free_port(), folder)
-        (got,) = _spawn(_big_rank, args, os.path.join(folder, "big"), 1)
+        args = (num_params, width, steps, free_port(), folder)
+        (got,) = spawn_ranks(_big_rank, args, os.path.join(folder, "big"), 1)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     row: dict[str, Any] = {"case": f"{num_params / 1e6:.0f}M params bf16, 1 rank", "provider": "zk-stage3-nvme"}

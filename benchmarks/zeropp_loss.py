@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -34,7 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from .common import expect, progress
+from .common import expect, free_port, progress
 
 DESCRIPTION = "ZeRO++ (qwZ + hpZ + qgZ) loss after 200 steps of a small LM vs the spread of 3 seeds of plain stage 3"
 IN_DEFAULT_RUN = False
@@ -149,19 +148,13 @@ def _name(seed: int, zeropp: bool) -> str:
     return f"stage3{' + qwZ + hpZ + qgZ' if zeropp else ''} seed {seed}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(steps: int, seeds: tuple, zeropp_seeds: tuple, shape: dict) -> list[dict]:
     """Spawn the ranks, train every run in turn; the runs' rows and the summary row."""
     runs = [(s, False) for s in seeds] + [(s, True) for s in zeropp_seeds]
     expect(len(runs))
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "losses.json")
-        mp.spawn(_rank, args=(_free_port(), runs, steps, shape, out), nprocs=WORLD, join=True)
+        mp.spawn(_rank, args=(free_port(), runs, steps, shape, out), nprocs=WORLD, join=True)
         with open(out) as f:
             results = json.load(f)
     last = min(LAST, steps)

@@ -20,17 +20,11 @@
 #include <vector>
 
 #include "comm/engine.h"
+#include "tests/check.h"
 
 namespace {
 
-int failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    ++failures;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
+using zero_kernels::testing::expect;
 
 constexpr c10::DeviceType kFake = c10::DeviceType::PrivateUse1;
 thread_local c10::StreamId current_stream_id = 0;  // the fake device's current stream on this thread
@@ -123,8 +117,5 @@ C10_REGISTER_GUARD_IMPL(PrivateUse1, FakeGuard);
 
 int main() {
   test_operations_finish_on_their_side_stream();
-  if (failures == 0) {
-    std::printf("comm engine tests passed\n");
-  }
-  return failures == 0 ? 0 : 1;
+  return zero_kernels::testing::finish("comm engine tests");
 }

@@ -14,19 +14,13 @@
 #include <vector>
 
 #include "io/engine.h"
+#include "tests/check.h"
 
 namespace zio = zero_kernels::io;
 
 namespace {
 
-int failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    ++failures;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
+using zero_kernels::testing::expect;
 
 std::vector<char> read_back(const std::string& path, int64_t offset, int64_t nbytes) {
   std::vector<char> out(nbytes);
@@ -90,6 +84,5 @@ int main() {
   errors(dir);
   for (const char* name : {"/short", "/f"}) ::unlink((std::string(dir) + name).c_str());
   ::rmdir(dir);
-  std::printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
-  return failures ? 1 : 0;
+  return zero_kernels::testing::finish("disk I/O engine tests");
 }

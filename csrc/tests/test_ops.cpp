@@ -16,17 +16,11 @@
 #include "ops/adam_cpu.h"
 #include "ops/flatten_cpu.h"
 #include "ops/quant_cpu.h"
+#include "tests/check.h"
 
 namespace {
 
-int failures = 0;
-
-void expect(bool ok, const std::string& what) {
-  if (!ok) {
-    ++failures;
-    std::printf("FAIL: %s\n", what.c_str());
-  }
-}
+using zero_kernels::testing::expect;
 
 // Largest |actual - expected| beyond rtol * |expected| + atol, 0 when all elements pass.
 double worst_excess(const at::Tensor& actual, const std::vector<double>& expected, double rtol, double atol) {
@@ -269,6 +263,5 @@ int main() {
   test_found_inf();
   test_flatten_round_trip();
   test_checks();
-  std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "passed", failures);
-  return failures ? 1 : 0;
+  return zero_kernels::testing::finish("CPU kernel tests");
 }

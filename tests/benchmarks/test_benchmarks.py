@@ -360,7 +360,7 @@ def test_e2e_reports_a_provider_whose_processes_die_in_its_rows(monkeypatch):
     def die(*args, **kwargs):
         raise RuntimeError("process 1 terminated with signal SIGKILL")
 
-    monkeypatch.setattr(e2e.mp, "spawn", die)
+    monkeypatch.setattr(common.mp, "spawn", die)
     rows = e2e._memory("deepspeed-stage3", 8, 1, "/nonexistent/out")
     assert rows == [{"error": "RuntimeError: process 1 terminated with signal SIGKILL"}] * 2
     timing = e2e._timing(["zk-stage2", "fsdp2"], 3, 8, 1, 3, "/nonexistent/out")

@@ -6,15 +6,11 @@ to the flat all-reduce. Needs root (network namespaces); skipped with the reason
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from benchmarks import netns
-from tests.helpers.dist import _prebuild_extensions
-from tests.helpers.paths import ROOT
+from tests.helpers.nodes import ran_on_two_nodes
 from zero_kernels.comm_groups import grid
 
 HERE = Path(__file__).resolve().parent
@@ -23,15 +19,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.distributed
 @pytest.mark.netns
 def test_stages_on_two_nodes_match_torch_adamw() -> None:
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    _prebuild_extensions()
-    root = str(ROOT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    with tempfile.TemporaryDirectory() as out, netns.emulated_nodes() as nodes:
-        netns.torchrun_on_nodes(nodes, [str(HERE / "_multinode_worker.py"), out], env=env, timeout_s=240)
-        results = {rank: Path(out, str(rank)).read_text() for rank in range(4)}
+    with ran_on_two_nodes(HERE / "_multinode_worker.py") as out:
+        results = {rank: (out / str(rank)).read_text() for rank in range(4)}
     assert all(r == "ok" for r in results.values()), results
 
 

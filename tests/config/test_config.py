@@ -10,6 +10,7 @@ import pathlib
 import pytest
 import torch
 
+from tests.helpers.hf_templates import ZERO3_OPTIONS, hf_template
 from zero_kernels.config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 
@@ -178,33 +179,12 @@ def test_stage3_aliases_and_deepspeed_field_names() -> None:
         ZeroOptions.from_dict({"prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 7})
 
 
-HF_ZERO3 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
-    "bf16": {"enabled": "auto"},
-    "optimizer": {
-        "type": "AdamW",
-        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
-    },
-    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}},
-    "zero_optimization": {
-        "stage": 3,
-        "overlap_comm": True,
-        "contiguous_gradients": True,
-        "sub_group_size": 1e9,
-        "reduce_bucket_size": "auto",
-        "stage3_prefetch_bucket_size": "auto",
-        "stage3_param_persistence_threshold": "auto",
-        "stage3_max_live_parameters": 1e9,
-        "stage3_max_reuse_distance": 1e9,
-        "stage3_gather_16bit_weights_on_model_save": True,
-    },
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}
+HF_ZERO3 = hf_template(
+    {"stage": 3, **ZERO3_OPTIONS},
+    fp16={"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    bf16={"enabled": "auto"},
+    scheduler={"type": "WarmupDecayLR", "params": {"warmup_num_steps": "auto", "total_num_steps": "auto"}},
+)
 
 
 def _messages(caplog: pytest.LogCaptureFixture, level: int) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,6 +90,68 @@ def test_cpu_build_compiles_no_cuda_sources() -> None:
         cpu = _build_spec.sources(name, with_cuda=False)
         assert cpu and all(s.endswith(".cpp") for s in cpu)
         assert set(cpu) <= set(_build_spec.sources(name, with_cuda=True))
+
+
+@pytest.fixture
+def built_copy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of csrc/ taken as the sources, and a build directory whose library of 'ops' is newer than all of it."""
+    from torch.utils import cpp_extension
+
+    from zero_kernels import _build_spec
+
+    root = tmp_path / "csrc"
+    shutil.copytree(_build_spec.csrc_root(), root)
+    monkeypatch.setattr(_build_spec, "csrc_root", lambda: root)
+    directory = tmp_path / "build"
+    directory.mkdir()
+    library = directory / f"{_ext.module_name('ops')}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+    library.write_bytes(b"")
+    newest = max(p.stat().st_mtime for p in root.rglob("*") if p.is_file())
+    os.utime(library, (newest + 10, newest + 10))
+    return root, directory
+
+
+def _touched_later(path: Path) -> None:
+    later = path.stat().st_mtime + 100
+    os.utime(path, (later, later))
+
+
+def _ops_up_to_date(root: Path, directory: Path) -> bool:
+    from zero_kernels import _build_spec
+
+    return _ext._up_to_date(str(directory), "ops", _build_spec.sources("ops", with_cuda=False, root=root))
+
+
+def test_headers_are_the_ones_each_extension_includes() -> None:
+    from zero_kernels import _build_spec
+
+    root = _build_spec.csrc_root()
+    for name in _build_spec.EXTENSIONS:
+        included = _build_spec.headers(_build_spec.sources(name, with_cuda=True))
+        assert included and all(Path(h).relative_to(root).parts[0] == name for h in included), (name, included)
+    ops = _build_spec.headers(_build_spec.sources("ops", with_cuda=False))
+    assert str(root / "ops" / "loops_cpu.h") in ops  # included by the kernels' sources, not by the bindings
+
+
+def test_a_header_of_another_extension_leaves_ops_up_to_date(built_copy: tuple[Path, Path]) -> None:
+    root, directory = built_copy
+    assert _ops_up_to_date(root, directory)
+    _touched_later(root / "io" / "engine.h")
+    _touched_later(root / "comm" / "side_stream.h")
+    assert _ops_up_to_date(root, directory)
+
+
+@pytest.mark.parametrize("header", ["adam_cpu.h", "loops_cpu.h"])
+def test_a_header_of_ops_makes_ops_stale(built_copy: tuple[Path, Path], header: str) -> None:
+    root, directory = built_copy
+    _touched_later(root / "ops" / header)
+    assert not _ops_up_to_date(root, directory)
+
+
+def test_a_source_of_ops_makes_ops_stale(built_copy: tuple[Path, Path]) -> None:
+    root, directory = built_copy
+    _touched_later(root / "ops" / "quant_cpu.cpp")
+    assert not _ops_up_to_date(root, directory)
 
 
 @pytest.mark.parametrize(

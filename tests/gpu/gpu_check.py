@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 
 from benchmarks.adam import transformer_shapes  # noqa: E402
 from benchmarks.gpu_report import Report, summary  # noqa: E402
+from benchmarks.gpu_script import skipped_without_cuda  # noqa: E402
 
 RTOL = 1.3e-6
 HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
@@ -408,9 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         BIG, DEVICE = 1 << 15, "cpu"
         return run_checks(Report(args.json, "gpu_check"))
     report = Report(args.json, "gpu_check")
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here: every check is skipped (tests/ cover the CPU)")
-        report.skip_all([*CHECKS, VARIANTS])
+    if skipped_without_cuda(report, [*CHECKS, VARIANTS], " (tests/ cover the CPU)"):
         return report.exit_status()
     return run_checks(report)
 

@@ -21,15 +21,12 @@ mismatch (or a stage raised), 2 CUDA asked for but absent (every check written a
 
 from __future__ import annotations
 
-import argparse
 import copy
-import socket
 import statistics
 import sys
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -40,6 +37,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
 
 from benchmarks.gpu_report import Report  # noqa: E402
+from benchmarks.gpu_script import join_alone, main_with_smoke_run  # noqa: E402
 from zero_kernels import ShardedFusedAdam, comm  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-3, 1e-2
@@ -314,25 +312,11 @@ def run_dtype(name: str, cfg: Config, report: Report) -> None:
         report.record(stage_check(name, stage), status, problems, time.perf_counter() - start)
 
 
-def _init_group(device: str) -> str:
-    """A world-size-1 default process group; returns its backend."""
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timedelta(seconds=60)
-    )
-    return backend
-
-
 def run_stages(cfg: Config, report: Report) -> int:
     """Check and time every (dtype, stage), then the fp16 runs; 0 when every check passes, else 1."""
     if cfg.device == "cpu":
         torch.set_num_threads(1)  # a smoke run on a small, possibly busy machine: no thread oversubscription
-    backend = _init_group(cfg.device)
+    backend = join_alone(cfg.device)
     try:
         engine = comm.make_engine().kind
         where = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
@@ -354,16 +338,7 @@ def run_stages(cfg: Config, report: Report) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=sorted(CONFIGS), default="cuda", help="cpu: gloo smoke run, small model")
-    parser.add_argument("--json", metavar="DIR", help="also write gpu_stages.json there (after every check)")
-    args = parser.parse_args(argv)
-    report = Report(args.json, "gpu_stages")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_stages: no CUDA device here: every check is skipped (--device cpu is the smoke run)")
-        report.skip_all(check_names())
-        return report.exit_status()
-    return run_stages(CONFIGS[args.device], report)
+    return main_with_smoke_run("gpu_stages", CONFIGS, check_names, run_stages, argv, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

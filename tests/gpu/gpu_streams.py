@@ -42,6 +42,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
 
 from benchmarks.gpu_report import Report  # noqa: E402
+from benchmarks.gpu_script import skipped_without_cuda  # noqa: E402
 from tests.gpu.gpu_stages import LR, WEIGHT_DECAY, compare_fp32_step, sync_reference  # noqa: E402
 from zero_kernels import ShardedFusedAdam, _ext, comm  # noqa: E402
 
@@ -320,9 +321,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--json", metavar="DIR", help="also write gpu_streams.json there (after every check)")
     args = parser.parse_args(argv)
     report = Report(args.json, "gpu_streams")
-    if not torch.cuda.is_available():
-        print("gpu_streams: no CUDA device here: every check is skipped")
-        report.skip_all(list(CHECKS))
+    if skipped_without_cuda(report, list(CHECKS)):
         return report.exit_status()
     try:
         _ext.load("comm")

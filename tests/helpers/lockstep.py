@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 from typing import Callable, Optional
 
 import torch
@@ -220,3 +221,21 @@ def forward_backward(model: Net, ref: Net, rank: int, world: int, stage: int, st
     x, span = batch(10 * step + micro, world * ROWS), extra_rows(step, world)
     model(x[rank * ROWS : (rank + 1) * ROWS].to(model.head.bias.dtype), local(span, rank, stage)).backward()
     ref(x, span).backward()
+
+
+def deep_and_pickled_copies(
+    model: Net, opt: zo.ShardedFusedAdam, stage: int
+) -> dict[str, tuple[Net, zo.ShardedFusedAdam]]:
+    """(model, optimizer) copied by ``copy.deepcopy`` (``"deepcopy"``) and through ``torch.save`` / ``torch.load``
+    (``"pickle"``). At stage 3 the optimizer holds the module (its hooks): it is copied first, the module with it."""
+    if stage == 3:
+        opt2, model2 = copy.deepcopy((opt, model))
+    else:
+        model2, opt2 = copy.deepcopy((model, opt))
+    data = io.BytesIO()
+    torch.save(opt if stage == 3 else {"model": model, "opt": opt}, data)
+    data.seek(0)
+    loaded = torch.load(data, weights_only=False)
+    opt3 = loaded if stage == 3 else loaded["opt"]
+    model3 = opt3.pipeline.module if stage == 3 else loaded["model"]
+    return {"deepcopy": (model2, opt2), "pickle": (model3, opt3)}

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import zero_kernels as zk
+from tests.helpers.hf_templates import ZERO3_OPTIONS, hf_template
 from zero_kernels.config import ZeroConfig, ZeroOptions
 from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 
-HF_ZERO2 = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "zero_optimization": {
+HF_FP16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
+           "min_loss_scale": 1}  # fmt: skip
+HF_ZERO2 = hf_template(
+    {
         "stage": 2,
         "offload_optimizer": {"device": "cpu", "pin_memory": True},
         "allgather_partitions": True,
@@ -28,28 +28,17 @@ HF_ZERO2 = {
         "reduce_bucket_size": 2e8,
         "contiguous_gradients": True,
     },
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "steps_per_print": 2000,
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-    "wall_clock_breakdown": False,
-}  # fmt: skip
-HF_ZERO3 = copy.deepcopy(HF_ZERO2)
-HF_ZERO3["zero_optimization"] = {
-    "stage": 3,
-    "offload_optimizer": {"device": "cpu", "pin_memory": True},
-    "offload_param": {"device": "cpu", "pin_memory": True},
-    "overlap_comm": True,
-    "contiguous_gradients": True,
-    "sub_group_size": 1e9,
-    "reduce_bucket_size": "auto",
-    "stage3_prefetch_bucket_size": "auto",
-    "stage3_param_persistence_threshold": "auto",
-    "stage3_max_live_parameters": 1e9,
-    "stage3_max_reuse_distance": 1e9,
-    "stage3_gather_16bit_weights_on_model_save": True,
-}
+    fp16=HF_FP16,
+)
+HF_ZERO3 = hf_template(
+    {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        **ZERO3_OPTIONS,
+    },
+    fp16=HF_FP16,
+)
 
 
 def _nvme_template(path: str) -> dict:

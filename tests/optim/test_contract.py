@@ -33,6 +33,7 @@ from tests.helpers.lockstep import (
     Net,
     batch,
     compare,
+    deep_and_pickled_copies,
     extra_rows,
     local,
     make_models,
@@ -172,21 +173,12 @@ def copy_cases(stage: int) -> None:
     model, opt, _, _ = make(stage, max_grad_norm=10.0, gradient_accumulation_steps=1)
     train(model, opt, 0, 1, stage, range(2))
     opt.state["note"] = "kept"
-    if stage == 3:
-        opt2, model2 = copy.deepcopy((opt, model))
-    else:
-        model2, opt2 = copy.deepcopy((model, opt))
+    (model2, opt2), (model3, opt3) = deep_and_pickled_copies(model, opt, stage).values()
     assert public_attrs(opt2) == public_attrs(opt), f"stage {stage}: deepcopy attrs"
     for key in ("options", "adam_w_mode", "max_grad_norm", "gradient_accumulation_steps", "defaults"):
         assert getattr(opt2, key) == getattr(opt, key), f"stage {stage}: deepcopy {key}"
     assert opt2.state["note"] == "kept" and len(opt2.state) == len(opt.state)
     assert not opt2._optimizer_step_pre_hooks, "hooks are not copied (as torch)"
-    data = io.BytesIO()
-    torch.save(opt if stage == 3 else {"model": model, "opt": opt}, data)
-    data.seek(0)
-    loaded = torch.load(data, weights_only=False)
-    opt3 = loaded if stage == 3 else loaded["opt"]
-    model3 = opt3.pipeline.module if stage == 3 else loaded["model"]
     assert public_attrs(opt3) == public_attrs(opt), f"stage {stage}: pickled attrs"
     for m, o in ((model, opt), (model2, opt2), (model3, opt3)):
         train(m, o, 0, 1, stage, range(2, 4))
@@ -471,15 +463,7 @@ def ranks_case(rank: int, world: int, path: str) -> None:
                 assert all(torch.equal(sd["state"][i][k], entry[k]) for k in entry), f"{what}: consolidated {i}"
         else:
             assert FORMAT in sd, f"{what}: rank {rank} keeps its shard"
-        if stage == 3:
-            opt2, model2 = copy.deepcopy((opt, model))
-        else:
-            model2, opt2 = copy.deepcopy((model, opt))
-        data = io.BytesIO()
-        torch.save(opt if stage == 3 else {"model": model, "opt": opt}, data)
-        data.seek(0)
-        loaded = torch.load(data, weights_only=False)
-        opt3, model3 = (loaded, loaded.pipeline.module) if stage == 3 else (loaded["opt"], loaded["model"])
+        (model2, opt2), (model3, opt3) = deep_and_pickled_copies(model, opt, stage).values()
         for m, o in ((model, opt), (model2, opt2), (model3, opt3)):
             train(m, o, rank, world, stage, range(3, 5))
         assert FORMAT in opt.state_dict(), f"{what}: the consolidated state outlived a step"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import itertools
 import os
 from typing import Any, Optional
@@ -39,6 +38,7 @@ from tests.helpers.lockstep import (
     Net,
     batch,
     compare,
+    deep_and_pickled_copies,
     extra_rows,
     forward_backward,
     local,
@@ -376,23 +376,14 @@ def edited_run(stage: int, dtype: torch.dtype, options: dict, edit: str, rank: i
 
 def copies_of(model: Net, opt: zo.ShardedFusedAdam, stage: int, options: dict) -> dict[str, tuple]:
     """The optimizer (and model) by ``copy.deepcopy``, by pickle, and by ``state_dict()`` into a new one."""
-    if stage == 3:
-        opt2, model2 = copy.deepcopy((opt, model))
-    else:
-        model2, opt2 = copy.deepcopy((model, opt))
-    data = io.BytesIO()
-    torch.save(opt if stage == 3 else {"model": model, "opt": opt}, data)
-    data.seek(0)
-    loaded = torch.load(data, weights_only=False)
-    opt3 = loaded if stage == 3 else loaded["opt"]
-    model3 = opt3.pipeline.module if stage == 3 else loaded["model"]
+    copied = deep_and_pickled_copies(model, opt, stage)
     saved_state = opt.state_dict()
     model4, _ = make_models(model.head.bias.dtype)
     opt4 = make_opt(model4, stage, **options)
     with opt4.gathered_params():
         model4.load_state_dict(weights(model, opt))
     opt4.load_state_dict(saved_state)
-    return {"deepcopy": (model2, opt2), "pickle": (model3, opt3), "state_dict": (model4, opt4)}
+    return {**copied, "state_dict": (model4, opt4)}
 
 
 def same_views(model: Net, opt: zo.ShardedFusedAdam, other: Net, other_opt: zo.ShardedFusedAdam, what: str) -> None:

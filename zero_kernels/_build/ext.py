@@ -40,14 +40,17 @@ def module_name(name: str) -> str:
 
 
 def _up_to_date(directory: str, name: str, sources: list[str]) -> bool:
-    """Whether a built library of ``name`` is newer than its sources and every header (no build needed)."""
+    """Whether a built library of ``name`` is newer than its sources and the headers they include (no build needed).
+
+    Only the headers this extension's sources include count: a change to another extension's header
+    does not rebuild this one.
+    """
     from torch.utils import cpp_extension
 
     library = Path(directory) / f"{module_name(name)}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
     if not library.is_file():
         return False
-    headers = [p for d in _build_spec.include_dirs() for p in Path(d).rglob("*") if p.suffix in (".h", ".cuh")]
-    newest = max((Path(p).stat().st_mtime for p in [*sources, *headers]), default=0.0)
+    newest = max((Path(p).stat().st_mtime for p in [*sources, *_build_spec.headers(sources)]), default=0.0)
     return library.stat().st_mtime >= newest
 
 

@@ -31,6 +31,8 @@ import socket
 import time
 from typing import Callable, Iterator, Optional
 
+from ..liveness import process_alive
+
 try:
     import fcntl
 except ImportError:  # Windows
@@ -71,13 +73,7 @@ def alive(holder: Optional[tuple[int, str, float]]) -> Optional[bool]:
     """Whether the recorded holder still runs: None when that cannot be told (no record, another host)."""
     if holder is None or holder[1] != socket.gethostname():
         return None
-    try:
-        os.kill(holder[0], 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
+    return process_alive(holder[0])
 
 
 def _read(fd: int) -> str:

@@ -6,6 +6,7 @@ Shared by the just-in-time builder (``_ext.py``) and by ``setup.py`` for
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 CXX_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]  # no -std: the C++ standard torch itself requires
@@ -44,3 +45,25 @@ def sources(name: str, *, with_cuda: bool, root: Path | None = None) -> list[str
 
 def include_dirs(root: Path | None = None) -> list[str]:
     return [str(root or csrc_root())]
+
+
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def headers(files: list[str], root: Path | None = None) -> list[str]:
+    """Sorted project headers that ``files`` include, directly or through other headers.
+
+    ``#include "x"`` is looked up as the compiler does: next to the including file, then in
+    ``include_dirs``; system headers (``<x>``) and names found nowhere are not the project's.
+    """
+    search = [Path(d) for d in include_dirs(root)]
+    found: set[Path] = set()
+    todo = [Path(f) for f in files]
+    while todo:
+        including = todo.pop()
+        for name in _QUOTED_INCLUDE.findall(including.read_text(encoding="utf-8", errors="replace")):
+            header = next((d / name for d in (including.parent, *search) if (d / name).is_file()), None)
+            if header is not None and header.resolve() not in found:
+                found.add(header.resolve())
+                todo.append(header)
+    return sorted(str(h) for h in found)

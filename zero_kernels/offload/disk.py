@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 
 from ..config.offload import AioConfig, OffloadOptimizerConfig
+from ..liveness import process_alive
 from .aio import FileIO, IOHandle
 from .host import HostTier
 
@@ -69,16 +70,6 @@ class _Slot:
         return not self.reading and all(h.done() for h in self.writing)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_runs(base: Path) -> list[Path]:
     """Remove the run directories under ``base`` of this host whose owning process is gone; returns them."""
     host = socket.gethostname()
@@ -88,7 +79,7 @@ def remove_stale_runs(base: Path) -> list[Path]:
     for run in base.iterdir():
         name, _, rest = run.name.rpartition("-")
         owner, _, pid = name.rpartition("-")
-        if owner == host and pid.isdigit() and run.is_dir() and not _alive(int(pid)):
+        if owner == host and pid.isdigit() and run.is_dir() and not process_alive(int(pid)):
             shutil.rmtree(run, ignore_errors=True)
             removed.append(run)
     return removed

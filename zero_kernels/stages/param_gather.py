@@ -26,13 +26,14 @@ order), so waiting for one bucket waits for the buckets issued before it too; a 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import nn
 from torch._C import _disabled_torch_function_impl
 
 from ..comm.handles import Handle
+from .class_mark import Mark, mark, tensors, torch_function, unmark
 from .layout import Bucket
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ _GETS = {
 _SETS = {"grad", "_grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks"}
 
 _waiting: dict[int, "ParamGathers"] = {}  # id(pending parameter) -> the gathers it waits for
-_classes: dict[type, type] = {}
 
 
 def _reads_values(func: Any) -> bool:
@@ -63,49 +63,24 @@ def _reads_values(func: Any) -> bool:
     return name not in _CALLS
 
 
-def _tensors(args: tuple, kwargs: Any) -> Iterator[Any]:
-    """The arguments of an operation, and the items of list and tuple arguments (``torch.cat([a, b])``)."""
-    for arg in (*args, *(kwargs or {}).values()):
-        if isinstance(arg, (list, tuple)):
-            yield from arg
-        else:
-            yield arg
-
-
 def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
     if not _reads_values(func):
         return _disabled_torch_function_impl(func, types, args, kwargs or {})
-    for t in _tensors(args, kwargs):
+    for t in tensors(args, kwargs):
         if isinstance(t, _Pending):
             wait_for(t)
     return func(*args, **(kwargs or {}))  # the parameters have their own classes back: dispatch as usual
 
 
-_handle_eagerly = torch._disable_dynamo(_handle)  # torch.compile runs it (a graph break), never traces it
+class _Pending(Mark):
+    """Mixed into a parameter's class while a gather into it is in flight."""
 
-
-class _Pending:
-    """Mixed into a parameter's class while a gather into it is in flight; ``_zk_original`` is that class."""
-
-    _zk_original: type
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():
-            return _handle_eagerly(func, types, args, kwargs)
-        return _handle(func, types, args, kwargs)
-
-
-def _pending_class(cls: type) -> type:
-    if cls not in _classes:
-        _classes[cls] = type(f"Pending{cls.__name__}", (_Pending, cls), {"_zk_original": cls})
-    return _classes[cls]
+    __torch_function__ = torch_function(_handle)
 
 
 def _restore(param: nn.Parameter) -> None:
     _waiting.pop(id(param), None)
-    if isinstance(param, _Pending):
-        param.__class__ = type(param)._zk_original
+    unmark(param, _Pending)
 
 
 def wait_for(param: nn.Parameter) -> None:
@@ -157,8 +132,7 @@ class ParamGathers:
             self._release[position].append(p)
             self._position[id(p)] = position
             _waiting[id(p)] = self
-            if not isinstance(p, _Pending):
-                p.__class__ = _pending_class(type(p))
+            mark(p, _Pending)
         self._last = {}
 
     def wait(self, param: Optional[nn.Parameter] = None) -> None:

@@ -13,15 +13,11 @@ the small persistent unit (measured here: plain stage 3 1.51-1.61 MB per step, h
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from benchmarks import netns
-from tests.helpers.dist import _prebuild_extensions
-from tests.helpers.paths import ROOT
+from tests.helpers.nodes import ran_on_two_nodes
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,15 +25,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.distributed
 @pytest.mark.netns
 def test_zeropp_link_bytes_on_two_nodes() -> None:
-    reason = netns.unavailable()
-    if reason:
-        pytest.skip(reason)
-    _prebuild_extensions()
-    root = str(ROOT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    with tempfile.TemporaryDirectory() as out, netns.emulated_nodes() as nodes:
-        netns.torchrun_on_nodes(nodes, [str(HERE / "_zeropp_nodes_worker.py"), out], env=env, timeout_s=240)
-        results = [json.loads(Path(out, f"{rank}.json").read_text()) for rank in range(4)]
+    with ran_on_two_nodes(HERE / "_zeropp_nodes_worker.py") as out:
+        results = [json.loads((out / f"{rank}.json").read_text()) for rank in range(4)]
     for result in results:
         assert "error" not in result, result["error"]
     node0 = results[0]  # local rank 0 of node 0 counted its node's end of the link

@@ -28,11 +28,13 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch._C import _disabled_torch_function_impl
+
+from ..class_mark import Mark, mark, tensors, torch_function, unmark
 
 OnUse = Callable[[nn.Parameter, Any], None]  # (parameter, the torch function about to run)
 
@@ -52,33 +54,11 @@ _METADATA = {
 }  # fmt: skip
 _on_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> callback of the scheduler that freed it
 _on_read_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> its callback for uses of what it gave
-_classes: dict[type, type] = {}
-
-
-class _Freed:
-    """Mixed into a parameter's class while the parameter is freed; ``_zk_original`` is that class."""
-
-    _zk_original: type
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():
-            return _handle_eagerly(func, types, args, kwargs)
-        return _handle(func, types, args, kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """A copy of a freed parameter would be empty: ``on_use(param, copy.deepcopy)`` raises (or copies it as
-        it is when no callback is registered)."""
-        ref = _on_use.get(id(self))
-        callback = ref() if ref is not None else None
-        if callback is not None:
-            callback(self, copy.deepcopy)
-        return self._zk_original.__deepcopy__(self, memo)
 
 
 def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
     if getattr(func, "__name__", "") not in _PASS:
-        for t in _tensors(args, kwargs):
+        for t in tensors(args, kwargs):
             ref = _on_use.get(id(t)) if isinstance(t, _Freed) else None
             callback = ref() if ref is not None else None
             if callback is not None:
@@ -89,7 +69,19 @@ def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
     return result
 
 
-_handle_eagerly = torch._disable_dynamo(_handle)  # torch.compile runs it (a graph break), never traces it
+class _Freed(Mark):
+    """Mixed into a parameter's class while the parameter is freed."""
+
+    __torch_function__ = torch_function(_handle)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of a freed parameter would be empty: ``on_use(param, copy.deepcopy)`` raises (or copies it as
+        it is when no callback is registered)."""
+        ref = _on_use.get(id(self))
+        callback = ref() if ref is not None else None
+        if callback is not None:
+            callback(self, copy.deepcopy)
+        return self._zk_original.__deepcopy__(self, memo)
 
 
 def _is_read(func: Any) -> bool:
@@ -120,7 +112,7 @@ class FreedRead(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if getattr(func, "__name__", "") not in _METADATA:
-            for t in _tensors(args, kwargs):
+            for t in tensors(args, kwargs):
                 if isinstance(t, FreedRead):
                     param, report = t._zk_param(), t._zk_report()
                     if param is not None and report is not None:
@@ -154,21 +146,6 @@ def run_eagerly(fn: Callable) -> Callable:
     return hook
 
 
-def _tensors(args: tuple, kwargs: Any) -> Iterator[Any]:
-    """The arguments of an operation, and the items of list and tuple arguments (``torch.cat([a, b])``)."""
-    for arg in (*args, *(kwargs or {}).values()):
-        if isinstance(arg, (list, tuple)):
-            yield from arg
-        else:
-            yield arg
-
-
-def _freed_class(cls: type) -> type:
-    if cls not in _classes:
-        _classes[cls] = type(f"Freed{cls.__name__}", (_Freed, cls), {"_zk_original": cls})
-    return _classes[cls]
-
-
 def mark_freed(param: nn.Parameter, on_use: OnUse, on_read_use: Optional[OnUse] = None) -> None:
     """From now on an operation on ``param`` first calls ``on_use(param, func)``, and one on what its ``.data``,
     ``detach()`` or a conversion gives calls ``on_read_use(param, func)``, which must raise (bound methods, held
@@ -176,16 +153,14 @@ def mark_freed(param: nn.Parameter, on_use: OnUse, on_read_use: Optional[OnUse] 
     _on_use[id(param)] = weakref.WeakMethod(on_use)
     if on_read_use is not None:
         _on_read_use[id(param)] = weakref.WeakMethod(on_read_use)
-    if not isinstance(param, _Freed):
-        param.__class__ = _freed_class(type(param))
+    mark(param, _Freed)
 
 
 def mark_gathered(param: nn.Parameter) -> None:
     """``param`` holds its value again: its own class back, no callback."""
     _on_use.pop(id(param), None)
     _on_read_use.pop(id(param), None)
-    if isinstance(param, _Freed):
-        param.__class__ = type(param)._zk_original
+    unmark(param, _Freed)
 
 
 def operation_name(func: Any) -> str:
