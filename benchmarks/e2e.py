@@ -145,6 +145,9 @@ def _build(provider: str, model: nn.Module):
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=8, gradient_as_bucket_view=True)
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
         return ddp, opt, lambda: _state_bytes(list(model.parameters()), opt)
+    if provider != "fsdp2":
+        known = "zk-stage0..3 (with their suffixes), ddp+adamw-fused, ddp+zero1-torch, fsdp2"
+        raise ValueError(f"e2e: unknown provider {provider!r}; known: {known}")
     from torch.distributed.fsdp import fully_shard
 
     for layer in model:

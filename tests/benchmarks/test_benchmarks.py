@@ -128,6 +128,14 @@ def test_best_vs_peer_compares_our_fastest_with_the_fastest_peer():
     assert common.summary_rows(adam, rows) == common.best_vs_peer(rows)  # adam has no summary of its own
 
 
+def test_e2e_refuses_an_unknown_provider_naming_it() -> None:
+    """Never run as another peer (it once ran as FSDP2)."""
+    from torch import nn
+
+    with pytest.raises(ValueError, match="unknown provider 'nope'"):
+        e2e._build("nope", nn.Sequential(nn.Linear(2, 2)))
+
+
 def test_e2e_summary_takes_the_faster_of_the_named_peer_and_deepspeed():
     def rows(provider, *per_rank_rounds):
         return [
