@@ -12,8 +12,9 @@
 #   kernels   the Triton kernels against their references (tests/gpu/gpu_check.py), and what each variant costs
 #   ordering  the comm engine's stream ordering, input and output side, and no host syncs (tests/gpu/gpu_streams.py)
 #   stages    every ZeRO stage against torch.optim.AdamW, fp16 overflow, a timed step (tests/gpu/gpu_stages.py)
-#   offload   stages 2 and 3 with the optimizer state in host memory: bytes over the bus per step, weights as
-#             without offload, step time with and without, the share of the offload's work hidden
+#   offload   stages 2 and 3 with the optimizer state in host memory (stage 3 also with the parameter shards
+#             there, offload_param): bytes over the bus per step, weights as without offload, step time with
+#             and without, the share of the offload's work hidden
 #             (benchmarks/gpu_offload.py)
 #   timing    the kernels as the optimizer uses them (benchmarks/gpu_timing.py)
 #   bench     the quick adam and flatten benchmarks (python -m benchmarks)

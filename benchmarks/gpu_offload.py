@@ -4,7 +4,9 @@
 (NCCL on CUDA; gloo with ``--device cpu``, the smoke run for machines without a GPU) and, at stages 2
 and 3, trains a bf16 MLP on the same batches twice, each from a DeepSpeed config through
 ``zero_kernels.initialize``: without offload, and with ``"offload_optimizer": {"device": "cpu",
-"pin_memory": true}`` (the optimizer state in page-locked host memory, updated by the C++ CPU Adam).
+"pin_memory": true}`` (the optimizer state in page-locked host memory, updated by the C++ CPU Adam);
+stage 3 once more with ``"offload_param": {"device": "cpu"}`` too (the HF ZeRO-3 template: the
+parameter shards in host memory, copied up at each gather).
 
 Checks (each guarded; the JSON is written after each):
 
@@ -14,6 +16,9 @@ Checks (each guarded; the JSON is written after each):
 - ``stageS offload cpu: weights as without offload``: after the steps every parameter within one bf16
   ulp of its tensor's largest magnitude of the run without offload (the host runs the C++ Adam, the
   device Triton's: the same fp32 math, whose last bit may round apart).
+- ``stage3 offload cpu+params: ...``: the same two checks with ``offload_param``: the gradient down as
+  above, nothing up at the step but the persistent units' shards, and the gathers' copies up counted
+  apart (``gather_up_bytes_per_param``: about 2 per gather, a forward and a backward gather per step).
 
 Timings (the ``offload`` rows): the median training step without and with offload (wall clock, the
 device synchronised after every step: the host's Adam is part of the step), ``bus_ms`` the same bytes
@@ -44,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.gpu_report import Report  # noqa: E402
 from benchmarks.gpu_script import join_alone, main_with_smoke_run  # noqa: E402
 
-STAGES = (2, 3)
+VARIANTS = ((2, False), (3, False), (3, True))  # (stage, offload_param too)
 LR = 1e-3
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one ulp is at most 2^-7 of a value's magnitude
 TRAFFIC_SLACK = 0.01  # bytes per parameter each way may exceed 2 by this (the buckets' fingerprints, padding)
@@ -64,7 +69,8 @@ class Config:
 
 
 CONFIGS = {
-    "cuda": Config("cuda", width=1536, depth=4, rows=256, steps=3, warmup=2, repeat=5),  # about 76M parameters
+    # about 76M parameters; three variants of 2 runs of 3 + 4 steps fit the step's time limit as two of 3 + 7 did
+    "cuda": Config("cuda", width=1536, depth=4, rows=256, steps=3, warmup=1, repeat=3),
     "cpu": Config("cpu", width=64, depth=2, rows=8, steps=3, warmup=1, repeat=3),
 }
 
@@ -72,12 +78,12 @@ CONFIGS = {
 CHECKS = ("bytes per step", "weights as without offload")
 
 
-def check_name(stage: int, what: str) -> str:
-    return f"stage{stage} offload cpu: {what}"
+def check_name(stage: int, what: str, params: bool = False) -> str:
+    return f"stage{stage} offload cpu{'+params' if params else ''}: {what}"
 
 
 def check_names() -> list[str]:
-    return [check_name(s, what) for s in STAGES for what in CHECKS]
+    return [check_name(s, what, params) for s, params in VARIANTS for what in CHECKS]
 
 
 def make_model(cfg: Config) -> nn.Module:
@@ -88,11 +94,15 @@ def make_model(cfg: Config) -> nn.Module:
     return nn.Sequential(*layers).to(cfg.device)
 
 
-def ds_config(stage: int, offload: bool, cfg: Config, numel: int) -> dict:
+def ds_config(stage: int, offload: bool, cfg: Config, numel: int, params: bool = False) -> dict:
     """The DeepSpeed config of one run: bf16, AdamW, buckets of about 1/7 of the model."""
     zero = {"stage": stage, "reduce_bucket_size": numel // 7 + 1}
+    if stage == 3:  # the biases persistent, every weight in a sharded unit (on the smoke run's small model too)
+        zero["stage3_param_persistence_threshold"] = 4 * cfg.width + 1
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": cfg.rows,
         "bf16": {"enabled": True},
@@ -111,16 +121,29 @@ def _tier(opt) -> Optional[object]:
     return getattr(getattr(opt, "_pipeline", None), "tier", None)
 
 
+def _gather_uploads(opt) -> int:
+    """Bytes of host parameter shards stage 3 copied up for its gathers (``offload_param``), else 0."""
+    gathers = getattr(getattr(opt, "_pipeline", None), "unit_gathers", None)
+    return getattr(gathers, "uploaded", 0)
+
+
+def _device_share(opt) -> float:
+    """The share of the parameters whose shards stay on the device with ``offload_param`` (persistent units)."""
+    buffers = opt._pipeline.buffers
+    total = sum(buf.layout.shard_numel for buf in buffers)
+    return sum(buf.layout.shard_numel for buf in buffers if buf.persistent) / total
+
+
 class Run:
     """One model trained at ``stage``, with or without offload: its weights after ``cfg.steps`` steps, the
     bytes its tier moved per step, and its median step time."""
 
-    def __init__(self, stage: int, offload: bool, cfg: Config):
+    def __init__(self, stage: int, offload: bool, cfg: Config, params: bool = False):
         import zero_kernels as zk
 
         model = make_model(cfg)
         self.numel = sum(p.numel() for p in model.parameters())
-        self.model, self.opt = zk.initialize(model, ds_config(stage, offload, cfg, self.numel))
+        self.model, self.opt = zk.initialize(model, ds_config(stage, offload, cfg, self.numel, params))
         self.cfg = cfg
         self.x = torch.randn(cfg.rows, cfg.width, generator=torch.Generator().manual_seed(1)).to(cfg.device)
         self.x = self.x.to(torch.bfloat16)
@@ -134,11 +157,13 @@ class Run:
         """``cfg.steps`` steps; the tier's bytes per step (``down``, ``up``) over them."""
         tier = _tier(self.opt)
         before = dict(tier.traffic()) if tier is not None else {}
+        before["gather_up"] = _gather_uploads(self.opt)
         for _ in range(self.cfg.steps):
             self.step()
         _sync(self.cfg)
         after = dict(tier.traffic()) if tier is not None else {}
-        return {k: (after[k] - before.get(k, 0)) / self.cfg.steps for k in ("down", "up") if k in after}
+        after["gather_up"] = _gather_uploads(self.opt)
+        return {k: (after[k] - before.get(k, 0)) / self.cfg.steps for k in ("down", "up", "gather_up") if k in after}
 
     def step_ms(self) -> float:
         times = []
@@ -152,12 +177,15 @@ class Run:
         return statistics.median(times)
 
 
-def check_bytes(numel: int, moved: dict[str, float]) -> list[str]:
+def check_bytes(numel: int, moved: dict[str, float], up_share: float = 1.0) -> list[str]:
+    """2 bytes per parameter down, and up for the ``up_share`` of the parameters the step sends up."""
     problems = []
-    for way in ("down", "up"):
-        per_param = moved.get(way, 0.0) / numel
-        if not 2.0 <= per_param <= 2.0 + TRAFFIC_SLACK:
-            problems.append(f"{way}: {per_param:.4f} bytes per parameter per step, expected 2 to {2 + TRAFFIC_SLACK}")
+    for way, share in (("down", 1.0), ("up", up_share)):
+        per_param, lo = moved.get(way, 0.0) / numel, 2.0 * share
+        if not lo <= per_param <= lo + TRAFFIC_SLACK:
+            problems.append(
+                f"{way}: {per_param:.4f} bytes per parameter per step, expected {lo:.4f} to +{TRAFFIC_SLACK}"
+            )
     return problems
 
 
@@ -170,6 +198,12 @@ def check_weights(ours: nn.Module, plain: nn.Module) -> list[str]:
         if not worst <= tol:  # NaN fails too
             problems.append(f"{name}: differs by {worst:.3g} from the run without offload (tolerance {tol:.3g})")
     return problems
+
+
+def _compare(ours: Run, plain: Run) -> list[str]:
+    """``check_weights`` on the full parameters (stage 3 gathers them inside the block)."""
+    with ours.opt.gathered_params(), plain.opt.gathered_params():
+        return check_weights(ours.model, plain.model)
 
 
 def bus_ms(numel: int, cfg: Config) -> float:
@@ -210,14 +244,16 @@ def host_adam_ms(numel: int, cfg: Config, threads: int) -> float:
     return statistics.median(times)
 
 
-def run_stage(stage: int, cfg: Config, report: Report) -> dict:
-    """Check and time one stage; its timing row."""
-    plain, offloaded = Run(stage, False, cfg), Run(stage, True, cfg)
+def run_stage(stage: int, cfg: Config, report: Report, params: bool = False) -> dict:
+    """Check and time one stage (``params``: with ``offload_param`` too); its timing row."""
+    plain, offloaded = Run(stage, False, cfg), Run(stage, True, cfg, params)
     plain.train()
     moved = offloaded.train()
-    report.run(check_name(stage, CHECKS[0]), lambda: check_bytes(offloaded.numel, moved))
-    report.run(check_name(stage, CHECKS[1]), lambda: check_weights(offloaded.model, plain.model))
-    row = {"stage": stage, "params": offloaded.numel, "plain_ms": plain.step_ms(), "offload_ms": offloaded.step_ms()}
+    up_share = _device_share(offloaded.opt) if params else 1.0
+    report.run(check_name(stage, CHECKS[0], params), lambda: check_bytes(offloaded.numel, moved, up_share))
+    report.run(check_name(stage, CHECKS[1], params), lambda: _compare(offloaded, plain))
+    row = {"stage": stage, "offload_param": params, "params": offloaded.numel}
+    row.update(plain_ms=plain.step_ms(), offload_ms=offloaded.step_ms())
     row.update({f"{k}_bytes_per_param": v / offloaded.numel for k, v in moved.items()})
     threads = getattr(_tier(offloaded.opt), "threads", torch.get_num_threads())
     row.update(bus_ms=bus_ms(offloaded.numel, cfg), host_adam_ms=host_adam_ms(offloaded.numel, cfg, threads))
@@ -234,18 +270,19 @@ def run_all(cfg: Config, report: Report) -> int:
     try:
         where = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
         print(f"gpu_offload: {where}, {backend} world size 1, torch {torch.__version__}")
-        for stage in STAGES:
+        for stage, params in VARIANTS:
             try:
-                rows.append(run_stage(stage, cfg, report))
+                rows.append(run_stage(stage, cfg, report, params))
             except Exception as err:  # its checks not yet recorded fail; the next stage still runs
                 done = {c["check"] for c in report.checks}
-                for name in (check_name(stage, what) for what in CHECKS):
+                for name in (check_name(stage, what, params) for what in CHECKS):
                     if name not in done:
                         report.record(name, "FAIL", [f"raised: {type(err).__name__}: {err}"])
             report.set("offload", rows)
         for r in rows:
             print(
-                f"  stage {r['stage']}: {r['params'] / 1e6:.1f}M params, step {r['plain_ms']:.1f} ms without offload, "
+                f"  stage {r['stage']}{' +offload_param' if r['offload_param'] else ''}: "
+                f"{r['params'] / 1e6:.1f}M params, step {r['plain_ms']:.1f} ms without offload, "
                 f"{r['offload_ms']:.1f} ms with; bus {r['bus_ms']:.1f} ms, host Adam {r['host_adam_ms']:.1f} ms alone; "
                 f"hidden {r['hidden']:.2f}"
             )

@@ -118,10 +118,13 @@ def test_offload_case_smoke_run_on_cpu(tmp_path: Path) -> None:
     found = json.loads((tmp_path / "gpu_offload.json").read_text())
     assert [c["check"] for c in found["checks"]] == gpu_offload.check_names()
     assert {c["status"] for c in found["checks"]} == {"PASS"}
-    assert [r["stage"] for r in found["offload"]] == list(gpu_offload.STAGES)
+    assert [(r["stage"], r["offload_param"]) for r in found["offload"]] == list(gpu_offload.VARIANTS)
     for row in found["offload"]:
-        for way in ("down", "up"):
-            assert 2.0 <= row[f"{way}_bytes_per_param"] <= 2.0 + gpu_offload.TRAFFIC_SLACK
+        assert 2.0 <= row["down_bytes_per_param"] <= 2.0 + gpu_offload.TRAFFIC_SLACK
+        if row["offload_param"]:  # the shards are the host copies: only the persistent biases go up
+            assert 0 < row["up_bytes_per_param"] < 0.1, row
+        else:
+            assert 2.0 <= row["up_bytes_per_param"] <= 2.0 + gpu_offload.TRAFFIC_SLACK
         assert min(row[k] for k in ("plain_ms", "offload_ms", "bus_ms", "host_adam_ms")) > 0
         assert row["hidden"] == pytest.approx(
             (row["plain_ms"] + row["bus_ms"] + row["host_adam_ms"] - row["offload_ms"])
@@ -135,6 +138,8 @@ def test_offload_checks_catch_extra_bytes_and_wrong_weights() -> None:
     assert gpu_offload.check_bytes(1000, {"down": 2000.0, "up": 2004.0}) == []
     assert "down: 3.0000 bytes" in gpu_offload.check_bytes(1000, {"down": 3000.0, "up": 2000.0})[0]
     assert "up: 0.0000 bytes" in gpu_offload.check_bytes(1000, {"down": 2000.0})[0]
+    assert gpu_offload.check_bytes(1000, {"down": 2000.0, "up": 100.0}, up_share=0.05) == []
+    assert "up: 2.0000 bytes" in gpu_offload.check_bytes(1000, {"down": 2000.0, "up": 2000.0}, up_share=0.05)[0]
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
     b.load_state_dict(a.state_dict())
     assert gpu_offload.check_weights(a, b) == []
