@@ -216,8 +216,8 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
     engine.all_reduce(packed, op="max", name="check.params").wait()
     differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()
     if differ:
-        what = "size" if differ[0] % 2 == 0 else "values"
+        what = "a different size" if differ[0] % 2 == 0 else "different values"
         raise ValueError(
-            f"{name_of(indices[differ[0] // 2])} has a different {what} on some rank: every rank "
+            f"{name_of(indices[differ[0] // 2])} has {what} on some rank: every rank "
             "must start from the same model (same seed, or broadcast rank 0's parameters first)"
         )
