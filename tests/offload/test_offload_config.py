@@ -116,6 +116,7 @@ def test_initialize_with_the_zero3_template_trains() -> None:
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     assert opt._pipeline.tier is not None and opt.memory_report()["optimizer"] == 0
+    assert opt._pipeline.params_offloaded  # its offload_param acts: the parameter shards in host memory
 
 
 BAD = [
