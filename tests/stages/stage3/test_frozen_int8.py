@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 import zero_kernels as zk
 from tests.helpers.check import assert_close
 from zero_kernels.kernels.quant_reference import dequantize_ref, quantize_ref
+from zero_kernels.planner import estimate_memory
 from zero_kernels.stages.quantized_gather import Payload
 from zero_kernels.stages.stage3.frozen import quantize_keeping
 
@@ -140,6 +141,13 @@ def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
     assert opt.memory_report()["params"] == off_opt.memory_report()["params"] - whole + payloads
     per_rank = sum(-(-sum(p.numel() for p in layer.parameters()) // world) for layer in Lora(dtype).base)
     assert per_rank <= payloads < 1.02 * per_rank, "about one byte per frozen element of this rank's chunks"
+    frozen_numel = sum(p.numel() for p in Lora(dtype).base.parameters())
+    kind = "fp32" if dtype == torch.float32 else "bf16"
+    planned = estimate_memory(
+        1, world, 3, param_dtype=kind, frozen_params=frozen_numel, quantized_nontrainable_weights=True
+    )
+    without = estimate_memory(1, world, 3, param_dtype=kind)
+    assert abs(planned.params - without.params - payloads) < 0.01 * payloads, "the planner's int8 frozen bytes"
 
     want, scale = _reference_dequantized(original, [[0, 1], [2, 3], [4, 5]], world)
     frozen, _ = _gathered(model, opt)
