@@ -10,7 +10,8 @@ A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2
 - training with the option equals, bit for bit, training with it off on a model whose frozen weights are
   those dequantized values (losses, trainable parameters, Adam state), with activation checkpointing too,
   and stays with ``torch.optim.AdamW`` on the whole batch within the stage-3 tolerance (fp32);
-- a sharded checkpoint holds the dequantized values and a load gives them back; writes into frozen
+- a sharded checkpoint holds the dequantized values and a load gives them back (exactly at the same world
+  size, within half of the new blocks' scales at another); writes into frozen
   parameters (inside ``gathered_params()``, or assigned between steps) are re-quantized; unfreezing one is
   refused at the step; ``model.state_dict()`` between uses is refused naming a frozen parameter.
 """
@@ -67,14 +68,14 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x).float() - y.float()).square().mean()
 
 
-def _build(dtype: torch.dtype, on: bool, recompute: bool = False, seed: int = 0, frozen=None):
+def _build(dtype: torch.dtype, on: bool, recompute: bool = False, seed: int = 0, frozen=None, group=None):
     model = Lora(dtype, recompute, seed)
     if frozen is not None:
         with torch.no_grad():
             for p, value in zip(model.base.parameters(), frozen):
                 p.copy_(value)
     opt = zk.ShardedFusedAdam(
-        model, lr=LR, weight_decay=0.01, stage=3, zero_quantized_nontrainable_weights=on, **OPTIONS
+        model, lr=LR, weight_decay=0.01, stage=3, zero_quantized_nontrainable_weights=on, process_group=group, **OPTIONS
     )
     return model, opt
 
@@ -218,6 +219,17 @@ def _checkpoint_case(rank: int, world: int, folder: str, dtype: torch.dtype) -> 
     assert _train(other, other_opt, rank, dtype, range(2, 4)) == losses, "resumed losses"
     other_frozen, other_trainable = _gathered(other, other_opt)
     assert all(torch.equal(a, b) for a, b in zip(other_trainable + other_frozen, trainable + frozen))
+
+    # At another world size (one rank alone): the saved values quantized again in the new chunks' blocks.
+    alone = [torch.distributed.new_group([r]) for r in range(world)][rank]
+    one, one_opt = _build(dtype, on=True, seed=1, group=alone)
+    zk.checkpoint.load(folder, one, one_opt)
+    resharded, _ = _gathered(one, one_opt)
+    _, scale = _reference_dequantized(saved, [[0, 1], [2, 3], [4, 5]], 1)
+    for i, (got, s, value) in enumerate(zip(resharded, scale, saved)):
+        rounding = 0.0 if dtype == torch.float32 else 2.0**-8
+        bound = s / 2 * (1 + 1e-6) + got.double().abs() * rounding
+        assert bool(((got.double() - value.double()).abs() <= bound).all()), f"frozen parameter {i} at world 1"
 
     consolidated = Path(folder) / "consolidated.pt"
     if rank == 0:
