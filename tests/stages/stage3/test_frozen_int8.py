@@ -13,11 +13,13 @@ A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2
 - a sharded checkpoint holds the dequantized values and a load gives them back (exactly at the same world
   size, within half of the new blocks' scales at another); writes into frozen
   parameters (inside ``gathered_params()``, or assigned between steps) are re-quantized; unfreezing one is
-  refused at the step; ``model.state_dict()`` between uses is refused naming a frozen parameter.
+  refused at the step; ``model.state_dict()`` between uses is refused naming a frozen parameter, and so is a
+  copy of the optimizer (the model copies inside ``gathered_params()``).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -249,6 +251,11 @@ def _writes_case(rank: int, world: int) -> None:
     model, opt = _build(torch.float32, on=True)
     with pytest.raises(RuntimeError, match="base.0.weight"):
         model.state_dict()
+    with pytest.raises(RuntimeError, match="zero_quantized_nontrainable_weights.*cannot be copied"):
+        copy.deepcopy(opt)
+    with opt.gathered_params():
+        twin = copy.deepcopy(model)
+    assert all(torch.equal(a, b) for a, b in zip(twin.base.parameters(), _gathered(model, opt)[0]))
 
     # Written inside gathered_params(): re-quantized at the end of the block, the other units untouched.
     before, _ = _gathered(model, opt)
