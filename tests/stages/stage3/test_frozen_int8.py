@@ -39,9 +39,10 @@ OPTIONS = {"stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000}
 
 
 class Lora(nn.Module):
-    """Three frozen ``Linear`` layers, each with a trainable low-rank adapter beside it."""
+    """Three frozen ``Linear`` layers, each with a trainable low-rank adapter beside it; ``recompute``: each
+    block under activation checkpointing ("reentrant" or "non-reentrant")."""
 
-    def __init__(self, dtype: torch.dtype, recompute: bool = False, seed: int = 0):
+    def __init__(self, dtype: torch.dtype, recompute: str = "", seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
         sizes = [(24, 96), (96, 96), (96, 8)]
@@ -57,7 +58,11 @@ class Lora(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i in range(3):
-            x = checkpoint(self.block, i, x, use_reentrant=False) if self.recompute else self.block(i, x)
+            reentrant = self.recompute == "reentrant"
+            if self.recompute and (i > 0 or not reentrant):  # reentrant: not the first block (its input needs no grad)
+                x = checkpoint(self.block, i, x, use_reentrant=reentrant)
+            else:
+                x = self.block(i, x)
         return x
 
 
@@ -70,7 +75,7 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x).float() - y.float()).square().mean()
 
 
-def _build(dtype: torch.dtype, on: bool, recompute: bool = False, seed: int = 0, frozen=None, group=None):
+def _build(dtype: torch.dtype, on: bool, recompute: str = "", seed: int = 0, frozen=None, group=None):
     model = Lora(dtype, recompute, seed)
     if frozen is not None:
         with torch.no_grad():
@@ -164,7 +169,7 @@ def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
     assert all(torch.equal(t, frozen[0]) for t in everyone), "every rank gathers the same frozen values"
 
     # Training: bit for bit the option off on the dequantized frozen weights, with activation checkpointing too.
-    for recompute in (False, True):
+    for recompute in ("", "non-reentrant", "reentrant"):
         model, opt = _build(dtype, on=True, recompute=recompute)
         twin, twin_opt = _build(dtype, on=False, recompute=recompute, frozen=want)
         losses = _train(model, opt, rank, dtype, range(STEPS))
