@@ -318,3 +318,13 @@ def test_requantizing_dequantized_values_keeps_them(dtype: torch.dtype) -> None:
     error = (again[: layout.block].double() - written[: layout.block].double()).abs()
     rounding = 0.0 if dtype == torch.float32 else 2.0**-8 * again[: layout.block].double().abs()
     assert bool((error <= blocks.scales[0].double() / 2 * (1 + 1e-6) + rounding).all())
+
+
+def test_a_frozen_parameter_stored_in_int8_cannot_join_a_param_group_later() -> None:
+    model = Lora(torch.float32)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = zk.ShardedFusedAdam(trainable, module=model, stage=3, zero_quantized_nontrainable_weights=True, **OPTIONS)
+    model.base[1].weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="'base.1.weight' was frozen when the optimizer was built and is stored"):
+        opt.add_param_group({"params": [model.base[1].weight]})
+    assert len(opt.param_groups) == 1, "nothing added"
