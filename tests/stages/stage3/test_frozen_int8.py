@@ -10,11 +10,11 @@ A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2
 - training with the option equals, bit for bit, training with it off on a model whose frozen weights are
   those dequantized values (losses, trainable parameters, Adam state), with activation checkpointing too,
   and stays with ``torch.optim.AdamW`` on the whole batch within the stage-3 tolerance (fp32);
-- a sharded checkpoint holds the dequantized values and a load gives them back (exactly at the same world
-  size, within half of the new blocks' scales at another); writes into frozen
-  parameters (inside ``gathered_params()``, or assigned between steps) are re-quantized; unfreezing one is
-  refused at the step; ``model.state_dict()`` between uses is refused naming a frozen parameter, and so is a
-  copy of the optimizer (the model copies inside ``gathered_params()``).
+- ``zk.save_pretrained``, consolidation and a sharded checkpoint hold the dequantized values; a load gives
+  them back (exactly at the same world size, within half of the new blocks' scales at another); writes into
+  frozen parameters (inside ``gathered_params()``, or assigned between steps) are re-quantized; unfreezing
+  one is refused at the step; ``model.state_dict()`` between uses is refused naming a frozen parameter, and
+  so is a copy of the optimizer (the model copies inside ``gathered_params()``).
 """
 
 from __future__ import annotations
@@ -239,10 +239,16 @@ def _checkpoint_case(rank: int, world: int, folder: str, dtype: torch.dtype) -> 
         assert bool(((got.double() - value.double()).abs() <= bound).all()), f"frozen parameter {i} at world 1"
 
     consolidated = Path(folder) / "consolidated.pt"
+    zk.save_pretrained(model, opt, Path(folder) / "pretrained")
     if rank == 0:
         zk.checkpoint.consolidate(folder, consolidated)
         weights = torch.load(consolidated, weights_only=True)["model"]
         assert torch.equal(weights["base.1.weight"], saved[2]), "consolidation holds the dequantized values"
+        pretrained = torch.load(Path(folder) / "pretrained" / "model_state_dict.pt", weights_only=True)
+        names = [n for n, p in model.named_parameters() if not p.requires_grad]
+        names += [n for n, p in model.named_parameters() if p.requires_grad]
+        for name, value in zip(names, frozen + trainable):
+            assert torch.equal(pretrained[name], value), f"save_pretrained: {name}"
     torch.distributed.barrier()
 
 
