@@ -35,6 +35,8 @@ from zero_kernels.stages.quantized_gather import Payload
 from zero_kernels.stages.stage3.frozen import quantize_keeping
 
 LR, STEPS = 1e-2, 3
+# Relative rounding of a dequantized value (computed in float32) to the parameters' dtype: half an ulp.
+ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 OPTIONS = {"stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000}
 
 
@@ -150,7 +152,7 @@ def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
     per_rank = sum(-(-sum(p.numel() for p in layer.parameters()) // world) for layer in Lora(dtype).base)
     assert per_rank <= payloads < 1.02 * per_rank, "about one byte per frozen element of this rank's chunks"
     frozen_numel = sum(p.numel() for p in Lora(dtype).base.parameters())
-    kind = "fp32" if dtype == torch.float32 else "bf16"
+    kind = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
     planned = estimate_memory(
         1, world, 3, param_dtype=kind, frozen_params=frozen_numel, quantized_nontrainable_weights=True
     )
@@ -161,7 +163,7 @@ def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
     frozen, _ = _gathered(model, opt)
     for i, (got, ref, s, orig) in enumerate(zip(frozen, want, scale, original)):
         assert torch.equal(got, ref), f"frozen parameter {i}: not the reference dequantization"
-        rounding = 0.0 if dtype == torch.float32 else 2.0**-8  # the dequantized value rounded to bf16
+        rounding = ROUNDING[dtype]
         bound = s / 2 * (1 + 1e-6) + got.double().abs() * rounding
         assert bool(((got.double() - orig.double()).abs() <= bound).all()), f"frozen parameter {i}: past half a scale"
     everyone = [torch.empty_like(frozen[0]) for _ in range(world)]
@@ -206,7 +208,7 @@ def _against_adamw(model: nn.Module, opt, frozen: list[torch.Tensor], rank: int,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_frozen_int8_values_memory_and_training(spawn, dtype: torch.dtype) -> None:
     spawn(_values_case, 2, dtype)
 
@@ -234,7 +236,7 @@ def _checkpoint_case(rank: int, world: int, folder: str, dtype: torch.dtype) -> 
     resharded, _ = _gathered(one, one_opt)
     _, scale = _reference_dequantized(saved, [[0, 1], [2, 3], [4, 5]], 1)
     for i, (got, s, value) in enumerate(zip(resharded, scale, saved)):
-        rounding = 0.0 if dtype == torch.float32 else 2.0**-8
+        rounding = ROUNDING[dtype]
         bound = s / 2 * (1 + 1e-6) + got.double().abs() * rounding
         assert bool(((got.double() - value.double()).abs() <= bound).all()), f"frozen parameter {i} at world 1"
 
@@ -322,7 +324,7 @@ def test_requantizing_dequantized_values_keeps_them(dtype: torch.dtype) -> None:
     again = dequantize_ref(blocks, dtype)
     assert torch.equal(again[layout.block :], held[layout.block :]), "blocks not written keep their values"
     error = (again[: layout.block].double() - written[: layout.block].double()).abs()
-    rounding = 0.0 if dtype == torch.float32 else 2.0**-8 * again[: layout.block].double().abs()
+    rounding = ROUNDING[dtype] * again[: layout.block].double().abs()
     assert bool((error <= blocks.scales[0].double() / 2 * (1 + 1e-6) + rounding).all())
 
 
