@@ -8,8 +8,9 @@ A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2
 - what every gather gives is the reference ``dequantize(quantize(chunk))`` of the original values, chunk by
   chunk, each element within half its block's scale of the original (float64), the same on every rank;
 - training with the option equals, bit for bit, training with it off on a model whose frozen weights are
-  those dequantized values (losses, trainable parameters, Adam state), with activation checkpointing too,
-  and stays with ``torch.optim.AdamW`` on the whole batch within the stage-3 tolerance (fp32);
+  those dequantized values (losses, trainable parameters, Adam state), with activation checkpointing
+  (reentrant or not) too, and in fp32 stays with ``torch.optim.AdamW`` on the whole batch within the
+  stage-3 tolerance (checked in fp32, bf16 and fp16);
 - ``zk.save_pretrained``, consolidation and a sharded checkpoint hold the dequantized values; a load gives
   them back (exactly at the same world size, within half of the new blocks' scales at another); writes into
   frozen parameters (inside ``gathered_params()``, or assigned between steps) are re-quantized; unfreezing
