@@ -79,7 +79,9 @@ def test_loco_param_is_deepspeeds_dict_read_only() -> None:
         ({"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": 3}, ("zeropp_loco_param=3",)),
         ({"stage": 3, "zero_hpz_partition_size": -1}, ("zero_hpz_partition_size=-1", ">= 0")),
         ({"stage": 3, "zero_quantized_weights": 1}, ("zero_quantized_weights=1", "true or false")),
-        ({"stage": 3, "zero_quantized_nontrainable_weights": True}, ("zero_quantized_nontrainable_weights",)),
+        ({"stage": 2, "zero_quantized_nontrainable_weights": True}, ("zero_quantized_nontrainable_weights", "stage 3")),
+        ({"stage": 0, "zero_quantized_nontrainable_weights": True}, ("zero_quantized_nontrainable_weights", "stage 3")),
+        ({"stage": 3, "zero_quantized_nontrainable_weights": 1}, ("zero_quantized_nontrainable_weights=1",)),
     ],
 )
 def test_bad_values_name_the_key(zero: dict, fragments: tuple) -> None:
@@ -93,3 +95,10 @@ def test_hpz_must_divide_the_world_size() -> None:
     with pytest.raises(ValueError, match=r"zero_hpz_partition_size=3 must divide the world size 4"):
         ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}}, world_size=4)
     assert ZeroConfig.from_deepspeed({"zero_optimization": ZEROPP}, world_size=2).zero.hpz_partition_size == 2
+
+
+def test_quantized_nontrainable_weights_is_carried_at_stage_3() -> None:
+    cfg = ZeroConfig.from_deepspeed(
+        {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, world_size=2
+    )
+    assert cfg.zero.quantized_nontrainable_weights is True

@@ -117,17 +117,27 @@ def _buffer_pieces(pipeline: Pipeline, names: list[str]) -> list[tuple[str, int,
     return pieces
 
 
+def _even_piece(rank: int, world: int, name: str, t: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
+    """This rank's even ``1/N`` piece of tensor ``t`` (none when it has no elements there)."""
+    flat = t.detach().reshape(-1)
+    per = -(-flat.numel() // world)
+    lo, hi = min(rank * per, flat.numel()), min((rank + 1) * per, flat.numel())
+    return [(f"model/{name}", lo, flat.narrow(0, lo, hi - lo))] if hi > lo else []
+
+
 def _other_pieces(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
-    """This rank's even ``1/N`` piece of every model tensor the optimizer does not shard."""
+    """This rank's even ``1/N`` piece of every model tensor the optimizer does not shard; frozen parameters
+    stored in int8 at stage 3 (``zero_quantized_nontrainable_weights``) give their dequantized values, gathered
+    one unit at a time (a collective)."""
     pieces, rank, world = [], pipeline.rank, pipeline.world_size
+    stored = pipeline.frozen_partitioned()
     for name, t in tensors.items():
-        if id(t) in pipeline.where:
-            continue
-        flat = t.detach().reshape(-1)
-        per = -(-flat.numel() // world)
-        lo, hi = min(rank * per, flat.numel()), min((rank + 1) * per, flat.numel())
-        if hi > lo:
-            pieces.append((f"model/{name}", lo, flat.narrow(0, lo, hi - lo)))
+        if id(t) not in pipeline.where and id(t) not in stored:
+            pieces += _even_piece(rank, world, name, t)
+    names = {id(t): name for name, t in tensors.items()}
+    for params in pipeline.gathered_frozen():
+        for p in params:
+            pieces += [(key, lo, v.clone()) for key, lo, v in _even_piece(rank, world, names[id(p)], p)]
     return pieces
 
 
@@ -421,6 +431,7 @@ class _Staged:
     meta: dict
     book: dict[str, Any]
     moves: list[Move]
+    frozen: dict[int, torch.Tensor]  # id(frozen parameter stored in int8) -> its saved value
     extra: Any
     window: Optional[Window]
 
@@ -437,13 +448,17 @@ def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipe
     saved = _check_optimizer(meta, optimizer, names, version)
     accumulation.check(book["window"], optimizer, pipeline, version)
     tensors, _ = _model_tensors(model)
+    stored = pipeline.frozen_partitioned()
+    frozen = {}
     with TensorSource(version, meta) as src:
         moves = _stage_buffers(src, pipeline, names, saved)
         for name, t in tensors.items():
-            if id(t) not in pipeline.where:
+            if id(t) in stored:
+                frozen[id(t)] = src.full(f"model/{name}")
+            elif id(t) not in pipeline.where:
                 moves.append((t.detach(), src.full(f"model/{name}")))
         window = accumulation.stage(src, book["window"], pipeline, version)
-    return _Staged(meta, book, moves, objects.read_file(version, EXTRA, meta.get("extra")), window)
+    return _Staged(meta, book, moves, frozen, objects.read_file(version, EXTRA, meta.get("extra")), window)
 
 
 @torch.no_grad()
@@ -453,6 +468,7 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
             dst.zero_()
         else:
             dst.copy_(value.view(dst.shape))
+    pipeline.assign_frozen(staged.frozen)
     master.record_all(pipeline)
     saved = {p["name"]: p for p in staged.meta["params"]}
     for index in pipeline.steps:

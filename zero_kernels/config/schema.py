@@ -155,8 +155,8 @@ ZERO_FIELDS: Dict[str, Field] = {
     "cpu_offload_use_pin_memory": Field(boolean(), False, auto=False),
     # ZeRO++ (``ZEROPP_FIELDS``; the stages each applies at are checked by ``ZeroOptions``).
     "zero_quantized_weights": Field(boolean(), False, auto=False),
-    # Frozen parameters stay whole on every rank at stage 3 here: nothing of them is gathered to quantize.
-    "zero_quantized_nontrainable_weights": Field(boolean(supported=(False,)), False, auto=False),
+    # Stage 3: frozen parameters partitioned too, and stored in int8 (``stages.stage3.frozen``).
+    "zero_quantized_nontrainable_weights": Field(boolean(), False, auto=False),
     # 0 and 1 both mean no secondary partition (DeepSpeed: ge=0, on above 1).
     "zero_hpz_partition_size": Field(integer(0), 1, auto=False),
     "zero_quantized_gradients": Field(boolean(), False, auto=False),

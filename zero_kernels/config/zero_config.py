@@ -80,11 +80,14 @@ def _zero_default(name: str) -> Any:
 # The stages each ZeRO++ switch acts at; elsewhere turning it on is an error (off is accepted anywhere).
 ZEROPP_STAGES: Dict[str, Tuple[int, ...]] = {
     "quantized_weights": (1, 2, 3),  # stages 1-2: the parameter all-gather after the step
+    "quantized_nontrainable_weights": (3,),  # DeepSpeed ignores it below stage 3; refused here
     "hpz_partition_size": (3,),
     "quantized_gradients": (2, 3),  # stage 3 reduces through stage 2's path
 }
 _ZEROPP_WHAT = {
     "quantized_weights": "quantizes the parameter all-gather, which stage 0 does not have",
+    "quantized_nontrainable_weights": "partitions the frozen parameters and stores them in int8, as only stage 3 "
+    "partitions parameters",
     "hpz_partition_size": "keeps a secondary partition of the parameters gathered at stage 3",
     "quantized_gradients": "quantizes the gradient reduce-scatter, which stages 0-1 do not have",
 }
@@ -128,7 +131,8 @@ class ZeroOptions:
 
     ZeRO++ (read from DeepSpeed's keys, ``schema.ZEROPP_FIELDS``): ``quantized_weights``
     (``zero_quantized_weights``: parameter all-gathers send int8 blocks; stages 1-3),
-    ``quantized_nontrainable_weights`` (false only), ``hpz_partition_size`` (``zero_hpz_partition_size``:
+    ``quantized_nontrainable_weights`` (``zero_quantized_nontrainable_weights``: frozen parameters partitioned
+    too and stored in int8; stage 3), ``hpz_partition_size`` (``zero_hpz_partition_size``:
     ranks holding a secondary partition for the backward gather; stage 3; 0 and 1 are off),
     ``quantized_gradients`` (``zero_quantized_gradients``; stages 2-3) and ``loco_param``
     (``zeropp_loco_param``: a ``LocoParam`` or None; needs quantized gradients).

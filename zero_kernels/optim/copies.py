@@ -21,7 +21,8 @@ model. At stage 3 the optimizer needs the model (its hooks gather parameters), s
 copy of it, ``copy.pipeline.module``; the model itself cannot be pickled while the optimizer's
 hooks are on it, and to deep-copy both in one call put the optimizer first:
 ``opt2, model2 = copy.deepcopy((opt, model))``. Copy between steps, and at stage 3 outside
-``gathered_params()``.
+``gathered_params()``. An optimizer that stores frozen parameters in int8 at stage 3
+(``zero_quantized_nontrainable_weights``) is refused: a copy could not give them back without the other ranks.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ class Origin:
 def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
     """Everything a copy is rebuilt from, by reference (the caller copies)."""
     pipeline = opt.pipeline
+    if pipeline.frozen_partitioned():
+        raise RuntimeError(
+            "a ShardedFusedAdam whose stage 3 stores the frozen parameters in int8 "
+            "(zero_optimization.zero_quantized_nontrainable_weights) cannot be copied or pickled: each rank holds "
+            "only its int8 chunk of them. On every rank, save a checkpoint (zero_kernels.checkpoint.save), or copy "
+            "the model inside `with optimizer.gathered_params():` (it then holds the full values)"
+        )
     params = [p for g in opt.param_groups for p in g["params"]]
     return {
         _TAG: _VERSION,

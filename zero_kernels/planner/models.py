@@ -195,6 +195,8 @@ def estimate_memory(
     largest_layer_params: int | None = None,
     hpz_partition_size: int = 1,
     quantized_weights: bool = False,
+    frozen_params: int = 0,
+    quantized_nontrainable_weights: bool = False,
 ) -> MemoryEstimate:
     """Model-state bytes per GPU for ``num_params`` parameters trained with Adam at ``stage``.
 
@@ -216,6 +218,11 @@ def estimate_memory(
             ``ceil(Ψ/H)`` parameters of the secondary partition, in ``param_dtype`` or, with
             ``quantized_weights``, as int8 with a float32 scale per block.
         quantized_weights: ZeRO++'s ``zero_quantized_weights`` (stage 3 keeps its shard's int8 copy for the step).
+        frozen_params: parameters that are frozen (``requires_grad=False``), besides the ``num_params`` trained:
+            no gradient nor optimizer state; counted in ``params``, whole on every rank.
+        quantized_nontrainable_weights: ZeRO++'s ``zero_quantized_nontrainable_weights`` (stage 3): the frozen
+            parameters are partitioned instead, each rank keeping ``ceil(frozen_params/N)`` of them in int8
+            with a float32 scale per block.
 
     Returns:
         A :class:`MemoryEstimate` in bytes.
@@ -232,9 +239,17 @@ def estimate_memory(
             raise ValueError(f"largest_layer_params={largest_layer_params}: cannot exceed num_params={num_params}")
     if isinstance(hpz_partition_size, bool) or not isinstance(hpz_partition_size, int) or hpz_partition_size < 0:
         raise ValueError(f"hpz_partition_size={hpz_partition_size!r}: expected an integer >= 0 (0 and 1: off)")
+    if isinstance(frozen_params, bool) or not isinstance(frozen_params, int) or frozen_params < 0:
+        raise ValueError(f"frozen_params={frozen_params!r}: expected an integer >= 0")
+    if quantized_nontrainable_weights and stage != 3:
+        raise ValueError(f"quantized_nontrainable_weights applies at stage 3 only; the stage is {stage}")
     shard = shard_elements(num_params, world_size)
     shard_params, shard_grads, shard_opt = _SHARDED[stage]
     params = p_bytes * (shard if shard_params else num_params)
+    if quantized_nontrainable_weights:
+        params += int(_INT8_BYTES * shard_elements(frozen_params, world_size))
+    else:
+        params += p_bytes * frozen_params
     grads = g_bytes * (shard if shard_grads else num_params)
     optimizer = k_bytes * (shard if shard_opt else num_params)
     working = (p_bytes + g_bytes) * (largest_layer_params or 0) if stage == 3 else 0

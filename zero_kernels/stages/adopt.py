@@ -17,7 +17,8 @@ are followed (before the step and before the state is read) and just before thei
 gathered by ``gathered_params()`` re-adopt (``readopt``) when the block ends.
 
 A parameter frozen (``requires_grad=False``) when the optimizer was built has no place in its
-buffers: unfrozen later, it would get gradients that no step uses (``torch.optim.AdamW`` would train
+buffers (stage 3 with ``zero_quantized_nontrainable_weights`` keeps it in an int8 unit that no step
+updates, ``stage3.frozen``): unfrozen later, it would get gradients that no step uses (``torch.optim.AdamW`` would train
 it; DeepSpeed, which also shards only what is trainable at ``initialize``, would not).
 ``check_unfrozen`` raises then instead.
 """

@@ -278,6 +278,19 @@ class Pipeline(BackwardRound):
         b, slot = where
         return self.buffers[b].layout.slots[slot].shape
 
+    def frozen_partitioned(self) -> set[int]:
+        """id of every frozen parameter this pipeline holds as shards (stage 3 with
+        ``zero_quantized_nontrainable_weights``); the others stay whole in the model."""
+        return set()
+
+    def gathered_frozen(self) -> Iterator[list[torch.nn.Parameter]]:
+        """The frozen parameters of ``frozen_partitioned``, group by group, whole while the iteration is on a group
+        (a collective)."""
+        return iter(())
+
+    def assign_frozen(self, values: dict[int, torch.Tensor]) -> None:
+        """Give frozen parameters of ``frozen_partitioned`` full values (id(parameter) -> value)."""
+
     def name_of(self, p: torch.Tensor) -> str:
         """How errors name ``p``: by its name in the model when the pipeline has the model."""
         return adopt.param_name(self.module, p) if self.module is not None else f"a parameter of shape {tuple(p.shape)}"

@@ -21,7 +21,7 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
   again (before ``m``'s backward runs), prefetching along the previous backward's order;
 - once the backward of every forward use of a unit has ended (``stage3.uses``: a point that does not
   depend on which of its parameters got a gradient on this rank), ``reduce_grads()`` the unit and
-  free it; a parameter's gradient arriving after that raises;
+  free it (a unit of frozen parameters is only freed); a parameter's gradient arriving after that raises;
 - end of backward (an autograd-engine callback): units not reduced yet are reduced then, in unit
   order, and everything still gathered is freed.
 
@@ -449,10 +449,13 @@ class Stage3Scheduler:
         return hook
 
     def _uses_ended(self, ready: list[int]) -> None:
-        """Every use of the units ``ready`` has ended its backward (``stage3.uses``): reduce them."""
+        """Every use of the units ``ready`` has ended its backward (``stage3.uses``): reduce them; frozen units
+        (no parameter requires grad) are freed."""
         self._begin_backward()
         for i in ready:
-            if i not in self._reduced and any(p.requires_grad for p in self.units[i].params):
+            if not any(p.requires_grad for p in self.units[i].params):
+                self._free(i)
+            elif i not in self._reduced:
                 self._reduce(i)
 
     def _reduce(self, i: int) -> None:

@@ -37,7 +37,10 @@ host tier's copy of a unit's parameter shard is the shard itself: the host Adam 
 nothing goes up at the step, and each gather copies the shard (or its int8 payload with
 ``zero_quantized_weights``) to the device first (``stage3.gathers``). Persistent units stay on the device.
 
-Limits: frozen parameters are not sharded (they stay whole on every rank); a parameter used
+Frozen parameters stay whole on every rank, unless ``zero_quantized_nontrainable_weights`` is on: then
+they are partitioned too, per holding module, and stored in int8 (``stage3.frozen``).
+
+Limits: a parameter used
 outside the forward of a module that holds it must be registered (or is found on first use) as
 an external parameter of the module that uses it; every rank must run the same modules in the
 same order outside leaf modules, as the collectives follow them.
@@ -58,6 +61,7 @@ from ..layout import Bucket
 from ..stage2 import Stage2Pipeline
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
+from .frozen import FrozenUnit, frozen_members
 from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
 from .plan import check_externals, holders
@@ -133,7 +137,9 @@ class Stage3Pipeline(Stage2Pipeline):
         super().__init__(engine, options, module=module, **kwargs)
         self.unit_gathers = UnitGathers(self.engine, self.options, self.param_traffic)
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3.plan.holders``)
-        self._units: list[_Unit] = []
+        self._units: list = []  # ``_Unit``s, then ``FrozenUnit``s
+        self._frozen: Optional[list[FrozenUnit]] = None  # built at the first ``add_group``
+        self._frozen_shape: dict[int, torch.Size] = {}  # id(frozen partitioned parameter) -> its shape
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
         self._deferred = DeferredChecks()  # gathers of repeated passes, compared at the step
@@ -150,6 +156,13 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"ZeRO stage 3: {len(foreign)} parameter(s) (shapes {foreign[:3]}) are not parameters of the "
                 "model given to the optimizer; stage 3 can only gather the model's own parameters"
             )
+        stored = [self.name_of(p) for p, _ in trainable if id(p) in self._frozen_shape]
+        if stored:
+            raise ValueError(
+                f"ZeRO stage 3: {stored[0]} was frozen when the optimizer was built and is stored in int8 "
+                "(zero_quantized_nontrainable_weights): it cannot be trained now. Unfreeze it before building "
+                "the optimizer"
+            )
         threshold = int(self.options.stage3_param_persistence_threshold)
         units: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
         for p, i in trainable:
@@ -161,7 +174,23 @@ class Stage3Pipeline(Stage2Pipeline):
         for _, i in trainable:
             self.step_counts.counts.setdefault(i, 0)
             self.has_grad.setdefault(i, False)
+        if self._frozen is None:
+            self._frozen = self._partition_frozen()
         self._install_scheduler()
+
+    def _partition_frozen(self) -> list[FrozenUnit]:
+        """With ``zero_quantized_nontrainable_weights``: the model's frozen parameters as int8 units
+        (``stage3.frozen``), built once; else none (they stay whole)."""
+        if not getattr(self.options, "quantized_nontrainable_weights", False):
+            return []
+        modules = list(self.module.named_modules(remove_duplicate=True))
+        threshold = int(self.options.stage3_param_persistence_threshold)
+        units = []
+        for key, params in frozen_members(self.module, self._holder, threshold).items():
+            name, holder = modules[-key[0]]
+            units.append(FrozenUnit(self.engine, params, name, type(holder).__name__, self.param_traffic, self.name_of))
+            self._frozen_shape.update((id(p), shape) for p, shape in zip(params, units[-1].shapes))
+        return units
 
     def _add_unit(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> None:
         ps = [p for p, _ in members]
@@ -179,6 +208,9 @@ class Stage3Pipeline(Stage2Pipeline):
         for uid, buf in enumerate(self.buffers):
             name, holder = modules[self._holder[id(buf.params[0])]]
             units.append(_Unit(self, buf, uid, holder, f"{name} (persistent parameters)" if buf.persistent else name))
+        for frozen in self._frozen or ():
+            frozen.uid = len(units)
+            units.append(frozen)
         prefetch = int(self.options.stage3_prefetch_bucket_size)
         self._units = units
         self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch, check=self._check_gathers)
@@ -255,6 +287,37 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
         """The scheduler hands gradients on (``_Unit.reduce_grads``) when it reduces a unit."""
+
+    def param_shape(self, p: torch.Tensor) -> torch.Size:
+        """As the base, and the full shape of a frozen parameter stored in int8."""
+        shape = self._frozen_shape.get(id(p))
+        return super().param_shape(p) if shape is None else shape
+
+    def frozen_partitioned(self) -> set[int]:
+        """id of every frozen parameter held as int8 shards (``zero_quantized_nontrainable_weights``)."""
+        return set(self._frozen_shape)
+
+    def gathered_frozen(self) -> Iterator[list[nn.Parameter]]:
+        """Each unit of frozen parameters in turn, gathered (dequantized) while the iteration is on it; a
+        collective: every rank iterates to the end, between steps."""
+        for unit in self._frozen or ():
+            if unit.full is not None:  # gathered already (inside gathered_params())
+                yield unit.params
+                continue
+            unit.start_gather()
+            unit.finish_gather()
+            try:
+                yield unit.params
+            finally:
+                unit.free()
+
+    def assign_frozen(self, values: dict[int, torch.Tensor]) -> None:
+        """Give the frozen parameters stored in int8 the full values ``values`` holds (id(parameter) -> value):
+        this rank's chunks are quantized again (a checkpoint load)."""
+        for unit in self._frozen or ():
+            mine = {k: v for k, v in values.items() if k in {id(p) for p in unit.params}}
+            if mine:
+                unit.assign(mine)
 
     def param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
         if buf.persistent:
@@ -350,6 +413,8 @@ class Stage3Pipeline(Stage2Pipeline):
                 for bucket in buf.layout.buckets:
                     self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
             master.settle(self, buf)  # a master written from outside wins, as at the step
+        for unit in self._frozen or ():
+            unit.write_back()
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
@@ -357,6 +422,7 @@ class Stage3Pipeline(Stage2Pipeline):
         tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.param_shard, buf.full)]
         if self.params_offloaded:  # the shards are the tier's host copies, counted under ``host``
             tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.full)]
+        tensors["params"] += [t for unit in self._frozen or () for t in unit.tensors()]
         tensors["secondary"] += [t for buf in self.buffers for t in buf.secondary or ()] + self.unit_gathers.tensors()
         return tensors
 

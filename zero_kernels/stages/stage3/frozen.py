@@ -1,0 +1,223 @@
+"""Stage 3 with ``zero_quantized_nontrainable_weights``: frozen parameters partitioned and stored in int8.
+
+As in DeepSpeed, stage 3 then shards the frozen parameters of the model too (a large frozen base
+under small trainable adapters): each module's frozen floating-point parameters (fp32, bf16, fp16)
+form a ``FrozenUnit``, gathered before the module's forward and its backward (the input gradient of
+a frozen ``Linear`` needs its weight) and freed after, like a trainable unit. Between uses each rank
+keeps only its chunk of the unit, as int8 in blocks with one float32 scale each (``Payload``), about a
+quarter of fp32's bytes and half of bf16's. A gather all-gathers the payloads and dequantizes every
+chunk, this rank's own included, into the full buffer the parameters view: every rank sees the same
+values, each within half a block scale of the original. The quantization is lossy by design and
+done once; the fp32 original is not kept anywhere.
+
+No gradient buffer, master or optimizer state exists for them; they are never reduced nor stepped.
+Parameters under ``stage3_param_persistence_threshold`` elements stay whole (unquantized) on every rank,
+as do frozen parameters of other dtypes. A frozen parameter unfrozen later is refused at the step
+(``adopt.check_unfrozen``), as without this option.
+
+Writes. New values reach the int8 chunk, re-quantized (every rank must make the same change): values
+assigned while the unit is freed (``p.data = ...``) are taken at its next gather (or by ``adopt_pending``);
+values written inside ``gathered_params()`` are taken when the block ends; a checkpoint load sets them
+(``assign``). A chunk none of whose values changed is left as it is, and a block whose values are already
+the dequantization of some int8 block (a checkpoint's saved values, the untouched blocks of a written chunk)
+keeps them exactly (``quantize_keeping``); the other blocks are within half of their new scale.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ...comm.handles import Handle, Works
+from ...kernels.quant import dequantize
+from ..adopt import check_compatible
+from ..quantized_gather import Payload, Traffic, dequantize_chunks
+
+QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
+
+NameOf = Callable[[torch.Tensor], str]
+
+
+class FrozenUnit:
+    """Frozen parameters of one module: this rank's chunk as an int8 payload, gathered whole around uses.
+
+    Args:
+        engine: the data-parallel comm engine.
+        params: the unit's parameters (frozen, one dtype and device), holding their full values.
+        name: qualified name of the holding module ('' for the root).
+        kind: its class name.
+        traffic: where the bytes sent are counted (``Traffic``).
+        name_of: names a parameter in error messages.
+    """
+
+    persistent = False
+
+    def __init__(
+        self, engine: Any, params: Sequence[nn.Parameter], name: str, kind: str, traffic: Traffic, name_of: NameOf
+    ):
+        self.engine, self.traffic, self.name_of = engine, traffic, name_of
+        self.params = list(params)
+        self.shapes = [p.shape for p in self.params]
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.param_numel = self.offsets[-1]
+        world, rank = engine.world_size, engine.rank
+        self.chunk = -(-self.param_numel // world)
+        self.numel = self.chunk * world
+        self.dtype, self.device = self.params[0].dtype, self.params[0].device
+        self.layout = Payload(self.chunk)
+        self.uid, self.name, self.kind = -1, name, kind
+        self.full: Optional[torch.Tensor] = None
+        self._handle: Optional[Handle] = None
+        self._lo, self._hi = rank * self.chunk, min((rank + 1) * self.chunk, self.param_numel)
+        whole = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for p, offset in zip(self.params, self.offsets):
+            whole.narrow(0, offset, p.numel()).copy_(p.detach().reshape(-1))
+        self.payload = self.layout.quantize(whole.narrow(0, rank * self.chunk, self.chunk))
+        self._free_params()
+
+    # ------------------------------------------------------------------ scheduler face (``hooks.Unit``)
+    def start_gather(self) -> None:
+        self.adopt_pending()
+        self.full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        gathered = torch.empty(self.engine.world_size * self.layout.nbytes, dtype=torch.uint8, device=self.device)
+        self.traffic.quantized += self.layout.nbytes
+        self.traffic.unquantized_equivalent += self.chunk * self.full.element_size()
+        # Sent as float32 words (the payload is a multiple of 4 bytes): every engine moves float32 as is.
+        inner = self.engine.all_gather(gathered.view(torch.float32), self.payload.view(torch.float32), name="frozen")
+        full, layout = self.full, self.layout
+
+        def unpack() -> None:
+            dequantize_chunks(gathered, layout, full, -1, None)  # every chunk, this rank's too
+
+        self._handle = Handle(Works([inner]), (gathered, self.payload, full), unpack, "frozen gather")
+
+    def finish_gather(self) -> None:
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        for p, shape, offset in zip(self.params, self.shapes, self.offsets):
+            p.data = self.full.narrow(0, offset, shape.numel()).view(shape)
+
+    def free(self) -> None:
+        self._free_params()
+        self.full = None
+
+    def reduce_grads(self) -> None:
+        """Frozen: nothing to reduce."""
+
+    # ------------------------------------------------------------------ writes
+    def write_back(self) -> bool:
+        """Inside ``gathered_params()`` (gathered): values written or assigned since the gather go into this rank's
+        chunk, re-quantized; returns whether it changed (a chunk whose values did not is left as it is)."""
+        if self.full is None:
+            return False
+        for p, shape in zip(self.params, self.shapes):
+            check_compatible(self, p, shape, self.name_of)
+        changed = self.assign({id(p): p.detach() for p in self.params})
+        for p, shape, offset in zip(self.params, self.shapes, self.offsets):
+            p.data = self.full.narrow(0, offset, shape.numel()).view(shape)
+        return changed
+
+    def adopt_pending(self) -> int:
+        """Freed parameters given values (``p.data = ...``): this rank's parts go into its chunk (re-quantized) and
+        the parameters are freed again; returns how many."""
+        if self.full is not None:
+            return 0
+        given = {id(p): p.detach() for p in self.params if p.numel() != 0}
+        if not given:
+            return 0
+        for p, shape in zip(self.params, self.shapes):
+            if id(p) in given:
+                check_compatible(self, p, shape, self.name_of)
+        self.assign(given)
+        self._free_params()
+        return len(given)
+
+    def assign(self, values: Mapping[int, torch.Tensor]) -> bool:
+        """Set the parameters ``values`` (id(parameter) -> full value) holds: this rank's chunk is rebuilt from its
+        current dequantized values and those, and quantized again unless no value of it changed; returns
+        whether it was."""
+        own = torch.empty(self.chunk, dtype=self.dtype, device=self.device)
+        self.dequantize_own(own)
+        held = own.clone()
+        for p, offset, end in zip(self.params, self.offsets, self.offsets[1:]):
+            value = values.get(id(p))
+            lo, hi = max(offset, self._lo), min(end, self._hi)
+            if value is None or hi <= lo:
+                continue
+            piece = value.reshape(-1).narrow(0, lo - offset, hi - lo)
+            own.narrow(0, lo - self._lo, hi - lo).copy_(piece)
+        if torch.equal(own, held):
+            return False
+        self.payload = quantize_keeping(self.layout, own)
+        return True
+
+    def dequantize_own(self, out: torch.Tensor) -> None:
+        """This rank's chunk, dequantized into ``out`` (``chunk`` elements)."""
+        dequantize_chunks(self.payload, self.layout, out, -1, None)
+
+    def tensors(self) -> list[Optional[torch.Tensor]]:
+        """What this unit holds now (memory): the int8 payload, and the full buffer while gathered."""
+        return [self.payload, self.full]
+
+    # ------------------------------------------------------------------ helpers
+    def _free_params(self) -> None:
+        for p in self.params:
+            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+
+def frozen_members(module: nn.Module, holder: Mapping[int, int], threshold: int) -> dict[tuple, list[nn.Parameter]]:
+    """The frozen parameters of ``module`` to partition, by unit key (-holder index, dtype, device), sorted.
+
+    Args:
+        module: the model.
+        holder: id(parameter) -> index of the module whose unit it joins (``plan.holders``).
+        threshold: ``stage3_param_persistence_threshold``: smaller parameters stay whole.
+    """
+    units: dict[tuple, list[nn.Parameter]] = {}
+    seen: set[int] = set()
+    for p in module.parameters():
+        if id(p) in seen or p.requires_grad or p.dtype not in QUANTIZABLE or p.numel() < max(threshold, 1):
+            continue
+        seen.add(id(p))
+        units.setdefault((-holder[id(p)], str(p.dtype), str(p.device)), []).append(p)
+    return {key: units[key] for key in sorted(units)}
+
+
+def quantize_keeping(layout: Payload, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (``layout.numel``) as a payload; each block whose values are the dequantization of some int8
+    block gets a scale that gives them back exactly (quantizing a dequantized block again may move its scale by
+    the rounding of its largest value), the other blocks the plain quantization.
+
+    Per block, every element ``v = q * s`` (``q`` the integer quantization found) pins ``s`` to an interval: the
+    products that round to ``v`` in the dtype, divided by ``q``. A scale inside every interval is tried, and kept
+    for the blocks it reproduces.
+    """
+    payload = layout.quantize(values)
+    blocks = layout.view(payload)
+    back = dequantize(blocks, values.dtype)
+    if torch.equal(back, values):
+        return payload
+    padded = torch.zeros(layout.data_bytes, dtype=values.dtype, device=values.device)
+    padded[: layout.numel] = values
+    inf = torch.full_like(padded, float("inf"))
+    v = padded.double().view(layout.blocks, layout.block)
+    below = torch.nextafter(padded, -inf).double().view_as(v)
+    above = torch.nextafter(padded, inf).double().view_as(v)
+    q = blocks.data.view(torch.int8).double().view_as(v)
+    ends = torch.stack(((v + below) / 2 / q, (v + above) / 2 / q))
+    used = q != 0
+    low = torch.where(used, ends.amin(0), -torch.inf).amax(1)
+    high = torch.where(used, ends.amax(0), torch.inf).amin(1)
+    fitted = torch.where(low <= high, (low + high) / 2, blocks.scales.double()).float()
+    found = blocks.scales.clone()
+    blocks.scales.copy_(fitted)
+    again = torch.zeros_like(padded)
+    again[: layout.numel] = dequantize(blocks, values.dtype)
+    kept = (again.view_as(v) == padded.view_as(v)).all(1)
+    blocks.scales.copy_(torch.where(kept, fitted, found))
+    return payload
