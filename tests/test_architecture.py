@@ -19,6 +19,7 @@ LAYERS = {
     "env": 0,
     "log": 0,
     "live": 0,
+    "liveness": 0,
     "schedulers": 0,
     "_build": 1,
     "config": 1,
@@ -36,7 +37,7 @@ LAYERS = {
     "": 7,  # the top-level face
 }
 # The top level holds only the faces and the bottom layer.
-TOP_LEVEL = {"__init__", "__main__", "_compat", "entry", "env", "live", "log", "schedulers"}
+TOP_LEVEL = {"__init__", "__main__", "_compat", "entry", "env", "live", "liveness", "log", "schedulers"}
 
 
 def _module_name(path: Path) -> str:

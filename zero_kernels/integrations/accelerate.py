@@ -25,9 +25,11 @@ usual):
   placement, mixed-precision autocast and ``torch.compile`` still apply;
 - ``no_sync(model)``, which ``accumulate(model)`` enters for every micro-batch but the last, also
   enters the optimizer's ``no_sync()``: those backward passes accumulate locally;
-- ``clip_grad_norm_(model.parameters(), max_norm)`` is Accelerate's, which calls torch's
+- ``clip_grad_norm_(model.parameters(), max_norm)`` unscales as Accelerate's, then calls torch's
   ``clip_grad_norm_``: for these parameters that is ``opt.clip_grad_norm_`` (``torch_clip``), the
-  global norm of the reduced gradients, applied by the next step.
+  global norm of the reduced gradients, applied by the next step. (Accelerate's own, from 1.16, keeps
+  only the parameters whose ``p.grad`` is set, which stages 2 and 3 leave ``None``: it would return 0
+  and clip nothing.)
 
 With a plain ``Accelerator`` on several processes the model is wrapped in DDP, and its first
 forward raises an error that names ``ZeroAccelerator`` (``guards``).
@@ -36,12 +38,14 @@ forward raises an error that names ``ZeroAccelerator`` (``guards``).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
+import torch
 from accelerate import Accelerator
 from torch import nn
 
 from .. import live
+from ..optim.torch_clip import clip_sharded
 
 __all__ = ["ZeroAccelerator"]
 
@@ -76,3 +80,19 @@ class ZeroAccelerator(Accelerator):
             for opt in live.training(model.parameters()):
                 stack.enter_context(opt.no_sync())
             yield
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
+        """As ``Accelerator.clip_grad_norm_``; for parameters a ``ShardedFusedAdam`` trains, its global norm of the
+        reduced gradients (torch's ``clip_grad_norm_``, which routes to ``opt.clip_grad_norm_``), clipped at its step.
+
+        Args:
+            parameters: the parameters to clip (``model.parameters()``).
+            max_norm: the largest norm after clipping.
+            norm_type: the norm's order.
+        """
+        parameters = list(parameters)
+        if live.training(parameters):
+            return clip_sharded(self, parameters, max_norm, norm_type)
+        return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)

@@ -24,6 +24,12 @@ So once a ``ShardedFusedAdam`` exists, torch's ``clip_grad_norm_``, ``get_total_
 The routing replaces the function inside torch's ``no_grad`` wrapper of each of these, so every
 reference to them, however early it was imported (``from torch.nn.utils import clip_grad_norm_``),
 is routed; where torch's layout differs, the module attributes are replaced instead.
+
+Accelerate's ``Accelerator.clip_grad_norm_`` (from 1.16) keeps only the parameters whose ``p.grad`` is
+set before it calls torch: at stages 2 and 3 none is, so it returned 0 and clipped nothing. When
+``accelerate`` is imported by the time an optimizer is built, its ``clip_grad_norm_`` hands the
+parameters a live ``ShardedFusedAdam`` trains to torch's routed one after unscaling (``clip_sharded``;
+``ZeroAccelerator`` does so whatever the import order).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import sys
 import types
 from typing import Any, Callable, Iterator, Optional
 
@@ -228,9 +235,35 @@ def _replace_inside(wrapper: Any, route: Callable[[Callable], Callable]) -> bool
     return True
 
 
+def clip_sharded(accelerator: Any, parameters: list, max_norm: float, norm_type: float) -> torch.Tensor:
+    """Accelerate's clipping of parameters a ``ShardedFusedAdam`` trains: unscale, then torch's routed call."""
+    accelerator.unscale_gradients()
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+
+def _route_accelerate() -> None:
+    """Route ``accelerate.Accelerator.clip_grad_norm_`` when ``accelerate`` is imported (see the module docstring)."""
+    accelerator = getattr(sys.modules.get("accelerate"), "Accelerator", None)
+    if accelerator is None or getattr(accelerator.clip_grad_norm_, "_zero_kernels_routed", False):
+        return
+    original = accelerator.clip_grad_norm_
+
+    def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        parameters = list(parameters)
+        if live.training(parameters):
+            return clip_sharded(self, parameters, max_norm, norm_type)
+        return original(self, parameters, max_norm, norm_type=norm_type)
+
+    clip_grad_norm_._zero_kernels_routed = True
+    clip_grad_norm_.__doc__ = original.__doc__
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
 def install() -> None:
-    """Route torch's clipping functions (once per process; the optimizer calls it when built)."""
+    """Route torch's clipping functions (once per process; the optimizer calls it when built), and
+    Accelerate's when it is imported by then."""
     global _installed
+    _route_accelerate()
     if _installed:
         return
     clip_grad = torch.nn.utils.clip_grad
