@@ -15,6 +15,13 @@ every round agrees. The roofs are timed in the same rounds, on the case's footpr
 writing them, so it is lower); each is the best of its rounds, so that a kernel is compared with
 what the machine gave under the same load. ``of_inplace_bw`` is GB/s over that roof; a kernel above
 its roof is marked in ``note`` (the roof is torch's own streaming op, not the hardware's peak).
+
+``epilogue (IMPL)`` (ZeRO++'s int8 weights), for our fused backend (C++ on CPU, Triton on CUDA): our
+Adam on bf16 parameters (``out=``, as the stages run it) with the quantizing epilogue (``quantized=``: the
+int8 blocks of what it wrote, in ``Payload``'s layout) against the same step plain and followed by a
+separate quantize pass (what the epilogue replaces), in the same interleaved rounds; ``vs_plain`` is the
+median over the rounds of the row's time over the plain step's (goal for the epilogue: at most 1.1), with
+its spread.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
-from zero_kernels.kernels import adam_step, resolve_impl
+from zero_kernels.kernels import adam_step, quantize, resolve_impl
+from zero_kernels.stages.quantized_gather import Payload
 
 from .common import copy_roof, expect, inplace_roof, interleaved_rounds, progress, ratio_stats
 
@@ -172,15 +180,56 @@ def _rows_for(case: str, n: int, device: torch.device, rounds: int) -> list[dict
     return out
 
 
+EPILOGUE, PLAIN, THEN_QUANTIZE = "ours: adam + epilogue", "adam, plain", "adam, then quantize"
+# Adam's 24 bytes with a bf16 gradient and 2 for out; the epilogue writes 1 more (the int8 blocks), a separate
+# pass reads out again and writes them (3 more)
+EPILOGUE_BYTES = {EPILOGUE: 27, PLAIN: 26, THEN_QUANTIZE: 29}
+
+
+def _epilogue_fns(n: int, device: torch.device, impl: str) -> dict[str, Callable[[], None]]:
+    """Adam on bf16 parameters: plain, with the epilogue, and followed by a quantize pass."""
+    param, grad = torch.randn(n, device=device), torch.randn(n, device=device).to(torch.bfloat16)
+    exp_avg, exp_avg_sq, out = torch.zeros_like(param), torch.zeros_like(param), param.to(torch.bfloat16)
+    layout = Payload(n)
+    blocks = layout.view(layout.empty(device))
+
+    def step(**kw) -> None:
+        adam_step(param, grad, exp_avg, exp_avg_sq, step=1, out=out, impl=impl, **HYPER, **kw)
+
+    def then_quantize() -> None:
+        step()
+        quantize(out, 8, layout.block, out=blocks, impl=impl)
+
+    return {EPILOGUE: lambda: step(quantized=blocks), PLAIN: step, THEN_QUANTIZE: then_quantize}
+
+
+def _epilogue_rows(n: int, device: torch.device, impl: str, rounds: int) -> list[dict]:
+    """The epilogue of backend ``impl``: one case of three providers, the epilogue ours, the two others peers."""
+    base = {"case": f"epilogue ({impl})", "tensors": 1, "n": n, "param_dtype": "bfloat16"}
+    seconds, calls, _ = timed_rows(f"epilogue {impl} n={n}", _epilogue_fns(n, device, impl), {}, device, rounds)
+    rows = []
+    for provider, times in seconds.items():
+        row = provider_row({**base, "provider": provider}, times, calls[provider], EPILOGUE_BYTES[provider] * n)
+        if provider != PLAIN:
+            stats = ratio_stats(times, seconds[PLAIN])  # this row's time over the plain step's, round by round
+            row.update(vs_plain=stats["speedup"], low=stats["low"], high=stats["high"], goal=1.1)
+        rows.append(row)
+    return rows
+
+
 def run(quick: bool) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = _sizes(quick, device)
     rounds = 5 if quick else 9
+    # the epilogue of our fused backends that run here (the reference is its definition, and slow)
+    fused = [impl for impl, why in our_backends(device).items() if impl != "torch" and why is None]
     rows = []
-    expect(len(sizes) * 2 * rounds)
+    expect(len(sizes) * 2 * rounds + len(fused) * rounds)
     for n in sizes:
         for case in ("flat", "list"):
             rows += _rows_for(case, n, device, rounds)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    for impl in fused:
+        rows += _epilogue_rows(sizes[-1], device, impl, rounds)
     return rows

@@ -12,6 +12,9 @@
 * ``tuning sweep``: Adam and flatten GB/s at 2^26 elements under each (block, num_warps) choice.
 * ``quant``: block quantize and dequantize (int8 and int4, bf16 and fp32) at 2^26 elements, GB/s of the
   bytes each reads and writes, as a fraction of the device's copy bandwidth (goal: at least 0.8).
+* ``epilogue``: Adam with the quantizing epilogue (``adam_step(..., quantized=)``, ZeRO++'s int8 weights in
+  ``Payload``'s layout) against the same step plain (goal: at most 1.1x its time) and against the plain step
+  followed by a quantize pass, at 2^26 elements, bf16 parameters (``out=``) and fp32.
 
 Times are medians of CUDA-event intervals (``benchmarks.common.timeit``). ``--json DIR`` writes
 ``gpu_timing.json`` after every section (each guarded). Exit status 2 without CUDA (every section
@@ -137,6 +140,39 @@ def time_stage2_flatten() -> list[dict]:
     return rows
 
 
+def time_epilogue() -> list[dict]:
+    """Adam + the int8 epilogue against plain Adam and against Adam then a quantize pass, at 2^26 elements."""
+    return [_epilogue_row(dtype) for dtype in (torch.bfloat16, torch.float32)]
+
+
+def _epilogue_row(dtype: torch.dtype) -> dict:
+    from zero_kernels.kernels import adam_step, quantize
+    from zero_kernels.stages.quantized_gather import Payload
+
+    layout = Payload(BIG)
+    state = [torch.randn(BIG, device=DEVICE) * 0.01 for _ in range(4)]  # param, grad, m, v
+    state[3].abs_()
+    out = state[0].to(dtype) if dtype != torch.float32 else None
+    written = state[0] if out is None else out
+    blocks = layout.view(layout.empty(torch.device(DEVICE)))
+
+    def plain() -> None:
+        adam_step(*state, step=1, out=out, impl="triton", **HYPER)
+
+    def fused() -> None:
+        adam_step(*state, step=1, out=out, quantized=blocks, impl="triton", **HYPER)
+
+    def separate() -> None:
+        plain()
+        quantize(written, 8, layout.block, out=blocks, impl="triton")
+
+    ms = {name: _ms(fn) for name, fn in (("plain", plain), ("fused", fused), ("separate", separate))}
+    return {"case": f"adam + int8 epilogue, {str(dtype)[6:]} params", "block": layout.block,
+            "plain_ms": ms["plain"], "fused_ms": ms["fused"], "adam_then_quantize_ms": ms["separate"],
+            "fused_vs_plain": ms["fused"] / ms["plain"], "goal": 1.1,
+            "separate_vs_plain": ms["separate"] / ms["plain"]}  # fmt: skip
+
+
 def tuning_sweep() -> list[dict]:
     """GB/s of the Adam and flatten kernels at 2^26 under each launch configuration."""
     from zero_kernels.kernels import adam_step, flatten, triton_flatten, tuning
@@ -192,6 +228,9 @@ SECTIONS = {
     "flatten": ("timed: flatten as stage 2 calls it vs torch.mul(out=)", time_stage2_flatten),
     "tuning": ("timed: (block, num_warps) sweep", tuning_sweep),
     "quant": ("timed: quantize/dequantize vs copy bandwidth (goal >= 80 %)", time_quant),
+    # last: it compiles three variants of its own (the quantize kernels are compiled by "quant" already), so
+    # that a run stopped by gpu_check.sh's limit loses this section, not the ones before
+    "epilogue": ("timed: adam + int8 epilogue vs plain adam (goal <= 1.1x)", time_epilogue),
 }
 
 

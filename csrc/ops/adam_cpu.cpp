@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops/loops_cpu.h"
+#include "ops/quant_cpu.h"
 
 namespace zero_kernels {
 namespace {
@@ -102,37 +103,90 @@ void adopt_out(float* param, const at::Tensor& out, int64_t begin, int64_t len) 
       at::kBFloat16, at::kHalf);
 }
 
+// One piece [i, i + len) of the update (len <= the size of staged): gradient staged as fp32, edits adopted, the
+// moments and params updated, out written.
+template <typename grad_t>
+void adam_piece(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, int64_t i,
+                int64_t len, const loops::AdamCoefs& coefs, const std::optional<at::Tensor>& out, bool adopt,
+                float* staged) {
+  const float* g = nullptr;
+  if constexpr (std::is_same_v<grad_t, float>) {
+    g = grad + i;
+  } else {
+    loops::convert(grad + i, 1, staged, 1, len, false, 1.0f);
+    g = staged;
+  }
+  if (adopt && out) adopt_out(param, *out, i, len);  // the piece stays in L1 for the update below
+  if (max_exp_avg_sq != nullptr) {
+    loops::adam_update_amsgrad(param + i, exp_avg + i, exp_avg_sq + i, max_exp_avg_sq + i, g, len, coefs);
+  } else {
+    loops::adam_update(param + i, exp_avg + i, exp_avg_sq + i, g, len, coefs);
+  }
+  if (out) write_out(param, *out, i, len);
+}
+
 template <typename grad_t>
 void adam_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq, int64_t n,
                const loops::AdamCoefs& coefs, const std::optional<at::Tensor>& out, bool adopt) {
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     float staged[kBlock];
     for (int64_t i = begin; i < end; i += kBlock) {
-      const int64_t len = std::min(kBlock, end - i);
-      const float* g = nullptr;
-      if constexpr (std::is_same_v<grad_t, float>) {
-        g = grad + i;
-      } else {
-        loops::convert(grad + i, 1, staged, 1, len, false, 1.0f);
-        g = staged;
-      }
-      if (adopt && out) adopt_out(param, *out, i, len);  // the block stays in L1 for the update below
-      if (max_exp_avg_sq != nullptr) {
-        loops::adam_update_amsgrad(param + i, exp_avg + i, exp_avg_sq + i, max_exp_avg_sq + i, g, len, coefs);
-      } else {
-        loops::adam_update(param + i, exp_avg + i, exp_avg_sq + i, g, len, coefs);
-      }
-      if (out) write_out(param, *out, i, len);
+      adam_piece(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, i, std::min(kBlock, end - i), coefs, out, adopt,
+                 staged);
     }
   });
+}
+
+// The written values [i, i + len) as fp32 in stage, zero-padded to block elements.
+void stage_written(const float* param, const std::optional<at::Tensor>& out, int64_t i, int64_t len, int64_t block,
+                   float* stage) {
+  if (out) {
+    AT_DISPATCH_V2(
+        out->scalar_type(), "adam_step_stage",
+        AT_WRAP([&] { loops::convert(out->const_data_ptr<scalar_t>() + i, 1, stage, 1, len, false, 1.0f); }),
+        at::kFloat, at::kBFloat16, at::kHalf);
+  } else {
+    std::copy(param + i, param + i + len, stage);
+  }
+  std::fill(stage + len, stage + block, 0.0f);
+}
+
+// adam_pass with the epilogue: threads take whole quantization blocks; each block is updated, then its written
+// values (still in cache) quantized.
+template <typename grad_t>
+void adam_quantize_pass(float* param, const grad_t* grad, float* exp_avg, float* exp_avg_sq, float* max_exp_avg_sq,
+                        int64_t n, const loops::AdamCoefs& coefs, const std::optional<at::Tensor>& out, bool adopt,
+                        const QuantizedOut& q) {
+  const int64_t block = q.block;
+  auto* data = reinterpret_cast<int8_t*>(q.data.data_ptr<uint8_t>());
+  float* scales = q.scales.data_ptr<float>();
+  at::parallel_for(0, q.scales.numel(), std::max<int64_t>(1, kGrain / block), [&](int64_t begin, int64_t end) {
+    std::vector<float> staged(std::max(block, kBlock));
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t first = b * block;
+      const int64_t len = std::min(block, n - first);
+      for (int64_t i = first; i < first + len; i += kBlock) {
+        adam_piece(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, i, std::min(kBlock, first + len - i), coefs, out,
+                   adopt, staged.data());
+      }
+      stage_written(param, out, first, len, block, staged.data());
+      scales[b] = quantize_staged_block(staged.data(), block, 127.0f, data + first);
+    }
+  });
+}
+
+void check_quantized_out(const QuantizedOut& q, int64_t n) {
+  check_quantized("adam_step: quantized", 8, q.block, q.data, q.scales, n);
 }
 
 }  // namespace
 
 void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
                    const AdamHyper& hyper, const std::optional<at::Tensor>& found_inf,
-                   const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& max_exp_avg_sq) {
+                   const std::optional<at::Tensor>& out, const std::optional<at::Tensor>& max_exp_avg_sq,
+                   const std::optional<QuantizedOut>& quantized) {
   check_inputs(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq);
+  if (quantized) check_quantized_out(*quantized, param.numel());
   TORCH_CHECK_VALUE(std::isfinite(hyper.step_size) && std::isfinite(hyper.bc2_sqrt) && hyper.bc2_sqrt > 0,
                     "adam_step: step_size (", hyper.step_size, ") and bc2_sqrt (", hyper.bc2_sqrt,
                     ") must be finite, bc2_sqrt > 0");
@@ -144,10 +198,20 @@ void adam_step_cpu(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_av
                    if (found_inf) {
                      float* flag = found_inf->data_ptr<float>();
                      if (grad_has_nonfinite(g, n)) *flag = 1.0f;
-                     if (*flag != 0.0f) return;
+                     if (*flag != 0.0f) {  // skipped: the blocks of the parameters as they are
+                       if (quantized) quantize_cpu(out ? *out : param, 8, quantized->block, quantized->data,
+                                                   quantized->scales);
+                       return;
+                     }
                    }
-                   adam_pass(param.data_ptr<float>(), g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                             max_sq, n, coefs, out, hyper.adopt_out);
+                   if (quantized) {
+                     adam_quantize_pass(param.data_ptr<float>(), g, exp_avg.data_ptr<float>(),
+                                        exp_avg_sq.data_ptr<float>(), max_sq, n, coefs, out, hyper.adopt_out,
+                                        *quantized);
+                   } else {
+                     adam_pass(param.data_ptr<float>(), g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                               max_sq, n, coefs, out, hyper.adopt_out);
+                   }
                  }),
                  at::kFloat, at::kBFloat16, at::kHalf);
 }

@@ -23,22 +23,6 @@ bool is_quant_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFlo
 
 int64_t blocks_of(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
 
-void check_format(const char* op, int64_t bits, int64_t block, const at::Tensor& data, const at::Tensor& scales,
-                  int64_t numel) {
-  TORCH_CHECK_VALUE(bits == 8 || bits == 4, op, ": bits must be 4 or 8, got ", bits);
-  TORCH_CHECK_VALUE(block >= 1 && (bits == 8 || block % 2 == 0), op, ": block must be positive (even for bits=4), got ",
-                    block);
-  const int64_t blocks = blocks_of(numel, block);
-  TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu() &&
-                        data.numel() == blocks * block * bits / 8,
-                    op, ": data must be a contiguous uint8 CPU tensor of ", blocks * block * bits / 8,
-                    " bytes, got ", data.scalar_type(), " of ", data.numel(), " on ", data.device());
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.device().is_cpu() &&
-                        scales.numel() == blocks,
-                    op, ": scales must be a contiguous float32 CPU tensor of ", blocks, " elements, got ",
-                    scales.scalar_type(), " of ", scales.numel(), " on ", scales.device());
-}
-
 void check_values(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": ", name, " is on ", t.device(), "; this kernel needs CPU");
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
@@ -56,13 +40,8 @@ void quantize_blocks(const T* x, int64_t numel, int64_t bits, int64_t block, uin
     const int64_t n = std::min(block, numel - b * block);
     loops::convert(x + b * block, 1, stage.data(), 1, n, false, 1.0f);
     std::fill(stage.begin() + n, stage.end(), 0.0f);
-    const float scale = scales[b] = loops::block_scale(stage.data(), block, qmax);
     int8_t* dst = bits == 8 ? reinterpret_cast<int8_t*>(data + b * block) : q.data();
-    if (!std::isfinite(scale) || scale == 0.0f) {
-      std::fill(dst, dst + block, int8_t{0});  // nothing sent for an all-zero or non-finite block
-    } else {
-      loops::quantize_block(stage.data(), dst, block, scale, qmax);
-    }
+    scales[b] = quantize_staged_block(stage.data(), block, qmax, dst);
     if (bits == 4) loops::pack_int4(q.data(), data + b * block / 2, block);
   }
 }
@@ -81,9 +60,36 @@ int64_t grain_blocks(int64_t block) { return std::max<int64_t>(1, kGrain / block
 
 }  // namespace
 
+void check_quantized(const char* op, int64_t bits, int64_t block, const at::Tensor& data, const at::Tensor& scales,
+                     int64_t numel) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 4, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(block >= 1 && (bits == 8 || block % 2 == 0), op, ": block must be positive (even for bits=4), got ",
+                    block);
+  const int64_t blocks = blocks_of(numel, block);
+  TORCH_CHECK_VALUE(data.scalar_type() == at::kByte && data.is_contiguous() && data.device().is_cpu() &&
+                        data.numel() == blocks * block * bits / 8,
+                    op, ": data must be a contiguous uint8 CPU tensor of ", blocks * block * bits / 8,
+                    " bytes, got ", data.scalar_type(), " of ", data.numel(), " on ", data.device());
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.device().is_cpu() &&
+                        scales.numel() == blocks,
+                    op, ": scales must be a contiguous float32 CPU tensor of ", blocks, " elements, got ",
+                    scales.scalar_type(), " of ", scales.numel(), " on ", scales.device());
+}
+
+float quantize_staged_block(const float* stage, int64_t block, float qmax, int8_t* q) {
+  const float scale = loops::block_scale(stage, block, qmax);
+  if (!std::isfinite(scale) || scale == 0.0f) {
+    std::fill(q, q + block, int8_t{0});  // nothing sent for an all-zero or non-finite block
+  } else {
+    loops::quantize_block(stage, q, block, scale, qmax);
+  }
+  return scale;
+}
+
+
 void quantize_cpu(const at::Tensor& x, int64_t bits, int64_t block, const at::Tensor& data, const at::Tensor& scales) {
   check_values("quantize", "x", x);
-  check_format("quantize", bits, block, data, scales, x.numel());
+  check_quantized("quantize", bits, block, data, scales, x.numel());
   const int64_t numel = x.numel();
   auto* d = data.data_ptr<uint8_t>();
   auto* s = scales.data_ptr<float>();
@@ -100,7 +106,7 @@ void quantize_cpu(const at::Tensor& x, int64_t bits, int64_t block, const at::Te
 void dequantize_cpu(const at::Tensor& data, const at::Tensor& scales, int64_t bits, int64_t block,
                     const at::Tensor& out) {
   check_values("dequantize", "out", out);
-  check_format("dequantize", bits, block, data, scales, out.numel());
+  check_quantized("dequantize", bits, block, data, scales, out.numel());
   const int64_t numel = out.numel();
   const auto* d = data.const_data_ptr<uint8_t>();
   const auto* s = scales.const_data_ptr<float>();

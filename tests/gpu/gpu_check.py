@@ -2,7 +2,7 @@
 
 ``python tests/gpu/gpu_check.py [--json DIR]`` runs on a CUDA device: Adam (every flag, grad and
 copy dtype, sizes up to 2^26), flatten/unflatten (a 2^26-element bucket of ~200 tensors, views,
-mixed dtypes) and block quantize/dequantize (bit for bit) against the reference twins and
+mixed dtypes), block quantize/dequantize and Adam's int8 epilogue (bit for bit) against the reference twins and
 torch.optim.AdamW, no recompilation across an lr schedule; then it prints, for every kernel variant
 those checks compiled, its registers, spills and the widest global load and store of its PTX
 (``kernels.aot`` holds the same limits without a GPU). ``--json DIR`` writes ``gpu_check.json`` after
@@ -329,6 +329,39 @@ def check_quant() -> list[str]:
     return problems
 
 
+def check_adam_epilogue() -> list[str]:
+    """Adam with the int8 epilogue == plain Adam then quantize_ref, bit for bit: bf16 and fp32 parameters, an odd
+    size over many blocks with non-finite values, and a step skipped by found_inf (the blocks as they were)."""
+    from zero_kernels.kernels import QuantizedBlocks, adam_step, quantize_ref
+
+    problems = []
+    n, block = BIG // 4 + 3, 2044  # a block as Payload cuts them: even, a multiple of 4, no power of two
+    for dtype, skip in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
+        plain = {**_state(n, 5), "grad": torch.randn(n, device=DEVICE).to(dtype)}
+        plain["param"][n // 2] = float("inf")
+        plain["grad"][n // 3] = float("inf") if skip else float("nan")
+        plain["out"] = plain["param"].to(dtype) if dtype != torch.float32 else None
+        fused = {k: None if v is None else v.clone() for k, v in plain.items()}
+        blocks = QuantizedBlocks.empty(n, 8, block, DEVICE)
+        for state, quantized in ((plain, None), (fused, blocks)):
+            flag = torch.zeros(1, device=DEVICE) if skip else None
+            adam_step(state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"], lr=1e-3, step=3,
+                      out=state["out"], found_inf=flag, quantized=quantized, impl="triton", **HYPER)  # fmt: skip
+        case = f"{dtype} n={n}{' skipped' if skip else ''}"
+        for name, value in plain.items():
+            if value is not None and not torch.equal(fused[name].nan_to_num(7.0), value.nan_to_num(7.0)):
+                problems.append(f"{case}: {name} differs from the plain step's")
+        written = plain["out"] if plain["out"] is not None else plain["param"]
+        ref = quantize_ref(written, 8, block)
+        if not torch.equal(blocks.data, ref.data) or not torch.equal(
+            blocks.scales.nan_to_num(7.0), ref.scales.nan_to_num(7.0)
+        ):
+            problems.append(f"{case}: {int((blocks.data != ref.data).sum())} int8 values differ from quantize_ref's")
+        del plain, fused, blocks, ref
+        torch.cuda.empty_cache()
+    return problems
+
+
 CHECKS = {
     "adam: flags x dtypes x sizes vs reference": check_adam_variants,
     "adam: non-finite gradients, flag already set": check_adam_nonfinite,
@@ -337,6 +370,7 @@ CHECKS = {
     "adam: unaligned pieces on aligned spans (window), no recompile": check_adam_window_no_recompile,
     "flatten/unflatten: 2^26 bucket, views, mixed dtypes": check_flatten,
     "quantize/dequantize: bits 8 and 4, every dtype, non-finite blocks vs reference": check_quant,
+    "adam + int8 epilogue: bf16, fp32, skipped step vs plain adam then quantize_ref": check_adam_epilogue,
 }
 
 
@@ -348,7 +382,8 @@ def compiled_variants() -> list[dict]:
     from zero_kernels.kernels import aot, triton_adam, triton_flatten, triton_quant
 
     rows = []
-    kernels = (triton_adam._adam_kernel, triton_adam._nonfinite_kernel, triton_flatten._flatten_kernel)
+    kernels = (triton_adam._adam_kernel, triton_adam._nonfinite_kernel, triton_adam._adam_quantize_kernel)
+    kernels += (triton_flatten._flatten_kernel,)
     for kernel in kernels + (triton_quant._quantize_kernel, triton_quant._dequantize_kernel):
         for cache, *_ in getattr(kernel, "device_caches", {}).values():
             for compiled in cache.values():

@@ -178,6 +178,30 @@ def _adam_call(axes: dict[str, Any]) -> None:
     )  # fmt: skip
 
 
+def _adam_quantized_call(axes: dict[str, Any]) -> None:
+    from .quant_reference import QuantizedBlocks
+    from .triton_adam import adam_step_triton
+
+    axes = dict(axes)
+    block = axes.pop("block")
+    n = 4 * block - 16  # a shard (a multiple of 16 elements) of several blocks, the last one partial
+    out_dtype = axes.pop("out_dtype")
+    scale = {"tensor": torch.ones(1), "float": 0.5, None: None}[axes.pop("grad_scale")]
+    adam_step_triton(
+        _tensor(n, torch.float32, True),
+        _tensor(n, _DTYPES[axes.pop("grad_dtype")], True),
+        _tensor(n, torch.float32, True),
+        _tensor(n, torch.float32, True),
+        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1,
+        grad_scale=scale,
+        found_inf=torch.zeros(1) if axes.pop("found_inf") else None,
+        out=None if out_dtype is None else _tensor(n, _DTYPES[out_dtype], True),
+        max_exp_avg_sq=_tensor(n, torch.float32, True) if axes.pop("amsgrad") else None,
+        quantized=QuantizedBlocks.empty(n, 8, block),
+        **axes,
+    )  # fmt: skip
+
+
 def _flatten_call(function: str, axes: dict[str, Any]) -> None:
     from .triton_flatten import flatten_triton, unflatten_triton
 
@@ -212,6 +236,8 @@ def _launches(function: str, axes: dict[str, Any]) -> list[_Launch]:
     with _recording() as launches:
         if function == "adam_step":
             _adam_call(axes)
+        elif function == "adam_step_quantized":
+            _adam_quantized_call(axes)
         elif function in ("quantize", "dequantize"):
             _quant_call(function, axes)
         else:
@@ -220,6 +246,8 @@ def _launches(function: str, axes: dict[str, Any]) -> list[_Launch]:
 
 
 def _describes_alignment(function: str, axes: dict[str, Any]) -> bool:
+    if function == "adam_step_quantized":  # aligned tensors, blocks starting 4 elements apart at least (16 bytes
+        return axes["block"] >= 128  # of fp32), and a tile of 4 elements or more per thread of a warp
     if function in ("adam_step", "quantize", "dequantize"):
         return bool(axes.get("aligned"))
     return axes.get("layout") == "aligned"

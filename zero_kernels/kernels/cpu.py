@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import torch
 
 from .._build import ext as _ext
+from .quant_reference import QuantizedBlocks
 from .reference import (
     SCALE_NONE,
     SCALE_TENSOR,
@@ -21,6 +22,7 @@ from .reference import (
     adam_scalars,
     check_adam_args,
     check_flat_args,
+    check_quantized,
     in_window,
     scale_kind,
 )
@@ -59,13 +61,22 @@ def adam_step_cpu(
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
     adopt_out: bool = False,
+    quantized: Optional[QuantizedBlocks] = None,
 ) -> None:
-    """One fused Adam/AdamW step on a flat CPU shard, in place; arguments as ``reference.adam_step_ref``."""
+    """One fused Adam/AdamW step on a flat CPU shard, in place; arguments as ``reference.adam_step_ref``.
+
+    With ``quantized``, each thread updates whole quantization blocks and quantizes each one right after
+    its update, while it is in cache (the epilogue).
+    """
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
+    check_quantized(quantized, param, window)
     param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq = in_window(
         window, param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq
     )
     if skip_if is not None and skip_if.item() != 0:  # a CPU tensor: reading it costs nothing
+        if quantized is not None:  # the blocks of the parameters as they are
+            written = out if out is not None else param
+            _ops().quantize(written, 8, quantized.block, quantized.data, quantized.scales)
         return
     step_size, bc2_sqrt = adam_scalars(lr=lr, beta1=beta1, beta2=beta2, step=step)
     _ops().adam_step(
@@ -87,6 +98,9 @@ def adam_step_cpu(
         max_exp_avg_sq=max_exp_avg_sq,
         maximize=bool(maximize),
         adopt_out=bool(adopt_out),
+        quantized_data=None if quantized is None else quantized.data,
+        quantized_scales=None if quantized is None else quantized.scales,
+        quantized_block=0 if quantized is None else quantized.block,
     )
 
 

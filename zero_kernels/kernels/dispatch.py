@@ -23,6 +23,7 @@ import torch
 
 from .._build import ext as _ext
 from ..env import IMPLS, settings
+from .quant_reference import QuantizedBlocks
 from .reference import Scale, adam_step_ref, flatten_ref, unflatten_ref
 
 # backend -> operation -> (module in this package, function); "torch" is the reference.
@@ -135,6 +136,7 @@ def adam_step(
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
     adopt_out: bool = False,
+    quantized: Optional[QuantizedBlocks] = None,
     impl: Optional[str] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place; see ``reference.adam_step_ref`` for the arguments."""
@@ -158,6 +160,7 @@ def adam_step(
         skip_if=skip_if,
         window=window,
         adopt_out=adopt_out,
+        quantized=quantized,
     )
 
 

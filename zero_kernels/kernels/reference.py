@@ -11,6 +11,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .quant_reference import QuantizedBlocks, check_buffers, quantize_ref
+
 Scale = Union[float, torch.Tensor, None]
 SCALE_NONE, SCALE_FLOAT, SCALE_TENSOR = 0, 1, 2  # what a Scale is (the Triton kernels branch on it)
 
@@ -97,6 +99,23 @@ def in_window(
     return tuple(None if t is None else t.narrow(0, lo, hi - lo) for t in tensors)
 
 
+def check_quantized(
+    quantized: Optional[QuantizedBlocks], param: torch.Tensor, window: Optional[tuple[int, int]]
+) -> None:
+    """``quantized`` (the int8 blocks of an Adam step's epilogue) fits ``param`` whole; raises ValueError."""
+    if quantized is None:
+        return
+    n = param.numel()
+    if quantized.bits != 8 or quantized.numel != n:
+        raise ValueError(
+            f"adam_step: quantized must hold 8-bit blocks of the {n} parameters, "
+            f"got bits={quantized.bits} for {quantized.numel} elements"
+        )
+    check_buffers(quantized, param.device)
+    if check_window(window, n) != (0, n):
+        raise ValueError(f"adam_step: quantized covers the whole tensor; window {tuple(window)} updates part of it")
+
+
 def adam_step_ref(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -118,6 +137,7 @@ def adam_step_ref(
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
     adopt_out: bool = False,
+    quantized: Optional[QuantizedBlocks] = None,
 ) -> None:
     """One Adam/AdamW step on a flat shard, in place.
 
@@ -149,8 +169,46 @@ def adam_step_ref(
             piece of a flat buffer starts or ends off a 16-element boundary passes the aligned span
             around it and the piece as the window, so that the fused kernels run their vector
             variant. None: every element.
+        quantized: the epilogue (ZeRO++'s int8 weights): 8-bit ``QuantizedBlocks`` of ``param.numel()``
+            elements that receive ``quantize(out if out is not None else param, 8, quantized.block)`` of the
+            whole tensor as the step leaves it (also when a flag skips the update), so the all-gather that
+            follows sends them without a pass of its own. The fused backends quantize each block in the pass
+            that wrote it; no window but the whole tensor.
     """
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
+    check_quantized(quantized, param, window)
+    _update_ref(
+        param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+        step=step, adamw=adamw, grad_scale=grad_scale, found_inf=found_inf, out=out, max_exp_avg_sq=max_exp_avg_sq,
+        maximize=maximize, skip_if=skip_if, window=window, adopt_out=adopt_out,
+    )  # fmt: skip
+    if quantized is not None:
+        quantize_ref(out if out is not None else param, 8, quantized.block, out=quantized)
+
+
+def _update_ref(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw: bool,
+    grad_scale: Scale,
+    found_inf: Optional[torch.Tensor],
+    out: Optional[torch.Tensor],
+    max_exp_avg_sq: Optional[torch.Tensor],
+    maximize: bool,
+    skip_if: Optional[torch.Tensor],
+    window: Optional[tuple[int, int]],
+    adopt_out: bool,
+) -> None:
+    """``adam_step_ref`` without the epilogue, its arguments checked."""
     param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq = in_window(
         window, param, grad, exp_avg, exp_avg_sq, out, max_exp_avg_sq
     )

@@ -21,6 +21,14 @@ pipeline passes a window with every launch, so it compiles this one variant, at 
 ``ADOPT_OUT`` (``out`` is read first and its edits reach the fp32 params: one more low-precision read
 per element).
 
+The epilogue (``quantized=``, ZeRO++'s int8 weights) is a second kernel, ``_adam_quantize_kernel``, with
+the same update (the same jit helpers, the same flags but ``WINDOW``) laid out differently: one program
+per quantization block of ``quantized`` (a power-of-two tile masked past the block, which may be any
+size; ``quantized_gather.Payload`` picks an even one of at most 2048, a multiple of 4), so the program
+holds the whole block it just wrote and quantizes it before it ends (``triton_quant.quantize_int8_tile``:
+the block's absmax, the scale, the integers): one extra byte written per element and 4 per block, no
+second read of the parameters. A skipped step (the flag set) quantizes the parameters as they are.
+
 Hyper-parameters are runtime scalars (an lr schedule never recompiles); the bias corrections and
 ``1 - beta`` factors are computed on the host in float64, as ``torch.optim.AdamW`` does. Math is
 fp32 with IEEE-rounded division and square root. Tensors must be on a CUDA device, or on the CPU
@@ -37,8 +45,19 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from . import tuning
-from .reference import SCALE_FLOAT, SCALE_TENSOR, Scale, adam_scalars, check_adam_args, check_window, scale_kind
+from .quant_reference import QuantizedBlocks
+from .reference import (
+    SCALE_FLOAT,
+    SCALE_TENSOR,
+    Scale,
+    adam_scalars,
+    check_adam_args,
+    check_quantized,
+    check_window,
+    scale_kind,
+)
 from .triton_flatten import cast_rne
+from .triton_quant import block_align, block_tile, quantize_int8_tile
 
 _LOW_PRECISION_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,6 +87,59 @@ def _put(ptr, offs, mask, value, lo, hi, edge, WINDOW: tl.constexpr):
         if edge:
             value = tl.where((offs >= lo) & (offs < hi), value, tl.load(ptr + offs, mask=mask))
     tl.store(ptr + offs, value, mask=mask)
+
+
+@triton.jit
+def _adopted(p, out_ptr, offs, mask):
+    """``p``, or ``out``'s value where ``out`` is not ``p`` rounded to its dtype, bit for bit (edited since)."""
+    o = tl.load(out_ptr + offs, mask=mask)
+    mine = cast_rne(p, out_ptr.dtype.element_ty)
+    if out_ptr.dtype.element_ty == tl.float32:
+        edited = o.to(tl.uint32, bitcast=True) != mine.to(tl.uint32, bitcast=True)
+    else:
+        edited = o.to(tl.uint16, bitcast=True) != mine.to(tl.uint16, bitcast=True)
+    return tl.where(edited, o.to(tl.float32), p)
+
+
+@triton.jit
+def _moments(
+    p,
+    g,
+    m,
+    v,
+    grad_scale_ptr,
+    grad_scale,
+    decay,
+    weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    ADAMW: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+):
+    """The gradient scaled (and negated to ascend), the decay applied; returns the new (p, m, v)."""
+    if SCALE_MODE == 1:
+        g = g * grad_scale
+    if SCALE_MODE == 2:
+        g = g * tl.load(grad_scale_ptr)
+    if MAXIMIZE:
+        g = -g
+    if ADAMW:
+        p = p * decay
+    else:
+        g = g + weight_decay * p
+    m = m * beta1 + one_minus_beta1 * g
+    v = v * beta2 + one_minus_beta2 * (g * g)
+    return p, m, v
+
+
+@triton.jit
+def _descend(p, m, second, eps, step_size, bc2_sqrt):
+    """``p`` moved by ``step_size * m / (sqrt(second) / bc2_sqrt + eps)``, IEEE-rounded."""
+    denom = tl.div_rn(tl.sqrt_rn(second), bc2_sqrt) + eps
+    return p - step_size * tl.div_rn(m, denom)
 
 
 @triton.jit(do_not_specialize=["lo", "hi"])
@@ -119,40 +191,98 @@ def _adam_kernel(
     m = tl.load(exp_avg_ptr + offs, mask=mask)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
     if ADOPT_OUT:  # where out is not p rounded to its dtype (bit for bit), p takes its value
-        o = tl.load(out_ptr + offs, mask=mask)
-        mine = cast_rne(p, out_ptr.dtype.element_ty)
-        if out_ptr.dtype.element_ty == tl.float32:
-            edited = o.to(tl.uint32, bitcast=True) != mine.to(tl.uint32, bitcast=True)
-        else:
-            edited = o.to(tl.uint16, bitcast=True) != mine.to(tl.uint16, bitcast=True)
-        p = tl.where(edited, o.to(tl.float32), p)
-
-    if SCALE_MODE == 1:
-        g = g * grad_scale
-    if SCALE_MODE == 2:
-        g = g * tl.load(grad_scale_ptr)
-    if MAXIMIZE:
-        g = -g
-    if ADAMW:
-        p = p * decay
-    else:
-        g = g + weight_decay * p
-    m = m * beta1 + one_minus_beta1 * g
-    v = v * beta2 + one_minus_beta2 * (g * g)
+        p = _adopted(p, out_ptr, offs, mask)
+    p, m, v = _moments(
+        p, g, m, v, grad_scale_ptr, grad_scale, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+        ADAMW, SCALE_MODE, MAXIMIZE,
+    )  # fmt: skip
     edge = (pid * BLOCK < lo) | (pid * BLOCK + BLOCK > hi)  # read only with WINDOW
     if AMSGRAD:
         v_max = tl.maximum(tl.load(max_exp_avg_sq_ptr + offs, mask=mask), v, propagate_nan=tl.PropagateNan.ALL)
         _put(max_exp_avg_sq_ptr, offs, mask, v_max, lo, hi, edge, WINDOW)
-        denom = tl.div_rn(tl.sqrt_rn(v_max), bc2_sqrt) + eps
+        p = _descend(p, m, v_max, eps, step_size, bc2_sqrt)
     else:
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
-    p = p - step_size * tl.div_rn(m, denom)
+        p = _descend(p, m, v, eps, step_size, bc2_sqrt)
 
     _put(param_ptr, offs, mask, p, lo, hi, edge, WINDOW)
     _put(exp_avg_ptr, offs, mask, m, lo, hi, edge, WINDOW)
     _put(exp_avg_sq_ptr, offs, mask, v, lo, hi, edge, WINDOW)
     if HAS_OUT:
         _put(out_ptr, offs, mask, cast_rne(p, out_ptr.dtype.element_ty), lo, hi, edge, WINDOW)
+
+
+@triton.jit
+def _adam_quantize_kernel(
+    # pointers: those of _adam_kernel, then the epilogue's
+    param_ptr,  # fp32 master params, updated in place
+    grad_ptr,  # gradient, fp32/bf16/fp16, read only
+    exp_avg_ptr,  # fp32 first moment, updated in place
+    exp_avg_sq_ptr,  # fp32 second moment, updated in place
+    out_ptr,  # the written params: the copy in out's dtype when HAS_OUT, else param_ptr itself
+    grad_scale_ptr,  # one-element fp32 gradient multiplier (read when SCALE_MODE == 2)
+    found_inf_ptr,  # one-element fp32 flag; non-zero: no update, the blocks of the params as they are
+    max_exp_avg_sq_ptr,  # fp32 running maximum of the second moment (when AMSGRAD)
+    data_ptr,  # uint8 out: the int8 values of the written params, block by block (num_blocks * block bytes)
+    scales_ptr,  # fp32 out: one scale per block
+    # sizes
+    n_elements,
+    block,  # elements per quantization block: one program each
+    # runtime hyper-parameters, as _adam_kernel's
+    decay,
+    weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    step_size,
+    bc2_sqrt,
+    grad_scale,
+    # meta-parameters, as _adam_kernel's
+    ADAMW: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    ADOPT_OUT: tl.constexpr,
+    ALIGN: tl.constexpr,  # a power of two dividing block
+    TILE: tl.constexpr,  # a power of two >= block
+):
+    b, _, offs, in_block = block_tile(block, ALIGN, TILE)
+    mask = in_block & (offs < n_elements)
+    if HAS_FOUND_INF:
+        if tl.load(found_inf_ptr) != 0.0:  # skipped: the blocks of the params as they are
+            x = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            quantize_int8_tile(x, data_ptr, scales_ptr, b, offs, in_block)
+            return
+
+    p = tl.load(param_ptr + offs, mask=mask)
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(exp_avg_ptr + offs, mask=mask)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask)
+    if ADOPT_OUT:
+        p = _adopted(p, out_ptr, offs, mask)
+    p, m, v = _moments(
+        p, g, m, v, grad_scale_ptr, grad_scale, decay, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+        ADAMW, SCALE_MODE, MAXIMIZE,
+    )  # fmt: skip
+    if AMSGRAD:
+        v_max = tl.maximum(tl.load(max_exp_avg_sq_ptr + offs, mask=mask), v, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(max_exp_avg_sq_ptr + offs, v_max, mask=mask)
+        p = _descend(p, m, v_max, eps, step_size, bc2_sqrt)
+    else:
+        p = _descend(p, m, v, eps, step_size, bc2_sqrt)
+    tl.store(param_ptr + offs, p, mask=mask)
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if HAS_OUT:
+        low = cast_rne(p, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, low, mask=mask)
+        x = low.to(tl.float32)
+    else:
+        x = p
+    quantize_int8_tile(tl.where(mask, x, 0.0), data_ptr, scales_ptr, b, offs, in_block)
 
 
 INTERPRETED: bool = isinstance(_adam_kernel, InterpretedFunction)
@@ -179,13 +309,17 @@ def adam_step_triton(
     skip_if: Optional[torch.Tensor] = None,
     window: Optional[tuple[int, int]] = None,
     adopt_out: bool = False,
+    quantized: Optional[QuantizedBlocks] = None,
 ) -> None:
     """``reference.adam_step_ref`` as one fused Triton launch; same arguments, same results.
 
     A ``window`` does not narrow the launch: it covers every element (so an aligned span launches the
-    vector variant, whatever the window) and updates those of the window only.
+    vector variant, whatever the window) and updates those of the window only. With ``quantized`` the
+    update kernel is ``_adam_quantize_kernel``: one program per quantization block, which updates the block
+    and quantizes what it wrote.
     """
     check_adam_args(param, grad, exp_avg, exp_avg_sq, found_inf, out, max_exp_avg_sq, skip_if)
+    check_quantized(quantized, param, window)
     lo, hi = check_window(window, param.numel())
     scale_mode = scale_kind("adam_step: grad_scale", grad_scale, param.device)
     if out is not None and out.dtype not in _LOW_PRECISION_OUT:
@@ -195,43 +329,65 @@ def adam_step_triton(
     if lo == hi:
         return
     flag = found_inf if found_inf is not None else skip_if  # the update kernel reads either the same way
+    pointers = (
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        out if out is not None else param,
+        grad_scale if scale_mode == SCALE_TENSOR else param,
+        flag if flag is not None else param,
+        max_exp_avg_sq if max_exp_avg_sq is not None else param,
+    )
+    scalars = (
+        float(1.0 - lr * weight_decay),
+        float(weight_decay),
+        float(beta1),
+        float(1.0 - beta1),
+        float(beta2),
+        float(1.0 - beta2),
+        float(eps),
+        float(step_size),
+        float(bc2_sqrt),
+        float(grad_scale) if scale_mode == SCALE_FLOAT else 1.0,
+    )
+    flags = {
+        "ADAMW": bool(adamw),
+        "SCALE_MODE": scale_mode,
+        "HAS_FOUND_INF": flag is not None,
+        "HAS_OUT": out is not None,
+        "AMSGRAD": max_exp_avg_sq is not None,
+        "MAXIMIZE": bool(maximize),
+        "ADOPT_OUT": bool(adopt_out) and out is not None,
+    }
     with tuning.launch_device(param):
         if found_inf is not None:
             check = tuning.pick(tuning.NONFINITE, n)
             _nonfinite_kernel[(triton.cdiv(n, check.block),)](
                 grad, found_inf, n, lo, hi, BLOCK=check.block, num_warps=check.num_warps
             )
+        if quantized is not None:
+            q = quantized
+            _adam_quantize_kernel[(q.num_blocks,)](
+                *pointers, q.data, q.scales, n, q.block, *scalars, **flags, **epilogue_meta(q.block)
+            )
+            return
         config = tuning.pick(tuning.ADAM, n)
         _adam_kernel[(triton.cdiv(n, config.block),)](
-            param,
-            grad,
-            exp_avg,
-            exp_avg_sq,
-            out if out is not None else param,
-            grad_scale if scale_mode == SCALE_TENSOR else param,
-            flag if flag is not None else param,
-            max_exp_avg_sq if max_exp_avg_sq is not None else param,
+            *pointers,
             n,
             lo,
             hi,
-            float(1.0 - lr * weight_decay),
-            float(weight_decay),
-            float(beta1),
-            float(1.0 - beta1),
-            float(beta2),
-            float(1.0 - beta2),
-            float(eps),
-            float(step_size),
-            float(bc2_sqrt),
-            float(grad_scale) if scale_mode == SCALE_FLOAT else 1.0,
-            ADAMW=bool(adamw),
-            SCALE_MODE=scale_mode,
-            HAS_FOUND_INF=flag is not None,
-            HAS_OUT=out is not None,
-            AMSGRAD=max_exp_avg_sq is not None,
-            MAXIMIZE=bool(maximize),
+            *scalars,
+            **flags,
             WINDOW=window is not None,
-            ADOPT_OUT=bool(adopt_out) and out is not None,
             BLOCK=config.block,
             num_warps=config.num_warps,
         )
+
+
+def epilogue_meta(block: int) -> dict[str, int]:
+    """The fused kernel's tile for quantization blocks of ``block`` elements: the next power of two, with 8
+    elements per thread (as the plain kernel's 2048-element blocks on 8 warps) up to 8 warps."""
+    tile = triton.next_power_of_2(block)
+    return {"ALIGN": block_align(block), "TILE": tile, "num_warps": min(8, max(1, tile // 256))}

@@ -4,7 +4,10 @@ Quantize reads each element once and writes its integer (a byte, or half a byte 
 block's scale; dequantize reads the integers and the scale and writes each value once. A block of
 ``block`` elements is one power-of-two tile (masked beyond the block and beyond ``numel``), read and
 written contiguously; for int4 the tile is split into its even and odd elements, the low and high nibbles
-of each byte (the 127 and 7 below are ``quant_reference.QMAX``).
+of each byte (the 127 and 7 below are ``quant_reference.QMAX``). Every kernel opens with ``block_tile``
+(the block of this program, its start a multiple of the largest power of two up to 16 dividing ``block``,
+so that loads vectorise); ``quantize_int8_tile`` quantizes a block held in registers, shared with the Adam
+kernel's epilogue (``triton_adam``).
 
 Math is fp32 with an IEEE-rounded division (``tl.div_rn``), rounded half to even by adding and
 subtracting 1.5 * 2**23 (exact for |v| <= 2**22, and the values are clamped to [-qmax, qmax] first),
@@ -46,6 +49,28 @@ def _round(x, scale, QMAX_: tl.constexpr):
 
 
 @triton.jit
+def block_tile(block, ALIGN: tl.constexpr, TILE: tl.constexpr):
+    """This program's block: its index ``b``, the tile's lanes, their element indices ``b * block + lane`` and
+    which lanes are in the block. ``ALIGN``, a power of two dividing ``block``, is passed on to the compiler
+    (``block // ALIGN * ALIGN`` is ``block``): runs of ``ALIGN`` lanes start aligned and share their mask, so
+    loads and stores vectorise."""
+    b = tl.program_id(0).to(tl.int64)
+    lane = tl.arange(0, TILE)
+    span = block // ALIGN * ALIGN
+    return b, lane, b * span + lane, lane < span
+
+
+@triton.jit
+def quantize_int8_tile(x, data_ptr, scales_ptr, b, idx, in_block):
+    """Block ``b``'s fp32 values ``x`` (0 past the data) as int8 bytes at ``data_ptr + idx`` (lanes ``in_block``)
+    and its scale at ``scales_ptr + b``."""
+    scale = _block_scale(x, x, 127)
+    q = _round(x, scale, 127)
+    tl.store(data_ptr + idx, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=in_block)
+    tl.store(scales_ptr + b, scale)
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,  # input, fp32/bf16/fp16, numel elements, read only
     data_ptr,  # uint8 out: num_blocks * block * BITS / 8 bytes
@@ -53,23 +78,20 @@ def _quantize_kernel(
     numel,
     block,
     BITS: tl.constexpr,
+    ALIGN: tl.constexpr,  # a power of two dividing block
     TILE: tl.constexpr,  # a power of two >= block
 ):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, TILE)
-    idx = b * block + offs
-    x = tl.load(x_ptr + idx, mask=(offs < block) & (idx < numel), other=0.0).to(tl.float32)
+    b, lane, idx, in_block = block_tile(block, ALIGN, TILE)
+    x = tl.load(x_ptr + idx, mask=in_block & (idx < numel), other=0.0).to(tl.float32)
     if BITS == 8:
-        scale = _block_scale(x, x, 127)
-        q = _round(x, scale, 127)
-        tl.store(data_ptr + idx, q.to(tl.int8).to(tl.uint8, bitcast=True), mask=offs < block)
+        quantize_int8_tile(x, data_ptr, scales_ptr, b, idx, in_block)
     else:
         x_even, x_odd = tl.split(tl.reshape(x, [TILE // 2, 2]))
         scale = _block_scale(x_even, x_odd, 7)
         byte = (_round(x_even, scale, 7) & 0x0F) | ((_round(x_odd, scale, 7) & 0x0F) << 4)
         half = tl.arange(0, TILE // 2)
         tl.store(data_ptr + b * (block // 2) + half, byte.to(tl.uint8), mask=half < block // 2)
-    tl.store(scales_ptr + b, scale)
+        tl.store(scales_ptr + b, scale)
 
 
 @triton.jit
@@ -80,14 +102,13 @@ def _dequantize_kernel(
     numel,
     block,
     BITS: tl.constexpr,
+    ALIGN: tl.constexpr,  # a power of two dividing block
     TILE: tl.constexpr,  # a power of two >= block
 ):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, TILE)
-    idx = b * block + offs
+    b, lane, idx, in_block = block_tile(block, ALIGN, TILE)
     scale = tl.load(scales_ptr + b)
     if BITS == 8:
-        q = tl.load(data_ptr + idx, mask=offs < block, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        q = tl.load(data_ptr + idx, mask=in_block, other=0).to(tl.int8, bitcast=True).to(tl.float32)
     else:
         half = tl.arange(0, TILE // 2)
         byte = tl.load(data_ptr + b * (block // 2) + half, mask=half < block // 2, other=0).to(tl.int32)
@@ -95,13 +116,18 @@ def _dequantize_kernel(
         high = (((byte >> 4) & 0x0F) ^ 8) - 8
         q = tl.reshape(tl.join(low, high), [TILE]).to(tl.float32)
     value = cast_rne(q * scale, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + idx, value, mask=(offs < block) & (idx < numel))
+    tl.store(out_ptr + idx, value, mask=in_block & (idx < numel))
+
+
+def block_align(block: int) -> int:
+    """The largest power of two up to 16 that divides ``block``: what every block's start is a multiple of."""
+    return min(16, block & -block)
 
 
 def _launch_meta(block: int) -> dict[str, int]:
     """The tile (the next power of two) and 32 elements per thread: an int4 thread then packs 16 bytes."""
     tile = triton.next_power_of_2(block)
-    return {"TILE": tile, "num_warps": min(8, max(1, tile // 1024))}
+    return {"ALIGN": block_align(block), "TILE": tile, "num_warps": min(8, max(1, tile // 1024))}
 
 
 def quantize_triton(x: torch.Tensor, bits: int, block: int, out: Optional[QuantizedBlocks] = None) -> QuantizedBlocks:
@@ -127,4 +153,4 @@ def dequantize_triton(qb: QuantizedBlocks, dtype: torch.dtype, out: Optional[tor
     return values
 
 
-__all__ = ["quantize_triton", "dequantize_triton"]
+__all__ = ["quantize_triton", "dequantize_triton", "block_tile", "quantize_int8_tile", "block_align"]

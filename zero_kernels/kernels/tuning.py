@@ -112,6 +112,20 @@ LAUNCH_AXES: dict[str, dict[str, tuple]] = {
         # window variant is compiled aligned; without one first, so that the unaligned variant is too.
         "window": (False, True),
     },
+    # The epilogue (``adam_step(..., quantized=)``): its own kernel, one program per quantization block, with
+    # the blocks ``stages.quantized_gather.Payload`` picks (a full 2048, an even split that is a multiple of 4
+    # only, the smallest shard's 16); the stages launch it on a whole aligned shard, never with a window.
+    "adam_step_quantized": {
+        "grad_dtype": ("float32", "bfloat16", "float16"),
+        "out_dtype": ("bfloat16", "float16", "float32", None),
+        "adamw": (False, True),
+        "grad_scale": ("tensor", "float", None),
+        "found_inf": (True, False),
+        "amsgrad": (True, False),
+        "maximize": (True, False),
+        "adopt_out": (True, False),
+        "block": (2048, 1668, 16),
+    },
     "flatten": {
         "layout": ("aligned", "contiguous", "strided"),
         "tensor_dtype": ("bfloat16", "float32", "float16"),

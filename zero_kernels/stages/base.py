@@ -37,7 +37,8 @@ Rules. A parameter without a gradient on any rank this step (``p.grad is None`` 
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
 Gradients are averaged over ranks (``grad_divisor``). Public override points (the shard accessors
 the update, ``master`` and ``stats`` use): ``grad_shard``, ``param_shard``, ``master_shard``,
-``norm_views``. Overrides within the stages: ``num_shards``, ``_place_params``, ``_allocate_grads``,
+``norm_views``, and ``epilogue_quantizer`` (where the update leaves qwZ's int8 copies). Overrides within
+the stages: ``num_shards``, ``_place_params``, ``_allocate_grads``,
 ``_consume_grad``, ``_launch_bucket``, ``_before_step``, ``_publish``, ``_register_grad_hooks``,
 ``gathered_params``, ``zero_grad``.
 """
@@ -136,6 +137,7 @@ class Pipeline(BackwardRound):
         self.gathers = param_gather.ParamGathers(overlap)  # the step's all-gathers, kept in flight when overlapping
         self.tier = offloaded.make_tier(options, engine)  # where the optimizer state lives when offloaded (else None)
         self.param_traffic = quantized_gather.Traffic()  # what parameter all-gathers sent (ZeRO++), logged once
+        self.weight_quantizer = quantized_gather.WeightQuantizer()  # int8 copies of the shards (qwZ), per version
 
     # ---------------------------------------------------------------- construction
     @property
@@ -360,8 +362,17 @@ class Pipeline(BackwardRound):
         full = buf.bucket_slice(buf.param_flat, bucket)
         shard, name = self.param_shard(buf, bucket), f"params.{bucket.index}"
         if getattr(self.options, "quantized_weights", False):  # qwZ: this rank's chunk of full is its exact shard
-            return quantized_gather.publish(self.engine, full, shard, name, self.param_traffic)
+            layout = quantized_gather.Payload(shard.numel())
+            payload = self.weight_quantizer.take(self.weight_quantizer.key(buf, bucket), shard, layout)
+            return quantized_gather.publish(self.engine, full, shard, payload, name, self.param_traffic)
         return self.engine.all_gather(full, shard, name=name)
+
+    def epilogue_quantizer(self, buf: FlatBuffer) -> Optional[quantized_gather.WeightQuantizer]:
+        """Where the step's Adam kernel leaves the int8 copy of ``buf``'s updated shards (``update``'s epilogue),
+        or None when no quantized gather sends them (qwZ off, or one shard)."""
+        if self.num_shards > 1 and getattr(self.options, "quantized_weights", False):
+            return self.weight_quantizer
+        return None
 
     def norm_views(self) -> Iterator[torch.Tensor]:
         """Gradient pieces whose squares, summed over ranks, give the squared global norm."""
@@ -499,11 +510,13 @@ class Pipeline(BackwardRound):
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
         master.push_written(self)
+        self.weight_quantizer.changed()
         update_bucket = update.update_bucket if self.tier is None else offloaded.update_bucket
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
                 update_bucket(self, buf, bucket, hyper[buf.group], decision, combined.with_grad)
                 self._track(self.gathers.defer(buf, bucket, self._publish(buf, bucket)))
+        self.weight_quantizer.seal()
         if self.tier is not None:
             offloaded.finish_step(self)
         self._complete_inflight()

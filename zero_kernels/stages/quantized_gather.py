@@ -9,9 +9,15 @@ rank's own chunk is never quantized: it is copied from the shard (or is the shar
 rank's own parameters stay exact and what it holds of the OTHER ranks' parameters is the dequantized
 value, within half a block scale of the exact one.
 
-The payload is made once per version of the shard (``WeightQuantizer``): after the step updates the
-shard, the first gather quantizes it, and every later gather of that step (the backward's, activation
-checkpointing's recomputation, ``gathered_params``) reuses it. The fp32 master, state dicts,
+The payload is made once per version of the shard (``WeightQuantizer``). The step makes it: the Adam kernel
+that updates a bucket's shard quantizes, in its epilogue, the values it just wrote (``adam_step``'s
+``quantized``: one Triton program per block of the payload's layout, or per-thread blocks in C++), so no
+gather quantizes after a step, unlike DeepSpeed's, which quantizes at every gather. Every gather of that
+step (the post-step all-gather of stages 1-2, stage 3's forward and backward, activation checkpointing's
+recomputation) sends that payload. Where the step does not update the whole shard in one launch (parameters
+with different step counts or without a gradient), or the state is offloaded (the host Adam updates a copy),
+the first gather after the step quantizes the shard in a pass of its own, and later ones reuse it; a write
+into the shard between steps (a new version) makes the next gather quantize again. The fp32 master, state dicts,
 checkpoints and ``full_state_dict()`` never see the quantized values.
 """
 
@@ -51,8 +57,13 @@ class Payload:
         scales = payload.narrow(0, self.data_bytes, 4 * self.blocks).view(torch.float32)
         return QuantizedBlocks(payload.narrow(0, 0, self.data_bytes), scales, self.numel, WEIGHT_BITS, self.block)
 
+    def empty(self, device: torch.device) -> torch.Tensor:
+        """An uninitialised payload (``nbytes`` uint8) on ``device``."""
+        return torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+
     def quantize(self, shard: torch.Tensor) -> torch.Tensor:
-        payload = torch.empty(self.nbytes, dtype=torch.uint8, device=shard.device)
+        """The payload of ``shard``, by a pass of the quantize kernel."""
+        payload = self.empty(shard.device)
         quantize(shard.reshape(-1), WEIGHT_BITS, self.block, out=self.view(payload))
         return payload
 
@@ -62,17 +73,25 @@ class WeightQuantizer:
 
     A copy is reused while the shard's version (every in-place write of torch bumps it) and the
     quantizer's generation (``changed``, called by the step, whose kernels may write the shard directly)
-    are those it was made at.
+    are those it was made at. The step's Adam kernel makes the copies of the buckets it updates whole in its
+    epilogue (``hold``), so the first gather after the step finds them made.
     """
 
     def __init__(self) -> None:
         self.generation = 0
         self._copies: dict[tuple, tuple[tuple[int, int], torch.Tensor]] = {}
+        self._held: list[tuple[tuple, torch.Tensor]] = []  # (key, shard) held by the step running now
+
+    @staticmethod
+    def key(buf: Any, bucket: Any) -> tuple[int, int]:
+        """The copy's key: the buffer and the bucket."""
+        return id(buf), bucket.index
 
     def changed(self) -> None:
         """The shards were written (the step): every copy is stale."""
         self.generation += 1
         self._copies.clear()
+        self._held.clear()
 
     def stamp(self, shard: torch.Tensor) -> tuple[int, int]:
         """What a copy of ``shard`` made now is valid for."""
@@ -85,6 +104,29 @@ class WeightQuantizer:
             held = (stamp, layout.quantize(shard))
             self._copies[key] = held
         return held[1]
+
+    def take(self, key: tuple, shard: torch.Tensor, layout: Payload) -> torch.Tensor:
+        """``payload``, forgotten here (a gather that happens once per version: the post-step all-gather)."""
+        payload = self.payload(key, shard, layout)
+        del self._copies[key]
+        return payload
+
+    def hold(self, key: tuple, shard: torch.Tensor, payload: torch.Tensor) -> None:
+        """``payload``, made by the step's kernel from ``shard`` as it just wrote it, is the copy of ``shard``."""
+        self._copies[key] = (self.stamp(shard), payload)
+        self._held.append((key, shard))
+
+    def seal(self) -> None:
+        """The step's updates are over: what it held is the copy of the shards as the step leaves them.
+
+        Only the step's kernels wrote the shards since ``hold``, each into its own bucket; a kernel that writes
+        through torch (the reference backend) bumps the version of the whole buffer, which would otherwise
+        make the copies of the buckets updated before it look stale.
+        """
+        for key, shard in self._held:
+            if key in self._copies:
+                self._copies[key] = (self.stamp(shard), self._copies[key][1])
+        self._held.clear()
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, t in self._copies.values()]
@@ -156,10 +198,12 @@ def all_gather_quantized(
     return Handle(Works([inner]), (gathered, payload, full, shard), unpack, name), gathered
 
 
-def publish(engine: Any, full: torch.Tensor, shard: torch.Tensor, name: str, traffic: Traffic) -> Handle:
+def publish(
+    engine: Any, full: torch.Tensor, shard: torch.Tensor, payload: torch.Tensor, name: str, traffic: Traffic
+) -> Handle:
     """Stages 1-2 (and stage 3's persistent units) after the step: the quantized all-gather of the updated
-    ``shard`` into ``full``, whose chunk of this rank is ``shard`` itself (exact)."""
+    ``shard`` (``payload``: its int8 copy) into ``full``, whose chunk of this rank is ``shard`` itself (exact)."""
     layout = Payload(shard.numel())
     traffic.quantized += layout.nbytes
     traffic.unquantized_equivalent += shard.numel() * shard.element_size()
-    return all_gather_quantized(engine, full, shard, layout.quantize(shard), layout, own_exact=False, name=name)[0]
+    return all_gather_quantized(engine, full, shard, payload, layout, own_exact=False, name=name)[0]

@@ -11,6 +11,13 @@ Neighbouring spans share at most one 16-element group; their launches run one af
 the stream. The gradient multiplier and the skip flag come from the step's decision (``outcome``).
 Low-precision parameters: the kernel writes them (``out=``) from the fp32 master, and first adopts
 what was written into them since the last step (``adopt_out``, see ``master``).
+
+Epilogue (ZeRO++'s qwZ): when the updated shard will be all-gathered as int8 blocks
+(``pipeline.epilogue_quantizer``) and one launch updates the whole shard (one run from its first element
+to its last), that launch also writes the shard's payload (``adam_step``'s ``quantized``: the int8 blocks of
+the parameters it just wrote, in ``quantized_gather.Payload``'s layout) and hands it to the quantizer, which
+the gathers then read. A bucket split into several runs, or partly not updated, is quantized by the first
+gather instead: a block may straddle two launches.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 
-from ..kernels import adam_step
+from ..kernels import QuantizedBlocks, adam_step
 from .buffers import FlatBuffer, GroupHyper
 from .layout import MIN_ALIGN_ELEMENTS, Bucket
 from .outcome import Decision
+from .quantized_gather import Payload
 
 if TYPE_CHECKING:
     from .base import Pipeline
@@ -100,7 +108,21 @@ def update_bucket(
         pipeline.param_shard(buf, bucket) if buf.master is not None else None,
         buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None,
     )
-    launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl)
+    quantizer = pipeline.epilogue_quantizer(buf)
+    if quantizer is None or not whole(pipeline, buf, bucket, with_grad):
+        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl)
+        return
+    shard = pipeline.param_shard(buf, bucket)
+    layout = Payload(shard.numel())
+    payload = layout.empty(shard.device)
+    launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl, quantized=layout.view(payload))
+    quantizer.hold(quantizer.key(buf, bucket), shard, payload)
+
+
+def whole(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, with_grad: set[int]) -> bool:
+    """True when one launch updates every element of this rank's shard of ``bucket`` (one run, all of it)."""
+    pieces = list(runs(pipeline, buf, bucket, with_grad))
+    return len(pieces) == 1 and pieces[0][:2] == (0, bucket.shard_numel)
 
 
 def launch(
@@ -112,9 +134,11 @@ def launch(
     with_grad: set[int],
     tensors: BucketTensors,
     impl: Optional[str],
+    quantized: Optional[QuantizedBlocks] = None,
 ) -> None:
     """The kernel launches of one bucket's update over ``tensors`` (on the device, or a state tier's host copies)
-    with kernel backend ``impl`` (``kernels.adam_step``'s)."""
+    with kernel backend ``impl`` (``kernels.adam_step``'s); ``quantized``: the epilogue's blocks, written by the
+    one launch of a bucket that ``whole`` found updated whole (no window: it covers the shard)."""
     device = tensors.master.device
     scale, skip = decision.grad_scale, decision.skip
     if isinstance(scale, torch.Tensor):
@@ -125,6 +149,7 @@ def launch(
     every = (t.master, t.grad, t.m, t.v, t.out, t.v_max)
     for start, numel, step in runs(pipeline, buf, bucket, with_grad):
         first, last = aligned_span(start, start + numel, bucket.shard_numel)
+        window = None if quantized is not None else (start - first, start + numel - first)
         master_p, grad_p, m_p, v_p, out_p, v_max_p = (
             None if x is None else x.narrow(0, first, last - first) for x in every
         )
@@ -132,5 +157,5 @@ def launch(
             master_p, grad_p, m_p, v_p,
             lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
             adamw=h.adamw, grad_scale=scale, out=out_p, max_exp_avg_sq=v_max_p, maximize=h.maximize,
-            skip_if=skip, window=(start - first, start + numel - first), adopt_out=True, impl=impl,
+            skip_if=skip, window=window, adopt_out=True, quantized=quantized, impl=impl,
         )  # fmt: skip

@@ -3,7 +3,8 @@
 Plain: one all-gather of every rank's shard over the data-parallel group.
 
 qwZ (``zero_quantized_weights``): the same all-gather of int8 payloads (``stages.quantized_gather``),
-quantized once per version of the shard and reused by every gather until the step.
+made once per version of the shard (by the step's Adam kernel, in its epilogue, for the buckets it updates
+whole) and reused by every gather until the next step.
 
 hpZ (``zero_hpz_partition_size`` = H, usually the ranks per node): the first gather of a unit after
 the step goes over the whole group as above; the unit then keeps a *secondary partition* of what it
@@ -43,12 +44,12 @@ if TYPE_CHECKING:
 class UnitGathers:
     """The gathers of stage 3's units with the ZeRO++ options of ``options``; one per pipeline."""
 
-    def __init__(self, engine: Any, options: Any, traffic: Traffic):
+    def __init__(self, engine: Any, options: Any, traffic: Traffic, quantizer: WeightQuantizer):
         self.engine = engine
         world = engine.world_size
         self.quantized = bool(options.quantized_weights) and world > 1
         self.hpz_size = int(options.hpz_partition_size) if world > 1 else 1
-        self.quantizer = WeightQuantizer()
+        self.quantizer = quantizer  # the pipeline's: the step leaves its payloads there
         self.traffic = traffic
         self.secondary_engine: Optional[Any] = None
         check_hpz(int(options.hpz_partition_size), world)
@@ -106,7 +107,8 @@ class UnitGathers:
             received = full
         else:
             layout = self.layout(shard.numel())
-            payload = self.on_device(self.quantizer.payload((id(buf), bucket.index), shard, layout), full)
+            key = self.quantizer.key(buf, bucket)
+            payload = self.on_device(self.quantizer.payload(key, shard, layout), full)
             self.traffic.quantized += layout.nbytes
             self.traffic.unquantized_equivalent += shard.numel() * shard.element_size()
             handle, received = all_gather_quantized(

@@ -58,6 +58,7 @@ from torch import nn
 from .. import adopt, master
 from ..base import FlatBuffer
 from ..layout import Bucket
+from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
@@ -135,7 +136,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, module=module, **kwargs)
-        self.unit_gathers = UnitGathers(self.engine, self.options, self.param_traffic)
+        self.unit_gathers = UnitGathers(self.engine, self.options, self.param_traffic, self.weight_quantizer)
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3.plan.holders``)
         self._units: list = []  # ``_Unit``s, then ``FrozenUnit``s
         self._frozen: Optional[list[FrozenUnit]] = None  # built at the first ``add_group``
@@ -340,6 +341,12 @@ class Stage3Pipeline(Stage2Pipeline):
         return self.unit_gathers.start(
             buf, bucket, self.param_shard(buf, bucket), f"params.{bucket.index}", keep=False, exact=self.holding
         )
+
+    def epilogue_quantizer(self, buf: Stage3Buffer) -> Optional[WeightQuantizer]:
+        """Persistent units as stages 1-2; the others' shards are sent as int8 at their next gather (qwZ)."""
+        if buf.persistent:
+            return super().epilogue_quantizer(buf)
+        return self.weight_quantizer if self.unit_gathers.quantized else None
 
     def _gather_held_exact(self) -> None:
         """qwZ: the units gathered now (persistent ones, and any a pass left gathered) hold other ranks'
