@@ -364,7 +364,14 @@ def adam_step_triton(
         if found_inf is not None:
             check = tuning.pick(tuning.NONFINITE, n)
             _nonfinite_kernel[(triton.cdiv(n, check.block),)](
-                grad, found_inf, n, lo, hi, BLOCK=check.block, num_warps=check.num_warps
+                grad,
+                found_inf,
+                n,
+                lo,
+                hi,
+                BLOCK=check.block,
+                num_warps=check.num_warps,
+                enable_fp_fusion=tuning.FP_FUSION,
             )
         if quantized is not None:
             q = quantized
@@ -383,6 +390,7 @@ def adam_step_triton(
             WINDOW=window is not None,
             BLOCK=config.block,
             num_warps=config.num_warps,
+            enable_fp_fusion=tuning.FP_FUSION,
         )
 
 
@@ -390,4 +398,9 @@ def epilogue_meta(block: int) -> dict[str, int]:
     """The fused kernel's tile for quantization blocks of ``block`` elements: the next power of two, with 8
     elements per thread (as the plain kernel's 2048-element blocks on 8 warps) up to 8 warps."""
     tile = triton.next_power_of_2(block)
-    return {"ALIGN": block_align(block), "TILE": tile, "num_warps": min(8, max(1, tile // 256))}
+    return {
+        "ALIGN": block_align(block),
+        "TILE": tile,
+        "num_warps": min(8, max(1, tile // 256)),
+        "enable_fp_fusion": tuning.FP_FUSION,
+    }

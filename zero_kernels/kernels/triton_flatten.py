@@ -414,6 +414,7 @@ def _launch(op: str, tensors, flat, offsets, scale: Scale) -> _Table:
                 STRIDED=strided,
                 TILE=config.block,
                 num_warps=config.num_warps,
+                enable_fp_fusion=tuning.FP_FUSION,
             )
     return table
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import tuning
 from .quant_reference import QuantizedBlocks, check_dequantize_args, check_quantize_args
 from .triton_flatten import cast_rne
 
@@ -127,7 +128,12 @@ def block_align(block: int) -> int:
 def _launch_meta(block: int) -> dict[str, int]:
     """The tile (the next power of two) and 32 elements per thread: an int4 thread then packs 16 bytes."""
     tile = triton.next_power_of_2(block)
-    return {"ALIGN": block_align(block), "TILE": tile, "num_warps": min(8, max(1, tile // 1024))}
+    return {
+        "ALIGN": block_align(block),
+        "TILE": tile,
+        "num_warps": min(8, max(1, tile // 1024)),
+        "enable_fp_fusion": tuning.FP_FUSION,
+    }
 
 
 def quantize_triton(x: torch.Tensor, bits: int, block: int, out: Optional[QuantizedBlocks] = None) -> QuantizedBlocks:

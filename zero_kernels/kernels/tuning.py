@@ -25,6 +25,10 @@ from typing import Any, ContextManager, Iterator, TypeVar
 
 import torch
 
+# Whether a kernel may contract a*b+c into one FMA, said at every launch: Triton 3.9 defaults to yes and
+# warns that 3.10 defaults to no; pinned, the kernels compute the same on every Triton, without the warning.
+FP_FUSION = True
+
 
 @dataclass(frozen=True)
 class LaunchConfig:
