@@ -100,16 +100,19 @@ def _row_sizes(table: list[tuple[int, Any]]) -> tuple[int, ...]:
 # What a caller can vary in a launch, per public function, with every value it may take; the first
 # value of each axis is the heaviest (the most code and the widest dtypes). Axes not named in
 # ``kernels.aot`` are passed to the function as keyword arguments: a new Adam flag is one more row.
+_ADAM_FLAGS: dict[str, tuple] = {  # what every Adam launch may vary, plain or with the epilogue
+    "grad_dtype": ("float32", "bfloat16", "float16"),
+    "out_dtype": ("bfloat16", "float16", "float32", None),
+    "adamw": (False, True),
+    "grad_scale": ("tensor", "float", None),
+    "found_inf": (True, False),
+    "amsgrad": (True, False),
+    "maximize": (True, False),
+    "adopt_out": (True, False),
+}
 LAUNCH_AXES: dict[str, dict[str, tuple]] = {
     "adam_step": {
-        "grad_dtype": ("float32", "bfloat16", "float16"),
-        "out_dtype": ("bfloat16", "float16", "float32", None),
-        "adamw": (False, True),
-        "grad_scale": ("tensor", "float", None),
-        "found_inf": (True, False),
-        "amsgrad": (True, False),
-        "maximize": (True, False),
-        "adopt_out": (True, False),
+        **_ADAM_FLAGS,
         "numel": _row_sizes(ADAM),
         "aligned": (True, False),
         # The pipeline launches every bucket piece with a window, on an aligned span (stages.update): the
@@ -120,14 +123,7 @@ LAUNCH_AXES: dict[str, dict[str, tuple]] = {
     # the blocks ``stages.quantized_gather.Payload`` picks (a full 2048, an even split that is a multiple of 4
     # only, the smallest shard's 16); the stages launch it on a whole aligned shard, never with a window.
     "adam_step_quantized": {
-        "grad_dtype": ("float32", "bfloat16", "float16"),
-        "out_dtype": ("bfloat16", "float16", "float32", None),
-        "adamw": (False, True),
-        "grad_scale": ("tensor", "float", None),
-        "found_inf": (True, False),
-        "amsgrad": (True, False),
-        "maximize": (True, False),
-        "adopt_out": (True, False),
+        **_ADAM_FLAGS,
         "block": (2048, 1668, 16),
     },
     "flatten": {
