@@ -57,7 +57,7 @@ from .reference import (
     scale_kind,
 )
 from .triton_flatten import cast_rne
-from .triton_quant import block_align, block_tile, quantize_int8_tile
+from .triton_quant import block_launch_meta, block_tile, quantize_int8_tile
 
 _LOW_PRECISION_OUT = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -397,10 +397,4 @@ def adam_step_triton(
 def epilogue_meta(block: int) -> dict[str, int]:
     """The fused kernel's tile for quantization blocks of ``block`` elements: the next power of two, with 8
     elements per thread (as the plain kernel's 2048-element blocks on 8 warps) up to 8 warps."""
-    tile = triton.next_power_of_2(block)
-    return {
-        "ALIGN": block_align(block),
-        "TILE": tile,
-        "num_warps": min(8, max(1, tile // 256)),
-        "enable_fp_fusion": tuning.FP_FUSION,
-    }
+    return block_launch_meta(block, 256)

@@ -125,15 +125,21 @@ def block_align(block: int) -> int:
     return min(16, block & -block)
 
 
-def _launch_meta(block: int) -> dict[str, int]:
-    """The tile (the next power of two) and 32 elements per thread: an int4 thread then packs 16 bytes."""
+def block_launch_meta(block: int, per_warp: int) -> dict[str, int]:
+    """The launch of one program per block of ``block`` elements: its tile (the next power of two), its
+    alignment, and ``per_warp`` elements per warp, up to 8 warps."""
     tile = triton.next_power_of_2(block)
     return {
         "ALIGN": block_align(block),
         "TILE": tile,
-        "num_warps": min(8, max(1, tile // 1024)),
+        "num_warps": min(8, max(1, tile // per_warp)),
         "enable_fp_fusion": tuning.FP_FUSION,
     }
+
+
+def _launch_meta(block: int) -> dict[str, int]:
+    """32 elements per thread: an int4 thread then packs 16 bytes."""
+    return block_launch_meta(block, 1024)
 
 
 def quantize_triton(x: torch.Tensor, bits: int, block: int, out: Optional[QuantizedBlocks] = None) -> QuantizedBlocks:
@@ -159,4 +165,11 @@ def dequantize_triton(qb: QuantizedBlocks, dtype: torch.dtype, out: Optional[tor
     return values
 
 
-__all__ = ["quantize_triton", "dequantize_triton", "block_tile", "quantize_int8_tile", "block_align"]
+__all__ = [
+    "quantize_triton",
+    "dequantize_triton",
+    "block_tile",
+    "quantize_int8_tile",
+    "block_align",
+    "block_launch_meta",
+]
