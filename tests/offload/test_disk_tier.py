@@ -41,6 +41,18 @@ def _step(model: nn.Module, opt: zo.ShardedFusedAdam) -> None:
     opt.zero_grad()
 
 
+def test_sub_group_size_zero_swaps_each_bucket_alone(tmp_path: Path) -> None:
+    """``sub_group_size: 0`` (Axolotl's templates; DeepSpeed: every parameter its own sub-group): one sub-group
+    per bucket, the smallest unit the disk tier swaps."""
+    model = _model()
+    offload = {"device": "nvme", "nvme_path": str(tmp_path)}
+    opt = zo.ShardedFusedAdam(model, stage=2, reduce_bucket_size=1024, sub_group_size=0, offload_optimizer=offload)
+    _step(model, opt)
+    (buf,) = opt._pipeline.buffers
+    assert len(buf.layout.buckets) > 1
+    assert [(first, end) for first, end, *_ in buf.groups] == [(b.index, b.index + 1) for b in buf.layout.buckets]
+
+
 def test_state_lives_in_files_while_training(tmp_path: Path) -> None:
     model = _model()
     opt = _opt(model, tmp_path)

@@ -66,6 +66,22 @@ def test_hf_zero3_template_reads_both_blocks_and_sub_group_size() -> None:
     assert zero.sub_group_size == 1_000_000_000 and type(zero.sub_group_size) is int
 
 
+def test_axolotl_zero3_template_reads_its_zeros() -> None:
+    """Axolotl's ``zero3_bf16_cpuoffload_all.json`` writes ``sub_group_size``, ``max_live_parameters`` and
+    ``max_reuse_distance`` as 0, which DeepSpeed accepts (every parameter its own sub-group, nothing kept live)."""
+    zero_optimization = {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "sub_group_size": 0,
+        "max_live_parameters": 0,
+        "max_reuse_distance": 0,
+        "gather_16bit_weights_on_model_save": True,
+    }
+    zero = ZeroConfig.from_deepspeed({"zero_optimization": zero_optimization}).zero
+    assert (zero.sub_group_size, zero.stage3_max_live_parameters, zero.stage3_max_reuse_distance) == (0, 0, 0)
+
+
 def test_nvme_template_nested_aio_and_thread_count_warn_once(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="zero_kernels"):
         zero = ZeroConfig.from_deepspeed(_nvme_template("/local_nvme"), hidden_size=64).zero
@@ -137,7 +153,7 @@ BAD = [
     ({"offload_optimizer": "cpu", "stage": 0}, "offload_optimizer.device='cpu' needs stage 1, 2 or 3", "stage is 0"),
     ({"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "cpu_offload=true", "nvme"),
     ({"cpu_offload": "yes"}, "zero_optimization.cpu_offload='yes'", "true or false"),
-    ({"sub_group_size": 0}, "zero_optimization.sub_group_size=0", ">= 1"),
+    ({"sub_group_size": -1}, "zero_optimization.sub_group_size=-1", ">= 0"),
     ({"aio": {"thread_count": 0}}, "intra_op_parallelism", ">= 1"),
     ({"aio": {"block_size": 100}}, "aio.block_size=100", ">= 4096"),
     ({"aio": {"use_gds": True}}, "aio.use_gds=True", "not supported yet"),

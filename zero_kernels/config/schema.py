@@ -147,7 +147,7 @@ ZERO_FIELDS: Dict[str, Field] = {
     "offload_optimizer": Field(OFFLOAD_OPTIMIZER, None, auto=False),
     "offload_param": Field(OFFLOAD_PARAM, None, auto=False),
     # Elements of the optimizer state swapped in and out at once by the disk tier (DeepSpeed's default).
-    "sub_group_size": Field(integer(1), 1_000_000_000),
+    "sub_group_size": Field(integer(0), 1_000_000_000),
     "aio": Field(AIO, None, auto=False),  # the Hugging Face template's place; DeepSpeed reads it at the top level
     # Deprecated DeepSpeed spellings: offload_optimizer / offload_param {"device": "cpu"}, and their pin_memory.
     "cpu_offload": Field(boolean(), False, auto=False),
