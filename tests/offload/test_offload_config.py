@@ -129,6 +129,20 @@ def test_super_offload_template_is_read() -> None:
     assert ZeroOptions.from_dict(dataclasses.asdict(zero)) == zero
 
 
+def test_super_offload_config_starts_through_initialize() -> None:
+    """The example's JSON as a whole (bf16, AdamW, stage 3 with its offload block) starts and steps."""
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 64,
+                                    "sub_group_size": 1e9, "offload_optimizer": SUPER_OFFLOAD}}  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+    model, opt = zk.initialize(model, config)
+    model(torch.randn(2, 16, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    placed = [(buf.tier_from, len(buf.layout.buckets)) for buf in opt._pipeline.buffers]
+    assert any(k > 0 for k, _ in placed) and any(k < n for k, n in placed), placed  # 0.9 in the tier, 0.1 not
+
+
 @pytest.mark.parametrize("stage, fragment", [(3, "speculatively"), (2, "ignored at stage 2")])
 def test_super_offload_warns_once_what_it_does(stage: int, fragment: str, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="zero_kernels"):
