@@ -75,3 +75,20 @@ def test_offload_param_with_a_share_on_the_device_warns_that_it_stays(caplog: py
     said = [r.getMessage() for r in caplog.records if "offload_param" in r.getMessage()]
     assert len(said) == 1 and "ratio=0.5" in said[0] and "not acted on" in said[0], said
     assert not opt._pipeline.params_offloaded
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_only_the_tiers_share_crosses_the_bus(stage: int) -> None:
+    """bf16: 2 bytes per element of the tier's part down (the gradient) and 2 up (the parameter), none for the
+    device's part."""
+    model = _model().to(torch.bfloat16)
+    opt = zk.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET,
+                              offload_optimizer={"device": "cpu", "ratio": 0.3})  # fmt: skip
+    (buf,) = opt._pipeline.buffers
+    tier = opt._pipeline.tier
+    assert 0 < placement.cut(buf) < buf.layout.shard_numel
+    before = dict(tier.traffic())
+    model(torch.randn(4, 40, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    moved = {k: v - before[k] for k, v in tier.traffic().items()}
+    assert moved["down"] == moved["up"] == 2 * placement.tier_numel(buf), moved
