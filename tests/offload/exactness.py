@@ -55,7 +55,8 @@ def _state(opt: zo.ShardedFusedAdam) -> dict:
 
 def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: dict, params: dict | None = None) -> dict:
     """Train with and without ``offload`` (and ``params``: the ``offload_param`` block) and compare after every
-    step; returns the tiered optimizer's traffic and the parameter count, for the caller's checks."""
+    step; returns the tiered optimizer's traffic, the parameter count and, per buffer, (its first bucket in the
+    tier, its buckets), for the caller's checks."""
     torch.manual_seed(0)
     plain = Net().to(dtype)
     tiered = copy.deepcopy(plain)
@@ -69,7 +70,7 @@ def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: di
                     _micro(model, opt, rows, step, dtype)
             opt.step()
             opt.zero_grad()
-        what = f"stage {stage} {dtype} {offload['device']} params {params} step {step}"
+        what = f"stage {stage} {dtype} {offload} params {params} step {step}"
         assert a.skipped_steps == b.skipped_steps, what
         with a.gathered_params(), b.gathered_params():
             for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
@@ -80,7 +81,9 @@ def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: di
             for kind in sa[i]:
                 assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
     assert a.skipped_steps >= 1, "the schedule must skip a step"
+    placed = [(buf.tier_from, len(buf.layout.buckets)) for buf in b._pipeline.buffers]  # ``offload_optimizer.ratio``
     numel = sum(buf.layout.shard_numel for buf in b._pipeline.buffers)
     on_host = sum(buf.layout.shard_numel for buf in b._pipeline.buffers if not getattr(buf, "persistent", True))
     device_numel = numel - on_host if params is not None else numel  # shards whose parameters stay on the device
-    return {"traffic": b._pipeline.tier.traffic(), "shard_numel": numel, "device_numel": device_numel, "steps": STEPS}
+    return {"traffic": b._pipeline.tier.traffic(), "shard_numel": numel, "device_numel": device_numel, "steps": STEPS,
+            "placed": placed}  # fmt: skip

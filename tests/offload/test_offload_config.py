@@ -135,16 +135,52 @@ def test_initialize_with_the_zero3_template_trains() -> None:
     assert opt._pipeline.params_offloaded  # its offload_param acts: the parameter shards in host memory
 
 
+# DeepSpeed's SuperOffload example (DeepSpeedExamples training/DeepSpeed-SuperOffload) writes this block.
+SUPER_OFFLOAD = {"device": "cpu", "pin_memory": True, "ratio": 0.90, "super_offload": True, "cpuadam_cores_perc": 0.90}
+
+
+def test_super_offload_template_is_read() -> None:
+    zero = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, "offload_optimizer": SUPER_OFFLOAD}}).zero
+    assert zero.offload_optimizer == OffloadOptimizerConfig(**SUPER_OFFLOAD)
+    assert ZeroOptions.from_dict(dataclasses.asdict(zero)) == zero
+
+
+def test_super_offload_config_starts_through_initialize() -> None:
+    """The example's JSON as a whole (bf16, AdamW, stage 3 with its offload block) starts and steps."""
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "overlap_comm": True, "reduce_bucket_size": 64,
+                                    "sub_group_size": 1e9, "offload_optimizer": SUPER_OFFLOAD}}  # fmt: skip
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(torch.bfloat16)
+    model, opt = zk.initialize(model, config)
+    model(torch.randn(2, 16, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    placed = [(buf.tier_from, len(buf.layout.buckets)) for buf in opt._pipeline.buffers]
+    assert any(k > 0 for k, _ in placed) and any(k < n for k, n in placed), placed  # 0.9 in the tier, 0.1 not
+
+
+@pytest.mark.parametrize("stage, fragment", [(3, "speculatively"), (2, "ignored at stage 2")])
+def test_super_offload_warns_once_what_it_does(stage: int, fragment: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        zk.ShardedFusedAdam(model, stage=stage, offload_optimizer=SUPER_OFFLOAD)
+    said = [r.getMessage() for r in caplog.records if "super_offload" in r.getMessage()]
+    assert len(said) == 1 and fragment in said[0], said
+    assert "results the same" in said[0] or stage != 3, said
+
+
 BAD = [
     ({"offload_optimizer": {"device": "gpu"}}, "offload_optimizer.device='gpu'", "'none', 'cpu', 'nvme'"),
     ({"offload_optimizer": {"device": "nvme"}}, 'offload_optimizer.device="nvme" needs', "nvme_path"),
-    ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "offload_optimizer.ratio=0.5", "supported: 1.0"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": 0}}, "offload_optimizer.ratio=0", "> 0"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": -0.1}}, "offload_optimizer.ratio=-0.1", "> 0"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 2}}, "offload_optimizer.ratio=2", "<= 1"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": "0.3"}}, "offload_optimizer.ratio='0.3'", "a finite number"),
     ({"offload_optimizer": {"device": "cpu", "buffer_count": 0}}, "offload_optimizer.buffer_count=0", ">= 1"),
     ({"offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}, "offload_optimizer.pin_memory='yes'", "true"),
     ({"offload_optimizer": {"device": "cpu", "nvme_path": ""}}, "offload_optimizer.nvme_path=''", "directory"),
     ({"offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0}}, "cpuadam_cores_perc=0", "> 0"),
-    ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "super_offload=True", "not supported yet"),
+    ({"offload_optimizer": {"device": "cpu", "super_offload": 1}}, "super_offload=1", "true or false"),
     ({"offload_optimizer": {"device": "cpu", "pipline_read": True}}, "'pipline_read'", "did you mean 'pipeline_read'"),
     ({"offload_optimizer": 3}, "zero_optimization.offload_optimizer=3", '{"device": "cpu"}'),
     ({"offload_param": {"device": "cpu"}}, "offload_param.device='cpu' needs stage 3", "stage is 1"),

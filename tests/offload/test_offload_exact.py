@@ -16,6 +16,7 @@ import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, Net, batch
 from tests.offload.exactness import pair_case
+from tests.offload.test_offload_config import SUPER_OFFLOAD
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -32,6 +33,12 @@ def _exact_ranks(rank: int, world: int, scratch: str) -> None:
         for stage in (1, 2, 3):
             for dtype in DTYPES:
                 pair_case(rank, world, stage, dtype, offload)
+            # part of the state on the device (ratio): 0.3 splits buffers, 0.9 puts them whole in the tier (buckets
+            # of 13 elements at 2 ranks: under one bucket of 3 stays on the device)
+            for ratio, dtype in [(0.3, d) for d in DTYPES] + [(0.9, torch.bfloat16)]:
+                placed = pair_case(rank, world, stage, dtype, {**offload, "ratio": ratio})["placed"]
+                device, tier = sum(k for k, _ in placed), sum(n - k for k, n in placed)
+                assert tier >= 1 and (device >= 1) == (ratio == 0.3), (stage, ratio, placed)
         # stage 3's parameter shards in host memory too (the HF ZeRO-3 template): nothing goes up at the step
         for dtype in DTYPES if offload["device"] == "cpu" else (torch.bfloat16,):
             result = pair_case(rank, world, 3, dtype, offload, {"device": "cpu", "pin_memory": True})
@@ -39,6 +46,8 @@ def _exact_ranks(rank: int, world: int, scratch: str) -> None:
             up = result["steps"] * result["device_numel"] * size  # the persistent units' shards only
             assert result["device_numel"] < result["shard_numel"] / 2, "most parameters must be in sharded units"
             assert result["traffic"]["up"] == up, f"offload_param with {offload['device']}, {dtype}"
+    # DeepSpeed's SuperOffload example block (stage 3): its host Adam runs after backward here, results the same
+    pair_case(rank, world, 3, torch.bfloat16, SUPER_OFFLOAD)
 
 
 @pytest.mark.distributed
@@ -64,12 +73,13 @@ def _opt(model: Net, stage: int, offload: dict | None) -> zo.ShardedFusedAdam:
 
 
 def _save_ranks(rank: int, world: int, scratch: str) -> None:
-    """At 2 ranks: the same training saved with the disk tier (stage 3), without offload (stage 2), and with
-    the parameter shards in host memory too (stage 3)."""
+    """At 2 ranks: the same training saved with the disk tier (stage 3), without offload (stage 2), with
+    the parameter shards in host memory too (stage 3), and with a share of the state on the disk (stage 3)."""
     nvme = Path(scratch) / f"nvme{rank}"
     nvme.mkdir(exist_ok=True)
     for name, stage, offload in (("tier", 3, {"device": "nvme", "nvme_path": str(nvme)}), ("plain", 2, None),
-                                 ("params", 3, {"device": "cpu", "params": True})):  # fmt: skip
+                                 ("params", 3, {"device": "cpu", "params": True}),
+                                 ("ratio", 3, {"device": "nvme", "nvme_path": str(nvme), "ratio": 0.3})):  # fmt: skip
         torch.manual_seed(0)
         model = Net()
         opt = _opt(model, stage, offload)
@@ -88,7 +98,8 @@ def test_checkpoint_resumes_across_tiers_and_world_sizes(tmp_path: Path) -> None
     resumed = {}
     disk = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
     cases = [("tier", 1, None), ("plain", 1, disk), ("tier", 1, {"device": "cpu"}), ("params", 1, None),
-             ("plain", 3, {"device": "cpu", "params": True})]  # fmt: skip
+             ("plain", 3, {"device": "cpu", "params": True}), ("ratio", 1, None), ("ratio", 2, None),
+             ("plain", 2, {"device": "cpu", "ratio": 0.3})]  # fmt: skip
     for saved, stage, offload in cases:
         torch.manual_seed(1)
         model = Net()

@@ -45,6 +45,19 @@ def test_nvme_offload_reads_and_writes_the_state_once_per_step_through_sub_group
     assert sub_group_elements(10) == 1 << 20 and sub_group_elements(10**12) == MAX_SUB_GROUP
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_share_offloaded_counts_only_that_share(stage: int) -> None:
+    share = replace(CPU, ratio=0.25)
+    est = estimate_offload(PSI, N, stage, share)
+    assert est.host_bytes == (12 + 4) * SHARD // 4 and (est.bus_down, est.bus_up) == (2 * SHARD // 4, 2 * SHARD // 4)
+    assert est.adam_s == estimate_offload(PSI, N, stage, CPU).adam_s / 4
+    plans = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=share).plans
+    device, plain = {p.stage: p.memory for p in plans}[stage], estimate_memory(PSI, N, stage)
+    assert device.optimizer == round(plain.optimizer * 0.75) and device.params == plain.params
+    disk = estimate_offload(PSI, N, stage, replace(NVME, ratio=0.25))
+    assert disk.disk_bytes == disk.disk_read == disk.disk_write == 12 * SHARD // 4
+
+
 def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
     setup = replace(NVME, param="nvme")
     cpu = estimate_offload(PSI, N, 3, replace(CPU, param="cpu", grad_accum=2))
@@ -159,6 +172,9 @@ def test_deepspeed_reads_the_config() -> None:
         (lambda: replace(CPU, optimizer="nvme"), "disk_gbps=None: offload to nvme needs it .plan --disk-gbps"),
         (lambda: replace(NVME, disk_space=-1), "disk_space=-1"),
         (lambda: estimate_offload(PSI, N, 0, CPU), "stage=0: offload needs ZeRO stage 1, 2 or 3"),
+        (lambda: replace(CPU, ratio=0), "ratio=0: the offloaded share must be in .0, 1."),
+        (lambda: replace(CPU, ratio=1.5), "ratio=1.5"),
+        (lambda: replace(CPU, ratio=0.5, param="cpu"), "offload_param acts with ratio 1"),
     ],
 )
 def test_bad_offload_input(call, match: str) -> None:
@@ -178,6 +194,12 @@ def test_cli_offload_table_and_json(tmp_path, capsys) -> None:
     setup = replace(CPU, host_memory=2 * 10**12)
     assert json.loads(path.read_text()) == recommend(70 * GB, gpus=8, gpu_memory=80 * GB, link="nvlink",
                                                      offload=setup).deepspeed  # fmt: skip
+
+
+def test_cli_writes_the_offload_ratio(tmp_path, capsys) -> None:
+    path = tmp_path / "ds.json"
+    assert main(PLAN + ["--offload", "cpu", "--offload-ratio", "0.9", *FIGURES, "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["zero_optimization"]["offload_optimizer"]["ratio"] == 0.9
 
 
 def test_cli_nvme_needs_the_disk_figures(tmp_path, capsys) -> None:
@@ -218,25 +240,31 @@ def test_json_loads_through_zero_config(tmp_path, capsys, optimizer: str) -> Non
         assert (cfg.zero.aio.block_size, cfg.zero.aio.queue_depth) == (AIO["block_size"], AIO["queue_depth"])
 
 
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
 @pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
-def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, optimizer: str) -> None:
+def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, optimizer: str, ratio: float) -> None:
     import torch
 
     import zero_kernels as zk
+    from zero_kernels.stages import placement
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
     numel = sum(p.numel() for p in model.parameters())
-    block = {"device": optimizer, **({"nvme_path": str(tmp_path)} if optimizer == "nvme" else {})}
+    block = {"device": optimizer, "ratio": ratio, **({"nvme_path": str(tmp_path)} if optimizer == "nvme" else {})}
     cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-           "zero_optimization": {"stage": 2, "offload_optimizer": block, "sub_group_size": 1 << 20}}  # fmt: skip
+           "zero_optimization": {"stage": 2, "offload_optimizer": block, "sub_group_size": 1 << 20,
+                                 "reduce_bucket_size": 1 << 16}}  # fmt: skip
     module, opt = zk.initialize(model, cfg)
     tier = opt._pipeline.tier
+    (buf,) = opt._pipeline.buffers
+    share = placement.tier_numel(buf) / buf.layout.shard_numel  # whole buckets: the plan is given the share itself
+    assert ratio <= share < ratio + 0.13, share
     module(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
     before = dict(tier.traffic())
     opt.step()
     moved = {k: v - before.get(k, 0) for k, v in tier.traffic().items()}
-    setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1)
+    setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1, ratio=share)
     est = estimate_offload(numel, 1, 2, setup)
     assert moved["up"] == pytest.approx(est.bus_up, rel=0.01)  # the flat buffer pads each piece a little
     assert moved["down"] == pytest.approx(est.bus_down, rel=0.01)

@@ -9,7 +9,9 @@ device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
   (files under ``nvme_path``, swapped through ``buffer_count`` host buffers; ``pipeline_read``
   reads the next sub-group ahead, ``pipeline_write`` writes the last one behind).
   ``cpuadam_cores_perc``: the share of this process's cores the host Adam uses (the environment
-  variable ``ZERO_KERNELS_CPU_ADAM_THREADS`` overrides it). ``ratio``: only ``1.0`` (all of it).
+  variable ``ZERO_KERNELS_CPU_ADAM_THREADS`` overrides it). ``ratio`` in (0, 1]: the share of the state that
+  is offloaded, whole buckets (the rest stays on the device: ``stages.placement``). ``super_offload``: accepted,
+  with a warning (the pipeline's): the host Adam runs after backward, without DeepSpeed's speculation.
 - ``OffloadParamConfig``: stage 3's parameter shards in host memory or files. Parsed and checked
   (stage 3 only, ``nvme_path`` with ``"nvme"``); acted on with ``"cpu"`` and the optimizer offloaded
   (the shards are the state tier's host copies), otherwise the pipeline warns once that the parameter
@@ -28,7 +30,6 @@ from .rules import Invalid, Scalar, boolean, choice, integer, number
 OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "nvme"}
 DEVICE: Scalar = choice(OFFLOAD_DEVICES)
 RATIO: Scalar = number(0, 1, lo_open=True)
-SUPPORTED_RATIO = 1.0
 
 
 def _path(value: Any) -> Optional[str]:
@@ -64,14 +65,11 @@ class OffloadOptimizerConfig:
     fast_init: bool = False
     ratio: float = 1.0
     cpuadam_cores_perc: float = 0.8
+    super_offload: bool = False
 
     def __post_init__(self) -> None:
         prefix = "offload_optimizer"
         _check(self, OPTIMIZER_RULES, prefix)
-        if self.ratio != SUPPORTED_RATIO:
-            raise ValueError(
-                f"{prefix}.ratio={self.ratio!r} is not supported yet by zero_kernels; supported: 1.0 (all the state)"
-            )
         _need_path(self.device, self.nvme_path, prefix)
 
     @property
@@ -123,6 +121,7 @@ OPTIMIZER_RULES: dict[str, Scalar] = {
     "fast_init": boolean(),
     "ratio": RATIO,
     "cpuadam_cores_perc": number(0, 1, lo_open=True),
+    "super_offload": boolean(),
 }
 PARAM_RULES: dict[str, Scalar] = {
     "device": DEVICE,

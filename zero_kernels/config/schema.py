@@ -41,10 +41,7 @@ def _block_fields(kind: type, rules: Dict[str, Scalar]) -> Dict[str, Field]:
 
 
 OFFLOAD_OPTIMIZER = Section(
-    fields={
-        **_block_fields(OffloadOptimizerConfig, OPTIMIZER_RULES),
-        "super_offload": Field(boolean(supported=(False,)), False, auto=False),
-    },
+    fields=_block_fields(OffloadOptimizerConfig, OPTIMIZER_RULES),
     ignored={"convert_grad_on_cpu": INFO},
     finish=lambda d: OffloadOptimizerConfig(**{k: d[k] for k in OPTIMIZER_RULES}),
     nullable=True,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Optional
 
 import torch
@@ -69,10 +69,13 @@ def _weights(numel: int, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class HostShard:
-    """A buffer's host copies: ``params`` (param dtype, this rank's shard) and ``grads`` (the gradients' dtype)."""
+    """A buffer's host copies: ``params`` (param dtype) and ``grads`` (the gradients' dtype), over the part of this
+    rank's shard whose state is in the tier; ``state``: that part of each state tensor while the pipeline keeps
+    the rest on the device (``spill``)."""
 
     params: torch.Tensor
     grads: Optional[torch.Tensor] = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class HostTier:
@@ -104,7 +107,8 @@ class HostTier:
         return self.empty(numel, dtype).zero_()
 
     def attach(self, key: int, shard_numel: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> HostShard:
-        """Make the host copies of a buffer (``key``: its id); the caller fills ``params`` with ``init``."""
+        """Make the host copies of a buffer (``key``: its id) over ``shard_numel`` elements (the part of the shard
+        in the tier); the caller fills ``params`` with ``init``."""
         shard = HostShard(self.empty(shard_numel, dtype), self.empty(shard_numel, grad_dtype))
         self.shards[key] = shard
         return shard
@@ -163,9 +167,24 @@ class HostTier:
             torch.set_num_threads(before)
 
     # ---------------------------------------------------------------- the state
+    def spill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep the tier's part of a buffer's state (``{kind: host tensor}``: copies are kept)."""
+        kept = {}
+        for kind, t in tensors.items():
+            kept[kind] = self.empty(t.numel(), t.dtype).copy_(t)
+        self.shards[key].state = kept
+
+    def fill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy the part ``spill`` kept into ``{kind: host tensor}`` and let it go."""
+        kept = self.shards[key].state
+        for kind, t in tensors.items():
+            t.copy_(kept[kind])
+        self.shards[key].state = {}
+
     def host_tensors(self) -> list[torch.Tensor]:
-        """The tier's own host copies (the state tensors are the buffers')."""
-        return [t for s in self.shards.values() for t in (s.params, s.grads) if t is not None]
+        """The tier's own host copies and the state parts it keeps (the resident state tensors are the buffers')."""
+        copies = [t for s in self.shards.values() for t in (s.params, s.grads) if t is not None]
+        return copies + [t for s in self.shards.values() for t in s.state.values()]
 
     def disk_bytes(self) -> int:
         """Bytes of the state's files (none: the state is in memory)."""

@@ -13,10 +13,14 @@ the parameter shard it sends (as the host tier does: 16 bytes per element with t
 Adam of one sub-group while the next is read and the previous written, so the update takes the longer of
 the Adam and the disk, not their sum.
 
-``offload_param`` (stage 3 only) moves the 16-bit parameter shard off the device too: every gather of a
-unit uploads its shard (forward and backward: twice per micro-step), and the update writes it in place
-on the host (nothing goes up after the step). With ``nvme`` those gathers read the shard from the disk
-and the update writes it back.
+``ratio`` (``offload_optimizer.ratio``, in (0, 1]) offloads only that share of the state: the rest stays on
+the device with its gradients and parameters (the pipeline cuts at whole buckets; the plan takes the share
+itself), so the state, the host copies, the bus traffic, the disk and the CPU Adam count that share only.
+
+``offload_param`` (stage 3 only, and only with ``ratio`` 1, as the pipeline acts on it) moves the 16-bit
+parameter shard off the device too: every gather of a unit uploads its shard (forward and backward: twice
+per micro-step), and the update writes it in place on the host (nothing goes up after the step). With
+``nvme`` those gathers read the shard from the disk and the update writes it back.
 
 Devices, hosts and disks: ``ranks_per_node`` ranks share a node's host memory, its disk (capacity and
 bandwidth) and its CPU cores (the CPU Adam's rate is the node's, divided among them); each rank has its
@@ -101,6 +105,7 @@ class OffloadSetup:
         disk_space: bytes free on that disk (needed with ``nvme``).
         nvme_path: the folder for the files (needed with ``nvme``).
         grad_accum: micro-steps per optimizer step.
+        ratio: ``offload_optimizer.ratio``: the share of the optimizer state offloaded, in (0, 1].
     """
 
     optimizer: str
@@ -113,10 +118,15 @@ class OffloadSetup:
     disk_space: Optional[float] = None
     nvme_path: Optional[str] = None
     grad_accum: int = 1
+    ratio: float = 1.0
 
     def __post_init__(self) -> None:
         check_device("offload", self.optimizer)
         check_device("offload_param", self.param)
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"ratio={self.ratio!r}: the offloaded share must be in (0, 1]")
+        if self.ratio != 1 and self.param != "none":
+            raise ValueError(f"ratio={self.ratio!r} with offload_param={self.param!r}: offload_param acts with ratio 1")
         for name in ("bus_gbps", "adam_gbps", "host_memory"):
             check_positive(name, getattr(self, name))
         check_count("ranks_per_node", self.ranks_per_node)
@@ -181,10 +191,10 @@ def sub_group_elements(shard: int) -> int:
 
 
 def device_memory(memory: MemoryEstimate, setup: OffloadSetup) -> MemoryEstimate:
-    """What stays on the device: the estimate without the optimizer state (and stage 3's parameter shard
-    with ``offload_param``)."""
+    """What stays on the device: the estimate without the offloaded share of the optimizer state (and stage 3's
+    parameter shard with ``offload_param``)."""
     params = 0 if setup.param != "none" else memory.params
-    optimizer = 0 if setup.optimizer != "none" else memory.optimizer
+    optimizer = round(memory.optimizer * (1 - setup.ratio)) if setup.optimizer != "none" else memory.optimizer
     total = params + memory.grads + optimizer + memory.working_set
     return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total)
 
@@ -213,18 +223,19 @@ def estimate_offload(
     elem = dtype_bytes("param_dtype", param_dtype)
     k_bytes = 12 if master_weights else 8
     shard = shard_elements(num_params, world_size)
-    state = k_bytes * shard if setup.optimizer != "none" else 0
+    moved = round(shard * setup.ratio)  # elements of the shard whose state is offloaded
+    state = k_bytes * moved if setup.optimizer != "none" else 0
     param_off = setup.param if stage == 3 else "none"
     gathers = 2 * setup.grad_accum  # stage 3: forward and backward of every micro-step
-    sub = sub_group_elements(shard)
+    sub = sub_group_elements(moved)
     # host copies of the gradient and parameter shards (the parameter copy is the offloaded shard itself)
-    copies = 2 * elem * shard if setup.optimizer != "none" else (elem * shard if param_off == "cpu" else 0)
+    copies = 2 * elem * moved if setup.optimizer != "none" else (elem * shard if param_off == "cpu" else 0)
     host = copies + (state if setup.optimizer == "cpu" else 0)
     host += OPTIMIZER_BUFFERS * sub * k_bytes if setup.optimizer == "nvme" else 0
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
     disk = (state if setup.optimizer == "nvme" else 0) + (elem * shard if param_off == "nvme" else 0)
-    down = elem * shard * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" else 0
-    up_after = elem * shard if setup.optimizer != "none" and param_off == "none" else 0
+    down = elem * moved * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" else 0
+    up_after = elem * moved if setup.optimizer != "none" and param_off == "none" else 0
     up_gather = elem * shard * gathers if param_off != "none" else 0
     state_io = state if setup.optimizer == "nvme" else 0
     read = state_io + (elem * shard * gathers if param_off == "nvme" else 0)
@@ -279,6 +290,8 @@ def offload_keys(
     zero: dict[str, Any] = {}
     if setup.optimizer != "none":
         zero["offload_optimizer"] = {"device": setup.optimizer, "pin_memory": True}
+        if setup.ratio != 1:
+            zero["offload_optimizer"]["ratio"] = setup.ratio
         if setup.optimizer == "nvme":
             zero["offload_optimizer"].update(
                 nvme_path=setup.nvme_path, buffer_count=OPTIMIZER_BUFFERS, pipeline_read=True, pipeline_write=True

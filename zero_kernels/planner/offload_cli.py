@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser, parse_bytes: Callable[[str], 
     group = parser.add_argument_group("offload (optimizer state in host memory or on disk)")
     group.add_argument("--offload", default="none", choices=OFFLOAD_DEVICES, help="offload_optimizer.device")
     group.add_argument("--offload-param", default="none", choices=OFFLOAD_DEVICES, help="offload_param (stage 3)")
+    group.add_argument("--offload-ratio", type=float, default=1.0, help="offload_optimizer.ratio: the share offloaded")
     group.add_argument("--nvme-path", help="folder of the offload files (with nvme)")
     group.add_argument("--disk-gbps", type=float, help="the disk's sequential bandwidth per node, GB/s (with nvme)")
     group.add_argument("--disk-space", type=parse_bytes, help="free disk per node (default: free under --nvme-path)")
@@ -99,5 +100,6 @@ def setup(args: argparse.Namespace) -> tuple[Optional[OffloadSetup], list[str]]:
         disk_space=space,
         nvme_path=args.nvme_path,
         grad_accum=args.grad_accum,
+        ratio=args.offload_ratio,
     )
     return made, [n for n in notes if n]

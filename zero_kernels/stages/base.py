@@ -62,6 +62,7 @@ from . import (
     offloaded,
     outcome,
     param_gather,
+    placement,
     quantized_gather,
     refusals,
     stats,
@@ -228,18 +229,21 @@ class Pipeline(BackwardRound):
     def _allocate(self, buf: FlatBuffer) -> None:
         self._place_params(buf)
         self._allocate_grads(buf)
+        count = len(buf.layout.buckets)
+        buf.tier_from = count if self.tier is None else placement.device_buckets(self, buf)
         n = buf.layout.shard_numel
         buf.exp_avg, buf.exp_avg_sq = self._state_zeros(buf, n), self._state_zeros(buf, n)
         if buf.dtype != torch.float32:
             buf.master = self._state_zeros(buf, n)
             self.refresh_master(buf)
-        if self.tier is not None:
+        if not placement.on_device(buf):
             offloaded.attach(self, buf)
         buf.pending = [0] * len(buf.layout.buckets)
 
     def _state_zeros(self, buf: FlatBuffer, numel: int) -> torch.Tensor:
-        """An fp32 state shard of zeros: on the buffer's device, or in the tier's host memory when offloaded."""
-        if self.tier is not None:
+        """An fp32 state shard of zeros: on the buffer's device, or in the tier's host memory when (part of) it is
+        offloaded (``placement`` puts the device part on the device)."""
+        if not placement.on_device(buf):
             return self.tier.zeros(numel)
         return torch.zeros(numel, dtype=torch.float32, device=buf.device)
 
@@ -251,8 +255,11 @@ class Pipeline(BackwardRound):
         """
         for buf in self.buffers:
             if buf.group == group and buf.max_exp_avg_sq is None:
+                split = not placement.resident(buf)
                 buf.ready()
                 buf.max_exp_avg_sq = self._state_zeros(buf, buf.layout.shard_numel)
+                if split:  # back where its state lives between steps (``placement``)
+                    placement.split(self.tier, buf)
 
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""
@@ -577,17 +584,17 @@ class Pipeline(BackwardRound):
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """Tensors this rank holds, by kind (``params`` lists only the flat buffers; the optimizer adds the rest).
-        With offload, the optimizer state is under ``host`` (``offloaded.memory``), not ``optimizer``."""
+        With offload, the optimizer state in the tier is under ``host`` (``placement.memory``), not ``optimizer``."""
         grads = [t for buf in self.buffers for t in (buf.grad_flat, buf.grad_shard, *buf.scratch.values())]
         grads += [t for op in self._inflight for t in op.held]
         state = [t for buf in self.buffers for t in (buf.master, buf.exp_avg, buf.exp_avg_sq, buf.max_exp_avg_sq)]
         tensors = {
             "params": [buf.param_flat for buf in self.buffers],
             "grads": grads,
-            "optimizer": state if self.tier is None else [],
+            "optimizer": state,
             "buffers": [],
             "secondary": [],
         }
         if self.tier is not None:
-            tensors.update(offloaded.memory(self))
+            tensors.update(placement.memory(self))
         return tensors

@@ -43,13 +43,15 @@ class FlatBuffer:
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
     filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
     written: set[int] = field(default_factory=set)  # buckets whose part of grad_shard holds this step's gradients
-    # Offload to disk (``stages.offloaded``): the sub-groups of the state's files, as (first bucket, end bucket,
-    # shard offset, elements), and the call that makes the state tensors resident again between steps.
+    # Offload (``stages.placement``): the first bucket whose state is in the tier (every bucket's count: none),
+    # the disk tier's sub-groups of the state's files, as (first bucket, end bucket, shard offset, elements), and,
+    # while the state attributes hold only the device part, the call that makes them whole host tensors again.
+    tier_from: int = 0
     groups: list[tuple[int, int, int, int]] = field(default_factory=list)
     swap_in: Optional[Callable[[], None]] = None
 
     def ready(self) -> None:
-        """Make the state tensors real host or device tensors (the disk tier keeps them in files between uses)."""
+        """Make the state tensors whole (a tier may keep part of them elsewhere between uses: ``placement``)."""
         if self.swap_in is not None:
             self.swap_in()
 

@@ -1,6 +1,7 @@
 """The step's update when the optimizer state lives in a tier (``offload_optimizer``): host memory or files.
 
-Per bucket, in the step's bucket order:
+A bucket whose state stays on the device (``offload_optimizer.ratio`` < 1: ``placement``) is updated there by
+``update.update_bucket``, as without offload. Per bucket in the tier, in the step's bucket order:
 
 1. the bucket's reduced gradient shard is copied down into the buffer's host copy (``HostTier.down``:
    in the dtype the stage keeps it in; bf16: 2 bytes per parameter);
@@ -17,8 +18,8 @@ Per bucket, in the step's bucket order:
 Stage 3 with ``offload_param`` on the cpu keeps its parameter shards in the host copies themselves (the stage's
 ``params_offloaded``): steps 2 and 4 then have nothing to do, and its gathers copy the shards up.
 
-The state tensors of a bucket come from ``tier.state(buf, bucket)``: views of resident host tensors
-(host tier) or of a sub-group swapped in from its files (disk tier), written back by ``tier.release``.
+The state tensors of a bucket are views of resident host tensors or of the part the host tier keeps (``_state``),
+or of a sub-group swapped in from the disk tier's files (``_swapped``), written back by ``tier.store``.
 Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run before, unchanged.
 """
 
@@ -34,7 +35,7 @@ from ..comm.objects import all_gather_objects
 from ..env import settings
 from ..log import LOGGER_NAME
 from ..offload import DiskTier, HostTier
-from . import master
+from . import placement, update
 from .buffers import FlatBuffer, GroupHyper
 from .layout import Bucket
 from .outcome import Decision
@@ -50,16 +51,30 @@ PARAMS_STAY = (
     "on the parameters' device (memory as without it; results are the same)"
 )
 
+SUPER_OFFLOAD = (
+    "zero_optimization.offload_optimizer.super_offload=true is accepted at stage %d: DeepSpeed would run the host "
+    "Adam of each finished sub-group during backward, speculatively (a step the gradient norm or a non-finite "
+    "gradient rules out is rolled back); zero_kernels runs the host Adam after backward (results the same)"
+)
+SUPER_OFFLOAD_IGNORED = (
+    "zero_optimization.offload_optimizer.super_offload=true is accepted and ignored at stage %d, as DeepSpeed "
+    "ignores it below stage 3 (the host Adam runs after backward)"
+)
+
 
 def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     """The state tier ``options.offload_optimizer`` asks for, or None; a tier that cannot start on some rank
     raises on every rank (after the others closed theirs). ``offload_param`` is acted on by stage 3 with the
-    device cpu and the optimizer offloaded; otherwise it is warned about."""
+    device cpu and all the optimizer state offloaded; otherwise it is warned about, as is ``super_offload``."""
     config = options.offload_optimizer
     if options.offload_param.device == "nvme":
         logger.warning(PARAMS_STAY, "nvme", "(the parameters' files are not written)")
     elif options.offload_param.enabled and not config.enabled:
         logger.warning(PARAMS_STAY, "cpu", "without offload_optimizer (set its device to cpu or nvme)")
+    elif options.offload_param.enabled and config.ratio != 1.0:
+        logger.warning(PARAMS_STAY, "cpu", f"with offload_optimizer.ratio={config.ratio} (only with 1.0)")
+    if config.super_offload:
+        logger.warning(SUPER_OFFLOAD if options.stage == 3 else SUPER_OFFLOAD_IGNORED, options.stage)
     if not config.enabled:
         return None
     tier: Optional[HostTier] = None
@@ -81,19 +96,22 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
 
 
 def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
-    """Give a new buffer its host copies, the parameters' taken from the device once; the disk tier then
-    writes its state into the files and frees it (a disk without room raises on every rank)."""
+    """Give a new buffer whose state is (partly) in the tier its host copies, the parameters' taken from the
+    device once, and put the state where it lives between steps (``placement``: a disk without room raises on
+    every rank)."""
     tier = pipeline.tier
-    shard = tier.attach(id(buf), buf.layout.shard_numel, buf.dtype, pipeline.accumulate_dtype_of(buf))
-    for bucket in buf.layout.buckets:
-        tier.init(buf.shard_slice(shard.params, bucket), pipeline.param_shard(buf, bucket), (id(buf), bucket.index))
+    shard = tier.attach(id(buf), placement.tier_numel(buf), buf.dtype, pipeline.accumulate_dtype_of(buf))
+    for bucket in buf.layout.buckets[buf.tier_from :]:
+        tier.init(placement.part(buf, shard.params, bucket), pipeline.param_shard(buf, bucket), (id(buf), bucket.index))
     if tier.kind != "disk":
+        if placement.splits(tier, buf):
+            placement.split(tier, buf)
         return
     buf.groups = sub_groups(buf, pipeline.options.sub_group_size)
     problem = None
     try:
-        tier.add_buffer(id(buf), [g[3] for g in buf.groups], tuple(_tensors(buf)))
-        _spill(tier, buf)
+        tier.add_buffer(id(buf), [g[3] for g in buf.groups], tuple(placement.tensors(buf)))
+        placement.split(tier, buf)
     except OSError as err:
         problem = str(err)
     try:
@@ -113,11 +131,11 @@ def _agree(engine: Any, problem: Optional[str], name: str) -> None:
 
 
 def sub_groups(buf: FlatBuffer, size: int) -> list[tuple[int, int, int, int]]:
-    """The disk tier's sub-groups of ``buf``: runs of whole buckets of at most ``size`` elements of this rank's
-    shard (a bucket larger than ``size`` is a sub-group of its own), as (first bucket, end bucket, shard offset,
-    elements)."""
+    """The disk tier's sub-groups of ``buf``: runs of whole buckets in the tier of at most ``size`` elements of
+    this rank's shard (a bucket larger than ``size`` is a sub-group of its own), as (first bucket, end bucket,
+    shard offset, elements)."""
     groups: list[tuple[int, int, int, int]] = []
-    for bucket in buf.layout.buckets:
+    for bucket in buf.layout.buckets[buf.tier_from :]:
         if groups and groups[-1][3] + bucket.shard_numel <= size:
             first, _, offset, numel = groups[-1]
             groups[-1] = (first, bucket.index + 1, offset, numel + bucket.shard_numel)
@@ -126,47 +144,27 @@ def sub_groups(buf: FlatBuffer, size: int) -> list[tuple[int, int, int, int]]:
     return groups
 
 
-def _resident(buf: FlatBuffer) -> bool:
-    return buf.exp_avg.device.type != "meta"
-
-
-def _spill(tier: Any, buf: FlatBuffer) -> None:
-    """Write the state of ``buf`` into its files and free it; ``buf.ready()`` reads it in again."""
-    tensors = _tensors(buf)
-    tier.spill(id(buf), tensors)
-    for kind, t in tensors.items():
-        setattr(buf, kind, torch.empty(t.shape, dtype=t.dtype, device="meta"))
-    master.record(buf)
-    buf.swap_in = lambda: _swap_in(tier, buf)
-
-
-def _swap_in(tier: Any, buf: FlatBuffer) -> None:
-    if _resident(buf):
-        return
-    tensors = {kind: tier.empty(t.numel(), t.dtype) for kind, t in _tensors(buf).items()}
-    tier.fill(id(buf), tensors)
-    for kind, t in tensors.items():
-        setattr(buf, kind, t)
-    master.record(buf)
-
-
 def update_bucket(
     pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, h: GroupHyper, decision: Decision, with_grad: set[int]
 ) -> None:
-    """One bucket's update through the tier (see the module docstring); same arguments as ``update.update_bucket``."""
-    tier = pipeline.tier
+    """One bucket's update: on the device as without offload where its state is there (``placement``), else
+    through the tier (see the module docstring); same arguments as ``update.update_bucket``."""
     if h.amsgrad and buf.max_exp_avg_sq is None:
         pipeline.allocate_max_exp_avg_sq(buf.group)
-    if tier.kind == "disk" and bucket.index == 0 and _resident(buf):
-        _spill(tier, buf)  # read in for the state door since the last step: back to the files
+    tier = pipeline.tier
+    if bucket.index == 0 and placement.splits(tier, buf) and placement.resident(buf):
+        placement.split(tier, buf)  # read in for the state door since the last step: back where it lives
+    if not placement.in_tier(buf, bucket):
+        update.update_bucket(pipeline, buf, bucket, h, decision, with_grad)
+        return
     shard = tier.shards[id(buf)]
     device_params = pipeline.param_shard(buf, bucket)
-    params = buf.shard_slice(shard.params, bucket)
+    params = placement.part(buf, shard.params, bucket)
     separate = device_params.data_ptr() != params.data_ptr()  # the same with stage 3's offload_param
     if separate and tier.changed((id(buf), bucket.index), device_params, params):
         tier.down(params, device_params)
-    grads = tier.down(buf.shard_slice(shard.grads, bucket), pipeline.grad_shard(buf, bucket))
-    state = _state(pipeline, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
+    grads = tier.down(placement.part(buf, shard.grads, bucket), pipeline.grad_shard(buf, bucket))
+    state = _state(tier, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
     low = buf.master is not None
     tensors = BucketTensors(
         state["master"] if low else params,
@@ -192,14 +190,12 @@ def host_impl(impl: Optional[str]) -> Optional[str]:
     return "auto" if chosen == "triton" and not interpreted else impl
 
 
-def _state(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:
-    """``{kind: this rank's shard of bucket}`` of the state tensors ``buf`` has, in host memory."""
-    return {kind: buf.shard_slice(t, bucket) for kind, t in _tensors(buf).items()}
-
-
-def _tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
-    kinds = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
-    return {kind: getattr(buf, kind) for kind in kinds if getattr(buf, kind) is not None}
+def _state(tier: Any, buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:
+    """``{kind: this rank's shard of bucket}`` of the state ``buf`` has in host memory: the resident tensors of a
+    buffer wholly in the tier, else the part the tier keeps."""
+    if placement.resident(buf):
+        return {kind: buf.shard_slice(t, bucket) for kind, t in placement.tensors(buf).items()}
+    return {kind: placement.part(buf, t, bucket) for kind, t in tier.shards[id(buf)].state.items()}
 
 
 def _group_of(buf: FlatBuffer, bucket: Bucket) -> tuple[int, int, int, int]:
@@ -209,16 +205,10 @@ def _group_of(buf: FlatBuffer, bucket: Bucket) -> tuple[int, int, int, int]:
 def _swapped(tier: Any, buf: FlatBuffer, bucket: Bucket) -> dict[str, torch.Tensor]:
     """``{kind: this rank's shard of bucket}`` from the sub-group swapped in from the disk tier's files."""
     group = _group_of(buf, bucket)
-    loaded = tier.load(id(buf), buf.groups.index(group), tuple(_tensors(buf)))
+    loaded = tier.load(id(buf), buf.groups.index(group), tuple(placement.tensors(buf)))
     return {kind: t.narrow(0, bucket.shard_offset - group[2], bucket.shard_numel) for kind, t in loaded.items()}
 
 
 def finish_step(pipeline: "Pipeline") -> None:
     """After the last bucket: the disk tier's writes complete."""
     pipeline.tier.finish()
-
-
-def memory(pipeline: "Pipeline") -> dict[str, list[torch.Tensor]]:
-    """The tensors of the optimizer state by tier: ``host`` (the resident state and the tier's host copies)."""
-    state = [t for buf in pipeline.buffers for t in _tensors(buf).values() if t.device.type != "meta"]
-    return {"host": state + pipeline.tier.host_tensors()}

@@ -24,12 +24,12 @@ model's weights never undoes the weights.
 
 Where a shard lives is this module's business alone. Without offload every state tensor is a device
 tensor of the buffer (``buf.exp_avg``...), and the functions above hand out views of it. With
-``offload_optimizer`` (``stages.offloaded``, ``offload``) the same attributes are host tensors (the host
-tier), or stand-ins on the ``meta`` device while the disk tier keeps the state in its files:
-``state_tensors`` (and every function here that reaches the state) first calls ``buf.ready()``, which
-reads the whole shard in; the next step writes it back and frees it. Full states are gathered and
-scattered where the parameters are. Callers (state dicts, copies, ``opt.state``, checkpoints) do not
-change; the update reaches the tier through ``stages.offloaded``.
+``offload_optimizer`` (``stages.offloaded``, ``stages.placement``, ``offload``) the same attributes are host
+tensors (the host tier), or hold only the part on the device while the rest is in the disk tier's files or,
+with ``ratio`` below 1, in the host tier: ``state_tensors`` (and every function here that reaches the state)
+first calls ``buf.ready()``, which brings the whole shard into host memory; the next step puts it back.
+Full states are gathered and scattered where the parameters are. Callers (state dicts, copies, ``opt.state``,
+checkpoints) do not change; the update reaches the tier through ``stages.offloaded``.
 """
 
 from __future__ import annotations

@@ -266,8 +266,10 @@ class Stage3Pipeline(Stage2Pipeline):
 
     @property
     def params_offloaded(self) -> bool:
-        """``offload_param`` acted on: the parameter shards live in the state tier's host memory."""
-        return self.tier is not None and self.options.offload_param.device == "cpu"
+        """``offload_param`` acted on: the parameter shards live in the state tier's host memory (all the state is
+        there: ``offload_optimizer.ratio`` 1)."""
+        tier = self.tier
+        return tier is not None and self.options.offload_param.device == "cpu" and tier.config.ratio == 1.0
 
     def _allocate(self, buf: Stage3Buffer) -> None:
         super()._allocate(buf)

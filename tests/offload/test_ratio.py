@@ -1,0 +1,94 @@
+"""``offload_optimizer.ratio``: the share of the state in the tier, whole buckets, shown by ``memory_report``
+(the exactness against no offload is in ``test_offload_exact``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_kernels as zk
+from zero_kernels.stages import placement
+
+BUCKET = 256  # elements: the model's 3.4k parameters make 14 buckets
+KINDS = 3  # fp32 parameters with AMSGrad: exp_avg, exp_avg_sq, max_exp_avg_sq (no separate master)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(40, 48), torch.nn.Tanh(), torch.nn.Linear(48, 30), torch.nn.Linear(30, 1)
+    )
+
+
+def _step(model: torch.nn.Module, opt: zk.ShardedFusedAdam) -> None:
+    model(torch.randn(4, 40)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+@pytest.mark.parametrize("ratio", [0.3, 0.9])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_memory_report_shows_the_share_on_the_device(stage: int, ratio: float, device: str, tmp_path: Path) -> None:
+    model = _model()
+    offload = {"device": device, "ratio": ratio, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    opt = zk.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET, amsgrad=True, offload_optimizer=offload)
+    (buf,) = opt._pipeline.buffers
+    shard, kept = buf.layout.shard_numel, placement.cut(buf)
+    bucket = buf.layout.buckets[0].shard_numel
+    assert (1 - ratio) * shard - bucket < kept <= (1 - ratio) * shard, (
+        kept,
+        shard,
+    )  # whole buckets, >= ratio offloaded
+    _step(model, opt)
+    report = opt.memory_report()
+    assert report["optimizer"] == kept * KINDS * 4, report
+    tier_state = (shard - kept) * KINDS * 4
+    if device == "nvme":
+        assert report["disk"] == tier_state, report
+    else:
+        assert report["disk"] == 0 and report["host"] >= tier_state, report
+    opt.state_dict()  # a read of the state brings it whole into host memory until the next step
+    assert opt.memory_report()["optimizer"] == 0
+    _step(model, opt)
+    assert opt.memory_report()["optimizer"] == kept * KINDS * 4
+    opt._pipeline.close()
+
+
+def test_a_small_share_on_the_device_keeps_whole_buckets_in_the_tier() -> None:
+    """Under one bucket's worth of the state for the device: all of it in the tier, as ratio 1."""
+    opt = zk.ShardedFusedAdam(
+        _model(), stage=1, reduce_bucket_size=10**6, offload_optimizer={"device": "cpu", "ratio": 0.5}
+    )
+    (buf,) = opt._pipeline.buffers
+    assert len(buf.layout.buckets) == 1 and placement.cut(buf) == 0
+    assert opt.memory_report()["optimizer"] == 0
+
+
+def test_offload_param_with_a_share_on_the_device_warns_that_it_stays(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        opt = zk.ShardedFusedAdam(_model(), stage=3, reduce_bucket_size=BUCKET, offload_param={"device": "cpu"},
+                                  offload_optimizer={"device": "cpu", "ratio": 0.5})  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if "offload_param" in r.getMessage()]
+    assert len(said) == 1 and "ratio=0.5" in said[0] and "not acted on" in said[0], said
+    assert not opt._pipeline.params_offloaded
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_only_the_tiers_share_crosses_the_bus(stage: int) -> None:
+    """bf16: 2 bytes per element of the tier's part down (the gradient) and 2 up (the parameter), none for the
+    device's part."""
+    model = _model().to(torch.bfloat16)
+    opt = zk.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET,
+                              offload_optimizer={"device": "cpu", "ratio": 0.3})  # fmt: skip
+    (buf,) = opt._pipeline.buffers
+    tier = opt._pipeline.tier
+    assert 0 < placement.cut(buf) < buf.layout.shard_numel
+    before = dict(tier.traffic())
+    model(torch.randn(4, 40, dtype=torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    moved = {k: v - before[k] for k, v in tier.traffic().items()}
+    assert moved["down"] == moved["up"] == 2 * placement.tier_numel(buf), moved

@@ -1,0 +1,127 @@
+"""Where each bucket's optimizer state lives when it is offloaded: ``offload_optimizer.ratio``.
+
+A share ``ratio`` of this rank's optimizer state (by elements) lives in the state tier (host memory or
+files) and is updated by the host Adam; the rest stays on the parameters' device and is updated there by the
+same path as without offload (``update.update_bucket``). The unit is the whole bucket, as DeepSpeed's unit
+is the whole sub-group: buffers are placed as they are built, in order, and each keeps on the device the
+longest run of its first buckets for which the elements kept on the device so far stay within
+``(1 - ratio)`` of the elements placed so far (``device_buckets``). So at least ``ratio`` of the state is in
+the tier, short of it by less than one bucket; a buffer may end up wholly on the device, or wholly in the tier.
+
+Forms of a buffer's state tensors (``FlatBuffer.exp_avg``, ...; ``tier_from``: its first bucket in the tier):
+
+- on the device (``tier_from`` = every bucket): device tensors, as without offload; the tier knows nothing of it;
+- resident: host tensors of the whole shard. A buffer wholly in the host tier stays so; a split one (some
+  buckets on each side) and one in the disk tier are so only between a read of the state door
+  (``FlatBuffer.ready``, ``merge``) and the next step;
+- split (``FlatBuffer.swap_in`` set): the state attributes hold only the device part, the shard's first
+  ``cut`` elements, on the device (empty when every bucket is in the tier); the tier keeps the rest
+  (``tier.spill``/``fill``: a host tensor per kind, or the disk tier's files). ``split`` makes it so at the
+  step (after ``master.push_written``); ``merge`` undoes it for the door.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import master
+from .buffers import FlatBuffer
+from .layout import Bucket
+
+if TYPE_CHECKING:
+    from .base import Pipeline
+
+KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+
+
+def device_buckets(pipeline: "Pipeline", buf: FlatBuffer) -> int:
+    """How many of ``buf``'s first buckets keep their state on the device (see the module docstring); the
+    buffers placed before it are ``pipeline.buffers``."""
+    ratio = pipeline.tier.config.ratio
+    kept = sum(cut(b) for b in pipeline.buffers)
+    placed = sum(b.layout.shard_numel for b in pipeline.buffers) + buf.layout.shard_numel
+    budget = (1.0 - ratio) * placed - kept
+    count = 0
+    for bucket in buf.layout.buckets:
+        if bucket.shard_offset + bucket.shard_numel > budget:
+            break
+        count += 1
+    return count
+
+
+def cut(buf: FlatBuffer) -> int:
+    """Elements of ``buf``'s shard whose state is on the device (its first ``tier_from`` buckets)."""
+    buckets = buf.layout.buckets
+    return buckets[buf.tier_from].shard_offset if buf.tier_from < len(buckets) else buf.layout.shard_numel
+
+
+def on_device(buf: FlatBuffer) -> bool:
+    """Whether every bucket of ``buf`` keeps its state on the device (the tier has no part of it)."""
+    return buf.tier_from >= len(buf.layout.buckets)
+
+
+def in_tier(buf: FlatBuffer, bucket: Bucket) -> bool:
+    return bucket.index >= buf.tier_from
+
+
+def tier_numel(buf: FlatBuffer) -> int:
+    """Elements of ``buf``'s shard whose state is in the tier."""
+    return buf.layout.shard_numel - cut(buf)
+
+
+def part(buf: FlatBuffer, t: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """``bucket``'s part of ``t``, a tensor over the tier's part of the shard (from element ``cut``)."""
+    return t.narrow(0, bucket.shard_offset - cut(buf), bucket.shard_numel)
+
+
+def splits(tier: Any, buf: FlatBuffer) -> bool:
+    """Whether ``buf``'s state is split between steps (else it stays resident: wholly in the host tier)."""
+    return not on_device(buf) and (tier.kind == "disk" or buf.tier_from > 0)
+
+
+def resident(buf: FlatBuffer) -> bool:
+    return buf.swap_in is None
+
+
+def tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
+    """``{kind: tensor}`` of the state tensors ``buf`` has, in whatever form."""
+    return {kind: getattr(buf, kind) for kind in KINDS if getattr(buf, kind) is not None}
+
+
+def split(tier: Any, buf: FlatBuffer) -> None:
+    """Resident -> split: the device part goes up, the tier keeps the rest (see the module docstring)."""
+    state = tensors(buf)
+    c, rest = cut(buf), tier_numel(buf)
+    tier.spill(id(buf), {kind: t.narrow(0, c, rest) for kind, t in state.items()})
+    for kind, t in state.items():
+        setattr(buf, kind, t.narrow(0, 0, c).to(buf.device, copy=True))
+    master.record(buf)
+    buf.swap_in = lambda: merge(tier, buf)
+
+
+def merge(tier: Any, buf: FlatBuffer) -> None:
+    """Split -> resident: the whole shard of each state tensor in host memory (``FlatBuffer.ready``)."""
+    if resident(buf):
+        return
+    n, c = buf.layout.shard_numel, cut(buf)
+    whole = {kind: tier.empty(n, torch.float32) for kind in tensors(buf)}
+    for kind, t in whole.items():
+        t.narrow(0, 0, c).copy_(getattr(buf, kind))
+    tier.fill(id(buf), {kind: t.narrow(0, c, n - c) for kind, t in whole.items()})
+    for kind, t in whole.items():
+        setattr(buf, kind, t)
+    master.record(buf)
+    buf.swap_in = None
+
+
+def memory(pipeline: "Pipeline") -> dict[str, list[torch.Tensor]]:
+    """The state tensors by tier: ``optimizer`` (on the device: buffers wholly there, split buffers' device
+    parts) and ``host`` (resident state, the host tier's parts of split buffers, the tier's host copies)."""
+    device: list[torch.Tensor] = []
+    host: list[torch.Tensor] = []
+    for buf in pipeline.buffers:
+        state = list(tensors(buf).values())
+        (device if on_device(buf) or not resident(buf) else host).extend(state)
+    return {"optimizer": device, "host": host + pipeline.tier.host_tensors()}
