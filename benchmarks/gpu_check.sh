@@ -90,7 +90,7 @@ if [ "$cuda" = "1" ]; then
 else
     echo "benchmarks: skipped: no CUDA device"
 fi
-limit "$SUMMARY_S" "$PYTHON" tests/gpu/gpu_check.py --summary "$results" --worst-case "$WORST_CASE_S" \
+limit "$SUMMARY_S" "$PYTHON" benchmarks/gpu_report.py "$results" --worst-case "$WORST_CASE_S" \
     --elapsed "$((SECONDS - started))"
 if [ "$failed" -ne 0 ]; then
     exit 1

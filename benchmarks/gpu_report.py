@@ -9,11 +9,14 @@ device every check is written as skipped, with the reason. A file holds::
      "seconds": ..., "problems": [...]}, ...], ...}   (and what the script adds: rows, timings)
 
 ``summary(DIR)`` prints every check of every file, the stage rows and timings, and ends with one
-line: how many checks passed, failed and were skipped, and the run's worst-case time.
+line: how many checks passed, failed and were skipped, and the run's worst-case time;
+``python benchmarks/gpu_report.py DIR [--worst-case S] [--elapsed S]`` prints it (``gpu_check.sh``'s last
+step). Nothing here imports torch, so that step takes well under a second even on a busy machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -161,3 +164,16 @@ def summary(json_dir: str, worst_case_s: Optional[int] = None, elapsed_s: Option
         f"results in {json_dir}"
     )
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="the summary of a finished gpu_check.sh run")
+    parser.add_argument("json_dir", metavar="DIR", help="the run's results (every JSON file its scripts wrote)")
+    parser.add_argument("--worst-case", type=int, help="the run's worst-case time, in seconds")
+    parser.add_argument("--elapsed", type=float, help="how long the run took, in seconds")
+    args = parser.parse_args(argv)
+    return summary(args.json_dir, args.worst_case, args.elapsed)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""GPU check of the Triton kernels: correctness on random data, what each compiled variant costs, summary.
+"""GPU check of the Triton kernels: correctness on random data, and what each compiled variant costs.
 
 ``python tests/gpu/gpu_check.py [--json DIR]`` runs on a CUDA device: Adam (every flag, grad and
 copy dtype, sizes up to 2^26), flatten/unflatten (a 2^26-element bucket of ~200 tensors, views,
@@ -8,7 +8,6 @@ those checks compiled, its registers, spills and the widest global load and stor
 (``kernels.aot`` holds the same limits without a GPU). ``--json DIR`` writes ``gpu_check.json`` after
 every check. It exits 1 when a check fails or a variant is over the limits, 2 without CUDA (every
 check written as skipped).
-``--summary DIR`` prints the short table of a finished run (every JSON file the GPU check wrote).
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from a checkout
 
 from benchmarks.adam import transformer_shapes  # noqa: E402
-from benchmarks.gpu_report import Report, summary  # noqa: E402
+from benchmarks.gpu_report import Report  # noqa: E402
 from benchmarks.gpu_script import skipped_without_cuda  # noqa: E402
 
 RTOL = 1.3e-6
@@ -429,15 +428,10 @@ def run_checks(report: Report) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="DIR", help="also write gpu_check.json there (after every check)")
-    parser.add_argument("--summary", metavar="DIR", help="print the summary of a finished run and exit")
-    parser.add_argument("--worst-case", type=int, help="with --summary: the run's worst-case time, in seconds")
-    parser.add_argument("--elapsed", type=float, help="with --summary: how long the run took, in seconds")
     parser.add_argument(
         "--cpu-smoke", action="store_true", help="run the same checks on the CPU in the Triton interpreter, small sizes"
     )
     args = parser.parse_args(argv)
-    if args.summary:
-        return summary(args.summary, args.worst_case, args.elapsed)
     if args.cpu_smoke:
         global BIG, DEVICE
         os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first imported, below
