@@ -27,18 +27,49 @@ def _tiers(scratch: Path, rank: int) -> list[dict]:
     return [{"device": "cpu", "pin_memory": True}, disk]
 
 
+def _param_files(scratch: Path, rank: int, max_in_cpu: int = 0) -> dict:
+    """``offload_param`` on nvme (the HF ZeRO-Infinity template's keys), a pool of 2 buffers: gathers wait for one."""
+    nvme = scratch / f"params{rank}"
+    nvme.mkdir(exist_ok=True)
+    return {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 2, "buffer_size": 1000, "max_in_cpu": max_in_cpu}
+
+
+def in_files(opt: zo.ShardedFusedAdam, kept: bool = False) -> None:
+    """Between steps the shard of each unit in a file is only there: a stand-in in memory, its bytes in its file
+    (``kept``: some unit's shard stays in host memory, under ``max_in_cpu``)."""
+    pipeline = opt._pipeline
+    units = list(pipeline.disk_params.units.values())
+    sharded = [buf for buf in pipeline.buffers if not buf.persistent]
+    assert units and (len(units) < len(sharded)) == kept, (len(units), len(sharded))
+    assert all(buf.param_shard.device.type == "meta" for buf in units)
+    files = [p.stat().st_size for p in pipeline.disk_params.files.directory.root.glob("u*.params")]
+    assert sorted(files) == sorted(buf.layout.shard_numel * buf.dtype.itemsize for buf in units)
+
+
 def _exact_ranks(rank: int, world: int, scratch: str) -> None:
+    files, mixed = _param_files(Path(scratch), rank), _param_files(Path(scratch), rank, max_in_cpu=40)
     for offload in _tiers(Path(scratch), rank):
         for stage in (1, 2, 3):
             for dtype in DTYPES:
                 pair_case(rank, world, stage, dtype, offload)
-        # stage 3's parameter shards in host memory too (the HF ZeRO-3 template): nothing goes up at the step
-        for dtype in DTYPES if offload["device"] == "cpu" else (torch.bfloat16,):
-            result = pair_case(rank, world, 3, dtype, offload, {"device": "cpu", "pin_memory": True})
-            size = torch.finfo(dtype).bits // 8
-            up = result["steps"] * result["device_numel"] * size  # the persistent units' shards only
-            assert result["device_numel"] < result["shard_numel"] / 2, "most parameters must be in sharded units"
-            assert result["traffic"]["up"] == up, f"offload_param with {offload['device']}, {dtype}"
+        # stage 3's parameter shards in host memory too (the HF ZeRO-3 template): nothing goes up at the step;
+        # or in files (ZeRO-Infinity): compared after every step (the state reads bring the shards in between
+        # steps), and only after the last (gathers and updates read them from the files; some shards in host
+        # memory under max_in_cpu)
+        on_cpu = offload["device"] == "cpu"
+        cases = [
+            ({"device": "cpu", "pin_memory": True}, None, DTYPES if on_cpu else (torch.bfloat16,)),
+            (files, None, (torch.bfloat16, torch.float32) if on_cpu else (torch.bfloat16,)),
+            (files, in_files, (torch.bfloat16,)),
+            (mixed, lambda opt: in_files(opt, kept=True), (torch.bfloat16,)),
+        ]
+        for params, during, dtypes in cases:
+            for dtype in dtypes:
+                result = pair_case(rank, world, 3, dtype, offload, params, during)
+                size = torch.finfo(dtype).bits // 8
+                up = result["steps"] * result["device_numel"] * size  # the persistent units' shards only
+                assert result["device_numel"] < result["shard_numel"] / 2, "most parameters must be in sharded units"
+                assert result["traffic"]["up"] == up, f"offload_param {params} with {offload['device']}, {dtype}"
 
 
 @pytest.mark.distributed
