@@ -14,7 +14,7 @@ import torch
 import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
-from tests.helpers.lockstep import BUCKET, ROWS, Net, batch
+from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
 from tests.offload.exactness import pair_case
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -88,23 +88,28 @@ def _train(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, steps: r
 
 def _opt(model: Net, stage: int, offload: dict | None) -> zo.ShardedFusedAdam:
     kwargs = {"offload_optimizer": offload, "sub_group_size": 32} if offload else {}
-    if offload and offload.get("params"):  # stage 3 with the parameter shards in host memory too
+    if offload and offload.get("params"):  # stage 3 with the parameter shards in host memory or files too
         kwargs["offload_optimizer"] = {"device": offload["device"]}
-        kwargs["offload_param"] = {"device": "cpu"}
+        kwargs["offload_param"] = offload["params"]
+        kwargs.update(STAGE3)  # units to offload, not only persistent parameters
     return zo.ShardedFusedAdam(model, lr=2e-2, stage=stage, reduce_bucket_size=BUCKET, amsgrad=True, **kwargs)
 
 
 def _save_ranks(rank: int, world: int, scratch: str) -> None:
     """At 2 ranks: the same training saved with the disk tier (stage 3), without offload (stage 2), and with
-    the parameter shards in host memory too (stage 3)."""
+    the parameter shards in host memory (stage 3) or in files (stage 3: saved with them in their files)."""
     nvme = Path(scratch) / f"nvme{rank}"
     nvme.mkdir(exist_ok=True)
+    files = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0}
     for name, stage, offload in (("tier", 3, {"device": "nvme", "nvme_path": str(nvme)}), ("plain", 2, None),
-                                 ("params", 3, {"device": "cpu", "params": True})):  # fmt: skip
+                                 ("params", 3, {"device": "cpu", "params": {"device": "cpu"}}),
+                                 ("files", 3, {"device": "cpu", "params": files})):  # fmt: skip
         torch.manual_seed(0)
         model = Net()
         opt = _opt(model, stage, offload)
         _train(model, opt, rank, world, range(3))
+        if name == "files":
+            in_files(opt)
         zk.checkpoint.save(Path(scratch) / name, model, opt)
         if offload:
             opt._pipeline.tier.close()
@@ -118,13 +123,17 @@ def test_checkpoint_resumes_across_tiers_and_world_sizes(tmp_path: Path) -> None
     (tmp_path / "nvme").mkdir()
     resumed = {}
     disk = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    files = {"device": "cpu", "params": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "max_in_cpu": 0}}
     cases = [("tier", 1, None), ("plain", 1, disk), ("tier", 1, {"device": "cpu"}), ("params", 1, None),
-             ("plain", 3, {"device": "cpu", "params": True})]  # fmt: skip
+             ("plain", 3, {"device": "cpu", "params": {"device": "cpu"}}), ("files", 1, None),
+             ("plain", 3, files)]  # fmt: skip
     for saved, stage, offload in cases:
         torch.manual_seed(1)
         model = Net()
         opt = _opt(model, stage, offload)
         zk.checkpoint.load(tmp_path / saved, model, opt)
+        if offload is files:
+            assert opt._pipeline.disk_params.units
         before = copy.deepcopy(opt.full_state_dict()["state"])
         _train(model, opt, 0, 1, range(3, 5))
         with opt.gathered_params():

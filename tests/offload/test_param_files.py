@@ -1,0 +1,106 @@
+"""Stage 3's parameter shards in files (``offload_param`` on nvme): what ``memory_report`` shows next to the shards
+in host memory, and a missing or unwritable ``nvme_path``, a shard larger than ``buffer_size`` and ZeRO++'s weight
+gathers refused with the key named before anything changes. (Exactness and checkpoints: ``test_offload_exact``.)"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.optim as zo
+from tests.helpers.dist import run_ranks
+
+KWARGS = dict(lr=1e-2, stage=3, reduce_bucket_size=512, stage3_param_persistence_threshold=0)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)).to(torch.bfloat16)
+
+
+def _train(model: nn.Module, opt: zo.ShardedFusedAdam, steps: int) -> None:
+    for step in range(steps):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _files(path: Path, **extra) -> dict:
+    return {"device": "nvme", "nvme_path": str(path), "buffer_count": 2, "max_in_cpu": 0, **extra}
+
+
+def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(tmp_path: Path) -> None:
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    host = zo.ShardedFusedAdam(twin, offload_optimizer="cpu", offload_param="cpu", **KWARGS)
+    _train(model, opt, 2)
+    _train(twin, host, 2)
+    pipeline = opt._pipeline
+    units = list(pipeline.disk_params.units.values())
+    assert len(units) == len(pipeline.buffers) == 2  # one unit per Linear: every shard in a file
+    assert all(buf.param_shard.device.type == "meta" for buf in units)
+    shard_bytes = sum(buf.layout.shard_numel * 2 for buf in units)
+    files = sorted(tmp_path.glob("zero_kernels/*/rank0/u*.params"))
+    assert len(files) == 2 and sum(f.stat().st_size for f in files) == shard_bytes
+    pool = sum(t.untyped_storage().nbytes() for t in pipeline.disk_params.files.pool())
+    assert 0 < pool <= 2 * (max(buf.layout.shard_numel for buf in units) * 2 + 2 * 4096)  # 2 buffers, page aligned
+    report, before = opt.memory_report(), host.memory_report()
+    assert report["params"] == before["params"]  # nothing of the shards under params
+    assert report["host"] == before["host"] - shard_bytes + pool  # the host copies gone, the pool there
+    assert report["disk"] == before["disk"] + shard_bytes == shard_bytes
+    with opt.gathered_params(), host.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+
+
+def _refused_ranks(rank: int, world: int, scratch: str) -> None:
+    """Rank 0's nvme_path does not exist; rank 1's cannot hold a directory (a file is where it would go)."""
+    root = Path(scratch) / f"rank{rank}"
+    root.mkdir()
+    if rank == 0:
+        path = root / "missing"
+    else:
+        path = root
+        (root / "zero_kernels").write_text("not a directory")
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(OSError) as caught:
+        zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(path), **KWARGS)
+    text = str(caught.value)
+    assert "zero_optimization.offload_param could not start" in text, text
+    missing, blocked = Path(scratch) / "rank0" / "missing", Path(scratch) / "rank1"
+    assert re.search(rf"rank 0: \[Errno \d+\] offload_param.nvme_path='{missing}' is not a directory", text), text
+    assert re.search(rf"rank 1: \[Errno \d+\] offload_param.nvme_path='{blocked}': cannot write", text), text
+    for name, value in model.state_dict().items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name
+
+
+@pytest.mark.distributed
+def test_missing_or_unwritable_nvme_path_is_refused_on_every_rank(tmp_path: Path) -> None:
+    run_ranks(_refused_ranks, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        ({"offload_param": {"buffer_size": 100}}, "offload_param.buffer_size=100 is smaller than"),
+        ({"zero_quantized_weights": True}, "does not combine with zero_optimization.zero_quantized_weights"),
+    ],
+)
+def test_what_cannot_run_is_refused_before_anything_changes(extra: dict, says: str, tmp_path: Path) -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = _files(tmp_path, **extra.get("offload_param", {}))
+    options = {k: v for k, v in extra.items() if k != "offload_param"}
+    with pytest.raises(ValueError, match=says):
+        zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=params, **options, **KWARGS)
+    for name, value in model.state_dict().items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name
+    assert not list(tmp_path.glob("zero_kernels/*/rank0/u*"))  # no file left
