@@ -104,3 +104,31 @@ def test_what_cannot_run_is_refused_before_anything_changes(extra: dict, says: s
     for name, value in model.state_dict().items():
         assert value.shape == before[name].shape and torch.equal(value, before[name]), name
     assert not list(tmp_path.glob("zero_kernels/*/rank0/u*"))  # no file left
+
+
+def test_values_given_between_steps_reach_the_files(tmp_path: Path) -> None:
+    """A model state loaded and an edit made inside ``gathered_params()``, and a value assigned to a freed
+    parameter between steps, train on exactly as without offload (the shards in files are read in to take them)."""
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    plain = zo.ShardedFusedAdam(twin, **KWARGS)
+    with plain.gathered_params():
+        loaded = {k: v * 0.5 for k, v in twin.state_dict().items()}
+    for step in range(4):
+        for m, o in ((model, opt), (twin, plain)):
+            _train(m, o, 1)
+            if step == 0:
+                with o.gathered_params():
+                    m.load_state_dict(loaded)
+            if step == 1:
+                with o.gathered_params():
+                    m[0].weight.data.mul_(2)
+            if step == 2:
+                m[2].weight.data = torch.full((8, 32), 0.125, dtype=torch.bfloat16)
+    assert all(buf.param_shard.device.type == "meta" for buf in opt._pipeline.disk_params.units.values())
+    with opt.gathered_params(), plain.gathered_params():
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p, q), name
+    ours, theirs = opt.full_state_dict()["state"], plain.full_state_dict()["state"]
+    assert all(torch.equal(ours[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
