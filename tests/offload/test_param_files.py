@@ -14,6 +14,7 @@ from torch import nn
 
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
+from tests.offload.test_disk_tier import _tmpfs
 
 KWARGS = dict(lr=1e-2, stage=3, reduce_bucket_size=512, stage3_param_persistence_threshold=0)
 
@@ -132,3 +133,15 @@ def test_values_given_between_steps_reach_the_files(tmp_path: Path) -> None:
             assert torch.equal(p, q), name
     ours, theirs = opt.full_state_dict()["state"], plain.full_state_dict()["state"]
     assert all(torch.equal(ours[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
+
+
+def test_a_disk_without_room_for_the_shards_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8)).to(torch.bfloat16)  # 131 KB of shards
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with _tmpfs(tmp_path / "small", "size=64k") as small:
+        with pytest.raises(OSError, match=r"offload_param could not start: .*offload_param.nvme_path: cannot reserve"):
+            zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(small), **KWARGS)
+        assert not list(small.glob("zero_kernels/*/rank0/u*"))  # the files reserved are removed
+    for name, value in model.state_dict().items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name

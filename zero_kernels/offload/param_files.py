@@ -74,7 +74,11 @@ class ParamFiles:
             )
         path = self.directory.root / f"u{len(self.paths)}.params"
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self.directory.reserve(path, numel * itemsize, f"the parameter shard of {name}")
+        try:
+            self.directory.reserve(path, numel * itemsize, f"the parameter shard of {name}")
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
         self.paths[key] = (path, dtype)
         self._nbytes = max(self._nbytes, numel * itemsize)
 
