@@ -21,7 +21,8 @@ every write. ``spill``/``fill`` write and read a whole buffer (its state made re
 door between steps, and put back at the next step).
 
 I/O goes through ``FileIO`` (``aio``: the C++ engine, or its Python fallback); every
-error names the file.
+error names the file. The directory's rules (``RunDirectory``) and the engine (``file_io``) serve stage 3's
+parameter shards in files too (``param_files``).
 """
 
 from __future__ import annotations

@@ -69,9 +69,10 @@ def _weights(numel: int, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class HostShard:
-    """A buffer's host copies: ``params`` (param dtype, this rank's shard) and ``grads`` (the gradients' dtype)."""
+    """A buffer's host copies: ``params`` (param dtype, this rank's shard; None where stage 3 keeps the shard in a
+    file, ``offload_param`` on nvme) and ``grads`` (the gradients' dtype)."""
 
-    params: torch.Tensor
+    params: Optional[torch.Tensor]
     grads: Optional[torch.Tensor] = None
 
 
