@@ -110,10 +110,10 @@ def test_subject_at_a_tiny_size() -> None:
 def test_big_case_at_a_tiny_size() -> None:
     """Without and with the parameter shards on disk (``offload_param`` nvme; layers above the persistence
     threshold, 1e5 elements, so that they are gathered units)."""
-    rows = offload.run_big(512 * 512 * 2, steps=2, width=512)
+    rows = offload.run_big(320 * 320 * 2, steps=2, width=320)
     assert [row["params_on_disk"] for row in rows] == [False, True]
     for row in rows:
-        assert row["params"] == 512 * 512 * 2 and "error" not in row
+        assert row["params"] == 320 * 320 * 2 and "error" not in row
         assert row["read_GB"] == row["written_GB"] and row["read_GB"] * 1e9 >= 12 * row["params"]
         assert row["peak_rss_GB"] >= row["steps_peak_rss_GB"] > 0
         assert row["update_io_of_disk"] >= row["io_of_disk"] > 0 and row["step_over_io_bound"] > 0

@@ -1,10 +1,13 @@
 """Offload to host memory and to disk gives the weights and state of the same run without offload, bit for
-bit, at stages 1-3 on 2 gloo ranks (accumulation, clipping, a non-finite step, fp16 overflow, AMSGrad);
-and a checkpoint saved with offload resumes without it at another world size, and the other way round."""
+bit, at stages 1-3 on 2 gloo ranks (accumulation, clipping, a non-finite step, fp16 overflow, AMSGrad), also
+with stage 3's parameter shards in host memory or in files (``offload_param`` cpu, nvme); a checkpoint saved with
+offload resumes without it at another world size, and the other way round; a missing or unwritable
+``offload_param.nvme_path`` is refused on every rank."""
 
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 from pathlib import Path
 
@@ -46,7 +49,34 @@ def in_files(opt: zo.ShardedFusedAdam, kept: bool = False) -> None:
     assert sorted(files) == sorted(buf.layout.shard_numel * buf.dtype.itemsize for buf in units)
 
 
+def _refused_ranks(rank: int, world: int, scratch: str) -> None:
+    """``offload_param.nvme_path``: rank 0's does not exist, rank 1's cannot hold a directory (a file is where it
+    would go): every rank raises, naming the key and each rank's problem, and the model is left as it was."""
+    root = Path(scratch) / f"refused{rank}"
+    root.mkdir()
+    if rank == 0:
+        path = root / "missing"
+    else:
+        path = root
+        (root / "zero_kernels").write_text("not a directory")
+    torch.manual_seed(0)
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    files = {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0}
+    kwargs = dict(stage=3, reduce_bucket_size=BUCKET, **STAGE3)
+    with pytest.raises(OSError) as caught:
+        zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=files, **kwargs)
+    text = str(caught.value)
+    assert "zero_optimization.offload_param could not start" in text, text
+    missing, blocked = Path(scratch) / "refused0" / "missing", Path(scratch) / "refused1"
+    assert re.search(rf"rank 0: \[Errno \d+\] offload_param.nvme_path='{missing}' is not a directory", text), text
+    assert re.search(rf"rank 1: \[Errno \d+\] offload_param.nvme_path='{blocked}': cannot write", text), text
+    for name, value in model.state_dict().items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name
+
+
 def _exact_ranks(rank: int, world: int, scratch: str) -> None:
+    _refused_ranks(rank, world, scratch)  # in this spawn: each one costs seconds
     files, mixed = _param_files(Path(scratch), rank), _param_files(Path(scratch), rank, max_in_cpu=40)
     for offload in _tiers(Path(scratch), rank):
         for stage in (1, 2, 3):
