@@ -36,6 +36,8 @@ Offload. With ``offload_param`` on the cpu and the optimizer state offloaded (``
 host tier's copy of a unit's parameter shard is the shard itself: the host Adam writes the new values there,
 nothing goes up at the step, and each gather copies the shard (or its int8 payload with
 ``zero_quantized_weights``) to the device first (``stage3.gathers``). Persistent units stay on the device.
+With ``offload_param`` on nvme the units beyond ``max_in_cpu`` keep their shard in a file instead, read through a
+bounded pool of host buffers for each gather and for the update (``stage3.disk_params``).
 
 Frozen parameters stay whole on every rank, unless ``zero_quantized_nontrainable_weights`` is on: then
 they are partitioned too, per holding module, and stored in int8 (``stage3.frozen``).
@@ -166,7 +168,6 @@ class Stage3Pipeline(Stage2Pipeline):
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
         self._deferred = DeferredChecks()  # gathers of repeated passes, compared at the step
-        self._state_dict_guard = stage3_save.guard_state_dict(self)
         self.disk_params: Optional[DiskParams] = None  # ``offload_param`` on nvme: shards in files
         if self.tier is not None:
             try:
@@ -174,6 +175,7 @@ class Stage3Pipeline(Stage2Pipeline):
             except (OSError, ValueError):
                 self.tier.close()
                 raise
+        self._state_dict_guard = stage3_save.guard_state_dict(self)
 
     def _agree_params(self, problem: Optional[str]) -> None:
         offloaded.agree(self.engine, problem, "offload_param.start", "offload_param")
