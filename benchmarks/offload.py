@@ -25,10 +25,14 @@ write then read of ``DISK_PROBE_BYTES``); ``io_of_disk`` is our state I/O per st
 share of the mean of the two. ``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
 
 ``--big``: one rank trains a bf16 model of ``--big-params`` parameters at stage 3 with its optimizer
-state on disk (12 bytes per parameter) and reports its peak resident memory (``VmHWM``; ``steps_peak``:
-since the optimizer was built), the state's bytes on disk, the state I/O rate against the disk's over the
-whole step (``io_of_disk``) and over the update alone (``update_io_of_disk``: the I/O runs there), and
-the step against (state bytes moved / disk bandwidth) (``step_over_io_bound``).
+state on disk (12 bytes per parameter), twice, each in a fresh process: with the parameter shards in
+memory, and with them on disk too (``params_on_disk``: ``offload_param`` on nvme with ``max_in_cpu`` 0, since
+DeepSpeed's default 1e9 would keep every shard of a model this size in host memory). It reports its peak
+resident memory (``VmHWM``; ``steps_peak``: since the optimizer was built), the state's bytes on disk (the
+parameter shards' files too), the state I/O rate against the disk's over the whole step (``io_of_disk``) and
+over the update alone (``update_io_of_disk``: the I/O runs there), and the step against (state bytes moved /
+disk bandwidth) (``step_over_io_bound``); the parameter shards' bytes read and written per step apart
+(``params_read_GB``, ``params_written_GB``).
 """
 
 from __future__ import annotations
@@ -192,6 +196,12 @@ def _tier(opt: Any) -> Any:
 def _traffic(opt: Any) -> dict[str, int]:
     tier = _tier(opt)
     return dict(tier.traffic()) if tier is not None else {}
+
+
+def _param_traffic(opt: Any) -> dict[str, int]:
+    """Bytes of stage 3's parameter shards read from and written to their files (``offload_param`` on nvme)."""
+    disk = getattr(getattr(opt, "_pipeline", None), "disk_params", None)
+    return dict(disk.files.traffic()) if disk is not None else {}
 
 
 def _build(provider: str, model: nn.Module, x: torch.Tensor, folder: str) -> tuple[Callable[[], None], Any]:
@@ -369,7 +379,20 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, folder: str, out: str) -> None:
+def big_config(folder: str, params_on_disk: bool) -> dict:
+    """The capacity case's config: stage 3, the state on disk, and with ``params_on_disk`` the parameter shards
+    too (every one: ``max_in_cpu`` 0)."""
+    cfg = config(3, "nvme", folder, micro_batch=4)
+    if params_on_disk:
+        cfg["zero_optimization"]["offload_param"] = {
+            "device": "nvme", "nvme_path": folder, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 0
+        }  # fmt: skip
+    return cfg
+
+
+def _big_rank(
+    rank: int, num_params: int, width: int, steps: int, params_on_disk: bool, port: int, folder: str, out: str
+) -> None:
     """One rank trains the big model at stage 3 with its optimizer state on disk; it writes what it measured:
     the peak resident memory of the whole run and of its steps alone (after the optimizer was built), the
     state's bytes on disk, the bytes read and written per step, forward + backward and update times."""
@@ -380,14 +403,15 @@ def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, fol
     model = big_model(num_params, width)
     params = sum(p.numel() for p in model.parameters())
     x = torch.randn(4, width, dtype=torch.bfloat16)
-    module, opt = zk.initialize(model, config(3, "nvme", folder, micro_batch=4))
+    module, opt = zk.initialize(model, big_config(folder, params_on_disk))
     built_rss = _peak_rss()
     resettable = _reset_peak_rss()
     marks, state_on_disk = [], 0
     before: dict[str, int] = {}
+    params_before: dict[str, int] = {}
     for i in range(steps + 1):
         if i == 1:
-            before = _traffic(opt)
+            before, params_before = _traffic(opt), _param_traffic(opt)
         start = time.perf_counter()
         module(x).float().square().mean().backward()
         middle = time.perf_counter()
@@ -396,6 +420,7 @@ def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, fol
         marks.append((start, middle, time.perf_counter()))
         state_on_disk = max(state_on_disk, opt.memory_report().get("disk", 0))
     moved = {k: (v - before.get(k, 0)) / steps for k, v in _traffic(opt).items()}
+    params_moved = {k: (v - params_before.get(k, 0)) / steps for k, v in _param_traffic(opt).items()}
     timed = marks[1:]
     result = {
         "params": params,
@@ -407,29 +432,41 @@ def _big_rank(rank: int, num_params: int, width: int, steps: int, port: int, fol
         "state_on_disk_GB": state_on_disk / 1e9,
         "read_GB": moved.get("read", 0) / 1e9,
         "written_GB": moved.get("written", 0) / 1e9,
+        "params_read_GB": params_moved.get("read", 0) / 1e9,
+        "params_written_GB": params_moved.get("written", 0) / 1e9,
     }
     finish_rank(out, rank, result)
 
 
 def run_big(num_params: int, steps: int = 3, width: int = 4096) -> list[dict]:
-    """The capacity case in a fresh process (its peak resident memory is its own)."""
+    """The capacity case, without and with the parameter shards on disk, each in a fresh process (its peak
+    resident memory is its own)."""
+    return [_big_case(num_params, steps, width, params_on_disk) for params_on_disk in (False, True)]
+
+
+def _big_case(num_params: int, steps: int, width: int, params_on_disk: bool) -> dict:
     folder = _folder()
     expect(1)
-    progress(f"{num_params / 1e6:.0f}M params bf16, stage 3, state on disk", "zk-stage3-nvme")
+    provider = "zk-stage3-nvme" + ("-params-nvme" if params_on_disk else "")
+    progress(f"{num_params / 1e6:.0f}M params bf16, stage 3, state on disk", provider)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     try:
         disk = disk_bandwidth(folder)
-        args = (num_params, width, steps, free_port(), folder)
+        args = (num_params, width, steps, params_on_disk, free_port(), folder)
         (got,) = spawn_ranks(_big_rank, args, os.path.join(folder, "big"), 1)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    row: dict[str, Any] = {"case": f"{num_params / 1e6:.0f}M params bf16, 1 rank", "provider": "zk-stage3-nvme"}
+    row: dict[str, Any] = {"case": f"{num_params / 1e6:.0f}M params bf16, 1 rank", "provider": provider}
+    row["params_on_disk"] = params_on_disk
+    if load_before is not None:
+        row["load_1min_before"] = load_before
     row.update(got)
     row.update(disk)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if load is not None:
         row["load_1min"] = load
     if "error" in got:
-        return [row]
+        return row
     state = 12 * got["params"]
     disk_Bps = (disk["disk_write_GBps"] + disk["disk_read_GBps"]) / 2 * 1e9
     io_bytes = (got["read_GB"] + got["written_GB"]) * 1e9
@@ -442,4 +479,4 @@ def run_big(num_params: int, steps: int = 3, width: int = 4096) -> list[dict]:
         update_io_of_disk=io_bytes / got["update_s"] / disk_Bps,
         step_over_io_bound=got["step_s"] / (io_bytes / disk_Bps) if io_bytes else None,
     )
-    return [row]
+    return row

@@ -108,10 +108,18 @@ def test_subject_at_a_tiny_size() -> None:
 @pytest.mark.distributed
 @pytest.mark.ext
 def test_big_case_at_a_tiny_size() -> None:
-    (row,) = offload.run_big(64 * 64 * 4, steps=2, width=64)
-    assert row["params"] == 64 * 64 * 4 and "error" not in row
-    assert row["state_on_disk_GB"] * 1e9 >= 12 * row["params"]
-    assert row["read_GB"] == row["written_GB"] and row["read_GB"] * 1e9 >= 12 * row["params"]
-    assert row["peak_rss_GB"] >= row["steps_peak_rss_GB"] > 0
-    assert row["update_io_of_disk"] >= row["io_of_disk"] > 0 and row["step_over_io_bound"] > 0
-    assert row["step_s"] >= row["update_s"] > 0 and row["fwd_bwd_s"] > 0
+    """Without and with the parameter shards on disk (``offload_param`` nvme; layers above the persistence
+    threshold, 1e5 elements, so that they are gathered units)."""
+    rows = offload.run_big(320 * 320 * 2, steps=2, width=320)
+    assert [row["params_on_disk"] for row in rows] == [False, True]
+    for row in rows:
+        assert row["params"] == 320 * 320 * 2 and "error" not in row
+        assert row["read_GB"] == row["written_GB"] and row["read_GB"] * 1e9 >= 12 * row["params"]
+        assert row["peak_rss_GB"] >= row["steps_peak_rss_GB"] > 0
+        assert row["update_io_of_disk"] >= row["io_of_disk"] > 0 and row["step_over_io_bound"] > 0
+        assert row["step_s"] >= row["update_s"] > 0 and row["fwd_bwd_s"] > 0
+    plain, files = rows
+    assert plain["state_on_disk_GB"] * 1e9 >= 12 * plain["params"] and plain["params_read_GB"] == 0
+    assert files["state_on_disk_GB"] * 1e9 >= 14 * files["params"]  # the state and the bf16 shards
+    assert files["params_written_GB"] * 1e9 == 2 * files["params"]  # the update writes each shard once
+    assert files["params_read_GB"] * 1e9 == 3 * 2 * files["params"]  # two gathers and the update read it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from typing import Callable
 
 import torch
 
@@ -53,10 +54,20 @@ def _state(opt: zo.ShardedFusedAdam) -> dict:
     return opt.full_state_dict()["state"]
 
 
-def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: dict, params: dict | None = None) -> dict:
+def pair_case(
+    rank: int,
+    world: int,
+    stage: int,
+    dtype: torch.dtype,
+    offload: dict,
+    params: dict | None = None,
+    during: Callable[[zo.ShardedFusedAdam], None] | None = None,
+) -> dict:
     """Train with and without ``offload`` (and ``params``: the ``offload_param`` block) and compare after every
     step; returns the tiered optimizer's traffic, the parameter count and, per buffer, (its first bucket in the
-    tier, its buckets), for the caller's checks."""
+    tier, its buckets), for the caller's checks. With ``during``, it is called with the tiered optimizer after
+    every step, and the comparison waits for the last step (reading the state or the gathered weights between
+    steps changes where a tier keeps them)."""
     torch.manual_seed(0)
     plain = Net().to(dtype)
     tiered = copy.deepcopy(plain)
@@ -72,6 +83,10 @@ def pair_case(rank: int, world: int, stage: int, dtype: torch.dtype, offload: di
             opt.zero_grad()
         what = f"stage {stage} {dtype} {offload} params {params} step {step}"
         assert a.skipped_steps == b.skipped_steps, what
+        if during is not None:
+            during(b)
+            if step < STEPS - 1:
+                continue
         with a.gathered_params(), b.gathered_params():
             for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
                 assert torch.equal(p, q), f"{what}: parameter {name} differs"

@@ -1,10 +1,13 @@
 """Offload to host memory and to disk gives the weights and state of the same run without offload, bit for
-bit, at stages 1-3 on 2 gloo ranks (accumulation, clipping, a non-finite step, fp16 overflow, AMSGrad);
-and a checkpoint saved with offload resumes without it at another world size, and the other way round."""
+bit, at stages 1-3 on 2 gloo ranks (accumulation, clipping, a non-finite step, fp16 overflow, AMSGrad), also
+with stage 3's parameter shards in host memory or in files (``offload_param`` cpu, nvme); a checkpoint saved with
+offload resumes without it at another world size, and the other way round; a missing or unwritable
+``offload_param.nvme_path`` is refused on every rank."""
 
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import torch
 import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
-from tests.helpers.lockstep import BUCKET, ROWS, Net, batch
+from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
 from tests.offload.exactness import pair_case
 from tests.offload.test_offload_config import SUPER_OFFLOAD
 
@@ -28,7 +31,54 @@ def _tiers(scratch: Path, rank: int) -> list[dict]:
     return [{"device": "cpu", "pin_memory": True}, disk]
 
 
+def _param_files(scratch: Path, rank: int, max_in_cpu: int = 0) -> dict:
+    """``offload_param`` on nvme (the HF ZeRO-Infinity template's keys), a pool of 2 buffers: gathers wait for one."""
+    nvme = scratch / f"params{rank}"
+    nvme.mkdir(exist_ok=True)
+    return {"device": "nvme", "nvme_path": str(nvme), "buffer_count": 2, "buffer_size": 1000, "max_in_cpu": max_in_cpu}
+
+
+def in_files(opt: zo.ShardedFusedAdam, kept: bool = False) -> None:
+    """Between steps the shard of each unit in a file is only there: a stand-in in memory, its bytes in its file
+    (``kept``: some unit's shard stays in host memory, under ``max_in_cpu``)."""
+    pipeline = opt._pipeline
+    units = list(pipeline.disk_params.units.values())
+    sharded = [buf for buf in pipeline.buffers if not buf.persistent]
+    assert units and (len(units) < len(sharded)) == kept, (len(units), len(sharded))
+    assert all(buf.param_shard.device.type == "meta" for buf in units)
+    files = [p.stat().st_size for p in pipeline.disk_params.files.directory.root.glob("u*.params")]
+    assert sorted(files) == sorted(buf.layout.shard_numel * buf.dtype.itemsize for buf in units)
+
+
+def _refused_ranks(rank: int, world: int, scratch: str) -> None:
+    """``offload_param.nvme_path``: rank 0's does not exist, rank 1's cannot hold a directory (a file is where it
+    would go): every rank raises, naming the key and each rank's problem, and the model is left as it was."""
+    root = Path(scratch) / f"refused{rank}"
+    root.mkdir()
+    if rank == 0:
+        path = root / "missing"
+    else:
+        path = root
+        (root / "zero_kernels").write_text("not a directory")
+    torch.manual_seed(0)
+    model = Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    files = {"device": "nvme", "nvme_path": str(path), "max_in_cpu": 0}
+    kwargs = dict(stage=3, reduce_bucket_size=BUCKET, **STAGE3)
+    with pytest.raises(OSError) as caught:
+        zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=files, **kwargs)
+    text = str(caught.value)
+    assert "zero_optimization.offload_param could not start" in text, text
+    missing, blocked = Path(scratch) / "refused0" / "missing", Path(scratch) / "refused1"
+    assert re.search(rf"rank 0: \[Errno \d+\] offload_param.nvme_path='{missing}' is not a directory", text), text
+    assert re.search(rf"rank 1: \[Errno \d+\] offload_param.nvme_path='{blocked}': cannot write", text), text
+    for name, value in model.state_dict().items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name
+
+
 def _exact_ranks(rank: int, world: int, scratch: str) -> None:
+    _refused_ranks(rank, world, scratch)  # in this spawn: each one costs seconds
+    files, mixed = _param_files(Path(scratch), rank), _param_files(Path(scratch), rank, max_in_cpu=40)
     for offload in _tiers(Path(scratch), rank):
         for stage in (1, 2, 3):
             for dtype in DTYPES:
@@ -39,13 +89,24 @@ def _exact_ranks(rank: int, world: int, scratch: str) -> None:
                 placed = pair_case(rank, world, stage, dtype, {**offload, "ratio": ratio})["placed"]
                 device, tier = sum(k for k, _ in placed), sum(n - k for k, n in placed)
                 assert tier >= 1 and (device >= 1) == (ratio == 0.3), (stage, ratio, placed)
-        # stage 3's parameter shards in host memory too (the HF ZeRO-3 template): nothing goes up at the step
-        for dtype in DTYPES if offload["device"] == "cpu" else (torch.bfloat16,):
-            result = pair_case(rank, world, 3, dtype, offload, {"device": "cpu", "pin_memory": True})
-            size = torch.finfo(dtype).bits // 8
-            up = result["steps"] * result["device_numel"] * size  # the persistent units' shards only
-            assert result["device_numel"] < result["shard_numel"] / 2, "most parameters must be in sharded units"
-            assert result["traffic"]["up"] == up, f"offload_param with {offload['device']}, {dtype}"
+        # stage 3's parameter shards in host memory too (the HF ZeRO-3 template): nothing goes up at the step;
+        # or in files (ZeRO-Infinity): compared after every step (the state reads bring the shards in between
+        # steps), and only after the last (gathers and updates read them from the files; some shards in host
+        # memory under max_in_cpu)
+        on_cpu = offload["device"] == "cpu"
+        cases = [
+            ({"device": "cpu", "pin_memory": True}, None, DTYPES if on_cpu else (torch.bfloat16,)),
+            (files, None, (torch.bfloat16, torch.float32) if on_cpu else (torch.bfloat16,)),
+            (files, in_files, (torch.bfloat16,)),
+            (mixed, lambda opt: in_files(opt, kept=True), (torch.bfloat16,)),
+        ]
+        for params, during, dtypes in cases:
+            for dtype in dtypes:
+                result = pair_case(rank, world, 3, dtype, offload, params, during)
+                size = torch.finfo(dtype).bits // 8
+                up = result["steps"] * result["device_numel"] * size  # the persistent units' shards only
+                assert result["device_numel"] < result["shard_numel"] / 2, "most parameters must be in sharded units"
+                assert result["traffic"]["up"] == up, f"offload_param {params} with {offload['device']}, {dtype}"
     # DeepSpeed's SuperOffload example block (stage 3): its host Adam runs after backward here, results the same
     pair_case(rank, world, 3, torch.bfloat16, SUPER_OFFLOAD)
 
@@ -66,24 +127,30 @@ def _train(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, steps: r
 
 def _opt(model: Net, stage: int, offload: dict | None) -> zo.ShardedFusedAdam:
     kwargs = {"offload_optimizer": offload, "sub_group_size": 32} if offload else {}
-    if offload and offload.get("params"):  # stage 3 with the parameter shards in host memory too
+    if offload and offload.get("params"):  # stage 3 with the parameter shards in host memory or files too
         kwargs["offload_optimizer"] = {"device": offload["device"]}
-        kwargs["offload_param"] = {"device": "cpu"}
+        kwargs["offload_param"] = offload["params"]
+        kwargs.update(STAGE3)  # units to offload, not only persistent parameters
     return zo.ShardedFusedAdam(model, lr=2e-2, stage=stage, reduce_bucket_size=BUCKET, amsgrad=True, **kwargs)
 
 
 def _save_ranks(rank: int, world: int, scratch: str) -> None:
-    """At 2 ranks: the same training saved with the disk tier (stage 3), without offload (stage 2), with
-    the parameter shards in host memory too (stage 3), and with a share of the state on the disk (stage 3)."""
+    """At 2 ranks: the same training saved with the disk tier (stage 3), without offload (stage 2), with the
+    parameter shards in host memory (stage 3) or in files (stage 3: saved with them in their files), and with a
+    share of the state on the disk (stage 3)."""
     nvme = Path(scratch) / f"nvme{rank}"
     nvme.mkdir(exist_ok=True)
+    files = {"device": "nvme", "nvme_path": str(nvme), "max_in_cpu": 0}
     for name, stage, offload in (("tier", 3, {"device": "nvme", "nvme_path": str(nvme)}), ("plain", 2, None),
-                                 ("params", 3, {"device": "cpu", "params": True}),
+                                 ("params", 3, {"device": "cpu", "params": {"device": "cpu"}}),
+                                 ("files", 3, {"device": "cpu", "params": files}),
                                  ("ratio", 3, {"device": "nvme", "nvme_path": str(nvme), "ratio": 0.3})):  # fmt: skip
         torch.manual_seed(0)
         model = Net()
         opt = _opt(model, stage, offload)
         _train(model, opt, rank, world, range(3))
+        if name == "files":
+            in_files(opt)
         zk.checkpoint.save(Path(scratch) / name, model, opt)
         if offload:
             opt._pipeline.tier.close()
@@ -97,14 +164,18 @@ def test_checkpoint_resumes_across_tiers_and_world_sizes(tmp_path: Path) -> None
     (tmp_path / "nvme").mkdir()
     resumed = {}
     disk = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    files = {"device": "cpu", "params": {"device": "nvme", "nvme_path": str(tmp_path / "nvme"), "max_in_cpu": 0}}
     cases = [("tier", 1, None), ("plain", 1, disk), ("tier", 1, {"device": "cpu"}), ("params", 1, None),
-             ("plain", 3, {"device": "cpu", "params": True}), ("ratio", 1, None), ("ratio", 2, None),
+             ("plain", 3, {"device": "cpu", "params": {"device": "cpu"}}), ("files", 1, None),
+             ("plain", 3, files), ("ratio", 1, None), ("ratio", 2, None),
              ("plain", 2, {"device": "cpu", "ratio": 0.3})]  # fmt: skip
     for saved, stage, offload in cases:
         torch.manual_seed(1)
         model = Net()
         opt = _opt(model, stage, offload)
         zk.checkpoint.load(tmp_path / saved, model, opt)
+        if offload is files:
+            assert opt._pipeline.disk_params.units
         before = copy.deepcopy(opt.full_state_dict()["state"])
         _train(model, opt, 0, 1, range(3, 5))
         with opt.gathered_params():

@@ -69,6 +69,9 @@ def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
     assert estimate_offload(PSI, N, 2, setup).disk_bytes == 12 * SHARD  # offload_param counts at stage 3 only
     rec = recommend(PSI, gpus=N, gpu_memory=10 * GB, link="nvlink", offload=setup)
     assert rec.plans[-1].memory.params == 0 and rec.plans[-1].memory.optimizer == 0
+    assert rec.stage == 3 and not any(r.startswith("offload_param:") for r in rec.reasons)  # applied as planned
+    alone = replace(setup, optimizer="none")  # zero_kernels keeps the shards on the device then: the plan says so
+    rec = recommend(PSI, gpus=N, gpu_memory=20 * GB, link="nvlink", offload=alone)
     assert rec.stage == 3 and rec.reasons[-1].startswith("offload_param: planned as DeepSpeed applies it")
 
 

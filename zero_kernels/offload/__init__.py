@@ -1,5 +1,6 @@
-"""Where the optimizer state lives when it is offloaded: host memory (``host``) or files (``disk``), and the
-asynchronous disk I/O engine that moves tensors between host memory and files (``aio``).
+"""Where the optimizer state lives when it is offloaded: host memory (``host``) or files (``disk``), stage 3's
+parameter shards in files (``param_files``), and the asynchronous disk I/O engine that moves tensors between
+host memory and files (``aio``).
 
 The tiers hold storage and move bytes; the pipelines (``stages.offloaded``) decide what goes where.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 from .aio import FileIO, IOHandle
 from .disk import DiskTier, remove_stale_runs
 from .host import THREADS_VARIABLE, HostShard, HostTier, cpu_threads
+from .param_files import ParamFiles
 
 __all__ = [
     "THREADS_VARIABLE",
@@ -17,6 +19,7 @@ __all__ = [
     "HostShard",
     "HostTier",
     "IOHandle",
+    "ParamFiles",
     "cpu_threads",
     "remove_stale_runs",
 ]

@@ -21,7 +21,8 @@ every write. ``spill``/``fill`` write and read a whole buffer (its state made re
 door between steps, and put back at the next step).
 
 I/O goes through ``FileIO`` (``aio``: the C++ engine, or its Python fallback); every
-error names the file.
+error names the file. The directory's rules (``RunDirectory``) and the engine (``file_io``) serve stage 3's
+parameter shards in files too (``param_files``).
 """
 
 from __future__ import annotations
@@ -85,9 +86,9 @@ def remove_stale_runs(base: Path) -> list[Path]:
     return removed
 
 
-def probe(directory: Path, given: str) -> None:
+def probe(directory: Path, given: str, key: str = "offload_optimizer.nvme_path") -> None:
     """Create ``directory`` and write, read back and remove a small file in it; raise ``OSError`` naming it and
-    ``given`` (the ``nvme_path`` it is under)."""
+    ``given`` (the ``nvme_path`` it is under, ``key`` in the config)."""
     path = directory / ".probe"
     data = os.urandom(_PROBE_BYTES)
     try:
@@ -99,9 +100,67 @@ def probe(directory: Path, given: str) -> None:
     except OSError as err:
         raise OSError(
             err.errno,
-            f"offload_optimizer.nvme_path={given!r}: cannot write and read back files in {str(directory)!r}: "
-            f"{err.strerror or err}",
+            f"{key}={given!r}: cannot write and read back files in {str(directory)!r}: {err.strerror or err}",
         ) from None
+
+
+class RunDirectory:
+    """This rank's scratch directory under ``nvme_path``: ``<nvme_path>/zero_kernels/<host>-<pid>-<token>/rank<R>``.
+
+    The constructor checks that ``nvme_path`` is a directory, removes the run directories of this host whose
+    process is gone, and probes its own (``probe``): every error is an ``OSError`` naming ``key`` and the path.
+    ``remove`` (or, at the latest, the collection of the object or the interpreter's exit) removes the run.
+    """
+
+    def __init__(self, nvme_path: str, key: str, rank: int):
+        root = Path(nvme_path)
+        if not root.is_dir():
+            raise OSError(2, f"{key}={str(root)!r} is not a directory (it must exist)")
+        base = root / "zero_kernels"
+        remove_stale_runs(base)
+        self.run = base / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.root = self.run / f"rank{rank}"
+        self.key = key
+        probe(self.root, nvme_path, key)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.run), True)
+
+    def reserve(self, path: Path, nbytes: int, needed: str) -> None:
+        """Make file ``path`` with ``nbytes`` reserved on the disk; a disk without room raises ``OSError`` naming
+        the key, the path and ``needed`` (what the caller needs in all, in words)."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, nbytes)
+                else:
+                    os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as err:
+            raise OSError(
+                err.errno,
+                f"{self.key}: cannot reserve {nbytes} bytes in {str(path)!r} ({needed}): {err.strerror or err}",
+            ) from None
+
+    def disk_bytes(self) -> int:
+        """Bytes of the files in this rank's directory."""
+        if not self.root.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.root.iterdir() if p.name != ".probe")
+
+    def remove(self) -> None:
+        self._finalizer()
+
+
+def file_io(aio: AioConfig) -> FileIO:
+    """The I/O engine with the ``aio`` block's knobs."""
+    return FileIO(
+        block_size=aio.block_size,
+        queue_depth=aio.queue_depth,
+        threads=aio.intra_op_parallelism,
+        single_submit=aio.single_submit,
+        overlap_events=aio.overlap_events,
+    )
 
 
 class DiskTier(HostTier):
@@ -117,22 +176,9 @@ class DiskTier(HostTier):
 
     def __init__(self, config: OffloadOptimizerConfig, aio: AioConfig, *, rank: int):
         super().__init__(config)
-        base = Path(config.nvme_path) / "zero_kernels"
-        root = Path(config.nvme_path)
-        if not root.is_dir():
-            raise OSError(2, f"offload_optimizer.nvme_path={str(root)!r} is not a directory (it must exist)")
-        remove_stale_runs(base)
-        self.run = base / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.root = self.run / f"rank{rank}"
-        probe(self.root, config.nvme_path)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.run), True)
-        self.io = FileIO(
-            block_size=aio.block_size,
-            queue_depth=aio.queue_depth,
-            threads=aio.intra_op_parallelism,
-            single_submit=aio.single_submit,
-            overlap_events=aio.overlap_events,
-        )
+        self.directory = RunDirectory(config.nvme_path, "offload_optimizer.nvme_path", rank)
+        self.run, self.root = self.directory.run, self.directory.root
+        self.io = file_io(aio)
         self.groups: dict[int, list[int]] = {}  # key -> element count of each sub-group
         self.names: dict[int, int] = {}  # key -> buffer number in the file names
         self.slots: list[_Slot] = [_Slot() for _ in range(config.buffer_count)]
@@ -154,32 +200,13 @@ class DiskTier(HostTier):
 
     def reserve(self, key: int, kind: str) -> None:
         """Make the files of state ``kind`` of a buffer, their bytes reserved on the disk."""
+        needed = f"{sum(self.groups[key]) * ELEMENT} bytes in all for this buffer's {kind}"
         for g, numel in enumerate(self.groups[key]):
-            path = self.path(key, g, kind)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    if hasattr(os, "posix_fallocate"):
-                        os.posix_fallocate(fd, 0, numel * ELEMENT)
-                    else:
-                        os.ftruncate(fd, numel * ELEMENT)
-                finally:
-                    os.close(fd)
-            except OSError as err:
-                raise OSError(
-                    err.errno,
-                    f"offload_optimizer.nvme_path: cannot reserve {numel * ELEMENT} bytes in {str(path)!r} "
-                    f"({self._needed(key, kind)} bytes in all for this buffer's {kind}): {err.strerror or err}",
-                ) from None
-
-    def _needed(self, key: int, kind: str) -> int:
-        return sum(self.groups[key]) * ELEMENT
+            self.directory.reserve(self.path(key, g, kind), numel * ELEMENT, needed)
 
     def disk_bytes(self) -> int:
         """Bytes of the state's files."""
-        if not self.root.is_dir():
-            return 0
-        return sum(p.stat().st_size for p in self.root.iterdir() if p.name != ".probe")
+        return self.directory.disk_bytes()
 
     # ---------------------------------------------------------------- whole buffers
     def spill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -288,4 +315,4 @@ class DiskTier(HostTier):
             self.finish()
         finally:
             self.io.close()
-            self._finalizer()
+            self.directory.remove()

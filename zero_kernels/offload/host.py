@@ -69,11 +69,12 @@ def _weights(numel: int, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class HostShard:
-    """A buffer's host copies: ``params`` (param dtype) and ``grads`` (the gradients' dtype), over the part of this
-    rank's shard whose state is in the tier; ``state``: that part of each state tensor while the pipeline keeps
-    the rest on the device (``spill``)."""
+    """A buffer's host copies: ``params`` (param dtype; None where stage 3 keeps the shard in a file,
+    ``offload_param`` on nvme) and ``grads`` (the gradients' dtype), over the part of this rank's shard whose
+    state is in the tier; ``state``: that part of each state tensor while the pipeline keeps the rest on the
+    device (``spill``)."""
 
-    params: torch.Tensor
+    params: Optional[torch.Tensor]
     grads: Optional[torch.Tensor] = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 

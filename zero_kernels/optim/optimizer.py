@@ -503,7 +503,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         copies of parameters at stage 3: hpZ's secondary partition and qwZ's int8 copy of this rank's shard. With
         ``offload_optimizer``, ``optimizer`` counts only what stays on the parameters' device and two
         more tiers are shown: ``host`` (the state in host memory, with the tier's host copies of the
-        parameter and gradient shards) and ``disk`` (the state's files under ``nvme_path``)."""
+        parameter and gradient shards, and the pool that stage 3's parameter shards in files are read through)
+        and ``disk`` (the files under ``nvme_path``: the state's, and with ``offload_param`` on nvme the
+        parameter shards')."""
         held = self._pipeline.memory_tensors()
         params = [p for g in self.param_groups for p in g["params"]]
         report = {
@@ -515,7 +517,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         }
         if self._pipeline.tier is not None:
             report["host"] = storage_bytes(held["host"])
-            report["disk"] = self._pipeline.tier.disk_bytes()
+            report["disk"] = self._pipeline.disk_bytes()
         return report
 
     # ---------------------------------------------------------------- state dicts

@@ -32,12 +32,12 @@ from .offload import OffloadEstimate, OffloadSetup, device_memory, estimate_offl
 _TIE = 0.02
 # Buckets are sized so the latency term stays under this fraction of a collective's bandwidth term.
 _LATENCY_SHARE = 0.05
-# offload_param is planned as DeepSpeed applies it; zero_kernels applies it with the device cpu and the optimizer
-# offloaded, and otherwise (nvme, or without offload_optimizer) keeps the parameter shards on the device.
+# offload_param is planned as DeepSpeed applies it; zero_kernels applies it (cpu or nvme) with the optimizer
+# offloaded, and without offload_optimizer keeps the parameter shards on the device.
 PARAM_NOTE = (
     "offload_param: planned as DeepSpeed applies it (parameter shards off the device); zero_kernels applies it "
-    "with the device cpu and offload_optimizer on, and otherwise keeps stage 3's parameter shards on the device, "
-    "so with this setup the device holds them too."
+    "with offload_optimizer on, and otherwise keeps stage 3's parameter shards on the device, so with this setup "
+    "the device holds them too."
 )
 # DeepSpeed's default reduce_bucket_size / allgather_bucket_size, in elements.
 _MAX_BUCKET = 500_000_000
@@ -510,7 +510,7 @@ def recommend(
     reasons = _reasons(choice, plans, resolved, step_compute)
     if choice.offload is not None:
         reasons.append(_plain_line(plan_stages(num_params, **kwargs)))
-    if choice.stage == 3 and offload is not None and (offload.param == "nvme" or _param_alone(offload)):
+    if choice.stage == 3 and offload is not None and _param_alone(offload):
         reasons.append(PARAM_NOTE)
     config = deepspeed_config(
         choice.stage,

@@ -117,6 +117,8 @@ def adopt_freed(pipeline: "Pipeline", buf: "FlatBuffer", name_of: NameOf) -> int
     if getattr(buf, "full", None) is not None or getattr(buf, "param_shard", None) is None:
         return 0
     assigned = [p for p in buf.params if p.numel() != 0]
+    if assigned:
+        buf.ready()  # a shard kept in a file (stage 3's offload_param on nvme) is read in to take the values
     if not adopt_assigned_shard(pipeline, buf, buf.param_shard, name_of):
         return 0
     for p in assigned:

@@ -352,6 +352,18 @@ class Pipeline(BackwardRound):
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
 
+    def params_in_file(self, buf: FlatBuffer) -> bool:
+        """Whether this rank's parameter shard of ``buf`` lives in a file (stage 3's ``offload_param`` on nvme)."""
+        return False
+
+    def finish_offloaded_step(self) -> None:
+        """After the offloaded update's last bucket (``offloaded.finish_step``)."""
+        offloaded.finish_step(self)
+
+    def disk_bytes(self) -> int:
+        """Bytes of this rank's files under ``nvme_path`` (the state tier's)."""
+        return 0 if self.tier is None else self.tier.disk_bytes()
+
     def live_param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's parameters of ``bucket`` as the model sees them now (what the master follows)."""
         return self.param_shard(buf, bucket)
@@ -525,7 +537,7 @@ class Pipeline(BackwardRound):
                 self._track(self.gathers.defer(buf, bucket, self._publish(buf, bucket)))
         self.weight_quantizer.seal()
         if self.tier is not None:
-            offloaded.finish_step(self)
+            self.finish_offloaded_step()
         self._complete_inflight()
         self.gathers.arm()
         self.param_traffic.log_once()

@@ -16,7 +16,9 @@ A bucket whose state stays on the device (``offload_optimizer.ratio`` < 1: ``pla
 4. the bucket's parameters go up (``HostTier.up``), then the stage all-gathers them as usual.
 
 Stage 3 with ``offload_param`` on the cpu keeps its parameter shards in the host copies themselves (the stage's
-``params_offloaded``): steps 2 and 4 then have nothing to do, and its gathers copy the shards up.
+``params_offloaded``): steps 2 and 4 then have nothing to do, and its gathers copy the shards up. With
+``offload_param`` on nvme a unit's shard may live in a file instead (``stage3.disk_params``): the update reads
+the bucket's shard from it into a pool buffer and writes it back after (``step_params``/``stepped_params``).
 
 The state tensors of a bucket are views of resident host tensors or of the part the host tier keeps (``_state``),
 or of a sub-group swapped in from the disk tier's files (``_swapped``), written back by ``tier.store``.
@@ -65,14 +67,14 @@ SUPER_OFFLOAD_IGNORED = (
 def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     """The state tier ``options.offload_optimizer`` asks for, or None; a tier that cannot start on some rank
     raises on every rank (after the others closed theirs). ``offload_param`` is acted on by stage 3 with the
-    device cpu and all the optimizer state offloaded; otherwise it is warned about, as is ``super_offload``."""
+    device cpu or nvme and all the optimizer state offloaded; otherwise it is warned about, as is
+    ``super_offload``."""
     config = options.offload_optimizer
-    if options.offload_param.device == "nvme":
-        logger.warning(PARAMS_STAY, "nvme", "(the parameters' files are not written)")
-    elif options.offload_param.enabled and not config.enabled:
-        logger.warning(PARAMS_STAY, "cpu", "without offload_optimizer (set its device to cpu or nvme)")
+    device = options.offload_param.device
+    if options.offload_param.enabled and not config.enabled:
+        logger.warning(PARAMS_STAY, device, "without offload_optimizer (set its device to cpu or nvme)")
     elif options.offload_param.enabled and config.ratio != 1.0:
-        logger.warning(PARAMS_STAY, "cpu", f"with offload_optimizer.ratio={config.ratio} (only with 1.0)")
+        logger.warning(PARAMS_STAY, device, f"with offload_optimizer.ratio={config.ratio} (only with 1.0)")
     if config.super_offload:
         logger.warning(SUPER_OFFLOAD if options.stage == 3 else SUPER_OFFLOAD_IGNORED, options.stage)
     if not config.enabled:
@@ -87,7 +89,7 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     except (OSError, ValueError) as err:
         problem = str(err)
     try:
-        _agree(engine, problem, "offload.start")
+        agree(engine, problem, "offload.start")
     except OSError:
         if tier is not None:
             tier.close()
@@ -115,19 +117,19 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
     except OSError as err:
         problem = str(err)
     try:
-        _agree(pipeline.engine, problem, "offload.reserve")
+        agree(pipeline.engine, problem, "offload.reserve")
     except OSError:
         tier.close()  # its files are removed; the parameters keep their values
         raise
 
 
-def _agree(engine: Any, problem: Optional[str], name: str) -> None:
-    """Raise on every rank when ``problem`` is set on any."""
+def agree(engine: Any, problem: Optional[str], name: str, key: str = "offload_optimizer") -> None:
+    """Raise ``OSError`` on every rank when ``problem`` is set on any (``key``: the block that could not start)."""
     problems = all_gather_objects(engine, problem, name=name) if engine.world_size > 1 else [problem]
     failed = [(r, p) for r, p in enumerate(problems) if p is not None]
     if failed:
         text = "; ".join(f"rank {r}: {p}" for r, p in failed)
-        raise OSError(f"zero_optimization.offload_optimizer could not start: {text}")
+        raise OSError(f"zero_optimization.{key} could not start: {text}")
 
 
 def sub_groups(buf: FlatBuffer, size: int) -> list[tuple[int, int, int, int]]:
@@ -158,8 +160,9 @@ def update_bucket(
         update.update_bucket(pipeline, buf, bucket, h, decision, with_grad)
         return
     shard = tier.shards[id(buf)]
-    device_params = pipeline.param_shard(buf, bucket)
-    params = placement.part(buf, shard.params, bucket)
+    in_file = pipeline.params_in_file(buf)  # stage 3's offload_param on nvme: the bucket's shard read from its file
+    params = pipeline.step_params(buf, bucket) if in_file else placement.part(buf, shard.params, bucket)
+    device_params = params if in_file else pipeline.param_shard(buf, bucket)
     separate = device_params.data_ptr() != params.data_ptr()  # the same with stage 3's offload_param
     if separate and tier.changed((id(buf), bucket.index), device_params, params):
         tier.down(params, device_params)
@@ -180,6 +183,8 @@ def update_bucket(
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
     if separate:
         tier.up(device_params, params, (id(buf), bucket.index))
+    if in_file:
+        pipeline.stepped_params(buf, bucket, params)
 
 
 def host_impl(impl: Optional[str]) -> Optional[str]:

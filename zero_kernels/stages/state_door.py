@@ -27,9 +27,10 @@ tensor of the buffer (``buf.exp_avg``...), and the functions above hand out view
 ``offload_optimizer`` (``stages.offloaded``, ``stages.placement``, ``offload``) the same attributes are host
 tensors (the host tier), or hold only the part on the device while the rest is in the disk tier's files or,
 with ``ratio`` below 1, in the host tier: ``state_tensors`` (and every function here that reaches the state)
-first calls ``buf.ready()``, which brings the whole shard into host memory; the next step puts it back.
-Full states are gathered and scattered where the parameters are. Callers (state dicts, copies, ``opt.state``,
-checkpoints) do not change; the update reaches the tier through ``stages.offloaded``.
+first calls ``buf.ready()``, which brings the whole shard into host memory; the next step puts it back. So
+does stage 3's parameter shard with ``offload_param`` on nvme (``stage3.disk_params``: a stand-in while its
+file holds it). Full states are gathered and scattered where the parameters are. Callers (state dicts,
+copies, ``opt.state``, checkpoints) do not change; the update reaches the tier through ``stages.offloaded``.
 """
 
 from __future__ import annotations
@@ -327,7 +328,10 @@ def mark_written(pipeline: Pipeline, flags: list[bool]) -> None:
 
 
 def param_shards(pipeline: Pipeline) -> list[Optional[torch.Tensor]]:
-    """Per buffer: this rank's parameter shard where parameters are sharded (stage 3), else None."""
+    """Per buffer: this rank's parameter shard where parameters are sharded (stage 3), else None (a shard kept in a
+    file is read in first, until the next step)."""
+    for buf in pipeline.buffers:
+        buf.ready()
     return [getattr(buf, "param_shard", None) for buf in pipeline.buffers]
 
 
@@ -335,6 +339,7 @@ def load_param_shards(pipeline: Pipeline, shards: list[Optional[torch.Tensor]]) 
     """Copy ``param_shards``' values (same layout) into this rank's parameter shards."""
     for buf, values in zip(pipeline.buffers, shards):
         if values is not None:
+            buf.ready()
             buf.param_shard.copy_(values)
 
 

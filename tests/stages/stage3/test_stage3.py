@@ -78,6 +78,9 @@ class FakeUnit:
         for p in self.params:
             p.data = torch.empty(0)
 
+    def read_ahead(self) -> None:
+        pass
+
     def start_gather(self) -> None:
         self.log.append(("gather", self.tag))
 

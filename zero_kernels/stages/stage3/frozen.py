@@ -80,6 +80,9 @@ class FrozenUnit:
         self._free_params()
 
     # ------------------------------------------------------------------ scheduler face (``hooks.Unit``)
+    def read_ahead(self) -> None:
+        """Nothing to prepare (the int8 shards stay in memory)."""
+
     def start_gather(self) -> None:
         self.adopt_pending()
         self.full = torch.empty(self.numel, dtype=self.dtype, device=self.device)

@@ -14,7 +14,8 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
   ``prefetch_numel`` elements (0 disables prefetch). The gathers started together are one *batch*:
   ``check(batch, phase, deferred)`` runs before any of them is issued (stage 3 checks there that every
   rank gathers the same units; ``deferred`` when the pass follows the previous pass of its kind, see
-  ``Check``). With autograd recording, ``m``'s inputs are watched for the end of its backward
+  ``Check``); then every unit of the batch is told to ``read_ahead`` (a shard in a file starts its read)
+  before the first gather is issued. With autograd recording, ``m``'s inputs are watched for the end of its backward
   (``stage3.uses``);
 - forward post-hook: free ``m``'s units once no running module uses them; when autograd records
   the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
@@ -66,6 +67,9 @@ class Unit(Protocol):
     params: Sequence[nn.Parameter]  # owned parameters; no parameter belongs to two units
     numel: int  # elements one gather brings in; counted against the prefetch budget
     persistent: bool  # always gathered: the scheduler never gathers nor frees it
+
+    def read_ahead(self) -> None:
+        """Prepare a gather that follows soon (start reading a shard kept in a file); may do nothing."""
 
     def start_gather(self) -> None:
         """Issue the gather of the full parameters (may return before it completes)."""
@@ -253,6 +257,8 @@ class Stage3Scheduler:
             return
         if self._check is not None:
             self._check(batch, phase, deferred)
+        for i in batch:
+            self.units[i].read_ahead()
         for i in batch:
             self.units[i].start_gather()
             self._state[i] = _IN_FLIGHT

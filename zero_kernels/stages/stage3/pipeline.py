@@ -36,6 +36,8 @@ Offload. With ``offload_param`` on the cpu and the optimizer state offloaded (``
 host tier's copy of a unit's parameter shard is the shard itself: the host Adam writes the new values there,
 nothing goes up at the step, and each gather copies the shard (or its int8 payload with
 ``zero_quantized_weights``) to the device first (``stage3.gathers``). Persistent units stay on the device.
+With ``offload_param`` on nvme the units beyond ``max_in_cpu`` keep their shard in a file instead, read through a
+bounded pool of host buffers for each gather and for the update (``stage3.disk_params``).
 
 Frozen parameters stay whole on every rank, unless ``zero_quantized_nontrainable_weights`` is on: then
 they are partitioned too, per holding module, and stored in int8 (``stage3.frozen``).
@@ -50,18 +52,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .. import adopt, master
+from .. import adopt, master, offloaded
 from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
+from . import disk_params
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
+from .disk_params import DiskParams
 from .frozen import FrozenUnit, frozen_members
 from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
@@ -77,6 +81,13 @@ class Stage3Buffer(FlatBuffer):
     full: Optional[torch.Tensor] = None
     secondary: Optional[list] = None  # hpZ: this rank's part of each gathered bucket, until the step (``gathers``)
     secondary_stamp: Optional[tuple] = None
+    params_in: Optional[Callable[[], None]] = None  # reads a shard kept in a file in (``disk_params``)
+
+    def ready(self) -> None:
+        """As every buffer's, and this rank's parameter shard in memory when a file holds it."""
+        super().ready()
+        if self.params_in is not None:
+            self.params_in()
 
 
 class _Unit:
@@ -91,21 +102,34 @@ class _Unit:
         self.uid, self.name, self.kind = uid, name, type(holder).__name__
         self._handles: list = []
 
+    def read_ahead(self) -> None:
+        """Start reading a shard kept in a file (``disk_params``) for the gather that follows."""
+        if self.pipeline.disk_params is not None:
+            self.pipeline.disk_params.read_ahead(self.buf)
+
     def start_gather(self) -> None:
-        buf = self.buf
+        buf, disk = self.buf, self.pipeline.disk_params
+        if disk is not None and any(p.numel() != 0 for p in self.params):
+            disk.resident(buf)  # values given to the parameters go into the shard: read in from its file first
         adopt.adopt_assigned_shard(self.pipeline, buf, buf.param_shard, self.pipeline.name_of)
         buf.full = torch.empty(buf.layout.numel, dtype=buf.dtype, device=buf.device)
-        shard = buf.param_shard
+        shard = buf.param_shard if disk is None else disk.source(buf, self._settle)
         gathers, exact = self.pipeline.unit_gathers, self.pipeline.holding
         self._handles = [
             gathers.start(buf, b, buf.shard_slice(shard, b), f"gather.{b.index}", exact=exact)
             for b in buf.layout.buckets
         ]
 
-    def finish_gather(self) -> None:
+    def _settle(self) -> None:
+        """The gathers waited for; a shard read from a file gives its pool buffer back."""
         for handle in self._handles:
             handle.wait()
         self._handles = []
+        if self.pipeline.disk_params is not None:
+            self.pipeline.disk_params.done(self.buf)
+
+    def finish_gather(self) -> None:
+        self._settle()
         self.pipeline.unit_gathers.finish(self.buf, self.buf.param_shard)
         for slot in self.buf.layout.slots:
             self.params[slot.param].data = self.buf.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
@@ -144,7 +168,17 @@ class Stage3Pipeline(Stage2Pipeline):
         self._scheduler: Optional[Stage3Scheduler] = None
         self._hold_depth = 0
         self._deferred = DeferredChecks()  # gathers of repeated passes, compared at the step
+        self.disk_params: Optional[DiskParams] = None  # ``offload_param`` on nvme: shards in files
+        if self.params_offloaded:
+            try:
+                self.disk_params = disk_params.start(self.options, self.engine, self._agree_params)
+            except (OSError, ValueError):
+                self.tier.close()
+                raise
         self._state_dict_guard = stage3_save.guard_state_dict(self)
+
+    def _agree_params(self, problem: Optional[str]) -> None:
+        offloaded.agree(self.engine, problem, "offload_param.start", "offload_param")
 
     def add_group(self, group: int, params: Sequence[nn.Parameter], indices: Sequence[int]) -> None:
         """Build one buffer per unit of param group ``group`` (see the module docstring)."""
@@ -170,8 +204,11 @@ class Stage3Pipeline(Stage2Pipeline):
             persistent = p.numel() < threshold
             key = (persistent, -1 if persistent else -self._holder[id(p)], str(p.dtype), str(p.device))
             units.setdefault(key, []).append((p, i))
-        for key in sorted(units):
-            self._add_unit(group, units[key], persistent=key[0])
+        buffers = [self._unit_buffer(group, units[key], persistent=key[0]) for key in sorted(units)]
+        in_files = self._choose_files(buffers)
+        for buf in buffers:
+            self._allocate(buf, in_file=id(buf) in in_files)
+            self._index(buf)
         for _, i in trainable:
             self.step_counts.counts.setdefault(i, 0)
             self.has_grad.setdefault(i, False)
@@ -193,12 +230,30 @@ class Stage3Pipeline(Stage2Pipeline):
             self._frozen_shape.update((id(p), shape) for p, shape in zip(params, units[-1].shapes))
         return units
 
-    def _add_unit(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> None:
+    def _unit_buffer(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> Stage3Buffer:
         ps = [p for p, _ in members]
         buf = Stage3Buffer(group, self.build_layout(ps), ps, [i for _, i in members], ps[0].dtype, ps[0].device)
         buf.persistent = persistent
-        self._allocate(buf)
-        self._index(buf)
+        return buf
+
+    def _choose_files(self, buffers: list[Stage3Buffer]) -> set[int]:
+        """``offload_param`` on nvme: the ids of the units of ``buffers`` whose shards go to files, their files
+        reserved (before anything else changes; a disk without room on any rank raises on every rank, and a shard
+        larger than ``buffer_size`` is the same on every rank)."""
+        if self.disk_params is None:
+            return set()
+        problem, chosen = None, []
+        try:
+            chosen = self.disk_params.choose([b for b in buffers if not b.persistent], self._unit_name)
+        except OSError as err:
+            problem = str(err)
+        self._agree_params(problem)
+        return {id(b) for b in chosen}
+
+    def _unit_name(self, buf: Stage3Buffer) -> str:
+        """A unit by the parameters it holds, for errors."""
+        names = [self.name_of(p) for p in buf.params[:2]]
+        return f"the unit of {', '.join(names)}{', ...' if len(buf.params) > 2 else ''}"
 
     def _install_scheduler(self) -> None:
         previous = self._scheduler
@@ -266,15 +321,18 @@ class Stage3Pipeline(Stage2Pipeline):
 
     @property
     def params_offloaded(self) -> bool:
-        """``offload_param`` acted on: the parameter shards live in the state tier's host memory (all the state is
-        there: ``offload_optimizer.ratio`` 1)."""
+        """``offload_param`` acted on: the parameter shards live in the state tier's host memory, or (nvme) in files
+        (``disk_params``); all the state is in the tier (``offload_optimizer.ratio`` 1)."""
         tier = self.tier
-        return tier is not None and self.options.offload_param.device == "cpu" and tier.config.ratio == 1.0
+        return tier is not None and self.options.offload_param.device in ("cpu", "nvme") and tier.config.ratio == 1.0
 
-    def _allocate(self, buf: Stage3Buffer) -> None:
+    def _allocate(self, buf: Stage3Buffer, in_file: bool = False) -> None:
         super()._allocate(buf)
         if self.params_offloaded and not buf.persistent:
             buf.param_shard = self.tier.shards[id(buf)].params  # the host copy, filled from the device shard
+        if in_file:
+            self.disk_params.place(buf, buf.param_shard)
+            self.tier.shards[id(buf)].params = None  # the file holds the shard; the step reads it bucket by bucket
 
     def _place_params(self, buf: Stage3Buffer) -> None:
         """Persistent units keep the full buffer; the others keep this rank's shard and free the parameters."""
@@ -325,7 +383,25 @@ class Stage3Pipeline(Stage2Pipeline):
     def param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
         if buf.persistent:
             return super().param_shard(buf, bucket)
+        if self.disk_params is not None:
+            self.disk_params.resident(buf)
         return buf.shard_slice(buf.param_shard, bucket)
+
+    def params_in_file(self, buf: FlatBuffer) -> bool:
+        return self.disk_params is not None and self.disk_params.holds(buf)
+
+    def step_params(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
+        """The host Adam's copy of this rank's shard of ``bucket`` of a unit kept in a file (``disk_params``)."""
+        return self.disk_params.step_params(buf, bucket)
+
+    def stepped_params(self, buf: Stage3Buffer, bucket: Bucket, params: torch.Tensor) -> None:
+        """``step_params``' values as the update left them, written back to the file."""
+        self.disk_params.stepped(buf, bucket, params)
+
+    def finish_offloaded_step(self) -> None:
+        super().finish_offloaded_step()
+        if self.disk_params is not None:
+            self.disk_params.finish_step()
 
     def live_param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
         """Inside ``gathered_params()`` the model reads (and writes) the gathered buffer, which the block's end
@@ -429,8 +505,11 @@ class Stage3Pipeline(Stage2Pipeline):
         """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
         tensors = super().memory_tensors()
         tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.param_shard, buf.full)]
-        if self.params_offloaded:  # the shards are the tier's host copies, counted under ``host``
+        if self.params_offloaded:  # the shards are the tier's host copies, counted under ``host``, or in files
             tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.full)]
+        if self.disk_params is not None:  # a shard read in whole between steps; the pool
+            tensors["params"] += self.disk_params.resident_shards()
+            tensors["host"] += self.disk_params.files.pool()
         tensors["params"] += [t for unit in self._frozen or () for t in unit.tensors()]
         tensors["secondary"] += [t for buf in self.buffers for t in buf.secondary or ()] + self.unit_gathers.tensors()
         return tensors
@@ -443,3 +522,10 @@ class Stage3Pipeline(Stage2Pipeline):
             self._scheduler.remove()
             self._scheduler = None
         super().close()
+        if self.disk_params is not None:
+            self.disk_params.close()
+
+    def disk_bytes(self) -> int:
+        """As the base, with the parameter shards' files."""
+        extra = 0 if self.disk_params is None else self.disk_params.files.disk_bytes()
+        return super().disk_bytes() + extra

@@ -1,0 +1,119 @@
+"""Stage 3's parameter shards in files (``offload_param`` on nvme): what ``memory_report`` shows next to the shards
+in host memory, and a missing or unwritable ``nvme_path``, a shard larger than ``buffer_size`` and ZeRO++'s weight
+gathers refused with the key named before anything changes. (Exactness, checkpoints and a missing or unwritable
+``nvme_path`` on 2 ranks: ``test_offload_exact``.)"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.optim as zo
+from tests.offload.test_disk_tier import _tmpfs
+
+KWARGS = dict(lr=1e-2, stage=3, reduce_bucket_size=512, stage3_param_persistence_threshold=0)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)).to(torch.bfloat16)
+
+
+def _train(model: nn.Module, opt: zo.ShardedFusedAdam, steps: int) -> None:
+    for step in range(steps):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _files(path: Path, **extra) -> dict:
+    return {"device": "nvme", "nvme_path": str(path), "buffer_count": 2, "max_in_cpu": 0, **extra}
+
+
+def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(tmp_path: Path) -> None:
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    host = zo.ShardedFusedAdam(twin, offload_optimizer="cpu", offload_param="cpu", **KWARGS)
+    _train(model, opt, 2)
+    _train(twin, host, 2)
+    pipeline = opt._pipeline
+    units = list(pipeline.disk_params.units.values())
+    assert len(units) == len(pipeline.buffers) == 2  # one unit per Linear: every shard in a file
+    assert all(buf.param_shard.device.type == "meta" for buf in units)
+    shard_bytes = sum(buf.layout.shard_numel * 2 for buf in units)
+    files = sorted(tmp_path.glob("zero_kernels/*/rank0/u*.params"))
+    assert len(files) == 2 and sum(f.stat().st_size for f in files) == shard_bytes
+    pool = sum(t.untyped_storage().nbytes() for t in pipeline.disk_params.files.pool())
+    assert 0 < pool <= 2 * (max(buf.layout.shard_numel for buf in units) * 2 + 2 * 4096)  # 2 buffers, page aligned
+    report, before = opt.memory_report(), host.memory_report()
+    assert report["params"] == before["params"]  # nothing of the shards under params
+    assert report["host"] == before["host"] - shard_bytes + pool  # the host copies gone, the pool there
+    assert report["disk"] == before["disk"] + shard_bytes == shard_bytes
+    with opt.gathered_params(), host.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        ({"offload_param": {"buffer_size": 100}}, "offload_param.buffer_size=100 is smaller than"),
+        ({"zero_quantized_weights": True}, "does not combine with zero_optimization.zero_quantized_weights"),
+    ],
+)
+def test_what_cannot_run_is_refused_before_anything_changes(extra: dict, says: str, tmp_path: Path) -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = _files(tmp_path, **extra.get("offload_param", {}))
+    options = {k: v for k, v in extra.items() if k != "offload_param"}
+    with pytest.raises(ValueError, match=says):
+        zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=params, **options, **KWARGS)
+    for name, value in model.state_dict().items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name
+    assert not list(tmp_path.glob("zero_kernels/*/rank0/u*"))  # no file left
+
+
+def test_values_given_between_steps_reach_the_files(tmp_path: Path) -> None:
+    """A model state loaded and an edit made inside ``gathered_params()``, and a value assigned to a freed
+    parameter between steps, train on exactly as without offload (the shards in files are read in to take them)."""
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    plain = zo.ShardedFusedAdam(twin, **KWARGS)
+    with plain.gathered_params():
+        loaded = {k: v * 0.5 for k, v in twin.state_dict().items()}
+    for step in range(4):
+        for m, o in ((model, opt), (twin, plain)):
+            _train(m, o, 1)
+            if step == 0:
+                with o.gathered_params():
+                    m.load_state_dict(loaded)
+            if step == 1:
+                with o.gathered_params():
+                    m[0].weight.data.mul_(2)
+            if step == 2:
+                m[2].weight.data = torch.full((8, 32), 0.125, dtype=torch.bfloat16)
+    assert all(buf.param_shard.device.type == "meta" for buf in opt._pipeline.disk_params.units.values())
+    with opt.gathered_params(), plain.gathered_params():
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p, q), name
+    ours, theirs = opt.full_state_dict()["state"], plain.full_state_dict()["state"]
+    assert all(torch.equal(ours[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
+
+
+def test_a_disk_without_room_for_the_shards_is_refused_before_anything_changes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8)).to(torch.bfloat16)  # 131 KB of shards
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with _tmpfs(tmp_path / "small", "size=64k") as small:
+        with pytest.raises(OSError, match=r"offload_param could not start: .*offload_param.nvme_path: cannot reserve"):
+            zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(small), **KWARGS)
+        assert not list(small.glob("zero_kernels/*/rank0/u*"))  # the files reserved are removed
+    for name, value in model.state_dict().items():
+        assert value.shape == before[name].shape and torch.equal(value, before[name]), name

@@ -1,0 +1,216 @@
+"""Stage 3's units whose parameter shard lives in a file: ``offload_param`` with ``device: nvme`` (ZeRO-Infinity),
+acted on when ``offload_optimizer`` is on too (as ``device: cpu`` is).
+
+Which units. In buffer order, the units whose shards fit in ``max_in_cpu`` elements of this rank (DeepSpeed keeps
+that many parameter elements in host memory and the rest on NVMe) keep their shard in the state tier's host copy,
+as with ``device: cpu``; every unit from the first that does not fit goes to a file (``offload.ParamFiles``).
+Persistent units stay on the device. The shard sizes are the same on every rank, so every rank chooses the same.
+
+Where the shard is. A file unit's ``buf.param_shard`` is a ``meta`` stand-in while its file holds it. ``resident``
+reads it in whole (``Stage3Buffer.ready``: the state door, a value given to a parameter between steps, an edit
+inside ``gathered_params()``); the next step writes it back and frees it.
+
+Gathers. ``source`` gives a unit's all-gather its shard: the resident one, or a pool buffer filled from the file
+(by a read ``read_ahead`` started with the scheduler's prefetch when there was one); ``done`` gives the buffer back
+once the gathers are waited for (the pool may also ask for it earlier: the unit then waits for its gathers).
+
+Step. The host Adam reads and writes each bucket's shard in a pool buffer filled from the file (``step_params``:
+the kernel reads the parameters too, to adopt edits); ``stepped`` writes it back in the background (the buffer
+returns to the pool when the write is done); ``finish_step`` waits for the writes and frees the resident shards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+from ...offload.param_files import Lease, ParamFiles
+from ..layout import Bucket
+
+if TYPE_CHECKING:
+    from .pipeline import Stage3Buffer
+
+
+def refuse_with(options: Any) -> None:
+    """``offload_param`` on nvme does not combine with ZeRO++'s weight gathers (their copies follow the shard's
+    tensor, which the pool reuses): raise ``ValueError`` naming the keys."""
+    for key, on in (("zero_quantized_weights", bool(options.quantized_weights)),
+                    ("zero_hpz_partition_size", int(options.hpz_partition_size) > 1)):  # fmt: skip
+        if on:
+            raise ValueError(
+                f"zero_optimization.offload_param.device='nvme' does not combine with zero_optimization.{key} yet: "
+                "use offload_param.device 'cpu', or turn the ZeRO++ option off"
+            )
+
+
+def stand_in(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """What ``param_shard`` holds while the file holds the shard."""
+    return torch.empty(numel, dtype=dtype, device="meta")
+
+
+class DiskParams:
+    """The file units of one stage-3 pipeline (see the module docstring).
+
+    Args:
+        files: the shards' files and pool.
+        max_in_cpu: ``offload_param.max_in_cpu``, elements of this rank's shards kept in host memory.
+    """
+
+    def __init__(self, files: ParamFiles, max_in_cpu: int):
+        self.files = files
+        self.room = int(max_in_cpu)
+        self.units: dict[int, "Stage3Buffer"] = {}  # id(buffer) -> the file unit
+        self._ahead: dict[int, tuple[Lease, Any]] = {}  # id(buffer) -> (lease, read) started ahead of its gather
+        self._gathering: dict[int, Lease] = {}  # id(buffer) -> the lease its gathers read
+        self._stepping: dict[tuple[int, int], Lease] = {}  # (id(buffer), bucket) -> the lease the update writes
+        self._writing: dict[int, tuple[Lease, Any]] = {}  # id(lease) -> (lease, write)
+
+    # ---------------------------------------------------------------- setting up
+    def choose(self, buffers: list["Stage3Buffer"], name: Callable[["Stage3Buffer"], str]) -> list["Stage3Buffer"]:
+        """Reserve the files of the units of ``buffers`` that go to files (see the module docstring); returns them.
+        On an error the files reserved here are removed before it propagates."""
+        chosen = []
+        try:
+            for buf in buffers:
+                numel = buf.layout.shard_numel
+                if numel <= self.room:
+                    self.room -= numel
+                    continue
+                self.room = -1  # every later unit goes to a file too
+                self.files.add(id(buf), numel, buf.dtype, name(buf))
+                chosen.append(buf)
+        except (OSError, ValueError):
+            for buf in chosen:
+                self.files.remove(id(buf))
+            raise
+        return chosen
+
+    def place(self, buf: "Stage3Buffer", shard: torch.Tensor) -> None:
+        """Write a new file unit's shard (``shard``, host memory) into its file; ``param_shard`` becomes a stand-in."""
+        self.files.write(id(buf), shard).wait()
+        self.units[id(buf)] = buf
+        buf.param_shard = stand_in(buf.layout.shard_numel, buf.dtype)
+        buf.params_in = lambda: self.resident(buf)
+
+    def holds(self, buf: "Stage3Buffer") -> bool:
+        return id(buf) in self.units
+
+    @staticmethod
+    def in_file(buf: "Stage3Buffer") -> bool:
+        return buf.param_shard is not None and buf.param_shard.device.type == "meta"
+
+    def resident(self, buf: "Stage3Buffer") -> None:
+        """Read the whole shard of a file unit into host memory (``buf.param_shard``), until the next step."""
+        if not self.in_file(buf):
+            return
+        shard = self.files.io.empty(buf.layout.shard_numel, buf.dtype)
+        self.files.read(id(buf), shard).wait()
+        buf.param_shard = shard
+
+    # ---------------------------------------------------------------- gathers
+    def read_ahead(self, buf: "Stage3Buffer") -> None:
+        """Start reading the shard of a file unit into a free pool buffer for its next gather (none free: nothing)."""
+        key = id(buf)
+        if key not in self.units or not self.in_file(buf) or key in self._ahead or key in self._gathering:
+            return
+        lease = self.files.take(buf.layout.shard_numel, buf.dtype, lambda: self._drop_ahead(key), wait=False)
+        if lease is None:
+            return  # every pool buffer is in use: the gather reads when it starts
+        self._ahead[key] = (lease, self.files.read(key, lease.tensor))
+
+    def _drop_ahead(self, key: int) -> None:
+        lease, read = self._ahead.pop(key)
+        read.wait()
+        self.files.put(lease)
+
+    def source(self, buf: "Stage3Buffer", release: Callable[[], None]) -> torch.Tensor:
+        """The shard a gather of ``buf`` sends; ``release`` is called when the pool needs its buffer back before
+        ``done`` (it must wait for the gathers and call ``done``)."""
+        key = id(buf)
+        if key not in self.units or not self.in_file(buf):
+            return buf.param_shard
+        ahead = self._ahead.pop(key, None)
+        if ahead is None:
+            lease = self.files.take(buf.layout.shard_numel, buf.dtype, release)
+            read = self.files.read(key, lease.tensor)
+        else:
+            lease, read = ahead
+            self.files.hold(lease, release)
+        self._gathering[key] = lease
+        read.wait()
+        return lease.tensor
+
+    def done(self, buf: "Stage3Buffer") -> None:
+        """The gathers of ``buf`` are over: its pool buffer goes back."""
+        lease = self._gathering.pop(id(buf), None)
+        if lease is not None:
+            if buf.device.type == "cuda":
+                torch.cuda.current_stream(buf.device).synchronize()  # its copy up may still read it
+            self.files.put(lease)
+
+    # ---------------------------------------------------------------- the step
+    def step_params(self, buf: "Stage3Buffer", bucket: Bucket) -> torch.Tensor:
+        """This rank's shard of ``bucket`` in host memory for the host Adam (read and written by it)."""
+        if not self.in_file(buf):
+            return buf.shard_slice(buf.param_shard, bucket)
+        lease = self.files.take(bucket.shard_numel, buf.dtype, lambda: None)
+        self.files.hold(lease, lambda: self._written(id(lease)))
+        self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
+        self._stepping[(id(buf), bucket.index)] = lease
+        return lease.tensor
+
+    def stepped(self, buf: "Stage3Buffer", bucket: Bucket, params: torch.Tensor) -> None:
+        """The update wrote ``params`` (from ``step_params``): start writing them back to the file."""
+        write = self.files.write(id(buf), params, bucket.shard_offset)
+        lease = self._stepping.pop((id(buf), bucket.index), None)
+        if lease is not None:
+            self._writing[id(lease)] = (lease, write)
+
+    def _written(self, key: int) -> None:
+        lease, write = self._writing.pop(key)
+        write.wait()
+        self.files.put(lease)
+
+    def finish_step(self) -> None:
+        """After the step's last bucket: every write done, every buffer back, the resident shards freed (their
+        files hold what the step wrote)."""
+        for key in list(self._writing):
+            self._written(key)
+        for key in list(self._ahead):
+            self._drop_ahead(key)  # read before the step: stale
+        self.files.finish()
+        for buf in self.units.values():
+            if not self.in_file(buf):
+                buf.param_shard = stand_in(buf.layout.shard_numel, buf.dtype)
+
+    # ---------------------------------------------------------------- memory
+    def resident_shards(self) -> list[torch.Tensor]:
+        """The shards read in whole now (host memory, until the next step)."""
+        return [buf.param_shard for buf in self.units.values() if not self.in_file(buf)]
+
+    def close(self) -> None:
+        self.files.close()
+
+
+def start(options: Any, engine: Any, agree: Callable[[Optional[str]], None]) -> Optional[DiskParams]:
+    """The file units' manager when ``offload_param`` is on nvme (the caller checked that the optimizer state is
+    offloaded), else None; a directory that cannot be used on some rank raises ``OSError`` on every rank
+    (``agree``)."""
+    config = options.offload_param
+    if config.device != "nvme":
+        return None
+    refuse_with(options)
+    files: Optional[ParamFiles] = None
+    problem: Optional[str] = None
+    try:
+        files = ParamFiles(config, options.aio, rank=engine.rank)
+    except OSError as err:
+        problem = str(err)
+    try:
+        agree(problem)
+    except OSError:
+        if files is not None:
+            files.close()
+        raise
+    return DiskParams(files, config.max_in_cpu)
