@@ -238,7 +238,8 @@ def estimate_offload(
     up_after = elem * moved if setup.optimizer != "none" and param_off == "none" else 0
     up_gather = elem * shard * gathers if param_off != "none" else 0
     state_io = state if setup.optimizer == "nvme" else 0
-    read = state_io + (elem * shard * gathers if param_off == "nvme" else 0)
+    # parameter shards in files: read for every gather and by the update (which writes them back)
+    read = state_io + (elem * shard * (gathers + 1) if param_off == "nvme" else 0)
     write = state_io + (elem * shard if param_off == "nvme" else 0)
     return OffloadEstimate(
         host_bytes=host,
@@ -250,7 +251,9 @@ def estimate_offload(
         disk_read=read,
         disk_write=write,
         adam_s=state * setup.ranks_per_node / (setup.adam_gbps * 1e9),
-        phase_s=_phases(setup, state, down, up_after, up_gather, read - state_io, write - state_io),
+        phase_s=_phases(
+            setup, state, down, up_after, up_gather, read - state_io - (write - state_io), write - state_io
+        ),
         sub_group_size=sub,
     )
 
@@ -261,8 +264,9 @@ def _phases(
     """Offload seconds beside forward and backward and after backward.
 
     Gathers of offloaded parameters split evenly between forward and backward (each the longer of its
-    uploads and its disk reads); a node's disk serves its ranks one after another (its bandwidth divided
-    among them); the bus is per rank and full duplex; on the disk the state is read and written.
+    uploads and its disk reads, ``param_reads``); a node's disk serves its ranks one after another (its
+    bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is read and
+    written, and so are parameter shards in files (``param_writes`` bytes each way, after backward).
     """
     bus = setup.bus_gbps * 1e9
     disk = (setup.disk_gbps or math.inf) * 1e9 / setup.ranks_per_node
@@ -272,7 +276,7 @@ def _phases(
     return {
         "forward": gather_s,
         "backward": max(gather_s, down / bus),
-        "after": max(adam_s, state_io_s + param_writes / disk) + up_after / bus,
+        "after": max(adam_s, state_io_s + 2 * param_writes / disk) + up_after / bus,
     }
 
 
