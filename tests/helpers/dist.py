@@ -86,6 +86,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     mp.spawn(_entry, args=(fn, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
 
 
+def run_cases(rank: int, world_size: int, cases: list[tuple[str, Callable[..., Any], tuple]]) -> None:
+    """Run ``case(rank, world_size, *args)`` for each ``(name, case, args)`` in order, on ranks already started
+    (the ``fn`` of one ``run_ranks``: one spawn for several cases); a failure names its case."""
+    for name, case, args in cases:
+        try:
+            case(rank, world_size, *args)
+        except AssertionError as e:
+            raise AssertionError(f"case {name!r}, rank {rank}: {e}") from e
+
+
 def _report(rank: int, world_size: int, fn: Callable[..., list[str]], out: str, *args: Any) -> None:
     Path(out, str(rank)).write_text("\n".join(fn(rank, world_size, *args)) or "ok")
 

@@ -28,13 +28,13 @@ import torch
 
 import zero_kernels as zk
 import zero_kernels.optim as zo
+from tests.helpers.dist import run_cases
 from tests.helpers.lockstep import (
     BUCKET,
     LR,
     ROWS,
     STAGE3,
     STAGES,
-    WORLD_SIZES,
     Net,
     batch,
     compare,
@@ -172,12 +172,6 @@ def master_cases(rank: int, world: int) -> None:
         initialize_then_pretrained(rank, world, stage)
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
-def test_writes_into_low_precision_parameters_reach_the_master(spawn, world: int) -> None:
-    spawn(master_cases, world)
-
-
 # ---------------------------------------------------------------- the master in full state dicts
 def train_bf16(stage: int, rank: int, world: int, steps: range, model=None, opt=None) -> tuple:
     """``steps`` steps of a bf16 model (a new one when not given) on this rank's rows."""
@@ -269,14 +263,6 @@ def loads_at_other_world_sizes(rank: int, world: int, directory: str) -> None:
         same_state(opt.full_state_dict(), saved["full"], f"saved on 2 ranks, loaded at stage {stage} on {world}")
 
 
-@pytest.mark.distributed
-def test_full_state_dict_carries_the_fp32_master(spawn, tmp_path) -> None:
-    for world in WORLD_SIZES:
-        spawn(full_state_cases, world, str(tmp_path))
-    for world in (1, 3):
-        spawn(loads_at_other_world_sizes, world, str(tmp_path))
-
-
 def consolidated_masters(rank: int, world: int, directory: str) -> None:
     for stage in STAGES:
         model, opt = train_bf16(stage, rank, world, range(3))
@@ -301,9 +287,22 @@ def consolidated_masters(rank: int, world: int, directory: str) -> None:
         assert all(torch.equal(saved[k], v) for k, v in weights(*resumed(stage, written["model"], full)).items())
 
 
+def world_cases(rank: int, world: int, directory: str) -> None:
+    """Points 1 and 2 of the module docstring on this world size: writes reach the master, ``full_state_dict()``
+    carries it; on 2 ranks ``consolidate`` writes it, on the others the state saved on 2 ranks loads."""
+    cases = [("writes reach the master", master_cases, ()), ("full_state_dict", full_state_cases, (directory,))]
+    if world == 2:
+        cases.append(("consolidate", consolidated_masters, (directory,)))
+    else:
+        cases.append(("loaded from 2 ranks", loads_at_other_world_sizes, (directory,)))
+    run_cases(rank, world, cases)
+
+
 @pytest.mark.distributed
-def test_consolidate_writes_the_fp32_masters(spawn, tmp_path) -> None:
-    spawn(consolidated_masters, 2, str(tmp_path))
+def test_writes_reach_the_master_and_full_state_dict_and_consolidate_carry_it(spawn, tmp_path) -> None:
+    """One spawn per world size (2 first: it saves the state the others load)."""
+    for world in (2, 1, 3):
+        spawn(world_cases, world, str(tmp_path), timeout_s=300)
 
 
 # ---------------------------------------------------------------- between steps, one process

@@ -23,6 +23,7 @@ from torch import nn
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
+from tests.helpers.dist import run_cases
 from zero_kernels.config import ZeroOptions
 from zero_kernels.stages.param_gather import is_pending
 
@@ -237,13 +238,6 @@ def matrix(rank: int, world: int, folder: str) -> None:
         saves(rank, world, stage, f"{folder}/stage{stage}")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 3])
-def test_overlapped_gather_matches_torch_adamw(spawn, world: int) -> None:
-    with tempfile.TemporaryDirectory() as folder:
-        spawn(matrix, world, folder)
-
-
 def off_by_default(rank: int, world: int) -> None:
     for stage, overlap in ((1, None), (2, False), (0, True), (3, True)):
         torch.manual_seed(0)
@@ -257,9 +251,15 @@ def off_by_default(rank: int, world: int) -> None:
         assert not any(is_pending(p) for p in model.parameters()), what
 
 
+def cases(rank: int, world: int, folder: str) -> None:
+    run_cases(rank, world, [("overlapped gathers", matrix, (folder,)), ("the step waits", off_by_default, ())])
+
+
 @pytest.mark.distributed
-def test_the_step_waits_unless_asked(spawn) -> None:
-    spawn(off_by_default, 2)
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlapped_gather_matches_torch_adamw_and_the_step_waits_unless_asked(spawn, world: int) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        spawn(cases, world, folder)
 
 
 def test_config_key() -> None:

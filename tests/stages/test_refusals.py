@@ -114,11 +114,6 @@ def _second_gradient_body(rank: int, world: int) -> list[str]:
     return [f for stage in (0, 1, 2) for f in _second_gradient_on_one_rank(rank, world, stage)]
 
 
-@pytest.mark.distributed
-def test_second_gradient_found_on_one_rank_raises_on_every_rank() -> None:
-    run_ranks_checked(_second_gradient_body, WORLD, timeout_s=60)
-
-
 class Plain(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -195,11 +190,6 @@ def _late_gradients_body(rank: int, world: int) -> list[str]:
     return found
 
 
-@pytest.mark.distributed
-def test_gradients_after_the_synchronised_backward_count_or_raise_on_every_rank() -> None:
-    run_ranks_checked(_late_gradients_body, WORLD, timeout_s=60)
-
-
 def _gradient_after_clip(rank: int, world: int, stage: int) -> list[str]:
     """A backward after ``clip_grad_norm_`` of the step: AdamW would see the earlier gradients clipped and the
     later ones not; every rank raises at the step (the later backward on rank 1 only)."""
@@ -234,11 +224,6 @@ def _after_clip_body(rank: int, world: int) -> list[str]:
     return [f for stage in (0, 1, 2, 3) for f in _gradient_after_clip(rank, world, stage)]
 
 
-@pytest.mark.distributed
-def test_gradient_after_clip_raises_on_every_rank() -> None:
-    run_ranks_checked(_after_clip_body, WORLD, timeout_s=60)
-
-
 def _owed_window_resumed(rank: int, world: int, stage: int, directory: str) -> list[str]:
     """A checkpoint saved after a synchronised backward and one under ``no_sync()``, resumed: the step still
     reduces what the second left (the window carries that it is owed)."""
@@ -267,6 +252,17 @@ def _owed_window_body(rank: int, world: int, directory: str) -> list[str]:
     return [f for stage in (0, 2, 3) for f in _owed_window_resumed(rank, world, stage, directory)]
 
 
+def _every_case(rank: int, world: int, directory: str) -> list[str]:
+    """The four cases of the module docstring in turn on one pair of ranks, each finding named by its case."""
+    cases = (
+        ("a second gradient found on one rank", _second_gradient_body, ()),
+        ("gradients after the synchronised backward", _late_gradients_body, ()),
+        ("a gradient after the clip", _after_clip_body, ()),
+        ("a window owing a reduction resumed", _owed_window_body, (directory,)),
+    )
+    return [f"{name}: {f}" for name, body, args in cases for f in body(rank, world, *args)]
+
+
 @pytest.mark.distributed
-def test_a_window_owing_a_reduction_resumes_from_a_checkpoint(tmp_path) -> None:
-    run_ranks_checked(_owed_window_body, WORLD, str(tmp_path), timeout_s=60)
+def test_late_or_repeated_gradients_raise_or_count_on_every_rank_and_resume(tmp_path) -> None:
+    run_ranks_checked(_every_case, WORLD, str(tmp_path), timeout_s=180)

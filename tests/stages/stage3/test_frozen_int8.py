@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
+from tests.helpers.dist import run_cases
 from zero_kernels.kernels.quant_reference import dequantize_ref, quantize_ref
 from zero_kernels.planner import estimate_memory
 from zero_kernels.stages.quantized_gather import Payload
@@ -208,12 +209,6 @@ def _against_adamw(model: nn.Module, opt, frozen: list[torch.Tensor], rank: int,
         assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="trainable vs AdamW")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_frozen_int8_values_memory_and_training(spawn, dtype: torch.dtype) -> None:
-    spawn(_values_case, 2, dtype)
-
-
 def _checkpoint_case(rank: int, world: int, folder: str, dtype: torch.dtype) -> None:
     model, opt = _build(dtype, on=True)
     _train(model, opt, rank, dtype, range(2))
@@ -253,12 +248,6 @@ def _checkpoint_case(rank: int, world: int, folder: str, dtype: torch.dtype) -> 
         for name, value in zip(names, frozen + trainable):
             assert torch.equal(pretrained[name], value), f"save_pretrained: {name}"
     torch.distributed.barrier()
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_frozen_int8_checkpoint_resumes_exactly(spawn, tmp_path: Path, dtype: torch.dtype) -> None:
-    spawn(_checkpoint_case, 2, str(tmp_path), dtype)
 
 
 def _writes_case(rank: int, world: int) -> None:
@@ -303,9 +292,19 @@ def _writes_case(rank: int, world: int) -> None:
         _loss(model, *_batch(0, rank, torch.float32))
 
 
+def _every_case(rank: int, world: int, folder: str) -> None:
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    cases = [(f"values, memory and training {n}", _values_case, (d,)) for n, d in dtypes.items()]
+    cases += [(f"checkpoint {n}", _checkpoint_case, (f"{folder}/{n}", dtypes[n])) for n in ("fp32", "bf16")]
+    cases.append(("writes, state dicts and unfreezing", _writes_case, ()))
+    run_cases(rank, world, cases)
+
+
 @pytest.mark.distributed
-def test_frozen_int8_writes_state_dicts_and_unfreezing(spawn) -> None:
-    spawn(_writes_case, 2)
+def test_frozen_int8_values_training_checkpoints_and_writes(spawn, tmp_path: Path) -> None:
+    """The cases of the module docstring in turn on one pair of ranks: values, memory and training in fp32, bf16
+    and fp16; checkpoints resumed exactly (fp32, bf16); writes, state dicts and unfreezing."""
+    spawn(_every_case, 2, str(tmp_path), timeout_s=300)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
