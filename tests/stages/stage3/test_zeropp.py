@@ -394,7 +394,7 @@ def _offload_case(rank: int, world: int, directory: str) -> None:
 
 
 def _two_nodes_cases(rank: int, world: int, directory: str) -> None:
-    # offload first: hpZ's case ends with a refused construction, after which these ranks run no more collectives
+    # hpZ's case last: it ends with a construction that is refused
     run_cases(rank, world, [("offload", _offload_case, (directory,)), ("hpZ", _hpz_case, ())])
 
 
