@@ -233,14 +233,15 @@ def estimate_offload(
     host = copies + (state if setup.optimizer == "cpu" else 0)
     host += OPTIMIZER_BUFFERS * sub * k_bytes if setup.optimizer == "nvme" else 0
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
-    disk = (state if setup.optimizer == "nvme" else 0) + (elem * shard if param_off == "nvme" else 0)
+    in_files = elem * shard if param_off == "nvme" else 0  # parameter shards in files
+    disk = (state if setup.optimizer == "nvme" else 0) + in_files
     down = elem * moved * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" else 0
     up_after = elem * moved if setup.optimizer != "none" and param_off == "none" else 0
     up_gather = elem * shard * gathers if param_off != "none" else 0
     state_io = state if setup.optimizer == "nvme" else 0
-    # parameter shards in files: read for every gather and by the update (which writes them back)
-    read = state_io + (elem * shard * (gathers + 1) if param_off == "nvme" else 0)
-    write = state_io + (elem * shard if param_off == "nvme" else 0)
+    gather_reads = in_files * gathers
+    read = state_io + gather_reads + in_files  # the shards are read for every gather and by the update,
+    write = state_io + in_files  # which writes them back
     return OffloadEstimate(
         host_bytes=host,
         disk_bytes=disk,
@@ -251,32 +252,30 @@ def estimate_offload(
         disk_read=read,
         disk_write=write,
         adam_s=state * setup.ranks_per_node / (setup.adam_gbps * 1e9),
-        phase_s=_phases(
-            setup, state, down, up_after, up_gather, read - state_io - (write - state_io), write - state_io
-        ),
+        phase_s=_phases(setup, state, down, up_after, up_gather, gather_reads, in_files),
         sub_group_size=sub,
     )
 
 
 def _phases(
-    setup: OffloadSetup, state: int, down: int, up_after: int, up_gather: int, param_reads: int, param_writes: int
+    setup: OffloadSetup, state: int, down: int, up_after: int, up_gather: int, gather_reads: int, in_files: int
 ) -> dict[str, float]:
     """Offload seconds beside forward and backward and after backward.
 
     Gathers of offloaded parameters split evenly between forward and backward (each the longer of its
-    uploads and its disk reads, ``param_reads``); a node's disk serves its ranks one after another (its
+    uploads and its disk reads, ``gather_reads``); a node's disk serves its ranks one after another (its
     bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is read and
-    written, and so are parameter shards in files (``param_writes`` bytes each way, after backward).
+    written, and so are parameter shards in files by the update (``in_files`` bytes each way, after backward).
     """
     bus = setup.bus_gbps * 1e9
     disk = (setup.disk_gbps or math.inf) * 1e9 / setup.ranks_per_node
-    gather_s = max(up_gather / bus, param_reads / disk) / 2
+    gather_s = max(up_gather / bus, gather_reads / disk) / 2
     adam_s = state * setup.ranks_per_node / (setup.adam_gbps * 1e9)
     state_io_s = 2 * state / disk if setup.optimizer == "nvme" else 0.0
     return {
         "forward": gather_s,
         "backward": max(gather_s, down / bus),
-        "after": max(adam_s, state_io_s + 2 * param_writes / disk) + up_after / bus,
+        "after": max(adam_s, state_io_s + 2 * in_files / disk) + up_after / bus,
     }
 
 
