@@ -73,14 +73,13 @@ class ParamFiles:
                 f"least {numel}"
             )
         path = self.directory.root / f"u{len(self.paths)}.params"
-        itemsize = torch.empty((), dtype=dtype).element_size()
         try:
-            self.directory.reserve(path, numel * itemsize, f"the parameter shard of {name}")
+            self.directory.reserve(path, numel * dtype.itemsize, f"the parameter shard of {name}")
         except OSError:
             path.unlink(missing_ok=True)
             raise
         self.paths[key] = (path, dtype)
-        self._nbytes = max(self._nbytes, numel * itemsize)
+        self._nbytes = max(self._nbytes, numel * dtype.itemsize)
 
     def remove(self, key: int) -> None:
         """Forget a shard and delete its file (a unit that could not be set up)."""
@@ -129,7 +128,7 @@ class ParamFiles:
             _, (_, oldest) = next(iter(self._holders.items()))
             oldest()
         raw = self._free.pop()
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if raw.numel() < nbytes:  # a shard added after this buffer was made
             self._pool.remove(raw)
             raw = self.io.empty(self._nbytes, torch.uint8)
