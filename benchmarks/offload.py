@@ -57,6 +57,7 @@ from .common import (
     finish_rank,
     free_port,
     join,
+    load_average,
     progress,
     provider_rounds,
     ratio_stats,
@@ -449,7 +450,7 @@ def _big_case(num_params: int, steps: int, width: int, params_on_disk: bool) -> 
     expect(1)
     provider = "zk-stage3-nvme" + ("-params-nvme" if params_on_disk else "")
     progress(f"{num_params / 1e6:.0f}M params bf16, stage 3, state on disk", provider)
-    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_before = load_average()
     try:
         disk = disk_bandwidth(folder)
         args = (num_params, width, steps, params_on_disk, free_port(), folder)
@@ -459,12 +460,12 @@ def _big_case(num_params: int, steps: int, width: int, params_on_disk: bool) -> 
     row: dict[str, Any] = {"case": f"{num_params / 1e6:.0f}M params bf16, 1 rank", "provider": provider}
     row["params_on_disk"] = params_on_disk
     if load_before is not None:
-        row["load_1min_before"] = load_before
+        row["load_1min_before"] = load_before[0]
     row.update(got)
     row.update(disk)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load = load_average()
     if load is not None:
-        row["load_1min"] = load
+        row["load_1min"] = load[0]
     if "error" in got:
         return row
     state = 12 * got["params"]
