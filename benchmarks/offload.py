@@ -19,9 +19,10 @@ median over the rounds; ``vs_deepspeed`` is DeepSpeed's step with the same offlo
 ours, the median of the per-round ratios, with ``low``/``high`` and a ``verdict``.
 
 Bytes per step (ours, counted by the offload tier over the timed steps): ``down_MB``/``up_MB`` across the
-host link, ``read_MB``/``written_MB`` of state files. The disk's sequential bandwidth is measured in the
-same run, in the same folder, before the ranks start (``disk_write_GBps``, ``disk_read_GBps``: an O_DIRECT
-write then read of ``DISK_PROBE_BYTES``); ``io_of_disk`` is our state I/O per step over the step time, as a
+host link (none where the device is host memory: the tier then uses the shards in place), ``read_MB``/
+``written_MB`` of state files. The disk's sequential bandwidth is measured in the same run, in the same
+folder, before the ranks start (``disk_write_GBps``, ``disk_read_GBps``: an O_DIRECT write then read of
+``DISK_PROBE_BYTES``); ``io_of_disk`` is our state I/O per step over the step time, as a
 share of the mean of the two. ``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
 
 ``--big``: one rank trains a bf16 model of ``--big-params`` parameters at stage 3 with its optimizer

@@ -85,13 +85,15 @@ def test_subject_at_a_tiny_size() -> None:
     rows = offload.run(quick=True, shape=(16, 1, 1), rounds=1)
     ours = [r for r in rows if r["provider"].startswith("zk-")]
     assert len(ours) == 12 and all("step_ms" in r for r in ours), [r.get("error") for r in ours]
+    host = {(r["provider"], r["rank"]): r.get("host_MB") for r in ours}
     for r in ours:
         offloaded = r["provider"].endswith(("-cpu", "-nvme"))
         assert ("down_MB" in r) == offloaded
-        if offloaded:  # bf16: the gradient shard down, the parameter shard up, 2 bytes per element each
-            assert r["up_MB"] > 0 and 0 <= r["down_MB"] - r["up_MB"] <= 1e-4  # + 16-byte fingerprints per bucket
+        if offloaded:  # the "device" is host memory here: the tier uses its shards in place, nothing crosses
+            assert r["up_MB"] == r["down_MB"] == 0
         if r["provider"].endswith("-nvme"):  # fp32 master, m and v read and written once per step
-            assert r["read_MB"] == r["written_MB"] == pytest.approx(6 * r["up_MB"])
+            in_memory = host[(r["provider"].replace("-nvme", "-cpu"), r["rank"])]  # the same state, all in memory
+            assert r["read_MB"] == r["written_MB"] == pytest.approx(in_memory) and in_memory > 0
             assert r["disk_MB"] >= r["read_MB"] and r["io_of_disk"] > 0
     (disk,) = [r for r in rows if r["provider"] == offload.DISK]
     assert disk["disk_write_GBps"] > 0

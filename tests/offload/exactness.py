@@ -12,16 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 import zero_kernels.optim as zo
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
+from zero_kernels.offload import HostTier
 
 STEPS = 4
 NONFINITE_STEP = 2
 CLIP = 0.05
+
+
+@contextlib.contextmanager
+def copying() -> Iterator[None]:
+    """Tiers built inside copy to and from the "device" as from a GPU, though both are host memory here
+    (``HostTier.share_host`` off; a spawned rank's own class attribute)."""
+    HostTier.share_host = False
+    try:
+        yield
+    finally:
+        HostTier.share_host = True
 
 
 def _make(

@@ -1,4 +1,5 @@
-"""The host tier: bytes crossing per step (counted), the host Adam's threads, what memory_report shows."""
+"""The host tier: bytes crossing per step (counted), no host copy where the device is host memory (the copies
+themselves run with ``share_host`` off, as from a GPU), the host Adam's threads, what memory_report shows."""
 
 from __future__ import annotations
 
@@ -27,9 +28,15 @@ def _train(model: nn.Module, opt: zo.ShardedFusedAdam, steps: int, dtype: torch.
         opt.zero_grad()
 
 
+@pytest.fixture
+def copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier copies to and from the "device" as from a GPU, though both are host memory here."""
+    monkeypatch.setattr(HostTier, "share_host", False)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("dtype, per_param", [(torch.bfloat16, 4), (torch.float32, 8)])
-def test_bytes_crossing_per_step(stage: int, dtype: torch.dtype, per_param: int) -> None:
+def test_bytes_crossing_per_step(stage: int, dtype: torch.dtype, per_param: int, copying: None) -> None:
     """bf16: the gradient down and the parameters up, 2 bytes each (4 per parameter); fp32: 4 each (8)."""
     model = _model(dtype)
     opt = zo.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET, offload_optimizer={"device": "cpu"})
@@ -45,23 +52,56 @@ def test_bytes_crossing_per_step(stage: int, dtype: torch.dtype, per_param: int)
     assert traffic["init"] == numel * size  # the parameters' first copy down
 
 
-def test_memory_report_shows_the_host_tier() -> None:
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_no_host_copy_where_the_device_is_host_memory(stage: int, dtype: torch.dtype, monkeypatch) -> None:
+    """On a CPU-only machine the host Adam reads the reduced gradient shard and writes the parameter shard in
+    place: the tensors it is given share their storage, the tier holds no copy, and nothing is counted as
+    crossing."""
+    seen = []
+    real = offloaded.launch
+
+    def spy(pipeline, buf, bucket, h, decision, with_grad, tensors, **kwargs):
+        params = tensors.master if tensors.out is None else tensors.out
+        seen.append((_same_storage(tensors.grad, pipeline.grad_shard(buf, bucket)),
+                     _same_storage(params, pipeline.param_shard(buf, bucket))))  # fmt: skip
+        return real(pipeline, buf, bucket, h, decision, with_grad, tensors, **kwargs)
+
+    monkeypatch.setattr(offloaded, "launch", spy)
+    model = _model(dtype)
+    opt = zo.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET, offload_optimizer={"device": "cpu"})
+    _train(model, opt, 2, dtype)
+    tier = opt._pipeline.tier
+    assert seen and all(grads and params for grads, params in seen), seen
+    assert all(s.params is None and s.grads is None for s in tier.shards.values())
+    assert tier.traffic() == {"down": 0, "up": 0, "init": 0}
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() == b.data_ptr()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_memory_report_shows_the_host_tier(shared: bool, monkeypatch) -> None:
+    monkeypatch.setattr(HostTier, "share_host", shared)
     model = _model(torch.bfloat16)
     opt = zo.ShardedFusedAdam(model, stage=1, reduce_bucket_size=BUCKET, offload_optimizer={"device": "cpu"})
     _train(model, opt, 1, torch.bfloat16)
     report = opt.memory_report()
     numel = sum(buf.layout.shard_numel for buf in opt._pipeline.buffers)
     assert report["optimizer"] == 0 and report["disk"] == 0
-    assert report["host"] == numel * (12 + 2 + 2)  # master, m, v; the host copies of parameters and gradients
+    copies = 0 if shared else 2 + 2  # the host copies of parameters and gradients, where they are made
+    assert report["host"] == numel * (12 + copies)  # master, m, v
     plain = zo.ShardedFusedAdam(_model(torch.bfloat16), stage=1, reduce_bucket_size=BUCKET)
     assert "host" not in plain.memory_report() and plain.memory_report()["optimizer"] == numel * 12
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_stage3_offload_param_keeps_the_shards_in_the_host_copies(dtype: torch.dtype, caplog) -> None:
-    """The HF ZeRO-3 template (``offload_param`` and ``offload_optimizer`` on the cpu): each unit's parameter
-    shard is the tier's host copy, so nothing goes up at the step (only the gradients come down), the shards
-    count under ``host`` and not ``params``, and no warning says the key is ignored."""
+def test_stage3_offload_param_keeps_the_shards_in_the_host_copies(dtype: torch.dtype, caplog, copying) -> None:
+    """The HF ZeRO-3 template (``offload_param`` and ``offload_optimizer`` on the cpu), from a "device" that is
+    not host memory: each unit's parameter shard is the tier's host copy, so nothing goes up at the step (only
+    the gradients come down), the shards count under ``host`` and not ``params``, and no warning says the key is
+    ignored."""
     cpu = {"device": "cpu", "pin_memory": True}
     kwargs = dict(reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
     model = _model(dtype)
@@ -82,6 +122,26 @@ def test_stage3_offload_param_keeps_the_shards_in_the_host_copies(dtype: torch.d
     report, before = opt.memory_report(), plain.memory_report()
     assert before["params"] - report["params"] == numel * size  # the device shards are gone
     assert report["host"] == before["host"]  # they were the host copies already
+    with opt.gathered_params(), plain.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_stage3_offload_param_on_host_memory_keeps_the_shards_in_place() -> None:
+    """Where the device is host memory, ``offload_param`` cpu keeps each shard where it is (no second copy) and
+    the memory report is that of ``offload_optimizer`` alone."""
+    cpu = {"device": "cpu", "pin_memory": True}
+    kwargs = dict(reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0, offload_optimizer=cpu)
+    model, twin = _model(torch.bfloat16), _model(torch.bfloat16)
+    opt = zo.ShardedFusedAdam(model, stage=3, offload_param=cpu, **kwargs)
+    plain = zo.ShardedFusedAdam(twin, stage=3, **kwargs)
+    _train(model, opt, 2, torch.bfloat16)
+    _train(twin, plain, 2, torch.bfloat16)
+    pipeline = opt._pipeline
+    assert pipeline.params_offloaded and all(s.params is None for s in pipeline.tier.shards.values())
+    assert pipeline.tier.traffic() == {"down": 0, "up": 0, "init": 0}
+    report, before = opt.memory_report(), plain.memory_report()
+    assert report["params"] == before["params"] > 0 and report["host"] == before["host"] > 0
     with opt.gathered_params(), plain.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)

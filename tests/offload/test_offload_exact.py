@@ -18,7 +18,7 @@ import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
-from tests.offload.exactness import pair_case
+from tests.offload.exactness import copying, pair_case
 from tests.offload.test_offload_config import SUPER_OFFLOAD
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -103,17 +103,33 @@ def _exact_ranks(rank: int, world: int, scratch: str) -> None:
         for params, during, dtypes in cases:
             for dtype in dtypes:
                 result = pair_case(rank, world, 3, dtype, offload, params, during)
-                size = torch.finfo(dtype).bits // 8
-                up = result["steps"] * result["device_numel"] * size  # the persistent units' shards only
                 assert result["device_numel"] < result["shard_numel"] / 2, "most parameters must be in sharded units"
-                assert result["traffic"]["up"] == up, f"offload_param {params} with {offload['device']}, {dtype}"
+                assert result["traffic"] == {**result["traffic"], "up": 0, "down": 0, "init": 0}  # nothing copied
+        _copying_cases(rank, world, offload, files)
     # DeepSpeed's SuperOffload example block (stage 3): its host Adam runs after backward here, results the same
     pair_case(rank, world, 3, torch.bfloat16, SUPER_OFFLOAD)
 
 
+def _copying_cases(rank: int, world: int, offload: dict, files: dict) -> None:
+    """The copies a GPU makes (the gradients down, the parameters up, edits found and copied down), run here with
+    ``HostTier.share_host`` off: bf16 and fp32 at stages 1-3, then stage 3's parameter shards in host memory and in
+    files (only the persistent units' shards go up)."""
+    with copying():
+        for stage in (1, 2, 3):
+            for dtype in (torch.bfloat16, torch.float32):
+                result = pair_case(rank, world, stage, dtype, offload)
+                size = torch.finfo(dtype).bits // 8
+                assert result["traffic"]["down"] > 0 and result["traffic"]["up"] > 0, (stage, dtype, result["traffic"])
+                assert result["traffic"]["init"] == result["shard_numel"] * size
+        for params in ({"device": "cpu", "pin_memory": True}, files):
+            result = pair_case(rank, world, 3, torch.bfloat16, offload, params)
+            up = result["steps"] * result["device_numel"] * 2  # the persistent units' shards only
+            assert result["traffic"]["up"] == up, f"offload_param {params} with {offload['device']}"
+
+
 @pytest.mark.distributed
 def test_offload_is_exact_at_stages_1_to_3_on_two_ranks(tmp_path: Path) -> None:
-    run_ranks(_exact_ranks, 2, str(tmp_path), timeout_s=300.0)
+    run_ranks(_exact_ranks, 2, str(tmp_path), timeout_s=420.0)
 
 
 # ---------------------------------------------------------------- checkpoints across tiers and world sizes

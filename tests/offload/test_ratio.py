@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zero_kernels as zk
+from zero_kernels.offload import HostTier
 from zero_kernels.stages import placement
 
 BUCKET = 256  # elements: the model's 3.4k parameters make 14 buckets
@@ -83,9 +84,10 @@ def test_offload_param_with_a_share_on_the_device_warns_that_it_stays(
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_only_the_tiers_share_crosses_the_bus(stage: int) -> None:
+def test_only_the_tiers_share_crosses_the_bus(stage: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16: 2 bytes per element of the tier's part down (the gradient) and 2 up (the parameter), none for the
-    device's part."""
+    device's part (the tier copying as from a GPU: ``HostTier.share_host`` off)."""
+    monkeypatch.setattr(HostTier, "share_host", False)
     model = _model().to(torch.bfloat16)
     opt = zk.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET,
                               offload_optimizer={"device": "cpu", "ratio": 0.3})  # fmt: skip

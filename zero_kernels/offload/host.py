@@ -11,6 +11,11 @@ the gradients' dtypes (``HostShard``):
 - ``grads``: each bucket of the reduced gradient shard, copied down (``down``) in the dtype the stage
   keeps it in (bf16 gradients: 2 bytes per parameter).
 
+Where the "device" is host memory (a CPU-only machine) the copies would be the device tensors' bytes a
+second time in the same memory: the tier makes none (``shares``), and the update reads and writes the
+device shards in place (nothing crosses, nothing is counted). ``share_host`` False makes the tier copy
+there too, as it does from a GPU (the tests run that path on the CPU).
+
 Writes into the device parameters between steps (a loaded checkpoint, ``p.data.mul_()``) are found
 without copying the parameters down (``changed``): the device bucket's ``fingerprint`` (two exact sums
 of its bits as 16-bit words, one position-weighted, computed on the device) is compared with the one
@@ -69,12 +74,15 @@ def _weights(numel: int, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class HostShard:
-    """A buffer's host copies: ``params`` (param dtype; None where stage 3 keeps the shard in a file,
-    ``offload_param`` on nvme) and ``grads`` (the gradients' dtype), over the part of this rank's shard whose
-    state is in the tier; ``state``: that part of each state tensor while the pipeline keeps the rest on the
-    device (``spill``)."""
+    """A buffer's host copies over the ``numel`` elements of this rank's shard whose state is in the tier:
+    ``params`` (param dtype; None where the device shard is host memory already, ``HostTier.shares``, or where
+    stage 3 keeps the shard in a file, ``offload_param`` on nvme) and ``grads`` (``grad_dtype``; made by the
+    first bucket copied down, ``HostTier.gradients``); ``state``: that part of each state tensor while the
+    pipeline keeps the rest on the device (``spill``)."""
 
+    numel: int
     params: Optional[torch.Tensor]
+    grad_dtype: torch.dtype
     grads: Optional[torch.Tensor] = None
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -87,6 +95,7 @@ class HostTier:
     """
 
     kind = "host"
+    share_host = True  # False: host copies even of host tensors, as from a GPU (see the module docstring)
 
     def __init__(self, config: OffloadOptimizerConfig):
         self.config = config
@@ -107,10 +116,17 @@ class HostTier:
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
 
-    def attach(self, key: int, shard_numel: int, dtype: torch.dtype, grad_dtype: torch.dtype) -> HostShard:
-        """Make the host copies of a buffer (``key``: its id) over ``shard_numel`` elements (the part of the shard
-        in the tier); the caller fills ``params`` with ``init``."""
-        shard = HostShard(self.empty(shard_numel, dtype), self.empty(shard_numel, grad_dtype))
+    def shares(self, device: torch.device) -> bool:
+        """Whether the tensors of a buffer on ``device`` are host memory the update uses in place (no host copy)."""
+        return self.share_host and torch.device(device) == self.device
+
+    def attach(
+        self, key: int, shard_numel: int, dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device
+    ) -> HostShard:
+        """Register a buffer (``key``: its id) on ``device`` whose state is in the tier over ``shard_numel``
+        elements of its shard; a parameter copy unless ``shares(device)`` (the caller fills it with ``init``)."""
+        params = None if self.shares(device) else self.empty(shard_numel, dtype)
+        shard = HostShard(shard_numel, params, grad_dtype)
         self.shards[key] = shard
         return shard
 
@@ -127,6 +143,15 @@ class HostTier:
         dst.copy_(src)
         self.bytes_down += src.numel() * src.element_size()
         return dst
+
+    def gradients(self, shard: HostShard, src: torch.Tensor, at: int) -> torch.Tensor:
+        """A bucket's reduced gradients ``src`` for the host Adam: ``src`` itself where it is host memory in the
+        copy's dtype (``shares``), else copied down into ``shard.grads`` from element ``at``."""
+        if self.shares(src.device) and src.dtype == shard.grad_dtype:
+            return src
+        if shard.grads is None:
+            shard.grads = self.empty(shard.numel, shard.grad_dtype)
+        return self.down(shard.grads.narrow(0, at, src.numel()), src)
 
     def up(self, dst: torch.Tensor, src: torch.Tensor, key: Optional[Hashable] = None) -> None:
         """Copy a host tensor into its device place ``dst`` (``key``: the piece, for ``changed``)."""

@@ -102,8 +102,9 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
     device once, and put the state where it lives between steps (``placement``: a disk without room raises on
     every rank)."""
     tier = pipeline.tier
-    shard = tier.attach(id(buf), placement.tier_numel(buf), buf.dtype, pipeline.accumulate_dtype_of(buf))
-    for bucket in buf.layout.buckets[buf.tier_from :]:
+    numel = placement.tier_numel(buf)
+    shard = tier.attach(id(buf), numel, buf.dtype, pipeline.accumulate_dtype_of(buf), buf.device)
+    for bucket in buf.layout.buckets[buf.tier_from :] if shard.params is not None else ():
         tier.init(placement.part(buf, shard.params, bucket), pipeline.param_shard(buf, bucket), (id(buf), bucket.index))
     if tier.kind != "disk":
         if placement.splits(tier, buf):
@@ -161,12 +162,15 @@ def update_bucket(
         return
     shard = tier.shards[id(buf)]
     in_file = pipeline.params_in_file(buf)  # stage 3's offload_param on nvme: the bucket's shard read from its file
-    params = pipeline.step_params(buf, bucket) if in_file else placement.part(buf, shard.params, bucket)
-    device_params = params if in_file else pipeline.param_shard(buf, bucket)
-    separate = device_params.data_ptr() != params.data_ptr()  # the same with stage 3's offload_param
+    device_params = None if in_file else pipeline.param_shard(buf, bucket)
+    if device_params is None:
+        params = pipeline.step_params(buf, bucket)
+    else:
+        params = device_params if shard.params is None else placement.part(buf, shard.params, bucket)
+    separate = device_params is not None and device_params.data_ptr() != params.data_ptr()
     if separate and tier.changed((id(buf), bucket.index), device_params, params):
         tier.down(params, device_params)
-    grads = tier.down(placement.part(buf, shard.grads, bucket), pipeline.grad_shard(buf, bucket))
+    grads = tier.gradients(shard, pipeline.grad_shard(buf, bucket), bucket.shard_offset - placement.cut(buf))
     state = _state(tier, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
     low = buf.master is not None
     tensors = BucketTensors(

@@ -328,7 +328,7 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _allocate(self, buf: Stage3Buffer, in_file: bool = False) -> None:
         super()._allocate(buf)
-        if self.params_offloaded and not buf.persistent:
+        if self.params_offloaded and not buf.persistent and self.tier.shards[id(buf)].params is not None:
             buf.param_shard = self.tier.shards[id(buf)].params  # the host copy, filled from the device shard
         if in_file:
             self.disk_params.place(buf, buf.param_shard)
@@ -507,12 +507,20 @@ class Stage3Pipeline(Stage2Pipeline):
         tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.param_shard, buf.full)]
         if self.params_offloaded:  # the shards are the tier's host copies, counted under ``host``, or in files
             tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.full)]
+            tensors["params"] += [buf.param_shard for buf in self.buffers if self._shard_in_place(buf)]
         if self.disk_params is not None:  # a shard read in whole between steps; the pool
             tensors["params"] += self.disk_params.resident_shards()
             tensors["host"] += self.disk_params.files.pool()
         tensors["params"] += [t for unit in self._frozen or () for t in unit.tensors()]
         tensors["secondary"] += [t for buf in self.buffers for t in buf.secondary or ()] + self.unit_gathers.tensors()
         return tensors
+
+    def _shard_in_place(self, buf: Stage3Buffer) -> bool:
+        """Whether ``buf``'s parameter shard is in host memory with no host copy of the tier's (a CPU-only machine:
+        ``HostTier.shares``) and not in a file."""
+        shard = self.tier.shards.get(id(buf))
+        in_place = shard is not None and shard.params is None and buf.param_shard is not None
+        return in_place and not buf.persistent and not self.params_in_file(buf)
 
     def close(self) -> None:
         """Remove every hook; each parameter is left holding its full value."""
