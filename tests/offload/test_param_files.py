@@ -52,8 +52,9 @@ def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(t
     pool = sum(t.untyped_storage().nbytes() for t in pipeline.disk_params.files.pool())
     assert 0 < pool <= 2 * (max(buf.layout.shard_numel for buf in units) * 2 + 2 * 4096)  # 2 buffers, page aligned
     report, before = opt.memory_report(), host.memory_report()
-    assert report["params"] == before["params"]  # nothing of the shards under params
-    assert report["host"] == before["host"] - shard_bytes + pool  # the host copies gone, the pool there
+    # ``offload_param`` cpu keeps each shard where it is on a CPU-only machine (host memory already), under params
+    assert report["params"] == before["params"] - shard_bytes == 0  # nothing of the shards under params
+    assert report["host"] == before["host"] + pool  # the pool, and no host copy either way
     assert report["disk"] == before["disk"] + shard_bytes == shard_bytes
     with opt.gathered_params(), host.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
