@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import gc
 import logging
 import mmap
 import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Iterator
 
@@ -103,6 +105,22 @@ def unaligned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     out = raw[start : start + numel * itemsize].view(dtype)
     assert numel == 0 or out.data_ptr() % aio.PAGE == itemsize
     return out
+
+
+def test_a_waited_handle_holds_the_tensor_no_more(make_io, disk_dir: Path) -> None:
+    """A write's handle kept after its wait (as ``ParamFiles`` keeps a file's writes until its next read) leaves
+    the tensor to its owner: once the owner drops it, it is gone, though the handle lives on."""
+    io = make_io(block_size=SMALL_BLOCK)
+    t = random_tensor(3 * SMALL_BLOCK, torch.float32)
+    written, alive = as_bytes(t), weakref.ref(t)
+    handle = io.write(disk_dir / "f", t, 0)
+    del t
+    handle.wait()
+    gc.collect()
+    assert handle.done() and alive() is None
+    back = torch.empty(3 * SMALL_BLOCK, dtype=torch.float32)
+    io.read(disk_dir / "f", back, 0).wait()
+    assert as_bytes(back) == written
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

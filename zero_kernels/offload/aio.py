@@ -89,25 +89,27 @@ class IOHandle:
 
     def __init__(self, path: str, tensor: torch.Tensor, wait: Callable[[], tuple[int, str]], done: Callable[[], bool]):
         self.path = path
-        self._tensor = tensor  # alive until the handle is dropped
-        self._wait = wait
-        self._done = done
+        self._tensor: torch.Tensor | None = tensor  # alive until the request is waited for
+        self._wait: Callable[[], tuple[int, str]] | None = wait
+        self._done: Callable[[], bool] | None = done
         self._error: OSError | None = None
         self._finished = False
 
     def wait(self) -> None:
         """Block until the request has finished; raise ``OSError`` naming the path and the cause if it failed
-        (every call raises the same error)."""
-        if not self._finished:
+        (every call raises the same error). Once finished the handle holds the tensor no more: a handle kept
+        after its wait (a file's write kept until its next read) does not keep the tensor's memory."""
+        if self._wait is not None:
             code, detail = self._wait()
             self._error = io_error(self.path, code, detail) if code else None
             self._finished = True
+            self._tensor = self._wait = self._done = None  # the engine's request holds the tensor too
         if self._error is not None:
             raise self._error
 
     def done(self) -> bool:
         """Whether the request has finished (successfully or not); never blocks."""
-        return self._finished or self._done()
+        return self._finished or self._done is None or self._done()
 
     def __repr__(self) -> str:
         return f"IOHandle({self.path!r}, {'done' if self.done() else 'in flight'})"
