@@ -15,6 +15,9 @@ A bucket whose state stays on the device (``offload_optimizer.ratio`` < 1: ``pla
    parameters: their master is that copy);
 4. the bucket's parameters go up (``HostTier.up``), then the stage all-gathers them as usual.
 
+Where the device is host memory (a CPU-only machine, ``HostTier.shares``) steps 1, 2 and 4 have nothing to do:
+the kernel reads the reduced gradient shard and writes the device parameter shard in place.
+
 Stage 3 with ``offload_param`` on the cpu keeps its parameter shards in the host copies themselves (the stage's
 ``params_offloaded``): steps 2 and 4 then have nothing to do, and its gathers copy the shards up. With
 ``offload_param`` on nvme a unit's shard may live in a file instead (``stage3.disk_params``): the update reads
@@ -98,12 +101,11 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
 
 
 def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
-    """Give a new buffer whose state is (partly) in the tier its host copies, the parameters' taken from the
-    device once, and put the state where it lives between steps (``placement``: a disk without room raises on
-    every rank)."""
+    """Give a new buffer whose state is (partly) in the tier its host copies (none where the device is host
+    memory), the parameters' taken from the device once, and put the state where it lives between steps
+    (``placement``: a disk without room raises on every rank)."""
     tier = pipeline.tier
-    numel = placement.tier_numel(buf)
-    shard = tier.attach(id(buf), numel, buf.dtype, pipeline.accumulate_dtype_of(buf), buf.device)
+    shard = tier.attach(id(buf), placement.tier_numel(buf), buf.dtype, pipeline.accumulate_dtype_of(buf), buf.device)
     for bucket in buf.layout.buckets[buf.tier_from :] if shard.params is not None else ():
         tier.init(placement.part(buf, shard.params, bucket), pipeline.param_shard(buf, bucket), (id(buf), bucket.index))
     if tier.kind != "disk":
