@@ -30,6 +30,13 @@ INFO, WARNING = logging.INFO, logging.WARNING
 
 OPTIMIZER_TYPES = ("Adam", "AdamW")
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# DeepSpeed reads data_types' dtypes with its DtypeEnum, which also takes these spellings (int8 aside).
+GRAD_ACCUM_DTYPES = {
+    **COMM_DTYPES,
+    **dict.fromkeys(("float32", "float", "torch.float32"), torch.float32),
+    **dict.fromkeys(("float16", "half", "torch.float16"), torch.float16),
+    **dict.fromkeys(("bfloat16", "torch.bfloat16"), torch.bfloat16),
+}
 
 # A bare device name is accepted too ("cpu" stands for {"device": "cpu"}).
 _OFFLOAD_ALLOWED = 'a JSON object such as {"device": "cpu"}, a device name, or null'
@@ -306,7 +313,6 @@ TOP_IGNORED: Dict[str, int] = {
             "gradient_predivide_factor",
             "sparse_gradients",
             "fp32_allreduce",
-            "data_types",
             "elasticity",
             "compression_training",
             "data_efficiency",
@@ -318,6 +324,13 @@ TOP_IGNORED: Dict[str, int] = {
         )
     },
 }
+
+# ``grad_accum_dtype`` acts at stages 2-3 (``stages.grad_accum``: where and why, and DeepSpeed's default, the
+# training dtype, which is zero_kernels' too); the stages where it does not act warn when the optimizer is built.
+DATA_TYPES = Section(
+    fields={"grad_accum_dtype": Field(choice(GRAD_ACCUM_DTYPES, nullable=True), None, auto=False)},
+    ignored={"param_dtype": WARNING, "buffer_dtype": WARNING},
+)
 
 TOP = Section(
     fields={
@@ -334,6 +347,7 @@ TOP = Section(
         "train_micro_batch_size_per_gpu": Field(integer(1), None),
         "train_batch_size": Field(integer(1), None),
         "communication_data_type": Field(choice(COMM_DTYPES, nullable=True), None),
+        "data_types": Field(DATA_TYPES, None, auto=False),
         # zero_kernels' own key (DeepSpeed ignores unknown top-level keys): skip a step whose
         # gradients are not finite (fp32/bf16; fp16 loss scaling always skips).
         "skip_nonfinite_steps": Field(boolean(), True),
@@ -354,6 +368,7 @@ AUTO_KEYWORDS: Dict[str, str] = {
     "train_micro_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
     "train_batch_size": "train_batch_size",
     "communication_data_type": "communication_data_type",
+    "grad_accum_dtype": "data_types.grad_accum_dtype",
     "bf16": "bf16.enabled",
     "fp16": "fp16.enabled",
     **{k: f"zero_optimization.{k}" for k, f in ZERO_FIELDS.items() if f.auto},

@@ -49,6 +49,7 @@ class Stage2Pipeline(Pipeline):
     grads_in_p_grad = False
 
     quantizes_gradients = True
+    accumulates_reduced = True
 
     def __init__(self, engine: Any, options: Any, **kwargs: Any):
         super().__init__(engine, options, **kwargs)
