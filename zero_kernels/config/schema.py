@@ -10,6 +10,7 @@ otherwise), and alternative spellings. Defaults follow DeepSpeed's own config cl
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, Dict, Optional, Tuple
 
@@ -23,7 +24,7 @@ from .offload import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
 )
-from .rules import Field, Scalar, Section, boolean, choice, enum_integer, integer, number, pair, rejected
+from .rules import Field, Scalar, Section, Unsupported, boolean, choice, enum_integer, integer, number, pair, rejected
 from .scheduler import SCHEDULER
 
 INFO, WARNING = logging.INFO, logging.WARNING
@@ -332,6 +333,37 @@ DATA_TYPES = Section(
     ignored={"param_dtype": WARNING, "buffer_dtype": WARNING},
 )
 
+
+def _disabled(value: Any) -> bool:
+    """A block written with ``"enabled": false`` (or null): it turns nothing on."""
+    return value is None or (isinstance(value, Mapping) and value.get("enabled") is False)
+
+
+# Blocks that training tools hand DeepSpeed (LLaMA-Factory's ALST template, its fp8 template) and that change how
+# the model runs: zero_kernels cannot honour them, so they are refused unless turned off.
+TOP_UNSUPPORTED: Dict[str, Unsupported] = {
+    "sequence_parallel": Unsupported(
+        "sequence parallelism (Ulysses/ALST) splits every sample's sequence over several ranks, which changes the "
+        "data-parallel size and how those ranks' gradients combine; zero_kernels treats every rank of its process "
+        "group as a data-parallel replica",
+        _disabled,
+        'remove the block or write "enabled": false to train data-parallel only',
+    ),
+    "sequence_parallel_size": Unsupported(
+        "DeepSpeed divides the world size by it to get the data-parallel size (and so the batch sizes and the "
+        "ranks gradients are averaged over); zero_kernels reduces over the whole process group",
+        lambda value: value in (None, 1),
+        "remove it or write 1",
+    ),
+    "fp8": Unsupported(
+        "fp8 training runs the matrix multiplications in fp8 with their own scaling (through the training tool, "
+        "e.g. Transformer Engine); zero_kernels keeps and updates the parameters in their fp32/bf16/fp16 dtype and "
+        "does not cast the model to fp8",
+        _disabled,
+        'remove the block or write "enabled": false (bf16 training: "bf16": {"enabled": true})',
+    ),
+}
+
 TOP = Section(
     fields={
         "zero_optimization": Field(ZERO, None, auto=False),
@@ -354,6 +386,7 @@ TOP = Section(
         "aio": Field(AIO, None, auto=False),
     },
     ignored=TOP_IGNORED,
+    unsupported=TOP_UNSUPPORTED,
 )
 
 # Keyword arguments of ``from_deepspeed`` that fill "auto" (or missing) values: name -> key path.
