@@ -22,8 +22,9 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 - Accumulation: ``with opt.no_sync(): loss.backward()`` for all micro-steps but the last (grads
   accumulate locally; divide the loss yourself, as with DDP), or ``gradient_accumulation_steps=k``:
   call ``backward``/``step``/``zero_grad`` every micro-step; only every k-th ``step`` updates,
-  ``zero_grad`` between is ignored, communication happens on the k-th, and the gradients are
-  averaged over the k micro-steps (DeepSpeed's rule).
+  ``zero_grad`` between is ignored, communication happens on the k-th (on every one at stages 2-3 with a
+  ``grad_accum_dtype`` wider than the gradients: ``stages.grad_accum``), and the gradients are averaged over
+  the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
   Or ``torch.amp.GradScaler``, at every stage: ``scaler.step(opt)`` hands itself to ``step`` (``amp``).

@@ -1,20 +1,25 @@
 """Where ``data_types.grad_accum_dtype`` (a pipeline's ``accum_dtype``) acts, and the warnings where it does not.
 
 DeepSpeed 0.19 (``engine.get_data_types``, ``_do_optimizer_sanity_check``) takes the key as the dtype
-gradients are added up in over micro-steps; absent, it is the training dtype at every stage (DeepSpeed
-before 0.17.6 defaulted to fp32 for bf16 at stage 0), which is zero_kernels' default too: gradients
-accumulate in their own dtype, as ``torch.optim.AdamW`` accumulates ``p.grad``. With bf16/fp16 training and
-``"fp32"``, DeepSpeed adds the micro-steps' gradients up in fp32: its ZeRO-3 reduces every micro-step and
-adds the reduced partition into an fp32 buffer; at stage 1 its BF16_Optimizer adds each micro-step into fp32
-gradients before reducing them; at stage 0 0.19 refuses the mix (``NotImplementedError``; 0.8 to 0.18.4 used
-the BF16_Optimizer). Its ZeRO-2 takes the key but adds the micro-steps' reduced gradients up in the training
-dtype (the first micro-step's bf16 partition is the accumulator), casting to fp32 only at the boundary.
+gradients are added up in over micro-steps. With bf16/fp16 training and ``"fp32"``: its ZeRO-3 reduces every
+micro-step and adds the reduced partition into an fp32 buffer; at stage 1 its BF16_Optimizer (bf16 without
+CPU offload), or its ZeRO-1 optimizer with an fp32 copy of each gradient (fp16, or CPU offload), adds each
+micro-step's gradients up in fp32 before reducing them; at stage 0 0.19 refuses the mix
+(``NotImplementedError``; 0.7.6 to 0.18.4 used the BF16_Optimizer). Its ZeRO-2 takes the key but adds the
+micro-steps' reduced gradients up in the training dtype (the first micro-step's partition is the
+accumulator), casting to fp32 only at the boundary.
 
 zero_kernels acts on it at stages 2 and 3 (``Pipeline.accumulates_reduced``): each accumulation micro-step
 reduces its gradients (in the communication dtype) and adds them into a gradient shard of the wider dtype
 (``Pipeline.reduces_micro_steps``), DeepSpeed's ZeRO-3 numerics; at stage 2 that is more precise than
-DeepSpeed's. At stages 0 and 1 micro-steps still add up in ``p.grad`` (the gradients' dtype): a warning
-says so. A dtype narrower than the gradients never narrows them (warned too).
+DeepSpeed's. At stages 0 and 1 micro-steps still add up in ``p.grad`` (the gradients' dtype), which the step,
+``clip_grad_norm_``, a ``GradScaler`` and checkpoints of an open window all read there: a warning says so.
+A dtype narrower than the gradients never narrows them (warned too).
+
+Default (the key absent): the gradients' own dtype at every stage. That is DeepSpeed's default since 0.17.6
+(the training dtype, whatever the stage; 0.7.7 to 0.17.5 chose fp32 for bf16 at stage 0 only), so a drop-in
+user gets DeepSpeed's numbers; it is also what ``torch.optim.AdamW`` does (autograd adds micro-steps up in
+``p.grad``), the reference of the numerics contract (bf16 storage: no more than twice torch's own error).
 """
 
 from __future__ import annotations
