@@ -77,7 +77,8 @@ def initialize(
         max_grad_norm=config.gradient_clipping or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,
-        communication_data_type=config.communication_data_type, module=model, **zero,
+        communication_data_type=config.communication_data_type, grad_accum_dtype=config.grad_accum_dtype,
+        module=model, **zero,
     )  # fmt: skip
     if config.scheduler is None:
         return model, optimizer

@@ -168,6 +168,7 @@ def check_optimizer(
             else (scaler.scale, scaler.dynamic, scaler.window, scaler.hysteresis, scaler.min_scale),
             "skip_nonfinite_steps": opt.skip_nonfinite_steps,
             "communication_data_type": str(opt.communication_data_type),
+            "grad_accum_dtype": str(opt.grad_accum_dtype),
             "the comm engine": opt.pipeline.engine.kind,
         }
         fingerprint.update(options_fingerprint(opt.options, settings))

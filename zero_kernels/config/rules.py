@@ -184,6 +184,24 @@ def rejected(instead: str) -> Scalar:
 
 
 @dataclass(frozen=True)
+class Unsupported:
+    """A key that DeepSpeed, or a tool that hands DeepSpeed its config, acts on and zero_kernels cannot honour.
+
+    Refused with ``what`` it would change unless ``off(value)`` says it is turned off (then it changes
+    nothing: logged at INFO); ``how_off`` says how to turn it off.
+    """
+
+    what: str
+    off: Callable[[Any], bool]
+    how_off: str
+
+    def check(self, value: Any, path: str, ctx: ParseContext) -> None:
+        if not self.off(value):
+            raise ValueError(f"{path}={value!r} is not supported by zero_kernels: {self.what}; {self.how_off}")
+        ctx.ignore(path, logging.INFO)
+
+
+@dataclass(frozen=True)
 class Field:
     """One key of a section: its rule, its default and whether ``"auto"`` may stand for it."""
 
@@ -200,11 +218,12 @@ class Section:
     alternative names to canonical keys; ``finish`` turns the parsed dict into the stored value;
     ``optional``: a missing section is ``None`` rather than all defaults; ``nullable``: an explicit
     ``null`` means all defaults; ``shorthand``: the key a bare string stands for (``"none"`` is
-    read as ``{shorthand: "none"}``).
+    read as ``{shorthand: "none"}``); ``unsupported``: keys refused with what they would change, unless off.
     """
 
     fields: Mapping[str, Field]
     ignored: Mapping[str, int] = field(default_factory=dict)
+    unsupported: Mapping[str, Unsupported] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     finish: Callable[[Dict[str, Any]], Any] = dict
     optional: bool = False
@@ -313,13 +332,16 @@ def _missing(spec: Field, path: str, ctx: ParseContext) -> Any:
 
 def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict[str, Any]:
     """Canonical key -> raw value; unknown keys rejected, ignored keys recorded."""
-    known = set(section.fields) | set(section.ignored) | set(section.aliases)
+    known = set(section.fields) | set(section.ignored) | set(section.aliases) | set(section.unsupported)
     raw: Dict[str, Any] = {}
     for key, value in d.items():
         if not isinstance(key, str) or key not in known:
             where = f"in {path}" if path else "at the top level of the config"
             hint = suggest(str(key), known) or f"; expected one of {', '.join(repr(k) for k in section.fields)}"
             raise ValueError(f"unknown key {key!r} {where}{hint}")
+        if key in section.unsupported:
+            section.unsupported[key].check(value, join(path, key), ctx)
+            continue
         if key in section.ignored:
             ctx.ignore(join(path, key), section.ignored[key])
             continue

@@ -10,6 +10,7 @@ otherwise), and alternative spellings. Defaults follow DeepSpeed's own config cl
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import fields
 from typing import Any, Dict, Optional, Tuple
 
@@ -23,13 +24,20 @@ from .offload import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
 )
-from .rules import Field, Scalar, Section, boolean, choice, enum_integer, integer, number, pair, rejected
+from .rules import Field, Scalar, Section, Unsupported, boolean, choice, enum_integer, integer, number, pair, rejected
 from .scheduler import SCHEDULER
 
 INFO, WARNING = logging.INFO, logging.WARNING
 
 OPTIMIZER_TYPES = ("Adam", "AdamW")
 COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# DeepSpeed reads data_types' dtypes with its DtypeEnum, which also takes these spellings (int8 aside).
+GRAD_ACCUM_DTYPES = {
+    **COMM_DTYPES,
+    **dict.fromkeys(("float32", "float", "torch.float32"), torch.float32),
+    **dict.fromkeys(("float16", "half", "torch.float16"), torch.float16),
+    **dict.fromkeys(("bfloat16", "torch.bfloat16"), torch.bfloat16),
+}
 
 # A bare device name is accepted too ("cpu" stands for {"device": "cpu"}).
 _OFFLOAD_ALLOWED = 'a JSON object such as {"device": "cpu"}, a device name, or null'
@@ -306,7 +314,6 @@ TOP_IGNORED: Dict[str, int] = {
             "gradient_predivide_factor",
             "sparse_gradients",
             "fp32_allreduce",
-            "data_types",
             "elasticity",
             "compression_training",
             "data_efficiency",
@@ -317,6 +324,44 @@ TOP_IGNORED: Dict[str, int] = {
             "tensor_parallel",
         )
     },
+}
+
+# ``grad_accum_dtype`` acts at stages 2-3 (``stages.grad_accum``: where and why, and DeepSpeed's default, the
+# training dtype, which is zero_kernels' too); the stages where it does not act warn when the optimizer is built.
+DATA_TYPES = Section(
+    fields={"grad_accum_dtype": Field(choice(GRAD_ACCUM_DTYPES, nullable=True), None, auto=False)},
+    ignored={"param_dtype": WARNING, "buffer_dtype": WARNING},
+)
+
+
+def _disabled(value: Any) -> bool:
+    """A block written with ``"enabled": false`` (or null): it turns nothing on."""
+    return value is None or (isinstance(value, Mapping) and value.get("enabled") is False)
+
+
+# Blocks that training tools hand DeepSpeed (LLaMA-Factory's ALST template, its fp8 template) and that change how
+# the model runs: zero_kernels cannot honour them, so they are refused unless turned off.
+TOP_UNSUPPORTED: Dict[str, Unsupported] = {
+    "sequence_parallel": Unsupported(
+        "sequence parallelism (Ulysses/ALST) splits every sample's sequence over several ranks, which changes the "
+        "data-parallel size and how those ranks' gradients combine; zero_kernels treats every rank of its process "
+        "group as a data-parallel replica",
+        _disabled,
+        'remove the block or write "enabled": false to train data-parallel only',
+    ),
+    "sequence_parallel_size": Unsupported(
+        "DeepSpeed divides the world size by it to get the data-parallel size (and so the batch sizes and the "
+        "ranks gradients are averaged over); zero_kernels reduces over the whole process group",
+        lambda value: value in (None, 1),
+        "remove it or write 1",
+    ),
+    "fp8": Unsupported(
+        "fp8 training runs the matrix multiplications in fp8 with their own scaling (through the training tool, "
+        "e.g. Transformer Engine); zero_kernels keeps and updates the parameters in their fp32/bf16/fp16 dtype and "
+        "does not cast the model to fp8",
+        _disabled,
+        'remove the block or write "enabled": false (bf16 training: "bf16": {"enabled": true})',
+    ),
 }
 
 TOP = Section(
@@ -334,12 +379,14 @@ TOP = Section(
         "train_micro_batch_size_per_gpu": Field(integer(1), None),
         "train_batch_size": Field(integer(1), None),
         "communication_data_type": Field(choice(COMM_DTYPES, nullable=True), None),
+        "data_types": Field(DATA_TYPES, None, auto=False),
         # zero_kernels' own key (DeepSpeed ignores unknown top-level keys): skip a step whose
         # gradients are not finite (fp32/bf16; fp16 loss scaling always skips).
         "skip_nonfinite_steps": Field(boolean(), True),
         "aio": Field(AIO, None, auto=False),
     },
     ignored=TOP_IGNORED,
+    unsupported=TOP_UNSUPPORTED,
 )
 
 # Keyword arguments of ``from_deepspeed`` that fill "auto" (or missing) values: name -> key path.
@@ -354,6 +401,7 @@ AUTO_KEYWORDS: Dict[str, str] = {
     "train_micro_batch_size_per_gpu": "train_micro_batch_size_per_gpu",
     "train_batch_size": "train_batch_size",
     "communication_data_type": "communication_data_type",
+    "grad_accum_dtype": "data_types.grad_accum_dtype",
     "bf16": "bf16.enabled",
     "fp16": "fp16.enabled",
     **{k: f"zero_optimization.{k}" for k, f in ZERO_FIELDS.items() if f.auto},

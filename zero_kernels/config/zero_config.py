@@ -2,7 +2,7 @@
 
 ``ZeroConfig.from_deepspeed(path_or_dict)`` reads the keys zero_kernels acts on (``zero_optimization``,
 ``optimizer``, ``bf16``/``fp16``, ``gradient_clipping``, the batch sizes, ``communication_data_type``,
-and zero_kernels' own ``skip_nonfinite_steps``)
+``data_types.grad_accum_dtype`` and zero_kernels' own ``skip_nonfinite_steps``)
 with DeepSpeed's defaults and checks. Keys DeepSpeed knows that change nothing here are accepted
 and logged once per parse on the ``zero_kernels`` logger; unknown keys and bad values raise
 ``ValueError`` naming the full key path, the value and what is allowed.
@@ -293,6 +293,7 @@ class ZeroConfig:
     train_micro_batch_size_per_gpu: Optional[int] = None
     train_batch_size: Optional[int] = None
     communication_data_type: Optional[torch.dtype] = None
+    grad_accum_dtype: Optional[torch.dtype] = None
     skip_nonfinite_steps: bool = True
     world_size: int = 1
     scheduler: Optional[SchedulerConfig] = None
@@ -306,9 +307,10 @@ class ZeroConfig:
         for name in ("bf16", "skip_nonfinite_steps"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid: expected true or false")
-        if self.communication_data_type not in (None, *COMM_DTYPES.values()):
-            allowed = ", ".join(str(t) for t in COMM_DTYPES.values())
-            raise ValueError(f"ZeroConfig.communication_data_type={self.communication_data_type!r}: expected {allowed}")
+        for name in ("communication_data_type", "grad_accum_dtype"):
+            if getattr(self, name) not in (None, *COMM_DTYPES.values()):
+                allowed = ", ".join(str(t) for t in COMM_DTYPES.values())
+                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r}: expected {allowed} or None")
         counts = ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size", "world_size")
         rules = {"gradient_clipping": _CLIP, **{name: _COUNT for name in counts}}
         _normalise(self, rules, "ZeroConfig", ("train_micro_batch_size_per_gpu", "train_batch_size"))
@@ -380,6 +382,7 @@ def _build(cls: type, top: Dict[str, Any], world: int, ctx: ParseContext) -> Zer
         train_micro_batch_size_per_gpu=micro,
         train_batch_size=batch,
         communication_data_type=top["communication_data_type"],
+        grad_accum_dtype=top["data_types"]["grad_accum_dtype"],
         skip_nonfinite_steps=top["skip_nonfinite_steps"],
         world_size=world,
         scheduler=top["scheduler"],

@@ -92,15 +92,20 @@ def check_impl(impl: Optional[str]) -> None:
 COMM_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def comm_dtype(value: Any) -> Optional[torch.dtype]:
-    """``communication_data_type``: ``"fp32"``, ``"fp16"``, ``"bf16"`` (any case, as DeepSpeed reads them), one of
-    those torch dtypes, or None (the gradients' own dtype)."""
+def data_type(value: Any, name: str = "communication_data_type") -> Optional[torch.dtype]:
+    """A dtype option (``communication_data_type``, ``grad_accum_dtype``): ``"fp32"``, ``"fp16"``, ``"bf16"`` (any
+    case, as DeepSpeed reads them), one of those torch dtypes, or None (the gradients' own dtype).
+
+    Args:
+        value: what was given.
+        name: the keyword, for the error.
+    """
     if value is None or value in COMM_DTYPE_NAMES.values():
         return value
     if isinstance(value, str) and value.lower() in COMM_DTYPE_NAMES:
         return COMM_DTYPE_NAMES[value.lower()]
     raise ValueError(
-        f"communication_data_type={value!r}; allowed: {', '.join(COMM_DTYPE_NAMES)}, torch.float32, torch.float16, "
+        f"{name}={value!r}; allowed: {', '.join(COMM_DTYPE_NAMES)}, torch.float32, torch.float16, "
         "torch.bfloat16 or None (the gradients' dtype)"
     )
 

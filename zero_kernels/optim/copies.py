@@ -52,6 +52,7 @@ SETTINGS = (
     "skip_nonfinite_steps",
     "skipped_steps",
     "communication_data_type",
+    "grad_accum_dtype",
 )
 
 

@@ -22,8 +22,9 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 - Accumulation: ``with opt.no_sync(): loss.backward()`` for all micro-steps but the last (grads
   accumulate locally; divide the loss yourself, as with DDP), or ``gradient_accumulation_steps=k``:
   call ``backward``/``step``/``zero_grad`` every micro-step; only every k-th ``step`` updates,
-  ``zero_grad`` between is ignored, communication happens on the k-th, and the gradients are
-  averaged over the k micro-steps (DeepSpeed's rule).
+  ``zero_grad`` between is ignored, communication happens on the k-th (on every one at stages 2-3 with a
+  ``grad_accum_dtype`` wider than the gradients: ``stages.grad_accum``), and the gradients are averaged over
+  the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
   the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
   Or ``torch.amp.GradScaler``, at every stage: ``scaler.step(opt)`` hands itself to ``step`` (``amp``).
@@ -75,7 +76,7 @@ from ..stages.outcome import clip_coef
 from . import amp, guards, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
-from .args import check_flags, check_group, check_hyper, check_impl, check_process_group, checked_groups, comm_dtype
+from .args import check_flags, check_group, check_hyper, check_impl, check_process_group, checked_groups, data_type
 from .precision import LossScaler
 from .state_view import ShardedState
 
@@ -109,6 +110,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         communication_data_type: the dtype gradients are reduced in (DeepSpeed's key): ``"fp32"``, ``"fp16"``,
             ``"bf16"`` or a torch dtype; None (the default, as DeepSpeed's): the gradients' own dtype. With
             ``"fp32"`` bf16/fp16 gradients are reduced, and at stages 2-3 accumulated until the step, in fp32.
+        grad_accum_dtype: the dtype gradients are accumulated in over micro-steps (DeepSpeed's
+            ``data_types.grad_accum_dtype``), same values; None (the default, DeepSpeed 0.19's): their own dtype.
+            At stages 2-3 a wider one (``"fp32"`` for bf16/fp16 gradients) makes each ``gradient_accumulation_steps``
+            micro-step reduce its gradients and add them into an fp32 gradient shard; stages 0-1 warn and keep
+            adding up in ``p.grad`` (``stages.grad_accum``).
         module: the model the parameters belong to, when ``params_or_module`` lists parameters or
             groups: stage 3 needs it to gather parameters; other stages use it to name parameters in errors.
         **zero_options: ``zero_optimization`` keys, e.g. ``reduce_bucket_size`` (elements).
@@ -137,6 +143,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         fp16: Union[FP16Config, Mapping[str, Any], None] = None,
         skip_nonfinite_steps: bool = True,
         communication_data_type: Union[str, torch.dtype, None] = None,
+        grad_accum_dtype: Union[str, torch.dtype, None] = None,
         module: Optional[nn.Module] = None,
         **zero_options: Any,
     ):
@@ -163,7 +170,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if not isinstance(skip_nonfinite_steps, bool):
             raise ValueError(f"skip_nonfinite_steps must be True or False, got {skip_nonfinite_steps!r}")
         self.skip_nonfinite_steps = skip_nonfinite_steps
-        self.communication_data_type = comm_dtype(communication_data_type)
+        self.communication_data_type = data_type(communication_data_type)
+        self.grad_accum_dtype = data_type(grad_accum_dtype, "grad_accum_dtype")
         self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
@@ -202,8 +210,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         device = devices.parameters_device(groups)
         devices.check_current_device(self._engine, device, exchange=restore is None)  # before any other exchange
         self._pipeline = pipeline_class(self.options.stage)(
-            self._engine, self.options, impl=impl, module=module, comm_dtype=self.communication_data_type
-        )
+            self._engine, self.options, impl=impl, module=module, comm_dtype=self.communication_data_type,
+            accum_dtype=self.grad_accum_dtype,
+        )  # fmt: skip
         self._pipeline.device = device
         self._pipeline.step_counts.on_settle = self._account
         super().__init__(groups, defaults)
@@ -265,6 +274,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             raise
         if group["amsgrad"]:
             self._pipeline.allocate_max_exp_avg_sq(len(self.param_groups) - 1)
+        self._update_sync()  # the group's dtype may make micro-steps reduce (``Pipeline.reduces_micro_steps``)
 
     def _param_name(self, index: int) -> str:
         i = index
@@ -278,7 +288,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     # ---------------------------------------------------------------- training loop
     def _update_sync(self) -> None:
         last_micro = self._micro_step == self.gradient_accumulation_steps - 1
-        self._pipeline.sync_enabled = last_micro and self._no_sync_depth == 0
+        reduce = last_micro or self._pipeline.reduces_micro_steps
+        self._pipeline.sync_enabled = reduce and self._no_sync_depth == 0
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -57,6 +57,7 @@ from ..comm.handles import Handle
 from . import (
     adopt,
     buckets,
+    grad_accum,
     grad_state,
     master,
     offloaded,
@@ -85,6 +86,8 @@ class Pipeline(BackwardRound):
         impl: kernel backend for ``kernels.adam_step``/``flatten`` (None: ``ZERO_KERNELS_IMPL``).
         module: the model, when the optimizer was given one (stage 3 needs it).
         comm_dtype: the dtype gradients are reduced in (None: their own); see ``comm_dtype_of``.
+        accum_dtype: the dtype gradients are accumulated in over micro-steps (DeepSpeed's
+            ``data_types.grad_accum_dtype``; None: their own); see ``accumulate_dtype_of`` and ``reduces_micro_steps``.
     """
 
     stage: ClassVar[int]
@@ -95,6 +98,7 @@ class Pipeline(BackwardRound):
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
     grads_in_p_grad: ClassVar[bool] = True  # the step reads p.grad (stages 0, 1); False: a shard only it holds
     quantizes_gradients: ClassVar[bool] = False  # True: zero_quantized_gradients applies (stages 2, 3: qgZ)
+    accumulates_reduced: ClassVar[bool] = False  # True: a wider accum_dtype acts (stages 2, 3; ``reduces_micro_steps``)
 
     def __init__(
         self,
@@ -104,10 +108,13 @@ class Pipeline(BackwardRound):
         impl: Optional[str] = None,
         module: Any = None,
         comm_dtype: Optional[torch.dtype] = None,
+        accum_dtype: Optional[torch.dtype] = None,
     ):
         self.engine = engine
         self.options = options
         self.comm_dtype = comm_dtype
+        self.accum_dtype = accum_dtype
+        self._accum_warned: set[str] = set()  # ``grad_accum.warn_unused``'s messages given
         self.impl = impl
         self.module = module
         self.device: Optional[torch.device] = None  # the parameters' device, where exchanges run (set by the optimizer)
@@ -169,9 +176,23 @@ class Pipeline(BackwardRound):
         return self.comm_dtype or buf.dtype
 
     def accumulate_dtype_of(self, buf: FlatBuffer) -> torch.dtype:
-        """The dtype reduced gradients of ``buf`` are kept and added up in: the wider of theirs and the
-        communication dtype (fp32 for bf16 gradients reduced in fp32)."""
-        return torch.promote_types(buf.dtype, self.comm_dtype_of(buf))
+        """The dtype reduced gradients of ``buf`` are kept and added up in: the widest of theirs, the
+        communication dtype and, where the stage acts on it (``accumulates_reduced``), ``accum_dtype`` (fp32 for
+        bf16 gradients reduced or accumulated in fp32). Never narrower than the gradients."""
+        wide = torch.promote_types(buf.dtype, self.comm_dtype_of(buf))
+        if self.accumulates_reduced and self.accum_dtype is not None:
+            wide = torch.promote_types(wide, self.accum_dtype)
+        return wide
+
+    @property
+    def reduces_micro_steps(self) -> bool:
+        """Whether accumulation micro-steps (``gradient_accumulation_steps``) reduce their gradients at once, to
+        be added up in the wider ``accum_dtype`` in the gradient shard, rather than in ``p.grad`` (autograd, the
+        gradients' dtype) until the last: at stages 2-3 with an ``accum_dtype`` wider than some buffer's gradients,
+        as DeepSpeed's ZeRO-2/3 reduce every micro-step. ``no_sync()`` still accumulates locally."""
+        if not self.accumulates_reduced or self.accum_dtype is None:
+            return False
+        return any(torch.promote_types(buf.dtype, self.accum_dtype) != buf.dtype for buf in self.buffers)
 
     @property
     def num_shards(self) -> int:
@@ -220,6 +241,7 @@ class Pipeline(BackwardRound):
             ps = [p for p, _ in members]
             built.append(FlatBuffer(group, self.build_layout(ps), ps, [i for _, i in members], dtype, device))
         for buf in built:
+            grad_accum.warn_unused(self, buf, self._accum_warned)
             self._allocate(buf)
             self._index(buf)
         for _, i in trainable:

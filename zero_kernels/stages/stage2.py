@@ -10,7 +10,8 @@ after a step, added by later ones, so several backward passes before a step accu
 bucket goes back to a pool, to be reused by the next bucket that fills. Buckets are of the
 communication dtype (``communication_data_type``, else the gradients' own) and ``grad_shard`` of the
 wider of the two: with ``"fp32"``, bf16/fp16 gradients are cast to fp32 as they are copied in,
-reduced in fp32 and added up in fp32 until the step.
+reduced in fp32 and added up in fp32 until the step. A wider ``grad_accum_dtype`` widens ``grad_shard`` too,
+and then every accumulation micro-step is reduced and added into it (``stages.grad_accum``).
 The pool keeps at most ``POOL_BUCKETS`` buckets of the largest size (what backward uses at once:
 ``max_inflight + 1`` in flight, two being filled) and never more bytes than this rank's gradient
 shard; ``memory_report()`` shows it as ``buffers``. A fresh bucket per reduction (allocation, page
@@ -49,6 +50,7 @@ class Stage2Pipeline(Pipeline):
     grads_in_p_grad = False
 
     quantizes_gradients = True
+    accumulates_reduced = True
 
     def __init__(self, engine: Any, options: Any, **kwargs: Any):
         super().__init__(engine, options, **kwargs)

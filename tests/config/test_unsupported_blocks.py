@@ -1,0 +1,44 @@
+"""Blocks training tools hand DeepSpeed that zero_kernels cannot honour: refused with what they would change,
+accepted (logged) when turned off, and a misspelling of one still gets a "did you mean"."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from zero_kernels.config import ZeroConfig
+
+ALST = {"enabled": True, "size": 4, "mode": "ulysses", "ulysses": {"degree": 4, "seq_length_is_variable": True}}
+
+
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("sequence_parallel", ALST, "splits every sample's sequence over several ranks"),
+        ("sequence_parallel", {"size": 4}, 'remove the block or write "enabled": false'),
+        ("sequence_parallel_size", 2, "DeepSpeed divides the world size by it"),
+        ("fp8", {"enabled": True, "loss_scale_window": 1000}, "runs the matrix multiplications in fp8"),
+    ],
+)
+def test_refused_with_what_they_would_change(key: str, value: object, says: str) -> None:
+    with pytest.raises(ValueError) as err:
+        ZeroConfig.from_deepspeed({key: value, "bf16": {"enabled": True}})
+    assert str(err.value).startswith(f"{key}={value!r} is not supported by zero_kernels: ")
+    assert says in str(err.value)
+
+
+def test_turned_off_they_are_accepted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    config = {"sequence_parallel": {"enabled": False, "size": 4}, "sequence_parallel_size": 1, "fp8": None}
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        assert ZeroConfig.from_deepspeed(config).stage == 0
+    assert any(
+        "without effect in zero_kernels: fp8, sequence_parallel, sequence_parallel_size" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_a_misspelt_one_is_an_unknown_key_with_a_hint() -> None:
+    with pytest.raises(ValueError, match="unknown key 'sequence_paralel' at the top level of the config; did you mean "
+                       "'sequence_parallel'"):  # fmt: skip
+        ZeroConfig.from_deepspeed({"sequence_paralel": ALST})
