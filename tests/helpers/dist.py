@@ -1,4 +1,9 @@
-"""Spawn N gloo ranks on a free loopback port and run a picklable function on each.
+"""Start N gloo ranks on a free loopback port and run a picklable function on each.
+
+Ranks are forked from one server process that imported torch and the package once for the session
+(``multiprocessing``'s ``forkserver``): a rank does not import torch again. It starts from that server's
+state, never from the test process's, with the test process's environment variables at the time of the
+call, as a spawned interpreter would have them.
 
 Every rank runs under the collective-order audit (``tests.helpers.audit``): after every optimizer step its ranks
 check that they issued the same collectives in the same order.
@@ -26,7 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, timeout_s: float, args: tuple) -> None:
+# What every rank imports, once, in the server the ranks are forked from (``tests.helpers.audit`` imports the package).
+PRELOAD = ["torch", "torch.distributed", "tests.helpers.audit"]
+
+
+def _entry(
+    rank: int,
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    timeout_s: float,
+    args: tuple,
+    environ: dict[str, str],
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -79,11 +98,19 @@ def _prebuild_extensions() -> None:
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raises a rank's failure.
 
-    ``fn`` must be a module-level function (it is pickled into the spawned processes). Spawning
-    costs a few seconds (each rank imports torch): run many checks inside one call.
+    ``fn`` must be a module-level function (it is pickled into the ranks). Starting ranks costs a rendezvous
+    and the set-up of their process group (the first call of a session also starts the fork server, which
+    imports torch): run many checks inside one call.
     """
     _prebuild_extensions()
-    mp.spawn(_entry, args=(fn, world_size, free_port(), timeout_s, args), nprocs=world_size, join=True)
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(
+        _entry,
+        args=(fn, world_size, free_port(), timeout_s, args, dict(os.environ)),
+        nprocs=world_size,
+        join=True,
+        start_method="forkserver",
+    )
 
 
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, Callable[..., Any], tuple]]) -> None:
