@@ -6,6 +6,7 @@ sizes stay small: 1, 7 and 4097 (smaller than, equal to a few, and one past a bl
 
 from __future__ import annotations
 
+import ctypes
 import math
 import sys
 import types
@@ -351,6 +352,31 @@ def test_unflatten_matches_reference_in_place(flat_dtype: torch.dtype, scale: st
     assert [v.data_ptr() for v in ours_views] == pointers, "a tensor lost its storage"
     for i, (ours, ref) in enumerate(zip(ours_bases, ref_bases)):  # the views, and what lies between them
         assert torch.equal(ours, ref), f"tensor {i} ({tuple(ours_views[i].stride())} strides) differs"
+
+
+def _low_address_scale(value: float) -> torch.Tensor:
+    """A one-element fp32 tensor at an address below 2**31 (a fixed anonymous mapping), as a small heap can give."""
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    for want in range(0x30000000, 0x70000000, 0x1000000):
+        got = libc.mmap(want, 4096, 3, 0x22 | 0x100000, -1, 0)  # read/write, private anonymous, fixed, no replace
+        if got == want:
+            scale = torch.frombuffer((ctypes.c_float * 1).from_address(got), dtype=torch.float32)
+            return scale.fill_(value)
+    raise AssertionError("no free page below 2**31 to map")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or not sys.platform.startswith("linux"), reason="a host address (Linux)")
+def test_a_scale_tensor_at_a_low_address() -> None:
+    views, _, offsets, size = _bucket(_random_fill)
+    ours = torch.full((size,), 9.0, device=DEVICE)
+    ref = ours.clone()
+    scale = _low_address_scale(0.61)
+    assert scale.data_ptr() < 2**31
+    flatten(views, ours, offsets, scale=scale, impl="triton")
+    flatten_ref(views, ref, offsets, scale=scale)
+    assert torch.equal(ours, ref)
 
 
 @pytest.mark.slow

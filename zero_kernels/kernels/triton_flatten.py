@@ -214,7 +214,8 @@ def _flatten_kernel(
     tensor_addr = base_addr + tl.load(row + _PTR)
     s = scale
     if scale_mode == 2:
-        s = tl.load(scale_addr.to(tl.pointer_type(tl.float32)))
+        # Widened first: the interpreter types an address below 2**31 as int32, which cannot become a pointer.
+        s = tl.load(scale_addr.to(tl.int64).to(tl.pointer_type(tl.float32)))
     scaled = scale_mode != 0
     if STRIDED:
         shape = (
