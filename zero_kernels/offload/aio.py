@@ -93,7 +93,6 @@ class IOHandle:
         self._wait: Callable[[], tuple[int, str]] | None = wait
         self._done: Callable[[], bool] | None = done
         self._error: OSError | None = None
-        self._finished = False
 
     def wait(self) -> None:
         """Block until the request has finished; raise ``OSError`` naming the path and the cause if it failed
@@ -102,14 +101,13 @@ class IOHandle:
         if self._wait is not None:
             code, detail = self._wait()
             self._error = io_error(self.path, code, detail) if code else None
-            self._finished = True
             self._tensor = self._wait = self._done = None  # the engine's request holds the tensor too
         if self._error is not None:
             raise self._error
 
     def done(self) -> bool:
         """Whether the request has finished (successfully or not); never blocks."""
-        return self._finished or self._done is None or self._done()
+        return self._done is None or self._done()  # None: waited for
 
     def __repr__(self) -> str:
         return f"IOHandle({self.path!r}, {'done' if self.done() else 'in flight'})"
