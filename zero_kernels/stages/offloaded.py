@@ -164,10 +164,10 @@ def update_bucket(
         return
     shard = tier.shards[id(buf)]
     in_file = pipeline.params_in_file(buf)  # stage 3's offload_param on nvme: the bucket's shard read from its file
-    device_params = None if in_file else pipeline.param_shard(buf, bucket)
-    if device_params is None:
-        params = pipeline.step_params(buf, bucket)
+    if in_file:
+        params, device_params = pipeline.step_params(buf, bucket), None
     else:
+        device_params = pipeline.param_shard(buf, bucket)
         params = device_params if shard.params is None else placement.part(buf, shard.params, bucket)
     separate = device_params is not None and device_params.data_ptr() != params.data_ptr()
     if separate and tier.changed((id(buf), bucket.index), device_params, params):
