@@ -214,13 +214,20 @@ def test_cli_offload_table_and_json(tmp_path, capsys) -> None:
                                                      offload=setup).deepspeed  # fmt: skip
 
 
-def test_cli_plans_a_cpu_device_without_host_copies(capsys) -> None:
+def test_cli_plans_a_cpu_device_without_host_copies(capsys, monkeypatch) -> None:
+    import torch
+
     assert main(PLAN + ["--offload", "cpu", *FIGURES, "--device-kind", "cpu"]) == 0
     out = capsys.readouterr().out
     shard = 70 * GB // 8
     assert "recommended: ZeRO stage 3" in out and f"offload: {format_bytes(12 * shard)} of host memory" in out
     assert main(PLAN + ["--offload", "cpu", *FIGURES]) == 0  # an h100: the state and the two copies
     assert f"offload: {format_bytes(16 * shard)} of host memory" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # auto, on a machine without CUDA: its CPU
+    assert main(PLAN + ["--offload", "cpu", *FIGURES[:-2]]) == 0
+    out = capsys.readouterr().out
+    assert "offload figure: device: the host (no CUDA device here)" in out
+    assert f"offload: {format_bytes(12 * shard)} of host memory" in out
 
 
 def test_cli_writes_the_offload_ratio(tmp_path, capsys) -> None:

@@ -55,6 +55,15 @@ def device_kind(name: str) -> str:
     raise ValueError(f"--device-kind=auto: unknown device {found!r}; give --device-kind or --bus-gbps")
 
 
+def device_is_host(name: str) -> bool:
+    """Whether the device of kind ``name`` is the host itself: ``cpu``, or ``auto`` on a machine without CUDA."""
+    if name != "auto":
+        return name == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -72,12 +81,12 @@ def setup(args: argparse.Namespace) -> tuple[Optional[OffloadSetup], list[str]]:
     if args.offload == "none" and args.offload_param == "none":
         return None, []
     notes = []
-    kind = DEVICE_KINDS[device_kind(args.device_kind)]
-    on_host = kind.gbytes_per_s is None
+    on_host = device_is_host(args.device_kind)
     if on_host and args.device_kind == "auto":
         notes.append("device: the host (no CUDA device here): the state is offloaded without host copies")
     bus = args.bus_gbps
     if bus is None:
+        kind = DEVICE_KINDS[device_kind(args.device_kind)]
         bus = kind.gbytes_per_s if kind.gbytes_per_s is not None else memory_copy_gbps()
         notes.append(f"host link {bus:.3g} GB/s each way: {kind.name}, {kind.description}")
     adam = args.cpu_adam_gbps
