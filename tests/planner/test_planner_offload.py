@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from zero_kernels.__main__ import main
-from zero_kernels.planner import NoFitError, OffloadSetup, estimate_memory, estimate_offload, recommend
+from zero_kernels.planner import NoFitError, OffloadSetup, estimate_memory, estimate_offload, format_bytes, recommend
 from zero_kernels.planner.offload import AIO, MAX_SUB_GROUP, sub_group_elements
 from zero_kernels.planner.rates import cpu_adam_gbps, memory_copy_gbps
 
@@ -20,6 +20,7 @@ SHARD = PSI // N
 CPU = OffloadSetup("cpu", "none", bus_gbps=50.0, adam_gbps=100.0, host_memory=2000 * GB, ranks_per_node=8)
 NVME = replace(CPU, optimizer="nvme", disk_gbps=20.0, disk_space=1000 * GB, nvme_path="/local_nvme")
 FIGURES = ["--bus-gbps", "50", "--cpu-adam-gbps", "100", "--host-memory", "2TB", "--gpus-per-node", "8"]
+FIGURES += ["--device-kind", "h100"]  # a GPU: the host tier copies, whatever this machine is
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -33,6 +34,19 @@ def test_cpu_offload_moves_the_state_to_the_host_and_4_bytes_per_parameter_over_
     plain = estimate_memory(PSI, N, stage)
     assert device.optimizer == 0 and device.total == plain.total - plain.optimizer
     assert [p.stage for p in plans] == [1, 2, 3]  # offload needs stage 1 or more
+
+
+def test_where_the_device_is_the_host_the_tier_holds_the_state_alone() -> None:
+    host = replace(CPU, device_is_host=True)
+    for stage in (1, 2, 3):
+        est = estimate_offload(PSI, N, stage, host, grad_dtype="fp32")
+        assert est.host_bytes == 12 * SHARD and (est.bus_down, est.bus_up) == (0, 0)  # no copies, nothing crosses
+    gpu = estimate_offload(PSI, N, 2, CPU, grad_dtype="fp32")  # from a GPU: the gradient shard's copy in fp32
+    assert gpu.host_bytes == (12 + 4 + 2) * SHARD and (gpu.bus_down, gpu.bus_up) == (4 * SHARD, 2 * SHARD)
+    rec = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=replace(host, param="cpu"))
+    s3 = rec.plans[-1]  # offload_param cpu moves nothing: the shard stays in the device's (the host's) memory
+    assert s3.memory.params == estimate_memory(PSI, N, 3).params and s3.offload.host_bytes == 12 * SHARD
+    assert s3.offload.bus_up == 0
 
 
 def test_nvme_offload_reads_and_writes_the_state_once_per_step_through_sub_groups() -> None:
@@ -200,6 +214,22 @@ def test_cli_offload_table_and_json(tmp_path, capsys) -> None:
                                                      offload=setup).deepspeed  # fmt: skip
 
 
+def test_cli_plans_a_cpu_device_without_host_copies(capsys, monkeypatch) -> None:
+    import torch
+
+    assert main(PLAN + ["--offload", "cpu", *FIGURES, "--device-kind", "cpu"]) == 0
+    out = capsys.readouterr().out
+    shard = 70 * GB // 8
+    assert "recommended: ZeRO stage 3" in out and f"offload: {format_bytes(12 * shard)} of host memory" in out
+    assert main(PLAN + ["--offload", "cpu", *FIGURES]) == 0  # an h100: the state and the two copies
+    assert f"offload: {format_bytes(16 * shard)} of host memory" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # auto, on a machine without CUDA: its CPU
+    assert main(PLAN + ["--offload", "cpu", *FIGURES[:-2]]) == 0
+    out = capsys.readouterr().out
+    assert "offload figure: device: the host (no CUDA device here)" in out
+    assert f"offload: {format_bytes(12 * shard)} of host memory" in out
+
+
 def test_cli_writes_the_offload_ratio(tmp_path, capsys) -> None:
     path = tmp_path / "ds.json"
     assert main(PLAN + ["--offload", "cpu", "--offload-ratio", "0.9", *FIGURES, "--json", str(path)]) == 0
@@ -244,43 +274,49 @@ def test_json_loads_through_zero_config(tmp_path, capsys, optimizer: str) -> Non
         assert (cfg.zero.aio.block_size, cfg.zero.aio.queue_depth) == (AIO["block_size"], AIO["queue_depth"])
 
 
-@pytest.mark.parametrize("ratio", [1.0, 0.5])
-@pytest.mark.parametrize("optimizer", ["cpu", "nvme"])
-def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, optimizer: str, ratio: float, monkeypatch) -> None:
-    """The plan's figures against a tier copying as from a GPU (``HostTier.share_host`` off: on a CPU-only
-    machine it makes no host copies)."""
+@pytest.mark.parametrize(
+    "optimizer, ratio, shared, comm",
+    [("cpu", 1.0, True, None), ("cpu", 1.0, False, None), ("cpu", 0.5, False, "fp32"), ("nvme", 1.0, True, None),
+     ("nvme", 0.5, False, None)],
+)  # fmt: skip
+def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, monkeypatch, optimizer, ratio, shared, comm) -> None:
+    """The plan's figures, byte for byte, against what a step held and moved: on this machine the device is the
+    host, and the tier makes no host copies (``HostTier.share_host``); with it off the tier copies as from a GPU.
+    The plan is given the padded flat buffer and the share the pipeline offloaded (it cuts at whole buckets)."""
     import torch
 
     import zero_kernels as zk
     from zero_kernels.offload import HostTier
+    from zero_kernels.planner.models import reduced_grad_dtype
     from zero_kernels.stages import placement
 
-    monkeypatch.setattr(HostTier, "share_host", False)
-
+    monkeypatch.setattr(HostTier, "share_host", shared)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
-    numel = sum(p.numel() for p in model.parameters())
     block = {"device": optimizer, "ratio": ratio, **({"nvme_path": str(tmp_path)} if optimizer == "nvme" else {})}
     cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": 2, "offload_optimizer": block, "sub_group_size": 1 << 20,
-                                 "reduce_bucket_size": 1 << 16}}  # fmt: skip
+                                 "reduce_bucket_size": 1 << 16}, "communication_data_type": comm}  # fmt: skip
     module, opt = zk.initialize(model, cfg)
     tier = opt._pipeline.tier
     (buf,) = opt._pipeline.buffers
-    share = placement.tier_numel(buf) / buf.layout.shard_numel  # whole buckets: the plan is given the share itself
+    share = placement.tier_numel(buf) / buf.layout.shard_numel
     assert ratio <= share < ratio + 0.13, share
     module(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
     before = dict(tier.traffic())
     opt.step()
     moved = {k: v - before.get(k, 0) for k, v in tier.traffic().items()}
-    setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1, ratio=share)
-    est = estimate_offload(numel, 1, 2, setup)
-    assert moved["up"] == pytest.approx(est.bus_up, rel=0.01)  # the flat buffer pads each piece a little
-    assert moved["down"] == pytest.approx(est.bus_down, rel=0.01)
+    setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1, ratio=share, device_is_host=shared)
+    grads = reduced_grad_dtype(2, "bf16", comm)
+    est = estimate_offload(buf.layout.numel, 1, 2, setup, grad_dtype=grads)
+    assert round(buf.layout.numel * share) == placement.tier_numel(buf)
+    assert (moved["down"], moved["up"]) == (est.bus_down, est.bus_up)
+    assert (est.bus_down > 0) != shared  # a copy crosses only from a device that is not the host
     report = opt.memory_report()
     if optimizer == "cpu":
-        assert report["host"] == pytest.approx(est.host_bytes, rel=0.01)
+        assert report["host"] == est.host_bytes
     else:
-        assert report["disk"] == pytest.approx(est.disk_bytes, rel=0.01)
-        assert moved["read"] == pytest.approx(est.disk_read, rel=0.01)
-        assert moved["written"] == pytest.approx(est.disk_write, rel=0.01)
+        assert report["disk"] == est.disk_bytes
+        assert (moved["read"], moved["written"]) == (est.disk_read, est.disk_write)
+    plain = estimate_memory(buf.layout.numel, 1, 2, communication_data_type=comm)
+    assert report["grads"] == plain.grads

@@ -174,6 +174,30 @@ def pair(item: Scalar) -> Scalar:
     return Scalar(f"a pair [x, y], each {item.allowed}", convert)
 
 
+def text(*, nullable: bool = False) -> Scalar:
+    """A JSON string (any, the empty one too); null if ``nullable``."""
+
+    def convert(value: Any) -> Optional[str]:
+        if value is None and nullable:
+            return None
+        if not isinstance(value, str):
+            raise Invalid
+        return value
+
+    return Scalar("a string" + (" or null" if nullable else ""), convert)
+
+
+def names() -> Scalar:
+    """A JSON list of strings (possibly empty), returned as a tuple."""
+
+    def convert(value: Any) -> Tuple[str, ...]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise Invalid
+        return tuple(value)
+
+    return Scalar("a list of strings", convert)
+
+
 def rejected(instead: str) -> Scalar:
     """A key DeepSpeed refuses too; the message names what to write ``instead``."""
 
@@ -202,6 +226,22 @@ class Unsupported:
 
 
 @dataclass(frozen=True)
+class Unused:
+    """A key DeepSpeed accepts and zero_kernels does not act on (logging, monitoring): its value is checked by
+    ``rule`` as DeepSpeed types it, then the key is logged with the ignored ones, at ``level`` or, where
+    ``quiet(value)`` says it turns nothing on, at INFO. ``rule`` None: DeepSpeed reads no value of it."""
+
+    rule: Any
+    level: int = logging.WARNING
+    quiet: Callable[[Any], bool] = lambda value: False
+
+    def check(self, value: Any, path: str, ctx: ParseContext) -> None:
+        if self.rule is not None and value != AUTO:
+            self.rule(value, path, ctx)
+        ctx.ignore(path, logging.INFO if self.quiet(value) else self.level)
+
+
+@dataclass(frozen=True)
 class Field:
     """One key of a section: its rule, its default and whether ``"auto"`` may stand for it."""
 
@@ -218,12 +258,14 @@ class Section:
     alternative names to canonical keys; ``finish`` turns the parsed dict into the stored value;
     ``optional``: a missing section is ``None`` rather than all defaults; ``nullable``: an explicit
     ``null`` means all defaults; ``shorthand``: the key a bare string stands for (``"none"`` is
-    read as ``{shorthand: "none"}``); ``unsupported``: keys refused with what they would change, unless off.
+    read as ``{shorthand: "none"}``); ``unsupported``: keys refused with what they would change, unless off;
+    ``unused``: keys accepted without effect whose values are checked (``Unused``).
     """
 
     fields: Mapping[str, Field]
     ignored: Mapping[str, int] = field(default_factory=dict)
     unsupported: Mapping[str, Unsupported] = field(default_factory=dict)
+    unused: Mapping[str, Unused] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     finish: Callable[[Dict[str, Any]], Any] = dict
     optional: bool = False
@@ -333,6 +375,7 @@ def _missing(spec: Field, path: str, ctx: ParseContext) -> Any:
 def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict[str, Any]:
     """Canonical key -> raw value; unknown keys rejected, ignored keys recorded."""
     known = set(section.fields) | set(section.ignored) | set(section.aliases) | set(section.unsupported)
+    known |= set(section.unused)
     raw: Dict[str, Any] = {}
     for key, value in d.items():
         if not isinstance(key, str) or key not in known:
@@ -341,6 +384,9 @@ def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict
             raise ValueError(f"unknown key {key!r} {where}{hint}")
         if key in section.unsupported:
             section.unsupported[key].check(value, join(path, key), ctx)
+            continue
+        if key in section.unused:
+            section.unused[key].check(value, join(path, key), ctx)
             continue
         if key in section.ignored:
             ctx.ignore(join(path, key), section.ignored[key])

@@ -16,6 +16,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .monitoring import UNUSED as MONITORING
 from .offload import (
     AIO_RULES,
     OPTIMIZER_RULES,
@@ -24,7 +25,21 @@ from .offload import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
 )
-from .rules import Field, Scalar, Section, Unsupported, boolean, choice, enum_integer, integer, number, pair, rejected
+from .rules import (
+    Field,
+    Invalid,
+    Scalar,
+    Section,
+    Unsupported,
+    Unused,
+    boolean,
+    choice,
+    enum_integer,
+    integer,
+    number,
+    pair,
+    rejected,
+)
 from .scheduler import SCHEDULER
 
 INFO, WARNING = logging.INFO, logging.WARNING
@@ -269,8 +284,33 @@ _BF16_IGNORED = {
     "bf16_master_weights_and_grads": WARNING,
     "bf16_optimizer_states": WARNING,
 }
-BF16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED)
-BFLOAT16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, optional=True)
+
+
+def _no_static_scale(value: Any) -> float:
+    if number(0).convert(value) != 0:
+        raise Invalid
+    return 0.0
+
+
+# The fp16 block's loss-scaling keys, copied into bf16 blocks (LLaMA-Factory's ALST template): bf16 training has
+# no loss scaling, so DeepSpeed up to 0.16 never read them there and 0.17 onwards refuses them (its bf16 config
+# allows no other key). Accepted with the fp16 block's rules and a warning; a static scale (loss_scale > 0) asks
+# for scaling that no release applied in bf16, so it is refused.
+_BF16_LOSS_SCALING = {
+    "loss_scale": Unused(
+        Scalar(
+            "0 (dynamic: bf16 training has no loss scaling; DeepSpeed 0.16 ignored the key in the bf16 block and "
+            "0.17 onwards refuses it): remove it or write 0",
+            _no_static_scale,
+        )
+    ),
+    **{key: Unused(FP16.fields[key].rule) for key in FP16.fields if key not in ("enabled", "loss_scale")},
+    "auto_cast": Unused(boolean()),
+}
+BF16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_LOSS_SCALING)
+BFLOAT16 = Section(
+    fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_LOSS_SCALING, optional=True
+)
 
 TOP_IGNORED: Dict[str, int] = {
     **{
@@ -281,10 +321,6 @@ TOP_IGNORED: Dict[str, int] = {
             "memory_breakdown",
             "dump_state",
             "flops_profiler",
-            "tensorboard",
-            "wandb",
-            "csv_monitor",
-            "comet",
             "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer",
             "dataloader_drop_last",
@@ -387,6 +423,7 @@ TOP = Section(
     },
     ignored=TOP_IGNORED,
     unsupported=TOP_UNSUPPORTED,
+    unused=MONITORING,
 )
 
 # Keyword arguments of ``from_deepspeed`` that fill "auto" (or missing) values: name -> key path.

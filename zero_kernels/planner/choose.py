@@ -23,6 +23,7 @@ from .models import (
     estimate_comm,
     estimate_memory,
     get_link,
+    reduced_grad_dtype,
     shard_elements,
 )
 from .offload import OffloadEstimate, OffloadSetup, device_memory, estimate_offload, offload_keys
@@ -189,6 +190,8 @@ def deepspeed_config(
     offload: Optional[OffloadSetup] = None,
     sub_group_size: Optional[int] = None,
     largest_layer_params: Optional[int] = None,
+    communication_data_type: Optional[str] = None,
+    grad_accum_dtype: Optional[str] = None,
 ) -> dict[str, Any]:
     """A DeepSpeed config dict for ``stage``: precision, AdamW, bucket sizes, offload. Batch sizes are the user's.
 
@@ -202,6 +205,8 @@ def deepspeed_config(
             ``sub_group_size`` keys, and the top-level ``aio`` block when a disk is used.
         sub_group_size: elements per swapped sub-group (with ``offload``).
         largest_layer_params: the largest stage-3 unit (with ``offload_param`` to nvme: its buffer size).
+        communication_data_type: written as the top-level key when given.
+        grad_accum_dtype: written as ``data_types.grad_accum_dtype`` when given.
     """
     dtype_bytes("param_dtype", param_dtype)
     zero: dict[str, Any] = {
@@ -220,6 +225,10 @@ def deepspeed_config(
             offload, stage, sub_group_size=sub_group_size or 1, largest_layer_params=largest_layer_params
         )
         zero.update(keys)
+    if communication_data_type is not None:
+        top["communication_data_type"] = communication_data_type
+    if grad_accum_dtype is not None:
+        top["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     return {
         **top,
         "bf16": {"enabled": param_dtype == "bf16"},
@@ -245,6 +254,8 @@ def plan_stages(
     compute_s: float | None = None,
     bucket_elements: int = _MAX_BUCKET,
     offload: Optional[OffloadSetup] = None,
+    communication_data_type: Optional[str] = None,
+    grad_accum_dtype: Optional[str] = None,
 ) -> tuple[StagePlan, ...]:
     """Every stage's memory, communication and step time, in stage order (stages 1-3 with offload).
 
@@ -260,6 +271,8 @@ def plan_stages(
         compute_s: compute seconds per step per GPU, or None (communication fully exposed).
         bucket_elements: collective bucket size in elements.
         offload: the offload to plan (:class:`OffloadSetup`); None or inactive plans without.
+        communication_data_type: DeepSpeed's key: the dtype gradients are reduced in (None: ``param_dtype``).
+        grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: ``param_dtype``).
     """
     active = offload is not None and offload.active
     plans = []
@@ -271,6 +284,8 @@ def plan_stages(
             param_dtype=param_dtype,
             master_weights=master_weights,
             largest_layer_params=largest_layer_params,
+            communication_data_type=communication_data_type,
+            grad_accum_dtype=grad_accum_dtype,
         )
         comm = estimate_comm(
             num_params,
@@ -283,8 +298,15 @@ def plan_stages(
         )
         off = None
         if active:
+            grads = reduced_grad_dtype(stage, param_dtype, communication_data_type, grad_accum_dtype)
             off = estimate_offload(
-                num_params, gpus, stage, offload, param_dtype=param_dtype, master_weights=master_weights
+                num_params,
+                gpus,
+                stage,
+                offload,
+                param_dtype=param_dtype,
+                master_weights=master_weights,
+                grad_dtype=grads,
             )
             memory = device_memory(memory, offload if stage == 3 else replace(offload, param="none"))
         exposed = _exposed(comm, compute_s or 0.0, off)
@@ -433,6 +455,8 @@ def recommend(
     latency_us: float | None = None,
     bucket_elements: int | None = None,
     offload: Optional[OffloadSetup] = None,
+    communication_data_type: str | None = None,
+    grad_accum_dtype: str | None = None,
 ) -> Recommendation:
     """The ZeRO stage to train ``model`` with on ``gpus`` data-parallel GPUs, why, and its DeepSpeed config.
 
@@ -467,6 +491,11 @@ def recommend(
             (:class:`~zero_kernels.planner.offload.OffloadSetup`): stages 1-3 are planned, a stage fits
             when the device, the host memory and the disk all hold their part, and the step adds the
             host link, disk and CPU Adam times the compute cannot hide; the config gets the offload keys.
+        communication_data_type: DeepSpeed's key (``fp32``, ``bf16``, ``fp16``; None: ``param_dtype``): the
+            dtype gradients are reduced in; a wider one widens the gradient shard of stages 2 and 3 and the
+            offloaded gradients (:func:`~zero_kernels.planner.models.reduced_grad_dtype`). The config gets it.
+        grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (same values): a wider one widens the
+            gradient shard of stages 2 and 3 (stages 0 and 1 do not act on it). The config gets it.
 
     Returns:
         A :class:`Recommendation`.
@@ -502,10 +531,15 @@ def recommend(
         largest_layer_params=largest_layer_params,
         compute_s=step_compute,
         bucket_elements=bucket,
+        communication_data_type=communication_data_type,
+        grad_accum_dtype=grad_accum_dtype,
     )
     plans = plan_stages(num_params, **kwargs, offload=offload)
     if not any(p.fits for p in plans):
-        raise NoFitError(_no_fit_message(num_params, gpus, gpu_memory, plans, 2 * elem), plans)
+        shard_grads = dtype_bytes(
+            "grad_dtype", reduced_grad_dtype(3, param_dtype, communication_data_type, grad_accum_dtype)
+        )
+        raise NoFitError(_no_fit_message(num_params, gpus, gpu_memory, plans, elem + shard_grads), plans)
     choice = _pick(plans)
     reasons = _reasons(choice, plans, resolved, step_compute)
     if choice.offload is not None:
@@ -519,5 +553,7 @@ def recommend(
         offload=offload,
         sub_group_size=choice.offload.sub_group_size if choice.offload else None,
         largest_layer_params=largest_layer_params,
+        communication_data_type=communication_data_type,
+        grad_accum_dtype=grad_accum_dtype,
     )
     return Recommendation(choice.stage, tuple(reasons), config, plans)

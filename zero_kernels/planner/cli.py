@@ -95,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency-us", type=float, help="override the preset latency per ring step, microseconds")
     parser.add_argument("--param-dtype", default="bf16", choices=list(DTYPE_BYTES), help="parameter dtype")
     parser.add_argument(
+        "--communication-data-type", choices=list(DTYPE_BYTES), help="gradients reduced in (default: --param-dtype)"
+    )
+    parser.add_argument(
+        "--grad-accum-dtype", choices=list(DTYPE_BYTES), help="data_types.grad_accum_dtype (default: --param-dtype)"
+    )
+    parser.add_argument(
         "--activation-memory", type=_arg(parse_bytes, "--activation-memory"), help="activations per GPU"
     )
     parser.add_argument("--largest-layer", type=_arg(parse_count, "--largest-layer"), help="stage-3 gathered unit")
@@ -151,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
             compute_s=args.compute_s,
             bucket_elements=args.bucket,
             offload=offload,
+            communication_data_type=args.communication_data_type,
+            grad_accum_dtype=args.grad_accum_dtype,
         )
     except NoFitError as exc:
         print(format_table(exc.plans, args.gpu_memory))

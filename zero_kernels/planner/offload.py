@@ -7,7 +7,12 @@ Adam updates it. Per step the reduced gradient shard goes down the host link (in
 2 bytes per element in bf16 training, once per micro-step at stages 2 and 3, once per step at stage 1,
 which accumulates on the device) and the updated 16-bit parameter shard comes back up (2 bytes): 4 bytes
 per parameter of the shard in bf16 training. The host keeps a copy of the gradient shard it receives and of
-the parameter shard it sends (as the host tier does: 16 bytes per element with the state in bf16). With
+the parameter shard it sends (as the host tier does: 16 bytes per element with the state in bf16). The
+gradient shard goes down and is kept in the dtype the stage reduces it into (``models.reduced_grad_dtype``:
+4 bytes with ``communication_data_type`` or, at stages 2 and 3, ``grad_accum_dtype`` ``fp32``). Where the
+device is the host (``device_is_host``: a machine without GPU) the host tier makes no copies and nothing
+crosses (``offload.HostTier.shares``): the host holds the state alone, and the parameter shards stay where
+the device keeps them (``offload_param`` ``cpu`` moves nothing). With
 ``nvme`` the state is read and written back once per step (2·K bytes per element of the shard) through
 ``buffer_count`` pinned buffers of ``sub_group_size`` elements; read-ahead and write-behind run the CPU
 Adam of one sub-group while the next is read and the previous written, so the update takes the longer of
@@ -106,6 +111,7 @@ class OffloadSetup:
         nvme_path: the folder for the files (needed with ``nvme``).
         grad_accum: micro-steps per optimizer step.
         ratio: ``offload_optimizer.ratio``: the share of the optimizer state offloaded, in (0, 1].
+        device_is_host: the device is the host itself (no GPU): no host copies, nothing crosses the host link.
     """
 
     optimizer: str
@@ -119,6 +125,7 @@ class OffloadSetup:
     nvme_path: Optional[str] = None
     grad_accum: int = 1
     ratio: float = 1.0
+    device_is_host: bool = False
 
     def __post_init__(self) -> None:
         check_device("offload", self.optimizer)
@@ -192,8 +199,9 @@ def sub_group_elements(shard: int) -> int:
 
 def device_memory(memory: MemoryEstimate, setup: OffloadSetup) -> MemoryEstimate:
     """What stays on the device: the estimate without the offloaded share of the optimizer state (and stage 3's
-    parameter shard with ``offload_param``)."""
-    params = 0 if setup.param != "none" else memory.params
+    parameter shard with ``offload_param``, unless the device is the host and the shard is kept in memory)."""
+    kept = setup.param == "none" or (setup.device_is_host and setup.param == "cpu")
+    params = memory.params if kept else 0
     optimizer = round(memory.optimizer * (1 - setup.ratio)) if setup.optimizer != "none" else memory.optimizer
     total = params + memory.grads + optimizer + memory.working_set
     return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total)
@@ -207,6 +215,7 @@ def estimate_offload(
     *,
     param_dtype: str = "bf16",
     master_weights: bool = True,
+    grad_dtype: Optional[str] = None,
 ) -> OffloadEstimate:
     """One rank's offload at ``stage`` (1 to 3; ``offload_param`` counts at stage 3 only).
 
@@ -215,12 +224,14 @@ def estimate_offload(
         world_size: data-parallel ranks N.
         stage: ZeRO stage.
         setup: the offload and the machine.
-        param_dtype: parameter and gradient dtype.
+        param_dtype: parameter dtype (and the gradients', unless ``grad_dtype``).
         master_weights: whether the state holds an fp32 master copy (K = 12 bytes per element, else 8).
+        grad_dtype: the dtype of the reduced gradient shard (``models.reduced_grad_dtype``); None: ``param_dtype``.
     """
     if stage < 1:
         raise ValueError(f"stage={stage}: offload needs ZeRO stage 1, 2 or 3")
     elem = dtype_bytes("param_dtype", param_dtype)
+    g_elem = elem if grad_dtype is None else dtype_bytes("grad_dtype", grad_dtype)
     k_bytes = 12 if master_weights else 8
     shard = shard_elements(num_params, world_size)
     moved = round(shard * setup.ratio)  # elements of the shard whose state is offloaded
@@ -228,16 +239,16 @@ def estimate_offload(
     param_off = setup.param if stage == 3 else "none"
     gathers = 2 * setup.grad_accum  # stage 3: forward and backward of every micro-step
     sub = sub_group_elements(moved)
-    # host copies of the gradient and parameter shards (the parameter copy is the offloaded shard itself)
-    copies = 2 * elem * moved if setup.optimizer != "none" else (elem * shard if param_off == "cpu" else 0)
+    crosses = not setup.device_is_host  # on a host device the tier shares the device's tensors
+    copies = _copies(setup, elem, g_elem, moved, shard if param_off == "cpu" else 0) if crosses else 0
     host = copies + (state if setup.optimizer == "cpu" else 0)
     host += OPTIMIZER_BUFFERS * sub * k_bytes if setup.optimizer == "nvme" else 0
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
     in_files = elem * shard if param_off == "nvme" else 0  # parameter shards in files
     disk = (state if setup.optimizer == "nvme" else 0) + in_files
-    down = elem * moved * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" else 0
-    up_after = elem * moved if setup.optimizer != "none" and param_off == "none" else 0
-    up_gather = elem * shard * gathers if param_off != "none" else 0
+    down = g_elem * moved * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" and crosses else 0
+    up_after = elem * moved if setup.optimizer != "none" and param_off == "none" and crosses else 0
+    up_gather = elem * shard * gathers if param_off != "none" and crosses else 0
     state_io = state if setup.optimizer == "nvme" else 0
     gather_reads = in_files * gathers
     read = state_io + gather_reads + in_files  # the shards are read for every gather and by the update,
@@ -255,6 +266,14 @@ def estimate_offload(
         phase_s=_phases(setup, state, down, up_after, up_gather, gather_reads, in_files),
         sub_group_size=sub,
     )
+
+
+def _copies(setup: OffloadSetup, elem: int, g_elem: int, moved: int, param_shard: int) -> int:
+    """Bytes of the host copies of the gradient and parameter shards (the parameter copy is the offloaded shard
+    itself, ``param_shard`` elements with ``offload_param`` on cpu)."""
+    if setup.optimizer != "none":
+        return (g_elem + elem) * moved
+    return elem * param_shard
 
 
 def _phases(

@@ -2,9 +2,10 @@
 
 Every figure is a knob; left out, it comes from this machine (and the plan says so): the host link from
 the device kind (the CUDA device here; without one the device is the host and the link is a copy in
-memory, measured), the CPU Adam's rate measured with the C++ kernel on this process's threads, the
-host memory this machine has, the space free under ``--nvme-path``. The disk's bandwidth has no default:
-measure it where the files will go (``python -m benchmarks offload`` measures one from a checkout).
+memory, measured; the ``cpu`` kind also plans the host tier as it runs there, without host copies), the
+CPU Adam's rate measured with the C++ kernel on this process's threads, the host memory this machine has,
+the space free under ``--nvme-path``. The disk's bandwidth has no default: measure it
+where the files will go (``python -m benchmarks offload`` measures one from a checkout).
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ def device_kind(name: str) -> str:
     raise ValueError(f"--device-kind=auto: unknown device {found!r}; give --device-kind or --bus-gbps")
 
 
+def device_is_host(name: str) -> bool:
+    """Whether the device of kind ``name`` is the host itself: ``cpu``, or ``auto`` on a machine without CUDA."""
+    if name != "auto":
+        return name == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -71,6 +81,9 @@ def setup(args: argparse.Namespace) -> tuple[Optional[OffloadSetup], list[str]]:
     if args.offload == "none" and args.offload_param == "none":
         return None, []
     notes = []
+    on_host = device_is_host(args.device_kind)
+    if on_host and args.device_kind == "auto":
+        notes.append("device: the host (no CUDA device here): the state is offloaded without host copies")
     bus = args.bus_gbps
     if bus is None:
         kind = DEVICE_KINDS[device_kind(args.device_kind)]
@@ -101,5 +114,6 @@ def setup(args: argparse.Namespace) -> tuple[Optional[OffloadSetup], list[str]]:
         nvme_path=args.nvme_path,
         grad_accum=args.grad_accum,
         ratio=args.offload_ratio,
+        device_is_host=on_host,
     )
     return made, [n for n in notes if n]

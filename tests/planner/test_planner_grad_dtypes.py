@@ -1,0 +1,88 @@
+"""The planner with ``communication_data_type`` and ``data_types.grad_accum_dtype``: the gradient shard of stages 2
+and 3 in the dtype the pipelines keep it in, against what two ranks allocate, and ``plan`` taking and writing them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_ranks_checked
+from zero_kernels.__main__ import main
+from zero_kernels.planner import estimate_memory, recommend
+from zero_kernels.planner.models import reduced_grad_dtype, shard_elements
+
+GB = 10**9
+PSI, N = 1_000_000, 8
+WIDER = [{"communication_data_type": "fp32"}, {"grad_accum_dtype": "fp32"}]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("wider", WIDER, ids=["communication_data_type", "grad_accum_dtype"])
+def test_a_wider_dtype_widens_the_gradient_shard_of_stages_2_and_3(stage: int, wider: dict) -> None:
+    plain, wide = estimate_memory(PSI, N, stage), estimate_memory(PSI, N, stage, **wider)
+    # stages 0-1: p.grad stays in the gradients' dtype (stage 1's reduced shard is a buffer, not counted)
+    assert wide.grads == (4 * PSI // N if stage >= 2 else plain.grads)
+    assert wide.total - plain.total == wide.grads - plain.grads and wide.working_set == plain.working_set
+
+
+def test_the_reduced_dtype_promotes_as_torch_does() -> None:
+    assert reduced_grad_dtype(2, "bf16") == "bf16" and reduced_grad_dtype(1, "bf16", grad_accum_dtype="fp32") == "bf16"
+    assert reduced_grad_dtype(1, "bf16", "fp32") == "fp32"  # stage 1 reduces into it (offload: the host copy)
+    assert reduced_grad_dtype(2, "bf16", "fp16") == "fp32"  # bf16 with fp16
+    assert reduced_grad_dtype(3, "fp32", "bf16", "fp16") == "fp32"  # never narrower than the gradients
+    with pytest.raises(ValueError, match="grad_accum_dtype='int8': allowed dtypes are fp32, bf16, fp16"):
+        estimate_memory(PSI, N, 1, grad_accum_dtype="int8")
+    with pytest.raises(ValueError, match="communication_data_type='fp8'"):
+        recommend(PSI, gpus=N, gpu_memory=80 * GB, link="nvlink", communication_data_type="fp8")
+
+
+def _measured(rank: int, world_size: int) -> list[str]:
+    """``memory_report()["grads"]`` after an update of two micro-steps against the plan, at every stage and dtype."""
+    import zero_kernels as zk
+
+    wrong = []
+    for stage in (0, 1, 2, 3):
+        for wider in ({}, {"communication_data_type": "fp32"}, {"data_types": {"grad_accum_dtype": "fp32"}}):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(64, 257), torch.nn.GELU(), torch.nn.Linear(257, 64))
+            cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                   "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 4,
+                   "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096}, **wider}  # fmt: skip
+            module, opt = zk.initialize(model.bfloat16(), cfg)
+            for _ in range(2):  # as DeepSpeed's engine: a step call per micro-step, the second one updates
+                module(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+                opt.step()
+            padded = sum(buf.layout.numel for buf in opt._pipeline.buffers)  # each a multiple of the world size
+            keys = {"communication_data_type": wider.get("communication_data_type")}
+            keys["grad_accum_dtype"] = wider.get("data_types", {}).get("grad_accum_dtype")
+            planned = estimate_memory(padded, world_size, stage, **keys).grads
+            held = opt.memory_report()["grads"]
+            if held != planned:
+                wrong.append(f"stage {stage} {wider}: held {held} B of gradients, planned {planned} B")
+    return wrong
+
+
+@pytest.mark.distributed
+def test_the_plan_counts_the_gradients_two_ranks_hold() -> None:
+    run_ranks_checked(_measured, 2)
+
+
+def test_plan_takes_the_keys_and_writes_them_into_the_config(tmp_path, capsys) -> None:
+    from zero_kernels.config import ZeroConfig
+
+    path = tmp_path / "ds.json"
+    args = ["plan", "--params", "7.5B", "--gpus", "64", "--gpu-memory", "40GB", "--link", "ib-400"]
+    wide = ["--communication-data-type", "fp32", "--grad-accum-dtype", "fp32"]
+    assert main(args + wide + ["--json", str(path)]) == 0
+    rec = recommend(7_500_000_000, gpus=64, gpu_memory=40 * GB, link="ib-400", communication_data_type="fp32",
+                    grad_accum_dtype="fp32")  # fmt: skip
+    assert json.loads(path.read_text()) == rec.deepspeed
+    assert f"recommended: ZeRO stage {rec.stage}" in capsys.readouterr().out
+    assert [p.memory.grads for p in rec.plans[2:]] == [4 * shard_elements(7_500_000_000, 64)] * 2
+    cfg = ZeroConfig.from_deepspeed(str(path), world_size=64)
+    assert (cfg.communication_data_type, cfg.grad_accum_dtype) == (torch.float32, torch.float32)
+    with pytest.raises(SystemExit):
+        main(args + ["--grad-accum-dtype", "int8"])
+    assert "--grad-accum-dtype: invalid choice: 'int8'" in capsys.readouterr().err
