@@ -77,7 +77,10 @@ def _errors(rank: int, stage: int, accum: str | None, comm: str | None, want: li
         _loss(model, rank, k % STEPS).backward()
         if k < 2 * STEPS - 1:
             opt.step()  # a micro-step: no update; at the window's end: an update by 0
-            opt.zero_grad()  # ignored inside the window
+            if k % STEPS < STEPS - 1:
+                opt.zero_grad()  # ignored inside the window
+            else:
+                model.zero_grad()  # as the Hugging Face Trainer clears: the optimizer's own buffers stay as they are
     pipeline = opt.pipeline
     if stage < 2 and accum:  # stages 0-1 hold the fp32 sums themselves, as stages 2-3 the reduced ones
         assert all(p.grad is None for p in model.parameters()), "p.grad after backward, fp32 accumulation"
@@ -159,6 +162,29 @@ def _scaled_and_clipped(rank: int, world: int, stage: int, want: dict[str, list[
     return []
 
 
+def _without_first_layer(rank: int, world: int, stage: int) -> list[str]:
+    """Rank 1 gives the first layer no gradient in the measured window: its slot must not hold the previous window's
+    sum. The reduced gradients equal those of a fresh optimizer given only that window (lr=0: the same model)."""
+
+    def reduced(windows: int) -> torch.Tensor:
+        model = _model()
+        opt = zk.ShardedFusedAdam(model, lr=0.0, stage=stage, gradient_accumulation_steps=2, grad_accum_dtype="fp32")
+        for k in range(2 * windows):
+            skip = rank == 1 and k >= 2 * windows - 2
+            x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(10 * rank + k % 2)).to(torch.bfloat16)
+            h = model[0](x).detach() if skip else model[0](x)
+            model[2](model[1](h)).float().square().mean().backward()
+            if k < 2 * windows - 1:
+                opt.step()
+                model.zero_grad()
+        opt.pipeline.finish_grad_sync()
+        return torch.cat([opt.pipeline.grad_shard(b, k) for b in opt.pipeline.buffers for k in b.layout.buckets])
+
+    if not torch.equal(reduced(2), reduced(1)):
+        return [f"stage {stage}: a slot without a gradient on rank 1 kept the previous window's sum"]
+    return []
+
+
 def _cases(rank: int, world: int, root: str) -> list[str]:
     want = _references(world)
     exact = want["exact"]
@@ -183,6 +209,7 @@ def _cases(rank: int, world: int, root: str) -> list[str]:
     fp16 = _references(world, torch.float16, SCALE)
     for stage in (0, 1):
         failures += _scaled_and_clipped(rank, world, stage, fp16)
+        failures += _without_first_layer(rank, world, stage)
     return failures
 
 
