@@ -273,3 +273,22 @@ def test_a_parameter_kept_with_a_zero_gradient_sees_zero(stage: int) -> None:
         opt.step()
     assert first.grad is None and before.abs().max() > 0
     torch.testing.assert_close(opt.state[first]["exp_avg"], 0.9 * before, rtol=1e-6, atol=0)
+
+
+def test_torch_clip_reaches_the_wide_buffer() -> None:
+    """Stage 0, one rank, micro-steps under ``no_sync``: torch's clip_grad_norm_ (``p.grad`` is None) is routed to the
+    optimizer and measures the fp32 sum (float64 reference: the micro-steps' bf16 gradients added up)."""
+    ref, model = _model(), _model()
+    sums = [torch.zeros(p.shape, dtype=torch.float64) for p in ref.parameters()]
+    for k in range(2):
+        ref.zero_grad()
+        _loss(ref, 0, k).backward()
+        for total, p in zip(sums, ref.parameters()):
+            total += p.grad.double()
+    opt = zk.ShardedFusedAdam(model, stage=0, grad_accum_dtype="fp32")
+    with opt.no_sync():
+        _loss(model, 0, 0).backward()
+    _loss(model, 0, 1).backward()
+    want = torch.cat([t.flatten() for t in sums]).norm().item()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
+    assert abs(norm - want) <= 1e-6 * want, (norm, want)
