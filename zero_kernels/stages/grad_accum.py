@@ -1,4 +1,5 @@
-"""Where ``data_types.grad_accum_dtype`` (a pipeline's ``accum_dtype``) acts, and the warnings where it does not.
+"""How ``data_types.grad_accum_dtype`` (a pipeline's ``accum_dtype``) acts at each stage, and the warning where it
+does not (a dtype narrower than the gradients).
 
 DeepSpeed 0.19 (``engine.get_data_types``, ``_do_optimizer_sanity_check``) takes the key as the dtype
 gradients are added up in over micro-steps. With bf16/fp16 training and ``"fp32"``: its ZeRO-3 reduces every
@@ -20,6 +21,8 @@ communication dtype as without the key (stage 0 all-reduces it at the synchronis
 reduce-scatters it at the step), so the update sees the fp32 sum. So with it ``p.grad`` is None after backward at
 every stage, as DeepSpeed shows it; clipping and a ``GradScaler`` work through the optimizer, as at stages 2-3.
 At stage 0 zero_kernels acts where DeepSpeed 0.19 refuses: what its earlier versions did, and what the key asks.
+Memory at stages 0-1: ``grad_flat`` takes 4 bytes per element instead of 2 (``memory_report()``'s ``grads``), and
+stage 1's gradient shard is fp32 (its ``buffers``); autograd's own ``p.grad`` lives only until its hook.
 A dtype narrower than the gradients never narrows them (warned).
 
 Default (the key absent): the gradients' own dtype at every stage. That is DeepSpeed's default since 0.17.6

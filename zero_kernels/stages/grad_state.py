@@ -12,7 +12,9 @@ optimizer, so the gradient state a pipeline keeps for itself must not outlive a 
   the next step sees only the gradients of the backward passes after this step. Accumulation over several backward
   passes (``no_sync``, ``gradient_accumulation_steps``, or plain repeated ``backward``) before one
   step is unchanged.
-- Stages 0 and 1 keep gradients in ``p.grad`` (views of the flat gradient buffer), so what the
+- Stages 0 and 1 keep gradients in ``p.grad`` (views of the flat gradient buffer; with a wider
+  ``grad_accum_dtype`` they do not: ``p.grad`` is emptied into that buffer, and the rules of stages 2 and 3
+  below apply, the slots that got no gradient since the step being zeroed before the reduction), so what the
   user does to ``p.grad`` is seen: at the step, a parameter has a gradient exactly when
   ``p.grad is not None`` (as ``torch.optim.AdamW`` decides), and before a bucket is reduced the
   slots of parameters whose ``p.grad`` was dropped are zeroed (the buffer still holds the values
