@@ -130,7 +130,7 @@ def _check_indices(flags: dict[str, Any], pipeline: Pipeline, version: Path) -> 
     count = len(pipeline.buffers)
     if len(flags["written"]) != count or any(not 0 <= b < count for b in flags["shards"]):
         raise CheckpointError(f"checkpoint: {version}: the window does not match the {count} flat buffers here")
-    if flags["shards"] and pipeline.buffers and pipeline.buffers[0].grad_flat is not None:
+    if flags["shards"] and any(buf.grad_flat is not None for buf in pipeline.buffers):
         raise CheckpointError(f"checkpoint: {version}: the window holds gradient shards, which stage 0-1 keep none of")
     if flags.get("sums") and not pipeline.wide_local:
         raise CheckpointError(
