@@ -69,7 +69,8 @@ def _references(world: int, dtype: torch.dtype = torch.bfloat16, scale: float = 
 
 
 def _errors(rank: int, stage: int, accum: str | None, comm: str | None, want: list[torch.Tensor]) -> torch.Tensor:
-    """|reduced - want| for every element of this rank's reduced gradients after STEPS micro-steps."""
+    """|reduced - want| for every element of this rank's reduced gradients after the STEPS micro-steps of a second
+    window."""
     model = _model()
     opt = zk.ShardedFusedAdam(model, lr=0.0, stage=stage, gradient_accumulation_steps=STEPS, grad_accum_dtype=accum,
                               communication_data_type=comm, stage3_param_persistence_threshold=0)  # fmt: skip
@@ -88,8 +89,8 @@ def _errors(rank: int, stage: int, accum: str | None, comm: str | None, want: li
     errors = []
     for buf in pipeline.buffers:
         wide = accum is not None or (comm is not None and stage > 0)  # stage 0 writes a reduction back in bf16
-        got = pipeline.grad_shard(buf, buf.layout.buckets[0]).dtype
-        assert got == (torch.float32 if wide else torch.bfloat16), (stage, accum, comm, got)
+        kept = pipeline.grad_shard(buf, buf.layout.buckets[0]).dtype
+        assert kept == (torch.float32 if wide else torch.bfloat16), (stage, accum, comm, kept)
         shard = torch.cat([pipeline.grad_shard(buf, b) for b in buf.layout.buckets]).double()
         if pipeline.grad_divisor_is_world:  # stage 1 holds the sum over ranks
             shard /= pipeline.world_size
