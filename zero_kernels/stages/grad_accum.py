@@ -22,7 +22,10 @@ reduce-scatters it at the step), so the update sees the fp32 sum. So with it ``p
 every stage, as DeepSpeed shows it; clipping and a ``GradScaler`` work through the optimizer, as at stages 2-3.
 At stage 0 zero_kernels acts where DeepSpeed 0.19 refuses: what its earlier versions did, and what the key asks.
 Memory at stages 0-1: ``grad_flat`` takes 4 bytes per element instead of 2 (``memory_report()``'s ``grads``), and
-stage 1's gradient shard is fp32 (its ``buffers``); autograd's own ``p.grad`` lives only until its hook.
+stage 1's gradient shard is fp32 (its ``buffers``); autograd's own ``p.grad`` lives only until its hook. Time: a
+window of 4 micro-steps of a 6.3M-parameter bf16 model on 2 gloo ranks took 1.2x (stage 1) and 1.3x (stage 0) as
+long as with bf16 accumulation (medians of 14 windows, alternating, on a loaded machine): the fp32 adds, autograd's
+new ``p.grad`` at every backward and the casts around the reduction.
 A dtype narrower than the gradients never narrows them (warned).
 
 Default (the key absent): the gradients' own dtype at every stage. That is DeepSpeed's default since 0.17.6
