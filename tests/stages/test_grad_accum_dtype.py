@@ -293,3 +293,15 @@ def test_torch_clip_reaches_the_wide_buffer() -> None:
     want = torch.cat([t.flatten() for t in sums]).norm().item()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3).item()
     assert abs(norm - want) <= 1e-6 * want, (norm, want)
+
+
+def test_a_window_of_fp32_sums_loads_only_where_they_are_kept(tmp_path: Path) -> None:
+    """Saved inside a window at stage 1 with fp32 accumulation: an optimizer without it refuses the window."""
+    model = _model()
+    opt = zk.ShardedFusedAdam(model, stage=1, gradient_accumulation_steps=2, grad_accum_dtype="fp32")
+    _loss(model, 0, 0).backward()
+    opt.step()
+    ck.save(tmp_path, model, opt)
+    plain = _model()
+    with pytest.raises(ck.CheckpointError, match="gradients added up in a wider grad_accum_dtype"):
+        ck.load(tmp_path, plain, zk.ShardedFusedAdam(plain, stage=1, gradient_accumulation_steps=2))
