@@ -177,7 +177,6 @@ def _without_first_layer(rank: int, world: int, stage: int) -> list[str]:
             model[2](model[1](h)).float().square().mean().backward()
             if k < 2 * windows - 1:
                 opt.step()
-                model.zero_grad()
         opt.pipeline.finish_grad_sync()
         return torch.cat([opt.pipeline.grad_shard(b, k) for b in opt.pipeline.buffers for k in b.layout.buckets])
 
