@@ -3,7 +3,8 @@
 A checkpoint saved between the backward passes of one step (micro-steps under ``no_sync`` or
 ``gradient_accumulation_steps``, or repeated backward) must not resume as if they never happened.
 So each rank whose window is open (``stages.window``) writes the gradients it holds into its rank
-file (``window/RANK/grad/INDEX``, ``window/RANK/shard/BUFFER``), and ``objects.pt`` keeps the
+file (``window/RANK/grad/INDEX``, ``window/RANK/shard/BUFFER``, and with a wider ``grad_accum_dtype`` at stages 0-1
+``window/RANK/sum/INDEX``, in that dtype), and ``objects.pt`` keeps the
 micro-step count, the layout and each rank's flags. Loading puts every rank's window back exactly
 when the layout is the same (world size, stage, bucket size, model: ``stages.state_door.layout_signature``);
 a rank's gradients mean nothing under another layout, so an open window there is a
@@ -44,15 +45,21 @@ def _shard_key(rank: int, b: int) -> str:
     return f"window/{rank}/shard/{b}"
 
 
+def _sum_key(rank: int, index: int) -> str:
+    return f"window/{rank}/sum/{index}"
+
+
 def capture(optimizer: Any, pipeline: Pipeline) -> Held:
     """What this rank saves of its window (nothing when it is closed)."""
     if optimizer.micro_step == 0 and not pipeline.window_open:
         return Held()
     window = zwindow.capture(pipeline)
-    held = Held(flags={**window.flags, "grads": sorted(window.grads), "shards": sorted(window.shards)})
+    lists = {"grads": sorted(window.grads), "shards": sorted(window.shards), "sums": sorted(window.sums)}
+    held = Held(flags={**window.flags, **lists})
     rank = pipeline.rank
     tensors = [(_grad_key(rank, i), g) for i, g in window.grads.items()]
     tensors += [(_shard_key(rank, b), s) for b, s in window.shards.items()]
+    tensors += [(_sum_key(rank, i), s) for i, s in window.sums.items()]
     for key, t in tensors:
         held.pieces.append((key, 0, t.reshape(-1)))
         held.specs[key] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
@@ -65,7 +72,7 @@ def book(results: list[dict[str, Any]], optimizer: Any, pipeline: Pipeline) -> O
     if all(f is None for f in flags):
         return None
     empty = {"synced": False, "owed": False, "has_grad": [], "stepped_with": [],
-             "written": [[] for _ in pipeline.buffers], "grads": [], "shards": []}  # fmt: skip
+             "written": [[] for _ in pipeline.buffers], "grads": [], "shards": [], "sums": []}  # fmt: skip
     return {
         "micro_step": optimizer.micro_step,
         "layout": zstate.layout_signature(pipeline),
@@ -109,20 +116,27 @@ def stage(
         window.grads[i] = _read(src, _grad_key(pipeline.rank, i), sizes[i], version)
     for b in flags["shards"]:
         window.shards[b] = _read(src, _shard_key(pipeline.rank, b), zstate.shard_numels(pipeline)[b], version)
+    for i in flags.get("sums", []):  # absent from checkpoints of earlier versions
+        window.sums[i] = _read(src, _sum_key(pipeline.rank, i), sizes[i], version)
     return window
 
 
 def _check_indices(flags: dict[str, Any], pipeline: Pipeline, version: Path) -> None:
     trainable = set(pipeline.has_grad)
-    for key in ("has_grad", "stepped_with", "grads"):
-        unknown = sorted(set(flags[key]) - trainable)
+    for key in ("has_grad", "stepped_with", "grads", "sums"):
+        unknown = sorted(set(flags.get(key, [])) - trainable)
         if unknown:
             raise CheckpointError(f"checkpoint: {version}: the window names parameter {unknown[0]}, not trained here")
     count = len(pipeline.buffers)
     if len(flags["written"]) != count or any(not 0 <= b < count for b in flags["shards"]):
         raise CheckpointError(f"checkpoint: {version}: the window does not match the {count} flat buffers here")
-    if flags["shards"] and pipeline.grads_in_p_grad:
+    if flags["shards"] and any(buf.grad_flat is not None for buf in pipeline.buffers):
         raise CheckpointError(f"checkpoint: {version}: the window holds gradient shards, which stage 0-1 keep none of")
+    if flags.get("sums") and not pipeline.wide_local:
+        raise CheckpointError(
+            f"checkpoint: {version}: the window holds gradients added up in a wider grad_accum_dtype, which this "
+            "optimizer does not keep (another grad_accum_dtype); save at a window boundary (after opt.step())"
+        )
 
 
 def _read(src: TensorSource, key: str, numel: int, version: Path) -> torch.Tensor:

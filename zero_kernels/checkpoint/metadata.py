@@ -243,7 +243,9 @@ def _window(c: _Checker, window: Any, world_size: int) -> None:
         c.of_type(flags.get("synced"), bool, f"{field}.synced")
         if "owed" in flags:
             c.of_type(flags["owed"], bool, f"{field}.owed")
-        for key in ("has_grad", "stepped_with", "grads", "shards"):
+        for key in ("has_grad", "stepped_with", "grads", "shards", "sums"):
+            if key == "sums" and key not in flags:  # absent from checkpoints of earlier versions
+                continue
             for j, i in enumerate(c.of_type(flags.get(key), list, f"{field}.{key}")):
                 c.count(i, f"{field}.{key}[{j}]")
         for b, written in enumerate(c.of_type(flags.get("written"), list, f"{field}.written")):

@@ -362,8 +362,8 @@ TOP_IGNORED: Dict[str, int] = {
     },
 }
 
-# ``grad_accum_dtype`` acts at stages 2-3 (``stages.grad_accum``: where and why, and DeepSpeed's default, the
-# training dtype, which is zero_kernels' too); the stages where it does not act warn when the optimizer is built.
+# ``grad_accum_dtype`` acts at every stage (``stages.grad_accum``: how and why, and DeepSpeed's default, the
+# training dtype, which is zero_kernels' too); a dtype narrower than the gradients warns when the optimizer is built.
 DATA_TYPES = Section(
     fields={"grad_accum_dtype": Field(choice(GRAD_ACCUM_DTYPES, nullable=True), None, auto=False)},
     ignored={"param_dtype": WARNING, "buffer_dtype": WARNING},

@@ -9,7 +9,8 @@ and the step
 - unscales the gradients inside the fused kernel: their multiplier gains ``1 / scale``, computed as
   GradScaler computes it, unless ``scaler.unscale_(opt)`` already divided them in ``p.grad``
   (stages 0 and 1 keep the gradients there; at stages 2 and 3 ``unscale_`` reaches nothing and the
-  reduced gradient shard is still scaled);
+  reduced gradient shard is still scaled, and so is the wider buffer of stages 0-1 with a ``grad_accum_dtype``
+  wider than the gradients, ``p.grad`` being None there too);
 - skips, on every rank, a step whose gradients hold inf/NaN on some rank (whatever
   ``skip_nonfinite_steps`` says), and hands that global flag to the scaler as the found-inf of this
   optimizer, so ``scaler.update()`` backs off or grows the scale the same way on every rank.
@@ -68,6 +69,12 @@ def _still_scaled(scaler: Any, opt: Any) -> bool:
     if pipeline.grads_in_p_grad:
         return False
     reached = bool(state["found_inf_per_device"])  # unscale_ found gradients left in p.grad (no_sync)
+    if reached and pipeline.wide_local:
+        raise RuntimeError(
+            f"ShardedFusedAdam (stage {pipeline.stage}): scaler.unscale_(opt) divided gradients set in p.grad by hand "
+            "but cannot reach those added up in the wider grad_accum_dtype (p.grad is None after backward there); "
+            "do not call scaler.unscale_(opt) after setting p.grad (the step unscales)"
+        )
     if reached and pipeline.reduced_since_step:
         raise RuntimeError(
             f"ShardedFusedAdam (stage {pipeline.stage}): scaler.unscale_(opt) divided the gradients still in p.grad "

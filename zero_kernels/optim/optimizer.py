@@ -16,7 +16,8 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
     opt = ShardedFusedAdam(groups, lr=1e-3, stage=3, module=model)
 
 - Gradients: see each stage's module for what ``p.grad`` holds after backward (stage 0: the mean
-  over ranks, as DDP; stage 1: the local gradient; stage 2: ``None``, as DeepSpeed).
+  over ranks, as DDP; stage 1: the local gradient; stage 2: ``None``, as DeepSpeed; ``None`` at every stage with
+  a ``grad_accum_dtype`` wider than the gradients: ``stages.grad_accum``).
 - A parameter with no gradient on any rank in a step (``p.grad is None`` everywhere) is left
   alone, as ``torch.optim.AdamW`` does: value, m, v and its step count do not change.
 - Accumulation: ``with opt.no_sync(): loss.backward()`` for all micro-steps but the last (grads
@@ -113,8 +114,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         grad_accum_dtype: the dtype gradients are accumulated in over micro-steps (DeepSpeed's
             ``data_types.grad_accum_dtype``), same values; None (the default, DeepSpeed 0.19's): their own dtype.
             At stages 2-3 a wider one (``"fp32"`` for bf16/fp16 gradients) makes each ``gradient_accumulation_steps``
-            micro-step reduce its gradients and add them into an fp32 gradient shard; stages 0-1 warn and keep
-            adding up in ``p.grad`` (``stages.grad_accum``).
+            micro-step reduce its gradients and add them into an fp32 gradient shard; at stages 0-1 it makes the
+            local gradient buffer fp32, which every backward adds into (``p.grad`` is None after backward) and the
+            reduction reads (``stages.grad_accum``).
         module: the model the parameters belong to, when ``params_or_module`` lists parameters or
             groups: stage 3 needs it to gather parameters; other stages use it to name parameters in errors.
         **zero_options: ``zero_optimization`` keys, e.g. ``reduce_bucket_size`` (elements).

@@ -11,14 +11,15 @@ So once a ``ShardedFusedAdam`` exists, torch's ``clip_grad_norm_``, ``get_total_
 ``clip_grads_with_norm_`` and ``clip_grad_value_`` look at what they are given:
 
 - no parameter (or gradient) of a live sharded optimizer, or one whose ``p.grad`` is the very
-  gradient its step uses (stage 0, or stage 1 on one rank, without loss scaling or accumulation
-  steps: ``p.grad`` is then the mean over ranks, as with DDP): torch's own function runs;
+  gradient its step uses (stage 0, or stage 1 on one rank, without loss scaling, accumulation
+  steps or a wider ``grad_accum_dtype``: ``p.grad`` is then the mean over ranks, as with DDP): torch's own
+  function runs;
 - every parameter the optimizer trains (others may come along if they have no gradient, such as
   frozen ones): ``clip_grad_norm_`` is ``opt.clip_grad_norm_`` (the global norm of the reduced
   gradients, applied by the next step); ``get_total_norm`` of their gradients (stage 1) is that
   global norm; ``clip_grads_with_norm_`` hands its ``total_norm`` to the next step;
 - anything else (some of the optimizer's parameters, or them and others that have gradients; an
-  empty gradient list while a stage 2-3 optimizer holds this step's gradients; value clipping)
+  empty gradient list while an optimizer that keeps no gradients in ``p.grad`` holds this step's; value clipping)
   cannot be made right, and raises ``ValueError`` saying what to call instead.
 
 The routing replaces the function inside torch's ``no_grad`` wrapper of each of these, so every
@@ -52,7 +53,7 @@ _installed = False
 def exact_in_p_grad(optimizer: Any) -> bool:
     """Whether ``p.grad`` holds exactly the gradient ``optimizer``'s next step uses (torch's clip is right)."""
     stage, world = optimizer.options.stage, optimizer.pipeline.world_size
-    shared = stage == 0 or (stage == 1 and world == 1)
+    shared = (stage == 0 or (stage == 1 and world == 1)) and optimizer.pipeline.grads_in_p_grad
     scaled = optimizer._loss_scaler is not None  # fp16: p.grad holds the gradients times the loss scale
     return shared and not scaled and optimizer.gradient_accumulation_steps == 1
 
@@ -61,6 +62,8 @@ def _why(optimizer: Any) -> str:
     stage = optimizer.options.stage
     if stage >= 2:
         return f"at stage {stage} p.grad is None: each rank holds its shard of the reduced gradients"
+    if not optimizer.pipeline.grads_in_p_grad:
+        return f"at stage {stage} p.grad is None: the gradients add up in a buffer of the wider grad_accum_dtype"
     if stage == 1 and optimizer.pipeline.world_size > 1:
         return "at stage 1 p.grad is this rank's own gradient until the step reduces it"
     return (
@@ -160,7 +163,7 @@ def _grads_owner(tensors: list[torch.Tensor]) -> Optional[Any]:
 
 def _holding_sharded_grads() -> Optional[Any]:
     for opt in live.optimizers():
-        if opt.options.stage >= 2 and any(opt.pipeline.has_grad.values()):
+        if not opt.pipeline.grads_in_p_grad and any(opt.pipeline.has_grad.values()):
             return opt
     return None
 

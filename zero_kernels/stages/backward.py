@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from ..comm.handles import Handle
-from . import grad_state, refusals
+from . import grad_accum, grad_state, refusals
 from .buffers import FlatBuffer, Inflight
 from .layout import Bucket
 
@@ -59,7 +59,7 @@ class BackwardRound:
         self.has_grad[index] = True
         self._note_gradient(index, p)
         if not self.sync_enabled:
-            if self.grads_in_p_grad:  # p.grad views grad_flat: the next reduction of its bucket takes it
+            if buf.grad_flat is not None:  # stages 0-1: p.grad views grad_flat (or wide_local: added into it)
                 self._consume_grad(buf, slot, p)
             return
         first = self._first_report(b, slot, p)
@@ -130,7 +130,11 @@ class BackwardRound:
             )
 
     def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
-        """Default (stages 0 and 1): make ``p.grad`` a view of ``grad_flat`` holding its value."""
+        """Default (stages 0 and 1): make ``p.grad`` a view of ``grad_flat`` holding its value; with a wider
+        ``grad_accum_dtype`` (``wide_local``) add it into ``grad_flat`` and drop it (``grad_accum.add_local``)."""
+        if self.wide_local:
+            grad_accum.add_local(self, buf, slot, p)
+            return
         s = buf.layout.slots[slot]
         view = buf.grad_flat.narrow(0, s.offset, s.numel).view(s.shape)
         if p.grad is not view and (p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape):
@@ -145,7 +149,7 @@ class BackwardRound:
                 return
             if buf.pending[k] > 0:
                 self._take_unreported(b, buf.layout.buckets[k])
-                grad_state.zero_dropped_grads(buf, buf.layout.buckets[k])
+                grad_state.zero_dropped_grads(self, buf, buf.layout.buckets[k])
             self._launch_bucket(buf, buf.layout.buckets[k])
             self._next_launch += 1
             self._complete_inflight(keep=self.max_inflight)

@@ -96,9 +96,9 @@ class Pipeline(BackwardRound):
     max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
-    grads_in_p_grad: ClassVar[bool] = True  # the step reads p.grad (stages 0, 1); False: a shard only it holds
     quantizes_gradients: ClassVar[bool] = False  # True: zero_quantized_gradients applies (stages 2, 3: qgZ)
     accumulates_reduced: ClassVar[bool] = False  # True: a wider accum_dtype acts (stages 2, 3; ``reduces_micro_steps``)
+    accumulates_locally: ClassVar[bool] = False  # True: a wider accum_dtype is grad_flat's (stages 0, 1: wide_local)
 
     def __init__(
         self,
@@ -115,6 +115,8 @@ class Pipeline(BackwardRound):
         self.comm_dtype = comm_dtype
         self.accum_dtype = accum_dtype
         self._accum_warned: set[str] = set()  # ``grad_accum.warn_unused``'s messages given
+        self.wide_local = False  # grad_flat is wider than some buffer's gradients: it holds them, not p.grad
+        self.summed: set[int] = set()  # wide_local: parameters whose slot of grad_flat holds this window's gradients
         self.impl = impl
         self.module = module
         self.device: Optional[torch.device] = None  # the parameters' device, where exchanges run (set by the optimizer)
@@ -171,16 +173,23 @@ class Pipeline(BackwardRound):
     def world_size(self) -> int:
         return self.engine.world_size
 
+    @property
+    def grads_in_p_grad(self) -> bool:
+        """Whether the step reads ``p.grad`` (stages 0 and 1, as views of ``grad_flat``). False where the pipeline
+        alone holds the gradients: stages 2-3 (a reduced shard), and stages 0-1 with a ``grad_accum_dtype`` wider
+        than some buffer's gradients (``wide_local``: ``grad_flat`` of that dtype, ``p.grad`` None after backward)."""
+        return not self.wide_local
+
     def comm_dtype_of(self, buf: FlatBuffer) -> torch.dtype:
         """The dtype ``buf``'s gradients are reduced in: ``communication_data_type``, else their own."""
         return self.comm_dtype or buf.dtype
 
     def accumulate_dtype_of(self, buf: FlatBuffer) -> torch.dtype:
         """The dtype reduced gradients of ``buf`` are kept and added up in: the widest of theirs, the
-        communication dtype and, where the stage acts on it (``accumulates_reduced``), ``accum_dtype`` (fp32 for
-        bf16 gradients reduced or accumulated in fp32). Never narrower than the gradients."""
+        communication dtype and ``accum_dtype`` (fp32 for bf16 gradients reduced or accumulated in fp32). Never
+        narrower than the gradients."""
         wide = torch.promote_types(buf.dtype, self.comm_dtype_of(buf))
-        if self.accumulates_reduced and self.accum_dtype is not None:
+        if (self.accumulates_reduced or self.accumulates_locally) and self.accum_dtype is not None:
             wide = torch.promote_types(wide, self.accum_dtype)
         return wide
 
@@ -244,6 +253,7 @@ class Pipeline(BackwardRound):
             grad_accum.warn_unused(self, buf, self._accum_warned)
             self._allocate(buf)
             self._index(buf)
+            self.wide_local = self.wide_local or (buf.grad_flat is not None and buf.grad_flat.dtype != buf.dtype)
         for _, i in trainable:
             self.step_counts.counts.setdefault(i, 0)
             self.has_grad.setdefault(i, False)
@@ -336,8 +346,10 @@ class Pipeline(BackwardRound):
             p.data = view.view(slot.shape)
 
     def _allocate_grads(self, buf: FlatBuffer) -> None:
-        """Default (stages 0 and 1): a full gradient buffer that ``p.grad`` views."""
-        buf.grad_flat = torch.zeros(buf.layout.numel, dtype=buf.dtype, device=buf.device)
+        """Default (stages 0 and 1): a full gradient buffer that ``p.grad`` views, or of a wider ``grad_accum_dtype``
+        (``grad_accum.local_dtype``) that holds them itself."""
+        dtype = grad_accum.local_dtype(self, buf)
+        buf.grad_flat = torch.zeros(buf.layout.numel, dtype=dtype, device=buf.device)
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
         for p in buf.params:
@@ -442,15 +454,17 @@ class Pipeline(BackwardRound):
         self._grads_final = True
 
     def _take_replaced_grads(self) -> None:
-        """Stages 0-1: ``p.grad`` replaced by a new tensor after backward is what the step reads; stages 2-3: a
-        ``p.grad`` no reduction took is refused."""
+        """Stages 0-1: ``p.grad`` replaced by a new tensor after backward is what the step reads (with ``wide_local``
+        it is added to the gradients held: autograd's ``p.grad`` was emptied into them); stages 2-3: a ``p.grad``
+        no reduction took is refused."""
         for buf in self.buffers:
             for slot_index, slot in enumerate(buf.layout.slots):
                 p = buf.params[slot.param]
                 if p.grad is None:
                     continue
                 self._check_dense(p)
-                if self.grads_in_p_grad:
+                if buf.grad_flat is not None:
+                    self.has_grad[buf.index_of(slot)] = True
                     self._consume_grad(buf, slot_index, p)
                 else:
                     self._refuse(refusals.UNSEEN_GRADIENT, buf.index_of(slot), p)
@@ -468,6 +482,7 @@ class Pipeline(BackwardRound):
         self.clipped = False
         self.refusals.clear()
         self.window_open = False
+        self.summed.clear()
 
     @property
     def owed(self) -> bool:

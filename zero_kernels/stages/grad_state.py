@@ -12,7 +12,9 @@ optimizer, so the gradient state a pipeline keeps for itself must not outlive a 
   the next step sees only the gradients of the backward passes after this step. Accumulation over several backward
   passes (``no_sync``, ``gradient_accumulation_steps``, or plain repeated ``backward``) before one
   step is unchanged.
-- Stages 0 and 1 keep gradients in ``p.grad`` (views of the flat gradient buffer), so what the
+- Stages 0 and 1 keep gradients in ``p.grad`` (views of the flat gradient buffer; with a wider
+  ``grad_accum_dtype`` they do not: ``p.grad`` is emptied into that buffer, and the rules of stages 2 and 3
+  below apply, the slots that got no gradient since the step being zeroed before the reduction), so what the
   user does to ``p.grad`` is seen: at the step, a parameter has a gradient exactly when
   ``p.grad is not None`` (as ``torch.optim.AdamW`` decides), and before a bucket is reduced the
   slots of parameters whose ``p.grad`` was dropped are zeroed (the buffer still holds the values
@@ -39,6 +41,8 @@ if TYPE_CHECKING:
 
 def read_grad_flags(pipeline: "Pipeline") -> None:
     """Stages whose gradients live in ``p.grad``: a parameter has a gradient iff ``p.grad is not None``."""
+    if not pipeline.grads_in_p_grad:  # the hooks marked them (``wide_local``: p.grad is emptied)
+        return
     for buf in pipeline.buffers:
         if buf.grad_flat is None:
             continue
@@ -46,13 +50,18 @@ def read_grad_flags(pipeline: "Pipeline") -> None:
             pipeline.has_grad[buf.index_of(slot)] = buf.params[slot.param].grad is not None
 
 
-def zero_dropped_grads(buf: "FlatBuffer", bucket: Bucket) -> None:
-    """Before ``bucket`` is reduced: zero the slots of parameters whose ``p.grad`` the user dropped."""
+def zero_dropped_grads(pipeline: "Pipeline", buf: "FlatBuffer", bucket: Bucket) -> None:
+    """Before ``bucket`` is reduced (stages 0-1): zero the slots of parameters whose ``p.grad`` the user dropped, or
+    (``wide_local``) that got no gradient since the last step or ``zero_grad``."""
     if buf.grad_flat is None:
         return
     for index in bucket.slots:
         slot = buf.layout.slots[index]
-        if buf.params[slot.param].grad is None:
+        if pipeline.wide_local:
+            dropped = buf.index_of(slot) not in pipeline.summed
+        else:
+            dropped = buf.params[slot.param].grad is None
+        if dropped:
             lo, hi = max(slot.offset, bucket.start), min(slot.offset + slot.numel, bucket.start + bucket.numel)
             buf.grad_flat[lo:hi].zero_()
 
@@ -78,9 +87,10 @@ def zero_unwritten(pipeline: "Pipeline") -> None:
 
 
 def keep_zero_grads(pipeline: "Pipeline") -> None:
-    """``zero_grad(set_to_none=False)`` at stages 2-3: parameters that had a gradient in the last step keep one."""
+    """``zero_grad(set_to_none=False)`` where ``p.grad`` is not what the step reads (stages 2-3, ``wide_local``):
+    parameters that had a gradient in the last step keep one (zero: nothing is added into their slot)."""
     for buf in pipeline.buffers:
-        if buf.grad_flat is not None:
+        if buf.grad_flat is not None and pipeline.grads_in_p_grad:
             continue
         for i in buf.indices:
             if i in pipeline.stepped_with:

@@ -5,7 +5,9 @@ bucket is divided by the world size and all-reduced in place as soon as it fills
 so after backward ``p.grad`` (a view of ``grad_flat``) holds the mean over ranks, as with
 ``DistributedDataParallel``. With a wider ``communication_data_type`` (fp32 for bf16/fp16 gradients)
 the bucket is reduced in a copy of that dtype, and the mean written back into ``p.grad``'s dtype.
-The step runs the kernel on the full buffer; nothing is gathered.
+The step runs the kernel on the full buffer; nothing is gathered. With a ``grad_accum_dtype`` wider than the
+gradients, ``grad_flat`` is of that dtype and holds them instead of ``p.grad`` (None after backward): every
+backward adds into it, the synchronised one reduces the sum (``stages.grad_accum``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .layout import Bucket
 class Stage0Pipeline(Pipeline):
     stage = 0
     reduces_in_backward = True
+    accumulates_locally = True
 
     @property
     def num_shards(self) -> int:

@@ -9,7 +9,10 @@ new backward, or a loop that never clears gradients (each backward adds to ``p.g
 ``torch.optim.AdamW`` with DDP-averaged gradients sees. One rank reduces nothing: ``grad_flat`` is
 its reduced gradient. With another ``communication_data_type`` (fp32 for bf16/fp16 gradients) the
 scratch buckets are of that dtype and ``grad_shard`` of the wider one, so the sum is never rounded
-to the gradients' dtype.
+to the gradients' dtype. With a ``grad_accum_dtype`` wider than the gradients, ``grad_flat`` is of that dtype
+and holds them instead of ``p.grad`` (None after backward, as DeepSpeed's BF16_Optimizer leaves it): every
+backward's gradients are added into it, the step reduces the sum from there (``stages.grad_accum``) into a
+``grad_shard`` of that dtype.
 
 Memory. ``grad_shard`` (this rank's part of the gradients) and the idle scratch buckets (no more
 bytes than ``grad_shard``) are kept from one step to the next and shown by ``memory_report()`` as
@@ -34,6 +37,7 @@ STEP_INFLIGHT = Pipeline.max_inflight + 2  # reductions in flight at the step
 class Stage1Pipeline(Pipeline):
     stage = 1
     grad_divisor_is_world = True
+    accumulates_locally = True
     allgather_by_bucket = True
 
     def __init__(self, engine: Any, options: Any, **kwargs: Any):

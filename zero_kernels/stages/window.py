@@ -2,8 +2,9 @@
 
 Between two steps, the backward passes so far (micro-steps under ``no_sync`` or
 ``gradient_accumulation_steps``, or plain repeated backward) leave their gradients in ``p.grad``
-(stages 0 and 1, and backward passes under ``no_sync`` at any stage) and, at stages 2 and 3, in this
-rank's reduced gradient shard (the buckets a reduction wrote since the step), with the flags the
+(stages 0 and 1, and backward passes under ``no_sync`` at any stage), at stages 2 and 3 in this
+rank's reduced gradient shard (the buckets a reduction wrote since the step), and at stages 0 and 1 with a
+wider ``grad_accum_dtype`` in the slots of ``grad_flat`` that hold them (``sums``), with the flags the
 next step reads (which parameters had a gradient, whether a synchronised backward ran). The window
 is *open* from the first backward after a step or ``zero_grad()`` until the next of them.
 
@@ -31,6 +32,7 @@ class Window:
     flags: dict[str, Any]  # synced, owed, has_grad, stepped_with: parameter indices; written: bucket indices per buffer
     grads: dict[int, torch.Tensor] = field(default_factory=dict)  # optimizer index -> p.grad
     shards: dict[int, torch.Tensor] = field(default_factory=dict)  # buffer index -> reduced gradient shard
+    sums: dict[int, torch.Tensor] = field(default_factory=dict)  # optimizer index -> its wide sum (``wide_local``)
 
 
 def capture(pipeline: "Pipeline") -> Window:
@@ -49,6 +51,10 @@ def capture(pipeline: "Pipeline") -> Window:
                 window.grads[index] = p.grad.detach()
     if not pipeline.grads_in_p_grad:
         window.shards = {b: buf.grad_shard for b, buf in enumerate(pipeline.buffers) if buf.written}
+    for buf in pipeline.buffers if pipeline.wide_local else ():
+        for slot in buf.layout.slots:
+            if buf.index_of(slot) in pipeline.summed:
+                window.sums[buf.index_of(slot)] = buf.grad_flat.narrow(0, slot.offset, slot.numel)
     return window
 
 
@@ -66,6 +72,12 @@ def restore(pipeline: "Pipeline", window: Window) -> None:
         buf.written = set(written)
     for b, shard in window.shards.items():
         pipeline.buffers[b].grad_shard.copy_(shard)
+    for buf in pipeline.buffers:
+        for slot in buf.layout.slots:
+            held = window.sums.get(buf.index_of(slot))
+            if held is not None:
+                buf.grad_flat.narrow(0, slot.offset, slot.numel).copy_(held.reshape(-1))
+                pipeline.summed.add(buf.index_of(slot))
     for buf in pipeline.buffers:
         for slot in buf.layout.slots:
             grad = window.grads.get(buf.index_of(slot))
