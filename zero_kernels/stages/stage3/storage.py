@@ -6,8 +6,10 @@ buffer at a free would release nothing then: the saved views would hold every un
 gathered until its backward ran. So a free resizes the storage itself to no bytes (as FSDP does), and
 the next gather refills the same storage: the saved views read the gathered values again once the
 backward has gathered the unit before its use (the scheduler's backward pre-hooks), and the forward
-holds only the units in use. A view kept past a free and computed with before the next gather
-raises PyTorch's error for a tensor whose data is not allocated.
+holds only the units in use. The cost, as with FSDP: a view of a gathered parameter kept past a free
+(``w = self.weight.t()`` stored away in a forward) has no data until the next gather, and computing with
+it then is not defined (PyTorch raises for some operations and crashes in others); read parameters
+outside the forward inside ``gathered_params()``, and copy (``clone()``) what must outlive it.
 """
 
 from __future__ import annotations
