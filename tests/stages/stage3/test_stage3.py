@@ -412,6 +412,23 @@ def _held_params(opt: zo.ShardedFusedAdam) -> int:
     return opt.memory_report()["params"]
 
 
+def _saved_storage_bytes(out: torch.Tensor) -> int:
+    """Bytes of the distinct storages that the autograd graph behind ``out`` saved for backward."""
+    storages, seen, nodes = {}, set(), [out.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            saved = getattr(node, name) if name.startswith("_saved_") else None
+            if isinstance(saved, torch.Tensor):
+                storage = saved.untyped_storage()
+                storages[storage._cdata] = storage.nbytes()
+        nodes.extend(fn for fn, _ in node.next_functions)
+    return sum(storages.values())
+
+
 def _memory_case(rank: int, world: int) -> None:
     """Held bytes follow (4 + 4 + 8) x params / ranks; parameters are freed between uses, gathered in use."""
     torch.manual_seed(0)
@@ -429,6 +446,8 @@ def _memory_case(rank: int, world: int) -> None:
     for _ in range(2):  # the second forward prefetches along the first one's order
         loss = model(torch.randn(ROWS, 32)).square().mean()
         assert all(p.numel() == 0 for p in model.parameters()), "parameters are freed after forward"
+        saved = _saved_storage_bytes(loss)  # the layers' inputs; a gathered weight (4 KiB) would be more
+        assert saved < 4 * unit, f"the graph saved {saved} bytes after forward: freed units are still held"
         loss.backward()
         assert all(p.numel() == 0 and p.grad is None for p in model.parameters()), "freed after backward"
         opt.step()

@@ -34,6 +34,7 @@ from ...comm.handles import Handle, Works
 from ...kernels.quant import dequantize
 from ..adopt import check_compatible
 from ..quantized_gather import Payload, Traffic, dequantize_chunks
+from .storage import GatherStorage
 
 QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,6 +72,7 @@ class FrozenUnit:
         self.layout = Payload(self.chunk)
         self.uid, self.name, self.kind = -1, name, kind
         self.full: Optional[torch.Tensor] = None
+        self.storage = GatherStorage(self.numel, self.dtype, self.device)
         self._handle: Optional[Handle] = None
         self._lo, self._hi = rank * self.chunk, min((rank + 1) * self.chunk, self.param_numel)
         whole = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
@@ -85,7 +87,7 @@ class FrozenUnit:
 
     def start_gather(self) -> None:
         self.adopt_pending()
-        self.full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.full = self.storage.take()
         gathered = torch.empty(self.engine.world_size * self.layout.nbytes, dtype=torch.uint8, device=self.device)
         self.traffic.quantized += self.layout.nbytes
         self.traffic.unquantized_equivalent += self.chunk * self.full.element_size()
@@ -108,6 +110,7 @@ class FrozenUnit:
     def free(self) -> None:
         self._free_params()
         self.full = None
+        self.storage.release()  # saved for backward views it too (``stage3.storage``)
 
     def reduce_grads(self) -> None:
         """Frozen: nothing to reduce."""

@@ -70,6 +70,7 @@ from .frozen import FrozenUnit, frozen_members
 from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
 from .plan import check_externals, holders
+from .storage import GatherStorage
 
 
 @dataclass
@@ -100,6 +101,7 @@ class _Unit:
         self.param_numel = sum(slot.numel for slot in buf.layout.slots)
         self.persistent = buf.persistent
         self.uid, self.name, self.kind = uid, name, type(holder).__name__
+        self.storage = GatherStorage(buf.layout.numel, buf.dtype, buf.device)
         self._handles: list = []
 
     def read_ahead(self) -> None:
@@ -112,7 +114,7 @@ class _Unit:
         if disk is not None and any(p.numel() != 0 for p in self.params):
             disk.resident(buf)  # values given to the parameters go into the shard: read in from its file first
         adopt.adopt_assigned_shard(self.pipeline, buf, buf.param_shard, self.pipeline.name_of)
-        buf.full = torch.empty(buf.layout.numel, dtype=buf.dtype, device=buf.device)
+        buf.full = self.storage.take()
         shard = buf.param_shard if disk is None else disk.source(buf, self._settle)
         gathers, exact = self.pipeline.unit_gathers, self.pipeline.holding
         self._handles = [
@@ -138,6 +140,7 @@ class _Unit:
         for p in self.params:
             p.data = torch.empty(0, dtype=self.buf.dtype, device=self.buf.device)
         self.buf.full = None
+        self.storage.release()  # what autograd saved from the forward views it too (``stage3.storage``)
 
     def reduce_grads(self) -> None:
         for p in self.params:
