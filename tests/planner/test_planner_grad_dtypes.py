@@ -20,18 +20,22 @@ WIDER = [{"communication_data_type": "fp32"}, {"grad_accum_dtype": "fp32"}]
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("wider", WIDER, ids=["communication_data_type", "grad_accum_dtype"])
-def test_a_wider_dtype_widens_the_gradient_shard_of_stages_2_and_3(stage: int, wider: dict) -> None:
+def test_a_wider_dtype_widens_the_gradients_the_stage_keeps(stage: int, wider: dict) -> None:
     plain, wide = estimate_memory(PSI, N, stage), estimate_memory(PSI, N, stage, **wider)
-    # stages 0-1: p.grad stays in the gradients' dtype (stage 1's reduced shard is a buffer, not counted)
-    assert wide.grads == (4 * PSI // N if stage >= 2 else plain.grads)
+    # stages 0-1: the local gradients are added up in grad_accum_dtype, and reduced in communication_data_type
+    # (stage 1's reduced shard is a buffer, not counted)
+    if stage >= 2:
+        assert wide.grads == 4 * PSI // N
+    else:
+        assert wide.grads == (4 * PSI if "grad_accum_dtype" in wider else plain.grads)
     assert wide.total - plain.total == wide.grads - plain.grads and wide.working_set == plain.working_set
 
 
 def test_the_reduced_dtype_promotes_as_torch_does() -> None:
-    assert reduced_grad_dtype(2, "bf16") == "bf16" and reduced_grad_dtype(1, "bf16", grad_accum_dtype="fp32") == "bf16"
-    assert reduced_grad_dtype(1, "bf16", "fp32") == "fp32"  # stage 1 reduces into it (offload: the host copy)
-    assert reduced_grad_dtype(2, "bf16", "fp16") == "fp32"  # bf16 with fp16
-    assert reduced_grad_dtype(3, "fp32", "bf16", "fp16") == "fp32"  # never narrower than the gradients
+    assert reduced_grad_dtype("bf16") == "bf16" and reduced_grad_dtype("bf16", grad_accum_dtype="fp32") == "fp32"
+    assert reduced_grad_dtype("bf16", "fp32") == "fp32"  # stage 1 reduces into it (offload: the host copy)
+    assert reduced_grad_dtype("bf16", "fp16") == "fp32"  # bf16 with fp16
+    assert reduced_grad_dtype("fp32", "bf16", "fp16") == "fp32"  # never narrower than the gradients
     with pytest.raises(ValueError, match="grad_accum_dtype='int8': allowed dtypes are fp32, bf16, fp16"):
         estimate_memory(PSI, N, 1, grad_accum_dtype="int8")
     with pytest.raises(ValueError, match="communication_data_type='fp8'"):

@@ -307,7 +307,7 @@ def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, monkeypatch, o
     opt.step()
     moved = {k: v - before.get(k, 0) for k, v in tier.traffic().items()}
     setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1, ratio=share, device_is_host=shared)
-    grads = reduced_grad_dtype(2, "bf16", comm)
+    grads = reduced_grad_dtype("bf16", comm)
     est = estimate_offload(buf.layout.numel, 1, 2, setup, grad_dtype=grads)
     assert round(buf.layout.numel * share) == placement.tier_numel(buf)
     assert (moved["down"], moved["up"]) == (est.bus_down, est.bus_up)

@@ -298,7 +298,7 @@ def plan_stages(
         )
         off = None
         if active:
-            grads = reduced_grad_dtype(stage, param_dtype, communication_data_type, grad_accum_dtype)
+            grads = reduced_grad_dtype(param_dtype, communication_data_type, grad_accum_dtype)
             off = estimate_offload(
                 num_params,
                 gpus,
@@ -537,7 +537,7 @@ def recommend(
     plans = plan_stages(num_params, **kwargs, offload=offload)
     if not any(p.fits for p in plans):
         shard_grads = dtype_bytes(
-            "grad_dtype", reduced_grad_dtype(3, param_dtype, communication_data_type, grad_accum_dtype)
+            "grad_dtype", reduced_grad_dtype(param_dtype, communication_data_type, grad_accum_dtype)
         )
         raise NoFitError(_no_fit_message(num_params, gpus, gpu_memory, plans, elem + shard_grads), plans)
     choice = _pick(plans)

@@ -207,7 +207,8 @@ def estimate_memory(
     and ``master_weights=False`` (what ShardedFusedAdam holds for an fp32 model): params 4Ψ, grads 4Ψ,
     Adam m and v 8Ψ, sharded the same way. A sharded state takes ``ceil(Ψ/N)`` elements per rank. At stages 2
     and 3 the gradients are the reduced shard, kept in :func:`reduced_grad_dtype` (4 bytes per element with
-    ``communication_data_type`` or ``grad_accum_dtype`` ``fp32`` in bf16/fp16 training).
+    ``communication_data_type`` or ``grad_accum_dtype`` ``fp32`` in bf16/fp16 training); at stages 0 and 1 the
+    local gradients are added up in the wider ``grad_accum_dtype`` too.
 
     Args:
         num_params: Ψ, the number of parameters (>= 1).
@@ -238,8 +239,9 @@ def estimate_memory(
     check_stage(stage)
     p_bytes = dtype_bytes("param_dtype", param_dtype)
     grads_in = param_dtype if grad_dtype is None else grad_dtype
-    g_bytes = dtype_bytes("grad_dtype", grads_in)
-    shard_g_bytes = DTYPE_BYTES[reduced_grad_dtype(stage, grads_in, communication_data_type, grad_accum_dtype)]
+    unit_g_bytes = dtype_bytes("grad_dtype", grads_in)  # a gathered unit's gradients (stage 3)
+    g_bytes = DTYPE_BYTES[reduced_grad_dtype(grads_in, None, grad_accum_dtype)]
+    shard_g_bytes = DTYPE_BYTES[reduced_grad_dtype(grads_in, communication_data_type, grad_accum_dtype)]
     k_bytes = _ADAM_MOMENT_BYTES + (_MASTER_BYTES if master_weights else 0)
     if largest_layer_params is not None:
         check_count("largest_layer_params", largest_layer_params)
@@ -260,29 +262,32 @@ def estimate_memory(
         params += p_bytes * frozen_params
     grads = shard_g_bytes * shard if shard_grads else g_bytes * num_params
     optimizer = k_bytes * (shard if shard_opt else num_params)
-    working = (p_bytes + g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
+    working = (p_bytes + unit_g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
     secondary = _zeropp_bytes(num_params, shard, hpz_partition_size, quantized_weights, p_bytes) if stage == 3 else 0
     total = params + grads + optimizer + working + secondary
     return MemoryEstimate(params, grads, optimizer, working, total, secondary)
 
 
 def reduced_grad_dtype(
-    stage: int, grad_dtype: str, communication_data_type: str | None = None, grad_accum_dtype: str | None = None
+    grad_dtype: str, communication_data_type: str | None = None, grad_accum_dtype: str | None = None
 ) -> str:
     """The dtype a stage keeps the reduced gradients in (the gradient shard of stages 2 and 3, the host tier's
     copy of it with offload, stage 1's reduction target), as ``Pipeline.accumulate_dtype_of`` allocates it: the
-    promotion of the gradients' dtype, ``communication_data_type`` and, at stages 2 and 3 (where it acts),
-    ``grad_accum_dtype``; two different dtypes promote to fp32 (bf16 with fp16 too, as torch promotes them).
+    promotion of the gradients' dtype, ``communication_data_type`` and ``grad_accum_dtype``; two different
+    dtypes promote to fp32 (bf16 with fp16 too, as torch promotes them). Without ``communication_data_type``:
+    the dtype stages 0-1 add the micro-steps' local gradients up in (``stages.grad_accum.local_dtype``).
 
     Args:
-        stage: ZeRO stage.
         grad_dtype: the gradients' dtype (``fp32``, ``bf16`` or ``fp16``).
         communication_data_type: the dtype gradients are reduced in; None: ``grad_dtype``.
         grad_accum_dtype: the dtype micro-steps are added up in; None: ``grad_dtype``.
     """
-    given = {"grad_dtype": grad_dtype, "communication_data_type": communication_data_type}
-    given["grad_accum_dtype"] = grad_accum_dtype if stage >= 2 else None
-    for name, value in (*given.items(), ("grad_accum_dtype", grad_accum_dtype)):
+    given = {
+        "grad_dtype": grad_dtype,
+        "communication_data_type": communication_data_type,
+        "grad_accum_dtype": grad_accum_dtype,
+    }
+    for name, value in given.items():
         if value is not None:
             dtype_bytes(name, value)
     names = {value for value in given.values() if value is not None}
