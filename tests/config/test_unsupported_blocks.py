@@ -19,6 +19,9 @@ ALST = {"enabled": True, "size": 4, "mode": "ulysses", "ulysses": {"degree": 4, 
         ("sequence_parallel", {"size": 4}, 'remove the block or write "enabled": false'),
         ("sequence_parallel_size", 2, "DeepSpeed divides the world size by it"),
         ("fp8", {"enabled": True, "loss_scale_window": 1000}, "runs the matrix multiplications in fp8"),
+        ("tensor_parallel", {"autotp_size": 2}, "splits the model's linear layers over autotp_size ranks"),
+        ("tensor_parallel", {"tp": {"tp_size": 4}}, "remove the block or write autotp_size 1"),
+        ("tensor_parallel", True, "divides the world size by it"),
     ],
 )
 def test_refused_with_what_they_would_change(key: str, value: object, says: str) -> None:
@@ -29,11 +32,17 @@ def test_refused_with_what_they_would_change(key: str, value: object, says: str)
 
 
 def test_turned_off_they_are_accepted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    config = {"sequence_parallel": {"enabled": False, "size": 4}, "sequence_parallel_size": 1, "fp8": None}
+    config = {
+        "sequence_parallel": {"enabled": False, "size": 4},
+        "sequence_parallel_size": 1,
+        "fp8": None,
+        "tensor_parallel": {"autotp_size": 1},
+    }
     with caplog.at_level(logging.INFO, logger="zero_kernels"):
         assert ZeroConfig.from_deepspeed(config).stage == 0
     assert any(
-        "without effect in zero_kernels: fp8, sequence_parallel, sequence_parallel_size" in r.getMessage()
+        "without effect in zero_kernels: fp8, sequence_parallel, sequence_parallel_size, tensor_parallel"
+        in r.getMessage()
         for r in caplog.records
     )
 

@@ -357,7 +357,6 @@ TOP_IGNORED: Dict[str, int] = {
             "progressive_layer_drop",
             "quantize_training",
             "weight_quantization",
-            "tensor_parallel",
         )
     },
 }
@@ -375,6 +374,18 @@ def _disabled(value: Any) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("enabled") is False)
 
 
+def _tp_off(value: Any) -> bool:
+    """Whether a ``tensor_parallel`` block asks for no tensor parallelism: absent, or its ``autotp_size`` (else its
+    ``tp.tp_size``) unset, 0 or 1. Anything but a mapping asks for something unknown."""
+    if value is None:
+        return True
+    if not isinstance(value, Mapping):
+        return False
+    tp = value.get("tp")
+    size = value.get("autotp_size", tp.get("tp_size") if isinstance(tp, Mapping) else tp)
+    return size is None or (not isinstance(size, bool) and size in (0, 1))
+
+
 # Blocks that training tools hand DeepSpeed (LLaMA-Factory's ALST template, its fp8 template) and that change how
 # the model runs: zero_kernels cannot honour them, so they are refused unless turned off.
 TOP_UNSUPPORTED: Dict[str, Unsupported] = {
@@ -390,6 +401,14 @@ TOP_UNSUPPORTED: Dict[str, Unsupported] = {
         "ranks gradients are averaged over); zero_kernels reduces over the whole process group",
         lambda value: value in (None, 1),
         "remove it or write 1",
+    ),
+    "tensor_parallel": Unsupported(
+        "DeepSpeed's AutoTP splits the model's linear layers over autotp_size ranks and divides the world size by "
+        "it to get the data-parallel size (the ranks of one tensor-parallel group see the same batch); "
+        "zero_kernels keeps every parameter whole on each data-parallel replica and reduces over the whole "
+        "process group",
+        _tp_off,
+        "remove the block or write autotp_size 1",
     ),
     "fp8": Unsupported(
         "fp8 training runs the matrix multiplications in fp8 with their own scaling (through the training tool, "
