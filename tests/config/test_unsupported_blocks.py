@@ -51,3 +51,13 @@ def test_a_misspelt_one_is_an_unknown_key_with_a_hint() -> None:
     with pytest.raises(ValueError, match="unknown key 'sequence_paralel' at the top level of the config; did you mean "
                        "'sequence_parallel'"):  # fmt: skip
         ZeroConfig.from_deepspeed({"sequence_paralel": ALST})
+
+
+def test_a_top_level_comment_key_is_accepted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """LLaMA-Factory's templates carry ``"_comment"``; DeepSpeed ignores unknown top-level keys. Inside a
+    section, where DeepSpeed refuses unknown keys, it is refused too."""
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        assert ZeroConfig.from_deepspeed({"_comment": "tp 2", "zero_optimization": {"stage": 2}}).stage == 2
+    assert any("_comment" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="unknown key '_comment' in zero_optimization"):
+        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2, "_comment": "x"}})

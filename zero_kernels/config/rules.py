@@ -378,6 +378,9 @@ def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict
     known |= set(section.unused)
     raw: Dict[str, Any] = {}
     for key, value in d.items():
+        if not path and isinstance(key, str) and key.startswith("_") and key not in known:
+            ctx.ignore(key, logging.INFO)  # a comment ("_comment"): DeepSpeed ignores unknown top-level keys
+            continue
         if not isinstance(key, str) or key not in known:
             where = f"in {path}" if path else "at the top level of the config"
             hint = suggest(str(key), known) or f"; expected one of {', '.join(repr(k) for k in section.fields)}"
