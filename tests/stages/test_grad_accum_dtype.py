@@ -242,6 +242,8 @@ def test_narrower_accumulation_dtype_never_narrows(caplog: pytest.LogCaptureFixt
 def test_keyword_is_checked_and_read_from_the_config() -> None:
     with pytest.raises(ValueError, match="grad_accum_dtype='fp8'; allowed: fp32, fp16, bf16"):
         zk.ShardedFusedAdam(nn.Linear(4, 4), grad_accum_dtype="fp8")
+    for spelling, dtype in (("float32", torch.float32), ("Half", torch.float16), ("torch.bfloat16", torch.bfloat16)):
+        assert zk.ShardedFusedAdam(nn.Linear(4, 4), grad_accum_dtype=spelling).grad_accum_dtype == dtype
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "bf16": {"enabled": True},
               "zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2,
               "data_types": {"grad_accum_dtype": "fp32"}}  # fmt: skip

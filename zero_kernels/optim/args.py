@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from ..config.schema import COMM_DTYPES, GRAD_ACCUM_DTYPES
 from ..env import IMPLS
 
 ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
@@ -89,24 +90,23 @@ def check_impl(impl: Optional[str]) -> None:
         raise ValueError(f"impl={impl!r} is not a kernel backend; allowed: {', '.join(IMPLS)} (or None)")
 
 
-COMM_DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def data_type(value: Any, name: str = "communication_data_type") -> Optional[torch.dtype]:
     """A dtype option (``communication_data_type``, ``grad_accum_dtype``): ``"fp32"``, ``"fp16"``, ``"bf16"`` (any
-    case, as DeepSpeed reads them), one of those torch dtypes, or None (the gradients' own dtype).
+    case, as DeepSpeed reads them; ``grad_accum_dtype`` also DeepSpeed's other spellings, ``"float32"`` and
+    the like, as its config), one of those torch dtypes, or None (the gradients' own dtype).
 
     Args:
         value: what was given.
         name: the keyword, for the error.
     """
-    if value is None or value in COMM_DTYPE_NAMES.values():
+    names = GRAD_ACCUM_DTYPES if name == "grad_accum_dtype" else COMM_DTYPES
+    if value is None or value in names.values():
         return value
-    if isinstance(value, str) and value.lower() in COMM_DTYPE_NAMES:
-        return COMM_DTYPE_NAMES[value.lower()]
+    if isinstance(value, str) and value.lower() in names:
+        return names[value.lower()]
     raise ValueError(
-        f"{name}={value!r}; allowed: {', '.join(COMM_DTYPE_NAMES)}, torch.float32, torch.float16, "
-        "torch.bfloat16 or None (the gradients' dtype)"
+        f"{name}={value!r}; allowed: {', '.join(names)} (any case), the torch dtypes they name, "
+        "or None (the gradients' dtype)"
     )
 
 
