@@ -4,7 +4,8 @@
 one without, and after every step compares the parameters and the full optimizer state element by
 element (``torch.equal``: the tier runs the same kernel on the same values, so nothing may differ).
 The schedule exercises what the step decides before the update: two micro-steps under ``no_sync``
-(accumulation), gradient clipping, a step whose gradient holds an inf (skipped: bf16/fp32), and fp16
+(accumulation; or, with ``accum``, two micro-steps of ``gradient_accumulation_steps`` added up in fp32,
+``grad_accum_dtype``), gradient clipping, a step whose gradient holds an inf (skipped: bf16/fp32), and fp16
 loss scaling from 2**20 (the first steps overflow and are skipped while the scale comes down).
 """
 
@@ -37,9 +38,11 @@ def copying() -> Iterator[None]:
 
 
 def _make(
-    model: Net, stage: int, dtype: torch.dtype, offload: dict | None, params: dict | None = None
+    model: Net, stage: int, dtype: torch.dtype, offload: dict | None, params: dict | None, accum: bool
 ) -> zo.ShardedFusedAdam:
     kwargs: dict = dict(STAGE3) if stage == 3 else {}
+    if accum:
+        kwargs.update(gradient_accumulation_steps=2, grad_accum_dtype="fp32")
     if params is not None:
         kwargs["offload_param"] = params
     if dtype == torch.float16:
@@ -74,23 +77,29 @@ def pair_case(
     offload: dict,
     params: dict | None = None,
     during: Callable[[zo.ShardedFusedAdam], None] | None = None,
+    accum: bool = False,
 ) -> dict:
     """Train with and without ``offload`` (and ``params``: the ``offload_param`` block) and compare after every
     step; returns the tiered optimizer's traffic, the parameter count and, per buffer, (its first bucket in the
     tier, its buckets), for the caller's checks. With ``during``, it is called with the tiered optimizer after
     every step, and the comparison waits for the last step (reading the state or the gathered weights between
-    steps changes where a tier keeps them)."""
+    steps changes where a tier keeps them). With ``accum``, the micro-steps are ``gradient_accumulation_steps``
+    added up in fp32 (``grad_accum_dtype``) rather than ``no_sync``."""
     torch.manual_seed(0)
     plain = Net().to(dtype)
     tiered = copy.deepcopy(plain)
-    a, b = _make(plain, stage, dtype, None), _make(tiered, stage, dtype, offload, params)
+    a, b = _make(plain, stage, dtype, None, None, accum), _make(tiered, stage, dtype, offload, params, accum)
+    if accum:  # the sums are kept in fp32, with and without the tier
+        assert {b._pipeline.accumulate_dtype_of(buf) for buf in b._pipeline.buffers} == {torch.float32}
     for step in range(STEPS):
         x = batch(step, 2 * world * ROWS)
         for model, opt in ((plain, a), (tiered, b)):
             for m in range(2):
                 rows = x[(m * world + rank) * ROWS : (m * world + rank + 1) * ROWS]
-                with opt.no_sync() if m == 0 else contextlib.nullcontext():
+                with opt.no_sync() if m == 0 and not accum else contextlib.nullcontext():
                     _micro(model, opt, rows, step, dtype)
+                if m == 0 and accum:
+                    opt.step()  # a micro-step of the window: no update
             opt.step()
             opt.zero_grad()
         what = f"stage {stage} {dtype} {offload} params {params} step {step}"

@@ -83,6 +83,7 @@ def _exact_ranks(rank: int, world: int, scratch: str) -> None:
         for stage in (1, 2, 3):
             for dtype in DTYPES:
                 pair_case(rank, world, stage, dtype, offload)
+            pair_case(rank, world, stage, torch.bfloat16, offload, accum=True)  # micro-steps summed in fp32
             # part of the state on the device (ratio): 0.3 splits buffers, 0.9 puts them whole in the tier (buckets
             # of 13 elements at 2 ranks: under one bucket of 3 stays on the device)
             for ratio, dtype in [(0.3, d) for d in DTYPES] + [(0.9, torch.bfloat16)]:
