@@ -25,6 +25,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from tests.helpers.resident import resident_pages as memory_pages
 from zero_kernels._build import ext as _ext
 from zero_kernels.offload import FileIO, aio
 
@@ -220,6 +221,28 @@ def test_empty_is_page_aligned_and_small(make_io) -> None:
         assert t.data_ptr() % 4096 == 0
         nbytes = t.numel() * t.element_size()
         assert t.untyped_storage().nbytes() <= -(-max(nbytes, 1) // 4096) * 4096 + 4096  # a page of slack, no more
+
+
+def test_released_pages_leave_memory_and_read_zeros(make_io, disk_dir: Path) -> None:
+    io = make_io(block_size=SMALL_BLOCK)
+    tensor = io.empty(64 * 4096 // 4, torch.float32)
+    tensor.fill_(3.0)
+    assert memory_pages(tensor) == 64
+    assert aio.release_pages(tensor)
+    assert memory_pages(tensor) == 0
+    assert torch.count_nonzero(tensor) == 0  # the next touch maps zero-filled pages
+    values = random_tensor(tensor.numel(), torch.float32)
+    io.write(disk_dir / "f", values).wait()
+    io.read(disk_dir / "f", tensor).wait()
+    assert as_bytes(tensor) == as_bytes(values) and memory_pages(tensor) == 64  # usable again, as any buffer
+
+
+def test_release_keeps_what_is_not_a_whole_page_of_the_tensor() -> None:
+    raw = torch.ones(3 * 4096, dtype=torch.uint8)
+    start = -raw.data_ptr() % 4096
+    inside = raw[start + 1 : start + 4096 + 10]  # no whole page of its own: neighbours' bytes share its pages
+    assert not aio.release_pages(inside)
+    assert torch.equal(raw, torch.ones_like(raw))
 
 
 def test_buffered_when_direct_is_off(make_io, disk_dir: Path) -> None:

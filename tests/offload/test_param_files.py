@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import zero_kernels.optim as zo
+from tests.helpers.resident import resident_pages
 from tests.offload.test_disk_tier import _tmpfs
 
 KWARGS = dict(lr=1e-2, stage=3, reduce_bucket_size=512, stage3_param_persistence_threshold=0)
@@ -23,9 +24,9 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)).to(torch.bfloat16)
 
 
-def _train(model: nn.Module, opt: zo.ShardedFusedAdam, steps: int) -> None:
+def _train(model: nn.Module, opt: zo.ShardedFusedAdam, steps: int, width: int = 32) -> None:
     for step in range(steps):
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
@@ -57,6 +58,34 @@ def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(t
     assert report["host"] == before["host"] + pool  # the pool, and no host copy either way
     assert report["disk"] == before["disk"] + shard_bytes == shard_bytes
     with opt.gathered_params(), host.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_pool_buffers_keep_no_memory_once_given_back(tmp_path: Path) -> None:
+    """At one rank a unit's gathers are over as soon as they start: its pool buffer goes back then, not at the unit's
+    use, and a buffer given back returns its pages, so no pool buffer is resident when a module runs (forward and
+    backward) nor between steps; training is exact all the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)]).to(torch.bfloat16)  # 32 pages of shard each
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    plain = zo.ShardedFusedAdam(twin, **KWARGS)
+    files = opt._pipeline.disk_params.files
+    resident = []
+
+    def count(*_) -> None:
+        resident.append(sum(resident_pages(t) for t in files.pool()))
+
+    for k, layer in enumerate(model):
+        layer.register_forward_pre_hook(count)
+        if k > 0:  # the first layer's input asks for no gradient
+            layer.register_full_backward_pre_hook(count)
+    _train(model, opt, 2, width=256)
+    _train(twin, plain, 2, width=256)
+    assert len(files.pool()) == 2 and resident == [0] * 10
+    assert sum(resident_pages(t) for t in files.pool()) == 0
+    with opt.gathered_params(), plain.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
 

@@ -6,6 +6,7 @@ Interface::
                 direct=True)
     buf = io.empty(numel, dtype)          # host tensor at a page-aligned address (bytes rounded up
                                           # to whole 4 KiB pages inside), the fastest to move
+    release_pages(buf)                    # its pages back to the system until next written (reads 0)
     h = io.write(path, tensor, offset=0)  # returns at once; the file is created if missing, never truncated
     h = io.read(path, tensor, offset=0)   # returns at once; fills ``tensor`` from the file's bytes
     h.done()                              # True once finished (also when it failed)
@@ -55,6 +56,7 @@ import ctypes
 import errno as _errno
 import logging
 import os
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -68,7 +70,7 @@ log = logging.getLogger("zero_kernels")
 
 PAGE = 4096  # the alignment O_DIRECT asks of file offsets, lengths and memory addresses
 
-__all__ = ["FileIO", "IOHandle", "PAGE"]
+__all__ = ["FileIO", "IOHandle", "PAGE", "release_pages"]
 
 
 def _extension() -> ModuleType:
@@ -384,6 +386,34 @@ def _fallocate() -> Callable[[int, int, int, int], int] | None:
 
 
 _FALLOCATE = _fallocate()
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise`` on Linux (where ``MADV_DONTNEED`` drops private pages), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return function
+
+
+_MADVISE = _madvise()
+_MADV_DONTNEED = 4  # Linux: the range's pages are dropped; the next touch maps zero-filled pages
+
+
+def release_pages(tensor: torch.Tensor) -> bool:
+    """Give the whole pages of a host tensor (one from ``FileIO.empty``: every page its own) back to the system
+    until they are next touched, which then reads zeros: what a pool buffer not in use keeps resident goes to
+    nothing. Page-locked memory keeps its pages (the pinned allocation is what makes copies up fast), as does
+    any tensor where ``madvise`` is missing (not Linux). Returns whether pages were released."""
+    if _MADVISE is None or tensor.device.type != "cpu" or tensor.is_pinned():
+        return False
+    start = -(-tensor.data_ptr() // PAGE) * PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+    return end > start and _MADVISE(start, end - start, _MADV_DONTNEED) == 0
 
 
 def _reserve(request: _Request, fd: int, offset: int, nbytes: int) -> None:

@@ -142,10 +142,11 @@ def test_hooks_gather_before_use_free_after_reduce_after_grads():
     x = torch.randn(2, 4)
     model(x).backward()
     fwd = "gather:a wait:a fwd:a free:a gather:b wait:b fwd:b free:b gather:c wait:c fwd:c free:c "
-    # a unit is reduced when the gradient of its module's input is complete: after the gather that the
-    # previous module's backward starts with (its hook on the same tensor comes first); a's input needs
-    # no gradient, so a is reduced at the end of backward
-    bwd = "gather:c wait:c bwd:c gather:b wait:b reduce:c free:c bwd:b gather:a wait:a reduce:b free:b "
+    # a unit is reduced when the gradient of its module's input is complete: before the gather that the
+    # previous module's backward starts with (a pre-hook of the node that made that tensor, which runs after
+    # the tensor's hooks), so the unit is freed before the next is gathered; a's input needs no gradient, so a
+    # is reduced at the end of backward
+    bwd = "gather:c wait:c bwd:c reduce:c free:c gather:b wait:b bwd:b reduce:b free:b gather:a wait:a "
     bwd += "bwd:a reduce:a free:a"
     assert log == _events(fwd + bwd)
     assert sched.gathered == [False, False, False]
@@ -157,7 +158,7 @@ def test_hooks_prefetch_next_unit_in_forward_and_reverse_in_backward():
     x = torch.randn(2, 4)
     model(x).backward()  # the first forward records the order; its backward follows it in reverse
     fwd = "gather:a gather:b wait:a fwd:a free:a gather:c wait:b fwd:b free:b wait:c fwd:c free:c "
-    bwd = "gather:c gather:b wait:c bwd:c gather:a wait:b reduce:c free:c bwd:b wait:a reduce:b free:b "
+    bwd = "gather:c gather:b wait:c bwd:c reduce:c free:c gather:a wait:b bwd:b reduce:b free:b wait:a "
     bwd += "bwd:a reduce:a free:a"
     assert log[12:] == _events(bwd)
     log.clear()
@@ -271,8 +272,8 @@ def test_hooks_frozen_and_unused_units():
     for _ in range(2):
         model(x).backward()
         assert ("reduce", "b") not in log, "a frozen unit has no gradient to reduce"
-        assert log[-5:] == _events("free:b bwd:a reduce:a free:a reduce:c"), (
-            "frozen b freed once its backward ended (before a's backward runs), unused c reduced at the end"
+        assert log[-6:] == _events("free:b wait:a bwd:a reduce:a free:a reduce:c"), (
+            "frozen b freed once its backward ended (before a's gather is waited for), unused c reduced at the end"
         )
         assert sched.gathered == [False, False, False]
         assert units[2].grads[-1] == [None, None]

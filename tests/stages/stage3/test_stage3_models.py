@@ -127,7 +127,7 @@ def test_leaf_module_is_gathered_whole_and_reduced_when_its_backward_ends() -> N
     x = torch.randn(2, 4)
     fwd = "check:a@forward gather:a wait:a fwd:a free:a check:x+y@forward gather:x gather:y wait:x wait:y "
     bwd = "check:x+y@backward gather:x gather:y wait:x wait:y "
-    end = "check:a@backward gather:a wait:a reduce:x free:x reduce:y free:y bwd:a reduce:a free:a"
+    end = "reduce:x free:x reduce:y free:y check:a@backward gather:a wait:a bwd:a reduce:a free:a"
     model(x).backward()
     assert log == _events(fwd + "fwd:x fwd:y free:x free:y " + bwd + "bwd:y bwd:x " + end)
     log.clear()

@@ -19,7 +19,10 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
   (``stage3.uses``);
 - forward post-hook: free ``m``'s units once no running module uses them; when autograd records
   the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
-  again (before ``m``'s backward runs), prefetching along the previous backward's order;
+  again (before ``m``'s backward runs), prefetching along the previous backward's order. The hook is a
+  pre-hook of the node that made the output, so it runs after the hooks on the output itself: where
+  the output is the next module's input, that module's use ends (and its units are reduced and freed)
+  before these gathers start, and a unit's gathered copy never waits beside one more prefetch;
 - once the backward of every forward use of a unit has ended (``stage3.uses``: a point that does not
   depend on which of its parameters got a gradient on this rank), ``reduce_grads()`` the unit and
   free it (a unit of frozen parameters is only freed); a parameter's gradient arriving after that raises;
@@ -141,6 +144,26 @@ class _ModelHook:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return None if self._fn is None else self._fn(*args, **kwargs)
+
+
+def before_backward_of(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once per backward, just before the first node that produced one of ``tensors`` runs: as a
+    pre-hook of that node, which runs after the hooks on the node's output tensors, so the ends of uses that
+    ``stage3.uses`` watches on those same tensors (the next module's inputs, and the frees they make) come before
+    the gathers ``fn`` starts; a tensor that no node produced (a leaf) through a hook on the tensor."""
+    last = [-1]
+
+    def once(*_: Any) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != last[0]:
+            last[0] = task
+            fn()
+
+    for node in dict.fromkeys(t.grad_fn for t in tensors if t.grad_fn is not None):
+        node.register_prehook(once)
+    for t in tensors:
+        if t.grad_fn is None:
+            t.register_hook(once)
 
 
 @dataclass
@@ -365,8 +388,7 @@ class Stage3Scheduler:
                 break
         tensors = grad_tensors(output)
         if frame.needs and tensors and torch.is_grad_enabled():
-            hook = self._pre_backward_hook(tuple(dict.fromkeys(frame.needs)))
-            torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+            before_backward_of(tensors, self._pre_backward_hook(tuple(dict.fromkeys(frame.needs))))
 
     def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
         """A freed parameter is computed with: gather it for the running module, or explain."""
@@ -434,7 +456,7 @@ class Stage3Scheduler:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward_hook(self, needs: tuple[int, ...]):
-        def hook(grads: Any) -> None:
+        def hook() -> None:
             self._begin_backward()
             self._gather(needs, self._backward, True)
 

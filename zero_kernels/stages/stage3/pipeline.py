@@ -121,6 +121,8 @@ class _Unit:
             gathers.start(buf, b, buf.shard_slice(shard, b), f"gather.{b.index}", exact=exact)
             for b in buf.layout.buckets
         ]
+        if disk is not None and buf.device.type == "cpu" and all(h.is_completed() for h in self._handles):
+            self._settle()  # the gathers are over (one rank): a pool buffer goes back now, not at the unit's use
 
     def _settle(self) -> None:
         """The gathers waited for; a shard read from a file gives its pool buffer back."""
