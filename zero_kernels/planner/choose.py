@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from .models import (
+    PHASES,
     STAGES,
     CommEstimate,
     LinkPreset,
@@ -151,15 +152,22 @@ def _compute_seconds(
 
 
 def _exposed(comm: CommEstimate, compute_s: float, offload: Optional[OffloadEstimate] = None) -> float:
-    """Communication left over after hiding each phase's collectives behind that phase's compute; with
-    offload, each phase's offload traffic runs beside its collectives (other links), and the offloaded
-    update comes after backward."""
-    forward, backward = compute_s / 3.0, 2.0 * compute_s / 3.0
-    extra = offload.phase_s if offload is not None else {"forward": 0.0, "backward": 0.0, "after": 0.0}
+    """Communication left over after hiding each phase's collectives behind that phase's compute, micro-step by
+    micro-step: what every micro-step runs (``comm.micro_phase_s``) behind each micro-step's forward and backward,
+    what runs once per optimizer step (the rest of ``comm.phase_s``) behind the last one's. With offload, each
+    phase's offload traffic runs beside the last micro-step's collectives (other links), and the offloaded update
+    comes after backward."""
+    k = comm.micro_steps
+    forward, backward = compute_s / (3.0 * k), 2.0 * compute_s / (3.0 * k)
+    extra = offload.phase_s if offload is not None else dict.fromkeys(PHASES, 0.0)
+    every = comm.micro_phase_s
+    last = {phase: comm.phase_s[phase] - (k - 1) * every[phase] for phase in PHASES}
+    repeated = max(0.0, every["forward"] - forward) + max(0.0, every["backward"] - backward)
     return (
-        max(0.0, max(comm.phase_s["forward"], extra["forward"]) - forward)
-        + max(0.0, max(comm.phase_s["backward"], extra["backward"]) - backward)
-        + comm.phase_s["after"]
+        (k - 1) * repeated
+        + max(0.0, max(last["forward"], extra["forward"]) - forward)
+        + max(0.0, max(last["backward"], extra["backward"]) - backward)
+        + last["after"]
         + extra["after"]
     )
 
@@ -192,6 +200,7 @@ def deepspeed_config(
     largest_layer_params: Optional[int] = None,
     communication_data_type: Optional[str] = None,
     grad_accum_dtype: Optional[str] = None,
+    gradient_accumulation_steps: Optional[int] = None,
 ) -> dict[str, Any]:
     """A DeepSpeed config dict for ``stage``: precision, AdamW, bucket sizes, offload. Batch sizes are the user's.
 
@@ -207,6 +216,7 @@ def deepspeed_config(
         largest_layer_params: the largest stage-3 unit (with ``offload_param`` to nvme: its buffer size).
         communication_data_type: written as the top-level key when given.
         grad_accum_dtype: written as ``data_types.grad_accum_dtype`` when given.
+        gradient_accumulation_steps: written as the top-level key when given.
     """
     dtype_bytes("param_dtype", param_dtype)
     zero: dict[str, Any] = {
@@ -229,6 +239,8 @@ def deepspeed_config(
         top["communication_data_type"] = communication_data_type
     if grad_accum_dtype is not None:
         top["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    if gradient_accumulation_steps is not None:
+        top["gradient_accumulation_steps"] = gradient_accumulation_steps
     return {
         **top,
         "bf16": {"enabled": param_dtype == "bf16"},
@@ -256,6 +268,7 @@ def plan_stages(
     offload: Optional[OffloadSetup] = None,
     communication_data_type: Optional[str] = None,
     grad_accum_dtype: Optional[str] = None,
+    gradient_accumulation_steps: int = 1,
 ) -> tuple[StagePlan, ...]:
     """Every stage's memory, communication and step time, in stage order (stages 1-3 with offload).
 
@@ -265,14 +278,15 @@ def plan_stages(
         gpu_memory: bytes per GPU.
         link: the data-parallel ring's link (bandwidth and latency already resolved).
         activation_bytes: activation memory per GPU.
-        param_dtype: parameter (and wire) dtype.
+        param_dtype: parameter dtype (and the all-gathers' on the wire).
         master_weights: whether the optimizer keeps an fp32 master copy.
         largest_layer_params: the stage-3 gathered unit, or None.
-        compute_s: compute seconds per step per GPU, or None (communication fully exposed).
+        compute_s: compute seconds per optimizer step per GPU, or None (communication fully exposed).
         bucket_elements: collective bucket size in elements.
         offload: the offload to plan (:class:`OffloadSetup`); None or inactive plans without.
         communication_data_type: DeepSpeed's key: the dtype gradients are reduced in (None: ``param_dtype``).
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: ``param_dtype``).
+        gradient_accumulation_steps: micro-steps per optimizer step (``compute_s`` is split evenly over them).
     """
     active = offload is not None and offload.active
     plans = []
@@ -293,8 +307,11 @@ def plan_stages(
             stage,
             link_gbps=link.gbytes_per_s,
             latency_us=link.latency_us,
-            comm_dtype=param_dtype,
+            comm_dtype=communication_data_type,
+            param_dtype=param_dtype,
             bucket_elements=bucket_elements,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            grad_accum_dtype=grad_accum_dtype,
         )
         off = None
         if active:
@@ -388,16 +405,22 @@ def _reasons(choice: StagePlan, plans: tuple[StagePlan, ...], link: LinkPreset, 
     reasons = [
         f"stage {choice.stage} fits: {format_bytes(choice.gpu_bytes)} per GPU "
         f"({format_bytes(choice.memory.total)} model states + {format_bytes(choice.activation_bytes)} activations).",
-        f"it sends {format_bytes(c.bytes_sent)} per GPU per step ({c.paper_volume}Ψ x (N-1)/N), "
-        f"{c.time_s * 1e3:.1f} ms on {link.name} at {link.gbytes_per_s:g} GB/s per direction "
+        f"it sends {format_bytes(c.bytes_sent)} per GPU per optimizer step ({c.paper_volume}Ψ elements x (N-1)/N: "
+        f"{format_bytes(c.grad_bytes)} of gradient reductions, {format_bytes(c.param_bytes)} of parameter "
+        f"all-gathers), {c.time_s * 1e3:.1f} ms on {link.name} at {link.gbytes_per_s:g} GB/s per direction "
         f"({c.latency_s * 1e3:.2f} ms of it latency over {c.collectives} collective launches).",
     ]
+    if c.micro_steps > 1:
+        reasons.append(
+            f"of that, {c.micro_time_s * 1e3:.1f} ms runs at each of the {c.micro_steps} micro-steps, "
+            f"{(c.time_s - c.micro_steps * c.micro_time_s) * 1e3:.1f} ms once per optimizer step."
+        )
     if compute_s is None:
         reasons.append("no compute estimate given: communication counted as fully exposed.")
     else:
         reasons.append(
-            f"compute {compute_s * 1e3:.1f} ms per step; {choice.exposed_comm_s * 1e3:.1f} ms of communication "
-            f"not hidden behind it; estimated step {choice.step_s * 1e3:.1f} ms."
+            f"compute {compute_s * 1e3:.1f} ms per optimizer step; {choice.exposed_comm_s * 1e3:.1f} ms of "
+            f"communication not hidden behind it; estimated step {choice.step_s * 1e3:.1f} ms."
         )
     if choice.offload is not None:
         reasons += _offload_reasons(choice)
@@ -457,6 +480,7 @@ def recommend(
     offload: Optional[OffloadSetup] = None,
     communication_data_type: str | None = None,
     grad_accum_dtype: str | None = None,
+    gradient_accumulation_steps: int | None = None,
 ) -> Recommendation:
     """The ZeRO stage to train ``model`` with on ``gpus`` data-parallel GPUs, why, and its DeepSpeed config.
 
@@ -495,7 +519,11 @@ def recommend(
             dtype gradients are reduced in; a wider one widens the gradient shard of stages 2 and 3 and the
             offloaded gradients (:func:`~zero_kernels.planner.models.reduced_grad_dtype`). The config gets it.
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (same values): a wider one widens the
-            gradient shard of stages 2 and 3 (stages 0 and 1 do not act on it). The config gets it.
+            gradient shard of stages 2 and 3 and makes them reduce at every micro-step (stages 0 and 1 add the
+            micro-steps up in it locally). The config gets it.
+        gradient_accumulation_steps: DeepSpeed's key, micro-steps per optimizer step (None: 1, not written):
+            ``tokens_per_step`` and ``compute_s`` stay per optimizer step; stage 3 gathers at every micro-step,
+            and stages 2-3 reduce at every one with a wider ``grad_accum_dtype``. The config gets it.
 
     Returns:
         A :class:`Recommendation`.
@@ -514,6 +542,8 @@ def recommend(
     check_count("num_params", num_params)
     check_count("gpus", gpus)
     check_positive("gpu_memory", gpu_memory)
+    micro_steps = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
+    check_count("gradient_accumulation_steps", micro_steps)
     if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
         raise ValueError(f"activation_bytes={activation_bytes!r}: must be an integer >= 0")
     elem = dtype_bytes("param_dtype", param_dtype)
@@ -533,6 +563,7 @@ def recommend(
         bucket_elements=bucket,
         communication_data_type=communication_data_type,
         grad_accum_dtype=grad_accum_dtype,
+        gradient_accumulation_steps=micro_steps,
     )
     plans = plan_stages(num_params, **kwargs, offload=offload)
     if not any(p.fits for p in plans):
@@ -555,5 +586,6 @@ def recommend(
         largest_layer_params=largest_layer_params,
         communication_data_type=communication_data_type,
         grad_accum_dtype=grad_accum_dtype,
+        gradient_accumulation_steps=gradient_accumulation_steps,
     )
     return Recommendation(choice.stage, tuple(reasons), config, plans)

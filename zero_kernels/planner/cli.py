@@ -101,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grad-accum-dtype", choices=list(DTYPE_BYTES), help="data_types.grad_accum_dtype (default: --param-dtype)"
     )
     parser.add_argument(
+        "--gradient-accumulation-steps",
+        type=_arg(parse_count, "--gradient-accumulation-steps"),
+        help="micro-steps per optimizer step (default 1); compute and times stay per optimizer step",
+    )
+    parser.add_argument(
         "--activation-memory", type=_arg(parse_bytes, "--activation-memory"), help="activations per GPU"
     )
     parser.add_argument("--largest-layer", type=_arg(parse_count, "--largest-layer"), help="stage-3 gathered unit")
@@ -116,9 +121,10 @@ def format_table(plans: tuple[StagePlan, ...], gpu_memory: float) -> str:
     """One row per stage: memory per GPU, whether it fits, communication per step and the step estimate; with
     offload also host memory and disk per rank, and the bytes crossing the host link and the disk per step."""
     offload = any(p.offload is not None for p in plans)
+    micro_steps = plans[0].comm.micro_steps
     head = ("stage", "params", "grads", "optimizer", "working set", "activations", "total/GPU")
     head += ("host/rank", "disk/rank", "bus/step", "disk I/O/step") if offload else ()
-    head += ("fits?", "sent/GPU/step", "comm time", "step time")
+    head += ("fits?", "sent/GPU/step", "comm time") + (("comm/micro-step",) if micro_steps > 1 else ()) + ("step time",)
     rows = [head]
     for p in plans:
         m = p.memory
@@ -129,11 +135,15 @@ def format_table(plans: tuple[StagePlan, ...], gpu_memory: float) -> str:
             row += (format_bytes(o.host_bytes), format_bytes(o.disk_bytes), format_bytes(o.bus_down + o.bus_up))
             row += (format_bytes(o.disk_read + o.disk_write),)
         row += ("yes" if p.fits else "no", format_bytes(p.comm.bytes_sent), f"{p.comm.time_s * 1e3:.1f} ms")
+        row += (f"{p.comm.micro_time_s * 1e3:.1f} ms",) if micro_steps > 1 else ()
         rows.append(row + (f"{p.step_s * 1e3:.1f} ms",))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return f"GPU memory: {format_bytes(gpu_memory)}\n" + "\n".join(lines)
+    per = "per optimizer step"
+    if micro_steps > 1:
+        per += f" of {micro_steps} micro-steps; comm/micro-step: what every micro-step runs, within comm time"
+    return f"GPU memory: {format_bytes(gpu_memory)}\n" + "\n".join(lines) + f"\nsent, comm and step time: {per}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             offload=offload,
             communication_data_type=args.communication_data_type,
             grad_accum_dtype=args.grad_accum_dtype,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
         )
     except NoFitError as exc:
         print(format_table(exc.plans, args.gpu_memory))

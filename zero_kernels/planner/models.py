@@ -15,7 +15,7 @@ parameters twice (forward and backward) and reduce-scatters the gradients once, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 STAGES = (0, 1, 2, 3)
 
@@ -33,13 +33,20 @@ _SHARDED = {
     3: (True, True, True),
 }
 
-# The ring collectives each stage issues per step, in the order they run, with the compute phase they
-# can hide behind: "forward", "backward", or "after" (between backward and the next forward: exposed).
+# The ring collectives each stage issues, in the order they run: what they carry (``grads`` cross the wire in the
+# communication dtype, ``params`` in the parameters' dtype), the compute phase they can hide behind ("forward",
+# "backward", or "after": between backward and the next forward, exposed), and how often they run: "micro" at every
+# accumulation micro-step, "step" once per optimizer step (gradient reductions: at the last micro-step, or at every
+# one where :func:`reduces_micro_steps`).
 COLLECTIVES = {
-    0: (("all_reduce", "backward"),),
-    1: (("reduce_scatter", "after"), ("all_gather", "after")),
-    2: (("reduce_scatter", "backward"), ("all_gather", "after")),
-    3: (("all_gather", "forward"), ("all_gather", "backward"), ("reduce_scatter", "backward")),
+    0: (("all_reduce", "grads", "backward", "step"),),
+    1: (("reduce_scatter", "grads", "after", "step"), ("all_gather", "params", "after", "step")),
+    2: (("reduce_scatter", "grads", "backward", "step"), ("all_gather", "params", "after", "step")),
+    3: (
+        ("all_gather", "params", "forward", "micro"),
+        ("all_gather", "params", "backward", "micro"),
+        ("reduce_scatter", "grads", "backward", "step"),
+    ),
 }
 
 # Per collective on a ring of N ranks: each rank sends this many times (N - 1)/N of the buffer, in this
@@ -306,20 +313,43 @@ def _zeropp_bytes(num_params: int, shard: int, hpz: int, quantized: bool, p_byte
     return int(secondary + copy)
 
 
+def reduces_micro_steps(stage: int, grad_dtype: str, grad_accum_dtype: str | None) -> bool:
+    """Whether every accumulation micro-step reduces its gradients (``Pipeline.reduces_micro_steps``): at stages 2
+    and 3 with a ``grad_accum_dtype`` wider than the gradients; stages 0 and 1 add micro-steps up locally and reduce
+    once per optimizer step, as stages 2 and 3 do without the key.
+
+    Args:
+        stage: ZeRO stage, 0 to 3.
+        grad_dtype: the gradients' dtype.
+        grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
+    """
+    return stage >= 2 and reduced_grad_dtype(grad_dtype, None, grad_accum_dtype) != grad_dtype
+
+
+PHASES = ("forward", "backward", "after")  # the compute phases communication hides behind (``COLLECTIVES``)
+
+
 @dataclass(frozen=True)
 class CommEstimate:
     """What one GPU sends and receives per optimizer step, and how long that takes.
 
     Attributes:
-        paper_volume: the ZeRO paper's per-rank volume as a multiple of Ψ: 2 for stages 0-2, 3 for
-            stage 3 (the paper rounds the ring factor (N - 1)/N to 1).
-        bytes_sent: bytes each GPU sends: ``paper_volume * (N - 1)/N * Ψ * bytes per element``.
+        paper_volume: elements moved per rank per optimizer step as a multiple of Ψ, the ZeRO paper's measure
+            (2 for stages 0-2, 3 for stage 3 with one micro-step; the paper rounds (N - 1)/N to 1). Stage 3's
+            gathers repeat at every micro-step, and so do the reductions where :func:`reduces_micro_steps`.
+        bytes_sent: bytes each GPU sends per optimizer step: ``grad_bytes + param_bytes``.
         bytes_received: bytes each GPU receives (equal to ``bytes_sent`` on a ring).
-        collectives: collective launches per step (buckets times collectives per bucket).
+        collectives: collective launches per optimizer step (buckets times collectives per bucket).
         bandwidth_s: ``bytes_sent`` over the link bandwidth.
         latency_s: ring steps of every launch times the per-step latency.
-        time_s: ``bandwidth_s + latency_s``.
-        phase_s: seconds of communication per compute phase (``forward``, ``backward``, ``after``).
+        time_s: ``bandwidth_s + latency_s``, per optimizer step.
+        phase_s: seconds of communication per compute phase (``forward``, ``backward``, ``after``), summed over
+            the optimizer step's micro-steps.
+        grad_bytes: of ``bytes_sent``, the gradients' reductions (in the communication dtype).
+        param_bytes: of ``bytes_sent``, the parameters' all-gathers (in the parameters' dtype).
+        micro_steps: micro-steps per optimizer step (``gradient_accumulation_steps``).
+        micro_phase_s: seconds per phase that every micro-step runs (stage 3's gathers; the reductions where
+            :func:`reduces_micro_steps`); the rest of ``phase_s`` runs once per optimizer step.
     """
 
     paper_volume: int
@@ -330,6 +360,15 @@ class CommEstimate:
     latency_s: float
     time_s: float
     phase_s: dict[str, float]
+    grad_bytes: int = 0
+    param_bytes: int = 0
+    micro_steps: int = 1
+    micro_phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    @property
+    def micro_time_s(self) -> float:
+        """Seconds of communication that every micro-step runs (``micro_phase_s`` summed)."""
+        return sum(self.micro_phase_s.values())
 
 
 def _ring_time(
@@ -349,17 +388,26 @@ def estimate_comm(
     *,
     link_gbps: float,
     latency_us: float,
-    comm_dtype: str = "bf16",
+    comm_dtype: str | None = None,
+    param_dtype: str = "bf16",
     bucket_elements: int = 500_000_000,
+    gradient_accumulation_steps: int = 1,
+    grad_accum_dtype: str | None = None,
 ) -> CommEstimate:
-    """Bytes each GPU sends and receives per step at ``stage``, and the time on a ring at the given link.
+    """Bytes each GPU sends and receives per optimizer step at ``stage``, and the time on a ring at the given link.
 
     "2Ψ" in the ZeRO paper (section 7.2) is per-rank data movement in elements: a ring reduce-scatter
     of Ψ elements has every rank send (N - 1)/N * Ψ elements and receive as many, and so does a ring
     all-gather; the paper drops the (N - 1)/N. Stages 0-2 move 2Ψ (all-reduce = reduce-scatter +
     all-gather; stages 1 and 2 run the two halves separately), stage 3 moves 3Ψ (all-gather in forward,
     all-gather in backward, reduce-scatter of gradients). Here the ring factor is kept, so with N = 1
-    nothing moves.
+    nothing moves. The gradients' reductions cross the wire in ``comm_dtype`` (DeepSpeed's
+    ``communication_data_type``), the parameters' all-gathers in ``param_dtype``: with fp32 communication in
+    bf16 training stage 0 sends twice the bytes, stages 1-2 1.5 times, stage 3 4/3 times.
+
+    With ``gradient_accumulation_steps`` K, stage 3 gathers the parameters at every micro-step (2K gathers per
+    optimizer step); the gradients are reduced once per optimizer step, except at stages 2-3 with a wider
+    ``grad_accum_dtype`` (:func:`reduces_micro_steps`), where every micro-step reduces them (K reductions).
 
     Time is a bandwidth term plus a latency term: ``bytes_sent / link`` plus, for every collective
     launch, its ring steps (N - 1 for reduce-scatter and all-gather, 2(N - 1) for all-reduce) times
@@ -372,9 +420,12 @@ def estimate_comm(
         link_gbps: per-GPU, per-direction bandwidth of the slowest link on the ring, in GB/s
             (10^9 bytes per second, not gigabits).
         latency_us: latency of one ring step in microseconds (>= 0).
-        comm_dtype: dtype on the wire: ``fp32``, ``bf16`` or ``fp16``.
+        comm_dtype: dtype the gradients are reduced in (``fp32``, ``bf16`` or ``fp16``); None: ``param_dtype``.
+        param_dtype: dtype of the parameters (and their gradients): what the all-gathers carry.
         bucket_elements: elements per collective launch (DeepSpeed's ``reduce_bucket_size``; its
             default is 5e8).
+        gradient_accumulation_steps: K, micro-steps per optimizer step (>= 1).
+        grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
 
     Returns:
         A :class:`CommEstimate`.
@@ -386,15 +437,30 @@ def estimate_comm(
     if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
         raise ValueError(f"latency_us={latency_us!r}: must be a number >= 0")
     check_count("bucket_elements", bucket_elements)
-    elem = dtype_bytes("comm_dtype", comm_dtype)
+    check_count("gradient_accumulation_steps", gradient_accumulation_steps)
+    elem = {
+        "params": dtype_bytes("param_dtype", param_dtype),
+        "grads": dtype_bytes("comm_dtype", param_dtype if comm_dtype is None else comm_dtype),
+    }
+    every = "micro" if reduces_micro_steps(stage, param_dtype, grad_accum_dtype) else "step"
     buckets = -(-num_params // bucket_elements)
-    sizes = [bucket_elements * elem] * (buckets - 1) + [(num_params - (buckets - 1) * bucket_elements) * elem]
-    sent, bw_s, lat_s = 0, 0.0, 0.0
-    phase_s = {"forward": 0.0, "backward": 0.0, "after": 0.0}
-    for kind, phase in COLLECTIVES[stage]:
+    counts = [bucket_elements] * (buckets - 1) + [num_params - (buckets - 1) * bucket_elements]
+    sent = {"grads": 0, "params": 0}
+    bw_s, lat_s, volume, launches = 0.0, 0.0, 0, 0
+    phase_s, micro_phase_s = dict.fromkeys(PHASES, 0.0), dict.fromkeys(PHASES, 0.0)
+    for kind, payload, phase, when in COLLECTIVES[stage]:
+        repeats = (every if payload == "grads" else when) == "micro"
+        runs = gradient_accumulation_steps if repeats else 1
+        sizes = [n * elem[payload] for n in counts]
         c_sent, c_bw, c_lat = _ring_time(kind, sizes, world_size, link_gbps, latency_us)
-        sent, bw_s, lat_s = sent + c_sent, bw_s + c_bw, lat_s + c_lat
-        phase_s[phase] += c_bw + c_lat
-    volume = sum(_RING_VOLUME[kind] for kind, _ in COLLECTIVES[stage])
-    launches = buckets * len(COLLECTIVES[stage])
-    return CommEstimate(volume, sent, sent, launches, bw_s, lat_s, bw_s + lat_s, phase_s)
+        sent[payload] += runs * c_sent
+        bw_s, lat_s = bw_s + runs * c_bw, lat_s + runs * c_lat
+        phase_s[phase] += runs * (c_bw + c_lat)
+        if repeats:
+            micro_phase_s[phase] += c_bw + c_lat
+        volume, launches = volume + runs * _RING_VOLUME[kind], launches + runs * buckets
+    total = sent["grads"] + sent["params"]
+    return CommEstimate(
+        volume, total, total, launches, bw_s, lat_s, bw_s + lat_s, phase_s,
+        sent["grads"], sent["params"], gradient_accumulation_steps, micro_phase_s,
+    )  # fmt: skip
