@@ -46,13 +46,13 @@ def _matches_printed(value_bytes: int, printed: str) -> bool:
 
 @pytest.mark.parametrize("stage, printed", FIGURE_1, ids=[f"stage{s}" for s, _ in FIGURE_1])
 def test_paper_figure_1(stage: int, printed: str) -> None:
-    est = estimate_memory(7_500_000_000, 64, stage)
-    assert _matches_printed(est.total, printed), (est.total / GB, printed)
+    est = estimate_memory(7_500_000_000, 64, stage)  # the paper counts model states (not stage 1's buffers)
+    assert _matches_printed(est.model_states, printed), (est.model_states / GB, printed)
 
 
 @pytest.mark.parametrize("psi, nd, stage, printed", TABLE_1, ids=[f"{p:.0e}-N{n}-s{s}" for p, n, s, _ in TABLE_1])
 def test_paper_table_1(psi: int, nd: int, stage: int, printed: str) -> None:
-    assert _matches_printed(estimate_memory(psi, nd, stage).total, printed)
+    assert _matches_printed(estimate_memory(psi, nd, stage).model_states, printed)
 
 
 @pytest.mark.parametrize("psi, baseline", [(7_500_000_000, "120"), (128_000_000_000, "2048"), (10**12, "16000")])
@@ -63,7 +63,7 @@ def test_paper_table_1_single_rank_is_baseline(psi: int, baseline: str) -> None:
 
 def test_mixed_precision_formulas_exact() -> None:
     psi, n = 7_500_000_000, 64  # divisible: the paper's formulas hold to the byte
-    totals = [estimate_memory(psi, n, s).total for s in range(4)]
+    totals = [estimate_memory(psi, n, s).model_states for s in range(4)]
     assert totals == [16 * psi, 4 * psi + 12 * psi // n, 2 * psi + 14 * psi // n, 16 * psi // n]
 
 
@@ -77,7 +77,7 @@ def test_fp32_path_exact_with_padding() -> None:
         (4 * psi, 4 * 251, 8 * 251),
         (4 * 251, 4 * 251, 8 * 251),
     ]
-    assert all(r.total == r.params + r.grads + r.optimizer and r.working_set == 0 for r in rows)
+    assert all(r.model_states == r.params + r.grads + r.optimizer and r.working_set == 0 for r in rows)
 
 
 def test_dtype_and_master_options() -> None:

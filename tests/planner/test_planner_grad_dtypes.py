@@ -11,7 +11,7 @@ import torch
 from tests.helpers.dist import run_ranks_checked
 from zero_kernels.__main__ import main
 from zero_kernels.planner import estimate_memory, recommend
-from zero_kernels.planner.models import reduced_grad_dtype, shard_elements
+from zero_kernels.planner.models import STAGE1_SCRATCH, reduced_grad_dtype, shard_elements
 
 GB = 10**9
 PSI, N = 1_000_000, 8
@@ -23,12 +23,13 @@ WIDER = [{"communication_data_type": "fp32"}, {"grad_accum_dtype": "fp32"}]
 def test_a_wider_dtype_widens_the_gradients_the_stage_keeps(stage: int, wider: dict) -> None:
     plain, wide = estimate_memory(PSI, N, stage), estimate_memory(PSI, N, stage, **wider)
     # stages 0-1: the local gradients are added up in grad_accum_dtype, and reduced in communication_data_type
-    # (stage 1's reduced shard is a buffer, not counted)
+    # (stage 1's reduced shard is one of its buffers)
     if stage >= 2:
         assert wide.grads == 4 * PSI // N
     else:
         assert wide.grads == (4 * PSI if "grad_accum_dtype" in wider else plain.grads)
-    assert wide.total - plain.total == wide.grads - plain.grads and wide.working_set == plain.working_set
+    grown = wide.grads - plain.grads + wide.buffers - plain.buffers
+    assert wide.total - plain.total == grown and wide.working_set == plain.working_set
 
 
 def test_the_reduced_dtype_promotes_as_torch_does() -> None:
@@ -42,8 +43,27 @@ def test_the_reduced_dtype_promotes_as_torch_does() -> None:
         recommend(PSI, gpus=N, gpu_memory=80 * GB, link="nvlink", communication_data_type="fp8")
 
 
+def test_stage1_keeps_its_reduced_shard_and_scratch_buckets() -> None:
+    from zero_kernels.stages.stage1 import STEP_INFLIGHT
+
+    assert STAGE1_SCRATCH == STEP_INFLIGHT + 1
+    shard, bucket = PSI // N, 10_000  # 100 buckets; 5 scratch buckets of 20 kB fit under the 250 kB shard
+    plain = estimate_memory(PSI, N, 1, bucket_elements=bucket)
+    assert plain.buffers == 2 * shard + 5 * 2 * bucket
+    assert plain.total == plain.model_states + plain.buffers == 4 * PSI + 12 * PSI // N + plain.buffers
+    wide = estimate_memory(PSI, N, 1, communication_data_type="fp32", bucket_elements=bucket)
+    assert wide.buffers == 4 * shard + 5 * 4 * bucket  # an fp32 shard, fp32 scratch
+    accum = estimate_memory(PSI, N, 1, grad_accum_dtype="fp32", bucket_elements=bucket)
+    assert accum.buffers == 4 * shard + 5 * 2 * bucket  # an fp32 shard, scratch in the gradients' bf16
+    big = estimate_memory(PSI, N, 1, bucket_elements=shard // 2 + 1)  # 16 buckets; one scratch holds more than half
+    assert big.buffers == 2 * shard + 2 * (shard // 2 + 1)
+    assert estimate_memory(PSI, 1, 1).buffers == 0  # one rank: the local gradient is the reduced one
+    assert all(estimate_memory(PSI, N, s).buffers == 0 for s in (0, 2, 3))
+
+
 def _measured(rank: int, world_size: int) -> list[str]:
-    """``memory_report()["grads"]`` after an update of two micro-steps against the plan, at every stage and dtype."""
+    """``memory_report()["grads"]`` (and at stage 1 ``buffers``) after an update of two micro-steps against the plan,
+    at every stage and dtype."""
     import zero_kernels as zk
 
     wrong = []
@@ -61,10 +81,14 @@ def _measured(rank: int, world_size: int) -> list[str]:
             padded = sum(buf.layout.numel for buf in opt._pipeline.buffers)  # each a multiple of the world size
             keys = {"communication_data_type": wider.get("communication_data_type")}
             keys["grad_accum_dtype"] = wider.get("data_types", {}).get("grad_accum_dtype")
-            planned = estimate_memory(padded, world_size, stage, **keys).grads
-            held = opt.memory_report()["grads"]
-            if held != planned:
-                wrong.append(f"stage {stage} {wider}: held {held} B of gradients, planned {planned} B")
+            bucket = max(b.numel for buf in opt._pipeline.buffers for b in buf.layout.buckets)
+            planned = estimate_memory(padded, world_size, stage, bucket_elements=bucket, **keys)
+            report = opt.memory_report()
+            if report["grads"] != planned.grads:
+                wrong.append(f"stage {stage} {wider}: held {report['grads']} B of gradients, planned {planned.grads} B")
+            if stage < 2 and report["buffers"] != planned.buffers:
+                held = report["buffers"]
+                wrong.append(f"stage {stage} {wider}: held {held} B of buffers, planned {planned.buffers} B")
     return wrong
 
 

@@ -300,6 +300,7 @@ def plan_stages(
             largest_layer_params=largest_layer_params,
             communication_data_type=communication_data_type,
             grad_accum_dtype=grad_accum_dtype,
+            bucket_elements=bucket_elements,
         )
         comm = estimate_comm(
             num_params,

@@ -168,9 +168,12 @@ class MemoryEstimate:
         grads: gradients (whole, or this rank's shard at stages 2 and 3).
         optimizer: Adam m and v, plus the fp32 master copy when there is one (this rank's shard at 1-3).
         working_set: stage 3 only: the largest gathered unit's full parameters and gradients.
-        total: the sum of the five.
+        total: the sum of the six.
         secondary: stage 3 with ZeRO++ only: hpZ's secondary partition at its peak (every unit gathered once
             since the step: 1/H of the model) and qwZ's int8 copy of this rank's shard.
+        buffers: stage 1 only (``memory_report()["buffers"]``): the reduced gradient shard the step reduce-scatters
+            into and the scratch buckets it keeps for the next step (:func:`stage1_buffers`). Beyond the ZeRO
+            paper's model states.
     """
 
     params: int
@@ -179,6 +182,12 @@ class MemoryEstimate:
     working_set: int
     total: int
     secondary: int = 0
+    buffers: int = 0
+
+    @property
+    def model_states(self) -> int:
+        """``total`` without ``buffers``: what the ZeRO paper counts (with the stage-3 working set and ZeRO++)."""
+        return self.total - self.buffers
 
 
 def shard_elements(num_params: int, world_size: int) -> int:
@@ -206,6 +215,7 @@ def estimate_memory(
     quantized_nontrainable_weights: bool = False,
     communication_data_type: str | None = None,
     grad_accum_dtype: str | None = None,
+    bucket_elements: int = 500_000_000,
 ) -> MemoryEstimate:
     """Model-state bytes per GPU for ``num_params`` parameters trained with Adam at ``stage``.
 
@@ -237,6 +247,7 @@ def estimate_memory(
             with a float32 scale per block.
         communication_data_type: DeepSpeed's key: the dtype gradients are reduced in (None: their own).
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
+        bucket_elements: elements per bucket (``reduce_bucket_size``): stage 1's scratch buckets.
 
     Returns:
         A :class:`MemoryEstimate` in bytes.
@@ -271,8 +282,37 @@ def estimate_memory(
     optimizer = k_bytes * (shard if shard_opt else num_params)
     working = (p_bytes + unit_g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
     secondary = _zeropp_bytes(num_params, shard, hpz_partition_size, quantized_weights, p_bytes) if stage == 3 else 0
-    total = params + grads + optimizer + working + secondary
-    return MemoryEstimate(params, grads, optimizer, working, total, secondary)
+    buffers = 0
+    if stage == 1 and world_size > 1:
+        comm_bytes = DTYPE_BYTES[grads_in if communication_data_type is None else communication_data_type]
+        buffers = stage1_buffers(num_params, shard, shard_g_bytes, comm_bytes, bucket_elements)
+    total = params + grads + optimizer + working + secondary + buffers
+    return MemoryEstimate(params, grads, optimizer, working, total, secondary, buffers)
+
+
+# Scratch buckets stage 1's step has in use at once: ``stages.stage1.STEP_INFLIGHT`` reductions in flight, and the
+# one being launched.
+STAGE1_SCRATCH = 5
+
+
+def stage1_buffers(num_params: int, shard: int, shard_bytes: int, comm_bytes: int, bucket_elements: int) -> int:
+    """What stage 1 keeps between steps beside the local gradients (``Stage1Pipeline``): the reduced gradient shard
+    (``shard`` elements of ``shard_bytes``) and the scratch buckets its reduce-scatters read from, one bucket of the
+    communication dtype each, as many as were in use at once (at most ``STAGE1_SCRATCH``), kept while they hold no
+    more bytes than the shard.
+
+    Args:
+        num_params: elements of the flat buffer.
+        shard: elements of this rank's shard.
+        shard_bytes: bytes per element of the reduced shard (:func:`reduced_grad_dtype`).
+        comm_bytes: bytes per element of the communication dtype.
+        bucket_elements: elements per bucket.
+    """
+    check_count("bucket_elements", bucket_elements)
+    kept = shard * shard_bytes
+    scratch = min(bucket_elements, num_params) * comm_bytes
+    in_use = min(STAGE1_SCRATCH, -(-num_params // bucket_elements))
+    return kept + min(in_use, kept // scratch) * scratch
 
 
 def reduced_grad_dtype(

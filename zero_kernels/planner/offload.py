@@ -203,8 +203,8 @@ def device_memory(memory: MemoryEstimate, setup: OffloadSetup) -> MemoryEstimate
     kept = setup.param == "none" or (setup.device_is_host and setup.param == "cpu")
     params = memory.params if kept else 0
     optimizer = round(memory.optimizer * (1 - setup.ratio)) if setup.optimizer != "none" else memory.optimizer
-    total = params + memory.grads + optimizer + memory.working_set
-    return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total)
+    total = params + memory.grads + optimizer + memory.working_set + memory.buffers
+    return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total, buffers=memory.buffers)
 
 
 def estimate_offload(
