@@ -61,9 +61,17 @@ def test_stage1_keeps_its_reduced_shard_and_scratch_buckets() -> None:
     assert all(estimate_memory(PSI, N, s).buffers == 0 for s in (0, 2, 3))
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_accumulation_keeps_the_local_gradients_where_micro_steps_do_not_reduce(stage: int) -> None:
+    one, four = estimate_memory(PSI, N, stage), estimate_memory(PSI, N, stage, gradient_accumulation_steps=4)
+    assert four.grads - one.grads == (2 * PSI if stage >= 2 else 0)  # p.grad, bf16, until the last micro-step
+    kw = {"grad_accum_dtype": "fp32"}  # stages 2-3 reduce every micro-step into the fp32 shard instead
+    assert estimate_memory(PSI, N, stage, gradient_accumulation_steps=4, **kw) == estimate_memory(PSI, N, stage, **kw)
+
+
 def _measured(rank: int, world_size: int) -> list[str]:
     """``memory_report()["grads"]`` (and at stage 1 ``buffers``) after an update of two micro-steps against the plan,
-    at every stage and dtype."""
+    and ``grads`` between the two against the plan of two micro-steps, at every stage and dtype."""
     import zero_kernels as zk
 
     wrong = []
@@ -75,14 +83,22 @@ def _measured(rank: int, world_size: int) -> list[str]:
                    "gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 4,
                    "zero_optimization": {"stage": stage, "reduce_bucket_size": 4096}, **wider}  # fmt: skip
             module, opt = zk.initialize(model.bfloat16(), cfg)
+            held_between = []
             for _ in range(2):  # as DeepSpeed's engine: a step call per micro-step, the second one updates
                 module(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
                 opt.step()
+                held_between.append(opt.memory_report()["grads"])
             padded = sum(buf.layout.numel for buf in opt._pipeline.buffers)  # each a multiple of the world size
             keys = {"communication_data_type": wider.get("communication_data_type")}
             keys["grad_accum_dtype"] = wider.get("data_types", {}).get("grad_accum_dtype")
             bucket = max(b.numel for buf in opt._pipeline.buffers for b in buf.layout.buckets)
             planned = estimate_memory(padded, world_size, stage, bucket_elements=bucket, **keys)
+            real = sum(p.numel() for p in model.parameters())  # p.grad has no padding
+            local = [estimate_memory(real, world_size, stage, gradient_accumulation_steps=k, **keys) for k in (1, 2)]
+            window = planned.grads + local[1].grads - local[0].grads
+            if held_between[0] != window:
+                wrong.append(f"stage {stage} {wider}: held {held_between[0]} B of gradients between micro-steps, "
+                             f"planned {window} B")  # fmt: skip
             report = opt.memory_report()
             if report["grads"] != planned.grads:
                 wrong.append(f"stage {stage} {wider}: held {report['grads']} B of gradients, planned {planned.grads} B")

@@ -301,6 +301,7 @@ def plan_stages(
             communication_data_type=communication_data_type,
             grad_accum_dtype=grad_accum_dtype,
             bucket_elements=bucket_elements,
+            gradient_accumulation_steps=gradient_accumulation_steps,
         )
         comm = estimate_comm(
             num_params,

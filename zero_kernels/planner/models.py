@@ -216,6 +216,7 @@ def estimate_memory(
     communication_data_type: str | None = None,
     grad_accum_dtype: str | None = None,
     bucket_elements: int = 500_000_000,
+    gradient_accumulation_steps: int = 1,
 ) -> MemoryEstimate:
     """Model-state bytes per GPU for ``num_params`` parameters trained with Adam at ``stage``.
 
@@ -248,6 +249,9 @@ def estimate_memory(
         communication_data_type: DeepSpeed's key: the dtype gradients are reduced in (None: their own).
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
         bucket_elements: elements per bucket (``reduce_bucket_size``): stage 1's scratch buckets.
+        gradient_accumulation_steps: micro-steps per optimizer step. Above 1, stages 2 and 3 that do not reduce at
+            every micro-step (:func:`reduces_micro_steps`) hold the whole local gradient in ``p.grad`` (the
+            gradients' dtype) between micro-steps, besides the reduced shard: counted in ``grads``.
 
     Returns:
         A :class:`MemoryEstimate` in bytes.
@@ -278,7 +282,10 @@ def estimate_memory(
         params += int(_INT8_BYTES * shard_elements(frozen_params, world_size))
     else:
         params += p_bytes * frozen_params
+    check_count("gradient_accumulation_steps", gradient_accumulation_steps)
     grads = shard_g_bytes * shard if shard_grads else g_bytes * num_params
+    if shard_grads and gradient_accumulation_steps > 1 and not reduces_micro_steps(stage, grads_in, grad_accum_dtype):
+        grads += unit_g_bytes * num_params  # p.grad, added up by autograd until the last micro-step
     optimizer = k_bytes * (shard if shard_opt else num_params)
     working = (p_bytes + unit_g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
     secondary = _zeropp_bytes(num_params, shard, hpz_partition_size, quantized_weights, p_bytes) if stage == 3 else 0
