@@ -175,15 +175,19 @@ def test_recommend_counts_a_module() -> None:
     assert rec.plans[0].memory.params == 2 * 325
 
 
-def test_no_fit_says_by_how_much_and_how_many_gpus() -> None:
-    psi, mem, act = 70_000_000_000, 80 * GB, 20 * GB
+# 4 micro-steps: 40 GB of bf16 p.grad on every rank, which more ranks do not shrink
+@pytest.mark.parametrize("psi, gpus, micro_steps", [(70_000_000_000, 8, 1), (20_000_000_000, 2, 4)])
+def test_no_fit_says_by_how_much_and_how_many_gpus(psi: int, gpus: int, micro_steps: int) -> None:
+    mem, act = 80 * GB, 20 * GB
     with pytest.raises(NoFitError) as err:
-        recommend(psi, gpus=8, gpu_memory=mem, link="nvlink", activation_bytes=act)
+        recommend(psi, gpus=gpus, gpu_memory=mem, link="nvlink", activation_bytes=act,
+                  gradient_accumulation_steps=micro_steps)  # fmt: skip
     msg = str(err.value)
-    short = estimate_memory(psi, 8, 3).total + act - mem
+    kw = {"gradient_accumulation_steps": micro_steps}
+    short = estimate_memory(psi, gpus, 3, **kw).total + act - mem
     assert f"{short / GB:.3g} GB" in msg and "offload" in msg
     need = int(msg.split("use at least ")[1].split(" GPUs")[0])
-    assert estimate_memory(psi, need, 3).total + act <= mem < estimate_memory(psi, need - 1, 3).total + act
+    assert estimate_memory(psi, need, 3, **kw).total + act <= mem < estimate_memory(psi, need - 1, 3, **kw).total + act
     assert len(err.value.plans) == 4 and not any(p.fits for p in err.value.plans)
 
 

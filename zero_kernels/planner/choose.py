@@ -369,13 +369,16 @@ def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[
     ]
     if s3.offload is not None:
         return " ".join(lines + [_offload_shortfall(s3)])
-    room = gpu_memory - s3.activation_bytes - s3.memory.working_set
-    per_param = (s3.memory.params + s3.memory.grads + s3.memory.optimizer) // shard_elements(num_params, gpus)
+    m = s3.memory
+    room = gpu_memory - s3.activation_bytes - m.working_set - m.local_grads  # what more ranks do not shrink
+    per_param = (m.params + m.grads - m.local_grads + m.optimizer) // shard_elements(num_params, gpus)
     need = _min_gpus(per_param, num_params, room)
     if need is None:
         lines.append(
-            "More GPUs cannot help: activations and the largest gathered unit alone exceed the GPU memory; "
-            "reduce activations (activation checkpointing, a smaller micro-batch) or the largest layer."
+            "More GPUs cannot help: activations, the largest gathered unit"
+            + (" and the local gradients held between micro-steps" if m.local_grads else "")
+            + " alone exceed the GPU memory; reduce activations (activation checkpointing, a smaller micro-batch) "
+            "or the largest layer."
         )
         return " ".join(lines)
     lines.append(f"To fit at stage 3: use at least {need} GPUs.")

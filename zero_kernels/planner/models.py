@@ -174,6 +174,8 @@ class MemoryEstimate:
         buffers: stage 1 only (``memory_report()["buffers"]``): the reduced gradient shard the step reduce-scatters
             into and the scratch buckets it keeps for the next step (:func:`stage1_buffers`). Beyond the ZeRO
             paper's model states.
+        local_grads: of ``grads``, stages 2-3 with accumulation that does not reduce every micro-step: the whole
+            local gradient in ``p.grad`` between micro-steps (whole on every rank, however many there are).
     """
 
     params: int
@@ -183,6 +185,7 @@ class MemoryEstimate:
     total: int
     secondary: int = 0
     buffers: int = 0
+    local_grads: int = 0
 
     @property
     def model_states(self) -> int:
@@ -284,8 +287,9 @@ def estimate_memory(
         params += p_bytes * frozen_params
     check_count("gradient_accumulation_steps", gradient_accumulation_steps)
     grads = shard_g_bytes * shard if shard_grads else g_bytes * num_params
+    local = 0
     if shard_grads and gradient_accumulation_steps > 1 and not reduces_micro_steps(stage, grads_in, grad_accum_dtype):
-        grads += unit_g_bytes * num_params  # p.grad, added up by autograd until the last micro-step
+        local = unit_g_bytes * num_params  # p.grad, added up by autograd until the last micro-step
     optimizer = k_bytes * (shard if shard_opt else num_params)
     working = (p_bytes + unit_g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
     secondary = _zeropp_bytes(num_params, shard, hpz_partition_size, quantized_weights, p_bytes) if stage == 3 else 0
@@ -293,8 +297,9 @@ def estimate_memory(
     if stage == 1 and world_size > 1:
         comm_bytes = DTYPE_BYTES[grads_in if communication_data_type is None else communication_data_type]
         buffers = stage1_buffers(num_params, shard, shard_g_bytes, comm_bytes, bucket_elements)
+    grads += local
     total = params + grads + optimizer + working + secondary + buffers
-    return MemoryEstimate(params, grads, optimizer, working, total, secondary, buffers)
+    return MemoryEstimate(params, grads, optimizer, working, total, secondary, buffers, local)
 
 
 # Scratch buckets stage 1's step has in use at once: ``stages.stage1.STEP_INFLIGHT`` reductions in flight, and the

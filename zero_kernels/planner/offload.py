@@ -204,7 +204,8 @@ def device_memory(memory: MemoryEstimate, setup: OffloadSetup) -> MemoryEstimate
     params = memory.params if kept else 0
     optimizer = round(memory.optimizer * (1 - setup.ratio)) if setup.optimizer != "none" else memory.optimizer
     total = params + memory.grads + optimizer + memory.working_set + memory.buffers
-    return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total, buffers=memory.buffers)
+    kept_too = {"buffers": memory.buffers, "local_grads": memory.local_grads}
+    return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total, **kept_too)
 
 
 def estimate_offload(
