@@ -13,6 +13,7 @@ from zero_kernels.__main__ import main
 from zero_kernels.planner import (
     LINKS,
     NoFitError,
+    OffloadSetup,
     deepspeed_config,
     default_bucket_elements,
     estimate_comm,
@@ -20,6 +21,7 @@ from zero_kernels.planner import (
     recommend,
 )
 from zero_kernels.planner.cli import parse_bytes, parse_count
+from zero_kernels.planner.offload import device_memory
 
 GB = 10**9  # the ZeRO paper's GB are decimal: 7.5e9 parameters x 16 bytes = 120 GB
 
@@ -297,6 +299,10 @@ def test_zeropp_copies_are_counted_at_stage3_only() -> None:
     # int8 secondary (half the bf16 one) and the int8 copy of the shard, each with a float32 scale per block
     assert both.secondary == int((1 + 4 / 2048) * (psi // 4 + psi // n))
     assert estimate_memory(psi, n, 2, hpz_partition_size=4).secondary == 0
+    # offloaded, the copies are still gathered onto the device: they stay in its total
+    setup = OffloadSetup(optimizer="cpu", param="cpu", bus_gbps=25.0, adam_gbps=10.0, host_memory=1e12)
+    kept = device_memory(hpz, setup)
+    assert kept.secondary == hpz.secondary and kept.total == kept.grads + kept.working_set + hpz.secondary
     with pytest.raises(ValueError, match="hpz_partition_size=-1"):
         estimate_memory(psi, n, 3, hpz_partition_size=-1)
 

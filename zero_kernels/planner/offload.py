@@ -199,12 +199,13 @@ def sub_group_elements(shard: int) -> int:
 
 def device_memory(memory: MemoryEstimate, setup: OffloadSetup) -> MemoryEstimate:
     """What stays on the device: the estimate without the offloaded share of the optimizer state (and stage 3's
-    parameter shard with ``offload_param``, unless the device is the host and the shard is kept in memory)."""
+    parameter shard with ``offload_param``, unless the device is the host and the shard is kept in memory). ZeRO++'s
+    copies (``secondary``) are gathered from the shard onto the device, so they stay."""
     kept = setup.param == "none" or (setup.device_is_host and setup.param == "cpu")
     params = memory.params if kept else 0
     optimizer = round(memory.optimizer * (1 - setup.ratio)) if setup.optimizer != "none" else memory.optimizer
-    total = params + memory.grads + optimizer + memory.working_set + memory.buffers
-    kept_too = {"buffers": memory.buffers, "local_grads": memory.local_grads}
+    total = params + memory.grads + optimizer + memory.working_set + memory.secondary + memory.buffers
+    kept_too = {"secondary": memory.secondary, "buffers": memory.buffers, "local_grads": memory.local_grads}
     return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total, **kept_too)
 
 
