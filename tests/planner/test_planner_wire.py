@@ -4,6 +4,7 @@ ranks issue."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from tests.helpers.dist import run_ranks_checked
 from zero_kernels.__main__ import main
-from zero_kernels.planner import estimate_comm, recommend
+from zero_kernels.planner import estimate_comm, offload_cli, recommend
+from zero_kernels.planner.cli import add_arguments
 from zero_kernels.planner.models import reduces_micro_steps
 
 GB = 10**9
@@ -66,6 +68,16 @@ def test_micro_step_communication_hides_behind_each_micro_step() -> None:
     gather = reduce = 2 * PSI * (N - 1) / N / 10e9  # 0.175 s each, against 1/60 s of forward, 1/30 s of backward
     hidden = 20 * (gather - 1 / 60) + 19 * (gather - 1 / 30) + (gather + reduce - 1 / 30)  # the last: one reduction
     assert slow.exposed_comm_s == pytest.approx(hidden)
+
+
+def test_the_offload_estimate_reads_the_same_micro_steps_under_either_name() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--params", "1B", "--gpus", "8", "--gpu-memory", "80GB", "--link", "ib-400", "--offload", "cpu"]
+    base += ["--device-kind", "h100", "--cpu-adam-gbps", "10", "--host-memory", "64GB"]
+    for flag in ("--gradient-accumulation-steps", "--grad-accum"):  # the second: the offload options' older name
+        assert offload_cli.setup(parser.parse_args(base + [flag, "4"]))[0].grad_accum == 4
+    assert offload_cli.setup(parser.parse_args(base))[0].grad_accum == 1
 
 
 def test_plan_takes_gradient_accumulation_steps_and_writes_it(tmp_path, capsys) -> None:

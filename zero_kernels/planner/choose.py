@@ -415,11 +415,13 @@ def _reasons(choice: StagePlan, plans: tuple[StagePlan, ...], link: LinkPreset, 
         f"all-gathers), {c.time_s * 1e3:.1f} ms on {link.name} at {link.gbytes_per_s:g} GB/s per direction "
         f"({c.latency_s * 1e3:.2f} ms of it latency over {c.collectives} collective launches).",
     ]
-    if c.micro_steps > 1:
+    if c.micro_steps > 1 and c.micro_time_s > 0:
         reasons.append(
             f"of that, {c.micro_time_s * 1e3:.1f} ms runs at each of the {c.micro_steps} micro-steps, "
             f"{(c.time_s - c.micro_steps * c.micro_time_s) * 1e3:.1f} ms once per optimizer step."
         )
+    elif c.micro_steps > 1:
+        reasons.append(f"all of it after the last of the {c.micro_steps} micro-steps: nothing is sent before.")
     if compute_s is None:
         reasons.append("no compute estimate given: communication counted as fully exposed.")
     else:

@@ -102,6 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gradient-accumulation-steps",
+        "--grad-accum",
         type=_arg(parse_count, "--gradient-accumulation-steps"),
         help="micro-steps per optimizer step (default 1); compute and times stay per optimizer step",
     )

@@ -37,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser, parse_bytes: Callable[[str], 
     group.add_argument("--cpu-adam-gbps", type=float, help="CPU Adam per node, GB of state per s (default: measured)")
     group.add_argument("--host-memory", type=parse_bytes, help="host memory per node (default: this machine's)")
     group.add_argument("--gpus-per-node", type=int, help="devices per node (default: min(--gpus, 8))")
-    group.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
 
 
 def device_kind(name: str) -> str:
@@ -112,7 +111,7 @@ def setup(args: argparse.Namespace) -> tuple[Optional[OffloadSetup], list[str]]:
         disk_gbps=args.disk_gbps,
         disk_space=space,
         nvme_path=args.nvme_path,
-        grad_accum=args.grad_accum,
+        grad_accum=args.gradient_accumulation_steps or 1,
         ratio=args.offload_ratio,
         device_is_host=on_host,
     )
