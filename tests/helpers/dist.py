@@ -31,8 +31,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What every rank imports, once, in the server the ranks are forked from (``tests.helpers.audit`` imports the package).
-PRELOAD = ["torch", "torch.distributed", "tests.helpers.audit"]
+# What every rank imports, once, in the server the ranks are forked from (``tests.helpers.audit`` imports the package;
+# ``torch.optim.Optimizer``'s constructor imports ``torch._dynamo``, and loading a C++ extension imports
+# ``torch.utils.cpp_extension``: imported in each rank instead, they cost seconds of CPU per start of ranks).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.utils.cpp_extension", "tests.helpers.audit"]
 
 
 def _entry(
