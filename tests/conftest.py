@@ -14,6 +14,7 @@ import functools
 import os
 import random
 import sys
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
@@ -24,6 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.helpers.dist import run_ranks  # noqa: E402
+from tests.helpers.nodes import run_on_two_nodes  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -36,6 +38,12 @@ def _seed() -> None:
 def spawn():
     """``spawn(fn, world_size, *args)`` runs a module-level ``fn(rank, world_size, *args)`` on gloo ranks."""
     return run_ranks
+
+
+@pytest.fixture(scope="session")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the two-node job (``tests.helpers.nodes``), run once for every test that reads it."""
+    return run_on_two_nodes(tmp_path_factory.mktemp("two_nodes"))
 
 
 EXT_PARAMS = {"impl": "cpu", "backend": "cpp"}  # parameters whose value runs the C++ extension

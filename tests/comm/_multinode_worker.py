@@ -1,17 +1,16 @@
-"""One rank of ``test_multinode.py``, started by torchrun on an emulated node (``benchmarks.netns``).
+"""One rank's checks of ``test_multinode.py``, run by the two-node job (``tests.helpers.nodes``) under torchrun on
+an emulated node (``benchmarks.netns``).
 
-``python _multinode_worker.py OUT_DIR``: checks the node groups made from torchrun's environment
-(membership, which traffic stays on the node, a two-level all-reduce against the flat one), then
-trains every stage in lock-step with single-process ``torch.optim.AdamW`` (``tests.helpers.lockstep``), and
-writes what it found wrong, or ``ok``, to ``OUT_DIR/<rank>``.
+``run(OUT_DIR)``: checks the node groups made from torchrun's environment (membership, which traffic stays on
+the node, a two-level all-reduce against the flat one), then trains every stage in lock-step with
+single-process ``torch.optim.AdamW`` (``tests.helpers.lockstep``), and writes what it found wrong, or ``ok``, to
+``OUT_DIR/<rank>``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -78,9 +77,7 @@ def check_two_level(rank: int, g) -> list[str]:
     return [] if torch.equal(x, flat) else [f"two-level all-reduce differs from the flat one: {x[:4]} vs {flat[:4]}"]
 
 
-def main(out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+def run(out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         problems = check_groups(rank, world)
@@ -92,8 +89,3 @@ def main(out: str) -> None:
     except Exception:
         problems = [traceback.format_exc()]
     Path(out, str(rank)).write_text("\n".join(problems) or "ok")
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

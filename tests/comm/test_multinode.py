@@ -10,17 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.nodes import ran_on_two_nodes
 from zero_kernels.comm_groups import grid
-
-HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.distributed
 @pytest.mark.netns
-def test_stages_on_two_nodes_match_torch_adamw() -> None:
-    with ran_on_two_nodes(HERE / "_multinode_worker.py") as out:
-        results = {rank: (out / str(rank)).read_text() for rank in range(4)}
+def test_stages_on_two_nodes_match_torch_adamw(two_nodes: Path) -> None:
+    """The checks of ``_multinode_worker.py``, in the two-node job."""
+    results = {rank: (two_nodes / "node_groups" / str(rank)).read_text() for rank in range(4)}
     assert all(r == "ok" for r in results.values()), results
 
 

@@ -1,9 +1,10 @@
 """Start N gloo ranks on a free loopback port and run a picklable function on each.
 
-Ranks are forked from one server process that imported torch and the package once for the session
-(``multiprocessing``'s ``forkserver``): a rank does not import torch again. It starts from that server's
-state, never from the test process's, with the test process's environment variables at the time of the
-call, as a spawned interpreter would have them.
+Ranks are forked from one server process that imported torch and the package, and loaded the C++
+extensions, once for the session (``multiprocessing``'s ``forkserver``, ``PRELOAD``): a rank does not import
+torch again. It starts from that server's state, never from the test process's, with the test process's
+environment variables at the time of the call, as a spawned interpreter would have them (the extensions
+were loaded as the settings were when the server started: the first start of ranks of the session).
 
 Every rank runs under the collective-order audit (``tests.helpers.audit``): after every optimizer step its ranks
 check that they issued the same collectives in the same order.
@@ -31,8 +32,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# What every rank imports, once, in the server the ranks are forked from (``tests.helpers.audit`` imports the package).
-PRELOAD = ["torch", "torch.distributed", "tests.helpers.audit"]
+# What every rank imports, once, in the server the ranks are forked from (``tests.helpers.audit`` imports the package;
+# ``torch.optim.Optimizer``'s constructor imports ``torch._dynamo``; ``tests.helpers.preload`` loads the C++
+# extensions, each load a run of ninja: done in each rank instead, they cost seconds of CPU per start of ranks).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "tests.helpers.audit", "tests.helpers.preload"]
 
 
 def _entry(

@@ -1,6 +1,7 @@
-"""One rank of ``test_zeropp_nodes.py``, started by torchrun on an emulated node (``benchmarks.netns``).
+"""One rank's runs of ``test_zeropp_nodes.py``, run by the two-node job (``tests.helpers.nodes``) under torchrun on
+an emulated node (``benchmarks.netns``).
 
-``python _zeropp_nodes_worker.py OUT_DIR``: trains the same model with plain stage 3 and with ZeRO++ options,
+``run(OUT_DIR)``: trains the same model with plain stage 3 and with ZeRO++ options,
 counts the bytes its node sent over the link per step (``tx_bytes`` of its end, the mean over the steps after
 the first: a gather issued near a step's end, a prefetch, may fall into either step), and writes per run the
 losses and those bytes to ``OUT_DIR/<rank>.json`` (or the traceback).
@@ -10,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -57,17 +56,10 @@ def _run(rank: int, options: dict) -> dict:
     return {"losses": losses, "tx_bytes": sent / (STEPS - 1), "params": sum(p.numel() for p in model.parameters())}
 
 
-def main(out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+def run(out: str) -> None:
     rank = dist.get_rank()
     try:
         result = {name: _run(rank, options) for name, options in RUNS.items()}
     except Exception:
         result = {"error": traceback.format_exc()}
     Path(out, f"{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -17,16 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.nodes import ran_on_two_nodes
-
-HERE = Path(__file__).resolve().parent
-
 
 @pytest.mark.distributed
 @pytest.mark.netns
-def test_zeropp_link_bytes_on_two_nodes() -> None:
-    with ran_on_two_nodes(HERE / "_zeropp_nodes_worker.py") as out:
-        results = [json.loads((out / f"{rank}.json").read_text()) for rank in range(4)]
+def test_zeropp_link_bytes_on_two_nodes(two_nodes: Path) -> None:
+    """The runs of ``_zeropp_nodes_worker.py``, in the two-node job."""
+    results = [json.loads((two_nodes / "zeropp" / f"{rank}.json").read_text()) for rank in range(4)]
     for result in results:
         assert "error" not in result, result["error"]
     node0 = results[0]  # local rank 0 of node 0 counted its node's end of the link
