@@ -98,7 +98,7 @@ class Pipeline(BackwardRound):
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
     quantizes_gradients: ClassVar[bool] = False  # True: zero_quantized_gradients applies (stages 2, 3: qgZ)
     accumulates_reduced: ClassVar[bool] = False  # True: a wider accum_dtype acts (stages 2, 3; ``reduces_micro_steps``)
-    accumulates_locally: ClassVar[bool] = False  # True: a wider accum_dtype is grad_flat's (stages 0, 1: wide_local)
+    accumulates_locally: ClassVar[bool] = False  # True: grad_flat keeps the whole local gradient (stages 0, 1)
 
     def __init__(
         self,
@@ -177,8 +177,9 @@ class Pipeline(BackwardRound):
     def grads_in_p_grad(self) -> bool:
         """Whether the step reads ``p.grad`` (stages 0 and 1, as views of ``grad_flat``). False where the pipeline
         alone holds the gradients: stages 2-3 (a reduced shard), and stages 0-1 with a ``grad_accum_dtype`` wider
-        than some buffer's gradients (``wide_local``: ``grad_flat`` of that dtype, ``p.grad`` None after backward)."""
-        return not self.wide_local
+        than some buffer's gradients (``wide_local``: ``grad_flat`` of that dtype, ``p.grad`` None after backward).
+        The stages whose step can read ``p.grad`` keep the whole local gradient (``accumulates_locally``)."""
+        return self.accumulates_locally and not self.wide_local
 
     def comm_dtype_of(self, buf: FlatBuffer) -> torch.dtype:
         """The dtype ``buf``'s gradients are reduced in: ``communication_data_type``, else their own."""

@@ -47,7 +47,6 @@ class Stage2Pipeline(Pipeline):
     stage = 2
     reduces_in_backward = True
     allgather_by_bucket = True
-    grads_in_p_grad = False
 
     quantizes_gradients = True
     accumulates_reduced = True
