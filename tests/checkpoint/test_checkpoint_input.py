@@ -22,6 +22,7 @@ from torch import nn
 import zero_kernels.checkpoint as ck
 import zero_kernels.optim as zo
 from zero_kernels.__main__ import main
+from zero_kernels.checkpoint.metadata import check_objects
 
 Meta = dict[str, Any]
 
@@ -184,3 +185,21 @@ def test_next_save_removes_what_killed_saves_left(good: Path, tmp_path: Path) ->
     assert ck.load(root, model, opt) == {"epoch": 1}
     assert ck.save(root, model, opt).name == "v000004"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "v000001", "v000004"]
+
+
+def test_window_keys_of_earlier_versions_get_their_defaults() -> None:
+    """A window saved before ``owed`` and ``sums`` existed reads as one without a debt or wider sums; present, they
+    are checked."""
+    flags = {"synced": False, "has_grad": [0], "stepped_with": [], "grads": [0], "shards": [], "written": [[]]}
+    meta = {"world_size": 1, "param_groups": []}
+
+    def book(ranks: dict) -> dict:
+        window = {"micro_step": 1, "layout": [], "ranks": [ranks]}
+        return {"param_groups": [], "lr_scheduler": None, "loss_scaler": None, "window": window}
+
+    read = check_objects(book(dict(flags)), meta, Path("objects.pt"))["window"]["ranks"][0]
+    assert read == {**flags, "owed": False, "sums": []}
+    with pytest.raises(ck.CheckpointError, match=r"window.ranks\[0\].owed must be a boolean"):
+        check_objects(book({**flags, "owed": 1}), meta, Path("objects.pt"))
+    with pytest.raises(ck.CheckpointError, match=r"window.ranks\[0\].sums"):
+        check_objects(book({**flags, "sums": [-1]}), meta, Path("objects.pt"))

@@ -110,13 +110,13 @@ def stage(
         return None
     flags = entry["ranks"][pipeline.rank]
     window = zwindow.Window({k: flags[k] for k in ("synced", "has_grad", "stepped_with", "written")})
-    window.flags["owed"] = flags.get("owed", False)  # absent from checkpoints of earlier versions
+    window.flags["owed"] = flags["owed"]
     sizes = zstate.param_numels(pipeline)
     for i in flags["grads"]:
         window.grads[i] = _read(src, _grad_key(pipeline.rank, i), sizes[i], version)
     for b in flags["shards"]:
         window.shards[b] = _read(src, _shard_key(pipeline.rank, b), zstate.shard_numels(pipeline)[b], version)
-    for i in flags.get("sums", []):  # absent from checkpoints of earlier versions
+    for i in flags["sums"]:
         window.sums[i] = _read(src, _sum_key(pipeline.rank, i), sizes[i], version)
     return window
 
@@ -124,7 +124,7 @@ def stage(
 def _check_indices(flags: dict[str, Any], pipeline: Pipeline, version: Path) -> None:
     trainable = set(pipeline.has_grad)
     for key in ("has_grad", "stepped_with", "grads", "sums"):
-        unknown = sorted(set(flags.get(key, [])) - trainable)
+        unknown = sorted(set(flags[key]) - trainable)
         if unknown:
             raise CheckpointError(f"checkpoint: {version}: the window names parameter {unknown[0]}, not trained here")
     count = len(pipeline.buffers)
@@ -132,7 +132,7 @@ def _check_indices(flags: dict[str, Any], pipeline: Pipeline, version: Path) -> 
         raise CheckpointError(f"checkpoint: {version}: the window does not match the {count} flat buffers here")
     if flags["shards"] and any(buf.grad_flat is not None for buf in pipeline.buffers):
         raise CheckpointError(f"checkpoint: {version}: the window holds gradient shards, which stage 0-1 keep none of")
-    if flags.get("sums") and not pipeline.wide_local:
+    if flags["sums"] and not pipeline.wide_local:
         raise CheckpointError(
             f"checkpoint: {version}: the window holds gradients added up in a wider grad_accum_dtype, which this "
             "optimizer does not keep (another grad_accum_dtype); save at a window boundary (after opt.step())"

@@ -231,6 +231,8 @@ def _plain(value: Any) -> Any:
 
 
 def _window(c: _Checker, window: Any, world_size: int) -> None:
+    """Check the saved accumulation window; keys absent from checkpoints of earlier versions (``owed``, ``sums``)
+    get their defaults here, so readers of the window find every key."""
     c.of_type(window, dict, "window")
     c.count(window.get("micro_step"), "window.micro_step")
     c.of_type(window.get("layout"), list, "window.layout")
@@ -241,11 +243,9 @@ def _window(c: _Checker, window: Any, world_size: int) -> None:
         field = f"window.ranks[{r}]"
         c.of_type(flags, dict, field)
         c.of_type(flags.get("synced"), bool, f"{field}.synced")
-        if "owed" in flags:
-            c.of_type(flags["owed"], bool, f"{field}.owed")
+        c.of_type(flags.setdefault("owed", False), bool, f"{field}.owed")
+        flags.setdefault("sums", [])
         for key in ("has_grad", "stepped_with", "grads", "shards", "sums"):
-            if key == "sums" and key not in flags:  # absent from checkpoints of earlier versions
-                continue
             for j, i in enumerate(c.of_type(flags.get(key), list, f"{field}.{key}")):
                 c.count(i, f"{field}.{key}[{j}]")
         for b, written in enumerate(c.of_type(flags.get("written"), list, f"{field}.written")):
