@@ -147,3 +147,34 @@ def test_a_disk_without_room_for_the_shards_is_refused_before_anything_changes(t
         assert not list(small.glob("zero_kernels/*/rank0/u*"))  # the files reserved are removed
     for name, value in model.state_dict().items():
         assert value.shape == before[name].shape and torch.equal(value, before[name]), name
+
+
+def test_the_update_reads_a_shard_only_where_it_does_not_overwrite_it(tmp_path: Path) -> None:
+    """A shard still in its file holds no edit (only a resident one can be edited), so the update reads it only
+    where it keeps some elements as they are: a unit without gradients, a skipped step. Exact all the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    plain = zo.ShardedFusedAdam(twin, **KWARGS)
+    files = opt._pipeline.disk_params.files
+    read = []
+    for step, kind in enumerate(["all", "first without gradient", "not finite", "all"]):
+        for m, o in ((model, opt), (twin, plain)):
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            with torch.set_grad_enabled(kind != "first without gradient"):
+                h = m[1](m[0](x))
+            loss = m[2](h).float().square().mean() * (float("inf") if kind == "not finite" else 1.0)
+            loss.backward()
+            before = files.traffic()["read"]
+            o.step()
+            o.zero_grad()
+            if o is opt:
+                read.append(files.traffic()["read"] - before)
+    unit = opt._pipeline.buffers[0].layout.shard_numel * 2
+    assert [buf.layout.shard_numel * 2 for buf in opt._pipeline.buffers] == [unit, unit]
+    assert read == [0, unit, 2 * unit, 0], read
+    assert opt.skipped_steps == plain.skipped_steps == 1
+    with opt.gathered_params(), plain.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)

@@ -253,8 +253,8 @@ def estimate_offload(
     up_gather = elem * shard * gathers if param_off != "none" and crosses else 0
     state_io = state if setup.optimizer == "nvme" else 0
     gather_reads = in_files * gathers
-    read = state_io + gather_reads + in_files  # the shards are read for every gather and by the update,
-    write = state_io + in_files  # which writes them back
+    read = state_io + gather_reads  # the shards are read for every gather; the update overwrites them,
+    write = state_io + in_files  # writing them back (it reads them only where it keeps some elements)
     return OffloadEstimate(
         host_bytes=host,
         disk_bytes=disk,
@@ -286,7 +286,7 @@ def _phases(
     Gathers of offloaded parameters split evenly between forward and backward (each the longer of its
     uploads and its disk reads, ``gather_reads``); a node's disk serves its ranks one after another (its
     bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is read and
-    written, and so are parameter shards in files by the update (``in_files`` bytes each way, after backward).
+    written, and parameter shards in files are written by the update (``in_files`` bytes, after backward).
     """
     bus = setup.bus_gbps * 1e9
     disk = (setup.disk_gbps or math.inf) * 1e9 / setup.ranks_per_node
@@ -296,7 +296,7 @@ def _phases(
     return {
         "forward": gather_s,
         "backward": max(gather_s, down / bus),
-        "after": max(adam_s, state_io_s + 2 * in_files / disk) + up_after / bus,
+        "after": max(adam_s, state_io_s + in_files / disk) + up_after / bus,
     }
 
 

@@ -21,7 +21,8 @@ the kernel reads the reduced gradient shard and writes the device parameter shar
 Stage 3 with ``offload_param`` on the cpu keeps its parameter shards in the host copies themselves (the stage's
 ``params_offloaded``): steps 2 and 4 then have nothing to do, and its gathers copy the shards up. With
 ``offload_param`` on nvme a unit's shard may live in a file instead (``stage3.disk_params``): the update reads
-the bucket's shard from it into a pool buffer and writes it back after (``step_params``/``stepped_params``).
+the bucket's shard from it into a pool buffer and writes it back after (``step_params``/``stepped_params``);
+where the update overwrites all of it (``overwritten``) the read is skipped.
 
 The state tensors of a bucket are views of resident host tensors or of the part the host tier keeps (``_state``),
 or of a sub-group swapped in from the disk tier's files (``_swapped``), written back by ``tier.store``.
@@ -164,8 +165,9 @@ def update_bucket(
         return
     shard = tier.shards[id(buf)]
     in_file = pipeline.params_in_file(buf)  # stage 3's offload_param on nvme: the bucket's shard read from its file
+    fresh = in_file and overwritten(pipeline, buf, bucket, decision, with_grad)
     if in_file:
-        params, device_params = pipeline.step_params(buf, bucket), None
+        params, device_params = pipeline.step_params(buf, bucket, read=not fresh), None
     else:
         device_params = pipeline.param_shard(buf, bucket)
         params = device_params if shard.params is None else placement.part(buf, shard.params, bucket)
@@ -184,13 +186,20 @@ def update_bucket(
         state.get("max_exp_avg_sq") if h.amsgrad else None,
     )
     with tier.compute():
-        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl))
+        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl), adopt=not fresh)
     if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
     if separate:
         tier.up(device_params, params, (id(buf), bucket.index))
     if in_file:
         pipeline.stepped_params(buf, bucket, params)
+
+
+def overwritten(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, decision: Decision, with_grad: set[int]) -> bool:
+    """Whether this step writes every element of the low-precision parameters of this rank's shard of ``bucket``
+    from the master (one launch over all of it, the step not skipped): the values there before are not needed."""
+    skipped = decision.skip is not None and bool(decision.skip.item())
+    return buf.master is not None and not skipped and update.whole(pipeline, buf, bucket, with_grad)
 
 
 def host_impl(impl: Optional[str]) -> Optional[str]:

@@ -135,10 +135,12 @@ def launch(
     tensors: BucketTensors,
     impl: Optional[str],
     quantized: Optional[QuantizedBlocks] = None,
+    adopt: bool = True,
 ) -> None:
     """The kernel launches of one bucket's update over ``tensors`` (on the device, or a state tier's host copies)
     with kernel backend ``impl`` (``kernels.adam_step``'s); ``quantized``: the epilogue's blocks, written by the
-    one launch of a bucket that ``whole`` found updated whole (no window: it covers the shard)."""
+    one launch of a bucket that ``whole`` found updated whole (no window: it covers the shard); ``adopt``: read
+    ``tensors.out`` for edits first (``adam_step``'s ``adopt_out``; False: it holds nothing to adopt)."""
     device = tensors.master.device
     scale, skip = decision.grad_scale, decision.skip
     if isinstance(scale, torch.Tensor):
@@ -157,5 +159,5 @@ def launch(
             master_p, grad_p, m_p, v_p,
             lr=h.lr, beta1=h.beta1, beta2=h.beta2, eps=h.eps, weight_decay=h.weight_decay, step=step,
             adamw=h.adamw, grad_scale=scale, out=out_p, max_exp_avg_sq=v_max_p, maximize=h.maximize,
-            skip_if=skip, window=window, adopt_out=True, quantized=quantized, impl=impl,
+            skip_if=skip, window=window, adopt_out=adopt, quantized=quantized, impl=impl,
         )  # fmt: skip

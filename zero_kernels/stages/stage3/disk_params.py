@@ -15,8 +15,10 @@ Gathers. ``source`` gives a unit's all-gather its shard: the resident one, or a 
 once the gathers are waited for (the pool may also ask for it earlier: the unit then waits for its gathers).
 
 Step. The host Adam reads and writes each bucket's shard in a pool buffer filled from the file (``step_params``:
-the kernel reads the parameters too, to adopt edits); ``stepped`` writes it back in the background (the buffer
-returns to the pool when the write is done); ``finish_step`` waits for the writes and frees the resident shards.
+the kernel reads the parameters too, to adopt edits; not read where the update writes every element of the
+bucket's shard, since a shard still in its file was not edited: only a resident one can be); ``stepped`` writes
+it back in the background (the buffer returns to the pool when the write is done); ``finish_step`` waits for
+the writes and frees the resident shards.
 """
 
 from __future__ import annotations
@@ -150,13 +152,15 @@ class DiskParams:
             self.files.put(lease)
 
     # ---------------------------------------------------------------- the step
-    def step_params(self, buf: "Stage3Buffer", bucket: Bucket) -> torch.Tensor:
-        """This rank's shard of ``bucket`` in host memory for the host Adam (read and written by it)."""
+    def step_params(self, buf: "Stage3Buffer", bucket: Bucket, read: bool = True) -> torch.Tensor:
+        """This rank's shard of ``bucket`` in host memory for the host Adam (written by it, and read unless
+        ``read`` is False: the update overwrites every element, and a shard still in its file holds no edit)."""
         if not self.in_file(buf):
             return buf.shard_slice(buf.param_shard, bucket)
         lease = self.files.take(bucket.shard_numel, buf.dtype, lambda: None)
         self.files.hold(lease, lambda: self._written(id(lease)))
-        self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
+        if read:
+            self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
         self._stepping[(id(buf), bucket.index)] = lease
         return lease.tensor
 

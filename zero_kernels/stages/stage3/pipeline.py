@@ -395,9 +395,10 @@ class Stage3Pipeline(Stage2Pipeline):
     def params_in_file(self, buf: FlatBuffer) -> bool:
         return self.disk_params is not None and self.disk_params.holds(buf)
 
-    def step_params(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
-        """The host Adam's copy of this rank's shard of ``bucket`` of a unit kept in a file (``disk_params``)."""
-        return self.disk_params.step_params(buf, bucket)
+    def step_params(self, buf: Stage3Buffer, bucket: Bucket, read: bool = True) -> torch.Tensor:
+        """The host Adam's copy of this rank's shard of ``bucket`` of a unit kept in a file (``disk_params``);
+        ``read``: False where the update overwrites all of it (no edit to adopt: see ``DiskParams.step_params``)."""
+        return self.disk_params.step_params(buf, bucket, read)
 
     def stepped_params(self, buf: Stage3Buffer, bucket: Bucket, params: torch.Tensor) -> None:
         """``step_params``' values as the update left them, written back to the file."""
