@@ -197,9 +197,11 @@ def update_bucket(
 
 def overwritten(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, decision: Decision, with_grad: set[int]) -> bool:
     """Whether this step writes every element of the low-precision parameters of this rank's shard of ``bucket``
-    from the master (one launch over all of it, the step not skipped): the values there before are not needed."""
-    skipped = decision.skip is not None and bool(decision.skip.item())
-    return buf.master is not None and not skipped and update.whole(pipeline, buf, bucket, with_grad)
+    from the master (one launch over all of it, the step not skipped): the values there before are not needed. The
+    skip flag, which may wait for the device, is read last."""
+    if buf.master is None or not update.whole(pipeline, buf, bucket, with_grad):
+        return False
+    return decision.skip is None or not bool(decision.skip.item())
 
 
 def host_impl(impl: Optional[str]) -> Optional[str]:
