@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from ..config.schema import COMM_DTYPES, GRAD_ACCUM_DTYPES
+from ..config.schema import COMM_DTYPES
 from ..env import IMPLS
 
 ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
@@ -90,7 +90,9 @@ def check_impl(impl: Optional[str]) -> None:
         raise ValueError(f"impl={impl!r} is not a kernel backend; allowed: {', '.join(IMPLS)} (or None)")
 
 
-def data_type(value: Any, name: str = "communication_data_type") -> Optional[torch.dtype]:
+def data_type(
+    value: Any, name: str = "communication_data_type", names: Mapping[str, torch.dtype] = COMM_DTYPES
+) -> Optional[torch.dtype]:
     """A dtype option (``communication_data_type``, ``grad_accum_dtype``): ``"fp32"``, ``"fp16"``, ``"bf16"`` (any
     case, as DeepSpeed reads them; ``grad_accum_dtype`` also DeepSpeed's other spellings, ``"float32"`` and
     the like, as its config), one of those torch dtypes, or None (the gradients' own dtype).
@@ -98,8 +100,8 @@ def data_type(value: Any, name: str = "communication_data_type") -> Optional[tor
     Args:
         value: what was given.
         name: the keyword, for the error.
+        names: the spellings it takes (the config's table of that key, ``config.schema``).
     """
-    names = GRAD_ACCUM_DTYPES if name == "grad_accum_dtype" else COMM_DTYPES
     if value is None or value in names.values():
         return value
     if isinstance(value, str) and value.lower() in names:

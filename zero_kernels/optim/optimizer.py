@@ -71,6 +71,7 @@ from .. import live
 from ..comm import agreement, devices
 from ..comm.engines import make_engine
 from ..config import FP16Config, ZeroOptions
+from ..config.schema import GRAD_ACCUM_DTYPES
 from ..stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
 from ..stages import state_door as zstate
 from ..stages.outcome import clip_coef
@@ -173,7 +174,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"skip_nonfinite_steps must be True or False, got {skip_nonfinite_steps!r}")
         self.skip_nonfinite_steps = skip_nonfinite_steps
         self.communication_data_type = data_type(communication_data_type)
-        self.grad_accum_dtype = data_type(grad_accum_dtype, "grad_accum_dtype")
+        self.grad_accum_dtype = data_type(grad_accum_dtype, "grad_accum_dtype", GRAD_ACCUM_DTYPES)
         self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
