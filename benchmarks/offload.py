@@ -20,25 +20,28 @@ ours, the median of the per-round ratios, with ``low``/``high`` and a ``verdict`
 
 Bytes per step (ours, counted by the offload tier over the timed steps): ``down_MB``/``up_MB`` across the
 host link (none where the device is host memory: the tier then uses the shards in place), ``read_MB``/
-``written_MB`` of state files. The disk's sequential bandwidth is measured in the same run, in the same
-folder, before the ranks start (``disk_write_GBps``, ``disk_read_GBps``: an O_DIRECT write then read of
-``DISK_PROBE_BYTES``); ``io_of_disk`` is our state I/O per step over the step time, as a
-share of the mean of the two. ``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
+``written_MB`` of state files. The disk's bandwidth is measured in the same run, in the same folder, before
+the ranks start, by the offload's own I/O engine streaming with the run's ``aio`` knobs (``disk_probe``:
+``disk_write_GBps``, ``disk_read_GBps`` and ``disk_mixed_GBps``, a read and a write together as the state swap
+does); ``io_of_disk`` is our state I/O per step over the step time, as a share of ``disk_mixed_GBps``.
+``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
 
 ``--big``: one rank trains a bf16 model of ``--big-params`` parameters at stage 3 with its optimizer
 state on disk (12 bytes per parameter), twice, each in a fresh process: with the parameter shards in
 memory, and with them on disk too (``params_on_disk``: ``offload_param`` on nvme with ``max_in_cpu`` 0, since
 DeepSpeed's default 1e9 would keep every shard of a model this size in host memory). It reports its peak
 resident memory (``VmHWM``; ``steps_peak``: since the optimizer was built), the state's bytes on disk (the
-parameter shards' files too), the state I/O rate against the disk's over the whole step (``io_of_disk``) and
-over the update alone (``update_io_of_disk``: the I/O runs there), and the step against (state bytes moved /
-disk bandwidth) (``step_over_io_bound``); the parameter shards' bytes read and written per step apart
-(``params_read_GB``, ``params_written_GB``).
+parameter shards' files too), the optimizer state's I/O rate against the disk's over the whole step
+(``io_of_disk``) and over the update alone (``update_io_of_disk``: the I/O runs there), and the step against
+(state bytes moved / disk bandwidth) (``step_over_io_bound``); the parameter shards' bytes read and written per
+step apart (``params_read_GB``, ``params_written_GB``), and the same two ratios over every byte the step moves
+to and from the disk, the state's and the parameter shards' (``disk_io_of_disk``, ``step_over_disk_bound``).
+The disk is measured before and after each case (``disk_probe``); the ratios use the faster of the two
+(``disk_mixed_GBps``; ``disk_mixed_GBps_low``: the slower).
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import resource
 import shutil
@@ -52,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import e2e_deepspeed
+from . import disk_probe, e2e_deepspeed
 from .common import (
     expect,
     finish_rank,
@@ -78,16 +81,14 @@ SUB_GROUP = 1 << 18  # elements per swapped sub-group (DeepSpeed's and ours): 1 
 # offload_optimizer.buffer_count: DeepSpeed's pipelined swapper (pipeline_read/write) runs out of swap buffers
 # at stage 3 with 4 or 8 here ("try increasing 'buffer_count'"); 16 lets it run.
 BUFFERS = 16
-DISK_PROBE_BYTES = 256 << 20
-_PROBE_BLOCK = 8 << 20
 AIO = {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
        "overlap_events": True}  # fmt: skip
 NOTES = [
     "io_of_disk: our state I/O per step (read + written) over the step time, as a share of the disk's bandwidth "
-    "measured in this run (the mean of its O_DIRECT write and read)",
+    "measured in this run (disk_mixed_GBps: the same engine streaming a read and a write together, disk_probe)",
 ]
 
-DISK = "disk (sequential, this run's folder)"  # the row of the disk's measured bandwidth
+DISK = "disk (this run's folder, the engine streaming)"  # the row of the disk's measured bandwidth
 _options: dict[str, Any] = {"dir": None, "big": False, "big_params": 400_000_000}
 
 
@@ -150,37 +151,6 @@ def peer_of(provider: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------- the disk, measured here
-def disk_bandwidth(folder: str, size: int = DISK_PROBE_BYTES) -> dict:
-    """Sequential write then read of ``size`` bytes in ``folder``, with O_DIRECT where the file system takes
-    it (the page cache would measure memory): ``disk_write_GBps``, ``disk_read_GBps``, ``disk_probe``."""
-    path = os.path.join(folder, "disk_probe")
-    block = mmap.mmap(-1, _PROBE_BLOCK)  # page-aligned, as O_DIRECT needs
-    block.write(os.urandom(4096) * (_PROBE_BLOCK // 4096))
-    direct = getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
-    except OSError:  # tmpfs and others refuse O_DIRECT
-        direct = 0
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        start = time.perf_counter()
-        for _ in range(size // _PROBE_BLOCK):
-            os.write(fd, block)
-        os.fsync(fd)
-        write_s = time.perf_counter() - start
-        os.close(fd)
-        fd = os.open(path, os.O_RDONLY | direct)
-        start = time.perf_counter()
-        while os.readv(fd, [block]) > 0:
-            pass
-        read_s = time.perf_counter() - start
-    finally:
-        os.close(fd)
-        os.remove(path)
-    how = "O_DIRECT" if direct else "buffered (O_DIRECT refused: the page cache may inflate the read)"
-    return {"disk_write_GBps": size / write_s / 1e9, "disk_read_GBps": size / read_s / 1e9, "disk_probe": how}
-
-
 # ---------------------------------------------------------------- one provider on one rank
 def _model(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
@@ -279,7 +249,7 @@ def _with_ratios(rows: list[dict], disk: dict) -> list[dict]:
     """Add ``vs_deepspeed`` (DeepSpeed's step with the same offload over ours) and ``io_of_disk`` (the state
     I/O of all ranks, which share the disk, per step over the step time, as a share of the disk's bandwidth)."""
     rounds = rounds_by_provider(rows)
-    disk_Bps = (disk["disk_write_GBps"] + disk["disk_read_GBps"]) / 2 * 1e9
+    disk_Bps = disk["disk_mixed_GBps"] * 1e9
     io_MB: dict[str, float] = {}
     for r in rows:
         io_MB[r["provider"]] = io_MB.get(r["provider"], 0.0) + r.get("read_MB", 0) + r.get("written_MB", 0)
@@ -332,7 +302,7 @@ def run(quick: bool, shape: Optional[tuple[int, int, int]] = None, rounds: Optio
     expect(len(names) * rounds)
     folder = _folder()
     try:
-        disk = disk_bandwidth(folder)
+        disk = disk_probe.measure(folder, AIO)
         found = spawn_ranks(_timing_rank, (names, rounds, free_port(), (width, depth, steps), folder),
                        os.path.join(folder, "timing"), WORLD)  # fmt: skip
     finally:
@@ -453,9 +423,10 @@ def _big_case(num_params: int, steps: int, width: int, params_on_disk: bool) -> 
     progress(f"{num_params / 1e6:.0f}M params bf16, stage 3, state on disk", provider)
     load_before = load_average()
     try:
-        disk = disk_bandwidth(folder)
+        probes = [disk_probe.measure(folder, AIO)]
         args = (num_params, width, steps, params_on_disk, free_port(), folder)
         (got,) = spawn_ranks(_big_rank, args, os.path.join(folder, "big"), 1)
+        probes.append(disk_probe.measure(folder, AIO))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     row: dict[str, Any] = {"case": f"{num_params / 1e6:.0f}M params bf16, 1 rank", "provider": provider}
@@ -463,16 +434,22 @@ def _big_case(num_params: int, steps: int, width: int, params_on_disk: bool) -> 
     if load_before is not None:
         row["load_1min_before"] = load_before[0]
     row.update(got)
-    row.update(disk)
+    row.update(max(probes, key=lambda p: p["disk_mixed_GBps"]))
+    row["disk_mixed_GBps_low"] = min(p["disk_mixed_GBps"] for p in probes)
     load = load_average()
     if load is not None:
         row["load_1min"] = load[0]
-    if "error" in got:
-        return row
+    if "error" not in got:
+        row.update(_big_ratios(got, row["disk_mixed_GBps"] * 1e9))
+    return row
+
+
+def _big_ratios(got: dict, disk_Bps: float) -> dict:
+    """The capacity case's memory and I/O ratios from a rank's measurements ``got`` and the disk's bandwidth."""
     state = 12 * got["params"]
-    disk_Bps = (disk["disk_write_GBps"] + disk["disk_read_GBps"]) / 2 * 1e9
     io_bytes = (got["read_GB"] + got["written_GB"]) * 1e9
-    row.update(
+    disk_bytes = io_bytes + (got["params_read_GB"] + got["params_written_GB"]) * 1e9
+    return dict(
         state_GB=state / 1e9,
         state_over_rss=state / (got["peak_rss_GB"] * 1e9),
         state_over_steps_rss=state / (got["steps_peak_rss_GB"] * 1e9) if got["steps_peak_rss_GB"] else None,
@@ -480,5 +457,6 @@ def _big_case(num_params: int, steps: int, width: int, params_on_disk: bool) -> 
         io_of_disk=io_bytes / got["step_s"] / disk_Bps,
         update_io_of_disk=io_bytes / got["update_s"] / disk_Bps,
         step_over_io_bound=got["step_s"] / (io_bytes / disk_Bps) if io_bytes else None,
+        disk_io_of_disk=disk_bytes / got["step_s"] / disk_Bps,
+        step_over_disk_bound=got["step_s"] / (disk_bytes / disk_Bps) if disk_bytes else None,
     )
-    return row

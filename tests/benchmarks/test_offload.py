@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from benchmarks import offload
+from benchmarks import disk_probe, offload
 from benchmarks.__main__ import main
 from zero_kernels import ZeroConfig
 
@@ -52,17 +52,29 @@ def test_ratios_per_round_and_the_disk_share_of_all_ranks() -> None:
          "read_MB": 10.0, "written_MB": 10.0} for r in (0, 1)
     ] + [{"provider": "deepspeed-stage3-nvme", "rank": r, "step_ms": 300.0, "rounds_ms": [250.0, 300.0, 350.0]}
          for r in (0, 1)]  # fmt: skip
-    disk = {"disk_write_GBps": 1.0, "disk_read_GBps": 0.6}
+    disk = {"disk_write_GBps": 1.0, "disk_read_GBps": 0.6, "disk_mixed_GBps": 0.8}
     ours = offload._with_ratios([dict(r, case="c") for r in rows], disk)[0]
     assert ours["vs_deepspeed"] == 3.0 and (ours["low"], ours["high"]) == (2.5, 3.5)
     assert ours["verdict"] == "ours faster"
     assert ours["io_of_disk"] == pytest.approx(40e6 / 0.1 / 0.8e9)  # both ranks' 20 MB per 100 ms step
 
 
-def test_disk_bandwidth_is_measured_in_the_folder_and_leaves_nothing(tmp_path) -> None:
-    got = offload.disk_bandwidth(str(tmp_path), size=16 << 20)
-    assert got["disk_write_GBps"] > 0 and got["disk_read_GBps"] > 0 and got["disk_probe"]
+def test_disk_bandwidth_is_measured_in_the_folder_by_the_engine_and_leaves_nothing(tmp_path) -> None:
+    got = disk_probe.measure(str(tmp_path), offload.AIO, size=16 << 20)
+    assert got["disk_write_GBps"] > 0 and got["disk_read_GBps"] > 0 and got["disk_mixed_GBps"] > 0
+    assert got["disk_probe"].startswith("FileIO ") and "queue depth 8" in got["disk_probe"]
     assert os.listdir(tmp_path) == []
+
+
+def test_big_ratios_count_the_state_alone_and_every_byte_on_the_disk() -> None:
+    got = {"params": 1_000_000_000, "peak_rss_GB": 4.0, "steps_peak_rss_GB": 3.0, "step_s": 10.0, "update_s": 8.0}
+    got.update(read_GB=6.0, written_GB=6.0, params_read_GB=2.0, params_written_GB=1.0)
+    r = offload._big_ratios(got, 1.5e9)
+    assert (r["state_GB"], r["state_over_rss"], r["state_over_steps_rss"]) == (12.0, 3.0, 4.0)
+    assert r["io_of_disk"] == pytest.approx(12e9 / 10 / 1.5e9) and r["update_io_of_disk"] == pytest.approx(1.0)
+    assert r["step_over_io_bound"] == pytest.approx(10 / 8)
+    assert r["disk_io_of_disk"] == pytest.approx(15e9 / 10 / 1.5e9)
+    assert r["step_over_disk_bound"] == pytest.approx(1.0)
 
 
 def test_not_in_the_default_run(monkeypatch) -> None:
