@@ -178,3 +178,49 @@ def test_the_update_reads_a_shard_only_where_it_does_not_overwrite_it(tmp_path: 
     with opt.gathered_params(), plain.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
+
+
+def test_a_shard_is_read_one_module_before_its_gather(tmp_path: Path) -> None:
+    """With prefetch, the read of a file unit's shard starts in the hook of the module before the one that starts
+    its gather (the gather then finds it read: it ran beside that module's compute), forward and backward; the
+    gathers themselves start where they did (no collective moves). Exact all the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    kwargs = dict(KWARGS, stage3_prefetch_bucket_size=1)  # the next unit only
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path, buffer_count=4), **kwargs)
+    plain = zo.ShardedFusedAdam(twin, **kwargs)
+    disk, scheduler = opt._pipeline.disk_params, opt._pipeline._scheduler
+    clock = [0]  # modules whose units were asked for so far, forward and backward
+    gather = scheduler._gather
+
+    def ticking(*args) -> None:
+        clock[0] += 1
+        gather(*args)
+
+    scheduler._gather = ticking
+    read_at: dict[int, int] = {}
+    late: list[tuple[int, int]] = []
+    read_ahead, source = disk.read_ahead, disk.source
+
+    def reading(buf) -> None:
+        read_ahead(buf)
+        if id(buf) in disk._ahead:
+            read_at.setdefault(id(buf), clock[0])
+
+    def gathering(buf, release):
+        if read_at.pop(id(buf), clock[0]) >= clock[0]:
+            late.append((clock[0], [id(b) for b in opt._pipeline.buffers].index(id(buf))))
+        return source(buf, release)
+
+    disk.read_ahead, disk.source = reading, gathering
+    _train(model, opt, 1, width=64)  # the first passes record the order the next ones prefetch along
+    clock[0], late[:] = 100, []
+    _train(model, opt, 2, width=64)
+    _train(twin, plain, 1, width=64)
+    _train(twin, plain, 2, width=64)
+    # per pass (2 forwards, 2 backwards) only the first unit and the one prefetched with it wait for their reads
+    assert sorted(unit for _, unit in late) == [0, 0, 1, 1, 4, 4, 5, 5], late
+    with opt.gathered_params(), plain.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)

@@ -11,8 +11,9 @@ reads it in whole (``Stage3Buffer.ready``: the state door, a value given to a pa
 inside ``gathered_params()``); the next step writes it back and frees it.
 
 Gathers. ``source`` gives a unit's all-gather its shard: the resident one, or a pool buffer filled from the file
-(by a read ``read_ahead`` started with the scheduler's prefetch when there was one); ``done`` gives the buffer back
-once the gathers are waited for (the pool may also ask for it earlier: the unit then waits for its gathers).
+(by a read ``read_ahead`` started with the scheduler's prefetch, or one module before it, when there was one);
+``done`` gives the buffer back once the gathers are waited for (the pool may also ask for it earlier: the unit
+then waits for its gathers).
 
 Step. The host Adam reads and writes each bucket's shard in a pool buffer filled from the file (``step_params``:
 the kernel reads the parameters too, to adopt edits; not read where the update writes every element of the

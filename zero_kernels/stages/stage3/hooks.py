@@ -15,8 +15,9 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
   ``check(batch, phase, deferred)`` runs before any of them is issued (stage 3 checks there that every
   rank gathers the same units; ``deferred`` when the pass follows the previous pass of its kind, see
   ``Check``); then every unit of the batch is told to ``read_ahead`` (a shard in a file starts its read)
-  before the first gather is issued. With autograd recording, ``m``'s inputs are watched for the end of its backward
-  (``stage3.uses``);
+  before the first gather is issued, and with prefetch on so is the unit expected after the batch (its read
+  runs beside ``m``'s compute; its gather is issued at the next module, as without files). With autograd
+  recording, ``m``'s inputs are watched for the end of its backward (``stage3.uses``);
 - forward post-hook: free ``m``'s units once no running module uses them; when autograd records
   the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
   again (before ``m``'s backward runs), prefetching along the previous backward's order. The hook is a
@@ -312,10 +313,22 @@ class Stage3Scheduler:
             if active and not self.units[i].persistent and not self._used[i]:
                 ahead = step.record(i)
         batch = list(dict.fromkeys(i for i in needs if self._state[i] == _FREE))
-        self._start(batch + self._prefetch(ahead, set(batch)), self._phase(), active and step.deferrable)
+        started = batch + self._prefetch(ahead, set(batch))
+        self._start(started, self._phase(), active and step.deferrable)
+        self._read_ahead(ahead, set(started))
         for i in needs:
             self._finish(i)
             self._used[i] = True
+
+    def _read_ahead(self, ahead: list[int], started: set[int]) -> None:
+        """Start reading the shard of the unit expected after those just started, where it is in a file: its
+        gather, issued at the next module (the same point on every rank), then finds it read, and the read ran
+        beside this module's compute (a gather waits for its shard's read). A local read: no collective moves."""
+        if self.prefetch_numel == 0:
+            return
+        nxt = next((j for j in ahead if j not in started and self._state[j] == _FREE and not self._in_use[j]), None)
+        if nxt is not None:
+            self.units[nxt].read_ahead()
 
     def _prefetch(self, ahead: list[int], taken: set[int]) -> list[int]:
         """The free units of ``ahead`` to start now: the next one whatever its size (as DeepSpeed always
