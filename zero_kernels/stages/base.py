@@ -387,6 +387,10 @@ class Pipeline(BackwardRound):
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
 
+    def grads_in_file(self, buf: FlatBuffer) -> bool:
+        """Whether this rank's gradient shard of ``buf`` lives in a file (stage 3 with the state on disk)."""
+        return False
+
     def params_in_file(self, buf: FlatBuffer) -> bool:
         """Whether this rank's parameter shard of ``buf`` lives in a file (stage 3's ``offload_param`` on nvme)."""
         return False
@@ -433,6 +437,24 @@ class Pipeline(BackwardRound):
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
                 yield self.grad_shard(buf, bucket)
+
+    def grad_column(self, norm: bool) -> torch.Tensor:
+        """This rank's part of the gradient column (``stats.grad_column`` of ``norm_views()``): the squared norm
+        (``norm``), else whether every gradient is finite."""
+        device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        return stats.grad_column(self.norm_views(), device, norm=norm)
+
+    def zero_reduced(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        """Zero this rank's reduced gradients of ``bucket`` (no reduction wrote them: ``grad_state.zero_unwritten``)."""
+        buf.shard_slice(buf.grad_shard, bucket).zero_()
+
+    def reduced_shard(self, buf: FlatBuffer) -> torch.Tensor:
+        """This rank's whole reduced gradient shard of ``buf`` (stages 2-3; a window saved: ``window.capture``)."""
+        return buf.grad_shard
+
+    def assign_reduced(self, buf: FlatBuffer, shard: torch.Tensor) -> None:
+        """Give this rank's reduced gradient shard of ``buf`` the values ``shard`` holds (``window.restore``)."""
+        buf.grad_shard.copy_(shard)
 
     def finish_grad_sync(self) -> None:
         """Make every gradient of this step present, reduced, in ``grad_shard`` (again after a gradient arrived).
@@ -502,11 +524,12 @@ class Pipeline(BackwardRound):
         """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        views = self.norm_views() if norm or finite else None
+        column = self.grad_column(norm) if norm or finite else None
         extra = self.refusals.columns() + self._step_columns()
         combined = stats.exchange(
-            self.engine, self._control, self.has_grad, views, checks, device, norm=norm,
+            self.engine, self._control, self.has_grad, None, checks, device, norm=norm,
             counts=self.step_counts.counts, held=self.held_indices(), name=self._index_name, extra=extra,
+            column=column,
         )  # fmt: skip
         self._verify_step_columns([row[2:] for row in combined.extra])
         self.refusals.verify([row[:2] for row in combined.extra], self.stage, self._index_name)
