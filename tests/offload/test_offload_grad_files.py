@@ -51,8 +51,9 @@ def _backward(model: Net, opt: zo.ShardedFusedAdam, x: torch.Tensor, extra, inf:
 
 def _one_step(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, step: int, kind: str,
               clip: bool) -> Optional[float]:  # fmt: skip
-    """One step of ``kind`` (see ``KINDS``) on this rank's rows; without ``clip`` (in the optimizer) returns the
-    norm ``clip_grad_norm_`` measured."""
+    """One step of ``kind`` (see ``KINDS``) on this rank's rows; without ``clip`` (in the optimizer), from the
+    fourth step, returns the norm ``clip_grad_norm_`` measured (the gradient files' norm terms are not taken
+    before: computed from the files then)."""
     x = batch(step, 2 * world * ROWS)
     rows = [x[(m * world + rank) * ROWS : (m * world + rank + 1) * ROWS] for m in range(2)]
     extra = None if kind == "partial" else local(extra_rows(step, world), rank, 3)
@@ -67,7 +68,7 @@ def _one_step(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, step:
             _backward(model, opt, rows[1], extra)
     else:
         _backward(model, opt, rows[0], extra, inf)
-    norm = None if clip else float(opt.clip_grad_norm_(CLIP))
+    norm = None if clip or step < 3 else float(opt.clip_grad_norm_(CLIP))
     opt.step()
     opt.zero_grad()
     return norm

@@ -9,17 +9,18 @@ stand-in of the shard's size and dtype.
 
 Backward. When a bucket's reduction completes (``reduced``) this rank's part goes into a pool buffer
 (``offload.ShardFiles``: ``offload_optimizer.buffer_count`` page-aligned buffers of the largest bucket part),
-the terms of the step's gradient column are taken from those final values (``stats.partial``: the squared norm
-and the finiteness sum), and the buffer is written to the file in the background, back in the pool once
-written. A bucket reduced again before the step (a late gradient; ``grad_accum_dtype`` reducing every micro-step)
-reads its part back, adds, takes the terms again and writes; ``zero`` writes zeros where no reduction wrote
-(``grad_state.zero_unwritten``).
+the terms of the step's gradient column are taken from those final values (``stats.partial``: the squared
+norm, the finiteness sum, or both: the kinds the last step asked for, both before the first step), and the
+buffer is written to the file in the background, back in the pool once written. A bucket reduced again before
+the step (a late gradient; ``grad_accum_dtype`` reducing every micro-step) reads its part back, adds, takes
+the terms again and writes; ``zero`` writes zeros where no reduction wrote (``grad_state.zero_unwritten``).
 
-Step. The statistics sum the terms in bucket order (``column``: ``stats.grad_column``'s value bit for bit, with
-no read of the gradients). The update asks for each bucket's part in the step's order (``step``): read ahead
-into free pool buffers as the update goes, given back by ``used``. Rare paths read or write a whole shard at
-once: ``whole`` (a window saved inside an accumulation window) and ``assign`` (a window restored); ``read`` (one
-bucket's part, for ``Pipeline.grad_shard`` called from outside the update).
+Step. The statistics sum the terms in bucket order (``column``: ``stats.grad_column``'s value bit for bit,
+with no read of the gradients; a kind of term not taken, as when ``clip_grad_norm_`` is first called, is
+computed from the file's values, the same ones). The update asks for each bucket's part in the step's order
+(``step``): read ahead into free pool buffers as the update goes, given back by ``used``. Rare paths read or
+write a whole shard at once: ``whole`` (a window saved inside an accumulation window) and ``assign`` (a
+window restored); ``read`` (one bucket's part, for ``Pipeline.grad_shard`` called from outside the update).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class DiskGrads:
     def __init__(self, files: ShardFiles):
         self.files = files
         self.order: list[tuple["FlatBuffer", Bucket]] = []  # every bucket, in the step's order
-        self.terms: dict[Key, tuple[torch.Tensor, torch.Tensor]] = {}  # (squared norm, finiteness) of its values
+        self.terms: dict[Key, dict[bool, torch.Tensor]] = {}  # norm (True: squared norm, False: finiteness) -> term
+        self.wanted = {True, False}  # the kinds of term taken as buckets are reduced
+        self._asked: set[bool] = set()  # the kinds asked for since the last step
         self._at: dict[Key, int] = {}  # its place in ``order``
         self._writing: dict[int, tuple[Lease, IOHandle]] = {}  # id(lease) -> (lease, its write)
         self._ahead: dict[Key, tuple[Lease, IOHandle]] = {}  # reads started for the update
@@ -90,7 +93,7 @@ class DiskGrads:
 
     def _store(self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor) -> None:
         """Take the terms of the part's final ``values`` (on the gradients' device) and write it from ``lease``."""
-        self.terms[(id(buf), bucket.index)] = (stats.partial(values, norm=True), stats.partial(values, norm=False))
+        self.terms[(id(buf), bucket.index)] = {norm: stats.partial(values, norm=norm) for norm in self.wanted}
         if values.data_ptr() != lease.tensor.data_ptr():
             lease.tensor.copy_(values)
         self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset))
@@ -103,8 +106,12 @@ class DiskGrads:
     # ---------------------------------------------------------------- the step
     def column(self, norm: bool) -> Iterator[torch.Tensor]:
         """Every bucket's term, in the step's order: squared norms (``norm``), else finiteness sums."""
+        self._asked.add(norm)
         for buf, bucket in self.order:
-            yield self.terms[(id(buf), bucket.index)][0 if norm else 1]
+            terms = self.terms[(id(buf), bucket.index)]
+            if norm not in terms:  # not taken when it was reduced: from the file's values
+                terms[norm] = stats.partial(self.read(buf, bucket), norm=norm)
+            yield terms[norm]
 
     def step(self, buf: "FlatBuffer", bucket: Bucket) -> torch.Tensor:
         """This rank's gradients of ``bucket`` in host memory for the update (read ahead where a pool buffer was
@@ -144,7 +151,9 @@ class DiskGrads:
             self.files.put(lease)
 
     def finish_step(self) -> None:
-        """After the step's last bucket: every buffer back (reads ahead are dropped)."""
+        """After the step's last bucket: every buffer back (reads ahead are dropped); the next reductions take the
+        kinds of term this step asked for."""
+        self.wanted, self._asked = self._asked or self.wanted, set()
         for key in list(self._ahead):
             self._drop(key)
         for buf, bucket in [(b, k) for b, k in self.order if (id(b), k.index) in self._using]:
@@ -169,7 +178,7 @@ class DiskGrads:
         on_device = shard.to(buf.device)
         for bucket in buf.layout.buckets:
             part = buf.shard_slice(on_device, bucket)
-            self.terms[(id(buf), bucket.index)] = (stats.partial(part, norm=True), stats.partial(part, norm=False))
+            self.terms[(id(buf), bucket.index)] = {norm: stats.partial(part, norm=norm) for norm in self.wanted}
         self.files.write(id(buf), shard).wait()
 
     # ---------------------------------------------------------------- memory
