@@ -2,10 +2,11 @@
 gradient swap, ``stages.stage3.disk_grads``): weights and Adam state bit for bit those of the same run without
 offload, compared after every step at 1 and 2 gloo ranks (bf16, fp16 with loss scaling and overflow steps, fp32;
 clipping; a non-finite step; two backward passes before a step and a round owed after ``no_sync``; a parameter
-without a gradient; ``gradient_accumulation_steps`` 2, in the gradients' dtype and in fp32; ``clip_grad_norm_``);
-the files on disk while training and gone after ``close``; no resident gradient shard in ``memory_report``; the
-gradients read once per step (the statistics read nothing); a checkpoint saved inside an accumulation window
-resumed with and without offload; a disk without room for the gradients refused naming the key."""
+without a gradient; ``zero_grad(set_to_none=False)`` between backward and step; ``gradient_accumulation_steps``
+2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk while training and gone after
+``close``; no resident gradient shard in ``memory_report``; the gradients read once per step (the statistics read
+nothing); a checkpoint saved inside an accumulation window resumed with and without offload; a disk without room
+for the gradients refused naming the key."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch, extra_rows,
 from tests.offload.test_disk_tier import _tmpfs
 
 CLIP = 0.05
-KINDS = ("plain", "twice", "owed", "nonfinite", "plain", "partial", "plain")
+KINDS = ("plain", "twice", "owed", "nonfinite", "plain", "zeroed", "partial", "plain")
 
 
 def _disk(path: Path) -> dict:
@@ -68,6 +69,8 @@ def _one_step(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, step:
             _backward(model, opt, rows[1], extra)
     else:
         _backward(model, opt, rows[0], extra, inf)
+    if kind == "zeroed":  # the step applies zero gradients to the parameters the last step updated
+        opt.zero_grad(set_to_none=False)
     norm = None if clip or step < 3 else float(opt.clip_grad_norm_(CLIP))
     opt.step()
     opt.zero_grad()
