@@ -20,10 +20,12 @@ ours, the median of the per-round ratios, with ``low``/``high`` and a ``verdict`
 
 Bytes per step (ours, counted by the offload tier over the timed steps): ``down_MB``/``up_MB`` across the
 host link (none where the device is host memory: the tier then uses the shards in place), ``read_MB``/
-``written_MB`` of state files. The disk's sequential bandwidth is measured in the same run, in the same
-folder, before the ranks start (``disk_write_GBps``, ``disk_read_GBps``: an O_DIRECT write then read of
-``DISK_PROBE_BYTES``); ``io_of_disk`` is our state I/O per step over the step time, as a
-share of the mean of the two. ``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
+``written_MB`` of state files; ``grads_read_MB``/``grads_written_MB`` of gradient files (stage 3 with the state
+on disk keeps its gradient shards in files; not in ``read_MB``/``written_MB`` nor ``io_of_disk``). The disk's
+sequential bandwidth is measured in the same run, in the same folder, before the ranks start
+(``disk_write_GBps``, ``disk_read_GBps``: an O_DIRECT write then read of ``DISK_PROBE_BYTES``); ``io_of_disk``
+is our state I/O per step over the step time, as a share of the mean of the two. ``host_MB``/``disk_MB`` are
+``memory_report()``'s tiers.
 
 ``--big``: one rank trains a bf16 model of ``--big-params`` parameters at stage 3 with its optimizer
 state on disk (12 bytes per parameter), twice, each in a fresh process: with the parameter shards in
@@ -33,7 +35,8 @@ resident memory (``VmHWM``; ``steps_peak``: since the optimizer was built), the 
 parameter shards' files too), the state I/O rate against the disk's over the whole step (``io_of_disk``) and
 over the update alone (``update_io_of_disk``: the I/O runs there), and the step against (state bytes moved /
 disk bandwidth) (``step_over_io_bound``); the parameter shards' bytes read and written per step apart
-(``params_read_GB``, ``params_written_GB``).
+(``params_read_GB``, ``params_written_GB``), and the gradient shards' (in files at stage 3 with the state on disk:
+``grads_read_GB``, ``grads_written_GB``; like the parameter shards', not counted in ``io_of_disk``).
 """
 
 from __future__ import annotations
@@ -206,6 +209,12 @@ def _param_traffic(opt: Any) -> dict[str, int]:
     return dict(disk.files.traffic()) if disk is not None else {}
 
 
+def _grad_traffic(opt: Any) -> dict[str, int]:
+    """Bytes of stage 3's gradient shards read from and written to their files (the state on disk)."""
+    disk = getattr(getattr(opt, "_pipeline", None), "disk_grads", None)
+    return dict(disk.files.traffic()) if disk is not None else {}
+
+
 def _build(provider: str, model: nn.Module, x: torch.Tensor, folder: str) -> tuple[Callable[[], None], Any]:
     """(one training step, the optimizer or engine) of ``provider`` on the gloo group already joined."""
     who, stage, device = _parse(provider)
@@ -242,14 +251,17 @@ def _measure(provider: str, width: int, depth: int, steps: int, folder: str) -> 
     step, handle = _build(provider, model, torch.randn(8, width), folder)
     times = []
     before: dict[str, int] = {}
+    grads_before: dict[str, int] = {}
     for i in range(steps + 2):
         if i == 2:
-            before = _traffic(handle)
+            before, grads_before = _traffic(handle), _grad_traffic(handle)
         start = time.perf_counter()
         step()
         dist.barrier()
         times.append(time.perf_counter() - start)
     moved = {f"{k}_MB": (v - before.get(k, 0)) / steps / 1e6 for k, v in _traffic(handle).items() if k != "init"}
+    grads = _grad_traffic(handle).items()
+    moved.update({f"grads_{k}_MB": (v - grads_before.get(k, 0)) / steps / 1e6 for k, v in grads})
     report = handle.memory_report() if hasattr(handle, "memory_report") else {}
     tiers = {f"{k}_MB": report[k] / 1e6 for k in ("host", "disk") if k in report}
     return {"ms": 1e3 * statistics.median(times[2:]), **moved, **tiers}
@@ -411,9 +423,10 @@ def _big_rank(
     marks, state_on_disk = [], 0
     before: dict[str, int] = {}
     params_before: dict[str, int] = {}
+    grads_before: dict[str, int] = {}
     for i in range(steps + 1):
         if i == 1:
-            before, params_before = _traffic(opt), _param_traffic(opt)
+            before, params_before, grads_before = _traffic(opt), _param_traffic(opt), _grad_traffic(opt)
         start = time.perf_counter()
         module(x).float().square().mean().backward()
         middle = time.perf_counter()
@@ -423,6 +436,7 @@ def _big_rank(
         state_on_disk = max(state_on_disk, opt.memory_report().get("disk", 0))
     moved = {k: (v - before.get(k, 0)) / steps for k, v in _traffic(opt).items()}
     params_moved = {k: (v - params_before.get(k, 0)) / steps for k, v in _param_traffic(opt).items()}
+    grads_moved = {k: (v - grads_before.get(k, 0)) / steps for k, v in _grad_traffic(opt).items()}
     timed = marks[1:]
     result = {
         "params": params,
@@ -436,6 +450,8 @@ def _big_rank(
         "written_GB": moved.get("written", 0) / 1e9,
         "params_read_GB": params_moved.get("read", 0) / 1e9,
         "params_written_GB": params_moved.get("written", 0) / 1e9,
+        "grads_read_GB": grads_moved.get("read", 0) / 1e9,
+        "grads_written_GB": grads_moved.get("written", 0) / 1e9,
     }
     finish_rank(out, rank, result)
 
