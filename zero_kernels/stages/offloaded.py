@@ -4,7 +4,9 @@ A bucket whose state stays on the device (``offload_optimizer.ratio`` < 1: ``pla
 ``update.update_bucket``, as without offload. Per bucket in the tier, in the step's bucket order:
 
 1. the bucket's reduced gradient shard is copied down into the buffer's host copy (``HostTier.down``:
-   in the dtype the stage keeps it in; bf16: 2 bytes per parameter);
+   in the dtype the stage keeps it in; bf16: 2 bytes per parameter); at stage 3 with the state on disk the
+   gradient shards are in files instead (``stage3.disk_grads``), and the bucket's is read from its file, ahead
+   (``step_grads``/``stepped_grads``);
 2. where the device parameters differ from the host copy the tier last pushed up (a load or an
    edit since the last step; ``HostTier.changed``, by a fingerprint taken on the device), the bucket
    is copied down, so the update adopts the edit exactly as without offload;

@@ -37,7 +37,9 @@ host tier's copy of a unit's parameter shard is the shard itself: the host Adam 
 nothing goes up at the step, and each gather copies the shard (or its int8 payload with
 ``zero_quantized_weights``) to the device first (``stage3.gathers``). Persistent units stay on the device.
 With ``offload_param`` on nvme the units beyond ``max_in_cpu`` keep their shard in a file instead, read through a
-bounded pool of host buffers for each gather and for the update (``stage3.disk_params``).
+bounded pool of host buffers for each gather and for the update (``stage3.disk_params``). With the optimizer
+state on disk (``offload_optimizer`` nvme, ``ratio`` 1) the reduced gradient shards live in files too, written as
+each bucket's reduction completes and read ahead by the update (``stage3.disk_grads``).
 
 Frozen parameters stay whole on every rank, unless ``zero_quantized_nontrainable_weights`` is on: then
 they are partitioned too, per holding module, and stored in int8 (``stage3.frozen``).
