@@ -194,3 +194,21 @@ def test_a_disk_without_room_for_the_gradients_is_refused_naming_the_key(tmp_pat
         assert not list(small.glob("zero_kernels/*"))  # every file reserved is removed
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+def test_the_files_hold_the_reduced_gradients_bit_for_bit(tmp_path: Path) -> None:
+    """After a backward the gradient files hold, byte for byte, the resident shard of the same run without offload
+    (read back from the disk, not through the optimizer)."""
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, _disk(tmp_path), torch.bfloat16)
+    for model, opt in ((plain, a), (tiered, b)):
+        _backward(model, opt, batch(0, 2 * ROWS), local(extra_rows(0, 1), 0, 3))
+    files = b._pipeline.disk_grads.files
+    files.finish()
+    for ours, theirs in zip(b._pipeline.buffers, a._pipeline.buffers):
+        path, dtype = files.paths[id(ours)]
+        on_disk = torch.frombuffer(bytearray(path.read_bytes()), dtype=dtype)
+        assert on_disk.numel() == theirs.grad_shard.numel() and theirs.grad_shard.abs().sum() > 0
+        assert torch.equal(on_disk.view(torch.int16), theirs.grad_shard.view(torch.int16)), path.name
