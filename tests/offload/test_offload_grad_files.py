@@ -3,10 +3,11 @@ gradient swap, ``stages.stage3.disk_grads``): weights and Adam state bit for bit
 offload, compared after every step at 1 and 2 gloo ranks (bf16, fp16 with loss scaling and overflow steps, fp32;
 clipping; a non-finite step; two backward passes before a step and a round owed after ``no_sync``; a parameter
 without a gradient; ``zero_grad(set_to_none=False)`` between backward and step; ``gradient_accumulation_steps``
-2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk while training and gone after
-``close``; no resident gradient shard in ``memory_report``; the gradients read once per step (the statistics read
-nothing); a checkpoint saved inside an accumulation window resumed with and without offload; a disk without room
-for the gradients refused naming the key."""
+2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk while training (after a
+backward they hold the resident shard's bytes) and gone after ``close``; no resident gradient shard in
+``memory_report``; the gradients read once per step (the statistics read nothing); a checkpoint saved inside an
+accumulation window resumed with and without offload; a disk without room for the gradients refused naming the
+key."""
 
 from __future__ import annotations
 
