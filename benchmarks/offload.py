@@ -20,11 +20,13 @@ ours, the median of the per-round ratios, with ``low``/``high`` and a ``verdict`
 
 Bytes per step (ours, counted by the offload tier over the timed steps): ``down_MB``/``up_MB`` across the
 host link (none where the device is host memory: the tier then uses the shards in place), ``read_MB``/
-``written_MB`` of state files. The disk's bandwidth is measured in the same run, in the same folder, before
-the ranks start, by the offload's own I/O engine streaming with the run's ``aio`` knobs (``disk_probe``:
-``disk_write_GBps``, ``disk_read_GBps`` and ``disk_mixed_GBps``, a read and a write together as the state swap
-does); ``io_of_disk`` is our state I/O per step over the step time, as a share of ``disk_mixed_GBps``.
-``host_MB``/``disk_MB`` are ``memory_report()``'s tiers.
+``written_MB`` of state files; ``grads_read_MB``/``grads_written_MB`` of gradient files (stage 3 with the state
+on disk keeps its gradient shards in files; not in ``read_MB``/``written_MB`` nor ``io_of_disk``). The disk's
+bandwidth is measured in the same run, in the same folder, before the ranks start, by the offload's own I/O
+engine streaming with the run's ``aio`` knobs (``disk_probe``: ``disk_write_GBps``, ``disk_read_GBps`` and
+``disk_mixed_GBps``, a read and a write together as the state swap does); ``io_of_disk`` is our state I/O per
+step over the step time, as a share of ``disk_mixed_GBps``. ``host_MB``/``disk_MB`` are ``memory_report()``'s
+tiers.
 
 ``--big``: one rank trains a bf16 model of ``--big-params`` parameters at stage 3 with its optimizer
 state on disk (12 bytes per parameter), twice, each in a fresh process: with the parameter shards in
@@ -34,10 +36,11 @@ resident memory (``VmHWM``; ``steps_peak``: since the optimizer was built), the 
 parameter shards' files too), the optimizer state's I/O rate against the disk's over the whole step
 (``io_of_disk``) and over the update alone (``update_io_of_disk``: the I/O runs there), and the step against
 (state bytes moved / disk bandwidth) (``step_over_io_bound``); the parameter shards' bytes read and written per
-step apart (``params_read_GB``, ``params_written_GB``), and the same two ratios over every byte the step moves
-to and from the disk, the state's and the parameter shards' (``disk_io_of_disk``, ``step_over_disk_bound``).
-The disk is measured before and after each case (``disk_probe``); the ratios use the faster of the two
-(``disk_mixed_GBps``; ``disk_mixed_GBps_low``: the slower).
+step apart (``params_read_GB``, ``params_written_GB``), and the gradient shards' (in files at stage 3 with the
+state on disk: ``grads_read_GB``, ``grads_written_GB``); and the same two ratios over every byte the step moves
+to and from the disk, the state's and the parameter and gradient shards' (``disk_io_of_disk``,
+``step_over_disk_bound``). The disk is measured before and after each case (``disk_probe``); the ratios use the
+faster of the two (``disk_mixed_GBps``; ``disk_mixed_GBps_low``: the slower).
 """
 
 from __future__ import annotations
@@ -176,6 +179,12 @@ def _param_traffic(opt: Any) -> dict[str, int]:
     return dict(disk.files.traffic()) if disk is not None else {}
 
 
+def _grad_traffic(opt: Any) -> dict[str, int]:
+    """Bytes of stage 3's gradient shards read from and written to their files (the state on disk)."""
+    disk = getattr(getattr(opt, "_pipeline", None), "disk_grads", None)
+    return dict(disk.files.traffic()) if disk is not None else {}
+
+
 def _build(provider: str, model: nn.Module, x: torch.Tensor, folder: str) -> tuple[Callable[[], None], Any]:
     """(one training step, the optimizer or engine) of ``provider`` on the gloo group already joined."""
     who, stage, device = _parse(provider)
@@ -212,14 +221,17 @@ def _measure(provider: str, width: int, depth: int, steps: int, folder: str) -> 
     step, handle = _build(provider, model, torch.randn(8, width), folder)
     times = []
     before: dict[str, int] = {}
+    grads_before: dict[str, int] = {}
     for i in range(steps + 2):
         if i == 2:
-            before = _traffic(handle)
+            before, grads_before = _traffic(handle), _grad_traffic(handle)
         start = time.perf_counter()
         step()
         dist.barrier()
         times.append(time.perf_counter() - start)
     moved = {f"{k}_MB": (v - before.get(k, 0)) / steps / 1e6 for k, v in _traffic(handle).items() if k != "init"}
+    grads = _grad_traffic(handle).items()
+    moved.update({f"grads_{k}_MB": (v - grads_before.get(k, 0)) / steps / 1e6 for k, v in grads})
     report = handle.memory_report() if hasattr(handle, "memory_report") else {}
     tiers = {f"{k}_MB": report[k] / 1e6 for k in ("host", "disk") if k in report}
     return {"ms": 1e3 * statistics.median(times[2:]), **moved, **tiers}
@@ -381,9 +393,10 @@ def _big_rank(
     marks, state_on_disk = [], 0
     before: dict[str, int] = {}
     params_before: dict[str, int] = {}
+    grads_before: dict[str, int] = {}
     for i in range(steps + 1):
         if i == 1:
-            before, params_before = _traffic(opt), _param_traffic(opt)
+            before, params_before, grads_before = _traffic(opt), _param_traffic(opt), _grad_traffic(opt)
         start = time.perf_counter()
         module(x).float().square().mean().backward()
         middle = time.perf_counter()
@@ -393,6 +406,7 @@ def _big_rank(
         state_on_disk = max(state_on_disk, opt.memory_report().get("disk", 0))
     moved = {k: (v - before.get(k, 0)) / steps for k, v in _traffic(opt).items()}
     params_moved = {k: (v - params_before.get(k, 0)) / steps for k, v in _param_traffic(opt).items()}
+    grads_moved = {k: (v - grads_before.get(k, 0)) / steps for k, v in _grad_traffic(opt).items()}
     timed = marks[1:]
     result = {
         "params": params,
@@ -406,6 +420,8 @@ def _big_rank(
         "written_GB": moved.get("written", 0) / 1e9,
         "params_read_GB": params_moved.get("read", 0) / 1e9,
         "params_written_GB": params_moved.get("written", 0) / 1e9,
+        "grads_read_GB": grads_moved.get("read", 0) / 1e9,
+        "grads_written_GB": grads_moved.get("written", 0) / 1e9,
     }
     finish_rank(out, rank, result)
 
@@ -448,7 +464,8 @@ def _big_ratios(got: dict, disk_Bps: float) -> dict:
     """The capacity case's memory and I/O ratios from a rank's measurements ``got`` and the disk's bandwidth."""
     state = 12 * got["params"]
     io_bytes = (got["read_GB"] + got["written_GB"]) * 1e9
-    disk_bytes = io_bytes + (got["params_read_GB"] + got["params_written_GB"]) * 1e9
+    shards = got["params_read_GB"] + got["params_written_GB"] + got["grads_read_GB"] + got["grads_written_GB"]
+    disk_bytes = io_bytes + shards * 1e9
     return dict(
         state_GB=state / 1e9,
         state_over_rss=state / (got["peak_rss_GB"] * 1e9),

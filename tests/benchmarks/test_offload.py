@@ -68,7 +68,8 @@ def test_disk_bandwidth_is_measured_in_the_folder_by_the_engine_and_leaves_nothi
 
 def test_big_ratios_count_the_state_alone_and_every_byte_on_the_disk() -> None:
     got = {"params": 1_000_000_000, "peak_rss_GB": 4.0, "steps_peak_rss_GB": 3.0, "step_s": 10.0, "update_s": 8.0}
-    got.update(read_GB=6.0, written_GB=6.0, params_read_GB=2.0, params_written_GB=1.0)
+    got.update(read_GB=6.0, written_GB=6.0, params_read_GB=1.5, params_written_GB=0.5, grads_read_GB=0.5)
+    got.update(grads_written_GB=0.5)
     r = offload._big_ratios(got, 1.5e9)
     assert (r["state_GB"], r["state_over_rss"], r["state_over_steps_rss"]) == (12.0, 3.0, 4.0)
     assert r["io_of_disk"] == pytest.approx(12e9 / 10 / 1.5e9) and r["update_io_of_disk"] == pytest.approx(1.0)
@@ -107,6 +108,10 @@ def test_subject_at_a_tiny_size() -> None:
             in_memory = host[(r["provider"].replace("-nvme", "-cpu"), r["rank"])]  # the same state, all in memory
             assert r["read_MB"] == r["written_MB"] == pytest.approx(in_memory) and in_memory > 0
             assert r["disk_MB"] >= r["read_MB"] and r["io_of_disk"] > 0
+        grads = r["provider"] == "zk-stage3-nvme"  # its gradient shard in files: written and read once per step
+        assert ("grads_read_MB" in r) == grads
+        if grads:
+            assert r["grads_read_MB"] == r["grads_written_MB"] > 0 and r["disk_MB"] >= r["read_MB"] + r["grads_read_MB"]
     (disk,) = [r for r in rows if r["provider"] == offload.DISK]
     assert disk["disk_write_GBps"] > 0
     peers = [r for r in rows if r["provider"].startswith("deepspeed")]
@@ -133,7 +138,9 @@ def test_big_case_at_a_tiny_size() -> None:
         assert row["update_io_of_disk"] >= row["io_of_disk"] > 0 and row["step_over_io_bound"] > 0
         assert row["step_s"] >= row["update_s"] > 0 and row["fwd_bwd_s"] > 0
     plain, files = rows
-    assert plain["state_on_disk_GB"] * 1e9 >= 12 * plain["params"] and plain["params_read_GB"] == 0
-    assert files["state_on_disk_GB"] * 1e9 >= 14 * files["params"]  # the state and the bf16 shards
+    for row in rows:  # the bf16 gradient shard in its file: written by the backward, read by the update
+        assert row["grads_written_GB"] * 1e9 == row["grads_read_GB"] * 1e9 == 2 * row["params"]
+    assert plain["state_on_disk_GB"] * 1e9 >= 14 * plain["params"] and plain["params_read_GB"] == 0
+    assert files["state_on_disk_GB"] * 1e9 >= 16 * files["params"]  # the state, the bf16 gradients and shards
     assert files["params_written_GB"] * 1e9 == 2 * files["params"]  # the update writes each shard once
     assert files["params_read_GB"] * 1e9 == 2 * 2 * files["params"]  # two gathers; the update overwrites it

@@ -79,9 +79,11 @@ def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
     assert cpu.bus_up == 2 * SHARD * 2 * 2  # forward and backward of 2 micro-steps; nothing after the update
     assert cpu.bus_down == 2 * SHARD * 2 and cpu.host_bytes == 16 * SHARD  # the parameter copy is the shard
     nvme = estimate_offload(PSI, N, 3, setup)
-    assert nvme.disk_bytes == 12 * SHARD + 2 * SHARD
-    # shards in files: read for the forward and the backward gather, overwritten by the update
-    assert nvme.disk_read == 12 * SHARD + 2 * 2 * SHARD and nvme.disk_write == 12 * SHARD + 2 * SHARD
+    assert nvme.disk_bytes == 12 * SHARD + 2 * SHARD + 2 * SHARD  # the state, the parameter and gradient shards
+    # shards in files: read for the forward and the backward gather, overwritten by the update; the gradient
+    # shard written by the reduction and read by the update
+    assert nvme.disk_read == 12 * SHARD + 2 * 2 * SHARD + 2 * SHARD
+    assert nvme.disk_write == 12 * SHARD + 2 * SHARD + 2 * SHARD
     assert estimate_offload(PSI, N, 2, setup).disk_bytes == 12 * SHARD  # offload_param counts at stage 3 only
     rec = recommend(PSI, gpus=N, gpu_memory=10 * GB, link="nvlink", offload=setup)
     assert rec.plans[-1].memory.params == 0 and rec.plans[-1].memory.optimizer == 0
@@ -89,6 +91,25 @@ def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
     alone = replace(setup, optimizer="none")  # zero_kernels keeps the shards on the device then: the plan says so
     rec = recommend(PSI, gpus=N, gpu_memory=20 * GB, link="nvlink", offload=alone)
     assert rec.stage == 3 and rec.reasons[-1].startswith("offload_param: planned as DeepSpeed applies it")
+
+
+def test_stage_3_with_the_state_on_disk_keeps_the_gradient_shard_in_files() -> None:
+    """Not on the device nor as a host copy: on the disk, written by each micro-step's reduction (read back by the
+    later ones) and read by the update; stages 1-2, the cpu tier and a share keep it as before."""
+    plain = estimate_offload(PSI, N, 2, NVME)
+    for accum in (1, 4):
+        est = estimate_offload(PSI, N, 3, replace(NVME, grad_accum=accum))
+        assert est.disk_bytes == plain.disk_bytes + 2 * SHARD
+        assert est.disk_read == est.disk_write == 12 * SHARD + accum * 2 * SHARD
+        assert est.host_bytes == plain.host_bytes - 2 * SHARD  # the parameter copy only
+        disk_bps = 20 * GB / 8  # the node's disk shared by its 8 ranks
+        assert est.phase_s["backward"] == pytest.approx(
+            max(accum * 2 * SHARD / (50 * GB), (2 * accum - 1) * 2 * SHARD / disk_bps)
+        )
+    plans = {p.stage: p for p in recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=NVME).plans}
+    assert plans[3].memory.grads == 0 and plans[2].memory.grads == estimate_memory(PSI, N, 2).grads
+    for setup in (CPU, replace(NVME, ratio=0.5)):
+        assert estimate_offload(PSI, N, 3, setup).disk_bytes == estimate_offload(PSI, N, 2, setup).disk_bytes
 
 
 def test_gradient_accumulation_moves_the_shard_down_every_micro_step_from_stage_2() -> None:
@@ -144,7 +165,8 @@ def test_host_memory_or_disk_too_small_is_named() -> None:
     small_disk = replace(NVME, disk_space=90 * GB)  # 8 ranks x 12 GB of state files
     with pytest.raises(NoFitError, match="the disk is too small"):
         recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=small_disk)
-    rec = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=replace(NVME, disk_space=97 * GB))
+    roomy = replace(NVME, disk_space=113 * GB)  # and at stage 3 8 x 2 GB of gradient files
+    rec = recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=roomy)
     assert all(p.fits for p in rec.plans)
 
 

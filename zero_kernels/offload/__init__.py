@@ -1,6 +1,6 @@
-"""Where the optimizer state lives when it is offloaded: host memory (``host``) or files (``disk``), stage 3's
-parameter shards in files (``param_files``), and the asynchronous disk I/O engine that moves tensors between
-host memory and files (``aio``).
+"""Where the optimizer state lives when it is offloaded: host memory (``host``) or files (``disk``); shards in files
+read through a bounded host pool (``shard_files``: stage 3's parameter shards, ``param_files``, and its gradient
+shards); and the asynchronous disk I/O engine that moves tensors between host memory and files (``aio``).
 
 The tiers hold storage and move bytes; the pipelines (``stages.offloaded``) decide what goes where.
 """
@@ -11,6 +11,7 @@ from .aio import FileIO, IOHandle
 from .disk import DiskTier, remove_stale_runs
 from .host import THREADS_VARIABLE, HostShard, HostTier, cpu_threads
 from .param_files import ParamFiles
+from .shard_files import ShardFiles
 
 __all__ = [
     "THREADS_VARIABLE",
@@ -20,6 +21,7 @@ __all__ = [
     "HostTier",
     "IOHandle",
     "ParamFiles",
+    "ShardFiles",
     "cpu_threads",
     "remove_stale_runs",
 ]

@@ -327,7 +327,7 @@ def plan_stages(
                 master_weights=master_weights,
                 grad_dtype=grads,
             )
-            memory = device_memory(memory, offload if stage == 3 else replace(offload, param="none"))
+            memory = device_memory(memory, offload if stage == 3 else replace(offload, param="none"), stage=stage)
         exposed = _exposed(comm, compute_s or 0.0, off)
         fits = memory.total + activation_bytes <= gpu_memory and (off is None or off.fits)
         step = (compute_s or 0.0) + exposed

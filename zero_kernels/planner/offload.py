@@ -27,6 +27,12 @@ parameter shard off the device too: every gather of a unit uploads its shard (fo
 per micro-step), and the update writes it in place on the host (nothing goes up after the step). With
 ``nvme`` those gathers read the shard from the disk and the update writes it back.
 
+Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shard in files (``grads_in_files``,
+as the pipeline does): not on the device nor as a host copy; each reduction writes it (once per micro-step, as
+it goes down) and the update reads it (a later micro-step's reduction reads it back to add): ``g`` bytes per
+element on the disk, written and read ``grad_accum`` times per step (the writes beside backward, the update's
+read after it).
+
 Devices, hosts and disks: ``ranks_per_node`` ranks share a node's host memory, its disk (capacity and
 bandwidth) and its CPU cores (the CPU Adam's rate is the node's, divided among them); each rank has its
 own host link (one PCIe x16 per GPU, as in DGX and HGX nodes). Offload needs ZeRO stage 1 or more.
@@ -197,16 +203,23 @@ def sub_group_elements(shard: int) -> int:
     return int(min(MAX_SUB_GROUP, max(_MIN_SUB_GROUP, -(-wanted // _MIN_SUB_GROUP) * _MIN_SUB_GROUP)))
 
 
-def device_memory(memory: MemoryEstimate, setup: OffloadSetup) -> MemoryEstimate:
+def grads_in_files(stage: int, setup: OffloadSetup) -> bool:
+    """Whether the reduced gradient shard lives in files (stage 3, all the state on ``nvme``)."""
+    return stage == 3 and setup.optimizer == "nvme" and setup.ratio == 1.0
+
+
+def device_memory(memory: MemoryEstimate, setup: OffloadSetup, *, stage: int = 0) -> MemoryEstimate:
     """What stays on the device: the estimate without the offloaded share of the optimizer state (and stage 3's
-    parameter shard with ``offload_param``, unless the device is the host and the shard is kept in memory). ZeRO++'s
-    copies (``secondary``) are gathered from the shard onto the device, so they stay."""
+    parameter shard with ``offload_param``, unless the device is the host and the shard is kept in memory; and its
+    reduced gradient shard where it is in files, ``grads_in_files``: the local gradients stay). ZeRO++'s copies
+    (``secondary``) are gathered from the shard onto the device, so they stay."""
     kept = setup.param == "none" or (setup.device_is_host and setup.param == "cpu")
     params = memory.params if kept else 0
+    grads = memory.local_grads if grads_in_files(stage, setup) else memory.grads
     optimizer = round(memory.optimizer * (1 - setup.ratio)) if setup.optimizer != "none" else memory.optimizer
-    total = params + memory.grads + optimizer + memory.working_set + memory.secondary + memory.buffers
+    total = params + grads + optimizer + memory.working_set + memory.secondary + memory.buffers
     kept_too = {"secondary": memory.secondary, "buffers": memory.buffers, "local_grads": memory.local_grads}
-    return MemoryEstimate(params, memory.grads, optimizer, memory.working_set, total, **kept_too)
+    return MemoryEstimate(params, grads, optimizer, memory.working_set, total, **kept_too)
 
 
 def estimate_offload(
@@ -242,19 +255,22 @@ def estimate_offload(
     gathers = 2 * setup.grad_accum  # stage 3: forward and backward of every micro-step
     sub = sub_group_elements(moved)
     crosses = not setup.device_is_host  # on a host device the tier shares the device's tensors
-    copies = _copies(setup, elem, g_elem, moved, shard if param_off == "cpu" else 0) if crosses else 0
+    files = grads_in_files(stage, setup)  # no host copy of the gradient shard: it is in files
+    copies = _copies(setup, elem, 0 if files else g_elem, moved, shard if param_off == "cpu" else 0) if crosses else 0
     host = copies + (state if setup.optimizer == "cpu" else 0)
     host += OPTIMIZER_BUFFERS * sub * k_bytes if setup.optimizer == "nvme" else 0
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
     in_files = elem * shard if param_off == "nvme" else 0  # parameter shards in files
-    disk = (state if setup.optimizer == "nvme" else 0) + in_files
+    grad_file = g_elem * shard if files else 0
+    grad_io = grad_file * setup.grad_accum  # written, and read, once per micro-step
+    disk = (state if setup.optimizer == "nvme" else 0) + in_files + grad_file
     down = g_elem * moved * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" and crosses else 0
     up_after = elem * moved if setup.optimizer != "none" and param_off == "none" and crosses else 0
     up_gather = elem * shard * gathers if param_off != "none" and crosses else 0
     state_io = state if setup.optimizer == "nvme" else 0
     gather_reads = in_files * gathers
-    read = state_io + gather_reads  # the shards are read for every gather; the update overwrites them,
-    write = state_io + in_files  # writing them back (it reads them only where it keeps some elements)
+    read = state_io + gather_reads + grad_io  # the shards are read for every gather; the update overwrites them,
+    write = state_io + in_files + grad_io  # writing them back (it reads them only where it keeps some elements)
     return OffloadEstimate(
         host_bytes=host,
         disk_bytes=disk,
@@ -265,7 +281,7 @@ def estimate_offload(
         disk_read=read,
         disk_write=write,
         adam_s=state * setup.ranks_per_node / (setup.adam_gbps * 1e9),
-        phase_s=_phases(setup, state, down, up_after, up_gather, gather_reads, in_files),
+        phase_s=_phases(setup, state, down, up_after, up_gather, gather_reads, in_files, grad_file),
         sub_group_size=sub,
     )
 
@@ -279,14 +295,23 @@ def _copies(setup: OffloadSetup, elem: int, g_elem: int, moved: int, param_shard
 
 
 def _phases(
-    setup: OffloadSetup, state: int, down: int, up_after: int, up_gather: int, gather_reads: int, in_files: int
+    setup: OffloadSetup,
+    state: int,
+    down: int,
+    up_after: int,
+    up_gather: int,
+    gather_reads: int,
+    in_files: int,
+    grad_file: int = 0,
 ) -> dict[str, float]:
     """Offload seconds beside forward and backward and after backward.
 
     Gathers of offloaded parameters split evenly between forward and backward (each the longer of its
     uploads and its disk reads, ``gather_reads``); a node's disk serves its ranks one after another (its
     bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is read and
-    written, and parameter shards in files are written by the update (``in_files`` bytes, after backward).
+    written, and parameter shards in files are written by the update (``in_files`` bytes, after backward); a
+    gradient shard in files (``grad_file`` bytes) is written by each micro-step's reduction beside backward, read
+    back by every one after the first, and read by the update.
     """
     bus = setup.bus_gbps * 1e9
     disk = (setup.disk_gbps or math.inf) * 1e9 / setup.ranks_per_node
@@ -295,8 +320,8 @@ def _phases(
     state_io_s = 2 * state / disk if setup.optimizer == "nvme" else 0.0
     return {
         "forward": gather_s,
-        "backward": max(gather_s, down / bus),
-        "after": max(adam_s, state_io_s + in_files / disk) + up_after / bus,
+        "backward": max(gather_s, down / bus, (2 * setup.grad_accum - 1) * grad_file / disk),
+        "after": max(adam_s, state_io_s + (in_files + grad_file) / disk) + up_after / bus,
     }
 
 

@@ -37,8 +37,9 @@ Rules. A parameter without a gradient on any rank this step (``p.grad is None`` 
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
 Gradients are averaged over ranks (``grad_divisor``). Public override points (the shard accessors
 the update, ``master`` and ``stats`` use): ``grad_shard``, ``param_shard``, ``master_shard``,
-``norm_views``, and ``epilogue_quantizer`` (where the update leaves qwZ's int8 copies). Overrides within
-the stages: ``num_shards``, ``_place_params``, ``_allocate_grads``,
+``norm_views`` (and ``grad_column``, ``zero_reduced``, ``reduced_shard``, ``assign_reduced``, for a stage that
+keeps the reduced gradients elsewhere: stage 3's files), and ``epilogue_quantizer`` (where the update leaves
+qwZ's int8 copies). Overrides within the stages: ``num_shards``, ``_place_params``, ``_allocate_grads``,
 ``_consume_grad``, ``_launch_bucket``, ``_before_step``, ``_publish``, ``_register_grad_hooks``,
 ``gathered_params``, ``zero_grad``.
 """
@@ -387,6 +388,10 @@ class Pipeline(BackwardRound):
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
 
+    def grads_in_file(self, buf: FlatBuffer) -> bool:
+        """Whether this rank's gradient shard of ``buf`` lives in a file (stage 3 with the state on disk)."""
+        return False
+
     def params_in_file(self, buf: FlatBuffer) -> bool:
         """Whether this rank's parameter shard of ``buf`` lives in a file (stage 3's ``offload_param`` on nvme)."""
         return False
@@ -433,6 +438,24 @@ class Pipeline(BackwardRound):
         for buf in self.buffers:
             for bucket in buf.layout.buckets:
                 yield self.grad_shard(buf, bucket)
+
+    def grad_column(self, norm: bool) -> torch.Tensor:
+        """This rank's part of the gradient column (``stats.grad_column`` of ``norm_views()``): the squared norm
+        (``norm``), else whether every gradient is finite."""
+        device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        return stats.grad_column(self.norm_views(), device, norm=norm)
+
+    def zero_reduced(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        """Zero this rank's reduced gradients of ``bucket`` (no reduction wrote them: ``grad_state.zero_unwritten``)."""
+        buf.shard_slice(buf.grad_shard, bucket).zero_()
+
+    def reduced_shard(self, buf: FlatBuffer) -> torch.Tensor:
+        """This rank's whole reduced gradient shard of ``buf`` (stages 2-3; a window saved: ``window.capture``)."""
+        return buf.grad_shard
+
+    def assign_reduced(self, buf: FlatBuffer, shard: torch.Tensor) -> None:
+        """Give this rank's reduced gradient shard of ``buf`` the values ``shard`` holds (``window.restore``)."""
+        buf.grad_shard.copy_(shard)
 
     def finish_grad_sync(self) -> None:
         """Make every gradient of this step present, reduced, in ``grad_shard`` (again after a gradient arrived).
@@ -502,11 +525,12 @@ class Pipeline(BackwardRound):
         """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
         compared: one all-gather (``stats``)."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        views = self.norm_views() if norm or finite else None
+        column = self.grad_column(norm) if norm or finite else None
         extra = self.refusals.columns() + self._step_columns()
         combined = stats.exchange(
-            self.engine, self._control, self.has_grad, views, checks, device, norm=norm,
+            self.engine, self._control, self.has_grad, None, checks, device, norm=norm,
             counts=self.step_counts.counts, held=self.held_indices(), name=self._index_name, extra=extra,
+            column=column,
         )  # fmt: skip
         self._verify_step_columns([row[2:] for row in combined.extra])
         self.refusals.verify([row[:2] for row in combined.extra], self.stage, self._index_name)

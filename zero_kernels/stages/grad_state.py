@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import stats
 from .layout import Bucket
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ def zero_unwritten(pipeline: "Pipeline") -> None:
             continue
         for bucket in buf.layout.buckets:
             if bucket.index not in buf.written:
-                buf.shard_slice(buf.grad_shard, bucket).zero_()
+                pipeline.zero_reduced(buf, bucket)
                 buf.written.add(bucket.index)
 
 
@@ -108,8 +107,7 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
     pipeline.finish_grad_sync()
     if pipeline.grad_divisor_is_world:
         grad_scale = grad_scale / pipeline.world_size
-    device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
-    sq = stats.grad_column(pipeline.norm_views(), device, norm=True)
+    sq = pipeline.grad_column(norm=True)
     if pipeline.world_size > 1:
         pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
     return sq.sqrt() * grad_scale

@@ -4,7 +4,9 @@ A bucket whose state stays on the device (``offload_optimizer.ratio`` < 1: ``pla
 ``update.update_bucket``, as without offload. Per bucket in the tier, in the step's bucket order:
 
 1. the bucket's reduced gradient shard is copied down into the buffer's host copy (``HostTier.down``:
-   in the dtype the stage keeps it in; bf16: 2 bytes per parameter);
+   in the dtype the stage keeps it in; bf16: 2 bytes per parameter); at stage 3 with the state on disk the
+   gradient shards are in files instead (``stage3.disk_grads``), and the bucket's is read from its file, ahead
+   (``step_grads``/``stepped_grads``);
 2. where the device parameters differ from the host copy the tier last pushed up (a load or an
    edit since the last step; ``HostTier.changed``, by a fingerprint taken on the device), the bucket
    is copied down, so the update adopts the edit exactly as without offload;
@@ -174,7 +176,11 @@ def update_bucket(
     separate = device_params is not None and device_params.data_ptr() != params.data_ptr()
     if separate and tier.changed((id(buf), bucket.index), device_params, params):
         tier.down(params, device_params)
-    grads = tier.gradients(shard, pipeline.grad_shard(buf, bucket), bucket.shard_offset - placement.cut(buf))
+    grads_in_file = pipeline.grads_in_file(buf)  # stage 3 with the state on disk: read from the file (ahead)
+    if grads_in_file:
+        grads = pipeline.step_grads(buf, bucket)
+    else:
+        grads = tier.gradients(shard, pipeline.grad_shard(buf, bucket), bucket.shard_offset - placement.cut(buf))
     state = _state(tier, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
     low = buf.master is not None
     tensors = BucketTensors(
@@ -187,6 +193,8 @@ def update_bucket(
     )
     with tier.compute():
         launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl), adopt=not fresh)
+    if grads_in_file:
+        pipeline.stepped_grads(buf, bucket)
     if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
     if separate:

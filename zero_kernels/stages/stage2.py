@@ -129,11 +129,8 @@ class Stage2Pipeline(Pipeline):
         mine = scratch.narrow(0, self.rank * bucket.shard_numel, bucket.shard_numel)
 
         def accumulate() -> None:
-            if bucket.index in buf.written:
-                self.grad_shard(buf, bucket).add_(mine)
-            else:  # the first reduction since the step: what the shard held there is spent (grad_state)
-                self.grad_shard(buf, bucket).copy_(mine)
-                buf.written.add(bucket.index)
+            self._accumulate(buf, bucket, mine, first=bucket.index not in buf.written)
+            buf.written.add(bucket.index)
             self._give_back(buf, scratch._base)
 
         name = f"grads.{bucket.index}"
@@ -142,6 +139,14 @@ class Stage2Pipeline(Pipeline):
         else:
             handle = self.quantized_reducer.reduce_scatter(mine, scratch, name=name, key=(id(buf), bucket.index))
         self._track(handle, accumulate, held=(scratch,))
+
+    def _accumulate(self, buf: FlatBuffer, bucket: Bucket, mine: torch.Tensor, first: bool) -> None:
+        """Bring a completed reduction (``mine``: this rank's part of ``bucket``) into the gradient shard: the
+        ``first`` since the step is copied (what the shard held there is spent: ``grad_state``), later ones added."""
+        if first:
+            self.grad_shard(buf, bucket).copy_(mine)
+        else:
+            self.grad_shard(buf, bucket).add_(mine)
 
     def _give_back(self, buf: FlatBuffer, whole: torch.Tensor) -> None:
         """Keep a finished scratch bucket for reuse, within the pool's limits."""

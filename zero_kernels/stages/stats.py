@@ -86,12 +86,23 @@ def grad_column(views: Iterable[torch.Tensor], device: torch.device, *, norm: bo
         norm: the sum of their squared norms; else a sum that is 0 when every element is finite, NaN
             otherwise (several times cheaper than a norm on CPUs).
     """
+    return combine((partial(v, norm=norm) for v in views), device)
+
+
+def partial(v: torch.Tensor, *, norm: bool) -> torch.Tensor:
+    """One gradient piece's term of the column (``grad_column``), a float64 0-d tensor on its device: its squared
+    norm (``norm``), else 0 when it is finite, NaN otherwise."""
+    if norm:
+        return torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
+    return v.sum(dtype=torch.float32 if v.dtype == torch.float16 else None).double() * 0.0  # fp16: no overflow
+
+
+def combine(partials: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The column from the pieces' terms (``partial``), summed in their order from a float64 zero on ``device``:
+    terms computed when each piece was final give the column of ``grad_column`` bit for bit."""
     column = torch.zeros((), dtype=torch.float64, device=device)
-    for v in views:
-        if norm:
-            column += torch.linalg.vector_norm(v, dtype=torch.float32).double().square()
-        else:  # fp16 sums in fp32 so that it cannot overflow
-            column += v.sum(dtype=torch.float32 if v.dtype == torch.float16 else None).double() * 0.0
+    for term in partials:
+        column += term
     return column
 
 
@@ -108,6 +119,7 @@ def exchange(
     held: set[int],
     name: Callable[[int], str],
     extra: Sequence[float] = (),
+    column: Optional[torch.Tensor] = None,
 ) -> StepStats:
     """Combine this step's statistics over ranks; raise if the ``checks`` or the step counts differ.
 
@@ -124,10 +136,12 @@ def exchange(
         held: the parameter indices whose state this rank holds (all of it or a piece).
         name: how the error names a parameter index.
         extra: values returned per rank (``StepStats.extra``), not compared here.
+        column: this rank's gradient column as the caller combined it (``combine``), with ``grad_views`` None.
     """
     order = sorted(has_grad)
     n = len(order)
-    column = None if grad_views is None else grad_column(grad_views, device, norm=norm)
+    if grad_views is not None:
+        column = grad_column(grad_views, device, norm=norm)
     flags = [1.0 if has_grad[i] else 0.0 for i in order]
     steps = [float(counts[i]) if i in held else -1.0 for i in order]
     values = [*flags, *steps, 0.0, *(v for _, v in checks), *(float(v) for v in extra)]

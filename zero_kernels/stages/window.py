@@ -50,7 +50,7 @@ def capture(pipeline: "Pipeline") -> Window:
             if p.grad is not None:
                 window.grads[index] = p.grad.detach()
     if not pipeline.grads_in_p_grad:
-        window.shards = {b: buf.grad_shard for b, buf in enumerate(pipeline.buffers) if buf.written}
+        window.shards = {b: pipeline.reduced_shard(buf) for b, buf in enumerate(pipeline.buffers) if buf.written}
     for buf in pipeline.buffers if pipeline.wide_local else ():
         for slot in buf.layout.slots:
             if buf.index_of(slot) in pipeline.summed:
@@ -71,7 +71,7 @@ def restore(pipeline: "Pipeline", window: Window) -> None:
     for buf, written in zip(pipeline.buffers, window.flags["written"]):
         buf.written = set(written)
     for b, shard in window.shards.items():
-        pipeline.buffers[b].grad_shard.copy_(shard)
+        pipeline.assign_reduced(pipeline.buffers[b], shard)
     for buf in pipeline.buffers:
         for slot in buf.layout.slots:
             held = window.sums.get(buf.index_of(slot))

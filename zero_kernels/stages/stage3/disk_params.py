@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ...offload.param_files import Lease, ParamFiles
+from ...offload.param_files import ParamFiles
+from ...offload.shard_files import Lease
 from ..layout import Bucket
 
 if TYPE_CHECKING:

@@ -37,7 +37,9 @@ host tier's copy of a unit's parameter shard is the shard itself: the host Adam 
 nothing goes up at the step, and each gather copies the shard (or its int8 payload with
 ``zero_quantized_weights``) to the device first (``stage3.gathers``). Persistent units stay on the device.
 With ``offload_param`` on nvme the units beyond ``max_in_cpu`` keep their shard in a file instead, read through a
-bounded pool of host buffers for each gather and for the update (``stage3.disk_params``).
+bounded pool of host buffers for each gather and for the update (``stage3.disk_params``). With the optimizer
+state on disk (``offload_optimizer`` nvme, ``ratio`` 1) the reduced gradient shards live in files too, written as
+each bucket's reduction completes and read ahead by the update (``stage3.disk_grads``).
 
 Frozen parameters stay whole on every rank, unless ``zero_quantized_nontrainable_weights`` is on: then
 they are partitioned too, per holding module, and stored in int8 (``stage3.frozen``).
@@ -57,14 +59,15 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import adopt, master, offloaded
+from .. import adopt, master, offloaded, stats
 from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
-from . import disk_params
+from . import disk_grads, disk_params
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
+from .disk_grads import DiskGrads
 from .disk_params import DiskParams
 from .frozen import FrozenUnit, frozen_members
 from .gathers import UnitGathers
@@ -174,6 +177,7 @@ class Stage3Pipeline(Stage2Pipeline):
         self._hold_depth = 0
         self._deferred = DeferredChecks()  # gathers of repeated passes, compared at the step
         self.disk_params: Optional[DiskParams] = None  # ``offload_param`` on nvme: shards in files
+        self.disk_grads: Optional[DiskGrads] = disk_grads.start(self.tier)  # the state on disk: gradients in files
         if self.params_offloaded:
             try:
                 self.disk_params = disk_params.start(self.options, self.engine, self._agree_params)
@@ -210,6 +214,7 @@ class Stage3Pipeline(Stage2Pipeline):
             key = (persistent, -1 if persistent else -self._holder[id(p)], str(p.dtype), str(p.device))
             units.setdefault(key, []).append((p, i))
         buffers = [self._unit_buffer(group, units[key], persistent=key[0]) for key in sorted(units)]
+        self._reserve_grads(buffers)
         in_files = self._choose_files(buffers)
         for buf in buffers:
             self._allocate(buf, in_file=id(buf) in in_files)
@@ -339,6 +344,72 @@ class Stage3Pipeline(Stage2Pipeline):
             self.disk_params.place(buf, buf.param_shard)
             self.tier.shards[id(buf)].params = None  # the file holds the shard; the step reads it bucket by bucket
 
+    def _reserve_grads(self, buffers: list[Stage3Buffer]) -> None:
+        """With the state on disk: the files of the gradient shards of ``buffers`` (``disk_grads``), reserved before
+        anything changes (a disk without room on any rank raises on every rank, the tier's files removed)."""
+        if self.disk_grads is None:
+            return
+        problem = None
+        try:
+            for buf in buffers:
+                self.disk_grads.add(buf, self.accumulate_dtype_of(buf), self._unit_name(buf))
+        except OSError as err:
+            problem = str(err)
+        try:
+            offloaded.agree(self.engine, problem, "offload.reserve_grads")
+        except OSError:
+            self.tier.close()
+            raise
+
+    def _allocate_grads(self, buf: FlatBuffer) -> None:
+        """As stage 2, unless the gradient shard is in its file (``_reserve_grads``)."""
+        if self.disk_grads is None:
+            super()._allocate_grads(buf)
+
+    def _accumulate(self, buf: FlatBuffer, bucket: Bucket, mine: torch.Tensor, first: bool) -> None:
+        if self.disk_grads is None:
+            super()._accumulate(buf, bucket, mine, first)
+        else:  # the part and its column terms go to the file (``disk_grads``)
+            self.disk_grads.reduced(buf, bucket, mine, first)
+
+    def grads_in_file(self, buf: FlatBuffer) -> bool:
+        return self.disk_grads is not None
+
+    def grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """As stage 2; a gradient shard in a file gives a copy read from it (the update reads ``step_grads``)."""
+        if self.disk_grads is None:
+            return super().grad_shard(buf, bucket)
+        return self.disk_grads.read(buf, bucket)
+
+    def grad_column(self, norm: bool) -> torch.Tensor:
+        """As stage 2; with the gradients in files, the terms taken as each bucket was reduced (no read)."""
+        if self.disk_grads is None:
+            return super().grad_column(norm)
+        return stats.combine(self.disk_grads.column(norm), self.buffers[0].device)
+
+    def zero_reduced(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        if self.disk_grads is None:
+            super().zero_reduced(buf, bucket)
+        else:
+            self.disk_grads.zero(buf, bucket)
+
+    def reduced_shard(self, buf: FlatBuffer) -> torch.Tensor:
+        return super().reduced_shard(buf) if self.disk_grads is None else self.disk_grads.whole(buf)
+
+    def assign_reduced(self, buf: FlatBuffer, shard: torch.Tensor) -> None:
+        if self.disk_grads is None:
+            super().assign_reduced(buf, shard)
+        else:
+            self.disk_grads.assign(buf, shard)
+
+    def step_grads(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+        """The host Adam's gradients of ``bucket`` from the shard's file, read ahead (``disk_grads``)."""
+        return self.disk_grads.step(buf, bucket)
+
+    def stepped_grads(self, buf: FlatBuffer, bucket: Bucket) -> None:
+        """The update is done with ``step_grads``' buffer."""
+        self.disk_grads.used(buf, bucket)
+
     def _place_params(self, buf: Stage3Buffer) -> None:
         """Persistent units keep the full buffer; the others keep this rank's shard and free the parameters."""
         if buf.persistent:
@@ -406,6 +477,8 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def finish_offloaded_step(self) -> None:
         super().finish_offloaded_step()
+        if self.disk_grads is not None:
+            self.disk_grads.finish_step()
         if self.disk_params is not None:
             self.disk_params.finish_step()
 
@@ -517,6 +590,9 @@ class Stage3Pipeline(Stage2Pipeline):
         if self.disk_params is not None:  # a shard read in whole between steps; the pool
             tensors["params"] += self.disk_params.resident_shards()
             tensors["host"] += self.disk_params.files.pool()
+        if self.disk_grads is not None:  # the gradient shards are in files (a stand-in here); the pool
+            tensors["grads"] = [t for t in tensors["grads"] if t is None or t.device.type != "meta"]
+            tensors["host"] += self.disk_grads.files.pool()
         tensors["params"] += [t for unit in self._frozen or () for t in unit.tensors()]
         tensors["secondary"] += [t for buf in self.buffers for t in buf.secondary or ()] + self.unit_gathers.tensors()
         return tensors
@@ -535,6 +611,8 @@ class Stage3Pipeline(Stage2Pipeline):
             self._scheduler.hold()
             self._scheduler.remove()
             self._scheduler = None
+        if self.disk_grads is not None:
+            self.disk_grads.close()  # its writes done before the tier removes the files
         super().close()
         if self.disk_params is not None:
             self.disk_params.close()

@@ -1,0 +1,215 @@
+"""Stage 3's gradient shards in files with the optimizer state on disk (``offload_optimizer`` nvme: ZeRO-Infinity's
+gradient swap, ``stages.stage3.disk_grads``): weights and Adam state bit for bit those of the same run without
+offload, compared after every step at 1 and 2 gloo ranks (bf16, fp16 with loss scaling and overflow steps, fp32;
+clipping; a non-finite step; two backward passes before a step and a round owed after ``no_sync``; a parameter
+without a gradient; ``zero_grad(set_to_none=False)`` between backward and step; ``gradient_accumulation_steps``
+2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk while training (after a
+backward they hold the resident shard's bytes) and gone after ``close``; no resident gradient shard in
+``memory_report``; the gradients read once per step (the statistics read nothing); a checkpoint saved inside an
+accumulation window resumed with and without offload; a disk without room for the gradients refused naming the
+key."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+import zero_kernels.checkpoint as ck
+import zero_kernels.optim as zo
+from tests.helpers.dist import run_ranks
+from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch, extra_rows, local
+from tests.offload.test_disk_tier import _tmpfs
+
+CLIP = 0.05
+KINDS = ("plain", "twice", "owed", "nonfinite", "plain", "zeroed", "partial", "plain")
+
+
+def _disk(path: Path) -> dict:
+    path.mkdir(parents=True, exist_ok=True)
+    return {"device": "nvme", "nvme_path": str(path), "buffer_count": 2}  # a pool of 2: writes wait for a buffer
+
+
+def _opt(model: Net, offload: Optional[dict], dtype: torch.dtype, clip: bool = True, **kw) -> zo.ShardedFusedAdam:
+    if dtype == torch.float16:
+        kw["fp16"] = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2}
+    if offload is not None:
+        kw.update(offload_optimizer=offload, sub_group_size=32)
+    return zo.ShardedFusedAdam(model, lr=2e-2, stage=3, reduce_bucket_size=BUCKET, amsgrad=True,
+                               max_grad_norm=CLIP if clip else None, **STAGE3, **kw)  # fmt: skip
+
+
+def _backward(model: Net, opt: zo.ShardedFusedAdam, x: torch.Tensor, extra, inf: bool = False) -> None:
+    dtype = next(model.parameters()).dtype
+    loss = model(x.to(dtype), extra).float()
+    if inf:
+        loss = loss * torch.tensor(float("inf"))
+    opt.backward(loss) if dtype == torch.float16 else loss.backward()
+
+
+def _one_step(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, step: int, kind: str,
+              clip: bool) -> Optional[float]:  # fmt: skip
+    """One step of ``kind`` (see ``KINDS``) on this rank's rows; without ``clip`` (in the optimizer), from the
+    fourth step, returns the norm ``clip_grad_norm_`` measured (the gradient files' norm terms are not taken
+    before: computed from the files then)."""
+    x = batch(step, 2 * world * ROWS)
+    rows = [x[(m * world + rank) * ROWS : (m * world + rank + 1) * ROWS] for m in range(2)]
+    extra = None if kind == "partial" else local(extra_rows(step, world), rank, 3)
+    inf = kind == "nonfinite" and next(model.parameters()).dtype != torch.float16  # fp16 overflows by itself
+    if opt.gradient_accumulation_steps == 2:
+        _backward(model, opt, rows[0], extra)
+        opt.step()  # a micro-step: no update
+        _backward(model, opt, rows[1], extra, inf)
+    elif kind in ("twice", "owed"):
+        _backward(model, opt, rows[0], extra)
+        with opt.no_sync() if kind == "owed" else contextlib.nullcontext():
+            _backward(model, opt, rows[1], extra)
+    else:
+        _backward(model, opt, rows[0], extra, inf)
+    if kind == "zeroed":  # the step applies zero gradients to the parameters the last step updated
+        opt.zero_grad(set_to_none=False)
+    norm = None if clip or step < 3 else float(opt.clip_grad_norm_(CLIP))
+    opt.step()
+    opt.zero_grad()
+    return norm
+
+
+def _grad_files(opt: zo.ShardedFusedAdam) -> list[Path]:
+    return sorted(opt._pipeline.tier.root.glob("u*.grads"))
+
+
+def _on_disk_only(opt: zo.ShardedFusedAdam) -> None:
+    """Between steps the gradient shards are files of their full size; nothing of them is resident."""
+    pipeline = opt._pipeline
+    sizes = sorted(buf.layout.shard_numel * buf.grad_shard.dtype.itemsize for buf in pipeline.buffers)
+    assert sizes and sorted(p.stat().st_size for p in _grad_files(opt)) == sizes
+    assert all(buf.grad_shard.device.type == "meta" for buf in pipeline.buffers)
+    assert opt.memory_report()["grads"] == 0
+
+
+def _compare(a: zo.ShardedFusedAdam, b: zo.ShardedFusedAdam, plain: Net, tiered: Net, what: str) -> None:
+    with a.gathered_params(), b.gathered_params():
+        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+            assert torch.equal(p, q), f"{what}: parameter {name} differs"
+    sa, sb = a.full_state_dict()["state"], b.full_state_dict()["state"]
+    assert sa.keys() == sb.keys(), what
+    for i in sa:
+        for kind in sa[i]:
+            assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
+
+
+def pair(rank: int, world: int, scratch: Path, dtype: torch.dtype, *, clip: bool = True, **kw) -> None:
+    """Train without offload and with the state and the gradients on disk, comparing after every step."""
+    torch.manual_seed(0)
+    plain = Net().to(dtype)
+    tiered = copy.deepcopy(plain)
+    a, b = _opt(plain, None, dtype, clip, **kw), _opt(tiered, _disk(scratch / f"nvme{rank}"), dtype, clip, **kw)
+    files = b._pipeline.disk_grads.files
+    shard_bytes = sum(buf.layout.shard_numel * buf.grad_shard.dtype.itemsize for buf in b._pipeline.buffers)
+    for step, kind in enumerate(KINDS):
+        what = f"{dtype} {kw} clip {clip} step {step} ({kind})"
+        read = files.traffic()["read"]
+        norms = [_one_step(model, opt, rank, world, step, kind, clip) for model, opt in ((plain, a), (tiered, b))]
+        assert norms[0] == norms[1] or norms[0] != norms[0] and norms[1] != norms[1], f"{what}: norms {norms}"
+        assert a.skipped_steps == b.skipped_steps, what
+        assert files.traffic()["read"] - read >= shard_bytes, what  # every bucket's gradients read by the update
+        if kind == "plain" and not kw:  # one reduction per bucket: the statistics read nothing more
+            assert files.traffic()["read"] - read == shard_bytes, what
+        _on_disk_only(b)
+        _compare(a, b, plain, tiered, what)
+    assert a.skipped_steps >= 1, "the schedule must skip a step"
+    root = b._pipeline.tier.root
+    b.pipeline.close()
+    assert not root.exists(), "the files outlived the pipeline's close()"
+
+
+def _pairs_ranks(rank: int, world: int, scratch: str) -> None:
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        pair(rank, world, Path(scratch) / str(dtype), dtype)
+    pair(rank, world, Path(scratch) / "accum", torch.bfloat16, gradient_accumulation_steps=2)
+    pair(rank, world, Path(scratch) / "wide", torch.bfloat16, gradient_accumulation_steps=2, grad_accum_dtype="fp32")
+    pair(rank, world, Path(scratch) / "clip", torch.bfloat16, clip=False)  # clip_grad_norm_ measures
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"world{w}")
+def test_gradients_in_files_train_bit_for_bit_as_without_offload(world: int, tmp_path: Path) -> None:
+    run_ranks(_pairs_ranks, world, str(tmp_path), timeout_s=420.0)
+
+
+# ---------------------------------------------------------------- a window saved and resumed
+def _window_ranks(rank: int, world: int, scratch: str) -> None:
+    """Saved after the first micro-step of a 2-step window (fp32 sums of bf16 gradients: in the files), resumed
+    with the gradients in files and without offload; both continue as the uninterrupted run."""
+    root = Path(scratch)
+    kw = dict(gradient_accumulation_steps=2, grad_accum_dtype="fp32")
+
+    def run(offload: Optional[dict], resume: Optional[dict] = None, *, save: bool = False):
+        """Three steps with ``offload``; ``save``: stop at the window's middle, saved; ``resume``: load there into
+        a new model and optimizer with ``resume`` (an empty dict: no offload)."""
+        torch.manual_seed(0)
+        model = Net().to(torch.bfloat16)
+        opt = _opt(model, offload, torch.bfloat16, **kw)
+        for step in range(3):
+            x = batch(step, 2 * world * ROWS)
+            for m in range(2):
+                _backward(model, opt, x[(m * world + rank) * ROWS : (m * world + rank + 1) * ROWS], None)
+                if step == 1 and m == 0 and save:
+                    ck.save(root / "window", model, opt)
+                    return None
+                if step == 1 and m == 0 and resume is not None:
+                    torch.manual_seed(1)
+                    model = Net().to(torch.bfloat16)
+                    opt = _opt(model, resume or None, torch.bfloat16, **kw)
+                    ck.load(root / "window", model, opt)
+                opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    run(_disk(root / f"saved{rank}"), save=True)
+    expected_model, expected = run(None)
+    for resume in (_disk(root / f"resumed{rank}"), {}):
+        model, opt = run(None, resume)
+        _compare(expected, opt, expected_model, model, f"resumed with {resume or 'no offload'}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"world{w}")
+def test_a_window_saved_with_gradients_in_files_resumes_exactly(world: int, tmp_path: Path) -> None:
+    run_ranks(_window_ranks, world, str(tmp_path), timeout_s=300.0)
+
+
+def test_a_disk_without_room_for_the_gradients_is_refused_naming_the_key(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8)).to(torch.bfloat16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with _tmpfs(tmp_path / "small", "size=64k") as small:  # 128 KiB of gradients for the first unit
+        with pytest.raises(OSError, match=r"offload_optimizer could not start: .*offload_optimizer.nvme_path: "
+                           r"cannot reserve \d+ bytes in .*u\d\.grads' \(the gradient shard of"):  # fmt: skip
+            zo.ShardedFusedAdam(model, lr=1e-2, stage=3, offload_optimizer={"device": "nvme", "nvme_path": str(small)},
+                                stage3_param_persistence_threshold=0)  # fmt: skip
+        assert not list(small.glob("zero_kernels/*"))  # every file reserved is removed
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_the_files_hold_the_reduced_gradients_bit_for_bit(tmp_path: Path) -> None:
+    """After a backward the gradient files hold, byte for byte, the resident shard of the same run without offload
+    (read back from the disk, not through the optimizer)."""
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, _disk(tmp_path), torch.bfloat16)
+    for model, opt in ((plain, a), (tiered, b)):
+        _backward(model, opt, batch(0, 2 * ROWS), local(extra_rows(0, 1), 0, 3))
+    files = b._pipeline.disk_grads.files
+    files.finish()
+    for ours, theirs in zip(b._pipeline.buffers, a._pipeline.buffers):
+        path, dtype = files.paths[id(ours)]
+        on_disk = torch.frombuffer(bytearray(path.read_bytes()), dtype=dtype)
+        assert on_disk.numel() == theirs.grad_shard.numel() and theirs.grad_shard.abs().sum() > 0
+        assert torch.equal(on_disk.view(torch.int16), theirs.grad_shard.view(torch.int16)), path.name

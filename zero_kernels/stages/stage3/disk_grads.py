@@ -1,0 +1,194 @@
+"""Stage 3's reduced gradient shards in files, with the optimizer state on disk (``offload_optimizer`` on nvme,
+``ratio`` 1), as DeepSpeed's stage 3 swaps each sub-group's gradients out to NVMe with its state (ZeRO-Infinity).
+
+Files. One per buffer: ``u<n>.grads`` in the state tier's run directory (under ``offload_optimizer.nvme_path``),
+this rank's gradient shard in the dtype the stage keeps it in (``Pipeline.accumulate_dtype_of``), its bytes
+reserved when the buffer is added (a disk without room raises ``OSError`` naming the key). Bytes move through the
+tier's engine, and the files go with the tier's (``close``, a killed run). ``buf.grad_shard`` is a ``meta``
+stand-in of the shard's size and dtype.
+
+Backward. When a bucket's reduction completes (``reduced``) this rank's part goes into a pool buffer
+(``offload.ShardFiles``: ``offload_optimizer.buffer_count`` page-aligned buffers of the largest bucket part),
+the terms of the step's gradient column are taken from those final values (``stats.partial``: the squared
+norm, the finiteness sum, or both: the kinds the last step asked for, both before the first step), and the
+buffer is written to the file in the background, back in the pool once written. A bucket reduced again before
+the step (a late gradient; ``grad_accum_dtype`` reducing every micro-step) reads its part back, adds, takes
+the terms again and writes; ``zero`` writes zeros where no reduction wrote (``grad_state.zero_unwritten``).
+
+Step. The statistics sum the terms in bucket order (``column``: ``stats.grad_column``'s value bit for bit,
+with no read of the gradients; a kind of term not taken, as when ``clip_grad_norm_`` is first called, is
+computed from the file's values, the same ones). The update asks for each bucket's part in the step's order
+(``step``): read ahead into free pool buffers as the update goes, given back by ``used``. Rare paths read or
+write a whole shard at once: ``whole`` (a window saved inside an accumulation window) and ``assign`` (a
+window restored); ``read`` (one bucket's part, for ``Pipeline.grad_shard`` called from outside the update).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+
+from ...offload.aio import IOHandle
+from ...offload.shard_files import Lease, ShardFiles
+from .. import stats
+from ..layout import Bucket
+
+if TYPE_CHECKING:
+    from ..buffers import FlatBuffer
+
+Key = tuple[int, int]  # (id(buffer), bucket index)
+
+
+class DiskGrads:
+    """The gradient shards' files of one stage-3 pipeline (see the module docstring).
+
+    Args:
+        files: the files and their pool (in the state tier's directory, through its engine).
+    """
+
+    def __init__(self, files: ShardFiles):
+        self.files = files
+        self.order: list[tuple["FlatBuffer", Bucket]] = []  # every bucket, in the step's order
+        self.terms: dict[Key, dict[bool, torch.Tensor]] = {}  # norm (True: squared norm, False: finiteness) -> term
+        self.wanted = {True, False}  # the kinds of term taken as buckets are reduced
+        self._asked: set[bool] = set()  # the kinds asked for since the last step
+        self._at: dict[Key, int] = {}  # its place in ``order``
+        self._writing: dict[int, tuple[Lease, IOHandle]] = {}  # id(lease) -> (lease, its write)
+        self._ahead: dict[Key, tuple[Lease, IOHandle]] = {}  # reads started for the update
+        self._using: dict[Key, Lease] = {}  # what the update reads now
+
+    # ---------------------------------------------------------------- setting up
+    def add(self, buf: "FlatBuffer", dtype: torch.dtype, name: str) -> None:
+        """Reserve the file of ``buf``'s gradient shard (``dtype``; ``name``: the unit, for errors)."""
+        self.files.add(id(buf), buf.layout.shard_numel, dtype, f"the gradient shard of {name}")
+        self.files.fit(max(b.shard_numel for b in buf.layout.buckets) * dtype.itemsize)
+        buf.grad_shard = torch.empty(buf.layout.shard_numel, dtype=dtype, device="meta")
+        for bucket in buf.layout.buckets:
+            self._at[(id(buf), bucket.index)] = len(self.order)
+            self.order.append((buf, bucket))
+
+    # ---------------------------------------------------------------- backward
+    def reduced(self, buf: "FlatBuffer", bucket: Bucket, mine: torch.Tensor, first: bool) -> None:
+        """A reduction of ``bucket`` completed (``mine``: this rank's part): the first since the step is the part's
+        value, a later one is added to it (read back from the file)."""
+        lease = self._take(buf, bucket)
+        if first:
+            values = lease.tensor if buf.device.type == "cpu" else torch.empty_like(lease.tensor, device=buf.device)
+            values.copy_(mine)
+        else:
+            self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
+            values = lease.tensor.to(buf.device).add_(mine)
+        self._store(buf, bucket, lease, values)
+
+    def zero(self, buf: "FlatBuffer", bucket: Bucket) -> None:
+        """No reduction wrote ``bucket`` since the step: its part is zeros."""
+        lease = self._take(buf, bucket)
+        self._store(buf, bucket, lease, lease.tensor.to(buf.device).zero_())
+
+    def _take(self, buf: "FlatBuffer", bucket: Bucket) -> Lease:
+        lease = self.files.take(bucket.shard_numel, self.files.paths[id(buf)][1], lambda: None)
+        self.files.hold(lease, lambda: self._written(id(lease)))
+        return lease
+
+    def _store(self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor) -> None:
+        """Take the terms of the part's final ``values`` (on the gradients' device) and write it from ``lease``."""
+        self.terms[(id(buf), bucket.index)] = {norm: stats.partial(values, norm=norm) for norm in self.wanted}
+        if values.data_ptr() != lease.tensor.data_ptr():
+            lease.tensor.copy_(values)
+        self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset))
+
+    def _written(self, key: int) -> None:
+        lease, write = self._writing.pop(key)
+        write.wait()
+        self.files.put(lease)
+
+    # ---------------------------------------------------------------- the step
+    def column(self, norm: bool) -> Iterator[torch.Tensor]:
+        """Every bucket's term, in the step's order: squared norms (``norm``), else finiteness sums."""
+        self._asked.add(norm)
+        for buf, bucket in self.order:
+            terms = self.terms[(id(buf), bucket.index)]
+            if norm not in terms:  # not taken when it was reduced: from the file's values
+                terms[norm] = stats.partial(self.read(buf, bucket), norm=norm)
+            yield terms[norm]
+
+    def step(self, buf: "FlatBuffer", bucket: Bucket) -> torch.Tensor:
+        """This rank's gradients of ``bucket`` in host memory for the update (read ahead where a pool buffer was
+        free); the next buckets' reads start here. ``used`` gives the buffer back."""
+        key = (id(buf), bucket.index)
+        lease, read = self._ahead.pop(key, None) or self._start(buf, bucket, wait=True)
+        self.files.hold(lease, lambda: self.used(buf, bucket))
+        self._using[key] = lease
+        for later, later_bucket in self.order[self._at[key] + 1 : self._at[key] + self.files.buffer_count]:
+            ahead = (id(later), later_bucket.index)
+            if ahead not in self._ahead and self._start(later, later_bucket, wait=False) is None:
+                break
+        read.wait()
+        return lease.tensor
+
+    def _start(self, buf: "FlatBuffer", bucket: Bucket, *, wait: bool) -> Optional[tuple[Lease, IOHandle]]:
+        """Start reading ``bucket``'s part into a pool buffer (``wait`` False: only into a free one; None if none)."""
+        key = (id(buf), bucket.index)
+        dtype = self.files.paths[id(buf)][1]
+        lease = self.files.take(bucket.shard_numel, dtype, lambda: self._drop(key), wait=wait)
+        if lease is None:
+            return None
+        started = (lease, self.files.read(id(buf), lease.tensor, bucket.shard_offset))
+        if not wait:
+            self._ahead[key] = started
+        return started
+
+    def _drop(self, key: Key) -> None:
+        lease, read = self._ahead.pop(key)
+        read.wait()
+        self.files.put(lease)
+
+    def used(self, buf: "FlatBuffer", bucket: Bucket) -> None:
+        """The update is done with ``bucket``'s gradients: their buffer goes back."""
+        lease = self._using.pop((id(buf), bucket.index), None)
+        if lease is not None:
+            self.files.put(lease)
+
+    def finish_step(self) -> None:
+        """After the step's last bucket: every buffer back (reads ahead are dropped); the next reductions take the
+        kinds of term this step asked for."""
+        self.wanted, self._asked = self._asked or self.wanted, set()
+        for key in list(self._ahead):
+            self._drop(key)
+        for buf, bucket in [(b, k) for b, k in self.order if (id(b), k.index) in self._using]:
+            self.used(buf, bucket)
+
+    # ---------------------------------------------------------------- rare paths
+    def read(self, buf: "FlatBuffer", bucket: Bucket) -> torch.Tensor:
+        """A copy of this rank's gradients of ``bucket``, on the gradients' device."""
+        part = self.files.io.empty(bucket.shard_numel, self.files.paths[id(buf)][1])
+        self.files.read(id(buf), part, bucket.shard_offset).wait()
+        return part.to(buf.device)
+
+    def whole(self, buf: "FlatBuffer") -> torch.Tensor:
+        """A copy of this rank's whole gradient shard of ``buf`` (host memory)."""
+        shard = self.files.io.empty(buf.layout.shard_numel, self.files.paths[id(buf)][1])
+        self.files.read(id(buf), shard).wait()
+        return shard
+
+    def assign(self, buf: "FlatBuffer", values: torch.Tensor) -> None:
+        """Write ``values`` (a whole shard) into ``buf``'s file, and take every bucket's terms from them."""
+        shard = self.files.io.empty(buf.layout.shard_numel, self.files.paths[id(buf)][1]).copy_(values.reshape(-1))
+        on_device = shard.to(buf.device)
+        for bucket in buf.layout.buckets:
+            part = buf.shard_slice(on_device, bucket)
+            self.terms[(id(buf), bucket.index)] = {norm: stats.partial(part, norm=norm) for norm in self.wanted}
+        self.files.write(id(buf), shard).wait()
+
+    # ---------------------------------------------------------------- memory
+    def close(self) -> None:
+        """Every write done (the tier removes the files with its own)."""
+        self.files.close()
+
+
+def start(tier: Any) -> Optional[DiskGrads]:
+    """The gradient files of a stage-3 pipeline whose state tier is the disk with all the state in it, else None."""
+    if tier is None or tier.kind != "disk" or tier.config.ratio != 1.0:
+        return None
+    return DiskGrads(ShardFiles(tier.directory, tier.io, tier.config.buffer_count, "grads", owned=False))
