@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from zero_kernels.offload import FileIO, IOHandle
+from zero_kernels.offload.disk import allocate
 
 PROBE_BYTES = 1 << 30
 
@@ -43,7 +44,7 @@ def measure(folder: str, aio: dict[str, Any], size: int = PROBE_BYTES) -> dict:
     try:
         tensors = [io.empty(size, torch.uint8) for _ in paths]
         for path, t in zip(paths, tensors):
-            _allocate(path, size)
+            allocate(path, size)
             t.fill_(0x5A)  # its pages resident before the clock starts
         write_s = _timed(lambda: [io.write(paths[0], tensors[0])])
         read_s = _timed(lambda: [io.read(paths[0], tensors[1])])
@@ -60,18 +61,6 @@ def measure(folder: str, aio: dict[str, Any], size: int = PROBE_BYTES) -> dict:
         "disk_mixed_GBps": 2 * size / mixed_s / 1e9,
         "disk_probe": f"FileIO {backend}, block {aio['block_size']} B, queue depth {aio['queue_depth']}",
     }
-
-
-def _allocate(path: str, size: int) -> None:
-    """A file of ``size`` bytes whose blocks exist (overwriting it allocates nothing)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, size)
-        else:
-            os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
 
 
 def _timed(submit: Callable[[], list[IOHandle]]) -> float:

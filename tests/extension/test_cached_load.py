@@ -38,37 +38,17 @@ def test_an_up_to_date_build_imports_without_torchs_build() -> None:
     assert name == "zero_kernels_io" and Path(path).parent.joinpath(_ext.STAMP).is_file()
 
 
-@pytest.fixture
-def stand_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
-    """``_ext.load`` with torch's build replaced by one that writes an empty library and counts its calls."""
-    from torch.utils import cpp_extension
-
-    seen: dict[str, Any] = {"dir": tmp_path / "build", "builds": 0}
-    monkeypatch.setattr(_ext, "_RESULTS", {})
-    monkeypatch.setattr(_ext, "_prebuilt", lambda name: None)
-    monkeypatch.setattr(_ext, "_missing_toolchain", lambda with_cuda: None)
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(seen["dir"]))
-
-    def load(name: str, **kwargs: Any) -> str:
-        seen["builds"] += 1
-        (seen["dir"] / f"{name}.so").write_bytes(b"")
-        return name
-
-    monkeypatch.setattr(cpp_extension, "load", load)
-    return seen
-
-
 def _key() -> str:
     return _ext._build_key(_build_spec.sources("ops", with_cuda=False), False)
 
 
-@pytest.mark.ext  # the extension's build, with a stand-in compiler
-def test_torchs_build_stamps_what_it_built_from(stand_in: dict) -> None:
-    assert _ext.load("ops") == "zero_kernels_ops" and stand_in["builds"] == 1
-    assert (stand_in["dir"] / _ext.STAMP).read_text() == _key()
+@pytest.mark.ext  # the extension's build, with a stand-in compiler (``conftest.fake_build``)
+def test_torchs_build_stamps_what_it_built_from(fake_build: dict) -> None:
+    assert _ext.load("ops") == "zero_kernels_ops" and fake_build["loads"] == 1
+    assert (fake_build["dir"] / _ext.STAMP).read_text() == _key()
     _ext._RESULTS.clear()
     assert _ext.load("ops") == "zero_kernels_ops"  # the stand-in library does not import: built again
-    assert stand_in["builds"] == 2
+    assert fake_build["loads"] == 2
 
 
 @pytest.mark.parametrize("change", ["torch", "flags", "sources"])

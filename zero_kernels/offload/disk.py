@@ -104,6 +104,19 @@ def probe(directory: Path, given: str, key: str = "offload_optimizer.nvme_path")
         ) from None
 
 
+def allocate(path: "Path | str", nbytes: int) -> None:
+    """Make file ``path`` hold ``nbytes`` whose blocks exist on the disk (``posix_fallocate`` where the file system
+    has it), so that writing them allocates nothing and a disk without room fails here."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
 class RunDirectory:
     """This rank's scratch directory under ``nvme_path``: ``<nvme_path>/zero_kernels/<host>-<pid>-<token>/rank<R>``.
 
@@ -128,14 +141,7 @@ class RunDirectory:
         """Make file ``path`` with ``nbytes`` reserved on the disk; a disk without room raises ``OSError`` naming
         the key, the path and ``needed`` (what the caller needs in all, in words)."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, 0, nbytes)
-                else:
-                    os.ftruncate(fd, nbytes)
-            finally:
-                os.close(fd)
+            allocate(path, nbytes)
         except OSError as err:
             raise OSError(
                 err.errno,
