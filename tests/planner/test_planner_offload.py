@@ -77,7 +77,7 @@ def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
     setup = replace(NVME, param="nvme")
     cpu = estimate_offload(PSI, N, 3, replace(CPU, param="cpu", grad_accum=2))
     assert cpu.bus_up == 2 * SHARD * 2 * 2  # forward and backward of 2 micro-steps; nothing after the update
-    assert cpu.bus_down == 2 * SHARD * 2 and cpu.host_bytes == 16 * SHARD  # the parameter copy is the shard
+    assert cpu.bus_down == 2 * SHARD and cpu.host_bytes == 16 * SHARD  # the parameter copy is the shard
     nvme = estimate_offload(PSI, N, 3, setup)
     assert nvme.disk_bytes == 12 * SHARD + 2 * SHARD + 2 * SHARD  # the state, the parameter and gradient shards
     # shards in files: read for the forward and the backward gather, overwritten by the update; the gradient
@@ -94,17 +94,19 @@ def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
 
 
 def test_stage_3_with_the_state_on_disk_keeps_the_gradient_shard_in_files() -> None:
-    """Not on the device nor as a host copy: on the disk, written by each micro-step's reduction (read back by the
-    later ones) and read by the update; stages 1-2, the cpu tier and a share keep it as before."""
+    """Not on the device nor as a host copy: on the disk, written by each reduction beside backward (read back by
+    a later one) and read by the update; stages 1-2, the cpu tier and a share keep it as before."""
     plain = estimate_offload(PSI, N, 2, NVME)
-    for accum in (1, 4):
-        est = estimate_offload(PSI, N, 3, replace(NVME, grad_accum=accum))
+    disk_bps = 20 * GB / 8  # the node's disk shared by its 8 ranks
+    for accum, every in ((1, False), (4, False), (4, True)):
+        est = estimate_offload(PSI, N, 3, replace(NVME, grad_accum=accum), every_micro_step=every)
+        reductions = accum if every else 1  # micro-steps added up locally: one reduction per step
         assert est.disk_bytes == plain.disk_bytes + 2 * SHARD
-        assert est.disk_read == est.disk_write == 12 * SHARD + accum * 2 * SHARD
+        assert est.disk_read == est.disk_write == 12 * SHARD + reductions * 2 * SHARD
+        assert est.bus_down == reductions * 2 * SHARD  # down to its file at every reduction
         assert est.host_bytes == plain.host_bytes - 2 * SHARD  # the parameter copy only
-        disk_bps = 20 * GB / 8  # the node's disk shared by its 8 ranks
         assert est.phase_s["backward"] == pytest.approx(
-            max(accum * 2 * SHARD / (50 * GB), (2 * accum - 1) * 2 * SHARD / disk_bps)
+            max(reductions * 2 * SHARD / (50 * GB), (2 * reductions - 1) * 2 * SHARD / disk_bps)
         )
     plans = {p.stage: p for p in recommend(PSI, gpus=N, gpu_memory=1000 * GB, link="nvlink", offload=NVME).plans}
     assert plans[3].memory.grads == 0 and plans[2].memory.grads == estimate_memory(PSI, N, 2).grads
@@ -112,23 +114,60 @@ def test_stage_3_with_the_state_on_disk_keeps_the_gradient_shard_in_files() -> N
         assert estimate_offload(PSI, N, 3, setup).disk_bytes == estimate_offload(PSI, N, 2, setup).disk_bytes
 
 
-def test_gradient_accumulation_moves_the_shard_down_every_micro_step_from_stage_2() -> None:
+def test_the_shard_goes_down_once_per_step_whatever_the_micro_steps() -> None:
+    """The update copies each bucket's reduced gradients down once per optimizer step; micro-steps are added up on
+    the device before (``test_the_model_matches_the_gradients_down_over_micro_steps`` measures it)."""
     acc = replace(CPU, grad_accum=4)
-    assert estimate_offload(PSI, N, 1, acc).bus_down == 2 * SHARD  # stage 1 accumulates on the device
-    assert estimate_offload(PSI, N, 2, acc).bus_down == 4 * 2 * SHARD
+    for stage in (1, 2, 3):
+        for every in (False, True):
+            assert estimate_offload(PSI, N, stage, acc, every_micro_step=every).bus_down == 2 * SHARD
+    assert estimate_offload(PSI, N, 2, acc, grad_dtype="fp32", every_micro_step=True).bus_down == 4 * SHARD
+
+
+@pytest.mark.parametrize("grad_accum_dtype", [None, "fp32"])
+def test_the_model_matches_the_gradients_down_over_micro_steps(monkeypatch, grad_accum_dtype) -> None:
+    """Stage 2 with the host tier copying as from a GPU, 2 micro-steps per step: the bytes that went down are the
+    plan's, with the micro-steps added up locally and with every micro-step reducing into an fp32 shard."""
+    import torch
+
+    import zero_kernels as zk
+    from zero_kernels.offload import HostTier
+    from zero_kernels.planner.models import reduced_grad_dtype, reduces_micro_steps
+
+    monkeypatch.setattr(HostTier, "share_host", False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 1 << 16}
+    cfg = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "gradient_accumulation_steps": 2, "data_types": {"grad_accum_dtype": grad_accum_dtype},
+           "zero_optimization": zero}  # fmt: skip
+    module, opt = zk.initialize(model, cfg)
+    tier = opt._pipeline.tier
+    before = dict(tier.traffic())
+    for _ in range(2):
+        module(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()  # acts at the window's last micro-step
+    moved = tier.traffic()["down"] - before.get("down", 0)
+    (buf,) = opt._pipeline.buffers
+    every = reduces_micro_steps(2, "bf16", grad_accum_dtype)
+    setup = replace(CPU, ranks_per_node=1, grad_accum=2)
+    grads = reduced_grad_dtype("bf16", None, grad_accum_dtype)
+    est = estimate_offload(buf.layout.numel, 1, 2, setup, grad_dtype=grads, every_micro_step=every)
+    assert every == (grad_accum_dtype is not None) and moved == est.bus_down > 0
 
 
 def test_the_update_after_backward_is_the_adam_or_the_disk_whichever_is_longer() -> None:
     cpu = estimate_offload(PSI, N, 2, CPU)
     adam_s = 12 * SHARD * 8 / (100 * GB)  # the node's 8 ranks share its CPU Adam
     assert cpu.adam_s == pytest.approx(adam_s)
-    assert cpu.phase_s["after"] == pytest.approx(adam_s + 2 * SHARD / (50 * GB))
-    assert cpu.phase_s["backward"] == pytest.approx(2 * SHARD / (50 * GB))
+    bus_s = (2 + 2) * SHARD / (50 * GB)  # the gradients down and the parameters up, in the update
+    assert cpu.phase_s["after"] == pytest.approx(adam_s + bus_s)
+    assert cpu.phase_s["backward"] == 0
     nvme = estimate_offload(PSI, N, 2, NVME)
     disk_s = 2 * 12 * SHARD / (20 * GB / 8)  # read + write, the node's disk shared by its 8 ranks
-    assert disk_s > adam_s and nvme.phase_s["after"] == pytest.approx(disk_s + 2 * SHARD / (50 * GB))
+    assert disk_s > adam_s and nvme.phase_s["after"] == pytest.approx(disk_s + bus_s)
     fast_disk = estimate_offload(PSI, N, 2, replace(NVME, disk_gbps=10_000.0))
-    assert fast_disk.phase_s["after"] == pytest.approx(adam_s + 2 * SHARD / (50 * GB))
+    assert fast_disk.phase_s["after"] == pytest.approx(adam_s + bus_s)
 
 
 def test_offload_step_adds_what_compute_cannot_hide() -> None:

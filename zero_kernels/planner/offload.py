@@ -3,17 +3,17 @@ the disk per step, and how long the host's part of a step takes.
 
 ``offload_optimizer`` moves this rank's shard of the optimizer state (fp32 master, Adam m and v: K bytes
 per element) off the device: to host memory (``cpu``) or to files on a disk (``nvme``), where the CPU
-Adam updates it. Per step the reduced gradient shard goes down the host link (in the gradient dtype:
-2 bytes per element in bf16 training, once per micro-step at stages 2 and 3, once per step at stage 1,
-which accumulates on the device) and the updated 16-bit parameter shard comes back up (2 bytes): 4 bytes
-per parameter of the shard in bf16 training. The host keeps a copy of the gradient shard it receives and of
-the parameter shard it sends (as the host tier does: 16 bytes per element with the state in bf16). The
-gradient shard goes down and is kept in the dtype the stage reduces it into (``models.reduced_grad_dtype``:
-4 bytes with ``communication_data_type`` or, at stages 2 and 3, ``grad_accum_dtype`` ``fp32``). Where the
-device is the host (``device_is_host``: a machine without GPU) the host tier makes no copies and nothing
-crosses (``offload.HostTier.shares``): the host holds the state alone, and the parameter shards stay where
-the device keeps them (``offload_param`` ``cpu`` moves nothing). With
-``nvme`` the state is read and written back once per step (2·K bytes per element of the shard) through
+Adam updates it. Per optimizer step the reduced gradient shard goes down the host link once, in the update,
+bucket by bucket (in the gradient dtype: 2 bytes per element in bf16 training; micro-steps are added up on the
+device until then, in ``p.grad`` or, where every micro-step reduces, in the device's shard), and the updated
+16-bit parameter shard comes back up (2 bytes): 4 bytes per parameter of the shard in bf16 training. The host
+keeps a copy of the gradient shard it receives and of the parameter shard it sends (as the host tier does: 16
+bytes per element with the state in bf16). The gradient shard goes down and is kept in the dtype the stage
+reduces it into (``models.reduced_grad_dtype``: 4 bytes with ``communication_data_type`` or, at stages 2 and 3,
+``grad_accum_dtype`` ``fp32``). Where the device is the host (``device_is_host``: a machine without GPU) the host
+tier makes no copies and nothing crosses (``offload.HostTier.shares``): the host holds the state alone, and the
+parameter shards stay where the device keeps them (``offload_param`` ``cpu`` moves nothing). With ``nvme`` the
+state is read and written back once per step (2·K bytes per element of the shard) through
 ``buffer_count`` pinned buffers of ``sub_group_size`` elements; read-ahead and write-behind run the CPU
 Adam of one sub-group while the next is read and the previous written, so the update takes the longer of
 the Adam and the disk, not their sum.
@@ -28,10 +28,10 @@ per micro-step), and the update writes it in place on the host (nothing goes up 
 ``nvme`` those gathers read the shard from the disk and the update writes it back.
 
 Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shard in files (``grads_in_files``,
-as the pipeline does): not on the device nor as a host copy; each reduction writes it (once per micro-step, as
-it goes down) and the update reads it (a later micro-step's reduction reads it back to add): ``g`` bytes per
-element on the disk, written and read ``grad_accum`` times per step (the writes beside backward, the update's
-read after it).
+as the pipeline does): not on the device nor as a host copy; each reduction sends it down and writes it, beside
+backward, and the update reads it (a later micro-step's reduction reads it back to add): ``g`` bytes per element
+on the disk, written and read once per step, or once per micro-step where every micro-step reduces
+(``every_micro_step``: a ``grad_accum_dtype`` wider than the gradients, ``models.reduces_micro_steps``).
 
 Devices, hosts and disks: ``ranks_per_node`` ranks share a node's host memory, its disk (capacity and
 bandwidth) and its CPU cores (the CPU Adam's rate is the node's, divided among them); each rank has its
@@ -231,6 +231,7 @@ def estimate_offload(
     param_dtype: str = "bf16",
     master_weights: bool = True,
     grad_dtype: Optional[str] = None,
+    every_micro_step: bool = False,
 ) -> OffloadEstimate:
     """One rank's offload at ``stage`` (1 to 3; ``offload_param`` counts at stage 3 only).
 
@@ -242,6 +243,8 @@ def estimate_offload(
         param_dtype: parameter dtype (and the gradients', unless ``grad_dtype``).
         master_weights: whether the state holds an fp32 master copy (K = 12 bytes per element, else 8).
         grad_dtype: the dtype of the reduced gradient shard (``models.reduced_grad_dtype``); None: ``param_dtype``.
+        every_micro_step: whether every accumulation micro-step reduces its gradients
+            (``models.reduces_micro_steps``); else the micro-steps are added up locally and reduced once per step.
     """
     if stage < 1:
         raise ValueError(f"stage={stage}: offload needs ZeRO stage 1, 2 or 3")
@@ -262,9 +265,11 @@ def estimate_offload(
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
     in_files = elem * shard if param_off == "nvme" else 0  # parameter shards in files
     grad_file = g_elem * shard if files else 0
-    grad_io = grad_file * setup.grad_accum  # written, and read, once per micro-step
+    reductions = setup.grad_accum if every_micro_step and stage >= 2 else 1
+    grad_io = grad_file * reductions  # written at every reduction; read back by the later ones and by the update
     disk = (state if setup.optimizer == "nvme" else 0) + in_files + grad_file
-    down = g_elem * moved * (1 if stage == 1 else setup.grad_accum) if setup.optimizer != "none" and crosses else 0
+    downs = reductions if files else 1  # to its file at every reduction, else to the host copy in the update
+    down = g_elem * moved * downs if setup.optimizer != "none" and crosses else 0
     up_after = elem * moved if setup.optimizer != "none" and param_off == "none" and crosses else 0
     up_gather = elem * shard * gathers if param_off != "none" and crosses else 0
     state_io = state if setup.optimizer == "nvme" else 0
@@ -281,7 +286,7 @@ def estimate_offload(
         disk_read=read,
         disk_write=write,
         adam_s=state * setup.ranks_per_node / (setup.adam_gbps * 1e9),
-        phase_s=_phases(setup, state, down, up_after, up_gather, gather_reads, in_files, grad_file),
+        phase_s=_phases(setup, state, down, up_after, up_gather, gather_reads, in_files, grad_file, reductions),
         sub_group_size=sub,
     )
 
@@ -302,26 +307,29 @@ def _phases(
     up_gather: int,
     gather_reads: int,
     in_files: int,
-    grad_file: int = 0,
+    grad_file: int,
+    reductions: int,
 ) -> dict[str, float]:
     """Offload seconds beside forward and backward and after backward.
 
     Gathers of offloaded parameters split evenly between forward and backward (each the longer of its
     uploads and its disk reads, ``gather_reads``); a node's disk serves its ranks one after another (its
     bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is read and
-    written, and parameter shards in files are written by the update (``in_files`` bytes, after backward); a
-    gradient shard in files (``grad_file`` bytes) is written by each micro-step's reduction beside backward, read
-    back by every one after the first, and read by the update.
+    written, and parameter shards in files are written by the update (``in_files`` bytes, after backward). The
+    gradients go down in the update, bucket by bucket before its Adam (``down``, after backward); a gradient shard
+    in files (``grad_file`` bytes) goes down and is written by each of the step's ``reductions`` beside backward,
+    read back by every one after the first, and read by the update.
     """
     bus = setup.bus_gbps * 1e9
     disk = (setup.disk_gbps or math.inf) * 1e9 / setup.ranks_per_node
     gather_s = max(up_gather / bus, gather_reads / disk) / 2
     adam_s = state * setup.ranks_per_node / (setup.adam_gbps * 1e9)
     state_io_s = 2 * state / disk if setup.optimizer == "nvme" else 0.0
+    down_after = 0 if grad_file else down
     return {
         "forward": gather_s,
-        "backward": max(gather_s, down / bus, (2 * setup.grad_accum - 1) * grad_file / disk),
-        "after": max(adam_s, state_io_s + (in_files + grad_file) / disk) + up_after / bus,
+        "backward": max(gather_s, down / bus, (2 * reductions - 1) * grad_file / disk) if grad_file else gather_s,
+        "after": max(adam_s, state_io_s + (in_files + grad_file) / disk) + (up_after + down_after) / bus,
     }
 
 
