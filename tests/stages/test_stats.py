@@ -64,14 +64,15 @@ class _Engine:
         return _Done()
 
 
-def _rank_args(rank: int, *, views: Optional[list[torch.Tensor]] = None, **kw: Any) -> dict[str, Any]:
-    """One rank's arguments of ``exchange``: parameters 0-3, this rank holding the state of ``held``."""
+def _rank_args(
+    rank: int, *, views: Optional[list[torch.Tensor]] = None, norm: bool = True, **kw: Any
+) -> dict[str, Any]:
+    """One rank's arguments of ``exchange``: parameters 0-3, this rank holding the state of ``held``; the column of
+    ``views`` (their squared norm, else their finiteness with ``norm`` False)."""
     args: dict[str, Any] = dict(
         has_grad={0: False, 1: False, 2: False, 3: False},
-        grad_views=views,
+        column=None if views is None else grad_column(views, CPU, norm=norm),
         checks=[("lr", 0.1), ("max_grad_norm", math.nan)],
-        device=CPU,
-        norm=True,
         counts={0: 0, 1: 0, 2: 0, 3: 0},
         held={0, 1, 2, 3},
         name=lambda i: f"params[{i}]",
@@ -91,7 +92,7 @@ def _world(ranks: list[dict[str, Any]], *, own_control: bool = False) -> list[Un
         with pytest.raises(_Recorded):
             exchange(engine, control, **args)
         rows.append(control.recorded)
-    columns = [grad_column(a["grad_views"], CPU, norm=a["norm"]) for a in ranks] if own_control else None
+    columns = [a["column"].clone() for a in ranks] if own_control else None  # each rank sums its own in place
     results: list[Union[StepStats, Exception]] = []
     for rank, args in enumerate(ranks):
         engine = _Engine(world, rank, rows, columns)

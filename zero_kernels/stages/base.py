@@ -524,13 +524,11 @@ class Pipeline(BackwardRound):
     def _global_stats(self, checks: Sequence[tuple[str, float]], norm: bool, finite: bool) -> stats.StepStats:
         """Gradient flags, squared norm (``norm``) or finiteness (``finite``) combined over ranks, ``checks``
         compared: one all-gather (``stats``)."""
-        device = self.buffers[0].device if self.buffers else torch.device("cpu")
         column = self.grad_column(norm) if norm or finite else None
         extra = self.refusals.columns() + self._step_columns()
         combined = stats.exchange(
-            self.engine, self._control, self.has_grad, None, checks, device, norm=norm,
+            self.engine, self._control, self.has_grad, column, checks,
             counts=self.step_counts.counts, held=self.held_indices(), name=self._index_name, extra=extra,
-            column=column,
         )  # fmt: skip
         self._verify_step_columns([row[2:] for row in combined.extra])
         self.refusals.verify([row[:2] for row in combined.extra], self.stage, self._index_name)

@@ -110,16 +110,13 @@ def exchange(
     engine: Any,
     control: Any,
     has_grad: Mapping[int, bool],
-    grad_views: Optional[Iterable[torch.Tensor]],
+    column: Optional[torch.Tensor],
     checks: Sequence[tuple[str, float]],
-    device: torch.device,
     *,
-    norm: bool,
     counts: Mapping[int, int],
     held: set[int],
     name: Callable[[int], str],
     extra: Sequence[float] = (),
-    column: Optional[torch.Tensor] = None,
 ) -> StepStats:
     """Combine this step's statistics over ranks; raise if the ``checks`` or the step counts differ.
 
@@ -127,21 +124,17 @@ def exchange(
         engine: the communication engine of the gradients.
         control: the engine for host data (``control``): ``engine`` itself on gloo.
         has_grad: parameter index -> got a gradient on this rank.
-        grad_views: this rank's gradient pieces: their squares summed over ranks give the squared
-            global norm (None: neither the norm nor finiteness is needed).
+        column: this rank's part of the gradient column (``grad_column``, or its terms ``combine``d), on the
+            gradients' device: summed over ranks it gives the squared global norm, or whether every gradient is
+            finite (None: neither is needed). Summed in place where it is not folded into the all-gather.
         checks: (name, value) pairs every rank must agree on (``step_checks``).
-        device: the gradients' device.
-        norm: compute the squared norm (else only whether the gradients are finite).
         counts: parameter index -> this rank's Adam step count.
         held: the parameter indices whose state this rank holds (all of it or a piece).
         name: how the error names a parameter index.
         extra: values returned per rank (``StepStats.extra``), not compared here.
-        column: this rank's gradient column as the caller combined it (``combine``), with ``grad_views`` None.
     """
     order = sorted(has_grad)
     n = len(order)
-    if grad_views is not None:
-        column = grad_column(grad_views, device, norm=norm)
     flags = [1.0 if has_grad[i] else 0.0 for i in order]
     steps = [float(counts[i]) if i in held else -1.0 for i in order]
     values = [*flags, *steps, 0.0, *(v for _, v in checks), *(float(v) for v in extra)]
