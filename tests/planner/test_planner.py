@@ -301,7 +301,7 @@ def test_zeropp_copies_are_counted_at_stage3_only() -> None:
     assert estimate_memory(psi, n, 2, hpz_partition_size=4).secondary == 0
     # offloaded, the copies are still gathered onto the device: they stay in its total
     setup = OffloadSetup(optimizer="cpu", param="cpu", bus_gbps=25.0, adam_gbps=10.0, host_memory=1e12)
-    kept = device_memory(hpz, setup)
+    kept = device_memory(hpz, setup, stage=3)
     assert kept.secondary == hpz.secondary and kept.total == kept.grads + kept.working_set + hpz.secondary
     with pytest.raises(ValueError, match="hpz_partition_size=-1"):
         estimate_memory(psi, n, 3, hpz_partition_size=-1)

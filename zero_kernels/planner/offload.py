@@ -208,7 +208,7 @@ def grads_in_files(stage: int, setup: OffloadSetup) -> bool:
     return stage == 3 and setup.optimizer == "nvme" and setup.ratio == 1.0
 
 
-def device_memory(memory: MemoryEstimate, setup: OffloadSetup, *, stage: int = 0) -> MemoryEstimate:
+def device_memory(memory: MemoryEstimate, setup: OffloadSetup, *, stage: int) -> MemoryEstimate:
     """What stays on the device: the estimate without the offloaded share of the optimizer state (and stage 3's
     parameter shard with ``offload_param``, unless the device is the host and the shard is kept in memory; and its
     reduced gradient shard where it is in files, ``grads_in_files``: the local gradients stay). ZeRO++'s copies
