@@ -95,8 +95,6 @@ def test_cpu_build_compiles_no_cuda_sources() -> None:
 @pytest.fixture
 def built_copy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of csrc/ taken as the sources, and a build directory whose library of 'ops' is newer than all of it."""
-    from torch.utils import cpp_extension
-
     from zero_kernels import _build_spec
 
     root = tmp_path / "csrc"
@@ -104,7 +102,7 @@ def built_copy(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> tuple[Path, P
     monkeypatch.setattr(_build_spec, "csrc_root", lambda: root)
     directory = tmp_path / "build"
     directory.mkdir()
-    library = directory / f"{_ext.module_name('ops')}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+    library = _ext.library_path(str(directory), "ops")
     library.write_bytes(b"")
     newest = max(p.stat().st_mtime for p in root.rglob("*") if p.is_file())
     os.utime(library, (newest + 10, newest + 10))

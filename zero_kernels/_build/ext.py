@@ -48,15 +48,20 @@ def module_name(name: str) -> str:
     return f"zero_kernels_{name}"
 
 
+def library_path(directory: str, name: str) -> Path:
+    """Where torch's build puts the library of extension ``name`` in its build ``directory``."""
+    from torch.utils import cpp_extension
+
+    return Path(directory) / f"{module_name(name)}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+
+
 def _up_to_date(directory: str, name: str, sources: list[str]) -> bool:
     """Whether a built library of ``name`` is newer than its sources and the headers they include (no build needed).
 
     Only the headers this extension's sources include count: a change to another extension's header
     does not rebuild this one.
     """
-    from torch.utils import cpp_extension
-
-    library = Path(directory) / f"{module_name(name)}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
+    library = library_path(directory, name)
     if not library.is_file():
         return False
     newest = max((Path(p).stat().st_mtime for p in [*sources, *_build_spec.headers(sources)]), default=0.0)
@@ -82,15 +87,12 @@ def _load_cached(directory: str, name: str, key: str) -> ModuleType | None:
     """The library in ``directory`` imported without running ninja, when the stamp its last load left says it was
     built from ``key`` (the caller has checked that it is newer than its sources); None otherwise, or when it does
     not import."""
-    from torch.utils import cpp_extension
-
     try:
         if (Path(directory) / STAMP).read_text() != key:
             return None
     except OSError:
         return None
-    library = Path(directory) / f"{module_name(name)}{getattr(cpp_extension, 'LIB_EXT', '.so')}"
-    spec = importlib.util.spec_from_file_location(module_name(name), library)
+    spec = importlib.util.spec_from_file_location(module_name(name), library_path(directory, name))
     if spec is None or spec.loader is None:
         return None
     try:
