@@ -24,23 +24,19 @@ from typing import Any, Callable
 
 import torch
 
-from zero_kernels.offload import FileIO, IOHandle
-from zero_kernels.offload.disk import allocate
+from zero_kernels.config.offload import AioConfig
+from zero_kernels.offload import IOHandle
+from zero_kernels.offload.disk import allocate, file_io
 
 PROBE_BYTES = 1 << 30
 
 
 def measure(folder: str, aio: dict[str, Any], size: int = PROBE_BYTES) -> dict:
     """``disk_write_GBps``, ``disk_read_GBps``, ``disk_mixed_GBps`` and ``disk_probe`` (the engine that moved the
-    bytes) of the disk under ``folder`` through a ``FileIO`` with the ``aio`` block ``aio`` (DeepSpeed's keys)."""
+    bytes) of the disk under ``folder`` through the disk tier's engine with the ``aio`` block ``aio`` (DeepSpeed's
+    keys, ``disk.file_io``)."""
     paths = [os.path.join(folder, f"disk_probe.{i}") for i in (0, 1)]
-    io = FileIO(
-        block_size=aio["block_size"],
-        queue_depth=aio["queue_depth"],
-        threads=aio["intra_op_parallelism"],
-        single_submit=aio["single_submit"],
-        overlap_events=aio["overlap_events"],
-    )
+    io = file_io(AioConfig(**aio))
     try:
         tensors = [io.empty(size, torch.uint8) for _ in paths]
         for path, t in zip(paths, tensors):
