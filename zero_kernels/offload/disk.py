@@ -27,6 +27,8 @@ parameter shards in files too (``param_files``).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import shutil
 import socket
@@ -45,6 +47,7 @@ from .host import HostTier
 
 _PROBE_BYTES = 4096
 ELEMENT = 4  # bytes of every state element (fp32)
+PIECE = 1 << 22  # elements of host memory per stream when a new buffer's state is written (``DiskTier.start``)
 
 
 @dataclass
@@ -229,6 +232,47 @@ class DiskTier(HostTier):
         for h in handles:
             h.wait()
 
+    def start(self, key: int, kinds: tuple[str, ...], masters: list[tuple[int, torch.Tensor]]) -> None:
+        """Write a new buffer's state into its files ``PIECE`` elements at a time, never whole in host memory:
+        zeros for every kind but ``master``, whose ``masters`` are (element of the buffer's part in the tier,
+        parameter values of any dtype), widened to fp32 on the way."""
+        zeros = self.io.empty(min(PIECE, max(self.groups[key])), torch.float32).zero_()
+        handles = []
+        for kind in kinds:
+            if kind == "master":
+                handles += self._start_masters(key, masters)
+                continue
+            for g, numel in enumerate(self.groups[key]):
+                for at in range(0, numel, PIECE):
+                    piece = zeros.narrow(0, 0, min(PIECE, numel - at))
+                    handles.append(self.io.write(self.path(key, g, kind), piece, at * ELEMENT))
+            self.bytes_written += sum(self.groups[key]) * ELEMENT
+        _wait_all(handles)
+
+    def _start_masters(self, key: int, masters: list[tuple[int, torch.Tensor]]) -> list[IOHandle]:
+        """Write ``masters`` (see ``start``) widened through two staging buffers; returns the writes in flight."""
+        ends = list(itertools.accumulate(self.groups[key]))
+        staging = [self.io.empty(min(PIECE, ends[-1]), torch.float32) for _ in range(2)]
+        writes: list[Optional[IOHandle]] = [None, None]
+        handles = []
+        for start, values in masters:
+            flat, done = values.reshape(-1), 0
+            while done < flat.numel():
+                at = start + done
+                g = bisect.bisect_right(ends, at)
+                n = min(PIECE, flat.numel() - done, ends[g] - at)
+                i = len(handles) % 2
+                if writes[i] is not None:
+                    writes[i].wait()  # its staging buffer is written again now
+                piece = staging[i].narrow(0, 0, n)
+                piece.copy_(flat.narrow(0, done, n))
+                offset = (at - ends[g] + self.groups[key][g]) * ELEMENT  # from the start of sub-group g
+                writes[i] = self.io.write(self.path(key, g, "master"), piece, offset)
+                handles.append(writes[i])
+                done += n
+            self.bytes_written += flat.numel() * ELEMENT
+        return handles
+
     def fill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
         """Read a buffer's whole state from its files into ``{kind: host tensor}``."""
         handles = []
@@ -322,3 +366,15 @@ class DiskTier(HostTier):
         finally:
             self.io.close()
             self.directory.remove()
+
+
+def _wait_all(handles: list[IOHandle]) -> None:
+    """Wait for every one of ``handles``, then raise the first error (none is left in flight)."""
+    error: Optional[OSError] = None
+    for h in handles:
+        try:
+            h.wait()
+        except OSError as err:
+            error = error or err
+    if error is not None:
+        raise error

@@ -265,14 +265,20 @@ class Pipeline(BackwardRound):
         self._allocate_grads(buf)
         count = len(buf.layout.buckets)
         buf.tier_from = count if self.tier is None else placement.device_buckets(self, buf)
+        if placement.on_device(buf):
+            self.allocate_state(buf)
+        else:
+            offloaded.attach(self, buf)  # the disk tier writes the state into its files without allocating it
+        buf.pending = [0] * len(buf.layout.buckets)
+
+    def allocate_state(self, buf: FlatBuffer) -> None:
+        """The whole state shard of a new buffer: the moments' zeros, and the master from the parameters where they
+        are bf16/fp16 (on the device, or in the host tier's memory: ``_state_zeros``)."""
         n = buf.layout.shard_numel
         buf.exp_avg, buf.exp_avg_sq = self._state_zeros(buf, n), self._state_zeros(buf, n)
         if buf.dtype != torch.float32:
             buf.master = self._state_zeros(buf, n)
             self.refresh_master(buf)
-        if not placement.on_device(buf):
-            offloaded.attach(self, buf)
-        buf.pending = [0] * len(buf.layout.buckets)
 
     def _state_zeros(self, buf: FlatBuffer, numel: int) -> torch.Tensor:
         """An fp32 state shard of zeros: on the buffer's device, or in the tier's host memory when (part of) it is

@@ -104,10 +104,13 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
 
 
 def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
-    """Give a new buffer whose state is (partly) in the tier its host copies (none where the device is host
-    memory), the parameters' taken from the device once, and put the state where it lives between steps
-    (``placement``: a disk without room raises on every rank)."""
+    """Give a new buffer whose state is (partly) in the tier its state and its host copies (none where the device
+    is host memory), the parameters' taken from the device once, and put the state where it lives between steps
+    (``placement``: the disk tier's straight into its files, never whole in host memory; a disk without room
+    raises on every rank)."""
     tier = pipeline.tier
+    if tier.kind != "disk":
+        pipeline.allocate_state(buf)
     shard = tier.attach(id(buf), placement.tier_numel(buf), buf.dtype, pipeline.accumulate_dtype_of(buf), buf.device)
     for bucket in buf.layout.buckets[buf.tier_from :] if shard.params is not None else ():
         tier.init(placement.part(buf, shard.params, bucket), pipeline.param_shard(buf, bucket), (id(buf), bucket.index))
@@ -116,10 +119,11 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
             placement.split(tier, buf)
         return
     buf.groups = sub_groups(buf, pipeline.options.sub_group_size)
+    kinds = ("exp_avg", "exp_avg_sq") + (("master",) if buf.dtype != torch.float32 else ())
     problem = None
     try:
-        tier.add_buffer(id(buf), [g[3] for g in buf.groups], tuple(placement.tensors(buf)))
-        placement.split(tier, buf)
+        tier.add_buffer(id(buf), [g[3] for g in buf.groups], kinds)
+        placement.start_split(pipeline, buf)
     except OSError as err:
         problem = str(err)
     try:

@@ -101,6 +101,27 @@ def split(tier: Any, buf: FlatBuffer) -> None:
     buf.swap_in = lambda: merge(tier, buf)
 
 
+def start_split(pipeline: "Pipeline", buf: FlatBuffer) -> None:
+    """A new buffer of the disk tier straight to split, its state never whole in host memory: the device part made
+    on the device, the tier's part written into the files (``tier.start``: zeros, and the master widened from the
+    parameters where they are bf16/fp16)."""
+    tier, c = pipeline.tier, cut(buf)
+    buf.exp_avg = torch.zeros(c, dtype=torch.float32, device=buf.device)
+    buf.exp_avg_sq = torch.zeros(c, dtype=torch.float32, device=buf.device)
+    low = buf.dtype != torch.float32
+    buf.master = torch.zeros(c, dtype=torch.float32, device=buf.device) if low else None
+    masters = []
+    for bucket in buf.layout.buckets if low else ():
+        value = pipeline.param_shard(buf, bucket)
+        if in_tier(buf, bucket):
+            masters.append((bucket.shard_offset - c, value))
+        else:
+            buf.shard_slice(buf.master, bucket).copy_(value)
+    tier.start(id(buf), tuple(tensors(buf)), masters)
+    master.record(buf)
+    buf.swap_in = lambda: merge(tier, buf)
+
+
 def merge(tier: Any, buf: FlatBuffer) -> None:
     """Split -> resident: the whole shard of each state tensor in host memory (``FlatBuffer.ready``)."""
     if resident(buf):
