@@ -206,10 +206,11 @@ def test_state_views_and_copies_go_through_the_tier(device: str, tmp_path: Path)
 def test_a_new_buffers_state_goes_to_its_files_piece_by_piece(
     ratio: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A new buffer's state is written into its files ``disk.PIECE`` elements at a time (made small here, so
-    pieces end inside sub-groups and buckets): the tier never holds a whole shard of it in host memory. Read
-    back, the master is the bf16 parameters widened and the moments are zeros, element by element, and training
-    matches the same optimizer without offload bit for bit (``ratio`` 0.5: the first buckets stay on the device)."""
+    """A new buffer's state, and AMSGrad's maximum made at the first step, are written into their files
+    ``disk.PIECE`` elements at a time (made small here, so pieces end inside sub-groups and buckets): the tier
+    never holds a whole shard of them in host memory. Read back, the master is the bf16 parameters widened and
+    the rest zeros, element by element, and training matches the same optimizer without offload bit for bit
+    (``ratio`` 0.5: the first buckets stay on the device)."""
     import copy
 
     from zero_kernels.offload import aio, disk, host
@@ -229,19 +230,24 @@ def test_a_new_buffers_state_goes_to_its_files_piece_by_piece(
         monkeypatch.setattr(owner, name, tracked(getattr(owner, name)))
     model = _model()
     plain = copy.deepcopy(model)
-    opt = _opt(model, tmp_path, ratio=ratio)
+    offload = {"device": "nvme", "nvme_path": str(tmp_path), "ratio": ratio}
+    opt = zo.ShardedFusedAdam(model, stage=2, reduce_bucket_size=1024, sub_group_size=SUB_GROUP, amsgrad=True,
+                              offload_optimizer=offload)  # fmt: skip
     (buf,) = opt._pipeline.buffers
+    opt._pipeline.allocate_max_exp_avg_sq(0)  # as the first step does
     assert buf.layout.shard_numel > 4 * piece and largest[0] <= piece
     assert (buf.tier_from > 0) == (ratio < 1) and len(buf.groups) > 1
     buf.ready()  # read in from the files
     for bucket in buf.layout.buckets:
         assert torch.equal(buf.shard_slice(buf.master, bucket), opt._pipeline.param_shard(buf, bucket).float())
-    assert buf.master.any() and not buf.exp_avg.any() and not buf.exp_avg_sq.any()
-    ref = zo.ShardedFusedAdam(plain, stage=2, reduce_bucket_size=1024)
+    assert buf.master.any() and buf.max_exp_avg_sq.numel() == buf.layout.shard_numel
+    assert not any(t.any() for t in (buf.exp_avg, buf.exp_avg_sq, buf.max_exp_avg_sq))
+    ref = zo.ShardedFusedAdam(plain, stage=2, reduce_bucket_size=1024, amsgrad=True)
     for step in range(3):
         for m, o in ((model, opt), (plain, ref)):
             torch.manual_seed(step)
             _step(m, o)
+    kinds = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.equal(p, q)
-        assert all(torch.equal(opt.state[p][k], ref.state[q][k]) for k in ("master", "exp_avg", "exp_avg_sq"))
+        assert all(torch.equal(opt.state[p][k], ref.state[q][k]) for k in kinds)

@@ -294,12 +294,16 @@ class Pipeline(BackwardRound):
             group: index of the param group.
         """
         for buf in self.buffers:
-            if buf.group == group and buf.max_exp_avg_sq is None:
-                split = not placement.resident(buf)
-                buf.ready()
-                buf.max_exp_avg_sq = self._state_zeros(buf, buf.layout.shard_numel)
-                if split:  # back where its state lives between steps (``placement``)
-                    placement.split(self.tier, buf)
+            if buf.group != group or buf.max_exp_avg_sq is not None:
+                continue
+            split = not placement.resident(buf)
+            if split and self.tier.kind == "disk":
+                placement.add_zeros(self.tier, buf, "max_exp_avg_sq")  # into its files, never whole in host memory
+                continue
+            buf.ready()
+            buf.max_exp_avg_sq = self._state_zeros(buf, buf.layout.shard_numel)
+            if split:  # back where its state lives between steps (``placement``)
+                placement.split(self.tier, buf)
 
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""

@@ -122,6 +122,14 @@ def start_split(pipeline: "Pipeline", buf: FlatBuffer) -> None:
     buf.swap_in = lambda: merge(tier, buf)
 
 
+def add_zeros(tier: Any, buf: FlatBuffer, kind: str) -> None:
+    """A new state ``kind`` of zeros for a split buffer of the disk tier (AMSGrad's maximum, made at its first
+    step): its device part on the device, its files written with zeros (``tier.start``)."""
+    tier.reserve(id(buf), kind)
+    tier.start(id(buf), (kind,), [])
+    setattr(buf, kind, torch.zeros(cut(buf), dtype=torch.float32, device=buf.device))
+
+
 def merge(tier: Any, buf: FlatBuffer) -> None:
     """Split -> resident: the whole shard of each state tensor in host memory (``FlatBuffer.ready``)."""
     if resident(buf):
