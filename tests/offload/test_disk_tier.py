@@ -206,11 +206,11 @@ def test_state_views_and_copies_go_through_the_tier(device: str, tmp_path: Path)
 def test_a_new_buffers_state_goes_to_its_files_piece_by_piece(
     ratio: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A new buffer's state, and AMSGrad's maximum made at the first step, are written into their files
-    ``disk.PIECE`` elements at a time (made small here, so pieces end inside sub-groups and buckets): the tier
-    never holds a whole shard of them in host memory. Read back, the master is the bf16 parameters widened and
-    the rest zeros, element by element, and training matches the same optimizer without offload bit for bit
-    (``ratio`` 0.5: the first buckets stay on the device)."""
+    """A new buffer's state, and AMSGrad's maximum made at the first step, start in their files without a whole
+    shard of them in host memory: the master is written ``disk.PIECE`` elements at a time (made small here, so
+    pieces end inside sub-groups and buckets), and the rest is new files, which read zeros. Read back, the master
+    is the bf16 parameters widened and the rest zeros, element by element, and training matches the same
+    optimizer without offload bit for bit (``ratio`` 0.5: the first buckets stay on the device)."""
     import copy
 
     from zero_kernels.offload import aio, disk, host

@@ -47,7 +47,7 @@ from .host import HostTier
 
 _PROBE_BYTES = 4096
 ELEMENT = 4  # bytes of every state element (fp32)
-PIECE = 1 << 22  # elements of host memory per stream when a new buffer's state is written (``DiskTier.start``)
+PIECE = 1 << 22  # elements per staging buffer when a new buffer's masters are written (``write_masters``)
 
 
 @dataclass
@@ -201,7 +201,9 @@ class DiskTier(HostTier):
         return self.root / f"b{self.names[key]}.g{g}.{kind}"
 
     def add_buffer(self, key: int, group_numels: list[int], kinds: tuple[str, ...]) -> None:
-        """Register a buffer's sub-groups (elements each) and reserve its files for ``kinds``."""
+        """Register a buffer's sub-groups (elements each) and reserve its files for ``kinds``: new files, which
+        read zeros until written (POSIX: bytes past the end of a file that ``posix_fallocate`` or ``ftruncate``
+        extends read as zeros)."""
         self.names[key] = len(self.names)
         self.groups[key] = list(group_numels)
         for kind in kinds:
@@ -232,25 +234,20 @@ class DiskTier(HostTier):
         for h in handles:
             h.wait()
 
-    def start(self, key: int, kinds: tuple[str, ...], masters: list[tuple[int, torch.Tensor]]) -> None:
-        """Write a new buffer's state into its files ``PIECE`` elements at a time, never whole in host memory:
-        zeros for every kind but ``master``, whose ``masters`` are (element of the buffer's part in the tier,
-        parameter values of any dtype), widened to fp32 on the way."""
-        zeros = self.io.empty(min(PIECE, max(self.groups[key])), torch.float32).zero_()
-        handles = []
-        for kind in kinds:
-            if kind == "master":
-                handles += self._start_masters(key, masters)
-                continue
-            for g, numel in enumerate(self.groups[key]):
-                for at in range(0, numel, PIECE):
-                    piece = zeros.narrow(0, 0, min(PIECE, numel - at))
-                    handles.append(self.io.write(self.path(key, g, kind), piece, at * ELEMENT))
-            self.bytes_written += sum(self.groups[key]) * ELEMENT
-        _wait_all(handles)
+    def add_zeros(self, key: int, kind: str) -> None:
+        """New files of state ``kind`` of a buffer, all zeros (AMSGrad's maximum): any old ones removed, the new
+        ones read zeros as reserved (``add_buffer``), without a byte written."""
+        for g in range(len(self.groups[key])):
+            self.path(key, g, kind).unlink(missing_ok=True)
+        self.reserve(key, kind)
 
-    def _start_masters(self, key: int, masters: list[tuple[int, torch.Tensor]]) -> list[IOHandle]:
-        """Write ``masters`` (see ``start``) widened through two staging buffers; returns the writes in flight."""
+    def write_masters(self, key: int, masters: list[tuple[int, torch.Tensor]]) -> None:
+        """Write a new buffer's masters into its files ``PIECE`` elements at a time, never whole in host memory:
+        ``masters`` are (element of the buffer's part in the tier, parameter values of any dtype), widened to
+        fp32 on the way through two staging buffers. Its moments need no writes: new files read zeros as
+        reserved (``add_buffer``)."""
+        if not masters:
+            return
         ends = list(itertools.accumulate(self.groups[key]))
         staging = [self.io.empty(min(PIECE, ends[-1]), torch.float32) for _ in range(2)]
         writes: list[Optional[IOHandle]] = [None, None]
@@ -271,7 +268,7 @@ class DiskTier(HostTier):
                 handles.append(writes[i])
                 done += n
             self.bytes_written += flat.numel() * ELEMENT
-        return handles
+        _wait_all(handles)
 
     def fill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
         """Read a buffer's whole state from its files into ``{kind: host tensor}``."""

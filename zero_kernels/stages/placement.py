@@ -103,8 +103,8 @@ def split(tier: Any, buf: FlatBuffer) -> None:
 
 def start_split(pipeline: "Pipeline", buf: FlatBuffer) -> None:
     """A new buffer of the disk tier straight to split, its state never whole in host memory: the device part made
-    on the device, the tier's part written into the files (``tier.start``: zeros, and the master widened from the
-    parameters where they are bf16/fp16)."""
+    on the device, the tier's part in the new files (the moments read zeros there; ``tier.write_masters`` writes
+    the master widened from the parameters where they are bf16/fp16)."""
     tier, c = pipeline.tier, cut(buf)
     buf.exp_avg = torch.zeros(c, dtype=torch.float32, device=buf.device)
     buf.exp_avg_sq = torch.zeros(c, dtype=torch.float32, device=buf.device)
@@ -117,16 +117,15 @@ def start_split(pipeline: "Pipeline", buf: FlatBuffer) -> None:
             masters.append((bucket.shard_offset - c, value))
         else:
             buf.shard_slice(buf.master, bucket).copy_(value)
-    tier.start(id(buf), tuple(tensors(buf)), masters)
+    tier.write_masters(id(buf), masters)
     master.record(buf)
     buf.swap_in = lambda: merge(tier, buf)
 
 
 def add_zeros(tier: Any, buf: FlatBuffer, kind: str) -> None:
     """A new state ``kind`` of zeros for a split buffer of the disk tier (AMSGrad's maximum, made at its first
-    step): its device part on the device, its files written with zeros (``tier.start``)."""
-    tier.reserve(id(buf), kind)
-    tier.start(id(buf), (kind,), [])
+    step): its device part on the device, new files that read zeros (``tier.add_zeros``)."""
+    tier.add_zeros(id(buf), kind)
     setattr(buf, kind, torch.zeros(cut(buf), dtype=torch.float32, device=buf.device))
 
 
