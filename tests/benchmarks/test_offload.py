@@ -128,16 +128,20 @@ def test_subject_at_a_tiny_size() -> None:
 @pytest.mark.ext
 def test_big_case_at_a_tiny_size() -> None:
     """Without and with the parameter shards on disk (``offload_param`` nvme; layers above the persistence
-    threshold, 1e5 elements, so that they are gathered units)."""
+    threshold, 1e5 elements, so that they are gathered units), the latter also with glibc's mmap threshold set
+    in the rank's environment."""
+    before = os.environ.get(offload.MMAP_ENV)
     rows = offload.run_big(320 * 320 * 2, steps=2, width=320)
-    assert [row["params_on_disk"] for row in rows] == [False, True]
+    assert [row["params_on_disk"] for row in rows] == [False, True, True]
+    assert [row["malloc_mmap_threshold"] for row in rows] == [None, None, str(offload.MMAP_THRESHOLD)]
+    assert os.environ.get(offload.MMAP_ENV) == before  # put back as it was
     for row in rows:
         assert row["params"] == 320 * 320 * 2 and "error" not in row
         assert row["read_GB"] == row["written_GB"] and row["read_GB"] * 1e9 >= 12 * row["params"]
         assert row["peak_rss_GB"] >= row["steps_peak_rss_GB"] > 0
         assert row["update_io_of_disk"] >= row["io_of_disk"] > 0 and row["step_over_io_bound"] > 0
         assert row["step_s"] >= row["update_s"] > 0 and row["fwd_bwd_s"] > 0
-    plain, files = rows
+    plain, files, _ = rows
     for row in rows:  # the bf16 gradient shard in its file: written by the backward, read by the update
         assert row["grads_written_GB"] * 1e9 == row["grads_read_GB"] * 1e9 == 2 * row["params"]
     assert plain["state_on_disk_GB"] * 1e9 >= 14 * plain["params"] and plain["params_read_GB"] == 0
