@@ -119,11 +119,9 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
             placement.split(tier, buf)
         return
     buf.groups = sub_groups(buf, pipeline.options.sub_group_size)
-    kinds = ("exp_avg", "exp_avg_sq") + (("master",) if buf.dtype != torch.float32 else ())
     problem = None
     try:
-        tier.add_buffer(id(buf), [g[3] for g in buf.groups], kinds)
-        placement.start_split(pipeline, buf)
+        placement.start_split(pipeline, buf, [g[3] for g in buf.groups])
     except OSError as err:
         problem = str(err)
     try:

@@ -101,15 +101,17 @@ def split(tier: Any, buf: FlatBuffer) -> None:
     buf.swap_in = lambda: merge(tier, buf)
 
 
-def start_split(pipeline: "Pipeline", buf: FlatBuffer) -> None:
+def start_split(pipeline: "Pipeline", buf: FlatBuffer, group_numels: list[int]) -> None:
     """A new buffer of the disk tier straight to split, its state never whole in host memory: the device part made
-    on the device, the tier's part in the new files (the moments read zeros there; ``tier.write_masters`` writes
-    the master widened from the parameters where they are bf16/fp16)."""
+    on the device, the tier's part in new files for its sub-groups of ``group_numels`` elements (``add_buffer``:
+    the moments read zeros there; ``tier.write_masters`` writes the master widened from the parameters where they
+    are bf16/fp16)."""
     tier, c = pipeline.tier, cut(buf)
     buf.exp_avg = torch.zeros(c, dtype=torch.float32, device=buf.device)
     buf.exp_avg_sq = torch.zeros(c, dtype=torch.float32, device=buf.device)
     low = buf.dtype != torch.float32
     buf.master = torch.zeros(c, dtype=torch.float32, device=buf.device) if low else None
+    tier.add_buffer(id(buf), group_numels, tuple(tensors(buf)))
     masters = []
     for bucket in buf.layout.buckets if low else ():
         value = pipeline.param_shard(buf, bucket)
