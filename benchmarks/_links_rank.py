@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import e2e, e2e_deepspeed
-from .common import progress
+from .common import end_rank, progress
 from .netns import limit_here, link_bytes
 
 
@@ -156,6 +156,7 @@ def main(out_dir: str, config: dict) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "node": int(os.environ["GROUP_RANK"]), "phases": phases}, f)
     dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 
 from zero_kernels import _ext, comm
 
-from .common import best_vs_peer, expect, free_port, progress
+from .common import best_vs_peer, end_rank, expect, free_port, progress
 
 DESCRIPTION = "gloo collectives per primitive and size, and overlap of reduce-scatter with compute (2 ranks)"
 NOTES = [
@@ -208,6 +208,7 @@ def _rank(rank: int, port: int, engines: list[str], quick: bool, out_path: str) 
                 pickle.dump(rows, f)
     finally:
         dist.destroy_process_group()
+    end_rank()
 
 
 def summary(rows: list[dict]) -> list[dict]:

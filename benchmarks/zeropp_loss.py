@@ -33,7 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from .common import expect, free_port, progress
+from .common import end_rank, expect, free_port, progress
 
 DESCRIPTION = "ZeRO++ (qwZ + hpZ + qgZ) loss after 200 steps of a small LM vs the spread of 3 seeds of plain stage 3"
 IN_DEFAULT_RUN = False
@@ -142,6 +142,7 @@ def _rank(rank: int, port: int, runs: list[tuple[int, bool]], steps: int, shape:
         with open(out, "w") as f:
             json.dump(results, f)
     dist.destroy_process_group()
+    end_rank()
 
 
 def _name(seed: int, zeropp: bool) -> str:

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import end_rank
+
 # folder name -> the module whose ``run(folder)`` checks this rank, in the order they run
 WORKERS = {
     "node_groups": "tests.comm._multinode_worker",
@@ -30,6 +32,7 @@ def main(out: str) -> None:
         importlib.import_module(module).run(str(folder))
         dist.barrier()
     dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ check that they issued the same collectives in the same order.
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
-import sys
 import tempfile
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +22,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from benchmarks.common import end_rank
 
 
 def free_port() -> int:
@@ -66,21 +66,7 @@ def _entry(
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    _end_rank()
-
-
-def _end_rank() -> None:
-    """End a rank whose function returned, without the interpreter's shutdown.
-
-    A spawned rank occasionally aborts after its work, in that shutdown ("terminate called without an
-    active exception", about 2 in a full suite run; open, not understood: a backend thread that needs
-    the GIL while the interpreter finalizes is the suspect). The test's outcome is decided before this
-    point (every check runs in ``fn``), so the rank collects its garbage and exits at once.
-    """
-    gc.collect()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_rank()  # the test's outcome is decided in fn
 
 
 def _prebuild_extensions() -> None:
