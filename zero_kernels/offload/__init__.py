@@ -1,6 +1,7 @@
 """Where the optimizer state lives when it is offloaded: host memory (``host``) or files (``disk``); shards in files
 read through a bounded host pool (``shard_files``: stage 3's parameter shards, ``param_files``, and its gradient
-shards); and the asynchronous disk I/O engine that moves tensors between host memory and files (``aio``).
+shards); the asynchronous disk I/O engine that moves tensors between host memory and files (``aio``); and host
+temporaries kept out of the C heap (``mapped``).
 
 The tiers hold storage and move bytes; the pipelines (``stages.offloaded``) decide what goes where.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 from .aio import FileIO, IOHandle
 from .disk import DiskTier, remove_stale_runs
 from .host import THREADS_VARIABLE, HostShard, HostTier, cpu_threads
+from .mapped import mapped_empty
 from .param_files import ParamFiles
 from .shard_files import ShardFiles
 
@@ -23,5 +25,6 @@ __all__ = [
     "ParamFiles",
     "ShardFiles",
     "cpu_threads",
+    "mapped_empty",
     "remove_stale_runs",
 ]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 
 from ...offload.aio import IOHandle
+from ...offload.mapped import mapped_empty
 from ...offload.shard_files import Lease, ShardFiles
 from .. import stats
 from ..layout import Bucket
@@ -93,10 +94,19 @@ class DiskGrads:
 
     def _store(self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor) -> None:
         """Take the terms of the part's final ``values`` (on the gradients' device) and write it from ``lease``."""
-        self.terms[(id(buf), bucket.index)] = {norm: stats.partial(values, norm=norm) for norm in self.wanted}
+        self.terms[(id(buf), bucket.index)] = self._terms(values)
         if values.data_ptr() != lease.tensor.data_ptr():
             lease.tensor.copy_(values)
         self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset))
+
+    def _terms(self, values: torch.Tensor) -> dict[bool, torch.Tensor]:
+        """The wanted kinds of term of a part's final ``values``. The squared norm widens 16-bit values to fp32 first
+        (``stats.partial``); in host memory this widens them into a copy on a mapping of its own (the same values,
+        the same term bit for bit), not into a temporary from the heap (``offload.mapped``)."""
+        wide = values
+        if True in self.wanted and values.device.type == "cpu" and values.dtype != torch.float32:
+            wide = mapped_empty(values.numel(), torch.float32).copy_(values)
+        return {norm: stats.partial(wide if norm else values, norm=norm) for norm in self.wanted}
 
     def _written(self, key: int) -> None:
         lease, write = self._writing.pop(key)
@@ -178,7 +188,7 @@ class DiskGrads:
         on_device = shard.to(buf.device)
         for bucket in buf.layout.buckets:
             part = buf.shard_slice(on_device, bucket)
-            self.terms[(id(buf), bucket.index)] = {norm: stats.partial(part, norm=norm) for norm in self.wanted}
+            self.terms[(id(buf), bucket.index)] = self._terms(part)
         self.files.write(id(buf), shard).wait()
 
     # ---------------------------------------------------------------- memory
