@@ -22,7 +22,6 @@ from zero_kernels.config import FP16Config
 from zero_kernels.entry import initialize as zk_initialize
 from zero_kernels.planner import estimate_memory
 from zero_kernels.precision import LossScaleError, LossScaler
-from zero_kernels.stages.stage2 import POOL_BUCKETS
 
 
 def train(model: Net, opt: torch.optim.Optimizer, rank: int, world: int, steps: range) -> None:
@@ -102,9 +101,10 @@ def memory_case(rank: int, world: int, stage: int) -> None:
     for key in ("params", "grads", "optimizer"):
         want = getattr(estimate, key)
         assert abs(report[key] - want) <= 0.05 * want, f"stage {stage} {key}: {report[key]} vs planner {want}"
-    # idle gradient buckets kept for reuse: at most POOL_BUCKETS of the largest bucket, and no more than the shard;
+    # idle gradient buckets kept for reuse: at most pool_limit() of the largest bucket, and no more than the shard;
     # stage 1 (on several ranks): its reduced gradient shard, and idle scratch buckets no larger than it
-    bound = POOL_BUCKETS * 4 * max(b.numel for buf in opt._pipeline.buffers for b in buf.layout.buckets)
+    limit = opt._pipeline.pool_limit() if stage >= 2 else 0
+    bound = limit * 4 * max(b.numel for buf in opt._pipeline.buffers for b in buf.layout.buckets)
     shard = 4 * sum(buf.layout.shard_numel for buf in opt._pipeline.buffers)
     bound = min(bound, report["grads"]) if stage >= 2 else 2 * shard if stage == 1 and world > 1 else 0
     pooled = report["buffers"]
