@@ -103,7 +103,7 @@ def memory_case(rank: int, world: int, stage: int) -> None:
         assert abs(report[key] - want) <= 0.05 * want, f"stage {stage} {key}: {report[key]} vs planner {want}"
     # idle gradient buckets kept for reuse: at most pool_limit() of the largest bucket, and no more than the shard;
     # stage 1 (on several ranks): its reduced gradient shard, and idle scratch buckets no larger than it
-    limit = opt._pipeline.pool_limit() if stage >= 2 else 0
+    limit = opt._pipeline.pool_limit(torch.device("cpu")) if stage >= 2 else 0
     bound = limit * 4 * max(b.numel for buf in opt._pipeline.buffers for b in buf.layout.buckets)
     shard = 4 * sum(buf.layout.shard_numel for buf in opt._pipeline.buffers)
     bound = min(bound, report["grads"]) if stage >= 2 else 2 * shard if stage == 1 and world > 1 else 0

@@ -1,7 +1,7 @@
-"""The pool of scratch buckets keeps what one backward uses at once: with a parameter that spans more buckets
-than ``FILLING`` (its gradient is copied into all of them at once), the steps after the first make no new bucket.
-Before, the pool kept ``max_inflight + 3`` and every backward made the rest anew (zero-filled, and on the CPU freed
-into the C heap between tensors that outlive them)."""
+"""The pool of scratch buckets keeps what one backward uses at once: in host memory, with a parameter that spans
+more buckets than ``FILLING`` (its gradient is copied into all of them at once), the steps after the first make
+no new bucket. Before, the pool kept ``max_inflight + 3`` and every backward made the rest anew (zero-filled, and
+freed into the C heap between tensors that outlive them). A GPU's pool keeps ``max_inflight + 3``."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def _steps(rank: int, world: int) -> None:
         pipeline = opt.pipeline
         spans = max(len(k) for buf in pipeline.buffers for k in buf.layout.slot_buckets)
         assert spans > FILLING + 2, f"stage {stage}: the weight spans {spans} buckets"
-        assert pipeline.pool_limit() == pipeline.max_inflight + 1 + spans
+        cpu, gpu = torch.device("cpu"), torch.device("cuda")  # the limit of a GPU's pool: read, never allocated on
+        assert pipeline.pool_limit(cpu) == pipeline.max_inflight + 1 + spans, stage
+        assert pipeline.pool_limit(gpu) == pipeline.max_inflight + 1 + FILLING, stage
         made, new_bucket = [], pipeline._new_bucket
         pipeline._new_bucket = lambda *a: made.append(1) or new_bucket(*a)
         per_step = []
@@ -43,7 +45,7 @@ def _steps(rank: int, world: int) -> None:
             per_step.append(len(made) - before)
         assert per_step[0] > 0 and per_step[1:] == [0, 0], f"stage {stage}: new buckets per step {per_step}"
         pooled = sum(t.numel() for t in pipeline.memory_tensors()["buffers"])
-        assert pooled <= pipeline.pool_limit() * max(b.numel for buf in pipeline.buffers for b in buf.layout.buckets)
+        assert pooled <= pipeline.pool_limit(cpu) * max(b.numel for buf in pipeline.buffers for b in buf.layout.buckets)
 
 
 @pytest.mark.distributed
