@@ -3,9 +3,9 @@
 glibc serves an allocation under its mmap threshold from the heap; the threshold rises at run time (up to 32 MiB)
 as mapped blocks are freed. A block freed in the heap stays resident, and once a smaller allocation that outlives it
 is placed in its space, a block of its size no longer fits there and the heap grows instead. Bucket-sized
-temporaries made and freed once per bucket during backward, between the small tensors the step keeps, grew the heap
-of a 403M-parameter run by 0.2 to 1.4 GB from one run to the next (``offload.mapped_empty`` keeps such a temporary
-out of it).
+temporaries made and freed once per bucket during backward, between the small tensors the step keeps, left up to
+1.28 GB of free blocks in the heap of a 403M-parameter run, a different amount in each run (``mapped_empty`` keeps
+such a temporary out of it).
 """
 
 from __future__ import annotations

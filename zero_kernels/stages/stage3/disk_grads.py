@@ -104,7 +104,7 @@ class DiskGrads:
         (``stats.partial``); in host memory this widens them into a copy on a mapping of its own (the same values,
         the same term bit for bit), not into a temporary from the heap (``offload.mapped``)."""
         wide = values
-        if True in self.wanted and values.device.type == "cpu" and values.dtype != torch.float32:
+        if True in self.wanted and values.device.type == "cpu" and values.dtype in (torch.bfloat16, torch.float16):
             wide = mapped_empty(values.numel(), torch.float32).copy_(values)
         return {norm: stats.partial(wide if norm else values, norm=norm) for norm in self.wanted}
 
