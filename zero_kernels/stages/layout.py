@@ -34,6 +34,7 @@ elements)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Sequence
 
 import torch
@@ -98,6 +99,11 @@ class BufferLayout:
     def shard_numel(self) -> int:
         """Elements of one rank's shard buffer (the same on every rank)."""
         return self.numel // self.num_shards
+
+    @cached_property
+    def widest_slot(self) -> int:
+        """The most buckets one slot spans (1 when there is no slot)."""
+        return max((len(k) for k in self.slot_buckets), default=1)
 
     @classmethod
     def build(cls, params: Sequence[torch.Tensor], *, bucket_numel: int, num_shards: int) -> "BufferLayout":

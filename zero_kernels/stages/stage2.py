@@ -61,7 +61,6 @@ class Stage2Pipeline(Pipeline):
     def __init__(self, engine: Any, options: Any, **kwargs: Any):
         super().__init__(engine, options, **kwargs)
         self._pool: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        self._span: tuple[int, int] = (0, 1)  # (buffers counted, most buckets one parameter spans)
         self.quantized_reducer = self._quantized_reducer(options)
 
     def _quantized_reducer(self, options: Any) -> Optional[QuantizedReduceScatter]:
@@ -163,10 +162,8 @@ class Stage2Pipeline(Pipeline):
         of them at once)."""
         if device.type != "cpu":
             return self.max_inflight + 1 + FILLING
-        if self._span[0] != len(self.buffers):
-            spans = (len(k) for buf in self.buffers for k in buf.layout.slot_buckets)
-            self._span = (len(self.buffers), max(spans, default=1))
-        return self.max_inflight + 1 + max(FILLING, self._span[1])
+        widest = max((buf.layout.widest_slot for buf in self.buffers), default=1)
+        return self.max_inflight + 1 + max(FILLING, widest)
 
     def _give_back(self, buf: FlatBuffer, whole: torch.Tensor) -> None:
         """Keep a finished scratch bucket for reuse, within the pool's limits."""
