@@ -37,7 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("all_gather_list", zk::Primitive::kAllGatherList)
       .value("all_gather_tensor", zk::Primitive::kAllGatherTensor)
       .value("reduce_scatter_p2p", zk::Primitive::kReduceScatterP2P)
-      .value("all_gather_p2p", zk::Primitive::kAllGatherP2P);
+      .value("all_gather_p2p", zk::Primitive::kAllGatherP2P)
+      .value("reduce_scatter_nodes", zk::Primitive::kReduceScatterNodes)
+      .value("all_gather_nodes", zk::Primitive::kAllGatherNodes);
 
   py::class_<zk::PendingOp, std::shared_ptr<zk::PendingOp>>(m, "PendingOp")
       .def("wait", &zk::PendingOp::wait, Release())
@@ -71,6 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("tensor"), py::arg("op"), py::arg("name"), py::arg("compute_stream") = 0, py::arg("side_stream") = 0,
           py::arg("side") = py::none(), Release())
       .def("synchronize", &zk::Engine::synchronize, Release())
+      .def("set_nodes", &zk::Engine::set_nodes, py::arg("rows"))
       .def("in_flight", &zk::Engine::in_flight, Release())
       .def_property_readonly("rank", &zk::Engine::rank)
       .def_property_readonly("world_size", &zk::Engine::world_size)

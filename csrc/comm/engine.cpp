@@ -16,8 +16,6 @@ namespace {
 
 std::atomic<int64_t> g_live_ops{0};
 
-using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
-
 // Tags of the point-to-point primitives: a range of their own, so that they never match a send or
 // receive of the user's; one tag per operation, in issue order (the same on every rank).
 constexpr uint32_t kTagBase = 1u << 30;
@@ -200,16 +198,21 @@ const char* primitive_name(Primitive primitive) {
       return "reduce_scatter_p2p";
     case Primitive::kAllGatherP2P:
       return "all_gather_p2p";
+    case Primitive::kReduceScatterNodes:
+      return "reduce_scatter_nodes";
+    case Primitive::kAllGatherNodes:
+      return "all_gather_nodes";
   }
   return "unknown";
 }
 
-PendingOp::PendingOp(std::string what, std::vector<c10::intrusive_ptr<c10d::Work>> works,
-                     std::vector<at::Tensor> keep_alive, std::function<void()> epilogue,
-                     std::optional<c10::Stream> finish_on)
+PendingOp::PendingOp(std::string what, Works works, std::vector<at::Tensor> keep_alive,
+                     std::function<void()> epilogue, std::optional<c10::Stream> finish_on,
+                     std::future<Works> later)
     : what_(std::move(what)),
       works_(std::move(works)),
       keep_alive_(std::move(keep_alive)),
+      later_(std::move(later)),
       epilogue_(std::move(epilogue)),
       finish_on_(finish_on),
       on_host_(keep_alive_.empty() || !keep_alive_.front().is_cuda()) {
@@ -225,6 +228,10 @@ int64_t PendingOp::live() { return g_live_ops.load(); }
 void PendingOp::finish_locked() {
   const c10::OptionalStreamGuard on_side(finish_on_);
   try {
+    if (later_.valid()) {
+      Works second = later_.get();  // moved out: the future holds no reference that outlives the works
+      works_.insert(works_.end(), second.begin(), second.end());
+    }
     for (const auto& work : works_) {
       work->wait();
       if (on_host_) {
@@ -267,6 +274,9 @@ bool PendingOp::try_finish() {
 }
 
 bool PendingOp::all_completed_locked() const {
+  if (later_.valid()) {  // its second phase is point-to-point works, which cannot be polled either
+    return false;
+  }
   for (const auto& work : works_) {
     if (!work->isCompleted()) {
       return false;
@@ -301,6 +311,14 @@ Engine::~Engine() {
     } catch (const std::exception& e) {
       TORCH_WARN("zero_kernels comm engine destroyed with a failed operation: ", e.what());
     }
+  }
+  {
+    std::lock_guard<std::mutex> lock(relay_mu_);
+    relay_stop_ = true;
+  }
+  relay_cv_.notify_all();
+  if (relay_thread_.joinable()) {
+    relay_thread_.join();
   }
 }
 
@@ -355,13 +373,16 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
   check_pair(output, input, world_size_, what);
   check_primitive(primitive,
                   {Primitive::kAllReduceSlice, Primitive::kReduceScatterList, Primitive::kReduceScatterTensor,
-                   Primitive::kReduceScatterP2P},
+                   Primitive::kReduceScatterP2P, Primitive::kReduceScatterNodes},
                   what);
   const auto pg = begin(what, input, streams);
   at::Tensor in = input;
   const int64_t n = output.numel();
   if (primitive == Primitive::kReduceScatterP2P) {
     return reduce_scatter_p2p(*pg, output, in, what);
+  }
+  if (primitive == Primitive::kReduceScatterNodes) {
+    return reduce_scatter_nodes(pg, output, in, what);
   }
   if (primitive == Primitive::kAllReduceSlice) {
     std::vector<at::Tensor> tensors{in};
@@ -389,7 +410,10 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
                                               const std::string& name, Primitive primitive, Streams streams) {
   const std::string what = describe("all_gather", name);
   check_pair(input, output, world_size_, what);
-  check_primitive(primitive, {Primitive::kAllGatherList, Primitive::kAllGatherTensor, Primitive::kAllGatherP2P}, what);
+  check_primitive(
+      primitive,
+      {Primitive::kAllGatherList, Primitive::kAllGatherTensor, Primitive::kAllGatherP2P, Primitive::kAllGatherNodes},
+      what);
   const auto pg = begin(what, output, streams);
   at::Tensor out = output;
   at::Tensor source = input;
@@ -399,6 +423,9 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
   }
   if (primitive == Primitive::kAllGatherP2P) {
     return all_gather_p2p(*pg, out, source, input, what);
+  }
+  if (primitive == Primitive::kAllGatherNodes) {
+    return all_gather_nodes(pg, out, source, input, what);
   }
   c10::intrusive_ptr<c10d::Work> work;
   if (primitive == Primitive::kAllGatherList) {
@@ -425,12 +452,16 @@ std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const st
                                            epilogue(at::Tensor(), tensor, streams, what), streams.side_stream));
 }
 
-uint32_t Engine::next_tag(const std::string& what, const at::Tensor& t) {
+uint32_t Engine::next_tag(const std::string& what, const at::Tensor& t) { return tag_at(next_tags(what, t, 1), 0); }
+
+uint32_t Engine::next_tags(const std::string& what, const at::Tensor& t, uint32_t count) {
   if (t.is_cuda()) {
     throw std::invalid_argument(what + ": the point-to-point primitives are for CPU tensors (gloo)");
   }
-  return kTagBase + next_tag_.fetch_add(1) % kTagSpan;
+  return next_tag_.fetch_add(count);
 }
+
+uint32_t Engine::tag_at(uint32_t first, uint32_t offset) const { return kTagBase + (first + offset) % kTagSpan; }
 
 // Every rank sends chunk j of `input` to rank j and receives its own chunk from each peer into a
 // scratch row; the epilogue sums those rows into its own chunk (input is scratch) and casts that into
@@ -492,6 +523,211 @@ std::shared_ptr<PendingOp> Engine::all_gather_p2p(c10d::ProcessGroup& pg, at::Te
   }
   return track(std::make_shared<PendingOp>(what, std::move(works), std::vector<at::Tensor>{input, source, output},
                                            nullptr));
+}
+
+void Engine::set_nodes(const std::vector<std::vector<int64_t>>& rows) {
+  const std::string what = "zero_kernels comm: set_nodes on rank " + std::to_string(rank_);
+  TORCH_CHECK(rows_.empty(), what, ": the nodes are set already");
+  TORCH_CHECK(!rows.empty() && !rows.front().empty(), what, ": no nodes given");
+  std::vector<int> seen(world_size_, 0);
+  for (size_t node = 0; node < rows.size(); ++node) {
+    TORCH_CHECK(rows[node].size() == rows.front().size(), what, ": nodes of unequal size");
+    for (size_t local = 0; local < rows[node].size(); ++local) {
+      const int64_t r = rows[node][local];
+      TORCH_CHECK(r >= 0 && r < world_size_ && seen[r]++ == 0, what, ": rank ", r, " out of range or repeated");
+      if (r == rank_) {
+        node_ = static_cast<int>(node);
+        local_ = static_cast<int>(local);
+      }
+    }
+  }
+  TORCH_CHECK(rows.size() * rows.front().size() == static_cast<size_t>(world_size_), what, ": ",
+              rows.size() * rows.front().size(), " ranks given for a group of ", world_size_);
+  rows_ = rows;
+  relay_thread_ = std::thread([this] { relay_loop(); });
+}
+
+std::future<Works> Engine::relay(std::function<Works()> phase) {
+  std::packaged_task<Works()> job(std::move(phase));
+  std::future<Works> done = job.get_future();
+  {
+    std::lock_guard<std::mutex> lock(relay_mu_);
+    relay_jobs_.push_back(std::move(job));
+  }
+  relay_cv_.notify_one();
+  return done;
+}
+
+void Engine::relay_loop() {
+  while (true) {
+    std::packaged_task<Works()> job;
+    {
+      std::unique_lock<std::mutex> lock(relay_mu_);
+      relay_cv_.wait(lock, [this] { return relay_stop_ || !relay_jobs_.empty(); });
+      if (relay_jobs_.empty()) {
+        return;
+      }
+      job = std::move(relay_jobs_.front());
+      relay_jobs_.pop_front();
+    }
+    job();  // a failure is stored in the job's future, raised by the operation's wait()
+  }
+}
+
+namespace {
+
+// Waits for the first phase's works on the relay thread and lets go of them there (their tensors are
+// held by the operation until it is finished, so no last reference is dropped here).
+// The `n` elements of `buffer` that belong to rank `owner`.
+at::Tensor part_of(const at::Tensor& buffer, int64_t owner, int64_t n) { return buffer.narrow(0, owner * n, n); }
+
+void finish_first_phase(Works& works) {
+  for (const auto& work : works) {
+    work->wait();
+    wait_for_backend_release(work);
+  }
+  works.clear();
+}
+
+}  // namespace
+
+// Two levels along the nodes (M nodes of L ranks; chunk r of `input` belongs to rank r). First, within
+// the node, every rank sends each node-mate the M chunks of that mate's column (the ranks with its local
+// rank, one per node) and sums what it receives into its own column's chunks; then, across the nodes,
+// it sends each of those node sums to its owner, who sums them into its chunk. A node's link carries
+// (M-1)/M of the buffer each way, against L(N-L)/N for the pairwise exchange (half against all of it
+// at 2 x 2). The relay thread issues the second phase once the first is done.
+std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                        const at::Tensor& output, at::Tensor& input,
+                                                        const std::string& what) {
+  const int64_t n = output.numel();
+  const int nodes = static_cast<int>(rows_.size());
+  const int locals = static_cast<int>(rows_.front().size());
+  const uint32_t first = next_tags(what, input, nodes + 1);
+  at::Tensor within = at::empty({locals - 1, nodes, n}, input.options());
+  at::Tensor across = at::empty({nodes - 1, n}, input.options());
+  Works works;
+  for (int local = 0, row = 0; local < locals; ++local) {  // receives first: see reduce_scatter_p2p
+    if (local != local_) {
+      for (int node = 0; node < nodes; ++node) {
+        std::vector<at::Tensor> recv{within.select(0, row).select(0, node)};
+        works.push_back(pg->recv(recv, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, node))));
+      }
+      ++row;
+    }
+  }
+  for (int local = 0; local < locals; ++local) {
+    if (local != local_) {
+      for (int node = 0; node < nodes; ++node) {
+        std::vector<at::Tensor> send{part_of(input, rows_[node][local], n)};
+        works.push_back(pg->send(send, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, node))));
+      }
+    }
+  }
+  auto second = [this, pg, works = std::move(works), input, within, across, n, nodes, locals,
+                 tag = static_cast<int>(tag_at(first, nodes))]() mutable {
+    auto drop = [&] {  // the operation holds the tensors: no last reference is dropped on this thread
+      works.clear();
+      input = within = across = at::Tensor();
+    };
+    try {
+      finish_first_phase(works);
+      for (int node = 0; node < nodes; ++node) {
+        const at::Tensor got = within.select(1, node);
+        part_of(input, rows_[node][local_], n).add_(locals == 2 ? got.select(0, 0) : got.sum(0));
+      }
+      Works next;
+      for (int node = 0, row = 0; node < nodes; ++node) {
+        if (node != node_) {
+          std::vector<at::Tensor> recv{across.select(0, row++)};
+          next.push_back(pg->recv(recv, static_cast<int>(rows_[node][local_]), tag));
+        }
+      }
+      for (int node = 0; node < nodes; ++node) {
+        if (node != node_) {
+          std::vector<at::Tensor> send{part_of(input, rows_[node][local_], n)};
+          next.push_back(pg->send(send, static_cast<int>(rows_[node][local_]), tag));
+        }
+      }
+      drop();
+      return next;
+    } catch (...) {
+      drop();
+      throw;
+    }
+  };
+  at::Tensor mine = part_of(input, rank_, n);
+  auto sum = [output, mine, across]() {
+    mine.add_(across.size(0) == 1 ? across.select(0, 0) : across.sum(0));
+    if (output.data_ptr() != mine.data_ptr() || output.scalar_type() != mine.scalar_type()) {
+      output.copy_(mine);
+    }
+  };
+  auto later = relay(std::move(second));
+  return track(std::make_shared<PendingOp>(what, Works{}, std::vector<at::Tensor>{input, within, across, output},
+                                           std::move(sum), std::nullopt, std::move(later)));
+}
+
+// Two levels along the nodes: first every rank exchanges its shard with the ranks of its column on the
+// other nodes, then it sends what its column holds (M chunks) to each node-mate and receives theirs.
+std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                    at::Tensor& output, at::Tensor& source, const at::Tensor& input,
+                                                    const std::string& what) {
+  const int64_t n = source.numel();
+  const int nodes = static_cast<int>(rows_.size());
+  const int locals = static_cast<int>(rows_.front().size());
+  const uint32_t first = next_tags(what, output, nodes + 1);
+  part_of(output, rank_, n).copy_(source);
+  const int tag = static_cast<int>(tag_at(first, 0));
+  Works works;
+  for (int node = 0; node < nodes; ++node) {  // receives first: see reduce_scatter_p2p
+    if (node != node_) {
+      std::vector<at::Tensor> recv{part_of(output, rows_[node][local_], n)};
+      works.push_back(pg->recv(recv, static_cast<int>(rows_[node][local_]), tag));
+    }
+  }
+  for (int node = 0; node < nodes; ++node) {
+    if (node != node_) {
+      std::vector<at::Tensor> send{source};
+      works.push_back(pg->send(send, static_cast<int>(rows_[node][local_]), tag));
+    }
+  }
+  auto second = [this, pg, works = std::move(works), output, n, nodes, locals, first]() mutable {
+    auto drop = [&] {  // the operation holds the tensors: no last reference is dropped on this thread
+      works.clear();
+      output = at::Tensor();
+    };
+    try {
+      finish_first_phase(works);
+      Works next;
+      for (int local = 0; local < locals; ++local) {
+        if (local != local_) {
+          for (int node = 0; node < nodes; ++node) {
+            std::vector<at::Tensor> recv{part_of(output, rows_[node][local], n)};
+            next.push_back(
+                pg->recv(recv, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
+          }
+        }
+      }
+      for (int local = 0; local < locals; ++local) {
+        if (local != local_) {
+          for (int node = 0; node < nodes; ++node) {
+            std::vector<at::Tensor> send{part_of(output, rows_[node][local_], n)};
+            next.push_back(
+                pg->send(send, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
+          }
+        }
+      }
+      drop();
+      return next;
+    } catch (...) {
+      drop();
+      throw;
+    }
+  };
+  auto later = relay(std::move(second));
+  return track(std::make_shared<PendingOp>(what, Works{}, std::vector<at::Tensor>{input, source, output}, nullptr,
+                                           std::nullopt, std::move(later)));
 }
 
 void Engine::synchronize() {

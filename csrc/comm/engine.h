@@ -12,14 +12,17 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace zero_kernels::comm {
@@ -34,7 +37,11 @@ enum class Primitive {
   kAllGatherTensor,      // all_gather into one flat tensor (_allgather_base)
   kReduceScatterP2P,     // reduce_scatter as a send/recv of each chunk to its owner, summed there (CPU)
   kAllGatherP2P,         // all_gather as a send/recv of this rank's shard to every peer (CPU)
+  kReduceScatterNodes,   // reduce_scatter in two levels along the nodes: within each node, then across (CPU)
+  kAllGatherNodes,       // all_gather in two levels along the nodes: across them, then within each (CPU)
 };
+
+using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
 
 const char* primitive_name(Primitive primitive);
 
@@ -57,8 +64,10 @@ struct Streams {
 class PendingOp {
  public:
   // `finish_on`: the stream made current while the operation is finished (its side stream; none on CPU).
-  PendingOp(std::string what, std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<at::Tensor> keep_alive,
-            std::function<void()> epilogue, std::optional<c10::Stream> finish_on = std::nullopt);
+  // `later`: works of a second phase, issued by the engine's relay thread once the first is done (the
+  // two-level primitives); finishing waits for them too, before the epilogue.
+  PendingOp(std::string what, Works works, std::vector<at::Tensor> keep_alive, std::function<void()> epilogue,
+            std::optional<c10::Stream> finish_on = std::nullopt, std::future<Works> later = {});
   ~PendingOp();
   PendingOp(const PendingOp&) = delete;
   PendingOp& operator=(const PendingOp&) = delete;
@@ -83,8 +92,9 @@ class PendingOp {
 
   std::mutex mu_;
   const std::string what_;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
+  Works works_;
   std::vector<at::Tensor> keep_alive_;
+  std::future<Works> later_;
   std::function<void()> epilogue_;
   const std::optional<c10::Stream> finish_on_;
   const bool on_host_;  // a CPU collective: wait() blocks until the backend has finished with it
@@ -116,6 +126,9 @@ class Engine {
   // Waits for every operation issued so far (each on its side stream, as PendingOp::wait); raises
   // the first failure among them.
   void synchronize();
+  // The global ranks of each node, by local rank (nodes of equal size, every rank once): the grid the
+  // *Nodes primitives exchange along. Call once, before they are used; identical on every rank.
+  void set_nodes(const std::vector<std::vector<int64_t>>& rows);
   // Operations the engine still holds (finished ones are dropped first).
   int64_t in_flight();
 
@@ -140,6 +153,17 @@ class Engine {
                                                 const std::string& what);
   std::shared_ptr<PendingOp> all_gather_p2p(c10d::ProcessGroup& pg, at::Tensor& output, at::Tensor& source,
                                             const at::Tensor& input, const std::string& what);
+  std::shared_ptr<PendingOp> reduce_scatter_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                  const at::Tensor& output, at::Tensor& input, const std::string& what);
+  std::shared_ptr<PendingOp> all_gather_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& output,
+                                              at::Tensor& source, const at::Tensor& input, const std::string& what);
+  // Reserves `count` consecutive tags for one operation (the same on every rank): the first's number,
+  // made a tag by tag_at(first, 0..count-1).
+  uint32_t next_tags(const std::string& what, const at::Tensor& t, uint32_t count);
+  uint32_t tag_at(uint32_t first, uint32_t offset) const;
+  // Runs `phase` on the relay thread, after every phase handed over before it.
+  std::future<Works> relay(std::function<Works()> phase);
+  void relay_loop();
   void reap_locked();
 
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
@@ -149,6 +173,16 @@ class Engine {
   std::mutex mu_;
   std::deque<std::shared_ptr<PendingOp>> in_flight_;
   std::atomic<uint32_t> next_tag_{0};
+  std::vector<std::vector<int64_t>> rows_;  // set_nodes: the ranks of each node, by local rank
+  int node_ = 0;
+  int local_ = 0;
+  // The relay thread waits for each two-level operation's first phase and issues its second, in issue
+  // order, so the caller never blocks between them (gloo's point-to-point works cannot be polled).
+  std::thread relay_thread_;
+  std::mutex relay_mu_;
+  std::condition_variable relay_cv_;
+  std::deque<std::packaged_task<Works()>> relay_jobs_;
+  bool relay_stop_ = false;
 };
 
 }  // namespace zero_kernels::comm

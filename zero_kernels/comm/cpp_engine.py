@@ -4,6 +4,7 @@ lifetime of every operation it issues.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -12,9 +13,7 @@ import torch.distributed as dist
 from .._build import ext as _ext
 from .engine_base import EngineBase, issue_errors_named
 from .handles import CppHandle, Handle
-from .primitives import (
-    CommError,
-)
+from .primitives import NODES_PRIMITIVES, CommError
 
 
 class CppCommEngine(EngineBase):
@@ -27,6 +26,29 @@ class CppCommEngine(EngineBase):
         super().__init__(process_group)
         self._engine = self._ext.Engine(self.group) if self.world_size > 1 else None
         self._side_streams: dict[int, "torch.cuda.Stream"] = {}
+        self.nodes = self._nodes()
+        if self.nodes is not None:
+            self._engine.set_nodes(self.nodes)
+            self.extra_primitives = tuple(NODES_PRIMITIVES.values())
+
+    def _nodes(self) -> Optional[list[list[int]]]:
+        """The ranks of each node when the job spans several nodes of several ranks each (``LOCAL_WORLD_SIZE``
+        below the world size) and this engine's group is the whole world; None otherwise. Collective when
+        it is not None: every rank of such a job builds its engines at the same points."""
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if self._engine is None or local is None or not 1 < int(local) < self.world_size:
+            return None
+        if self.group is not dist.group.WORLD:
+            return None
+        from .groups import node_rows
+
+        rows = node_rows()
+        return rows if len(rows) > 1 and len(rows[0]) > 1 else None
+
+    def primitive_for(self, operation: str, tensor: torch.Tensor) -> str:
+        """As ``EngineBase.primitive_for``; across nodes the point-to-point forms run in two levels."""
+        primitive = super().primitive_for(operation, tensor)
+        return NODES_PRIMITIVES.get(primitive, primitive) if self.nodes is not None else primitive
 
     def _streams(self, tensor: torch.Tensor) -> tuple[int, int, Optional["torch.cuda.Stream"]]:
         if not tensor.is_cuda:

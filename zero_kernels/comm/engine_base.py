@@ -65,6 +65,7 @@ class EngineBase:
     """Rank facts, argument checks and the world-size-1 path shared by both engines."""
 
     kind = ""
+    extra_primitives: tuple[str, ...] = ()  # primitives this engine has beyond the shared ones
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -119,7 +120,7 @@ class EngineBase:
         if primitive is None:
             primitive = self.primitive_for(operation, full)
         allowed = REDUCE_SCATTER_PRIMITIVES if operation == "reduce_scatter" else ALL_GATHER_PRIMITIVES
-        check_primitive(what, primitive, allowed)
+        check_primitive(what, primitive, allowed + tuple(p for p in self.extra_primitives if p.startswith(operation)))
         return what, primitive
 
     def _check_all_reduce(self, name: str, tensor: torch.Tensor, op: str) -> str:

@@ -132,6 +132,14 @@ def node_groups() -> NodeGroups:
     return groups
 
 
+def node_rows() -> list[list[int]]:
+    """The global ranks of each node, by local rank, nodes in order (``node_groups()``'s grid; the same
+    on every rank). Collective on the first call, as ``node_groups()``."""
+    node_groups()
+    assert _cache is not None
+    return [list(row) for row in _cache[2]]
+
+
 def node_subgroup(size: int, what: str = "node_subgroup") -> Any:
     """The process group of this rank and the ``size`` - 1 ranks beside it on its node (its node's ranks cut,
     by local rank, into runs of ``size``): ``node_groups().intra`` when ``size`` is the ranks per node.

@@ -19,6 +19,12 @@ ALL_GATHER_PRIMITIVES = ("all_gather_list", "all_gather_tensor", "all_gather_p2p
 # chunk crosses one link once, which on gloo beats its collectives (see PRIMITIVES). Their tags come
 # from a range of their own, one per operation in issue order.
 P2P_TAG_BASE, P2P_TAG_SPAN = 1 << 30, 1 << 29
+# Across nodes (``LOCAL_WORLD_SIZE`` below the world size, more than one rank per node) the C++ engine
+# runs the point-to-point forms in two levels along the nodes: a reduce-scatter first sums within each
+# node and then sends each node's sums across, an all-gather crosses first and then fans out within the
+# node. A node's link then carries (M-1)/M of the buffer each way (M nodes) instead of L(N-L)/N (L ranks
+# per node, N ranks): half instead of all of it at 2 nodes of 2 ranks, where gloo's ring carries 3/4.
+NODES_PRIMITIVES = {"reduce_scatter_p2p": "reduce_scatter_nodes", "all_gather_p2p": "all_gather_nodes"}
 MAX_HELD = 16  # operations an engine holds at most (the C++ engine's Engine::kMaxHeld)
 
 # (backend, operation) -> rows (largest bucket in bytes or None for any size, primitive); the first

@@ -1,0 +1,101 @@
+"""The C++ engine's two-level reduce-scatter and all-gather across nodes, on gloo ranks that play nodes.
+
+Each rank is told its node and local rank as torchrun tells them (``GROUP_RANK``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``). A reduce-scatter sums in another order than the pairwise exchange, so it is compared
+with a float64 sum within float32 rounding; an all-gather moves bytes only and compares exactly. Several
+operations are kept in flight at once, as the stages issue them, with other dtypes going out.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from zero_kernels import _ext
+from zero_kernels.comm import make_engine
+
+SIZES = (1, 7, 1000, 65539)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpp_engine() -> None:
+    try:
+        _ext.load("comm")
+    except _ext.ExtensionUnavailable as exc:
+        pytest.skip(f"the two-level primitives are the C++ engine's: {exc}")
+
+
+def _place(rank: int, local_size: int, strided: bool) -> None:
+    node, local = (rank % 2, rank // 2) if strided else (rank // local_size, rank % local_size)
+    os.environ.update(GROUP_RANK=str(node), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(local_size))
+
+
+def _data(world: int, n: int, seed: int) -> list[torch.Tensor]:
+    return [torch.randn(world * n, generator=torch.Generator().manual_seed(seed * 1000 + r)) for r in range(world)]
+
+
+def _reduce_scatters(engine, rank: int, world: int) -> None:
+    issued = []
+    for i, n in enumerate(SIZES):
+        for dtype, out_dtype in ((torch.float32, torch.float32), (torch.float32, torch.bfloat16)):
+            inputs = _data(world, n, 2 * i + (dtype != out_dtype))
+            out = torch.empty(n, dtype=out_dtype)
+            issued.append((engine.reduce_scatter(out, inputs[rank].clone(), name=f"rs{n}"), out, inputs, n))
+    for handle, out, inputs, n in issued:
+        handle.wait()
+        want = torch.stack([t.double() for t in inputs]).sum(0).narrow(0, rank * n, n)
+        tol = 1e-5 if out.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.double(), want.to(out.dtype).double(), rtol=tol, atol=tol * world)
+
+
+def _all_gathers(engine, rank: int, world: int) -> None:
+    issued = []
+    for i, n in enumerate(SIZES):
+        shards = [t.narrow(0, 0, n).to(torch.bfloat16) for t in _data(world, n, 50 + i)]
+        full = torch.empty(world * n, dtype=torch.float32)
+        issued.append((engine.all_gather(full, shards[rank], name=f"ag{n}"), full, shards))
+    for handle, full, shards in issued:
+        handle.wait()
+        assert torch.equal(full, torch.cat(shards).float())
+
+
+def _two_levels(rank: int, world: int, local_size: int, strided: bool, rows: list[list[int]]) -> None:
+    _place(rank, local_size, strided)
+    engine = make_engine(backend="cpp")
+    assert engine.nodes == rows, engine.nodes
+    assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_nodes"
+    assert engine.primitive_for("all_gather", torch.empty(world)) == "all_gather_nodes"
+    _reduce_scatters(engine, rank, world)
+    _all_gathers(engine, rank, world)
+    engine.synchronize()
+    assert engine.in_flight() == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "world, local_size, strided, rows",
+    [
+        (4, 2, False, [[0, 1], [2, 3]]),
+        (4, 2, True, [[0, 2], [1, 3]]),
+        (6, 3, False, [[0, 1, 2], [3, 4, 5]]),
+    ],
+    ids=["2x2", "2x2-strided", "2x3"],
+)
+def test_two_level_collectives_match_the_sums(spawn, world: int, local_size: int, strided: bool, rows) -> None:
+    spawn(_two_levels, world, local_size, strided, rows)
+
+
+def _one_node(rank: int, world: int) -> None:
+    _place(rank, world, False)
+    engine = make_engine(backend="cpp")
+    assert engine.nodes is None
+    assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_p2p"
+    with pytest.raises(ValueError, match="reduce_scatter_nodes"):
+        engine.reduce_scatter(torch.empty(1), torch.empty(world), primitive="reduce_scatter_nodes")
+
+
+@pytest.mark.distributed
+def test_one_node_keeps_the_pairwise_exchange(spawn) -> None:
+    spawn(_one_node, 2)
