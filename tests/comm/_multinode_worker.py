@@ -2,9 +2,9 @@
 an emulated node (``benchmarks.netns``).
 
 ``run(OUT_DIR)``: checks the node groups made from torchrun's environment (membership, which traffic stays on
-the node, a two-level all-reduce against the flat one), then trains every stage in lock-step with
-single-process ``torch.optim.AdamW`` (``tests.helpers.lockstep``), and writes what it found wrong, or ``ok``, to
-``OUT_DIR/<rank>``.
+the node, a two-level all-reduce against the flat one, the C++ engine's two-level reduce-scatter), then trains
+every stage in lock-step with single-process ``torch.optim.AdamW`` (``tests.helpers.lockstep``), and writes what
+it found wrong, or ``ok``, to ``OUT_DIR/<rank>``.
 """
 
 from __future__ import annotations
@@ -18,20 +18,21 @@ import torch.distributed as dist
 
 from benchmarks.netns import link_bytes
 from tests.helpers.lockstep import STAGES, run_lockstep
+from zero_kernels.comm import make_engine
 from zero_kernels.comm_groups import node_groups
 
 MB = 1 << 20
 
 
 def _sent(collective) -> int:
-    """Bytes this node sent over the link while ``collective`` ran on this rank (and its node's peers)."""
+    """Bytes this node sent over the link while ``collective`` ran on every rank (read once every rank is done: a
+    rank can finish before its node-mates' last sends)."""
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     dist.barrier()
     before = link_bytes(ifname)[0]
     collective()
-    after = link_bytes(ifname)[0]
     dist.barrier()
-    return after - before
+    return link_bytes(ifname)[0] - before
 
 
 def check_groups(rank: int, world: int) -> list[str]:
@@ -62,7 +63,7 @@ def check_groups(rank: int, world: int) -> list[str]:
         problems.append(f"an all-reduce within the node sent {within} bytes over the link")
     if across < 4 * MB:
         problems.append(f"an all-reduce across the nodes sent only {across} bytes over the link")
-    return problems + check_two_level(rank, g)
+    return problems + check_two_level(rank, g) + check_engine(world, g)
 
 
 def check_two_level(rank: int, g) -> list[str]:
@@ -75,6 +76,25 @@ def check_two_level(rank: int, g) -> list[str]:
         dist.all_reduce(x, group=g.inter)
     dist.broadcast(x, src=g.intra_ranks[0], group=g.intra)
     return [] if torch.equal(x, flat) else [f"two-level all-reduce differs from the flat one: {x[:4]} vs {flat[:4]}"]
+
+
+def check_engine(world: int, g) -> list[str]:
+    """The C++ engine reduce-scatters in two levels along the nodes: a node sends half of the buffer over the link
+    (the direct exchange between every pair would send all of it), and the sums are right."""
+    engine = make_engine()
+    if engine.kind != "cpp":
+        return []
+    rows = [list(range(n * g.local_world_size, (n + 1) * g.local_world_size)) for n in range(g.nodes)]
+    if engine.nodes != rows:
+        return [f"the C++ engine's nodes are {engine.nodes}, not {rows}"]
+    full, shard = torch.full((MB,), float(dist.get_rank() + 1)), torch.empty(MB // world)
+    sent = _sent(lambda: engine.reduce_scatter(shard, full, name="two levels").wait())
+    problems = (
+        [] if 0.45 * 4 * MB < sent < 0.65 * 4 * MB else [f"a 4 MiB reduce-scatter sent {sent} bytes over the link"]
+    )
+    if not torch.equal(shard, torch.full_like(shard, world * (world + 1) / 2)):
+        problems.append(f"the two-level reduce-scatter summed to {shard[:4]}")
+    return problems
 
 
 def run(out: str) -> None:

@@ -27,21 +27,25 @@ def nccl(**kw) -> Cluster:
         # ring through ranks 0-1 | 2-3: one edge per node and direction crosses, one stays inside
         (gloo(), "all_reduce", (1.5 * B, 1.5 * B, 1.5 * B)),
         (nccl(), "all_gather", (0.75 * B, 0.75 * B, 0.75 * B)),
-        # pairwise: each of a node's 2 ranks sends its quarter to the 2 ranks of the other node
-        (gloo(), "all_gather", (B, 0.25 * B, 0.5 * B)),
-        (gloo(), "reduce_scatter", (B, 0.25 * B, 0.5 * B)),
-        (gloo(nodes=4, ranks_per_node=4), "all_gather", (4 * 12 / 16 * B, 3 / 16 * B, 12 / 16 * B)),
-        (gloo(nodes=1), "all_gather", (0.0, 0.5 * B, B)),  # 2 ranks: half the buffer each way
+        # two levels: each rank sends its node-mate the mate's half, then each of a node's 2 ranks sends
+        # one quarter (a node sum) to the other node
+        (gloo(), "all_gather", (0.5 * B, 0.5 * B, B)),
+        (gloo(), "reduce_scatter", (0.5 * B, 0.5 * B, B)),
+        (gloo(nodes=4, ranks_per_node=4), "all_gather", (0.75 * B, 0.75 * B, 3 * B)),
+        # pairwise on one node: 2 ranks, half the buffer each way; one rank per node: 3 quarters cross
+        (gloo(nodes=1), "all_gather", (0.0, 0.5 * B, B)),
+        (gloo(nodes=4, ranks_per_node=1), "reduce_scatter", (0.75 * B, 0.0, 0.0)),
         (gloo(ranks_per_node=1), "all_reduce", (B, 0.0, 0.0)),
         (gloo(nodes=1, ranks_per_node=1), "all_reduce", (0.0, 0.0, 0.0)),
     ],
     ids=[
         "gloo ring all-reduce",
         "nccl ring all-gather",
-        "gloo pairwise all-gather",
-        "gloo pairwise reduce-scatter",
-        "4x4 pairwise",
+        "gloo two-level all-gather",
+        "gloo two-level reduce-scatter",
+        "4x4 two-level",
         "one node",
+        "pairwise, one rank per node",
         "one rank per node",
         "one rank",
     ],  # fmt: skip
@@ -51,11 +55,11 @@ def test_bytes_that_cross_node_boundaries(cluster: Cluster, kind: str, expected:
 
 
 def test_a_collective_takes_its_busiest_resource() -> None:
-    # pairwise all-gather, 2x2: 8 MB over a 100 MB/s link, 2 MB per rank within the node
-    assert links.collective_seconds("all_gather", B, gloo()) == pytest.approx(0.08)
-    assert links.collective_seconds("all_gather", B, gloo(payload_share=0.5)) == pytest.approx(0.16)
-    assert links.collective_seconds("all_gather", B, gloo(intra_Bps=1e6)) == pytest.approx(2.0)
-    # a host that copies every byte itself: 8 MB over the link + 4 MB within the node, at 50 MB/s
+    # two-level all-gather, 2x2: 4 MB over a 100 MB/s link, 4 MB per rank within the node
+    assert links.collective_seconds("all_gather", B, gloo()) == pytest.approx(0.04)
+    assert links.collective_seconds("all_gather", B, gloo(payload_share=0.5)) == pytest.approx(0.08)
+    assert links.collective_seconds("all_gather", B, gloo(intra_Bps=1e6)) == pytest.approx(4.0)
+    # a host that copies every byte itself: 4 MB over the link + 8 MB within the node, at 50 MB/s
     assert links.collective_seconds("all_gather", B, gloo(host_Bps=5e7)) == pytest.approx(0.24)
     # ring all-reduce on 4 ranks: 2 x 3 steps of latency
     assert links.collective_seconds("all_reduce", B, gloo(latency_s=1e-3)) == pytest.approx(0.12 + 6e-3)
@@ -63,12 +67,12 @@ def test_a_collective_takes_its_busiest_resource() -> None:
 
 @pytest.mark.parametrize(
     "cluster, per_rank_psi",
-    [(gloo(), {0: 0.75, 1: 1.0, 2: 1.0, 3: 1.5}), (nccl(), {0: 0.75, 1: 0.75, 2: 0.75, 3: 1.125})],
+    [(gloo(), {0: 0.75, 1: 0.5, 2: 0.5, 3: 0.75}), (nccl(), {0: 0.75, 1: 0.75, 2: 0.75, 3: 1.125})],
     ids=["gloo", "nccl"],
 )
 def test_bytes_each_rank_sends_over_the_link_per_step(cluster: Cluster, per_rank_psi: dict) -> None:
     """Per rank: its node's link bytes / 2 ranks. gloo: stage 0 a ring all-reduce (1.5 x 4 bytes x Ψ per node),
-    stages 1-2 a pairwise reduce-scatter and all-gather (Ψ each), stage 3 two gathers and a reduce-scatter."""
+    stages 1-2 a two-level reduce-scatter and all-gather (Ψ/2 each), stage 3 two gathers and a reduce-scatter."""
     for stage, psi in per_rank_psi.items():
         step = stage_step(stage, PSI, cluster, Compute(0, 0, 0), units=[PSI // 4] * 4)
         assert step.link_bytes == pytest.approx(psi * 4 * PSI), stage

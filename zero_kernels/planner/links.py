@@ -15,10 +15,14 @@ all-gather's output) on ``N`` ranks, ``L`` per node:
   all-reduce and ``(N-1)/N·B`` for a reduce-scatter or all-gather; every rank sends as much to its
   successor, a node neighbour for ``L - 1`` of a node's ``L`` ranks.
 - ``pairwise`` (zero_kernels' reduce-scatter and all-gather on gloo, ``comm.PRIMITIVES``: each rank
-  sends each other rank its chunk directly): a node's ``L`` ranks each send ``B/N`` to the ``N - L``
-  ranks elsewhere, ``L(N-L)/N·B`` per node and direction, and ``(L-1)/N·B`` per rank within the node.
-  With 2 nodes of 2 ranks that is ``B`` against a ring's ``0.75·B``: pairwise is the faster choice on
-  one node (every chunk crosses one hop) and the slower across nodes.
+  sends each other rank its chunk directly): on one node (or with one rank per node) every rank sends
+  ``B/N`` to each of the others, ``(L-1)/N·B`` per rank within the node (and ``(N-1)/N·B`` per node over the
+  link with one rank per node). Across nodes of several ranks the C++ engine runs it in two levels
+  (``comm.NODES_PRIMITIVES``): a reduce-scatter first sums within each node, every rank sending each
+  node-mate that mate's ``M`` chunks (``(L-1)/L·B`` per rank), then sends each node sum to its owner
+  elsewhere; an all-gather does the same in reverse. A node's link then carries ``(M-1)/M·B`` per
+  direction (``M`` nodes): ``0.5·B`` at 2 nodes of 2 ranks, against a ring's ``0.75·B`` and the ``B`` of
+  a direct exchange between every pair.
 
 A collective takes as long as its busiest resource needs, plus a latency per ring step: the link
 (``link bytes / (link_Bps·payload_share)``), a rank's intra-node sends (``/ intra_Bps``) and, when the
@@ -134,6 +138,12 @@ def crossing_bytes(kind: str, buffer_bytes: float, cluster: Cluster) -> tuple[fl
     if algorithm(cluster.backend, kind) == "ring":
         edge = _RING_VOLUME[kind] * (n - 1) / n * buffer_bytes
         return (edge if cluster.nodes > 1 else 0.0), (edge if local > 1 else 0.0), (local - 1) * edge
+    if cluster.nodes > 1 and local > 1:  # two levels along the nodes
+        return (
+            (cluster.nodes - 1) / cluster.nodes * buffer_bytes,
+            (local - 1) / local * buffer_bytes,
+            (local - 1) * buffer_bytes,
+        )
     chunk = buffer_bytes / n
     return local * (n - local) * chunk, (local - 1) * chunk, local * (local - 1) * chunk
 
