@@ -140,6 +140,20 @@ def test_lock_of_a_killed_build_is_removed_not_waited_on(fake_build: dict, caplo
     assert f"process {holder.pid} was interrupted and is no longer running" in messages, messages
 
 
+def test_interrupted_build_whose_pid_runs_again_is_not_waited_on(tmp_path: Path) -> None:
+    """A build killed in a container as pid 1, or whose pid was reused: its record names a process that runs
+    here, but it holds no lock, so its torch lock is removed, not waited on without end."""
+    import socket
+
+    Path(tmp_path, _build_lock.LOCK_NAME).write_text(f"1 {socket.gethostname()} {time.time():.0f}\n")
+    Path(tmp_path, "lock").touch()
+    code = f"from zero_kernels import _build_lock\nwith _build_lock.hold({str(tmp_path)!r}, 'x') as b: print(b)"
+    env = {**os.environ, "PYTHONPATH": pythonpath()}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout == "True\n" and not Path(tmp_path, "lock").exists(), done.stderr
+    assert "process 1 was interrupted: it no longer holds the zero_kernels lock" in done.stderr, done.stderr
+
+
 def test_torch_lock_is_judged_by_its_owner(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the zero_kernels lock held, torch's lock is stale unless its recorded owner may still build."""
     import socket
@@ -150,6 +164,9 @@ def test_torch_lock_is_judged_by_its_owner(monkeypatch: pytest.MonkeyPatch) -> N
     assert _build_lock._stale_because(None, young) is not None  # the last build finished: nobody owns it
     assert "no longer running" in _build_lock._stale_because((int(gone.stdout), host, now), young)
     assert _build_lock._stale_because((os.getpid(), host, now), old) is None  # alive: wait, however old
+    # ... unless the lock is shown to exclude: then a running process with the recorded pid is another one
+    assert "no longer holds the zero_kernels lock" in _build_lock._stale_because((os.getpid(), host, now), young, True)
+    assert _build_lock._stale_because((1, "elsewhere", now), young, True) is None  # another host: by age only
     assert _build_lock._stale_because((1, "elsewhere", now), young) is None  # cannot be checked: young is kept
     assert "cannot be checked" in _build_lock._stale_because((1, "elsewhere", now), old)
     monkeypatch.setattr(_build_lock, "fcntl", None)  # no flock (Windows): age alone, for an unknown owner

@@ -111,9 +111,76 @@ def test_killed_runs_files_removed_at_the_next_start(tmp_path: Path) -> None:
     assert stale.is_dir() and any(stale.rglob("*.exp_avg"))  # left behind by the killed run
     live = tmp_path / "zero_kernels" / f"{os.uname().nodename}-{os.getpid()}-keep"
     live.mkdir()  # a run of a process that is alive is never touched
-    tier = DiskTier(OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path)), AioConfig(), rank=0)
+    tier = _tier(tmp_path)
     assert not stale.exists() and live.exists() and tier.root.exists()
     tier.close()
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from zero_kernels.offload.disk import RunDirectory
+    directory = RunDirectory(sys.argv[1], "offload_optimizer.nvme_path", 0)
+    print(directory.run, flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def _tier(path: Path) -> DiskTier:
+    return DiskTier(OffloadOptimizerConfig(device="nvme", nvme_path=str(path)), AioConfig(), rank=0)
+
+
+def test_a_live_run_is_kept_whatever_its_pid_says(tmp_path: Path) -> None:
+    """A run's owner holds its lock while it lives: a run whose pid names no process here (one started in another
+    PID namespace, such as a container with the host's network and so its host name) is kept while its owner runs,
+    and removed by the next start once the owner is killed."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    env = {**os.environ, "ZERO_KERNELS_IMPL": "torch"}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        run = Path(holder.stdout.readline().strip())
+        assert run.is_dir(), holder.poll()
+        seen_elsewhere = run.with_name(f"{os.uname().nodename}-{int(gone.stdout)}-elsewhere")
+        run.rename(seen_elsewhere)  # its pid as a process in another PID namespace shows here: none that runs
+        tier = _tier(tmp_path)
+        assert seen_elsewhere.is_dir() and (seen_elsewhere / "rank0").is_dir()
+        tier.close()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert holder.returncode == -signal.SIGKILL
+    tier = _tier(tmp_path)
+    assert not seen_elsewhere.exists() and tier.root.is_dir()
+    tier.close()
+
+
+def test_relative_nvme_path_is_made_absolute_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relative ``nvme_path`` is taken from the working directory at start: a later ``os.chdir`` changes
+    nothing (the steps read and write the same files, which go when the optimizer is closed); ``~`` is the home
+    directory; a missing one names the path it was taken as."""
+    (tmp_path / "here" / "nv").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    model = _model()
+    opt = _opt(model, Path("nv"))
+    _step(model, opt)
+    tier = opt._pipeline.tier
+    assert tier.run.parent == tmp_path / "here" / "nv" / "zero_kernels"
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for _ in range(2):
+        _step(model, opt)
+    assert tier.bytes_read > 0 and tier.root.is_dir()
+    tier.close()
+    assert not any((tmp_path / "here" / "nv" / "zero_kernels").iterdir()) and not any(Path().iterdir())
+    monkeypatch.setenv("HOME", str(tmp_path / "here"))
+    tier = _tier(Path("~/nv"))
+    assert tier.run.parent == tmp_path / "here" / "nv" / "zero_kernels"
+    tier.close()
+    missing = str(tmp_path / "elsewhere" / "nv")
+    with pytest.raises(OSError, match=f"nvme_path='nv' is not a directory .*: {missing!r}"):
+        _tier(Path("nv"))
 
 
 def _untouched(model: nn.Module, before: dict[str, torch.Tensor]) -> None:

@@ -191,7 +191,8 @@ BAD = [
     ({"cpu_offload": "yes"}, "zero_optimization.cpu_offload='yes'", "true or false"),
     ({"sub_group_size": -1}, "zero_optimization.sub_group_size=-1", ">= 0"),
     ({"aio": {"thread_count": 0}}, "intra_op_parallelism", ">= 1"),
-    ({"aio": {"block_size": 100}}, "aio.block_size=100", ">= 4096"),
+    ({"aio": {"block_size": 100}}, "aio.block_size=100", ">= 4096, a multiple of 4096"),
+    ({"aio": {"block_size": 5000}}, "aio.block_size=5000", ">= 4096, a multiple of 4096"),
     ({"aio": {"use_gds": True}}, "aio.use_gds=True", "not supported yet"),
     ({"aio": {"queue": 3}}, "'queue' in zero_optimization.aio", "queue_depth"),
 ]
@@ -208,6 +209,7 @@ def test_bad_values_name_the_key_and_what_is_allowed(zero: dict, where: str, all
     "config, fragment",
     [
         ({"aio": {"queue_depth": 0}}, "aio.queue_depth=0"),
+        ({"aio": {"block_size": 4096 * 256 + 512}}, "aio.block_size=1049088 is invalid: .* a multiple of 4096"),
         ({"aio": {}, "zero_optimization": {"stage": 3, "aio": {}}}, "both at the top level and in zero_optimization"),
     ],
 )
@@ -222,6 +224,7 @@ def test_bad_top_level_aio(config: dict, fragment: str) -> None:
         (lambda: OffloadOptimizerConfig(device="disk"), "offload_optimizer.device='disk'"),
         (lambda: OffloadOptimizerConfig(device="nvme"), "needs offload_optimizer.nvme_path"),
         (lambda: AioConfig(intra_op_parallelism=0), "aio.intra_op_parallelism=0"),
+        (lambda: AioConfig(block_size=6144), "aio.block_size=6144 is invalid: .* a multiple of 4096"),
         (lambda: ZeroOptions(stage=2, offload_optimizer={"device": "cpu", "bogus": 1}), "unknown key 'bogus'"),
         (lambda: ZeroOptions(stage=2, offload_optimizer=7), "ZeroOptions.offload_optimizer=7"),
     ],

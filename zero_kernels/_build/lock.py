@@ -16,8 +16,12 @@ forever. So zero_kernels first takes its own lock, ``zero_kernels.lock`` beside 
   then every minute;
 - once a process holds the lock, torch's ``lock`` is judged by its owner: with no record left
   (the last build finished) or a recorded process of this host that is gone, it is removed with a
-  warning; a recorded process that is alive (a file system whose locks do not work) is waited for,
-  and one on another host, whose liveness cannot be checked, until the file is ``STALE_LOCK_S`` old.
+  warning. A recorded pid of this host that names a running process is no proof (the pid reused, or
+  recorded in another PID namespace: a build killed in a container as pid 1): where a second open of
+  the lock file cannot take the lock while this process holds it (the file system's locks work), the
+  recorded build no longer holds it, so it was interrupted and the file is removed; otherwise it is
+  waited for. One on another host, whose liveness cannot be checked, is waited for until the file is
+  ``STALE_LOCK_S`` old.
 
 Without ``fcntl`` (Windows) only that age rule applies.
 """
@@ -117,20 +121,44 @@ def _wait_for_flock(fd: int, path: str, what: str, mode: int) -> None:
         time.sleep(POLL_S)
 
 
-def _stale_because(previous: Optional[tuple[int, str, float]], age: float) -> Optional[str]:
-    """Why torch's lock belongs to no running build, or None when its owner may still be building."""
+def _excludes(path: str) -> bool:
+    """Whether the file system's flocks exclude: while this process holds ``path``'s lock exclusive, another open
+    file of it cannot take it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no flock on this file system
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def _stale_because(previous: Optional[tuple[int, str, float]], age: float, excludes: bool = False) -> Optional[str]:
+    """Why torch's lock belongs to no running build, or None when its owner may still be building; ``excludes``:
+    the zero_kernels lock, held by this process, is shown to exclude others (``_excludes``)."""
     if fcntl is not None and previous is None:
         return "no build is running: every build holds the zero_kernels lock, and the last one finished"
     state = alive(previous)
     if state is False:
         return f"{_describe(previous)} was interrupted and is no longer running"
+    if state is True and excludes:
+        return (
+            f"{_describe(previous)} was interrupted: it no longer holds the zero_kernels lock (a process with its "
+            "pid runs here: the pid reused, or recorded in another PID namespace)"
+        )
     if state is None and age > STALE_LOCK_S:
         return f"it is {age / 60:.0f} min old and its owner cannot be checked from here"
     return None
 
 
-def _clear_torch_lock(directory: str, previous: Optional[tuple[int, str, float]], what: str) -> None:
-    """Remove torch's lock when no running build owns it; wait while its owner may still be building."""
+def _clear_torch_lock(
+    directory: str, previous: Optional[tuple[int, str, float]], what: str, excludes: bool = False
+) -> None:
+    """Remove torch's lock when no running build owns it; wait while its owner may still be building
+    (``excludes``: as for ``_stale_because``)."""
     lock = os.path.join(directory, TORCH_LOCK_NAME)
     warned = False
     while True:
@@ -138,7 +166,7 @@ def _clear_torch_lock(directory: str, previous: Optional[tuple[int, str, float]]
             age = time.time() - os.path.getmtime(lock)
         except FileNotFoundError:
             return
-        reason = _stale_because(previous, age)
+        reason = _stale_because(previous, age, excludes)
         if reason is not None:
             log.warning("zero_kernels: removing the build lock %s of %s: %s", lock, what, reason)
             with contextlib.suppress(FileNotFoundError):
@@ -184,7 +212,7 @@ def hold(directory: str, what: str, needs_build: Optional[Callable[[], bool]] = 
         previous = _parse(_read(fd))
         os.ftruncate(fd, 0)
         os.pwrite(fd, _record().encode(), 0)
-        _clear_torch_lock(directory, previous, what)
+        _clear_torch_lock(directory, previous, what, _excludes(path))
         try:
             yield needs_build()
         finally:

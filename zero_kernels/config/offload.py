@@ -30,6 +30,7 @@ from .rules import Invalid, Scalar, boolean, choice, integer, number
 OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "nvme"}
 DEVICE: Scalar = choice(OFFLOAD_DEVICES)
 RATIO: Scalar = number(0, 1, lo_open=True)
+PAGE = 4096
 
 
 def _path(value: Any) -> Optional[str]:
@@ -132,7 +133,7 @@ PARAM_RULES: dict[str, Scalar] = {
     "max_in_cpu": integer(0),
 }
 AIO_RULES: dict[str, Scalar] = {
-    "block_size": integer(4096),
+    "block_size": integer(PAGE, multiple_of=PAGE),  # whole pages (the engine's pieces: ``offload.aio``)
     "queue_depth": integer(1),
     "intra_op_parallelism": integer(1),
     "single_submit": boolean(),

@@ -82,18 +82,20 @@ def _in_range(x: float, lo: Optional[float], hi: Optional[float], lo_open: bool,
     return hi is None or (x < hi if hi_open else x <= hi)
 
 
-def integer(lo: Optional[int] = None, hi: Optional[int] = None) -> Scalar:
-    """An int (an integral float such as JSON's ``5e8`` counts; ``2.5`` and booleans do not)."""
+def integer(lo: Optional[int] = None, hi: Optional[int] = None, *, multiple_of: int = 1) -> Scalar:
+    """An int (an integral float such as JSON's ``5e8`` counts; ``2.5`` and booleans do not), a multiple of
+    ``multiple_of``."""
 
     def convert(value: Any) -> int:
         if not _is_number(value) or not math.isfinite(value) or value != int(value):
             raise Invalid
-        if not _in_range(value, lo, hi, False, False):
+        if not _in_range(value, lo, hi, False, False) or int(value) % multiple_of:
             raise Invalid
         return int(value)
 
     bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else _range_text(lo, hi, False, False)
-    return Scalar(f"an integer {bounds}".strip(), convert)
+    multiple = f", a multiple of {multiple_of}" if multiple_of != 1 else ""
+    return Scalar(f"an integer {bounds}".strip() + multiple, convert)
 
 
 _INTEGER_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")

@@ -3,12 +3,16 @@
 Files. ``<nvme_path>/zero_kernels/<run>/rank<R>/b<buffer>.g<sub-group>.<kind>``, one per state kind
 (``exp_avg``, ``exp_avg_sq``, AMSGrad's ``max_exp_avg_sq``, the ``master`` of bf16/fp16 parameters)
 of each sub-group of each buffer (``add_buffer``: the pipeline chooses the sub-groups). ``<run>`` is
-``<host>-<pid>-<token>``: a new tier first removes the run directories of this host whose process is
-gone (a killed run's files), and its own directory is removed by ``close`` or, at the latest, when the
-tier is collected or the interpreter exits (a finalizer).
+``<host>-<pid>-<token>``; its owner holds an exclusive ``flock`` on ``<run>/owner.lock`` while it lives
+(``RunDirectory``). A new tier first removes the run directories of this host whose owner is gone (a killed
+run's files): those whose lock it can take, never one whose lock is held (a run in another PID namespace,
+whose pid means nothing here, included); a directory without the lock file (an older version's) by its pid.
+Its own directory is removed by ``close`` or, at the latest, when the tier is collected or the interpreter
+exits (a finalizer); the kernel releases the lock when the process ends, however.
 
-Start. The constructor makes its directory and writes, reads back and removes a small file: a missing
-or unwritable ``nvme_path`` raises ``OSError`` naming it before anything else is set up. ``add_buffer``
+Start. ``nvme_path`` is made absolute (``~`` expanded) against the working directory at start, so a later
+``os.chdir`` moves nothing. The constructor makes its directory and writes, reads back and removes a small
+file: a missing or unwritable ``nvme_path`` raises ``OSError`` naming it before anything else is set up. ``add_buffer``
 reserves the buffer's bytes on the disk (``posix_fallocate`` where the file system has it), so a disk
 without room for the state fails there, naming the path and the bytes it needed.
 
@@ -41,7 +45,7 @@ from typing import Optional
 import torch
 
 from ..config.offload import AioConfig, OffloadOptimizerConfig
-from ..liveness import process_alive
+from ..liveness import process_alive, try_lock
 from .aio import FileIO, IOHandle
 from .host import HostTier
 
@@ -51,6 +55,7 @@ ELEMENT = 4  # bytes of every state element (fp32)
 # glibc's largest mmap threshold, so the buffers are mapped and unmapped; below it they came from the heap, which
 # kept 0.35 GB after initialize at 403M parameters (resident 0.77 GB after it instead of 0.41).
 PIECE = 1 << 23
+OWNER_LOCK = "owner.lock"  # in each run directory, locked by its owner while it lives
 
 
 @dataclass
@@ -78,18 +83,66 @@ class _Slot:
 
 
 def remove_stale_runs(base: Path) -> list[Path]:
-    """Remove the run directories under ``base`` of this host whose owning process is gone; returns them."""
+    """Remove the run directories under ``base`` of this host whose owner is gone; returns them."""
     host = socket.gethostname()
     removed = []
     if not base.is_dir():
         return removed
     for run in base.iterdir():
-        name, _, rest = run.name.rpartition("-")
+        name, _, _ = run.name.rpartition("-")
         owner, _, pid = name.rpartition("-")
-        if owner == host and pid.isdigit() and run.is_dir() and not process_alive(int(pid)):
-            shutil.rmtree(run, ignore_errors=True)
+        if owner == host and pid.isdigit() and run.is_dir() and _remove_if_gone(run, int(pid)):
             removed.append(run)
     return removed
+
+
+def _remove_if_gone(run: Path, pid: int) -> bool:
+    """Remove run directory ``run`` if its owner is gone: its lock free (taken, and held while the files go), or,
+    without a lock to take (a directory of an older version, a file system without ``flock``), process ``pid``
+    gone. Returns whether it was removed."""
+    try:
+        fd: Optional[int] = os.open(run / OWNER_LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    except OSError:  # not ours to judge (another user's)
+        return False
+    try:
+        taken = None if fd is None else try_lock(fd)
+        if taken is False or (taken is None and process_alive(pid)) or not run.is_dir():
+            return False
+        shutil.rmtree(run, ignore_errors=True)
+        return True
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _make_run(run: Path) -> Optional[int]:
+    """Make directory ``run`` with its owner lock held; returns the lock's descriptor (None where locks cannot be
+    taken: the directory has no lock file, and its pid is all that tells its owner). It is made under a name no
+    cleaner reads (``.new-<run>``) and renamed once locked: a run directory is never seen without its lock."""
+    fresh = run.with_name(f".new-{run.name}")
+    fresh.mkdir(parents=True)
+    try:
+        fd: Optional[int] = os.open(fresh / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        if not try_lock(fd):  # None: no locks here (False cannot be: nobody else knows the file)
+            os.close(fd)
+            (fresh / OWNER_LOCK).unlink()
+            fd = None
+        fresh.rename(run)
+    except BaseException:
+        shutil.rmtree(fresh, ignore_errors=True)
+        raise
+    return fd
+
+
+def _remove_run(run: str, fd: Optional[int]) -> None:
+    """Remove a run directory, then release its lock."""
+    try:
+        shutil.rmtree(run, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def probe(directory: Path, given: str, key: str = "offload_optimizer.nvme_path") -> None:
@@ -104,10 +157,23 @@ def probe(directory: Path, given: str, key: str = "offload_optimizer.nvme_path")
             raise OSError(5, "a file written there did not read back the same")
         path.unlink()
     except OSError as err:
-        raise OSError(
-            err.errno,
-            f"{key}={given!r}: cannot write and read back files in {str(directory)!r}: {err.strerror or err}",
-        ) from None
+        raise _unwritable(err, directory, given, key) from None
+
+
+def _unwritable(err: OSError, directory: Path, given: str, key: str) -> OSError:
+    return OSError(
+        err.errno, f"{key}={given!r}: cannot write and read back files in {str(directory)!r}: {err.strerror or err}"
+    )
+
+
+def absolute(nvme_path: str, key: str) -> Path:
+    """``nvme_path`` as an absolute path (``~`` expanded, from the working directory now); ``OSError`` naming
+    ``key`` when it is not an existing directory."""
+    root = Path(os.path.abspath(os.path.expanduser(nvme_path)))
+    if not root.is_dir():
+        resolved = "" if str(root) == nvme_path else f"; from the working directory {os.getcwd()!r}: {str(root)!r}"
+        raise OSError(2, f"{key}={nvme_path!r} is not a directory (it must exist{resolved})")
+    return root
 
 
 def allocate(path: "Path | str", nbytes: int) -> None:
@@ -126,22 +192,29 @@ def allocate(path: "Path | str", nbytes: int) -> None:
 class RunDirectory:
     """This rank's scratch directory under ``nvme_path``: ``<nvme_path>/zero_kernels/<host>-<pid>-<token>/rank<R>``.
 
-    The constructor checks that ``nvme_path`` is a directory, removes the run directories of this host whose
-    process is gone, and probes its own (``probe``): every error is an ``OSError`` naming ``key`` and the path.
-    ``remove`` (or, at the latest, the collection of the object or the interpreter's exit) removes the run.
+    The constructor makes ``nvme_path`` absolute and checks that it is a directory (``absolute``), removes the run
+    directories of this host whose owner is gone (``remove_stale_runs``), makes its own holding its lock
+    (``OWNER_LOCK``) and probes it (``probe``): every error is an ``OSError`` naming ``key`` and the path.
+    ``remove`` (or, at the latest, the collection of the object or the interpreter's exit) removes the run and
+    releases its lock.
     """
 
     def __init__(self, nvme_path: str, key: str, rank: int):
-        root = Path(nvme_path)
-        if not root.is_dir():
-            raise OSError(2, f"{key}={str(root)!r} is not a directory (it must exist)")
-        base = root / "zero_kernels"
+        base = absolute(nvme_path, key) / "zero_kernels"
         remove_stale_runs(base)
         self.run = base / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.root = self.run / f"rank{rank}"
         self.key = key
-        probe(self.root, nvme_path, key)
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.run), True)
+        try:
+            lock = _make_run(self.run)
+        except OSError as err:
+            raise _unwritable(err, base, nvme_path, key) from None
+        self._finalizer = weakref.finalize(self, _remove_run, str(self.run), lock)
+        try:
+            probe(self.root, nvme_path, key)
+        except OSError:
+            self.remove()
+            raise
 
     def reserve(self, path: Path, nbytes: int, needed: str) -> None:
         """Make file ``path`` with ``nbytes`` reserved on the disk; a disk without room raises ``OSError`` naming
