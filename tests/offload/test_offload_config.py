@@ -232,3 +232,12 @@ def test_bad_top_level_aio(config: dict, fragment: str) -> None:
 def test_direct_construction_is_checked(build, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         build()
+
+
+def test_nvme_path_may_be_a_pathlib_path(tmp_path) -> None:
+    """DeepSpeed's config takes a ``Path``; so does this one, kept as a string."""
+    config = ZeroConfig.from_deepspeed(
+        {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": tmp_path}}}
+    )
+    assert config.zero.offload_optimizer.nvme_path == str(tmp_path)
+    assert OffloadOptimizerConfig(device="nvme", nvme_path=tmp_path).nvme_path == str(tmp_path)

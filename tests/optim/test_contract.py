@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import re
 import warnings
 from typing import Any, Callable
 
@@ -315,8 +316,8 @@ def test_error_inputs_refused_at_construction() -> None:
         (dict(impl="cuda"), ValueError, r"impl='cuda' is not a kernel backend; allowed: auto, triton, cpu, torch"),
         (dict(differentiable=True), ValueError, "differentiable=True is not supported"),
         (dict(capturable=True), ValueError, "capturable=True is not supported"),
-        (dict(amsgrad="yes"), ValueError, "amsgrad must be True or False, got 'yes'"),
-        (dict(params_or_module=[{"params": [w]}, {"params": [b], "maximize": 1}]), ValueError,
+        (dict(amsgrad="yes"), ValueError, "amsgrad must be True or False \\(or 0, 1\\), got 'yes'"),
+        (dict(params_or_module=[{"params": [w]}, {"params": [b], "maximize": 2}]), ValueError,
          "param group 1: maximize must be True or False"),
         (dict(params_or_module=[{"params": [w]}, {"params": [b], "capturable": True}]), ValueError,
          "param group 1: capturable=True is not supported"),
@@ -340,6 +341,49 @@ def test_error_inputs_refused_at_construction() -> None:
                     zo.ShardedFusedAdam(**kwargs, stage=stage, **extra)
             hooks = getattr(w, "_post_accumulate_grad_hooks", None)
             assert not model._forward_pre_hooks and not hooks and w.shape == (11, 6), f"stage {stage}: {message}"
+
+
+def test_flags_as_adamw_takes_them() -> None:
+    """0, 1 and numpy's booleans are booleans to AdamW: the same here, with the same results."""
+    np = pytest.importorskip("numpy")
+    for value in (0, 1, np.True_, np.False_):
+        torch.manual_seed(0)
+        ours, theirs = Net(), Net()
+        theirs.load_state_dict(ours.state_dict())
+        opt = zo.ShardedFusedAdam(ours, lr=0.1, amsgrad=value, maximize=value, stage=1)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=0.1, amsgrad=bool(value), maximize=bool(value))
+        for model, o in ((ours, opt), (theirs, ref)):
+            model(batch(0, ROWS)).backward()
+            o.step()
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("lr", "0.5", "param group 0: lr must be a number or a 1-element tensor, got '0.5'"),
+        ("eps", None, "param group 0: eps must be a number"),
+        ("betas", (0.9, "0.999"), "param group 0: betas must be a pair of numbers"),
+        ("weight_decay", torch.ones(2), "param group 0: weight_decay must be a number or a 1-element tensor"),
+        ("amsgrad", "no", "param group 0: amsgrad must be True or False"),
+    ],
+)
+def test_group_values_set_between_steps_are_checked_at_the_step(key: str, value, message: str) -> None:
+    """A value a scheduler, the user or a loaded state dict puts in a group is refused at the step, not converted;
+    nothing changes, and the step runs once the value is fixed."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = zo.ShardedFusedAdam(model, lr=0.1, stage=1)
+    model(batch(0, ROWS)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    good, opt.param_groups[0][key] = opt.param_groups[0][key], value
+    with pytest.raises((TypeError, ValueError), match=re.escape(message.split(" got")[0])):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.param_groups[0][key] = good
+    opt.step()
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_sparse_gradients_refused_with_adamw_wording() -> None:

@@ -21,6 +21,7 @@ device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
@@ -34,13 +35,15 @@ PAGE = 4096
 
 
 def _path(value: Any) -> Optional[str]:
-    """A non-empty directory path (a string) or null."""
+    """A non-empty directory path (a string or a ``pathlib.Path``, kept as a string) or null."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
     if value is None or (isinstance(value, str) and value.strip()):
         return value
     raise Invalid
 
 
-PATH: Scalar = Scalar("a directory path (a non-empty string) or null", _path)
+PATH: Scalar = Scalar("a directory path (a non-empty string or a pathlib.Path) or null", _path)
 
 
 def _check(obj: Any, rules: Mapping[str, Scalar], prefix: str) -> None:

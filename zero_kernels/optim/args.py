@@ -14,6 +14,7 @@ AdamW's keyword arguments split in two kinds:
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -34,7 +35,36 @@ _REFUSED = {
 
 
 def _is_real(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A real number (Python's or numpy's), not a boolean."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_flag(x: Any) -> bool:
+    """A boolean as ``torch.optim.AdamW`` takes one: ``True``/``False``, ``0``/``1`` or a numpy boolean."""
+    if isinstance(x, numbers.Integral):
+        return x in (0, 1)
+    return type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")
+
+
+def _is_scalar(x: Any) -> bool:
+    return _is_real(x) or (isinstance(x, torch.Tensor) and x.numel() == 1 and not x.dtype.is_complex)
+
+
+def check_group_values(group: Mapping[str, Any], where: str) -> None:
+    """At every step: a group's hyper-parameters are still numbers (or 1-element tensors) and its flags booleans,
+    whoever set them since (a scheduler, the user, a loaded state dict): nothing is converted quietly.
+
+    Args:
+        group: the param group.
+        where: how the error names it ("param group 1").
+    """
+    for key in ("lr", "eps", "weight_decay"):
+        if not _is_scalar(group[key]):
+            raise TypeError(f"{where}: {key} must be a number or a 1-element tensor, got {group[key]!r}")
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_scalar(b) for b in betas)):
+        raise TypeError(f"{where}: betas must be a pair of numbers or 1-element tensors, got {betas!r}")
+    check_flags(group, where)
 
 
 def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
@@ -71,8 +101,8 @@ def check_flags(values: Mapping[str, Any], where: str) -> None:
         where: how the error names their origin ("ShardedFusedAdam" or "param group 1").
     """
     for key in ALGORITHM_FLAGS:
-        if key in values and not isinstance(values[key], bool):
-            raise ValueError(f"{where}: {key} must be True or False, got {values[key]!r}")
+        if key in values and not _is_flag(values[key]):
+            raise ValueError(f"{where}: {key} must be True or False (or 0, 1), got {values[key]!r}")
     for key in ("foreach", "fused"):
         if key in values and values[key] is not None and not isinstance(values[key], bool):
             raise ValueError(f"{where}: {key} must be None, True or False (it has no effect here), got {values[key]!r}")
