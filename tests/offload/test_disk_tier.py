@@ -318,3 +318,39 @@ def test_a_new_buffers_state_goes_to_its_files_piece_by_piece(
     for p, q in zip(model.parameters(), plain.parameters()):
         assert torch.equal(p, q)
         assert all(torch.equal(opt.state[p][k], ref.state[q][k]) for k in kinds)
+
+
+class _WithEmpty(nn.Module):
+    """A trainable parameter of no elements (a zero-length prompt) in a unit of its own, beside a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 3)
+        self.prefix = nn.Module()
+        self.prefix.w = nn.Parameter(torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).square().sum() + self.prefix.w.sum()
+
+
+@pytest.mark.parametrize("params", [None, "cpu", "nvme"], ids=["state on disk", "+ parameters in host", "+ on disk"])
+def test_a_zero_element_parameter_trains_at_stage3_on_disk(tmp_path: Path, params: "str | None") -> None:
+    """Its unit reserves empty files (``posix_fallocate`` refuses a length of 0), no pool room and no parameter file;
+    the weights are those of the same model without offload, bit for bit."""
+    disk = {"device": "nvme", "nvme_path": str(tmp_path)}
+    extra = {"offload_param": {**disk, "device": params, "max_in_cpu": 0}} if params else {}
+    models = [_WithEmpty(), _WithEmpty()]
+    opts = [
+        zo.ShardedFusedAdam(m, lr=0.1, stage=3, stage3_param_persistence_threshold=0, **kw)
+        for m, kw in zip(models, ({}, {"offload_optimizer": disk, **extra}))
+    ]
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for model, opt in zip(models, opts):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+    with opts[0].gathered_params(), opts[1].gathered_params():
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            assert torch.equal(a, b)

@@ -178,10 +178,11 @@ def absolute(nvme_path: str, key: str) -> Path:
 
 def allocate(path: "Path | str", nbytes: int) -> None:
     """Make file ``path`` hold ``nbytes`` whose blocks exist on the disk (``posix_fallocate`` where the file system
-    has it), so that writing them allocates nothing and a disk without room fails here."""
+    has it), so that writing them allocates nothing and a disk without room fails here. An empty file (a unit
+    of zero-element parameters) reserves nothing: ``posix_fallocate`` refuses a length of 0."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        if hasattr(os, "posix_fallocate"):
+        if hasattr(os, "posix_fallocate") and nbytes > 0:
             os.posix_fallocate(fd, 0, nbytes)
         else:
             os.ftruncate(fd, nbytes)

@@ -63,7 +63,7 @@ class DiskGrads:
     def add(self, buf: "FlatBuffer", dtype: torch.dtype, name: str) -> None:
         """Reserve the file of ``buf``'s gradient shard (``dtype``; ``name``: the unit, for errors)."""
         self.files.add(id(buf), buf.layout.shard_numel, dtype, f"the gradient shard of {name}")
-        self.files.fit(max(b.shard_numel for b in buf.layout.buckets) * dtype.itemsize)
+        self.files.fit(max((b.shard_numel for b in buf.layout.buckets), default=0) * dtype.itemsize)
         buf.grad_shard = torch.empty(buf.layout.shard_numel, dtype=dtype, device="meta")
         for bucket in buf.layout.buckets:
             self._at[(id(buf), bucket.index)] = len(self.order)

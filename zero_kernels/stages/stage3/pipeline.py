@@ -254,7 +254,10 @@ class Stage3Pipeline(Stage2Pipeline):
             return set()
         problem, chosen = None, []
         try:
-            chosen = self.disk_params.choose([b for b in buffers if not b.persistent], self._unit_name)
+            # a unit of no elements (zero-element parameters) has nothing to keep in a file
+            chosen = self.disk_params.choose(
+                [b for b in buffers if not b.persistent and b.layout.buckets], self._unit_name
+            )
         except OSError as err:
             problem = str(err)
         self._agree_params(problem)
@@ -338,8 +341,9 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _allocate(self, buf: Stage3Buffer, in_file: bool = False) -> None:
         super()._allocate(buf)
-        if self.params_offloaded and not buf.persistent and self.tier.shards[id(buf)].params is not None:
-            buf.param_shard = self.tier.shards[id(buf)].params  # the host copy, filled from the device shard
+        shard = self.tier.shards.get(id(buf)) if self.params_offloaded and not buf.persistent else None
+        if shard is not None and shard.params is not None:  # none for a unit of no elements: nothing offloaded
+            buf.param_shard = shard.params  # the host copy, filled from the device shard
         if in_file:
             self.disk_params.place(buf, buf.param_shard)
             self.tier.shards[id(buf)].params = None  # the file holds the shard; the step reads it bucket by bucket
