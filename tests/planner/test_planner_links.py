@@ -55,12 +55,14 @@ def test_bytes_that_cross_node_boundaries(cluster: Cluster, kind: str, expected:
 
 
 def test_a_collective_takes_its_busiest_resource() -> None:
-    # two-level all-gather, 2x2: 4 MB over a 100 MB/s link, 4 MB per rank within the node
-    assert links.collective_seconds("all_gather", B, gloo()) == pytest.approx(0.04)
-    assert links.collective_seconds("all_gather", B, gloo(payload_share=0.5)) == pytest.approx(0.08)
-    assert links.collective_seconds("all_gather", B, gloo(intra_Bps=1e6)) == pytest.approx(4.0)
-    # a host that copies every byte itself: 4 MB over the link + 8 MB within the node, at 50 MB/s
-    assert links.collective_seconds("all_gather", B, gloo(host_Bps=5e7)) == pytest.approx(0.24)
+    # two-level all-gather, 2x2: 4 MB over a 100 MB/s link, then 4 MB per rank within the node
+    assert links.collective_seconds("all_gather", B, gloo()) == pytest.approx(0.04 + 4e-6)
+    assert links.collective_seconds("all_gather", B, gloo(payload_share=0.5)) == pytest.approx(0.08 + 4e-6)
+    assert links.collective_seconds("all_gather", B, gloo(intra_Bps=1e6)) == pytest.approx(0.04 + 4.0)
+    # a host that copies every byte itself, at 50 MB/s: 8 MB within the node, then 4 MB over the link
+    assert links.collective_seconds("all_gather", B, gloo(host_Bps=5e7)) == pytest.approx(0.16 + 0.08)
+    # one node, pairwise: the busiest resource alone (4 MB per rank at 1 MB/s)
+    assert links.collective_seconds("all_gather", B, gloo(nodes=1, intra_Bps=1e6)) == pytest.approx(4.0)
     # ring all-reduce on 4 ranks: 2 x 3 steps of latency
     assert links.collective_seconds("all_reduce", B, gloo(latency_s=1e-3)) == pytest.approx(0.12 + 6e-3)
 

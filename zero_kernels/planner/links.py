@@ -27,7 +27,9 @@ all-gather's output) on ``N`` ranks, ``L`` per node:
 A collective takes as long as its busiest resource needs, plus a latency per ring step: the link
 (``link bytes / (link_Bps·payload_share)``), a rank's intra-node sends (``/ intra_Bps``) and, when the
 host moves every byte itself (TCP on a few CPU cores: ``host_Bps``), all the bytes a node sends, over
-the link or within the node (``/ host_Bps``).
+the link or within the node (``/ host_Bps``). In two levels the node's part comes first and the link's
+after it (a reduce-scatter; an all-gather the other way round), so the two parts add up, each as long as
+its busiest resource needs.
 
 A step is scheduled on two resources, the rank's compute and the link, each working through its
 tasks in the order the pipeline issues them (``stage_step``): stage 0 all-reduces each gradient
@@ -123,6 +125,12 @@ def algorithm(backend: str, kind: str) -> str:
     return ALGORITHMS.get((backend, kind), "ring")
 
 
+def two_levels(kind: str, cluster: Cluster) -> bool:
+    """Whether ``kind`` runs in two levels along the nodes on ``cluster`` (gloo's pairwise exchange across nodes of
+    several ranks: ``comm.NODES_PRIMITIVES``)."""
+    return algorithm(cluster.backend, kind) == "pairwise" and cluster.nodes > 1 and cluster.ranks_per_node > 1
+
+
 def crossing_bytes(kind: str, buffer_bytes: float, cluster: Cluster) -> tuple[float, float, float]:
     """(bytes a node sends over its link, bytes its busiest rank sends within the node, bytes all its ranks
     send within the node) for one collective.
@@ -138,7 +146,7 @@ def crossing_bytes(kind: str, buffer_bytes: float, cluster: Cluster) -> tuple[fl
     if algorithm(cluster.backend, kind) == "ring":
         edge = _RING_VOLUME[kind] * (n - 1) / n * buffer_bytes
         return (edge if cluster.nodes > 1 else 0.0), (edge if local > 1 else 0.0), (local - 1) * edge
-    if cluster.nodes > 1 and local > 1:  # two levels along the nodes
+    if two_levels(kind, cluster):
         return (
             (cluster.nodes - 1) / cluster.nodes * buffer_bytes,
             (local - 1) / local * buffer_bytes,
@@ -149,13 +157,18 @@ def crossing_bytes(kind: str, buffer_bytes: float, cluster: Cluster) -> tuple[fl
 
 
 def collective_seconds(kind: str, buffer_bytes: float, cluster: Cluster) -> float:
-    """Seconds one collective over ``buffer_bytes`` takes on ``cluster`` (bandwidth and latency)."""
+    """Seconds one collective over ``buffer_bytes`` takes on ``cluster`` (bandwidth and latency). In two levels the
+    node's part and the link's part run one after the other, each as long as its busiest resource needs."""
     link, intra_rank, intra_node = crossing_bytes(kind, buffer_bytes, cluster)
-    times = [link / (cluster.link_Bps * cluster.payload_share), intra_rank / cluster.intra_Bps]
-    if cluster.host_Bps is not None:
-        times.append((link + intra_node) / cluster.host_Bps)
+    host = cluster.host_Bps or math.inf
+    over_link = link / (cluster.link_Bps * cluster.payload_share)
+    within = intra_rank / cluster.intra_Bps
     steps = 0 if cluster.world == 1 else _RING_VOLUME[kind] * (cluster.world - 1)
-    return max(times) + steps * cluster.latency_s
+    if two_levels(kind, cluster):
+        seconds = max(within, intra_node / host) + max(over_link, link / host)
+    else:
+        seconds = max(over_link, within, (link + intra_node) / host)
+    return seconds + steps * cluster.latency_s
 
 
 @dataclass(frozen=True)
