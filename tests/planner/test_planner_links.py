@@ -81,9 +81,20 @@ def test_bytes_each_rank_sends_over_the_link_per_step(cluster: Cluster, per_rank
 
 
 def test_without_compute_the_step_is_its_collectives() -> None:
+    # the node parts of the two-level collectives (1e-4 of the link parts here) may overlap other collectives
     for stage in links.STAGES:
         step = stage_step(stage, PSI, gloo(), Compute(0, 0, 0), units=[PSI // 4] * 4)
-        assert step.step_s == pytest.approx(step.comm_s) and step.exposed_s == pytest.approx(step.comm_s)
+        assert step.step_s == pytest.approx(step.comm_s, rel=1e-3)
+        assert step.exposed_s == pytest.approx(step.comm_s, rel=1e-3)
+
+
+def test_two_level_parts_run_beside_the_next_collective() -> None:
+    """An all-gather crosses the link, then sends within the node: the next one's link part runs meanwhile."""
+    cluster = gloo(intra_Bps=1e8)  # the node part (B/2 per rank) as long as the link part (B/2 per node)
+    assert links.collective_parts("all_gather", B, cluster) == [("link", 0.04), ("node", 0.04)]
+    assert links.collective_parts("reduce_scatter", B, cluster) == [("node", 0.04), ("link", 0.04)]
+    step = stage_step(1, 2 * PSI, cluster, Compute(0, 0, 0), bucket_elements=PSI)  # 2 buckets of B / 2
+    assert step.step_s == pytest.approx(3 * 0.04)  # each collective: node, link; the two overlap by one part
 
 
 def test_what_each_stage_can_hide() -> None:
@@ -94,10 +105,11 @@ def test_what_each_stage_can_hide() -> None:
     assert stage_step(0, PSI, cluster, long_backward, bucket_elements=bucket).exposed_s == pytest.approx(one)
     # stage 1 reduces after backward: nothing hidden; stage 2 hides its reduce-scatter, not the all-gather
     s1 = stage_step(1, PSI, cluster, long_backward, bucket_elements=bucket)
-    assert s1.exposed_s == pytest.approx(s1.comm_s)
+    assert s1.exposed_s == pytest.approx(s1.comm_s, rel=1e-3)
     s2 = stage_step(2, PSI, cluster, long_backward, bucket_elements=bucket)
     gather = 4 * links.collective_seconds("all_gather", 4 * bucket, cluster)
-    assert s2.exposed_s == pytest.approx(gather + links.collective_seconds("reduce_scatter", 4 * bucket, cluster))
+    reduce = links.collective_seconds("reduce_scatter", 4 * bucket, cluster)
+    assert s2.exposed_s == pytest.approx(gather + reduce, rel=1e-3)  # node parts: 1e-4 of the link's
     # stage 3 with long forward and backward: only the first unit's gathers wait, and the last reduce-scatter
     units = [bucket] * 4
     s3 = stage_step(3, PSI, cluster, Compute(10.0, 10.0, 0.0), bucket_elements=bucket, units=units)

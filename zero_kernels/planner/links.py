@@ -28,15 +28,15 @@ A collective takes as long as its busiest resource needs, plus a latency per rin
 (``link bytes / (link_Bps·payload_share)``), a rank's intra-node sends (``/ intra_Bps``) and, when the
 host moves every byte itself (TCP on a few CPU cores: ``host_Bps``), all the bytes a node sends, over
 the link or within the node (``/ host_Bps``). In two levels the node's part comes first and the link's
-after it (a reduce-scatter; an all-gather the other way round), so the two parts add up, each as long as
-its busiest resource needs.
+after it (a reduce-scatter; an all-gather the other way round), each as long as its busiest resource needs:
+one collective takes both, and a collective's node part runs beside another's link part.
 
-A step is scheduled on two resources, the rank's compute and the link, each working through its
-tasks in the order the pipeline issues them (``stage_step``): stage 0 all-reduces each gradient
-bucket as backward fills it; stage 1 reduce-scatters after backward and all-gathers after the
-optimizer step; stage 2 reduce-scatters during backward and all-gathers after the step; stage 3
-gathers every unit before forward (prefetched: the default window covers a small model), gathers
-again before backward and reduce-scatters each unit's gradients as backward finishes it.
+A step is scheduled on the rank's compute, the link and the node's own sends (a part of a two-level
+collective), each working through its tasks in the order the pipeline issues them (``stage_step``):
+stage 0 all-reduces each gradient bucket as backward fills it; stage 1 reduce-scatters after backward
+and all-gathers after the optimizer step; stage 2 reduce-scatters during backward and all-gathers after
+the step; stage 3 gathers every unit before forward (prefetched: the default window covers a small
+model), gathers again before backward and reduce-scatters each unit's gradients as backward finishes it.
 Whatever compute runs while the link works hides that communication; the rest is exposed.
 
 Compute is an input (:class:`Compute`): measured, or fitted to a measured step with
@@ -156,19 +156,27 @@ def crossing_bytes(kind: str, buffer_bytes: float, cluster: Cluster) -> tuple[fl
     return local * (n - local) * chunk, (local - 1) * chunk, local * (local - 1) * chunk
 
 
-def collective_seconds(kind: str, buffer_bytes: float, cluster: Cluster) -> float:
-    """Seconds one collective over ``buffer_bytes`` takes on ``cluster`` (bandwidth and latency). In two levels the
-    node's part and the link's part run one after the other, each as long as its busiest resource needs."""
+def collective_parts(kind: str, buffer_bytes: float, cluster: Cluster) -> list[tuple[str, float]]:
+    """The parts of one collective over ``buffer_bytes`` in the order they run, as (resource, seconds): one part on
+    ``link`` (which also bounds the node's own sends), or in two levels a ``node`` part (the sends within the node)
+    and a ``link`` part, a reduce-scatter's node part first and an all-gather's last, each as long as its busiest
+    resource needs. The latency of the collective's steps is added to its last part."""
     link, intra_rank, intra_node = crossing_bytes(kind, buffer_bytes, cluster)
     host = cluster.host_Bps or math.inf
     over_link = link / (cluster.link_Bps * cluster.payload_share)
     within = intra_rank / cluster.intra_Bps
-    steps = 0 if cluster.world == 1 else _RING_VOLUME[kind] * (cluster.world - 1)
-    if two_levels(kind, cluster):
-        seconds = max(within, intra_node / host) + max(over_link, link / host)
-    else:
-        seconds = max(over_link, within, (link + intra_node) / host)
-    return seconds + steps * cluster.latency_s
+    latency = (0 if cluster.world == 1 else _RING_VOLUME[kind] * (cluster.world - 1)) * cluster.latency_s
+    if not two_levels(kind, cluster):
+        return [("link", max(over_link, within, (link + intra_node) / host) + latency)]
+    parts = [("node", max(within, intra_node / host)), ("link", max(over_link, link / host))]
+    if kind == "all_gather":
+        parts.reverse()
+    return [*parts[:-1], (parts[-1][0], parts[-1][1] + latency)]
+
+
+def collective_seconds(kind: str, buffer_bytes: float, cluster: Cluster) -> float:
+    """Seconds one collective over ``buffer_bytes`` takes on ``cluster`` on its own (bandwidth and latency)."""
+    return sum(seconds for _, seconds in collective_parts(kind, buffer_bytes, cluster))
 
 
 @dataclass(frozen=True)
@@ -207,12 +215,13 @@ class LinkStep:
 
 
 class _Schedule:
-    """Tasks on two serial resources, the rank's compute and the link, each run in the order issued and
-    once its inputs are done; collectives count their time and the bytes they send over the link."""
+    """Tasks on serial resources, the rank's compute, the link and (for two-level collectives) the sends within
+    the node, each run in the order issued and once its inputs are done; collectives count their time and the
+    bytes they send over the link."""
 
     def __init__(self, cluster: Cluster, elem_bytes: int) -> None:
         self.cluster, self.elem_bytes = cluster, elem_bytes
-        self.free = {"compute": 0.0, "link": 0.0}
+        self.free = {"compute": 0.0, "link": 0.0, "node": 0.0}
         self.comm_s = self.link_bytes = 0.0
 
     def _run(self, resource: str, seconds: float, after: Sequence[float]) -> float:
@@ -227,10 +236,11 @@ class _Schedule:
     def collective(self, kind: str, elements: int, after: Sequence[float] = ()) -> float:
         """Run one collective over ``elements``; returns when it ends."""
         nbytes = elements * self.elem_bytes
-        seconds = collective_seconds(kind, nbytes, self.cluster)
-        self.comm_s += seconds
         self.link_bytes += crossing_bytes(kind, nbytes, self.cluster)[0]
-        return self._run("link", seconds, after)
+        for resource, seconds in collective_parts(kind, nbytes, self.cluster):
+            self.comm_s += seconds
+            after = [self._run(resource, seconds, after)]
+        return after[0]
 
 
 def _pieces(total: int, size: int) -> list[int]:
@@ -384,9 +394,11 @@ __all__ = [
     "LinkStep",
     "algorithm",
     "calibrate",
+    "collective_parts",
     "collective_seconds",
     "crossing_bytes",
     "crossover_Bps",
     "stage_step",
     "tcp_payload_share",
+    "two_levels",
 ]
