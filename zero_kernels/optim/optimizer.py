@@ -78,7 +78,16 @@ from ..stages.outcome import clip_coef
 from . import amp, guards, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
-from .args import check_flags, check_group, check_hyper, check_impl, check_process_group, checked_groups, data_type
+from .args import (
+    check_flags,
+    check_group,
+    check_group_values,
+    check_hyper,
+    check_impl,
+    check_process_group,
+    checked_groups,
+    data_type,
+)
 from .precision import LossScaler
 from .state_view import ShardedState
 
@@ -360,10 +369,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if self._micro_step < self.gradient_accumulation_steps:
             self._update_sync()
             return loss
+        hyper = [self._hyper(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
         self._micro_step = 0
         self.wait_params()
         self._follow_replaced_params()
-        hyper = [self._hyper(g) for g in self.param_groups]
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
         multiplier = self._take_clip(scaled)
         if scaled is not None and scaled.multiplier is not None:
@@ -428,7 +437,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def loss_scaler(self, value: Optional[LossScaler]) -> None:
         self._loss_scaler = value
 
-    def _hyper(self, g: Mapping[str, Any]) -> GroupHyper:
+    def _hyper(self, g: Mapping[str, Any], where: str) -> GroupHyper:
+        check_group_values(g, where)
         b1, b2 = (float(b) for b in g["betas"])
         return GroupHyper(
             float(g["lr"]), b1, b2, float(g["eps"]), float(g["weight_decay"]), self.adam_w_mode,
