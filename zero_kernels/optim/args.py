@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..config.schema import COMM_DTYPES
 from ..env import IMPLS
+from ..stages.stage3.ownership import refuse_held
 
 ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
 IMPLEMENTATION_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
@@ -201,6 +202,7 @@ def check_params(
 
 
 def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
+    refuse_held([p], describe)
     if p.layout != torch.strided:
         raise ValueError(f"ShardedFusedAdam does not support sparse parameters: {describe(p)} has layout {p.layout}")
     if not p.requires_grad:
