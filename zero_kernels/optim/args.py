@@ -14,7 +14,7 @@ AdamW's keyword arguments split in two kinds:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -202,7 +202,6 @@ def check_params(
 
 
 def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
-    refuse_held([p], describe)
     if p.layout != torch.strided:
         raise ValueError(f"ShardedFusedAdam does not support sparse parameters: {describe(p)} has layout {p.layout}")
     if not p.requires_grad:
@@ -262,9 +261,11 @@ def check_group(
     previous: list[tuple[list[torch.Tensor], bool]],
     defaults: dict[str, Any],
     describe: Describe,
+    own: Collection[int] = (),
 ) -> tuple[list[torch.Tensor], bool]:
     """A new group's structure (as torch checks it), hyper-parameters, flags and parameters, against the
-    groups before it; returns, as ``previous`` lists them, its tensors and whether they have names.
+    groups before it, and no parameter held by a stage-3 optimizer but the one adding the group
+    (``stage3.ownership``); returns, as ``previous`` lists them, its tensors and whether they have names.
 
     ``group["params"]`` becomes a list, as ``torch.optim.Optimizer.add_param_group`` makes it.
 
@@ -274,6 +275,7 @@ def check_group(
         previous: (tensors, named) of each group before it.
         defaults: the optimizer's default hyper-parameters.
         describe: how errors name a parameter, given the group's names by ``id``.
+        own: ``id`` of the parameters the optimizer adding the group holds already (its own checks name them).
     """
     if "params" not in group:
         raise ValueError(f"param group {index} has no 'params'")
@@ -284,4 +286,5 @@ def check_group(
     check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
     check_flags(group, f"param group {index}")
     check_params(tensors, index, [t for t, _ in previous], lambda p: describe(p, names))
+    refuse_held([t for t in tensors if id(t) not in own], lambda p: describe(p, names))
     return tensors, bool(names) or "param_names" in group

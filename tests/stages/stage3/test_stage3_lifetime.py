@@ -83,6 +83,7 @@ def test_model_of_a_deleted_optimizer_says_its_values_are_gone(tmp_path: Path) -
     model = _model()
     opt = _opt(model, "nvme", tmp_path)
     _step(model, opt, 0)
+    read = model[0].weight.detach()  # taken while the parameter was freed: empty
     freed = weakref.ref(opt)
     del opt
     gc.collect()
@@ -90,6 +91,8 @@ def test_model_of_a_deleted_optimizer_says_its_values_are_gone(tmp_path: Path) -
     gone = "the stage-3 optimizer that kept its shards was deleted"
     with pytest.raises(RuntimeError, match=gone):
         _loss(model, 1)
+    with pytest.raises(RuntimeError, match=gone):
+        read.sum()
     with pytest.raises(RuntimeError, match=f"empty tensor for '0.weight': {gone}"):
         model.state_dict()
     with pytest.raises(ValueError, match=f"parameter '0.weight' holds no values: {gone}"):

@@ -21,7 +21,8 @@ calls ``on_use(param, copy.deepcopy)``, which raises.
 
 The callbacks are held weakly: once the scheduler that freed a parameter is gone (its optimizer deleted and
 collected), the shards that held its values are gone too, and any use of the parameter, or of what its ``.data``
-gave, raises ``ORPHANED`` instead of computing with an empty tensor.
+gave, raises ``ORPHANED`` instead of computing with an empty tensor. (A ``FreedRead`` whose scheduler was replaced,
+the hooks put back after a copy, asks the one now in charge.)
 
 Under ``torch.compile`` the callback, and stage 3's hooks (``run_eagerly``), run eagerly: they
 issue collectives and change parameters, which a compiled graph must not capture.
@@ -137,9 +138,9 @@ class FreedRead(torch.Tensor):
             for t in tensors(args, kwargs):
                 if isinstance(t, FreedRead):
                     param, report = t._zk_param(), t._zk_report()
-                    if param is not None and report is None:
-                        raise RuntimeError(_orphaned_use(func))
-                    if param is not None:
+                    if param is not None and report is None:  # hooks put back since: the scheduler now in charge
+                        report = _callback(_on_read_use, param, func)
+                    if param is not None and report is not None:
                         report(param, func)
         result = _disabled_torch_function_impl(func, types, args, kwargs or {})
         if args and isinstance(args[0], FreedRead):
