@@ -193,6 +193,9 @@ class _Frame:
 class Stage3Scheduler:
     """Installs the hooks on ``root`` and its sub-modules; ``remove()`` takes them off again.
 
+    The hooks hold the scheduler weakly (``_weakly``): whoever installs it keeps it (the pipeline does), and once
+    it is gone they do nothing.
+
     Args:
         root: the model; its forward marks the start and end of a forward pass.
         units: parameter units; parameters of ``root`` that no unit owns are left alone.
