@@ -18,6 +18,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from .config import ZeroConfig
 from .config.hf import model_hidden_size
 from .optim.optimizer import ShardedFusedAdam
+from .stages.stage3.ownership import refuse_held
 
 __all__ = ["initialize"]
 
@@ -64,6 +65,8 @@ def initialize(
         raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
     if config.optimizer is None:
         raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
+    names = {id(p): name for name, p in model.named_parameters()}
+    refuse_held(model.parameters(), lambda p: f"parameter {names[id(p)]!r}")  # before the cast changes the model
     if config.bf16:
         model = model.to(torch.bfloat16)
     elif config.fp16.enabled:

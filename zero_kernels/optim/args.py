@@ -15,13 +15,14 @@ AdamW's keyword arguments split in two kinds:
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config.schema import COMM_DTYPES
 from ..env import IMPLS
+from ..stages.stage3.ownership import refuse_held
 
 ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
 IMPLEMENTATION_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
@@ -290,9 +291,11 @@ def check_group(
     previous: list[tuple[list[torch.Tensor], bool]],
     defaults: dict[str, Any],
     describe: Describe,
+    own: Collection[int] = (),
 ) -> tuple[list[torch.Tensor], bool]:
     """A new group's structure (as torch checks it), hyper-parameters, flags and parameters, against the
-    groups before it; returns, as ``previous`` lists them, its tensors and whether they have names.
+    groups before it, and no parameter held by a stage-3 optimizer but the one adding the group
+    (``stage3.ownership``); returns, as ``previous`` lists them, its tensors and whether they have names.
 
     ``group["params"]`` becomes a list, as ``torch.optim.Optimizer.add_param_group`` makes it.
 
@@ -302,6 +305,7 @@ def check_group(
         previous: (tensors, named) of each group before it.
         defaults: the optimizer's default hyper-parameters.
         describe: how errors name a parameter, given the group's names by ``id``.
+        own: ``id`` of the parameters the optimizer adding the group holds already (its own checks name them).
     """
     if "params" not in group:
         raise ValueError(f"param group {index} has no 'params'")
@@ -312,4 +316,5 @@ def check_group(
     check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
     check_flags(group, f"param group {index}")
     check_params(tensors, index, [t for t, _ in previous], lambda p: describe(p, names))
+    refuse_held([t for t in tensors if id(t) not in own], lambda p: describe(p, names))
     return tensors, bool(names) or "param_names" in group

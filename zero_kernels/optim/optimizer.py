@@ -270,7 +270,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             param_group: ``{"params": [...], **hyper-parameter overrides}``.
         """
         previous = [(g["params"], "param_names" in g) for g in self.param_groups]
-        check_group(param_group, len(self.param_groups), previous, self.defaults, self._describe)
+        own = set(self._pipeline.where) | self._pipeline.frozen_partitioned()
+        check_group(param_group, len(self.param_groups), previous, self.defaults, self._describe, own)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:

@@ -107,7 +107,8 @@ def _setup(order: str = "abc", prefetch: int = 0, persistent: str = "", frozen: 
         getattr(model, tag).requires_grad_(False)
     ref = copy.deepcopy(model)
     units = [FakeUnit(t, getattr(model, t).parameters(), log, persistent=t in persistent) for t in "abc"]
-    return log, model, ref, units, Stage3Scheduler(model, units, prefetch_numel=prefetch)
+    model.scheduler = Stage3Scheduler(model, units, prefetch_numel=prefetch)  # its hooks hold it weakly
+    return log, model, ref, units, model.scheduler
 
 
 def units_numel(n: int) -> int:
@@ -244,7 +245,7 @@ def test_hooks_reduce_at_the_same_point_whichever_parameters_got_a_gradient():
         model.b = Branch()
         model.b.use_w2 = use_w2
         units = [FakeUnit(t, getattr(model, t).parameters(), log) for t in "abc"]
-        Stage3Scheduler(model, units, prefetch_numel=0)
+        model.scheduler = Stage3Scheduler(model, units, prefetch_numel=0)
         model(torch.randn(2, 4)).backward()
         logs.append([e for e in log if e[0] in ("gather", "reduce")])
         assert (units[1].grads[-1][1] is None) != use_w2, "w2's gradient is there exactly when it was used"
@@ -258,7 +259,7 @@ def test_hooks_tied_parameter_is_gathered_for_every_module_using_it():
     ref = copy.deepcopy(model)
     units = [FakeUnit("a", model.a.parameters(), log), FakeUnit("b", model.b.parameters(), log)]
     units.append(FakeUnit("c", [model.c.bias], log))
-    Stage3Scheduler(model, units, prefetch_numel=0)
+    model.scheduler = Stage3Scheduler(model, units, prefetch_numel=0)
     x = torch.randn(2, 4)
     model(x).backward()
     assert log[8:13] == _events("gather:a gather:c wait:a wait:c fwd:c")

@@ -115,7 +115,7 @@ def _scheduled(model: nn.Module, modules: dict[str, nn.Module], log: list) -> li
     def check(batch: list[int], phase: str, deferred: bool = False) -> None:
         log.append(("check", "+".join(units[i].tag for i in batch) + "@" + phase))
 
-    Stage3Scheduler(model, units, prefetch_numel=0, check=check)
+    model.scheduler = Stage3Scheduler(model, units, prefetch_numel=0, check=check)  # its hooks hold it weakly
     return units
 
 

@@ -19,6 +19,11 @@ its restore ``p.data.copy_(...)``, ``ema.lerp_(p.detach())``) would be as quietl
 a freed parameter (``copy.deepcopy(model)``: ``AveragedModel``, EMA helpers) would be empty too: it
 calls ``on_use(param, copy.deepcopy)``, which raises.
 
+The callbacks are held weakly: once the scheduler that freed a parameter is gone (its optimizer deleted and
+collected), the shards that held its values are gone too, and any use of the parameter, or of what its ``.data``
+gave, raises ``ORPHANED`` instead of computing with an empty tensor. (A ``FreedRead`` whose scheduler was replaced,
+the hooks put back after a copy, asks the one now in charge.)
+
 Under ``torch.compile`` the callback, and stage 3's hooks (``run_eagerly``), run eagerly: they
 issue collectives and change parameters, which a compiled graph must not capture.
 """
@@ -52,15 +57,34 @@ _METADATA = {
     "untyped_storage", "storage", "_typed_storage", "__repr__", "__format__", "__dir__", "is_floating_point",
     "is_complex", "get_device", "_has_compatible_shallow_copy_type", *_READS,
 }  # fmt: skip
+ORPHANED = (
+    "the stage-3 optimizer that kept its shards was deleted, and its values went with it (it is an empty tensor). "
+    "Take the full weights out before deleting the optimizer (zero_kernels.save_pretrained(model, optimizer, "
+    "directory), or a state dict taken inside `with optimizer.gathered_params():`) and load them into a fresh model"
+)
 _on_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> callback of the scheduler that freed it
 _on_read_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> its callback for uses of what it gave
+
+
+def _orphaned_use(func: Any) -> str:
+    return f"ZeRO stage 3: a parameter that holds no values is used ({operation_name(func)}): {ORPHANED}"
+
+
+def _callback(table: dict[int, "weakref.WeakMethod"], param: Any, func: Any) -> Optional[OnUse]:
+    """The callback ``table`` holds for ``param`` (None: none); raises ``ORPHANED`` where its scheduler is gone."""
+    ref = table.get(id(param))
+    if ref is None:
+        return None
+    callback = ref()
+    if callback is None:
+        raise RuntimeError(_orphaned_use(func))
+    return callback
 
 
 def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
     if getattr(func, "__name__", "") not in _PASS:
         for t in tensors(args, kwargs):
-            ref = _on_use.get(id(t)) if isinstance(t, _Freed) else None
-            callback = ref() if ref is not None else None
+            callback = _callback(_on_use, t, func) if isinstance(t, _Freed) else None
             if callback is not None:
                 callback(t, func)
     result = _disabled_torch_function_impl(func, types, args, kwargs or {})
@@ -77,8 +101,7 @@ class _Freed(Mark):
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy of a freed parameter would be empty: ``on_use(param, copy.deepcopy)`` raises (or copies it as
         it is when no callback is registered)."""
-        ref = _on_use.get(id(self))
-        callback = ref() if ref is not None else None
+        callback = _callback(_on_use, self, copy.deepcopy)
         if callback is not None:
             callback(self, copy.deepcopy)
         return self._zk_original.__deepcopy__(self, memo)
@@ -115,6 +138,8 @@ class FreedRead(torch.Tensor):
             for t in tensors(args, kwargs):
                 if isinstance(t, FreedRead):
                     param, report = t._zk_param(), t._zk_report()
+                    if param is not None and report is None:  # hooks put back since: the scheduler now in charge
+                        report = _callback(_on_read_use, param, func)
                     if param is not None and report is not None:
                         report(param, func)
         result = _disabled_torch_function_impl(func, types, args, kwargs or {})
@@ -161,6 +186,13 @@ def mark_gathered(param: nn.Parameter) -> None:
     _on_use.pop(id(param), None)
     _on_read_use.pop(id(param), None)
     unmark(param, _Freed)
+
+
+def freed_by(param: nn.Parameter) -> Optional[bool]:
+    """Whether ``param`` is freed by a scheduler that still exists (True), freed by one that is gone (False: it
+    holds no values any more), or not freed (None)."""
+    ref = _on_use.get(id(param)) if isinstance(param, _Freed) else None
+    return None if ref is None else ref() is not None
 
 
 def operation_name(func: Any) -> str:

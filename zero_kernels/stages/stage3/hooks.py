@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -128,6 +129,20 @@ class _Pass:
         return self.seen and self.on_track
 
 
+def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
+    """``method`` of the scheduler, with ``first`` before the hook's arguments, called through a weak reference:
+    a hook stays on a parameter, on the model or on a graph node (a tensor's hooks are invisible to the cycle
+    collector), and must not keep the scheduler, and through it the optimizer, its shards and its files, alive.
+    Once the scheduler is gone the hook does nothing (as stages 0-2's ``grad_hook``)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*first, *args, **kwargs)
+
+    return call
+
+
 class _ModelHook:
     """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``,
     pickle; ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that
@@ -147,7 +162,7 @@ class _ModelHook:
         return None if self._fn is None else self._fn(*args, **kwargs)
 
 
-def before_backward_of(tensors: list[torch.Tensor], fn: Callable[[], None]) -> None:
+def before_backward_of(tensors: list[torch.Tensor], fn: Callable[[], Any]) -> None:
     """Call ``fn`` once per backward, just before the first node that produced one of ``tensors`` runs: as a
     pre-hook of that node, which runs after the hooks on the node's output tensors, so the ends of uses that
     ``stage3.uses`` watches on those same tensors (the next module's inputs, and the frees they make) come before
@@ -178,6 +193,9 @@ class _Frame:
 class Stage3Scheduler:
     """Installs the hooks on ``root`` and its sub-modules; ``remove()`` takes them off again.
 
+    The hooks hold the scheduler weakly (``_weakly``): whoever installs it keeps it (the pipeline does), and once
+    it is gone they do nothing.
+
     Args:
         root: the model; its forward marks the start and end of a forward pass.
         units: parameter units; parameters of ``root`` that no unit owns are left alone.
@@ -199,7 +217,7 @@ class Stage3Scheduler:
         self._in_use = [0] * len(self.units)
         self._used = [False] * len(self.units)  # the gathered copy served a module since its gather
         self._reduced: set[int] = set()
-        self._uses = UseTracker(len(self.units), self._uses_ended)
+        self._uses = UseTracker(len(self.units), _weakly(self._uses_ended))
         self._forward, self._backward = _Pass(), _Pass()
         self._in_forward = self._in_backward = self._held = False
         self._stack: list[_Frame] = []
@@ -225,13 +243,13 @@ class Stage3Scheduler:
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
         self._handles.append(
-            root.register_forward_pre_hook(_ModelHook(self._root_pre_forward), prepend=True, with_kwargs=True)
+            root.register_forward_pre_hook(_ModelHook(_weakly(self._root_pre_forward)), prepend=True, with_kwargs=True)
         )
-        self._handles.append(root.register_forward_hook(_ModelHook(self._root_post_forward)))
+        self._handles.append(root.register_forward_hook(_ModelHook(_weakly(self._root_post_forward))))
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready_hook(i)))
+                    self._handles.append(p.register_post_accumulate_grad_hook(_weakly(self._grad_ready, i)))
             if self._state[i] == _FREE:
                 for p in unit.params:
                     guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
@@ -251,7 +269,7 @@ class Stage3Scheduler:
                 inside = {id(q) for q in p.module.parameters()}
                 self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
             if p.module is not self.root:
-                pre, post = _ModelHook(self._pre_forward_hook(p)), _ModelHook(self._post_forward_hook(p))
+                pre, post = _ModelHook(_weakly(self._pre_forward, p)), _ModelHook(_weakly(self._post_forward))
                 self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
                 self._module_handles.append(p.module.register_forward_hook(post))
 
@@ -366,17 +384,11 @@ class Stage3Scheduler:
             self._forward.end()
             self._free_all()
 
-    def _pre_forward_hook(self, p: ModulePlan):
-        def hook(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            return self._enter(p, args, kwargs)
+    def _pre_forward(self, p: ModulePlan, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        return self._enter(p, args, kwargs)
 
-        return hook
-
-    def _post_forward_hook(self, p: ModulePlan):
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._exit(module, output)
-
-        return hook
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._exit(module, output)
 
     def _enter(self, p: ModulePlan, args: Any, kwargs: Any) -> Any:
         """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker."""
@@ -401,7 +413,7 @@ class Stage3Scheduler:
                 break
         tensors = grad_tensors(output)
         if frame.needs and tensors and torch.is_grad_enabled():
-            before_backward_of(tensors, self._pre_backward_hook(tuple(dict.fromkeys(frame.needs))))
+            before_backward_of(tensors, _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs))))
 
     def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
         """A freed parameter is computed with: gather it for the running module, or explain."""
@@ -468,26 +480,20 @@ class Stage3Scheduler:
             self._backward.begin(guess=self._forward.expected[::-1])
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
-    def _pre_backward_hook(self, needs: tuple[int, ...]):
-        def hook() -> None:
-            self._begin_backward()
-            self._gather(needs, self._backward, True)
+    def _pre_backward(self, needs: tuple[int, ...]) -> None:
+        self._begin_backward()
+        self._gather(needs, self._backward, True)
 
-        return hook
-
-    def _grad_ready_hook(self, i: int):
-        def hook(param: nn.Parameter) -> None:
-            self._begin_backward()
-            if i in self._reduced:
-                if i in self._leaf_units:
-                    raise RuntimeError(
-                        f"ZeRO stage 3: parameter '{self._names.get(id(param), '?')}' of a leaf module got its "
-                        "gradient after the leaf's backward had ended and its gradients were reduced; a parameter "
-                        "of a leaf module must be used only inside the leaf's forward"
-                    )
-                raise RuntimeError(second_gradient(3, f"parameter '{self._names.get(id(param), '?')}'"))
-
-        return hook
+    def _grad_ready(self, i: int, param: nn.Parameter) -> None:
+        self._begin_backward()
+        if i in self._reduced:
+            if i in self._leaf_units:
+                raise RuntimeError(
+                    f"ZeRO stage 3: parameter '{self._names.get(id(param), '?')}' of a leaf module got its "
+                    "gradient after the leaf's backward had ended and its gradients were reduced; a parameter "
+                    "of a leaf module must be used only inside the leaf's forward"
+                )
+            raise RuntimeError(second_gradient(3, f"parameter '{self._names.get(id(param), '?')}'"))
 
     def _uses_ended(self, ready: list[int]) -> None:
         """Every use of the units ``ready`` has ended its backward (``stage3.uses``): reduce them; frozen units

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import guard
+
 if TYPE_CHECKING:
     from ..base import Pipeline
 
@@ -59,6 +61,7 @@ class _StateDictGuard:
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         owner = self._pipeline()
         if owner is None:
+            _refuse_orphaned(module, prefix)
             return
         empty = []
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -72,6 +75,15 @@ class _StateDictGuard:
             raise RuntimeError(
                 f"model.state_dict() at ZeRO stage 3 would hold an empty tensor for {empty[0]!r}{more}: between "
                 f"uses each rank keeps only its shard of the parameters. {WHAT_TO_CALL}"
+            )
+
+
+def _refuse_orphaned(module: nn.Module, prefix: str) -> None:
+    """The pipeline is gone: a parameter it emptied holds no values any more (``guard.ORPHANED``)."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if guard.freed_by(p) is False:
+            raise RuntimeError(
+                f"ZeRO stage 3: model.state_dict() would hold an empty tensor for {prefix + name!r}: {guard.ORPHANED}"
             )
 
 

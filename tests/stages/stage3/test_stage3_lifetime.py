@@ -1,0 +1,131 @@
+"""ZeRO stage 3: what the optimizer holds and when it lets go. Deleting the optimizer and the model frees both, the
+parameters and the files under ``nvme_path``; a second optimizer on parameters a stage-3 optimizer holds, or emptied
+before it was deleted, is refused before anything changes."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+import zero_kernels.optim as zo
+from tests.helpers.check import assert_close
+
+LR = 1e-2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+
+def _offload(device: str, path: Path) -> dict:
+    if device == "none":
+        return {}
+    where = {"device": device, "nvme_path": str(path)} if device == "nvme" else {"device": device}
+    return {"offload_optimizer": where, "offload_param": dict(where, max_in_cpu=0) if device == "nvme" else where}
+
+
+def _opt(model: nn.Module, device: str, path: Path, threshold: int = 0) -> zo.ShardedFusedAdam:
+    return zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=256,
+                               stage3_param_persistence_threshold=threshold, **_offload(device, path))  # fmt: skip
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+    return model(x).square().mean()
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    _loss(model, step).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _files(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("device", ["none", "cpu", "nvme"])
+@pytest.mark.parametrize("use", ["built", "trained", "forward kept"])
+def test_optimizer_model_and_files_freed_when_deleted(tmp_path: Path, device: str, use: str) -> None:
+    """The gradient hooks on the parameters, the model's hooks and those on a kept forward's graph hold the
+    optimizer weakly: ``del model, opt`` frees both (a loss still referenced keeps only the model, through its
+    graph), and the files under ``nvme_path`` go."""
+    model = _model()
+    opt = _opt(model, device, tmp_path)
+    loss = None
+    if use == "trained":
+        for step in range(2):
+            _step(model, opt, step)
+    if use == "forward kept":
+        loss = _loss(model, 0)
+    assert bool(_files(tmp_path)) == (device == "nvme")
+    freed = [weakref.ref(x) for x in (opt, model, next(model.parameters()))]
+    del model, opt
+    gc.collect()
+    assert freed[0]() is None, "the optimizer outlived its deletion"
+    del loss
+    gc.collect()
+    assert [ref() is None for ref in freed] == [True, True, True]
+    assert _files(tmp_path) == []
+
+
+def test_model_of_a_deleted_optimizer_says_its_values_are_gone(tmp_path: Path) -> None:
+    """The model outlives its stage-3 optimizer: the shards, the state and the files go with the optimizer, and
+    the emptied parameters say so wherever they are used, and refuse a new optimizer."""
+    model = _model()
+    opt = _opt(model, "nvme", tmp_path)
+    _step(model, opt, 0)
+    read = model[0].weight.detach()  # taken while the parameter was freed: empty
+    freed = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert freed() is None and _files(tmp_path) == []
+    gone = "the stage-3 optimizer that kept its shards was deleted"
+    with pytest.raises(RuntimeError, match=gone):
+        _loss(model, 1)
+    with pytest.raises(RuntimeError, match=gone):
+        read.sum()
+    with pytest.raises(RuntimeError, match=f"empty tensor for '0.weight': {gone}"):
+        model.state_dict()
+    with pytest.raises(ValueError, match=f"parameter '0.weight' holds no values: {gone}"):
+        zo.ShardedFusedAdam(model, stage=2)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}, "zero_optimization": {"stage": 3}}
+    with pytest.raises(ValueError, match=f"parameter '0.weight' holds no values: {gone}"):
+        zk.initialize(model, config)
+
+
+def _second(model: nn.Module, how: str) -> None:
+    if how == "initialize bf16":  # would cast the model first
+        config = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}, "bf16": {"enabled": True},
+                  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}  # fmt: skip
+        zk.initialize(model, config)
+    else:
+        zo.ShardedFusedAdam(model, lr=LR, stage=int(how[-1]))
+
+
+@pytest.mark.parametrize("threshold", [0, 10**6])  # every parameter emptied between uses; every one kept whole
+@pytest.mark.parametrize("how", ["initialize bf16", "stage 3", "stage 2"])
+def test_second_optimizer_on_a_held_model_is_refused(tmp_path: Path, threshold: int, how: str) -> None:
+    """Refused naming the parameter, before anything changed: the first optimizer trains on next to
+    ``torch.optim.AdamW``."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = _opt(model, "none", tmp_path, threshold), torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(3):
+        if step == 1:
+            with pytest.raises(ValueError, match="parameter '0.weight' is held \\(sharded\\) by another stage-3"):
+                _second(model, how)
+        _step(model, opt, step)
+        _step(ref, ref_opt, step)
+    with opt.gathered_params():
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert p.dtype == torch.float32, name
+            assert_close(p, r, rtol=1e-5, atol=1e-6 * r.detach().abs().max().item(), what=name)
