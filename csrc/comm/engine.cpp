@@ -290,8 +290,42 @@ bool PendingOp::failed() {
   return static_cast<bool>(error_);
 }
 
+namespace {
+
+// The tag counter of `group`, one per process group for as long as the group lives, whichever engines come and
+// go: every rank issues the group's operations in the same order, so every rank gives each the same tags.
+std::shared_ptr<std::atomic<uint32_t>> group_tags(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  using Entry = std::pair<c10::weak_intrusive_ptr<c10d::ProcessGroup>, std::shared_ptr<std::atomic<uint32_t>>>;
+  static std::mutex mu;
+  static std::vector<Entry> groups;
+  std::lock_guard<std::mutex> lock(mu);
+  std::shared_ptr<std::atomic<uint32_t>> found;
+  for (auto it = groups.begin(); it != groups.end();) {
+    const auto alive = it->first.lock();
+    if (!alive) {  // a destroyed group: a new one at the same address starts afresh
+      it = groups.erase(it);
+      continue;
+    }
+    if (alive.get() == group.get()) {
+      found = it->second;
+    }
+    ++it;
+  }
+  if (!found) {
+    found = std::make_shared<std::atomic<uint32_t>>(0);
+    groups.emplace_back(c10::weak_intrusive_ptr<c10d::ProcessGroup>(group), found);
+  }
+  return found;
+}
+
+}  // namespace
+
 Engine::Engine(const c10::intrusive_ptr<c10d::ProcessGroup>& group)
-    : group_(group), rank_(group->getRank()), world_size_(group->getSize()), backend_(group->getBackendName()) {}
+    : group_(group),
+      rank_(group->getRank()),
+      world_size_(group->getSize()),
+      backend_(group->getBackendName()),
+      next_tag_(group_tags(group)) {}
 
 c10::intrusive_ptr<c10d::ProcessGroup> Engine::group(const std::string& what) const {
   auto group = group_.lock();
@@ -458,7 +492,7 @@ uint32_t Engine::next_tags(const std::string& what, const at::Tensor& t, uint32_
   if (t.is_cuda()) {
     throw std::invalid_argument(what + ": the point-to-point primitives are for CPU tensors (gloo)");
   }
-  return next_tag_.fetch_add(count);
+  return next_tag_->fetch_add(count);
 }
 
 uint32_t Engine::tag_at(uint32_t first, uint32_t offset) const { return kTagBase + (first + offset) % kTagSpan; }

@@ -172,7 +172,10 @@ class Engine {
   std::string backend_;
   std::mutex mu_;
   std::deque<std::shared_ptr<PendingOp>> in_flight_;
-  std::atomic<uint32_t> next_tag_{0};
+  // The point-to-point tags of this engine's process group, shared with every other engine on it: the
+  // operations of two engines on one group (two optimizers) never share a tag, so their sends and receives
+  // match whichever thread posts them (the relay thread posts a second level whenever the first is done).
+  std::shared_ptr<std::atomic<uint32_t>> next_tag_;
   std::vector<std::vector<int64_t>> rows_;  // set_nodes: the ranks of each node, by local rank
   int node_ = 0;
   int local_ = 0;

@@ -87,6 +87,31 @@ def test_two_level_collectives_match_the_sums(spawn, world: int, local_size: int
     spawn(_two_levels, world, local_size, strided, rows)
 
 
+def _two_engines(rank: int, world: int) -> None:
+    """Two engines on one group (two optimizers), their operations in flight together, each engine's second
+    level posted by its own relay thread: each operation gets its own bytes."""
+    _place(rank, 2, False)
+    engines = [make_engine(backend="cpp"), make_engine(backend="cpp")]
+    for n in (5, 64, 5000):
+        issued = []
+        for round_ in range(10):
+            for e, engine in enumerate(engines):
+                inputs = [torch.full((world * n,), float(1000 * e + 10 * round_ + r)) for r in range(world)]
+                out, full = torch.empty(n), torch.empty(world * n)
+                issued.append((engine.reduce_scatter(out, inputs[rank].clone(), name="rs"), out, sum(inputs)[:n]))
+                issued.append(
+                    (engine.all_gather(full, inputs[rank][:n], name="ag"), full, torch.cat([t[:n] for t in inputs]))
+                )
+        for handle, got, want in issued:
+            handle.wait()
+            assert torch.equal(got, want), (n, got[:3], want[:3])
+
+
+@pytest.mark.distributed
+def test_two_engines_on_one_group_keep_their_messages_apart(spawn) -> None:
+    spawn(_two_engines, 4)
+
+
 def _one_node(rank: int, world: int) -> None:
     _place(rank, world, False)
     engine = make_engine(backend="cpp")
