@@ -94,3 +94,40 @@ def _stage0_body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [w for w in WORLD_SIZES if w > 1], ids=lambda w: f"world{w}")
 def test_stage0_state_dict_continues_in_adamw_on_every_rank(world: int) -> None:
     run_ranks_checked(_stage0_body, world)
+
+
+def _foreign_shard_body(rank: int, world: int, stage: int) -> list[str]:
+    """Rank 0's sharded state dict, sent to every rank (as a file one rank writes for all): refused on the other
+    ranks, naming both ranks, with the state left as it was; each rank's own loads."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    _step(model, opt, batch(0, ROWS))
+    own = opt.state_dict()
+    box = [own]
+    dist.broadcast_object_list(box, src=0)
+    problems = []
+    if rank == 0:
+        opt.load_state_dict(box[0])
+        return problems
+    try:
+        opt.load_state_dict(box[0])
+        problems.append(f"rank {rank} loaded rank 0's shard")
+    except ValueError as err:
+        if "rank 0's shard, and this is rank 1" not in str(err) and rank == 1:
+            problems.append(f"unclear refusal: {err}")
+    after = opt.state_dict()["state"]
+    for key, entry in own["state"].items():
+        for name, t in entry.items() if isinstance(entry, dict) else ():
+            if isinstance(t, torch.Tensor) and not torch.equal(t, after[key][name]):
+                problems.append(f"state {key}/{name} changed by the refused load")
+    opt.load_state_dict(own)
+    return problems
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_sharded_state_dict_loads_only_on_the_rank_that_saved_it(stage: int) -> None:
+    run_ranks_checked(_foreign_shard_body, 2, stage)

@@ -64,6 +64,7 @@ def sharded(opt: "ShardedFusedAdam") -> dict[str, Any]:
         "param_groups": groups_for_save(opt.param_groups, {}),
         FORMAT: {
             "layout": zstate.layout_signature(pipeline),
+            "shard": pipeline.shard_rank,
             "steps": dict(pipeline.steps),
             "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
             "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
@@ -210,6 +211,14 @@ def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> None:
 
 def _check_sharded(opt: "ShardedFusedAdam", meta: Mapping[str, Any]) -> None:
     _check_shapes(opt, dict(enumerate(meta["shapes"])))
+    saved_by, here = meta.get("shard", opt.pipeline.shard_rank), opt.pipeline.shard_rank
+    if saved_by != here:  # a state dict of before the field has none: it cannot be checked
+        raise ValueError(
+            f"load_state_dict: this sharded state is rank {saved_by}'s shard, and this is rank {here}: each rank "
+            "loads the state_dict() it saved itself (a file written by one rank for all, as accelerate's "
+            "save_state writes the optimizer, holds one rank's shard); to move a state between ranks, save "
+            "full_state_dict() or use zero_kernels.checkpoint"
+        )
     if len(meta["shapes"]) != sum(len(g["params"]) for g in opt.param_groups):
         raise ValueError("load_state_dict: the state holds a different number of parameters")
     if meta["layout"] != zstate.layout_signature(opt.pipeline):
