@@ -100,3 +100,59 @@ def _body(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_activation_checkpointing_matches_adamw_or_raises() -> None:
     run_ranks_checked(_body, 2, timeout_s=600)
+
+
+class Blocks(nn.Module):
+    """Checkpointed blocks with a norm each, and a norm and a head outside them, as a transformer has: at stage 3
+    the norms (under ``stage3_param_persistence_threshold``) share one unit across every segment and the rest."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh()) for _ in range(3)])
+        self.norm, self.out = nn.LayerNorm(8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.reentrant)
+        return self.out(self.norm(h))
+
+
+def _train_blocks(rank: int, world: int, reentrant: bool, bucket: int) -> float:
+    torch.manual_seed(0)
+    model = Blocks(reentrant)
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, reduce_bucket_size=bucket, stage3_param_persistence_threshold=20)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x = torch.randn(ROWS * world, 6, generator=torch.Generator().manual_seed(step))
+        model(x[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        ropt.step()
+        ropt.zero_grad()
+    with opt.gathered_params():
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def _blocks_body(rank: int, world: int) -> list[str]:
+    failures = []
+    for reentrant in BOTH:
+        for bucket in BUCKETS:
+            try:
+                err = _train_blocks(rank, world, reentrant, bucket)
+                if err > 1e-5:
+                    failures.append(f"reentrant={reentrant} bucket={bucket}: differs from AdamW by {err:.2e}")
+            except RuntimeError as exc:
+                failures.append(f"reentrant={reentrant} bucket={bucket}: {exc}")
+    return failures
+
+
+@pytest.mark.distributed
+def test_stage3_norms_kept_whole_inside_and_outside_checkpointed_segments() -> None:
+    """The unit of the kept-whole norms is used by every segment and by the final norm: it is reduced after the
+    last segment's recomputed backward, not when the final norm's backward ends."""
+    run_ranks_checked(_blocks_body, 2, timeout_s=600)

@@ -219,7 +219,7 @@ class Stage3Scheduler:
         self._reduced: set[int] = set()
         self._uses = UseTracker(len(self.units), _weakly(self._uses_ended))
         self._forward, self._backward = _Pass(), _Pass()
-        self._in_forward = self._in_backward = self._held = False
+        self._in_forward = self._in_backward = self._held = self._records = False
         self._stack: list[_Frame] = []
         self._leaf_units: set[int] = set()  # units of leaf modules (named in errors)
         self._root_plan = ModulePlan(root, "", (), False)
@@ -374,6 +374,7 @@ class Stage3Scheduler:
             if self._generation != model_hints.generation():
                 self._install_modules()
             self._in_forward = True
+            self._records = torch.is_grad_enabled()  # a training forward (an evaluation runs without autograd)
             self._forward.begin()
         return self._enter(self._root_plan, args, kwargs)
 
@@ -398,6 +399,8 @@ class Stage3Scheduler:
         self._stack.append(_Frame(p.module, list(p.needs)))
         if p.needs and torch.is_grad_enabled():
             self._uses.begin(p.needs, args, kwargs)
+        elif p.needs and self._in_forward and self._records:  # a reentrant checkpoint's segment
+            self._uses.unrecorded(p.needs)
         return None
 
     def _exit(self, module: nn.Module, output: Any) -> None:

@@ -26,7 +26,12 @@ Recomputation (activation checkpointing). A forward that runs while backward run
 segment: with ``use_reentrant=False`` its graph is never backpropagated (the uses recorded by the
 original forward end instead); with reentrant checkpointing the original forward ran without
 autograd, and the recomputed segment's backward ends the uses. So a unit with a use recorded by a
-forward waits for those uses only, and a unit used only in recomputed segments waits for them.
+forward waits for those uses only, and a unit used only in recomputed segments waits for them. A unit
+that a reentrant segment's original forward used (a module called without autograd inside a forward
+that records) waits, besides the uses recorded by the forward, for as many recomputed calls to end as
+the segments made: a unit shared by several segments, or by a segment and the rest of the model (stage
+3 pools the parameters under ``stage3_param_persistence_threshold`` of all modules into one unit),
+is reduced after the last of them.
 """
 
 from __future__ import annotations
@@ -82,7 +87,15 @@ class UseTracker:
         self._open_recomputed = [0] * self._count  # the same for uses recorded while backward runs
         self._used: set[int] = set()
         self._used_recomputed: set[int] = set()
+        self._unrecorded = [0] * self._count  # calls without autograd inside a recording forward (reentrant segments)
+        self._recomputed_ended = [0] * self._count  # recomputed calls whose backward has ended
         self.late: set[int] = set()  # reduced at the end of backward
+
+    def unrecorded(self, needs: Sequence[int]) -> None:
+        """A module that needs the units ``needs`` ran without autograd inside a forward that records (a reentrant
+        checkpoint's segment): its recomputation in backward will use them once more."""
+        for i in needs:
+            self._unrecorded[i] += 1
 
     def begin(self, needs: Sequence[int], args: Any, kwargs: Any) -> None:
         """A module that needs the units ``needs`` is called with autograd recording: watch its inputs."""
@@ -110,11 +123,16 @@ class UseTracker:
         opened = self._open_recomputed if use.recomputed else self._open
         for i in use.needs:
             opened[i] -= 1
+        if use.recomputed:
+            for i in set(use.needs):
+                self._recomputed_ended[i] += 1
         self._on_ready([i for i in sorted(set(use.needs)) if self._all_ended(i)])
 
     def _all_ended(self, i: int) -> bool:
         if i in self.late:
             return False
+        if self._unrecorded[i]:  # every segment that used it must be recomputed and its backward ended
+            return self._open[i] == 0 and self._recomputed_ended[i] >= self._unrecorded[i]
         if i in self._used:
             return self._open[i] == 0
         return i in self._used_recomputed and self._open_recomputed[i] == 0
