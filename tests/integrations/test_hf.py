@@ -161,3 +161,49 @@ def _all_cases(rank: int, world: int, out: str) -> None:
 @pytest.mark.distributed
 def test_trainer_matches_adamw_resumes_and_saves(spawn, tmp_path) -> None:
     spawn(_all_cases, 2, str(tmp_path), timeout_s=600.0)
+
+
+def _one_process(monkeypatch) -> None:
+    for key, value in dict(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false").items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, monkeypatch, stage: int) -> None:
+    """``load_best_model_at_end`` (the highest eval loss is the best here, so it is not the last checkpoint): the
+    model after training evaluates to the best metric exactly, at stage 3 too (from the sharded checkpoint; the
+    Trainer's own load refuses the empty stage-3 parameters)."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    args = _args(str(tmp_path), eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                 load_best_model_at_end=True, metric_for_best_model="eval_loss", greater_is_better=True,
+                 ddp_backend=None)  # fmt: skip
+    zero = {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=_data(), eval_dataset=_data(8),
+                              zero_optimization=zero)  # fmt: skip
+        trainer.train()
+        last = max((d for d in os.listdir(tmp_path) if d.startswith("checkpoint-")), key=lambda d: int(d[11:]))
+        assert os.path.basename(trainer.state.best_model_checkpoint) != last
+        assert trainer.evaluate()["eval_loss"] == trainer.state.best_metric
+
+
+def test_a_checkpoint_with_weights_only_resumes_the_model_as_the_trainer_does(tmp_path, monkeypatch) -> None:
+    """A checkpoint saved with ``save_only_model`` (weights, no optimizer state): the resume loads the weights and
+    starts the optimizer afresh, with a warning, as the Trainer does (it was refused)."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    zero = {"stage": 2, "reduce_bucket_size": 700}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = _args(str(tmp_path / "a"), save_strategy="steps", save_steps=2, save_only_model=True, ddp_backend=None)
+        ZeroTrainer(model=_llama(), args=args, train_dataset=_data(), zero_optimization=zero).train()
+    saved = tmp_path / "a" / "checkpoint-2"
+    again = ZeroTrainer(model=_llama(seed=5), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data(),
+                        zero_optimization=zero)  # fmt: skip
+    with pytest.warns(UserWarning, match="holds the model's weights but no optimizer state"):
+        again.train(resume_from_checkpoint=str(saved))
+    assert again.state.global_step == STEPS

@@ -272,10 +272,30 @@ class ZeroTrainer(Trainer):
             return  # the sharded checkpoint restores the model with the optimizer
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's sharded checkpoint restores the model (with the
+        optimizer, as DeepSpeed's engine does), at every stage; without one, the Trainer's own load."""
+        best = self.state.best_model_checkpoint
+        if self.zero_optimizer is None or not best or not os.path.isdir(os.path.join(best, CHECKPOINT_DIR)):
+            super()._load_best_model()
+            return
+        log.info("ZeroTrainer: loading the best model from %s (score: %s)", best, self.state.best_metric)
+        pipeline = self.zero_optimizer.pipeline
+        adopt.follow_replaced(pipeline, pipeline.name_of)
+        checkpoint.load(os.path.join(best, CHECKPOINT_DIR), self.model, self.zero_optimizer)
+
     def _load_optimizer_and_scheduler(self, checkpoint_dir: Optional[str]) -> None:
         if checkpoint_dir is None:
             return
         sharded = os.path.join(checkpoint_dir, CHECKPOINT_DIR)
+        if not os.path.isdir(sharded) and _holds_weights(checkpoint_dir):
+            warnings.warn(
+                f"ZeroTrainer: {checkpoint_dir} holds the model's weights but no optimizer state (saved with "
+                "save_only_model=True?): the model resumes from them, the optimizer and scheduler start afresh, as "
+                "the Trainer does",
+                stacklevel=2,
+            )
+            return
         if not os.path.isdir(sharded):
             raise ValueError(
                 f"ZeroTrainer: {checkpoint_dir} has no {CHECKPOINT_DIR}/ sharded checkpoint; it was not written by "
@@ -287,6 +307,12 @@ class ZeroTrainer(Trainer):
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def _holds_weights(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds a model's weights file as the Trainer writes them (one file or an index)."""
+    names = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+    return any(os.path.isfile(os.path.join(checkpoint_dir, name)) for name in names)
 
 
 def _refuse_deepspeed_partitioned(model: Optional[nn.Module]) -> None:
