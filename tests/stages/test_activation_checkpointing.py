@@ -44,10 +44,14 @@ class Net(nn.Module):
 def _train(rank: int, world: int, stage: int, net: tuple[bool, bool, bool], bucket: int) -> float:
     """Largest difference from AdamW after ``STEPS`` steps."""
     torch.manual_seed(0)
-    model = Net(*net)
+    return _against_adamw(rank, world, Net(*net), stage=stage, reduce_bucket_size=bucket, max_grad_norm=None,
+                          stage3_param_persistence_threshold=0)  # fmt: skip
+
+
+def _against_adamw(rank: int, world: int, model: nn.Module, **options) -> float:
+    """Largest difference from AdamW after ``STEPS`` steps of ``model`` under ``ShardedFusedAdam(**options)``."""
     ref = copy.deepcopy(model)
-    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=bucket, max_grad_norm=None,
-                              stage3_param_persistence_threshold=0)  # fmt: skip
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, **options)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(STEPS):
         x = torch.randn(ROWS * world, 6, generator=torch.Generator().manual_seed(step))
@@ -123,19 +127,7 @@ class Blocks(nn.Module):
 def _train_blocks(rank: int, world: int, reentrant: bool, bucket: int) -> float:
     torch.manual_seed(0)
     model = Blocks(reentrant)
-    ref = copy.deepcopy(model)
-    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, reduce_bucket_size=bucket, stage3_param_persistence_threshold=20)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        x = torch.randn(ROWS * world, 6, generator=torch.Generator().manual_seed(step))
-        model(x[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        ref(x).square().mean().backward()
-        ropt.step()
-        ropt.zero_grad()
-    with opt.gathered_params():
-        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return _against_adamw(rank, world, model, stage=3, reduce_bucket_size=bucket, stage3_param_persistence_threshold=20)
 
 
 def _blocks_body(rank: int, world: int) -> list[str]:
