@@ -20,6 +20,7 @@ class CppCommEngine(EngineBase):
     """The C++ engine (``csrc/comm``): c10d collectives issued and tracked from C++."""
 
     kind = "cpp"
+    nodes: Optional[list[list[int]]] = None  # the ranks of each node where the exchanges run in two levels
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self._ext = _ext.load("comm")
