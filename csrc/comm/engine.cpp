@@ -36,6 +36,23 @@ void wait_for_backend_release(const c10::intrusive_ptr<c10d::Work>& work) {
   }
 }
 
+// The `n` elements of `buffer` that belong to rank `owner`.
+at::Tensor part_of(const at::Tensor& buffer, int64_t owner, int64_t n) { return buffer.narrow(0, owner * n, n); }
+
+// The sum of `rows` over its first dimension (one row is itself: nothing is copied).
+at::Tensor sum_rows(const at::Tensor& rows) { return rows.size(0) == 1 ? rows.select(0, 0) : rows.sum(0); }
+
+// The epilogue of a point-to-point reduce-scatter: this rank's chunk `mine` (in the scratch input) plus the
+// rows it received, cast into `output` unless `mine` is `output`.
+std::function<void()> sum_into(at::Tensor output, at::Tensor mine, at::Tensor received) {
+  return [output = std::move(output), mine = std::move(mine), received = std::move(received)]() {
+    mine.add_(sum_rows(received));
+    if (output.data_ptr() != mine.data_ptr() || output.scalar_type() != mine.scalar_type()) {
+      output.copy_(mine);
+    }
+  };
+}
+
 // Newer torch names the flat-tensor collectives *_single and deprecates the underscore names.
 template <typename PG, typename = void>
 struct HasSingleCollectives : std::false_type {};
@@ -421,7 +438,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
   if (primitive == Primitive::kAllReduceSlice) {
     std::vector<at::Tensor> tensors{in};
     auto work = pg->allreduce(tensors);
-    at::Tensor mine = in.narrow(0, static_cast<int64_t>(rank_) * n, n);
+    at::Tensor mine = part_of(in, rank_, n);
     return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{in, output},
                                              epilogue(output, mine, streams, what), streams.side_stream));
   }
@@ -517,23 +534,12 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_p2p(c10d::ProcessGroup& pg, co
   }
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer != rank_) {
-      std::vector<at::Tensor> send{input.narrow(0, static_cast<int64_t>(peer) * n, n)};
+      std::vector<at::Tensor> send{part_of(input, peer, n)};
       works.push_back(pg.send(send, peer, tag));
     }
   }
-  at::Tensor mine = input.narrow(0, static_cast<int64_t>(rank_) * n, n);
-  auto sum = [output, mine, received]() {
-    if (received.size(0) == 1) {
-      mine.add_(received.select(0, 0));
-    } else {
-      mine.add_(received.sum(0));
-    }
-    if (output.data_ptr() != mine.data_ptr() || output.scalar_type() != mine.scalar_type()) {
-      output.copy_(mine);
-    }
-  };
   return track(std::make_shared<PendingOp>(what, std::move(works), std::vector<at::Tensor>{input, received, output},
-                                           std::move(sum)));
+                                           sum_into(output, part_of(input, rank_, n), received)));
 }
 
 // Every rank sends its (already cast) shard to each peer and receives theirs straight into `output`.
@@ -541,11 +547,11 @@ std::shared_ptr<PendingOp> Engine::all_gather_p2p(c10d::ProcessGroup& pg, at::Te
                                                   const at::Tensor& input, const std::string& what) {
   const int64_t n = source.numel();
   const int tag = static_cast<int>(next_tag(what, output));
-  output.narrow(0, static_cast<int64_t>(rank_) * n, n).copy_(source);
+  part_of(output, rank_, n).copy_(source);
   Works works;
   for (int peer = 0; peer < world_size_; ++peer) {  // receives first: see the note above reduce_scatter_p2p
     if (peer != rank_) {
-      std::vector<at::Tensor> recv{output.narrow(0, static_cast<int64_t>(peer) * n, n)};
+      std::vector<at::Tensor> recv{part_of(output, peer, n)};
       works.push_back(pg.recv(recv, peer, tag));
     }
   }
@@ -612,9 +618,6 @@ namespace {
 
 // Waits for the first phase's works on the relay thread and lets go of them there (their tensors are
 // held by the operation until it is finished, so no last reference is dropped here).
-// The `n` elements of `buffer` that belong to rank `owner`.
-at::Tensor part_of(const at::Tensor& buffer, int64_t owner, int64_t n) { return buffer.narrow(0, owner * n, n); }
-
 void finish_first_phase(Works& works) {
   for (const auto& work : works) {
     work->wait();
@@ -667,8 +670,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
     try {
       finish_first_phase(works);
       for (int node = 0; node < nodes; ++node) {
-        const at::Tensor got = within.select(1, node);
-        part_of(input, rows_[node][local_], n).add_(locals == 2 ? got.select(0, 0) : got.sum(0));
+        part_of(input, rows_[node][local_], n).add_(sum_rows(within.select(1, node)));
       }
       Works next;
       for (int node = 0, row = 0; node < nodes; ++node) {
@@ -690,16 +692,10 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
       throw;
     }
   };
-  at::Tensor mine = part_of(input, rank_, n);
-  auto sum = [output, mine, across]() {
-    mine.add_(across.size(0) == 1 ? across.select(0, 0) : across.sum(0));
-    if (output.data_ptr() != mine.data_ptr() || output.scalar_type() != mine.scalar_type()) {
-      output.copy_(mine);
-    }
-  };
   auto later = relay(std::move(second));
   return track(std::make_shared<PendingOp>(what, Works{}, std::vector<at::Tensor>{input, within, across, output},
-                                           std::move(sum), std::nullopt, std::move(later)));
+                                           sum_into(output, part_of(input, rank_, n), across), std::nullopt,
+                                           std::move(later)));
 }
 
 // Two levels along the nodes: first every rank exchanges its shard with the ranks of its column on the

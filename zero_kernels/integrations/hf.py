@@ -280,9 +280,13 @@ class ZeroTrainer(Trainer):
             super()._load_best_model()
             return
         log.info("ZeroTrainer: loading the best model from %s (score: %s)", best, self.state.best_metric)
+        self._load_sharded(os.path.join(best, CHECKPOINT_DIR))
+
+    def _load_sharded(self, sharded: str) -> None:
+        """Model and optimizer from the sharded checkpoint ``sharded``."""
         pipeline = self.zero_optimizer.pipeline
-        adopt.follow_replaced(pipeline, pipeline.name_of)
-        checkpoint.load(os.path.join(best, CHECKPOINT_DIR), self.model, self.zero_optimizer)
+        adopt.follow_replaced(pipeline, pipeline.name_of)  # Accelerate's model.to(device) copied the parameters
+        checkpoint.load(sharded, self.model, self.zero_optimizer)
 
     def _load_optimizer_and_scheduler(self, checkpoint_dir: Optional[str]) -> None:
         if checkpoint_dir is None:
@@ -301,9 +305,7 @@ class ZeroTrainer(Trainer):
                 f"ZeroTrainer: {checkpoint_dir} has no {CHECKPOINT_DIR}/ sharded checkpoint; it was not written by "
                 "ZeroTrainer, so the optimizer state cannot be restored"
             )
-        pipeline = self.zero_optimizer.pipeline
-        adopt.follow_replaced(pipeline, pipeline.name_of)  # Accelerate's model.to(device) copied the parameters
-        checkpoint.load(sharded, self.model, self.zero_optimizer)
+        self._load_sharded(sharded)
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

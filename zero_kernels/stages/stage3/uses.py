@@ -94,7 +94,7 @@ class UseTracker:
     def unrecorded(self, needs: Sequence[int]) -> None:
         """A module that needs the units ``needs`` ran without autograd inside a forward that records (a reentrant
         checkpoint's segment): its recomputation in backward will use them once more."""
-        for i in needs:
+        for i in set(needs):  # once per call, as ``_ended`` counts a recomputed call
             self._unrecorded[i] += 1
 
     def begin(self, needs: Sequence[int], args: Any, kwargs: Any) -> None:
