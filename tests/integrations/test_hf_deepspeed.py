@@ -214,3 +214,28 @@ def test_config_given_twice_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="given twice"):
         args = _args(str(tmp_path), ddp_backend=None)
         ZeroTrainer(model=_llama(), args=args, config=_config(2), zero_optimization={"stage": 2})
+
+
+def test_log_line_names_a_given_optimizer(tmp_path, caplog) -> None:
+    """optimizers=(ShardedFusedAdam, scheduler): the log line gives that optimizer's options and groups, not the
+    arguments' (which the Trainer does not use for it)."""
+    import zero_kernels as zk
+
+    model = _llama()
+    opt = zk.ShardedFusedAdam(model.parameters(), lr=0.02, eps=1e-6, weight_decay=0.3, stage=2, reduce_bucket_size=512)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    args = _args(str(tmp_path), max_steps=20, ddp_backend=None)
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=_data(8), optimizers=(opt, sched))
+    trainer.state.max_steps = args.max_steps
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
+        trainer._resolved_config()
+    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ZeroTrainer:")]
+    assert len(line) == 1, caplog.text
+    wanted = ("optimizers=(ShardedFusedAdam, ...)", "stage=2 [optimizer]", "reduce_bucket_size=512 [optimizer]",
+              "group 0: lr=0.02, betas=(0.9, 0.999), eps=1e-06, weight_decay=0.3", "scheduler=StepLR")  # fmt: skip
+    for fragment in wanted:
+        assert fragment in line[0], line[0]
+    assert f"lr={LR}" not in line[0], line[0]

@@ -109,6 +109,7 @@ class ZeroTrainer(Trainer):
                 "train: pass one (the Trainer with DeepSpeed refuses optimizers= too)"
             )
         self.zero_optimizer: Optional[ShardedFusedAdam] = given
+        self.zero_given = given is not None  # optimizers=(ShardedFusedAdam, ...): the config does not build it
         self.zero_config: Optional[ZeroConfig] = None  # the config resolved when training starts
         super().__init__(*args, **kwargs)
         for flag in ("fp16", "fsdp"):
@@ -201,7 +202,8 @@ class ZeroTrainer(Trainer):
         config = hf_config.resolve(self.zero_source, self.args, self.model, steps)
         if steps is not None:  # known once training starts: before, nothing is kept (nor logged)
             self.zero_config = config
-            log.warning("%s", hf_config.describe(self.zero_source, config, self.args, self.model, steps))
+            given = (self.zero_optimizer, self.lr_scheduler) if self.zero_given else None
+            log.warning("%s", hf_config.describe(self.zero_source, config, self.args, self.model, steps, given))
         return config
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:

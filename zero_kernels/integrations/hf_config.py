@@ -231,7 +231,9 @@ def _scheduler_part(config: ZeroConfig, where: _Sources, args: Any) -> str:
     return f"scheduler={sched.type} [config]: {values}"
 
 
-def describe(source: ConfigSource, config: ZeroConfig, args: Any, model: Any, num_training_steps: int) -> str:
+def describe(
+    source: ConfigSource, config: ZeroConfig, args: Any, model: Any, num_training_steps: int, given: Any = None
+) -> str:
     """One line: each value ``ZeroTrainer`` trains with, and where it came from.
 
     Args:
@@ -240,24 +242,50 @@ def describe(source: ConfigSource, config: ZeroConfig, args: Any, model: Any, nu
         args: the ``TrainingArguments``.
         model: the model.
         num_training_steps: the optimizer steps of this training.
+        given: ``(optimizer, scheduler)`` the user passed as ``optimizers=`` (None: built from the config); the
+            scheduler may be None (the Trainer's).
     """
     where = _Sources(source, args, model, num_training_steps, config.world_size)
-    parts = _zero_part(config, where)
-    if source.whole:
+    if given is not None:
+        parts = _given_parts(*given, args)
+    elif source.whole:
         clip = config.gradient_clipping
-        parts += [
+        parts = _zero_part(config, where) + [
             _optimizer_part(config, where, args),
             _scheduler_part(config, where, args),
             f"gradient_clipping={clip} [{where('gradient_clipping')}]",
             f"bf16={config.bf16} [{where('bf16.enabled')}]",
         ]
     else:
-        parts += [
+        parts = _zero_part(config, where) + [
             _optimizer_part(dataclasses.replace(config, optimizer=None), where, args),
             _scheduler_part(dataclasses.replace(config, scheduler=None), where, args),
-            f"gradient_clipping={args.max_grad_norm} [TrainingArguments.max_grad_norm]",
         ]
-    return f"ZeroTrainer: {source.origin}: " + "; ".join(parts)
+    if not source.whole:
+        parts.append(f"gradient_clipping={args.max_grad_norm} [TrainingArguments.max_grad_norm]")
+    origin = "optimizers=(ShardedFusedAdam, ...)" if given is not None else source.origin
+    return f"ZeroTrainer: {origin}: " + "; ".join(parts)
+
+
+def _given_parts(opt: Any, scheduler: Any, args: Any) -> list[str]:
+    """``describe``'s parts for an optimizer the user built: its own options and param groups."""
+    keys = ["reduce_bucket_size"]
+    if opt.options.stage == 3:
+        keys += ["stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"]
+    groups = "; ".join(
+        f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
+        for i, g in enumerate(opt.param_groups)
+    )
+    if scheduler is None:
+        kind = getattr(args, "lr_scheduler_type", "linear")
+        sched = f"scheduler={getattr(kind, 'value', kind)} [TrainingArguments]"
+    else:
+        sched = f"scheduler={type(scheduler).__name__} [optimizers=]"
+    return (
+        [f"stage={opt.options.stage} [optimizer]"]
+        + [f"{k}={getattr(opt.options, k)} [optimizer]" for k in keys]
+        + [f"optimizer=ShardedFusedAdam [optimizers=]: {groups}", sched]
+    )
 
 
 def clipping(source: ConfigSource, config: ZeroConfig, args: Any) -> Union[float, None]:
