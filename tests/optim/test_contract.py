@@ -330,6 +330,8 @@ def test_error_inputs_refused_at_construction() -> None:
          "does not support sparse parameters"),
         (dict(params_or_module=[("a", w), ("b", nn.Parameter(torch.randn(3, device="meta")))]), ValueError,
          "parameters on two devices: parameter 'emb.weight' is on cpu, parameter 'b' on meta"),
+        (dict(params_or_module=[("a", nn.Parameter(torch.randn(3, device="meta")))]), ValueError,
+         "parameter 'a' is on the meta device \\(it has none\\). Materialize the model first"),
     ]  # fmt: skip
     for kwargs, kind, message in cases:
         kwargs = {"params_or_module": list(model.parameters()), **kwargs}

@@ -229,6 +229,12 @@ def check_params(
             f"parameters on two devices: {describe(a)} is on {da}, {describe(b)} on {db}; every parameter must be "
             "on this rank's one device (move the model with model.to(device) first)"
         )
+    if devices and next(iter(devices)).type == "meta":
+        raise ValueError(
+            f"ShardedFusedAdam needs the parameters' values: {describe(next(iter(devices.values())))} is on the meta "
+            "device (it has none). Materialize the model first (model.to_empty(device=...) then its initialisation, "
+            "or load its weights), then build the optimizer"
+        )
 
 
 def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
