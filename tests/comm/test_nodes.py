@@ -8,6 +8,7 @@ operations are kept in flight at once, as the stages issue them, with other dtyp
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -124,3 +125,39 @@ def _one_node(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_one_node_keeps_the_pairwise_exchange(spawn) -> None:
     spawn(_one_node, 2)
+
+
+UNEVEN = ((0, 0, 2), (0, 1, 2), (1, 0, 1))  # (GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE): torchrun on 2 + 1 ranks
+
+
+def _uneven_nodes(rank: int, world: int, stage: int) -> None:
+    from zero_kernels import ShardedFusedAdam
+
+    node, local, size = UNEVEN[rank]
+    os.environ.update(GROUP_RANK=str(node), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(size))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 13), torch.nn.Tanh(), torch.nn.Linear(13, 5))
+    reference = copy.deepcopy(model)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for module in (copy.deepcopy(model), model):  # a second optimizer in the job: no rank left in the first's exchanges
+        opt = ShardedFusedAdam(module, lr=1e-2, weight_decay=0.01, stage=stage)
+        engine = opt.pipeline.engine
+        assert engine.kind == "cpp" and engine.nodes is None
+        assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_p2p"
+    for step in range(3):
+        xs = [torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        model(xs[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sum(reference(x).square().mean() for x in xs).div(world).backward()
+        adamw.step()
+        adamw.zero_grad()
+    with opt.gathered_params():
+        for got, want in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_uneven_nodes_train_with_the_direct_exchange(spawn, stage: int) -> None:
+    spawn(_uneven_nodes, 3, stage)

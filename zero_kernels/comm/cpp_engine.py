@@ -33,18 +33,16 @@ class CppCommEngine(EngineBase):
             self.extra_primitives = tuple(NODES_PRIMITIVES.values())
 
     def _nodes(self) -> Optional[list[list[int]]]:
-        """The ranks of each node when the job spans several nodes of several ranks each (``LOCAL_WORLD_SIZE``
-        below the world size) and this engine's group is the whole world; None otherwise. Collective when
-        it is not None: every rank of such a job builds its engines at the same points."""
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if self._engine is None or local is None or not 1 < int(local) < self.world_size:
+        """The ranks of each node when the job spans several nodes of equal size, several ranks each, and this
+        engine's group is the whole world; None otherwise (unequal nodes keep the direct exchange). Collective
+        on the first engine of the default group when the launcher sets ``LOCAL_WORLD_SIZE``: every rank takes
+        part in one exchange of the layout, whatever its own node's size, so all of them decide alike."""
+        if self._engine is None or self.group is not dist.group.WORLD or "LOCAL_WORLD_SIZE" not in os.environ:
             return None
-        if self.group is not dist.group.WORLD:
-            return None
-        from .groups import node_rows
+        from .groups import node_layout
 
-        rows = node_rows()
-        return rows if len(rows) > 1 and len(rows[0]) > 1 else None
+        rows = node_layout()
+        return rows if rows is not None and len(rows) > 1 and len(rows[0]) > 1 else None
 
     def primitive_for(self, operation: str, tensor: torch.Tensor) -> str:
         """As ``EngineBase.primitive_for``; across nodes the point-to-point forms run in two levels."""

@@ -14,6 +14,7 @@ where it lives (one all-gather), so every rank checks the same facts and raises 
 they do not make a regular grid (nodes of unequal size, local ranks missing or repeated): no rank is
 left waiting. The groups are built once per default process group: the first call is collective
 (every rank must make it), later calls return the same groups until the default group is destroyed.
+``node_layout()`` gives the grid without the groups, or None (on every rank alike) where it is irregular.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .control import ControlLink
 from .engines import TorchCommEngine
 from .objects import all_gather_objects
 
@@ -57,6 +59,8 @@ class NodeGroups:
 
 # (the default group, its node groups, every node's ranks, the subgroups made by size)
 _cache: Optional[tuple[weakref.ReferenceType, NodeGroups, list[list[int]], dict[int, Any]]] = None
+# (the default group, every rank's place: ``_where()`` of each rank)
+_places_cache: Optional[tuple[weakref.ReferenceType, list[tuple[str, Optional[int], Optional[int]]]]] = None
 
 
 def _where() -> tuple[str, Optional[int], Optional[int]]:
@@ -99,6 +103,28 @@ def grid(places: list[tuple[str, Optional[int], Optional[int]]]) -> list[list[in
     return rows
 
 
+def _places() -> list[tuple[str, Optional[int], Optional[int]]]:
+    """Every rank's ``_where()``, in rank order: one exchange over the default group's ranks (on a host group
+    where the default one is NCCL) on the first call per default group, which every rank must make."""
+    global _places_cache
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("the node layout needs torch.distributed initialised (init_process_group)")
+    world = dist.group.WORLD
+    if _places_cache is None or _places_cache[0]() is not world:
+        host = ControlLink(TorchCommEngine()).get()
+        _places_cache = (weakref.ref(world), all_gather_objects(host, _where(), name="node_groups"))
+    return _places_cache[1]
+
+
+def node_layout() -> Optional[list[list[int]]]:
+    """The global ranks of each node, by local rank (``grid``), or None where the ranks do not make a regular
+    grid; the same on every rank. Collective on the first call per default group, as ``node_groups()``."""
+    try:
+        return grid(_places())
+    except ValueError:
+        return None
+
+
 def node_groups() -> NodeGroups:
     """The intra-node and inter-node process groups of this rank (built on the first call: collective).
 
@@ -112,7 +138,7 @@ def node_groups() -> NodeGroups:
     world = dist.group.WORLD
     if _cache is not None and _cache[0]() is world:
         return _cache[1]
-    rows = grid(all_gather_objects(TorchCommEngine(), _where(), name="node_groups"))
+    rows = grid(_places())
     rank = dist.get_rank()
     intra = [dist.new_group(ranks=row) for row in rows]  # every rank creates every group, in the same order
     inter = [dist.new_group(ranks=[row[i] for row in rows]) for i in range(len(rows[0]))]
@@ -130,14 +156,6 @@ def node_groups() -> NodeGroups:
     )
     _cache = (weakref.ref(world), groups, rows, {})
     return groups
-
-
-def node_rows() -> list[list[int]]:
-    """The global ranks of each node, by local rank, nodes in order (``node_groups()``'s grid; the same
-    on every rank). Collective on the first call, as ``node_groups()``."""
-    node_groups()
-    assert _cache is not None
-    return [list(row) for row in _cache[2]]
 
 
 def node_subgroup(size: int, what: str = "node_subgroup") -> Any:
