@@ -75,6 +75,10 @@ def test_loco_param_is_deepspeeds_dict_read_only() -> None:
         ({"stage": 1, "zero_quantized_gradients": True}, ("zero_quantized_gradients", "stages 2-3", "stage is 1")),
         ({"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}, ("zeropp_loco_param", "zero_quantized_gradients")),
         ({"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 1.5}}, ("err_beta=1.5",)),
+        (
+            {"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 1.0}},
+            ("zero_optimization.zeropp_loco_param.err_beta=1.0", "< 1"),
+        ),
         ({"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": {"reset": 3}}, ("unknown key 'reset'",)),
         ({"stage": 3, "zero_quantized_gradients": True, "zeropp_loco_param": 3}, ("zeropp_loco_param=3",)),
         ({"stage": 3, "zero_hpz_partition_size": -1}, ("zero_hpz_partition_size=-1", ">= 0")),

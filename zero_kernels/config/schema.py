@@ -124,7 +124,10 @@ class LocoParam(dict):
 
 
 _LOCO = Section(
-    fields={"err_beta": Field(number(0, 1), 0.8, auto=False), "reset_T": Field(integer(1), 1024, auto=False)},
+    fields={
+        "err_beta": Field(number(0, 1, hi_open=True), 0.8, auto=False),
+        "reset_T": Field(integer(1), 1024, auto=False),
+    },
     finish=LocoParam,
     allowed='a JSON object such as {"err_beta": 0.8, "reset_T": 1024}, or null',
 )
