@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .config import ZeroConfig
 from .config.hf import model_hidden_size
+from .optim.args import check_process_group
 from .optim.optimizer import ShardedFusedAdam
 from .stages.stage3.ownership import refuse_held
 
@@ -56,6 +57,7 @@ def initialize(
         **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
             sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
     """
+    check_process_group(process_group)
     if not isinstance(config, ZeroConfig):
         world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
         if auto_values.get("hidden_size") is None:

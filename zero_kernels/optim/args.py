@@ -144,9 +144,14 @@ def data_type(
 
 
 def check_process_group(process_group: Any) -> None:
-    """``process_group`` is a ``torch.distributed`` process group or None (the default group)."""
+    """``process_group`` is a ``torch.distributed`` process group of this rank, or None (the default group)."""
     if process_group is None:
         return
+    if dist.is_available() and dist.is_initialized() and process_group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"rank {dist.get_rank()} is not a member of process_group: build the optimizer only on its member ranks "
+            "(dist.new_group() returns the group to its members only)"
+        )
     if not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
         raise TypeError(
             f"process_group must be a torch.distributed ProcessGroup (e.g. from dist.new_group()) or None for "
