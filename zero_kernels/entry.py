@@ -78,7 +78,8 @@ def initialize(
     params = model if model_parameters is None else model_parameters
     optimizer = ShardedFusedAdam(
         params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-        stage=config.stage, process_group=process_group, impl=impl, adam_w_mode=opt.adamw,
+        amsgrad=opt.amsgrad, maximize=opt.maximize, adam_w_mode=opt.adamw,
+        stage=config.stage, process_group=process_group, impl=impl,
         max_grad_norm=config.gradient_clipping or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,

@@ -322,6 +322,21 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
     assert sum("without effect" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_torch_adamw_params_are_read_or_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """What DeepSpeed hands torch.optim.AdamW with torch_adam: amsgrad and maximize are read; foreach, fused
+    (implementation choices) and fp32_optimizer_states true (the state is fp32) are listed at INFO without effect."""
+    params = {"torch_adam": True, "amsgrad": True, "maximize": True, "foreach": None, "fused": True}
+    config = {"optimizer": {"type": "AdamW", "params": {**params, "fp32_optimizer_states": True}}}
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        opt = ZeroConfig.from_deepspeed(config).optimizer
+    assert (opt.amsgrad, opt.maximize) == (True, True)
+    assert ZeroConfig.from_deepspeed({"optimizer": {"type": "Adam"}}).optimizer.amsgrad is False
+    info = _messages(caplog, logging.INFO)
+    listed = info.split("without effect in zero_kernels: ", 1)[1].split("\n")[0].split(", ")
+    assert listed == [f"optimizer.params.{k}" for k in ("foreach", "fp32_optimizer_states", "fused")], info
+    assert "without effect" not in _messages(caplog, logging.WARNING)
+
+
 def test_offload_spellings_that_mean_none() -> None:
     assert ZeroOptions.from_dict({"cpu_offload": False, "cpu_offload_param": False}).offload_optimizer.device == "none"
     assert ZeroOptions.from_dict({"offload_optimizer": None}).offload_optimizer.device == "none"
@@ -411,7 +426,13 @@ BAD = [
     ({"optimizer": {"type": "Adam", "params": {"weight_decay": -0.1}}}, "weight_decay=-0.1", ">= 0"),
     ({"optimizer": {"type": "Adam", "params": {"lr": "fast"}}}, "optimizer.params.lr='fast'", "finite number"),
     ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1}}}, "max_grad_norm=1", "gradient_clipping"),
-    ({"optimizer": {"type": "Adam", "params": {"amsgrad": True}}}, "params.amsgrad=True", "not supported yet"),
+    ({"optimizer": {"type": "Adam", "params": {"amsgrad": 1}}}, "params.amsgrad=1", "true or false"),
+    ({"optimizer": {"type": "Adam", "params": {"foreach": "yes"}}}, "params.foreach='yes'", "true, false or null"),
+    (
+        {"optimizer": {"type": "Adam", "params": {"fp32_optimizer_states": False}}},
+        "params.fp32_optimizer_states=False is not supported",
+        "set it to true or leave it out",
+    ),
     ({"optimizer": {"type": "Adam", "params": {"lrate": 1}}}, "'lrate' in optimizer.params", "'lr', 'betas'"),
     ({"optimizer": {"type": "Adam", "params": {"bettas": 1}}}, "'bettas' in optimizer.params", "mean 'betas'"),
     ({"zero_optimization": {"offload_param": {"device": "gpu"}}}, "offload_param.device='gpu'", "'cpu', 'nvme'"),

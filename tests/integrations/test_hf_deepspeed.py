@@ -180,6 +180,14 @@ def test_whole_config_is_honoured(tmp_path, caplog, given: str) -> None:
         assert fragment in line[0], line[0]
 
 
+def test_whole_config_passes_amsgrad_and_maximize(tmp_path, caplog) -> None:
+    """The config's AdamW params that DeepSpeed hands to torch.optim.AdamW (torch_adam) reach the optimizer."""
+    config = _config(2)
+    config["optimizer"]["params"].update(amsgrad=True, maximize=True, foreach=None, fp32_optimizer_states=True)
+    trainer = _built(tmp_path, caplog, config=config)
+    assert [(g["amsgrad"], g["maximize"]) for g in trainer.zero_optimizer.param_groups] == [(True, True)]
+
+
 def test_missing_sections_follow_the_trainer(tmp_path, caplog) -> None:
     """Item 2: no optimizer or scheduler section: the Trainer's (decay groups, linear); clipping: DeepSpeed's 1.0."""
     config = {"zero_optimization": {"stage": 2}}

@@ -253,6 +253,33 @@ def test_initialize_passes_param_groups_with_the_model() -> None:
         assert [tuple(p.shape) for p in model.parameters()] == [tuple(p.shape) for p in Net().parameters()]
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_initialize_passes_amsgrad_and_maximize(stage: int) -> None:
+    """DeepSpeed hands these params to torch.optim.AdamW (torch_adam): the same steps as AdamW with them;
+    foreach, fused and fp32_optimizer_states true change nothing."""
+    flags = {"torch_adam": True, "amsgrad": True, "maximize": True, "foreach": True, "fused": False}
+    hyper = {"lr": LR, "betas": [0.9, 0.5], "weight_decay": 0.05}  # a short beta2: the running max of v matters
+    config = {
+        "train_micro_batch_size_per_gpu": ROWS,
+        "optimizer": {"type": "AdamW", "params": {**hyper, **flags, "fp32_optimizer_states": True}},
+        "zero_optimization": {"stage": stage},
+        "gradient_clipping": 0.0,  # the default 1.0 clips; AdamW does not
+    }
+    model, ref = make_models(torch.float32)
+    model, opt = zk_initialize(model, config)
+    adamw = torch.optim.AdamW(ref.parameters(), **{**hyper, "betas": (0.9, 0.5)}, amsgrad=True, maximize=True)
+    for step in range(5):
+        x = batch(step, ROWS)
+        model(x).backward()
+        ref(x).backward()
+        for o in (opt, adamw):
+            o.step()
+            o.zero_grad()
+    assert all(g["amsgrad"] and g["maximize"] for g in opt.param_groups)
+    with opt.gathered_params():
+        compare(model, ref, f"stage {stage}")
+
+
 TRACES = DATA / "deepspeed" / "loss_scale_traces.json"  # make_loss_scale_traces.py
 
 

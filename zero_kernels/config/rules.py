@@ -131,15 +131,17 @@ def number(
     return Scalar(f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".strip(), convert)
 
 
-def boolean(supported: Optional[Tuple[bool, ...]] = None) -> Scalar:
-    """JSON ``true`` or ``false`` only (not 0/1, not strings)."""
+def boolean(supported: Optional[Tuple[bool, ...]] = None, *, nullable: bool = False) -> Scalar:
+    """JSON ``true`` or ``false`` only (not 0/1, not strings); null too if ``nullable``."""
 
-    def convert(value: Any) -> bool:
+    def convert(value: Any) -> Optional[bool]:
+        if value is None and nullable:
+            return None
         if not isinstance(value, bool):
             raise Invalid
         return value
 
-    return Scalar("true or false", convert, supported)
+    return Scalar("true, false or null" if nullable else "true or false", convert, supported)
 
 
 def choice(

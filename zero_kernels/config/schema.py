@@ -250,9 +250,19 @@ OPTIMIZER_PARAMS = Section(
         "torch_adam": Field(boolean(), False),
         "adam_w_mode": Field(boolean(), True),
         "bias_correction": Field(boolean(supported=(True,)), True, auto=False),
-        "amsgrad": Field(boolean(supported=(False,)), False, auto=False),
+        "amsgrad": Field(boolean(), False, auto=False),
+        "maximize": Field(boolean(), False, auto=False),
         "max_grad_norm": Field(rejected('the top-level "gradient_clipping"'), auto=False),
-    }
+    },
+    # torch.optim.AdamW's choice of implementation (DeepSpeed hands them to it with torch_adam): no effect here.
+    unused={key: Unused(boolean(nullable=True), level=INFO) for key in ("foreach", "fused")},
+    unsupported={
+        "fp32_optimizer_states": Unsupported(
+            "Adam's moments in the parameters' dtype (DeepSpeedCPUAdam's option); zero_kernels keeps them in fp32",
+            off=lambda value: value is True,
+            how_off="set it to true or leave it out",
+        )
+    },
 )
 
 OPTIMIZER = Section(

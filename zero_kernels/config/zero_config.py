@@ -238,9 +238,12 @@ class OptimizerConfig:
     eps: float = OPTIMIZER_PARAMS.fields["eps"].default
     weight_decay: Optional[float] = None
     adamw: Optional[bool] = None
+    amsgrad: bool = False
+    maximize: bool = False
 
     def __post_init__(self) -> None:
-        rules = {name: OPTIMIZER_PARAMS.fields[name].rule for name in ("lr", "betas", "eps", "weight_decay")}
+        keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+        rules = {name: OPTIMIZER_PARAMS.fields[name].rule for name in keys}
         _normalise(self, {"type": OPTIMIZER.fields["type"].rule, **rules}, "OptimizerConfig", ("weight_decay",))
         if self.adamw is None:
             object.__setattr__(self, "adamw", True)
@@ -428,8 +431,9 @@ def _optimizer(values: Optional[Mapping[str, Any]]) -> Optional[OptimizerConfig]
     if decay is None:
         decay = 1e-2 if params["torch_adam"] and adamw else 0.0
     return OptimizerConfig(
-        type=values["type"], lr=params["lr"], betas=params["betas"], eps=params["eps"], weight_decay=decay, adamw=adamw
-    )
+        type=values["type"], lr=params["lr"], betas=params["betas"], eps=params["eps"], weight_decay=decay, adamw=adamw,
+        amsgrad=params["amsgrad"], maximize=params["maximize"],
+    )  # fmt: skip
 
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -168,6 +168,7 @@ class ZeroTrainer(Trainer):
         opt = config.optimizer if self.zero_source.whole else None
         if opt is not None:
             hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+            hyper.update(amsgrad=opt.amsgrad, maximize=opt.maximize)
             return [{"params": [p for _, p in named]}], {**hyper, "adam_w_mode": opt.adamw}
         decay = set(self.get_decay_parameter_names(model))
         groups = [
