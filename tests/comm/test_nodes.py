@@ -161,3 +161,19 @@ def _uneven_nodes(rank: int, world: int, stage: int) -> None:
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_uneven_nodes_train_with_the_direct_exchange(spawn, stage: int) -> None:
     spawn(_uneven_nodes, 3, stage)
+
+
+def _uneven_nodes_zeropp(rank: int, world: int) -> None:
+    from zero_kernels import ShardedFusedAdam
+
+    node, local, size = UNEVEN[rank]
+    os.environ.update(GROUP_RANK=str(node), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(size))
+    model = torch.nn.Linear(7, 13)
+    with pytest.raises(ValueError, match=r"ranks disagree on LOCAL_WORLD_SIZE: \[1, 2\]"):
+        ShardedFusedAdam(model, stage=3, zero_quantized_gradients=True)
+
+
+@pytest.mark.distributed
+def test_uneven_nodes_refuse_zeropp_on_every_rank(spawn) -> None:
+    """The keys that need nodes of equal size say so on every rank, after the engine chose the direct exchange."""
+    spawn(_uneven_nodes_zeropp, 3)
