@@ -107,6 +107,21 @@ def _is_index(key: Any) -> bool:
     return isinstance(key, int) and not isinstance(key, bool)
 
 
+def _by_parameter(
+    opt: "ShardedFusedAdam", state: Mapping[Any, Any], saved_groups: list[dict[str, Any]]
+) -> tuple[dict[int, Any], dict[Any, Any]]:
+    """The entries of an AdamW-layout ``state`` by this optimizer's parameter index, and its other keys: as
+    torch maps them, a key is the parameter at its place in the saved groups' ``params`` (any hashable id,
+    such as the FQNs ``torch.distributed.checkpoint`` puts there); an int key listed nowhere is an error."""
+    here = [i for group in groups_for_save(opt.param_groups, {}) for i in group["params"]]
+    place = dict(zip((k for group in saved_groups for k in group["params"]), here))
+    unlisted = [k for k in state if _is_index(k) and k not in place]
+    if unlisted:
+        raise ValueError(f"load_state_dict: state[{unlisted[0]!r}] is in no param group's 'params' of the state")
+    entries = {place[k]: v for k, v in state.items() if k in place}
+    return entries, {k: v for k, v in state.items() if k not in place}
+
+
 def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     """Check ``state_dict`` against ``opt`` (nothing changes on an error), then load it."""
     meta = state_dict.get(FORMAT)
@@ -120,10 +135,10 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
         if missing:
             raise ValueError(f"load_state_dict: the sharded state lacks buffer {missing[0]} (of {count})")
         entries = {i: state[i] for i in range(count)}
+        extra = {k: v for k, v in state.items() if k not in entries}
     else:
-        entries = {k: v for k, v in state.items() if _is_index(k)}
+        entries, extra = _by_parameter(opt, state, saved_groups)
         _check_full(opt, entries)
-    extra = {k: v for k, v in state.items() if k not in entries}
     for group, saved in zip(opt.param_groups, saved_groups):
         _adopt(group, saved)
     pipeline = opt.pipeline
