@@ -185,6 +185,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.communication_data_type = data_type(communication_data_type)
         self.grad_accum_dtype = data_type(grad_accum_dtype, "grad_accum_dtype", GRAD_ACCUM_DTYPES)
         self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
+        self._applied_steps = 0  # steps that updated the parameters (an accumulation boundary, not skipped)
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -414,6 +415,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 self._skipped_steps + 1,
             )
         self._skipped_steps += int(result.skipped)
+        self._applied_steps += int(not result.skipped)
         if scaler is not None:
             scaler.update(result.skipped)
 
@@ -426,6 +428,13 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
         self._skipped_steps = int(value)
+
+    @property
+    def applied_steps(self) -> int:
+        """Steps of this optimizer object that updated the parameters (accumulation boundaries not skipped);
+        the scheduler ``initialize`` builds advances when it grows."""
+        self._pipeline.settle()
+        return self._applied_steps
 
     @property
     def loss_scaler(self) -> Optional[LossScaler]:
