@@ -35,6 +35,12 @@ FORMAT = "zero_kernels.sharded"
 KEEP_OWN = (*IMPLEMENTATION_FLAGS, "decoupled_weight_decay")  # group keys a load does not change
 _ADAMW_GROUP_KEYS = {**ALGORITHM_FLAGS, **IMPLEMENTATION_FLAGS}
 _HYPER = ("lr", "betas", "eps", "weight_decay")
+_LOST_FORMAT = (
+    f"Entries without 'step' are the shards of a sharded state_dict() that lost its {FORMAT!r} key, as "
+    "torch.distributed.checkpoint's get_state_dict drops it: a sharded state loads only as this rank's "
+    "state_dict() saved it; zero_kernels.checkpoint.save/load is the sharded checkpoint, full_state_dict() "
+    "the one any world size loads"
+)
 
 
 def groups_for_save(param_groups: list[dict[str, Any]], extra: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -133,7 +139,10 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
         count = len(opt.pipeline.buffers)
         missing = [i for i in range(count) if i not in state]
         if missing:
-            raise ValueError(f"load_state_dict: the sharded state lacks buffer {missing[0]} (of {count})")
+            raise ValueError(
+                f"load_state_dict: the sharded state lacks buffer {missing[0]} (of {count}): its 'state' is keyed "
+                "by flat-buffer index, as state_dict() saved it, not by parameter ids or names"
+            )
         entries = {i: state[i] for i in range(count)}
         extra = {k: v for k, v in state.items() if k not in entries}
     else:
@@ -213,7 +222,10 @@ def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> None:
     for key, entry in entries.items():
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
         if missing:
-            raise ValueError(f"load_state_dict: state[{key!r}] lacks {', '.join(missing)} (AdamW layout expected)")
+            raise ValueError(
+                f"load_state_dict: state[{key!r}] lacks {', '.join(missing)} (AdamW layout expected). "
+                + (_LOST_FORMAT if missing == ["step"] else "")
+            )
         for name in ("exp_avg_sq", "max_exp_avg_sq", "master"):
             if name in entry and tuple(entry[name].shape) != tuple(entry["exp_avg"].shape):
                 raise ValueError(f"load_state_dict: state[{key!r}]['{name}'] is not shaped like its exp_avg")
