@@ -185,7 +185,6 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.communication_data_type = data_type(communication_data_type)
         self.grad_accum_dtype = data_type(grad_accum_dtype, "grad_accum_dtype", GRAD_ACCUM_DTYPES)
         self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
-        self._applied_steps = 0  # steps that updated the parameters (an accumulation boundary, not skipped)
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
         self.gradient_accumulation_steps = gradient_accumulation_steps
@@ -228,6 +227,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         )  # fmt: skip
         self._pipeline.device = device
         self._pipeline.step_counts.on_settle = self._account
+        self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         super().__init__(groups, defaults)
         if not self._restoring:
             agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
