@@ -14,7 +14,10 @@ Two layouts, told apart by the ``zero_kernels.sharded`` key:
   and ignores), shaped like the parameter; it loads at any stage and world size.
 
 Both number parameters as torch does (a parameter listed twice keeps its first index) and keep the
-keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading
+keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading the AdamW
+layout maps each state key through the saved groups' ``params`` as torch does (so FQN keys, as
+``torch.distributed.checkpoint`` writes them, load too); the sharded layout is keyed by flat-buffer index,
+and entries without ``step`` (its shards, when the ``zero_kernels.sharded`` key was lost) are refused. Loading
 replaces each param group by the saved one as torch does (``param_names``, ``initial_lr``,
 ``amsgrad``...; ``amsgrad``/``maximize`` absent from an older state: False, AdamW's defaults),
 except for AdamW's implementation flags and ``decoupled_weight_decay``, which this optimizer fixes.
