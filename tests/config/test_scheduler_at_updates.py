@@ -57,6 +57,10 @@ def test_accumulation_steps_the_schedule_once_per_update() -> None:
     assert lrs == pytest.approx([0.0, 0.0, 0.0025, 0.005], abs=0.0), "DeepSpeed's lr at each update"
     assert isinstance(sch, WarmupLR) and type(sch).__name__ == "WarmupLR"
     assert "_applied_steps_seen" not in sch.state_dict() and pickle.loads(pickle.dumps(sch.state_dict()))
+    copied = pickle.loads(pickle.dumps(sch))
+    assert type(copied) is type(sch) and copied.last_epoch == sch.last_epoch, "the scheduler pickles as itself"
+    copied.step()
+    assert copied.last_epoch == sch.last_epoch, "a copy steps after its optimizer's next update only"
 
 
 def test_a_skipped_step_does_not_step_the_schedule() -> None:

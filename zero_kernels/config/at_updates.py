@@ -5,7 +5,8 @@ DeepSpeed's engine calls ``lr_scheduler.step()`` at an accumulation boundary who
 scheduler ``SchedulerConfig.build`` returns is the config's class with ``step()`` advancing only when the
 optimizer's ``applied_steps`` grew since its last ``step()``, so that loop follows DeepSpeed's schedule
 with ``gradient_accumulation_steps > 1`` and with skipped steps. The subclass keeps the class's name, its
-``isinstance`` checks and its ``state_dict()`` (the count seen is left out, and set again by a load).
+``isinstance`` checks, its ``state_dict()`` (the count seen is left out, and set again by a load) and
+pickling.
 """
 
 from __future__ import annotations
@@ -44,6 +45,20 @@ class AtUpdates:
         """Load as the class does; the next ``step()`` advances after the optimizer's next applied update."""
         super().load_state_dict({k: v for k, v in state_dict.items() if k != _SEEN})  # type: ignore[misc]
         setattr(self, _SEEN, self.optimizer.applied_steps)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """Pickled as its class's subclass made again (the subclass is not a module attribute)."""
+        return _rebuild, (type(self).__bases__[1],), self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy counts from its optimizer's count (a copied optimizer counts its own updates from 0)."""
+        self.__dict__.update({k: v for k, v in state.items() if k != _SEEN})
+        setattr(self, _SEEN, self.optimizer.applied_steps)
+
+
+def _rebuild(cls: type[LRScheduler]) -> LRScheduler:
+    gated = at_updates(cls)
+    return gated.__new__(gated)
 
 
 def at_updates(cls: type[LRScheduler]) -> type[LRScheduler]:
