@@ -40,7 +40,8 @@ def initialize(
     ``scheduler`` section: DeepSpeed's ``engine, optimizer, _, lr_scheduler = deepspeed.initialize(...)``
     becomes ``model, optimizer, lr_scheduler = zk.initialize(...)`` (a config with a scheduler
     unpacked into two names fails loudly instead of training at a constant lr). Call
-    ``lr_scheduler.step()`` after each ``optimizer.step()``, as DeepSpeed's engine does.
+    ``lr_scheduler.step()`` after each ``optimizer.step()``, micro-steps included: it advances only after
+    an applied update (an accumulation boundary, not a skipped step), as DeepSpeed's engine steps it.
 
     The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does).
 

@@ -82,6 +82,53 @@ def test_one_rank_bf16_state_dict_resumes_bit_for_bit_at_any_stage() -> None:
                 assert torch.equal(got, want), f"bf16 state_dict() loaded at stage {stage}: {name} differs"
 
 
+def _by_name(state_dict: dict, names: list[str]) -> dict:
+    """``state_dict`` with each parameter index replaced by a name, as torch.distributed.checkpoint's
+    set_state_dict hands it to ``load_state_dict`` (FQNs in the groups' params and as state keys)."""
+    return {
+        "state": {names[i]: v for i, v in state_dict["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state_dict["param_groups"]],
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_state_dict_with_named_parameters_loads_as_in_adamw(stage: int) -> None:
+    """Parameter ids that are not ints map through the saved groups' params, as AdamW maps them: both load the
+    same renamed state and continue element by element alike (the names here run in another order than the
+    parameters, so a key read as a position would load the wrong entry)."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+    for step in range(3):
+        _step(model, opt, batch(step, ROWS))
+    count = sum(len(g["params"]) for g in opt.param_groups)
+    named = _by_name(opt.state_dict(), [f"p{count - i}" for i in range(count)])
+    ref.load_state_dict(model.state_dict())
+    again, _ = make_models(torch.float32)
+    again.load_state_dict(model.state_dict())
+    opt2 = zo.ShardedFusedAdam(groups(again), lr=0.5, stage=stage, reduce_bucket_size=BUCKET, module=again)
+    opt2.load_state_dict(copy.deepcopy(named))
+    ropt = torch.optim.AdamW(groups(ref), lr=0.5)
+    ropt.load_state_dict(copy.deepcopy(named))
+    assert all(isinstance(k, torch.Tensor) for k in opt2.state), "every entry is a parameter's"
+    for step in range(3, 6):
+        _step(again, opt2, batch(step, ROWS))
+        _step(ref, ropt, batch(step, ROWS))
+        compare(again, ref, f"stage {stage}: named state, step {step}")
+    mine, theirs = opt2.state_dict()["state"], ropt.state_dict()["state"]
+    for index, entry in theirs.items():
+        assert float(mine[index]["step"]) == float(entry["step"]), f"stage {stage}: state[{index}] step"
+
+
+def test_an_int_key_in_no_param_group_is_refused() -> None:
+    model, _ = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1)
+    _step(model, opt, batch(0, ROWS))
+    saved = opt.state_dict()
+    saved["state"][99] = saved["state"][0]
+    with pytest.raises(ValueError, match=r"state\[99\] is in no param group's 'params'"):
+        opt.load_state_dict(saved)
+
+
 def _stage0_body(rank: int, world: int) -> list[str]:
     try:
         _continue_with_adamw(rank, world, 0)

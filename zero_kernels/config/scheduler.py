@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import schedulers
+from .at_updates import at_updates
 from .rules import Field, ParseContext, Scalar, Section, boolean, choice, integer, join, number, suggest
 
 
@@ -94,12 +95,16 @@ class SchedulerConfig:
     params: Dict[str, Any] = field(default_factory=dict)
 
     def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        """The scheduler for ``optimizer``, as DeepSpeed builds it (``Class(optimizer, **params)``).
+        """The scheduler for ``optimizer``, as DeepSpeed builds it (``Class(optimizer, **params)``); for an
+        optimizer that counts ``applied_steps`` (``ShardedFusedAdam``) a subclass whose ``step()`` advances
+        only after an applied update, as DeepSpeed's engine steps it (``at_updates``).
 
         Args:
             optimizer: the optimizer whose learning rates it sets.
         """
         cls = schedulers.SCHEDULERS.get(self.type) or getattr(torch.optim.lr_scheduler, self.type)
+        if hasattr(optimizer, "applied_steps"):
+            cls = at_updates(cls)
         return cls(optimizer, **self.params)
 
 

@@ -227,6 +227,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         )  # fmt: skip
         self._pipeline.device = device
         self._pipeline.step_counts.on_settle = self._account
+        self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         super().__init__(groups, defaults)
         if not self._restoring:
             agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
@@ -414,6 +415,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 self._skipped_steps + 1,
             )
         self._skipped_steps += int(result.skipped)
+        self._applied_steps += int(not result.skipped)
         if scaler is not None:
             scaler.update(result.skipped)
 
@@ -426,6 +428,13 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
         self._skipped_steps = int(value)
+
+    @property
+    def applied_steps(self) -> int:
+        """Steps of this optimizer object that updated the parameters (accumulation boundaries not skipped);
+        the scheduler ``initialize`` builds advances when it grows."""
+        self._pipeline.settle()
+        return self._applied_steps
 
     @property
     def loss_scaler(self) -> Optional[LossScaler]:

@@ -14,7 +14,10 @@ Two layouts, told apart by the ``zero_kernels.sharded`` key:
   and ignores), shaped like the parameter; it loads at any stage and world size.
 
 Both number parameters as torch does (a parameter listed twice keeps its first index) and keep the
-keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading
+keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading the AdamW
+layout maps each state key through the saved groups' ``params`` as torch does (so FQN keys, as
+``torch.distributed.checkpoint`` writes them, load too); the sharded layout is keyed by flat-buffer index,
+and entries without ``step`` (its shards, when the ``zero_kernels.sharded`` key was lost) are refused. Loading
 replaces each param group by the saved one as torch does (``param_names``, ``initial_lr``,
 ``amsgrad``...; ``amsgrad``/``maximize`` absent from an older state: False, AdamW's defaults),
 except for AdamW's implementation flags and ``decoupled_weight_decay``, which this optimizer fixes.
@@ -35,6 +38,12 @@ FORMAT = "zero_kernels.sharded"
 KEEP_OWN = (*IMPLEMENTATION_FLAGS, "decoupled_weight_decay")  # group keys a load does not change
 _ADAMW_GROUP_KEYS = {**ALGORITHM_FLAGS, **IMPLEMENTATION_FLAGS}
 _HYPER = ("lr", "betas", "eps", "weight_decay")
+_LOST_FORMAT = (
+    f"Entries without 'step' are the shards of a sharded state_dict() that lost its {FORMAT!r} key, as "
+    "torch.distributed.checkpoint's get_state_dict drops it: a sharded state loads only as this rank's "
+    "state_dict() saved it; zero_kernels.checkpoint.save/load is the sharded checkpoint, full_state_dict() "
+    "the one any world size loads"
+)
 
 
 def groups_for_save(param_groups: list[dict[str, Any]], extra: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -107,6 +116,21 @@ def _is_index(key: Any) -> bool:
     return isinstance(key, int) and not isinstance(key, bool)
 
 
+def _by_parameter(
+    opt: "ShardedFusedAdam", state: Mapping[Any, Any], saved_groups: list[dict[str, Any]]
+) -> tuple[dict[int, Any], dict[Any, Any]]:
+    """The entries of an AdamW-layout ``state`` by this optimizer's parameter index, and its other keys: as
+    torch maps them, a key is the parameter at its place in the saved groups' ``params`` (any hashable id,
+    such as the FQNs ``torch.distributed.checkpoint`` puts there); an int key listed nowhere is an error."""
+    here = [i for group in groups_for_save(opt.param_groups, {}) for i in group["params"]]
+    place = dict(zip((k for group in saved_groups for k in group["params"]), here))
+    unlisted = [k for k in state if _is_index(k) and k not in place]
+    if unlisted:
+        raise ValueError(f"load_state_dict: state[{unlisted[0]!r}] is in no param group's 'params' of the state")
+    entries = {place[k]: v for k, v in state.items() if k in place}
+    return entries, {k: v for k, v in state.items() if k not in place}
+
+
 def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     """Check ``state_dict`` against ``opt`` (nothing changes on an error), then load it."""
     meta = state_dict.get(FORMAT)
@@ -118,12 +142,15 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
         count = len(opt.pipeline.buffers)
         missing = [i for i in range(count) if i not in state]
         if missing:
-            raise ValueError(f"load_state_dict: the sharded state lacks buffer {missing[0]} (of {count})")
+            raise ValueError(
+                f"load_state_dict: the sharded state lacks buffer {missing[0]} (of {count}): its 'state' is keyed "
+                "by flat-buffer index, as state_dict() saved it, not by parameter ids or names"
+            )
         entries = {i: state[i] for i in range(count)}
+        extra = {k: v for k, v in state.items() if k not in entries}
     else:
-        entries = {k: v for k, v in state.items() if _is_index(k)}
+        entries, extra = _by_parameter(opt, state, saved_groups)
         _check_full(opt, entries)
-    extra = {k: v for k, v in state.items() if k not in entries}
     for group, saved in zip(opt.param_groups, saved_groups):
         _adopt(group, saved)
     pipeline = opt.pipeline
@@ -198,7 +225,10 @@ def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> None:
     for key, entry in entries.items():
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
         if missing:
-            raise ValueError(f"load_state_dict: state[{key!r}] lacks {', '.join(missing)} (AdamW layout expected)")
+            raise ValueError(
+                f"load_state_dict: state[{key!r}] lacks {', '.join(missing)} (AdamW layout expected). "
+                + (_LOST_FORMAT if missing == ["step"] else "")
+            )
         for name in ("exp_avg_sq", "max_exp_avg_sq", "master"):
             if name in entry and tuple(entry[name].shape) != tuple(entry["exp_avg"].shape):
                 raise ValueError(f"load_state_dict: state[{key!r}]['{name}'] is not shaped like its exp_avg")

@@ -1,0 +1,107 @@
+"""``torch.distributed.checkpoint`` (DCP) with ``ShardedFusedAdam``: its ``get_state_dict`` / ``set_state_dict``
+(which key the optimizer state by parameter FQN) and ``dcp.save`` / ``dcp.load``. Where a rank holds the whole
+state (one rank, or stage 0) a run resumed this way continues bit for bit as the uninterrupted one; where
+``state_dict()`` is this rank's shard, DCP cannot carry it, and the load refuses it instead of loading it wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import zero_kernels.optim as zo
+from tests.helpers.dist import run_ranks_checked
+from tests.helpers.lockstep import BUCKET, LR, ROWS, Net, batch
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _train(model: Net, opt: zo.ShardedFusedAdam, steps: range) -> None:
+    for step in steps:
+        model(batch(step, ROWS), (0, ROWS)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _fresh(stage: int) -> tuple[Net, zo.ShardedFusedAdam]:
+    torch.manual_seed(1)
+    model = Net()
+    return model, zo.ShardedFusedAdam(model, lr=0.5, weight_decay=0.1, stage=stage, reduce_bucket_size=BUCKET)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_one_rank_resumes_bit_for_bit_through_dcp(stage: int, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = zo.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=stage, reduce_bucket_size=BUCKET)
+    _train(model, opt, range(3))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    _train(model, opt, range(3, 6))
+
+    again, opt2 = _fresh(stage)
+    model_sd, optim_sd = get_state_dict(again, opt2)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=tmp_path)
+    set_state_dict(again, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert opt2.param_groups[0]["lr"] == LR, "the saved param groups are loaded"
+    _train(again, opt2, range(3, 6))
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p, q), f"stage {stage}: {name} differs from the uninterrupted run"
+    theirs = opt2.full_state_dict()["state"]
+    for index, entry in opt.full_state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(theirs[index][key])), f"state[{index}] {key}"
+
+
+def _dcp_shard_body(rank: int, world: int, stage: int, folder: str) -> list[str]:
+    """DCP saves the sharded state of stages 1-2 as one rank's copy: a non-strict load is refused, naming the
+    sharded path; so is a sharded state keyed by parameter names. Nothing changes the optimizer's state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    _train(model, opt, range(2))
+    own = opt.state_dict()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    again, opt2 = _fresh(stage)
+    model_sd, optim_sd = get_state_dict(again, opt2)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=folder)
+    problems = []
+    try:
+        set_state_dict(
+            again,
+            opt2,
+            model_state_dict=loaded["model"],
+            optim_state_dict=loaded["optim"],
+            options=StateDictOptions(strict=False),
+        )
+        problems.append(f"stage {stage}: DCP's non-strict load of a sharded state was accepted")
+    except ValueError as err:
+        if "zero_kernels.checkpoint" not in str(err):
+            problems.append(f"unclear refusal: {err}")
+    named = {**own, "state": {f"buffer{i}": v for i, v in own["state"].items()}}
+    try:
+        opt.load_state_dict(named)
+        problems.append(f"stage {stage}: a sharded state keyed by names was accepted")
+    except ValueError as err:
+        if "keyed by flat-buffer index" not in str(err):
+            problems.append(f"unclear refusal: {err}")
+    after = opt.state_dict()["state"]
+    problems += [
+        f"state {i} changed" for i in own["state"] if not torch.equal(own["state"][i]["exp_avg"], after[i]["exp_avg"])
+    ]
+    return problems
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 2])
+def test_dcp_of_a_sharded_state_is_refused_not_loaded_empty(stage: int, tmp_path: Path) -> None:
+    run_ranks_checked(_dcp_shard_body, 2, stage, str(tmp_path))
