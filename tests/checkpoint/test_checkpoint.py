@@ -358,3 +358,28 @@ def test_bf16_parameters_keep_their_fp32_master(tmp_path: Path) -> None:
     for stage, m in loaded.items():
         for name, p in m.named_parameters():
             assert torch.equal(p, saved[name]), f"bf16 loaded at stage {stage}: {name} differs after 2 steps"
+
+
+@pytest.mark.parametrize(
+    "saved_dtype, loaded_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)]
+)
+def test_another_low_precision_dtype_loads_the_fp32_master(
+    tmp_path: Path, saved_dtype: torch.dtype, loaded_dtype: torch.dtype
+) -> None:
+    """bf16 saved, fp16 loaded (and the reverse): the parameters are the saved fp32 master rounded to the new
+    dtype and the master stays the saved one, also once the optimizer reads it (a state dict, a step)."""
+    model = make_net().to(saved_dtype)
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path, model, opt)
+    masters = {n: s["master"] for n, s in zk_snapshot(model, opt).items() if "master" in s}
+    assert masters, "the saved run has no fp32 master"
+    loaded = make_net().to(loaded_dtype)
+    loaded_opt = zk_opt(loaded, stage=2)
+    ck.load(tmp_path, loaded, loaded_opt)
+    params = dict(loaded.named_parameters())
+    for name, master in masters.items():
+        assert torch.equal(params[name].detach(), master.view(params[name].shape).to(loaded_dtype)), name
+    got = zk_snapshot(loaded, loaded_opt)
+    for name, master in masters.items():
+        assert torch.equal(got[name]["master"], master), f"{name}: the saved fp32 master was replaced"

@@ -383,9 +383,12 @@ def _state_key(src: TensorSource, kind: str, index: int, name: str, trained: boo
 
 
 def _param_key(src: TensorSource, index: int, name: str, dtype: torch.dtype) -> str:
-    """fp32 parameters load the fp32 master copy when the checkpoint has one, else the saved value."""
-    master = f"optim/{index}/master"
-    return master if dtype == torch.float32 and master in src.meta["tensors"] else f"model/{name}"
+    """A parameter of the saved dtype loads the saved value; of another dtype (fp32, or bf16 saved as fp16 and
+    the reverse), the fp32 master copy when the checkpoint has one, rounded by the copy: the value the kept master
+    rounds to, so the first step does not take it for a write and drop the master."""
+    master, saved = f"optim/{index}/master", f"model/{name}"
+    tensors = src.meta["tensors"]
+    return master if master in tensors and tensors[saved]["dtype"] != dtype_name(dtype) else saved
 
 
 Move = tuple[torch.Tensor, Optional[torch.Tensor]]  # (destination, value; None: zeros)
