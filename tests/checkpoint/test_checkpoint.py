@@ -383,3 +383,40 @@ def test_another_low_precision_dtype_loads_the_fp32_master(
     got = zk_snapshot(loaded, loaded_opt)
     for name, master in masters.items():
         assert torch.equal(got[name]["master"], master), f"{name}: the saved fp32 master was replaced"
+
+
+def _batchnorm_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+
+def _save_rank_local_buffers(rank: int, world: int, root: str) -> None:
+    """Each rank's BatchNorm sees its own data (no buffer broadcast): the running statistics differ by rank."""
+    model = _batchnorm_net()
+    opt = zk_opt(model, stage=2)
+    for step in range(STEPS_BEFORE):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * rank + step)) + 3 * rank
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ck.save(root, model, opt)
+    torch.save(model[1].state_dict(), Path(root) / f"buffers{rank}.pt")
+    torch.distributed.barrier()
+    loaded = _batchnorm_net()
+    ck.load(root, loaded, zk_opt(loaded, stage=1))
+    rank0 = torch.load(Path(root) / "buffers0.pt")
+    for key, value in loaded[1].state_dict().items():
+        assert torch.equal(value, rank0[key]), f"rank {rank} loaded {key} that is not rank 0's"
+
+
+@pytest.mark.distributed
+def test_buffers_that_differ_by_rank_are_saved_as_rank_0s(tmp_path: Path) -> None:
+    """As DeepSpeed (the module of data-parallel rank 0) and ``zk.save_pretrained``: rank 0's buffers, whole, not
+    a splice of every rank's piece; loaded at world 2 on every rank and at world 1."""
+    run_ranks(_save_rank_local_buffers, 2, str(tmp_path))
+    rank0, rank1 = (torch.load(tmp_path / f"buffers{r}.pt") for r in range(2))
+    assert not torch.equal(rank0["running_mean"], rank1["running_mean"]), "the ranks' statistics are the same"
+    loaded = _batchnorm_net()
+    ck.load(tmp_path, loaded, zk_opt(loaded, stage=0))
+    for key, value in loaded[1].state_dict().items():
+        assert torch.equal(value, rank0[key]), f"world 1 loaded {key} that is not rank 0's"

@@ -11,10 +11,11 @@ What each rank writes. Rank ``r`` of ``N`` writes one file with, for each flat b
 optimizer, its ``1/N`` part under the stage's layout (stages 1-3) or under the same layout cut
 into ``N`` shards (stage 0, whose state is replicated): the parameters' values, Adam ``m`` and
 ``v``, AMSGrad's ``max_exp_avg_sq`` when the param group has used it, and the fp32 master copy
-of low-precision parameters. Model tensors outside the optimizer
-(buffers, frozen parameters) are cut into ``N`` even pieces, and a rank inside a gradient
-accumulation window adds the gradients it holds (``checkpoint.accumulation``). So no rank writes,
-nor holds more than what it already holds; rank 0 adds the metadata and the objects file (param
+of low-precision parameters. Frozen parameters are cut into ``N`` even pieces; buffers, which
+may differ by rank (BatchNorm's running statistics), are rank 0's, written whole by rank 0 (as
+DeepSpeed saves data-parallel rank 0's module); a rank inside a gradient accumulation window adds
+the gradients it holds (``checkpoint.accumulation``). So no rank writes, nor holds, more than what
+it already holds; rank 0 adds the metadata and the objects file (param
 groups, scheduler state, loss scale, the window's bookkeeping: ``checkpoint.objects``, lossless).
 The directory layout, the crash-safe commit order and the metadata are described in
 ``checkpoint.format``.
@@ -126,14 +127,20 @@ def _even_piece(rank: int, world: int, name: str, t: torch.Tensor) -> list[tuple
 
 
 def _other_pieces(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
-    """This rank's even ``1/N`` piece of every model tensor the optimizer does not shard; frozen parameters
-    stored in int8 at stage 3 (``zero_quantized_nontrainable_weights``) give their dequantized values, gathered
-    one unit at a time (a collective)."""
+    """This rank's part of every model tensor the optimizer does not shard: of a frozen parameter (the same on
+    every rank) its even ``1/N`` piece, of a buffer, which each rank may hold its own (BatchNorm's running
+    statistics), rank 0's whole, as DeepSpeed saves data-parallel rank 0's module; frozen parameters stored in
+    int8 at stage 3 (``zero_quantized_nontrainable_weights``) give their dequantized values, gathered one unit at
+    a time (a collective)."""
     pieces, rank, world = [], pipeline.rank, pipeline.world_size
     stored = pipeline.frozen_partitioned()
     for name, t in tensors.items():
-        if id(t) not in pipeline.where and id(t) not in stored:
+        if id(t) in pipeline.where or id(t) in stored:
+            continue
+        if isinstance(t, nn.Parameter):
             pieces += _even_piece(rank, world, name, t)
+        elif rank == 0:
+            pieces += _even_piece(0, 1, name, t)
     names = {id(t): name for name, t in tensors.items()}
     for params in pipeline.gathered_frozen():
         for p in params:
