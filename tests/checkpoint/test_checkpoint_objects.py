@@ -159,3 +159,28 @@ def test_objects_that_cannot_be_read_back_safely_are_refused_when_saved(tmp_path
     with pytest.raises(ck.CheckpointError, match=r"scheduler's state_dict\(\)\['custom'\] is a .*Holder"):
         ck.save(tmp_path, model, opt, scheduler=scheduler)
     assert not tmp_path.joinpath("latest").exists() and not list(tmp_path.glob("v*"))
+
+
+@pytest.mark.parametrize("version", [2, 1], ids=["objects", "version1"])
+def test_a_scheduler_the_state_does_not_fit_is_refused_before_anything_changes(version: int, tmp_path: Path) -> None:
+    """Saved with StepLR, loaded with a LambdaLR: refused by class name (version 1, which does not keep it: by
+    a trial load), with model, optimizer and scheduler as they were."""
+    model = _model()
+    opt = _opt(model)
+    scheduler = torch_lr.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, scheduler, range(SAVE_AT))
+    saved = ck.save(tmp_path, model, opt, scheduler=scheduler)
+    if version == 1:
+        _as_version_1(saved)
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    fresh_opt = _opt(fresh, stage=2)
+    fresh_scheduler = torch_lr.LambdaLR(fresh_opt, lambda step: 1.0)
+    weights = {k: v.clone() for k, v in fresh.state_dict().items()}
+    before = (fresh_opt.state_dict(), fresh_scheduler.state_dict())
+    pattern = "StepLR scheduler, scheduler= is a LambdaLR" if version == 2 else "KeyError: 'lr_lambdas'"
+    with pytest.raises(ck.CheckpointError, match=pattern):
+        ck.load(tmp_path, fresh, fresh_opt, scheduler=fresh_scheduler)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, weights[key]), f"{key} changed"
+    after = (fresh_opt.state_dict(), fresh_scheduler.state_dict())
+    assert repr(after) == repr(before), "the optimizer or the scheduler changed"

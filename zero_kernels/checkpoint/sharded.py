@@ -33,11 +33,13 @@ inside an accumulation window, whose gradients resume only under the same layout
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -191,7 +193,12 @@ def _json_summary(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_LABELS = {"param_groups": "param_groups", "lr_scheduler": "the scheduler's state_dict()", "loss_scaler": "loss scale"}
+_LABELS = {
+    "param_groups": "param_groups",
+    "lr_scheduler": "the scheduler's state_dict()",
+    "lr_scheduler_class": "the scheduler's class name",
+    "loss_scaler": "loss scale",
+}
 
 
 def _book(optimizer: Any, scheduler: Any) -> dict[str, Any]:
@@ -200,6 +207,7 @@ def _book(optimizer: Any, scheduler: Any) -> dict[str, Any]:
     return {
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "lr_scheduler_class": None if scheduler is None else type(scheduler).__name__,
         "loss_scaler": None if scaler is None else scaler.state_dict(),
     }
 
@@ -434,6 +442,30 @@ def _read_book(version: Path, meta: dict, scheduler: Any) -> dict[str, Any]:
     return check_objects(book, meta, version / METADATA)
 
 
+def _check_scheduler(book: dict[str, Any], optimizer: Any, scheduler: Any, version: Path) -> None:
+    """The saved scheduler state fits ``scheduler``: its class, where the checkpoint names it, and a trial
+    ``load_state_dict`` on a copy of it, whose optimizer is a stand-in holding copies of the param groups (another
+    scheduler's state, or one it cannot read, would fail in the real load, after everything else was loaded)."""
+    if scheduler is None:
+        return
+    state, here = book["lr_scheduler"], type(scheduler).__name__
+    if state is None:
+        raise CheckpointError(f"checkpoint: {version} holds no scheduler state; load it without scheduler=")
+    saved = book.get("lr_scheduler_class")
+    if saved is not None and saved != here:
+        raise CheckpointError(f"checkpoint: {version} holds the state of a {saved} scheduler, scheduler= is a {here}")
+    stand_in = SimpleNamespace(
+        param_groups=[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    )
+    try:
+        copy.deepcopy(scheduler, {id(optimizer): stand_in}).load_state_dict(copy.deepcopy(state))
+    except Exception as err:  # whatever the scheduler's own load_state_dict raises
+        raise CheckpointError(
+            f"checkpoint: {version}'s scheduler state does not fit scheduler= (a {here}): "
+            f"{type(err).__name__}: {err}; load it with the scheduler it was saved with"
+        ) from err
+
+
 @dataclass
 class _Staged:
     """What ``load`` read and checked on this rank, before anything changes."""
@@ -451,8 +483,7 @@ def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipe
     version = resolve(directory)
     meta = read_metadata(version)
     book = _read_book(version, meta, scheduler)
-    if scheduler is not None and book["lr_scheduler"] is None:
-        raise CheckpointError(f"checkpoint: {version} holds no scheduler state; load it without scheduler=")
+    _check_scheduler(book, optimizer, scheduler, version)
     names = _names(model, optimizer)
     _check_model(meta, pipeline, model, version)
     saved = _check_optimizer(meta, optimizer, names, version)
