@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
 from tests.helpers.dist import run_ranks
 from tests.helpers.paths import pythonpath
+from zero_kernels.__main__ import main as cli
 from zero_kernels.checkpoint.format import ShardReader
 
 ROWS = 6  # global batch: divisible by world sizes 1, 2 and 3
@@ -420,3 +422,30 @@ def test_buffers_that_differ_by_rank_are_saved_as_rank_0s(tmp_path: Path) -> Non
     ck.load(tmp_path, loaded, zk_opt(loaded, stage=0))
     for key, value in loaded[1].state_dict().items():
         assert torch.equal(value, rank0[key]), f"world 1 loaded {key} that is not rank 0's"
+
+
+def test_consolidate_into_a_directory_or_a_missing_one_is_a_command_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An existing directory as OUT (DeepSpeed's ``zero_to_fp32.py`` takes one), a missing parent directory, and a
+    file that cannot be put in place: the command's ``error:`` line, exit status 2, and no ``OUT.tmp`` left."""
+    model, opt, _ = _trained_one_step()
+    ck.save(tmp_path / "ckpt", model, opt)
+    (tmp_path / "out").mkdir()
+    cases = {
+        "out": "is a directory; give the file to write, such as",
+        "missing/out.pt": "the directory of OUT .* does not exist",
+        "replaced.pt": "cannot replace .*replaced.pt",
+    }
+    for out, pattern in cases.items():
+        if out == "replaced.pt":
+            monkeypatch.setattr(os, "replace", _refuse)
+        assert cli(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / out)]) == 2, out
+        err = capsys.readouterr().err
+        assert re.search(f"^python -m zero_kernels consolidate: error: .*{pattern}", err), err
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["ckpt", "out"] and not any((tmp_path / "out").iterdir()), f"left behind: {left}"
+
+
+def _refuse(src: Any, dst: Any) -> None:
+    raise PermissionError(f"cannot replace {dst}")

@@ -148,7 +148,7 @@ def test_param_groups_and_extra_come_back_with_their_types(tmp_path: Path) -> No
 def test_objects_that_cannot_be_read_back_safely_are_refused_when_saved(tmp_path: Path) -> None:
     model = _model()
     opt = _opt(model)
-    with pytest.raises(ck.CheckpointError, match=r"extra\['fn'\]\[0\] is a builtins.function.*weights_only"):
+    with pytest.raises(ck.CheckpointError, match=r"extra\['fn'\]\[0\] is of type builtins.function.*weights_only"):
         ck.save(tmp_path, model, opt, extra={"fn": [lambda: 0]})
     scheduler = torch_lr.LambdaLR(opt, lambda step: 1.0)
 
@@ -156,7 +156,7 @@ def test_objects_that_cannot_be_read_back_safely_are_refused_when_saved(tmp_path
         pass
 
     scheduler.custom = Holder()  # state_dict() holds every attribute
-    with pytest.raises(ck.CheckpointError, match=r"scheduler's state_dict\(\)\['custom'\] is a .*Holder"):
+    with pytest.raises(ck.CheckpointError, match=r"scheduler's state_dict\(\)\['custom'\] is of type .*Holder"):
         ck.save(tmp_path, model, opt, scheduler=scheduler)
     assert not tmp_path.joinpath("latest").exists() and not list(tmp_path.glob("v*"))
 
