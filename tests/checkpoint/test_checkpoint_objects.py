@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import Counter, OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any, Callable
@@ -184,3 +185,28 @@ def test_a_scheduler_the_state_does_not_fit_is_refused_before_anything_changes(v
         assert torch.equal(value, weights[key]), f"{key} changed"
     after = (fresh_opt.state_dict(), fresh_scheduler.state_dict())
     assert repr(after) == repr(before), "the optimizer or the scheduler changed"
+
+
+class _LockedStepLR(torch_lr.StepLR):
+    """A scheduler that cannot be deep-copied (it holds a lock)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        super().__init__(opt, step_size=1, gamma=0.5)
+        self.lock = threading.Lock()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k != "lock"}
+
+
+def test_a_scheduler_that_cannot_be_copied_still_loads(tmp_path: Path) -> None:
+    """The trial load needs a copy of the scheduler; one that cannot be copied is loaded untried, as before."""
+    model = _model()
+    opt = _opt(model)
+    scheduler = _LockedStepLR(opt)
+    _train(model, opt, scheduler, range(SAVE_AT))
+    ck.save(tmp_path, model, opt, scheduler=scheduler)
+    fresh_model = _model()
+    fresh_opt = _opt(fresh_model)
+    fresh = _LockedStepLR(fresh_opt)
+    ck.load(tmp_path, fresh_model, fresh_opt, scheduler=fresh)
+    assert fresh.last_epoch == SAVE_AT and fresh_opt.param_groups[0]["lr"] == scheduler.get_last_lr()[0]

@@ -454,16 +454,30 @@ def _check_scheduler(book: dict[str, Any], optimizer: Any, scheduler: Any, versi
     saved = book.get("lr_scheduler_class")
     if saved is not None and saved != here:
         raise CheckpointError(f"checkpoint: {version} holds the state of a {saved} scheduler, scheduler= is a {here}")
-    stand_in = SimpleNamespace(
-        param_groups=[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    )
+    trial = _scheduler_copy(scheduler, optimizer)
+    if trial is None:
+        return
     try:
-        copy.deepcopy(scheduler, {id(optimizer): stand_in}).load_state_dict(copy.deepcopy(state))
+        trial.load_state_dict(copy.deepcopy(state))
     except Exception as err:  # whatever the scheduler's own load_state_dict raises
         raise CheckpointError(
             f"checkpoint: {version}'s scheduler state does not fit scheduler= (a {here}): "
             f"{type(err).__name__}: {err}; load it with the scheduler it was saved with"
         ) from err
+
+
+def _scheduler_copy(scheduler: Any, optimizer: Any) -> Any:
+    """A copy of ``scheduler`` whose optimizer is a stand-in with copies of the param groups, sharing the parameters
+    (never copied); None for a scheduler that cannot be copied, which is then loaded untried."""
+    stand_in = SimpleNamespace(
+        param_groups=[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    )
+    memo: dict[int, Any] = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    memo[id(optimizer)] = stand_in
+    try:
+        return copy.deepcopy(scheduler, memo)
+    except Exception:  # an attribute deepcopy refuses (a lock, an open file): no trial, as before the check
+        return None
 
 
 @dataclass
