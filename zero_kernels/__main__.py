@@ -2,7 +2,8 @@
 
 Each subcommand is a module that defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit status). ``SUBCOMMANDS`` maps a subcommand's name to its module, so adding
-one is adding one entry. A ``ValueError`` escaping ``run`` is printed as an error with exit status 2.
+one is adding one entry. A ``ValueError`` or ``OSError`` (a file that cannot be written) escaping ``run`` is
+printed as an error with exit status 2.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
 from tests.helpers.dist import run_ranks
 from tests.helpers.paths import pythonpath
+from zero_kernels.__main__ import main as cli
 from zero_kernels.checkpoint.format import ShardReader
 
 ROWS = 6  # global batch: divisible by world sizes 1, 2 and 3
@@ -358,3 +360,92 @@ def test_bf16_parameters_keep_their_fp32_master(tmp_path: Path) -> None:
     for stage, m in loaded.items():
         for name, p in m.named_parameters():
             assert torch.equal(p, saved[name]), f"bf16 loaded at stage {stage}: {name} differs after 2 steps"
+
+
+@pytest.mark.parametrize(
+    "saved_dtype, loaded_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)]
+)
+def test_another_low_precision_dtype_loads_the_fp32_master(
+    tmp_path: Path, saved_dtype: torch.dtype, loaded_dtype: torch.dtype
+) -> None:
+    """bf16 saved, fp16 loaded (and the reverse): the parameters are the saved fp32 master rounded to the new
+    dtype and the master stays the saved one, also once the optimizer reads it (a state dict, a step)."""
+    model = make_net().to(saved_dtype)
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path, model, opt)
+    masters = {n: s["master"] for n, s in zk_snapshot(model, opt).items() if "master" in s}
+    assert masters, "the saved run has no fp32 master"
+    loaded = make_net().to(loaded_dtype)
+    loaded_opt = zk_opt(loaded, stage=2)
+    ck.load(tmp_path, loaded, loaded_opt)
+    params = dict(loaded.named_parameters())
+    for name, master in masters.items():
+        assert torch.equal(params[name].detach(), master.view(params[name].shape).to(loaded_dtype)), name
+    got = zk_snapshot(loaded, loaded_opt)
+    for name, master in masters.items():
+        assert torch.equal(got[name]["master"], master), f"{name}: the saved fp32 master was replaced"
+
+
+def _batchnorm_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+
+
+def _save_rank_local_buffers(rank: int, world: int, root: str) -> None:
+    """Each rank's BatchNorm sees its own data (no buffer broadcast): the running statistics differ by rank."""
+    model = _batchnorm_net()
+    opt = zk_opt(model, stage=2)
+    for step in range(STEPS_BEFORE):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * rank + step)) + 3 * rank
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ck.save(root, model, opt)
+    torch.save(model[1].state_dict(), Path(root) / f"buffers{rank}.pt")
+    torch.distributed.barrier()
+    loaded = _batchnorm_net()
+    ck.load(root, loaded, zk_opt(loaded, stage=1))
+    rank0 = torch.load(Path(root) / "buffers0.pt")
+    for key, value in loaded[1].state_dict().items():
+        assert torch.equal(value, rank0[key]), f"rank {rank} loaded {key} that is not rank 0's"
+
+
+@pytest.mark.distributed
+def test_buffers_that_differ_by_rank_are_saved_as_rank_0s(tmp_path: Path) -> None:
+    """As DeepSpeed (the module of data-parallel rank 0) and ``zk.save_pretrained``: rank 0's buffers, whole, not
+    a splice of every rank's piece; loaded at world 2 on every rank and at world 1."""
+    run_ranks(_save_rank_local_buffers, 2, str(tmp_path))
+    rank0, rank1 = (torch.load(tmp_path / f"buffers{r}.pt") for r in range(2))
+    assert not torch.equal(rank0["running_mean"], rank1["running_mean"]), "the ranks' statistics are the same"
+    loaded = _batchnorm_net()
+    ck.load(tmp_path, loaded, zk_opt(loaded, stage=0))
+    for key, value in loaded[1].state_dict().items():
+        assert torch.equal(value, rank0[key]), f"world 1 loaded {key} that is not rank 0's"
+
+
+def test_consolidate_into_a_directory_or_a_missing_one_is_a_command_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An existing directory as OUT (DeepSpeed's ``zero_to_fp32.py`` takes one), a missing parent directory, and a
+    file that cannot be put in place: the command's ``error:`` line, exit status 2, and no ``OUT.tmp`` left."""
+    model, opt, _ = _trained_one_step()
+    ck.save(tmp_path / "ckpt", model, opt)
+    (tmp_path / "out").mkdir()
+    cases = {
+        "out": "is a directory; give the file to write, such as",
+        "missing/out.pt": "the directory of OUT .* does not exist",
+        "replaced.pt": "cannot replace .*replaced.pt",
+    }
+    for out, pattern in cases.items():
+        if out == "replaced.pt":
+            monkeypatch.setattr(os, "replace", _refuse)
+        assert cli(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / out)]) == 2, out
+        err = capsys.readouterr().err
+        assert re.search(f"^python -m zero_kernels consolidate: error: .*{pattern}", err), err
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["ckpt", "out"] and not any((tmp_path / "out").iterdir()), f"left behind: {left}"
+
+
+def _refuse(src: Any, dst: Any) -> None:
+    raise PermissionError(f"cannot replace {dst}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import Counter, OrderedDict, defaultdict
 from pathlib import Path
 from typing import Any, Callable
@@ -148,7 +149,7 @@ def test_param_groups_and_extra_come_back_with_their_types(tmp_path: Path) -> No
 def test_objects_that_cannot_be_read_back_safely_are_refused_when_saved(tmp_path: Path) -> None:
     model = _model()
     opt = _opt(model)
-    with pytest.raises(ck.CheckpointError, match=r"extra\['fn'\]\[0\] is a builtins.function.*weights_only"):
+    with pytest.raises(ck.CheckpointError, match=r"extra\['fn'\]\[0\] is of type builtins.function.*weights_only"):
         ck.save(tmp_path, model, opt, extra={"fn": [lambda: 0]})
     scheduler = torch_lr.LambdaLR(opt, lambda step: 1.0)
 
@@ -156,6 +157,56 @@ def test_objects_that_cannot_be_read_back_safely_are_refused_when_saved(tmp_path
         pass
 
     scheduler.custom = Holder()  # state_dict() holds every attribute
-    with pytest.raises(ck.CheckpointError, match=r"scheduler's state_dict\(\)\['custom'\] is a .*Holder"):
+    with pytest.raises(ck.CheckpointError, match=r"scheduler's state_dict\(\)\['custom'\] is of type .*Holder"):
         ck.save(tmp_path, model, opt, scheduler=scheduler)
     assert not tmp_path.joinpath("latest").exists() and not list(tmp_path.glob("v*"))
+
+
+@pytest.mark.parametrize("version", [2, 1], ids=["objects", "version1"])
+def test_a_scheduler_the_state_does_not_fit_is_refused_before_anything_changes(version: int, tmp_path: Path) -> None:
+    """Saved with StepLR, loaded with a LambdaLR: refused by class name (version 1, which does not keep it: by
+    a trial load), with model, optimizer and scheduler as they were."""
+    model = _model()
+    opt = _opt(model)
+    scheduler = torch_lr.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, scheduler, range(SAVE_AT))
+    saved = ck.save(tmp_path, model, opt, scheduler=scheduler)
+    if version == 1:
+        _as_version_1(saved)
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    fresh_opt = _opt(fresh, stage=2)
+    fresh_scheduler = torch_lr.LambdaLR(fresh_opt, lambda step: 1.0)
+    weights = {k: v.clone() for k, v in fresh.state_dict().items()}
+    before = (fresh_opt.state_dict(), fresh_scheduler.state_dict())
+    pattern = "StepLR scheduler, scheduler= is a LambdaLR" if version == 2 else "KeyError: 'lr_lambdas'"
+    with pytest.raises(ck.CheckpointError, match=pattern):
+        ck.load(tmp_path, fresh, fresh_opt, scheduler=fresh_scheduler)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, weights[key]), f"{key} changed"
+    after = (fresh_opt.state_dict(), fresh_scheduler.state_dict())
+    assert repr(after) == repr(before), "the optimizer or the scheduler changed"
+
+
+class _LockedStepLR(torch_lr.StepLR):
+    """A scheduler that cannot be deep-copied (it holds a lock)."""
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        super().__init__(opt, step_size=1, gamma=0.5)
+        self.lock = threading.Lock()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k != "lock"}
+
+
+def test_a_scheduler_that_cannot_be_copied_still_loads(tmp_path: Path) -> None:
+    """The trial load needs a copy of the scheduler; one that cannot be copied is loaded untried, as before."""
+    model = _model()
+    opt = _opt(model)
+    scheduler = _LockedStepLR(opt)
+    _train(model, opt, scheduler, range(SAVE_AT))
+    ck.save(tmp_path, model, opt, scheduler=scheduler)
+    fresh_model = _model()
+    fresh_opt = _opt(fresh_model)
+    fresh = _LockedStepLR(fresh_opt)
+    ck.load(tmp_path, fresh_model, fresh_opt, scheduler=fresh)
+    assert fresh.last_epoch == SAVE_AT and fresh_opt.param_groups[0]["lr"] == scheduler.get_last_lr()[0]

@@ -154,14 +154,15 @@ def consolidate(directory: PathLike, out_path: PathLike) -> Path:
 
     Args:
         directory: a checkpoint root (its newest complete version) or a version directory.
-        out_path: the ``.pt`` file to write (replaced atomically: written to ``OUT.tmp`` first).
+        out_path: the ``.pt`` file to write (replaced atomically: written to ``OUT.tmp`` first, which a failure
+            removes); a directory, or a file in a directory that does not exist, is a ValueError.
 
     Returns:
         ``out_path`` as a Path.
     """
+    out = _check_out(Path(out_path))
     version = resolve(directory)
     meta = read_metadata(version)
-    out = Path(out_path)
     tmp = out.with_name(out.name + ".tmp")
     records = _Records()
     try:
@@ -170,9 +171,22 @@ def consolidate(directory: PathLike, out_path: PathLike) -> Path:
             _write(tmp, _structure(src, records, groups), records)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    os.replace(tmp, out)
     fsync_dir(out.parent)
+    return out
+
+
+def _check_out(out: Path) -> Path:
+    """``out`` names a file that can be written: not a directory (DeepSpeed's ``zero_to_fp32.py`` takes one), in a
+    directory that exists; a ValueError otherwise."""
+    if out.is_dir():
+        raise ValueError(
+            f"consolidate: OUT {str(out)!r} is a directory; give the file to write, such as "
+            f"{str(out / 'model_and_adamw.pt')!r}"
+        )
+    if not out.parent.is_dir():
+        raise ValueError(f"consolidate: the directory of OUT {str(out)!r} does not exist; create it first")
     return out

@@ -212,6 +212,8 @@ def check_objects(book: Any, meta: dict[str, Any], where: Path) -> dict[str, Any
                 c.number(_plain(b), f"param_groups[{g}].betas")
     if book.get("lr_scheduler") is not None:
         c.of_type(book["lr_scheduler"], dict, "lr_scheduler")
+    if book.get("lr_scheduler_class") is not None:
+        c.of_type(book["lr_scheduler_class"], str, "lr_scheduler_class")
     scaler = book.get("loss_scaler")
     if scaler is not None:
         c.of_type(scaler, dict, "loss_scaler")

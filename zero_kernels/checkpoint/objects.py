@@ -72,8 +72,8 @@ def encode(obj: Any, where: str) -> Any:
     if kind is torch.device:
         return (TAG, "device", str(obj))
     raise CheckpointError(
-        f"checkpoint: {where} is a {kind.__module__}.{kind.__qualname__}, which cannot be saved: checkpoint objects "
-        f"are read back with torch.load(weights_only=True) and may hold only {_ALLOWED}"
+        f"checkpoint: {where} is of type {kind.__module__}.{kind.__qualname__}, which cannot be saved: checkpoint "
+        f"objects are read back with torch.load(weights_only=True) and may hold only {_ALLOWED}"
     )
 
 

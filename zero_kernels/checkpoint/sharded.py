@@ -11,10 +11,11 @@ What each rank writes. Rank ``r`` of ``N`` writes one file with, for each flat b
 optimizer, its ``1/N`` part under the stage's layout (stages 1-3) or under the same layout cut
 into ``N`` shards (stage 0, whose state is replicated): the parameters' values, Adam ``m`` and
 ``v``, AMSGrad's ``max_exp_avg_sq`` when the param group has used it, and the fp32 master copy
-of low-precision parameters. Model tensors outside the optimizer
-(buffers, frozen parameters) are cut into ``N`` even pieces, and a rank inside a gradient
-accumulation window adds the gradients it holds (``checkpoint.accumulation``). So no rank writes,
-nor holds more than what it already holds; rank 0 adds the metadata and the objects file (param
+of low-precision parameters. Frozen parameters are cut into ``N`` even pieces; buffers, which
+may differ by rank (BatchNorm's running statistics), are rank 0's, written whole by rank 0 (as
+DeepSpeed saves data-parallel rank 0's module); a rank inside a gradient accumulation window adds
+the gradients it holds (``checkpoint.accumulation``). So no rank writes, nor holds, more than what
+it already holds; rank 0 adds the metadata and the objects file (param
 groups, scheduler state, loss scale, the window's bookkeeping: ``checkpoint.objects``, lossless).
 The directory layout, the crash-safe commit order and the metadata are described in
 ``checkpoint.format``.
@@ -32,11 +33,13 @@ inside an accumulation window, whose gradients resume only under the same layout
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
 import torch
@@ -126,14 +129,20 @@ def _even_piece(rank: int, world: int, name: str, t: torch.Tensor) -> list[tuple
 
 
 def _other_pieces(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
-    """This rank's even ``1/N`` piece of every model tensor the optimizer does not shard; frozen parameters
-    stored in int8 at stage 3 (``zero_quantized_nontrainable_weights``) give their dequantized values, gathered
-    one unit at a time (a collective)."""
+    """This rank's part of every model tensor the optimizer does not shard: of a frozen parameter (the same on
+    every rank) its even ``1/N`` piece, of a buffer, which each rank may hold its own (BatchNorm's running
+    statistics), rank 0's whole, as DeepSpeed saves data-parallel rank 0's module; frozen parameters stored in
+    int8 at stage 3 (``zero_quantized_nontrainable_weights``) give their dequantized values, gathered one unit at
+    a time (a collective)."""
     pieces, rank, world = [], pipeline.rank, pipeline.world_size
     stored = pipeline.frozen_partitioned()
     for name, t in tensors.items():
-        if id(t) not in pipeline.where and id(t) not in stored:
+        if id(t) in pipeline.where or id(t) in stored:
+            continue
+        if isinstance(t, nn.Parameter):
             pieces += _even_piece(rank, world, name, t)
+        elif rank == 0:
+            pieces += _even_piece(0, 1, name, t)
     names = {id(t): name for name, t in tensors.items()}
     for params in pipeline.gathered_frozen():
         for p in params:
@@ -184,7 +193,12 @@ def _json_summary(group: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_LABELS = {"param_groups": "param_groups", "lr_scheduler": "the scheduler's state_dict()", "loss_scaler": "loss scale"}
+_LABELS = {
+    "param_groups": "param_groups",
+    "lr_scheduler": "the scheduler's state_dict()",
+    "lr_scheduler_class": "the scheduler's class name",
+    "loss_scaler": "loss scale",
+}
 
 
 def _book(optimizer: Any, scheduler: Any) -> dict[str, Any]:
@@ -193,6 +207,7 @@ def _book(optimizer: Any, scheduler: Any) -> dict[str, Any]:
     return {
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+        "lr_scheduler_class": None if scheduler is None else type(scheduler).__name__,
         "loss_scaler": None if scaler is None else scaler.state_dict(),
     }
 
@@ -383,9 +398,12 @@ def _state_key(src: TensorSource, kind: str, index: int, name: str, trained: boo
 
 
 def _param_key(src: TensorSource, index: int, name: str, dtype: torch.dtype) -> str:
-    """fp32 parameters load the fp32 master copy when the checkpoint has one, else the saved value."""
-    master = f"optim/{index}/master"
-    return master if dtype == torch.float32 and master in src.meta["tensors"] else f"model/{name}"
+    """A parameter of the saved dtype loads the saved value; of another dtype (fp32, or bf16 saved as fp16 and
+    the reverse), the fp32 master copy when the checkpoint has one, rounded by the copy: the value the kept master
+    rounds to, so the first step does not take it for a write and drop the master."""
+    master, saved = f"optim/{index}/master", f"model/{name}"
+    tensors = src.meta["tensors"]
+    return master if master in tensors and tensors[saved]["dtype"] != dtype_name(dtype) else saved
 
 
 Move = tuple[torch.Tensor, Optional[torch.Tensor]]  # (destination, value; None: zeros)
@@ -424,6 +442,44 @@ def _read_book(version: Path, meta: dict, scheduler: Any) -> dict[str, Any]:
     return check_objects(book, meta, version / METADATA)
 
 
+def _check_scheduler(book: dict[str, Any], optimizer: Any, scheduler: Any, version: Path) -> None:
+    """The saved scheduler state fits ``scheduler``: its class, where the checkpoint names it, and a trial
+    ``load_state_dict`` on a copy of it, whose optimizer is a stand-in holding copies of the param groups (another
+    scheduler's state, or one it cannot read, would fail in the real load, after everything else was loaded)."""
+    if scheduler is None:
+        return
+    state, here = book["lr_scheduler"], type(scheduler).__name__
+    if state is None:
+        raise CheckpointError(f"checkpoint: {version} holds no scheduler state; load it without scheduler=")
+    saved = book.get("lr_scheduler_class")
+    if saved is not None and saved != here:
+        raise CheckpointError(f"checkpoint: {version} holds the state of a {saved} scheduler, scheduler= is a {here}")
+    trial = _scheduler_copy(scheduler, optimizer)
+    if trial is None:
+        return
+    try:
+        trial.load_state_dict(copy.deepcopy(state))
+    except Exception as err:  # whatever the scheduler's own load_state_dict raises
+        raise CheckpointError(
+            f"checkpoint: {version}'s scheduler state does not fit scheduler= (a {here}): "
+            f"{type(err).__name__}: {err}; load it with the scheduler it was saved with"
+        ) from err
+
+
+def _scheduler_copy(scheduler: Any, optimizer: Any) -> Any:
+    """A copy of ``scheduler`` whose optimizer is a stand-in with copies of the param groups, sharing the parameters
+    (never copied); None for a scheduler that cannot be copied, which is then loaded untried."""
+    stand_in = SimpleNamespace(
+        param_groups=[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    )
+    memo: dict[int, Any] = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+    memo[id(optimizer)] = stand_in
+    try:
+        return copy.deepcopy(scheduler, memo)
+    except Exception:  # an attribute deepcopy refuses (a lock, an open file): no trial, as before the check
+        return None
+
+
 @dataclass
 class _Staged:
     """What ``load`` read and checked on this rank, before anything changes."""
@@ -441,8 +497,7 @@ def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipe
     version = resolve(directory)
     meta = read_metadata(version)
     book = _read_book(version, meta, scheduler)
-    if scheduler is not None and book["lr_scheduler"] is None:
-        raise CheckpointError(f"checkpoint: {version} holds no scheduler state; load it without scheduler=")
+    _check_scheduler(book, optimizer, scheduler, version)
     names = _names(model, optimizer)
     _check_model(meta, pipeline, model, version)
     saved = _check_optimizer(meta, optimizer, names, version)
