@@ -34,7 +34,7 @@ from ...comm.handles import Handle, Works
 from ...kernels.quant import dequantize
 from ..adopt import check_compatible
 from ..quantized_gather import Payload, Traffic, dequantize_chunks
-from .storage import GatherStorage
+from .storage import GatherStorage, freed
 
 QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -173,7 +173,7 @@ class FrozenUnit:
     # ------------------------------------------------------------------ helpers
     def _free_params(self) -> None:
         for p in self.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            p.data = freed(self.dtype, self.device)
 
 
 def frozen_members(module: nn.Module, holder: Mapping[int, int], threshold: int) -> dict[tuple, list[nn.Parameter]]:

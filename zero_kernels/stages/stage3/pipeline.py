@@ -73,7 +73,7 @@ from .frozen import FrozenUnit, frozen_members
 from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
 from .plan import check_externals, holders
-from .storage import GatherStorage
+from .storage import GatherStorage, freed
 
 
 @dataclass
@@ -143,7 +143,7 @@ class _Unit:
 
     def free(self) -> None:
         for p in self.params:
-            p.data = torch.empty(0, dtype=self.buf.dtype, device=self.buf.device)
+            p.data = freed(self.buf.dtype, self.buf.device)
         self.buf.full = None
         self.storage.release()  # what autograd saved from the forward views it too (``stage3.storage``)
 
