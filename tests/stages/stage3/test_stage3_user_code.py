@@ -4,6 +4,10 @@
   through the model or ``gathered_params()``, then training with more such evaluations between steps,
   matches ``torch.optim.AdamW`` on the whole batch element by element after every step (the first
   gather used to make the unit's buffer an inference tensor that no later gather could refill).
+- ``model.to(torch.bfloat16)`` or ``model.double()`` after the optimizer was built raises ``ValueError``
+  naming a parameter and the fix, at the next forward or at the step, as stage 2 does (a freed parameter's
+  empty tensor took the new dtype and the next gather undid it without a word); cast back, training goes on
+  next to AdamW as if nothing had happened.
 
 Tolerances of DESIGN.md for fp32, as ``tests.helpers.lockstep.compare``.
 """
@@ -13,8 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
-from tests.helpers.lockstep import LR, ROWS, batch, compare, forward_backward, make_models, make_opt
+from tests.helpers.lockstep import BUCKET, LR, ROWS, batch, compare, forward_backward, make_models, make_opt
 
 WORLDS = (1, 2)
 
@@ -43,3 +48,45 @@ def inference_first_case(rank: int, world: int, first: str) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_inference_mode_before_training(spawn, world: int, first: str) -> None:
     spawn(inference_first_case, world, first)
+
+
+CAST = r"parameter '[\w.]+' was cast or moved after the optimizer was built and is now torch\.{}.*before building"
+
+
+def round_trip(p: torch.Tensor, dtype: torch.dtype) -> None:
+    """What a cast to ``dtype`` and back does to a parameter the optimizer does not hold (frozen)."""
+    p.data = p.data.to(dtype).float()
+
+
+def cast_case(rank: int, world: int) -> None:
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(99, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]
+    for step in range(3):
+        cast = (torch.bfloat16, torch.float64)[step % 2]
+        if step == 1:
+            model.to(cast)
+            with pytest.raises(ValueError, match=CAST.format(str(cast).split(".")[1])):
+                model(x)
+            model.float()
+            round_trip(ref.frozen, cast)
+        forward_backward(model, ref, rank, world, 3, step)
+        if step != 1:
+            model.to(cast)
+            with pytest.raises(ValueError, match=CAST.format(str(cast).split(".")[1])):
+                opt.step()
+            model.float()
+            round_trip(ref.frozen, cast)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_cast_after_build_is_refused(spawn, world: int) -> None:
+    spawn(cast_case, world)

@@ -32,7 +32,7 @@ from torch import nn
 
 from ...comm.handles import Handle, Works
 from ...kernels.quant import dequantize
-from ..adopt import check_compatible
+from ..adopt import check_compatible, check_freed
 from ..quantized_gather import Payload, Traffic, dequantize_chunks
 from .storage import GatherStorage, freed
 
@@ -133,6 +133,7 @@ class FrozenUnit:
         the parameters are freed again; returns how many."""
         if self.full is not None:
             return 0
+        check_freed(self, self.params, self.name_of)
         given = {id(p): p.detach() for p in self.params if p.numel() != 0}
         if not given:
             return 0
