@@ -8,14 +8,21 @@
   naming a parameter and the fix, at the next forward or at the step, as stage 2 does (a freed parameter's
   empty tensor took the new dtype and the next gather undid it without a word); cast back, training goes on
   next to AdamW as if nothing had happened.
+- A parameter written in place while its module has it gathered (``nn.Embedding(max_norm=...)``), in a
+  training forward or an evaluation, on one rank only: the next step raises on every rank, naming the
+  parameter and the rank, even after ``zero_grad()``, and updates nothing (the write used to be lost
+  at the free). Writes inside ``gathered_params()`` are kept: training after one matches AdamW.
 
 Tolerances of DESIGN.md for fp32, as ``tests.helpers.lockstep.compare``.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
@@ -90,3 +97,57 @@ def cast_case(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_cast_after_build_is_refused(spawn, world: int) -> None:
     spawn(cast_case, world)
+
+
+WRITTEN = r"parameter '0\.weight' \(optimizer index 0\) was written in place.*max_norm.*nothing was updated"
+
+
+def embedding_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).square().mean()
+
+
+def refused_write(model: nn.Module, opt: zo.ShardedFusedAdam, tokens: torch.Tensor, rank: int, world: int) -> None:
+    """A forward that renormalises rows on rank 0 only (under no_grad, then a plain training forward; or in the
+    training forward): the step raises on every rank."""
+    where = r" \(found on rank 0 of 2; every rank raises\)" if world == 2 else "$"
+    for evaluation in (True, False):
+        model[0].max_norm = 1.0 if rank == 0 else None
+        if evaluation:
+            with torch.no_grad():
+                model(tokens)
+            model[0].max_norm = None
+            opt.zero_grad()
+        embedding_loss(model, tokens).backward()
+        with pytest.raises(RuntimeError, match=WRITTEN + where):
+            opt.step()
+        opt.zero_grad()
+        model[0].max_norm = None
+
+
+def forward_write_case(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    mine = tokens[rank : rank + 1] if world == 2 else tokens
+    refused_write(model, opt, mine, rank, world)
+    with opt.gathered_params(), torch.no_grad():
+        model[0].weight.mul_(0.5)
+    with torch.no_grad():
+        ref[0].weight.mul_(0.5)
+    for step in range(2):
+        embedding_loss(model, mine).backward()
+        embedding_loss(ref, tokens).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_write_in_place_during_forward_is_refused(spawn, world: int) -> None:
+    spawn(forward_write_case, world)
