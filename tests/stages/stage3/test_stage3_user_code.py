@@ -12,6 +12,10 @@
   training forward or an evaluation, on one rank only: the next step raises on every rank, naming the
   parameter and the rank, even after ``zero_grad()``, and updates nothing (the write used to be lost
   at the free). Writes inside ``gathered_params()`` are kept: training after one matches AdamW.
+- A parameter used with autograd outside any forward (an L2 penalty added to the loss,
+  ``torch.autograd.grad(loss, params)``) is refused with a message that names what works; what it
+  names for the penalty (computed in the model's forward, the parameters registered as external
+  parameters of the model) trains next to AdamW with the same penalty.
 
 Tolerances of DESIGN.md for fp32, as ``tests.helpers.lockstep.compare``.
 """
@@ -24,6 +28,7 @@ import pytest
 import torch
 from torch import nn
 
+import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
 from tests.helpers.lockstep import BUCKET, LR, ROWS, batch, compare, forward_backward, make_models, make_opt
@@ -151,3 +156,57 @@ def forward_write_case(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_write_in_place_during_forward_is_refused(spawn, world: int) -> None:
     spawn(forward_write_case, world)
+
+
+LAM = 1e-2
+
+
+class Penalised(nn.Module):
+    """``net``'s loss plus ``LAM`` x the sum of the squares of its trainable parameters (``inside``: computed here)."""
+
+    def __init__(self, inside: bool) -> None:
+        super().__init__()
+        self.net, self.inside = make_models(torch.float32)[0], inside
+
+    def penalty(self) -> torch.Tensor:
+        return LAM * sum(p.square().sum() for p in self.net.parameters() if p.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.penalty() if self.inside else self.net(x)
+
+
+def refused_outside(model: Penalised, x: torch.Tensor) -> None:
+    """The penalty and ``autograd.grad`` outside the forward: errors naming what works."""
+    with pytest.raises(RuntimeError, match=r"'net\.tiny'.*register_external_parameter.*without gradients"):
+        model(x) + model.penalty()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(RuntimeError, match=r"autograd\.grad with respect to parameters is not supported"):
+        torch.autograd.grad(model(x), params)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"'net\.tiny'.*inside `with optimizer\.gathered"):
+        model.penalty()
+
+
+def penalty_case(rank: int, world: int) -> None:
+    model, ref = Penalised(inside=False), Penalised(inside=True)
+    for p in model.net.parameters():
+        zk.register_external_parameter(model, p)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(0, world * ROWS)
+    refused_outside(model, x[rank * ROWS : (rank + 1) * ROWS])
+    model.inside = True
+    for step in range(3):
+        x = batch(step, world * ROWS)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).backward()
+        ref(x).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_parameter_used_with_autograd_outside_a_forward(spawn, world: int) -> None:
+    spawn(penalty_case, world)

@@ -433,13 +433,8 @@ class Stage3Scheduler:
             )
         if not self._stack:
             where = "during backward" if self._in_backward else "outside any module's forward"
-            raise RuntimeError(
-                f"ZeRO stage 3: parameter '{name}' is used ({guard.operation_name(func)}) {where}, where it is not "
-                "gathered: stage 3 gathers parameters only around the forward (and backward) of the modules that "
-                "need them. Read it inside a module's forward (register it there with "
-                "zero_kernels.register_external_parameter(module, parameter) if another module holds it), or "
-                "inside `with optimizer.gathered_params():`"
-            )
+            needs_grad = torch.is_grad_enabled() and param.requires_grad
+            raise RuntimeError(guard.outside_forward(name, func, where, needs_grad))
         frame = self._stack[-1]
         user = self._module_names.get(id(frame.module), "?") or "<root>"
         log.warning(
