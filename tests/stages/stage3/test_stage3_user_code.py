@@ -16,6 +16,9 @@
   ``torch.autograd.grad(loss, params)``) is refused with a message that names what works; what it
   names for the penalty (computed in the model's forward, the parameters registered as external
   parameters of the model) trains next to AdamW with the same penalty.
+- A double backward (``torch.autograd.grad(..., create_graph=True)`` for a gradient penalty,
+  ``backward(create_graph=True)``) raises an error naming it (it used to fail in torch with
+  "setStorage ... out of bounds"); training without it goes on next to AdamW.
 
 Tolerances of DESIGN.md for fp32, as ``tests.helpers.lockstep.compare``.
 """
@@ -210,3 +213,30 @@ def penalty_case(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_parameter_used_with_autograd_outside_a_forward(spawn, world: int) -> None:
     spawn(penalty_case, world)
+
+
+DOUBLE = r"create_graph=True \(double backward.*not supported"
+
+
+def double_backward_case(rank: int, world: int) -> None:
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(0, world * ROWS)[rank * ROWS : (rank + 1) * ROWS].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=DOUBLE):
+        torch.autograd.grad(model(x), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=DOUBLE):
+        model(x).backward(create_graph=True)
+    opt.zero_grad()
+    for step in range(2):
+        forward_backward(model, ref, rank, world, 3, step)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_double_backward_is_refused(spawn, world: int) -> None:
+    spawn(double_backward_case, world)
