@@ -48,6 +48,9 @@ class GatherStorage:
 
 
 def freed(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The empty tensor a freed parameter holds (``p.data``), never an inference tensor."""
+    """The empty tensor a freed parameter holds (``p.data``), never an inference tensor (outside inference mode
+    without entering ``inference_mode(False)``: a free makes one for every parameter)."""
+    if not torch.is_inference_mode_enabled():
+        return torch.empty(0, dtype=dtype, device=device)
     with torch.inference_mode(False):
         return torch.empty(0, dtype=dtype, device=device)
