@@ -32,9 +32,9 @@ from torch import nn
 
 from ...comm.handles import Handle, Works
 from ...kernels.quant import dequantize
-from ..adopt import check_compatible
+from ..adopt import check_compatible, check_freed
 from ..quantized_gather import Payload, Traffic, dequantize_chunks
-from .storage import GatherStorage
+from .storage import GatherStorage, freed
 
 QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -133,6 +133,7 @@ class FrozenUnit:
         the parameters are freed again; returns how many."""
         if self.full is not None:
             return 0
+        check_freed(self, self.params, self.name_of)
         given = {id(p): p.detach() for p in self.params if p.numel() != 0}
         if not given:
             return 0
@@ -173,7 +174,7 @@ class FrozenUnit:
     # ------------------------------------------------------------------ helpers
     def _free_params(self) -> None:
         for p in self.params:
-            p.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            p.data = freed(self.dtype, self.device)
 
 
 def frozen_members(module: nn.Module, holder: Mapping[int, int], threshold: int) -> dict[tuple, list[nn.Parameter]]:

@@ -200,3 +200,33 @@ def operation_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None) or ""
     return name if module.startswith("torch._C") or not module else f"{module}.{name}"
+
+
+def outside_forward(name: str, func: Any, where: str, needs_grad: bool) -> str:
+    """The error for freed parameter ``name`` used by ``func`` ``where`` no module gathers it; ``needs_grad``: the
+    use would need its gradient (grad mode on, the parameter trainable), which ``gathered_params()`` cannot give:
+    its end frees the values backward would read."""
+    head = f"ZeRO stage 3: parameter '{name}' is used ({operation_name(func)}) {where}, where it is not gathered: "
+    if func is torch.autograd.grad:
+        return head + (
+            "torch.autograd.grad with respect to parameters is not supported at stage 3 (nor by DDP): backward "
+            "reduces each parameter's gradient into the ranks' shards as its module's backward ends, and the "
+            "parameter holds its values only around its module's forward and backward. Call loss.backward() and "
+            "let the optimizer step; torch.autograd.grad with respect to inputs (not parameters) works"
+        )
+    fix = (
+        "Read it inside a module's forward (register it there with zero_kernels.register_external_parameter(module, "
+        "parameter) if another module holds it), or inside `with optimizer.gathered_params():`"
+    )
+    if needs_grad:
+        fix = (
+            "A term that needs its gradient (an L2 penalty added to the loss, a head tied to it) must be computed "
+            "inside a module's forward, e.g. the model's own: register the parameter for that module with "
+            "zero_kernels.register_external_parameter(module, parameter) when another module holds it. "
+            "`with optimizer.gathered_params():` is for reads without gradients (its end frees the values that "
+            "backward would need). An L2 penalty lam * sum(p**2) is also what ShardedFusedAdam(..., "
+            "weight_decay=2 * lam, adam_w_mode=False) adds to the gradients in the step"
+        )
+    return (
+        head + "stage 3 gathers parameters only around the forward (and backward) of the modules that need them. " + fix
+    )

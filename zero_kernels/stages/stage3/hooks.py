@@ -30,6 +30,9 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
 - end of backward (an autograd-engine callback): units not reduced yet are reduced then, in unit
   order, and everything still gathered is freed.
 
+A backward with ``create_graph=True`` (double backward) is refused at its first hook: the graph it creates would
+read parameters that its own end frees.
+
 So every rank issues the same collectives in the same order whatever its data, as long as every
 rank runs the same modules in the same order (a leaf module hides what its data chooses inside it).
 
@@ -64,6 +67,13 @@ from .uses import UseTracker, grad_tensors
 log = logging.getLogger("zero_kernels")
 
 _FREE, _IN_FLIGHT, _READY = "free", "in-flight", "ready"
+DOUBLE_BACKWARD = (
+    "ZeRO stage 3: a backward with create_graph=True (double backward: torch.autograd.grad(..., create_graph=True) "
+    "for a gradient penalty such as WGAN-GP's, Hessian-vector products) is not supported: stage 3 frees each "
+    "module's gathered parameters as its backward ends, and the graph that backward creates would read them in the "
+    "second backward. Train such a model at stage 2 (whole parameters), or with a penalty that needs no second "
+    "derivative; nothing was reduced"
+)
 
 
 class Unit(Protocol):
@@ -433,13 +443,8 @@ class Stage3Scheduler:
             )
         if not self._stack:
             where = "during backward" if self._in_backward else "outside any module's forward"
-            raise RuntimeError(
-                f"ZeRO stage 3: parameter '{name}' is used ({guard.operation_name(func)}) {where}, where it is not "
-                "gathered: stage 3 gathers parameters only around the forward (and backward) of the modules that "
-                "need them. Read it inside a module's forward (register it there with "
-                "zero_kernels.register_external_parameter(module, parameter) if another module holds it), or "
-                "inside `with optimizer.gathered_params():`"
-            )
+            needs_grad = torch.is_grad_enabled() and param.requires_grad
+            raise RuntimeError(guard.outside_forward(name, func, where, needs_grad))
         frame = self._stack[-1]
         user = self._module_names.get(id(frame.module), "?") or "<root>"
         log.warning(
@@ -479,6 +484,8 @@ class Stage3Scheduler:
 
     def _begin_backward(self) -> None:
         if not self._in_backward:
+            if torch.is_grad_enabled():  # autograd runs a backward's hooks in grad mode only with create_graph
+                raise RuntimeError(DOUBLE_BACKWARD)
             self._in_backward = True
             self._backward.begin(guess=self._forward.expected[::-1])
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

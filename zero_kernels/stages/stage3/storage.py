@@ -10,6 +10,10 @@ holds only the units in use. The cost, as with FSDP: a view of a gathered parame
 (``w = self.weight.t()`` stored away in a forward) has no data until the next gather, and computing with
 it then is not defined (PyTorch raises for some operations and crashes in others); read parameters
 outside the forward inside ``gathered_params()``, and copy (``clone()``) what must outlive it.
+
+The buffer, and the empty tensor a freed parameter holds, are made outside ``torch.inference_mode()`` even
+when the first gather runs inside it (an evaluation before training): an inference tensor could not be
+refilled by the gathers of a later training forward, nor give a parameter that autograd can use.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ class GatherStorage:
     def take(self) -> torch.Tensor:
         """The buffer to gather into: its storage allocated again (the same storage object every time)."""
         if self._tensor is None:
-            self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            with torch.inference_mode(False):
+                self._tensor = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         else:
             storage = self._tensor.untyped_storage()
             if storage.nbytes() == 0:
@@ -40,3 +45,12 @@ class GatherStorage:
         """Give the buffer's bytes back, whatever still views it."""
         if self._tensor is not None:
             self._tensor.untyped_storage().resize_(0)
+
+
+def freed(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The empty tensor a freed parameter holds (``p.data``), never an inference tensor (outside inference mode
+    without entering ``inference_mode(False)``: a free makes one for every parameter)."""
+    if not torch.is_inference_mode_enabled():
+        return torch.empty(0, dtype=dtype, device=device)
+    with torch.inference_mode(False):
+        return torch.empty(0, dtype=dtype, device=device)

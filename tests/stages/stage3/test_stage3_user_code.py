@@ -1,0 +1,242 @@
+"""Stage 3 under what user code does to a model, on 1-2 gloo ranks.
+
+- An evaluation under ``torch.inference_mode()`` before the first training forward (a sanity check),
+  through the model or ``gathered_params()``, then training with more such evaluations between steps,
+  matches ``torch.optim.AdamW`` on the whole batch element by element after every step (the first
+  gather used to make the unit's buffer an inference tensor that no later gather could refill).
+- ``model.to(torch.bfloat16)`` or ``model.double()`` after the optimizer was built raises ``ValueError``
+  naming a parameter and the fix, at the next forward or at the step, as stage 2 does (a freed parameter's
+  empty tensor took the new dtype and the next gather undid it without a word); cast back, training goes on
+  next to AdamW as if nothing had happened.
+- A parameter written in place while its module has it gathered (``nn.Embedding(max_norm=...)``), in a
+  training forward or an evaluation, on one rank only: the next step raises on every rank, naming the
+  parameter and the rank, even after ``zero_grad()``, and updates nothing (the write used to be lost
+  at the free). Writes inside ``gathered_params()`` are kept: training after one matches AdamW.
+- A parameter used with autograd outside any forward (an L2 penalty added to the loss,
+  ``torch.autograd.grad(loss, params)``) is refused with a message that names what works; what it
+  names for the penalty (computed in the model's forward, the parameters registered as external
+  parameters of the model) trains next to AdamW with the same penalty.
+- A double backward (``torch.autograd.grad(..., create_graph=True)`` for a gradient penalty,
+  ``backward(create_graph=True)``) raises an error naming it (it used to fail in torch with
+  "setStorage ... out of bounds"); training without it goes on next to AdamW.
+
+Tolerances of DESIGN.md for fp32, as ``tests.helpers.lockstep.compare``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+import zero_kernels.optim as zo
+from tests.helpers.check import assert_close
+from tests.helpers.lockstep import BUCKET, LR, ROWS, batch, compare, forward_backward, make_models, make_opt
+
+WORLDS = (1, 2)
+
+
+def inference_first_case(rank: int, world: int, first: str) -> None:
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(99, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]
+    for step in range(3):
+        with torch.inference_mode():
+            if first == "forward" or step > 0:
+                assert_close(model(x), ref(x), rtol=1e-5, atol=1e-7, what=f"world {world} eval before step {step}")
+            else:
+                with opt.gathered_params():
+                    compare(model, ref, f"world {world} gathered under inference_mode")
+        forward_backward(model, ref, rank, world, 3, step)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} ({first} first) step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("first", ["forward", "gathered_params"])
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_inference_mode_before_training(spawn, world: int, first: str) -> None:
+    spawn(inference_first_case, world, first)
+
+
+CAST = r"parameter '[\w.]+' was cast or moved after the optimizer was built and is now torch\.{}.*before building"
+
+
+def round_trip(p: torch.Tensor, dtype: torch.dtype) -> None:
+    """What a cast to ``dtype`` and back does to a parameter the optimizer does not hold (frozen)."""
+    p.data = p.data.to(dtype).float()
+
+
+def cast_case(rank: int, world: int) -> None:
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(99, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]
+    for step in range(3):
+        cast = (torch.bfloat16, torch.float64)[step % 2]
+        if step == 1:
+            model.to(cast)
+            with pytest.raises(ValueError, match=CAST.format(str(cast).split(".")[1])):
+                model(x)
+            model.float()
+            round_trip(ref.frozen, cast)
+        forward_backward(model, ref, rank, world, 3, step)
+        if step != 1:
+            model.to(cast)
+            with pytest.raises(ValueError, match=CAST.format(str(cast).split(".")[1])):
+                opt.step()
+            model.float()
+            round_trip(ref.frozen, cast)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_cast_after_build_is_refused(spawn, world: int) -> None:
+    spawn(cast_case, world)
+
+
+WRITTEN = r"parameter '0\.weight' \(optimizer index 0\) was written in place.*max_norm.*nothing was updated"
+
+
+def embedding_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).square().mean()
+
+
+def refused_write(model: nn.Module, opt: zo.ShardedFusedAdam, tokens: torch.Tensor, rank: int, world: int) -> None:
+    """A forward that renormalises rows on rank 0 only (under no_grad, then a plain training forward; or in the
+    training forward): the step raises on every rank."""
+    where = r" \(found on rank 0 of 2; every rank raises\)" if world == 2 else "$"
+    for evaluation in (True, False):
+        model[0].max_norm = 1.0 if rank == 0 else None
+        if evaluation:
+            with torch.no_grad():
+                model(tokens)
+            model[0].max_norm = None
+            opt.zero_grad()
+        embedding_loss(model, tokens).backward()
+        with pytest.raises(RuntimeError, match=WRITTEN + where):
+            opt.step()
+        opt.zero_grad()
+        model[0].max_norm = None
+
+
+def forward_write_case(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
+    ref = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 1]])
+    mine = tokens[rank : rank + 1] if world == 2 else tokens
+    refused_write(model, opt, mine, rank, world)
+    with opt.gathered_params(), torch.no_grad():
+        model[0].weight.mul_(0.5)
+    with torch.no_grad():
+        ref[0].weight.mul_(0.5)
+    for step in range(2):
+        embedding_loss(model, mine).backward()
+        embedding_loss(ref, tokens).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_write_in_place_during_forward_is_refused(spawn, world: int) -> None:
+    spawn(forward_write_case, world)
+
+
+LAM = 1e-2
+
+
+class Penalised(nn.Module):
+    """``net``'s loss plus ``LAM`` x the sum of the squares of its trainable parameters (``inside``: computed here)."""
+
+    def __init__(self, inside: bool) -> None:
+        super().__init__()
+        self.net, self.inside = make_models(torch.float32)[0], inside
+
+    def penalty(self) -> torch.Tensor:
+        return LAM * sum(p.square().sum() for p in self.net.parameters() if p.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.penalty() if self.inside else self.net(x)
+
+
+def refused_outside(model: Penalised, x: torch.Tensor) -> None:
+    """The penalty and ``autograd.grad`` outside the forward: errors naming what works."""
+    with pytest.raises(RuntimeError, match=r"'net\.tiny'.*register_external_parameter.*without gradients"):
+        model(x) + model.penalty()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(RuntimeError, match=r"autograd\.grad with respect to parameters is not supported"):
+        torch.autograd.grad(model(x), params)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"'net\.tiny'.*inside `with optimizer\.gathered"):
+        model.penalty()
+
+
+def penalty_case(rank: int, world: int) -> None:
+    model, ref = Penalised(inside=False), Penalised(inside=True)
+    for p in model.net.parameters():
+        zk.register_external_parameter(model, p)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(0, world * ROWS)
+    refused_outside(model, x[rank * ROWS : (rank + 1) * ROWS])
+    model.inside = True
+    for step in range(3):
+        x = batch(step, world * ROWS)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).backward()
+        ref(x).backward()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_parameter_used_with_autograd_outside_a_forward(spawn, world: int) -> None:
+    spawn(penalty_case, world)
+
+
+DOUBLE = r"create_graph=True \(double backward.*not supported"
+
+
+def double_backward_case(rank: int, world: int) -> None:
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(0, world * ROWS)[rank * ROWS : (rank + 1) * ROWS].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=DOUBLE):
+        torch.autograd.grad(model(x), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=DOUBLE):
+        model(x).backward(create_graph=True)
+    opt.zero_grad()
+    for step in range(2):
+        forward_backward(model, ref, rank, world, 3, step)
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"world {world} step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_double_backward_is_refused(spawn, world: int) -> None:
+    spawn(double_backward_case, world)

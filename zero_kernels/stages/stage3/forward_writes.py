@@ -1,0 +1,70 @@
+"""Stage 3: a parameter written in place between its gather and its free is refused at the step.
+
+``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in its weight, in place, during the
+forward; other code may write a parameter in place there too. At stage 3 that write goes into the
+gathered buffer, which the free gives back: the rank's shard never sees it, so it is lost without a
+word. No value could be kept instead: each rank writes the rows its own data chose.
+
+Found by the parameter's version counter: torch bumps it at every in-place operation on the parameter
+(under ``no_grad`` too), ``p.data = ...`` keeps it (the gather's own assignment is not a write), and
+writes into the gathered buffer bump only the buffer's. A unit records its parameters' versions when
+gathered and compares them when freed: one int compare per parameter. A write through ``p.data``
+(``p.data.mul_(...)``) is not seen: ``.data`` is a tensor with a counter of its own. Writes inside
+``gathered_params()`` are meant, and go back to the shards: its units record their versions again
+before the block frees them.
+
+Whether a write happens may depend on a rank's data, and a free is no point where every rank can
+stop together, so the rank records the first parameter found (``record``) and the step's exchange
+carries it (``columns``): every rank raises the same ``RuntimeError`` there, naming the parameter and
+the rank that found it, before anything is updated (``verify``), as ``stages.refusals`` does. Kept
+until a step raises it (``zero_grad()`` does not clear it: the write is lost whatever the gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+NONE = -1
+
+
+def describe(name: str) -> str:
+    """The error for parameter ``name`` written in place during a forward."""
+    return (
+        f"ZeRO stage 3: {name} was written in place while its module had it gathered, as nn.Embedding(max_norm=...) "
+        "renormalises the rows it looks up in its weight during the forward: stage 3 frees gathered parameters "
+        "after use and keeps only each rank's shard, which the write never reaches (and each rank's data writes "
+        "other rows), so the write would be lost. Make the change out of place (for max_norm: look the rows up "
+        "without it and scale them, e = F.embedding(x, w); e = e * (max_norm / e.norm(dim=-1, keepdim=True))"
+        ".clamp(max=1)), or write parameters inside `with optimizer.gathered_params():` between steps, the same "
+        "way on every rank; nothing was updated"
+    )
+
+
+class ForwardWrites:
+    """The first parameter this rank found written in place between a gather and a free."""
+
+    def __init__(self) -> None:
+        self.index = NONE
+
+    def record(self, index: int) -> None:
+        """Remember parameter ``index`` (optimizer numbering) unless one is held already."""
+        if self.index == NONE:
+            self.index = index
+
+    def columns(self) -> list[float]:
+        """This rank's column of the step's exchange."""
+        return [float(self.index)]
+
+    def verify(self, rows: Sequence[Sequence[float]], name: Callable[[int], str]) -> None:
+        """Raise on every rank when some rank's ``columns()`` (``rows``, in rank order) name a parameter; the
+        record is cleared either way.
+
+        Args:
+            rows: every rank's column, as the step's exchange gathered them.
+            name: names a parameter by its optimizer index.
+        """
+        self.index = NONE
+        for rank, (index,) in enumerate(rows):
+            if int(index) != NONE:
+                where = f" (found on rank {rank} of {len(rows)}; every rank raises)" if len(rows) > 1 else ""
+                raise RuntimeError(describe(name(int(index))) + where)
