@@ -39,6 +39,15 @@ from tests.helpers.lockstep import BUCKET, LR, ROWS, batch, compare, forward_bac
 WORLDS = (1, 2)
 
 
+def step_and_compare(opt: zo.ShardedFusedAdam, ropt: torch.optim.Optimizer, model, ref, what: str) -> None:
+    """Both optimizers step and clear their gradients; the gathered weights then equal the reference's."""
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+    with opt.gathered_params():
+        compare(model, ref, what)
+
+
 def inference_first_case(rank: int, world: int, first: str) -> None:
     model, ref = make_models(torch.float32)
     opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -51,11 +60,7 @@ def inference_first_case(rank: int, world: int, first: str) -> None:
                 with opt.gathered_params():
                     compare(model, ref, f"world {world} gathered under inference_mode")
         forward_backward(model, ref, rank, world, 3, step)
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-        with opt.gathered_params():
-            compare(model, ref, f"world {world} ({first} first) step {step}")
+        step_and_compare(opt, ropt, model, ref, f"world {world} ({first} first) step {step}")
 
 
 @pytest.mark.distributed
@@ -93,11 +98,7 @@ def cast_case(rank: int, world: int) -> None:
                 opt.step()
             model.float()
             round_trip(ref.frozen, cast)
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-        with opt.gathered_params():
-            compare(model, ref, f"world {world} step {step}")
+        step_and_compare(opt, ropt, model, ref, f"world {world} step {step}")
         assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -148,11 +149,7 @@ def forward_write_case(rank: int, world: int) -> None:
     for step in range(2):
         embedding_loss(model, mine).backward()
         embedding_loss(ref, tokens).backward()
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-        with opt.gathered_params():
-            compare(model, ref, f"world {world} step {step}")
+        step_and_compare(opt, ropt, model, ref, f"world {world} step {step}")
 
 
 @pytest.mark.distributed
@@ -202,11 +199,7 @@ def penalty_case(rank: int, world: int) -> None:
         x = batch(step, world * ROWS)
         model(x[rank * ROWS : (rank + 1) * ROWS]).backward()
         ref(x).backward()
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-        with opt.gathered_params():
-            compare(model, ref, f"world {world} step {step}")
+        step_and_compare(opt, ropt, model, ref, f"world {world} step {step}")
 
 
 @pytest.mark.distributed
@@ -229,11 +222,7 @@ def double_backward_case(rank: int, world: int) -> None:
     opt.zero_grad()
     for step in range(2):
         forward_backward(model, ref, rank, world, 3, step)
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-        with opt.gathered_params():
-            compare(model, ref, f"world {world} step {step}")
+        step_and_compare(opt, ropt, model, ref, f"world {world} step {step}")
 
 
 @pytest.mark.distributed
