@@ -201,11 +201,16 @@ _LABELS = {
 }
 
 
+def _hyper_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """Copies of ``optimizer``'s param groups without their parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
 def _book(optimizer: Any, scheduler: Any) -> dict[str, Any]:
     """What ``objects.pt`` holds besides the accumulation window (``accumulation.book``)."""
     scaler = getattr(optimizer, "loss_scaler", None)
     return {
-        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "param_groups": _hyper_groups(optimizer),
         "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
         "lr_scheduler_class": None if scheduler is None else type(scheduler).__name__,
         "loss_scaler": None if scaler is None else scaler.state_dict(),
@@ -469,9 +474,7 @@ def _check_scheduler(book: dict[str, Any], optimizer: Any, scheduler: Any, versi
 def _scheduler_copy(scheduler: Any, optimizer: Any) -> Any:
     """A copy of ``scheduler`` whose optimizer is a stand-in with copies of the param groups, sharing the parameters
     (never copied); None for a scheduler that cannot be copied, which is then loaded untried."""
-    stand_in = SimpleNamespace(
-        param_groups=[{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    )
+    stand_in = SimpleNamespace(param_groups=_hyper_groups(optimizer))
     memo: dict[int, Any] = {id(p): p for g in optimizer.param_groups for p in g["params"]}
     memo[id(optimizer)] = stand_in
     try:
