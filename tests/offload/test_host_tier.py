@@ -3,6 +3,8 @@ themselves run with ``share_host`` off, as from a GPU), the host Adam's threads,
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -224,3 +226,77 @@ def test_fingerprint_sees_swaps_and_signs_of_zero(dtype: torch.dtype) -> None:
     flipped.view(torch.int16)[99_999] ^= 1
     for other in (swapped, signed, flipped):
         assert not torch.equal(fingerprint(t), fingerprint(other))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fingerprint_sees_swaps_any_distance_apart(dtype: torch.dtype) -> None:
+    """Swaps of two elements 251 and 502 apart, of two embedding rows 251 apart, and two swaps with opposite
+    differences the same distance apart (the plain and the position-weighted sums stay equal) change the print."""
+    from zero_kernels.offload.host import fingerprint
+
+    torch.manual_seed(0)
+    t = torch.randn(4096).to(dtype)
+    emb = torch.randn(600, 64).to(dtype)
+    edits = []
+    for i, j in ((10, 10 + 251), (10, 10 + 502)):
+        edits.append((t, t.clone()))
+        edits[-1][1][[i, j]] = t[[j, i]]
+    rows = emb.clone()
+    rows[[3, 254]] = emb[[254, 3]]
+    edits.append((emb, rows))
+    paired = torch.zeros(4096, dtype=dtype)
+    paired[[100, 307]] = 1.0  # one 1.0 moves 7 up, the other 7 down
+    opposite = paired.clone()
+    opposite[[100, 107, 300, 307]] = paired[[107, 100, 307, 300]]
+    edits.append((paired, opposite))
+    if dtype == torch.float32:  # two elements whose low and high words differ by +1 and -1: a swap cancels both
+        pair = torch.zeros(4096, dtype=dtype)
+        pair.view(torch.int16)[[20, 21, 600, 601]] = torch.tensor([0, 0x3F80, 1, 0x3F7F], dtype=torch.int16)
+        swapped = pair.clone()
+        swapped[[10, 300]] = pair[[300, 10]]
+        edits.append((pair, swapped))
+    for before, after in edits:
+        assert not torch.equal(before, after)
+        assert not torch.equal(fingerprint(before), fingerprint(after))
+
+
+def test_fingerprint_is_the_sums_mod_2_64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The three sums against Python integers mod 2**64, over chunks (``_CHUNK`` made small) and at positions
+    near 2**40 where the int64 products wrap."""
+    from zero_kernels.offload import host
+
+    def reference(t: torch.Tensor, at: int) -> list[int]:
+        ws = host.words(t).tolist()
+        sums = [sum(w * (at + i + 1) ** k for i, w in enumerate(ws)) for k in (0, 1, 2)]
+        return [(s + 2**63) % 2**64 - 2**63 for s in sums]  # as signed int64
+
+    monkeypatch.setattr(host, "_CHUNK", 7)
+    t = torch.randn(50).to(torch.bfloat16)
+    t[3] = -0.0
+    assert host.fingerprint(t).tolist() == reference(t, 0)
+    far = 2**40
+    assert host._sums(host.words(t), far).tolist() == reference(t, far)
+    assert host.fingerprint(torch.empty(0)).tolist() == [0, 0, 0]
+
+
+def test_edit_swapping_rows_251_apart_is_adopted_as_without_offload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU branch of ``HostTier.changed`` (``fingerprint``, forced here) finds a swap of two embedding rows
+    251 apart between steps: the offloaded run keeps the edit and ends bit for bit where the plain run does."""
+    monkeypatch.setattr(HostTier, "share_host", False)
+    monkeypatch.setattr(HostTier, "bitwise", lambda self, device: False)
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Embedding(300, 16), nn.Flatten(), nn.Linear(16 * 4, 1)).to(torch.bfloat16)
+    plain, tiered = base, copy.deepcopy(base)
+    a = zo.ShardedFusedAdam(plain, lr=1e-2, stage=2)
+    b = zo.ShardedFusedAdam(tiered, lr=1e-2, stage=2, offload_optimizer={"device": "cpu"})
+    x = torch.randint(0, 300, (8, 4), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        for model, opt in ((plain, a), (tiered, b)):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                with torch.no_grad():
+                    model[0].weight[[3, 254]] = model[0].weight[[254, 3]].clone()
+        for p, q in zip(plain.parameters(), tiered.parameters()):
+            assert torch.equal(p, q), f"step {step}"

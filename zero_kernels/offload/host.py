@@ -17,8 +17,8 @@ device shards in place (nothing crosses, nothing is counted). ``share_host`` Fal
 there too, as it does from a GPU (the tests run that path on the CPU).
 
 Writes into the device parameters between steps (a loaded checkpoint, ``p.data.mul_()``) are found
-without copying the parameters down (``changed``): the device bucket's ``fingerprint`` (two exact sums
-of its bits as 16-bit words, one position-weighted, computed on the device) is compared with the one
+without copying the parameters down (``changed``): the device bucket's ``fingerprint`` (three exact sums
+of its bits as 16-bit words, position-weighted 1, i+1 and (i+1)**2, computed on the device) is compared with the one
 taken when the tier last pushed it up, on the device; only a bucket that differs is copied down, and
 the update then adopts it exactly as without offload. (Where the "device" is the CPU, the bits are
 compared directly.)
@@ -31,7 +31,6 @@ cores (``cpu_threads``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Hashable, Iterator, Optional
@@ -42,7 +41,7 @@ from ..config.offload import OffloadOptimizerConfig
 from ..env import cpu_adam_threads
 
 THREADS_VARIABLE = "ZERO_KERNELS_CPU_ADAM_THREADS"  # read by ``env.cpu_adam_threads``
-_WEIGHT_PERIOD = 251  # position weights 1..251 of the fingerprint: int32 products never overflow
+_CHUNK = 1 << 22  # words per pass of ``fingerprint``: its int64 temporaries take 32 MiB each
 
 
 def cpu_threads(share: float) -> int:
@@ -60,16 +59,27 @@ def words(t: torch.Tensor) -> torch.Tensor:
 
 
 def fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two sums of ``t``'s 16-bit words, plain and position-weighted (1..251), on ``t``'s device: float64
-    sums of integers below 2**53, so exact whatever the order of summation."""
-    w = words(t).to(torch.float64)
-    return torch.stack([w.sum(), w.mul_(_weights(w.numel(), w.device)).sum()])
+    """Three sums of ``t``'s 16-bit words w_i (i = 0, 1, ...) on ``t``'s device, in int64 arithmetic that wraps
+    (exact mod 2**64 whatever the order of summation): sum w_i, sum (i+1)*w_i and sum (i+1)**2*w_i.
+
+    Below 2**46 words, no changed word and no swap of two words or of two fp32 elements leaves the prints
+    equal, since a nonzero integer below 2**64 in size is not 0 mod 2**64: a changed word moves the first sum
+    by d (|d| < 2**16); a swap moves the second by (w_j - w_i)*(j - i). Where that cancels for several words
+    moved in step (two swaps the same distance apart with opposite differences, as the two words of an fp32
+    swap can be), the squared weights do not: for the fp32 swap, the third moves by 4*d*(j - i).
+    Taken in chunks of ``_CHUNK`` words: two int64 temporaries at a time, nothing kept between calls."""
+    w = words(t).reshape(-1)
+    parts = [_sums(w[at : at + _CHUNK], at) for at in range(0, w.numel(), _CHUNK)]
+    return torch.stack(parts).sum(0) if parts else torch.zeros(3, dtype=torch.int64, device=t.device)
 
 
-@functools.lru_cache(maxsize=8)
-def _weights(numel: int, device: torch.device) -> torch.Tensor:
-    """The position weights of ``fingerprint`` (kept for the few bucket sizes a model has)."""
-    return torch.arange(numel, device=device, dtype=torch.float64).remainder_(_WEIGHT_PERIOD).add_(1)
+def _sums(chunk: torch.Tensor, at: int) -> torch.Tensor:
+    """``fingerprint``'s three sums over the words ``chunk`` that start at word ``at``."""
+    w = chunk.to(torch.int64)
+    position = torch.arange(at + 1, at + 1 + w.numel(), dtype=torch.int64, device=w.device)
+    plain = w.sum()
+    weighted = w.mul_(position)
+    return torch.stack([plain, weighted.sum(), weighted.mul_(position).sum()])
 
 
 @dataclass
@@ -163,19 +173,27 @@ class HostTier:
     def changed(self, key: Hashable, device_part: torch.Tensor, host_part: torch.Tensor) -> bool:
         """Whether the device tensor differs from the host copy last pushed up or taken down for ``key``.
 
-        Where the "device" is host memory too (a CPU-only machine) the bits themselves are compared;
-        else the device's ``fingerprint`` is compared with the one taken when the copy was made, on the
-        device: nothing but the answer crosses the bus, and the host does no work.
+        Where the "device" is host memory too (a CPU-only machine, ``bitwise``) the bits themselves are
+        compared; else the device's ``fingerprint`` is compared with the one taken when the copy was made,
+        on the device: nothing but the answer crosses the bus, and the host does no work.
         """
-        if device_part.device == host_part.device:
+        if self.bitwise(device_part.device):
             return not torch.equal(words(device_part), words(host_part))
+        return self._print_changed(key, device_part)
+
+    def bitwise(self, device: torch.device) -> bool:
+        """Whether ``changed`` compares a piece on ``device`` with its host copy bit for bit (``device`` is the
+        tier's own memory) rather than by ``fingerprint`` (a GPU; the tests force that branch here)."""
+        return torch.device(device) == self.device
+
+    def _print_changed(self, key: Hashable, device_part: torch.Tensor) -> bool:
         now = fingerprint(device_part)
         before = self._prints.get(key)
         self._prints[key] = now
         return before is None or not torch.equal(now, before)
 
     def _remember(self, key: Hashable, device_part: torch.Tensor) -> None:
-        if device_part.device != self.device:
+        if not self.bitwise(device_part.device):
             self._prints[key] = fingerprint(device_part)
 
     def traffic(self) -> dict[str, int]:
