@@ -205,6 +205,39 @@ def test_error_feedback_cancels_over_reductions_and_resets() -> None:
     run_ranks_checked(_check_feedback, 4, [0, 0, 1, 1])
 
 
+def _check_index_moves(rank: int, world: int, nodes_of: list[int]) -> list[str]:
+    """Every ``Tensor.to`` of the host index tensors over 3 buckets: at most one per tensor and device (a copy
+    from pageable memory per bucket is a host sync per bucket on a GPU), and both tensors are used."""
+    import zero_kernels.kernels as codec
+    from zero_kernels.comm import TorchCommEngine
+    from zero_kernels.comm.quantized import QuantizedReduceScatter
+
+    _emulate(rank, nodes_of)
+    qrs = QuantizedReduceScatter(TorchCommEngine(), codec, block=BLOCK)
+    indices = {id(qrs._intra_order): "_intra_order", id(qrs._inter_rows): "_inter_rows"}
+    moves: list[tuple[str, str]] = []
+    real = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if id(self) in indices:
+            moves.append((indices[id(self)], str(args[0] if args else kwargs)))
+        return real(self, *args, **kwargs)
+
+    torch.Tensor.to = spy  # type: ignore[method-assign]
+    try:
+        for k in range(3):
+            qrs.reduce_scatter(torch.empty(10), torch.randn(10 * world), name=f"b{k}").wait()
+    finally:
+        torch.Tensor.to = real  # type: ignore[method-assign]
+    names = {name for name, _ in moves}
+    return [] if len(moves) == len(set(moves)) == 2 and len(names) == 2 else [f"index tensors moved: {moves}"]
+
+
+@pytest.mark.distributed
+def test_index_tensors_reach_the_device_once() -> None:
+    run_ranks_checked(_check_index_moves, 4, [0, 1, 0, 1])
+
+
 def _check_logs_once_and_refuses_a_subgroup(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 

@@ -124,6 +124,7 @@ class QuantizedReduceScatter:
         self._reductions: dict[Any, int] = {}
         self.bytes = {"input": 0, "intra": 0, "inter": 0}  # bytes of gradients reduced, int4 bytes sent per hop
         self._logged = False
+        self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}  # (index name, device) -> its copy
         self.world_size = engine.world_size
         if self.world_size > 1:
             self._make_routes()
@@ -173,7 +174,7 @@ class QuantizedReduceScatter:
         """``inp``'s chunks as hop 1 sends them: one row per intra rank, each padded to whole blocks."""
         width = self.nodes * n
         rows = torch.zeros(self.local, self._padded(width), dtype=inp.dtype, device=inp.device)
-        order = self._intra_order.to(inp.device)
+        order = self._index("_intra_order", inp.device)
         chunks = inp.view(-1, n).index_select(0, order)
         rows[:, :width].view(self.local, self.nodes, n).copy_(chunks.view(self.local, self.nodes, n))
         return rows
@@ -181,7 +182,7 @@ class QuantizedReduceScatter:
     def _by_node(self, partial: torch.Tensor, n: int) -> torch.Tensor:
         """The node partial (``nodes * n`` values) as hop 2 sends it: one row per inter rank, padded."""
         rows = torch.zeros(self.nodes, self._padded(n), dtype=partial.dtype, device=partial.device)
-        rows[:, :n].copy_(partial.view(self.nodes, n).index_select(0, self._inter_rows.to(partial.device)))
+        rows[:, :n].copy_(partial.view(self.nodes, n).index_select(0, self._index("_inter_rows", partial.device)))
         return rows
 
     def _after_intra(self, first: _Sent, out: torch.Tensor, n: int, key: Any) -> None:
@@ -192,6 +193,14 @@ class QuantizedReduceScatter:
         second = self._send(self._by_node(partial, n), self.inter, key, 1)
         second.work.wait()
         out.copy_(self._received(second)[:n])
+
+    def _index(self, name: str, device: torch.device) -> torch.Tensor:
+        """The host index tensor ``name`` (``_intra_order``, ``_inter_rows``) on ``device``, copied there once: a
+        copy from pageable host memory per bucket would make the host wait for the device in every backward hook."""
+        key = (name, device)
+        if key not in self._on_device:
+            self._on_device[key] = getattr(self, name).to(device)
+        return self._on_device[key]
 
     def _padded(self, numel: int) -> int:
         return -(-numel // self.block) * self.block
