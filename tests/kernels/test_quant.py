@@ -11,12 +11,13 @@ float32's rounding of ``x/scale`` and of ``q*scale`` (each at most half an ulp o
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import pytest
 import torch
 
-from zero_kernels.kernels import QuantizedBlocks, dequantize, dequantize_ref, quantize, quantize_ref
+from zero_kernels.kernels import QuantizedBlocks, dequantize, dequantize_ref, quantize, quantize_ref, tuning
 from zero_kernels.kernels.quant_reference import QMAX, unpack
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -198,3 +199,20 @@ def test_reads_any_shape_flat() -> None:
 def test_bad_arguments_name_what_is_wrong(call, error, match) -> None:
     with pytest.raises(error, match=match):
         call()
+
+
+def test_triton_launches_on_the_device_of_their_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both Triton launches make their tensors' device current (``tuning.launch_device``), as the Adam and
+    flatten launches do: the current device may be another one when they run."""
+    seen: list[torch.Tensor] = []
+
+    def record(tensor: torch.Tensor) -> contextlib.nullcontext:
+        seen.append(tensor)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(tuning, "launch_device", record)
+    x = torch.randn(100, device=DEVICE)
+    qb = quantize(x, 4, BLOCK, impl="triton")
+    out = dequantize(qb, torch.float32, impl="triton")
+    assert [t.data_ptr() for t in seen] == [x.data_ptr(), out.data_ptr()]
+    assert all(t.device == DEVICE for t in seen)

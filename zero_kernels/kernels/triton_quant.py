@@ -148,9 +148,10 @@ def quantize_triton(x: torch.Tensor, bits: int, block: int, out: Optional[Quanti
     qb = QuantizedBlocks.empty(x.numel(), bits, block, x.device) if out is None else out
     if qb.num_blocks:
         flat = x.contiguous().view(-1)
-        _quantize_kernel[(qb.num_blocks,)](
-            flat, qb.data, qb.scales, flat.numel(), block, BITS=bits, **_launch_meta(block)
-        )
+        with tuning.launch_device(flat):
+            _quantize_kernel[(qb.num_blocks,)](
+                flat, qb.data, qb.scales, flat.numel(), block, BITS=bits, **_launch_meta(block)
+            )
     return qb
 
 
@@ -159,9 +160,10 @@ def dequantize_triton(qb: QuantizedBlocks, dtype: torch.dtype, out: Optional[tor
     check_dequantize_args(qb, dtype, out)
     values = torch.empty(qb.numel, dtype=dtype, device=qb.data.device) if out is None else out
     if qb.num_blocks:
-        _dequantize_kernel[(qb.num_blocks,)](
-            qb.data, qb.scales, values, qb.numel, qb.block, BITS=qb.bits, **_launch_meta(qb.block)
-        )
+        with tuning.launch_device(values):
+            _dequantize_kernel[(qb.num_blocks,)](
+                qb.data, qb.scales, values, qb.numel, qb.block, BITS=qb.bits, **_launch_meta(qb.block)
+            )
     return values
 
 
