@@ -142,3 +142,42 @@ def test_every_operation_hands_its_side_stream_to_the_engine(streams: dict[str, 
     for handle in handles:
         handle.wait()
     assert streams["compute"].waited_for == ["side"] * 3
+
+
+def test_torch_engine_copy_out_tells_the_allocator_of_the_waiting_stream(
+    streams: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torch engine's reduce-scatter into another dtype sums into a temporary allocated with the issuing
+    stream current and copies it out at ``wait()`` on the stream current then: that stream's use is recorded
+    (``record_stream``) before the handle drops the temporary."""
+    from zero_kernels.comm import torch_engine
+
+    used: list[str] = []
+
+    class Temporary(OnGpu1):
+        def record_stream(self, stream: FakeStream) -> None:
+            used.append(stream.name)
+
+    real_empty = torch.empty
+
+    def empty(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        t = real_empty(*size, **kwargs)
+        return t.as_subclass(Temporary) if device is not None and torch.device(device).type == "cuda" else t
+
+    class Work:
+        def wait(self) -> None: ...
+
+        def is_completed(self) -> bool:
+            return False
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch_engine, "reduce_scatter_flat", lambda *args, **kwargs: Work())
+    engine = comm.TorchCommEngine.__new__(comm.TorchCommEngine)
+    engine.rank, engine.world_size, engine.backend, engine._group = 0, 2, "nccl", None
+    engine._pending, engine._tags = [], 0
+    full = torch.arange(8.0).as_subclass(OnGpu1)
+    shard = real_empty(4, dtype=torch.bfloat16).as_subclass(OnGpu1)
+    handle = engine.reduce_scatter(shard, full, name="r", primitive="reduce_scatter_tensor")
+    streams["set_current"](FakeStream("autograd callback"))
+    handle.wait()
+    assert used == ["autograd callback"], "the waiting stream's read of the temporary is not recorded"

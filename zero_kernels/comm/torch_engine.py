@@ -112,7 +112,7 @@ class TorchCommEngine(EngineBase):
             work = dist.reduce_scatter(target, list(input.chunk(self.world_size)), group=self.group, async_op=True)
         else:
             work = reduce_scatter_flat(target, input, group=self.group, async_op=True)
-        epilogue = None if target is output else (lambda: output.copy_(target))
+        epilogue = None if target is output else (lambda: copy_out(output, target))
         return self._track(Handle(work, (input, target, output), epilogue, what))
 
     @issue_errors_named("all_gather")
@@ -165,3 +165,13 @@ class TorchCommEngine(EngineBase):
         """Operations the engine still holds (finished ones are dropped first)."""
         self._reap()
         return len(self._pending)
+
+
+def copy_out(output: torch.Tensor, temporary: torch.Tensor) -> None:
+    """``output.copy_(temporary)`` at ``wait()``, on the stream current then. A CUDA ``temporary`` was allocated on
+    the stream current at issue, which may be another one (a wait from an autograd callback or a user's stream):
+    the allocator is told of this use (``record_stream``) before the handle drops it, so that its block is not
+    handed to the next allocation on the issuing stream while the copy may still read it."""
+    output.copy_(temporary)
+    if temporary.is_cuda:
+        temporary.record_stream(torch.cuda.current_stream(temporary.device))
