@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,9 @@ from torch import nn
 import zero_kernels.optim as zo
 from tests.helpers.resident import resident_pages
 from tests.offload.test_disk_tier import _tmpfs
+from zero_kernels.config.offload import AioConfig, OffloadParamConfig
+from zero_kernels.offload.param_files import ParamFiles
+from zero_kernels.stages.stage3.disk_params import DiskParams
 
 KWARGS = dict(lr=1e-2, stage=3, reduce_bucket_size=512, stage3_param_persistence_threshold=0)
 
@@ -224,3 +228,43 @@ def test_a_shard_is_read_one_module_before_its_gather(tmp_path: Path) -> None:
     with opt.gathered_params(), plain.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
+
+
+def test_a_gathers_pool_buffer_waits_for_its_copy_up_only_when_handed_out_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA (faked here) a unit's gathers done give the pool buffer back with an event on the current stream,
+    which ordered after the copy up of the shard: the host waits for that event when the buffer is taken again,
+    never for the whole stream at every gather."""
+    log: list[str] = []
+
+    class Stream:
+        def synchronize(self) -> None:
+            log.append("stream synchronized")
+
+    class Event:
+        def record(self, stream: Stream) -> None:
+            log.append("event recorded")
+
+        def synchronize(self) -> None:
+            log.append("event waited")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=1, buffer_size=1000)
+    files = ParamFiles(config, AioConfig(), rank=0)
+    disk = DiskParams(files, max_in_cpu=0)
+    files.add(1, 100, torch.bfloat16, "unit 1")
+    on_gpu, on_cpu = SimpleNamespace(device=torch.device("cuda", 0)), SimpleNamespace(device=torch.device("cpu"))
+    try:
+        for buf, expected in ((on_gpu, ["event recorded", "event waited"]), (on_cpu, [])):
+            lease = files.take(100, torch.bfloat16, lambda: None)
+            disk._gathering[id(buf)] = lease
+            disk.done(buf)
+            assert log == expected[:1]
+            again = files.take(100, torch.bfloat16, lambda: None)
+            assert again.raw is lease.raw and log == expected
+            files.put(again)
+            log.clear()
+    finally:
+        files.close()

@@ -7,7 +7,8 @@ state tier's directory, through its engine) are such files.
 
 Pool. ``buffer_count`` page-aligned host buffers, each as large as ``fit`` asked for, allocated when first taken.
 ``take`` hands out a free buffer; when every buffer is held it first calls the oldest holder's release callback,
-which must finish what still reads or writes the buffer and ``put`` it back. A buffer put back gives its pages to
+which must finish what still reads or writes the buffer and ``put`` it back (copies to a device that may still read
+it: with an event, which ``take`` waits for before handing it out again). A buffer put back gives its pages to
 the system (``aio.release_pages``; page-locked buffers keep theirs): what the pool keeps resident is the buffers
 held, not ``buffer_count`` of them.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -59,6 +60,7 @@ class ShardFiles:
         self._pool: list[torch.Tensor] = []  # every buffer allocated (uint8)
         self._free: list[torch.Tensor] = []
         self._holders: OrderedDict[int, tuple[Lease, Callable[[], None]]] = OrderedDict()  # oldest first
+        self._copies: dict[int, Any] = {}  # id(free buffer) -> the event after the device copies that read it (put)
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -125,6 +127,9 @@ class ShardFiles:
             _, (_, oldest) = next(iter(self._holders.items()))
             oldest()
         raw = self._free.pop()
+        copied = self._copies.pop(id(raw), None)
+        if copied is not None:
+            copied.synchronize()  # a copy to the device queued before the buffer came back may still read it
         nbytes = numel * dtype.itemsize
         if raw.numel() < nbytes:  # a shard added after this buffer was made
             self._pool.remove(raw)
@@ -138,9 +143,13 @@ class ShardFiles:
         """Change what a held lease's ``release`` is (a new holder of it), keeping its place in the queue."""
         self._holders[id(lease)] = (lease, release)
 
-    def put(self, lease: Lease) -> None:
-        """Give a buffer back (nothing may read or write it any more); its pages go back to the system."""
+    def put(self, lease: Lease, copied: Optional[Any] = None) -> None:
+        """Give a buffer back (nothing on the host may read or write it any more); its pages go back to the system.
+        ``copied``: an event (``torch.cuda.Event``) recorded after the copies to a device that read it; ``take``
+        waits for it before handing the buffer out again (page-locked: its pages stay, the copies read them)."""
         if self._holders.pop(id(lease), None) is not None:
+            if copied is not None:
+                self._copies[id(lease.raw)] = copied
             release_pages(lease.raw)
             self._free.append(lease.raw)
 

@@ -53,6 +53,17 @@ def stand_in(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device="meta")
 
 
+def copied_up(device: torch.device) -> Optional[Any]:
+    """On CUDA, an event on the current stream, which the gathers' wait ordered after the copy up of the shard they
+    sent: the pool waits for it only when it hands the buffer out again, so the host does not wait for the device at
+    every gather. None elsewhere (nothing to wait for)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class DiskParams:
     """The file units of one stage-3 pipeline (see the module docstring).
 
@@ -149,9 +160,7 @@ class DiskParams:
         """The gathers of ``buf`` are over: its pool buffer goes back."""
         lease = self._gathering.pop(id(buf), None)
         if lease is not None:
-            if buf.device.type == "cuda":
-                torch.cuda.current_stream(buf.device).synchronize()  # its copy up may still read it
-            self.files.put(lease)
+            self.files.put(lease, copied_up(buf.device))
 
     # ---------------------------------------------------------------- the step
     def step_params(self, buf: "Stage3Buffer", bucket: Bucket, read: bool = True) -> torch.Tensor:
