@@ -345,6 +345,31 @@ def test_error_inputs_refused_at_construction() -> None:
             assert not model._forward_pre_hooks and not hooks and w.shape == (11, 6), f"stage {stage}: {message}"
 
 
+def test_set_of_parameters_on_one_process_as_adamw() -> None:
+    """A top-level set of parameters: AdamW takes it (list(params)); so does one process, with AdamW's results."""
+    for stage in (1, 3):
+        model, ref = make_models(torch.float32)
+        opt = zo.ShardedFusedAdam(set(model.parameters()), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+        train(model, opt, 0, 1, stage, range(2), ref, torch.optim.AdamW(set(ref.parameters()), lr=LR))
+
+
+def set_case(rank: int, world: int) -> None:
+    """On several ranks a set's order differs between processes: refused, saying why and what to pass."""
+    model, _ = make_models(torch.float32)
+    for stage in STAGES:
+        for kind in (set, frozenset):
+            message = rf"params is a {kind.__name__}: its order .* differs between the {world} processes"
+            message += r".*pass a list, model\.parameters\(\)"
+            with pytest.raises(TypeError, match=message):
+                zo.ShardedFusedAdam(kind(model.parameters()), lr=LR, stage=stage, module=model)
+            assert not model._forward_pre_hooks, f"stage {stage}: hooks left by a refused construction"
+
+
+@pytest.mark.distributed
+def test_set_of_parameters_refused_on_ranks(spawn) -> None:
+    spawn(set_case, 2)
+
+
 def test_flags_as_adamw_takes_them() -> None:
     """0, 1 and numpy's booleans are booleans to AdamW: the same here, with the same results."""
     np = pytest.importorskip("numpy")

@@ -84,6 +84,7 @@ from .args import (
     check_group_values,
     check_hyper,
     check_impl,
+    check_ordered,
     check_process_group,
     checked_groups,
     data_type,
@@ -218,6 +219,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._engine = make_engine(process_group)
         if restore is not None:
             restore.check(self._engine)
+        check_ordered(params, self._engine.world_size)
         groups = checked_groups(params, defaults, self._describe)  # every group, before anything changes
         device = devices.parameters_device(groups)
         devices.check_current_device(self._engine, device, exchange=restore is None)  # before any other exchange
