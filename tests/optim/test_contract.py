@@ -166,6 +166,32 @@ def test_hooks_run_in_torch_order() -> None:
 
 
 # ---------------------------------------------------------------- copies
+@pytest.mark.parametrize("stage", (1, 3))
+def test_compiled_step_runs_eagerly_as_adamw(stage: int) -> None:
+    """PyTorch's "compiling the optimizer" recipe: torch.compile around opt.step() runs the step eagerly (stage
+    3's freed parameters never reach Dynamo), with its hooks, and trains as AdamW."""
+    torch._dynamo.reset()
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(
+        model, lr=LR, stage=stage, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0
+    )
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    compiled = torch.compile(lambda: opt.step(), backend="eager")
+    for step in range(3):
+        x, span = batch(step, ROWS), extra_rows(step, 1)
+        model(x, span).backward()
+        ref(x, span).backward()
+        compiled()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} compiled step {step}")
+    assert calls == ["pre"] * 3, calls
+
+
 def public_attrs(obj: Any) -> set[str]:
     return {k for k in obj.__dict__ if not k.startswith("_")}
 

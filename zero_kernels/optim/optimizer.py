@@ -366,6 +366,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._micro_step = value
         self._update_sync()
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler: Any = None) -> Optional[float]:
         """One optimizer step (or one accumulation micro-step, see the module docstring).
