@@ -14,7 +14,8 @@ stage on 1, 2 and 3 ranks, with clipping active:
    ``clip_grad_value_``.
 4. ``norm_type`` inf, 1 and 3 at stages 1-3: torch's ``clip_grad_norm_`` (and ``get_total_norm`` then
    ``clip_grads_with_norm_``) give the reference's norm and weights, also with fp16 loss scaling and two
-   accumulation steps, and with stage 3's gradients in files (``offload_optimizer`` nvme); an order that
+   accumulation steps, and with stage 3's gradients in files (``offload_optimizer`` nvme); a NaN in one rank's
+   shard makes the inf norm NaN on every rank; an order that
    measures no size (0, negative, NaN, not a number) raises ``ValueError`` naming ``norm_type``.
 """
 
@@ -184,12 +185,28 @@ def bad_norm_types(rank: int, world: int, stage: int) -> None:
     opt.step()
 
 
+def nan_in_one_shard(rank: int, world: int, stage: int) -> None:
+    """Item 4: a NaN in one element of the gradients makes the inf norm NaN on every rank (as torch's), whichever
+    rank's shard holds it (a max all-reduce need not carry a NaN)."""
+    for where in (0, -1):  # the first element of the flat gradients, then the last: two different ranks' shards
+        model, _ = make_models(torch.float32)
+        opt = _opt(model, stage)
+        p = model.emb.weight if where == 0 else model.head.bias
+        x = batch(0, world * ROWS)
+        (model(x[rank * ROWS : (rank + 1) * ROWS]) + torch.tensor(math.nan) * p.flatten()[where]).backward()
+        norm = opt.clip_grad_norm_(MAX_NORM, math.inf)
+        assert math.isnan(float(norm)), f"stage {stage} world {world} element {where}: inf norm {float(norm)}"
+        opt.zero_grad()
+
+
 def norm_type_cases(rank: int, world: int, scratch: str) -> None:
     for stage in (1, 2, 3):
         for norm_type in NORM_TYPES:
             for how in ("clip_grad_norm_", "get_total_norm", "fp16 accumulated"):
                 norm_types(rank, world, stage, norm_type, how)
         bad_norm_types(rank, world, stage)
+        if stage < 3:  # stage 3 reads parameters only in a forward
+            nan_in_one_shard(rank, world, stage)
     for norm_type in NORM_TYPES:
         norm_types(rank, world, 3, norm_type, "files", scratch)
 

@@ -3,8 +3,9 @@
 
 The shards split every gradient element between the ranks exactly once (``Pipeline.norm_views``), so:
 
-- ``inf``: each rank's largest ``|g|``, then a max all-reduce. The max drops a NaN on some collectives,
-  so a second entry, the max of "this rank saw a NaN" (0 or 1), makes the result NaN, as torch's is;
+- ``inf``: each rank's largest ``|g|``, then a max all-reduce. That max need not carry a NaN (gloo's keeps one
+  from rank 0 and drops one from rank 1), so a second entry, the max of "this rank saw a NaN" (0 or 1), makes
+  the result NaN, as torch's is;
 - a finite ``p``: each rank's sum of ``|g|^p`` (per piece ``vector_norm(g, p) ** p``, in float64 from
   the piece's float32 norm, as torch stacks per-tensor norms), a sum all-reduce, then ``** (1 / p)``.
 
