@@ -187,16 +187,18 @@ def bad_norm_types(rank: int, world: int, stage: int) -> None:
 
 def nan_in_one_shard(rank: int, world: int, stage: int) -> None:
     """Item 4: a NaN in one element of the gradients makes the inf norm NaN on every rank (as torch's), whichever
-    rank's shard holds it (a max all-reduce need not carry a NaN)."""
-    for where in (0, -1):  # the first element of the flat gradients, then the last: two different ranks' shards
-        model, _ = make_models(torch.float32)
-        opt = _opt(model, stage)
-        p = model.emb.weight if where == 0 else model.head.bias
-        x = batch(0, world * ROWS)
-        (model(x[rank * ROWS : (rank + 1) * ROWS]) + torch.tensor(math.nan) * p.flatten()[where]).backward()
-        norm = opt.clip_grad_norm_(MAX_NORM, math.inf)
-        assert math.isnan(float(norm)), f"stage {stage} world {world} element {where}: inf norm {float(norm)}"
-        opt.zero_grad()
+    rank's shard holds it (a max all-reduce need not carry a NaN): the first and last element of each parameter."""
+    names = [n for n, p in Net().named_parameters() if p.requires_grad]
+    for name in names:
+        for where in (0, -1):
+            model, _ = make_models(torch.float32)
+            opt = _opt(model, stage)
+            x = batch(0, world * ROWS)
+            nan = torch.tensor(math.nan) * model.get_parameter(name).flatten()[where]
+            (model(x[rank * ROWS : (rank + 1) * ROWS]) + nan).backward()
+            norm = opt.clip_grad_norm_(MAX_NORM, math.inf)
+            assert math.isnan(float(norm)), f"stage {stage} world {world} {name}[{where}]: inf norm {float(norm)}"
+            opt.zero_grad()
 
 
 def norm_type_cases(rank: int, world: int, scratch: str) -> None:
