@@ -12,7 +12,7 @@ stage on 1, 2 and 3 ranks, with clipping active:
    several ranks; at stage 0 torch's clip of a subset runs, as with DDP), the parameters and others
    that have gradients, ``get_total_norm([])`` while stage 2-3 holds this step's gradients, and
    ``clip_grad_value_``.
-4. ``norm_type`` inf, 1 and 3 at stages 1-3: torch's ``clip_grad_norm_`` (and ``get_total_norm`` then
+4. ``norm_type`` inf, 1 and 3 at every stage: torch's ``clip_grad_norm_`` (and ``get_total_norm`` then
    ``clip_grads_with_norm_``) give the reference's norm and weights, also with fp16 loss scaling and two
    accumulation steps, and with stage 3's gradients in files (``offload_optimizer`` nvme); a NaN in one rank's
    shard makes the inf norm NaN on every rank; an order that
@@ -159,7 +159,7 @@ def norm_types(rank: int, world: int, stage: int, norm_type: float, how: str, sc
         _norm_backward(model, ref, opt, rank, world, step)
         expected = nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None], norm_type)
         max_norm = float(expected) / 2  # clipping active
-        if how == "get_total_norm" and stage == 1:  # p.grad is set at stage 1 only
+        if how == "get_total_norm" and stage <= 1:  # p.grad is set at stages 0-1 only
             norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], norm_type)
             torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), max_norm, norm)
         else:
@@ -202,7 +202,7 @@ def nan_in_one_shard(rank: int, world: int, stage: int) -> None:
 
 
 def norm_type_cases(rank: int, world: int, scratch: str) -> None:
-    for stage in (1, 2, 3):
+    for stage in STAGES:
         for norm_type in NORM_TYPES:
             for how in ("clip_grad_norm_", "get_total_norm", "fp16 accumulated"):
                 norm_types(rank, world, stage, norm_type, how)
