@@ -166,6 +166,32 @@ def test_hooks_run_in_torch_order() -> None:
 
 
 # ---------------------------------------------------------------- copies
+@pytest.mark.parametrize("stage", (1, 3))
+def test_compiled_step_runs_eagerly_as_adamw(stage: int) -> None:
+    """PyTorch's "compiling the optimizer" recipe: torch.compile around opt.step() runs the step eagerly (stage
+    3's freed parameters never reach Dynamo), with its hooks, and trains as AdamW."""
+    torch._dynamo.reset()
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(
+        model, lr=LR, stage=stage, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0
+    )
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    compiled = torch.compile(lambda: opt.step(), backend="eager")
+    for step in range(3):
+        x, span = batch(step, ROWS), extra_rows(step, 1)
+        model(x, span).backward()
+        ref(x, span).backward()
+        compiled()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} compiled step {step}")
+    assert calls == ["pre"] * 3, calls
+
+
 def public_attrs(obj: Any) -> set[str]:
     return {k for k in obj.__dict__ if not k.startswith("_")}
 
@@ -343,6 +369,31 @@ def test_error_inputs_refused_at_construction() -> None:
                     zo.ShardedFusedAdam(**kwargs, stage=stage, **extra)
             hooks = getattr(w, "_post_accumulate_grad_hooks", None)
             assert not model._forward_pre_hooks and not hooks and w.shape == (11, 6), f"stage {stage}: {message}"
+
+
+def test_set_of_parameters_on_one_process_as_adamw() -> None:
+    """A top-level set of parameters: AdamW takes it (list(params)); so does one process, with AdamW's results."""
+    for stage in (1, 3):
+        model, ref = make_models(torch.float32)
+        opt = zo.ShardedFusedAdam(set(model.parameters()), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+        train(model, opt, 0, 1, stage, range(2), ref, torch.optim.AdamW(set(ref.parameters()), lr=LR))
+
+
+def set_case(rank: int, world: int) -> None:
+    """On several ranks a set's order differs between processes: refused, saying why and what to pass."""
+    model, _ = make_models(torch.float32)
+    for stage in STAGES:
+        for kind in (set, frozenset):
+            message = rf"params is a {kind.__name__}: its order .* differs between the {world} processes"
+            message += r".*pass a list, model\.parameters\(\)"
+            with pytest.raises(TypeError, match=message):
+                zo.ShardedFusedAdam(kind(model.parameters()), lr=LR, stage=stage, module=model)
+            assert not model._forward_pre_hooks, f"stage {stage}: hooks left by a refused construction"
+
+
+@pytest.mark.distributed
+def test_set_of_parameters_refused_on_ranks(spawn) -> None:
+    spawn(set_case, 2)
 
 
 def test_flags_as_adamw_takes_them() -> None:

@@ -1,12 +1,14 @@
 """``opt.state_dict()`` where a rank holds the whole state (one rank at any stage, stage 0 on any number
 of ranks) is ``torch.optim.AdamW``'s layout: AdamW loads it and continues element by element as the
 optimizer that saved it, and it loads back into ``ShardedFusedAdam`` at any stage (with the fp32
-master of bf16 parameters, so a bf16 run resumes bit for bit).
+master of bf16 parameters, so a bf16 run resumes bit for bit). A state saved in the other weight-decay
+mode (``torch.optim.Adam``'s L2 decay) with a non-zero ``weight_decay`` loads with one WARNING naming both.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -127,6 +129,37 @@ def test_an_int_key_in_no_param_group_is_refused() -> None:
     saved["state"][99] = saved["state"][0]
     with pytest.raises(ValueError, match=r"state\[99\] is in no param group's 'params'"):
         opt.load_state_dict(saved)
+
+
+def _decay_warnings(caplog: pytest.LogCaptureFixture, saved: dict, adam_w_mode: bool) -> list[str]:
+    model, _ = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=1, adam_w_mode=adam_w_mode)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        opt.load_state_dict(copy.deepcopy(saved))
+    return [r.getMessage() for r in caplog.records if "load_state_dict" in r.getMessage()]
+
+
+def test_a_state_of_the_other_decay_mode_is_loaded_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """torch.optim.Adam's state (L2 decay) into AdamW mode, and DeepSpeed's adam_w_mode key: one WARNING naming
+    both modes where weight_decay is non-zero; none where the modes agree or the decay is 0."""
+    model, _ = make_models(torch.float32)
+    adam = torch.optim.Adam(groups(model), lr=LR, weight_decay=0.1)
+    _step(model, adam, batch(0, ROWS))
+    saved = adam.state_dict()
+    assert [g["decoupled_weight_decay"] for g in saved["param_groups"]] == [False, False]
+    (message,) = _decay_warnings(caplog, saved, adam_w_mode=True)
+    assert "param group 0 was saved with L2 weight decay added to the gradient (Adam" in message, message
+    assert "weight_decay=0.1; this optimizer keeps its own mode, decoupled weight decay (AdamW" in message, message
+    assert "adam_w_mode=False" in message, message
+    assert _decay_warnings(caplog, saved, adam_w_mode=False) == []
+    deepspeed = copy.deepcopy(saved)
+    for group in deepspeed["param_groups"]:
+        group["adam_w_mode"] = group.pop("decoupled_weight_decay")
+    assert len(_decay_warnings(caplog, deepspeed, adam_w_mode=True)) == 1
+    for group in saved["param_groups"]:
+        group["weight_decay"] = 0.0
+    assert _decay_warnings(caplog, saved, adam_w_mode=True) == []
 
 
 def _stage0_body(rank: int, world: int) -> list[str]:

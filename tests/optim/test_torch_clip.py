@@ -12,9 +12,17 @@ stage on 1, 2 and 3 ranks, with clipping active:
    several ranks; at stage 0 torch's clip of a subset runs, as with DDP), the parameters and others
    that have gradients, ``get_total_norm([])`` while stage 2-3 holds this step's gradients, and
    ``clip_grad_value_``.
+4. ``norm_type`` inf, 1 and 3 at every stage: torch's ``clip_grad_norm_`` (and ``get_total_norm`` then
+   ``clip_grads_with_norm_``) give the reference's norm and weights, also with fp16 loss scaling and two
+   accumulation steps, and with stage 3's gradients in files (``offload_optimizer`` nvme); a NaN in one rank's
+   shard makes the inf norm NaN on every rank; an order that
+   measures no size (0, negative, NaN, not a number) raises ``ValueError`` naming ``norm_type``.
 """
 
 from __future__ import annotations
+
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,6 +127,92 @@ def refusals(rank: int, world: int, stage: int) -> None:
     opt.step()
 
 
+NORM_TYPES = (math.inf, 1.0, 3.0)
+
+
+def _norm_opt(model: Net, stage: int, how: str, scratch: str, rank: int) -> zk.ShardedFusedAdam:
+    if how == "fp16 accumulated":  # the norm divides out the loss scale and the accumulation, as the step does
+        return _opt(model, stage, fp16={"enabled": True, "initial_scale_power": 8}, gradient_accumulation_steps=2)
+    if how == "files":
+        nvme = Path(scratch) / f"nvme{rank}"
+        nvme.mkdir(parents=True, exist_ok=True)
+        return _opt(model, stage, offload_optimizer={"device": "nvme", "nvme_path": str(nvme)}, sub_group_size=32)
+    return _opt(model, stage)
+
+
+def _norm_backward(model: Net, ref: Net, opt: zk.ShardedFusedAdam, rank: int, world: int, step: int) -> None:
+    micro = opt.gradient_accumulation_steps
+    for m in range(micro):
+        x = batch(10 * step + m, world * ROWS)
+        opt.backward(model(x[rank * ROWS : (rank + 1) * ROWS]))  # times the loss scale, if any
+        (ref(x) / micro).backward()
+        if m + 1 < micro:
+            opt.step()  # a micro-step: no update
+
+
+def norm_types(rank: int, world: int, stage: int, norm_type: float, how: str, scratch: str = "") -> None:
+    """Item 4: torch's clip of order ``norm_type`` on the sharded model vs on the whole-batch reference."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _norm_opt(model, stage, how, scratch, rank), torch.optim.AdamW(ref.parameters(), lr=LR)
+    what = f"stage {stage} world {world} norm_type {norm_type} {how}"
+    for step in range(3):
+        _norm_backward(model, ref, opt, rank, world, step)
+        expected = nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None], norm_type)
+        max_norm = float(expected) / 2  # clipping active
+        if how == "get_total_norm" and stage <= 1:  # p.grad is set at stages 0-1 only
+            norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None], norm_type)
+            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), max_norm, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
+        nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=norm_type)
+        assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"{what} step {step}: norm"
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"{what} step {step}")
+
+
+def bad_norm_types(rank: int, world: int, stage: int) -> None:
+    """Item 4: orders that measure no size are refused, naming norm_type, on every rank."""
+    model, ref = make_models(torch.float32)
+    opt = _opt(model, stage)
+    _backward(model, ref, rank, world, 0)
+    for bad in (0, -1.0, -math.inf, math.nan, "two"):
+        with pytest.raises(ValueError, match=r"clip_grad_norm_: norm_type must be a positive number or inf"):
+            opt.clip_grad_norm_(MAX_NORM, bad)
+    opt.step()
+
+
+def nan_in_one_shard(rank: int, world: int, stage: int) -> None:
+    """Item 4: a NaN in one element of the gradients makes the inf norm NaN on every rank (as torch's), whichever
+    rank's shard holds it (a max all-reduce need not carry a NaN): the first and last element of each parameter."""
+    names = [n for n, p in Net().named_parameters() if p.requires_grad]
+    for name in names:
+        for where in (0, -1):
+            model, _ = make_models(torch.float32)
+            opt = _opt(model, stage)
+            x = batch(0, world * ROWS)
+            nan = torch.tensor(math.nan) * model.get_parameter(name).flatten()[where]
+            (model(x[rank * ROWS : (rank + 1) * ROWS]) + nan).backward()
+            norm = opt.clip_grad_norm_(MAX_NORM, math.inf)
+            assert math.isnan(float(norm)), f"stage {stage} world {world} {name}[{where}]: inf norm {float(norm)}"
+            opt.zero_grad()
+
+
+def norm_type_cases(rank: int, world: int, scratch: str) -> None:
+    for stage in STAGES:
+        for norm_type in NORM_TYPES:
+            for how in ("clip_grad_norm_", "get_total_norm", "fp16 accumulated"):
+                norm_types(rank, world, stage, norm_type, how)
+        bad_norm_types(rank, world, stage)
+        if stage < 3:  # stage 3 reads parameters only in a forward
+            nan_in_one_shard(rank, world, stage)
+    for norm_type in NORM_TYPES:
+        norm_types(rank, world, 3, norm_type, "files", scratch)
+
+
 def all_cases(rank: int, world: int) -> None:
     for stage in STAGES:
         for how in ("clip_grad_norm_", "bound early", "get_total_norm"):
@@ -135,3 +229,12 @@ def test_one_process_every_stage() -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_every_stage(spawn, world: int) -> None:
     spawn(all_cases, world, timeout_s=300.0)
+
+
+def test_norm_types_one_process(tmp_path: Path) -> None:
+    norm_type_cases(0, 1, str(tmp_path))
+
+
+@pytest.mark.distributed
+def test_norm_types_on_ranks(spawn, tmp_path: Path) -> None:
+    spawn(norm_type_cases, 2, str(tmp_path), timeout_s=600.0)

@@ -160,6 +160,24 @@ def check_process_group(process_group: Any) -> None:
         )
 
 
+def check_ordered(params: Any, world_size: int) -> None:
+    """A top-level set of parameters is refused on more than one rank: ``torch.optim.AdamW`` takes it (in the
+    set's order), but that order follows the tensors' ids, so it differs between processes, and the ranks would
+    lay out, shard and reduce the parameters in different orders (same-shape parameters with the same values
+    pass the construction's agreement check, and then get each other's gradients).
+
+    Args:
+        params: the optimizer's ``params`` argument.
+        world_size: the ranks of the optimizer's process group.
+    """
+    if isinstance(params, (set, frozenset)) and world_size > 1:
+        raise TypeError(
+            f"params is a {type(params).__name__}: its order follows the tensors' ids, so it differs between the "
+            f"{world_size} processes, which must list the parameters in the same order; pass a list, "
+            "model.parameters() or the model itself, or param groups"
+        )
+
+
 def check_structure(params: Any, previous_named: list[bool]) -> tuple[list[torch.Tensor], dict[int, str]]:
     """``torch.optim.Optimizer.add_param_group``'s checks of a group's ``params``, with its wording, run
     before anything is built; returns the tensors and their names (from ``(name, tensor)`` pairs).

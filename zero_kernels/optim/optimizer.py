@@ -72,7 +72,17 @@ from ..comm import agreement, devices
 from ..comm.engines import make_engine
 from ..config import FP16Config, ZeroOptions
 from ..config.schema import GRAD_ACCUM_DTYPES
-from ..stages import GroupHyper, Pipeline, StepResult, adopt, grad_state, pipeline_class, requires_module, storage_bytes
+from ..stages import (
+    GroupHyper,
+    Pipeline,
+    StepResult,
+    adopt,
+    grad_state,
+    norms,
+    pipeline_class,
+    requires_module,
+    storage_bytes,
+)
 from ..stages import state_door as zstate
 from ..stages.outcome import clip_coef
 from . import amp, guards, torch_clip
@@ -84,6 +94,7 @@ from .args import (
     check_group_values,
     check_hyper,
     check_impl,
+    check_ordered,
     check_process_group,
     checked_groups,
     data_type,
@@ -218,6 +229,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._engine = make_engine(process_group)
         if restore is not None:
             restore.check(self._engine)
+        check_ordered(params, self._engine.world_size)
         groups = checked_groups(params, defaults, self._describe)  # every group, before anything changes
         device = devices.parameters_device(groups)
         devices.check_current_device(self._engine, device, exchange=restore is None)  # before any other exchange
@@ -354,6 +366,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._micro_step = value
         self._update_sync()
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, grad_scaler: Any = None) -> Optional[float]:
         """One optimizer step (or one accumulation micro-step, see the module docstring).
@@ -473,8 +486,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         ``torch_clip``).
 
         Args:
-            max_norm: the largest global L2 norm the gradients may have; ``inf`` only measures it.
-            norm_type: 2 (the only norm supported).
+            max_norm: the largest global norm the gradients may have; ``inf`` only measures it.
+            norm_type: the norm's order, as torch's: 2, another positive number, or ``inf`` (the largest
+                ``|g|``); the norm is taken over the gradients of every rank, as ``norms`` describes.
 
         Returns:
             The global norm before clipping, as a 0-d float32 tensor.
@@ -485,9 +499,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         return norm.float()
 
     def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
-        """The global norm of this step's reduced gradients, a 0-d float64 tensor (a collective; no clipping)."""
-        if float(norm_type) != 2.0:
-            raise ValueError(f"{what}: norm_type must be 2, got {norm_type!r}")
+        """The global norm of order ``norm_type`` of this step's reduced gradients, a 0-d float64 tensor (a
+        collective; no clipping)."""
+        order = norms.norm_order(norm_type, what)
         if self._micro_step + 1 < self.gradient_accumulation_steps:
             raise RuntimeError(
                 f"{what} on accumulation micro-step {self._micro_step + 1} of "
@@ -496,7 +510,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             )
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
         factor, _ = amp.clip_factor(self)
-        return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale)
+        return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale, order)
 
     def _clip_with_norm(self, max_norm: float, norm: Union[float, torch.Tensor]) -> None:
         """The next step scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` (a non-finite norm: 1),

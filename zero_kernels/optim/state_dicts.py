@@ -20,12 +20,15 @@ layout maps each state key through the saved groups' ``params`` as torch does (s
 and entries without ``step`` (its shards, when the ``zero_kernels.sharded`` key was lost) are refused. Loading
 replaces each param group by the saved one as torch does (``param_names``, ``initial_lr``,
 ``amsgrad``...; ``amsgrad``/``maximize`` absent from an older state: False, AdamW's defaults),
-except for AdamW's implementation flags and ``decoupled_weight_decay``, which this optimizer fixes.
+except for AdamW's implementation flags and ``decoupled_weight_decay``, which this optimizer fixes: a state
+saved in the other mode (``torch.optim.Adam``'s L2 decay into AdamW mode, or the reverse; DeepSpeed's
+``adam_w_mode`` key read too) with a non-zero ``weight_decay`` is logged at WARNING, naming both modes.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..stages import state_door as zstate
@@ -33,6 +36,8 @@ from .args import ALGORITHM_FLAGS, IMPLEMENTATION_FLAGS, check_flags
 
 if TYPE_CHECKING:
     from .optimizer import ShardedFusedAdam
+
+log = logging.getLogger("zero_kernels")
 
 FORMAT = "zero_kernels.sharded"
 KEEP_OWN = (*IMPLEMENTATION_FLAGS, "decoupled_weight_decay")  # group keys a load does not change
@@ -151,6 +156,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     else:
         entries, extra = _by_parameter(opt, state, saved_groups)
         _check_full(opt, entries)
+    _warn_other_decay_mode(opt, saved_groups)
     for group, saved in zip(opt.param_groups, saved_groups):
         _adopt(group, saved)
     pipeline = opt.pipeline
@@ -171,6 +177,28 @@ def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
         entry = entries.get(piece.index)
         if "master" in piece.state and entry is not None and "master" in entry:
             piece.state["master"].copy_(entry["master"].reshape(-1).narrow(0, piece.start, piece.numel))
+
+
+def _mode(adam_w: bool) -> str:
+    if adam_w:
+        return "decoupled weight decay (AdamW, decoupled_weight_decay=True)"
+    return "L2 weight decay added to the gradient (Adam, decoupled_weight_decay=False)"
+
+
+def _warn_other_decay_mode(opt: "ShardedFusedAdam", saved_groups: list[dict[str, Any]]) -> None:
+    """One WARNING when a saved group with a non-zero ``weight_decay`` was trained in the other decay mode: this
+    optimizer keeps its own (``KEEP_OWN``), so the loaded decay now acts another way."""
+    for g, saved in enumerate(saved_groups):
+        mode = saved.get("decoupled_weight_decay", saved.get("adam_w_mode"))
+        if mode is None or bool(mode) == opt.adam_w_mode or not float(saved.get("weight_decay", 0.0)):
+            continue
+        log.warning(
+            "load_state_dict: param group %d was saved with %s and weight_decay=%g; this optimizer keeps its own "
+            "mode, %s, so from now on that decay acts as its mode does. Build it with adam_w_mode=%s to go on "
+            "as the state was trained",
+            g, _mode(bool(mode)), float(saved["weight_decay"]), _mode(opt.adam_w_mode), bool(mode),
+        )  # fmt: skip
+        return
 
 
 def _adopt(group: dict[str, Any], saved: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import norms
 from .layout import Bucket
 
 if TYPE_CHECKING:
@@ -96,17 +97,24 @@ def keep_zero_grads(pipeline: "Pipeline") -> None:
                 pipeline.has_grad[i] = True
 
 
-def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
-    """Global L2 norm of this step's reduced gradients times ``grad_scale``, a float64 0-d tensor on their
-    device that the host does not read here (a collective: every rank calls it).
+def grad_norm(pipeline: "Pipeline", grad_scale: float, order: float = 2.0) -> torch.Tensor:
+    """Global norm of order ``order`` (L2, another positive number or ``inf``: ``norms``) of this step's reduced
+    gradients times ``grad_scale``, a float64 0-d tensor on their device that the host does not read here (a
+    collective: every rank calls it).
 
     Args:
         pipeline: the optimizer's pipeline.
         grad_scale: multiplier of the reduced gradients (1 / (loss scale x accumulation steps)).
+        order: the norm's order, checked by ``norms.norm_order``.
     """
     pipeline.finish_grad_sync()
     if pipeline.grad_divisor_is_world:
         grad_scale = grad_scale / pipeline.world_size
+    if order != 2.0:
+        device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
+        column = norms.local_column(pipeline.norm_views(), device, order)
+        norms.reduce(pipeline.engine, column, order)
+        return norms.value(column, order) * grad_scale
     sq = pipeline.grad_column(norm=True)
     if pipeline.world_size > 1:
         pipeline.engine.all_reduce(sq, op="sum", name="clip.norm").wait()
