@@ -9,7 +9,7 @@ to the config's precision, and the optimizer built from the ``optimizer`` and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -43,7 +43,10 @@ def initialize(
     ``lr_scheduler.step()`` after each ``optimizer.step()``, micro-steps included: it advances only after
     an applied update (an accumulation boundary, not a skipped step), as DeepSpeed's engine steps it.
 
-    The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does).
+    The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does). An initialize that raises
+    once the optimizer exists (the scheduler's constructor) takes the optimizer off the model again (stage 3
+    gives every parameter its full value back), and an initialize that raises after the cast casts the model
+    back to its dtypes, so a corrected call can be made on the same model.
 
     Args:
         model: the model, replicated on every rank.
@@ -70,14 +73,47 @@ def initialize(
         raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
     names = {id(p): name for name, p in model.named_parameters()}
     refuse_held(model.parameters(), lambda p: f"parameter {names[id(p)]!r}")  # before the cast changes the model
-    if config.bf16:
-        model = model.to(torch.bfloat16)
-    elif config.fp16.enabled:
-        model = model.half()
+    restore_dtypes = _cast(model, config)
+    optimizer = None
+    try:
+        optimizer = _build_optimizer(model, model_parameters, config, process_group, impl)
+        scheduler = None if config.scheduler is None else config.scheduler.build(optimizer)
+    except BaseException:
+        if optimizer is not None:  # its stage-3 hooks gather every parameter back, then come off
+            optimizer.pipeline.close()
+        restore_dtypes()
+        raise
+    return (model, optimizer) if scheduler is None else (model, optimizer, scheduler)
+
+
+def _cast(model: nn.Module, config: ZeroConfig) -> Callable[[], None]:
+    """Cast ``model`` to the config's precision; returns what casts it back to the dtypes it had (an initialize
+    that fails leaves the model as it found it, up to the rounding of the values)."""
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16.enabled else None
+    if dtype is None:
+        return lambda: None
+    params = {name: p.dtype for name, p in model.named_parameters()}
+    buffers = {name: b.dtype for name, b in model.named_buffers()}
+    model.to(dtype)
+
+    def restore() -> None:
+        for name, p in model.named_parameters():
+            p.data = p.data.to(params[name])
+        for name, b in model.named_buffers():
+            owner, _, key = name.rpartition(".")
+            setattr(model.get_submodule(owner), key, b.to(buffers[name]))
+
+    return restore
+
+
+def _build_optimizer(
+    model: nn.Module, model_parameters: Optional[Iterable[Any]], config: ZeroConfig, process_group: Any, impl: Any
+) -> ShardedFusedAdam:
+    """The ``ShardedFusedAdam`` of the config's ``optimizer`` and ``zero_optimization`` sections."""
     opt = config.optimizer
     zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
     params = model if model_parameters is None else model_parameters
-    optimizer = ShardedFusedAdam(
+    return ShardedFusedAdam(
         params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
         amsgrad=opt.amsgrad, maximize=opt.maximize, adam_w_mode=opt.adamw,
         stage=config.stage, process_group=process_group, impl=impl,
@@ -87,6 +123,3 @@ def initialize(
         communication_data_type=config.communication_data_type, grad_accum_dtype=config.grad_accum_dtype,
         module=model, **zero,
     )  # fmt: skip
-    if config.scheduler is None:
-        return model, optimizer
-    return model, optimizer, config.scheduler.build(optimizer)
