@@ -16,6 +16,8 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from .config import ZeroConfig
+from .config.at_updates import gate
+from .config.call_forms import check_dist_init, config_source, refuse_deepspeed_only
 from .config.hf import model_hidden_size
 from .optim.args import check_process_group
 from .optim.optimizer import ShardedFusedAdam
@@ -26,12 +28,16 @@ __all__ = ["initialize"]
 
 def initialize(
     model: nn.Module,
-    config: Union[str, Mapping[str, Any], ZeroConfig],
+    config: Union[str, Mapping[str, Any], ZeroConfig, None] = None,
     *,
     process_group: Any = None,
     impl: Optional[str] = None,
     model_parameters: Optional[Iterable[Any]] = None,
     training_args: Any = None,
+    lr_scheduler: Optional[Callable[[ShardedFusedAdam], LRScheduler]] = None,
+    args: Any = None,
+    config_params: Union[str, Mapping[str, Any], None] = None,
+    dist_init_required: Optional[bool] = None,
     **auto_values: Any,
 ) -> Union[tuple[nn.Module, ShardedFusedAdam], tuple[nn.Module, ShardedFusedAdam, LRScheduler]]:
     """Build the optimizer (and scheduler) a DeepSpeed config describes.
@@ -58,9 +64,19 @@ def initialize(
             groups built before ``initialize`` stay valid.
         training_args: a Hugging Face ``TrainingArguments`` whose values fill ``"auto"`` entries as
             the Trainer does (transformers is not imported; any object with its attributes works).
+        lr_scheduler: a callable that builds the scheduler on the optimizer (``lambda opt: StepLR(opt, 2)``), as
+            DeepSpeed takes it; it steps at applied updates as the config's does. Not with a ``scheduler`` section.
+        args: DeepSpeed's argparse namespace: its ``deepspeed_config`` (or ``deepscale_config``) is the config.
+        config_params: DeepSpeed's older name for ``config``.
+        dist_init_required: accepted for DeepSpeed's scripts; ``initialize`` never creates the process group, so
+            True is an error unless it exists.
         **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
             sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
     """
+    refuse_deepspeed_only(auto_values)
+    check_dist_init(dist_init_required)
+    _check_scheduler_callable(lr_scheduler)
+    config = config_source(config, config_params, args)
     check_process_group(process_group)
     if not isinstance(config, ZeroConfig):
         world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
@@ -71,19 +87,46 @@ def initialize(
         raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
     if config.optimizer is None:
         raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
+    if lr_scheduler is not None and config.scheduler is not None:
+        raise ValueError(
+            'initialize: lr_scheduler= was given and the config has a "scheduler" section (DeepSpeed would use '
+            "lr_scheduler= and ignore the section): give one"
+        )
     names = {id(p): name for name, p in model.named_parameters()}
     refuse_held(model.parameters(), lambda p: f"parameter {names[id(p)]!r}")  # before the cast changes the model
     restore_dtypes = _cast(model, config)
     optimizer = None
     try:
         optimizer = _build_optimizer(model, model_parameters, config, process_group, impl)
-        scheduler = None if config.scheduler is None else config.scheduler.build(optimizer)
+        scheduler = _scheduler(config, lr_scheduler, optimizer)
     except BaseException:
         if optimizer is not None:  # its stage-3 hooks gather every parameter back, then come off
             optimizer.pipeline.close()
         restore_dtypes()
         raise
     return (model, optimizer) if scheduler is None else (model, optimizer, scheduler)
+
+
+def _check_scheduler_callable(lr_scheduler: Any) -> None:
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise ValueError(
+            f"initialize: lr_scheduler= a scheduler object ({type(lr_scheduler).__name__}) is not taken: it steps "
+            "an optimizer other than the one initialize builds. Pass a callable that builds it on that optimizer "
+            "(lr_scheduler=lambda optimizer: StepLR(optimizer, ...)), or build it on the optimizer returned"
+        )
+
+
+def _scheduler(config: ZeroConfig, make: Any, optimizer: ShardedFusedAdam) -> Optional[LRScheduler]:
+    """The config's scheduler, or the one ``make(optimizer)`` builds (stepping at applied updates), or None."""
+    if make is None:
+        return None if config.scheduler is None else config.scheduler.build(optimizer)
+    scheduler = make(optimizer)
+    if not isinstance(scheduler, LRScheduler) or scheduler.optimizer is not optimizer:
+        raise ValueError(
+            f"initialize: lr_scheduler(optimizer) returned {type(scheduler).__name__}: expected a "
+            "torch.optim.lr_scheduler.LRScheduler built on the optimizer it was given"
+        )
+    return gate(scheduler)
 
 
 def _cast(model: nn.Module, config: ZeroConfig) -> Callable[[], None]:

@@ -66,3 +66,11 @@ def at_updates(cls: type[LRScheduler]) -> type[LRScheduler]:
     if cls not in _GATED:
         _GATED[cls] = type(cls.__name__, (AtUpdates, cls), {"__doc__": cls.__doc__, "__module__": __name__})
     return _GATED[cls]
+
+
+def gate(scheduler: LRScheduler) -> LRScheduler:
+    """``scheduler``, built on an optimizer that counts ``applied_steps``, made to step at its applied updates
+    from now on (its class becomes ``at_updates`` of its class)."""
+    scheduler.__class__ = at_updates(type(scheduler))
+    setattr(scheduler, _SEEN, scheduler.optimizer.applied_steps)
+    return scheduler
