@@ -74,6 +74,12 @@ def initialize(
             sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
     """
     refuse_deepspeed_only(auto_values)
+    if "world_size" in auto_values:
+        raise ValueError(
+            "initialize: world_size= is not taken: the data-parallel size is process_group's (None: the default "
+            "group's; 1 without torch.distributed). To check a config for another size without training, call "
+            "zero_kernels.ZeroConfig.from_deepspeed(config, world_size=N)"
+        )
     check_dist_init(dist_init_required)
     _check_scheduler_callable(lr_scheduler)
     config = config_source(config, config_params, args)

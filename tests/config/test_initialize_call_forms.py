@@ -113,3 +113,12 @@ def test_dist_init_required_does_not_create_the_process_group() -> None:
         zk.initialize(nn.Linear(4, 2), _config(), dist_init_required=True)
     with pytest.raises(ValueError, match="dist_init_required='yes' is invalid: expected True, False or None"):
         zk.initialize(nn.Linear(4, 2), _config(), dist_init_required="yes")
+
+
+def test_world_size_is_refused_by_initialize_and_suggested_for_a_misspelling() -> None:
+    with pytest.raises(ValueError, match=r"^initialize: world_size= is not taken: the data-parallel size is process_"):
+        zk.initialize(nn.Linear(4, 2), _config(), world_size=1)
+    with pytest.raises(ValueError, match=r"unknown keyword 'wrld_size'; did you mean 'world_size'\?") as err:
+        zk.initialize(nn.Linear(4, 2), _config(), wrld_size=1)
+    assert "allowed: world_size" not in str(err.value)
+    assert zk.ZeroConfig.from_deepspeed(_config(), world_size=2).train_batch_size == 8

@@ -501,9 +501,10 @@ def _overrides(auto_values: Mapping[str, Any], data: Mapping) -> Dict[str, Overr
         if name == "hidden_size":
             continue
         if name not in AUTO_KEYWORDS:
-            known = [*AUTO_KEYWORDS, "hidden_size"]
+            known = sorted([*AUTO_KEYWORDS, "hidden_size"])
             raise ValueError(
-                f"unknown keyword {name!r}{suggest(name, known)}; allowed: world_size, {', '.join(sorted(known))}"
+                f'unknown keyword {name!r}{suggest(name, [*known, "world_size"])}; the keywords that fill "auto" '
+                f"values are {', '.join(known)} (and world_size, the data-parallel size, for from_deepspeed)"
             )
         path = AUTO_KEYWORDS[name]
         if name == "bf16" and "bfloat16" in data and "bf16" not in data:
