@@ -9,13 +9,15 @@ to the config's precision, and the optimizer built from the ``optimizer`` and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from .config import ZeroConfig
+from .config.at_updates import gate
+from .config.call_forms import check_dist_init, config_source, refuse_deepspeed_only
 from .config.hf import model_hidden_size
 from .optim.args import check_process_group
 from .optim.optimizer import ShardedFusedAdam
@@ -26,12 +28,16 @@ __all__ = ["initialize"]
 
 def initialize(
     model: nn.Module,
-    config: Union[str, Mapping[str, Any], ZeroConfig],
+    config: Union[str, Mapping[str, Any], ZeroConfig, None] = None,
     *,
     process_group: Any = None,
     impl: Optional[str] = None,
     model_parameters: Optional[Iterable[Any]] = None,
     training_args: Any = None,
+    lr_scheduler: Optional[Callable[[ShardedFusedAdam], LRScheduler]] = None,
+    args: Any = None,
+    config_params: Union[str, Mapping[str, Any], None] = None,
+    dist_init_required: Optional[bool] = None,
     **auto_values: Any,
 ) -> Union[tuple[nn.Module, ShardedFusedAdam], tuple[nn.Module, ShardedFusedAdam, LRScheduler]]:
     """Build the optimizer (and scheduler) a DeepSpeed config describes.
@@ -43,7 +49,10 @@ def initialize(
     ``lr_scheduler.step()`` after each ``optimizer.step()``, micro-steps included: it advances only after
     an applied update (an accumulation boundary, not a skipped step), as DeepSpeed's engine steps it.
 
-    The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does).
+    The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does). An initialize that raises
+    once the optimizer exists (the scheduler's constructor) takes the optimizer off the model again (stage 3
+    gives every parameter its full value back), and an initialize that raises after the cast casts the model
+    back to its dtypes, so a corrected call can be made on the same model.
 
     Args:
         model: the model, replicated on every rank.
@@ -55,9 +64,25 @@ def initialize(
             groups built before ``initialize`` stay valid.
         training_args: a Hugging Face ``TrainingArguments`` whose values fill ``"auto"`` entries as
             the Trainer does (transformers is not imported; any object with its attributes works).
+        lr_scheduler: a callable that builds the scheduler on the optimizer (``lambda opt: StepLR(opt, 2)``), as
+            DeepSpeed takes it; it steps at applied updates as the config's does. Not with a ``scheduler`` section.
+        args: DeepSpeed's argparse namespace: its ``deepspeed_config`` (or ``deepscale_config``) is the config.
+        config_params: DeepSpeed's older name for ``config``.
+        dist_init_required: accepted for DeepSpeed's scripts; ``initialize`` never creates the process group, so
+            True is an error unless it exists.
         **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
             sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
     """
+    refuse_deepspeed_only(auto_values)
+    if "world_size" in auto_values:
+        raise ValueError(
+            "initialize: world_size= is not taken: the data-parallel size is process_group's (None: the default "
+            "group's; 1 without torch.distributed). To check a config for another size without training, call "
+            "zero_kernels.ZeroConfig.from_deepspeed(config, world_size=N)"
+        )
+    check_dist_init(dist_init_required)
+    _check_scheduler_callable(lr_scheduler)
+    config = config_source(config, config_params, args)
     check_process_group(process_group)
     if not isinstance(config, ZeroConfig):
         world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
@@ -68,16 +93,76 @@ def initialize(
         raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
     if config.optimizer is None:
         raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
+    if lr_scheduler is not None and config.scheduler is not None:
+        raise ValueError(
+            'initialize: lr_scheduler= was given and the config has a "scheduler" section (DeepSpeed would use '
+            "lr_scheduler= and ignore the section): give one"
+        )
     names = {id(p): name for name, p in model.named_parameters()}
     refuse_held(model.parameters(), lambda p: f"parameter {names[id(p)]!r}")  # before the cast changes the model
-    if config.bf16:
-        model = model.to(torch.bfloat16)
-    elif config.fp16.enabled:
-        model = model.half()
+    restore_dtypes = _cast(model, config)
+    optimizer = None
+    try:
+        optimizer = _build_optimizer(model, model_parameters, config, process_group, impl)
+        scheduler = _scheduler(config, lr_scheduler, optimizer)
+    except BaseException:
+        if optimizer is not None:  # its stage-3 hooks gather every parameter back, then come off
+            optimizer.pipeline.close()
+        restore_dtypes()
+        raise
+    return (model, optimizer) if scheduler is None else (model, optimizer, scheduler)
+
+
+def _check_scheduler_callable(lr_scheduler: Any) -> None:
+    if lr_scheduler is not None and not callable(lr_scheduler):
+        raise ValueError(
+            f"initialize: lr_scheduler= a scheduler object ({type(lr_scheduler).__name__}) is not taken: it steps "
+            "an optimizer other than the one initialize builds. Pass a callable that builds it on that optimizer "
+            "(lr_scheduler=lambda optimizer: StepLR(optimizer, ...)), or build it on the optimizer returned"
+        )
+
+
+def _scheduler(config: ZeroConfig, make: Any, optimizer: ShardedFusedAdam) -> Optional[LRScheduler]:
+    """The config's scheduler, or the one ``make(optimizer)`` builds (stepping at applied updates), or None."""
+    if make is None:
+        return None if config.scheduler is None else config.scheduler.build(optimizer)
+    scheduler = make(optimizer)
+    if not isinstance(scheduler, LRScheduler) or scheduler.optimizer is not optimizer:
+        raise ValueError(
+            f"initialize: lr_scheduler(optimizer) returned {type(scheduler).__name__}: expected a "
+            "torch.optim.lr_scheduler.LRScheduler built on the optimizer it was given"
+        )
+    return gate(scheduler)
+
+
+def _cast(model: nn.Module, config: ZeroConfig) -> Callable[[], None]:
+    """Cast ``model`` to the config's precision; returns what casts it back to the dtypes it had (an initialize
+    that fails leaves the model as it found it, up to the rounding of the values)."""
+    dtype = torch.bfloat16 if config.bf16 else torch.float16 if config.fp16.enabled else None
+    if dtype is None:
+        return lambda: None
+    params = {name: p.dtype for name, p in model.named_parameters()}
+    buffers = {name: b.dtype for name, b in model.named_buffers()}
+    model.to(dtype)
+
+    def restore() -> None:
+        for name, p in model.named_parameters():
+            p.data = p.data.to(params[name])
+        for name, b in model.named_buffers():
+            owner, _, key = name.rpartition(".")
+            setattr(model.get_submodule(owner), key, b.to(buffers[name]))
+
+    return restore
+
+
+def _build_optimizer(
+    model: nn.Module, model_parameters: Optional[Iterable[Any]], config: ZeroConfig, process_group: Any, impl: Any
+) -> ShardedFusedAdam:
+    """The ``ShardedFusedAdam`` of the config's ``optimizer`` and ``zero_optimization`` sections."""
     opt = config.optimizer
     zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
     params = model if model_parameters is None else model_parameters
-    optimizer = ShardedFusedAdam(
+    return ShardedFusedAdam(
         params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
         amsgrad=opt.amsgrad, maximize=opt.maximize, adam_w_mode=opt.adamw,
         stage=config.stage, process_group=process_group, impl=impl,
@@ -87,6 +172,3 @@ def initialize(
         communication_data_type=config.communication_data_type, grad_accum_dtype=config.grad_accum_dtype,
         module=model, **zero,
     )  # fmt: skip
-    if config.scheduler is None:
-        return model, optimizer
-    return model, optimizer, config.scheduler.build(optimizer)

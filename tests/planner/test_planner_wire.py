@@ -88,7 +88,7 @@ def test_plan_takes_gradient_accumulation_steps_and_writes_it(tmp_path, capsys) 
     assert "comm/micro-step" in out and "per optimizer step of 4 micro-steps" in out
     assert json.loads(path.read_text())["gradient_accumulation_steps"] == 4
     assert main(args + ["--json", str(path)]) == 0
-    assert "gradient_accumulation_steps" not in json.loads(path.read_text())
+    assert json.loads(path.read_text())["gradient_accumulation_steps"] == 1
     with pytest.raises(SystemExit):
         main(args + ["--gradient-accumulation-steps", "0"])
     assert "--gradient-accumulation-steps='0': must be > 0" in capsys.readouterr().err

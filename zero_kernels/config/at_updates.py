@@ -4,7 +4,8 @@ DeepSpeed's engine calls ``lr_scheduler.step()`` at an accumulation boundary who
 (not on an fp16 overflow skip). Here the training loop calls it after every ``optimizer.step()``; the
 scheduler ``SchedulerConfig.build`` returns is the config's class with ``step()`` advancing only when the
 optimizer's ``applied_steps`` grew since its last ``step()``, so that loop follows DeepSpeed's schedule
-with ``gradient_accumulation_steps > 1`` and with skipped steps. The subclass keeps the class's name, its
+with ``gradient_accumulation_steps > 1`` and with skipped steps (``gate`` gives a scheduler built by the
+``lr_scheduler=`` callable of ``initialize`` the same ``step()``). The subclass keeps the class's name, its
 ``isinstance`` checks, its ``state_dict()`` (the count seen is left out, and set again by a load) and
 pickling.
 """
@@ -66,3 +67,11 @@ def at_updates(cls: type[LRScheduler]) -> type[LRScheduler]:
     if cls not in _GATED:
         _GATED[cls] = type(cls.__name__, (AtUpdates, cls), {"__doc__": cls.__doc__, "__module__": __name__})
     return _GATED[cls]
+
+
+def gate(scheduler: LRScheduler) -> LRScheduler:
+    """``scheduler``, built on an optimizer that counts ``applied_steps``, made to step at its applied updates
+    from now on (its class becomes ``at_updates`` of its class)."""
+    scheduler.__class__ = at_updates(type(scheduler))
+    setattr(scheduler, _SEEN, scheduler.optimizer.applied_steps)
+    return scheduler

@@ -2,11 +2,12 @@
 
 ``type`` is one of DeepSpeed's schedules (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
 ``OneCycle``, built from ``zero_kernels.schedulers``) or, as DeepSpeed allows, the name of a
-class of ``torch.optim.lr_scheduler`` (its params are passed through unchecked). The params of
-DeepSpeed's schedules are checked against their signatures (unknown names, bad values) and may be
-``"auto"``: filled from a keyword of ``from_deepspeed``, from ``training_args``, from the Hugging
-Face Trainer's defaults, else from the class's default; a required parameter with nothing to
-fill it (``total_num_steps``, ``cycle_min_lr``, ``cycle_max_lr``) is an error naming it.
+class of ``torch.optim.lr_scheduler`` (its params' names are checked against the class's
+signature, their values passed through as given). The params of DeepSpeed's schedules are
+checked against their signatures (unknown names, bad values) and may be ``"auto"``: filled
+from a keyword of ``from_deepspeed``, from ``training_args``, from the Hugging Face Trainer's
+defaults, else from the class's default; a required parameter with nothing to fill it
+(``total_num_steps``, ``cycle_min_lr``, ``cycle_max_lr``) is an error naming it.
 """
 
 from __future__ import annotations
@@ -121,6 +122,21 @@ def _check_type(value: Any, path: str) -> str:
     )
 
 
+def _check_torch_params(name: str, params: Mapping[str, Any], where: str) -> None:
+    """Refuse a param that ``torch.optim.lr_scheduler.<name>`` does not take, or a required one left out, at parse
+    time: built after the optimizer, the scheduler would fail only once the optimizer holds the parameters."""
+    signature = inspect.signature(getattr(torch.optim.lr_scheduler, name).__init__).parameters
+    allowed = {k: p for k, p in signature.items() if k not in ("self", "optimizer")}
+    listed = ", ".join(map(repr, allowed)) or "none"
+    for key in params:
+        if key not in allowed:
+            hint = suggest(str(key), allowed)
+            raise ValueError(f"unknown key {key!r} in {where}: torch's {name} takes {listed}{hint}")
+    missing = [k for k, p in allowed.items() if p.default is inspect.Parameter.empty and k not in params]
+    if missing:
+        raise ValueError(f"{join(where, missing[0])} is required by torch's {name} and has no value: write it")
+
+
 def parse_scheduler(value: Any, path: str, ctx: Optional[ParseContext] = None) -> SchedulerConfig:
     """Check a ``scheduler`` section and resolve its ``"auto"`` params; errors name the key path.
 
@@ -145,6 +161,7 @@ def parse_scheduler(value: Any, path: str, ctx: Optional[ParseContext] = None) -
     if name not in _SECTIONS:
         if any(v == "auto" for v in params.values()):
             raise ValueError(f"{where}: \"auto\" is filled only for DeepSpeed's own schedules, not torch's {name}")
+        _check_torch_params(name, params, where)
         return SchedulerConfig(name, dict(params))
     section, required = _SECTIONS[name]
     parsed = section(params, where, ctx)

@@ -29,16 +29,15 @@ The ``scheduler`` section (``config.scheduler``) is parsed into ``ZeroConfig.sch
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from .files import load
 from .hf import TRAINER_DEFAULTS, training_args_overrides
 from .offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, as_block
 from .rules import Override, ParseContext, Scalar, integer, logger, number, suggest
@@ -340,7 +339,8 @@ class ZeroConfig:
         """Parse a DeepSpeed config file (path) or an already-loaded mapping.
 
         Args:
-            source: path to a JSON file, or a mapping with the same content.
+            source: path to a JSON file (hjson where it is installed, as DeepSpeed reads it), a base64-encoded
+                JSON string, or a mapping with the same content.
             world_size: data-parallel size for the batch-size check; ``None`` = the initialised
                 ``torch.distributed`` world size, else 1.
             training_args: a ``transformers.TrainingArguments`` (any object with its attributes) whose
@@ -349,7 +349,7 @@ class ZeroConfig:
                 ``AUTO_KEYWORDS`` (``lr``, ``train_micro_batch_size_per_gpu``, ``bf16``,
                 ``total_num_steps``, ...) and ``hidden_size``; ``None`` counts as not given.
         """
-        data = _load(source)
+        data = load(source)
         world = _world_size(world_size)
         given = {k: v for k, v in auto_values.items() if v is not None}
         overrides = _overrides(given, data)
@@ -501,9 +501,10 @@ def _overrides(auto_values: Mapping[str, Any], data: Mapping) -> Dict[str, Overr
         if name == "hidden_size":
             continue
         if name not in AUTO_KEYWORDS:
-            known = [*AUTO_KEYWORDS, "hidden_size"]
+            known = sorted([*AUTO_KEYWORDS, "hidden_size"])
             raise ValueError(
-                f"unknown keyword {name!r}{suggest(name, known)}; allowed: world_size, {', '.join(sorted(known))}"
+                f'unknown keyword {name!r}{suggest(name, [*known, "world_size"])}; the keywords that fill "auto" '
+                f"values are {', '.join(known)} (and world_size, the data-parallel size, for from_deepspeed)"
             )
         path = AUTO_KEYWORDS[name]
         if name == "bf16" and "bfloat16" in data and "bf16" not in data:
@@ -522,34 +523,3 @@ def _check_unused(ctx: ParseContext, data: Mapping) -> None:
                 else (f"but the config has no {section!r} section")
             )
             raise ValueError(f"{override.source}={override.value!r} sets {path}, {where}")
-
-
-def _no_duplicates(pairs: Any) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r} in the DeepSpeed config")
-        out[key] = value
-    return out
-
-
-def _load(source: Union[str, os.PathLike, Mapping]) -> Mapping:
-    """The config as a mapping: given as one, or read from a JSON file."""
-    if isinstance(source, Mapping):
-        return source
-    if not isinstance(source, (str, os.PathLike)):
-        raise ValueError(f"DeepSpeed config must be a file path or a mapping, not {type(source).__name__}")
-    path = Path(source)
-    if not path.is_file():
-        raise ValueError(f"DeepSpeed config file {str(path)!r} does not exist or is not a file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"DeepSpeed config file {str(path)!r} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}"
-        ) from None
-    except ValueError as err:
-        raise ValueError(f"DeepSpeed config file {str(path)!r}: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"DeepSpeed config file {str(path)!r} holds a {type(data).__name__}, expected a JSON object")
-    return data

@@ -36,8 +36,8 @@ import types
 from typing import Any, Mapping, Optional, Union
 
 from ..config import ZeroConfig, ZeroOptions
+from ..config.files import load as read_config
 from ..config.hf import TRAINER_DEFAULTS, model_hidden_size, training_args_overrides
-from ..config.zero_config import _load as read_config
 
 __all__ = [
     "ConfigSource",

@@ -201,9 +201,10 @@ def deepspeed_config(
     largest_layer_params: Optional[int] = None,
     communication_data_type: Optional[str] = None,
     grad_accum_dtype: Optional[str] = None,
-    gradient_accumulation_steps: Optional[int] = None,
+    gradient_accumulation_steps: int = 1,
+    train_micro_batch_size_per_gpu: int = 1,
 ) -> dict[str, Any]:
-    """A DeepSpeed config dict for ``stage``: precision, AdamW, bucket sizes, offload. Batch sizes are the user's.
+    """A DeepSpeed config dict for ``stage``: batch sizes, precision, AdamW, bucket sizes, offload.
 
     Args:
         stage: ZeRO stage, 0 to 3.
@@ -217,7 +218,8 @@ def deepspeed_config(
         largest_layer_params: the largest stage-3 unit (with ``offload_param`` to nvme: its buffer size).
         communication_data_type: written as the top-level key when given.
         grad_accum_dtype: written as ``data_types.grad_accum_dtype`` when given.
-        gradient_accumulation_steps: written as the top-level key when given.
+        gradient_accumulation_steps: the top-level key.
+        train_micro_batch_size_per_gpu: the top-level key (DeepSpeed refuses a config with no batch size).
     """
     dtype_bytes("param_dtype", param_dtype)
     zero: dict[str, Any] = {
@@ -240,9 +242,9 @@ def deepspeed_config(
         top["communication_data_type"] = communication_data_type
     if grad_accum_dtype is not None:
         top["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
-    if gradient_accumulation_steps is not None:
-        top["gradient_accumulation_steps"] = gradient_accumulation_steps
     return {
+        "train_micro_batch_size_per_gpu": train_micro_batch_size_per_gpu,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
         **top,
         "bf16": {"enabled": param_dtype == "bf16"},
         "fp16": {"enabled": param_dtype == "fp16"},
@@ -490,6 +492,7 @@ def recommend(
     communication_data_type: str | None = None,
     grad_accum_dtype: str | None = None,
     gradient_accumulation_steps: int | None = None,
+    train_micro_batch_size_per_gpu: int = 1,
 ) -> Recommendation:
     """The ZeRO stage to train ``model`` with on ``gpus`` data-parallel GPUs, why, and its DeepSpeed config.
 
@@ -530,9 +533,11 @@ def recommend(
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (same values): a wider one widens the
             gradient shard of stages 2 and 3 and makes them reduce at every micro-step (stages 0 and 1 add the
             micro-steps up in it locally). The config gets it.
-        gradient_accumulation_steps: DeepSpeed's key, micro-steps per optimizer step (None: 1, not written):
+        gradient_accumulation_steps: DeepSpeed's key, micro-steps per optimizer step (None: 1):
             ``tokens_per_step`` and ``compute_s`` stay per optimizer step; stage 3 gathers at every micro-step,
             and stages 2-3 reduce at every one with a wider ``grad_accum_dtype``. The config gets it.
+        train_micro_batch_size_per_gpu: DeepSpeed's key, samples per micro-step per GPU; the config gets it (the
+            plan does not use it: ``activation_bytes`` and ``tokens_per_step`` are the workload's size).
 
     Returns:
         A :class:`Recommendation`.
@@ -553,6 +558,7 @@ def recommend(
     check_positive("gpu_memory", gpu_memory)
     micro_steps = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
     check_count("gradient_accumulation_steps", micro_steps)
+    check_count("train_micro_batch_size_per_gpu", train_micro_batch_size_per_gpu)
     if isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0:
         raise ValueError(f"activation_bytes={activation_bytes!r}: must be an integer >= 0")
     elem = dtype_bytes("param_dtype", param_dtype)
@@ -595,6 +601,7 @@ def recommend(
         largest_layer_params=largest_layer_params,
         communication_data_type=communication_data_type,
         grad_accum_dtype=grad_accum_dtype,
-        gradient_accumulation_steps=gradient_accumulation_steps,
+        gradient_accumulation_steps=micro_steps,
+        train_micro_batch_size_per_gpu=train_micro_batch_size_per_gpu,
     )
     return Recommendation(choice.stage, tuple(reasons), config, plans)

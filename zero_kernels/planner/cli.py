@@ -35,6 +35,7 @@ _BYTE_UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+_BARE_BYTES_MIN = 2**20  # a size without a unit below 1 MiB is taken for a forgotten unit (80 for 80GB)
 
 
 def _split(name: str, text: str, units: dict[str, int]) -> float:
@@ -68,9 +69,23 @@ def parse_bytes(name: str, text: str) -> int:
 
     Args:
         name: the argument name, for the error message.
-        text: the size; units B, KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary); none means bytes.
+        text: the size; units B, KB, MB, GB, TB (decimal) or KiB, MiB, GiB, TiB (binary); none means bytes,
+            and then at least 1 MiB (``80`` is refused as a forgotten unit, not read as 80 bytes).
     """
-    return int(round(_split(name, text, _BYTE_UNITS)))
+    value = int(round(_split(name, text, _BYTE_UNITS)))
+    if value < _BARE_BYTES_MIN and re.fullmatch(_NUMBER, text):
+        raise ValueError(f"{name}={text!r}: {value} bytes; write the unit (e.g. {text.strip()}GB or {text.strip()}GiB)")
+    return value
+
+
+def parse_positive(name: str, text: str) -> float:
+    """A finite number > 0 such as ``400`` or ``0.5``.
+
+    Args:
+        name: the argument name, for the error message.
+        text: the number, without a unit.
+    """
+    return _split(name, text, {"": 1})
 
 
 def _arg(parse: Callable[[str, str], int], name: str) -> Callable[[str], int]:
@@ -89,7 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``plan`` options on ``parser``."""
     parser.add_argument("--params", required=True, type=_arg(parse_count, "--params"), help="parameters: 7.5e9, 7.5B")
     parser.add_argument("--gpus", required=True, type=_arg(parse_count, "--gpus"), help="data-parallel GPUs")
-    parser.add_argument("--gpu-memory", required=True, type=_arg(parse_bytes, "--gpu-memory"), help="80GB, 80GiB")
+    parser.add_argument(
+        "--gpu-memory",
+        required=True,
+        type=_arg(parse_bytes, "--gpu-memory"),
+        help="80GB, 80GiB (a number without a unit is bytes, at least 1 MiB)",
+    )
     parser.add_argument("--link", required=True, choices=list(LINKS), help="interconnect of the data-parallel ring")
     parser.add_argument("--link-gbps", type=float, help="override the preset bandwidth, GB/s per direction")
     parser.add_argument("--latency-us", type=float, help="override the preset latency per ring step, microseconds")
@@ -107,12 +127,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="micro-steps per optimizer step (default 1); compute and times stay per optimizer step",
     )
     parser.add_argument(
+        "--train-micro-batch-size-per-gpu",
+        "--micro-batch",
+        type=_arg(parse_count, "--train-micro-batch-size-per-gpu"),
+        default=1,
+        help="samples per micro-step per GPU, written to the config (default 1); the plan's sizes come from "
+        "--activation-memory and --tokens-per-step",
+    )
+    parser.add_argument(
         "--activation-memory", type=_arg(parse_bytes, "--activation-memory"), help="activations per GPU"
     )
     parser.add_argument("--largest-layer", type=_arg(parse_count, "--largest-layer"), help="stage-3 gathered unit")
     parser.add_argument("--tokens-per-step", type=_arg(parse_count, "--tokens-per-step"), help="tokens per step")
-    parser.add_argument("--tflops", type=float, help="achieved TFLOP/s per GPU (with --tokens-per-step)")
-    parser.add_argument("--compute-s", type=float, help="compute seconds per step per GPU")
+    parser.add_argument(
+        "--tflops", type=_arg(parse_positive, "--tflops"), help="achieved TFLOP/s per GPU (with --tokens-per-step)"
+    )
+    parser.add_argument("--compute-s", type=_arg(parse_positive, "--compute-s"), help="compute s per step per GPU")
     parser.add_argument("--bucket", type=_arg(parse_count, "--bucket"), help="collective bucket size, elements")
     parser.add_argument("--json", metavar="PATH", help="write the recommended DeepSpeed config to PATH")
     offload_cli.add_arguments(parser, _arg(parse_bytes, "size"))
@@ -149,6 +179,9 @@ def format_table(plans: tuple[StagePlan, ...], gpu_memory: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table and the recommendation; write the DeepSpeed config when ``--json`` is given."""
+    if args.compute_s is None and (args.tokens_per_step is None) != (args.tflops is None):
+        given = "--tokens-per-step" if args.tflops is None else "--tflops"
+        raise ValueError(f"{given} without the other: give --tokens-per-step with --tflops, or --compute-s")
     offload, sources = offload_cli.setup(args)
     for line in sources:
         print(f"offload figure: {line}")
@@ -171,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             communication_data_type=args.communication_data_type,
             grad_accum_dtype=args.grad_accum_dtype,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
+            train_micro_batch_size_per_gpu=args.train_micro_batch_size_per_gpu,
         )
     except NoFitError as exc:
         print(format_table(exc.plans, args.gpu_memory))

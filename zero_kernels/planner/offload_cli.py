@@ -27,7 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser, parse_bytes: Callable[[str], 
     group = parser.add_argument_group("offload (optimizer state in host memory or on disk)")
     group.add_argument("--offload", default="none", choices=OFFLOAD_DEVICES, help="offload_optimizer.device")
     group.add_argument("--offload-param", default="none", choices=OFFLOAD_DEVICES, help="offload_param (stage 3)")
-    group.add_argument("--offload-ratio", type=float, default=1.0, help="offload_optimizer.ratio: the share offloaded")
+    group.add_argument(
+        "--offload-ratio", type=float, help="offload_optimizer.ratio: the share offloaded (default 1; with --offload)"
+    )
     group.add_argument("--nvme-path", help="folder of the offload files (with nvme)")
     group.add_argument("--disk-gbps", type=float, help="the disk's sequential bandwidth per node, GB/s (with nvme)")
     group.add_argument("--disk-space", type=parse_bytes, help="free disk per node (default: free under --nvme-path)")
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser, parse_bytes: Callable[[str], 
     group.add_argument("--bus-gbps", type=float, help="host link per device, GB/s each way (overrides the kind)")
     group.add_argument("--cpu-adam-gbps", type=float, help="CPU Adam per node, GB of state per s (default: measured)")
     group.add_argument("--host-memory", type=parse_bytes, help="host memory per node (default: this machine's)")
-    group.add_argument("--gpus-per-node", type=int, help="devices per node (default: min(--gpus, 8))")
+    group.add_argument("--gpus-per-node", type=int, help="devices per node, dividing --gpus (default: min(--gpus, 8))")
 
 
 def device_kind(name: str) -> str:
@@ -75,8 +77,33 @@ def _disk_space(path: Optional[str]) -> Optional[int]:
     return shutil.disk_usage(path).free
 
 
+def _gpus_per_node(args: argparse.Namespace) -> int:
+    """``--gpus-per-node`` (default ``min(--gpus, 8)``); the plan takes every node to hold that many ranks."""
+    if args.gpus_per_node is None:
+        per_node = min(args.gpus, 8)
+        if args.gpus % per_node:
+            raise ValueError(
+                f"--gpus={args.gpus} does not fill nodes of {per_node} devices (the default, min(--gpus, 8)): "
+                "give --gpus-per-node, a divisor of --gpus"
+            )
+        return per_node
+    if args.gpus_per_node < 1 or args.gpus % args.gpus_per_node:
+        raise ValueError(
+            f"--gpus={args.gpus} is not a multiple of --gpus-per-node={args.gpus_per_node}: the plan takes every "
+            "node to hold --gpus-per-node devices (uneven nodes are not planned)"
+        )
+    return args.gpus_per_node
+
+
 def setup(args: argparse.Namespace) -> tuple[Optional[OffloadSetup], list[str]]:
     """(the offload the arguments ask for, or None; one line per figure saying where it comes from)."""
+    if args.offload == "none" and args.offload_ratio is not None:
+        raise ValueError(
+            f"--offload-ratio={args.offload_ratio} is offload_optimizer.ratio, which --offload none does not "
+            "write: give --offload cpu or nvme with it, or leave it out"
+        )
+    if args.gpus_per_node is not None or args.offload != "none" or args.offload_param != "none":
+        per_node = _gpus_per_node(args)
     if args.offload == "none" and args.offload_param == "none":
         return None, []
     notes = []
@@ -107,12 +134,12 @@ def setup(args: argparse.Namespace) -> tuple[Optional[OffloadSetup], list[str]]:
         bus_gbps=bus,
         adam_gbps=adam,
         host_memory=host,
-        ranks_per_node=args.gpus_per_node or min(args.gpus, 8),
+        ranks_per_node=per_node,
         disk_gbps=args.disk_gbps,
         disk_space=space,
         nvme_path=args.nvme_path,
         grad_accum=args.gradient_accumulation_steps or 1,
-        ratio=args.offload_ratio,
+        ratio=1.0 if args.offload_ratio is None else args.offload_ratio,
         device_is_host=on_host,
     )
     return made, [n for n in notes if n]

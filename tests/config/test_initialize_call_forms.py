@@ -1,0 +1,124 @@
+"""``deepspeed.initialize``'s call forms: the config from ``args``/``config_params`` with DeepSpeed's precedence and
+conflicts, ``lr_scheduler=`` as a callable, and the arguments not taken refused naming what to do instead.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import StepLR
+
+import zero_kernels as zk
+
+
+def _config(lr: float = 1e-2, **extra: object) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+        "zero_optimization": {"stage": 2},
+        **extra,
+    }
+
+
+def _lr(result: tuple) -> float:
+    return result[1].param_groups[0]["lr"]
+
+
+def test_the_config_comes_from_args_or_config_params(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_config(lr=0.25)))
+    assert _lr(zk.initialize(model=nn.Linear(4, 2), args=types.SimpleNamespace(deepspeed_config=str(path)))) == 0.25
+    old = types.SimpleNamespace(deepscale_config=str(path), deepspeed_config=None)
+    assert _lr(zk.initialize(nn.Linear(4, 2), args=old)) == 0.25
+    assert _lr(zk.initialize(nn.Linear(4, 2), config_params=_config(lr=0.5))) == 0.5
+    unset = types.SimpleNamespace(deepspeed_config=None, local_rank=0)
+    assert _lr(zk.initialize(nn.Linear(4, 2), _config(lr=0.75), args=unset)) == 0.75
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (dict(config=_config(), config_params=_config()), "both config= and config_params="),
+        (dict(config=_config(), args=types.SimpleNamespace(deepspeed_config="a.json")), "both in args.deepspeed"),
+        (dict(config_params=_config(), args=types.SimpleNamespace(deepspeed_config="a.json")), "both in args"),
+        (dict(args=types.SimpleNamespace(deepspeed_config="a.json", deepscale_config="b.json")), "deepscale_config"),
+        (dict(args=types.SimpleNamespace(local_rank=0)), "no config: pass config="),
+        ({}, "no config: pass config="),
+    ],
+    ids=["config+config_params", "config+args", "config_params+args", "both-args-fields", "args-without", "none"],
+)
+def test_config_conflicts_are_refused_as_deepspeed_refuses_them(call: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        zk.initialize(nn.Linear(4, 2), **call)
+
+
+def _lrs_per_micro_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: StepLR) -> list[float]:
+    lrs = []
+    for _ in range(6):
+        model(torch.randn(2, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
+def test_a_scheduler_callable_steps_at_updates_as_the_config_section() -> None:
+    model, optimizer, scheduler = zk.initialize(
+        nn.Linear(4, 2), _config(), lr_scheduler=lambda opt: StepLR(opt, step_size=1, gamma=0.5)
+    )
+    assert isinstance(scheduler, StepLR) and scheduler.optimizer is optimizer
+    section = {"scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}}
+    expected = _lrs_per_micro_step(*zk.initialize(nn.Linear(4, 2), _config(**section)))
+    assert _lrs_per_micro_step(model, optimizer, scheduler) == expected == [1e-2, 5e-3, 5e-3, 2.5e-3, 2.5e-3, 1.25e-3]
+
+
+def test_a_scheduler_object_or_a_second_scheduler_is_refused() -> None:
+    opt = torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=1.0)
+    with pytest.raises(ValueError, match=r"lr_scheduler= a scheduler object \(StepLR\) is not taken.*callable"):
+        zk.initialize(nn.Linear(4, 2), _config(), lr_scheduler=StepLR(opt, 1))
+    section = {"scheduler": {"type": "StepLR", "params": {"step_size": 1}}}
+    with pytest.raises(ValueError, match='lr_scheduler= was given and the config has a "scheduler" section'):
+        zk.initialize(nn.Linear(4, 2), _config(**section), lr_scheduler=lambda o: StepLR(o, 1))
+    with pytest.raises(ValueError, match=r"lr_scheduler\(optimizer\) returned StepLR: expected .* built on the opt"):
+        zk.initialize(nn.Linear(4, 2), _config(), lr_scheduler=lambda o: StepLR(opt, 1))
+
+
+@pytest.mark.parametrize(
+    "name, instead",
+    [
+        ("optimizer", 'config\'s "optimizer" section'),
+        ("training_data", "DistributedSampler"),
+        ("collate_fn", "DataLoader"),
+        ("mpu", "process_group="),
+        ("mesh_param", "process_group="),
+        ("distributed_port", "init_process_group"),
+    ],
+)
+def test_deepspeed_arguments_not_taken_say_what_to_do_instead(name: str, instead: str) -> None:
+    with pytest.raises(ValueError, match=rf"^initialize: {name}= \(deepspeed.initialize's\) is not taken: ") as err:
+        zk.initialize(nn.Linear(4, 2), _config(), **{name: object()})
+    assert instead in str(err.value) and "allowed" not in str(err.value)
+
+
+def test_dist_init_required_does_not_create_the_process_group() -> None:
+    assert len(zk.initialize(nn.Linear(4, 2), _config(), dist_init_required=False)) == 2
+    with pytest.raises(ValueError, match="dist_init_required=True: initialize does not create the process group"):
+        zk.initialize(nn.Linear(4, 2), _config(), dist_init_required=True)
+    with pytest.raises(ValueError, match="dist_init_required='yes' is invalid: expected True, False or None"):
+        zk.initialize(nn.Linear(4, 2), _config(), dist_init_required="yes")
+
+
+def test_world_size_is_refused_by_initialize_and_suggested_for_a_misspelling() -> None:
+    with pytest.raises(ValueError, match=r"^initialize: world_size= is not taken: the data-parallel size is process_"):
+        zk.initialize(nn.Linear(4, 2), _config(), world_size=1)
+    with pytest.raises(ValueError, match=r"unknown keyword 'wrld_size'; did you mean 'world_size'\?") as err:
+        zk.initialize(nn.Linear(4, 2), _config(), wrld_size=1)
+    assert "allowed: world_size" not in str(err.value)
+    assert zk.ZeroConfig.from_deepspeed(_config(), world_size=2).train_batch_size == 8
