@@ -475,6 +475,7 @@ class Pipeline(BackwardRound):
         there after backward, as ``torch.optim.AdamW`` with DDP would), and stages 2-3 refuse a ``p.grad``
         that no reduction took (``refusals``).
         """
+        self._close_failed_round(keep=True)
         if self._grads_final:
             return
         if not self._synced or self._owed:
@@ -618,7 +619,9 @@ class Pipeline(BackwardRound):
 
     # ---------------------------------------------------------------- zero_grad, gathering, memory
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers; see ``grad_state``)."""
+        """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers; see ``grad_state``), and
+        those a backward that raised left (``_close_failed_round``)."""
+        self._close_failed_round(keep=False)
         for buf in self.buffers:
             flat = None if buf.grad_flat is None else buf.grad_flat.untyped_storage().data_ptr()
             for p in buf.params:

@@ -114,10 +114,13 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float) -> torch.Tensor:
 
 
 def second_gradient(stage: int, name: str) -> str:
-    """The error for a gradient that arrives after its parameter's gradients were reduced in this backward."""
+    """The error for a gradient that arrives after its parameter's gradients were reduced in this backward (or in
+    an earlier one that raised: the two look the same from a gradient hook)."""
     return (
         f"ShardedFusedAdam (stage {stage}): {name} got a second gradient in one backward pass, after its gradients "
-        "were reduced: a parameter used in more than one segment of reentrant activation checkpointing. Use "
-        "torch.utils.checkpoint(..., use_reentrant=False) (in transformers: gradient_checkpointing_enable("
-        "gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
+        "were reduced. Either an earlier backward raised (an out-of-memory error caught, say) and this one ran "
+        "without opt.zero_grad() between: call opt.zero_grad() after catching the error, which drops the failed "
+        "backward's gradients; or a parameter is used in more than one segment of reentrant activation "
+        "checkpointing: use torch.utils.checkpoint(..., use_reentrant=False) (in transformers: "
+        "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
     )
