@@ -141,6 +141,8 @@ class Pipeline(BackwardRound):
         self.refusals = refusals.Refusals()  # problems found in backward, raised at the step on every rank
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
+        self.spent = False  # the last step dropped gradients p.grad does not hold, and no zero_grad() came since
+        self.spent_warned = False  # ``grad_state.warn_spent`` spoke
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
         if getattr(options, "quantized_gradients", False) and not self.quantizes_gradients:
             log.warning("zero_quantized_gradients applies at stages 2 and 3; stage %d reduces unquantized", self.stage)
@@ -590,6 +592,7 @@ class Pipeline(BackwardRound):
         """
         self.wait_params()
         self.settle()
+        grad_state.warn_spent(self)
         self.finish_grad_sync()
         checks = stats.step_checks(hyper, grad_scale, max_grad_norm)
         scale: outcome.Scale = grad_scale if clip_coef is None else clip_coef * grad_scale
@@ -632,6 +635,7 @@ class Pipeline(BackwardRound):
             if buf.grad_flat is not None:
                 buf.grad_flat.zero_()
             buf.written.clear()  # grad_shard: overwritten by the next reduction (grad_state.zero_unwritten)
+        self.spent = False
         if set_to_none:
             self.has_grad = dict.fromkeys(self.has_grad, False)
             self.stepped_with = set()
