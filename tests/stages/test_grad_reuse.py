@@ -3,15 +3,20 @@ step that reuses it behaves as ``torch.optim.AdamW`` with DDP-averaged gradients
 ``step()`` without a new backward, and a loop that never clears gradients (each backward adds to
 ``p.grad``). Compared after every step, element by element, with AdamW on the whole batch.
 
-Stages 2 and 3 forget the gradients at each step, as DeepSpeed does (documented), so they are not
-checked here.
+Stages 2 and 3 forget the gradients at each step, as DeepSpeed does (documented): a second ``step()`` without a
+backward or ``zero_grad()`` updates nothing and logs a warning, once per optimizer; after ``zero_grad()`` it is
+silent, as it is at stages 0 and 1.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from torch import nn
 
+import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
 from tests.helpers.dist import run_ranks_checked
@@ -56,3 +61,29 @@ def _body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
 def test_steps_that_reuse_p_grad_match_adamw(world: int) -> None:
     run_ranks_checked(_body, world)
+
+
+SPENT = "step() without a backward or zero_grad() since the last step"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_step_on_dropped_gradients_says_so_once(stage: int, caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.step()  # after zero_grad(): nothing to apply, as AdamW
+        assert SPENT not in caplog.text
+        for _ in range(2):
+            model(x).square().mean().backward()
+            opt.step()
+            with opt.gathered_params():
+                before = [p.detach().clone() for p in model.parameters()]
+            opt.step()  # AdamW applies p.grad again; stages 2-3 dropped it at the last step
+            with opt.gathered_params():
+                changed = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+            assert changed == (stage < 2), f"stage {stage}: the second step changed the parameters: {changed}"
+    assert caplog.text.count(SPENT) == (1 if stage >= 2 else 0), caplog.text

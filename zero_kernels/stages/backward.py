@@ -171,13 +171,38 @@ class BackwardRound:
     def _end_round(self) -> None:
         self._launch_ready(flush=True)
         self._complete_inflight()  # a next backward accumulates into p.grad: stage 0 reduces it in place
-        self._round_open = False
         self._synced = True
         self._owed = False  # the round took every gradient in p.grad
+        self._reset_round()
+
+    def _reset_round(self) -> None:
+        self._round_open = False
         self._next_launch = 0
         self._reported.clear()
         for buf in self.buffers:
             self._reset_pending(buf)
+
+    def _close_failed_round(self, keep: bool) -> None:
+        """End the round a backward that raised left open: autograd drops the end-of-backward callback then, and
+        no backward runs at the step or ``zero_grad()``, so a round still open there is such a one.
+
+        ``keep`` (the step, ``clip_grad_norm_``): end it as backward would have; its gradients are the step's, as
+        ``torch.optim.AdamW`` uses what the failed backward left in ``p.grad``. Else (``zero_grad()``): complete the
+        collectives it launched, in issue order (ranks whose backward raised at the same point launched the same
+        ones), drop the gradients it left in the stage's buffers, and let the next backward open a new round."""
+        if not self._round_open:
+            return
+        if keep:
+            self._end_round()
+            return
+        self._complete_inflight()
+        for buf in self.buffers:
+            self._drop_unreduced(buf)
+        self._reset_round()
+
+    def _drop_unreduced(self, buf: FlatBuffer) -> None:
+        """Drop the gradients an abandoned round left in ``buf`` unreduced (``_close_failed_round``); default
+        (stages 0-1): they are in ``grad_flat``, which ``zero_grad`` zeroes."""
 
     def _reset_pending(self, buf: FlatBuffer) -> None:
         buf.pending = [sum(1 for _ in k.slots) for k in buf.layout.buckets]

@@ -141,6 +141,8 @@ class Pipeline(BackwardRound):
         self.refusals = refusals.Refusals()  # problems found in backward, raised at the step on every rank
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
+        self.spent = False  # the last step dropped gradients p.grad does not hold, and no zero_grad() came since
+        self.spent_warned = False  # ``grad_state.warn_spent`` spoke
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
         if getattr(options, "quantized_gradients", False) and not self.quantizes_gradients:
             log.warning("zero_quantized_gradients applies at stages 2 and 3; stage %d reduces unquantized", self.stage)
@@ -475,6 +477,7 @@ class Pipeline(BackwardRound):
         there after backward, as ``torch.optim.AdamW`` with DDP would), and stages 2-3 refuse a ``p.grad``
         that no reduction took (``refusals``).
         """
+        self._close_failed_round(keep=True)
         if self._grads_final:
             return
         if not self._synced or self._owed:
@@ -589,6 +592,7 @@ class Pipeline(BackwardRound):
         """
         self.wait_params()
         self.settle()
+        grad_state.warn_spent(self)
         self.finish_grad_sync()
         checks = stats.step_checks(hyper, grad_scale, max_grad_norm)
         scale: outcome.Scale = grad_scale if clip_coef is None else clip_coef * grad_scale
@@ -618,7 +622,9 @@ class Pipeline(BackwardRound):
 
     # ---------------------------------------------------------------- zero_grad, gathering, memory
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers; see ``grad_state``)."""
+        """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers; see ``grad_state``), and
+        those a backward that raised left (``_close_failed_round``)."""
+        self._close_failed_round(keep=False)
         for buf in self.buffers:
             flat = None if buf.grad_flat is None else buf.grad_flat.untyped_storage().data_ptr()
             for p in buf.params:
@@ -629,6 +635,7 @@ class Pipeline(BackwardRound):
             if buf.grad_flat is not None:
                 buf.grad_flat.zero_()
             buf.written.clear()  # grad_shard: overwritten by the next reduction (grad_state.zero_unwritten)
+        self.spent = False
         if set_to_none:
             self.has_grad = dict.fromkeys(self.has_grad, False)
             self.stepped_with = set()

@@ -11,7 +11,8 @@ optimizer, so the gradient state a pipeline keeps for itself must not outlive a 
   step and per ``zero_grad()``, and a read. ``model.zero_grad()``, ``opt.zero_grad()`` or neither:
   the next step sees only the gradients of the backward passes after this step. Accumulation over several backward
   passes (``no_sync``, ``gradient_accumulation_steps``, or plain repeated ``backward``) before one
-  step is unchanged.
+  step is unchanged. A step with neither a backward nor ``opt.zero_grad()`` since one that dropped gradients
+  updates nothing where ``torch.optim.AdamW`` would apply ``p.grad`` again: said once (``warn_spent``).
 - Stages 0 and 1 keep gradients in ``p.grad`` (views of the flat gradient buffer; with a wider
   ``grad_accum_dtype`` they do not: ``p.grad`` is emptied into that buffer, and the rules of stages 2 and 3
   below apply, the slots that got no gradient since the step being zeroed before the reduction), so what the
@@ -28,6 +29,7 @@ optimizer, so the gradient state a pipeline keeps for itself must not outlive a 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +39,8 @@ from .layout import Bucket
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline
+
+log = logging.getLogger("zero_kernels")
 
 
 def read_grad_flags(pipeline: "Pipeline") -> None:
@@ -69,10 +73,25 @@ def zero_dropped_grads(pipeline: "Pipeline", buf: "FlatBuffer", bucket: Bucket) 
 def clear_after_step(pipeline: "Pipeline") -> None:
     """Forget this step's gradients (see the module docstring); called at the end of every step."""
     pipeline.stepped_with = {i for i, has in pipeline.has_grad.items() if has}
+    pipeline.spent = bool(pipeline.stepped_with) and not pipeline.grads_in_p_grad
     pipeline.has_grad = dict.fromkeys(pipeline.has_grad, False)
     for buf in pipeline.buffers:
         buf.written.clear()
     pipeline.reset_grad_sync()
+
+
+def warn_spent(pipeline: "Pipeline") -> None:
+    """Before a step: say once per optimizer when neither a backward nor ``zero_grad()`` came since a step that
+    dropped its gradients (``spent``): ``torch.optim.AdamW`` would apply ``p.grad`` again, this step has none."""
+    if not pipeline.spent or pipeline.window_open or pipeline.spent_warned:
+        return
+    pipeline.spent_warned = True
+    log.warning(
+        "ShardedFusedAdam (stage %d): step() without a backward or zero_grad() since the last step, which dropped "
+        "the gradients it used (this stage keeps no p.grad; DeepSpeed's engine does the same): this step updates "
+        "nothing, where torch.optim.AdamW would apply the same gradients again. Said once per optimizer",
+        pipeline.stage,
+    )
 
 
 def zero_unwritten(pipeline: "Pipeline") -> None:
@@ -122,10 +141,13 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float, order: float = 2.0) -> to
 
 
 def second_gradient(stage: int, name: str) -> str:
-    """The error for a gradient that arrives after its parameter's gradients were reduced in this backward."""
+    """The error for a gradient that arrives after its parameter's gradients were reduced in this backward (or in
+    an earlier one that raised: the two look the same from a gradient hook)."""
     return (
         f"ShardedFusedAdam (stage {stage}): {name} got a second gradient in one backward pass, after its gradients "
-        "were reduced: a parameter used in more than one segment of reentrant activation checkpointing. Use "
-        "torch.utils.checkpoint(..., use_reentrant=False) (in transformers: gradient_checkpointing_enable("
-        "gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
+        "were reduced. Either an earlier backward raised (an out-of-memory error caught, say) and this one ran "
+        "without opt.zero_grad() between: call opt.zero_grad() after catching the error, which drops the failed "
+        "backward's gradients; or a parameter is used in more than one segment of reentrant activation "
+        "checkpointing: use torch.utils.checkpoint(..., use_reentrant=False) (in transformers: "
+        "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
     )

@@ -116,6 +116,13 @@ class Stage2Pipeline(Pipeline):
         """A refused gradient (``Pipeline._first_report``): the step raises; it must not linger in a bucket."""
         p.grad = None
 
+    def _drop_unreduced(self, buf: FlatBuffer) -> None:
+        """The scratch buckets an abandoned round filled and did not reduce go back to the pool."""
+        for scratch in buf.scratch.values():
+            self._give_back(buf, scratch._base)
+        buf.scratch.clear()
+        buf.filled.clear()
+
     def _zero_unfilled(self, buf: FlatBuffer, bucket: Bucket, scratch: torch.Tensor, filled: set[int]) -> None:
         """Zero what no gradient was copied into: the pieces of parameters without one, and the padding
         (parameters lie back to back from the buffer's start; padding only follows the last one)."""

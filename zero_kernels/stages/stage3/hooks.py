@@ -530,6 +530,23 @@ class Stage3Scheduler:
         self._uses.reset()
         self._in_backward = False
 
+    @property
+    def in_backward(self) -> bool:
+        """A backward began and its end (an autograd callback) has not run: it is running, or it raised."""
+        return self._in_backward
+
+    def end_failed_backward(self, keep: bool) -> None:
+        """End a backward that raised (autograd drops its end callback then): ``keep``, as it would have ended (the
+        units left are reduced); else its units are freed and the gradients they did not reduce left to the caller.
+        """
+        if keep:
+            self._end_backward()
+            return
+        self._free_all()
+        self._reduced = set()
+        self._uses.reset()
+        self._in_backward = False
+
     # -- whole-model access -------------------------------------------------------------------
 
     def hold(self) -> None:

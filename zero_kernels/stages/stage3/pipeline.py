@@ -347,6 +347,15 @@ class Stage3Pipeline(Stage2Pipeline):
             buf.pending[k] -= 1
         self._launch_ready()
 
+    def _close_failed_round(self, keep: bool) -> None:
+        """As every stage, and first the scheduler's backward, which the same exception left open: ``keep``, its
+        units not yet reduced are reduced into the round (opened here: no backward runs to end it), else freed."""
+        scheduler = self._scheduler
+        if scheduler is not None and scheduler.in_backward:
+            self._round_open = self._round_open or keep
+            scheduler.end_failed_backward(keep)
+        super()._close_failed_round(keep)
+
     @property
     def params_offloaded(self) -> bool:
         """``offload_param`` acted on: the parameter shards live in the state tier's host memory, or (nvme) in files
