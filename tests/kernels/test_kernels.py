@@ -17,6 +17,7 @@ import torch
 from tests.helpers.check import assert_close
 from zero_kernels import _ext
 from zero_kernels.kernels import (
+    QuantizedBlocks,
     adam_step,
     adam_step_ref,
     flatten,
@@ -148,6 +149,36 @@ def test_adam_fp32_matches_torch_adamw(adamw: bool) -> None:
         ref = {"param": ref_param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
         _check_state(ours, ref, before, f"step {step} vs torch.optim.{cls.__name__}")
         _sync(ours, ref)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["plain", "int8-epilogue"])
+@pytest.mark.parametrize("impl", ["triton", "cpu", "torch"])
+def test_adam_huge_gradient_keeps_a_finite_second_moment(impl: str, quantized: bool) -> None:
+    """|g| = 1e20: g * g overflows fp32 but torch's ``(1 - beta2) * g * g`` (left to right) does not, so
+    exp_avg_sq stays finite and the param moves, as in torch.optim.AdamW."""
+    if impl == "cpu" and not _ext.available("ops"):
+        pytest.fail("the C++ extension is required by the cpu backend's tests")
+    n = 7
+    device = DEVICE if impl == "triton" else torch.device("cpu")
+    grad = torch.full((n,), 1e20)
+    grad[::2] = -1e20
+    ref_param = torch.nn.Parameter(torch.ones(n))
+    ref_param.grad = grad.clone()
+    opt = torch.optim.AdamW([ref_param], lr=1e-3, betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                            weight_decay=HYPER["weight_decay"], foreach=False)  # fmt: skip
+    opt.step()
+    param, exp_avg, exp_avg_sq = (
+        torch.ones(n, device=device),
+        torch.zeros(n, device=device),
+        torch.zeros(n, device=device),
+    )
+    blocks = QuantizedBlocks.empty(n, 8, 8, device) if quantized else None
+    adam_step(param, grad.to(device), exp_avg, exp_avg_sq, lr=1e-3, step=1, impl=impl, quantized=blocks, **HYPER)
+    state = opt.state[ref_param]
+    ours = {"param": param.cpu(), "exp_avg": exp_avg.cpu(), "exp_avg_sq": exp_avg_sq.cpu()}
+    ref = {"param": ref_param.detach(), "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    assert bool(ref["exp_avg_sq"].isfinite().all()), "the oracle overflowed: the case tests nothing"
+    _check_state(ours, ref, torch.ones(n), f"{impl} g=1e20 vs torch.optim.AdamW")
 
 
 def _adam_fp64(param, grad, exp_avg, exp_avg_sq, *, lr, step) -> None:

@@ -131,7 +131,7 @@ def _moments(
     else:
         g = g + weight_decay * p
     m = m * beta1 + one_minus_beta1 * g
-    v = v * beta2 + one_minus_beta2 * (g * g)
+    v = v * beta2 + (one_minus_beta2 * g) * g  # torch's addcmul order: g * g overflows for |g| > 1.8e19
     return p, m, v
 
 
