@@ -580,7 +580,8 @@ class Pipeline(BackwardRound):
         """Update this rank's shard and publish it; what the gradients decide stays on their device (``outcome``).
 
         Raises ``agreement.RanksDisagree`` on every rank, before any update, when the ranks pass
-        different hyper-parameters, gradient scales or clipping norms. The step counts advance when
+        different hyper-parameters, gradient scales or clipping norms. Then ``ValueError`` on every rank, before
+        any update, when a group's lr, betas, eps or weight_decay is not finite. The step counts advance when
         the outcome is settled (``settle``): at once when it is host memory, else when next read.
 
         Args:
@@ -599,6 +600,7 @@ class Pipeline(BackwardRound):
         if self.grad_divisor_is_world:
             scale = scale / self.world_size
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
+        stats.check_finite_hyper(hyper)
         self.step_counts.counts.update(combined.counts)  # as the ranks holding each parameter's state have it
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels

@@ -77,6 +77,25 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
     return [(name, float(value)) for name, value in checks]
 
 
+def check_finite_hyper(hyper: Sequence[Any]) -> None:
+    """Refuse a step whose hyper-parameters are not all finite (a scheduler or the user set ``lr`` to NaN or
+    inf, ``weight_decay`` to inf, ...): ``ValueError`` naming the group, the key and the value, raised on every
+    rank after the ranks compared them (``exchange``) and before anything is updated.
+
+    Args:
+        hyper: per param group ``GroupHyper``.
+    """
+    for g, h in enumerate(hyper):
+        values = (("['lr']", h.lr), ("['betas'][0]", h.beta1), ("['betas'][1]", h.beta2), ("['eps']", h.eps),
+                  ("['weight_decay']", h.weight_decay))  # fmt: skip
+        for key, value in values:
+            if not math.isfinite(value):
+                raise ValueError(
+                    f"ShardedFusedAdam.step: param_groups[{g}]{key} is {value}: lr, betas, eps and weight_decay "
+                    "must be finite at a step. Nothing was updated; set a finite value and call step() again"
+                )
+
+
 def grad_column(views: Iterable[torch.Tensor], device: torch.device, *, norm: bool) -> torch.Tensor:
     """This rank's part of the gradient column, a float64 0-d tensor on ``device`` (never read here).
 
