@@ -354,6 +354,8 @@ def test_error_inputs_refused_at_construction() -> None:
          "does not support complex parameters"),
         (dict(params_or_module=[nn.Parameter(torch.randn(3).to_sparse())]), ValueError,
          "does not support sparse parameters"),
+        (dict(params_or_module=[("a", w), ("x", nn.Parameter(torch.ones(3).expand(4, 3)))]), ValueError,
+         r"cannot train parameter 'x'.*: it is expanded \(stride \(0, 1\)\)"),
         (dict(params_or_module=[("a", w), ("b", nn.Parameter(torch.randn(3, device="meta")))]), ValueError,
          "parameters on two devices: parameter 'emb.weight' is on cpu, parameter 'b' on meta"),
         (dict(params_or_module=[("a", nn.Parameter(torch.randn(3, device="meta")))]), ValueError,

@@ -276,6 +276,12 @@ def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> N
             f"ShardedFusedAdam trains {allowed} parameters; {describe(p)} is {str(p.dtype).replace('torch.', '')}: "
             "cast it (e.g. model.float()) or freeze it (requires_grad=False)"
         )
+    if any(stride == 0 and size > 1 for stride, size in zip(p.stride(), p.shape)):
+        raise ValueError(
+            f"ShardedFusedAdam cannot train {describe(p)}: it is expanded (stride {tuple(p.stride())}), so several "
+            "of its elements share one memory location, which torch.optim.AdamW's step refuses too; give it memory "
+            "of its own (nn.Parameter(t.clone())) or freeze it (requires_grad=False)"
+        )
 
 
 def sparse_grad_error(name: str) -> RuntimeError:
