@@ -1,6 +1,7 @@
-"""A non-finite ``lr``, ``eps``, ``weight_decay`` or beta set between steps (a scheduler bug, ``lr=inf`` given at
-construction, which torch accepts): the step raises ``ValueError`` on every rank, naming the group, the key and
-the value, before anything is updated, at every stage, on 1 and 2 gloo ranks, with every Adam backend.
+"""A non-finite ``lr``, ``eps``, ``weight_decay`` or beta, or a beta outside [0, 1), set between steps (a
+scheduler bug, ``lr=inf`` given at construction, which torch accepts): the step raises ``ValueError`` on every
+rank, naming the group, the key and the value, before anything is updated, at every stage, on 1 and 2 gloo
+ranks, with every Adam backend.
 
 Untouched means params, ``exp_avg``, ``exp_avg_sq`` and step counts equal to what they were, bit for bit; once
 the value is finite again, the same ``step()`` gives what a run that never saw the bad value gives, bit for
@@ -62,16 +63,23 @@ def _refused_case(rank: int, world: int, stage: int, impl: str) -> None:
     _grads(params, 1)
     opt.step()
     for key, bad in BAD:
-        before = _snapshot(params, opt)
-        good = opt.param_groups[1][key]
-        opt.param_groups[1][key] = bad
-        _grads(params, 2)
-        with pytest.raises(ValueError, match=rf"param_groups\[1\]\['{key}'\] is {bad}"):
-            opt.step()
-        assert _same(_snapshot(params, opt), before), f"{key}={bad}: the refused step changed something"
-        opt.param_groups[1][key] = good
+        _refused(params, opt, key, bad, rf"param_groups\[1\]\['{key}'\] is {bad}")
+    for i, betas in ((1, (0.9, 1.0)), (0, (-0.1, 0.999))):  # torch refuses them at construction only
+        _refused(params, opt, "betas", betas, rf"param_groups\[1\]\['betas'\]\[{i}\] is {betas[i]}: betas must be")
     opt.step()
     assert _same(_snapshot(params, opt), _snapshot(clean_params, clean)), "the step after a refusal differs"
+
+
+def _refused(params: list[torch.nn.Parameter], opt: zk.ShardedFusedAdam, key: str, bad: object, match: str) -> None:
+    """Group 1's ``key`` set to ``bad``: the step raises ``match`` and changes nothing; the good value is put back."""
+    before = _snapshot(params, opt)
+    good = opt.param_groups[1][key]
+    opt.param_groups[1][key] = bad
+    _grads(params, 2)
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert _same(_snapshot(params, opt), before), f"{key}={bad}: the refused step changed something"
+    opt.param_groups[1][key] = good
 
 
 def _inf_at_construction_case(rank: int, world: int, stage: int, impl: str) -> None:

@@ -600,7 +600,7 @@ class Pipeline(BackwardRound):
         if self.grad_divisor_is_world:
             scale = scale / self.world_size
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
-        stats.check_finite_hyper(hyper)
+        stats.check_step_hyper(hyper)
         self.step_counts.counts.update(combined.counts)  # as the ranks holding each parameter's state have it
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels

@@ -77,10 +77,12 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
     return [(name, float(value)) for name, value in checks]
 
 
-def check_finite_hyper(hyper: Sequence[Any]) -> None:
+def check_step_hyper(hyper: Sequence[Any]) -> None:
     """Refuse a step whose hyper-parameters are not all finite (a scheduler or the user set ``lr`` to NaN or
-    inf, ``weight_decay`` to inf, ...): ``ValueError`` naming the group, the key and the value, raised on every
-    rank after the ranks compared them (``exchange``) and before anything is updated.
+    inf, ``weight_decay`` to inf, ...) or whose betas left [0, 1) (``torch.optim.AdamW`` checks that at
+    construction only; a beta2 of 1 zeroes the bias correction the update divides by): ``ValueError`` naming
+    the group, the key and the value, raised on every rank after the ranks compared them (``exchange``) and
+    before anything is updated.
 
     Args:
         hyper: per param group ``GroupHyper``.
@@ -93,6 +95,12 @@ def check_finite_hyper(hyper: Sequence[Any]) -> None:
                 raise ValueError(
                     f"ShardedFusedAdam.step: param_groups[{g}]{key} is {value}: lr, betas, eps and weight_decay "
                     "must be finite at a step. Nothing was updated; set a finite value and call step() again"
+                )
+        for i, beta in enumerate((h.beta1, h.beta2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(
+                    f"ShardedFusedAdam.step: param_groups[{g}]['betas'][{i}] is {beta}: betas must be in [0, 1). "
+                    "Nothing was updated; set a beta in range and call step() again"
                 )
 
 
