@@ -122,4 +122,4 @@ def pair_case(
     on_host = sum(buf.layout.shard_numel for buf in b._pipeline.buffers if not getattr(buf, "persistent", True))
     device_numel = numel - on_host if params is not None else numel  # shards whose parameters stay on the device
     return {"traffic": b._pipeline.tier.traffic(), "shard_numel": numel, "device_numel": device_numel, "steps": STEPS,
-            "placed": placed}  # fmt: skip
+            "placed": placed, "skipped": b.skipped_steps}  # fmt: skip

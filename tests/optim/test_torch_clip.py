@@ -109,7 +109,7 @@ def refusals(rank: int, world: int, stage: int) -> None:
     sharded = stage >= 2 or (stage == 1 and world > 1)
     some = [model.emb.weight, model.emb.bias]
     if sharded:
-        with pytest.raises(ValueError, match=r"given 2 of the \d+ parameters.*opt\.clip_grad_norm_"):
+        with pytest.raises(ValueError, match=r"given 2 of the 9 parameters.*opt\.clip_grad_norm_"):  # not the frozen
             torch.nn.utils.clip_grad_norm_(some, MAX_NORM)
         with pytest.raises(ValueError, match="clip_grad_value_ cannot clip"):
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
@@ -124,6 +124,11 @@ def refusals(rank: int, world: int, stage: int) -> None:
         with pytest.raises(ValueError, match=r"get_total_norm was given no gradients.*opt\.clip_grad_norm_"):
             torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     assert float(torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)) > 0  # not ours: torch's own
+    if sharded:  # all of the optimizer's parameters but its frozen one: accepted
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+        norm = torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM)
+        assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"stage {stage}: norm of the trainable ones"
     opt.step()
 
 

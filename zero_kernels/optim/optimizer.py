@@ -540,9 +540,17 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         tensor taken from a parameter before the step (a kept ``p.data`` or ``model.state_dict()``)."""
         self._pipeline.wait_params()
 
-    def gathered_params(self) -> contextlib.AbstractContextManager:
-        """Full parameters inside the block (stage 3 gathers them; stages 0-2 always have them)."""
-        return self._pipeline.gathered_params()
+    def gathered_params(self, modifier_rank: Optional[int] = None) -> contextlib.AbstractContextManager:
+        """Full parameters inside the block (stage 3 gathers them; stages 0-2 always have them).
+
+        Args:
+            modifier_rank: None: edits made inside the block are kept as each rank made them (make the same
+                edit on every rank). An int ``k`` in ``[0, world size)`` of the optimizer's process group: at the
+                block's end every rank takes rank ``k``'s values of the model's parameters (those this optimizer
+                holds, and the model's frozen ones when it was given the model), bit for bit: DeepSpeed's
+                ``GatheredParameters(params, modifier_rank=k)``, where rank ``k`` alone edits.
+        """
+        return self._pipeline.gathered_params(modifier_rank)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, measured from the storages: ``params``, ``grads`` and ``optimizer``

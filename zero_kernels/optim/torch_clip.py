@@ -86,7 +86,7 @@ def _owner(params: list[torch.Tensor], what: str) -> Optional[Any]:
             "clip each optimizer's parameters with its own opt.clip_grad_norm_(max_norm)"
         )
     opt = hit[0]
-    held = {id(p) for p in live.params_of(opt)}
+    held = {id(p) for p in live.params_of(opt) if p.requires_grad}  # a frozen one in its groups has no gradient
     given = {id(p) for p in params}
     stage = opt.options.stage
     if held - given:

@@ -61,6 +61,7 @@ from . import (
     grad_accum,
     grad_state,
     master,
+    modifier,
     offloaded,
     outcome,
     param_gather,
@@ -650,12 +651,20 @@ class Pipeline(BackwardRound):
         self.gathers.wait()
 
     @contextlib.contextmanager
-    def gathered_params(self) -> Iterator[None]:
+    def gathered_params(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
         """Full parameters inside the block; stages 0-2 hold them once the step's all-gathers are waited for
-        (with ``zero_quantized_weights``, gathered again unquantized: exact, e.g. for saving)."""
+        (with ``zero_quantized_weights``, gathered again unquantized: exact, e.g. for saving). ``modifier_rank``:
+        that rank's values of the model's parameters go to every rank at the block's end
+        (``stages.modifier``); the next step, or read of the state, takes them as it takes any edit."""
+        modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
         self.wait_params()
         self.gather_exact(self.buffers)
         yield
+        if modifier_rank is not None:
+            adopt.follow_replaced(self, self.name_of)  # p.data = ... on the modifier rank: into param_flat first
+            held = [p for buf in self.buffers for p in buf.params]
+            flats = [buf.param_flat for buf in self.buffers]
+            modifier.broadcast(self.engine, flats + modifier.loose(self.module, held), modifier_rank)
 
     def gather_exact(self, buffers: Sequence[FlatBuffer]) -> None:
         """qwZ: all-gather ``buffers`` (whole ``param_flat``) again unquantized, so that every rank holds every

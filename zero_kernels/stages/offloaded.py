@@ -28,7 +28,9 @@ where the update overwrites all of it (``overwritten``) the read is skipped.
 
 The state tensors of a bucket are views of resident host tensors or of the part the host tier keeps (``_state``),
 or of a sub-group swapped in from the disk tier's files (``_swapped``), written back by ``tier.store``.
-Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run before, unchanged.
+Clipping, the non-finite skip, loss scaling and the ranks' agreement checks run before, unchanged. A skipped step
+whose flag is in host memory (``skipped_on_host``) leaves the tier alone (DeepSpeed returns early too), except
+where stage 3 reads the bucket's gradients or parameters from files, whose reads the step's bookkeeping expects.
 """
 
 from __future__ import annotations
@@ -167,8 +169,10 @@ def update_bucket(
     if not placement.in_tier(buf, bucket):
         update.update_bucket(pipeline, buf, bucket, h, decision, with_grad)
         return
-    shard = tier.shards[id(buf)]
     in_file = pipeline.params_in_file(buf)  # stage 3's offload_param on nvme: the bucket's shard read from its file
+    if not in_file and not pipeline.grads_in_file(buf) and skipped_on_host(decision):
+        return  # the update would change nothing: no copies, no state read or written
+    shard = tier.shards[id(buf)]
     fresh = in_file and overwritten(pipeline, buf, bucket, decision, with_grad)
     if in_file:
         params, device_params = pipeline.step_params(buf, bucket, read=not fresh), None
@@ -212,6 +216,12 @@ def overwritten(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, decision:
     if buf.master is None or not update.whole(pipeline, buf, bucket, with_grad):
         return False
     return decision.skip is None or not bool(decision.skip.item())
+
+
+def skipped_on_host(decision: Decision) -> bool:
+    """Whether the step is skipped (a non-finite gradient) and the flag says so without waiting for a device: it is
+    in host memory (a flag on a GPU is left to the kernel, which then changes nothing)."""
+    return decision.skip is not None and decision.skip.device.type == "cpu" and bool(decision.skip.item())
 
 
 def host_impl(impl: Optional[str]) -> Optional[str]:

@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import adopt, master, offloaded, stats
+from .. import adopt, master, modifier, offloaded, stats
 from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
@@ -559,12 +559,14 @@ class Stage3Pipeline(Stage2Pipeline):
         return super().step(*args, **kwargs)
 
     @contextlib.contextmanager
-    def gathered_params(self) -> Iterator[None]:
+    def gathered_params(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
         """Every parameter holds its full value inside the block; changes go back to the shards on exit.
 
         Each rank writes back its own part of each parameter (and its fp32 master where the value
-        changed), so every rank must make the same change.
+        changed), so every rank must make the same change, or name the one rank that makes it:
+        ``modifier_rank`` (its full values go to every rank first, ``stages.modifier``).
         """
+        modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
         if self._scheduler is None:
             yield
             return
@@ -574,6 +576,8 @@ class Stage3Pipeline(Stage2Pipeline):
             self._scheduler.hold()
         try:
             yield
+            if modifier_rank is not None:
+                self._broadcast_full(modifier_rank)
             if self._hold_depth == 1:
                 self._write_back()
         finally:
@@ -600,6 +604,20 @@ class Stage3Pipeline(Stage2Pipeline):
             self._state_dict_guard = stage3_save.guard_state_dict(self)
             if installed:
                 self._install_scheduler()
+
+    def _broadcast_full(self, modifier_rank: int) -> None:
+        """Every parameter's full value (gathered units, persistent buffers, frozen units, the model's other
+        parameters) from ``modifier_rank``;
+        a ``p.data = ...`` there is taken into its buffer first."""
+        full = []
+        for buf in self.buffers:
+            flat = buf.param_flat if buf.persistent else buf.full
+            if flat is not None:
+                adopt.readopt(buf, flat, self.name_of)
+            full.append(flat)
+        frozen = [p.data for unit in self._frozen or () if unit.full is not None for p in unit.params]
+        held = [p for buf in self.buffers for p in buf.params] + [p for unit in self._frozen or () for p in unit.params]
+        modifier.broadcast(self.engine, full + frozen + modifier.loose(self.module, held), modifier_rank)
 
     def _write_back(self) -> None:
         for buf in self.buffers:

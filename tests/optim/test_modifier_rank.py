@@ -1,0 +1,99 @@
+"""``gathered_params(modifier_rank=k)``: rank ``k`` alone edits inside the block (DeepSpeed's
+``GatheredParameters(params, modifier_rank=k)``, as Hugging Face's ``_init_weights`` writes it at ZeRO-3); after
+the block every rank holds rank ``k``'s values, bit for bit, and training goes on as ``torch.optim.AdamW`` started
+from them; in bf16 (fp32 masters, ZeRO++, frozen int8 units, offload) bit for bit as when every rank makes the edit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.dist import run_cases
+from tests.helpers.lockstep import STAGES, Net, compare, forward_backward, make_models, make_opt
+
+CPU = {"device": "cpu"}
+OFFLOADED = {"offload_optimizer": CPU, "offload_param": CPU}
+CONFIGS = [(stage, {}) for stage in STAGES] + [(3, OFFLOADED)]
+ZPP = {"zero_quantized_weights": True, "zero_quantized_nontrainable_weights": True}
+LOW_CONFIGS = [(1, {}), (2, {"offload_optimizer": CPU}), (3, ZPP), (3, OFFLOADED)]
+
+
+def init_weights(model: Net) -> None:
+    """An ``_init_weights``-like edit: a new value for every parameter, the frozen one too, signed zeros included."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            p.view(-1)[0] = -0.0
+
+
+def modifier_case(rank: int, world: int, stage: int, options: dict) -> None:
+    what = f"stage {stage} {options or 'on device'}, world {world}"
+    model, ref = make_models(torch.float32)
+    opt = make_opt(model, stage, **options)
+    adamw = torch.optim.AdamW(ref.parameters(), lr=opt.param_groups[0]["lr"])
+    for step in range(4):
+        if step == 1:
+            with opt.gathered_params(modifier_rank=0):
+                if rank == 0:
+                    init_weights(model)
+            init_weights(ref)
+            with opt.gathered_params():
+                for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+                    bits = torch.equal(p.view(torch.int32), r.view(torch.int32))
+                    assert bits, f"{what}: {name} on rank {rank} is not rank 0's value after the block"
+        forward_backward(model, ref, rank, world, stage, step)
+        for o in (opt, adamw):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"{what}, step {step}")
+
+
+def low_precision_case(rank: int, world: int, stage: int, options: dict) -> None:
+    """bf16: rank 0 alone edits (``modifier_rank=0``) against every rank editing, bit for bit, weights and state."""
+    runs = []
+    for modifier_rank in (0, None):
+        model, _ = make_models(torch.bfloat16)
+        runs.append((model, make_opt(model, stage, **options), modifier_rank))
+    for step in range(3):
+        for model, opt, modifier_rank in runs:
+            if step == 1:
+                with opt.gathered_params(modifier_rank=modifier_rank):
+                    if rank == 0 or modifier_rank is None:
+                        init_weights(model)
+            forward_backward(model, Net(), rank, world, stage, step)
+            opt.step()
+            opt.zero_grad()
+        (a, a_opt, _), (b, b_opt, _) = runs
+        what = f"bf16 stage {stage} {options or 'on device'}, step {step}"
+        with a_opt.gathered_params(), b_opt.gathered_params():
+            for (name, p), q in zip(a.named_parameters(), b.parameters()):
+                assert torch.equal(p, q), f"{what}: {name} differs from every rank making the edit"
+        states = a_opt.full_state_dict()["state"], b_opt.full_state_dict()["state"]
+        for index, kinds in states[1].items():
+            for kind, value in kinds.items():
+                assert torch.equal(states[0][index][kind], value), f"{what}: state {index} {kind} differs"
+
+
+def all_modifier_cases(rank: int, world: int) -> None:
+    cases = [(f"stage {s} {o}", modifier_case, (s, o)) for s, o in CONFIGS]
+    cases += [(f"bf16 stage {s} {o}", low_precision_case, (s, o)) for s, o in LOW_CONFIGS]
+    run_cases(rank, world, cases)
+
+
+@pytest.mark.distributed
+def test_the_modifier_ranks_edit_reaches_every_rank(spawn) -> None:
+    spawn(all_modifier_cases, 2, timeout_s=300)
+
+
+@pytest.mark.parametrize("stage", (0, 3))
+def test_a_modifier_rank_outside_the_group_is_refused(stage: int) -> None:
+    model, _ = make_models(torch.float32)
+    opt = make_opt(model, stage)
+    with pytest.raises(ValueError, match=r"modifier_rank=1 is not a rank .* of 1 ranks; allowed: None or 0\.\.0"):
+        with opt.gathered_params(modifier_rank=1):
+            pass
+    with pytest.raises(TypeError, match="modifier_rank must be None or an int"):
+        with opt.gathered_params(modifier_rank="0"):
+            pass
