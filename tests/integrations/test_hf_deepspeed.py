@@ -247,3 +247,24 @@ def test_log_line_names_a_given_optimizer(tmp_path, caplog) -> None:
     for fragment in wanted:
         assert fragment in line[0], line[0]
     assert f"lr={LR}" not in line[0], line[0]
+
+
+@pytest.mark.parametrize("section", [False, True], ids=["trainer's scheduler", "config's scheduler"])
+def test_scheduler_advances_only_at_applied_updates(tmp_path, caplog, section: bool) -> None:
+    """A step this optimizer skips for inf/NaN gradients does not advance the scheduler (the Trainer's own or the
+    config's), as DeepSpeed's engine does not: the Trainer calls lr_scheduler.step() anyway (Accelerate sees no
+    skip without a GradScaler)."""
+    config = _config(2) if section else {"zero_optimization": {"stage": 2}}
+    trainer = _built(tmp_path, caplog, config=config)
+    model, opt, scheduler = trainer.model, trainer.zero_optimizer, trainer.lr_scheduler
+    batch = _data(1)[0]
+    ids = batch["input_ids"].unsqueeze(0)
+    lrs = []
+    for factor in (1.0, torch.inf, 1.0):  # applied, skipped, applied
+        (model(input_ids=ids, labels=ids).loss * factor).backward()
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        lrs.append(scheduler.get_last_lr()[0])
+    assert opt.skipped_steps == 1, "the inf step was not skipped"
+    assert lrs[1] == lrs[0] and lrs[2] != lrs[1], f"lr per step {lrs}: it moved on the skipped step or not after it"

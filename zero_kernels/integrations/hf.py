@@ -57,6 +57,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
 from ..config import ZeroConfig, ZeroOptions
+from ..config.at_updates import gate
 from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
 from . import hf_config
@@ -181,7 +182,10 @@ class ZeroTrainer(Trainer):
     def create_scheduler(
         self, num_training_steps: int, optimizer: Optional[torch.optim.Optimizer] = None
     ) -> torch.optim.lr_scheduler.LRScheduler:
-        """The config's scheduler section when it has one (DeepSpeed's schedules), else the Trainer's.
+        """The config's scheduler section when it has one (DeepSpeed's schedules), else the Trainer's; either
+        advances only after an applied update, as DeepSpeed's engine steps it: the Trainer skips its
+        ``lr_scheduler.step()`` on a step Accelerate's GradScaler skipped, not on one this optimizer skipped for
+        inf/NaN gradients (``at_updates``). A scheduler passed in ``optimizers=`` is left as given.
 
         Args:
             num_training_steps: as ``Trainer.create_scheduler``.
@@ -192,7 +196,11 @@ class ZeroTrainer(Trainer):
             self.lr_scheduler = config.scheduler.build(self.optimizer if optimizer is None else optimizer)
             self._created_lr_scheduler = True
             return self.lr_scheduler
-        return super().create_scheduler(num_training_steps, optimizer)
+        created = self.lr_scheduler is None
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if created and _gateable(scheduler):
+            self.lr_scheduler = gate(scheduler)
+        return self.lr_scheduler
 
     def _resolved_config(self) -> ZeroConfig:
         """The config with its ``"auto"`` values filled, once the training length is known; logged once."""
@@ -318,6 +326,16 @@ def _holds_weights(checkpoint_dir: str) -> bool:
     """Whether ``checkpoint_dir`` holds a model's weights file as the Trainer writes them (one file or an index)."""
     names = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
     return any(os.path.isfile(os.path.join(checkpoint_dir, name)) for name in names)
+
+
+def _gateable(scheduler: Any) -> bool:
+    """Whether the Trainer's ``scheduler`` steps per update on a ``ShardedFusedAdam`` (ReduceLROnPlateau steps on
+    metrics, and the Trainer leaves it out of the per-update call)."""
+    return (
+        isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+        and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        and isinstance(scheduler.optimizer, ShardedFusedAdam)
+    )
 
 
 def _refuse_deepspeed_partitioned(model: Optional[nn.Module]) -> None:
