@@ -97,6 +97,15 @@ def compare(model: nn.Module, ref: nn.Module, what: str, torch_low: Optional[nn.
         assert err <= 2 * baseline + ulp, f"{what} {name}: error {err:.3g} > 2 x torch's {baseline:.3g} + {ulp:.3g}"
 
 
+def step_and_compare(opt: zo.ShardedFusedAdam, ropt: torch.optim.Optimizer, model, ref, what: str) -> None:
+    """Both optimizers step and clear their gradients; the gathered weights then equal the reference's."""
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+    with opt.gathered_params():
+        compare(model, ref, what)
+
+
 def run_lockstep(
     rank: int,
     world: int,

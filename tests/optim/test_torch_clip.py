@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_ as clip_bound_early  # bound at import, before any optimizer exists
 
 import zero_kernels as zk
-from tests.helpers.lockstep import LR, ROWS, Net, batch, compare, make_models
+from tests.helpers.lockstep import LR, ROWS, Net, batch, compare, make_models, step_and_compare
 
 STAGES = (0, 1, 2, 3)
 MAX_NORM = 0.05
@@ -73,12 +73,7 @@ def matches_reference(rank: int, world: int, stage: int, how: str) -> None:
         expected = nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
         assert float(expected) > MAX_NORM, "clipping inactive"
         assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"stage {stage} {how} step {step}: norm"
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
-        with opt.gathered_params():
-            compare(model, ref, f"stage {stage} world {world} {how} step {step}")
+        step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} {how} step {step}")
 
 
 def accumulated_stage0(rank: int, world: int) -> None:
@@ -171,12 +166,7 @@ def norm_types(rank: int, world: int, stage: int, norm_type: float, how: str, sc
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type=norm_type)
         nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=norm_type)
         assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"{what} step {step}: norm"
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
-        with opt.gathered_params():
-            compare(model, ref, f"{what} step {step}")
+        step_and_compare(opt, ropt, model, ref, f"{what} step {step}")
 
 
 def bad_norm_types(rank: int, world: int, stage: int) -> None:

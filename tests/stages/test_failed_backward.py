@@ -82,6 +82,12 @@ def _failed_backward(loss: torch.Tensor) -> Optional[str]:
     return "the backward did not raise"
 
 
+def _fails(stage: int, loss: torch.Tensor) -> list[str]:
+    """``_failed_backward`` of a stage's loss: what went wrong, as a list of problems."""
+    problem = _failed_backward(loss)
+    return [] if problem is None else [f"stage {stage}: {problem}"]
+
+
 def _params(model: nn.Module, opt: zk.ShardedFusedAdam) -> list[torch.Tensor]:
     with opt.gathered_params():
         return [p.detach().clone() for p in model.parameters()]
@@ -142,7 +148,7 @@ def _skip_batch(stage: int, rank: int, world: int) -> list[str]:
     for step in range(4):
         loss = _loss(model, _rows(step, world, rank))
         if step == 1:
-            found += [f"stage {stage}: {f}" for f in filter(None, [_failed_backward(loss)])]
+            found += _fails(stage, loss)
         else:
             loss.backward()
             opt.step()
@@ -162,12 +168,12 @@ def _step_on_failed(stage: int, rank: int, world: int) -> list[str]:
     for step in range(4):
         loss = _loss(model, _rows(step, world, rank))
         if step == 1:
-            found += [f"stage {stage}: {f}" for f in filter(None, [_failed_backward(loss)])]
+            found += _fails(stage, loss)
         else:
             loss.backward()
         if step == 2:
             failing = _loss(model, _rows(step + AFTER, world, rank))
-            found += [f"stage {stage}: {f}" for f in filter(None, [_failed_backward(failing)])]
+            found += _fails(stage, failing)
         opt.step()
         opt.zero_grad()
     ref = _adamw(world, [(0, "train"), (1, "fail-step"), (2, "good-fail-step"), (3, "train")])
@@ -182,7 +188,7 @@ def _head_after_failure(stage: int, rank: int, world: int) -> list[str]:
     _loss(model, _rows(0, world, rank)).backward()
     opt.step()
     opt.zero_grad()
-    found = [f"stage {stage}: {f}" for f in filter(None, [_failed_backward(_loss(model, _rows(1, world, rank)))])]
+    found = _fails(stage, _loss(model, _rows(1, world, rank)))
     opt.zero_grad()
     _head_loss(model, _rows(2, world, rank, width=16)).backward()
     opt.step()
@@ -205,7 +211,7 @@ def _retry(stage: int, rank: int, world: int) -> list[str]:
     for step in range(3):
         loss = _loss(model, _rows(step, world, rank))
         if step == 1:
-            found += [f"stage {stage}: {f}" for f in filter(None, [_failed_backward(loss)])]
+            found += _fails(stage, loss)
             loss = _loss(model, _rows(step, world, rank))
         try:
             loss.backward()

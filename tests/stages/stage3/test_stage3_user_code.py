@@ -34,18 +34,19 @@ from torch import nn
 import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
-from tests.helpers.lockstep import BUCKET, LR, ROWS, batch, compare, forward_backward, make_models, make_opt
+from tests.helpers.lockstep import (
+    BUCKET,
+    LR,
+    ROWS,
+    batch,
+    compare,
+    forward_backward,
+    make_models,
+    make_opt,
+    step_and_compare,
+)
 
 WORLDS = (1, 2)
-
-
-def step_and_compare(opt: zo.ShardedFusedAdam, ropt: torch.optim.Optimizer, model, ref, what: str) -> None:
-    """Both optimizers step and clear their gradients; the gathered weights then equal the reference's."""
-    for o in (opt, ropt):
-        o.step()
-        o.zero_grad()
-    with opt.gathered_params():
-        compare(model, ref, what)
 
 
 def inference_first_case(rank: int, world: int, first: str) -> None:
