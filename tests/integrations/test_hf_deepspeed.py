@@ -249,22 +249,43 @@ def test_log_line_names_a_given_optimizer(tmp_path, caplog) -> None:
     assert f"lr={LR}" not in line[0], line[0]
 
 
+class _InfThirdStep(torch.nn.Module):
+    """A regression whose third forward's loss (so its gradients) is inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        self.calls += 1
+        loss = (self.lin(x).squeeze(-1) - labels).pow(2).mean()
+        return {"loss": loss * torch.inf if self.calls == 3 else loss}
+
+
 @pytest.mark.parametrize("section", [False, True], ids=["trainer's scheduler", "config's scheduler"])
-def test_scheduler_advances_only_at_applied_updates(tmp_path, caplog, section: bool) -> None:
-    """A step this optimizer skips for inf/NaN gradients does not advance the scheduler (the Trainer's own or the
-    config's), as DeepSpeed's engine does not: the Trainer calls lr_scheduler.step() anyway (Accelerate sees no
-    skip without a GradScaler)."""
-    config = _config(2) if section else {"zero_optimization": {"stage": 2}}
-    trainer = _built(tmp_path, caplog, config=config)
-    model, opt, scheduler = trainer.model, trainer.zero_optimizer, trainer.lr_scheduler
-    batch = _data(1)[0]
-    ids = batch["input_ids"].unsqueeze(0)
+def test_scheduler_advances_only_at_applied_updates(tmp_path, section: bool) -> None:
+    """In train(), a step this optimizer skips for inf/NaN gradients does not advance the scheduler (the Trainer's
+    own or the config's), as DeepSpeed's engine does not: the Trainer calls lr_scheduler.step() anyway
+    (Accelerate sees no skip without a GradScaler), on a scheduler built after Accelerate wrapped the optimizer."""
+    from transformers import TrainerCallback, TrainingArguments
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
     lrs = []
-    for factor in (1.0, torch.inf, 1.0):  # applied, skipped, applied
-        (model(input_ids=ids, labels=ids).loss * factor).backward()
-        opt.step()
-        scheduler.step()
-        opt.zero_grad()
-        lrs.append(scheduler.get_last_lr()[0])
-    assert opt.skipped_steps == 1, "the inf step was not skipped"
-    assert lrs[1] == lrs[0] and lrs[2] != lrs[1], f"lr per step {lrs}: it moved on the skipped step or not after it"
+
+    class Record(TrainerCallback):
+        def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+            lrs.append(lr_scheduler.get_last_lr()[0])
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=5, learning_rate=1e-2,
+                             lr_scheduler_type="linear", report_to=[], use_cpu=True, save_strategy="no")  # fmt: skip
+    section_config = {"scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": 0.5}}}
+    config = {"zero_optimization": {"stage": 2}, **(section_config if section else {})}
+    data = [{"x": torch.randn(8), "labels": torch.randn(())} for _ in range(10)]
+    trainer = ZeroTrainer(model=_InfThirdStep(), args=args, train_dataset=data, config=config, callbacks=[Record()])
+    trainer.train()
+    assert trainer.zero_optimizer.skipped_steps == 1, "the inf step was not skipped"
+    moved = [b != a for a, b in zip(lrs, lrs[1:])]
+    assert moved == [True, False, True, True], f"lr after each step {lrs}: it moved on the skipped step (the 3rd)"

@@ -21,18 +21,18 @@ _GATED: dict[type, type] = {}
 
 
 class AtUpdates:
-    """Mixin of an ``LRScheduler`` whose optimizer counts ``applied_steps``."""
+    """Mixin of an ``LRScheduler`` whose optimizer counts ``applied_steps`` (itself or the optimizer it wraps)."""
 
     optimizer: Any
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        setattr(self, _SEEN, self.optimizer.applied_steps)
+        setattr(self, _SEEN, applied_steps(self.optimizer))
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance the schedule if the optimizer applied an update since the last call (else nothing)."""
         if _SEEN in self.__dict__:
-            applied = self.optimizer.applied_steps
+            applied = applied_steps(self.optimizer)
             if applied == self.__dict__[_SEEN]:
                 return
             self.__dict__[_SEEN] = applied
@@ -45,7 +45,7 @@ class AtUpdates:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load as the class does; the next ``step()`` advances after the optimizer's next applied update."""
         super().load_state_dict({k: v for k, v in state_dict.items() if k != _SEEN})  # type: ignore[misc]
-        setattr(self, _SEEN, self.optimizer.applied_steps)
+        setattr(self, _SEEN, applied_steps(self.optimizer))
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         """Pickled as its class's subclass made again (the subclass is not a module attribute)."""
@@ -54,7 +54,22 @@ class AtUpdates:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy counts from its optimizer's count (a copied optimizer counts its own updates from 0)."""
         self.__dict__.update({k: v for k, v in state.items() if k != _SEEN})
-        setattr(self, _SEEN, self.optimizer.applied_steps)
+        setattr(self, _SEEN, applied_steps(self.optimizer))
+
+
+def counting(optimizer: Any) -> Any:
+    """The optimizer that counts ``applied_steps``: ``optimizer`` or the one it wraps (Accelerate's
+    ``AcceleratedOptimizer`` keeps it as ``.optimizer``); None when neither counts them."""
+    while getattr(type(optimizer), "applied_steps", None) is None:
+        optimizer = getattr(optimizer, "optimizer", None)
+        if optimizer is None:
+            return None
+    return optimizer
+
+
+def applied_steps(optimizer: Any) -> int:
+    """The applied updates of ``optimizer`` or of the optimizer it wraps (``counting``)."""
+    return counting(optimizer).applied_steps
 
 
 def _rebuild(cls: type[LRScheduler]) -> LRScheduler:
@@ -70,8 +85,8 @@ def at_updates(cls: type[LRScheduler]) -> type[LRScheduler]:
 
 
 def gate(scheduler: LRScheduler) -> LRScheduler:
-    """``scheduler``, built on an optimizer that counts ``applied_steps``, made to step at its applied updates
-    from now on (its class becomes ``at_updates`` of its class)."""
+    """``scheduler``, built on an optimizer that counts ``applied_steps`` (or wraps one), made to step at its
+    applied updates from now on (its class becomes ``at_updates`` of its class)."""
     scheduler.__class__ = at_updates(type(scheduler))
-    setattr(scheduler, _SEEN, scheduler.optimizer.applied_steps)
+    setattr(scheduler, _SEEN, applied_steps(scheduler.optimizer))
     return scheduler

@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import schedulers
-from .at_updates import at_updates
+from .at_updates import at_updates, counting
 from .rules import Field, ParseContext, Scalar, Section, boolean, choice, integer, join, number, suggest
 
 
@@ -97,14 +97,14 @@ class SchedulerConfig:
 
     def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         """The scheduler for ``optimizer``, as DeepSpeed builds it (``Class(optimizer, **params)``); for an
-        optimizer that counts ``applied_steps`` (``ShardedFusedAdam``) a subclass whose ``step()`` advances
-        only after an applied update, as DeepSpeed's engine steps it (``at_updates``).
+        optimizer that counts ``applied_steps`` (``ShardedFusedAdam``, or a wrapper of it) a subclass whose
+        ``step()`` advances only after an applied update, as DeepSpeed's engine steps it (``at_updates``).
 
         Args:
             optimizer: the optimizer whose learning rates it sets.
         """
         cls = schedulers.SCHEDULERS.get(self.type) or getattr(torch.optim.lr_scheduler, self.type)
-        if hasattr(optimizer, "applied_steps"):
+        if counting(optimizer) is not None:  # also wrapped, as Accelerate wraps it before the Trainer builds this
             cls = at_updates(cls)
         return cls(optimizer, **self.params)
 

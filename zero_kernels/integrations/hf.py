@@ -57,7 +57,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
 from ..config import ZeroConfig, ZeroOptions
-from ..config.at_updates import gate
+from ..config.at_updates import counting, gate
 from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
 from . import hf_config
@@ -329,12 +329,13 @@ def _holds_weights(checkpoint_dir: str) -> bool:
 
 
 def _gateable(scheduler: Any) -> bool:
-    """Whether the Trainer's ``scheduler`` steps per update on a ``ShardedFusedAdam`` (ReduceLROnPlateau steps on
-    metrics, and the Trainer leaves it out of the per-update call)."""
+    """Whether the Trainer's ``scheduler`` steps per update on a ``ShardedFusedAdam``, which ``train()`` has wrapped
+    in Accelerate's optimizer by then (ReduceLROnPlateau steps on metrics: the Trainer leaves it out of the
+    per-update call)."""
     return (
         isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
         and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-        and isinstance(scheduler.optimizer, ShardedFusedAdam)
+        and isinstance(counting(scheduler.optimizer), ShardedFusedAdam)
     )
 
 
