@@ -73,7 +73,7 @@ def initialize(
         **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
             sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
     """
-    refuse_deepspeed_only(auto_values)
+    auto_values = refuse_deepspeed_only(auto_values)
     if "world_size" in auto_values:
         raise ValueError(
             "initialize: world_size= is not taken: the data-parallel size is process_group's (None: the default "

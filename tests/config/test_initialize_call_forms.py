@@ -107,6 +107,13 @@ def test_deepspeed_arguments_not_taken_say_what_to_do_instead(name: str, instead
     assert instead in str(err.value) and "allowed" not in str(err.value)
 
 
+def test_deepspeed_arguments_given_as_none_are_taken() -> None:
+    """None is their default in deepspeed.initialize, and scripts pass it explicitly (``mpu=... if ... else None``)."""
+    none = {name: None for name in ("optimizer", "training_data", "collate_fn", "mpu", "mesh_param")}
+    model, opt = zk.initialize(nn.Linear(4, 2), _config(), **none)
+    assert isinstance(opt, zk.ShardedFusedAdam) and _lr((model, opt)) == 1e-2
+
+
 def test_dist_init_required_does_not_create_the_process_group() -> None:
     assert len(zk.initialize(nn.Linear(4, 2), _config(), dist_init_required=False)) == 2
     with pytest.raises(ValueError, match="dist_init_required=True: initialize does not create the process group"):

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import zero_kernels as zk
+from tests.helpers.dist import run_ranks_checked
 
 
 def _config(stage: int, bf16: bool, total_steps: int) -> dict:
@@ -64,3 +65,37 @@ def test_a_torch_scheduler_param_is_checked_against_its_signature() -> None:
     config["scheduler"]["params"] = {"gamma": 0.5}
     with pytest.raises(ValueError, match=r"scheduler.params.step_size is required by torch's StepLR"):
         zk.initialize(_model(), config)
+
+
+def _qwz_failure(rank: int, world: int) -> list[str]:
+    """Stage 3 with qwZ: the failed initialize gives every rank the model's exact values back (its cleanup gathers
+    unquantized), so the corrected call is taken and trains as a clean run."""
+    config = _config(3, False, total_steps=5)
+    config["zero_optimization"].update(zero_quantized_weights=True, stage3_param_persistence_threshold=0)
+    model, clean = _model(), _model()
+    before = copy.deepcopy(model.state_dict())
+
+    def broken(optimizer: torch.optim.Optimizer) -> None:
+        raise RuntimeError("a scheduler that fails")
+
+    del config["scheduler"]
+    with pytest.raises(RuntimeError, match="a scheduler that fails"):
+        zk.initialize(model, config, lr_scheduler=broken)
+    after = model.state_dict()
+    problems = [
+        f"rank {rank}: {k} changed by the failed initialize" for k in before if not torch.equal(after[k], before[k])
+    ]
+    working = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)  # noqa: E731
+    weights = []
+    for m in (model, clean):
+        trained = zk.initialize(m, config, lr_scheduler=working)
+        _train(*trained, torch.float32)
+        with trained[1].gathered_params():
+            weights.append({n: p.detach().clone() for n, p in m.named_parameters()})
+    return problems + [f"rank {rank}: {n} differs from a clean run" for n, p in weights[0].items()
+                       if not torch.equal(p, weights[1][n])]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_a_failed_initialize_with_quantized_weights_leaves_exact_values() -> None:
+    run_ranks_checked(_qwz_failure, 2)

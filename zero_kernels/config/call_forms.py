@@ -41,15 +41,20 @@ _INSTEAD["collate_fn"] = _INSTEAD["training_data"]
 DEEPSPEED_ONLY = frozenset(_INSTEAD)
 
 
-def refuse_deepspeed_only(keywords: Mapping[str, Any]) -> None:
-    """Raise ``ValueError`` for the first of ``keywords`` that is a ``deepspeed.initialize`` argument not taken.
+def refuse_deepspeed_only(keywords: Mapping[str, Any]) -> dict[str, Any]:
+    """Raise ``ValueError`` for the first of ``keywords`` that is a ``deepspeed.initialize`` argument not taken and
+    given a value; None, its default there, is taken (scripts pass it explicitly: ``mpu=mpu if ... else None``).
 
     Args:
         keywords: the keyword arguments ``initialize`` did not name.
+
+    Returns:
+        The other keywords (those arguments given as None left out).
     """
-    for name in keywords:
-        if name in DEEPSPEED_ONLY:
+    for name, value in keywords.items():
+        if name in DEEPSPEED_ONLY and value is not None:
             raise ValueError(f"initialize: {name}= (deepspeed.initialize's) is not taken: {_INSTEAD[name]}")
+    return {name: value for name, value in keywords.items() if name not in DEEPSPEED_ONLY}
 
 
 def check_dist_init(required: Any) -> None:

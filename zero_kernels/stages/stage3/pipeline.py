@@ -654,10 +654,16 @@ class Stage3Pipeline(Stage2Pipeline):
         return in_place and not buf.persistent and not self.params_in_file(buf)
 
     def close(self) -> None:
-        """Remove every hook; each parameter is left holding its full value."""
+        """Remove every hook; each parameter is left holding its full value (gathered exactly, as in
+        ``gathered_params()``: with qwZ a quantized gather would leave other ranks' parts dequantized)."""
         self._state_dict_guard.remove()
         if self._scheduler is not None:
-            self._scheduler.hold()
+            self._hold_depth += 1  # ``holding``: the gathers below are exact
+            try:
+                self._gather_held_exact()
+                self._scheduler.hold()
+            finally:
+                self._hold_depth -= 1
             self._scheduler.remove()
             self._scheduler = None
         if self.disk_grads is not None:
