@@ -276,9 +276,11 @@ def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> N
             f"ShardedFusedAdam trains {allowed} parameters; {describe(p)} is {str(p.dtype).replace('torch.', '')}: "
             "cast it (e.g. model.float()) or freeze it (requires_grad=False)"
         )
-    if any(stride == 0 and size > 1 for stride, size in zip(p.stride(), p.shape)):
+    with torch._C.DisableTorchFunctionSubclass():  # past a freed stage-3 parameter's guard (it has no values)
+        stride, shape = p.stride(), p.shape
+    if any(step == 0 and size > 1 for step, size in zip(stride, shape)):
         raise ValueError(
-            f"ShardedFusedAdam cannot train {describe(p)}: it is expanded (stride {tuple(p.stride())}), so several "
+            f"ShardedFusedAdam cannot train {describe(p)}: it is expanded (stride {tuple(stride)}), so several "
             "of its elements share one memory location, which torch.optim.AdamW's step refuses too; give it memory "
             "of its own (nn.Parameter(t.clone())) or freeze it (requires_grad=False)"
         )
