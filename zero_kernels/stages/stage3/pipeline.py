@@ -576,6 +576,13 @@ class Stage3Pipeline(Stage2Pipeline):
             self._scheduler.hold()
         try:
             yield
+        finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
+            self._end_hold(modifier_rank)
+
+    def _end_hold(self, modifier_rank: Optional[int]) -> None:
+        """Leave a ``gathered_params`` block: ``modifier_rank``'s values to every rank, the edits into the shards
+        (outermost block), the units released."""
+        try:
             if modifier_rank is not None:
                 self._broadcast_full(modifier_rank)
             if self._hold_depth == 1:
