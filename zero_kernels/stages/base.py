@@ -512,6 +512,11 @@ class Pipeline(BackwardRound):
         """Whether a synchronised backward (or the step's own synchronisation) ran since the last step."""
         return self._synced
 
+    @property
+    def failed_round_open(self) -> bool:
+        """Whether a backward that raised left its round open (outside a backward: ``_close_failed_round``)."""
+        return self._round_open
+
     def reset_grad_sync(self) -> None:
         """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""
         self._synced = False

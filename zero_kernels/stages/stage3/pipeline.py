@@ -357,6 +357,12 @@ class Stage3Pipeline(Stage2Pipeline):
         super()._close_failed_round(keep)
 
     @property
+    def failed_round_open(self) -> bool:
+        """As every stage, or the scheduler's backward the same exception left open."""
+        scheduler = self._scheduler
+        return super().failed_round_open or (scheduler is not None and scheduler.in_backward)
+
+    @property
     def params_offloaded(self) -> bool:
         """``offload_param`` acted on: the parameter shards live in the state tier's host memory, or (nvme) in files
         (``disk_params``); all the state is in the tier (``offload_optimizer.ratio`` 1)."""
