@@ -5,6 +5,8 @@ from them; in bf16 (fp32 masters, ZeRO++, frozen int8 units, offload) bit for bi
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -27,16 +29,29 @@ def init_weights(model: Net) -> None:
             p.view(-1)[0] = -0.0
 
 
-def modifier_case(rank: int, world: int, stage: int, options: dict) -> None:
-    what = f"stage {stage} {options or 'on device'}, world {world}"
+class BlockFailed(Exception):
+    """Raised on every rank inside the block, after rank 0's edit."""
+
+
+def edit_on_rank_0(opt: torch.optim.Optimizer, model: Net, rank: int, raises: bool) -> None:
+    """Rank 0 edits inside ``gathered_params(modifier_rank=0)``; ``raises``: then every rank raises in the block,
+    and the error must come out of it."""
+    with pytest.raises(BlockFailed) if raises else contextlib.nullcontext():
+        with opt.gathered_params(modifier_rank=0):
+            if rank == 0:
+                init_weights(model)
+            if raises:
+                raise BlockFailed
+
+
+def modifier_case(rank: int, world: int, stage: int, options: dict, raises: bool = False) -> None:
+    what = f"stage {stage} {options or 'on device'}, world {world}{', the block raised' if raises else ''}"
     model, ref = make_models(torch.float32)
     opt = make_opt(model, stage, **options)
     adamw = torch.optim.AdamW(ref.parameters(), lr=opt.param_groups[0]["lr"])
     for step in range(4):
         if step == 1:
-            with opt.gathered_params(modifier_rank=0):
-                if rank == 0:
-                    init_weights(model)
+            edit_on_rank_0(opt, model, rank, raises)
             init_weights(ref)
             with opt.gathered_params():
                 for (name, p), r in zip(model.named_parameters(), ref.parameters()):
@@ -85,6 +100,16 @@ def all_modifier_cases(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_the_modifier_ranks_edit_reaches_every_rank(spawn) -> None:
     spawn(all_modifier_cases, 2, timeout_s=300)
+
+
+def all_raising_cases(rank: int, world: int) -> None:
+    run_cases(rank, world, [(f"stage {s}, the block raised", modifier_case, (s, {}, True)) for s in STAGES])
+
+
+@pytest.mark.distributed
+def test_the_modifier_ranks_edit_reaches_every_rank_when_the_block_raised(spawn) -> None:
+    """DeepSpeed's ``GatheredParameters.__exit__`` broadcasts whatever the exception: the ranks stay equal."""
+    spawn(all_raising_cases, 2, timeout_s=300)
 
 
 @pytest.mark.parametrize("stage", (0, 3))

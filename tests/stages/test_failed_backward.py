@@ -13,6 +13,7 @@ buckets were reduced), caught, on one gloo rank and on two, at every stage, agai
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import pytest
@@ -234,6 +235,47 @@ def _retry(stage: int, rank: int, world: int) -> list[str]:
     )
 
 
+def _accumulated(stage: int, rank: int, world: int, steps: list[int], fail: Optional[int] = None) -> list[torch.Tensor]:
+    """gradient_accumulation_steps=2 over ``steps``; batch ``fail``: its backward raises, then zero_grad()."""
+    model = _model()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=NARROW, gradient_accumulation_steps=2)
+    for step in steps:
+        loss = _loss(model, _rows(step, world, rank))
+        if step == fail:
+            assert _failed_backward(loss) is None, f"stage {stage}: the backward of batch {fail} did not raise"
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad()
+    return _params(model, opt)
+
+
+def _window_dropped(rank: int, world: int) -> list[str]:
+    """The second micro-batch's backward raises (batch 3, after batch 2's micro-step), zero_grad(): the window of
+    batches 2 and 3 is dropped, one warning says so, and training goes on as the run that never saw them."""
+    found = []
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("zero_kernels").addHandler(handler)
+    try:
+        for stage in STAGES:
+            records.clear()
+            got = _accumulated(stage, rank, world, [0, 1, 2, 3, 4, 5], fail=3)
+            dropped = [r for r in records if "window's gradients are dropped" in r.getMessage()]
+            if len(dropped) != 1 or dropped[0].levelno != logging.WARNING:
+                found.append(f"stage {stage}: expected one warning that the window is dropped, got {len(dropped)}")
+            clean = _accumulated(stage, rank, world, [0, 1, 4, 5])
+            found += [
+                f"stage {stage}: parameter {i} differs from the run without batches 2 and 3"
+                for i, (g, c) in enumerate(zip(got, clean))
+                if not torch.equal(g, c)
+            ]
+    finally:
+        logging.getLogger("zero_kernels").removeHandler(handler)
+    return found
+
+
 def _every_case(rank: int, world: int) -> list[str]:
     return [
         f
@@ -247,3 +289,9 @@ def _every_case(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_backward_that_raises_loses_its_batch_and_training_goes_on(world: int) -> None:
     run_ranks_checked(_every_case, world, timeout_s=180)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_grad_after_a_failed_backward_mid_window_drops_the_window(world: int) -> None:
+    run_ranks_checked(_window_dropped, world, timeout_s=180)

@@ -521,7 +521,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._pipeline.clipped = math.isfinite(float(max_norm))  # a later gradient of this step is refused
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps.
+        """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps, except after a
+        backward that raised: then it drops the whole window (every micro-step's gradients, the failed pass's
+        included) and the window starts again at micro-step 0, as ``torch.optim`` clears ``p.grad``.
 
         Not needed between steps: ``step()`` clears the gradient state the optimizer keeps for itself,
         so a loop that calls only ``model.zero_grad()`` trains the same (see ``stages.grad_state``).
@@ -530,9 +532,22 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             set_to_none: drop the gradients (``p.grad = None``) instead of zeroing them.
         """
         if self._micro_step != 0:
-            return
+            if not self._pipeline.failed_round_open:
+                return
+            self._drop_window()
         self._clip = None
         self._pipeline.zero_grad(set_to_none)
+
+    def _drop_window(self) -> None:
+        """``zero_grad()`` after a backward that raised mid-window: the window restarts at micro-step 0."""
+        log.warning(
+            "zero_kernels: zero_grad() after a backward that raised on accumulation micro-step %d of %d: the whole "
+            "window's gradients are dropped (the earlier micro-steps' too) and the window starts again",
+            self._micro_step + 1,
+            self.gradient_accumulation_steps,
+        )
+        self._micro_step = 0
+        self._update_sync()
 
     def wait_params(self) -> None:
         """Finish the parameter all-gathers that ``overlap_param_gather`` leaves in flight after a step (stages

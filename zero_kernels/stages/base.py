@@ -512,6 +512,11 @@ class Pipeline(BackwardRound):
         """Whether a synchronised backward (or the step's own synchronisation) ran since the last step."""
         return self._synced
 
+    @property
+    def failed_round_open(self) -> bool:
+        """Whether a backward that raised left its round open (outside a backward: ``_close_failed_round``)."""
+        return self._round_open
+
     def reset_grad_sync(self) -> None:
         """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""
         self._synced = False
@@ -659,12 +664,18 @@ class Pipeline(BackwardRound):
         modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
         self.wait_params()
         self.gather_exact(self.buffers)
-        yield
-        if modifier_rank is not None:
-            adopt.follow_replaced(self, self.name_of)  # p.data = ... on the modifier rank: into param_flat first
-            held = [p for buf in self.buffers for p in buf.params]
-            flats = [buf.param_flat for buf in self.buffers]
-            modifier.broadcast(self.engine, flats + modifier.loose(self.module, held), modifier_rank)
+        try:
+            yield
+        finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
+            if modifier_rank is not None:
+                self._broadcast_params(modifier_rank)
+
+    def _broadcast_params(self, modifier_rank: int) -> None:
+        """Every rank takes ``modifier_rank``'s values of the held and the model's other parameters."""
+        adopt.follow_replaced(self, self.name_of)  # p.data = ... on the modifier rank: into param_flat first
+        held = [p for buf in self.buffers for p in buf.params]
+        flats = [buf.param_flat for buf in self.buffers]
+        modifier.broadcast(self.engine, flats + modifier.loose(self.module, held), modifier_rank)
 
     def gather_exact(self, buffers: Sequence[FlatBuffer]) -> None:
         """qwZ: all-gather ``buffers`` (whole ``param_flat``) again unquantized, so that every rank holds every

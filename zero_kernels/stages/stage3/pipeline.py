@@ -357,6 +357,12 @@ class Stage3Pipeline(Stage2Pipeline):
         super()._close_failed_round(keep)
 
     @property
+    def failed_round_open(self) -> bool:
+        """As every stage, or the scheduler's backward the same exception left open."""
+        scheduler = self._scheduler
+        return super().failed_round_open or (scheduler is not None and scheduler.in_backward)
+
+    @property
     def params_offloaded(self) -> bool:
         """``offload_param`` acted on: the parameter shards live in the state tier's host memory, or (nvme) in files
         (``disk_params``); all the state is in the tier (``offload_optimizer.ratio`` 1)."""
@@ -576,6 +582,13 @@ class Stage3Pipeline(Stage2Pipeline):
             self._scheduler.hold()
         try:
             yield
+        finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
+            self._end_hold(modifier_rank)
+
+    def _end_hold(self, modifier_rank: Optional[int]) -> None:
+        """Leave a ``gathered_params`` block: ``modifier_rank``'s values to every rank, the edits into the shards
+        (outermost block), the units released."""
+        try:
             if modifier_rank is not None:
                 self._broadcast_full(modifier_rank)
             if self._hold_depth == 1:
