@@ -141,44 +141,37 @@ def _compare(
     return found
 
 
-def _skip_batch(stage: int, rank: int, world: int) -> list[str]:
-    """Batch 1's backward raises; zero_grad(); batches 2 and 3 train."""
+def _run(stage: int, rank: int, world: int, plan: list[tuple[int, str]]) -> tuple[list[torch.Tensor], list[str]]:
+    """This rank's side of ``_adamw``'s ``plan`` (its batch rows only): the weights after it, and what went wrong."""
     model = _model()
     opt = _opt(model, stage)
     found = []
-    for step in range(4):
-        loss = _loss(model, _rows(step, world, rank))
-        if step == 1:
-            found += _fails(stage, loss)
-        else:
-            loss.backward()
+    for step, what in plan:
+        if what in ("train", "good-fail-step"):
+            _loss(model, _rows(step, world, rank)).backward()
+        if what != "train":
+            failing = step + AFTER if what == "good-fail-step" else step
+            found += _fails(stage, _loss(model, _rows(failing, world, rank)))
+        if what != "fail":
             opt.step()
         opt.zero_grad()
-    ref = _adamw(world, [(0, "train"), (1, "fail"), (2, "train"), (3, "train")])
-    return found + _compare(
-        f"stage {stage}, batch skipped", _params(model, opt), _clean(stage, rank, world, [0, 2, 3]), ref
-    )
+    return _params(model, opt), found
+
+
+def _skip_batch(stage: int, rank: int, world: int) -> list[str]:
+    """Batch 1's backward raises; zero_grad(); batches 2 and 3 train."""
+    plan = [(0, "train"), (1, "fail"), (2, "train"), (3, "train")]
+    got, found = _run(stage, rank, world, plan)
+    clean = _clean(stage, rank, world, [0, 2, 3])
+    return found + _compare(f"stage {stage}, batch skipped", got, clean, _adamw(world, plan))
 
 
 def _step_on_failed(stage: int, rank: int, world: int) -> list[str]:
     """Batch 1's backward raises, step() on what it delivered; batch 2 trains, and a backward of batch 2 + AFTER raises
     after it, step() on both; batch 3 trains."""
-    model = _model()
-    opt = _opt(model, stage)
-    found = []
-    for step in range(4):
-        loss = _loss(model, _rows(step, world, rank))
-        if step == 1:
-            found += _fails(stage, loss)
-        else:
-            loss.backward()
-        if step == 2:
-            failing = _loss(model, _rows(step + AFTER, world, rank))
-            found += _fails(stage, failing)
-        opt.step()
-        opt.zero_grad()
-    ref = _adamw(world, [(0, "train"), (1, "fail-step"), (2, "good-fail-step"), (3, "train")])
-    return found + _compare(f"stage {stage}, step after the failed backward", _params(model, opt), None, ref)
+    plan = [(0, "train"), (1, "fail-step"), (2, "good-fail-step"), (3, "train")]
+    got, found = _run(stage, rank, world, plan)
+    return found + _compare(f"stage {stage}, step after the failed backward", got, None, _adamw(world, plan))
 
 
 def _head_after_failure(stage: int, rank: int, world: int) -> list[str]:

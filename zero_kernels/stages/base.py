@@ -452,11 +452,15 @@ class Pipeline(BackwardRound):
             for bucket in buf.layout.buckets:
                 yield self.grad_shard(buf, bucket)
 
+    @property
+    def column_device(self) -> torch.device:
+        """Where this rank's gradient statistics are taken: its buffers' device (the CPU without any)."""
+        return self.buffers[0].device if self.buffers else torch.device("cpu")
+
     def grad_column(self, norm: bool) -> torch.Tensor:
         """This rank's part of the gradient column (``stats.grad_column`` of ``norm_views()``): the squared norm
         (``norm``), else whether every gradient is finite."""
-        device = self.buffers[0].device if self.buffers else torch.device("cpu")
-        return stats.grad_column(self.norm_views(), device, norm=norm)
+        return stats.grad_column(self.norm_views(), self.column_device, norm=norm)
 
     def zero_reduced(self, buf: FlatBuffer, bucket: Bucket) -> None:
         """Zero this rank's reduced gradients of ``bucket`` (no reduction wrote them: ``grad_state.zero_unwritten``)."""

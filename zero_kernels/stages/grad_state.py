@@ -130,8 +130,7 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float, order: float = 2.0) -> to
     if pipeline.grad_divisor_is_world:
         grad_scale = grad_scale / pipeline.world_size
     if order != 2.0:
-        device = pipeline.buffers[0].device if pipeline.buffers else torch.device("cpu")
-        column = norms.local_column(pipeline.norm_views(), device, order)
+        column = norms.local_column(pipeline.norm_views(), pipeline.column_device, order)
         norms.reduce(pipeline.engine, column, order)
         return norms.value(column, order) * grad_scale
     sq = pipeline.grad_column(norm=True)

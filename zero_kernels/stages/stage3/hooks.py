@@ -526,6 +526,10 @@ class Stage3Scheduler:
                 self._reduce(i)
         self._free_all()
         self._backward.end()
+        self._forget_backward()
+
+    def _forget_backward(self) -> None:
+        """The backward's bookkeeping cleared: none is running (it ended, or raised and was given up)."""
         self._reduced = set()
         self._uses.reset()
         self._in_backward = False
@@ -543,9 +547,7 @@ class Stage3Scheduler:
             self._end_backward()
             return
         self._free_all()
-        self._reduced = set()
-        self._uses.reset()
-        self._in_backward = False
+        self._forget_backward()
 
     # -- whole-model access -------------------------------------------------------------------
 

@@ -419,7 +419,7 @@ class Stage3Pipeline(Stage2Pipeline):
         """As stage 2; with the gradients in files, the terms taken as each bucket was reduced (no read)."""
         if self.disk_grads is None:
             return super().grad_column(norm)
-        return stats.combine(self.disk_grads.column(norm), self.buffers[0].device)
+        return stats.combine(self.disk_grads.column(norm), self.column_device)
 
     def zero_reduced(self, buf: FlatBuffer, bucket: Bucket) -> None:
         if self.disk_grads is None:
@@ -576,14 +576,19 @@ class Stage3Pipeline(Stage2Pipeline):
         if self._scheduler is None:
             yield
             return
-        self._hold_depth += 1
-        if self._hold_depth == 1:
-            self._gather_held_exact()
-            self._scheduler.hold()
+        self._begin_hold()
         try:
             yield
         finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
             self._end_hold(modifier_rank)
+
+    def _begin_hold(self) -> None:
+        """Enter a hold (``gathered_params``, ``close``): from here gathers are exact (``holding``); the outermost
+        gathers every unit, again unquantized where qwZ left others' parts dequantized."""
+        self._hold_depth += 1
+        if self._hold_depth == 1:
+            self._gather_held_exact()
+            self._scheduler.hold()
 
     def _end_hold(self, modifier_rank: Optional[int]) -> None:
         """Leave a ``gathered_params`` block: ``modifier_rank``'s values to every rank, the edits into the shards
@@ -620,8 +625,7 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _broadcast_full(self, modifier_rank: int) -> None:
         """Every parameter's full value (gathered units, persistent buffers, frozen units, the model's other
-        parameters) from ``modifier_rank``;
-        a ``p.data = ...`` there is taken into its buffer first."""
+        parameters) from ``modifier_rank``; a ``p.data = ...`` there is taken into its buffer first."""
         full = []
         for buf in self.buffers:
             flat = buf.param_flat if buf.persistent else buf.full
@@ -671,10 +675,8 @@ class Stage3Pipeline(Stage2Pipeline):
         ``gathered_params()``: with qwZ a quantized gather would leave other ranks' parts dequantized)."""
         self._state_dict_guard.remove()
         if self._scheduler is not None:
-            self._hold_depth += 1  # ``holding``: the gathers below are exact
             try:
-                self._gather_held_exact()
-                self._scheduler.hold()
+                self._begin_hold()
             finally:
                 self._hold_depth -= 1
             self._scheduler.remove()
