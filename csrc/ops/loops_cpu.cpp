@@ -60,7 +60,10 @@ ZK_CPU_CLONES float block_scale(const float* __restrict v, int64_t n, float qmax
     absmax = std::max(absmax, std::fabs(v[i]));
     nan |= static_cast<int>(v[i] != v[i]);
   }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : absmax / qmax;
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  const float scale = absmax / qmax;
+  const bool overflows = std::isinf(scale * qmax) && std::isfinite(scale);
+  return overflows ? std::nextafter(scale, 0.0f) : scale;  // every qmax * scale stays finite
 }
 
 ZK_CPU_CLONES void quantize_block(const float* __restrict v, int8_t* __restrict q, int64_t n, float scale,

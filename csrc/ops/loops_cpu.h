@@ -46,7 +46,8 @@ void convert(const Src* src, int64_t src_stride, Dst* dst, int64_t dst_stride, i
 template <typename T>
 void adopt_edits(float* param, const T* out, int64_t n);
 
-// Block quantization (quant_cpu.cpp): absmax / qmax of n contiguous values, NaN when one is NaN.
+// Block quantization (quant_cpu.cpp): absmax / qmax of n contiguous values, NaN when one is NaN; one ulp
+// smaller where qmax * scale would overflow float, so that every dequantized value of a finite block is finite.
 float block_scale(const float* v, int64_t n, float qmax);
 
 // q[i] = rint(v[i] / scale) clamped to [-qmax, qmax] (a true division, ties to even); scale finite, not 0.

@@ -9,7 +9,8 @@ namespace zero_kernels {
 
 // Quantizes x (contiguous; float32, bfloat16 or float16, read as that type) in blocks of `block`
 // elements, the last one padded with zeros: scales[b] = absmax / qmax (qmax 127 for bits=8, 7 for
-// bits=4; NaN when the block holds a NaN, inf when it holds an infinity), and each element
+// bits=4; NaN when the block holds a NaN, inf when it holds an infinity; one ulp smaller where
+// qmax * scale would overflow float), and each element
 // rint(x / scale) clamped to [-qmax, qmax] (0 in a block whose scale is 0 or not finite). data gets
 // the integers as bytes (bits=8) or two per byte, the even element in the low nibble (bits=4).
 // One thread works on whole blocks; math is float32 with a true division, as the reference.

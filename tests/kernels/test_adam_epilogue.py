@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zero_kernels import _ext
-from zero_kernels.kernels import QuantizedBlocks, adam_step, quantize_ref
+from zero_kernels.kernels import QuantizedBlocks, adam_step, dequantize_ref, quantize_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ["triton", "cpu", "torch"]
@@ -122,6 +122,25 @@ def test_epilogue_of_a_skipped_step_quantizes_the_params_as_they_are(impl: str, 
     assert torch.equal(qb.scales.cpu(), quantize_ref(written.cpu(), 8, 64).scales)
     assert torch.equal(state["param"], before["param"]), "a skipped step wrote the params"
     _check(impl, before, 64, f"{impl} {dtype} skip_if", skip_if=torch.ones(1, device=device))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("impl", BACKENDS)
+def test_epilogue_of_params_at_the_dtype_maximum_dequantizes_finite(impl: str, dtype: str) -> None:
+    """Parameters at their dtype's maximum (a skipped step keeps them there): the quantizer's scale, one whose
+    127 multiple is still finite, so the gathered values are finite."""
+    device = _device(impl)
+    state = _state(333, DTYPES[dtype], device)
+    top = torch.finfo(DTYPES[dtype]).max
+    written = state["param"] if state["out"] is None else state["out"]
+    written[[0, 70, 140]] = torch.tensor([top, -top, top], dtype=written.dtype, device=device)
+    state["param"][[0, 70, 140]] = written[[0, 70, 140]].float()
+    _check(impl, state, 64, f"{impl} {dtype} at max", skip_if=torch.ones(1, device=device))
+    qb = _blocks(333, 64, device)
+    _step(impl, _clone(state), qb, skip_if=torch.ones(1, device=device))
+    assert bool(
+        dequantize_ref(QuantizedBlocks(qb.data.cpu(), qb.scales.cpu(), 333, 8, 64), DTYPES[dtype]).isfinite().all()
+    )
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)

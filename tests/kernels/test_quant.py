@@ -1,7 +1,8 @@
 """Block quantization (``kernels.quant``) against a float64 computation, in every input dtype and awkward size.
 
 The oracle recomputes each block in float64: the scale ``absmax / qmax`` rounded once to float32 (the
-correctly rounded float32 quotient), each integer ``round_half_even(fp32(x / scale))`` clamped to
+correctly rounded float32 quotient; one float32 ulp smaller where ``qmax * scale`` would round past the
+float32 maximum), each integer ``round_half_even(fp32(x / scale))`` clamped to
 ``[-qmax, qmax]``. Integers and scales must match it exactly. The dequantized values must lie within the
 derived bound of the float64 input: ``scale/2`` from the rounding to an integer, ``qmax*scale*2**-22`` for
 float32's rounding of ``x/scale`` and of ``q*scale`` (each at most half an ulp of a value of magnitude
@@ -12,7 +13,7 @@ float32's rounding of ``x/scale`` and of ``q*scale`` (each at most half an ulp o
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 IMPLS = ["torch", "cpu", "triton"]  # the reference, the C++ kernel, the Triton kernel (interpreted without CUDA)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 64
+F32_OVERFLOW = 2.0**128 - 2.0**103  # the smallest value float32 rounds to inf: its maximum plus half an ulp
 
 
 def _device(impl: str) -> torch.device:
@@ -56,6 +58,8 @@ def _oracle(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch
     rows = torch.cat([flat, flat.new_zeros(pad)]).view(-1, block)
     absmax = rows.abs().amax(dim=1)
     scales = (absmax / qmax).float()
+    overflows = scales.double() * qmax >= F32_OVERFLOW
+    scales = torch.where(overflows, torch.nextafter(scales, torch.zeros_like(scales)), scales)
     s64 = scales.double()[:, None]
     ratio = torch.where(s64 > 0, rows / torch.where(s64 > 0, s64, 1.0), 0.0).float().double()
     q = torch.round(ratio).clamp(-qmax, qmax)
@@ -72,7 +76,9 @@ def _bound(q: torch.Tensor, scales: torch.Tensor, bits: int, dtype: torch.dtype)
     return bound.reshape(-1)
 
 
-def _check(x: torch.Tensor, bits: int, block: int, impl: str) -> QuantizedBlocks:
+def _check(
+    x: torch.Tensor, bits: int, block: int, impl: str, outputs: Sequence[torch.dtype] = DTYPES
+) -> QuantizedBlocks:
     quant, dequant = _backend(impl)
     qb = quant(x, bits, block)
     q, scales = _oracle(x, bits, block)
@@ -81,7 +87,7 @@ def _check(x: torch.Tensor, bits: int, block: int, impl: str) -> QuantizedBlocks
     assert torch.equal(qb.scales, scales), "scales differ from the float64 absmax / qmax"
     assert torch.equal(unpack(qb.data, bits).view(-1, block), q), "integers differ from the float64 rounding"
     x64 = x.reshape(-1).double()
-    for dtype in DTYPES:
+    for dtype in outputs:
         out = dequant(qb, dtype)
         assert out.dtype == dtype and out.shape == (x.numel(),)
         err = (out.double() - x64).abs()
@@ -115,6 +121,22 @@ def test_ties_round_to_even_and_values_clamp(impl: str, bits: int) -> None:
     x = torch.tensor([float(qmax), 0.5, 1.5, 2.5, -0.5, -2.5, -float(qmax), 3.5])  # scale exactly 1
     qb = _check(x, bits, 8, impl)
     assert unpack(qb.data, bits).tolist() == [qmax, 0, 2, 2, 0, -2, -qmax, 4]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES, ids=NAMES.get)
+def test_blocks_near_the_dtype_maximum_dequantize_finite(impl: str, bits: int, dtype: torch.dtype) -> None:
+    """Blocks whose absmax is the input dtype's maximum (float32's: 127 times its scale rounds past it), its
+    negative, or 3e38 come back finite and within the bound in every output dtype that can hold them."""
+    top = torch.finfo(dtype).max
+    tops = [top, -top, 3.0e38] if dtype == torch.float32 else [top, -top]
+    x = torch.tensor([[t, t / 3, -t / 2, 1.0, 0.0, t / 7, -t, t] for t in tops]).to(dtype).reshape(-1)
+    outputs = [d for d in DTYPES if torch.finfo(d).max >= top]
+    qb = _check(x, bits, 8, impl, outputs)
+    for dtype in outputs:
+        out = _backend(impl)[1](qb, dtype)
+        assert bool(out.isfinite().all()), f"to {NAMES[dtype]}: non-finite at {(~out.isfinite()).nonzero().tolist()}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -2,7 +2,9 @@
 
 A flat tensor is cut into blocks of ``block`` elements (the last one padded with zeros). Each block gets
 one float32 scale, ``absmax / qmax`` (qmax 127 for 8 bits, 7 for 4 bits), and each element the integer
-``round_half_even(x / scale)`` clamped to ``[-qmax, qmax]``. All math is float32 whatever the input dtype,
+``round_half_even(x / scale)`` clamped to ``[-qmax, qmax]``. Where ``qmax * scale`` would round past the
+float32 maximum (an absmax within a few ulps of it, ~3.4e38) the scale is one ulp smaller, so that every
+dequantized value of a finite block is finite. All math is float32 whatever the input dtype,
 with a true division by the scale (no reciprocal), so every backend gets the same integers.
 
 Error: for a block whose scale is a normal float32, ``|dequantize(quantize(x)) - x| <= scale / 2`` up to
@@ -118,13 +120,19 @@ def _blocks_fp32(x: torch.Tensor, block: int) -> torch.Tensor:
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, block)
 
 
+def finite_top(scales: torch.Tensor, qmax: int) -> torch.Tensor:
+    """``scales`` with each finite one whose ``qmax * scale`` overflows float32 one ulp toward zero."""
+    overflows = (scales * qmax).isinf() & scales.isfinite()
+    return torch.where(overflows, torch.nextafter(scales, torch.zeros_like(scales)), scales)
+
+
 def quantize_ref(x: torch.Tensor, bits: int, block: int, out: Optional[QuantizedBlocks] = None) -> QuantizedBlocks:
     """Quantize ``x`` (any shape, read flat; fp32/bf16/fp16) to ``bits``-bit integers in blocks of ``block``."""
     check_quantize_args(x, bits, block, out)
     qmax = QMAX[bits]
     blocks = _blocks_fp32(x, block)
     absmax = blocks.abs().amax(dim=1) if blocks.numel() else blocks.new_zeros(0)  # NaN propagates
-    scales = absmax / qmax
+    scales = finite_top(absmax / qmax, qmax)
     safe = torch.where(scales.isfinite() & (scales != 0), scales, torch.ones_like(scales))
     q = torch.round(blocks / safe[:, None]).clamp_(-qmax, qmax)
     q = torch.where((scales.isfinite() & (scales != 0))[:, None], q, torch.zeros_like(q)).to(torch.int8)

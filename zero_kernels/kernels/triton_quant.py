@@ -32,10 +32,13 @@ _RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2**23: v + it - it 
 
 @triton.jit
 def _block_scale(x_even, x_odd, QMAX_: tl.constexpr):
-    """absmax / qmax of the block's values (NaN when one is NaN, inf when one is infinite)."""
+    """absmax / qmax of the block's values (NaN when one is NaN, inf when one is infinite), one ulp smaller
+    where ``qmax * scale`` would overflow (``quant_reference.finite_top``)."""
     absmax = tl.maximum(tl.max(tl.abs(x_even), axis=0), tl.max(tl.abs(x_odd), axis=0))
     has_nan = tl.max(((x_even != x_even) | (x_odd != x_odd)).to(tl.int32), axis=0)
     scale = tl.div_rn(absmax, QMAX_ * 1.0)
+    overflows = (scale * QMAX_ == float("inf")) & (scale != float("inf"))
+    scale = tl.where(overflows, (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True), scale)
     return tl.where(has_nan > 0, float("nan"), scale)
 
 
