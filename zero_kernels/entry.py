@@ -50,9 +50,9 @@ def initialize(
     an applied update (an accumulation boundary, not a skipped step), as DeepSpeed's engine steps it.
 
     The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does). An initialize that raises
-    once the optimizer exists (the scheduler's constructor) takes the optimizer off the model again (stage 3
-    gives every parameter its full value back), and an initialize that raises after the cast casts the model
-    back to its dtypes, so a corrected call can be made on the same model.
+    once the optimizer exists (the scheduler's constructor) takes the optimizer off the model again (no hook of
+    it stays; stage 3 gives every parameter its full value back), and an initialize that raises after the cast
+    casts the model back to its dtypes, so a corrected call can be made on the same model.
 
     Args:
         model: the model, replicated on every rank.
@@ -106,8 +106,8 @@ def initialize(
         optimizer = _build_optimizer(model, model_parameters, config, process_group, impl)
         scheduler = _scheduler(config, lr_scheduler, optimizer)
     except BaseException:
-        if optimizer is not None:  # its stage-3 hooks gather every parameter back, then come off
-            optimizer.pipeline.close()
+        if optimizer is not None:  # its hooks come off (stage 3's gather every parameter back first)
+            optimizer._detach()
         restore_dtypes()
         raise
     return (model, optimizer) if scheduler is None else (model, optimizer, scheduler)

@@ -24,6 +24,11 @@ def register(optimizer: Any) -> None:
     _live[optimizer] = next(_order)
 
 
+def forget(optimizer: Any) -> None:
+    """Stop counting ``optimizer`` (taken off its model) as live."""
+    _live.pop(optimizer, None)
+
+
 def optimizers() -> list[Any]:
     """The live optimizers, oldest first."""
     return [opt for opt, _ in sorted(_live.items(), key=lambda item: item[1])]

@@ -13,6 +13,7 @@ from torch import nn
 
 import zero_kernels as zk
 from tests.helpers.dist import run_ranks_checked
+from zero_kernels import live
 
 
 def _config(stage: int, bf16: bool, total_steps: int) -> dict:
@@ -99,3 +100,49 @@ def _qwz_failure(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_a_failed_initialize_with_quantized_weights_leaves_exact_values() -> None:
     run_ranks_checked(_qwz_failure, 2)
+
+
+_MODULE_HOOKS = (
+    "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
+    "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)  # fmt: skip
+
+
+def _hooks_and_attributes(model: nn.Module) -> dict[str, object]:
+    """Every hook a module or parameter of ``model`` carries (counted), and their attribute names and classes."""
+    seen: dict[str, object] = {}
+    for name, m in model.named_modules():
+        seen[f"{name}:class"] = type(m)
+        seen[f"{name}:attributes"] = sorted(m.__dict__)
+        seen.update({f"{name}:{kind}": len(getattr(m, kind)) for kind in _MODULE_HOOKS})
+    for name, p in model.named_parameters():
+        seen[f"{name}:class"] = type(p)
+        seen[f"{name}:attributes"] = sorted(p.__dict__)
+        seen[f"{name}:grad hooks"] = len(p._backward_hooks or {}) + len(p._post_accumulate_grad_hooks or {})
+    return seen
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_failed_initialize_leaves_no_hook_and_does_not_train_the_model(stage: int) -> None:
+    """Each failed initialize takes off every hook it put on the model (the DDP guard's forward pre-hook
+    included) and no longer counts as training its parameters; the retry then trains as a clean run."""
+    model, clean = _model(), _model()
+    before = _hooks_and_attributes(model)
+    config = _config(stage, False, total_steps=5)
+    del config["scheduler"]
+
+    def broken(optimizer: torch.optim.Optimizer) -> None:
+        raise RuntimeError("a scheduler that fails")
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="a scheduler that fails") as failure:
+            zk.initialize(model, config, lr_scheduler=broken)
+        after = _hooks_and_attributes(model)
+        assert after == before, {k: (before.get(k), after.get(k)) for k in before if before.get(k) != after.get(k)}
+        assert live.training(model.parameters()) == [], "the failed optimizer still counts as training the model"
+    del failure
+    working = lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)  # noqa: E731
+    _train(*zk.initialize(model, config, lr_scheduler=working), torch.float32)
+    _train(*zk.initialize(clean, config, lr_scheduler=working), torch.float32)
+    for (name, p), q in zip(model.named_parameters(), clean.parameters()):
+        assert torch.equal(p, q), name

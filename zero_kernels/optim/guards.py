@@ -20,8 +20,9 @@ The error names the fix for each framework.
 
 from __future__ import annotations
 
+import functools
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -109,6 +110,14 @@ class _Finder:
             self.pending.discard(opt)
         if not found:
             self.cleared.add(mod)
+        self._remove_when_done()
+
+    def discard(self, owner: Any) -> None:
+        """Stop looking for ``owner``'s model."""
+        self.pending.discard(owner)
+        self._remove_when_done()
+
+    def _remove_when_done(self) -> None:
         if not self.pending and self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -126,14 +135,17 @@ def refuse_wrapper(ddp: DistributedDataParallel) -> None:
         )
 
 
-def watch(owner: Any, module: Optional[nn.Module]) -> None:
+def watch(owner: Any, module: Optional[nn.Module]) -> Callable[[], None]:
     """Refuse any DDP forward around ``owner``'s parameters from now on (see the module docstring).
 
     Args:
         owner: the optimizer (held weakly).
         module: its model, when known.
+
+    Returns:
+        What stops the watch: removes the hook from ``module``, or stops looking for ``owner``'s model.
     """
     if module is not None:
-        refuse_ddp_forward(module, owner)
-    else:
-        _finder.add(owner)
+        return refuse_ddp_forward(module, owner).remove
+    _finder.add(owner)
+    return functools.partial(_finder.discard, owner)

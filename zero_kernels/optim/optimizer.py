@@ -250,7 +250,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._held_names = {n: i for i, n in self._names.items() if i in held}
         live.register(self)
         torch_clip.install()
-        guards.watch(self, module)
+        self._unwatch = guards.watch(self, module)
+
+    def _detach(self) -> None:
+        """Take this optimizer off its model (an ``initialize`` that failed): the pipeline's hooks and the DDP
+        guard come off, every parameter keeps its full value, and it no longer counts as training them."""
+        self._pipeline.close()
+        self._unwatch()
+        live.forget(self)
 
     @property
     def state(self) -> Any:
