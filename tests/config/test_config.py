@@ -6,6 +6,8 @@ import dataclasses
 import json
 import logging
 import pathlib
+import re
+import types
 
 import pytest
 import torch
@@ -226,6 +228,20 @@ def test_hf_auto_values_from_keywords(caplog: pytest.LogCaptureFixture) -> None:
         "scheduler.params.warmup_num_steps=1 (Hugging Face Trainer default warmup_steps=0, at least 1)",
     ):
         assert line in chosen, f"{line!r} not logged; got: {chosen}"
+
+
+def test_hf_warmup_mismatch_names_an_older_trainers_ratio() -> None:
+    """TrainingArguments of transformers 4 (warmup_ratio, no get_warmup_steps): the error gives both arguments and
+    the step count the Trainer derives from them."""
+    args = types.SimpleNamespace(
+        per_device_train_batch_size=4, gradient_accumulation_steps=1, learning_rate=1e-3, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, fp16=False, bf16=False,
+        warmup_steps=0, warmup_ratio=0.25, max_steps=12,
+    )  # fmt: skip
+    config = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    shown = "training_args.warmup_steps=0, training_args.warmup_ratio=0.25 (3 warmup steps of 12);"
+    with pytest.raises(ValueError, match=re.escape(f"warmup_num_steps=5 in the config disagrees with {shown}")):
+        ZeroConfig.from_deepspeed(config, world_size=1, training_args=args)
 
 
 def test_hf_auto_values_default_without_keywords(caplog: pytest.LogCaptureFixture) -> None:

@@ -206,6 +206,25 @@ def test_mismatch_is_refused_as_by_the_trainer(tmp_path, caplog) -> None:
         _built(tmp_path, caplog, config=config)
 
 
+@pytest.mark.parametrize(
+    "warmup,shown",
+    [
+        (0, "training_args.warmup_steps=0 (0 warmup steps of 20, which the Trainer fills in as 1)"),
+        (0.25, "training_args.warmup_steps=0.25 (5 warmup steps of 20)"),
+        (4, "training_args.warmup_steps=4;"),
+    ],
+)
+def test_warmup_mismatch_names_the_trainers_value(tmp_path, caplog, warmup: float, shown: str) -> None:
+    """Item 2: an explicit warmup_num_steps against TrainingArguments' warmup names the arguments as given, and the
+    step count the Trainer derives from them where it differs (at least 1: the Trainer's floor)."""
+    config = _config(2)
+    config["scheduler"]["params"]["warmup_num_steps"] = 3
+    args = _args(str(tmp_path), max_steps=20, warmup_steps=warmup, ddp_backend=None)
+    with pytest.raises(ValueError, match="scheduler.params.warmup_num_steps=3 in the config disagrees with ") as error:
+        _built(tmp_path, caplog, config=config, args=args)
+    assert shown in str(error.value)
+
+
 def test_zero_section_auto_sizes_from_hidden_size(tmp_path, caplog) -> None:
     """Item 4: "auto" sizes in zero_optimization= come from the hidden size, as through zk.initialize."""
     section = {"stage": 3, "reduce_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",

@@ -25,6 +25,7 @@ Key path -> ``TrainingArguments`` attribute:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -111,10 +112,28 @@ def training_args_overrides(args: Any, world: int, total_num_steps: Optional[int
     warmup = _warmup_steps(args, total)
     if warmup is not None:
         values["scheduler.params.warmup_num_steps"] = (max(1, warmup), "warmup_steps")
-    return {
+    overrides = {
         path: Override(value, f"training_args.{name}", strict=True, fills_missing=False)
         for path, (value, name) in values.items()
     }
+    if warmup is not None:
+        path = "scheduler.params.warmup_num_steps"
+        overrides[path] = dataclasses.replace(overrides[path], shown=_warmup_shown(args, warmup, total))
+    return overrides
+
+
+def _warmup_shown(args: Any, warmup: int, total: Optional[int]) -> str:
+    """The Trainer's warmup as an error names it: the arguments it comes from, and the count when it differs."""
+    given = [
+        f"training_args.{name}={getattr(args, name)!r}"
+        for name in ("warmup_steps", "warmup_ratio")
+        if name == "warmup_steps" or getattr(args, name, 0)
+    ]
+    if given == [f"training_args.warmup_steps={warmup!r}"] and warmup >= 1:
+        return given[0]
+    over = "" if total is None else f" of {total}"
+    floor = "" if warmup >= 1 else ", which the Trainer fills in as 1"
+    return f"{', '.join(given)} ({warmup} warmup steps{over}{floor})"
 
 
 def model_hidden_size(model: Any) -> Optional[int]:

@@ -295,13 +295,18 @@ class Override:
 
     ``strict``: a different explicit value is an error. ``fills_missing``: a strict override also
     sets a key the config leaves out (keywords do; ``TrainingArguments``, like the Trainer, fill
-    only ``"auto"``).
+    only ``"auto"``). ``shown``: how that error names the source and its value, where the value is
+    derived from the source's own (default ``source=value``).
     """
 
     value: Any
     source: str
     strict: bool = True
     fills_missing: bool = True
+    shown: Optional[str] = None
+
+    def describe(self) -> str:
+        return self.shown if self.shown is not None else f"{self.source}={self.value!r}"
 
 
 @dataclass
@@ -352,7 +357,7 @@ def _resolve(spec: Field, raw: Any, path: str, ctx: ParseContext) -> Tuple[Any, 
             return override.value, where
         if raw is not MISSING and override.strict and spec.rule(raw, path) != spec.rule(override.value, where):
             raise ValueError(
-                f"{path}={raw!r} in the config disagrees with {override.source}={override.value!r}; "
+                f"{path}={raw!r} in the config disagrees with {override.describe()}; "
                 f'set {path} to "auto" or drop one of the two'
             )
     if raw == AUTO:
