@@ -8,10 +8,13 @@ import base64
 import importlib.util
 import json
 import pathlib
+import re
 import sys
 
 import pytest
+import torch
 
+import zero_kernels as zk
 from zero_kernels.config import ZeroConfig
 
 CONFIG = {
@@ -60,3 +63,24 @@ def test_with_hjson_a_file_with_comments_and_trailing_commas_is_read(tmp_path: p
     path.write_text(HJSON.replace('"train_batch_size": 8,', '"train_batch_size": 8, "train_batch_size": 8,'))
     with pytest.raises(ValueError, match="duplicate key 'train_batch_size'"):
         ZeroConfig.from_deepspeed(path)
+
+
+@pytest.mark.parametrize("config", ["", "  \n", pathlib.Path("  ")], ids=["empty", "whitespace", "whitespace path"])
+def test_an_empty_config_is_named_empty_with_what_is_accepted(config) -> None:
+    accepted = "pass a dict, the path of a JSON file, or a base64-encoded JSON string"
+    with pytest.raises(ValueError, match=re.escape(f"the DeepSpeed config is empty ({str(config)!r}): {accepted}")):
+        ZeroConfig.from_deepspeed(config)
+    with pytest.raises(ValueError, match="the DeepSpeed config is empty"):
+        zk.initialize(torch.nn.Linear(2, 2), config=config)
+
+
+def test_a_directory_or_an_empty_file_is_named_as_such(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"config path {str(tmp_path)!r} is a directory: pass")):
+        ZeroConfig.from_deepspeed(tmp_path)
+    with pytest.raises(ValueError, match=r"the DeepSpeed config path '\.' is a directory"):
+        ZeroConfig.from_deepspeed(pathlib.Path(""))  # pathlib reads "" as "."
+    path = tmp_path / "ds.json"
+    for text in ("", " \n\t"):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"DeepSpeed config file {str(path)!r} is empty: it must hold")):
+            zk.initialize(torch.nn.Linear(2, 2), config=str(path))

@@ -19,6 +19,8 @@ from typing import Any, Dict, Optional, Union
 
 __all__ = ["load"]
 
+_ACCEPTED = "pass a dict, the path of a JSON file, or a base64-encoded JSON string"
+
 
 def load(source: Union[str, os.PathLike, Mapping]) -> Mapping:
     """The config as a mapping: given as one, read from a file, or decoded from base64.
@@ -30,7 +32,11 @@ def load(source: Union[str, os.PathLike, Mapping]) -> Mapping:
         return source
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"DeepSpeed config must be a file path or a mapping, not {type(source).__name__}")
+    if not os.fspath(source).strip():
+        raise ValueError(f"the DeepSpeed config is empty ({os.fspath(source)!r}): {_ACCEPTED}")
     path = Path(source)
+    if path.is_dir():
+        raise ValueError(f"the DeepSpeed config path {str(path)!r} is a directory: {_ACCEPTED}")
     if path.is_file():
         return _parse(path.read_text(encoding="utf-8"), f"DeepSpeed config file {str(path)!r}")
     decoded = _base64(source) if isinstance(source, str) else None
@@ -51,6 +57,8 @@ def _base64(text: str) -> Optional[str]:
 
 
 def _parse(text: str, what: str) -> Dict[str, Any]:
+    if not text.strip():
+        raise ValueError(f"{what} is empty: it must hold a JSON object")
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as err:
