@@ -21,6 +21,7 @@ LAYERS = {
     "live": 0,
     "liveness": 0,
     "schedulers": 0,
+    "wording": 0,
     "_build": 1,
     "config": 1,
     "kernels": 2,
@@ -37,7 +38,7 @@ LAYERS = {
     "": 7,  # the top-level face
 }
 # The top level holds only the faces and the bottom layer.
-TOP_LEVEL = {"__init__", "__main__", "_compat", "entry", "env", "live", "liveness", "log", "schedulers"}
+TOP_LEVEL = {"__init__", "__main__", "_compat", "entry", "env", "live", "liveness", "log", "schedulers", "wording"}
 
 
 def _module_name(path: Path) -> str:

@@ -238,6 +238,18 @@ def test_consolidated_file_continues_like_adamw(runs: dict[str, Any], capsys: py
     assert "every checksum matches" in text, text
 
 
+def test_inspect_counts_one_rank_and_one_file_in_the_singular(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    model = make_net()
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(1))
+    ck.save(tmp_path, model, opt)
+    parser = argparse.ArgumentParser()
+    inspect_cli.add_arguments(parser)
+    assert inspect_cli.run(parser.parse_args([str(tmp_path)])) == 0
+    text = capsys.readouterr().out
+    assert "saved by stage 1 on 1 rank\n1 shard file, " in text, text
+
+
 def _trained_one_step() -> tuple[nn.Module, zo.ShardedFusedAdam, Snapshot]:
     model = make_net()
     opt = zk_opt(model, stage=1)

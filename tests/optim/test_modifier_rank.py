@@ -116,7 +116,7 @@ def test_the_modifier_ranks_edit_reaches_every_rank_when_the_block_raised(spawn)
 def test_a_modifier_rank_outside_the_group_is_refused(stage: int) -> None:
     model, _ = make_models(torch.float32)
     opt = make_opt(model, stage)
-    with pytest.raises(ValueError, match=r"modifier_rank=1 is not a rank .* of 1 ranks; allowed: None or 0\.\.0"):
+    with pytest.raises(ValueError, match=r"modifier_rank=1 is not a rank .* of 1 rank; allowed: None or 0\.\.0"):
         with opt.gathered_params(modifier_rank=1):
             pass
     with pytest.raises(TypeError, match="modifier_rank must be None or an int"):

@@ -23,6 +23,7 @@ import torch
 from ..stages import Pipeline
 from ..stages import state_door as zstate
 from ..stages import window as zwindow
+from ..wording import plural
 from .format import CheckpointError, TensorSource, dtype_name
 
 Piece = tuple[str, int, torch.Tensor]  # (tensor key, first element, source view)
@@ -80,10 +81,6 @@ def book(results: list[dict[str, Any]], optimizer: Any, pipeline: Pipeline) -> O
     }
 
 
-def _ranks(n: int) -> str:
-    return f"{n} rank" if n == 1 else f"{n} ranks"
-
-
 def check(entry: Optional[dict[str, Any]], optimizer: Any, pipeline: Pipeline, version: Path) -> None:
     """Raise unless a saved window (``entry``; None: none) can be honoured here."""
     if entry is None:
@@ -94,9 +91,9 @@ def check(entry: Optional[dict[str, Any]], optimizer: Any, pipeline: Pipeline, v
         raise CheckpointError(
             f"checkpoint: {version} was saved inside a gradient accumulation window (micro-step "
             f"{entry['micro_step']} of the step, gradients of earlier backward passes held) by stage {stage_} on "
-            f"{_ranks(world)}; those gradients resume only at the same world size, stage, bucket size and model "
-            f"(here: stage {pipeline.stage} on {_ranks(pipeline.world_size)}, or another layout). Save at a window "
-            "boundary (after opt.step()) to resume elsewhere"
+            f"{plural(world, 'rank')}; those gradients resume only at the same world size, stage, bucket size and "
+            f"model (here: stage {pipeline.stage} on {plural(pipeline.world_size, 'rank')}, or another layout). Save "
+            "at a window boundary (after opt.step()) to resume elsewhere"
         )
     if not entry["micro_step"] < optimizer.gradient_accumulation_steps:
         raise CheckpointError(

@@ -47,6 +47,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..wording import plural
 from . import objects
 from .format import (
     BLOCK_BYTES,
@@ -373,7 +374,8 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
     count = max(count) if isinstance(count, (list, tuple)) else count
     if count != len(optims):
         raise CheckpointError(
-            f"{folder}: the checkpoint was saved by {count} ranks but holds optimizer state files for {len(optims)}"
+            f"{folder}: the checkpoint was saved by {plural(count, 'rank')} but holds optimizer state files for "
+            f"{len(optims)}"
         )
     if stage == 3:
         model_file = _by_rank(folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state")[0]

@@ -49,6 +49,8 @@ from typing import Any, BinaryIO, Iterable, Optional, Union
 
 import torch
 
+from ..wording import plural
+
 FORMAT = "zero_kernels.checkpoint"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)  # 1: param groups, loss scale and scheduler state in metadata.json
@@ -361,9 +363,10 @@ def describe(version: Path, meta: dict[str, Any]) -> list[str]:
     total = sum(f["bytes"] for f in files)
     lines = [
         f"checkpoint {version}",
-        f"format {meta['format']} v{meta['version']}, saved by stage {meta['stage']} on {meta['world_size']} ranks",
-        f"{len(files)} shard files, {total} bytes; {len(meta['tensors'])} tensors; "
-        f"{len(meta['params'])} optimizer parameters; extra: {'yes' if meta.get('extra') else 'no'}",
+        f"format {meta['format']} v{meta['version']}, saved by stage {meta['stage']} on "
+        f"{plural(meta['world_size'], 'rank')}",
+        f"{plural(len(files), 'shard file')}, {total} bytes; {plural(len(meta['tensors']), 'tensor')}; "
+        f"{plural(len(meta['params']), 'optimizer parameter')}; extra: {'yes' if meta.get('extra') else 'no'}",
         "model tensors (name, shape, dtype, Adam step):",
     ]
     steps = {p["name"]: p["step"] for p in meta["params"] if p["trainable"]}

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+from ..wording import plural
 from .format import DTYPES, FORMAT, METADATA, READABLE_VERSIONS, CheckpointError
 
 _ITEM_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
@@ -240,7 +241,7 @@ def _window(c: _Checker, window: Any, world_size: int) -> None:
     c.of_type(window.get("layout"), list, "window.layout")
     ranks = c.of_type(window.get("ranks"), list, "window.ranks")
     if len(ranks) != world_size:
-        raise c.fail("window.ranks", f"has {len(ranks)} entries for {world_size} ranks")
+        raise c.fail("window.ranks", f"has {plural(len(ranks), 'entry', 'entries')} for {plural(world_size, 'rank')}")
     for r, flags in enumerate(ranks):
         field = f"window.ranks[{r}]"
         c.of_type(flags, dict, field)

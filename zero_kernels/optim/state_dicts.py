@@ -32,6 +32,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Mapping
 
 from ..stages import state_door as zstate
+from ..wording import plural
 from .args import ALGORITHM_FLAGS, IMPLEMENTATION_FLAGS, check_flags
 
 if TYPE_CHECKING:
@@ -282,7 +283,7 @@ def _check_sharded(opt: "ShardedFusedAdam", meta: Mapping[str, Any]) -> None:
     if meta["layout"] != zstate.layout_signature(opt.pipeline):
         stage, world, _ = meta["layout"]
         raise ValueError(
-            f"load_state_dict: this sharded state was saved by stage {stage} on {world} ranks with another "
-            f"layout (here: stage {opt.pipeline.stage}, {opt.pipeline.world_size} ranks, "
+            f"load_state_dict: this sharded state was saved by stage {stage} on {plural(world, 'rank')} with another "
+            f"layout (here: stage {opt.pipeline.stage}, {plural(opt.pipeline.world_size, 'rank')}, "
             f"reduce_bucket_size {opt.options.reduce_bucket_size}); use full_state_dict() to change them"
         )

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..comm.engine_base import EngineBase
+from ..wording import plural
 
 
 def check_modifier_rank(modifier_rank: Optional[int], world_size: int) -> None:
@@ -32,7 +33,7 @@ def check_modifier_rank(modifier_rank: Optional[int], world_size: int) -> None:
     if not 0 <= modifier_rank < world_size:
         raise ValueError(
             f"gathered_params: modifier_rank={modifier_rank} is not a rank of the optimizer's process group "
-            f"of {world_size} ranks; allowed: None or 0..{world_size - 1}"
+            f"of {plural(world_size, 'rank')}; allowed: None or 0..{world_size - 1}"
         )
 
 
