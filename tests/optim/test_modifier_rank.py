@@ -112,6 +112,58 @@ def test_the_modifier_ranks_edit_reaches_every_rank_when_the_block_raised(spawn)
     spawn(all_raising_cases, 2, timeout_s=300)
 
 
+# (what rank 1, the modifier, does inside the block, the parameter the error names)
+MISMATCHES = [
+    ("shape", "parameter 'mid.weight'"),  # a parameter the optimizer holds, given another shape
+    ("dtype", "parameter 'mid.weight'"),  # ... another dtype
+    ("loose", "parameter 'frozen'"),  # the frozen parameter, outside the optimizer's buffers, given another shape
+]
+
+
+def _mismatched(model: Net, kind: str) -> None:
+    if kind == "shape":
+        model.mid.weight.data = torch.zeros(3, 11)
+    elif kind == "dtype":
+        model.mid.weight.data = model.mid.weight.data.double()
+    else:
+        model.frozen.data = torch.zeros(7)
+
+
+def mismatch_case(rank: int, world: int, stage: int, kind: str, name: str) -> None:
+    """Rank 1, the modifier, gives one parameter a ``.data`` the other ranks cannot receive: every rank raises naming
+    the parameter, nothing is sent, every rank's weights are as before the block (the ``.data`` put back), and
+    training goes on in lock-step with ``torch.optim.AdamW``."""
+    what = f"stage {stage}, rank 1 changed {name}'s {kind}"
+    model, ref = make_models(torch.float32)
+    opt = make_opt(model, stage)
+    adamw = torch.optim.AdamW(ref.parameters(), lr=opt.param_groups[0]["lr"])
+    with pytest.raises(ValueError, match=rf"gathered_params\(modifier_rank=1\): {name} .*nothing was sent") as error:
+        with opt.gathered_params(modifier_rank=1):
+            if rank == 1:
+                _mismatched(model, kind)
+    assert "rank 1" in str(error.value), f"{what}: the error names no rank: {error.value}"
+    with opt.gathered_params():
+        compare(model, ref, f"{what}: after the refused block")
+    for step in range(2):
+        forward_backward(model, ref, rank, world, stage, step)
+        for o in (opt, adamw):
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"{what}, step {step}")
+
+
+def all_mismatch_cases(rank: int, world: int) -> None:
+    cases = [(f"stage {s} {kind}", mismatch_case, (s, kind, name)) for s in (0, 3) for kind, name in MISMATCHES]
+    run_cases(rank, world, cases)
+
+
+@pytest.mark.distributed
+def test_a_modifier_edit_the_ranks_cannot_receive_raises_on_every_rank(spawn) -> None:
+    """Once a hang in the broadcast: the ranks agree on shapes and dtypes first."""
+    spawn(all_mismatch_cases, 2, timeout_s=300)
+
+
 @pytest.mark.parametrize("stage", (0, 3))
 def test_a_modifier_rank_outside_the_group_is_refused(stage: int) -> None:
     model, _ = make_models(torch.float32)

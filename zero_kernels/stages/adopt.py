@@ -52,9 +52,13 @@ def param_name(module: nn.Module, p: torch.Tensor) -> str:
     return f"a parameter of shape {tuple(p.shape)}"
 
 
+def _fits(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size) -> bool:
+    return tuple(p.shape) == tuple(shape) and p.dtype == buf.dtype and p.device == buf.device
+
+
 def check_compatible(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size, name_of: NameOf) -> None:
     """A replacement the buffers can take: same shape, dtype and device."""
-    if tuple(p.shape) == tuple(shape) and p.dtype == buf.dtype and p.device == buf.device:
+    if _fits(buf, p, shape):
         return
     raise ValueError(
         f"{name_of(p)} was replaced after the optimizer was built and is now {p.dtype} {tuple(p.shape)} on "
@@ -100,6 +104,27 @@ def readopt(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> int:
         p.data = view.view(slot.shape)
         adopted += 1
     return adopted
+
+
+def misfits(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> list[tuple[str, str, str]]:
+    """(name, what it is now, what ``buf`` holds) of each parameter whose ``.data`` was replaced by a tensor
+    ``readopt`` cannot take (another shape, dtype or device)."""
+    found = []
+    for slot in buf.layout.slots:
+        p = buf.params[slot.param]
+        if slot.numel == 0 or _views(p, flat, slot.offset, slot.shape) or _fits(buf, p, slot.shape):
+            continue
+        now, holds = f"{p.dtype} {tuple(p.shape)} on {p.device}", f"{buf.dtype} {tuple(slot.shape)} on {buf.device}"
+        found.append((name_of(p), now, holds))
+    return found
+
+
+def put_back(buf: "FlatBuffer", flat: torch.Tensor) -> None:
+    """Every parameter of ``buf`` views ``flat`` again: a replaced ``.data`` is dropped, its values not taken."""
+    for slot in buf.layout.slots:
+        p = buf.params[slot.param]
+        if slot.numel != 0 and not _views(p, flat, slot.offset, slot.shape):
+            p.data = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
 
 def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:

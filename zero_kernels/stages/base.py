@@ -668,18 +668,28 @@ class Pipeline(BackwardRound):
         modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
         self.wait_params()
         self.gather_exact(self.buffers)
+        held = [p for buf in self.buffers for p in buf.params]
+        others = modifier.Others(modifier.loose(self.module, held) if modifier_rank is not None else ())
         try:
             yield
         finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
             if modifier_rank is not None:
-                self._broadcast_params(modifier_rank)
+                self._broadcast_params(modifier_rank, others)
 
-    def _broadcast_params(self, modifier_rank: int) -> None:
-        """Every rank takes ``modifier_rank``'s values of the held and the model's other parameters."""
-        adopt.follow_replaced(self, self.name_of)  # p.data = ... on the modifier rank: into param_flat first
-        held = [p for buf in self.buffers for p in buf.params]
+    def _broadcast_params(self, modifier_rank: int, others: modifier.Others) -> None:
+        """Every rank takes ``modifier_rank``'s values of the held and the model's other parameters, once the ranks
+        agree on what they send (``modifier.check_sendable``)."""
         flats = [buf.param_flat for buf in self.buffers]
-        modifier.broadcast(self.engine, flats + modifier.loose(self.module, held), modifier_rank)
+        misfits = [m for buf in self.buffers for m in adopt.misfits(buf, buf.param_flat, self.name_of)]
+        try:
+            modifier.check_sendable(self.engine, modifier_rank, misfits, others)
+        except modifier.ModifierMismatch:
+            for buf in self.buffers:
+                adopt.put_back(buf, buf.param_flat)
+            others.put_back()
+            raise
+        adopt.follow_replaced(self, self.name_of)  # p.data = ... on the modifier rank: into param_flat first
+        modifier.broadcast(self.engine, flats + others.tensors(), modifier_rank)
 
     def gather_exact(self, buffers: Sequence[FlatBuffer]) -> None:
         """qwZ: all-gather ``buffers`` (whole ``param_flat``) again unquantized, so that every rank holds every

@@ -8,6 +8,14 @@ rank ``k``'s bytes, bit for bit (signed zeros and NaN payloads too). Whatever fo
 every rank, as if every rank had made the same edit: the copies, shards and masters then follow as they follow
 such edits today (``stages.master``). The model's parameters the optimizer does not hold (frozen ones, whole on
 every rank) are broadcast as well, when the optimizer was given the model.
+
+Before anything is sent the ranks agree, in one small exchange of objects, on what they send (``check_sendable``):
+a ``p.data = ...`` of another shape, dtype or device than the optimizer holds, on any rank, or a parameter outside
+the optimizer's buffers whose shape or dtype differs from rank ``k``'s, would send mismatched collectives (a hang).
+Then every rank raises ``ModifierMismatch`` naming the parameter, sends nothing and puts every replaced ``.data``
+back (``adopt.put_back``, ``Others.put_back``): each parameter holds its values from before the replacement. Values
+written in place inside the block are not undone (no copy of the model is kept), except in stage 3's units gathered
+for the block, whose shards are then not written back.
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from ..comm.agreement import ranks_text
 from ..comm.engine_base import EngineBase
+from ..comm.objects import all_gather_objects
 from ..wording import plural
 
 
@@ -51,9 +61,55 @@ def broadcast(engine: EngineBase, tensors: Iterable[Optional[torch.Tensor]], mod
             tensor.copy_(flat)
 
 
-def loose(module: Optional[nn.Module], held: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    """The ``.data`` of ``module``'s parameters not in ``held`` (none without a module)."""
+def loose(module: Optional[nn.Module], held: Iterable[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s named parameters not in ``held`` (none without a module)."""
     if module is None:
         return []
     ids = {id(p) for p in held}
-    return [p.data for p in module.parameters() if id(p) not in ids]
+    return [(f"parameter {name!r}", p) for name, p in module.named_parameters() if id(p) not in ids]
+
+
+class ModifierMismatch(ValueError):
+    """The ranks would send different tensors at the end of ``gathered_params(modifier_rank=k)``."""
+
+
+class Others:
+    """The model's tensors a modifier block sends besides the optimizer's flat buffers (the model's parameters
+    it does not hold, stage 3's frozen units), each with the ``.data`` it had when the block began."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._bound = [(name, p, p.data) for name, p in named]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [p.data for _, p, _ in self._bound]
+
+    def described(self) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(name, tuple(p.shape), str(p.dtype)) for name, p, _ in self._bound]
+
+    def put_back(self) -> None:
+        for _, p, data in self._bound:
+            p.data = data
+
+
+def check_sendable(engine: EngineBase, modifier_rank: int, misfits: list[tuple[str, str, str]], others: Others) -> None:
+    """``ModifierMismatch`` on every rank unless no rank has a ``misfit`` (``adopt.misfits``: a replaced ``.data``
+    the optimizer's buffers cannot take) and every rank's ``others`` have rank ``modifier_rank``'s shapes and
+    dtypes. One exchange of objects, whose outcome every rank reads alike."""
+    rows = all_gather_objects(engine, (misfits[:1], others.described()), name="modifier.check")
+    where = f"gathered_params(modifier_rank={modifier_rank})"
+    after = (
+        "; nothing was sent and every replaced .data was put back. Change a parameter's shape or dtype before "
+        "building the optimizer, or outside the block on every rank"
+    )
+    for rank, (found, _) in enumerate(rows):
+        if found:
+            name, now, holds = found[0]
+            raise ModifierMismatch(f"{where}: {name} is {now} on rank {rank}, the optimizer holds {holds}{after}")
+    reference = rows[modifier_rank][1]
+    for i, (name, *want) in enumerate(reference):
+        seen: dict[tuple, list[int]] = {}
+        for rank, (_, described) in enumerate(rows):
+            seen.setdefault(tuple(described[i][1:]) if i < len(described) else ("absent",), []).append(rank)
+        if len(seen) > 1:
+            shown = ", ".join(f"{' '.join(map(str, reversed(k)))} on {ranks_text(r)}" for k, r in seen.items())
+            raise ModifierMismatch(f"{where}: {name} differs between the ranks ({shown}){after}")

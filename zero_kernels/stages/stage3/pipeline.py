@@ -577,10 +577,18 @@ class Stage3Pipeline(Stage2Pipeline):
             yield
             return
         self._begin_hold()
+        others = self._others() if modifier_rank is not None else modifier.Others(())
         try:
             yield
         finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
-            self._end_hold(modifier_rank)
+            self._end_hold(modifier_rank, others)
+
+    def _others(self) -> modifier.Others:
+        """What a modifier block sends besides the buffers: the gathered frozen units' and the model's other
+        parameters."""
+        frozen = [p for unit in self._frozen or () if unit.full is not None for p in unit.params]
+        held = [p for buf in self.buffers for p in buf.params] + [p for unit in self._frozen or () for p in unit.params]
+        return modifier.Others([(self.name_of(p), p) for p in frozen] + modifier.loose(self.module, held))
 
     def _begin_hold(self) -> None:
         """Enter a hold (``gathered_params``, ``close``): from here gathers are exact (``holding``); the outermost
@@ -590,12 +598,13 @@ class Stage3Pipeline(Stage2Pipeline):
             self._gather_held_exact()
             self._scheduler.hold()
 
-    def _end_hold(self, modifier_rank: Optional[int]) -> None:
+    def _end_hold(self, modifier_rank: Optional[int], others: Optional[modifier.Others] = None) -> None:
         """Leave a ``gathered_params`` block: ``modifier_rank``'s values to every rank, the edits into the shards
-        (outermost block), the units released."""
+        (outermost block), the units released. When the ranks cannot agree on what to send, nothing is sent nor
+        written back (``stages.modifier``)."""
         try:
             if modifier_rank is not None:
-                self._broadcast_full(modifier_rank)
+                self._broadcast_full(modifier_rank, others or modifier.Others(()))
             if self._hold_depth == 1:
                 self._write_back()
         finally:
@@ -623,18 +632,23 @@ class Stage3Pipeline(Stage2Pipeline):
             if installed:
                 self._install_scheduler()
 
-    def _broadcast_full(self, modifier_rank: int) -> None:
+    def _broadcast_full(self, modifier_rank: int, others: modifier.Others) -> None:
         """Every parameter's full value (gathered units, persistent buffers, frozen units, the model's other
-        parameters) from ``modifier_rank``; a ``p.data = ...`` there is taken into its buffer first."""
-        full = []
-        for buf in self.buffers:
-            flat = buf.param_flat if buf.persistent else buf.full
-            if flat is not None:
-                adopt.readopt(buf, flat, self.name_of)
-            full.append(flat)
-        frozen = [p.data for unit in self._frozen or () if unit.full is not None for p in unit.params]
-        held = [p for buf in self.buffers for p in buf.params] + [p for unit in self._frozen or () for p in unit.params]
-        modifier.broadcast(self.engine, full + frozen + modifier.loose(self.module, held), modifier_rank)
+        parameters) from ``modifier_rank``, once the ranks agree on what they send (``modifier.check_sendable``);
+        a ``p.data = ...`` there is taken into its buffer first."""
+        full = [buf.param_flat if buf.persistent else buf.full for buf in self.buffers]
+        pairs = [(buf, flat) for buf, flat in zip(self.buffers, full) if flat is not None]
+        misfits = [m for buf, flat in pairs for m in adopt.misfits(buf, flat, self.name_of)]
+        try:
+            modifier.check_sendable(self.engine, modifier_rank, misfits, others)
+        except modifier.ModifierMismatch:
+            for buf, flat in pairs:
+                adopt.put_back(buf, flat)
+            others.put_back()
+            raise
+        for buf, flat in pairs:
+            adopt.readopt(buf, flat, self.name_of)
+        modifier.broadcast(self.engine, full + others.tensors(), modifier_rank)
 
     def _write_back(self) -> None:
         for buf in self.buffers:
