@@ -682,7 +682,7 @@ class Pipeline(BackwardRound):
         flats = [buf.param_flat for buf in self.buffers]
         misfits = [m for buf in self.buffers for m in adopt.misfits(buf, buf.param_flat, self.name_of)]
         try:
-            modifier.check_sendable(self.engine, modifier_rank, misfits, others)
+            modifier.check_sendable(self.engine, modifier_rank, misfits, others, self.device)
         except modifier.ModifierMismatch:
             for buf in self.buffers:
                 adopt.put_back(buf, buf.param_flat)

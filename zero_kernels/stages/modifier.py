@@ -91,22 +91,28 @@ class Others:
             p.data = data
 
 
-def check_sendable(engine: EngineBase, modifier_rank: int, misfits: list[tuple[str, str, str]], others: Others) -> None:
+def check_sendable(
+    engine: EngineBase,
+    modifier_rank: int,
+    misfits: list[tuple[str, str, str]],
+    others: Others,
+    device: Optional[torch.device],
+) -> None:
     """``ModifierMismatch`` on every rank unless no rank has a ``misfit`` (``adopt.misfits``: a replaced ``.data``
     the optimizer's buffers cannot take) and every rank's ``others`` have rank ``modifier_rank``'s shapes and
-    dtypes. One exchange of objects, whose outcome every rank reads alike."""
-    rows = all_gather_objects(engine, (misfits[:1], others.described()), name="modifier.check")
+    dtypes. One exchange of objects (on ``device``, the parameters'), whose outcome every rank reads alike."""
+    rows = all_gather_objects(engine, (misfits[:1], others.described()), name="modifier.check", device=device)
     where = f"gathered_params(modifier_rank={modifier_rank})"
     after = (
         "; nothing was sent and every replaced .data was put back. Change a parameter's shape or dtype before "
-        "building the optimizer, or outside the block on every rank"
+        "building the optimizer"
     )
     for rank, (found, _) in enumerate(rows):
         if found:
             name, now, holds = found[0]
             raise ModifierMismatch(f"{where}: {name} is {now} on rank {rank}, the optimizer holds {holds}{after}")
     reference = rows[modifier_rank][1]
-    for i, (name, *want) in enumerate(reference):
+    for i, (name, _, _) in enumerate(reference):
         seen: dict[tuple, list[int]] = {}
         for rank, (_, described) in enumerate(rows):
             seen.setdefault(tuple(described[i][1:]) if i < len(described) else ("absent",), []).append(rank)

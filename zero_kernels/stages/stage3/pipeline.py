@@ -640,7 +640,7 @@ class Stage3Pipeline(Stage2Pipeline):
         pairs = [(buf, flat) for buf, flat in zip(self.buffers, full) if flat is not None]
         misfits = [m for buf, flat in pairs for m in adopt.misfits(buf, flat, self.name_of)]
         try:
-            modifier.check_sendable(self.engine, modifier_rank, misfits, others)
+            modifier.check_sendable(self.engine, modifier_rank, misfits, others, self.device)
         except modifier.ModifierMismatch:
             for buf, flat in pairs:
                 adopt.put_back(buf, flat)
