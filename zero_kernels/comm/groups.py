@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ..wording import plural
 from .control import ControlLink
 from .engines import TorchCommEngine
 from .objects import all_gather_objects
@@ -171,7 +172,7 @@ def node_subgroup(size: int, what: str = "node_subgroup") -> Any:
     if size < 1 or groups.local_world_size % size:
         raise ValueError(
             f"{what}={size} must be the number of ranks per node or a divisor of it; this job has "
-            f"{groups.nodes} node(s) of {groups.local_world_size} rank(s) (LOCAL_WORLD_SIZE)"
+            f"{plural(groups.nodes, 'node')} of {plural(groups.local_world_size, 'rank')} (LOCAL_WORLD_SIZE)"
         )
     if size == groups.local_world_size:
         return groups.intra

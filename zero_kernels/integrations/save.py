@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..wording import plural
+
 STATE_DICT_FILE = "model_state_dict.pt"
 
 
@@ -37,7 +39,7 @@ def agree(optimizer: Any, ok: bool, what: str) -> None:
         failed = failed.to(device)
         engine.all_reduce(failed, op="sum", name="save.outcome").wait()
     if failed.item() and ok:
-        raise RuntimeError(f"{what} failed on {int(failed.item())} other rank(s); see their error")
+        raise RuntimeError(f"{what} failed on {plural(int(failed.item()), 'other rank')}; see their error")
 
 
 def save_pretrained(model: nn.Module, optimizer: Any, save_directory: str | os.PathLike, **kwargs: Any) -> None:
