@@ -22,7 +22,7 @@ The directory layout, the crash-safe commit order and the metadata are described
 
 Every rank must see the same directory (a shared file system, as for any multi-node
 checkpoint): rank 0 creates the version, every rank writes its file into it. Call ``save`` and
-``load`` between steps, outside ``gathered_params()``.
+``load`` between steps; ``load`` raises inside ``gathered_params()`` (stage 3), whose end would undo it.
 
 Loading reads, on each rank, only the element ranges its new layout needs (ranged reads of the
 rank files, checked block by block against the CRCs in the metadata), into staging tensors; the
@@ -541,6 +541,17 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
     accumulation.apply(staged.window, 0 if window is None else window["micro_step"], optimizer, pipeline)
 
 
+def _refuse_inside_hold(pipeline: Pipeline) -> None:
+    """At stage 3 the end of ``gathered_params()`` writes the full values gathered at its start back into the
+    shards: over a load made inside the block, which would keep the checkpoint's Adam state with the old weights.
+    Every rank is inside the block, so every rank raises, before anything is read or changed."""
+    if pipeline.holding:
+        raise CheckpointError(
+            "checkpoint: load was called inside gathered_params(), whose end would write the parameters gathered "
+            "before the load back over the loaded ones; call checkpoint.load after the block; nothing was changed"
+        )
+
+
 def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: Any = None) -> Any:
     """Load the newest complete version under ``directory`` (or that version directory); call it on every rank.
 
@@ -562,6 +573,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     """
     check_byteorder()
     pipeline = _pipeline(optimizer)
+    _refuse_inside_hold(pipeline)
     pipeline.wait_params()
     adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
     staged = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False)

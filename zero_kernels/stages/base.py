@@ -209,6 +209,11 @@ class Pipeline(BackwardRound):
         return any(torch.promote_types(buf.dtype, self.accum_dtype) != buf.dtype for buf in self.buffers)
 
     @property
+    def holding(self) -> bool:
+        """Inside stage 3's ``gathered_params()``; never at stages 0-2, whose parameters are always whole."""
+        return False
+
+    @property
     def num_shards(self) -> int:
         """Ranks the optimizer state is split over (stage 0: 1)."""
         return self.world_size

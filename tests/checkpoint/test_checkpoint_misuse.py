@@ -1,0 +1,96 @@
+"""Checkpoints used in ways that cannot work: each raises a clear error (or warns) and changes nothing.
+
+- ``checkpoint.load`` inside stage 3's ``gathered_params()``: the block's end would write the values
+  gathered before the load back over the loaded shards (the checkpoint's Adam state with the old weights).
+  It raises on every rank before anything changes; loaded after the block, the model and the state are the
+  checkpoint's, bit for bit (2 gloo ranks, fp32 and bf16 parameters).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.checkpoint as ck
+import zero_kernels.optim as zo
+from tests.helpers.dist import run_ranks_checked
+
+ROWS = 4
+Snapshot = dict[str, torch.Tensor]
+
+
+def make_net(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 20), nn.Tanh(), nn.Linear(20, 5), nn.Tanh(), nn.Linear(5, 1)).to(dtype)
+
+
+def make_opt(model: nn.Module, stage: int, lr: float = 1e-2) -> zo.ShardedFusedAdam:
+    return zo.ShardedFusedAdam(
+        model, lr=lr, weight_decay=0.1, stage=stage, reduce_bucket_size=30, stage3_param_persistence_threshold=4
+    )
+
+
+def train(model: nn.Module, opt: zo.ShardedFusedAdam, steps: range, rank: int, world: int) -> None:
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        x = torch.randn(ROWS * world, 6, generator=torch.Generator().manual_seed(100 + step))
+        model(x[rank * ROWS : (rank + 1) * ROWS].to(dtype)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(model: nn.Module, opt: zo.ShardedFusedAdam) -> Snapshot:
+    """Every model tensor, Adam state entry (fp32 masters included) and the first group's lr."""
+    out = {f"state {i} {k}": torch.as_tensor(v).clone() for i, e in opt.full_state_dict()["state"].items()
+           for k, v in e.items()}  # fmt: skip
+    with opt.gathered_params():
+        out.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+    out["lr"] = torch.tensor(opt.param_groups[0]["lr"])
+    return out
+
+
+def differences(got: Snapshot, expected: Snapshot) -> list[str]:
+    return [k for k in expected if k not in got or not torch.equal(got[k], expected[k])]
+
+
+def _load_inside_gathered(rank: int, world: int, root: str, dtype: torch.dtype) -> list[str]:
+    model = make_net(dtype)
+    opt = make_opt(model, 3)
+    train(model, opt, range(2), rank, world)
+    ck.save(root, model, opt)
+    saved = snapshot(model, opt)
+    model = make_net(dtype)
+    opt = make_opt(model, 3, lr=0.5)
+    train(model, opt, range(1), rank, world)
+    before = snapshot(model, opt)
+    problems = []
+    try:
+        with opt.gathered_params():
+            ck.load(root, model, opt)
+        problems.append(f"{dtype}: load inside gathered_params() did not raise")
+    except ck.CheckpointError as err:
+        if "inside gathered_params()" not in str(err) or "nothing was changed" not in str(err):
+            problems.append(f"{dtype}: unclear error: {err}")
+    changed = differences(snapshot(model, opt), before)
+    if changed:
+        problems.append(f"{dtype}: the refused load changed {changed}")
+    ck.load(root, model, opt)
+    wrong = differences(snapshot(model, opt), saved)
+    if wrong:
+        problems.append(f"{dtype}: loaded after the block, these differ from the checkpoint: {wrong}")
+    return problems
+
+
+def _gathered_body(rank: int, world: int, tmp: str) -> list[str]:
+    problems = []
+    for dtype in (torch.float32, torch.bfloat16):
+        problems += _load_inside_gathered(rank, world, f"{tmp}/{dtype}", dtype)
+    return problems
+
+
+@pytest.mark.distributed
+def test_load_inside_gathered_params_raises_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+    run_ranks_checked(_gathered_body, 2, str(tmp_path), timeout_s=300)
