@@ -4,6 +4,8 @@
   gathered before the load back over the loaded shards (the checkpoint's Adam state with the old weights).
   It raises on every rank before anything changes; loaded after the block, the model and the state are the
   checkpoint's, bit for bit (2 gloo ranks, fp32 and bf16 parameters).
+- A checkpoint whose optimized parameters differ from the optimizer's (one frozen on one side only: fine-tuning
+  from pretraining) names that parameter, not only the counts.
 """
 
 from __future__ import annotations
@@ -94,3 +96,31 @@ def _gathered_body(rank: int, world: int, tmp: str) -> list[str]:
 @pytest.mark.distributed
 def test_load_inside_gathered_params_raises_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
     run_ranks_checked(_gathered_body, 2, str(tmp_path), timeout_s=300)
+
+
+def _frozen(name: str) -> tuple[nn.Module, zo.ShardedFusedAdam]:
+    model = make_net()
+    if name:
+        model.get_parameter(name).requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, zo.ShardedFusedAdam(params, module=model, lr=1e-2, stage=2, reduce_bucket_size=30)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loading", "pattern"),
+    [
+        ("", "2.weight", r"parameter '2.weight' is in param group 0 in .* but not optimized here \(frozen"),
+        ("2.weight", "", r"parameter '2.weight' is in param group 0 here but not optimized in "),
+    ],
+    ids=["frozen-when-loading", "frozen-when-saved"],
+)
+def test_another_trainable_set_names_the_parameter(tmp_path: Path, saved: str, loading: str, pattern: str) -> None:
+    model, opt = _frozen(saved)
+    train(model, opt, range(2), 0, 1)
+    ck.save(tmp_path, model, opt)
+    model, opt = _frozen(loading)
+    train(model, opt, range(1), 0, 1)
+    before = snapshot(model, opt)
+    with pytest.raises(ck.CheckpointError, match=pattern):
+        ck.load(tmp_path, model, opt)
+    assert not differences(snapshot(model, opt), before), "a refused load changed the model or the optimizer"

@@ -369,13 +369,9 @@ def _check_model(meta: dict, pipeline: Pipeline, model: nn.Module, version: Path
 
 
 def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path) -> dict[str, int]:
-    """The optimizer holds the saved parameters in the same param groups; returns name -> saved index."""
+    """The optimizer holds the saved parameters in the same param groups; returns name -> saved index. A mismatch
+    names the first parameter that differs, before the counts are compared."""
     saved = {p["name"]: i for i, p in enumerate(meta["params"])}
-    if len(meta["param_groups"]) != len(optimizer.param_groups) or len(saved) != len(names):
-        raise CheckpointError(
-            f"checkpoint: {version} has {len(meta['param_groups'])} param groups with {len(saved)} parameters; "
-            f"this optimizer has {len(optimizer.param_groups)} with {len(names)}"
-        )
     index = 0
     for g, group in enumerate(optimizer.param_groups):
         for _ in group["params"]:
@@ -388,6 +384,18 @@ def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path
                 raise CheckpointError(
                     f"checkpoint: parameter {name!r} is in param group {g} here but {where} in {version}"
                 )
+    here = set(names)
+    for entry in meta["params"]:
+        if entry["name"] not in here:
+            raise CheckpointError(
+                f"checkpoint: parameter {entry['name']!r} is in param group {entry['group']} in {version} but not "
+                "optimized here (frozen, or left out of the optimizer's param groups)"
+            )
+    if len(meta["param_groups"]) != len(optimizer.param_groups) or len(saved) != len(names):
+        raise CheckpointError(
+            f"checkpoint: {version} has {len(meta['param_groups'])} param groups with {len(saved)} parameters; "
+            f"this optimizer has {len(optimizer.param_groups)} with {len(names)}"
+        )
     return saved
 
 
