@@ -6,6 +6,8 @@
   checkpoint's, bit for bit (2 gloo ranks, fp32 and bf16 parameters).
 - A checkpoint whose optimized parameters differ from the optimizer's (one frozen on one side only: fine-tuning
   from pretraining) names that parameter, not only the counts.
+- ``consolidate`` of a checkpoint saved inside a gradient accumulation window, which it cannot carry, warns
+  naming the window (micro-step, ranks holding gradients); ``inspect`` shows the window.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 import zero_kernels.checkpoint as ck
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks_checked
+from zero_kernels.__main__ import main as cli
 
 ROWS = 4
 Snapshot = dict[str, torch.Tensor]
@@ -124,3 +127,32 @@ def test_another_trainable_set_names_the_parameter(tmp_path: Path, saved: str, l
     with pytest.raises(ck.CheckpointError, match=pattern):
         ck.load(tmp_path, model, opt)
     assert not differences(snapshot(model, opt), before), "a refused load changed the model or the optimizer"
+
+
+def _saved_mid_window(root: Path, micro: int) -> None:
+    """One step of three micro-batches, then ``micro`` micro-batches of the next (0: at the step boundary)."""
+    model = make_net()
+    opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=2, reduce_bucket_size=30, gradient_accumulation_steps=3)
+    for m in range(3 + micro):
+        model(torch.randn(ROWS, 6, generator=torch.Generator().manual_seed(m))).square().mean().backward()
+        opt.step()
+    ck.save(root, model, opt)
+
+
+@pytest.mark.parametrize("micro", [0, 1])
+def test_consolidate_and_inspect_show_a_window_they_cannot_carry(
+    tmp_path: Path, micro: int, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
+) -> None:
+    _saved_mid_window(tmp_path / "ckpt", micro)
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        assert cli(["consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out.pt")]) == 0
+    assert cli(["inspect", str(tmp_path / "ckpt")]) == 0
+    shown = capsys.readouterr().out
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if micro == 0:
+        assert not warnings, warnings
+        assert "accumulation window: none (saved at a step boundary)" in shown, shown
+        return
+    window = "open at micro-step 1 of the step; 1 rank of 1 held gradients of its earlier backward passes"
+    assert len(warnings) == 1 and f"accumulation window ({window}); those gradients are not in" in warnings[0], warnings
+    assert f"accumulation window: {window}" in shown, shown

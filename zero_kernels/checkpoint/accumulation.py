@@ -81,6 +81,17 @@ def book(results: list[dict[str, Any]], optimizer: Any, pipeline: Pipeline) -> O
     }
 
 
+def describe(entry: Optional[dict[str, Any]]) -> Optional[str]:
+    """What a saved window (``entry``; None: none) holds, in words, for the readers that drop it."""
+    if entry is None:
+        return None
+    holding = sum(1 for flags in entry["ranks"] if flags["grads"] or flags["shards"] or flags["sums"])
+    return (
+        f"open at micro-step {entry['micro_step']} of the step; {plural(holding, 'rank')} of {len(entry['ranks'])} "
+        "held gradients of its earlier backward passes"
+    )
+
+
 def check(entry: Optional[dict[str, Any]], optimizer: Any, pipeline: Pipeline, version: Path) -> None:
     """Raise unless a saved window (``entry``; None: none) can be honoured here."""
     if entry is None:

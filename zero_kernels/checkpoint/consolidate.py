@@ -17,6 +17,7 @@ The archive is the one ``torch.save`` writes (same records, written by the same 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import sys
@@ -26,11 +27,12 @@ from typing import Any, Callable
 
 import torch
 
-from .format import DTYPES, OBJECTS, PathLike, TensorSource, fsync_dir, resolve
-from .metadata import check_objects, read_metadata
-from .objects import read_file
+from . import accumulation
+from .format import DTYPES, PathLike, TensorSource, fsync_dir, resolve
+from .metadata import read_book, read_metadata
 
 Producer = Callable[[], torch.Tensor]
+log = logging.getLogger("zero_kernels")
 
 
 class _StorageRef:
@@ -109,13 +111,6 @@ def _structure(src: TensorSource, records: _Records, groups: list[dict[str, Any]
     return {"model": model, "optimizer": {"state": state, "param_groups": _adamw_groups(meta, groups)}}
 
 
-def _saved_groups(version: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
-    """The param groups as saved: exactly (``objects.pt``), or from a version-1 checkpoint's JSON."""
-    if meta["version"] >= 2:
-        return check_objects(read_file(version, OBJECTS, meta["objects"]), meta, version / OBJECTS)["param_groups"]
-    return [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"]]
-
-
 def _adamw_groups(meta: dict[str, Any], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The saved param groups completed with ``torch.optim.AdamW``'s own defaults for the other keys."""
     defaults = torch.optim.AdamW([torch.zeros(1)]).param_groups[0]
@@ -166,9 +161,9 @@ def consolidate(directory: PathLike, out_path: PathLike) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     records = _Records()
     try:
-        groups = _saved_groups(version, meta)
+        book = read_book(version, meta)
         with TensorSource(version, meta) as src:
-            _write(tmp, _structure(src, records, groups), records)
+            _write(tmp, _structure(src, records, book["param_groups"]), records)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
@@ -176,7 +171,22 @@ def consolidate(directory: PathLike, out_path: PathLike) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(out.parent)
+    _warn_window(version, book["window"], out)
     return out
+
+
+def _warn_window(version: Path, window: Any, out: Path) -> None:
+    """A checkpoint saved inside an accumulation window: its gradients are not in ``out`` (a WARNING)."""
+    what = accumulation.describe(window)
+    if what is not None:
+        log.warning(
+            "consolidate: %s was saved inside a gradient accumulation window (%s); those gradients are not in %s, "
+            "which holds the state after the last opt.step(): a run resumed from it redoes that window's backward "
+            "passes",
+            version,
+            what,
+            out,
+        )
 
 
 def _check_out(out: Path) -> Path:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 
+from . import accumulation
 from .format import TensorSource, describe, resolve
-from .metadata import read_metadata
+from .metadata import read_book, read_metadata
 
 HELP = "show what a sharded checkpoint holds (world size, stage, files, tensors); --verify checks every checksum"
 
@@ -34,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
     version = resolve(args.ckpt_dir)
     meta = read_metadata(version)
     print("\n".join(describe(version, meta)))
+    window = accumulation.describe(read_book(version, meta)["window"])
+    print(f"accumulation window: {window or 'none (saved at a step boundary)'}")
+    if window is not None:
+        print("  load resumes it only at the same world size, stage, bucket size and model; consolidate drops it")
     if args.verify:
         with TensorSource(version, meta) as src:
             for key in meta["tensors"]:

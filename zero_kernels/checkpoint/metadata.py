@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..wording import plural
-from .format import DTYPES, FORMAT, METADATA, READABLE_VERSIONS, CheckpointError
+from .format import DTYPES, FORMAT, METADATA, OBJECTS, READABLE_VERSIONS, CheckpointError
+from .objects import read_file
 
 _ITEM_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
@@ -224,6 +225,20 @@ def check_objects(book: Any, meta: dict[str, Any], where: Path) -> dict[str, Any
     if book.get("window") is not None:
         _window(c, book["window"], meta["world_size"])
     return book
+
+
+def read_book(version: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's objects, checked: ``objects.pt``, or a version-1 checkpoint's JSON (its param groups, no
+    window), for the readers that need no scheduler (``consolidate``, ``inspect``).
+
+    Args:
+        version: the version directory.
+        meta: its checked metadata.
+    """
+    if meta["version"] >= 2:
+        return check_objects(read_file(version, OBJECTS, meta["objects"]), meta, version / OBJECTS)
+    groups = [{k: tuple(v) if isinstance(v, list) else v for k, v in g.items()} for g in meta["param_groups"]]
+    return {"param_groups": groups, "window": None}
 
 
 def _plain(value: Any) -> Any:
