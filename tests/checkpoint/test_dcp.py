@@ -1,11 +1,13 @@
 """``torch.distributed.checkpoint`` (DCP) with ``ShardedFusedAdam``: its ``get_state_dict`` / ``set_state_dict``
 (which key the optimizer state by parameter FQN) and ``dcp.save`` / ``dcp.load``. Where a rank holds the whole
-state (one rank, or stage 0) a run resumed this way continues bit for bit as the uninterrupted one; where
+state (one rank, or stage 0) a run resumed this way continues bit for bit as the uninterrupted one (at stage 3
+inside ``gathered_params()``, where the model's state_dict holds its parameters); where
 ``state_dict()`` is this rank's shard, DCP cannot carry it, and the load refuses it instead of loading it wrong.
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -33,25 +35,33 @@ def _fresh(stage: int) -> tuple[Net, zo.ShardedFusedAdam]:
     return model, zo.ShardedFusedAdam(model, lr=0.5, weight_decay=0.1, stage=stage, reduce_bucket_size=BUCKET)
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+def _whole(opt: zo.ShardedFusedAdam, stage: int) -> contextlib.AbstractContextManager:
+    """Where the model's state_dict holds every parameter: inside ``gathered_params()`` at stage 3."""
+    return opt.gathered_params() if stage == 3 else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
 def test_one_rank_resumes_bit_for_bit_through_dcp(stage: int, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Net()
     opt = zo.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=stage, reduce_bucket_size=BUCKET)
     _train(model, opt, range(3))
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+    with _whole(opt, stage):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
     _train(model, opt, range(3, 6))
 
     again, opt2 = _fresh(stage)
-    model_sd, optim_sd = get_state_dict(again, opt2)
-    loaded = {"model": model_sd, "optim": optim_sd}
-    dcp.load(loaded, checkpoint_id=tmp_path)
-    set_state_dict(again, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    with _whole(opt2, stage):
+        model_sd, optim_sd = get_state_dict(again, opt2)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=tmp_path)
+        set_state_dict(again, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     assert opt2.param_groups[0]["lr"] == LR, "the saved param groups are loaded"
     _train(again, opt2, range(3, 6))
-    for (name, p), q in zip(model.named_parameters(), again.parameters()):
-        assert torch.equal(p, q), f"stage {stage}: {name} differs from the uninterrupted run"
+    with _whole(opt, stage), _whole(opt2, stage):
+        for (name, p), q in zip(model.named_parameters(), again.parameters()):
+            assert torch.equal(p, q), f"stage {stage}: {name} differs from the uninterrupted run"
     theirs = opt2.full_state_dict()["state"]
     for index, entry in opt.full_state_dict()["state"].items():
         for key, value in entry.items():
