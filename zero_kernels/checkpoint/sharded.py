@@ -566,8 +566,8 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     Works whatever the world size, stage, bucket size and parameter dtypes of the run that saved,
     except for a checkpoint saved inside a gradient accumulation window, which resumes that window
     only under the same layout (``checkpoint.accumulation``). Every problem (missing, truncated or
-    corrupted files, another model, another format version, a save that did not finish) raises
-    ``CheckpointError`` on every rank before anything changes.
+    corrupted files, another model, another format version, a save that did not finish, a call inside
+    stage 3's ``gathered_params()``) raises ``CheckpointError`` on every rank before anything changes.
 
     Args:
         directory: a checkpoint root written by ``save`` or one of its ``vNNNNNN`` version directories.
