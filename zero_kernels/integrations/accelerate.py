@@ -30,6 +30,12 @@ usual):
   global norm of the reduced gradients, applied by the next step. (Accelerate's own, from 1.16, keeps
   only the parameters whose ``p.grad`` is set, which stages 2 and 3 leave ``None``: it would return 0
   and clip nothing.)
+- ``get_state_dict(model)``, and so ``save_model(model, directory)``, returns a copy of every tensor
+  of the state dict, taken inside the optimizer's ``gathered_params()`` (at stage 3 the full
+  weights, gathered: a collective, call it on every rank, as with DeepSpeed's ZeRO-3); tied weights
+  stay one tensor. Accelerate's
+  own returns the parameters, views into the optimizer's flat buffer at stages 0-2, and its
+  ``save_model`` then keeps one tensor per storage: one of the model's weights.
 
 With a plain ``Accelerator`` on several processes the model is wrapped in DDP, and its first
 forward raises an error that names ``ZeroAccelerator`` (``guards``).
@@ -38,7 +44,7 @@ forward raises an error that names ``ZeroAccelerator`` (``guards``).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from accelerate import Accelerator
@@ -96,3 +102,34 @@ class ZeroAccelerator(Accelerator):
         if live.training(parameters):
             return clip_sharded(self, parameters, max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """As ``Accelerator.get_state_dict``; for a model a ``ShardedFusedAdam`` trains, a copy of every tensor,
+        full at every stage (a collective at stage 3: call it on every rank).
+
+        Args:
+            model: a model given to ``prepare``.
+            unwrap: as ``Accelerator.get_state_dict``.
+        """
+        optimizers = live.training(model.parameters())
+        if not optimizers:
+            return super().get_state_dict(model, unwrap=unwrap)
+        if unwrap:
+            model = self.unwrap_model(model)
+        with contextlib.ExitStack() as stack:
+            for opt in optimizers:
+                stack.enter_context(opt.gathered_params())
+            return _copies(model.state_dict())
+
+
+def _copies(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor copied into storage of its own; entries that are the same tensor (tied
+    weights) stay one copy, so that Accelerate's ``save_model`` drops the repeats as it does for any model."""
+    made: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, value in state.items():
+        if torch.is_tensor(value):
+            key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            value = made.setdefault(key, value.detach().clone())
+        out[name] = value
+    return out
