@@ -43,6 +43,7 @@ forward raises an error that names ``ZeroAccelerator`` (``guards``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Iterable, Iterator, Optional
 
@@ -124,9 +125,10 @@ class ZeroAccelerator(Accelerator):
 
 def _copies(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with each tensor copied into storage of its own; entries that are the same tensor (tied
-    weights) stay one copy, so that Accelerate's ``save_model`` drops the repeats as it does for any model."""
+    weights) stay one copy, so that Accelerate drops the repeats as it does for any model (``save_model``; and
+    ``save_state``, which does so only for an ``OrderedDict``, the type of ``state_dict()``)."""
     made: dict[tuple, torch.Tensor] = {}
-    out = {}
+    out: dict[str, Any] = collections.OrderedDict()
     for name, value in state.items():
         if torch.is_tensor(value):
             key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
