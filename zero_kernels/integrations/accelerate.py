@@ -37,6 +37,10 @@ usual):
   own returns the parameters, views into the optimizer's flat buffer at stages 0-2, and its
   ``save_model`` then keeps one tensor per storage: one of the model's weights.
 
+An optimizer built before the ``ZeroAccelerator`` (which starts the process group) has no group: a
+world of one rank, which never reduces gradients across processes. ``prepare`` refuses it, naming
+the order to use, where Accelerate runs several processes.
+
 With a plain ``Accelerator`` on several processes the model is wrapped in DDP, and its first
 forward raises an error that names ``ZeroAccelerator`` (``guards``).
 """
@@ -71,9 +75,34 @@ class ZeroAccelerator(Accelerator):
             device_placement: as ``Accelerator.prepare_model``.
             evaluation_mode: as ``Accelerator.prepare_model``.
         """
-        if live.training(model.parameters()):
+        optimizers = live.training(model.parameters())
+        for opt in optimizers:
+            self._check_world(opt)
+        if optimizers:
             evaluation_mode = True  # Accelerate's switch that leaves out the DDP/FSDP wrap, and nothing else
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        """As ``Accelerator.prepare_optimizer``; a ``ShardedFusedAdam`` must span Accelerate's processes.
+
+        Args:
+            optimizer: the optimizer.
+            device_placement: as ``Accelerator.prepare_optimizer``.
+        """
+        if optimizer in live.optimizers():
+            self._check_world(optimizer)
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def _check_world(self, optimizer: Any) -> None:
+        """``ValueError`` when Accelerate runs several processes and ``optimizer`` spans one: it was built before
+        the process group existed, and each process would train alone."""
+        world = optimizer.pipeline.engine.world_size
+        if world == 1 and self.num_processes > 1:
+            raise ValueError(
+                f"this ShardedFusedAdam spans 1 process while Accelerate runs {self.num_processes}: it was built "
+                "before the process group existed, and every process would train on its own, gradients never "
+                "reduced. Build ZeroAccelerator(...) first (it starts the process group), then the optimizer"
+            )
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
