@@ -17,8 +17,8 @@ one name changed::
             opt.zero_grad()
 
 What differs from ``Accelerator``, only for a model holding parameters that a live
-``ShardedFusedAdam`` trains (build the optimizer before ``prepare``; any other model is prepared as
-usual):
+``ShardedFusedAdam`` trains (build the optimizer after the ``ZeroAccelerator`` and before ``prepare``;
+any other model is prepared as usual):
 
 - ``prepare_model`` does not wrap it in ``DistributedDataParallel`` (the optimizer reduces the
   gradients itself; DDP would reduce them again), as ``ZeroTrainer`` does for the Trainer; device
@@ -33,9 +33,8 @@ usual):
 - ``get_state_dict(model)``, and so ``save_model(model, directory)``, returns a copy of every tensor
   of the state dict, taken inside the optimizer's ``gathered_params()`` (at stage 3 the full
   weights, gathered: a collective, call it on every rank, as with DeepSpeed's ZeRO-3); tied weights
-  stay one tensor. Accelerate's
-  own returns the parameters, views into the optimizer's flat buffer at stages 0-2, and its
-  ``save_model`` then keeps one tensor per storage: one of the model's weights.
+  stay one tensor. Accelerate's own returns the parameters, views into the optimizer's flat buffer
+  at stages 0-2, and its ``save_model`` then keeps one tensor per storage: one of the model's weights.
 
 An optimizer built before the ``ZeroAccelerator`` (which starts the process group) has no group: a
 world of one rank, which never reduces gradients across processes. ``prepare`` refuses it, naming
@@ -159,8 +158,12 @@ def _copies(state: dict[str, Any]) -> dict[str, Any]:
     made: dict[tuple, torch.Tensor] = {}
     out: dict[str, Any] = collections.OrderedDict()
     for name, value in state.items():
-        if torch.is_tensor(value):
+        if torch.is_tensor(value) and value.numel() == 0:  # no storage to tell two apart by
+            value = value.detach().clone()
+        elif torch.is_tensor(value):
             key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
-            value = made.setdefault(key, value.detach().clone())
+            if key not in made:
+                made[key] = value.detach().clone()
+            value = made[key]
         out[name] = value
     return out
