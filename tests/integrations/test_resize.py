@@ -5,6 +5,9 @@ optimizer. The embedding keeps its values from before the block, bit for bit; th
 (``config.vocab_size``), as the error says, and resizing back to the optimizer's size (inside ``gathered_params()``)
 makes the model whole again:
 a step then trains as usual, the same on both ranks.
+
+Outside any block (stages 0-2, one process), the first backward or step after the resize raises the same
+advice, naming the parameter (at stages 0-1 it was torch's "The size of tensor a (64) must match ...").
 """
 
 from __future__ import annotations
@@ -69,3 +72,17 @@ def all_cases(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_resize_after_the_optimizer_is_refused_and_undone(spawn) -> None:
     spawn(all_cases, WORLD, timeout_s=180.0)
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_resize_outside_a_block_is_refused_at_the_next_backward_or_step(stage: int) -> None:
+    import zero_kernels as zk
+
+    model = gpt2()
+    opt = zk.ShardedFusedAdam(model.parameters(), lr=1e-2, stage=stage, reduce_bucket_size=300)
+    model.resize_token_embeddings(VOCAB + 16)
+    ids = torch.randint(0, VOCAB + 16, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected = rf"{NAMES[0]} was replaced after the optimizer was built .*: its shape changed, .*resize the model"
+    with pytest.raises(ValueError, match=expected):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
