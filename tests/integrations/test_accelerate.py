@@ -11,6 +11,9 @@ The same loop then runs at stages 0-3:
    the same weights and norms (torch's clip is routed to the optimizer's global norm).
 3. A plain ``Accelerator`` preparing the model too wraps it in DDP: its first forward raises an
    error naming ``ZeroAccelerator``, at every stage, whatever the optimizer was given.
+4. A ``ShardedFusedAdam`` spanning one process (built before the ``ZeroAccelerator`` started the process group;
+   here given a group of one rank) is refused by ``prepare``, with the model or alone: each process would
+   train on its own.
 """
 
 from __future__ import annotations
@@ -143,6 +146,30 @@ def all_cases(rank: int, world: int) -> None:
         zero_accelerator(stage, expected)
         optimizer_and_loader_only(stage, expected)
         plain_accelerator_refused(stage)
+
+
+def one_process_optimizer_refused(rank: int, world: int) -> None:
+    """Item 4."""
+    import torch.distributed as dist
+
+    import zero_kernels as zk
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    _env(rank, world)
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    accelerator = _accelerator(ZeroAccelerator)
+    model = _model()
+    opt = zk.ShardedFusedAdam(model.parameters(), lr=LR, stage=2, process_group=alone)
+    refused = r"spans 1 process while Accelerate runs 2: .*Build ZeroAccelerator\(\.\.\.\) first"
+    with pytest.raises(ValueError, match=refused):
+        accelerator.prepare(model, opt)
+    with pytest.raises(ValueError, match=refused):
+        accelerator.prepare(opt)
+
+
+@pytest.mark.distributed
+def test_an_optimizer_of_one_process_is_refused(spawn) -> None:
+    spawn(one_process_optimizer_refused, WORLD, timeout_s=120.0)
 
 
 @pytest.mark.distributed

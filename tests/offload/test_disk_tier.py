@@ -114,6 +114,7 @@ def test_killed_runs_files_removed_at_the_next_start(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
     assert not stale.exists() and live.exists() and tier.root.exists()
     tier.close()
+    assert live.is_dir() and not tier.run.exists()  # the closed run took only its own directory
 
 
 HOLDER = textwrap.dedent(
@@ -173,7 +174,7 @@ def test_relative_nvme_path_is_made_absolute_at_start(tmp_path: Path, monkeypatc
         _step(model, opt)
     assert tier.bytes_read > 0 and tier.root.is_dir()
     tier.close()
-    assert not any((tmp_path / "here" / "nv" / "zero_kernels").iterdir()) and not any(Path().iterdir())
+    assert not (tmp_path / "here" / "nv" / "zero_kernels").exists() and not any(Path().iterdir())
     monkeypatch.setenv("HOME", str(tmp_path / "here"))
     tier = _tier(Path("~/nv"))
     assert tier.run.parent == tmp_path / "here" / "nv" / "zero_kernels"
@@ -230,7 +231,7 @@ def test_full_disk_is_refused_naming_path_and_bytes(tmp_path: Path) -> None:
     with _tmpfs(tmp_path / "small", "size=64k") as small:
         with pytest.raises(OSError, match=rf"cannot reserve \d+ bytes in '{small}/zero_kernels/.*No space left"):
             _opt(model, small)
-        assert not any((small / "zero_kernels").iterdir())  # the failed run's files are gone
+        assert not (small / "zero_kernels").exists()  # the failed run's files are gone, and its empty parent
     _untouched(model, before)
 
 

@@ -17,8 +17,8 @@ one name changed::
             opt.zero_grad()
 
 What differs from ``Accelerator``, only for a model holding parameters that a live
-``ShardedFusedAdam`` trains (build the optimizer before ``prepare``; any other model is prepared as
-usual):
+``ShardedFusedAdam`` trains (build the optimizer after the ``ZeroAccelerator`` and before ``prepare``;
+any other model is prepared as usual):
 
 - ``prepare_model`` does not wrap it in ``DistributedDataParallel`` (the optimizer reduces the
   gradients itself; DDP would reduce them again), as ``ZeroTrainer`` does for the Trainer; device
@@ -30,6 +30,15 @@ usual):
   global norm of the reduced gradients, applied by the next step. (Accelerate's own, from 1.16, keeps
   only the parameters whose ``p.grad`` is set, which stages 2 and 3 leave ``None``: it would return 0
   and clip nothing.)
+- ``get_state_dict(model)``, and so ``save_model(model, directory)``, returns a copy of every tensor
+  of the state dict, taken inside the optimizer's ``gathered_params()`` (at stage 3 the full
+  weights, gathered: a collective, call it on every rank, as with DeepSpeed's ZeRO-3); tied weights
+  stay one tensor. Accelerate's own returns the parameters, views into the optimizer's flat buffer
+  at stages 0-2, and its ``save_model`` then keeps one tensor per storage: one of the model's weights.
+
+An optimizer built before the ``ZeroAccelerator`` (which starts the process group) has no group: a
+world of one rank, which never reduces gradients across processes. ``prepare`` refuses it, naming
+the order to use, where Accelerate runs several processes.
 
 With a plain ``Accelerator`` on several processes the model is wrapped in DDP, and its first
 forward raises an error that names ``ZeroAccelerator`` (``guards``).
@@ -37,8 +46,9 @@ forward raises an error that names ``ZeroAccelerator`` (``guards``).
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from accelerate import Accelerator
@@ -64,9 +74,34 @@ class ZeroAccelerator(Accelerator):
             device_placement: as ``Accelerator.prepare_model``.
             evaluation_mode: as ``Accelerator.prepare_model``.
         """
-        if live.training(model.parameters()):
+        optimizers = live.training(model.parameters())
+        for opt in optimizers:
+            self._check_world(opt)
+        if optimizers:
             evaluation_mode = True  # Accelerate's switch that leaves out the DDP/FSDP wrap, and nothing else
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        """As ``Accelerator.prepare_optimizer``; a ``ShardedFusedAdam`` must span Accelerate's processes.
+
+        Args:
+            optimizer: the optimizer.
+            device_placement: as ``Accelerator.prepare_optimizer``.
+        """
+        if optimizer in live.optimizers():
+            self._check_world(optimizer)
+        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def _check_world(self, optimizer: Any) -> None:
+        """``ValueError`` when Accelerate runs several processes and ``optimizer`` spans one: it was built before
+        the process group existed, and each process would train alone."""
+        world = optimizer.pipeline.engine.world_size
+        if world == 1 and self.num_processes > 1:
+            raise ValueError(
+                f"this ShardedFusedAdam spans 1 process while Accelerate runs {self.num_processes}: it was built "
+                "before the process group existed, and every process would train on its own, gradients never "
+                "reduced. Build ZeroAccelerator(...) first (it starts the process group), then the optimizer"
+            )
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -96,3 +131,39 @@ class ZeroAccelerator(Accelerator):
         if live.training(parameters):
             return clip_sharded(self, parameters, max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """As ``Accelerator.get_state_dict``; for a model a ``ShardedFusedAdam`` trains, a copy of every tensor,
+        full at every stage (a collective at stage 3: call it on every rank).
+
+        Args:
+            model: a model given to ``prepare``.
+            unwrap: as ``Accelerator.get_state_dict``.
+        """
+        optimizers = live.training(model.parameters())
+        if not optimizers:
+            return super().get_state_dict(model, unwrap=unwrap)
+        if unwrap:
+            model = self.unwrap_model(model)
+        with contextlib.ExitStack() as stack:
+            for opt in optimizers:
+                stack.enter_context(opt.gathered_params())
+            return _copies(model.state_dict())
+
+
+def _copies(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor copied into storage of its own; entries that are the same tensor (tied
+    weights) stay one copy, so that Accelerate drops the repeats as it does for any model (``save_model``; and
+    ``save_state``, which does so only for an ``OrderedDict``, the type of ``state_dict()``)."""
+    made: dict[tuple, torch.Tensor] = {}
+    out: dict[str, Any] = collections.OrderedDict()
+    for name, value in state.items():
+        if torch.is_tensor(value) and value.numel() == 0:  # no storage to tell two apart by
+            value = value.detach().clone()
+        elif torch.is_tensor(value):
+            key = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            if key not in made:
+                made[key] = value.detach().clone()
+            value = made[key]
+        out[name] = value
+    return out

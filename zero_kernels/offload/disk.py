@@ -8,7 +8,8 @@ of each sub-group of each buffer (``add_buffer``: the pipeline chooses the sub-g
 run's files): those whose lock it can take, never one whose lock is held (a run in another PID namespace,
 whose pid means nothing here, included); a directory without the lock file (an older version's) by its pid.
 Its own directory is removed by ``close`` or, at the latest, when the tier is collected or the interpreter
-exits (a finalizer); the kernel releases the lock when the process ends, however.
+exits (a finalizer); the kernel releases the lock when the process ends, however. ``<nvme_path>/zero_kernels``
+goes with the last run in it (only when empty: ``nvme_path`` itself and anything else in it stay).
 
 Start. ``nvme_path`` is made absolute (``~`` expanded) against the working directory at start, so a later
 ``os.chdir`` moves nothing. The constructor makes its directory and writes, reads back and removes a small
@@ -86,9 +87,11 @@ def remove_stale_runs(base: Path) -> list[Path]:
     """Remove the run directories under ``base`` of this host whose owner is gone; returns them."""
     host = socket.gethostname()
     removed = []
-    if not base.is_dir():
-        return removed
-    for run in base.iterdir():
+    try:
+        runs = list(base.iterdir()) if base.is_dir() else []
+    except FileNotFoundError:  # removed just now by the last run out (``_remove_run``)
+        runs = []
+    for run in runs:
         name, _, _ = run.name.rpartition("-")
         owner, _, pid = name.rpartition("-")
         if owner == host and pid.isdigit() and run.is_dir() and _remove_if_gone(run, int(pid)):
@@ -122,7 +125,7 @@ def _make_run(run: Path) -> Optional[int]:
     taken: the directory has no lock file, and its pid is all that tells its owner). It is made under a name no
     cleaner reads (``.new-<run>``) and renamed once locked: a run directory is never seen without its lock."""
     fresh = run.with_name(f".new-{run.name}")
-    fresh.mkdir(parents=True)
+    _make_fresh(fresh)
     try:
         fd: Optional[int] = os.open(fresh / OWNER_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         if not try_lock(fd):  # None: no locks here (False cannot be: nobody else knows the file)
@@ -136,10 +139,26 @@ def _make_run(run: Path) -> Optional[int]:
     return fd
 
 
+def _make_fresh(fresh: Path, tries: int = 3) -> None:
+    """``fresh.mkdir(parents=True)``, again if its parent went in between (``_remove_run`` of another process)."""
+    for attempt in range(tries):
+        try:
+            fresh.mkdir(parents=True)
+            return
+        except FileNotFoundError:
+            if attempt == tries - 1:
+                raise
+
+
 def _remove_run(run: str, fd: Optional[int]) -> None:
-    """Remove a run directory, then release its lock."""
+    """Remove a run directory, then release its lock. The ``zero_kernels`` directory it is in goes too once empty
+    (the last run out removes it: ``os.rmdir`` takes only an empty directory, never another run's)."""
     try:
         shutil.rmtree(run, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(run))
+        except OSError:  # another run's directory is there, or it is gone already
+            pass
     finally:
         if fd is not None:
             os.close(fd)

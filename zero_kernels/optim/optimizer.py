@@ -238,6 +238,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             accum_dtype=self.grad_accum_dtype,
         )  # fmt: skip
         self._pipeline.device = device
+        self._pipeline.index_name = self._param_name
         self._pipeline.step_counts.on_settle = self._account
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         super().__init__(groups, defaults)

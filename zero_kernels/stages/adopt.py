@@ -56,14 +56,23 @@ def _fits(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size) -> bool:
     return tuple(p.shape) == tuple(shape) and p.dtype == buf.dtype and p.device == buf.device
 
 
+def remedy(p: torch.Tensor, shape: torch.Size) -> str:
+    """What to do about a replacement ``p`` the buffers cannot take (``shape``: the one they hold), for messages."""
+    if tuple(p.shape) != tuple(shape):
+        return (
+            "its shape changed, which a built optimizer cannot follow: resize the model (resize_token_embeddings) "
+            "before building the optimizer"
+        )
+    return "move or cast the model (model.to(...), model.half()) before building the optimizer"
+
+
 def check_compatible(buf: "FlatBuffer", p: torch.Tensor, shape: torch.Size, name_of: NameOf) -> None:
     """A replacement the buffers can take: same shape, dtype and device."""
     if _fits(buf, p, shape):
         return
     raise ValueError(
         f"{name_of(p)} was replaced after the optimizer was built and is now {p.dtype} {tuple(p.shape)} on "
-        f"{p.device}, while the optimizer holds {buf.dtype} {tuple(shape)} on {buf.device}: move or cast the "
-        "model (model.to(...), model.half()) before building the optimizer"
+        f"{p.device}, while the optimizer holds {buf.dtype} {tuple(shape)} on {buf.device}: {remedy(p, shape)}"
     )
 
 
@@ -106,16 +115,16 @@ def readopt(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> int:
     return adopted
 
 
-def misfits(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> list[tuple[str, str, str]]:
-    """(name, what it is now, what ``buf`` holds) of each parameter whose ``.data`` was replaced by a tensor
-    ``readopt`` cannot take (another shape, dtype or device)."""
+def misfits(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> list[tuple[str, str, str, str]]:
+    """(name, what it is now, what ``buf`` holds, ``remedy``) of each parameter whose ``.data`` was replaced by a
+    tensor ``readopt`` cannot take (another shape, dtype or device)."""
     found = []
     for slot in buf.layout.slots:
         p = buf.params[slot.param]
         if slot.numel == 0 or _views(p, flat, slot.offset, slot.shape) or _fits(buf, p, slot.shape):
             continue
         now, holds = f"{p.dtype} {tuple(p.shape)} on {p.device}", f"{buf.dtype} {tuple(slot.shape)} on {buf.device}"
-        found.append((name_of(p), now, holds))
+        found.append((name_of(p), now, holds, remedy(p, slot.shape)))
     return found
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 
 from ..comm.handles import Handle
-from . import grad_accum, grad_state, refusals
+from . import adopt, grad_accum, grad_state, refusals
 from .buffers import FlatBuffer, Inflight
 from .layout import Bucket
 
@@ -138,6 +138,8 @@ class BackwardRound:
         s = buf.layout.slots[slot]
         view = buf.grad_flat.narrow(0, s.offset, s.numel).view(s.shape)
         if p.grad is not view and (p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape):
+            if p.grad.shape != view.shape:  # p.data replaced by another shape (a resize after the optimizer)
+                adopt.check_compatible(buf, p, s.shape, self.name_of)
             view.copy_(p.grad)
             p.grad = view
 

@@ -49,7 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from typing import Any, ClassVar, Iterator, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
 
 import torch
 
@@ -121,6 +121,7 @@ class Pipeline(BackwardRound):
         self.summed: set[int] = set()  # wide_local: parameters whose slot of grad_flat holds this window's gradients
         self.impl = impl
         self.module = module
+        self.index_name: Callable[[int], str] = lambda index: f"parameter {index}"  # set by the optimizer
         self.device: Optional[torch.device] = None  # the parameters' device, where exchanges run (set by the optimizer)
         self.buffers: list[FlatBuffer] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (buffer index, slot index)
@@ -353,8 +354,15 @@ class Pipeline(BackwardRound):
         """Give frozen parameters of ``frozen_partitioned`` full values (id(parameter) -> value)."""
 
     def name_of(self, p: torch.Tensor) -> str:
-        """How errors name ``p``: by its name in the model when the pipeline has the model."""
-        return adopt.param_name(self.module, p) if self.module is not None else f"a parameter of shape {tuple(p.shape)}"
+        """How errors name ``p``: by its name in the model when the pipeline has the model, else as the optimizer
+        names its index (``index_name``)."""
+        if self.module is not None:
+            return adopt.param_name(self.module, p)
+        if id(p) in self.where:
+            b, s = self.where[id(p)]
+            buf = self.buffers[b]
+            return self.index_name(buf.indices[buf.layout.slots[s].param])
+        return f"a parameter of shape {tuple(p.shape)}"
 
     def _place_params(self, buf: FlatBuffer) -> None:
         """Copy the parameters into ``param_flat`` and make each ``p.data`` a view of it."""

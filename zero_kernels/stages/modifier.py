@@ -15,7 +15,9 @@ the optimizer's buffers whose shape or dtype differs from rank ``k``'s, would se
 Then every rank raises ``ModifierMismatch`` naming the parameter, sends nothing and puts every replaced ``.data``
 back (``adopt.put_back``, ``Others.put_back``): each parameter holds its values from before the replacement. Values
 written in place inside the block are not undone (no copy of the model is kept), except in stage 3's units gathered
-for the block, whose shards are then not written back.
+for the block, whose shards are then not written back; nor is anything else the block changed (the config that
+``resize_token_embeddings`` sets), which the error says. A shape change names its cause and remedy
+(``adopt.remedy``: resize before building the optimizer).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class Others:
 def check_sendable(
     engine: EngineBase,
     modifier_rank: int,
-    misfits: list[tuple[str, str, str]],
+    misfits: list[tuple[str, str, str, str]],
     others: Others,
     device: Optional[torch.device],
 ) -> None:
@@ -109,8 +111,13 @@ def check_sendable(
     )
     for rank, (found, _) in enumerate(rows):
         if found:
-            name, now, holds = found[0]
-            raise ModifierMismatch(f"{where}: {name} is {now} on rank {rank}, the optimizer holds {holds}{after}")
+            name, now, holds, remedy = found[0]
+            raise ModifierMismatch(
+                f"{where}: {name} is {now} on rank {rank}, the optimizer holds {holds}: {remedy}. Nothing was sent "
+                "and every replaced .data was put back: each parameter holds its values from before the block. "
+                "Other changes made in the block stay (resize_token_embeddings' config.vocab_size: resize back to "
+                "the size the optimizer holds, inside gathered_params())"
+            )
     reference = rows[modifier_rank][1]
     for i, (name, _, _) in enumerate(reference):
         seen: dict[tuple, list[int]] = {}

@@ -1,0 +1,65 @@
+"""``model.generate`` at stage 3 on 2 gloo ranks whose generations differ in length, with ``synced_gpus=True``.
+
+Rank 0 stops at an end-of-text token after 2 new tokens, rank 1 runs to ``max_new_tokens=6``. A
+stage-3 forward all-gathers the parameters, a collective: ``synced_gpus=True`` keeps the finished
+rank running forward passes until every rank is done (Hugging Face turns it on by itself only under
+DeepSpeed ZeRO-3 or FSDP). Each rank's tokens must equal those of an unsharded copy of the model
+given the same arguments, and a training step after it must leave the ranks in step (the same
+weights on both). Without ``synced_gpus`` the ranks' gathers fall out of step: a hang, or an abort
+inside the backend.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.tiny_hf import VOCAB, gpt2
+
+pytest.importorskip("transformers")
+
+WORLD, NEW_TOKENS, EARLY = 2, 6, 2
+PROMPT = torch.tensor([[1, 2, 3]])
+
+
+def _stops_early(plain) -> dict:
+    """Generation arguments: rank 0 ends at an end-of-text token after ``EARLY`` new tokens, rank 1 at the length."""
+    full = plain.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    eos = int(full[0, PROMPT.shape[1] + EARLY - 1])
+    assert eos not in full[0, PROMPT.shape[1] : PROMPT.shape[1] + EARLY - 1].tolist(), "pick another EARLY"
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return {**kwargs, "eos_token_id": eos} if dist.get_rank() == 0 else kwargs
+
+
+def generate_in_step(rank: int, world: int) -> None:
+    import zero_kernels as zk
+
+    os.environ.update(TRANSFORMERS_VERBOSITY="error")
+    model = gpt2().eval()
+    plain = copy.deepcopy(model)
+    kwargs = _stops_early(plain)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, reduce_bucket_size=300, stage3_param_persistence_threshold=20)
+    with torch.no_grad():
+        out = model.generate(PROMPT, synced_gpus=True, **kwargs)
+        expected = plain.generate(PROMPT, **kwargs)
+    assert torch.equal(out, expected), f"rank {rank}: {out.tolist()} vs unsharded {expected.tolist()}"
+    assert out.shape[1] == PROMPT.shape[1] + (EARLY if rank == 0 else NEW_TOKENS), out.tolist()
+
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model.train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    with opt.gathered_params():
+        weight = model.transformer.wte.weight.detach().clone()
+    others = [torch.empty_like(weight) for _ in range(world)]
+    dist.all_gather(others, weight)
+    assert all(torch.equal(w, weight) for w in others), f"rank {rank}: the ranks' weights differ after the step"
+
+
+@pytest.mark.distributed
+def test_generate_lengths_differing_by_rank(spawn) -> None:
+    spawn(generate_in_step, WORLD, timeout_s=180.0)
