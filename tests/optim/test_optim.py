@@ -368,6 +368,10 @@ def test_skipped_steps_are_restored_by_load_state_dict(stage: int) -> None:
     opt2.backward(model2(torch.full((2, 5), math.inf).half()).float().sum())
     opt2.step()
     assert opt2.skipped_steps == 3, f"stage {stage}: the next skip counts on from the restored value"
+    opt2.backward(model2(torch.full((2, 5), math.inf).half()).float().sum())
+    opt2.step()
+    opt2.skipped_steps = 10  # the skip of that step, not yet counted, counts before the new value
+    assert opt2.skipped_steps == 10, f"stage {stage}"
     old = copy.deepcopy(saved)
     del old["zero_kernels.sharded"]["skipped_steps"]
     opt3 = zo.ShardedFusedAdam(nn.Linear(5, 3).half(), lr=LR, stage=stage, fp16=FP16_SKIPS)
