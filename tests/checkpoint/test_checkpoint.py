@@ -34,7 +34,7 @@ import zero_kernels.checkpoint.cli as consolidate_cli
 import zero_kernels.checkpoint.inspect_cli as inspect_cli
 import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
-from tests.helpers.dist import run_ranks
+from tests.helpers.dist import run_ranks, run_ranks_checked
 from tests.helpers.paths import pythonpath
 from zero_kernels.__main__ import main as cli
 from zero_kernels.checkpoint.format import ShardReader
@@ -461,3 +461,50 @@ def test_consolidate_into_a_directory_or_a_missing_one_is_a_command_line_error(
 
 def _refuse(src: Any, dst: Any) -> None:
     raise PermissionError(f"cannot replace {dst}")
+
+
+FP16_SKIPS = dict(enabled=True, loss_scale=0, initial_scale_power=3, hysteresis=2)
+
+
+def _fp16_linear(stage: int, skipped: int = 0) -> tuple[nn.Module, zo.ShardedFusedAdam]:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).half()
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=5, fp16=FP16_SKIPS)
+    opt.skipped_steps = skipped
+    return model, opt
+
+
+def _save_and_load_skips(rank: int, world: int, root: str) -> list[str]:
+    """4 fp16 steps at stage 2, the 2nd and 3rd overflowing on the last rank only (skipped on every rank); saved,
+    then loaded into a fresh optimizer on every rank."""
+    model, opt = _fp16_linear(stage=2)
+    for step in range(4):
+        x = torch.randn(2, 5).half()
+        if step in (1, 2) and rank == world - 1:
+            x[0, 0] = float("inf")
+        opt.backward(model(x).float().sum())
+        opt.step()
+        opt.zero_grad()
+    ck.save(root, model, opt)
+    model2, opt2 = _fp16_linear(stage=2, skipped=7)
+    ck.load(root, model2, opt2)
+    counts = (opt.skipped_steps, opt2.skipped_steps, opt2.applied_steps, opt2.loss_scale)
+    return [] if counts == (2, 2, 0, opt.loss_scale) else [f"rank {rank}: (saved, loaded, applied, scale) {counts}"]
+
+
+@pytest.mark.distributed
+def test_skipped_steps_are_restored_at_any_world_size(tmp_path: Path) -> None:
+    """As DeepSpeed's checkpoint: ``skipped_steps`` (the same on every rank) is saved and restored, on 2 ranks and
+    into one process at another stage; a checkpoint saved before it was kept leaves the count as it is."""
+    run_ranks_checked(_save_and_load_skips, 2, str(tmp_path))
+    version = tmp_path / "v000001"
+    meta = json.loads((version / "metadata.json").read_text())
+    assert meta["skipped_steps"] == 2
+    model, opt = _fp16_linear(stage=3, skipped=7)
+    ck.load(tmp_path, model, opt)
+    assert (opt.skipped_steps, opt.applied_steps) == (2, 0)
+    del meta["skipped_steps"]
+    (version / "metadata.json").write_text(json.dumps(meta))
+    model, opt = _fp16_linear(stage=1)
+    ck.load(tmp_path, model, opt)
+    assert opt.skipped_steps == 0 and opt.loss_scale == 4.0

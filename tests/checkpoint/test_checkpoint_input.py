@@ -111,6 +111,7 @@ CASES = {
     "param groups not a list": (_set(["param_groups"], "x"), "param_groups must be a JSON list"),
     "lr not a number": (_set(["param_groups", 0, "lr"], "fast"), r"param_groups\[0\].lr must be a finite number"),
     "loss scaler without scale": (_set(["loss_scaler"], {"good_steps": 1}), "loss_scaler.scale must be"),
+    "negative skipped_steps": (_set(["skipped_steps"], -1), "skipped_steps must be >= 0, not -1"),
     "extra entry not an object": (_set(["extra"], [1]), "extra must be a JSON object"),
 }
 

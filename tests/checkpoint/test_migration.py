@@ -259,6 +259,40 @@ def test_import_keeps_deepspeeds_fp32_weights_steps_and_groups(imported: dict[st
         book = read_file(version, OBJECTS, meta["objects"])
         assert meta["param_groups"][0]["betas"] == [0.9, 0.95] and book["param_groups"][0]["betas"] == (0.9, 0.95)
         assert book["lr_scheduler"] == {"last_batch_iteration": 3}, f"{case}: {book['lr_scheduler']}"
+        assert meta["skipped_steps"] == 0, f"{case}: DeepSpeed's model states hold skipped_steps 0"
+
+
+def test_import_keeps_deepspeeds_skipped_steps(imported: dict[str, Path], tmp_path: Path) -> None:
+    """The fixture's ``skipped_steps`` (0) replaces the optimizer's count on load, as DeepSpeed's resume does; a
+    model states file holding 3 gives 3, one without it none, one with a bad value a CheckpointError."""
+    case = "stage2_fp32"
+    info = json.loads((DATA / "deepspeed" / case / "case.json").read_text())
+    config = {**info["config"], "zero_optimization": {"stage": 2}}
+
+    def loaded(root: Path) -> int:
+        model = fixtures.make_model()
+        model, opt, scheduler = zk.initialize(model, config, model_parameters=fixtures.groups(model))
+        opt.skipped_steps = 5
+        zk.checkpoint.load(root, model, opt, scheduler=scheduler)
+        return opt.skipped_steps
+
+    assert loaded(imported[case]) == 0
+    ds = tmp_path / "ds"
+    shutil.copytree(DATA / "deepspeed" / case / "ckpt", ds)
+    states = ds / "global_step4" / "mp_rank_00_model_states.pt"
+    original = torch.load(states, weights_only=True)
+    for value, expected in ((3, 3), (None, 5)):
+        changed = {k: v for k, v in original.items() if k != "skipped_steps" or value is not None}
+        if value is not None:
+            changed["skipped_steps"] = value
+        torch.save(changed, states)
+        out = tmp_path / f"out{value}"
+        version = zk.checkpoint.from_deepspeed(ds, out)
+        assert read_metadata(version).get("skipped_steps") == value
+        assert loaded(out) == expected
+    torch.save({**original, "skipped_steps": -2}, states)
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt: skipped_steps must be an integer >= 0"):
+        zk.checkpoint.from_deepspeed(ds, tmp_path / "bad")
 
 
 def _resume(rank: int, world: int, stages: dict[str, int], imported: dict[str, str], out: str) -> None:

@@ -22,6 +22,7 @@ from zero_kernels.config import FP16Config
 from zero_kernels.entry import initialize as zk_initialize
 from zero_kernels.planner import estimate_memory
 from zero_kernels.precision import LossScaleError, LossScaler
+from zero_kernels.stages.outcome import StepResult
 
 
 def train(model: Net, opt: torch.optim.Optimizer, rank: int, world: int, steps: range) -> None:
@@ -136,6 +137,10 @@ def fp16_case(rank: int, world: int, stage: int) -> None:
             assert not opt.last_step.skipped
     assert scales == [16.0, 8.0, 8.0, 8.0], f"stage {stage} loss scales {scales}"  # DeepSpeed's: 16 after 3 good
     assert not unchanged, f"stage {stage}: good steps did not update"
+    assert opt.skipped_steps == 2, f"stage {stage}: skipped_steps {opt.skipped_steps}"
+    fresh = zo.ShardedFusedAdam(nn.Linear(7, 3).half(), lr=LR, stage=stage, reduce_bucket_size=5, fp16=fp16)
+    fresh.load_state_dict(opt.state_dict())  # this rank's shard where there are several
+    assert (fresh.skipped_steps, fresh.applied_steps) == (2, 0), f"stage {stage}: {fresh.skipped_steps} skipped"
 
 
 def bad_input_case(rank: int, world: int, stage: int) -> None:
@@ -329,3 +334,54 @@ def test_fp16_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "an overflowing step changed params"
     assert opt.loss_scale == 4.0 and opt.skipped_steps == 3 and opt.pipeline.steps == {0: 0, 1: 0}
+
+
+FP16_SKIPS = dict(enabled=True, loss_scale=0, initial_scale_power=3, hysteresis=2)
+
+
+def _skipping(stage: int) -> tuple[nn.Module, zo.ShardedFusedAdam]:
+    """An fp16 model and its optimizer after 4 steps, the 2nd and 3rd skipped (inf gradients)."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3).half()
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, fp16=FP16_SKIPS)
+    for step in range(4):
+        x = torch.randn(2, 5).half()
+        if step in (1, 2):
+            x[0, 0] = math.inf
+        opt.backward(model(x).float().sum())
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_skipped_steps_are_restored_by_load_state_dict(stage: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As DeepSpeed's checkpoint restores ``skipped_steps``; ``applied_steps`` stays this object's own count; a
+    state dict saved before the field was kept loads as before (the count left as it is)."""
+    _, opt = _skipping(stage)
+    assert (opt.skipped_steps, opt.applied_steps) == (2, 2)
+    saved = opt.state_dict()
+    model2 = nn.Linear(5, 3).half()
+    opt2 = zo.ShardedFusedAdam(model2, lr=LR, stage=stage, fp16=FP16_SKIPS)
+    opt2.skipped_steps = 5
+    opt2.load_state_dict(saved)
+    assert (opt2.skipped_steps, opt2.applied_steps) == (2, 0), f"stage {stage}"
+    opt2.backward(model2(torch.full((2, 5), math.inf).half()).float().sum())
+    opt2.step()
+    assert opt2.skipped_steps == 3, f"stage {stage}: the next skip counts on from the restored value"
+    monkeypatch.setattr(StepResult, "ready", lambda self: False)  # as on a GPU: the step's flag still in flight
+    opt2.backward(model2(torch.full((2, 5), math.inf).half()).float().sum())
+    opt2.step()
+    opt2.skipped_steps = 10  # the skip of that step, not yet counted, counts before the new value
+    assert opt2.skipped_steps == 10, f"stage {stage}"
+    old = copy.deepcopy(saved)
+    del old["zero_kernels.sharded"]["skipped_steps"]
+    opt3 = zo.ShardedFusedAdam(nn.Linear(5, 3).half(), lr=LR, stage=stage, fp16=FP16_SKIPS)
+    opt3.load_state_dict(old)
+    assert opt3.skipped_steps == 0 and opt3.loss_scale == opt.loss_scale
+    for bad in (-1, 2.0, True):
+        wrong = copy.deepcopy(saved)
+        wrong["zero_kernels.sharded"]["skipped_steps"] = bad
+        with pytest.raises(ValueError, match=r"\['skipped_steps'\] must be an integer >= 0, got"):
+            opt3.load_state_dict(wrong)
+    assert opt3.skipped_steps == 0, "a refused load changed skipped_steps"

@@ -9,7 +9,8 @@
 
 and writes one new version of a zero_kernels checkpoint under ``out_dir`` (one rank file) with the
 fp32 master weights, Adam's ``exp_avg``/``exp_avg_sq``, every parameter's step count, the param
-groups' ``lr``/``betas``/``eps``/``weight_decay``, the fp16 loss scale and the scheduler state.
+groups' ``lr``/``betas``/``eps``/``weight_decay``, the fp16 loss scale, the scheduler state and the
+engine's ``skipped_steps``.
 ``zero_kernels.checkpoint.load`` then loads it at any world size and stage.
 
 Layouts (as ``deepspeed/utils/zero_to_fp32.py`` reads them). Stages 1-2: param group ``g`` is
@@ -279,6 +280,17 @@ def _loss_scaler(optim: dict[str, Any]) -> Optional[dict[str, Any]]:
     return {"scale": float(s["cur_scale"]), "good_steps": good, "hysteresis_left": int(s.get("cur_hysteresis", 1))}
 
 
+def _skipped_steps(model_state: dict[str, Any], path: Path) -> dict[str, int]:
+    """DeepSpeed's ``skipped_steps`` (the engine's count of fp16 overflow skips) as the metadata's field; none
+    where the file has none."""
+    if "skipped_steps" not in model_state:
+        return {}
+    value = model_state["skipped_steps"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CheckpointError(f"{path}: skipped_steps must be an integer >= 0, not {value!r}")
+    return {"skipped_steps": value}
+
+
 def _scheduler_state(state: Any) -> Optional[dict[str, Any]]:
     """The scheduler's state when a checkpoint can keep it (DeepSpeed's own: ``{"last_batch_iteration": n}``)."""
     try:
@@ -409,6 +421,7 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
         "param_groups": groups,
         "adam_w_mode": _adam_w_mode(model_state),
         "extra": None,
+        **_skipped_steps(model_state, model_file),
         "imported_from": {"deepspeed": str(model_state.get("ds_version")), "tag": folder.name, "ranks": len(optims)},
     }
     book = {

@@ -8,7 +8,7 @@ raises one ``CheckpointError`` naming the field, never a ``KeyError`` or an allo
 - every tensor's pieces lie inside the bytes the metadata gives their file, and cover the tensor
   exactly once, so a tensor is never larger than the files that hold it (the readers check each
   file's real size against the metadata before reading it);
-- bookkeeping (model names, optimizer parameters, param groups, loss scaler, extra) has the shape
+- bookkeeping (model names, optimizer parameters, param groups, loss scaler, skipped steps, extra) has the shape
   ``checkpoint.load``, ``consolidate`` and ``inspect`` read.
 """
 
@@ -142,6 +142,8 @@ def _bookkeeping(c: _Checker, meta: dict[str, Any]) -> None:
         c.number(scaler.get("scale"), "loss_scaler.scale")
         c.count(scaler.get("good_steps"), "loss_scaler.good_steps")
         c.count(scaler.get("hysteresis_left"), "loss_scaler.hysteresis_left")
+    if "skipped_steps" in meta:
+        c.count(meta["skipped_steps"], "skipped_steps")
     for key in ("extra", "objects"):
         entry = meta.get(key)
         if entry is not None:

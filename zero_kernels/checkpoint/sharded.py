@@ -15,8 +15,9 @@ of low-precision parameters. Frozen parameters are cut into ``N`` even pieces; b
 may differ by rank (BatchNorm's running statistics), are rank 0's, written whole by rank 0 (as
 DeepSpeed saves data-parallel rank 0's module); a rank inside a gradient accumulation window adds
 the gradients it holds (``checkpoint.accumulation``). So no rank writes, nor holds, more than what
-it already holds; rank 0 adds the metadata and the objects file (param
-groups, scheduler state, loss scale, the window's bookkeeping: ``checkpoint.objects``, lossless).
+it already holds; rank 0 adds the metadata (with the optimizer's ``skipped_steps``, restored by ``load``)
+and the objects file (param groups, scheduler state, loss scale, the window's bookkeeping:
+``checkpoint.objects``, lossless).
 The directory layout, the crash-safe commit order and the metadata are described in
 ``checkpoint.format``.
 
@@ -250,6 +251,7 @@ def _metadata(
         "params": params,
         "param_groups": groups,
         "adam_w_mode": bool(getattr(optimizer, "adam_w_mode", True)),
+        "skipped_steps": optimizer.skipped_steps,  # the same on every rank (the skip is decided on global stats)
         **files,
     }
 
@@ -545,6 +547,8 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
     scaler = getattr(optimizer, "loss_scaler", None)
     if scaler is not None and staged.book["loss_scaler"] is not None:
         scaler.load_state_dict(staged.book["loss_scaler"])
+    if "skipped_steps" in staged.meta:  # absent from checkpoints of before it was kept
+        optimizer.skipped_steps = staged.meta["skipped_steps"]
     window = staged.book["window"]
     accumulation.apply(staged.window, 0 if window is None else window["micro_step"], optimizer, pipeline)
 

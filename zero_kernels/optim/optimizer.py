@@ -442,12 +442,15 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps that updated nothing because some gradient was inf/NaN on some rank."""
+        """Steps that updated nothing because some gradient was inf/NaN on some rank (the same on every rank);
+        ``state_dict()`` and ``checkpoint.save`` keep it, their loads restore it, as DeepSpeed's checkpoints do."""
         self._pipeline.settle()
         return self._skipped_steps
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
+        if getattr(self, "_pipeline", None) is not None:  # a step not yet counted counts before the new value
+            self._pipeline.settle()
         self._skipped_steps = int(value)
 
     @property

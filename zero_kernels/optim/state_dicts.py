@@ -7,7 +7,8 @@ Two layouts, told apart by the ``zero_kernels.sharded`` key:
   it reloads only with the same stage, world size, bucket size and model. Where every rank holds
   the whole state (stage 0, or one rank) ``state_dict()`` is the full layout instead, which
   ``torch.optim.AdamW`` loads too, with ``master`` (the fp32 master of bf16/fp16 parameters) in each
-  entry and the loss scale under the ``zero_kernels.sharded`` key.
+  entry and the loss scale and ``skipped_steps`` under the ``zero_kernels.sharded`` key (so does the sharded
+  layout; a load restores both where the state has them).
 - full (``full_state_dict()``, ``consolidate_state_dict``, ``torch.optim.AdamW``'s): ``state`` maps
   each parameter's index to AdamW's entry (``step``, ``exp_avg``, ``exp_avg_sq``, with AMSGrad
   ``max_exp_avg_sq``, and for bf16/fp16 parameters their fp32 ``master``, an extra key AdamW keeps
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ..stages import state_door as zstate
 from ..wording import plural
@@ -82,6 +83,7 @@ def sharded(opt: "ShardedFusedAdam") -> dict[str, Any]:
             "shard": pipeline.shard_rank,
             "steps": dict(pipeline.steps),
             "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+            "skipped_steps": opt.skipped_steps,
             "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
         },
     }
@@ -89,7 +91,7 @@ def sharded(opt: "ShardedFusedAdam") -> dict[str, Any]:
 
 def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
     """The state of a rank that holds all of it, in AdamW's layout (no communication): each entry also
-    holds ``master`` for bf16/fp16 parameters; the loss scale rides under ``FORMAT``."""
+    holds ``master`` for bf16/fp16 parameters; the loss scale and ``skipped_steps`` ride under ``FORMAT``."""
     pipeline = opt.pipeline
     state = zstate.gather_full_state(pipeline)  # with "master" of low-precision parameters
     return {
@@ -98,6 +100,7 @@ def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
         FORMAT: {
             "whole": True,
             "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+            "skipped_steps": opt.skipped_steps,
             "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
         },
     }
@@ -142,6 +145,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     meta = state_dict.get(FORMAT)
     is_sharded = meta is not None and not meta.get("whole")
     saved_groups = _check_groups(opt, state_dict)
+    skipped = _skipped_steps(meta)
     state = state_dict["state"]
     if is_sharded:
         _check_sharded(opt, state_dict[FORMAT])
@@ -169,7 +173,19 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
         _load_masters(pipeline, entries)
     if opt.loss_scaler is not None and meta is not None and meta.get("loss_scaler") is not None:
         opt.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if skipped is not None:
+        opt.skipped_steps = skipped
     opt.state.extra = dict(extra)
+
+
+def _skipped_steps(meta: Optional[Mapping[str, Any]]) -> Optional[int]:
+    """The saved ``skipped_steps`` (None where the state has none: a state dict of before the field, or AdamW's)."""
+    value = None if meta is None else meta.get("skipped_steps")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(
+            f"load_state_dict: state_dict[{FORMAT!r}]['skipped_steps'] must be an integer >= 0, got {value!r}"
+        )
+    return value
 
 
 def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
