@@ -1,4 +1,5 @@
-"""A rank that passes a process group it is not a member of is told so, by zk.initialize and ShardedFusedAdam."""
+"""Process groups: a rank outside the one it passes is told so (zk.initialize and ShardedFusedAdam), and an
+optimizer built before init_process_group warns when several ranks run."""
 
 from __future__ import annotations
 
@@ -32,3 +33,24 @@ def _outside(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_rank_outside_its_process_group_is_told_so(spawn) -> None:
     spawn(_outside, 3)
+
+
+def test_an_optimizer_built_before_the_process_group_warns_once_when_ranks_run(monkeypatch, caplog) -> None:
+    """Built before ``init_process_group`` (world size 1), it trains each process alone: the first step says so."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
+    said = "built before torch.distributed was initialised"
+    model(torch.randn(4, 3)).sum().backward()
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        opt.step()
+    assert said not in caplog.text, "warned without a process group"
+    late = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    for _ in range(2):
+        late.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        with caplog.at_level("WARNING", logger="zero_kernels"):
+            late.step()
+    assert caplog.text.count(said) == 1 and "while 4 ranks run" in caplog.text, caplog.text

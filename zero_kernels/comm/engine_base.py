@@ -83,6 +83,13 @@ class EngineBase:
             describe_choices(self.backend),
         )
 
+    def late_world_size(self) -> int:
+        """The default group's size where this engine was built before ``init_process_group`` and torch.distributed
+        is initialised now (its optimizer then trains this process's parameters alone), else 0."""
+        if self.distributed or not (dist.is_available() and dist.is_initialized()):
+            return 0
+        return dist.get_world_size()
+
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
         """The process group (None without one). Held weakly, so that ``destroy_process_group()`` really

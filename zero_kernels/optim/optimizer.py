@@ -241,6 +241,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._pipeline.index_name = self._param_name
         self._pipeline.step_counts.on_settle = self._account
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
+        self._late_group_checked = False  # the first boundary step looks once for a process group made after us
         super().__init__(groups, defaults)
         if not self._restoring:
             agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
@@ -394,6 +395,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             return loss
         hyper = [self._hyper(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
         self._micro_step = 0
+        self._warn_late_group()
         self.wait_params()
         self._follow_replaced_params()
         scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
@@ -411,6 +413,22 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             scaled.record(self, self.last_step.skip_flag)
         self._update_sync()
         return loss
+
+    def _warn_late_group(self) -> None:
+        """Warn once when this optimizer, built before ``init_process_group``, steps while several ranks run:
+        each process then trains alone, its updates never averaged with the others'."""
+        if self._late_group_checked:
+            return
+        self._late_group_checked = True
+        world = self._engine.late_world_size()
+        if world > 1:
+            log.warning(
+                "zero_kernels: this optimizer was built before torch.distributed was initialised, so it trains "
+                "this process's parameters alone (world size 1) while %d ranks run: build it after "
+                "init_process_group (with Accelerate: after Accelerator(...)) to shard the state and average "
+                "the gradients across them",
+                world,
+            )
 
     def _take_clip(self, scaled: Optional[amp.ScaledStep]) -> Optional[torch.Tensor]:
         """The coefficient ``clip_grad_norm_`` asked for (None: none), its norm corrected for a GradScaler."""
