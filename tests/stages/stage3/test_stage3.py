@@ -252,6 +252,47 @@ def test_hooks_reduce_at_the_same_point_whichever_parameters_got_a_gradient():
     assert logs[0] == logs[1], f"with w2 {logs[0]}, without {logs[1]}"
 
 
+class PassThrough(nn.Module):
+    """``y + h @ w2`` when ``use``, else ``y`` unchanged, where ``y`` is the input ``h`` itself or, with ``child``,
+    the output of a sub-module ``d``: the module's output is not made by the module on a rank without ``w2``."""
+
+    def __init__(self, log: list, child: bool) -> None:
+        super().__init__()
+        self.d = Lin("d", 4, log) if child else None
+        self.w2 = nn.Parameter(torch.randn(4, 4) / 4)
+        self.log, self.use = log, True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = h if self.d is None else self.d(h)
+        if self.use:
+            assert self.w2.numel() > 0, "w2 used while freed"
+            return y + h @ self.w2
+        return y
+
+
+@pytest.mark.parametrize("prefetch", (0, units_numel(1)), ids=("no_prefetch", "prefetch"))
+@pytest.mark.parametrize("child", (False, True), ids=("input", "child_output"))
+def test_hooks_same_order_when_the_output_is_the_input_or_a_child_output(child: bool, prefetch: int):
+    """A rank whose module returns its input (or a child's output) unchanged issues the gathers and reductions
+    in the order of a rank whose module computed its output: the backward gather is the module's own node."""
+    logs = []
+    for use in (True, False):
+        log: list = []
+        model = Chain(log)
+        model.b = PassThrough(log, child)
+        model.b.use = use
+        ref = copy.deepcopy(model)
+        tags = {"a": model.a, "b": model.b, "c": model.c} | ({"d": model.b.d} if child else {})
+        units = [FakeUnit(t, m.parameters(recurse=False), log) for t, m in tags.items()]
+        model.scheduler = Stage3Scheduler(model, units, prefetch_numel=prefetch)
+        x = torch.randn(2, 4)
+        model(x).backward()
+        logs.append([e for e in log if e[0] in ("gather", "reduce")])
+        _check_grads(model, ref, units, x)
+    assert logs[0] == logs[1], f"with w2 {logs[0]}, without {logs[1]}"
+    assert logs[0].index(("gather", "b"), 4 if child else 3) < logs[0].index(("reduce", "b")), logs[0]
+
+
 def test_hooks_tied_parameter_is_gathered_for_every_module_using_it():
     log: list = []
     model = Chain(log, "abc")
