@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -291,6 +293,90 @@ def test_hooks_same_order_when_the_output_is_the_input_or_a_child_output(child: 
         _check_grads(model, ref, units, x)
     assert logs[0] == logs[1], f"with w2 {logs[0]}, without {logs[1]}"
     assert logs[0].index(("gather", "b"), 4 if child else 3) < logs[0].index(("reduce", "b")), logs[0]
+
+
+class Pair(NamedTuple):
+    y: torch.Tensor
+    count: int
+
+
+class Out(OrderedDict):
+    """A dict subclass as a model's output (as Hugging Face's ``ModelOutput``)."""
+
+
+class Shapes(nn.Module):
+    """``x W``, returned as ``kind`` says: in a structure, as it is, or ``x`` itself in its place."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.weight, self.kind = nn.Parameter(torch.randn(4, 4) / 4), kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = x @ self.weight
+        flag = torch.ones(2)  # needs no gradient: left as it is
+        if self.kind == "pair":
+            return Pair(y, 3)
+        if self.kind == "dict":
+            return Out(y=y, flag=flag)
+        if self.kind == "twice":
+            return [y, (y, flag)]
+        return x if self.kind == "input" else y
+
+
+def _routed(kind: str) -> tuple[Shapes, Shapes, list[FakeUnit], torch.Tensor]:
+    """A ``Shapes`` model under a scheduler, an unsharded copy, its unit and an input computed from a leaf."""
+    model = Shapes(kind)
+    ref = copy.deepcopy(model)
+    units = [FakeUnit("s", model.parameters(), [])]
+    model.scheduler = Stage3Scheduler(model, units, prefetch_numel=0)
+    return model, ref, units, torch.randn(2, 4, requires_grad=True) * 1.0
+
+
+def test_hooks_outputs_keep_their_structure_through_the_module_node():
+    """A module's outputs pass through one node of its own: containers keep their types, a tensor returned twice
+    stays one tensor, what needs no gradient is left as it is, and the gradients are those of the module."""
+    model, _, _, x = _routed("pair")
+    pair = model(x)
+    assert type(pair) is Pair and pair.count == 3 and type(pair.y.grad_fn).__name__ == "ModuleOutputBackward"
+    model, _, _, x = _routed("dict")
+    out = model(x)
+    assert type(out) is Out and list(out) == ["y", "flag"] and out["flag"].grad_fn is None
+    model, ref, units, x = _routed("twice")
+    twice = model(x)
+    assert type(twice) is list and twice[0] is twice[1][0] and not twice[1][1].requires_grad
+    loss = lambda out: out[0].sum() * 2 + out[1][0].square().sum()  # noqa: E731
+    loss(twice).backward()
+    loss(ref(x.detach())).backward()
+    assert_close(units[0].grads[-1][0], ref.weight.grad, rtol=0, atol=0, what="weight")
+
+
+def test_hooks_module_output_modified_in_place():
+    """An output the module made can be modified in place (``nn.ReLU(inplace=True)`` after it), with the gradients
+    of the unsharded model; one that is its input raises autograd's error instead of losing the modification."""
+    model, ref, units, x = _routed("made")
+    model(x).relu_().sum().backward()
+    ref(x.detach()).relu_().sum().backward()
+    assert_close(units[0].grads[-1][0], ref.weight.grad, rtol=0, atol=0, what="weight")
+    model, _, _, x = _routed("input")
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        model(x).relu_()
+
+
+def test_hooks_module_node_adds_no_saved_tensor_and_none_without_autograd():
+    """The node saves nothing (autograd saves what the unsharded model saves); without autograd recording the
+    output is the module's own tensor."""
+    model, ref, _, x = _routed("made")
+    counts = []
+    for m in (model, ref):
+        saved: list = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            m(x)
+        counts.append(len(saved))
+    assert counts[0] == counts[1], f"saved with the scheduler {counts[0]}, without {counts[1]}"
+    model, _, _, x = _routed("input")
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert model(x) is x, f"under {mode.__name__}"
 
 
 def test_hooks_tied_parameter_is_gathered_for_every_module_using_it():
