@@ -146,9 +146,9 @@ def test_hooks_gather_before_use_free_after_reduce_after_grads():
     model(x).backward()
     fwd = "gather:a wait:a fwd:a free:a gather:b wait:b fwd:b free:b gather:c wait:c fwd:c free:c "
     # a unit is reduced when the gradient of its module's input is complete: before the gather that the
-    # previous module's backward starts with (the backward of that module's output node, stage3.boundary, which
-    # runs after the tensor's hooks), so the unit is freed before the next is gathered; a's input needs no gradient, so a
-    # is reduced at the end of backward
+    # previous module's backward starts with (the backward of that module's output node, stage3.boundary,
+    # which runs after the tensor's hooks), so the unit is freed before the next is gathered; a's input needs
+    # no gradient, so a is reduced at the end of backward
     bwd = "gather:c wait:c bwd:c reduce:c free:c gather:b wait:b bwd:b reduce:b free:b gather:a wait:a "
     bwd += "bwd:a reduce:a free:a"
     assert log == _events(fwd + bwd)
