@@ -353,8 +353,9 @@ def test_hooks_outputs_keep_their_structure_through_the_module_node():
 
 
 def test_hooks_module_output_modified_in_place():
-    """An output the module made (or a view of it) can be modified in place (``nn.ReLU(inplace=True)`` after it), with the gradients
-    of the unsharded model; one that is its input raises autograd's error instead of losing the modification."""
+    """An output the module made (or a view of it) can be modified in place (``nn.ReLU(inplace=True)`` after
+    it), with the gradients of the unsharded model; one that is its input raises autograd's error instead of
+    losing the modification."""
     for kind in ("made", "view"):  # a view of what it made lost its backward gather to the in-place op once
         model, ref, units, x = _routed(kind)
         model(x).relu_().sum().backward()
