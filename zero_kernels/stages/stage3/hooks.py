@@ -36,7 +36,9 @@ A backward with ``create_graph=True`` (double backward) is refused at its first 
 read parameters that its own end frees.
 
 So every rank issues the same collectives in the same order whatever its data, as long as every
-rank runs the same modules in the same order (a leaf module hides what its data chooses inside it).
+rank runs the same modules in the same order (a leaf module hides what its data chooses inside it)
+and its backward reaches the same modules (an output that ignores the module's input on some ranks
+cuts the modules before it off there).
 
 A freed parameter is marked (``stage3.guard``): an operation on it inside a module's forward gathers
 its unit for that module from then on (an external parameter found by use, logged once); outside
