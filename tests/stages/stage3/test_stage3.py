@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -144,9 +146,9 @@ def test_hooks_gather_before_use_free_after_reduce_after_grads():
     model(x).backward()
     fwd = "gather:a wait:a fwd:a free:a gather:b wait:b fwd:b free:b gather:c wait:c fwd:c free:c "
     # a unit is reduced when the gradient of its module's input is complete: before the gather that the
-    # previous module's backward starts with (a pre-hook of the node that made that tensor, which runs after
-    # the tensor's hooks), so the unit is freed before the next is gathered; a's input needs no gradient, so a
-    # is reduced at the end of backward
+    # previous module's backward starts with (the backward of that module's output node, stage3.boundary,
+    # which runs after the tensor's hooks), so the unit is freed before the next is gathered; a's input needs
+    # no gradient, so a is reduced at the end of backward
     bwd = "gather:c wait:c bwd:c reduce:c free:c gather:b wait:b bwd:b reduce:b free:b gather:a wait:a "
     bwd += "bwd:a reduce:a free:a"
     assert log == _events(fwd + bwd)
@@ -250,6 +252,135 @@ def test_hooks_reduce_at_the_same_point_whichever_parameters_got_a_gradient():
         logs.append([e for e in log if e[0] in ("gather", "reduce")])
         assert (units[1].grads[-1][1] is None) != use_w2, "w2's gradient is there exactly when it was used"
     assert logs[0] == logs[1], f"with w2 {logs[0]}, without {logs[1]}"
+
+
+class PassThrough(nn.Module):
+    """``y + h @ w2`` when ``use``, else ``y`` unchanged, where ``y`` is the input ``h`` itself or, with ``child``,
+    the output of a sub-module ``d``: the module's output is not made by the module on a rank without ``w2``."""
+
+    def __init__(self, log: list, child: bool) -> None:
+        super().__init__()
+        self.d = Lin("d", 4, log) if child else None
+        self.w2 = nn.Parameter(torch.randn(4, 4) / 4)
+        self.log, self.use = log, True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        y = h if self.d is None else self.d(h)
+        if self.use:
+            assert self.w2.numel() > 0, "w2 used while freed"
+            return y + h @ self.w2
+        return y
+
+
+@pytest.mark.parametrize("prefetch", (0, units_numel(1)), ids=("no_prefetch", "prefetch"))
+@pytest.mark.parametrize("child", (False, True), ids=("input", "child_output"))
+def test_hooks_same_order_when_the_output_is_the_input_or_a_child_output(child: bool, prefetch: int):
+    """A rank whose module returns its input (or a child's output) unchanged issues the gathers and reductions
+    in the order of a rank whose module computed its output: the backward gather is the module's own node."""
+    logs = []
+    for use in (True, False):
+        log: list = []
+        model = Chain(log)
+        model.b = PassThrough(log, child)
+        model.b.use = use
+        ref = copy.deepcopy(model)
+        tags = {"a": model.a, "b": model.b, "c": model.c} | ({"d": model.b.d} if child else {})
+        units = [FakeUnit(t, m.parameters(recurse=False), log) for t, m in tags.items()]
+        model.scheduler = Stage3Scheduler(model, units, prefetch_numel=prefetch)
+        x = torch.randn(2, 4)
+        model(x).backward()
+        logs.append([e for e in log if e[0] in ("gather", "reduce")])
+        _check_grads(model, ref, units, x)
+    assert logs[0] == logs[1], f"with w2 {logs[0]}, without {logs[1]}"
+    assert logs[0].index(("gather", "b"), 4 if child else 3) < logs[0].index(("reduce", "b")), logs[0]
+
+
+class Pair(NamedTuple):
+    y: torch.Tensor
+    count: int
+
+
+class Out(OrderedDict):
+    """A dict subclass as a model's output (as Hugging Face's ``ModelOutput``)."""
+
+
+class Shapes(nn.Module):
+    """``x W``, returned as ``kind`` says: in a structure, as it is, or ``x`` itself in its place."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.weight, self.kind = nn.Parameter(torch.randn(4, 4) / 4), kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = x @ self.weight
+        flag = torch.ones(2)  # needs no gradient: left as it is
+        if self.kind == "pair":
+            return Pair(y, 3)
+        if self.kind == "dict":
+            return Out(y=y, flag=flag)
+        if self.kind == "twice":
+            return [y, (y, flag)]
+        if self.kind == "view":
+            return y.view(-1)
+        return x if self.kind == "input" else y
+
+
+def _routed(kind: str) -> tuple[Shapes, Shapes, list[FakeUnit], torch.Tensor]:
+    """A ``Shapes`` model under a scheduler, an unsharded copy, its unit and an input computed from a leaf."""
+    model = Shapes(kind)
+    ref = copy.deepcopy(model)
+    units = [FakeUnit("s", model.parameters(), [])]
+    model.scheduler = Stage3Scheduler(model, units, prefetch_numel=0)
+    return model, ref, units, torch.randn(2, 4, requires_grad=True) * 1.0
+
+
+def test_hooks_outputs_keep_their_structure_through_the_module_node():
+    """A module's outputs pass through one node of its own: containers keep their types, a tensor returned twice
+    stays one tensor, what needs no gradient is left as it is, and the gradients are those of the module."""
+    model, _, _, x = _routed("pair")
+    pair = model(x)
+    assert type(pair) is Pair and pair.count == 3 and type(pair.y.grad_fn).__name__ == "ModuleOutputBackward"
+    model, _, _, x = _routed("dict")
+    out = model(x)
+    assert type(out) is Out and list(out) == ["y", "flag"] and out["flag"].grad_fn is None
+    model, ref, units, x = _routed("twice")
+    twice = model(x)
+    assert type(twice) is list and twice[0] is twice[1][0] and not twice[1][1].requires_grad
+    loss = lambda out: out[0].sum() * 2 + out[1][0].square().sum()  # noqa: E731
+    loss(twice).backward()
+    loss(ref(x.detach())).backward()
+    assert_close(units[0].grads[-1][0], ref.weight.grad, rtol=0, atol=0, what="weight")
+
+
+def test_hooks_module_output_modified_in_place():
+    """An output the module made (or a view of it) can be modified in place (``nn.ReLU(inplace=True)`` after
+    it), with the gradients of the unsharded model; one that is its input raises autograd's error instead of
+    losing the modification."""
+    for kind in ("made", "view"):  # a view of what it made lost its backward gather to the in-place op once
+        model, ref, units, x = _routed(kind)
+        model(x).relu_().sum().backward()
+        ref(x.detach()).relu_().sum().backward()
+        assert_close(units[0].grads[-1][0], ref.weight.grad, rtol=0, atol=0, what=f"weight ({kind})")
+    model, _, _, x = _routed("input")
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        model(x).relu_()
+
+
+def test_hooks_module_node_adds_no_saved_tensor_and_none_without_autograd():
+    """The node saves nothing (autograd saves what the unsharded model saves); without autograd recording the
+    output is the module's own tensor."""
+    model, ref, _, x = _routed("made")
+    counts = []
+    for m in (model, ref):
+        saved: list = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            m(x)
+        counts.append(len(saved))
+    assert counts[0] == counts[1], f"saved with the scheduler {counts[0]}, without {counts[1]}"
+    model, _, _, x = _routed("input")
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            assert model(x) is x, f"under {mode.__name__}"
 
 
 def test_hooks_tied_parameter_is_gathered_for_every_module_using_it():

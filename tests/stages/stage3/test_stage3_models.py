@@ -420,6 +420,78 @@ def test_register_external_parameter_bad_input() -> None:
     assert all(p.numel() > 0 for p in model.parameters()), "the failed optimizer left the parameters alone"
 
 
+# -- a module's output that the module did not make -------------------------------------------------------
+
+
+class Skip(nn.Module):
+    """``y + h @ w2`` when ``use``, else ``y`` unchanged, with ``y`` the input ``h`` or (``child``) ``d(h)``."""
+
+    def __init__(self, child: bool) -> None:
+        super().__init__()
+        self.d = nn.Linear(6, 6) if child else None
+        self.w2 = nn.Parameter(torch.randn(6, 6) / 6)
+
+    def forward(self, h: torch.Tensor, use: bool) -> torch.Tensor:
+        y = h if self.d is None else self.d(h)
+        return y + h @ self.w2 if use else y
+
+
+class SkipNet(nn.Module):
+    """The mean of the losses of ``x``'s chunks, chunk ``k`` run with ``uses[k]``."""
+
+    def __init__(self, child: bool) -> None:
+        super().__init__()
+        self.inp, self.skip, self.out = nn.Linear(4, 6), Skip(child), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, uses: tuple[bool, ...]) -> torch.Tensor:
+        parts = zip(x.chunk(len(uses)), uses)
+        losses = [self.out(torch.tanh(self.skip(torch.tanh(self.inp(h)), use))).square().mean() for h, use in parts]
+        return sum(losses) / len(uses)
+
+
+SKIP_USES = ((True, False), (False, True), (False, False), (True, True))  # per step: which ranks use w2
+
+
+def _skip_forward(ref: nn.Module, rank: int):
+    """``forward(m, x)`` for ``_train``: this rank's use of ``w2`` for the model, every rank's for ``ref``, which
+    runs after the model in each step."""
+    steps = iter(SKIP_USES)
+    uses: list[tuple[bool, ...]] = []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if m is ref:
+            return m(x, uses[-1])
+        uses.append(next(steps))
+        return m(x, uses[-1][rank : rank + 1])
+
+    return forward
+
+
+def _skip_cases(rank: int, world: int) -> None:
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    sizes = {
+        "small, no prefetch": dict(SMALL, stage3_prefetch_bucket_size=0),
+        "small, prefetch 64": dict(SMALL, stage3_prefetch_bucket_size=64),
+        "default sizes": dict(stage3_param_persistence_threshold=0),
+    }
+    for child in (False, True):
+        for what, zero in sizes.items():
+            torch.manual_seed(0)
+            model = SkipNet(child)
+            ref = copy.deepcopy(model)
+            opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **zero)
+            forward = _skip_forward(ref, rank)
+            _train(rank, world, model, ref, opt, batches, f"skip (child {child}, {what})", forward)
+            opt.pipeline.close()
+
+
+@pytest.mark.distributed
+def test_module_returning_its_input_or_a_child_output_on_some_ranks_matches_adamw(spawn) -> None:
+    """A module that adds its parameter's term on some ranks and returns its input (or its child's output)
+    unchanged on the others trains as AdamW on the whole batch, with small and default sizes."""
+    spawn(_skip_cases, 2)
+
+
 # -- torch.compile ----------------------------------------------------------------------------------------
 
 

@@ -19,11 +19,13 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
   runs beside ``m``'s compute; its gather is issued at the next module, as without files). With autograd
   recording, ``m``'s inputs are watched for the end of its backward (``stage3.uses``);
 - forward post-hook: free ``m``'s units once no running module uses them; when autograd records
-  the forward, hook ``m``'s outputs so that the first gradient reaching them gathers ``m``'s units
-  again (before ``m``'s backward runs), prefetching along the previous backward's order. The hook is a
-  pre-hook of the node that made the output, so it runs after the hooks on the output itself: where
-  the output is the next module's input, that module's use ends (and its units are reduced and freed)
-  before these gathers start, and a unit's gathered copy never waits beside one more prefetch;
+  the forward, route ``m``'s outputs through one node of ``m``'s own (``stage3.boundary``), whose
+  backward gathers ``m``'s units again (before any node ``m``'s forward created runs), prefetching
+  along the previous backward's order. That node runs after the hooks on its outputs: where an output
+  is the next module's input, that module's use ends (and its units are reduced and freed) before
+  these gathers start, and a unit's gathered copy never waits beside one more prefetch. It is ``m``'s
+  even where the output is ``m``'s input or a child's output, so the gather comes before ``m``'s
+  reduction on every rank;
 - once the backward of every forward use of a unit has ended (``stage3.uses``: a point that does not
   depend on which of its parameters got a gradient on this rank), ``reduce_grads()`` the unit and
   free it (a unit of frozen parameters is only freed); a parameter's gradient arriving after that raises;
@@ -34,7 +36,9 @@ A backward with ``create_graph=True`` (double backward) is refused at its first 
 read parameters that its own end frees.
 
 So every rank issues the same collectives in the same order whatever its data, as long as every
-rank runs the same modules in the same order (a leaf module hides what its data chooses inside it).
+rank runs the same modules in the same order (a leaf module hides what its data chooses inside it)
+and its backward reaches the same modules (an output that ignores the module's input on some ranks
+cuts the modules before it off there).
 
 A freed parameter is marked (``stage3.guard``): an operation on it inside a module's forward gathers
 its unit for that module from then on (an external parameter found by use, logged once); outside
@@ -61,8 +65,9 @@ from torch.utils.hooks import RemovableHandle
 from ..grad_state import second_gradient
 from . import guard as guard
 from . import model_hints
+from .boundary import route_outputs
 from .plan import ModulePlan, plan
-from .uses import UseTracker, grad_tensors
+from .uses import UseTracker
 
 log = logging.getLogger("zero_kernels")
 
@@ -172,26 +177,6 @@ class _ModelHook:
         return None if self._fn is None else self._fn(*args, **kwargs)
 
 
-def before_backward_of(tensors: list[torch.Tensor], fn: Callable[[], Any]) -> None:
-    """Call ``fn`` once per backward, just before the first node that produced one of ``tensors`` runs: as a
-    pre-hook of that node, which runs after the hooks on the node's output tensors, so the ends of uses that
-    ``stage3.uses`` watches on those same tensors (the next module's inputs, and the frees they make) come before
-    the gathers ``fn`` starts; a tensor that no node produced (a leaf) through a hook on the tensor."""
-    last = [-1]
-
-    def once(*_: Any) -> None:
-        task = torch._C._current_graph_task_id()
-        if task != last[0]:
-            last[0] = task
-            fn()
-
-    for node in dict.fromkeys(t.grad_fn for t in tensors if t.grad_fn is not None):
-        node.register_prehook(once)
-    for t in tensors:
-        if t.grad_fn is None:
-            t.register_hook(once)
-
-
 @dataclass
 class _Frame:
     """A module whose forward is running, and the units it holds in use (external ones found by use added)."""
@@ -255,7 +240,7 @@ class Stage3Scheduler:
         self._handles.append(
             root.register_forward_pre_hook(_ModelHook(_weakly(self._root_pre_forward)), prepend=True, with_kwargs=True)
         )
-        self._handles.append(root.register_forward_hook(_ModelHook(_weakly(self._root_post_forward))))
+        self._handles.append(root.register_forward_hook(_ModelHook(_weakly(self._root_post_forward)), with_kwargs=True))
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
@@ -281,7 +266,7 @@ class Stage3Scheduler:
             if p.module is not self.root:
                 pre, post = _ModelHook(_weakly(self._pre_forward, p)), _ModelHook(_weakly(self._post_forward))
                 self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
-                self._module_handles.append(p.module.register_forward_hook(post))
+                self._module_handles.append(p.module.register_forward_hook(post, with_kwargs=True))
 
     def follow(self, previous: "Stage3Scheduler") -> None:
         """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same
@@ -388,18 +373,19 @@ class Stage3Scheduler:
             self._forward.begin()
         return self._enter(self._root_plan, args, kwargs)
 
-    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._exit(module, output)
+    def _root_post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        output = self._exit(module, (args, kwargs), output)
         if self._in_forward and not self._stack:
             self._in_forward = False
             self._forward.end()
             self._free_all()
+        return output
 
     def _pre_forward(self, p: ModulePlan, module: nn.Module, args: Any, kwargs: Any) -> Any:
         return self._enter(p, args, kwargs)
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._exit(module, output)
+    def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        return self._exit(module, (args, kwargs), output)
 
     def _enter(self, p: ModulePlan, args: Any, kwargs: Any) -> Any:
         """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker."""
@@ -413,10 +399,11 @@ class Stage3Scheduler:
             self._uses.unrecorded(p.needs)
         return None
 
-    def _exit(self, module: nn.Module, output: Any) -> None:
-        """Free what ``module`` held (and frames left above it by an exception caught inside a forward)."""
+    def _exit(self, module: nn.Module, inputs: Any, output: Any) -> Any:
+        """Free what ``module`` held (and frames left above it by an exception caught inside a forward); with
+        autograd recording, return ``output`` routed through the node whose backward gathers them again."""
         if not self._stack:
-            return
+            return output
         while self._stack:
             frame = self._stack.pop()
             for i in frame.needs:
@@ -424,9 +411,9 @@ class Stage3Scheduler:
                 self._free(i)
             if frame.module is module:
                 break
-        tensors = grad_tensors(output)
-        if frame.needs and tensors and torch.is_grad_enabled():
-            before_backward_of(tensors, _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs))))
+        if frame.needs and torch.is_grad_enabled():
+            return route_outputs(output, inputs, _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs))))
+        return output
 
     def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
         """A freed parameter is computed with: gather it for the running module, or explain."""

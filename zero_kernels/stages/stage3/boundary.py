@@ -1,0 +1,99 @@
+"""Stage 3: a module's outputs routed through one autograd node of that module, where its backward starts.
+
+The gathers of a module's units for its backward must come at the same point of the backward on every
+rank, and before the reduction of those units (``stage3.uses``, which fires from hooks on the module's
+inputs). The node that made an output is not such a point: where a rank's output is the module's input
+(``return h + h @ self.w2 if use else h``) that node lies outside the module and runs after the input's
+hooks, and where it is a child module's output the node is the child's too; the other ranks, whose
+output the module made itself, would issue their gathers and reductions in another order. So every
+tensor output that requires grad goes through one node made when the module's forward returns: its
+backward (calling ``on_backward``) runs before any node the forward created, and after the hooks on the
+outputs (the next module's inputs), on every rank alike.
+
+The node copies nothing and saves nothing. An output the caller cannot reach another way (made inside
+the forward, or a view of such a tensor) comes out as an alias that is no view, so in-place operations on
+it work as on the output itself. An output that shares its storage with an input or with another output,
+or that is a leaf, comes out as a view of it (autograd's rule for a tensor a custom function returns
+as is): modifying it in place then raises autograd's error (clone it first) instead of giving gradients
+that miss the modification.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from .uses import grad_tensors
+
+
+class ModuleOutput(torch.autograd.Function):
+    """Identity on a module's outputs; its backward calls ``on_backward`` first."""
+
+    @staticmethod
+    def forward(ctx: Any, on_backward: Callable[[], Any], as_is: tuple[bool, ...], *tensors: torch.Tensor) -> Any:
+        ctx.set_materialize_grads(False)
+        ctx.on_backward = on_backward
+        return tuple(t if keep else t.detach() for keep, t in zip(as_is, tensors))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.on_backward()
+        return (None, None, *grads)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _replace(obj: Any, new: dict[int, torch.Tensor]) -> Any:
+    """``obj`` with each tensor found by ``grad_tensors`` replaced by ``new[id(tensor)]``; containers rebuilt
+    (a dict shallow-copied, so a subclass such as Hugging Face's ``ModelOutput`` keeps its type), untouched
+    where nothing inside changed."""
+    if isinstance(obj, torch.Tensor):
+        return new.get(id(obj), obj)
+    if isinstance(obj, dict):
+        changed = {k: v for k, v in ((k, _replace(v, new)) for k, v in obj.items()) if v is not obj[k]}
+        if not changed:
+            return obj
+        out = copy.copy(obj)
+        for k, v in changed.items():
+            out[k] = v
+        return out
+    if not isinstance(obj, (tuple, list)):
+        return obj
+    items = [_replace(item, new) for item in obj]
+    if all(a is b for a, b in zip(items, obj)):
+        return obj
+    if type(obj) in (tuple, list):
+        return type(obj)(items)
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+
+
+def route_outputs(output: Any, inputs: Any, on_backward: Callable[[], Any]) -> Any:
+    """``output`` with its tensors that require grad routed through one ``ModuleOutput`` node (``output`` itself
+    where none does); ``inputs``: the module's arguments."""
+    tensors = list({id(t): t for t in grad_tensors(output)}.values())
+    if not tensors:
+        return output
+    taken = {_storage(t) for t in _tensors(inputs)}
+    shared = Counter(_storage(t) for t in tensors)
+    as_is = tuple(
+        (t._base if t._is_view() else t).grad_fn is None or _storage(t) in taken or shared[_storage(t)] > 1
+        for t in tensors
+    )
+    routed = ModuleOutput.apply(on_backward, as_is, *tensors)
+    return _replace(output, {id(t): r for t, r in zip(tensors, routed)})
