@@ -26,8 +26,9 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   ``zero_grad`` between is ignored, communication happens on the k-th (on every one at stages 2-3 with a
   ``grad_accum_dtype`` wider than the gradients: ``stages.grad_accum``), and the gradients are averaged over
   the k micro-steps (DeepSpeed's rule).
-- fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
-  the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
+- fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale / gradient_accumulation_steps`` (as
+  DeepSpeed's ``engine.backward``); ``step`` unscales inside the kernel, skips the update on inf/NaN (on any
+  rank) and adjusts the scale (``precision``).
   Or ``torch.amp.GradScaler``, at every stage: ``scaler.step(opt)`` hands itself to ``step`` (``amp``).
 - Clipping: ``max_grad_norm`` clips the global norm (summed over ranks in the step's exchange),
   folded into the kernel's gradient multiplier. The norm, that multiplier and the skip flag stay on
@@ -350,13 +351,26 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``(loss * loss_scale).backward(**kwargs)``: the fp16 way to run backward.
+        """The fp16 way to run backward: ``(loss / gradient_accumulation_steps * loss_scale).backward(**kwargs)``,
+        as DeepSpeed's ``engine.backward``, so the fp16 gradients summed over a window stay within the range
+        DeepSpeed's do (the step then divides by the loss scale only). Without fp16 loss scaling:
+        ``(loss * 1.0).backward(**kwargs)``, and the step divides by ``gradient_accumulation_steps``.
 
         Args:
             loss: the scalar loss of this micro-step.
             **kwargs: passed to ``Tensor.backward``.
         """
+        if self.loss_scaler is not None:
+            loss = loss / self.gradient_accumulation_steps
         (loss * self.loss_scale).backward(**kwargs)
+
+    @property
+    def _grad_divisor(self) -> float:
+        """What the step divides the summed gradients by: the loss scale times the accumulation steps not already
+        divided out in ``backward`` (all of them without fp16 loss scaling, none with it)."""
+        if self.loss_scaler is not None:
+            return self.loss_scale
+        return float(self.gradient_accumulation_steps)
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler passes itself to step() (see ``amp``)
 
@@ -395,7 +409,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._micro_step = 0
         self.wait_params()
         self._follow_replaced_params()
-        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        scale = 1.0 / self._grad_divisor
         multiplier = self._take_clip(scaled)
         if scaled is not None and scaled.multiplier is not None:
             multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
@@ -515,7 +529,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 f"{self.gradient_accumulation_steps}: the gradients are complete only before the step that "
                 "updates; call it there, or set max_grad_norm"
             )
-        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        scale = 1.0 / self._grad_divisor
         factor, _ = amp.clip_factor(self)
         return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale, order)
 
