@@ -596,7 +596,8 @@ class Pipeline(BackwardRound):
 
         Args:
             hyper: per param group hyper-parameters, indexed by group.
-            grad_scale: multiplier of the reduced gradients (1 / loss scale with fp16 loss scaling, else 1 / accumulation steps).
+            grad_scale: multiplier of the reduced gradients (1 / loss scale with fp16 loss scaling, else
+                1 / accumulation steps).
             clip_coef: a float64 0-d tensor that multiplies ``grad_scale`` (``clip_grad_norm_``), or None.
             max_grad_norm: clip the global gradient norm to this (None: no clipping).
             check_finite: skip the step (and report it) if any gradient is inf/NaN on any rank.
