@@ -196,7 +196,7 @@ def _train(stage: int, dtype: torch.dtype, rank: int, bad: Optional[float], **op
         hook = None
         if step == NAN_STEP and rank == 1:
             hook = model.head.bias.register_hook(lambda g: g + torch.tensor([bad], dtype=g.dtype))
-        model(batch(step, rank, dtype)).backward()
+        opt.backward(model(batch(step, rank, dtype)))  # fp16 loss scaling refuses a plain backward
         if hook is not None:
             hook.remove()
         if step == NAN_STEP:

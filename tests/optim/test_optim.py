@@ -336,6 +336,37 @@ def test_fp16_accumulation_keeps_deepspeeds_headroom(stage: int) -> None:
         compare(model, ref, f"stage {stage}", torch_low=low)
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_refuses_a_plain_backward(stage: int) -> None:
+    """fp16 loss scaling needs opt.backward(loss): a loss.backward() would be divided by the loss scale at the
+    step, which DeepSpeed refuses ("Loss scaling is required"); the step raises and updates nothing, also when
+    only one micro-step of a window ran it. Without fp16 a plain backward trains."""
+    torch.manual_seed(0)
+    for micro, plain_at in ((1, 0), (2, 1)):
+        model = nn.Linear(5, 3).half()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, fp16={"enabled": True}, gradient_accumulation_steps=micro)
+        for k in range(micro):
+            loss = model(torch.randn(2, 5).half()).float().mean()
+            loss.backward() if k == plain_at else opt.backward(loss)
+            if k < micro - 1:
+                opt.step()
+        with pytest.raises(RuntimeError, match=r"loss scaling is required.*call opt.backward\(loss\)"):
+            opt.step()
+        with opt.gathered_params():
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), f"stage {stage}: updated"
+        opt.zero_grad()
+        opt.backward(model(torch.randn(2, 5).half()).float().mean())
+        for _ in range(micro):
+            opt.step()
+        assert opt.applied_steps == 1, f"stage {stage}: opt.backward after the refusal did not train"
+    model = nn.Linear(5, 3)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage)
+    model(torch.randn(2, 5)).mean().backward()
+    opt.step()
+    assert opt.applied_steps == 1
+
+
 def test_fp16_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None:
     """DeepSpeed stops the run on an overflow at ``min_loss_scale``; skipping every step from then on would
     train nothing, silently."""

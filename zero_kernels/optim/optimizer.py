@@ -28,7 +28,8 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale / gradient_accumulation_steps`` (as
   DeepSpeed's ``engine.backward``); ``step`` unscales inside the kernel, skips the update on inf/NaN (on any
-  rank) and adjusts the scale (``precision``).
+  rank) and adjusts the scale (``precision``). A plain ``loss.backward()`` is refused there (the step raises,
+  as DeepSpeed does: ``stages.refusals``).
   Or ``torch.amp.GradScaler``, at every stage: ``scaler.step(opt)`` hands itself to ``step`` (``amp``).
 - Clipping: ``max_grad_norm`` clips the global norm (summed over ranks in the step's exchange),
   folded into the kernel's gradient multiplier. The norm, that multiplier and the skip flag stay on
@@ -240,6 +241,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         )  # fmt: skip
         self._pipeline.device = device
         self._pipeline.step_counts.on_settle = self._account
+        self._pipeline.loss_scaled = self._loss_scaler is not None  # a plain loss.backward() is refused
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         super().__init__(groups, defaults)
         if not self._restoring:
@@ -362,7 +364,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         """
         if self.loss_scaler is not None:
             loss = loss / self.gradient_accumulation_steps
-        (loss * self.loss_scale).backward(**kwargs)
+        self._pipeline.scaled_backward = True
+        try:
+            (loss * self.loss_scale).backward(**kwargs)
+        finally:
+            self._pipeline.scaled_backward = False
 
     @property
     def _grad_divisor(self) -> float:

@@ -139,6 +139,8 @@ class Pipeline(BackwardRound):
         self._owed = False  # gradients may be left unreduced after it: the step reduces once more (``sync_enabled``)
         self._grads_final = False  # finish_grad_sync() ran since the last step, and no gradient arrived since
         self.clipped = False  # clip_grad_norm_ measured this step's gradients (set by the optimizer)
+        self.loss_scaled = False  # fp16 loss scaling: gradients must come from the optimizer's backward (refusals)
+        self.scaled_backward = False  # inside the optimizer's backward (set by the optimizer)
         self.refusals = refusals.Refusals()  # problems found in backward, raised at the step on every rank
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
