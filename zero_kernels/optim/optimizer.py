@@ -241,7 +241,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         )  # fmt: skip
         self._pipeline.device = device
         self._pipeline.step_counts.on_settle = self._account
-        self._pipeline.loss_scaled = self._loss_scaler is not None  # a plain loss.backward() is refused
+        self._pipeline.loss_scaled = self.scales_loss  # a plain loss.backward() is refused
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         super().__init__(groups, defaults)
         if not self._restoring:
@@ -369,6 +369,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             (loss * self.loss_scale).backward(**kwargs)
         finally:
             self._pipeline.scaled_backward = False
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether fp16 loss scaling is on: backward must then run through ``backward`` (settles nothing)."""
+        return self._loss_scaler is not None
 
     @property
     def _grad_divisor(self) -> float:
