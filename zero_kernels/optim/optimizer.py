@@ -362,7 +362,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             loss: the scalar loss of this micro-step.
             **kwargs: passed to ``Tensor.backward``.
         """
-        if self.loss_scaler is not None:
+        if self.scales_loss:
             loss = loss / self.gradient_accumulation_steps
         self._pipeline.scaled_backward = True
         try:
@@ -379,7 +379,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def _grad_divisor(self) -> float:
         """What the step divides the summed gradients by: the loss scale times the accumulation steps not already
         divided out in ``backward`` (all of them without fp16 loss scaling, none with it)."""
-        if self.loss_scaler is not None:
+        if self.scales_loss:
             return self.loss_scale
         return float(self.gradient_accumulation_steps)
 
