@@ -51,8 +51,8 @@ def describe(kind: int, stage: int, name: str) -> str:
         return (
             f"ShardedFusedAdam (stage {stage}): loss scaling is required (fp16 is enabled), but {name} got its "
             "gradient from a backward that did not scale the loss (loss.backward() called directly); call "
-            "opt.backward(loss) (engine.backward(loss) of zero_kernels.initialize) in place of loss.backward(); "
-            "nothing was updated"
+            "opt.backward(loss) on the ShardedFusedAdam (the optimizer zero_kernels.initialize returns; DeepSpeed's "
+            "engine.backward(loss)) in place of loss.backward(); nothing was updated"
         )
     return (
         f"ShardedFusedAdam (stage {stage}): {name} got a gradient after clip_grad_norm_ measured the gradients' "
