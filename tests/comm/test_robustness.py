@@ -196,7 +196,7 @@ def _train(stage: int, dtype: torch.dtype, rank: int, bad: Optional[float], **op
         hook = None
         if step == NAN_STEP and rank == 1:
             hook = model.head.bias.register_hook(lambda g: g + torch.tensor([bad], dtype=g.dtype))
-        model(batch(step, rank, dtype)).backward()
+        opt.backward(model(batch(step, rank, dtype)))  # fp16 loss scaling refuses a plain backward
         if hook is not None:
             hook.remove()
         if step == NAN_STEP:
@@ -228,8 +228,22 @@ def nonfinite_part(rank: int) -> None:
     assert opt.skipped_steps == 1, "fp16 loss scaling must skip an overflow whatever skip_nonfinite_steps says"
 
 
+def unscaled_backward_part(rank: int) -> None:
+    """fp16 loss scaling, rank 1 alone calls loss.backward() in place of opt.backward(loss): every rank raises at the
+    step, naming rank 1 and a parameter, and nothing is updated (a rank raising alone would leave the other waiting)."""
+    for stage in (0, 1, 2, 3):
+        model = make_net(torch.float16)
+        opt = zo.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET, fp16={"enabled": True})
+        state = [None if t is None else t.clone() for t in _state(opt)]
+        loss = model(batch(0, rank, torch.float16))
+        loss.backward() if rank == 1 else opt.backward(loss)
+        with pytest.raises(RuntimeError, match=r"loss scaling is required .*found on rank 1 of 2; every rank raises"):
+            opt.step()
+        assert all(a is None or torch.equal(a, b) for a, b in zip(_state(opt), state)), f"stage {stage}: updated"
+
+
 # ---------------------------------------------------------------- both in one spawn (it costs seconds)
-PARTS = {"disagree": disagree_part, "nonfinite": nonfinite_part}
+PARTS = {"disagree": disagree_part, "nonfinite": nonfinite_part, "unscaled": unscaled_backward_part}
 
 
 def parts_body(rank: int, world: int, out: str) -> None:
@@ -265,6 +279,11 @@ def test_ranks_that_disagree_are_named_on_every_rank(outcomes: Path) -> None:
 @pytest.mark.distributed
 def test_nonfinite_gradients_skip_the_step_on_every_rank(outcomes: Path) -> None:
     _check_part(outcomes, "nonfinite")
+
+
+@pytest.mark.distributed
+def test_an_unscaled_fp16_backward_on_one_rank_raises_on_every_rank(outcomes: Path) -> None:
+    _check_part(outcomes, "unscaled")
 
 
 def test_skip_nonfinite_steps_is_a_config_key() -> None:

@@ -38,11 +38,11 @@ FULL = {
     },
     "fp16": {
         "enabled": True,
-        "loss_scale": 128,
+        "loss_scale": "128",
         "initial_scale_power": 12,
         "loss_scale_window": 500,
         "hysteresis": 3,
-        "min_loss_scale": 0.5,
+        "min_loss_scale": 2.0,
     },
     "bf16": {"enabled": False},
     "gradient_clipping": 1.0,
@@ -74,7 +74,7 @@ def test_full_config_sets_every_field() -> None:
         type="Adam", lr=3e-4, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, adamw=False
     )
     assert cfg.fp16 == FP16Config(
-        enabled=True, loss_scale=128.0, initial_scale_power=12, loss_scale_window=500, hysteresis=3, min_loss_scale=0.5
+        enabled=True, loss_scale=128.0, initial_scale_power=12, loss_scale_window=500, hysteresis=3, min_loss_scale=2
     )
     assert (cfg.bf16, cfg.gradient_clipping, cfg.communication_data_type) == (False, 1.0, torch.float32)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 2, 4)
@@ -455,7 +455,11 @@ BAD = [
     ({"zero_optimization": {"offload_param": 3}}, "zero_optimization.offload_param=3", '{"device": "cpu"}'),
     ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale=-1", ">= 0"),
     ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis=0", ">= 1"),
-    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale=0", "> 0"),
+    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale=0", ">= 1"),
+    ({"fp16": {"min_loss_scale": 0.5}}, "fp16.min_loss_scale=0.5", "an integer >= 1"),
+    ({"fp16": {"loss_scale": "abc"}}, "fp16.loss_scale='abc'", "a finite number >= 0, or a string holding one"),
+    ({"fp16": {"loss_scale": "inf"}}, "fp16.loss_scale='inf'", "a finite number >= 0"),
+    ({"fp16": {"loss_scale": True}}, "fp16.loss_scale=True", "a finite number >= 0"),
     ({"fp16": {"enabled": "true"}}, "fp16.enabled='true'", "true or false"),
     ({"gradient_clipping": -1.0}, "gradient_clipping=-1.0", ">= 0"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0", ">= 1"),

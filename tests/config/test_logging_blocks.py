@@ -83,6 +83,15 @@ def test_loss_scaling_keys_in_a_bf16_block_are_accepted_with_a_warning(
     assert _without_effect(caplog, logging.WARNING) == sorted(f"{block}.{key}" for key in LOSS_SCALING)
 
 
+@pytest.mark.parametrize("value, level", [(False, logging.WARNING), (True, logging.INFO)])
+def test_bf16_check_grad_overflow_false_is_a_warning(value: bool, level: int, caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed applies inf/NaN gradients with false; zero_kernels still skips such steps (skip_nonfinite_steps),
+    so false, which asks for something not done, is listed at WARNING; true, what is done anyway, at INFO."""
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        assert ZeroConfig.from_deepspeed({"bf16": {"enabled": True, "check_grad_overflow": value}}).bf16
+    assert _without_effect(caplog, level) == ["bf16.check_grad_overflow"]
+
+
 @pytest.mark.parametrize(
     "config, fragments",
     [
@@ -91,7 +100,16 @@ def test_loss_scaling_keys_in_a_bf16_block_are_accepted_with_a_warning(
           "0.17 onwards refuses it): remove it or write 0"]),
         ({"bf16": {"loss_scale": -1}}, ["bf16.loss_scale=-1 is invalid: expected 0"]),
         ({"bf16": {"enabled": True, "hysteresis": 0}}, ["bf16.hysteresis=0 is invalid: expected an integer >= 1"]),
-        ({"bfloat16": {"min_loss_scale": 0}}, ["bfloat16.min_loss_scale=0 is invalid: expected a finite number > 0"]),
+        ({"bfloat16": {"min_loss_scale": 0}}, ["bfloat16.min_loss_scale=0 is invalid: expected an integer >= 1"]),
+        ({"bf16": {"enabled": True, "check_grad_overflow": 0}},
+         ["bf16.check_grad_overflow=0 is invalid: expected true or false"]),
+        ({"bf16": {"enabled": True, "check_overflow": True}},
+         ["unknown key 'check_overflow' in bf16; did you mean 'check_grad_overflow'"]),
+        ({"bf16": {"enabled": True, "zzz": 1}},
+         ["unknown key 'zzz' in bf16; expected one of 'enabled', 'immediate_grad_update', "
+          "'bf16_master_weights_and_grads', 'bf16_optimizer_states', 'loss_scale', 'initial_scale_power', "
+          "'loss_scale_window', 'hysteresis', 'min_loss_scale', 'consecutive_hysteresis', 'auto_cast', "
+          "'check_grad_overflow'"]),
         ({"bf16": {"auto_cast": "no"}}, ["bf16.auto_cast='no' is invalid: expected true or false"]),
         ({"comms_logger": {"enabled": True, "verbose": "no"}},
          ["comms_logger.verbose='no' is invalid: expected true or false"]),

@@ -1,5 +1,6 @@
-"""Blocks training tools hand DeepSpeed that zero_kernels cannot honour: refused with what they would change,
-accepted (logged) when turned off, and a misspelling of one still gets a "did you mean"."""
+"""Blocks training tools hand DeepSpeed that zero_kernels cannot honour, and the keys DeepSpeed 0.19 removed (it
+refuses them): refused with what they would change, accepted (logged) when turned off, and a misspelling of one
+still gets a "did you mean"."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ ALST = {"enabled": True, "size": 4, "mode": "ulysses", "ulysses": {"degree": 4, 
         ("tensor_parallel", {"autotp_size": 2}, "splits the model's linear layers over autotp_size ranks"),
         ("tensor_parallel", {"tp": {"tp_size": 4}}, "remove the block or write autotp_size 1"),
         ("tensor_parallel", True, "divides the world size by it"),
+        ("amp", {"enabled": True, "opt_level": "O1"}, "DeepSpeed 0.19 removed NVIDIA Apex AMP mixed precision"),
+        ("amp", {"opt_level": "O1"}, "use fp16 or bf16"),
+        ("sparse_gradients", True, "DeepSpeed 0.19 removed the sparse reduction of dense nn.Embedding gradients"),
+        ("elasticity", {"enabled": True, "max_train_batch_size": 64}, "DeepSpeed 0.19 removed elastic training"),
+        ("nebula", {"enabled": True}, 'remove it, or write false, {} or "enabled": false'),
+        ("compression_training", {"weight_quantization": {}}, "removed the compression library"),
+        ("quantize_training", {"enabled": True}, "removed Mixture-of-Quantization training"),
+        ("eigenvalue", {"enabled": True}, "removed eigenvalue-based Mixture-of-Quantization"),
+        ("sparse_attention", {"mode": "fixed"}, "removed Sparse Attention"),
+        ("graph_harvesting", True, "removed graph harvesting"),
+        ("curriculum_learning", {"enabled": True}, "data_efficiency.data_sampling.curriculum_learning"),
+        ("progressive_layer_drop", {"enabled": True}, "removed Progressive Layer Dropping"),
     ],
 )
 def test_refused_with_what_they_would_change(key: str, value: object, says: str) -> None:
@@ -37,12 +50,17 @@ def test_turned_off_they_are_accepted_and_logged(caplog: pytest.LogCaptureFixtur
         "sequence_parallel_size": 1,
         "fp8": None,
         "tensor_parallel": {"autotp_size": 1},
+        "amp": {"enabled": False, "opt_level": "O1"},
+        "sparse_gradients": False,
+        "elasticity": {"enabled": False},
+        "sparse_attention": {},
+        "nebula": None,
     }
     with caplog.at_level(logging.INFO, logger="zero_kernels"):
         assert ZeroConfig.from_deepspeed(config).stage == 0
     assert any(
-        "without effect in zero_kernels: fp8, sequence_parallel, sequence_parallel_size, tensor_parallel"
-        in r.getMessage()
+        "without effect in zero_kernels: amp, elasticity, fp8, nebula, sequence_parallel, sequence_parallel_size, "
+        "sparse_attention, sparse_gradients, tensor_parallel" in r.getMessage()
         for r in caplog.records
     )
 

@@ -175,3 +175,42 @@ def test_an_optimizer_of_one_process_is_refused(spawn) -> None:
 @pytest.mark.distributed
 def test_accelerate_loop_matches_ddp_adamw(spawn) -> None:
     spawn(all_cases, WORLD, timeout_s=300.0)
+
+
+def _fp16_micro_batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(ROWS, 6, generator=g).half() for _ in range(STEPS * ACCUMULATE)]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_backward_of_an_fp16_optimizer_goes_through_it(stage: int) -> None:
+    """4. On one process, an optimizer with fp16 loss scaling: ``accelerator.backward(loss)`` runs ``opt.backward`` (a
+    plain ``loss.backward()`` is refused under fp16) on the loss Accelerate divides by its accumulation steps; the
+    weights equal those of the same loop written with ``opt.no_sync()`` and ``opt.backward(loss / 2)``, bit for bit."""
+    import zero_kernels as zk
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    def build() -> tuple[nn.Module, zk.ShardedFusedAdam]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 1)).half()
+        return model, zk.ShardedFusedAdam(model, lr=LR, stage=stage, fp16={"enabled": True, "initial_scale_power": 8})
+
+    accelerator = _accelerator(ZeroAccelerator)
+    model, opt = build()
+    model, aopt = accelerator.prepare(model, opt)
+    ref, ropt = build()
+    for k, x in enumerate(_fp16_micro_batches()):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x).float().square().mean())
+            aopt.step()
+            aopt.zero_grad()
+        last = k % ACCUMULATE == ACCUMULATE - 1
+        with contextlib.nullcontext() if last else ropt.no_sync():
+            ropt.backward(ref(x).float().square().mean() / ACCUMULATE)
+        if last:
+            ropt.step()
+            ropt.zero_grad()
+    assert opt.applied_steps == ropt.applied_steps == STEPS, f"stage {stage}: {opt.applied_steps} updates"
+    with opt.gathered_params(), ropt.gathered_params():
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p, r), f"stage {stage} {name}: {(p.float() - r.float()).abs().max().item():.3g}"

@@ -313,6 +313,65 @@ def test_loss_scaler_follows_deepspeed_step_by_step() -> None:
         assert raised_at == case["raised_at"], f"{what}: raised at step {raised_at}, DeepSpeed at {case['raised_at']}"
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_accumulation_keeps_deepspeeds_headroom(stage: int) -> None:
+    """fp16, 32 micro-steps at DeepSpeed's default scale 2**16: opt.backward divides the loss by the accumulation
+    steps before scaling (as engine.backward), so the bias gradient 0.25 sums to 0.25 * 2**16 over the window,
+    where 32x that (the loss scaled only) would overflow fp16 and skip every step. Each update matches AdamW
+    within the fp16 tolerance (twice torch's own error on fp16 against an fp32 reference)."""
+    micro, steps = 32, 3
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    ref, low = copy.deepcopy(model).float(), copy.deepcopy(model)
+    fp16 = dict(enabled=True, loss_scale=0, initial_scale_power=16)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, fp16=fp16, gradient_accumulation_steps=micro)
+    refs = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (ref, low)]
+    for k in range(steps * micro):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(k))
+        opt.backward(model(x.half()).float().mean())
+        opt.step()
+        opt.zero_grad()
+        for m, o in zip((ref, low), refs):
+            (m(x.to(m.weight.dtype)).float().mean() / micro).backward()
+            if k % micro == micro - 1:
+                o.step(), o.zero_grad()
+    assert opt.skipped_steps == 0 and opt.applied_steps == steps, f"stage {stage}: {opt.skipped_steps} skipped"
+    assert opt.loss_scale == 2.0**16, f"stage {stage}: loss scale {opt.loss_scale}"
+    with opt.gathered_params():
+        compare(model, ref, f"stage {stage}", torch_low=low)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp16_refuses_a_plain_backward(stage: int) -> None:
+    """fp16 loss scaling needs opt.backward(loss): a loss.backward() would be divided by the loss scale at the
+    step, which DeepSpeed refuses ("Loss scaling is required"); the step raises and updates nothing, also when
+    only one micro-step of a window ran it. Without fp16 a plain backward trains."""
+    torch.manual_seed(0)
+    for micro, plain_at in ((1, 0), (2, 1)):
+        model = nn.Linear(5, 3).half()
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, fp16={"enabled": True}, gradient_accumulation_steps=micro)
+        for k in range(micro):
+            loss = model(torch.randn(2, 5).half()).float().mean()
+            loss.backward() if k == plain_at else opt.backward(loss)
+            if k < micro - 1:
+                opt.step()
+        with pytest.raises(RuntimeError, match=r"loss scaling is required.*call opt.backward\(loss\)"):
+            opt.step()
+        with opt.gathered_params():
+            assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), f"stage {stage}: updated"
+        opt.zero_grad()
+        opt.backward(model(torch.randn(2, 5).half()).float().mean())
+        for _ in range(micro):
+            opt.step()
+        assert opt.applied_steps == 1, f"stage {stage}: opt.backward after the refusal did not train"
+    model = nn.Linear(5, 3)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage)
+    model(torch.randn(2, 5)).mean().backward()
+    opt.step()
+    assert opt.applied_steps == 1
+
+
 def test_fp16_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None:
     """DeepSpeed stops the run on an overflow at ``min_loss_scale``; skipping every step from then on would
     train nothing, silently."""

@@ -117,18 +117,30 @@ def enum_integer(lo: int, hi: int) -> Scalar:
 
 
 def number(
-    lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False, hi_open: bool = False
+    lo: Optional[float] = None,
+    hi: Optional[float] = None,
+    *,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    text: bool = False,
 ) -> Scalar:
-    """A finite int or float (not a boolean), returned as float."""
+    """A finite int or float (not a boolean), returned as float; ``text``: a string holding one counts too
+    (read by ``float``, as DeepSpeed reads ``fp16.loss_scale``)."""
 
     def convert(value: Any) -> float:
+        if text and isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise Invalid from None
         if not _is_number(value) or not math.isfinite(value):
             raise Invalid
         if not _in_range(value, lo, hi, lo_open, hi_open):
             raise Invalid
         return float(value)
 
-    return Scalar(f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".strip(), convert)
+    allowed = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".strip()
+    return Scalar(f"{allowed}, or a string holding one" if text else allowed, convert)
 
 
 def boolean(supported: Optional[Tuple[bool, ...]] = None, *, nullable: bool = False) -> Scalar:
@@ -383,8 +395,8 @@ def _missing(spec: Field, path: str, ctx: ParseContext) -> Any:
 
 def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict[str, Any]:
     """Canonical key -> raw value; unknown keys rejected, ignored keys recorded."""
-    known = set(section.fields) | set(section.ignored) | set(section.aliases) | set(section.unsupported)
-    known |= set(section.unused)
+    tables = (section.fields, section.aliases, section.ignored, section.unsupported, section.unused)
+    known = list(dict.fromkeys(key for table in tables for key in table))  # every key the section accepts, in order
     raw: Dict[str, Any] = {}
     for key, value in d.items():
         if not path and isinstance(key, str) and key.startswith("_") and key not in known:
@@ -392,7 +404,7 @@ def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict
             continue
         if not isinstance(key, str) or key not in known:
             where = f"in {path}" if path else "at the top level of the config"
-            hint = suggest(str(key), known) or f"; expected one of {', '.join(repr(k) for k in section.fields)}"
+            hint = suggest(str(key), known) or f"; expected one of {', '.join(repr(k) for k in known)}"
             raise ValueError(f"unknown key {key!r} {where}{hint}")
         if key in section.unsupported:
             section.unsupported[key].check(value, join(path, key), ctx)

@@ -277,11 +277,11 @@ OPTIMIZER = Section(
 FP16 = Section(
     fields={
         "enabled": Field(boolean(), False),
-        "loss_scale": Field(number(0), 0.0),
+        "loss_scale": Field(number(0, text=True), 0.0),  # DeepSpeed reads it with float(): "128" too
         "initial_scale_power": Field(integer(0), 16),
         "loss_scale_window": Field(integer(1), 1000),
         "hysteresis": Field(integer(1), 2),
-        "min_loss_scale": Field(number(0, lo_open=True), 1.0),
+        "min_loss_scale": Field(integer(1), 1),  # an int in DeepSpeed's config model: 0.5 is refused there
         "consecutive_hysteresis": Field(boolean(), False),
     },
     ignored={
@@ -293,7 +293,6 @@ FP16 = Section(
 
 _BF16_IGNORED = {
     "immediate_grad_update": INFO,
-    "check_grad_overflow": INFO,
     "bf16_master_weights_and_grads": WARNING,
     "bf16_optimizer_states": WARNING,
 }
@@ -320,9 +319,14 @@ _BF16_LOSS_SCALING = {
     **{key: Unused(FP16.fields[key].rule) for key in FP16.fields if key not in ("enabled", "loss_scale")},
     "auto_cast": Unused(boolean()),
 }
-BF16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_LOSS_SCALING)
+_BF16_UNUSED = {
+    **_BF16_LOSS_SCALING,
+    # false: DeepSpeed applies inf/NaN gradients; the step here still skips them unless skip_nonfinite_steps is false
+    "check_grad_overflow": Unused(boolean(), quiet=lambda value: value is not False),
+}
+BF16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_UNUSED)
 BFLOAT16 = Section(
-    fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_LOSS_SCALING, optional=True
+    fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_UNUSED, optional=True
 )
 
 TOP_IGNORED: Dict[str, int] = {
@@ -341,11 +345,8 @@ TOP_IGNORED: Dict[str, int] = {
             "autotuning",
             "vocabulary_size",
             "timers",
-            "nebula",
-            "eigenvalue",
             "hybrid_engine",
             "disable_allgather",
-            "graph_harvesting",
             "use_data_before_expert_parallelism",
             "seq_parallel_comm_data_type",
         )
@@ -353,22 +354,14 @@ TOP_IGNORED: Dict[str, int] = {
     **{
         k: WARNING
         for k in (
-            "amp",
             "torch_autocast",
             "compile",
             "activation_checkpointing",
-            "sparse_attention",
             "pipeline",
             "prescale_gradients",
             "gradient_predivide_factor",
-            "sparse_gradients",
             "fp32_allreduce",
-            "elasticity",
-            "compression_training",
             "data_efficiency",
-            "curriculum_learning",
-            "progressive_layer_drop",
-            "quantize_training",
             "weight_quantization",
         )
     },
@@ -432,6 +425,42 @@ TOP_UNSUPPORTED: Dict[str, Unsupported] = {
     ),
 }
 
+
+def _removed_off(value: Any) -> bool:
+    """Whether a key DeepSpeed removed turns nothing on: null, false, an empty block or ``"enabled": false``."""
+    return value is False or value == {} or _disabled(value)
+
+
+def _removed(feature: str, instead: str = "") -> Unsupported:
+    """A top-level key DeepSpeed 0.19 removed and refuses at any value (its ``_REMOVED_TOP_LEVEL_CONFIG_KEYS``)."""
+    return Unsupported(
+        f"DeepSpeed 0.19 removed {feature} and refuses the key" + (f" ({instead})" if instead else ""),
+        _removed_off,
+        'remove it, or write false, {} or "enabled": false',
+    )
+
+
+# DeepSpeed 0.19's removed features: refused rather than logged, as the user asked for something no release runs.
+TOP_REMOVED: Dict[str, Unsupported] = {
+    "amp": _removed(
+        "NVIDIA Apex AMP mixed precision", "zero_kernels would train in the parameters' dtype; use fp16 or bf16"
+    ),
+    "sparse_gradients": _removed("the sparse reduction of dense nn.Embedding gradients"),
+    "elasticity": _removed(
+        "elastic training", "set train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps"
+    ),
+    "nebula": _removed("Nebula checkpointing"),
+    "compression_training": _removed("the compression library"),
+    "quantize_training": _removed("Mixture-of-Quantization training"),
+    "eigenvalue": _removed("eigenvalue-based Mixture-of-Quantization"),
+    "sparse_attention": _removed("Sparse Attention"),
+    "graph_harvesting": _removed("graph harvesting"),
+    "curriculum_learning": _removed(
+        "top-level curriculum learning", "it reads data_efficiency.data_sampling.curriculum_learning"
+    ),
+    "progressive_layer_drop": _removed("Progressive Layer Dropping"),
+}
+
 TOP = Section(
     fields={
         "zero_optimization": Field(ZERO, None, auto=False),
@@ -454,7 +483,7 @@ TOP = Section(
         "aio": Field(AIO, None, auto=False),
     },
     ignored=TOP_IGNORED,
-    unsupported=TOP_UNSUPPORTED,
+    unsupported={**TOP_UNSUPPORTED, **TOP_REMOVED},
     unused=MONITORING,
 )
 

@@ -263,7 +263,7 @@ class FP16Config:
     initial_scale_power: int = FP16.fields["initial_scale_power"].default
     loss_scale_window: int = FP16.fields["loss_scale_window"].default
     hysteresis: int = FP16.fields["hysteresis"].default
-    min_loss_scale: float = FP16.fields["min_loss_scale"].default
+    min_loss_scale: int = FP16.fields["min_loss_scale"].default
     consecutive_hysteresis: bool = FP16.fields["consecutive_hysteresis"].default
 
     def __post_init__(self) -> None:

@@ -25,6 +25,9 @@ any other model is prepared as usual):
   placement, mixed-precision autocast and ``torch.compile`` still apply;
 - ``no_sync(model)``, which ``accumulate(model)`` enters for every micro-batch but the last, also
   enters the optimizer's ``no_sync()``: those backward passes accumulate locally;
+- ``backward(loss)``, for a prepared ``ShardedFusedAdam`` with fp16 loss scaling (its ``fp16`` config),
+  divides the loss by Accelerate's accumulation steps, as Accelerate's, and runs ``opt.backward`` (which
+  scales it; a plain ``loss.backward()`` is refused there); any other loss goes to Accelerate's;
 - ``clip_grad_norm_(model.parameters(), max_norm)`` unscales as Accelerate's, then calls torch's
   ``clip_grad_norm_``: for these parameters that is ``opt.clip_grad_norm_`` (``torch_clip``), the
   global norm of the reduced gradients, applied by the next step. (Accelerate's own, from 1.16, keeps
@@ -55,6 +58,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from .. import live
+from ..optim import ShardedFusedAdam
 from ..optim.torch_clip import clip_sharded
 
 __all__ = ["ZeroAccelerator"]
@@ -115,6 +119,26 @@ class ZeroAccelerator(Accelerator):
             for opt in live.training(model.parameters()):
                 stack.enter_context(opt.no_sync())
             yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """As ``Accelerator.backward``; through ``opt.backward`` for a prepared ``ShardedFusedAdam`` whose fp16
+        config scales the loss (see the module docstring).
+
+        Args:
+            loss: the loss of this micro-batch.
+            **kwargs: as ``Accelerator.backward``.
+        """
+        scaling = [o for o in self._optimizers if isinstance(o.optimizer, ShardedFusedAdam) and o.optimizer.scales_loss]
+        if not scaling:
+            super().backward(loss, **kwargs)
+            return
+        if len(scaling) > 1:
+            raise ValueError(
+                f"ZeroAccelerator.backward: {len(scaling)} prepared ShardedFusedAdam optimizers scale the loss (fp16); "
+                "call opt.backward(loss) on the one that trains this loss's parameters"
+            )
+        kwargs.pop("learning_rate", None)  # Accelerate's LOMO argument
+        scaling[0].optimizer.backward(loss / self.gradient_accumulation_steps, **kwargs)
 
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2

@@ -26,8 +26,10 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
   ``zero_grad`` between is ignored, communication happens on the k-th (on every one at stages 2-3 with a
   ``grad_accum_dtype`` wider than the gradients: ``stages.grad_accum``), and the gradients are averaged over
   the k micro-steps (DeepSpeed's rule).
-- fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale``; ``step`` unscales inside
-  the kernel, skips the update on inf/NaN (on any rank) and adjusts the scale (``precision``).
+- fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale / gradient_accumulation_steps`` (as
+  DeepSpeed's ``engine.backward``); ``step`` unscales inside the kernel, skips the update on inf/NaN (on any
+  rank) and adjusts the scale (``precision``). A plain ``loss.backward()`` is refused there (the step raises,
+  as DeepSpeed does: ``stages.refusals``).
   Or ``torch.amp.GradScaler``, at every stage: ``scaler.step(opt)`` hands itself to ``step`` (``amp``).
 - Clipping: ``max_grad_norm`` clips the global norm (summed over ranks in the step's exchange),
   folded into the kernel's gradient multiplier. The norm, that multiplier and the skip flag stay on
@@ -240,6 +242,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._pipeline.device = device
         self._pipeline.index_name = self._param_name
         self._pipeline.step_counts.on_settle = self._account
+        self._pipeline.loss_scaled = self.scales_loss  # a plain loss.backward() is refused
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         self._late_group_checked = False  # the first boundary step looks once for a process group made after us
         super().__init__(groups, defaults)
@@ -352,13 +355,35 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``(loss * loss_scale).backward(**kwargs)``: the fp16 way to run backward.
+        """The fp16 way to run backward: ``(loss / gradient_accumulation_steps * loss_scale).backward(**kwargs)``,
+        as DeepSpeed's ``engine.backward``, so the fp16 gradients summed over a window stay within the range
+        DeepSpeed's do (the step then divides by the loss scale only). Without fp16 loss scaling:
+        ``(loss * 1.0).backward(**kwargs)``, and the step divides by ``gradient_accumulation_steps``.
 
         Args:
             loss: the scalar loss of this micro-step.
             **kwargs: passed to ``Tensor.backward``.
         """
-        (loss * self.loss_scale).backward(**kwargs)
+        if self.scales_loss:
+            loss = loss / self.gradient_accumulation_steps
+        self._pipeline.scaled_backward = True
+        try:
+            (loss * self.loss_scale).backward(**kwargs)
+        finally:
+            self._pipeline.scaled_backward = False
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether fp16 loss scaling is on: backward must then run through ``backward`` (settles nothing)."""
+        return self._loss_scaler is not None
+
+    @property
+    def _grad_divisor(self) -> float:
+        """What the step divides the summed gradients by: the loss scale times the accumulation steps not already
+        divided out in ``backward`` (all of them without fp16 loss scaling, none with it)."""
+        if self.scales_loss:
+            return self.loss_scale
+        return float(self.gradient_accumulation_steps)
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler passes itself to step() (see ``amp``)
 
@@ -398,7 +423,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._warn_late_group()
         self.wait_params()
         self._follow_replaced_params()
-        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        scale = 1.0 / self._grad_divisor
         multiplier = self._take_clip(scaled)
         if scaled is not None and scaled.multiplier is not None:
             multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
@@ -537,7 +562,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 f"{self.gradient_accumulation_steps}: the gradients are complete only before the step that "
                 "updates; call it there, or set max_grad_norm"
             )
-        scale = 1.0 / (self.loss_scale * self.gradient_accumulation_steps)
+        scale = 1.0 / self._grad_divisor
         factor, _ = amp.clip_factor(self)
         return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale, order)
 

@@ -1,8 +1,9 @@
 """Loss scaling for fp16 training, DeepSpeed's rules (``fp16`` section of the config).
 
-Usage with ``ShardedFusedAdam``: ``opt.backward(loss)`` runs ``(loss * opt.loss_scale).backward()``;
-``opt.step()`` divides the gradients by the scale inside the fused kernel, skips the update when
-any gradient on any rank is inf/NaN, and calls ``LossScaler.update(overflow)``.
+Usage with ``ShardedFusedAdam``: ``opt.backward(loss)`` runs ``(loss / gradient_accumulation_steps *
+opt.loss_scale).backward()``, as DeepSpeed's ``engine.backward``; ``opt.step()`` divides the gradients
+by the scale inside the fused kernel, skips the update when any gradient on any rank is inf/NaN, and
+calls ``LossScaler.update(overflow)``.
 
 Dynamic scaling (``loss_scale == 0``), step for step as DeepSpeed 0.19's ``DynamicLossScaler``:
 start at ``2**initial_scale_power``. On an overflow, spend one unit of hysteresis; when only one is

@@ -66,9 +66,11 @@ def _why(optimizer: Any) -> str:
         return f"at stage {stage} p.grad is None: the gradients add up in a buffer of the wider grad_accum_dtype"
     if stage == 1 and optimizer.pipeline.world_size > 1:
         return "at stage 1 p.grad is this rank's own gradient until the step reduces it"
+    if optimizer.scales_loss:
+        return f"p.grad holds the gradients times the loss scale ({optimizer.loss_scale:g}), which the step divides out"
     return (
-        f"p.grad holds the gradients times the loss scale ({optimizer.loss_scale:g}) summed over "
-        f"{optimizer.gradient_accumulation_steps} accumulation micro-steps, which the step divides out"
+        f"p.grad holds the gradients summed over {optimizer.gradient_accumulation_steps} accumulation micro-steps, "
+        "which the step divides out"
     )
 
 

@@ -105,10 +105,13 @@ class BackwardRound:
 
     def _note_gradient(self, index: int, p: torch.Tensor) -> None:
         """A gradient arrives: one after ``finish_grad_sync`` makes the step finish again, one after
-        ``clip_grad_norm_`` is refused (``refusals``)."""
+        ``clip_grad_norm_`` is refused, and so is one of an unscaled backward under fp16 loss scaling, at the
+        step (``refusals``)."""
         self._grads_final = False
         if self.clipped:
             self._refuse(refusals.AFTER_CLIP, index, p)
+        if self.loss_scaled and not self.scaled_backward:
+            self.refusals.record(refusals.UNSCALED_BACKWARD, index)
 
     def _drop_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
         """A gradient refused (``_first_report``): the step raises; default (stage 0): it stays in ``p.grad``."""

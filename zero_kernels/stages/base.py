@@ -140,6 +140,8 @@ class Pipeline(BackwardRound):
         self._owed = False  # gradients may be left unreduced after it: the step reduces once more (``sync_enabled``)
         self._grads_final = False  # finish_grad_sync() ran since the last step, and no gradient arrived since
         self.clipped = False  # clip_grad_norm_ measured this step's gradients (set by the optimizer)
+        self.loss_scaled = False  # fp16 loss scaling: gradients must come from the optimizer's backward (refusals)
+        self.scaled_backward = False  # inside the optimizer's backward (set by the optimizer)
         self.refusals = refusals.Refusals()  # problems found in backward, raised at the step on every rank
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
@@ -609,7 +611,8 @@ class Pipeline(BackwardRound):
 
         Args:
             hyper: per param group hyper-parameters, indexed by group.
-            grad_scale: multiplier of the reduced gradients (1 / (loss scale x accumulation steps)).
+            grad_scale: multiplier of the reduced gradients (1 / loss scale with fp16 loss scaling, else
+                1 / accumulation steps).
             clip_coef: a float64 0-d tensor that multiplies ``grad_scale`` (``clip_grad_norm_``), or None.
             max_grad_norm: clip the global gradient norm to this (None: no clipping).
             check_finite: skip the step (and report it) if any gradient is inf/NaN on any rank.

@@ -123,7 +123,8 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float, order: float = 2.0) -> to
 
     Args:
         pipeline: the optimizer's pipeline.
-        grad_scale: multiplier of the reduced gradients (1 / (loss scale x accumulation steps)).
+        grad_scale: multiplier of the reduced gradients (1 / loss scale with fp16 loss scaling, else 1 /
+            accumulation steps).
         order: the norm's order, checked by ``norms.norm_order``.
     """
     pipeline.finish_grad_sync()

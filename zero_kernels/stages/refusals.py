@@ -18,6 +18,10 @@ it is found. Problems:
   step's synchronised backward), would be ignored by the step.
 - ``AFTER_CLIP``: a gradient that arrives after ``clip_grad_norm_`` measured the norm: torch
   clips what ``p.grad`` held then and adds later gradients unclipped; the step here clips the sum.
+- ``UNSCALED_BACKWARD``: with fp16 loss scaling, a gradient from a backward the optimizer did not
+  scale (``loss.backward()`` in place of ``opt.backward(loss)``): the step would divide it by the loss
+  scale. DeepSpeed refuses it too ("Loss scaling is required"). Raised at the step even on one rank,
+  so that a ``torch.amp.GradScaler`` given with the fp16 config is reported as such first (``amp``).
 
 Kept until the step raises, ``zero_grad()`` discards the gradients, or a step without problems ends.
 """
@@ -28,7 +32,7 @@ from typing import Callable, Sequence
 
 from .grad_state import second_gradient
 
-NONE, SECOND_GRADIENT, UNSEEN_GRADIENT, AFTER_CLIP = 0, 1, 2, 3
+NONE, SECOND_GRADIENT, UNSEEN_GRADIENT, AFTER_CLIP, UNSCALED_BACKWARD = 0, 1, 2, 3, 4
 
 
 def describe(kind: int, stage: int, name: str) -> str:
@@ -42,6 +46,13 @@ def describe(kind: int, stage: int, name: str) -> str:
             "backward), and a gradient set in p.grad after the step's synchronised backward would be ignored. Put "
             "what you add into the loss (or a gradient hook) before backward, or run that backward under "
             "opt.no_sync() (its gradients are then reduced at the step); nothing was updated"
+        )
+    if kind == UNSCALED_BACKWARD:
+        return (
+            f"ShardedFusedAdam (stage {stage}): loss scaling is required (fp16 is enabled), but {name} got its "
+            "gradient from a backward that did not scale the loss (loss.backward() called directly); call "
+            "opt.backward(loss) on the ShardedFusedAdam (the optimizer zero_kernels.initialize returns; DeepSpeed's "
+            "engine.backward(loss)) in place of loss.backward(); nothing was updated"
         )
     return (
         f"ShardedFusedAdam (stage {stage}): {name} got a gradient after clip_grad_norm_ measured the gradients' "
