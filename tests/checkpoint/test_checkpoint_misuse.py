@@ -3,7 +3,9 @@
 - ``checkpoint.load`` inside stage 3's ``gathered_params()``: the block's end would write the values
   gathered before the load back over the loaded shards (the checkpoint's Adam state with the old weights).
   It raises on every rank before anything changes; loaded after the block, the model and the state are the
-  checkpoint's, bit for bit (2 gloo ranks, fp32 and bf16 parameters).
+  checkpoint's, bit for bit (2 gloo ranks, fp32 and bf16 parameters). ``checkpoint.save`` there would save the
+  weights from before the block's edits, which reach the shards at its end: it raises on every rank and writes
+  nothing; saved after the block, the checkpoint holds the edits.
 - A checkpoint whose optimized parameters differ from the optimizer's (one frozen on one side only: fine-tuning
   from pretraining) names that parameter, not only the counts.
 - ``consolidate`` of a checkpoint saved inside a gradient accumulation window, which it cannot carry, warns
@@ -89,15 +91,48 @@ def _load_inside_gathered(rank: int, world: int, root: str, dtype: torch.dtype) 
     return problems
 
 
+def _save_inside_gathered(rank: int, world: int, root: Path, dtype: torch.dtype) -> list[str]:
+    """An edit made in the block reaches the shards only at its end: a save there is refused, writing nothing; a
+    save after the block holds the edit."""
+    model = make_net(dtype)
+    opt = make_opt(model, 3)
+    train(model, opt, range(1), rank, world)
+    problems = []
+    try:
+        with opt.gathered_params():
+            with torch.no_grad():
+                model[0].weight.fill_(0.125)
+            ck.save(root, model, opt)
+        problems.append(f"{dtype}: save inside gathered_params() did not raise")
+    except ck.CheckpointError as err:
+        if "save was called inside gathered_params()" not in str(err) or "nothing was written" not in str(err):
+            problems.append(f"{dtype}: unclear error: {err}")
+    if root.exists():
+        problems.append(f"{dtype}: the refused save left {sorted(p.name for p in root.iterdir())}")
+    edited = snapshot(model, opt)
+    if not torch.equal(edited["0.weight"], torch.full_like(edited["0.weight"], 0.125)):
+        problems.append(f"{dtype}: the edit did not reach the model after the block")
+    ck.save(root, model, opt)
+    model = make_net(dtype)
+    opt = make_opt(model, 3)
+    ck.load(root, model, opt)
+    wrong = differences(snapshot(model, opt), edited)
+    if wrong:
+        problems.append(f"{dtype}: saved after the block, these differ from the edited model: {wrong}")
+    return problems
+
+
 def _gathered_body(rank: int, world: int, tmp: str) -> list[str]:
     problems = []
     for dtype in (torch.float32, torch.bfloat16):
         problems += _load_inside_gathered(rank, world, f"{tmp}/{dtype}", dtype)
+        problems += _save_inside_gathered(rank, world, Path(tmp) / f"saved inside {dtype}", dtype)
     return problems
 
 
 @pytest.mark.distributed
-def test_load_inside_gathered_params_raises_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+def test_load_or_save_inside_gathered_params_raises_on_every_rank_and_changes_nothing(tmp_path: Path) -> None:
+    """Stage 3, 2 ranks, fp32 and bf16 parameters."""
     run_ranks_checked(_gathered_body, 2, str(tmp_path), timeout_s=300)
 
 

@@ -293,7 +293,9 @@ def _commit(root: Path, version: str, meta: dict, files: dict[str, Optional[byte
 
 
 def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = None, scheduler: Any = None) -> Path:
-    """Save a new version of a sharded checkpoint under ``directory``; call it on every rank.
+    """Save a new version of a sharded checkpoint under ``directory``; call it on every rank, at stage 3 outside
+    ``gathered_params()`` (inside it raises ``CheckpointError`` on every rank and writes nothing: the block's edits
+    reach the shards only at its end).
 
     Args:
         directory: the checkpoint root (created if needed); earlier versions stay untouched.
@@ -308,6 +310,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     """
     check_byteorder()
     pipeline = _pipeline(optimizer)
+    _refuse_inside_hold(pipeline, "save")
     pipeline.wait_params()
     root = Path(directory)
     names = _names(model, optimizer)
@@ -553,15 +556,20 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
     accumulation.apply(staged.window, 0 if window is None else window["micro_step"], optimizer, pipeline)
 
 
-def _refuse_inside_hold(pipeline: Pipeline) -> None:
-    """At stage 3 the end of ``gathered_params()`` writes the full values gathered at its start back into the
-    shards: over a load made inside the block, which would keep the checkpoint's Adam state with the old weights.
-    Every rank is inside the block, so every rank raises, before anything is read or changed."""
-    if pipeline.holding:
-        raise CheckpointError(
-            "checkpoint: load was called inside gathered_params(), whose end would write the parameters gathered "
-            "before the load back over the loaded ones; call checkpoint.load after the block; nothing was changed"
-        )
+def _refuse_inside_hold(pipeline: Pipeline, action: str) -> None:
+    """At stage 3 the block's edits reach the shards, which checkpoints read and write, only at the end of
+    ``gathered_params()``: a save inside it would write the weights from before the edits, and the block's end
+    would write the values gathered at its start back over a load's. Every rank is inside the block, so every rank
+    raises, before anything is read, written or changed."""
+    if not pipeline.holding:
+        return
+    if action == "save":
+        why = "the block's edits reach the shards it saves only at the block's end, so it would save the weights "
+        why += "from before them; call checkpoint.save after the block; nothing was written"
+    else:
+        why = "the block's end would write the parameters gathered before the load back over the loaded ones; "
+        why += "call checkpoint.load after the block; nothing was changed"
+    raise CheckpointError(f"checkpoint: {action} was called inside gathered_params() at stage 3: {why}")
 
 
 def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: Any = None) -> Any:
@@ -585,7 +593,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     """
     check_byteorder()
     pipeline = _pipeline(optimizer)
-    _refuse_inside_hold(pipeline)
+    _refuse_inside_hold(pipeline, "load")
     pipeline.wait_params()
     adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
     staged = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False)
