@@ -41,8 +41,8 @@ def refused(stage: int, rank: int, world: int) -> None:
     name = NAMES.get(stage, NAMES[0])
     expected = (
         rf"{name} is torch.float32 \({VOCAB + 16}, 16\) .* the optimizer holds torch.float32 \({VOCAB}, 16\) .*: its "
-        r"shape changed, .*resize the model \(resize_token_embeddings\) before building the optimizer\. Nothing was "
-        r"sent .*put back.* config\.vocab_size"
+        r"shape changed, .*resize the model \(resize_token_embeddings\) before building the optimizer\. The replaced "
+        r"values were not sent: .*put back.* config\.vocab_size"
     )
     with pytest.raises(ValueError, match=expected):
         with opt.gathered_params(modifier_rank=0):

@@ -6,9 +6,12 @@ from them; in bf16 (fp32 masters, ZeRO++, frozen int8 units, offload) bit for bi
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.helpers.dist import run_cases
 from tests.helpers.lockstep import STAGES, Net, compare, forward_backward, make_models, make_opt
@@ -129,20 +132,62 @@ def _mismatched(model: Net, kind: str) -> None:
         model.frozen.data = torch.zeros(7)
 
 
-def mismatch_case(rank: int, world: int, stage: int, kind: str, name: str) -> None:
-    """Rank 1, the modifier, gives one parameter a ``.data`` the other ranks cannot receive: every rank raises naming
-    the parameter, nothing is sent, every rank's weights are as before the block (the ``.data`` put back), and
-    training goes on in lock-step with ``torch.optim.AdamW``."""
-    what = f"stage {stage}, rank 1 changed {name}'s {kind}"
+def same_on_every_rank(model: Net, what: str) -> None:
+    """Every parameter's bits are rank 0's."""
+    for name, p in model.named_parameters():
+        bits = p.detach().contiguous().view(torch.int32)
+        seen = [torch.empty_like(bits) for _ in range(dist.get_world_size())]
+        dist.all_gather(seen, bits)
+        assert all(torch.equal(b, bits) for b in seen), f"{what}: {name} differs between the ranks"
+
+
+def edit_in_place(model: Net) -> None:
+    with torch.no_grad():
+        model.emb.weight.add_(1.0)
+        model.frozen.mul_(-2.0)
+
+
+class ErrorRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def mismatch_case(rank: int, world: int, stage: int, kind: str, name: str, nesting: str = "") -> None:
+    """Rank 1, the modifier, edits in place, then gives one parameter a ``.data`` the other ranks cannot receive:
+    every rank raises naming the parameter, the replaced ``.data`` is put back, rank 1's in-place edits reach every
+    rank, bit for bit, and training goes on in lock-step with ``torch.optim.AdamW`` given those edits. ``nesting``:
+    "nested", the block inside a plain ``gathered_params()`` (stage 3 writes back at the outer block's end);
+    "raises", the block raises its own error, which comes out of it, the mismatch logged at ERROR."""
+    what = f"stage {stage}, rank 1 edited in place and changed {name}'s {kind} {nesting}"
     model, ref = make_models(torch.float32)
     opt = make_opt(model, stage)
     adamw = torch.optim.AdamW(ref.parameters(), lr=opt.param_groups[0]["lr"])
-    with pytest.raises(ValueError, match=rf"gathered_params\(modifier_rank=1\): {name} .*[Nn]othing was sent") as error:
-        with opt.gathered_params(modifier_rank=1):
-            if rank == 1:
-                _mismatched(model, kind)
-    assert "rank 1" in str(error.value), f"{what}: the error names no rank: {error.value}"
+    expected = BlockFailed if nesting == "raises" else ValueError
+    records = ErrorRecords()
+    logging.getLogger("zero_kernels").addHandler(records)
+    try:
+        with opt.gathered_params() if nesting == "nested" else contextlib.nullcontext():
+            with pytest.raises(expected) as error:
+                with opt.gathered_params(modifier_rank=1):
+                    if rank == 1:
+                        edit_in_place(model)
+                        _mismatched(model, kind)
+                    if nesting == "raises":
+                        raise BlockFailed
+    finally:
+        logging.getLogger("zero_kernels").removeHandler(records)
+    message = records.messages[0] if nesting == "raises" and records.messages else str(error.value)
+    assert re.search(rf"gathered_params\(modifier_rank=1\): {name} .*rank 1's values .* went to every rank", message), (
+        f"{what}: {message}"
+    )
+    assert "rank 1" in message, f"{what}: the error names no rank: {message}"
+    edit_in_place(ref)
     with opt.gathered_params():
+        same_on_every_rank(model, f"{what}: after the refused block")
         compare(model, ref, f"{what}: after the refused block")
     for step in range(2):
         forward_backward(model, ref, rank, world, stage, step)
@@ -150,17 +195,20 @@ def mismatch_case(rank: int, world: int, stage: int, kind: str, name: str) -> No
             o.step()
             o.zero_grad()
         with opt.gathered_params():
+            same_on_every_rank(model, f"{what}, step {step}")
             compare(model, ref, f"{what}, step {step}")
 
 
 def all_mismatch_cases(rank: int, world: int) -> None:
-    cases = [(f"stage {s} {kind}", mismatch_case, (s, kind, name)) for s in (0, 3) for kind, name in MISMATCHES]
+    cases = [(f"stage {s} {kind}", mismatch_case, (s, kind, name)) for s in STAGES for kind, name in MISMATCHES]
+    cases += [(f"stage {s} {n}", mismatch_case, (s, *MISMATCHES[0], n)) for s in (1, 3) for n in ("nested", "raises")]
     run_cases(rank, world, cases)
 
 
 @pytest.mark.distributed
 def test_a_modifier_edit_the_ranks_cannot_receive_raises_on_every_rank(spawn) -> None:
-    """Once a hang in the broadcast: the ranks agree on shapes and dtypes first."""
+    """Once a hang in the broadcast: the ranks agree on shapes and dtypes first. Then rank 1's in-place edits reach
+    every rank (once stage 0 kept them on rank 1 for good, stage 3 half of them when nested)."""
     spawn(all_mismatch_cases, 2, timeout_s=300)
 
 

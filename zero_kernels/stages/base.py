@@ -47,6 +47,7 @@ qwZ's int8 copies). Overrides within the stages: ``num_shards``, ``_place_params
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
 from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
@@ -684,17 +685,18 @@ class Pipeline(BackwardRound):
         modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
         self.wait_params()
         self.gather_exact(self.buffers)
-        held = [p for buf in self.buffers for p in buf.params]
-        others = modifier.Others(modifier.loose(self.module, held) if modifier_rank is not None else ())
-        try:
+        if modifier_rank is None:
             yield
-        finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
-            if modifier_rank is not None:
-                self._broadcast_params(modifier_rank, others)
+            return
+        held = [p for buf in self.buffers for p in buf.params]
+        others = modifier.Others(modifier.loose(self.module, held))
+        # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
+        with modifier.ending(functools.partial(self._broadcast_params, modifier_rank, others)):
+            yield
 
     def _broadcast_params(self, modifier_rank: int, others: modifier.Others) -> None:
         """Every rank takes ``modifier_rank``'s values of the held and the model's other parameters, once the ranks
-        agree on what they send (``modifier.check_sendable``)."""
+        agree on what they send (``modifier.check_sendable``); if they cannot, of what still fits, then raises."""
         flats = [buf.param_flat for buf in self.buffers]
         misfits = [m for buf in self.buffers for m in adopt.misfits(buf, buf.param_flat, self.name_of)]
         try:
@@ -703,6 +705,7 @@ class Pipeline(BackwardRound):
             for buf in self.buffers:
                 adopt.put_back(buf, buf.param_flat)
             others.put_back()
+            modifier.send_what_fits(self.engine, modifier_rank, flats, others, self.device)
             raise
         adopt.follow_replaced(self, self.name_of)  # p.data = ... on the modifier rank: into param_flat first
         modifier.broadcast(self.engine, flats + others.tensors(), modifier_rank)

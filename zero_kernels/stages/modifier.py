@@ -12,17 +12,21 @@ every rank) are broadcast as well, when the optimizer was given the model.
 Before anything is sent the ranks agree, in one small exchange of objects, on what they send (``check_sendable``):
 a ``p.data = ...`` of another shape, dtype or device than the optimizer holds, on any rank, or a parameter outside
 the optimizer's buffers whose shape or dtype differs from rank ``k``'s, would send mismatched collectives (a hang).
-Then every rank raises ``ModifierMismatch`` naming the parameter, sends nothing and puts every replaced ``.data``
-back (``adopt.put_back``, ``Others.put_back``): each parameter holds its values from before the replacement. Values
-written in place inside the block are not undone (no copy of the model is kept), except in stage 3's units gathered
-for the block, whose shards are then not written back; nor is anything else the block changed (the config that
-``resize_token_embeddings`` sets), which the error says. A shape change names its cause and remedy
-(``adopt.remedy``: resize before building the optimizer).
+Then every rank puts every replaced ``.data`` back (``adopt.put_back``, ``Others.put_back``): each parameter holds
+its values from before the replacement. What still fits is sent (``send_what_fits``): the optimizer's buffers, whose
+shapes never change, and the others when their shapes agree again, so that rank ``k``'s in-place edits reach every
+rank (stage 3 writes them back at the outermost block's end, as an accepted block's), and the ranks never keep
+different weights; then every rank raises ``ModifierMismatch`` naming the parameter. Nothing else the block changed
+is undone (the config that ``resize_token_embeddings`` sets), which the error says. A shape change names its cause
+and remedy (``adopt.remedy``: resize before building the optimizer). When the block raised its own error, that
+error propagates and the mismatch is logged at ERROR (``ending``): ``except`` around the block catches it as usual.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+import contextlib
+import logging
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -31,6 +35,8 @@ from ..comm.agreement import ranks_text
 from ..comm.engine_base import EngineBase
 from ..comm.objects import all_gather_objects
 from ..wording import plural
+
+log = logging.getLogger("zero_kernels")
 
 
 def check_modifier_rank(modifier_rank: Optional[int], world_size: int) -> None:
@@ -75,6 +81,36 @@ class ModifierMismatch(ValueError):
     """The ranks would send different tensors at the end of ``gathered_params(modifier_rank=k)``."""
 
 
+@contextlib.contextmanager
+def ending(end: Callable[[], None]) -> Iterator[None]:
+    """Run ``end`` (the block's exchange) after the block, also when the block raised; then the block's own error
+    propagates, as ``except`` around the block expects, and a ``ModifierMismatch`` of ``end`` is logged at ERROR."""
+    try:
+        yield
+    except BaseException:
+        try:
+            end()
+        except ModifierMismatch as mismatch:
+            log.error("%s (while the block's own error propagated, which is raised)", mismatch)
+        raise
+    end()
+
+
+def send_what_fits(
+    engine: EngineBase,
+    modifier_rank: int,
+    flats: Iterable[Optional[torch.Tensor]],
+    others: Others,
+    device: Optional[torch.device],
+) -> None:
+    """After a ``ModifierMismatch``, every replaced ``.data`` put back: rank ``modifier_rank``'s values of the
+    optimizer's ``flats`` (whose shapes never change) and, when every rank's now have its shapes and dtypes, of the
+    ``others``, to every rank: its in-place edits reach every rank, as an accepted block's would."""
+    rows = all_gather_objects(engine, others.described(), name="modifier.refit", device=device)
+    fits = all(row == rows[modifier_rank] for row in rows)
+    broadcast(engine, list(flats) + (others.tensors() if fits else []), modifier_rank)
+
+
 class Others:
     """The model's tensors a modifier block sends besides the optimizer's flat buffers (the model's parameters
     it does not hold, stage 3's frozen units), each with the ``.data`` it had when the block began."""
@@ -105,18 +141,18 @@ def check_sendable(
     dtypes. One exchange of objects (on ``device``, the parameters'), whose outcome every rank reads alike."""
     rows = all_gather_objects(engine, (misfits[:1], others.described()), name="modifier.check", device=device)
     where = f"gathered_params(modifier_rank={modifier_rank})"
-    after = (
-        "; nothing was sent and every replaced .data was put back. Change a parameter's shape or dtype before "
-        "building the optimizer"
+    sent = (
+        f"every replaced .data was put back, then rank {modifier_rank}'s values of the parameters (its in-place "
+        "edits) went to every rank"
     )
+    after = f"; {sent}. Change a parameter's shape or dtype before building the optimizer"
     for rank, (found, _) in enumerate(rows):
         if found:
             name, now, holds, remedy = found[0]
             raise ModifierMismatch(
-                f"{where}: {name} is {now} on rank {rank}, the optimizer holds {holds}: {remedy}. Nothing was sent "
-                "and every replaced .data was put back: each parameter holds its values from before the block. "
-                "Other changes made in the block stay (resize_token_embeddings' config.vocab_size: resize back to "
-                "the size the optimizer holds, inside gathered_params())"
+                f"{where}: {name} is {now} on rank {rank}, the optimizer holds {holds}: {remedy}. The replaced "
+                f"values were not sent: {sent}. Other changes made in the block stay (resize_token_embeddings' "
+                "config.vocab_size: resize back to the size the optimizer holds, inside gathered_params())"
             )
     reference = rows[modifier_rank][1]
     for i, (name, _, _) in enumerate(reference):

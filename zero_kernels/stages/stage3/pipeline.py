@@ -53,6 +53,7 @@ same order outside leaf modules, as the collectives follow them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -578,10 +579,9 @@ class Stage3Pipeline(Stage2Pipeline):
             return
         self._begin_hold()
         others = self._others() if modifier_rank is not None else modifier.Others(())
-        try:
+        # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
+        with modifier.ending(functools.partial(self._end_hold, modifier_rank, others)):
             yield
-        finally:  # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
-            self._end_hold(modifier_rank, others)
 
     def _others(self) -> modifier.Others:
         """What a modifier block sends besides the buffers: the gathered frozen units' and the model's other
@@ -600,13 +600,16 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _end_hold(self, modifier_rank: Optional[int], others: Optional[modifier.Others] = None) -> None:
         """Leave a ``gathered_params`` block: ``modifier_rank``'s values to every rank, the edits into the shards
-        (outermost block), the units released. When the ranks cannot agree on what to send, nothing is sent nor
-        written back (``stages.modifier``)."""
+        (outermost block), the units released. When the ranks cannot agree on what to send, what still fits is
+        sent and written back, then ``ModifierMismatch`` raised (``stages.modifier``)."""
         try:
+            mismatch = None
             if modifier_rank is not None:
-                self._broadcast_full(modifier_rank, others or modifier.Others(()))
+                mismatch = self._broadcast_full(modifier_rank, others or modifier.Others(()))
             if self._hold_depth == 1:
                 self._write_back()
+            if mismatch is not None:
+                raise mismatch
         finally:
             self._hold_depth -= 1
             if self._hold_depth == 0:
@@ -632,23 +635,26 @@ class Stage3Pipeline(Stage2Pipeline):
             if installed:
                 self._install_scheduler()
 
-    def _broadcast_full(self, modifier_rank: int, others: modifier.Others) -> None:
+    def _broadcast_full(self, modifier_rank: int, others: modifier.Others) -> Optional[modifier.ModifierMismatch]:
         """Every parameter's full value (gathered units, persistent buffers, frozen units, the model's other
         parameters) from ``modifier_rank``, once the ranks agree on what they send (``modifier.check_sendable``);
-        a ``p.data = ...`` there is taken into its buffer first."""
+        a ``p.data = ...`` there is taken into its buffer first. When they cannot agree: the replaced ``.data`` put
+        back, what still fits sent, and the mismatch returned, to raise once the block's end is written back."""
         full = [buf.param_flat if buf.persistent else buf.full for buf in self.buffers]
         pairs = [(buf, flat) for buf, flat in zip(self.buffers, full) if flat is not None]
         misfits = [m for buf, flat in pairs for m in adopt.misfits(buf, flat, self.name_of)]
         try:
             modifier.check_sendable(self.engine, modifier_rank, misfits, others, self.device)
-        except modifier.ModifierMismatch:
+        except modifier.ModifierMismatch as mismatch:
             for buf, flat in pairs:
                 adopt.put_back(buf, flat)
             others.put_back()
-            raise
+            modifier.send_what_fits(self.engine, modifier_rank, full, others, self.device)
+            return mismatch
         for buf, flat in pairs:
             adopt.readopt(buf, flat, self.name_of)
         modifier.broadcast(self.engine, full + others.tensors(), modifier_rank)
+        return None
 
     def _write_back(self) -> None:
         for buf in self.buffers:
