@@ -142,8 +142,8 @@ def check_sendable(
     rows = all_gather_objects(engine, (misfits[:1], others.described()), name="modifier.check", device=device)
     where = f"gathered_params(modifier_rank={modifier_rank})"
     sent = (
-        f"every replaced .data was put back, then rank {modifier_rank}'s values of the parameters (its in-place "
-        "edits) went to every rank"
+        f"every replaced .data was put back, then rank {modifier_rank}'s values of what fits (its in-place edits "
+        "included) went to every rank"
     )
     after = f"; {sent}. Change a parameter's shape or dtype before building the optimizer"
     for rank, (found, _) in enumerate(rows):
