@@ -5,7 +5,7 @@
   It raises on every rank before anything changes; loaded after the block, the model and the state are the
   checkpoint's, bit for bit (2 gloo ranks, fp32 and bf16 parameters). ``checkpoint.save`` there would save the
   weights from before the block's edits, which reach the shards at its end: it raises on every rank and writes
-  nothing; saved after the block, the checkpoint holds the edits.
+  nothing; saved after the block, the checkpoint holds the edits. The state dicts read there hold them.
 - A checkpoint whose optimized parameters differ from the optimizer's (one frozen on one side only: fine-tuning
   from pretraining) names that parameter, not only the counts.
 - ``consolidate`` of a checkpoint saved inside a gradient accumulation window, which it cannot carry, warns
@@ -122,8 +122,39 @@ def _save_inside_gathered(rank: int, world: int, root: Path, dtype: torch.dtype)
     return problems
 
 
-def _gathered_body(rank: int, world: int, tmp: str) -> list[str]:
+def _edited_master(opt: zo.ShardedFusedAdam, read: str, value: float) -> bool:
+    state = opt.full_state_dict()["state"] if read == "full" else opt.state_dict()["state"]
+    return torch.equal(state[0]["master"], torch.full_like(state[0]["master"], value))
+
+
+def _state_read_inside_gathered(rank: int, world: int) -> list[str]:
+    """Unlike a save, the state dicts read the block's edits (``live_param_shard``): the bf16 parameter's fp32
+    master, in the full and the consolidated state, is the edit inside the block; this rank's shard (by buffer)
+    is already what it is after the block."""
+    model = make_net(torch.bfloat16)
+    opt = make_opt(model, 3)
+    train(model, opt, range(1), rank, world)
     problems = []
+    with opt.gathered_params():
+        with torch.no_grad():
+            model[0].weight.fill_(0.125)
+        shard = opt.state_dict()["state"]
+        if not _edited_master(opt, "full", 0.125):
+            problems.append("inside gathered_params(), full_state_dict() misses the block's edit")
+    after = opt.state_dict()["state"]
+    if any(not torch.equal(v, after[i][k]) for i, e in shard.items() for k, v in e.items()):
+        problems.append("inside gathered_params(), state_dict() differs from after the block")
+    with opt.gathered_params():
+        with torch.no_grad():
+            model[0].weight.fill_(0.25)
+        opt.consolidate_state_dict(0)
+        if rank == 0 and not _edited_master(opt, "consolidated", 0.25):
+            problems.append("inside gathered_params(), consolidate_state_dict() misses the block's edit")
+    return problems
+
+
+def _gathered_body(rank: int, world: int, tmp: str) -> list[str]:
+    problems = _state_read_inside_gathered(rank, world)
     for dtype in (torch.float32, torch.bfloat16):
         problems += _load_inside_gathered(rank, world, f"{tmp}/{dtype}", dtype)
         problems += _save_inside_gathered(rank, world, Path(tmp) / f"saved inside {dtype}", dtype)
