@@ -149,7 +149,10 @@ def all_cases(rank: int, world: int) -> None:
 
 
 def one_process_optimizer_refused(rank: int, world: int) -> None:
-    """Item 4."""
+    """Item 4: an optimizer built before the process group existed is refused; one given a process group of one
+    rank on purpose is taken."""
+    from unittest import mock
+
     import torch.distributed as dist
 
     import zero_kernels as zk
@@ -159,12 +162,15 @@ def one_process_optimizer_refused(rank: int, world: int) -> None:
     alone = [dist.new_group([r]) for r in range(world)][rank]
     accelerator = _accelerator(ZeroAccelerator)
     model = _model()
-    opt = zk.ShardedFusedAdam(model.parameters(), lr=LR, stage=2, process_group=alone)
+    with mock.patch.object(dist, "is_initialized", return_value=False):  # as built before init_process_group
+        opt = zk.ShardedFusedAdam(model.parameters(), lr=LR, stage=2)
     refused = r"spans 1 process while Accelerate runs 2: .*Build ZeroAccelerator\(\.\.\.\) first"
     with pytest.raises(ValueError, match=refused):
         accelerator.prepare(model, opt)
     with pytest.raises(ValueError, match=refused):
         accelerator.prepare(opt)
+    chosen = _model()
+    accelerator.prepare(zk.ShardedFusedAdam(chosen.parameters(), lr=LR, stage=2, process_group=alone))
 
 
 @pytest.mark.distributed

@@ -97,10 +97,10 @@ class ZeroAccelerator(Accelerator):
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
 
     def _check_world(self, optimizer: Any) -> None:
-        """``ValueError`` when Accelerate runs several processes and ``optimizer`` spans one: it was built before
-        the process group existed, and each process would train alone."""
-        world = optimizer.pipeline.engine.world_size
-        if world == 1 and self.num_processes > 1:
+        """``ValueError`` when Accelerate runs several processes and ``optimizer`` was built before the process
+        group existed: it spans one, and each process would train alone (a process group of one rank given on
+        purpose is taken)."""
+        if not optimizer.pipeline.engine.distributed and self.num_processes > 1:
             raise ValueError(
                 f"this ShardedFusedAdam spans 1 process while Accelerate runs {self.num_processes}: it was built "
                 "before the process group existed, and every process would train on its own, gradients never "
