@@ -10,6 +10,7 @@ import copy
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -141,6 +142,15 @@ def fp16_case(rank: int, world: int, stage: int) -> None:
     fresh = zo.ShardedFusedAdam(nn.Linear(7, 3).half(), lr=LR, stage=stage, reduce_bucket_size=5, fp16=fp16)
     fresh.load_state_dict(opt.state_dict())  # this rank's shard where there are several
     assert (fresh.skipped_steps, fresh.applied_steps) == (2, 0), f"stage {stage}: {fresh.skipped_steps} skipped"
+    full = opt.full_state_dict()
+    opt.consolidate_state_dict(to=0)
+    whole = opt.state_dict() if rank == 0 else full  # rank 0: the consolidated state
+    for name, state_dict in (("full_state_dict()", full), ("the consolidated state_dict()", whole)):
+        again = zo.ShardedFusedAdam(nn.Linear(7, 3).half(), lr=LR, stage=stage, reduce_bucket_size=5, fp16=fp16)
+        again.load_state_dict(state_dict)
+        what = f"stage {stage}, {name}"
+        assert again.skipped_steps == 2, f"{what}: {again.skipped_steps} skipped"
+        assert again.loss_scaler.state_dict() == opt.loss_scaler.state_dict(), f"{what}: the loss scaler"
 
 
 def bad_input_case(rank: int, world: int, stage: int) -> None:
@@ -444,3 +454,10 @@ def test_skipped_steps_are_restored_by_load_state_dict(stage: int, monkeypatch: 
         with pytest.raises(ValueError, match=r"\['skipped_steps'\] must be an integer >= 0, got"):
             opt3.load_state_dict(wrong)
     assert opt3.skipped_steps == 0, "a refused load changed skipped_steps"
+    for bad in (-1, 2.5, "3", True, torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match=r"^skipped_steps must be an integer >= 0, got"):
+            opt3.skipped_steps = bad
+    assert opt3.skipped_steps == 0, "a refused value changed skipped_steps"
+    for good in (np.int64(4), torch.tensor(3)):
+        opt3.skipped_steps = good
+        assert opt3.skipped_steps == int(good) and type(opt3.skipped_steps) is int

@@ -492,9 +492,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
+        count = optim_state.step_count(value, "skipped_steps")
         if getattr(self, "_pipeline", None) is not None:  # a step not yet counted counts before the new value
             self._pipeline.settle()
-        self._skipped_steps = int(value)
+        self._skipped_steps = count
 
     @property
     def applied_steps(self) -> int:
@@ -654,8 +655,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         if self._consolidated is not None:
-            groups = optim_state.full_groups(self)
-            state_dict = {"state": {**self._consolidated, **self.state.extra}, "param_groups": groups}
+            state_dict = optim_state.with_whole_meta(self, self._consolidated)
         else:
             state_dict = optim_state.sharded(self)
         for post_hook in self._optimizer_state_dict_post_hooks.values():

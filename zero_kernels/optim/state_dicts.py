@@ -12,7 +12,8 @@ Two layouts, told apart by the ``zero_kernels.sharded`` key:
 - full (``full_state_dict()``, ``consolidate_state_dict``, ``torch.optim.AdamW``'s): ``state`` maps
   each parameter's index to AdamW's entry (``step``, ``exp_avg``, ``exp_avg_sq``, with AMSGrad
   ``max_exp_avg_sq``, and for bf16/fp16 parameters their fp32 ``master``, an extra key AdamW keeps
-  and ignores), shaped like the parameter; it loads at any stage and world size.
+  and ignores), shaped like the parameter; it loads at any stage and world size. Ours carry the loss
+  scale and ``skipped_steps`` under the ``zero_kernels.sharded`` key too (AdamW ignores the key).
 
 Both number parameters as torch does (a parameter listed twice keeps its first index) and keep the
 keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading the AdamW
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import operator
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ..stages import state_door as zstate
@@ -92,8 +94,13 @@ def sharded(opt: "ShardedFusedAdam") -> dict[str, Any]:
 def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
     """The state of a rank that holds all of it, in AdamW's layout (no communication): each entry also
     holds ``master`` for bf16/fp16 parameters; the loss scale and ``skipped_steps`` ride under ``FORMAT``."""
+    return with_whole_meta(opt, zstate.gather_full_state(opt.pipeline))
+
+
+def with_whole_meta(opt: "ShardedFusedAdam", state: dict[Any, Any]) -> dict[str, Any]:
+    """``state`` (whole, by parameter index) in AdamW's layout, with the loss scale and ``skipped_steps`` under
+    ``FORMAT`` (which ``torch.optim.AdamW`` ignores)."""
     pipeline = opt.pipeline
-    state = zstate.gather_full_state(pipeline)  # with "master" of low-precision parameters
     return {
         "state": {**state, **opt.state.extra},
         "param_groups": full_groups(opt),
@@ -115,9 +122,8 @@ def full_groups(opt: "ShardedFusedAdam") -> list[dict[str, Any]]:
 
 
 def full(opt: "ShardedFusedAdam") -> dict[str, Any]:
-    """The whole state in AdamW's layout (a collective: every rank calls it)."""
-    state = zstate.gather_full_state(opt.pipeline)
-    return {"state": {**state, **opt.state.extra}, "param_groups": full_groups(opt)}
+    """The whole state in AdamW's layout, as ``whole`` (a collective: every rank calls it)."""
+    return whole(opt)
 
 
 # ---------------------------------------------------------------- loading
@@ -181,11 +187,21 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
 def _skipped_steps(meta: Optional[Mapping[str, Any]]) -> Optional[int]:
     """The saved ``skipped_steps`` (None where the state has none: a state dict of before the field, or AdamW's)."""
     value = None if meta is None else meta.get("skipped_steps")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(
-            f"load_state_dict: state_dict[{FORMAT!r}]['skipped_steps'] must be an integer >= 0, got {value!r}"
-        )
-    return value
+    if value is None:
+        return None
+    return step_count(value, f"load_state_dict: state_dict[{FORMAT!r}]['skipped_steps']")
+
+
+def step_count(value: Any, what: str) -> int:
+    """``value`` as a count of steps: an integer >= 0 (a Python, NumPy or one-element integer tensor's; not a bool),
+    else ``ValueError`` naming ``what``."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+    return count
 
 
 def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
