@@ -39,10 +39,10 @@ FULL = {
     "fp16": {
         "enabled": True,
         "loss_scale": "128",
-        "initial_scale_power": 12,
+        "initial_scale_power": "12",  # DeepSpeed's config model reads these strings as their integers
         "loss_scale_window": 500,
-        "hysteresis": 3,
-        "min_loss_scale": 2.0,
+        "hysteresis": " 3 ",
+        "min_loss_scale": "2.0",
     },
     "bf16": {"enabled": False},
     "gradient_clipping": 1.0,
@@ -79,6 +79,16 @@ def test_full_config_sets_every_field() -> None:
     assert (cfg.bf16, cfg.gradient_clipping, cfg.communication_data_type) == (False, 1.0, torch.float32)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (16, 2, 4)
     assert cfg.world_size == 2 and cfg.stage == 3
+
+
+@pytest.mark.parametrize(
+    "fp16", [{"enabled": True, "loss_scale": 128, "min_loss_scale": 0, "loss_scale_window": 0}, {"min_loss_scale": 0}]
+)
+def test_dynamic_scaling_keys_are_bounded_only_where_read(fp16: dict) -> None:
+    """As DeepSpeed's config model: ``min_loss_scale`` and ``loss_scale_window`` must be >= 1 only with dynamic
+    loss scaling (fp16 on, ``loss_scale`` 0); a static scale or fp16 off leaves them unread."""
+    cfg = ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 1, "fp16": fp16})
+    assert cfg.fp16.min_loss_scale == 0
 
 
 def test_defaults_are_deepspeeds() -> None:
@@ -455,8 +465,11 @@ BAD = [
     ({"zero_optimization": {"offload_param": 3}}, "zero_optimization.offload_param=3", '{"device": "cpu"}'),
     ({"fp16": {"loss_scale": -1}}, "fp16.loss_scale=-1", ">= 0"),
     ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis=0", ">= 1"),
-    ({"fp16": {"min_loss_scale": 0}}, "fp16.min_loss_scale=0", ">= 1"),
-    ({"fp16": {"min_loss_scale": 0.5}}, "fp16.min_loss_scale=0.5", "an integer >= 1"),
+    ({"fp16": {"enabled": True, "min_loss_scale": 0}}, "fp16.min_loss_scale=0", ">= 1 with dynamic loss scaling"),
+    ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window=0", ">= 1 with dynamic"),
+    ({"fp16": {"min_loss_scale": 0.5}}, "fp16.min_loss_scale=0.5", "an integer, or a string holding one"),
+    ({"fp16": {"min_loss_scale": "2.5"}}, "fp16.min_loss_scale='2.5'", "an integer, or a string holding one"),
+    ({"fp16": {"initial_scale_power": "x"}}, "fp16.initial_scale_power='x'", "an integer >= 0, or a string"),
     ({"fp16": {"loss_scale": "abc"}}, "fp16.loss_scale='abc'", "a finite number >= 0, or a string holding one"),
     ({"fp16": {"loss_scale": "inf"}}, "fp16.loss_scale='inf'", "a finite number >= 0"),
     ({"fp16": {"loss_scale": True}}, "fp16.loss_scale=True", "a finite number >= 0"),

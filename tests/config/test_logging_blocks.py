@@ -100,7 +100,7 @@ def test_bf16_check_grad_overflow_false_is_a_warning(value: bool, level: int, ca
           "0.17 onwards refuses it): remove it or write 0"]),
         ({"bf16": {"loss_scale": -1}}, ["bf16.loss_scale=-1 is invalid: expected 0"]),
         ({"bf16": {"enabled": True, "hysteresis": 0}}, ["bf16.hysteresis=0 is invalid: expected an integer >= 1"]),
-        ({"bfloat16": {"min_loss_scale": 0}}, ["bfloat16.min_loss_scale=0 is invalid: expected an integer >= 1"]),
+        ({"bfloat16": {"min_loss_scale": 0.5}}, ["bfloat16.min_loss_scale=0.5 is invalid: expected an integer"]),
         ({"bf16": {"enabled": True, "check_grad_overflow": 0}},
          ["bf16.check_grad_overflow=0 is invalid: expected true or false"]),
         ({"bf16": {"enabled": True, "check_overflow": True}},

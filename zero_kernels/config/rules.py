@@ -82,11 +82,17 @@ def _in_range(x: float, lo: Optional[float], hi: Optional[float], lo_open: bool,
     return hi is None or (x < hi if hi_open else x <= hi)
 
 
-def integer(lo: Optional[int] = None, hi: Optional[int] = None, *, multiple_of: int = 1) -> Scalar:
+_INTEGER_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
+
+
+def integer(lo: Optional[int] = None, hi: Optional[int] = None, *, multiple_of: int = 1, text: bool = False) -> Scalar:
     """An int (an integral float such as JSON's ``5e8`` counts; ``2.5`` and booleans do not), a multiple of
-    ``multiple_of``."""
+    ``multiple_of``; ``text``: a string holding one counts too (``"2"``, ``"2.0"``: DeepSpeed's config model
+    reads its fp16 integers so)."""
 
     def convert(value: Any) -> int:
+        if text and isinstance(value, str) and _INTEGER_TEXT.fullmatch(value):
+            value = float(value)
         if not _is_number(value) or not math.isfinite(value) or value != int(value):
             raise Invalid
         if not _in_range(value, lo, hi, False, False) or int(value) % multiple_of:
@@ -95,10 +101,8 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None, *, multiple_of: 
 
     bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else _range_text(lo, hi, False, False)
     multiple = f", a multiple of {multiple_of}" if multiple_of != 1 else ""
-    return Scalar(f"an integer {bounds}".strip() + multiple, convert)
-
-
-_INTEGER_TEXT = re.compile(r"\s*[+-]?\d+(\.0*)?\s*")
+    allowed = f"an integer {bounds}".strip() + multiple
+    return Scalar(f"{allowed}, or a string holding one" if text else allowed, convert)
 
 
 def enum_integer(lo: int, hi: int) -> Scalar:

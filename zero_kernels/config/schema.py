@@ -278,10 +278,11 @@ FP16 = Section(
     fields={
         "enabled": Field(boolean(), False),
         "loss_scale": Field(number(0, text=True), 0.0),  # DeepSpeed reads it with float(): "128" too
-        "initial_scale_power": Field(integer(0), 16),
-        "loss_scale_window": Field(integer(1), 1000),
-        "hysteresis": Field(integer(1), 2),
-        "min_loss_scale": Field(integer(1), 1),  # an int in DeepSpeed's config model: 0.5 is refused there
+        # ints in DeepSpeed's config model, which reads "2" as 2 and refuses 0.5
+        "initial_scale_power": Field(integer(0, text=True), 16),
+        "loss_scale_window": Field(integer(text=True), 1000),  # >= 1 with dynamic scaling: FP16Config
+        "hysteresis": Field(integer(1, text=True), 2),
+        "min_loss_scale": Field(integer(text=True), 1),  # >= 1 with dynamic scaling: FP16Config
         "consecutive_hysteresis": Field(boolean(), False),
     },
     ignored={

@@ -268,6 +268,13 @@ class FP16Config:
 
     def __post_init__(self) -> None:
         _normalise(self, {f.name: FP16.fields[f.name].rule for f in fields(self)}, "FP16Config")
+        if self.enabled and self.loss_scale == 0:  # only dynamic scaling reads them, as in DeepSpeed
+            for key in ("loss_scale_window", "min_loss_scale"):
+                if getattr(self, key) < 1:
+                    raise ValueError(
+                        f"fp16.{key}={getattr(self, key)!r} is invalid: expected an integer >= 1 with dynamic loss "
+                        "scaling (fp16.enabled with loss_scale 0)"
+                    )
 
 
 _COUNT = integer(1)
