@@ -233,3 +233,21 @@ def test_norm_types_one_process(tmp_path: Path) -> None:
 @pytest.mark.distributed
 def test_norm_types_on_ranks(spawn, tmp_path: Path) -> None:
     spawn(norm_type_cases, 2, str(tmp_path), timeout_s=600.0)
+
+
+def test_a_clip_inside_the_accumulation_window_is_refused_and_names_the_remedy() -> None:
+    """The gradients are complete only at the micro-step that updates: a clip before it raises, naming where to
+    call it (and Accelerate's count, whose ``sync_gradients`` loops clip by); at that micro-step it clips."""
+    import zero_kernels as zk
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=0, gradient_accumulation_steps=2)
+    model(torch.randn(4, 3)).sum().backward()
+    said = r"clip_grad_norm_ on accumulation micro-step 1 of 2: .*Accelerator\(gradient_accumulation_steps=\.\.\.\)"
+    with pytest.raises(RuntimeError, match=said):
+        opt.clip_grad_norm_(1.0)
+    opt.step()
+    model(torch.randn(4, 3)).sum().backward()
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])) / 2
+    assert float(opt.clip_grad_norm_(1.0)) == pytest.approx(float(expected), rel=1e-6)
