@@ -545,6 +545,16 @@ def pieces_case(opt: zo.ShardedFusedAdam, full: dict, rank: int, world: int, wha
         assert held[index] == copies * numels[index], f"{what}: parameter {index} held {held[index]} times over ranks"
 
 
+def sharded_layout(state_dict: dict) -> bool:
+    """Whether ``state_dict`` is a rank's shard (the whole state, in AdamW's layout, carries ``whole``)."""
+    return FORMAT in state_dict and not state_dict[FORMAT].get("whole")
+
+
+def same_entries(state_dict: dict, full: dict, what: str) -> None:
+    for i, entry in full["state"].items():
+        assert all(torch.equal(state_dict["state"][i][k], entry[k]) for k in entry), f"{what} {i}"
+
+
 def ranks_case(rank: int, world: int, path: str) -> None:
     for stage in STAGES:
         what = f"world {world} stage {stage}"
@@ -556,16 +566,20 @@ def ranks_case(rank: int, world: int, path: str) -> None:
         to = world - 1
         opt.consolidate_state_dict(to=to)
         sd = opt.state_dict()
+        sharded = world > 1 and stage > 0
         if rank == to:
-            assert FORMAT not in sd and sorted(sd["state"]) == sorted(full["state"]), what
-            for i, entry in full["state"].items():
-                assert all(torch.equal(sd["state"][i][k], entry[k]) for k in entry), f"{what}: consolidated {i}"
+            assert not sharded_layout(sd) and sorted(sd["state"]) == sorted(full["state"]), what
+            assert sd[FORMAT]["skipped_steps"] == opt.skipped_steps, f"{what}: consolidated skipped_steps"
+            same_entries(sd, full, f"{what}: consolidated")
         else:
-            assert FORMAT in sd, f"{what}: rank {rank} keeps its shard"
+            assert sharded_layout(sd) == sharded, f"{what}: rank {rank} keeps its shard"
         (model2, opt2), (model3, opt3) = deep_and_pickled_copies(model, opt, stage).values()
         for m, o in ((model, opt), (model2, opt2), (model3, opt3)):
             train(m, o, rank, world, stage, range(3, 5))
-        assert FORMAT in opt.state_dict(), f"{what}: the consolidated state outlived a step"
+        after, sd = opt.full_state_dict(), opt.state_dict()
+        assert sharded_layout(sd) == sharded, f"{what}: the consolidated state outlived a step"
+        if not sharded:
+            same_entries(sd, after, f"{what}: the consolidated state outlived a step")
         same_params(model, opt, model2, opt2, f"{what} deepcopy")
         same_params(model, opt, model3, opt3, f"{what} torch.save/load")
         if stage in (1, 3):
