@@ -8,6 +8,8 @@
 - A parameter read outside its module (``F.linear(h, self.embed.weight)``, a tied output embedding)
   is gathered for the module that reads it, registered or found on first use; read outside any
   forward it raises an error naming it.
+- A module returning views of its own parameter (``self.table[:n]``, GPT-2's ``wpe`` read as a slice), read
+  after the module freed its units, trains and evaluates as AdamW.
 - ``torch.compile`` (aot_eager) at every stage.
 
 Tolerances as in ``test_stage3.py``: fp32, ``rtol=1e-5`` with ``atol = 1e-6 x`` the tensor's largest
@@ -490,6 +492,58 @@ def test_module_returning_its_input_or_a_child_output_on_some_ranks_matches_adam
     """A module that adds its parameter's term on some ranks and returns its input (or its child's output)
     unchanged on the others trains as AdamW on the whole batch, with small and default sizes."""
     spawn(_skip_cases, 2)
+
+
+class Positions(nn.Module):
+    """A table of learned positions returned as views of the parameter (GPT-2's ``wpe``, a ViT's ``pos_embed``)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.table = nn.Parameter(torch.randn(8, 6))
+
+    def forward(self, n: int) -> dict[str, torch.Tensor]:
+        rows = self.table[:n] if self.form == "slice" else self.table.view(4, 12)[: (n + 1) // 2].view(-1, 6)[:n]
+        return {"rows": rows}
+
+
+class PositionNet(nn.Module):
+    """The mean of the losses of ``x``'s chunks, each given the positions of its rows."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.inp, self.pos, self.out = nn.Linear(4, 6), Positions(form), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+        losses = []
+        for h in x.chunk(chunks):
+            got = self.pos(len(h))
+            losses.append(self.out(torch.tanh(self.inp(h) + got["rows"])).square().mean())
+        return sum(losses) / chunks
+
+
+def _position_cases(rank: int, world: int) -> None:
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for form in ("slice", "views"):
+        torch.manual_seed(0)
+        model = PositionNet(form)
+        ref = copy.deepcopy(model)
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+        forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
+        _train(rank, world, model, ref, opt, batches, f"positions ({form})", forward)
+        x = batches[0][rank * ROWS : (rank + 1) * ROWS]
+        with torch.no_grad():
+            assert_close(model(x), ref(x), rtol=1e-5, atol=1e-7, what=f"positions ({form}) evaluated")
+        opt.pipeline.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_module_returning_views_of_its_parameter_matches_adamw(spawn, world: int) -> None:
+    """A module that returns slices and views of its parameter (in a dict), read after the module freed its
+    parameters, trains and evaluates as AdamW (the views used to read freed memory: a crash
+    or garbage)."""
+    spawn(_position_cases, world)
 
 
 # -- torch.compile ----------------------------------------------------------------------------------------

@@ -16,15 +16,19 @@ it work as on the output itself. An output that shares its storage with an input
 or that is a leaf, comes out as a view of it (autograd's rule for a tensor a custom function returns
 as is): modifying it in place then raises autograd's error (clone it first) instead of giving gradients
 that miss the modification.
+
+An output that views a gathered parameter of the module (``return self.pos[:n]``) would read freed memory once
+the module's units are freed at its exit: it comes out as a copy made just before (``copy_views``).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
+from torch import nn
 
 from .uses import grad_tensors
 
@@ -60,7 +64,7 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def _replace(obj: Any, new: dict[int, torch.Tensor]) -> Any:
-    """``obj`` with each tensor found by ``grad_tensors`` replaced by ``new[id(tensor)]``; containers rebuilt
+    """``obj`` with each tensor ``new`` holds replaced by ``new[id(tensor)]``; containers rebuilt
     (a dict shallow-copied, so a subclass such as Hugging Face's ``ModelOutput`` keeps its type), untouched
     where nothing inside changed."""
     if isinstance(obj, torch.Tensor):
@@ -81,6 +85,17 @@ def _replace(obj: Any, new: dict[int, torch.Tensor]) -> Any:
     if type(obj) in (tuple, list):
         return type(obj)(items)
     return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+
+
+def copy_views(output: Any, params: Sequence[nn.Parameter]) -> Any:
+    """``output`` with each tensor that views the storage of ``params`` (gathered parameters about to be freed:
+    ``return self.pos[:n]``) replaced by a copy, through autograd (gradients reach the parameter as through the
+    view), where the view would read freed memory; a parameter itself stays as is (a read gathers it again)."""
+    storages = {_storage(p) for p in params} - {0}
+    if not storages:
+        return output
+    views = [t for t in _tensors(output) if not isinstance(t, nn.Parameter) and _storage(t) in storages]
+    return _replace(output, {id(t): t.clone() for t in views}) if views else output
 
 
 def route_outputs(output: Any, inputs: Any, on_backward: Callable[[], Any]) -> Any:

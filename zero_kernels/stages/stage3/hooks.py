@@ -65,7 +65,7 @@ from torch.utils.hooks import RemovableHandle
 from ..grad_state import second_gradient
 from . import guard as guard
 from . import model_hints
-from .boundary import route_outputs
+from .boundary import copy_views, route_outputs
 from .plan import ModulePlan, plan
 from .uses import UseTracker
 
@@ -309,8 +309,11 @@ class Stage3Scheduler:
             for p in self.units[i].params:
                 guard.mark_gathered(p)
 
+    def _freeable(self, i: int) -> bool:
+        return not (self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE)
+
     def _free(self, i: int) -> None:
-        if self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE:
+        if not self._freeable(i):
             return
         self._finish(i)
         self.units[i].free()
@@ -404,13 +407,18 @@ class Stage3Scheduler:
         autograd recording, return ``output`` routed through the node whose backward gathers them again."""
         if not self._stack:
             return output
+        released: list[int] = []
         while self._stack:
             frame = self._stack.pop()
             for i in frame.needs:
                 self._in_use[i] -= 1
-                self._free(i)
+            released += frame.needs
             if frame.module is module:
                 break
+        freed = [i for i in dict.fromkeys(released) if self._freeable(i)]
+        output = copy_views(output, [p for i in freed for p in self.units[i].params])
+        for i in released:
+            self._free(i)
         if frame.needs and torch.is_grad_enabled():
             return route_outputs(output, inputs, _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs))))
         return output
