@@ -8,6 +8,8 @@
 - A parameter read outside its module (``F.linear(h, self.embed.weight)``, a tied output embedding)
   is gathered for the module that reads it, registered or found on first use; read outside any
   forward it raises an error naming it.
+- A forward hook put on after the optimizer, reading the module's parameters and returning its input on some
+  ranks (a layer drop), trains as AdamW: stage 3's own hook is kept the module's last.
 - A module returning views of its own parameter (``self.table[:n]``, GPT-2's ``wpe`` read as a slice), read
   after the module freed its units, trains and evaluates as AdamW.
 - ``torch.compile`` (aot_eager) at every stage.
@@ -492,6 +494,62 @@ def test_module_returning_its_input_or_a_child_output_on_some_ranks_matches_adam
     """A module that adds its parameter's term on some ranks and returns its input (or its child's output)
     unchanged on the others trains as AdamW on the whole batch, with small and default sizes."""
     spawn(_skip_cases, 2)
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).square().mean()
+
+
+def _hook_cases(rank: int, world: int) -> None:
+    """A hook on ``b``, put on after the optimizer was built, records ``b.weight``'s norm and drops ``b`` (returns
+    its input) on the ranks ``SKIP_USES`` does not use it on; ``ref`` runs each rank's chunk with that rank's choice."""
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    torch.manual_seed(0)
+    model = Chain()
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+    drop, norms = [False], {id(model): [], id(ref): []}
+    for net in (model, ref):
+        net.b.register_forward_hook(
+            lambda mod, args, out, key=id(net): (
+                norms[key].append(mod.weight.detach().norm()) or (args[0] if drop[0] else None)
+            )
+        )
+    steps, uses = iter(SKIP_USES), []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if m is not ref:
+            uses.append(next(steps))
+            drop[0] = not uses[-1][rank]
+            return m(x)
+        losses = []
+        for r, h in enumerate(x.chunk(world)):
+            drop[0] = not uses[-1][r]
+            losses.append(m(h))
+        return sum(losses) / world
+
+    _train(rank, world, model, ref, opt, batches, "hook put on after the optimizer", forward)
+    assert_close(
+        torch.stack(norms[id(model)]),
+        torch.stack(norms[id(ref)][rank::world]),
+        rtol=1e-5,
+        atol=1e-6,
+        what="norms read in the hook",
+    )
+    opt.pipeline.close()
+
+
+@pytest.mark.distributed
+def test_forward_hook_put_on_after_the_optimizer_runs_before_the_module_frees(spawn) -> None:
+    """A user's forward hook registered after the optimizer reads the module's parameters and, on some ranks,
+    replaces the output by the input (a layer drop): it trains as AdamW (the ranks used to wait in their
+    collectives until the timeout, stage 3's hook having run first)."""
+    spawn(_hook_cases, 2)
 
 
 class Positions(nn.Module):

@@ -55,6 +55,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -158,6 +159,16 @@ def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
     return call
 
 
+def _run_last(module: nn.Module, hook_id: int) -> None:
+    """Move the forward hook ``hook_id`` after the hooks registered on ``module`` since: a user's hook that
+    replaces the output (a layer-drop hook returning the input on some ranks) then runs inside the boundary where
+    the module's outputs are routed (``stage3.boundary``; after it, ranks would gather in different orders), and
+    reads the parameters while they are still gathered."""
+    hooks = module._forward_hooks
+    if isinstance(hooks, OrderedDict) and hook_id in hooks and next(reversed(hooks)) != hook_id:
+        hooks.move_to_end(hook_id)
+
+
 class _ModelHook:
     """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``,
     pickle; ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that
@@ -237,10 +248,9 @@ class Stage3Scheduler:
 
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
-        self._handles.append(
-            root.register_forward_pre_hook(_ModelHook(_weakly(self._root_pre_forward)), prepend=True, with_kwargs=True)
-        )
-        self._handles.append(root.register_forward_hook(_ModelHook(_weakly(self._root_post_forward)), with_kwargs=True))
+        post = root.register_forward_hook(_ModelHook(_weakly(self._root_post_forward)), with_kwargs=True)
+        pre = _ModelHook(_weakly(self._root_pre_forward, post.id))
+        self._handles += [root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), post]
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
@@ -264,9 +274,9 @@ class Stage3Scheduler:
                 inside = {id(q) for q in p.module.parameters()}
                 self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
             if p.module is not self.root:
-                pre, post = _ModelHook(_weakly(self._pre_forward, p)), _ModelHook(_weakly(self._post_forward))
-                self._module_handles.append(p.module.register_forward_pre_hook(pre, with_kwargs=True))
-                self._module_handles.append(p.module.register_forward_hook(post, with_kwargs=True))
+                post = p.module.register_forward_hook(_ModelHook(_weakly(self._post_forward)), with_kwargs=True)
+                pre = _ModelHook(_weakly(self._pre_forward, p, post.id))
+                self._module_handles += [p.module.register_forward_pre_hook(pre, with_kwargs=True), post]
 
     def follow(self, previous: "Stage3Scheduler") -> None:
         """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same
@@ -367,7 +377,8 @@ class Stage3Scheduler:
 
     # -- forward ------------------------------------------------------------------------------
 
-    def _root_pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def _root_pre_forward(self, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        _run_last(module, post_id)
         if not self._in_forward:
             if self._generation != model_hints.generation():
                 self._install_modules()
@@ -384,7 +395,8 @@ class Stage3Scheduler:
             self._free_all()
         return output
 
-    def _pre_forward(self, p: ModulePlan, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def _pre_forward(self, p: ModulePlan, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        _run_last(module, post_id)
         return self._enter(p, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
