@@ -7,11 +7,13 @@ Every rank runs the same statements, as any optimizer call; a rank that holds no
 state (``tiny`` has one element: at world sizes 2-3 one rank holds it) resets nothing there and
 raises nothing. Parameters are compared after every step (``tests.helpers.lockstep.compare``), the state at
 the end (``full_state_dict()`` against AdamW's ``state_dict()``). A reset made on one rank only
-raises ``RanksDisagree`` on every rank at the next step, naming the parameter.
+raises ``RanksDisagree`` on every rank at the next step, naming the parameter. A reset or write after
+``consolidate_state_dict()`` drops the whole state it gathered (``state_dict()`` warns and gives the shard).
 """
 
 from __future__ import annotations
 
+import unittest
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -35,6 +37,7 @@ from tests.helpers.lockstep import (
     make_models,
 )
 from zero_kernels.agreement import RanksDisagree
+from zero_kernels.optim.state_dicts import FORMAT
 
 
 def groups(m: Net) -> list[dict[str, Any]]:
@@ -140,12 +143,39 @@ def _master_case(rank: int, world: int) -> None:
     assert not any(buf.exp_avg.any() or buf.exp_avg_sq.any() for buf in opt.pipeline.buffers), "moments kept"
 
 
+def _consolidated_case(rank: int, world: int) -> None:
+    """After ``consolidate_state_dict(to=...)`` each reset or write through ``opt.state`` makes that rank's
+    ``state_dict()`` its shard again, with a warning, instead of the whole state from before the change."""
+    to = world - 1
+    for step in _resets(*make_models(torch.float32)):
+        model, ref = make_models(torch.float32)
+        reset = _resets(model, ref)[step]
+        opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=1, reduce_bucket_size=BUCKET, module=model)
+        ropt = torch.optim.AdamW(groups(ref), lr=LR)
+        for k in range(2):
+            model(batch(k, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
+            ref(batch(k, world * ROWS)).backward()
+            opt.step(), ropt.step(), opt.zero_grad(), ropt.zero_grad()
+        opt.consolidate_state_dict(to=to)
+        _ = [opt.state[p] for p in model.parameters()], [p in opt.state for p in model.parameters()]  # reads
+        if rank == to:
+            assert opt.state_dict()[FORMAT].get("whole"), "reads keep the consolidated state"
+        reset(opt, model, ropt)
+        if rank == to:
+            with unittest.TestCase().assertLogs("zero_kernels", "WARNING") as logs:
+                sd = opt.state_dict()
+            assert not sd[FORMAT].get("whole"), f"reset {step}: the consolidated state outlived it"
+            assert "consolidate_state_dict() again" in logs.output[0], logs.output
+
+
 def _body(rank: int, world: int) -> list[str]:
     problems = []
     cases = [(f"stage {stage} resets", _reset_case, (stage,)) for stage in STAGES]
     if world > 1:
         cases += [(f"stage {stage} one rank", _one_rank_reset_case, (stage,)) for stage in STAGES]
     cases.append(("bf16 master", _master_case, ()))
+    if world > 1:
+        cases.append(("consolidated, then reset", _consolidated_case, ()))
     for what, case, args in cases:
         try:
             case(rank, world, *args)

@@ -106,6 +106,10 @@ from .state_view import ShardedState
 
 __all__ = ["ShardedFusedAdam", "check_hyper"]
 log = logging.getLogger("zero_kernels")
+STATE_CHANGED = (
+    "state_dict(): opt.state was reset or written since consolidate_state_dict(), so the whole state gathered then "
+    "is out of date and this rank's shard is returned instead; call consolidate_state_dict() again (on every rank)"
+)
 
 
 class ShardedFusedAdam(torch.optim.Optimizer):
@@ -227,6 +231,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._scaled_step = False  # the last step was driven by a GradScaler
         self.last_step: Optional[StepResult] = None
         self._consolidated: Optional[dict[str, Any]] = None
+        self._consolidated_version = 0  # opt.state's version when it was consolidated
         self._restoring = restore is not None
         self._engine = make_engine(process_group)
         if restore is not None:
@@ -651,10 +656,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state (reload with the same world size, stage and model); on the
         rank given to ``consolidate_state_dict(to=...)``, the whole state it gathered, until the next
-        step or load. Registered state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
+        step, load, or reset or write through ``opt.state`` (then the shard, with a warning). Registered
+        state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
         self.wait_params()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        if self._consolidated is not None and self.state.version != self._consolidated_version:
+            log.warning(STATE_CHANGED)
+            self._consolidated = None
         if self._consolidated is not None:
             state_dict = optim_state.with_whole_meta(self, self._consolidated)
         else:
@@ -685,6 +694,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.wait_params()
         state = zstate.gather_full_state(self._pipeline, keep=keep)
         self._consolidated = state if keep else None
+        self._consolidated_version = self.state.version
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()`` (same world size and stage) or ``full_state_dict()``/AdamW's (any).

@@ -64,15 +64,23 @@ class ParamState(dict):
     """One parameter's state (a dict of views); assigning a key writes into the optimizer's shard."""
 
     def __init__(
-        self, pipeline: Pipeline, index: int, values: dict[str, torch.Tensor], piece: _Piece, full: torch.Size
+        self,
+        pipeline: Pipeline,
+        index: int,
+        values: dict[str, torch.Tensor],
+        piece: _Piece,
+        full: torch.Size,
+        on_write: Callable[[], None],
     ):
         super().__init__(values)
+        self._on_write = on_write
         self._pipeline = pipeline
         self._index = index
         self._piece = piece
         self._full = full  # the parameter's shape
 
     def __setitem__(self, key: str, value: Any) -> None:
+        self._on_write()
         if key == "step":
             self._pipeline.steps[self._index] = int(float(value))
             super().__setitem__(key, torch.tensor(float(value)))
@@ -107,6 +115,10 @@ class ShardedState(MutableMapping):
         self.extra: dict[Any, Any] = {}  # the keys that are not parameters
         self._pieces: dict[int, _Piece] = {}  # id(param) -> this rank's piece of its state
         self._pieces_of = -1  # number of buffers the table was built for
+        self.version = 0  # counts the writes and resets made through this mapping (not those into its views)
+
+    def _written(self) -> None:
+        self.version += 1
 
     def _piece(self, p: torch.Tensor) -> Optional[_Piece]:
         pipeline = self._pipeline
@@ -136,7 +148,7 @@ class ShardedState(MutableMapping):
             return None
         piece = self._piece(p)
         values = {"step": torch.tensor(float(self._pipeline.steps[index])), **self._views(p, piece)}
-        return ParamState(self._pipeline, index, values, piece, self._pipeline.param_shape(p))
+        return ParamState(self._pipeline, index, values, piece, self._pipeline.param_shape(p), self._written)
 
     def __getitem__(self, key: Any) -> Any:
         if not isinstance(key, torch.Tensor):
@@ -147,6 +159,7 @@ class ShardedState(MutableMapping):
     # ---------------------------------------------------------------- resets and replacements
     def _reset(self, p: torch.Tensor, index: int) -> None:
         """Step count 0 (on every rank) and zero moments where this rank holds them; the master stays."""
+        self._written()
         self._pipeline.steps[index] = 0
         piece = self._piece(p)
         if piece is not None:
