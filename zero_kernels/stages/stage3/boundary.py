@@ -17,19 +17,23 @@ or that is a leaf, comes out as a view of it (autograd's rule for a tensor a cus
 as is): modifying it in place then raises autograd's error (clone it first) instead of giving gradients
 that miss the modification.
 
-An output that views a gathered parameter of the module (``return self.pos[:n]``) would read freed memory once
-the module's units are freed at its exit: it comes out as a copy made just before (``copy_views``).
+An output that views a gathered parameter of the module (``return self.pos[:n]``, or is the parameter) would read
+freed memory once the module's units are freed at its exit: it comes out as a copy (``copy_views``).
+
+Both run in the module's first forward hook, so the module's other forward hooks (a user's) see and keep what
+the caller gets; where one of them replaces the output, the replacement is routed again in the module's last
+hook (``stage3.hooks``).
 """
 
 from __future__ import annotations
 
-import copy
 from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from . import nested
 from .uses import grad_tensors
 
 
@@ -48,54 +52,19 @@ class ModuleOutput(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in _tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
-    return []
-
-
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _replace(obj: Any, new: dict[int, torch.Tensor]) -> Any:
-    """``obj`` with each tensor ``new`` holds replaced by ``new[id(tensor)]``; containers rebuilt
-    (a dict shallow-copied, so a subclass such as Hugging Face's ``ModelOutput`` keeps its type), untouched
-    where nothing inside changed."""
-    if isinstance(obj, torch.Tensor):
-        return new.get(id(obj), obj)
-    if isinstance(obj, dict):
-        changed = {k: v for k, v in ((k, _replace(v, new)) for k, v in obj.items()) if v is not obj[k]}
-        if not changed:
-            return obj
-        out = copy.copy(obj)
-        for k, v in changed.items():
-            out[k] = v
-        return out
-    if not isinstance(obj, (tuple, list)):
-        return obj
-    items = [_replace(item, new) for item in obj]
-    if all(a is b for a, b in zip(items, obj)):
-        return obj
-    if type(obj) in (tuple, list):
-        return type(obj)(items)
-    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-
-
 def copy_views(output: Any, params: Sequence[nn.Parameter]) -> Any:
-    """``output`` with each tensor that views the storage of ``params`` (gathered parameters about to be freed:
-    ``return self.pos[:n]``) replaced by a copy, through autograd (gradients reach the parameter as through the
-    view), where the view would read freed memory; a parameter itself stays as is (a read gathers it again)."""
+    """``output`` with each tensor that shares the storage of ``params`` (gathered parameters that will be freed:
+    ``return self.pos[:n]``, ``return self.pos``) replaced by a copy, through autograd (gradients reach the
+    parameter as through the view), where it would read freed memory."""
     storages = {_storage(p) for p in params} - {0}
     if not storages:
         return output
-    views = [t for t in _tensors(output) if not isinstance(t, nn.Parameter) and _storage(t) in storages]
-    return _replace(output, {id(t): t.clone() for t in views}) if views else output
+    views = [t for t in nested.tensors(output) if _storage(t) in storages]
+    return nested.replace(output, {id(t): t.clone() for t in views}) if views else output
 
 
 def route_outputs(output: Any, inputs: Any, on_backward: Callable[[], Any]) -> Any:
@@ -104,11 +73,11 @@ def route_outputs(output: Any, inputs: Any, on_backward: Callable[[], Any]) -> A
     tensors = list({id(t): t for t in grad_tensors(output)}.values())
     if not tensors:
         return output
-    taken = {_storage(t) for t in _tensors(inputs)}
+    taken = {_storage(t) for t in nested.tensors(inputs)}
     shared = Counter(_storage(t) for t in tensors)
     as_is = tuple(
         (t._base if t._is_view() else t).grad_fn is None or _storage(t) in taken or shared[_storage(t)] > 1
         for t in tensors
     )
     routed = ModuleOutput.apply(on_backward, as_is, *tensors)
-    return _replace(output, {id(t): r for t, r in zip(tensors, routed)})
+    return nested.replace(output, {id(t): r for t, r in zip(tensors, routed)})

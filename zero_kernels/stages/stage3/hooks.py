@@ -18,14 +18,16 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
   before the first gather is issued, and with prefetch on so is the unit expected after the batch (its read
   runs beside ``m``'s compute; its gather is issued at the next module, as without files). With autograd
   recording, ``m``'s inputs are watched for the end of its backward (``stage3.uses``);
-- forward post-hook: free ``m``'s units once no running module uses them; when autograd records
-  the forward, route ``m``'s outputs through one node of ``m``'s own (``stage3.boundary``), whose
-  backward gathers ``m``'s units again (before any node ``m``'s forward created runs), prefetching
-  along the previous backward's order. That node runs after the hooks on its outputs: where an output
-  is the next module's input, that module's use ends (and its units are reduced and freed) before
-  these gathers start, and a unit's gathered copy never waits beside one more prefetch. It is ``m``'s
-  even where the output is ``m``'s input or a child's output, so the gather comes before ``m``'s
-  reduction on every rank;
+- first forward hook (kept before the hooks registered since): copy what ``m`` returns that shares the
+  storage of its gathered parameters, and when autograd records the forward, route ``m``'s outputs through
+  one node of ``m``'s own (``stage3.boundary``), so that ``m``'s other hooks see and keep what the caller
+  gets; last forward hook (kept after them): free ``m``'s units once no running module uses them, after
+  routing an output a hook replaced. The node's backward gathers ``m``'s units again (before any node
+  ``m``'s forward created runs), prefetching along the previous backward's order. That node runs after
+  the hooks on its outputs: where an output is the next module's input, that module's use ends (and its
+  units are reduced and freed) before these gathers start, and a unit's gathered copy never waits beside
+  one more prefetch. It is ``m``'s even where the output is ``m``'s input or a child's output, so the
+  gather comes before ``m``'s reduction on every rank;
 - once the backward of every forward use of a unit has ended (``stage3.uses``: a point that does not
   depend on which of its parameters got a gradient on this rank), ``reduce_grads()`` the unit and
   free it (a unit of frozen parameters is only freed); a parameter's gradient arriving after that raises;
@@ -159,14 +161,18 @@ def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
     return call
 
 
-def _run_last(module: nn.Module, hook_id: int) -> None:
-    """Move the forward hook ``hook_id`` after the hooks registered on ``module`` since: a user's hook that
-    replaces the output (a layer-drop hook returning the input on some ranks) then runs inside the boundary where
-    the module's outputs are routed (``stage3.boundary``; after it, ranks would gather in different orders), and
-    reads the parameters while they are still gathered."""
+def _keep_order(module: nn.Module, first: int, last: int) -> None:
+    """Keep the forward hooks ``first`` and ``last`` (``Stage3Scheduler._route`` and ``_exit``) around the hooks
+    registered on ``module`` since, also with ``prepend=True``: those see and keep the routed output the caller
+    gets, and run while the parameters are still gathered; an output they replace (a layer-drop hook returning
+    the input on some ranks) is routed again at the exit, inside the boundary (``stage3.boundary``)."""
     hooks = module._forward_hooks
-    if isinstance(hooks, OrderedDict) and hook_id in hooks and next(reversed(hooks)) != hook_id:
-        hooks.move_to_end(hook_id)
+    if not isinstance(hooks, OrderedDict) or first not in hooks or last not in hooks:
+        return
+    if next(iter(hooks)) != first:
+        hooks.move_to_end(first, last=False)
+    if next(reversed(hooks)) != last:
+        hooks.move_to_end(last)
 
 
 class _ModelHook:
@@ -188,12 +194,16 @@ class _ModelHook:
         return None if self._fn is None else self._fn(*args, **kwargs)
 
 
+_UNROUTED = object()
+
+
 @dataclass
 class _Frame:
     """A module whose forward is running, and the units it holds in use (external ones found by use added)."""
 
     module: nn.Module
     needs: list[int]
+    routed: Any = _UNROUTED  # the output its first forward hook gave the next hooks
 
 
 class Stage3Scheduler:
@@ -248,9 +258,9 @@ class Stage3Scheduler:
 
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
-        post = root.register_forward_hook(_ModelHook(_weakly(self._root_post_forward)), with_kwargs=True)
-        pre = _ModelHook(_weakly(self._root_pre_forward, post.id))
-        self._handles += [root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), post]
+        route, post = self._output_hooks(root, self._root_post_forward)
+        pre = _ModelHook(_weakly(self._root_pre_forward, route.id, post.id))
+        self._handles += [root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), route, post]
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
@@ -274,9 +284,14 @@ class Stage3Scheduler:
                 inside = {id(q) for q in p.module.parameters()}
                 self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
             if p.module is not self.root:
-                post = p.module.register_forward_hook(_ModelHook(_weakly(self._post_forward)), with_kwargs=True)
-                pre = _ModelHook(_weakly(self._pre_forward, p, post.id))
-                self._module_handles += [p.module.register_forward_pre_hook(pre, with_kwargs=True), post]
+                route, post = self._output_hooks(p.module, self._post_forward)
+                pre = _ModelHook(_weakly(self._pre_forward, p, route.id, post.id))
+                self._module_handles += [p.module.register_forward_pre_hook(pre, with_kwargs=True), route, post]
+
+    def _output_hooks(self, module: nn.Module, exit: Callable[..., Any]) -> tuple[RemovableHandle, RemovableHandle]:
+        """The forward hooks ``module`` runs first (``_route``) and last (``exit``)."""
+        route = module.register_forward_hook(_ModelHook(_weakly(self._route)), prepend=True, with_kwargs=True)
+        return route, module.register_forward_hook(_ModelHook(_weakly(exit)), with_kwargs=True)
 
     def follow(self, previous: "Stage3Scheduler") -> None:
         """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same
@@ -319,11 +334,8 @@ class Stage3Scheduler:
             for p in self.units[i].params:
                 guard.mark_gathered(p)
 
-    def _freeable(self, i: int) -> bool:
-        return not (self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE)
-
     def _free(self, i: int) -> None:
-        if not self._freeable(i):
+        if self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE:
             return
         self._finish(i)
         self.units[i].free()
@@ -377,8 +389,8 @@ class Stage3Scheduler:
 
     # -- forward ------------------------------------------------------------------------------
 
-    def _root_pre_forward(self, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        _run_last(module, post_id)
+    def _root_pre_forward(self, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        _keep_order(module, route_id, post_id)
         if not self._in_forward:
             if self._generation != model_hints.generation():
                 self._install_modules()
@@ -395,8 +407,10 @@ class Stage3Scheduler:
             self._free_all()
         return output
 
-    def _pre_forward(self, p: ModulePlan, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        _run_last(module, post_id)
+    def _pre_forward(
+        self, p: ModulePlan, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any
+    ) -> Any:
+        _keep_order(module, route_id, post_id)
         return self._enter(p, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -414,9 +428,26 @@ class Stage3Scheduler:
             self._uses.unrecorded(p.needs)
         return None
 
+    def _route(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        """``module``'s first forward hook: its output as the caller gets it (``_routed``), kept in its frame."""
+        frame = next((f for f in reversed(self._stack) if f.module is module), None)
+        if frame is None:
+            return output
+        frame.routed = self._routed(frame, (args, kwargs), output)
+        return frame.routed
+
+    def _routed(self, frame: _Frame, inputs: Any, output: Any) -> Any:
+        """``output`` with the views of ``frame``'s gathered parameters copied and, with autograd recording,
+        routed through the node whose backward gathers them again (``stage3.boundary``)."""
+        gathered = [p for i in frame.needs if not self.units[i].persistent for p in self.units[i].params]
+        output = copy_views(output, gathered)
+        if frame.needs and torch.is_grad_enabled():
+            return route_outputs(output, inputs, _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs))))
+        return output
+
     def _exit(self, module: nn.Module, inputs: Any, output: Any) -> Any:
-        """Free what ``module`` held (and frames left above it by an exception caught inside a forward); with
-        autograd recording, return ``output`` routed through the node whose backward gathers them again."""
+        """``module``'s last forward hook: free what it held (and frames left above it by an exception caught
+        inside a forward); an output a hook replaced since ``_route`` is routed first."""
         if not self._stack:
             return output
         released: list[int] = []
@@ -427,12 +458,10 @@ class Stage3Scheduler:
             released += frame.needs
             if frame.module is module:
                 break
-        freed = [i for i in dict.fromkeys(released) if self._freeable(i)]
-        output = copy_views(output, [p for i in freed for p in self.units[i].params])
+        if output is not frame.routed:
+            output = self._routed(frame, inputs, output)
         for i in released:
             self._free(i)
-        if frame.needs and torch.is_grad_enabled():
-            return route_outputs(output, inputs, _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs))))
         return output
 
     def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:

@@ -40,16 +40,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import nested
+
 
 def grad_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors requiring grad inside nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, (tuple, list)):
-        return [t for item in obj for t in grad_tensors(item)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in grad_tensors(item)]
-    return []
+    """Tensors requiring grad inside ``obj`` (``stage3.nested``: tuples, lists, dicts, dataclasses)."""
+    return [t for t in nested.tensors(obj) if t.requires_grad]
 
 
 class _Use:

@@ -1,0 +1,267 @@
+"""Stage 3: what a module returns and what forward hooks see, in lock-step with ``torch.optim.AdamW``.
+
+- A forward hook put on after the optimizer, reading the module's parameters and returning its input on some
+  ranks (a layer drop), trains as AdamW: stage 3's own last hook is kept the module's last.
+- A module returning views of its own parameter (``self.table[:n]``, GPT-2's ``wpe`` read as a slice), or the
+  parameter itself, read after the module freed its units, trains and evaluates as AdamW.
+- Outputs inside a frozen dataclass, a tuple subclass whose constructor takes the items one by one, and a dict
+  that mirrors its keys as attributes (read by attribute) train as AdamW; so does a model whose hooks keep a
+  module's output, which the caller then changes in place (``nn.ReLU(inplace=True)``), and a view of a
+  parameter, both read in the loss; and one whose loss is only what a hook kept (feature extraction).
+- ``stage3.nested`` finds and replaces tensors in those containers, keeping their types and attributes.
+
+Tolerances as in ``test_stage3.py``: fp32, ``rtol=1e-5`` with ``atol = 1e-6 x`` the tensor's largest
+magnitude, after every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.check import assert_close
+from tests.stages.stage3.test_stage3_models import LR, ROWS, SKIP_USES, SMALL, _train
+from zero_kernels.stages.stage3 import nested
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x))))).square().mean()
+
+
+def _hook_cases(rank: int, world: int) -> None:
+    """A hook on ``b``, put on after the optimizer was built, records ``b.weight``'s norm and drops ``b`` (returns
+    its input) on the ranks ``SKIP_USES`` does not use it on; ``ref`` runs each rank's chunk with that rank's choice."""
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    torch.manual_seed(0)
+    model = Chain()
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+    drop, norms = [False], {id(model): [], id(ref): []}
+    for net in (model, ref):
+        net.b.register_forward_hook(
+            lambda mod, args, out, key=id(net): (
+                norms[key].append(mod.weight.detach().norm()) or (args[0] if drop[0] else None)
+            )
+        )
+    steps, uses = iter(SKIP_USES), []
+
+    def forward(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if m is not ref:
+            uses.append(next(steps))
+            drop[0] = not uses[-1][rank]
+            return m(x)
+        losses = []
+        for r, h in enumerate(x.chunk(world)):
+            drop[0] = not uses[-1][r]
+            losses.append(m(h))
+        return sum(losses) / world
+
+    _train(rank, world, model, ref, opt, batches, "hook put on after the optimizer", forward)
+    assert_close(
+        torch.stack(norms[id(model)]),
+        torch.stack(norms[id(ref)][rank::world]),
+        rtol=1e-5,
+        atol=1e-6,
+        what="norms read in the hook",
+    )
+    opt.pipeline.close()
+
+
+@pytest.mark.distributed
+def test_forward_hook_put_on_after_the_optimizer_runs_before_the_module_frees(spawn) -> None:
+    """A user's forward hook registered after the optimizer reads the module's parameters and, on some ranks,
+    replaces the output by the input (a layer drop): it trains as AdamW (the ranks used to wait in their
+    collectives until the timeout, stage 3's hook having run first)."""
+    spawn(_hook_cases, 2)
+
+
+class Positions(nn.Module):
+    """A table of learned positions returned as views of the parameter (GPT-2's ``wpe``, a ViT's ``pos_embed``)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.table = nn.Parameter(torch.randn(8, 6))
+
+    def forward(self, n: int) -> dict[str, torch.Tensor]:
+        rows = self.table[:n] if self.form == "slice" else self.table.view(4, 12)[: (n + 1) // 2].view(-1, 6)[:n]
+        return {"rows": rows}
+
+
+class PositionNet(nn.Module):
+    """The mean of the losses of ``x``'s chunks, each given the positions of its rows."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.inp, self.pos, self.out = nn.Linear(4, 6), Positions(form), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+        losses = []
+        for h in x.chunk(chunks):
+            got = self.pos(len(h))
+            losses.append(self.out(torch.tanh(self.inp(h) + got["rows"])).square().mean())
+        return sum(losses) / chunks
+
+
+def _position_cases(rank: int, world: int) -> None:
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for form in ("slice", "views"):
+        torch.manual_seed(0)
+        model = PositionNet(form)
+        ref = copy.deepcopy(model)
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+        forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
+        _train(rank, world, model, ref, opt, batches, f"positions ({form})", forward)
+        x = batches[0][rank * ROWS : (rank + 1) * ROWS]
+        with torch.no_grad():
+            assert_close(model(x), ref(x), rtol=1e-5, atol=1e-7, what=f"positions ({form}) evaluated")
+        opt.pipeline.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_module_returning_views_of_its_parameter_matches_adamw(spawn, world: int) -> None:
+    """A module that returns slices and views of its parameter (in a dict), read after the module freed its
+    parameters, trains and evaluates as AdamW (the views used to read freed memory: a crash
+    or garbage)."""
+    spawn(_position_cases, world)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    rows: torch.Tensor
+    scaled: torch.Tensor
+
+
+class Pair(tuple):
+    """A tuple subclass whose constructor takes the items one by one."""
+
+    def __new__(cls, rows: torch.Tensor, scaled: torch.Tensor) -> "Pair":
+        return super().__new__(cls, (rows, scaled))
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self[0]
+
+    @property
+    def scaled(self) -> torch.Tensor:
+        return self[1]
+
+
+class AttrDict(dict):
+    """Keys mirrored as attributes, set once (as EasyDict-style containers do)."""
+
+    def __init__(self, **items: torch.Tensor) -> None:
+        super().__init__(**items)
+        for key, value in items.items():
+            object.__setattr__(self, key, value)
+
+
+class Table(nn.Module):
+    """Positions as a view of the parameter and a computed tensor, in the container ``form`` names; ``param``
+    returns the parameter itself (the caller slices it)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.table = nn.Parameter(torch.randn(8, 6))
+
+    def forward(self, n: int):
+        rows, scaled = self.table[:n], self.table[:n] * 2
+        if self.form == "param":
+            return self.table
+        return {"dataclass": Rows, "pair": Pair, "attrdict": AttrDict}[self.form](rows=rows, scaled=scaled)
+
+
+class Kept(nn.Module):
+    """Hooks keep ``feat``'s output (changed in place by the caller's ReLU afterwards) and a view of the table's
+    rows; the loss reads both, or (``features``) only the kept output."""
+
+    def __init__(self, form: str, features: bool = False) -> None:
+        super().__init__()
+        self.form, self.features = form, features
+        self.feat, self.act, self.table, self.out = nn.Linear(4, 6), nn.ReLU(inplace=True), Table(form), nn.Linear(6, 2)
+        self.kept: list[torch.Tensor] = []
+
+    def keep(self) -> None:
+        """Put on the hooks (after a deep copy: each model keeps into its own list)."""
+        self.kept = []
+        self.feat.register_forward_hook(lambda m, args, out: self.kept.append(out), prepend=True)
+        self.table.register_forward_hook(lambda m, args, out: self.kept.append(self._rows(out)[0].detach()))
+
+    def _rows(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.form == "param":
+            return out[:ROWS], out[:ROWS] * 2
+        return out.rows, out.scaled
+
+    def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+        losses = []
+        for h in x.chunk(chunks):
+            del self.kept[:]
+            y = self.act(self.feat(h))
+            rows, scaled = self._rows(self.table(len(h)))
+            feature, snapshot = self.kept
+            if self.features:
+                losses.append(feature.square().mean())
+            else:
+                z = self.out(y + rows + scaled).square().mean()
+                losses.append(z + 0.5 * feature.mean() + (snapshot * y).mean())
+        return sum(losses) / chunks
+
+
+def _kept_cases(rank: int, world: int) -> None:
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    cases = [(form, False) for form in ("dataclass", "pair", "attrdict", "param")] + [("pair", True)]
+    for form, features in cases:
+        torch.manual_seed(0)
+        model = Kept(form, features)
+        ref = copy.deepcopy(model)
+        ref.keep()
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+        model.keep()  # after the optimizer
+        forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
+        _train(rank, world, model, ref, opt, batches, f"kept outputs ({form}, features {features})", forward)
+        opt.pipeline.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_outputs_in_containers_and_kept_by_hooks_match_adamw(spawn, world: int) -> None:
+    """Outputs in containers ``nested`` opens, read by attribute; a hook's kept output changed in place by the
+    caller, and a kept view of a parameter, both in the loss; a loss of only what a hook kept: as AdamW (the kept
+    output used to miss the in-place ReLU in its gradient, the views and the feature-only loss crashed)."""
+    spawn(_kept_cases, world)
+
+
+Point = namedtuple("Point", "x y")
+
+
+def test_nested_finds_and_replaces_tensors_keeping_types_and_attributes() -> None:
+    a, b, c = torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)
+    new = {id(a): c}
+    for obj, kind in [
+        (Rows(a, b), Rows),
+        (Pair(a, b), Pair),
+        (AttrDict(rows=a, scaled=b), AttrDict),
+        (Point(a, b), Point),
+        (OrderedDict(rows=a, scaled=b), OrderedDict),
+        ([a, (b, {"k": a})], list),
+    ]:
+        assert [id(t) for t in nested.tensors(obj)][:2] == [id(a), id(b)], kind
+        out = nested.replace(obj, new)
+        assert type(out) is kind and out is not obj, kind
+        assert [id(t) for t in nested.tensors(out)][:2] == [id(c), id(b)], kind
+        assert nested.replace(obj, {}) is obj, f"{kind}: nothing replaced, nothing rebuilt"
+    assert nested.replace(AttrDict(rows=a, scaled=b), new).rows is c, "mirrored attribute"
+    assert nested.tensors(object()) == [] and nested.tensors(None) == []
