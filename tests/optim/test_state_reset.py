@@ -1,7 +1,7 @@
 """Resetting Adam state the torch way, at every stage on 1-3 gloo ranks, against ``torch.optim.AdamW``
 given the same resets: ``opt.state[p] = {}``, ``del opt.state[p]``, ``opt.state.clear()``,
 ``opt.state = defaultdict(dict)``, ``opt.state[p] = {...}`` with whole-parameter tensors, and
-``opt.state[p]["step"]`` set where a rank holds the state.
+``opt.state[p]["step"]`` set and ``opt.state[p].update({...})`` where a rank holds the state.
 
 Every rank runs the same statements, as any optimizer call; a rank that holds none of a parameter's
 state (``tiny`` has one element: at world sizes 2-3 one rank holds it) resets nothing there and
@@ -60,6 +60,10 @@ def _resets(model: Net, ref: Net) -> dict[int, Callable[[Any, Net, torch.optim.O
     def replace(opt: Any, m: Net, ropt: torch.optim.Optimizer) -> None:
         opt.state[m.head.weight] = _replacement(ref.head.weight, ropt)
 
+    def update(opt: Any, m: Net, ropt: torch.optim.Optimizer) -> None:
+        if m.head.weight in opt.state:  # as set_steps: where this rank holds the state
+            opt.state[m.head.weight].update(_replacement(ref.head.weight, ropt))
+
     def set_steps(opt: Any, m: Net, _: torch.optim.Optimizer) -> None:
         for p in m.parameters():
             if p in opt.state:  # only where this rank holds the state: the step carries it to the others
@@ -72,6 +76,7 @@ def _resets(model: Net, ref: Net) -> dict[int, Callable[[Any, Net, torch.optim.O
         3: lambda opt, m, _: setattr(opt, "state", defaultdict(dict)),
         4: replace,
         5: set_steps,
+        6: update,
     }
 
 
@@ -83,7 +88,7 @@ def _reset_case(rank: int, world: int, stage: int) -> None:
         del opt.state[model.emb.weight]  # no state yet: as a dict (and AdamW's state)
     opt.state[model.frozen] = {}  # nothing to reset: no error
     resets = _resets(model, ref)
-    for step in range(7):
+    for step in range(8):
         x, span = batch(step, world * ROWS), extra_rows(step, world)
         model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage)).backward()
         ref(x, span).backward()
@@ -144,12 +149,22 @@ def _master_case(rank: int, world: int) -> None:
 
 
 def _consolidated_case(rank: int, world: int) -> None:
-    """After ``consolidate_state_dict(to=...)`` each reset or write through ``opt.state`` makes that rank's
-    ``state_dict()`` its shard again, with a warning, instead of the whole state from before the change."""
+    """After ``consolidate_state_dict(to=...)`` each reset or write through ``opt.state`` on that rank makes
+    its ``state_dict()`` its shard again, with a warning, instead of the whole state from before the change:
+    the resets every rank runs, and writes into an entry that rank holds (``[key] =``, ``update``)."""
     to = world - 1
-    for step in _resets(*make_models(torch.float32)):
+
+    def write(opt: Any, m: Net, _: torch.optim.Optimizer) -> None:
+        held = next(p for p in m.parameters() if p in opt.state)
+        opt.state[held]["step"] = opt.state[held]["step"]
+
+    def update(opt: Any, m: Net, _: torch.optim.Optimizer) -> None:
+        held = next(p for p in m.parameters() if p in opt.state)
+        opt.state[held].update({k: v.clone() for k, v in opt.state[held].items()})
+
+    for step in range(7):
         model, ref = make_models(torch.float32)
-        reset = _resets(model, ref)[step]
+        reset = {**_resets(model, ref), 5: write, 6: update}[step]
         opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=1, reduce_bucket_size=BUCKET, module=model)
         ropt = torch.optim.AdamW(groups(ref), lr=LR)
         for k in range(2):

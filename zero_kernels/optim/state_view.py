@@ -60,6 +60,12 @@ def _take(piece: _Piece, value: torch.Tensor, shape: torch.Size, full: torch.Siz
     )
 
 
+def _undeletable(key: str) -> KeyError:
+    return KeyError(
+        f"opt.state[p][{key!r}] cannot be deleted: the state lives in the shards (del opt.state[p] resets it)"
+    )
+
+
 class ParamState(dict):
     """One parameter's state (a dict of views); assigning a key writes into the optimizer's shard."""
 
@@ -93,9 +99,34 @@ class ParamState(dict):
             )
 
     def __delitem__(self, key: str) -> None:
-        raise KeyError(
-            f"opt.state[p][{key!r}] cannot be deleted: the state lives in the shards (del opt.state[p] resets it)"
-        )
+        raise _undeletable(key)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        """Assign each key as ``opt.state[p][key] = value`` does (into the shard); a key not held changes nothing."""
+        values = dict(*args, **kwargs)
+        unknown = sorted(set(values) - set(self))
+        if unknown:
+            self[unknown[0]] = values[unknown[0]]  # raises, naming the keys held
+        for key, value in values.items():
+            self[key] = value
+
+    def __ior__(self, other: Any) -> "ParamState":
+        self.update(other)
+        return self
+
+    def setdefault(self, key: str, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default  # raises, naming the keys held
+        return self[key]
+
+    def pop(self, key: str, *default: Any) -> Any:
+        raise _undeletable(key)
+
+    def popitem(self) -> tuple[str, Any]:
+        raise _undeletable("step")
+
+    def clear(self) -> None:
+        raise _undeletable("step")
 
     def __reduce__(self):  # a copy or a pickle is a plain dict of tensors, detached from the optimizer
         return (dict, (dict(self),))

@@ -8,6 +8,8 @@
   that mirrors its keys as attributes (read by attribute) train as AdamW; so does a model whose hooks keep a
   module's output, which the caller then changes in place (``nn.ReLU(inplace=True)``), and a view of a
   parameter, both read in the loss; and one whose loss is only what a hook kept (feature extraction).
+- A module returning its child's weight (a tied head reads it), with a hook that adds a tensor made from the
+  module's parameter to its output dict in place, trains as AdamW.
 - ``stage3.nested`` finds and replaces tensors in those containers, keeping their types and attributes.
 
 Tolerances as in ``test_stage3.py``: fp32, ``rtol=1e-5`` with ``atol = 1e-6 x`` the tensor's largest
@@ -244,6 +246,56 @@ def test_outputs_in_containers_and_kept_by_hooks_match_adamw(spawn, world: int) 
     spawn(_kept_cases, world)
 
 
+class Embed(nn.Module):
+    """Returns its child's weight beside its output (a head tied to it reads it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.scale = nn.Linear(4, 6, bias=False), nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"h": self.tok(x) * self.scale, "w": self.tok.weight}
+
+
+class TiedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = Embed()
+
+    def extra(self) -> None:
+        """A hook that adds to the output dict in place a tensor made from the module's parameter."""
+        self.emb.register_forward_hook(lambda m, args, out: out.__setitem__("extra", out["h"] * m.scale))
+
+    def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+        losses = []
+        for h in x.chunk(chunks):
+            out = self.emb(h)
+            losses.append((out["h"] @ out["w"]).square().mean() + out["extra"].mean())
+        return sum(losses) / chunks
+
+
+def _tied_cases(rank: int, world: int) -> None:
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    torch.manual_seed(0)
+    model = TiedHead()
+    ref = copy.deepcopy(model)
+    ref.extra()
+    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+    model.extra()
+    forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
+    _train(rank, world, model, ref, opt, batches, "child's weight returned, a hook adding to the output", forward)
+    opt.pipeline.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_child_weight_returned_and_hook_adding_an_output_match_adamw(spawn, world: int) -> None:
+    """A module returning its child's weight (a copy, gathered for it) and a hook that adds a tensor made from
+    the module's parameter to its output dict in place (routed at the exit) train as AdamW (the first read
+    freed memory, the second's backward ran without the parameter gathered)."""
+    spawn(_tied_cases, world)
+
+
 Point = namedtuple("Point", "x y")
 
 
@@ -265,3 +317,8 @@ def test_nested_finds_and_replaces_tensors_keeping_types_and_attributes() -> Non
         assert nested.replace(obj, {}) is obj, f"{kind}: nothing replaced, nothing rebuilt"
     assert nested.replace(AttrDict(rows=a, scaled=b), new).rows is c, "mirrored attribute"
     assert nested.tensors(object()) == [] and nested.tensors(None) == []
+    looped = {"a": a}
+    looped["self"] = looped
+    assert nested.tensors(looped) == [a], "a dict inside itself is looked into once"
+    out = nested.replace(looped, new)
+    assert out["a"] is c and out["self"] is looped, "the inner reference keeps pointing at the original"

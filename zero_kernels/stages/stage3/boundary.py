@@ -28,7 +28,7 @@ hook (``stage3.hooks``).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Container, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -56,21 +56,24 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def copy_views(output: Any, params: Sequence[nn.Parameter]) -> Any:
+def copy_views(output: Any, params: Sequence[nn.Parameter], managed: Container[int] = ()) -> Any:
     """``output`` with each tensor that shares the storage of ``params`` (gathered parameters that will be freed:
-    ``return self.pos[:n]``, ``return self.pos``) replaced by a copy, through autograd (gradients reach the
-    parameter as through the view), where it would read freed memory."""
+    ``return self.pos[:n]``, ``return self.pos``), or is a parameter whose id is in ``managed`` (one stage 3 may
+    free, such as a child's: its copy gathers it first), replaced by a copy, through autograd (gradients reach
+    the parameter as through the view), where it would read freed memory."""
     storages = {_storage(p) for p in params} - {0}
-    if not storages:
-        return output
-    views = [t for t in nested.tensors(output) if _storage(t) in storages]
+    views = [t for t in nested.tensors(output) if id(t) in managed or _storage(t) in storages]
     return nested.replace(output, {id(t): t.clone() for t in views}) if views else output
 
 
-def route_outputs(output: Any, inputs: Any, on_backward: Callable[[], Any]) -> Any:
+def route_outputs(
+    output: Any, inputs: Any, on_backward: Callable[[], Any], routed: Optional[Mapping[int, torch.Tensor]] = None
+) -> Any:
     """``output`` with its tensors that require grad routed through one ``ModuleOutput`` node (``output`` itself
-    where none does); ``inputs``: the module's arguments."""
-    tensors = list({id(t): t for t in grad_tensors(output)}.values())
+    where none does), except those in ``routed`` (by id: the outputs of an earlier node of the same call);
+    ``inputs``: the module's arguments."""
+    routed = routed or {}
+    tensors = [t for t in {id(t): t for t in grad_tensors(output)}.values() if routed.get(id(t)) is not t]
     if not tensors:
         return output
     taken = {_storage(t) for t in nested.tensors(inputs)}
@@ -79,5 +82,5 @@ def route_outputs(output: Any, inputs: Any, on_backward: Callable[[], Any]) -> A
         (t._base if t._is_view() else t).grad_fn is None or _storage(t) in taken or shared[_storage(t)] > 1
         for t in tensors
     )
-    routed = ModuleOutput.apply(on_backward, as_is, *tensors)
-    return nested.replace(output, {id(t): r for t, r in zip(tensors, routed)})
+    routed_now = ModuleOutput.apply(on_backward, as_is, *tensors)
+    return nested.replace(output, {id(t): r for t, r in zip(tensors, routed_now)})

@@ -58,7 +58,7 @@ import copy
 import logging
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -70,7 +70,7 @@ from . import guard as guard
 from . import model_hints
 from .boundary import copy_views, route_outputs
 from .plan import ModulePlan, plan
-from .uses import UseTracker
+from .uses import UseTracker, grad_tensors
 
 log = logging.getLogger("zero_kernels")
 
@@ -204,6 +204,7 @@ class _Frame:
     module: nn.Module
     needs: list[int]
     routed: Any = _UNROUTED  # the output its first forward hook gave the next hooks
+    routed_tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # its tensors that require grad
 
 
 class Stage3Scheduler:
@@ -229,6 +230,7 @@ class Stage3Scheduler:
         self.prefetch_numel = prefetch_numel
         self._check = check
         self._owner = self._owners(self.units)
+        self._freed_params = {id(p) for u in self.units if not u.persistent for p in u.params}
         self._state = [_READY if u.persistent else _FREE for u in self.units]
         self._in_use = [0] * len(self.units)
         self._used = [False] * len(self.units)  # the gathered copy served a module since its gather
@@ -434,15 +436,18 @@ class Stage3Scheduler:
         if frame is None:
             return output
         frame.routed = self._routed(frame, (args, kwargs), output)
+        frame.routed_tensors = {id(t): t for t in grad_tensors(frame.routed)}
         return frame.routed
 
     def _routed(self, frame: _Frame, inputs: Any, output: Any) -> Any:
-        """``output`` with the views of ``frame``'s gathered parameters copied and, with autograd recording,
-        routed through the node whose backward gathers them again (``stage3.boundary``)."""
-        gathered = [p for i in frame.needs if not self.units[i].persistent for p in self.units[i].params]
-        output = copy_views(output, gathered)
+        """``output`` with the views of ``frame``'s gathered parameters (and any parameter that stage 3 frees)
+        copied and, with autograd recording, its tensors not routed yet in this call routed through the node
+        whose backward gathers them again (``stage3.boundary``)."""
+        freed = [p for i in frame.needs if not self.units[i].persistent for p in self.units[i].params]
+        output = copy_views(output, freed, self._freed_params)
         if frame.needs and torch.is_grad_enabled():
-            return route_outputs(output, inputs, _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs))))
+            backward = _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs)))
+            return route_outputs(output, inputs, backward, frame.routed_tensors)
         return output
 
     def _exit(self, module: nn.Module, inputs: Any, output: Any) -> Any:
@@ -458,8 +463,8 @@ class Stage3Scheduler:
             released += frame.needs
             if frame.module is module:
                 break
-        if output is not frame.routed:
-            output = self._routed(frame, inputs, output)
+        if output is not frame.routed or any(frame.routed_tensors.get(id(t)) is not t for t in grad_tensors(output)):
+            output = self._routed(frame, inputs, output)  # replaced, or a tensor added in place, by a hook
         for i in released:
             self._free(i)
         return output

@@ -26,20 +26,33 @@ def _items(obj: Any) -> list[Any]:
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside ``obj`` (``obj`` itself when it is one), in order, repeats included."""
+    """Every tensor inside ``obj`` (``obj`` itself when it is one), in order, repeats included; a container
+    inside itself is looked into once."""
+    return _tensors(obj, frozenset())
+
+
+def _tensors(obj: Any, inside: frozenset[int]) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
-    return [t for item in _items(obj) for t in tensors(item)]
+    if id(obj) in inside:
+        return []
+    return [t for item in _items(obj) for t in _tensors(item, inside | {id(obj)})]
 
 
 def replace(obj: Any, new: dict[int, torch.Tensor]) -> Any:
     """``obj`` with each tensor that ``new`` holds (by ``id``) replaced by ``new[id(tensor)]``: containers are
     rebuilt as shallow copies of their own type (a dict's attributes that were its old values, and a tuple
     subclass's attributes, carried over), and returned untouched where nothing inside changed."""
+    return _replace(obj, new, frozenset())
+
+
+def _replace(obj: Any, new: dict[int, torch.Tensor], inside: frozenset[int]) -> Any:
     if isinstance(obj, torch.Tensor):
         return new.get(id(obj), obj)
+    if id(obj) in inside:  # a container inside itself keeps pointing at the original
+        return obj
     items = _items(obj)
-    fresh = [replace(item, new) for item in items]
+    fresh = [_replace(item, new, inside | {id(obj)}) for item in items]
     if all(a is b for a, b in zip(fresh, items)):
         return obj
     if isinstance(obj, tuple):
