@@ -7,7 +7,8 @@
 - Outputs inside a frozen dataclass, a tuple subclass whose constructor takes the items one by one, and a dict
   that mirrors its keys as attributes (read by attribute) train as AdamW; so does a model whose hooks keep a
   module's output, which the caller then changes in place (``nn.ReLU(inplace=True)``), and a view of a
-  parameter, both read in the loss; and one whose loss is only what a hook kept (feature extraction).
+  parameter, both read in the loss; and one whose loss is only what a hook kept (feature extraction); also
+  with the feature kept by a global forward hook (``register_module_forward_hook``, run before a module's own).
 - A module returning its child's weight (a tied head reads it), with a hook that adds a tensor made from the
   module's parameter to its output dict in place, trains as AdamW.
 - ``stage3.nested`` finds and replaces tensors in those containers, keeping their types and attributes.
@@ -21,10 +22,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import OrderedDict, namedtuple
+from typing import Optional
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
@@ -196,11 +199,18 @@ class Kept(nn.Module):
         self.feat, self.act, self.table, self.out = nn.Linear(4, 6), nn.ReLU(inplace=True), Table(form), nn.Linear(6, 2)
         self.kept: list[torch.Tensor] = []
 
-    def keep(self) -> None:
-        """Put on the hooks (after a deep copy: each model keeps into its own list)."""
+    def keep(self, globally: bool = False) -> Optional[RemovableHandle]:
+        """Put on the hooks (after a deep copy: each model keeps into its own list); ``globally``: ``feat``'s as a
+        global forward hook (returned, to take off)."""
         self.kept = []
-        self.feat.register_forward_hook(lambda m, args, out: self.kept.append(out), prepend=True)
+        handle = None
+        if globally:
+            keep = lambda m, args, out: self.kept.append(out) if m is self.feat else None  # noqa: E731
+            handle = torch.nn.modules.module.register_module_forward_hook(keep)
+        else:
+            self.feat.register_forward_hook(lambda m, args, out: self.kept.append(out), prepend=True)
         self.table.register_forward_hook(lambda m, args, out: self.kept.append(self._rows(out)[0].detach()))
+        return handle
 
     def _rows(self, out) -> tuple[torch.Tensor, torch.Tensor]:
         if self.form == "param":
@@ -224,17 +234,24 @@ class Kept(nn.Module):
 
 def _kept_cases(rank: int, world: int) -> None:
     batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
-    cases = [(form, False) for form in ("dataclass", "pair", "attrdict", "param")] + [("pair", True)]
-    for form, features in cases:
+    cases = [(form, False, False) for form in ("dataclass", "pair", "attrdict", "param")]
+    cases += [("pair", True, False), ("pair", False, True), ("pair", True, True)]
+    for form, features, globally in cases:
         torch.manual_seed(0)
         model = Kept(form, features)
         ref = copy.deepcopy(model)
-        ref.keep()
+        handles = [ref.keep(globally)]
         opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
-        model.keep()  # after the optimizer
+        handles.append(model.keep(globally))  # after the optimizer
         forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
-        _train(rank, world, model, ref, opt, batches, f"kept outputs ({form}, features {features})", forward)
+        what = f"kept outputs ({form}, features {features}, global hook {globally})"
+        try:
+            _train(rank, world, model, ref, opt, batches, what, forward)
+        finally:
+            for handle in handles:
+                handle is not None and handle.remove()
         opt.pipeline.close()
+        assert not torch.nn.modules.module._global_forward_hooks, f"{what}: a global hook left behind"
 
 
 @pytest.mark.distributed

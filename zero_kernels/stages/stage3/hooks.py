@@ -21,9 +21,11 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
 - first forward hook (kept before the hooks registered since): copy what ``m`` returns that shares the
   storage of its gathered parameters, and when autograd records the forward, route ``m``'s outputs through
   one node of ``m``'s own (``stage3.boundary``), so that ``m``'s other hooks see and keep what the caller
-  gets; last forward hook (kept after them): free ``m``'s units once no running module uses them, after
-  routing an output a hook replaced. The node's backward gathers ``m``'s units again (before any node
-  ``m``'s forward created runs), prefetching along the previous backward's order. That node runs after
+  gets (while the user has global forward hooks, which torch runs before a module's own, a global hook of
+  ours runs first among them and routes the same way); last forward hook (kept after them): free ``m``'s
+  units once no running module uses them, after routing an output a hook replaced. The node's backward
+  gathers ``m``'s units again (before any node ``m``'s forward created runs), prefetching along the previous
+  backward's order. That node runs after
   the hooks on its outputs: where an output is the next module's input, that module's use ends (and its
   units are reduced and freed) before these gathers start, and a unit's gathered copy never waits beside
   one more prefetch. It is ``m``'s even where the output is ``m``'s input or a child's output, so the
@@ -246,6 +248,7 @@ class Stage3Scheduler:
         self._module_names = {id(m): name for name, m in root.named_modules()}
         self._handles: list[RemovableHandle] = []
         self._module_handles: list[RemovableHandle] = []
+        self._global_handle: Optional[RemovableHandle] = None  # ours, while the user has global forward hooks
         self._install(root)
 
     @staticmethod
@@ -303,9 +306,9 @@ class Stage3Scheduler:
 
     def remove(self) -> None:
         """Take every hook off; parameters stay as they are (freed ones lose their mark)."""
-        for handle in self._handles + self._module_handles:
+        for handle in self._handles + self._module_handles + [h for h in (self._global_handle,) if h is not None]:
             handle.remove()
-        self._handles, self._module_handles = [], []
+        self._handles, self._module_handles, self._global_handle = [], [], None
         for unit in self.units:
             for p in unit.params:
                 guard.mark_gathered(p)
@@ -393,6 +396,7 @@ class Stage3Scheduler:
 
     def _root_pre_forward(self, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
         _keep_order(module, route_id, post_id)
+        self._follow_global_hooks()
         if not self._in_forward:
             if self._generation != model_hints.generation():
                 self._install_modules()
@@ -430,12 +434,33 @@ class Stage3Scheduler:
             self._uses.unrecorded(p.needs)
         return None
 
+    def _follow_global_hooks(self) -> None:
+        """While the user has global forward hooks (``register_module_forward_hook``: torch runs them before every
+        module's own), a global hook of ours runs first among them and routes as ``_route`` does, so they too see
+        what the caller gets; with none, ours is taken off (any global hook slows every module's call)."""
+        hooks = torch.nn.modules.module._global_forward_hooks
+        users = any(not isinstance(hook, _ModelHook) for hook in hooks.values())
+        if users and self._global_handle is None:
+            hook = _ModelHook(_weakly(self._route))
+            self._global_handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+            weakref.finalize(self, self._global_handle.remove)  # a scheduler dropped without remove()
+        elif not users and self._global_handle is not None:
+            self._global_handle.remove()
+            self._global_handle = None
+        if self._global_handle is not None and next(iter(hooks)) != self._global_handle.id:
+            hooks.move_to_end(self._global_handle.id, last=False)
+
     def _route(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """``module``'s first forward hook: its output as the caller gets it (``_routed``), kept in its frame."""
         frame = next((f for f in reversed(self._stack) if f.module is module), None)
-        if frame is None:
+        return output if frame is None else self._settled(frame, (args, kwargs), output)
+
+    def _settled(self, frame: _Frame, inputs: Any, output: Any) -> Any:
+        """``output`` as the caller gets it: routed (``_routed``) unless it is what the frame's last routing gave,
+        with no tensor added since (by a hook, in place); kept in the frame."""
+        if output is frame.routed and all(frame.routed_tensors.get(id(t)) is t for t in grad_tensors(output)):
             return output
-        frame.routed = self._routed(frame, (args, kwargs), output)
+        frame.routed = self._routed(frame, inputs, output)
         frame.routed_tensors = {id(t): t for t in grad_tensors(frame.routed)}
         return frame.routed
 
@@ -463,8 +488,7 @@ class Stage3Scheduler:
             released += frame.needs
             if frame.module is module:
                 break
-        if output is not frame.routed or any(frame.routed_tensors.get(id(t)) is not t for t in grad_tensors(output)):
-            output = self._routed(frame, inputs, output)  # replaced, or a tensor added in place, by a hook
+        output = self._settled(frame, inputs, output)  # replaced, or a tensor added in place, by a hook
         for i in released:
             self._free(i)
         return output
