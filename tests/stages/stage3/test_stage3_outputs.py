@@ -8,7 +8,8 @@
   that mirrors its keys as attributes (read by attribute) train as AdamW; so does a model whose hooks keep a
   module's output, which the caller then changes in place (``nn.ReLU(inplace=True)``), and a view of a
   parameter, both read in the loss; and one whose loss is only what a hook kept (feature extraction); also
-  with the feature kept by a global forward hook (``register_module_forward_hook``, run before a module's own).
+  with the feature kept by a global forward hook (``register_module_forward_hook``, run before a module's own),
+  also one put on inside the forward or around the children called directly.
 - A module returning its child's weight (a tied head reads it), with a hook that adds a tensor made from the
   module's parameter to its output dict in place, trains as AdamW.
 - ``stage3.nested`` finds and replaces tensors in those containers, keeping their types and attributes.
@@ -261,6 +262,56 @@ def test_outputs_in_containers_and_kept_by_hooks_match_adamw(spawn, world: int) 
     caller, and a kept view of a parameter, both in the loss; a loss of only what a hook kept: as AdamW (the kept
     output used to miss the in-place ReLU in its gradient, the views and the feature-only loss crashed)."""
     spawn(_kept_cases, world)
+
+
+class Probed(nn.Module):
+    """A global forward hook keeps ``inp``'s output for an extra loss, put on inside the forward (``mid``) or
+    around calls of the children made by the caller (``children``), after the root's pre-hooks ran or without
+    them; the caller's ReLU then changes the output in place."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp, self.act, self.out = nn.Linear(4, 6), nn.ReLU(inplace=True), nn.Linear(6, 2)
+
+    def kept(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kept = []
+        keep = lambda m, args, out: kept.append(out) if m is self.inp else None  # noqa: E731
+        handle = torch.nn.modules.module.register_module_forward_hook(keep)
+        try:
+            return self.out(self.act(self.inp(h))), kept[0]
+        finally:
+            handle.remove()
+
+    def forward(self, x: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+        parts = [self.kept(h) for h in x.chunk(chunks)]
+        return sum(y.square().mean() + 0.5 * k.mean() for y, k in parts) / chunks
+
+
+def _probed_cases(rank: int, world: int) -> None:
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for mode in ("mid", "children"):
+        torch.manual_seed(0)
+        model = Probed(mode)
+        ref = copy.deepcopy(model)
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+        if mode == "mid":
+            forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
+        else:
+            forward = lambda m, x: Probed.forward(m, x, world if m is ref else 1)  # noqa: E731
+        _train(rank, world, model, ref, opt, batches, f"global hook ({mode})", forward)
+        model.out(torch.zeros(1, 6))  # a module's forward without user global hooks takes stage 3's off
+        assert not torch.nn.modules.module._global_forward_hooks, f"{mode}: a global hook left behind"
+        opt.pipeline.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_global_hook_put_on_inside_the_forward_or_around_children_matches_adamw(spawn, world: int) -> None:
+    """A global forward hook put on after the model's forward began, or around its children called directly,
+    keeps the output the caller gets (it used to miss the caller's in-place ReLU); stage 3's global hook is off
+    again once the user's are."""
+    spawn(_probed_cases, world)
 
 
 class Embed(nn.Module):

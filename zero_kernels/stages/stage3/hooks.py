@@ -21,11 +21,11 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
 - first forward hook (kept before the hooks registered since): copy what ``m`` returns that shares the
   storage of its gathered parameters, and when autograd records the forward, route ``m``'s outputs through
   one node of ``m``'s own (``stage3.boundary``), so that ``m``'s other hooks see and keep what the caller
-  gets (while the user has global forward hooks, which torch runs before a module's own, a global hook of
-  ours runs first among them and routes the same way); last forward hook (kept after them): free ``m``'s
-  units once no running module uses them, after routing an output a hook replaced. The node's backward
-  gathers ``m``'s units again (before any node ``m``'s forward created runs), prefetching along the previous
-  backward's order. That node runs after
+  gets (while the user has global forward hooks, which torch runs before a module's own, a global hook
+  runs first among them and routes the same way: ``stage3.global_hooks``); last forward hook (kept after
+  them): free ``m``'s units once no running module uses them, after routing an output a hook replaced.
+  The node's backward gathers ``m``'s units again (before any node ``m``'s forward created runs),
+  prefetching along the previous backward's order. That node runs after
   the hooks on its outputs: where an output is the next module's input, that module's use ends (and its
   units are reduced and freed) before these gathers start, and a unit's gathered copy never waits beside
   one more prefetch. It is ``m``'s even where the output is ``m``'s input or a child's output, so the
@@ -68,8 +68,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..grad_state import second_gradient
+from . import global_hooks, model_hints
 from . import guard as guard
-from . import model_hints
 from .boundary import copy_views, route_outputs
 from .plan import ModulePlan, plan
 from .uses import UseTracker, grad_tensors
@@ -248,7 +248,6 @@ class Stage3Scheduler:
         self._module_names = {id(m): name for name, m in root.named_modules()}
         self._handles: list[RemovableHandle] = []
         self._module_handles: list[RemovableHandle] = []
-        self._global_handle: Optional[RemovableHandle] = None  # ours, while the user has global forward hooks
         self._install(root)
 
     @staticmethod
@@ -263,6 +262,7 @@ class Stage3Scheduler:
 
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
+        global_hooks.join(self)
         route, post = self._output_hooks(root, self._root_post_forward)
         pre = _ModelHook(_weakly(self._root_pre_forward, route.id, post.id))
         self._handles += [root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), route, post]
@@ -306,9 +306,10 @@ class Stage3Scheduler:
 
     def remove(self) -> None:
         """Take every hook off; parameters stay as they are (freed ones lose their mark)."""
-        for handle in self._handles + self._module_handles + [h for h in (self._global_handle,) if h is not None]:
+        for handle in self._handles + self._module_handles:
             handle.remove()
-        self._handles, self._module_handles, self._global_handle = [], [], None
+        self._handles, self._module_handles = [], []
+        global_hooks.leave(self)
         for unit in self.units:
             for p in unit.params:
                 guard.mark_gathered(p)
@@ -396,7 +397,7 @@ class Stage3Scheduler:
 
     def _root_pre_forward(self, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
         _keep_order(module, route_id, post_id)
-        self._follow_global_hooks()
+        global_hooks.follow()
         if not self._in_forward:
             if self._generation != model_hints.generation():
                 self._install_modules()
@@ -417,6 +418,7 @@ class Stage3Scheduler:
         self, p: ModulePlan, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any
     ) -> Any:
         _keep_order(module, route_id, post_id)
+        global_hooks.follow()
         return self._enter(p, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
@@ -433,22 +435,6 @@ class Stage3Scheduler:
         elif p.needs and self._in_forward and self._records:  # a reentrant checkpoint's segment
             self._uses.unrecorded(p.needs)
         return None
-
-    def _follow_global_hooks(self) -> None:
-        """While the user has global forward hooks (``register_module_forward_hook``: torch runs them before every
-        module's own), a global hook of ours runs first among them and routes as ``_route`` does, so they too see
-        what the caller gets; with none, ours is taken off (any global hook slows every module's call)."""
-        hooks = torch.nn.modules.module._global_forward_hooks
-        users = any(not isinstance(hook, _ModelHook) for hook in hooks.values())
-        if users and self._global_handle is None:
-            hook = _ModelHook(_weakly(self._route))
-            self._global_handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
-            weakref.finalize(self, self._global_handle.remove)  # a scheduler dropped without remove()
-        elif not users and self._global_handle is not None:
-            self._global_handle.remove()
-            self._global_handle = None
-        if self._global_handle is not None and next(iter(hooks)) != self._global_handle.id:
-            hooks.move_to_end(self._global_handle.id, last=False)
 
     def _route(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """``module``'s first forward hook: its output as the caller gets it (``_routed``), kept in its frame."""
