@@ -23,7 +23,6 @@ class Router(Protocol):
     def _route(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any: ...
 
 
-_routers: "weakref.WeakSet[Router]" = weakref.WeakSet()
 _live: dict[int, weakref.finalize] = {}  # by id: each live router's end (``leave`` or its collection)
 _handle: list[Optional[RemovableHandle]] = [None]
 
@@ -41,11 +40,10 @@ def _ours() -> Optional[RemovableHandle]:
 
 
 def _route(module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-    routers = list(_routers)
-    if not routers:
-        _take_off()
-    for router in routers:
-        output = router._route(module, args, kwargs, output)
+    for end in list(_live.values()):
+        alive = end.peek()  # (router, ...) until the router leaves or is collected
+        if alive is not None:
+            output = alive[0]._route(module, args, kwargs, output)
     return output
 
 
@@ -59,12 +57,10 @@ def _take_off() -> None:
 def join(router: Router) -> None:
     """Let ``router`` route from the global hook while it lives (or until ``leave``)."""
     if id(router) not in _live:
-        _routers.add(router)
         _live[id(router)] = weakref.finalize(router, _gone, id(router))
 
 
 def leave(router: Router) -> None:
-    _routers.discard(router)
     gone = _live.get(id(router))
     if gone is not None:
         gone()
