@@ -85,18 +85,21 @@ class ParamState(dict):
         self._piece = piece
         self._full = full  # the parameter's shape
 
+    def _check_key(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(
+                f"opt.state[p] holds {', '.join(self)}: {key!r} cannot be added, the state lives in the shards"
+            )
+
     def __setitem__(self, key: str, value: Any) -> None:
+        self._check_key(key)
         self._on_write()
         if key == "step":
             self._pipeline.steps[self._index] = int(float(value))
             super().__setitem__(key, torch.tensor(float(value)))
-        elif key in self:
+        else:
             view = dict.__getitem__(self, key)
             view.copy_(_take(self._piece, value, view.shape, self._full))
-        else:
-            raise KeyError(
-                f"opt.state[p] holds {', '.join(self)}: {key!r} cannot be added, the state lives in the shards"
-            )
 
     def __delitem__(self, key: str) -> None:
         raise _undeletable(key)
@@ -104,9 +107,8 @@ class ParamState(dict):
     def update(self, *args: Any, **kwargs: Any) -> None:
         """Assign each key as ``opt.state[p][key] = value`` does (into the shard); a key not held changes nothing."""
         values = dict(*args, **kwargs)
-        unknown = sorted(set(values) - set(self))
-        if unknown:
-            self[unknown[0]] = values[unknown[0]]  # raises, naming the keys held
+        for key in sorted(values):  # every key checked before anything is written
+            self._check_key(key)
         for key, value in values.items():
             self[key] = value
 
@@ -115,8 +117,7 @@ class ParamState(dict):
         return self
 
     def setdefault(self, key: str, default: Any = None) -> Any:
-        if key not in self:
-            self[key] = default  # raises, naming the keys held
+        self._check_key(key)  # a key held is never set: its value is returned
         return self[key]
 
     def pop(self, key: str, *default: Any) -> Any:
