@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections import OrderedDict, namedtuple
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -34,6 +34,23 @@ import zero_kernels as zk
 from tests.helpers.check import assert_close
 from tests.stages.stage3.test_stage3_models import LR, ROWS, SKIP_USES, SMALL, _train
 from zero_kernels.stages.stage3 import nested
+
+
+def _batches(world: int, steps: int = 3) -> list[torch.Tensor]:
+    return [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(steps)]
+
+
+def _built(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module, zk.ShardedFusedAdam]:
+    """A model from ``make`` (seeded), its copy for AdamW, and its stage-3 optimizer with small units."""
+    torch.manual_seed(0)
+    model = make()
+    ref = copy.deepcopy(model)
+    return model, ref, zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+
+
+def _chunked(ref: nn.Module, world: int) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``forward(m, x)`` for ``_train``: ``ref`` runs the whole batch as ``world`` chunks, the model its rows."""
+    return lambda m, x: m(x, world if m is ref else 1)
 
 
 class Chain(nn.Module):
@@ -48,11 +65,8 @@ class Chain(nn.Module):
 def _hook_cases(rank: int, world: int) -> None:
     """A hook on ``b``, put on after the optimizer was built, records ``b.weight``'s norm and drops ``b`` (returns
     its input) on the ranks ``SKIP_USES`` does not use it on; ``ref`` runs each rank's chunk with that rank's choice."""
-    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
-    torch.manual_seed(0)
-    model = Chain()
-    ref = copy.deepcopy(model)
-    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+    batches = _batches(world, 4)
+    model, ref, opt = _built(Chain)
     drop, norms = [False], {id(model): [], id(ref): []}
     for net in (model, ref):
         net.b.register_forward_hook(
@@ -121,14 +135,10 @@ class PositionNet(nn.Module):
 
 
 def _position_cases(rank: int, world: int) -> None:
-    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    batches = _batches(world)
     for form in ("slice", "views"):
-        torch.manual_seed(0)
-        model = PositionNet(form)
-        ref = copy.deepcopy(model)
-        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
-        forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
-        _train(rank, world, model, ref, opt, batches, f"positions ({form})", forward)
+        model, ref, opt = _built(lambda: PositionNet(form))
+        _train(rank, world, model, ref, opt, batches, f"positions ({form})", _chunked(ref, world))
         x = batches[0][rank * ROWS : (rank + 1) * ROWS]
         with torch.no_grad():
             assert_close(model(x), ref(x), rtol=1e-5, atol=1e-7, what=f"positions ({form}) evaluated")
@@ -234,20 +244,15 @@ class Kept(nn.Module):
 
 
 def _kept_cases(rank: int, world: int) -> None:
-    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    batches = _batches(world)
     cases = [(form, False, False) for form in ("dataclass", "pair", "attrdict", "param")]
     cases += [("pair", True, False), ("pair", False, True), ("pair", True, True)]
     for form, features, globally in cases:
-        torch.manual_seed(0)
-        model = Kept(form, features)
-        ref = copy.deepcopy(model)
-        handles = [ref.keep(globally)]
-        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
-        handles.append(model.keep(globally))  # after the optimizer
-        forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
+        model, ref, opt = _built(lambda: Kept(form, features))
+        handles = [ref.keep(globally), model.keep(globally)]  # the model's after the optimizer
         what = f"kept outputs ({form}, features {features}, global hook {globally})"
         try:
-            _train(rank, world, model, ref, opt, batches, what, forward)
+            _train(rank, world, model, ref, opt, batches, what, _chunked(ref, world))
         finally:
             for handle in handles:
                 handle is not None and handle.remove()
@@ -289,15 +294,11 @@ class Probed(nn.Module):
 
 
 def _probed_cases(rank: int, world: int) -> None:
-    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    batches = _batches(world)
     for mode in ("mid", "children"):
-        torch.manual_seed(0)
-        model = Probed(mode)
-        ref = copy.deepcopy(model)
-        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
-        if mode == "mid":
-            forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
-        else:
+        model, ref, opt = _built(lambda: Probed(mode))
+        forward = _chunked(ref, world)
+        if mode == "children":
             forward = lambda m, x: Probed.forward(m, x, world if m is ref else 1)  # noqa: E731
         _train(rank, world, model, ref, opt, batches, f"global hook ({mode})", forward)
         model.out(torch.zeros(1, 6))  # a module's forward without user global hooks takes stage 3's off
@@ -343,15 +344,11 @@ class TiedHead(nn.Module):
 
 
 def _tied_cases(rank: int, world: int) -> None:
-    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
-    torch.manual_seed(0)
-    model = TiedHead()
-    ref = copy.deepcopy(model)
-    ref.extra()
-    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
-    model.extra()
-    forward = lambda m, x: m(x, world if m is ref else 1)  # noqa: E731
-    _train(rank, world, model, ref, opt, batches, "child's weight returned, a hook adding to the output", forward)
+    batches = _batches(world)
+    model, ref, opt = _built(TiedHead)
+    ref.extra(), model.extra()  # the model's after the optimizer
+    what = "child's weight returned, a hook adding to the output"
+    _train(rank, world, model, ref, opt, batches, what, _chunked(ref, world))
     opt.pipeline.close()
 
 
