@@ -74,14 +74,15 @@ def pair_case(
     world: int,
     stage: int,
     dtype: torch.dtype,
-    offload: dict,
+    offload: dict | None,
     params: dict | None = None,
     during: Callable[[zo.ShardedFusedAdam], None] | None = None,
     accum: bool = False,
 ) -> dict:
     """Train with and without ``offload`` (and ``params``: the ``offload_param`` block) and compare after every
-    step; returns the tiered optimizer's traffic, the parameter count and, per buffer, (its first bucket in the
-    tier, its buckets), for the caller's checks. With ``during``, it is called with the tiered optimizer after
+    step (``offload`` None: ``params`` alone); returns the tiered optimizer's traffic (the tier's, and stage 3's
+    host parameter shards' ``param_traffic``), the parameter count and, per buffer, (its first bucket in the tier,
+    its buckets), for the caller's checks. With ``during``, it is called with the tiered optimizer after
     every step, and the comparison waits for the last step (reading the state or the gathered weights between
     steps changes where a tier keeps them). With ``accum``, the micro-steps are ``gradient_accumulation_steps``
     added up in fp32 (``grad_accum_dtype``) rather than ``no_sync``."""
@@ -121,5 +122,7 @@ def pair_case(
     numel = sum(buf.layout.shard_numel for buf in b._pipeline.buffers)
     on_host = sum(buf.layout.shard_numel for buf in b._pipeline.buffers if not getattr(buf, "persistent", True))
     device_numel = numel - on_host if params is not None else numel  # shards whose parameters stay on the device
-    return {"traffic": b._pipeline.tier.traffic(), "shard_numel": numel, "device_numel": device_numel, "steps": STEPS,
-            "placed": placed, "skipped": b.skipped_steps}  # fmt: skip
+    tier, host_params = b._pipeline.tier, getattr(b._pipeline, "host_params", None)
+    return {"traffic": tier.traffic() if tier is not None else None, "shard_numel": numel,
+            "device_numel": device_numel, "steps": STEPS, "placed": placed, "skipped": b.skipped_steps,
+            "param_traffic": host_params.traffic() if host_params is not None else None}  # fmt: skip

@@ -149,18 +149,6 @@ def test_stage3_offload_param_on_host_memory_keeps_the_shards_in_place() -> None
             assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize(
-    "params, optimizer, says",
-    [("nvme", "none", "without offload_optimizer"), ("cpu", "none", "without offload_optimizer")],
-)
-def test_offload_param_not_acted_on_says_so(params: str, optimizer: str, says: str, tmp_path, caplog) -> None:
-    block = {"device": params, "nvme_path": str(tmp_path)} if params == "nvme" else {"device": params}
-    with caplog.at_level("WARNING", logger="zero_kernels"):
-        opt = zo.ShardedFusedAdam(_model(torch.float32), stage=3, offload_param=block, offload_optimizer=optimizer)
-    assert "offload_param.device" in caplog.text and says in caplog.text
-    assert not opt._pipeline.params_offloaded
-
-
 def test_cpu_adam_threads_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(THREADS_VARIABLE, "3")
     assert cpu_threads(0.8) == 3

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -67,20 +66,6 @@ def test_a_small_share_on_the_device_keeps_whole_buckets_in_the_tier() -> None:
     (buf,) = opt._pipeline.buffers
     assert len(buf.layout.buckets) == 1 and placement.cut(buf) == 0
     assert opt.memory_report()["optimizer"] == 0
-
-
-@pytest.mark.parametrize("device", ["cpu", "nvme"])
-def test_offload_param_with_a_share_on_the_device_warns_that_it_stays(
-    device: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    params = {"device": device, **({"nvme_path": str(tmp_path), "max_in_cpu": 0} if device == "nvme" else {})}
-    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
-        opt = zk.ShardedFusedAdam(_model(), stage=3, reduce_bucket_size=BUCKET, offload_param=params,
-                                  offload_optimizer={"device": "cpu", "ratio": 0.5})  # fmt: skip
-    said = [r.getMessage() for r in caplog.records if "offload_param" in r.getMessage()]
-    assert len(said) == 1 and "ratio=0.5" in said[0] and "not acted on" in said[0], said
-    assert not opt._pipeline.params_offloaded and opt._pipeline.disk_params is None
-    assert not (tmp_path / "zero_kernels").exists()  # no parameter files
 
 
 @pytest.mark.parametrize("stage", [1, 2])

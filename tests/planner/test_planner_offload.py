@@ -93,6 +93,24 @@ def test_stage_3_parameter_offload_uploads_the_shard_at_every_gather() -> None:
     assert rec.stage == 3 and rec.reasons[-1].startswith("offload_param: planned as DeepSpeed applies it")
 
 
+def test_stage_3_parameter_shards_on_the_host_with_the_state_on_the_device_go_up_and_down_at_the_update() -> None:
+    """``offload_param`` cpu with the state (or a share of it) on the device: the device's part of the shard goes up
+    before the update and down after it, 2 + 2 bytes per element in bf16, besides the gathers' uploads."""
+    alone = replace(CPU, optimizer="none", param="cpu")
+    est = estimate_offload(PSI, N, 3, alone)
+    assert est.host_bytes == 2 * SHARD and est.adam_s == 0  # the shard itself; no state on the host
+    assert (est.bus_down, est.bus_up) == (2 * SHARD, 2 * SHARD * 2 + 2 * SHARD)
+    share = estimate_offload(PSI, N, 3, replace(CPU, ratio=0.25, param="cpu"))
+    quarter = SHARD // 4
+    assert share.host_bytes == 12 * quarter + 2 * quarter + 2 * SHARD  # its state, its gradients, the whole shard
+    assert share.bus_down == 2 * quarter + 2 * (SHARD - quarter)  # the tier's gradients; the device's parameters
+    assert share.bus_up == 2 * SHARD * 2 + 2 * (SHARD - quarter)
+    rec = recommend(PSI, gpus=N, gpu_memory=40 * GB, link="nvlink", offload=alone)
+    s3 = rec.plans[-1]
+    assert s3.memory.params == 0 and s3.memory.optimizer == estimate_memory(PSI, N, 3).optimizer
+    assert not any(r.startswith("offload_param:") for r in rec.reasons)  # applied as planned
+
+
 def test_stage_3_with_the_state_on_disk_keeps_the_gradient_shard_in_files() -> None:
     """Not on the device nor as a host copy: on the disk, written by each reduction beside backward (read back by
     a later one) and read by the update; stages 1-2, the cpu tier and a share keep it as before."""
@@ -254,7 +272,7 @@ def test_deepspeed_reads_the_config() -> None:
         (lambda: estimate_offload(PSI, N, 0, CPU), "stage=0: offload needs ZeRO stage 1, 2 or 3"),
         (lambda: replace(CPU, ratio=0), "ratio=0: the offloaded share must be in .0, 1."),
         (lambda: replace(CPU, ratio=1.5), "ratio=1.5"),
-        (lambda: replace(CPU, ratio=0.5, param="cpu"), "offload_param acts with ratio 1"),
+        (lambda: replace(NVME, ratio=0.5, param="nvme"), "offload_param='nvme' acts with ratio 1"),
     ],
 )
 def test_bad_offload_input(call, match: str) -> None:

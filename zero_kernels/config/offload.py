@@ -13,9 +13,10 @@ device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
   is offloaded, whole buckets (the rest stays on the device: ``stages.placement``). ``super_offload``: accepted,
   with a warning (the pipeline's): the host Adam runs after backward, without DeepSpeed's speculation.
 - ``OffloadParamConfig``: stage 3's parameter shards in host memory or files. Parsed and checked
-  (stage 3 only, ``nvme_path`` with ``"nvme"``); acted on with all the optimizer state offloaded
-  (``"cpu"``: the shards are the state tier's host copies; ``"nvme"``: files, ``stages.stage3.disk_params``),
-  otherwise the pipeline warns once that the parameter shards stay on the device.
+  (stage 3 only, ``nvme_path`` with ``"nvme"``); ``"cpu"`` is acted on always (with all the optimizer state
+  offloaded the shards are the state tier's host copies, otherwise ``stages.stage3.host_params``), ``"nvme"``
+  with all the state offloaded (files, ``stages.stage3.disk_params``); otherwise the pipeline warns once that
+  the parameter shards stay on the device.
 - ``AioConfig``: the file I/O engine's knobs (the thread count is ``intra_op_parallelism``).
 """
 

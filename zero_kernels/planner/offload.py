@@ -22,10 +22,12 @@ the Adam and the disk, not their sum.
 the device with its gradients and parameters (the pipeline cuts at whole buckets; the plan takes the share
 itself), so the state, the host copies, the bus traffic, the disk and the CPU Adam count that share only.
 
-``offload_param`` (stage 3 only, and only with ``ratio`` 1, as the pipeline acts on it) moves the 16-bit
-parameter shard off the device too: every gather of a unit uploads its shard (forward and backward: twice
-per micro-step), and the update writes it in place on the host (nothing goes up after the step). With
-``nvme`` those gathers read the shard from the disk and the update writes it back.
+``offload_param`` (stage 3 only) moves the 16-bit parameter shard off the device too: every gather of a unit
+uploads its shard (forward and backward: twice per micro-step), and the host Adam writes its offloaded share in
+place on the host (nothing goes up after the step). The rest of the shard, whose state is on the device (all of it
+without ``offload_optimizer``, ``1 - ratio`` below ``ratio`` 1), is updated on the device on a copy: up before
+the update and down after it (``staged``). ``nvme`` (acted on with all the state offloaded, as the pipeline does)
+reads the shard from the disk for those gathers and the update writes it back.
 
 Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shard in files (``grads_in_files``,
 as the pipeline does): not on the device nor as a host copy; each reduction sends it down and writes it, beside
@@ -138,8 +140,8 @@ class OffloadSetup:
         check_device("offload_param", self.param)
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio={self.ratio!r}: the offloaded share must be in (0, 1]")
-        if self.ratio != 1 and self.param != "none":
-            raise ValueError(f"ratio={self.ratio!r} with offload_param={self.param!r}: offload_param acts with ratio 1")
+        if self.ratio != 1 and self.param == "nvme":
+            raise ValueError(f"ratio={self.ratio!r} with offload_param='nvme': offload_param='nvme' acts with ratio 1")
         for name in ("bus_gbps", "adam_gbps", "host_memory"):
             check_positive(name, getattr(self, name))
         check_count("ranks_per_node", self.ranks_per_node)
@@ -260,6 +262,7 @@ def estimate_offload(
     crosses = not setup.device_is_host  # on a host device the tier shares the device's tensors
     files = grads_in_files(stage, setup)  # no host copy of the gradient shard: it is in files
     copies = _copies(setup, elem, 0 if files else g_elem, moved, shard if param_off == "cpu" else 0) if crosses else 0
+    staged = elem * (shard - (moved if setup.optimizer != "none" else 0)) if param_off == "cpu" and crosses else 0
     host = copies + (state if setup.optimizer == "cpu" else 0)
     host += OPTIMIZER_BUFFERS * sub * k_bytes if setup.optimizer == "nvme" else 0
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
@@ -269,8 +272,8 @@ def estimate_offload(
     grad_io = grad_file * reductions  # written at every reduction; read back by the later ones and by the update
     disk = (state if setup.optimizer == "nvme" else 0) + in_files + grad_file
     downs = reductions if files else 1  # to its file at every reduction, else to the host copy in the update
-    down = g_elem * moved * downs if setup.optimizer != "none" and crosses else 0
-    up_after = elem * moved if setup.optimizer != "none" and param_off == "none" and crosses else 0
+    down = (g_elem * moved * downs if setup.optimizer != "none" and crosses else 0) + staged
+    up_after = (elem * moved if setup.optimizer != "none" and param_off == "none" and crosses else 0) + staged
     up_gather = elem * shard * gathers if param_off != "none" and crosses else 0
     state_io = state if setup.optimizer == "nvme" else 0
     gather_reads = in_files * gathers
@@ -292,10 +295,10 @@ def estimate_offload(
 
 
 def _copies(setup: OffloadSetup, elem: int, g_elem: int, moved: int, param_shard: int) -> int:
-    """Bytes of the host copies of the gradient and parameter shards (the parameter copy is the offloaded shard
-    itself, ``param_shard`` elements with ``offload_param`` on cpu)."""
+    """Bytes of the host copies of the gradient and parameter shards (with ``offload_param`` on cpu the parameter
+    copy is the whole shard itself, ``param_shard`` elements)."""
     if setup.optimizer != "none":
-        return (g_elem + elem) * moved
+        return g_elem * moved + elem * max(moved, param_shard)
     return elem * param_shard
 
 

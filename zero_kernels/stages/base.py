@@ -417,6 +417,11 @@ class Pipeline(BackwardRound):
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
 
+    def device_params(self, buf: FlatBuffer, bucket: Bucket) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """This rank's parameters of ``bucket`` where the device's update reads and writes them, inside the block:
+        ``param_shard`` itself, unless a stage keeps the shard off the device (stage 3's ``offload_param``)."""
+        return contextlib.nullcontext(self.param_shard(buf, bucket))
+
     def grads_in_file(self, buf: FlatBuffer) -> bool:
         """Whether this rank's gradient shard of ``buf`` lives in a file (stage 3 with the state on disk)."""
         return False

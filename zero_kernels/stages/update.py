@@ -100,23 +100,24 @@ def update_bucket(
     """
     if h.amsgrad and buf.max_exp_avg_sq is None:
         pipeline.allocate_max_exp_avg_sq(buf.group)
-    tensors = BucketTensors(
-        pipeline.master_shard(buf, bucket),
-        pipeline.grad_shard(buf, bucket),
-        buf.shard_slice(buf.exp_avg, bucket),
-        buf.shard_slice(buf.exp_avg_sq, bucket),
-        pipeline.param_shard(buf, bucket) if buf.master is not None else None,
-        buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None,
-    )
-    quantizer = pipeline.epilogue_quantizer(buf)
-    if quantizer is None or not whole(pipeline, buf, bucket, with_grad):
-        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl)
-        return
-    shard = pipeline.param_shard(buf, bucket)
-    layout = Payload(shard.numel())
-    payload = layout.empty(shard.device)
-    launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl, quantized=layout.view(payload))
-    quantizer.hold(quantizer.key(buf, bucket), shard, payload)
+    with pipeline.device_params(buf, bucket) as params:
+        low = buf.master is not None
+        tensors = BucketTensors(
+            pipeline.master_shard(buf, bucket) if low else params,
+            pipeline.grad_shard(buf, bucket),
+            buf.shard_slice(buf.exp_avg, bucket),
+            buf.shard_slice(buf.exp_avg_sq, bucket),
+            params if low else None,
+            buf.shard_slice(buf.max_exp_avg_sq, bucket) if h.amsgrad else None,
+        )
+        quantizer = pipeline.epilogue_quantizer(buf)
+        if quantizer is None or not whole(pipeline, buf, bucket, with_grad):
+            launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl)
+            return
+        layout = Payload(params.numel())
+        payload = layout.empty(params.device)
+        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, pipeline.impl, quantized=layout.view(payload))
+    quantizer.hold(quantizer.key(buf, bucket), pipeline.param_shard(buf, bucket), payload)
 
 
 def whole(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, with_grad: set[int]) -> bool:

@@ -36,6 +36,8 @@ Offload. With ``offload_param`` on the cpu and the optimizer state offloaded (``
 host tier's copy of a unit's parameter shard is the shard itself: the host Adam writes the new values there,
 nothing goes up at the step, and each gather copies the shard (or its int8 payload with
 ``zero_quantized_weights``) to the device first (``stage3.gathers``). Persistent units stay on the device.
+With ``offload_param`` on the cpu and the state (or part of it) on the device, the shards live in host memory of
+their own and the device's update runs on a copy of each bucket's shard (``stage3.host_params``).
 With ``offload_param`` on nvme the units beyond ``max_in_cpu`` keep their shard in a file instead, read through a
 bounded pool of host buffers for each gather and for the update (``stage3.disk_params``). With the optimizer
 state on disk (``offload_optimizer`` nvme, ``ratio`` 1) the reduced gradient shards live in files too, written as
@@ -74,6 +76,7 @@ from .forward_writes import ForwardWrites
 from .frozen import FrozenUnit, frozen_members
 from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
+from .host_params import HostParams
 from .plan import check_externals, holders
 from .storage import GatherStorage, freed
 
@@ -192,6 +195,9 @@ class Stage3Pipeline(Stage2Pipeline):
         self.forward_writes = ForwardWrites()  # a gathered parameter written in place, refused at the step
         self.disk_params: Optional[DiskParams] = None  # ``offload_param`` on nvme: shards in files
         self.disk_grads: Optional[DiskGrads] = disk_grads.start(self.tier)  # the state on disk: gradients in files
+        self.host_params: Optional[HostParams] = None  # ``offload_param`` on the cpu, the state not all in the tier
+        if self.options.offload_param.device == "cpu" and not self.params_offloaded:
+            self.host_params = HostParams(self.options.offload_param.pin_memory)
         if self.params_offloaded:
             try:
                 self.disk_params = disk_params.start(self.options, self.engine, self._agree_params)
@@ -372,9 +378,11 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _allocate(self, buf: Stage3Buffer, in_file: bool = False) -> None:
         super()._allocate(buf)
-        shard = self.tier.shards.get(id(buf)) if self.params_offloaded and not buf.persistent else None
-        if shard is not None and shard.params is not None:  # none for a unit of no elements: nothing offloaded
+        shard = self.tier.shards.get(id(buf)) if self.tier is not None and not buf.persistent else None
+        if self.params_offloaded and shard is not None and shard.params is not None:  # none for a unit of no elements
             buf.param_shard = shard.params  # the host copy, filled from the device shard
+        elif self.host_params is not None and not buf.persistent:
+            self.host_params.place(buf, shard)
         if in_file:
             self.disk_params.place(buf, buf.param_shard)
             self.tier.shards[id(buf)].params = None  # the file holds the shard; the step reads it bucket by bucket
@@ -497,6 +505,11 @@ class Stage3Pipeline(Stage2Pipeline):
         if self.disk_params is not None:
             self.disk_params.resident(buf)
         return buf.shard_slice(buf.param_shard, bucket)
+
+    def device_params(self, buf: Stage3Buffer, bucket: Bucket) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """As the base, or a copy on the device of a shard kept in host memory (``host_params``)."""
+        shard = self.param_shard(buf, bucket)
+        return contextlib.nullcontext(shard) if self.host_params is None else self.host_params.staged(buf, shard)
 
     def params_in_file(self, buf: FlatBuffer) -> bool:
         return self.disk_params is not None and self.disk_params.holds(buf)
@@ -673,6 +686,10 @@ class Stage3Pipeline(Stage2Pipeline):
         if self.params_offloaded:  # the shards are the tier's host copies, counted under ``host``, or in files
             tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.full)]
             tensors["params"] += [buf.param_shard for buf in self.buffers if self._shard_in_place(buf)]
+        if self.host_params is not None:  # the shards in host memory
+            on_host = {id(t) for t in self.host_params.tensors()}
+            tensors["params"] = [t for t in tensors["params"] if id(t) not in on_host]
+            tensors.setdefault("host", []).extend(self.host_params.tensors())
         if self.disk_params is not None:  # a shard read in whole between steps; the pool
             tensors["params"] += self.disk_params.resident_shards()
             tensors["host"] += self.disk_params.files.pool()
