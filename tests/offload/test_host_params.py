@@ -1,8 +1,7 @@
-"""Stage 3's parameter shards in host memory where the optimizer state is not all there (``offload_param`` on the
-cpu without ``offload_optimizer``, or with its ``ratio`` below 1): bit for bit the weights and state without it on
-2 gloo ranks, the copies a GPU makes run here too (``HostTier.share_host`` off: 2 + 2 bytes per parameter of the
-host shards per step in bf16), what ``memory_report`` shows, checkpoints both ways, and offload_param on nvme
-still warned about without all the state in the tier."""
+"""Stage 3's parameter shards off the device where the optimizer state is not all offloaded (``offload_param``
+without ``offload_optimizer``, or with its ``ratio`` below 1): in host memory (cpu) or in files (nvme), bit for bit
+the weights and state without it on 2 gloo ranks, the copies a GPU makes run here too (``HostTier.share_host`` off:
+2 + 2 bytes per parameter per step in bf16), what ``memory_report`` shows, checkpoints both ways."""
 
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ import zero_kernels as zk
 from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
 from tests.offload.exactness import copying, pair_case
+from tests.offload.test_offload_exact import in_files, param_files
 from zero_kernels.offload import HostTier
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -26,21 +26,28 @@ PARAMS = {"device": "cpu", "pin_memory": True}
 def _exact_ranks(rank: int, world: int, scratch: str) -> None:
     nvme = Path(scratch) / f"nvme{rank}"
     nvme.mkdir(exist_ok=True)
+    files, mixed = param_files(Path(scratch), rank), param_files(Path(scratch), rank, max_in_cpu=40)
     for dtype in DTYPES:  # a CPU machine: the shards are host memory already, nothing moves
         result = pair_case(rank, world, 3, dtype, None, PARAMS)
         assert result["param_traffic"] == {"up": 0, "down": 0}, result
+    # shards in files: compared after every step, and only after the last (the gathers and the updates read them
+    # from the files; some units kept in host memory under max_in_cpu)
+    pair_case(rank, world, 3, torch.bfloat16, None, files)
+    pair_case(rank, world, 3, torch.bfloat16, None, files, in_files)
+    pair_case(rank, world, 3, torch.bfloat16, None, mixed, lambda opt: in_files(opt, kept=True))
     with copying():
-        for dtype in DTYPES:
-            result = pair_case(rank, world, 3, dtype, None, PARAMS)
-            on_host = result["shard_numel"] - result["device_numel"]
-            assert on_host > result["shard_numel"] / 2, "most parameters must be in sharded units"
-            moved = result["steps"] * on_host * torch.finfo(dtype).bits // 8  # every step: the kernel decides a skip
-            assert result["param_traffic"] == {"up": moved, "down": moved}, (dtype, result)
+        for params, dtypes in ((PARAMS, DTYPES), (files, (torch.bfloat16, torch.float32))):
+            for dtype in dtypes:
+                result = pair_case(rank, world, 3, dtype, None, params)
+                off = result["shard_numel"] - result["device_numel"]
+                assert off > result["shard_numel"] / 2, "most parameters must be in sharded units"
+                moved = result["steps"] * off * torch.finfo(dtype).bits // 8  # every step: the kernel decides a skip
+                assert result["param_traffic"] == {"up": moved, "down": moved}, (params, dtype, result)
         for offload in ({"device": "cpu", "ratio": 0.3}, {"device": "nvme", "nvme_path": str(nvme), "ratio": 0.3}):
-            for dtype in (torch.bfloat16, torch.float32):
-                result = pair_case(rank, world, 3, dtype, offload, PARAMS)
+            for params, dtype in ((PARAMS, torch.bfloat16), (PARAMS, torch.float32), (files, torch.bfloat16)):
+                result = pair_case(rank, world, 3, dtype, offload, params)
                 assert result["param_traffic"]["up"] > 0, (offload, dtype, result)
-                assert result["traffic"]["up"] < result["traffic"]["down"], "the tier's part of a host shard stays"
+                assert result["traffic"]["up"] < result["traffic"]["down"], "the tier's part of a shard stays"
 
 
 @pytest.mark.distributed
@@ -77,12 +84,15 @@ def test_memory_report_counts_the_shards_under_host(monkeypatch: pytest.MonkeyPa
     assert report["optimizer"] == plain_report["optimizer"], "the state stays on the device"
 
 
-@pytest.mark.parametrize("saved_with, loaded_with", [(PARAMS, None), (None, PARAMS)])
-def test_checkpoints_load_with_and_without_host_shards(
-    saved_with: dict | None, loaded_with: dict | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("saved_with, loaded_with", [("cpu", None), (None, "cpu"), ("nvme", None), (None, "nvme")])
+def test_checkpoints_load_with_and_without_shards_off_the_device(
+    saved_with: str | None, loaded_with: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Three steps, saved, loaded into a fresh model and optimizer, two more: the weights of five steps straight."""
+    """Three steps, saved, loaded into a fresh model and optimizer, two more: the weights of five steps straight
+    (nothing under ``nvme_path`` needed to resume)."""
     monkeypatch.setattr(HostTier, "share_host", False)
+    blocks = {None: None, "cpu": PARAMS, "nvme": {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}}
+    saved_with, loaded_with = blocks[saved_with], blocks[loaded_with]
     torch.manual_seed(0)
     model = Net()
     straight_model = copy.deepcopy(model)
@@ -91,6 +101,7 @@ def test_checkpoints_load_with_and_without_host_shards(
     opt = _opt(model, saved_with)
     _train(model, opt, range(3))
     zk.checkpoint.save(tmp_path / "ckpt", model, opt)
+    opt._pipeline.close()
     torch.manual_seed(1)
     resumed_model = Net()
     resumed = _opt(resumed_model, loaded_with)
@@ -101,22 +112,13 @@ def test_checkpoints_load_with_and_without_host_shards(
             assert torch.equal(p, q), name
 
 
-@pytest.mark.parametrize("offload", [None, {"device": "cpu", "ratio": 0.5}])
-def test_offload_param_on_nvme_without_all_the_state_offloaded_warns_that_the_shards_stay(
-    offload: dict | None, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    params = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
-    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
-        opt = _opt(Net(), params, **({"offload_optimizer": offload} if offload else {}))
-    said = [r.getMessage() for r in caplog.records if "offload_param" in r.getMessage()]
-    assert len(said) == 1 and "not acted on" in said[0], said
-    assert ("ratio=0.5" in said[0]) == (offload is not None), said
-    assert opt._pipeline.host_params is None and opt._pipeline.disk_params is None
-    assert not (tmp_path / "zero_kernels").exists()  # no parameter files
-
-
-def test_offload_param_on_the_cpu_is_acted_on_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
-        opt = _opt(Net(), {"device": "cpu"})
-    assert not [r for r in caplog.records if "offload_param" in r.getMessage()]
-    assert opt._pipeline.host_params is not None
+def test_offload_param_is_acted_on_without_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    files = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0}
+    for params, offload in ((PARAMS, None), (files, None), (files, {"device": "cpu", "ratio": 0.5})):
+        with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+            opt = _opt(Net(), params, **({"offload_optimizer": offload} if offload else {}))
+        assert not [r for r in caplog.records if "offload_param" in r.getMessage()]
+        assert opt._pipeline.host_params is not None
+        assert (opt._pipeline.disk_params is not None) == (params is files)
+        opt._pipeline.close()
+    assert not (tmp_path / "zero_kernels").exists(), "the files are removed at close"

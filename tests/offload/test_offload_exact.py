@@ -31,7 +31,7 @@ def _tiers(scratch: Path, rank: int) -> list[dict]:
     return [{"device": "cpu", "pin_memory": True}, disk]
 
 
-def _param_files(scratch: Path, rank: int, max_in_cpu: int = 0) -> dict:
+def param_files(scratch: Path, rank: int, max_in_cpu: int = 0) -> dict:
     """``offload_param`` on nvme (the HF ZeRO-Infinity template's keys), a pool of 2 buffers: gathers wait for one."""
     nvme = scratch / f"params{rank}"
     nvme.mkdir(exist_ok=True)
@@ -78,7 +78,7 @@ def _refused_ranks(rank: int, world: int, scratch: str) -> None:
 
 def _exact_ranks(rank: int, world: int, scratch: str) -> None:
     _refused_ranks(rank, world, scratch)  # in this spawn: each one costs seconds
-    files, mixed = _param_files(Path(scratch), rank), _param_files(Path(scratch), rank, max_in_cpu=40)
+    files, mixed = param_files(Path(scratch), rank), param_files(Path(scratch), rank, max_in_cpu=40)
     for offload in _tiers(Path(scratch), rank):
         for stage in (1, 2, 3):
             for dtype in DTYPES:

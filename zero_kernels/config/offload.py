@@ -13,10 +13,9 @@ device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
   is offloaded, whole buckets (the rest stays on the device: ``stages.placement``). ``super_offload``: accepted,
   with a warning (the pipeline's): the host Adam runs after backward, without DeepSpeed's speculation.
 - ``OffloadParamConfig``: stage 3's parameter shards in host memory or files. Parsed and checked
-  (stage 3 only, ``nvme_path`` with ``"nvme"``); ``"cpu"`` is acted on always (with all the optimizer state
-  offloaded the shards are the state tier's host copies, otherwise ``stages.stage3.host_params``), ``"nvme"``
-  with all the state offloaded (files, ``stages.stage3.disk_params``); otherwise the pipeline warns once that
-  the parameter shards stay on the device.
+  (stage 3 only, ``nvme_path`` with ``"nvme"``); with all the optimizer state offloaded the shards are the state
+  tier's host copies (``"cpu"``), otherwise host memory of their own (``stages.stage3.host_params``); ``"nvme"``
+  puts the shards past ``max_in_cpu`` in files (``stages.stage3.disk_params``).
 - ``AioConfig``: the file I/O engine's knobs (the thread count is ``intra_op_parallelism``).
 """
 

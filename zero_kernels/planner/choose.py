@@ -35,13 +35,6 @@ from .offload import OffloadEstimate, OffloadSetup, device_memory, estimate_offl
 _TIE = 0.02
 # Buckets are sized so the latency term stays under this fraction of a collective's bandwidth term.
 _LATENCY_SHARE = 0.05
-# offload_param is planned as DeepSpeed applies it; zero_kernels applies it on nvme with the optimizer offloaded,
-# and keeps the parameter shards on the device with offload_param nvme alone.
-PARAM_NOTE = (
-    "offload_param: planned as DeepSpeed applies it (parameter shards off the device); zero_kernels applies "
-    "offload_param nvme with offload_optimizer on, and otherwise keeps stage 3's parameter shards on the device, "
-    "so with this setup the device holds them too (offload_param cpu keeps them in host memory)."
-)
 # DeepSpeed's default reduce_bucket_size / allgather_bucket_size, in elements.
 _MAX_BUCKET = 500_000_000
 
@@ -352,11 +345,6 @@ def _min_gpus(per_param_bytes: int, num_params: int, room: float) -> int | None:
     return None if max_elems < 1 else -(-num_params // max_elems)
 
 
-def _param_alone(offload: Any) -> bool:
-    """``offload_param`` on nvme without the optimizer offloaded (zero_kernels then keeps the shards on the device)."""
-    return offload.param == "nvme" and offload.optimizer == "none"
-
-
 def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[StagePlan, ...], p3_bytes: int) -> str:
     """Why nothing fits, by how much, and what would make it fit: more GPUs, or optimizer offload."""
     s3 = plans[-1]
@@ -590,8 +578,6 @@ def recommend(
     reasons = _reasons(choice, plans, resolved, step_compute)
     if choice.offload is not None:
         reasons.append(_plain_line(plan_stages(num_params, **kwargs)))
-    if choice.stage == 3 and offload is not None and _param_alone(offload):
-        reasons.append(PARAM_NOTE)
     config = deepspeed_config(
         choice.stage,
         param_dtype=param_dtype,

@@ -26,8 +26,8 @@ itself), so the state, the host copies, the bus traffic, the disk and the CPU Ad
 uploads its shard (forward and backward: twice per micro-step), and the host Adam writes its offloaded share in
 place on the host (nothing goes up after the step). The rest of the shard, whose state is on the device (all of it
 without ``offload_optimizer``, ``1 - ratio`` below ``ratio`` 1), is updated on the device on a copy: up before
-the update and down after it (``staged``). ``nvme`` (acted on with all the state offloaded, as the pipeline does)
-reads the shard from the disk for those gathers and the update writes it back.
+the update and down after it (``staged``). ``nvme`` reads the shard from the disk for those gathers and the update
+writes it back (the device's part of it read first: the host Adam overwrites its part without reading it).
 
 Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shard in files (``grads_in_files``,
 as the pipeline does): not on the device nor as a host copy; each reduction sends it down and writes it, beside
@@ -140,8 +140,6 @@ class OffloadSetup:
         check_device("offload_param", self.param)
         if not 0 < self.ratio <= 1:
             raise ValueError(f"ratio={self.ratio!r}: the offloaded share must be in (0, 1]")
-        if self.ratio != 1 and self.param == "nvme":
-            raise ValueError(f"ratio={self.ratio!r} with offload_param='nvme': offload_param='nvme' acts with ratio 1")
         for name in ("bus_gbps", "adam_gbps", "host_memory"):
             check_positive(name, getattr(self, name))
         check_count("ranks_per_node", self.ranks_per_node)
@@ -262,7 +260,8 @@ def estimate_offload(
     crosses = not setup.device_is_host  # on a host device the tier shares the device's tensors
     files = grads_in_files(stage, setup)  # no host copy of the gradient shard: it is in files
     copies = _copies(setup, elem, 0 if files else g_elem, moved, shard if param_off == "cpu" else 0) if crosses else 0
-    staged = elem * (shard - (moved if setup.optimizer != "none" else 0)) if param_off == "cpu" and crosses else 0
+    device_part = elem * (shard - (moved if setup.optimizer != "none" else 0)) if param_off != "none" else 0
+    staged = device_part if crosses else 0  # the device's update of its part of a shard off the device
     host = copies + (state if setup.optimizer == "cpu" else 0)
     host += OPTIMIZER_BUFFERS * sub * k_bytes if setup.optimizer == "nvme" else 0
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
@@ -277,8 +276,9 @@ def estimate_offload(
     up_gather = elem * shard * gathers if param_off != "none" and crosses else 0
     state_io = state if setup.optimizer == "nvme" else 0
     gather_reads = in_files * gathers
-    read = state_io + gather_reads + grad_io  # the shards are read for every gather; the update overwrites them,
-    write = state_io + in_files + grad_io  # writing them back (it reads them only where it keeps some elements)
+    update_reads = device_part if param_off == "nvme" else 0  # the device's update reads its part of the shard
+    read = state_io + gather_reads + grad_io + update_reads  # the shards are read for every gather; the host Adam
+    write = state_io + in_files + grad_io  # overwrites its part (it reads it only where it keeps some elements)
     return OffloadEstimate(
         host_bytes=host,
         disk_bytes=disk,
@@ -289,7 +289,9 @@ def estimate_offload(
         disk_read=read,
         disk_write=write,
         adam_s=state * setup.ranks_per_node / (setup.adam_gbps * 1e9),
-        phase_s=_phases(setup, state, down, up_after, up_gather, gather_reads, in_files, grad_file, reductions),
+        phase_s=_phases(
+            setup, state, down, up_after, up_gather, gather_reads, in_files + update_reads, grad_file, reductions
+        ),
         sub_group_size=sub,
     )
 
@@ -318,7 +320,8 @@ def _phases(
     Gathers of offloaded parameters split evenly between forward and backward (each the longer of its
     uploads and its disk reads, ``gather_reads``); a node's disk serves its ranks one after another (its
     bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is read and
-    written, and parameter shards in files are written by the update (``in_files`` bytes, after backward). The
+    written, and parameter shards in files are written (and the device's part read) by the update (``in_files``
+    bytes, after backward). The
     gradients go down in the update, bucket by bucket before its Adam (``down``, after backward); a gradient shard
     in files (``grad_file`` bytes) goes down and is written by each of the step's ``reductions`` beside backward,
     read back by every one after the first, and read by the update.

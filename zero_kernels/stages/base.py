@@ -431,8 +431,9 @@ class Pipeline(BackwardRound):
         return False
 
     def finish_offloaded_step(self) -> None:
-        """After the offloaded update's last bucket (``offloaded.finish_step``)."""
-        offloaded.finish_step(self)
+        """After the update's last bucket: the tier's (``offloaded.finish_step``)."""
+        if self.tier is not None:
+            offloaded.finish_step(self)
 
     def disk_bytes(self) -> int:
         """Bytes of this rank's files under ``nvme_path`` (the state tier's)."""
@@ -644,8 +645,7 @@ class Pipeline(BackwardRound):
                 update_bucket(self, buf, bucket, hyper[buf.group], decision, combined.with_grad)
                 self._track(self.gathers.defer(buf, bucket, self._publish(buf, bucket)))
         self.weight_quantizer.seal()
-        if self.tier is not None:
-            self.finish_offloaded_step()
+        self.finish_offloaded_step()
         self._complete_inflight()
         self.gathers.arm()
         self.param_traffic.log_once()

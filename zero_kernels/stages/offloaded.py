@@ -56,12 +56,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger(LOGGER_NAME)
-PARAMS_STAY = (
-    "zero_optimization.offload_param.device='nvme' is accepted but not acted on %s: stage 3's parameter shards stay "
-    "on the parameters' device (memory as without it; results are the same); offload_param.device 'cpu' keeps "
-    "them in host memory"
-)
-
 SUPER_OFFLOAD = (
     "zero_optimization.offload_optimizer.super_offload=true is accepted at stage %d: DeepSpeed would run the host "
     "Adam of each finished sub-group during backward, speculatively (a step the gradient norm or a non-finite "
@@ -75,13 +69,8 @@ SUPER_OFFLOAD_IGNORED = (
 
 def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     """The state tier ``options.offload_optimizer`` asks for, or None; a tier that cannot start on some rank
-    raises on every rank (after the others closed theirs). ``offload_param`` is acted on by stage 3: on the cpu
-    always, on nvme with all the optimizer state offloaded; otherwise it is warned about, as is ``super_offload``."""
+    raises on every rank (after the others closed theirs). ``super_offload`` is warned about."""
     config = options.offload_optimizer
-    if options.offload_param.device == "nvme" and not config.enabled:
-        logger.warning(PARAMS_STAY, "without offload_optimizer (set its device to cpu or nvme)")
-    elif options.offload_param.device == "nvme" and config.ratio != 1.0:
-        logger.warning(PARAMS_STAY, f"with offload_optimizer.ratio={config.ratio} (only with 1.0)")
     if config.super_offload:
         logger.warning(SUPER_OFFLOAD if options.stage == 3 else SUPER_OFFLOAD_IGNORED, options.stage)
     if not config.enabled:

@@ -41,6 +41,7 @@ class HostParams:
     def __init__(self, pin: bool):
         self.pin = pin and torch.cuda.is_available()
         self.shards: dict[int, torch.Tensor] = {}  # id(buffer) -> its shard in host memory
+        self.moved: set[int] = set()  # id(buffer) of every unit whose shard left the device (host memory, a file)
         self.bytes_up = 0
         self.bytes_down = 0
 
@@ -53,14 +54,19 @@ class HostParams:
         host.copy_(buf.param_shard)
         buf.param_shard = host
         self.shards[id(buf)] = host
+        self.moved.add(id(buf))
         if tier_shard is not None and tier_shard.params is not None:
             tier_shard.params = host.narrow(0, placement.cut(buf), placement.tier_numel(buf))
+
+    def drop(self, buf: "Stage3Buffer") -> None:
+        """``buf``'s shard went on to a file (``disk_params``): its host tensor is no longer held."""
+        self.shards.pop(id(buf), None)
 
     @contextlib.contextmanager
     def staged(self, buf: "Stage3Buffer", shard: torch.Tensor) -> Iterator[torch.Tensor]:
         """``shard`` (this rank's parameters of one bucket of ``buf``) where the device's update reads and writes
-        it: a copy on the device when ``buf``'s shard is in host memory here, written back after the block."""
-        if id(buf) not in self.shards:
+        it: a copy on the device when ``buf``'s shard left the device, written back after the block."""
+        if id(buf) not in self.moved:
             yield shard
             return
         scratch = torch.empty(shard.shape, dtype=shard.dtype, device=buf.device)

@@ -195,15 +195,15 @@ class Stage3Pipeline(Stage2Pipeline):
         self.forward_writes = ForwardWrites()  # a gathered parameter written in place, refused at the step
         self.disk_params: Optional[DiskParams] = None  # ``offload_param`` on nvme: shards in files
         self.disk_grads: Optional[DiskGrads] = disk_grads.start(self.tier)  # the state on disk: gradients in files
-        self.host_params: Optional[HostParams] = None  # ``offload_param`` on the cpu, the state not all in the tier
-        if self.options.offload_param.device == "cpu" and not self.params_offloaded:
+        self.host_params: Optional[HostParams] = None  # ``offload_param``, the state not all in the tier
+        if self.options.offload_param.enabled and not self.params_offloaded:
             self.host_params = HostParams(self.options.offload_param.pin_memory)
-        if self.params_offloaded:
-            try:
-                self.disk_params = disk_params.start(self.options, self.engine, self._agree_params)
-            except (OSError, ValueError):
+        try:
+            self.disk_params = disk_params.start(self.options, self.engine, self._agree_params)
+        except (OSError, ValueError):
+            if self.tier is not None:
                 self.tier.close()
-                raise
+            raise
         self._state_dict_guard = stage3_save.guard_state_dict(self)
 
     def _agree_params(self, problem: Optional[str]) -> None:
@@ -371,8 +371,8 @@ class Stage3Pipeline(Stage2Pipeline):
 
     @property
     def params_offloaded(self) -> bool:
-        """``offload_param`` acted on: the parameter shards live in the state tier's host memory, or (nvme) in files
-        (``disk_params``); all the state is in the tier (``offload_optimizer.ratio`` 1)."""
+        """``offload_param`` with all the state in the tier (``offload_optimizer.ratio`` 1): the parameter shards are
+        the state tier's host copies (or, on nvme, in files: ``disk_params``). Otherwise ``host_params`` keeps them."""
         tier = self.tier
         return tier is not None and self.options.offload_param.device in ("cpu", "nvme") and tier.config.ratio == 1.0
 
@@ -385,7 +385,10 @@ class Stage3Pipeline(Stage2Pipeline):
             self.host_params.place(buf, shard)
         if in_file:
             self.disk_params.place(buf, buf.param_shard)
-            self.tier.shards[id(buf)].params = None  # the file holds the shard; the step reads it bucket by bucket
+            if shard is not None:
+                shard.params = None  # the file holds the shard; the step reads it bucket by bucket
+            if self.host_params is not None:
+                self.host_params.drop(buf)
 
     def _reserve_grads(self, buffers: list[Stage3Buffer]) -> None:
         """With the state on disk: the files of the gradient shards of ``buffers`` (``disk_grads``), reserved before
@@ -507,9 +510,21 @@ class Stage3Pipeline(Stage2Pipeline):
         return buf.shard_slice(buf.param_shard, bucket)
 
     def device_params(self, buf: Stage3Buffer, bucket: Bucket) -> contextlib.AbstractContextManager[torch.Tensor]:
-        """As the base, or a copy on the device of a shard kept in host memory (``host_params``)."""
+        """As the base, or a copy on the device of a shard kept in host memory or in a file (``host_params``)."""
+        if self.params_in_file(buf):
+            return self._staged_from_file(buf, bucket)
         shard = self.param_shard(buf, bucket)
         return contextlib.nullcontext(shard) if self.host_params is None else self.host_params.staged(buf, shard)
+
+    @contextlib.contextmanager
+    def _staged_from_file(self, buf: Stage3Buffer, bucket: Bucket) -> Iterator[torch.Tensor]:
+        """The device's update of a bucket of a unit whose shard is in a file: read into a pool buffer, updated on a
+        copy on the device, written back (``disk_params``)."""
+        host = self.step_params(buf, bucket)
+        staged = contextlib.nullcontext(host) if self.host_params is None else self.host_params.staged(buf, host)
+        with staged as params:
+            yield params
+        self.stepped_params(buf, bucket, host)
 
     def params_in_file(self, buf: FlatBuffer) -> bool:
         return self.disk_params is not None and self.disk_params.holds(buf)
@@ -692,7 +707,7 @@ class Stage3Pipeline(Stage2Pipeline):
             tensors.setdefault("host", []).extend(self.host_params.tensors())
         if self.disk_params is not None:  # a shard read in whole between steps; the pool
             tensors["params"] += self.disk_params.resident_shards()
-            tensors["host"] += self.disk_params.files.pool()
+            tensors.setdefault("host", []).extend(self.disk_params.files.pool())
         if self.disk_grads is not None:  # the gradient shards are in files (a stand-in here); the pool
             tensors["grads"] = [t for t in tensors["grads"] if t is None or t.device.type != "meta"]
             tensors["host"] += self.disk_grads.files.pool()
