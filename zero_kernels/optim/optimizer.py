@@ -633,8 +633,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         state (the model states of DESIGN.md's formula), and ``buffers``, the idle gradient buckets
         kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets), and ``secondary``, ZeRO++'s
         copies of parameters at stage 3: hpZ's secondary partition and qwZ's int8 copy of this rank's shard. With
-        ``offload_optimizer`` (or stage 3's ``offload_param`` on the cpu), ``optimizer`` counts only what stays on
-        the parameters' device and two more tiers are shown: ``host`` (the state in host memory, with the tier's
+        ``offload_optimizer`` (or stage 3's ``offload_param``), ``optimizer`` counts only what stays on the
+        parameters' device and two more tiers are shown: ``host`` (the state in host memory, with the tier's
         host copies of the parameter and gradient shards, stage 3's parameter shards in host memory, and the pool
         that its parameter shards in files are read through) and ``disk`` (the files under ``nvme_path``: the
         state's, and with ``offload_param`` on nvme the parameter shards')."""

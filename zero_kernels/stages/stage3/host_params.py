@@ -1,17 +1,19 @@
-"""Stage 3's parameter shards in host memory where the optimizer state is not all there: ``offload_param`` on the
-cpu without ``offload_optimizer``, or with its ``ratio`` below 1.
+"""Stage 3's parameter shards off the device where the optimizer state is not all offloaded: ``offload_param``
+without ``offload_optimizer``, or with its ``ratio`` below 1.
 
 With all the state in the tier (``offload_optimizer``, ``ratio`` 1) a unit's shard is the tier's host copy and the
 host Adam writes it (``Stage3Pipeline._allocate``). Otherwise ``place`` moves each sharded unit's shard (persistent
 units stay on the device) into a host tensor of its own, page-locked with ``offload_param.pin_memory`` where CUDA
 is there; the tier's host copy of its part of the shard (``ratio`` below 1) becomes a view of it, so the host Adam
-writes the shard itself there too.
+writes the shard itself there too. With ``offload_param`` on nvme the units past ``max_in_cpu`` then go on to their
+files (``disk_params``), and the host tensor is dropped (``drop``).
 
 - Gathers copy a host shard up first (``gathers.on_device``), as with the tier.
 - The update of a bucket whose state is on the device runs the device's kernel on a copy of the bucket's shard
-  on the device (``staged``): the shard goes up (the kernel adopts what was written into it since the last step,
-  as without offload), the kernel writes the new values there, and they go down into the shard. Per step: 2 + 2
-  bytes per parameter in bf16/fp16, 4 + 4 in fp32 (whose shard is its own master), counted in ``traffic``.
+  on the device (``staged``; a shard in a file is read into a pool buffer first and written back after, by the
+  pipeline): the shard goes up (the kernel adopts what was written into it since the last step, as without
+  offload), the kernel writes the new values there, and they go down into the shard. Per step: 2 + 2 bytes per
+  parameter in bf16/fp16, 4 + 4 in fp32 (whose shard is its own master), counted in ``traffic``.
 
 Where the device is host memory (a CPU-only machine) the shard is there already: it stays where it is and nothing
 is copied, unless ``HostTier.share_host`` is off (the tests run the copies on the CPU that way).
