@@ -7,7 +7,8 @@ and 3, trains a bf16 MLP on the same batches twice, each from a DeepSpeed config
 ``zero_kernels.initialize``: without offload, and with ``"offload_optimizer": {"device": "cpu",
 "pin_memory": true}`` (the optimizer state in page-locked host memory, updated by the C++ CPU Adam);
 stage 3 once more with ``"offload_param": {"device": "cpu"}`` too (the HF ZeRO-3 template: the
-parameter shards in host memory, copied up at each gather).
+parameter shards in host memory, copied up at each gather), and once with ``offload_param`` alone (the state on
+the device, the shards in host memory: the device's update runs on a copy of each bucket's shard).
 
 Checks (each guarded; the JSON is written after each):
 
@@ -20,6 +21,8 @@ Checks (each guarded; the JSON is written after each):
 - ``stage3 offload cpu+params: ...``: the same two checks with ``offload_param``: the gradient down as
   above, nothing up at the step but the persistent units' shards, and the gathers' copies up counted
   apart (``gather_up_bytes_per_param``: about 2 per gather, a forward and a backward gather per step).
+- ``stage3 offload params: ...``: ``offload_param`` alone: 2 bytes per parameter of the sharded units up before
+  the device's update and 2 down after it, and the weights as without offload.
 
 Timings (the ``offload`` rows): the median training step without and with offload (wall clock, the
 device synchronised after every step: the host's Adam is part of the step), ``bus_ms`` the same bytes
@@ -50,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 from benchmarks.gpu_report import Report  # noqa: E402
 from benchmarks.gpu_script import join_alone, main_with_smoke_run  # noqa: E402
 
-VARIANTS = ((2, False), (3, False), (3, True))  # (stage, offload_param too)
+VARIANTS = ((2, True, False), (3, True, False), (3, True, True), (3, False, True))  # (stage, optimizer, params)
 LR = 1e-3
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one ulp is at most 2^-7 of a value's magnitude
 TRAFFIC_SLACK = 0.01  # bytes per parameter each way may exceed 2 by this (the buckets' fingerprints, padding)
@@ -70,7 +73,8 @@ class Config:
 
 
 CONFIGS = {
-    # about 76M parameters; three variants of 2 runs of 3 + 4 steps fit the step's time limit as two of 3 + 7 did
+    # about 76M parameters; three variants of 2 runs of 3 + 4 steps fit the step's time limit as two of 3 + 7 did;
+    # the fourth, last (a limit that stops it keeps the others' results), runs no host Adam
     "cuda": Config("cuda", width=1536, depth=4, rows=256, steps=3, warmup=1, repeat=3),
     "cpu": Config("cpu", width=64, depth=2, rows=8, steps=3, warmup=1, repeat=3),
 }
@@ -79,12 +83,13 @@ CONFIGS = {
 CHECKS = ("bytes per step", "weights as without offload")
 
 
-def check_name(stage: int, what: str, params: bool = False) -> str:
-    return f"stage{stage} offload cpu{'+params' if params else ''}: {what}"
+def check_name(stage: int, what: str, params: bool = False, optimizer: bool = True) -> str:
+    offloaded = "+".join(["cpu"] * optimizer + ["params"] * params)
+    return f"stage{stage} offload {offloaded}: {what}"
 
 
 def check_names() -> list[str]:
-    return [check_name(s, what, params) for s, params in VARIANTS for what in CHECKS]
+    return [check_name(s, what, params, optimizer) for s, optimizer, params in VARIANTS for what in CHECKS]
 
 
 def make_model(cfg: Config) -> nn.Module:
@@ -122,6 +127,24 @@ def _tier(opt) -> Optional[object]:
     return getattr(getattr(opt, "_pipeline", None), "tier", None)
 
 
+def _host_params(opt) -> dict[str, int]:
+    """Bytes stage 3's device update copied up and down for shards in host memory (``offload_param`` without all
+    the state offloaded), else nothing."""
+    host = getattr(getattr(opt, "_pipeline", None), "host_params", None)
+    return {} if host is None else host.traffic()
+
+
+def _moved(opt) -> dict[str, int]:
+    """What crossed so far, each way (the tier's and the host shards' copies) and for the gathers."""
+    tier = _tier(opt)
+    moved = {way: 0 for way in ("down", "up")}
+    for counted in (dict(tier.traffic()) if tier is not None else {}, _host_params(opt)):
+        for way in moved:
+            moved[way] += counted.get(way, 0)
+    moved["gather_up"] = _gather_uploads(opt)
+    return moved
+
+
 def _gather_uploads(opt) -> int:
     """Bytes of host parameter shards stage 3 copied up for its gathers (``offload_param``), else 0."""
     gathers = getattr(getattr(opt, "_pipeline", None), "unit_gathers", None)
@@ -155,16 +178,12 @@ class Run:
         self.opt.zero_grad()
 
     def train(self) -> dict[str, float]:
-        """``cfg.steps`` steps; the tier's bytes per step (``down``, ``up``) over them."""
-        tier = _tier(self.opt)
-        before = dict(tier.traffic()) if tier is not None else {}
-        before["gather_up"] = _gather_uploads(self.opt)
+        """``cfg.steps`` steps; the bytes per step (``down``, ``up``, ``gather_up``: ``_moved``) over them."""
+        before = _moved(self.opt)
         for _ in range(self.cfg.steps):
             self.step()
         _sync(self.cfg)
-        after = dict(tier.traffic()) if tier is not None else {}
-        after["gather_up"] = _gather_uploads(self.opt)
-        return {k: (after[k] - before.get(k, 0)) / self.cfg.steps for k in ("down", "up", "gather_up") if k in after}
+        return {k: (v - before[k]) / self.cfg.steps for k, v in _moved(self.opt).items()}
 
     def step_ms(self) -> float:
         times = []
@@ -178,10 +197,11 @@ class Run:
         return statistics.median(times)
 
 
-def check_bytes(numel: int, moved: dict[str, float], up_share: float = 1.0) -> list[str]:
-    """2 bytes per parameter down, and up for the ``up_share`` of the parameters the step sends up."""
+def check_bytes(numel: int, moved: dict[str, float], up_share: float = 1.0, down_share: float = 1.0) -> list[str]:
+    """2 bytes per parameter down for the ``down_share`` of the parameters, and up for the ``up_share`` the step
+    sends up."""
     problems = []
-    for way, share in (("down", 1.0), ("up", up_share)):
+    for way, share in (("down", down_share), ("up", up_share)):
         per_param, lo = moved.get(way, 0.0) / numel, 2.0 * share
         if not lo <= per_param <= lo + TRAFFIC_SLACK:
             problems.append(
@@ -245,19 +265,32 @@ def host_adam_ms(numel: int, cfg: Config, threads: int) -> float:
     return statistics.median(times)
 
 
-def run_stage(stage: int, cfg: Config, report: Report, params: bool = False) -> dict:
-    """Check and time one stage (``params``: with ``offload_param`` too); its timing row."""
-    plain, offloaded = Run(stage, False, cfg), Run(stage, True, cfg, params)
+def _shares(opt, optimizer: bool, params: bool) -> tuple[float, float]:
+    """The shares of the parameters whose 2 bytes go (up, down) at the step: the tier's gradients down and
+    parameters up; with ``offload_param`` too, only the persistent units' parameters up; alone, the sharded units'
+    shards up and down around the device's update."""
+    if not params:
+        return 1.0, 1.0
+    kept = _device_share(opt)
+    return (kept, 1.0) if optimizer else (1.0 - kept, 1.0 - kept)
+
+
+def run_stage(stage: int, cfg: Config, report: Report, params: bool = False, optimizer: bool = True) -> dict:
+    """Check and time one stage (``optimizer``: ``offload_optimizer`` on, ``params``: ``offload_param``); its
+    timing row."""
+    plain, offloaded = Run(stage, False, cfg), Run(stage, optimizer, cfg, params)
     plain.train()
     moved = offloaded.train()
-    up_share = _device_share(offloaded.opt) if params else 1.0
-    report.run(check_name(stage, CHECKS[0], params), lambda: check_bytes(offloaded.numel, moved, up_share))
-    report.run(check_name(stage, CHECKS[1], params), lambda: _compare(offloaded, plain))
-    row = {"stage": stage, "offload_param": params, "params": offloaded.numel}
+    up_share, down_share = _shares(offloaded.opt, optimizer, params)
+    names = [check_name(stage, what, params, optimizer) for what in CHECKS]
+    report.run(names[0], lambda: check_bytes(offloaded.numel, moved, up_share, down_share))
+    report.run(names[1], lambda: _compare(offloaded, plain))
+    row = {"stage": stage, "offload_optimizer": optimizer, "offload_param": params, "params": offloaded.numel}
     row.update(plain_ms=plain.step_ms(), offload_ms=offloaded.step_ms())
     row.update({f"{k}_bytes_per_param": v / offloaded.numel for k, v in moved.items()})
     threads = getattr(_tier(offloaded.opt), "threads", torch.get_num_threads())
-    row.update(bus_ms=bus_ms(offloaded.numel, cfg), host_adam_ms=host_adam_ms(offloaded.numel, cfg, threads))
+    adam_ms = host_adam_ms(offloaded.numel, cfg, threads) if optimizer else 0.0  # alone: no host Adam runs
+    row.update(bus_ms=bus_ms(offloaded.numel, cfg), host_adam_ms=adam_ms)
     work = row["bus_ms"] + row["host_adam_ms"]
     row["hidden"] = (row["plain_ms"] + work - row["offload_ms"]) / work
     return row
@@ -274,18 +307,19 @@ def run_all(cfg: Config, report: Report) -> int:
     try:
         where = torch.cuda.get_device_name() if cfg.device == "cuda" else "CPU"
         print(f"gpu_offload: {where}, {backend} world size 1, torch {torch.__version__}")
-        for stage, params in VARIANTS:
+        for stage, optimizer, params in VARIANTS:
             try:
-                rows.append(run_stage(stage, cfg, report, params))
+                rows.append(run_stage(stage, cfg, report, params, optimizer))
             except Exception as err:  # its checks not yet recorded fail; the next stage still runs
                 done = {c["check"] for c in report.checks}
-                for name in (check_name(stage, what, params) for what in CHECKS):
+                for name in (check_name(stage, what, params, optimizer) for what in CHECKS):
                     if name not in done:
                         report.record(name, "FAIL", [f"raised: {type(err).__name__}: {err}"])
             report.set("offload", rows)
         for r in rows:
             print(
-                f"  stage {r['stage']}{' +offload_param' if r['offload_param'] else ''}: "
+                f"  stage {r['stage']}{'' if r['offload_optimizer'] else ' (state on the device)'}"
+                f"{' +offload_param' if r['offload_param'] else ''}: "
                 f"{r['params'] / 1e6:.1f}M params, step {r['plain_ms']:.1f} ms without offload, "
                 f"{r['offload_ms']:.1f} ms with; bus {r['bus_ms']:.1f} ms, host Adam {r['host_adam_ms']:.1f} ms alone; "
                 f"hidden {r['hidden']:.2f}"
