@@ -268,3 +268,41 @@ def test_a_gathers_pool_buffer_waits_for_its_copy_up_only_when_handed_out_again(
             log.clear()
     finally:
         files.close()
+
+
+class _Growing(nn.Module):
+    """Layers appended while training goes on (progressive growing): each new one gets a param group of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last, self.grown = nn.Linear(32, 8), nn.Linear(8, 8), nn.ModuleList()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        for block in self.grown:
+            h = h + block(h)
+        return self.last(h)
+
+
+def test_a_param_group_added_while_training_with_everything_on_disk_trains_as_without_offload(tmp_path: Path) -> None:
+    """The state, the gradient shards and the parameter shards in files: the new group's shards, larger than any
+    before, get larger pool buffers in place of the old ones, and the weights stay bit for bit those of the run
+    without offload."""
+    runs = {}
+    for name, extra in (("plain", {}), ("disk", {"offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path)},
+                                               "offload_param": _files(tmp_path), "sub_group_size": 128})):  # fmt: skip
+        torch.manual_seed(0)
+        model = _Growing().to(torch.bfloat16)
+        opt = zo.ShardedFusedAdam(model, **{**KWARGS, "reduce_bucket_size": 128}, **extra)
+        for step in range(4):
+            if step == 2:
+                model.grown.append(nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8)).to(torch.bfloat16))
+                opt.add_param_group({"params": list(model.grown[0].parameters()), "lr": 2e-2})
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with opt.gathered_params():
+            runs[name] = [p.detach().clone() for p in model.parameters()]
+        opt._pipeline.close()
+    assert all(torch.equal(a, b) for a, b in zip(runs["plain"], runs["disk"]))

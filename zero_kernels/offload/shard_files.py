@@ -131,10 +131,10 @@ class ShardFiles:
         if copied is not None:
             copied.synchronize()  # a copy to the device queued before the buffer came back may still read it
         nbytes = numel * dtype.itemsize
-        if raw.numel() < nbytes:  # a shard added after this buffer was made
-            self._pool.remove(raw)
+        if raw.numel() < nbytes:  # a shard added after this buffer was made: a larger one in its place
+            at = next(i for i, t in enumerate(self._pool) if t is raw)  # by identity (``==`` compares elements)
             raw = self.io.empty(self._nbytes, torch.uint8)
-            self._pool.append(raw)
+            self._pool[at] = raw
         lease = Lease(raw, raw.narrow(0, 0, nbytes).view(dtype))
         self._holders[id(lease)] = (lease, release)
         return lease
