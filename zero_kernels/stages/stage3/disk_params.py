@@ -1,9 +1,10 @@
 """Stage 3's units whose parameter shard lives in a file: ``offload_param`` with ``device: nvme`` (ZeRO-Infinity),
-acted on when ``offload_optimizer`` is on too (as ``device: cpu`` is).
+with or without ``offload_optimizer``.
 
 Which units. In buffer order, the units whose shards fit in ``max_in_cpu`` elements of this rank (DeepSpeed keeps
-that many parameter elements in host memory and the rest on NVMe) keep their shard in the state tier's host copy,
-as with ``device: cpu``; every unit from the first that does not fit goes to a file (``offload.ParamFiles``).
+that many parameter elements in host memory and the rest on NVMe) keep their shard in host memory, as with
+``device: cpu`` (the state tier's host copy with all the state offloaded, else ``host_params``); every unit from the
+first that does not fit goes to a file (``offload.ParamFiles``).
 Persistent units stay on the device. The shard sizes are the same on every rank, so every rank chooses the same.
 
 Where the shard is. A file unit's ``buf.param_shard`` is a ``meta`` stand-in while its file holds it. ``resident``
@@ -15,11 +16,12 @@ Gathers. ``source`` gives a unit's all-gather its shard: the resident one, or a 
 ``done`` gives the buffer back once the gathers are waited for (the pool may also ask for it earlier: the unit
 then waits for its gathers).
 
-Step. The host Adam reads and writes each bucket's shard in a pool buffer filled from the file (``step_params``:
-the kernel reads the parameters too, to adopt edits; not read where the update writes every element of the
-bucket's shard, since a shard still in its file was not edited: only a resident one can be); ``stepped`` writes
-it back in the background (the buffer returns to the pool when the write is done); ``finish_step`` waits for
-the writes and frees the resident shards.
+Step. The update (the host Adam, or the device's on a copy of the buffer: ``Stage3Pipeline.device_params``) reads
+and writes each bucket's shard in a pool buffer filled from the file (``step_params``: the kernel reads the
+parameters too, to adopt edits; the host Adam skips the read where it writes every element of the bucket's shard,
+since a shard still in its file was not edited: only a resident one can be); ``stepped`` writes it back in the
+background (the buffer returns to the pool when the write is done); ``finish_step`` waits for the writes and frees
+the resident shards.
 """
 
 from __future__ import annotations
@@ -209,9 +211,8 @@ class DiskParams:
 
 
 def start(options: Any, engine: Any, agree: Callable[[Optional[str]], None]) -> Optional[DiskParams]:
-    """The file units' manager when ``offload_param`` is on nvme (the caller checked that the optimizer state is
-    offloaded), else None; a directory that cannot be used on some rank raises ``OSError`` on every rank
-    (``agree``)."""
+    """The file units' manager when ``offload_param`` is on nvme, else None; a directory that cannot be used on
+    some rank raises ``OSError`` on every rank (``agree``)."""
     config = options.offload_param
     if config.device != "nvme":
         return None
