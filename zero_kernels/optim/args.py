@@ -355,3 +355,29 @@ def check_group(
     check_params(tensors, index, [t for t, _ in previous], lambda p: describe(p, names))
     refuse_held([t for t in tensors if id(t) not in own], lambda p: describe(p, names))
     return tensors, bool(names) or "param_names" in group
+
+
+def check_groups_unchanged(built: list[list[torch.Tensor]], groups: list[Mapping[str, Any]]) -> None:
+    """``ValueError`` when ``groups`` (``opt.param_groups`` at a step) no longer hold the parameters the flat buffers
+    were built for (``built``: each group's as the constructor or ``add_param_group`` took them): a group removed or
+    appended, or parameters added to or removed from one, by editing ``param_groups`` directly. Raised before the
+    step changes anything (``torch.optim.AdamW`` would follow the edit; the buffers cannot)."""
+    if len(groups) < len(built):
+        raise ValueError(
+            f"opt.param_groups has {len(groups)} param groups where the optimizer was built with {len(built)}: a "
+            "param group cannot be removed from a ShardedFusedAdam (its parameters live in flat buffers built for "
+            "them); set its lr to 0 to stop training it, or build a new optimizer; nothing was updated"
+        )
+    if len(groups) > len(built):
+        raise ValueError(
+            f"opt.param_groups has {len(groups)} param groups where {len(built)} were added through the optimizer: "
+            "add a param group with opt.add_param_group(group), which builds its flat buffers; nothing was updated"
+        )
+    for g, (params, group) in enumerate(zip(built, groups)):
+        now = group["params"]
+        if len(now) != len(params) or any(a is not b for a, b in zip(now, params)):
+            raise ValueError(
+                f"param group {g} holds {len(now)} parameters where it was given {len(params)}, or others: the "
+                "parameters of a ShardedFusedAdam live in flat buffers built for the ones it was given; add new ones "
+                "with opt.add_param_group({'params': [...]}), build a new optimizer to drop some; nothing was updated"
+            )

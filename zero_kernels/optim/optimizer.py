@@ -87,13 +87,14 @@ from ..stages import (
 )
 from ..stages import state_door as zstate
 from ..stages.outcome import clip_coef
-from . import amp, guards, torch_clip
+from . import amp, guards, module_zero_grad, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
     check_flags,
     check_group,
     check_group_values,
+    check_groups_unchanged,
     check_hyper,
     check_impl,
     check_ordered,
@@ -250,9 +251,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._pipeline.loss_scaled = self.scales_loss  # a plain loss.backward() is refused
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         self._late_group_checked = False  # the first boundary step looks once for a process group made after us
-        super().__init__(groups, defaults)
-        if not self._restoring:
-            agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
+        self._built_groups: list[list[torch.Tensor]] = []  # each group's parameters as the buffers took them
+        try:
+            super().__init__(groups, defaults)
+            if not self._restoring:
+                agreement.check_optimizer(self, f"constructed with {len(self.param_groups)} param groups")
+        except Exception:
+            self._pipeline.close()  # the groups built before the one refused give their parameters back whole
+            raise
         self._restoring = False
         self.state = ShardedState(self._pipeline, self._params)
         self._update_sync()
@@ -260,6 +266,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._held_names = {n: i for i, n in self._names.items() if i in held}
         live.register(self)
         torch_clip.install()
+        module_zero_grad.install()
         self._unwatch = guards.watch(self, module)
 
     def _detach(self) -> None:
@@ -315,6 +322,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()  # the pipeline checks before it changes anything
             raise
+        self._built_groups.append(list(group["params"]))
         if group["amsgrad"]:
             self._pipeline.allocate_max_exp_avg_sq(len(self.param_groups) - 1)
         self._update_sync()  # the group's dtype may make micro-steps reduce (``Pipeline.reduces_micro_steps``)
@@ -414,6 +422,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             closure: re-evaluates the model and returns the loss (optional).
             grad_scaler: the ``torch.amp.GradScaler`` of ``scaler.step(opt)``, which passes it (see ``amp``).
         """
+        check_groups_unchanged(self._built_groups, self.param_groups)
         scaled = amp.begin(grad_scaler, self)
         loss = None
         if closure is not None:
@@ -587,7 +596,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         included) and the window starts again at micro-step 0, as ``torch.optim`` clears ``p.grad``.
 
         Not needed between steps: ``step()`` clears the gradient state the optimizer keeps for itself,
-        so a loop that calls only ``model.zero_grad()`` trains the same (see ``stages.grad_state``).
+        so a loop that calls only ``model.zero_grad()`` trains the same (see ``stages.grad_state``); and
+        ``model.zero_grad()`` of a module that holds all of this optimizer's parameters calls it
+        (``module_zero_grad``).
 
         Args:
             set_to_none: drop the gradients (``p.grad = None``) instead of zeroing them.

@@ -623,3 +623,22 @@ def test_stage3_needs_the_module_and_its_own_parameters():
     opt.step()
     with opt.gathered_params():
         assert all(p.numel() > 0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("offload_param", [None, {"device": "cpu"}])
+def test_a_refused_later_group_leaves_the_model_whole(offload_param: dict | None) -> None:
+    """The second group holds a parameter that is not the model's: the constructor raises after the first group's
+    unit was sharded, which gives its parameters back whole; a corrected optimizer then trains the same model."""
+    torch.manual_seed(0)
+    model = Net3()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    groups = [{"params": list(model.parameters())}, {"params": [nn.Parameter(torch.ones(3))]}]
+    extra = {"offload_param": offload_param} if offload_param else {}
+    with pytest.raises(ValueError, match="not parameters of the model"):
+        zo.ShardedFusedAdam(groups, module=model, lr=LR, stage=3, stage3_param_persistence_threshold=0, **extra)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=0, **extra)
+    model(_batch(0, ROWS)).backward()
+    opt.step()

@@ -1,0 +1,129 @@
+"""``model.zero_grad()`` clears what a backward left for the next step at every stage, as with
+``torch.optim.AdamW``: a backward not followed by a step (an input-saliency backward after the step, a GAN's
+generator step through the discriminator, as torch's DCGAN example writes it) adds nothing to the next step, on one
+rank and on two; a module holding only part of an optimizer's parameters clears nothing and says so."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.check import assert_close
+from tests.helpers.dist import run_ranks
+
+STAGES = (0, 1, 2, 3)
+LR = 1e-2
+RTOL, ATOL = 1e-5, 1e-6  # fp32 against torch.optim.AdamW (DESIGN.md)
+
+
+def _net(seed: int, width: int = 10) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3))
+
+
+def _rows(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of the step's batch (8 rows per rank)."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8 * world, 6, generator=g), torch.randn(8 * world, 3, generator=g)
+    return x[8 * rank : 8 * (rank + 1)], y[8 * rank : 8 * (rank + 1)]
+
+
+def _weights(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    holding = opt.gathered_params() if isinstance(opt, zk.ShardedFusedAdam) else torch.no_grad()
+    with holding:
+        return [p.detach().clone() for p in model.parameters()]
+
+
+def _saliency_loop(stage: int | None, rank: int = 0, world: int = 1) -> list[list[torch.Tensor]]:
+    """``model.zero_grad()``, backward, step, then a backward for the inputs' saliency that no step uses; ``stage``
+    None: AdamW on the whole batch."""
+    model = _net(0)
+    whole = stage is None
+    opt = torch.optim.AdamW(model.parameters(), lr=LR) if whole else zk.ShardedFusedAdam(model, lr=LR, stage=stage)
+    seen = []
+    for step in range(4):
+        x, y = _rows(step, 0, 1) if whole and world == 1 else _rows(step, rank, world)
+        if whole and world > 1:
+            x, y = (
+                torch.cat([_rows(step, r, world)[0] for r in range(world)]),
+                torch.cat([_rows(step, r, world)[1] for r in range(world)]),
+            )
+        model.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        xs = x.clone().requires_grad_(True)
+        model(xs).sum().backward()
+        assert xs.grad is not None
+        seen.append(_weights(model, opt))
+    return seen
+
+
+def _compare(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]], what: str) -> None:
+    for step, (g, w) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert_close(a, b, rtol=RTOL, atol=ATOL, what=f"{what} step {step} parameter {i}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_backward_cleared_by_model_zero_grad_adds_nothing(stage: int) -> None:
+    _compare(_saliency_loop(stage), _saliency_loop(None), f"stage {stage}")
+
+
+def _gan_loop(stage: int | None) -> list[list[torch.Tensor]]:
+    """torch's DCGAN loop: ``netD.zero_grad()``, D's backward, D's step; ``netG.zero_grad()``, G's loss through D
+    (D's parameters get gradients that no D step may use), G's step."""
+    net_d, net_g = _net(1), nn.Sequential(nn.Linear(4, 6), nn.Tanh())
+    torch.manual_seed(2)
+    net_g[0].reset_parameters()
+    make = (lambda m: torch.optim.AdamW(m.parameters(), lr=LR)) if stage is None else (
+        lambda m: zk.ShardedFusedAdam(m, lr=LR, stage=stage))  # fmt: skip
+    opt_d, opt_g = make(net_d), make(net_g)
+    seen = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        real, noise = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+        net_d.zero_grad()
+        d_loss = net_d(real).square().mean() + (net_d(net_g(noise).detach()) - 1).square().mean()
+        d_loss.backward()
+        opt_d.step()
+        net_g.zero_grad()
+        net_d(net_g(noise)).square().mean().backward()
+        opt_g.step()
+        seen.append(_weights(net_d, opt_d) + _weights(net_g, opt_g))
+    return seen
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_torchs_dcgan_loop_trains_as_with_adamw(stage: int) -> None:
+    _compare(_gan_loop(stage), _gan_loop(None), f"stage {stage}")
+
+
+def _ranks(rank: int, world: int) -> None:
+    want = _saliency_loop(None, world=world)
+    for stage in (2, 3):
+        _compare(_saliency_loop(stage, rank, world), want, f"rank {rank} stage {stage}")
+
+
+@pytest.mark.distributed
+def test_a_backward_cleared_by_model_zero_grad_adds_nothing_on_two_ranks() -> None:
+    run_ranks(_ranks, 2)
+
+
+def test_a_part_of_the_model_clears_nothing_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    model = _net(0)
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=2)
+    x, y = _rows(0, 0, 1)
+    ((model(x) - y) ** 2).mean().backward()
+    held = [t.clone() for t in opt.pipeline.buffers[0].grad_shard.split(1)]
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        model[2].zero_grad()
+        model[2].zero_grad()
+    said = [r.getMessage() for r in caplog.records if "zero_grad()" in r.getMessage()]
+    assert len(said) == 1 and "holds 2 of the 4 parameters" in said[0], said
+    assert all(torch.equal(a, b) for a, b in zip(opt.pipeline.buffers[0].grad_shard.split(1), held))
+    model.zero_grad()
+    assert not opt.pipeline.window_open
