@@ -627,3 +627,22 @@ def checkpoint_case(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int,
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
 def test_amsgrad_maximize_state_and_copies_on_ranks(spawn, world: int, tmp_path) -> None:
     spawn(ranks_case, world, str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_groups_taken_from_another_optimizers_param_groups(stage: int) -> None:
+    """AdamW's ``param_groups`` after named groups carry torch's ``param_names`` key in every group: a
+    ``ShardedFusedAdam`` built from copies of them takes them (as AdamW does), trains as AdamW and keeps the names."""
+    model, ref = make_models(torch.float32)
+    named = list(model.named_parameters())
+    source = torch.optim.AdamW(
+        [{"params": [(n, p) for n, p in named if "bias" not in n], "weight_decay": 0.1},
+         {"params": [(n, p) for n, p in named if "bias" in n], "weight_decay": 0.0}], lr=LR)  # fmt: skip
+    groups = [dict(g) for g in source.param_groups]
+    opt = zo.ShardedFusedAdam(groups, lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+    ropt = torch.optim.AdamW([dict(g, params=[dict(ref.named_parameters())[n] for n in g["param_names"]])
+                              for g in source.param_groups], lr=LR)  # fmt: skip
+    train(model, opt, 0, 1, stage, range(2), ref, ropt)
+    assert [g["param_names"] for g in opt.state_dict()["param_groups"]] == [
+        g["param_names"] for g in ropt.state_dict()["param_groups"]
+    ]

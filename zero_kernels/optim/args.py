@@ -178,13 +178,17 @@ def check_ordered(params: Any, world_size: int) -> None:
         )
 
 
-def check_structure(params: Any, previous_named: list[bool]) -> tuple[list[torch.Tensor], dict[int, str]]:
+def check_structure(
+    params: Any, previous_named: list[bool], names_key: bool = False
+) -> tuple[list[torch.Tensor], dict[int, str]]:
     """``torch.optim.Optimizer.add_param_group``'s checks of a group's ``params``, with its wording, run
     before anything is built; returns the tensors and their names (from ``(name, tensor)`` pairs).
 
     Args:
         params: the group's ``params`` (a tensor, or an iterable of tensors or pairs; not a set).
         previous_named: for each group before it, whether its parameters were given with names.
+        names_key: the group carries torch's ``param_names`` key (a group taken from another optimizer's
+            ``param_groups``): named, as torch counts it.
     """
     if isinstance(params, set):
         raise TypeError(
@@ -201,7 +205,7 @@ def check_structure(params: Any, previous_named: list[bool]) -> tuple[list[torch
             raise TypeError("optimizer can only optimize Tensors, but one of the params is " + torch.typename(t))
         if not (t.is_leaf or t.retains_grad):
             raise ValueError("can't optimize a non-leaf Tensor")
-    named = bool(pairs)
+    named = bool(pairs) or names_key
     if any(before != named for before in previous_named):
         raise ValueError(
             "all optimizer param groups should be with/without names. "
@@ -348,7 +352,7 @@ def check_group(
         raise ValueError(f"param group {index} has no 'params'")
     if not isinstance(group["params"], (torch.Tensor, set)):
         group["params"] = list(group["params"])
-    tensors, names = check_structure(group["params"], [named for _, named in previous])
+    tensors, names = check_structure(group["params"], [named for _, named in previous], "param_names" in group)
     merged = {**defaults, **group}
     check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
     check_flags(group, f"param group {index}")
