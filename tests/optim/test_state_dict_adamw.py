@@ -211,3 +211,32 @@ def _foreign_shard_body(rank: int, world: int, stage: int) -> list[str]:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_sharded_state_dict_loads_only_on_the_rank_that_saved_it(stage: int) -> None:
     run_ranks_checked(_foreign_shard_body, 2, stage)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_state_of_a_parameter_frozen_since_is_left_out_with_a_warning(
+    stage: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run resumed with a layer frozen since the state was saved: AdamW loads the state and never uses the frozen
+    layer's; so does this optimizer, which leaves it out (one WARNING), and both continue alike."""
+    model, ref = make_models(torch.float32)
+    saved_by = torch.optim.AdamW(ref.parameters(), lr=LR)
+    _step(ref, saved_by, batch(0, ROWS))
+    saved = saved_by.state_dict()
+    with torch.no_grad():
+        for p, r in zip(model.parameters(), ref.parameters()):
+            p.copy_(r)
+    for m in (model, ref):
+        m.emb.requires_grad_(False)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ropt.load_state_dict(saved)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        opt.load_state_dict(saved)
+    said = [r.getMessage() for r in caplog.records if "frozen here" in r.getMessage()]
+    assert len(said) == 1 and "the state of 2 parameter(s)" in said[0] and "emb.weight" in said[0], said
+    for step in range(1, 3):
+        _step(model, opt, batch(step, ROWS))
+        _step(ref, ropt, batch(step, ROWS))
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} step {step}")

@@ -166,7 +166,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
         extra = {k: v for k, v in state.items() if k not in entries}
     else:
         entries, extra = _by_parameter(opt, state, saved_groups)
-        _check_full(opt, entries)
+        entries = _check_full(opt, entries)
     _warn_other_decay_mode(opt, saved_groups)
     for group, saved in zip(opt.param_groups, saved_groups):
         _adopt(group, saved)
@@ -280,7 +280,9 @@ def _check_shapes(opt: "ShardedFusedAdam", shapes: Mapping[int, tuple]) -> None:
             )
 
 
-def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> None:
+def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> dict[int, Any]:
+    """``entries`` checked (AdamW's layout, the parameters' shapes), less those of parameters frozen here: they have
+    no place in the buffers and no step would use them (``torch.optim.AdamW`` keeps them unused); said once."""
     trainable = {i for buf in opt.pipeline.buffers for i in buf.indices}
     shapes = {}
     for key, entry in entries.items():
@@ -297,7 +299,13 @@ def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> None:
     _check_shapes(opt, shapes)
     frozen = sorted(set(shapes) - trainable)
     if frozen:
-        raise ValueError(f"load_state_dict: {opt._param_name(frozen[0])} has state but is frozen here")
+        log.warning(
+            "load_state_dict: the state of %d parameter(s) frozen here (requires_grad=False when the optimizer was "
+            "built), first %s, is not loaded: no step would use it",
+            len(frozen),
+            opt._param_name(frozen[0]),
+        )
+    return {i: entry for i, entry in entries.items() if i not in frozen}
 
 
 def _check_sharded(opt: "ShardedFusedAdam", meta: Mapping[str, Any]) -> None:
