@@ -213,7 +213,18 @@ class BackwardRound:
         buf.pending = [sum(1 for _ in k.slots) for k in buf.layout.buckets]
 
     def _sync_manual_grads(self) -> None:
-        """A synchronisation round at the step for gradients no hook consumed (set by hand, or no_sync)."""
+        """A synchronisation round at the step for gradients no hook consumed (set by hand, or no_sync); a gradient
+        of another size than its parameter is refused first, naming it."""
+        for buf in self.buffers:
+            for slot in buf.layout.slots:
+                p = buf.params[slot.param]
+                if p.grad is not None and p.grad.numel() != slot.numel:
+                    raise ValueError(
+                        f"{self.name_of(p)} has a gradient of {p.grad.numel()} elements where it has {slot.numel} "
+                        "(set by hand: at stage 3 a parameter between uses reports shape (0,)): set gradients by hand "
+                        "inside opt.gathered_params(), where parameters have their full shapes, or let backward make "
+                        "them; nothing was updated"
+                    )
         for buf in self.buffers:
             for slot_index, slot in enumerate(buf.layout.slots):
                 p = buf.params[slot.param]

@@ -642,3 +642,35 @@ def test_a_refused_later_group_leaves_the_model_whole(offload_param: dict | None
     opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=0, **extra)
     model(_batch(0, ROWS)).backward()
     opt.step()
+
+
+def test_gradients_set_by_hand_at_stage_3() -> None:
+    """Between uses a parameter reports shape (0,), so a gradient made from it by hand is empty: refused at the
+    step, naming it, nothing updated; set inside ``gathered_params()`` (full shapes) they train as AdamW's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    ref = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for p in model.parameters():
+        p.grad = torch.ones(p.shape)
+    with pytest.raises(ValueError, match=r"has a gradient of 0 elements where it has \d+ .*gathered_params"):
+        opt.step()
+    opt.zero_grad()
+    with opt.gathered_params():
+        assert all(torch.equal(p, r) for p, r in zip(model.parameters(), ref.parameters())), "nothing was updated"
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+                 for i, p in enumerate(ref.parameters())]  # fmt: skip
+        with opt.gathered_params():
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g.clone()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    with opt.gathered_params():
+        for p, r in zip(model.parameters(), ref.parameters()):
+            assert_close(p, r, rtol=1e-5, atol=1e-6, what="hand-set gradients")
