@@ -102,6 +102,35 @@ def test_torchs_dcgan_loop_trains_as_with_adamw(stage: int) -> None:
     _compare(_gan_loop(stage), _gan_loop(None), f"stage {stage}")
 
 
+def _frozen_d_loop(stage: int | None) -> list[list[torch.Tensor]]:
+    """pix2pix/CycleGAN's pattern: D frozen (``requires_grad_(False)``) while G trains, cleared with ``G.zero_grad()``;
+    D steps every second iteration, on the gradients of two (``G.zero_grad()`` must not touch D's)."""
+    net_d, net_g = _net(1), nn.Sequential(nn.Linear(4, 6), nn.Tanh())
+    make = (lambda m: torch.optim.AdamW(m.parameters(), lr=LR)) if stage is None else (
+        lambda m: zk.ShardedFusedAdam(m, lr=LR, stage=stage))  # fmt: skip
+    opt_d, opt_g = make(net_d), make(net_g)
+    for step in range(6):
+        g = torch.Generator().manual_seed(step)
+        real, noise = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+        net_d.requires_grad_(True)
+        fake = net_g(noise)
+        (net_d(real).square().mean() + (net_d(fake.detach()) - 1).square().mean()).backward()
+        if step % 2 == 1:
+            opt_d.step()
+            net_d.zero_grad()
+        net_d.requires_grad_(False)
+        net_g.zero_grad()
+        net_d(fake).square().mean().backward()
+        opt_g.step()
+    net_d.requires_grad_(True)
+    return [_weights(net_d, opt_d) + _weights(net_g, opt_g)]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_module_frozen_for_a_while_keeps_its_gradients_from_another_modules_zero_grad(stage: int) -> None:
+    _compare(_frozen_d_loop(stage), _frozen_d_loop(None), f"stage {stage}")
+
+
 def _ranks(rank: int, world: int) -> None:
     want = _saliency_loop(None, world=world)
     for stage in (2, 3):

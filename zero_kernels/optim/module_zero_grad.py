@@ -8,7 +8,8 @@ step, where ``torch.optim.AdamW`` discards it.
 
 So once a ``ShardedFusedAdam`` exists, ``nn.Module.zero_grad`` (wrapped once per process) also clears, after
 torch's own, the gradients held by each live optimizer that keeps them out of ``p.grad``, holds some since its
-last step or ``zero_grad`` (``window_open``), and trains only parameters of the module (frozen ones aside): that
+last step or ``zero_grad`` (``window_open``), and trains only parameters of the module (those it holds: trainable
+when it took them, whether frozen for a while since or not): that
 optimizer's own ``zero_grad`` runs, with the same ``set_to_none`` (ignored between accumulation micro-steps, as
 that call is). A module holding only some of such an optimizer's parameters cannot clear a part of its gradients
 (they are bucketed, reduced and sharded): it clears none, and says so once per optimizer.
@@ -57,7 +58,7 @@ def _clear_held(module: nn.Module, set_to_none: bool) -> None:
         return
     mine = {id(p) for p in module.parameters()}
     for opt in holding:
-        trained = {id(p) for p in live.params_of(opt) if p.requires_grad}
+        trained = set(opt.pipeline.where)  # trainable when the optimizer took them, frozen for now or not
         if trained <= mine:
             opt.zero_grad(set_to_none)
         elif trained & mine:
