@@ -301,7 +301,9 @@ def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> dict[int
     if frozen:
         log.warning(
             "load_state_dict: the state of %d parameter(s) frozen here (requires_grad=False when the optimizer was "
-            "built), first %s, is not loaded: no step would use it",
+            "built), first %s, is not loaded: no step uses it while frozen, and the state dicts and checkpoints saved "
+            "from here do not hold it, so a run that unfreezes it later starts its Adam moments from zero "
+            "(torch.optim.AdamW keeps them)",
             len(frozen),
             opt._param_name(frozen[0]),
         )
