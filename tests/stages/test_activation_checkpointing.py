@@ -148,3 +148,64 @@ def test_stage3_norms_kept_whole_inside_and_outside_checkpointed_segments() -> N
     """The unit of the kept-whole norms is used by every segment and by the final norm: it is reduced after the
     last segment's recomputed backward, not when the final norm's backward ends."""
     run_ranks_checked(_blocks_body, 2, timeout_s=600)
+
+
+class Embedded(nn.Module):
+    """An embedding (its input needs no gradient: reduced at the end of backward), a checkpointed block, a head; at
+    stage 3 with ``stage3_param_persistence_threshold`` 250 the block's weights are units of their own and the
+    embedding, the biases and the head one kept-whole unit (``head``: ``"tied"`` to the embedding, or read by the
+    parent as ``F.linear(h, embed.weight)``)."""
+
+    def __init__(self, reentrant: bool, head: str):
+        super().__init__()
+        self.reentrant, self.how = reentrant, head
+        self.embed = nn.Embedding(13, 16)
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.head = nn.Linear(16, 13, bias=False)
+        if head == "tied":
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed((x.abs() * 4).long().clamp(max=12))
+        h = torch.tanh(checkpoint(self.block, h, use_reentrant=self.reentrant))
+        return nn.functional.linear(h, self.embed.weight) if self.how == "functional" else self.head(h)
+
+
+class Inside(nn.Module):
+    """Every module inside two checkpointed segments: the first module a backward reaches is a recomputed one."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.first = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16))
+        self.second = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.first, x.clone().requires_grad_(), use_reentrant=self.reentrant)
+        return checkpoint(self.second, h, use_reentrant=self.reentrant)
+
+
+def _mixed_units_body(rank: int, world: int) -> list[str]:
+    failures = []
+    models = [(f"embedded head={head}", lambda r, h=head: Embedded(r, h)) for head in ("module", "tied", "functional")]
+    for (what, make), reentrant, threshold in [
+        (m, r, t) for m in [*models, ("inside", Inside)] for r in BOTH for t in (0, 250)
+    ]:
+        torch.manual_seed(0)
+        name = f"{what} reentrant={reentrant} threshold={threshold}"
+        try:
+            err = _against_adamw(rank, world, make(reentrant), stage=3, stage3_param_persistence_threshold=threshold)
+            if err > 1e-5:
+                failures.append(f"{name}: differs from AdamW by {err:.2e}")
+        except RuntimeError as exc:
+            failures.append(f"{name}: {exc}")
+    return failures
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2))
+def test_stage3_reentrant_segments_between_kept_whole_and_sharded_units(world: int) -> None:
+    """A reentrant segment's inner backward ends before the outer one: the gradients the units hand on from the
+    reductions it runs, and those of the kept-whole unit the outer backward reduces at its end, all reach the step
+    (they were taken at the inner end, uncounted, so that the step updated none of them)."""
+    run_ranks_checked(_mixed_units_body, world, timeout_s=600)

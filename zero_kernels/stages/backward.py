@@ -85,7 +85,7 @@ class BackwardRound:
         """
         if not self._round_open:
             self._round_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+            self._queue_round_end()
         if (b, slot) not in self._reported:
             self._reported.add((b, slot))
             return True
@@ -95,6 +95,11 @@ class BackwardRound:
             self._refuse(refusals.SECOND_GRADIENT, buf.index_of(slot), p)
             return None
         return False
+
+    def _queue_round_end(self) -> None:
+        """The round ends with the backward running now (an autograd callback); stage 3 ends it with the backward its
+        scheduler follows instead."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
 
     def _refuse(self, kind: int, index: int, p: torch.Tensor) -> None:
         """Problem ``kind`` with parameter ``p`` (optimizer index ``index``): raised now on one rank, else recorded

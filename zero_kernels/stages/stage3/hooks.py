@@ -220,10 +220,17 @@ class Stage3Scheduler:
         units: parameter units; parameters of ``root`` that no unit owns are left alone.
         prefetch_numel: how many elements may be gathered ahead of use (0 disables prefetch).
         check: called with each batch of units about to be gathered, before any is (None: no check).
+        on_end: called at the end of each backward, once every unit is reduced (the pipeline ends its round there).
     """
 
     def __init__(
-        self, root: nn.Module, units: Sequence[Unit], *, prefetch_numel: int, check: Optional[Check] = None
+        self,
+        root: nn.Module,
+        units: Sequence[Unit],
+        *,
+        prefetch_numel: int,
+        check: Optional[Check] = None,
+        on_end: Optional[Callable[[], None]] = None,
     ) -> None:
         if prefetch_numel < 0:
             raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {prefetch_numel}")
@@ -231,6 +238,7 @@ class Stage3Scheduler:
         self.units = list(units)
         self.prefetch_numel = prefetch_numel
         self._check = check
+        self._on_end = on_end
         self._owner = self._owners(self.units)
         self._freed_params = {id(p) for u in self.units if not u.persistent for p in u.params}
         self._state = [_READY if u.persistent else _FREE for u in self.units]
@@ -426,6 +434,11 @@ class Stage3Scheduler:
 
     def _enter(self, p: ModulePlan, args: Any, kwargs: Any) -> Any:
         """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker."""
+        if not self._in_backward and torch._C._current_graph_task_id() != -1:
+            # a forward run by a backward (activation checkpointing recomputing a segment) before any module's backward
+            # hook: that backward is the outermost one, and its end is this backward's (a reentrant segment's own
+            # backward, which runs inside it, ends first)
+            self._begin_backward(recomputing=True)
         self._gather(p.needs, self._forward, self._in_forward)
         for i in p.needs:
             self._in_use[i] += 1
@@ -533,9 +546,11 @@ class Stage3Scheduler:
 
     # -- backward -----------------------------------------------------------------------------
 
-    def _begin_backward(self) -> None:
+    def _begin_backward(self, recomputing: bool = False) -> None:
+        """The first event of a backward: its end is queued on the graph task running now (``recomputing``: a
+        segment's forward recomputed in grad mode by that backward, which no module's backward hook reached yet)."""
         if not self._in_backward:
-            if torch.is_grad_enabled():  # autograd runs a backward's hooks in grad mode only with create_graph
+            if torch.is_grad_enabled() and not recomputing:  # hooks run in grad mode only with create_graph
                 raise RuntimeError(DOUBLE_BACKWARD)
             self._in_backward = True
             self._backward.begin(guess=self._forward.expected[::-1])
@@ -578,6 +593,8 @@ class Stage3Scheduler:
         self._free_all()
         self._backward.end()
         self._forget_backward()
+        if self._on_end is not None:
+            self._on_end()
 
     def _forget_backward(self) -> None:
         """The backward's bookkeeping cleared: none is running (it ended, or raised and was given up)."""

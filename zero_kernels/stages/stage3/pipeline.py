@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -302,7 +303,9 @@ class Stage3Pipeline(Stage2Pipeline):
             units.append(frozen)
         prefetch = int(self.options.stage3_prefetch_bucket_size)
         self._units = units
-        self._scheduler = Stage3Scheduler(self.module, units, prefetch_numel=prefetch, check=self._check_gathers)
+        self._scheduler = Stage3Scheduler(
+            self.module, units, prefetch_numel=prefetch, check=self._check_gathers, on_end=_weak_end_round(self)
+        )
         if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
             self._scheduler.follow(previous)
 
@@ -470,6 +473,16 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
         """The scheduler hands gradients on (``_Unit.reduce_grads``) when it reduces a unit."""
+
+    def _queue_round_end(self) -> None:
+        """The round ends where the scheduler's backward ends (``_end_scheduled_round``): the units hand their gradients
+        on from its reductions, which a reentrant checkpoint segment's inner backward may run, and that inner backward
+        ends before the outer one has handed on the rest."""
+
+    def _end_scheduled_round(self) -> None:
+        """The scheduler's backward ended, every unit reduced: the round those reductions opened ends."""
+        if self._round_open:
+            self._end_round()
 
     def param_shape(self, p: torch.Tensor) -> torch.Size:
         """As the base, and the full shape of a frozen parameter stored in int8."""
@@ -743,3 +756,15 @@ class Stage3Pipeline(Stage2Pipeline):
         """As the base, with the parameter shards' files."""
         extra = 0 if self.disk_params is None else self.disk_params.files.disk_bytes()
         return super().disk_bytes() + extra
+
+
+def _weak_end_round(pipeline: Stage3Pipeline) -> Callable[[], None]:
+    """``pipeline._end_scheduled_round``, holding the pipeline weakly (the scheduler's hooks outlive nothing)."""
+    ref = weakref.ref(pipeline)
+
+    def end() -> None:
+        target = ref()
+        if target is not None:
+            target._end_scheduled_round()
+
+    return end
