@@ -131,10 +131,30 @@ def test_a_module_frozen_for_a_while_keeps_its_gradients_from_another_modules_ze
     _compare(_frozen_d_loop(stage), _frozen_d_loop(None), f"stage {stage}")
 
 
+def _spike_loop(stage: int | None, rank: int = 0, world: int = 1) -> list[list[torch.Tensor]]:
+    """ "Skip a batch whose gradient norm spikes": backward, ``clip_grad_norm_`` (routed to the optimizer), and on a
+    spike ``model.zero_grad()`` and on to the next batch; else step. Batches 1 and 3 spike."""
+    model = _net(0)
+    whole = stage is None
+    opt = torch.optim.AdamW(model.parameters(), lr=LR) if whole else zk.ShardedFusedAdam(model, lr=LR, stage=stage)
+    for step in range(5):
+        rows = [_rows(step, r, world) for r in (range(world) if whole else (rank,))]
+        x, y = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        ((50.0 if step in (1, 3) else 1.0) * ((model(x) - y) ** 2).mean()).backward()
+        if torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 20:
+            model.zero_grad()
+            continue
+        opt.step()
+        model.zero_grad()
+    return [_weights(model, opt)]
+
+
 def _ranks(rank: int, world: int) -> None:
-    want = _saliency_loop(None, world=world)
-    for stage in (2, 3):
-        _compare(_saliency_loop(stage, rank, world), want, f"rank {rank} stage {stage}")
+    want, spiked = _saliency_loop(None, world=world), _spike_loop(None, world=world)
+    for stage in STAGES:
+        if stage >= 2:
+            _compare(_saliency_loop(stage, rank, world), want, f"rank {rank} stage {stage}")
+        _compare(_spike_loop(stage, rank, world), spiked, f"spikes: rank {rank} stage {stage}")
 
 
 @pytest.mark.distributed
@@ -156,3 +176,45 @@ def test_a_part_of_the_model_clears_nothing_and_says_so(caplog: pytest.LogCaptur
     assert all(torch.equal(a, b) for a, b in zip(opt.pipeline.buffers[0].grad_shard.split(1), held))
     model.zero_grad()
     assert not opt.pipeline.window_open
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_skipped_spiking_batch_leaves_nothing_behind(stage: int) -> None:
+    _compare(_spike_loop(stage), _spike_loop(None), f"stage {stage}")
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_unscaled_backward_cleared_by_model_zero_grad_is_not_refused(stage: int) -> None:
+    """fp16 loss scaling: a saliency backward (plain ``backward()``, no step uses it) cleared with
+    ``model.zero_grad()`` is forgotten, as ``opt.zero_grad()`` forgets it: the next scaled step trains."""
+    model = _net(0)
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=stage, fp16={"enabled": True, "initial_scale_power": 8})
+    for step in range(3):
+        x, y = _rows(step, 0, 1)
+        model.zero_grad()
+        opt.backward(((model(x) - y) ** 2).mean())
+        opt.step()
+        model(x.clone().requires_grad_(True)).sum().backward()
+    assert opt.applied_steps == 3
+
+
+def _branch_loop(stage: int | None) -> list[list[torch.Tensor]]:
+    """A branch used on every third step, ``model.zero_grad(set_to_none=False)``: AdamW keeps stepping it on a zero
+    gradient once it had one (its moments decay, weight decay applies)."""
+    torch.manual_seed(0)
+    always, sometimes = nn.Linear(6, 3), nn.Linear(6, 3)
+    model = nn.ModuleList([always, sometimes])
+    kwargs = dict(lr=LR, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), **kwargs) if stage is None else zk.ShardedFusedAdam(
+        model, stage=stage, **kwargs)  # fmt: skip
+    for step in range(6):
+        x, y = _rows(step, 0, 1)
+        model.zero_grad(set_to_none=False)
+        (((always(x) + (sometimes(x) if step % 3 == 0 else 0)) - y) ** 2).mean().backward()
+        opt.step()
+    return [_weights(model, opt)]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_gradients_kept_by_model_zero_grad_step_a_branch_left_unused(stage: int) -> None:
+    _compare(_branch_loop(stage), _branch_loop(None), f"stage {stage}")

@@ -1,18 +1,22 @@
-"""``model.zero_grad()`` reaching the gradients a ``ShardedFusedAdam`` keeps out of ``p.grad``.
+"""``model.zero_grad()`` reaching what a ``ShardedFusedAdam`` keeps of the gradients besides ``p.grad``.
 
 Stages 2 and 3 (and stages 0-1 with a ``grad_accum_dtype`` wider than the gradients) move each backward's
-gradients out of ``p.grad`` into buffers of their own, which ``nn.Module.zero_grad`` cannot see. A backward whose
-gradients are not meant for a step (a GAN's generator step through the discriminator, an input-saliency backward
-after the step), followed by ``model.zero_grad()`` as torch's examples write it, would be added into the next
-step, where ``torch.optim.AdamW`` discards it.
+gradients out of ``p.grad`` into buffers of their own, which ``nn.Module.zero_grad`` cannot see; at every stage the
+optimizer also keeps what a backward told it (a ``clip_grad_norm_`` measured, an unscaled fp16 backward to refuse).
+A backward whose gradients are not meant for a step (a GAN's generator step through the discriminator, an
+input-saliency backward after the step, a spiking batch skipped after clipping), followed by ``model.zero_grad()``
+as torch's examples write it, would be added into the next step, or refused there, where ``torch.optim.AdamW``
+discards it.
 
-So once a ``ShardedFusedAdam`` exists, ``nn.Module.zero_grad`` (wrapped once per process) also clears, after
-torch's own, the gradients held by each live optimizer that keeps them out of ``p.grad``, holds some since its
-last step or ``zero_grad`` (``window_open``), and trains only parameters of the module (those it holds: trainable
-when it took them, whether frozen for a while since or not): that
-optimizer's own ``zero_grad`` runs, with the same ``set_to_none`` (ignored between accumulation micro-steps, as
-that call is). A module holding only some of such an optimizer's parameters cannot clear a part of its gradients
-(they are bucketed, reduced and sharded): it clears none, and says so once per optimizer.
+So once a ``ShardedFusedAdam`` exists, ``nn.Module.zero_grad`` (wrapped once per process) also runs, after torch's
+own and with the same ``set_to_none``, the ``zero_grad`` of each live optimizer that trains only parameters of the
+module (those it holds: trainable when it took them, whether frozen for a while since or not) and holds gradients
+since its last step or ``zero_grad`` (``window_open``), or, with ``set_to_none=False``, in any case (its zero
+gradients then stay, as ``p.grad`` does in AdamW, for a branch some steps leave unused). Between accumulation
+micro-steps that call is ignored, as it always is. A module holding only some of an optimizer's parameters cannot
+clear a part of its gradients (they are bucketed, reduced and sharded): it clears none, and says so once per
+optimizer while that optimizer holds gradients out of ``p.grad`` (where the step reads ``p.grad``, torch's own
+clears that part). An unrelated module costs one look at each of its parameters.
 """
 
 from __future__ import annotations
@@ -51,23 +55,18 @@ def _routed(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def _clear_held(module: nn.Module, set_to_none: bool) -> None:
-    """Run ``zero_grad`` of each live optimizer that holds gradients out of ``p.grad`` and trains only parameters of
-    ``module``; warn once for one that trains some of them and others too."""
-    holding = [opt for opt in live.optimizers() if _holds_grads(opt)]
-    if not holding:
-        return
-    mine = {id(p) for p in module.parameters()}
-    for opt in holding:
-        trained = set(opt.pipeline.where)  # trainable when the optimizer took them, frozen for now or not
-        if trained <= mine:
+    """Run ``zero_grad`` of each live optimizer that trains only parameters of ``module`` and holds gradients (any,
+    with ``set_to_none`` False); warn once for one holding gradients that trains some of them and others too."""
+    for opt in live.optimizers():
+        pipeline = opt.pipeline
+        if not (pipeline.window_open or not set_to_none):
+            continue
+        held = pipeline.where  # id(parameter) -> its place, for every parameter the optimizer trains
+        mine = sum(1 for p in module.parameters() if id(p) in held)
+        if mine == len(held) and mine:
             opt.zero_grad(set_to_none)
-        elif trained & mine:
-            _warn_part(opt, len(trained & mine), len(trained), type(module).__name__)
-
-
-def _holds_grads(opt: Any) -> bool:
-    pipeline = opt.pipeline
-    return not pipeline.grads_in_p_grad and pipeline.window_open
+        elif mine and pipeline.window_open and not pipeline.grads_in_p_grad:
+            _warn_part(opt, mine, len(held), type(module).__name__)
 
 
 def _warn_part(opt: Any, part: int, whole: int, module: str) -> None:
@@ -75,9 +74,9 @@ def _warn_part(opt: Any, part: int, whole: int, module: str) -> None:
         return
     _warned.add(opt)
     logger.warning(
-        "zero_kernels: %s.zero_grad() holds %d of the %d parameters of a ShardedFusedAdam (stage %d) that keeps its "
-        "gradients out of p.grad: it cannot clear a part of them, so it clears none (call opt.zero_grad() to drop "
-        "them). Said once per optimizer",
+        "zero_kernels: %s.zero_grad() holds %d of the %d parameters of a ShardedFusedAdam (stage %d), which holds "
+        "gradients they cannot reach (bucketed and reduced): it cannot clear a part of them, so it clears none (call "
+        "opt.zero_grad() to drop them). Said once per optimizer",
         module,
         part,
         whole,
