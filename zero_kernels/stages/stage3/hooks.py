@@ -434,11 +434,6 @@ class Stage3Scheduler:
 
     def _enter(self, p: ModulePlan, args: Any, kwargs: Any) -> Any:
         """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker."""
-        if not self._in_backward and torch._C._current_graph_task_id() != -1:
-            # a forward run by a backward (activation checkpointing recomputing a segment) before any module's backward
-            # hook: that backward is the outermost one, and its end is this backward's (a reentrant segment's own
-            # backward, which runs inside it, ends first)
-            self._begin_backward(recomputing=True)
         self._gather(p.needs, self._forward, self._in_forward)
         for i in p.needs:
             self._in_use[i] += 1
@@ -546,11 +541,9 @@ class Stage3Scheduler:
 
     # -- backward -----------------------------------------------------------------------------
 
-    def _begin_backward(self, recomputing: bool = False) -> None:
-        """The first event of a backward: its end is queued on the graph task running now (``recomputing``: a
-        segment's forward recomputed in grad mode by that backward, which no module's backward hook reached yet)."""
+    def _begin_backward(self) -> None:
         if not self._in_backward:
-            if torch.is_grad_enabled() and not recomputing:  # hooks run in grad mode only with create_graph
+            if torch.is_grad_enabled():  # autograd runs a backward's hooks in grad mode only with create_graph
                 raise RuntimeError(DOUBLE_BACKWARD)
             self._in_backward = True
             self._backward.begin(guess=self._forward.expected[::-1])
