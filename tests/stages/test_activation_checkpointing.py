@@ -9,6 +9,8 @@ they cannot, and the step would silently miss them: that raises instead, saying 
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Callable
 
 import pytest
 import torch
@@ -130,16 +132,22 @@ def _train_blocks(rank: int, world: int, reentrant: bool, bucket: int) -> float:
     return _against_adamw(rank, world, model, stage=3, reduce_bucket_size=bucket, stage3_param_persistence_threshold=20)
 
 
+def _close_to_adamw(name: str, train: Callable[[], float], failures: list[str]) -> None:
+    """Run ``train`` (it returns the largest difference from AdamW); note in ``failures`` what went wrong."""
+    try:
+        err = train()
+        if err > 1e-5:
+            failures.append(f"{name}: differs from AdamW by {err:.2e}")
+    except RuntimeError as exc:
+        failures.append(f"{name}: {exc}")
+
+
 def _blocks_body(rank: int, world: int) -> list[str]:
-    failures = []
+    failures: list[str] = []
     for reentrant in BOTH:
         for bucket in BUCKETS:
-            try:
-                err = _train_blocks(rank, world, reentrant, bucket)
-                if err > 1e-5:
-                    failures.append(f"reentrant={reentrant} bucket={bucket}: differs from AdamW by {err:.2e}")
-            except RuntimeError as exc:
-                failures.append(f"reentrant={reentrant} bucket={bucket}: {exc}")
+            train = functools.partial(_train_blocks, rank, world, reentrant, bucket)
+            _close_to_adamw(f"reentrant={reentrant} bucket={bucket}", train, failures)
     return failures
 
 
@@ -186,19 +194,17 @@ class Inside(nn.Module):
 
 
 def _mixed_units_body(rank: int, world: int) -> list[str]:
-    failures = []
+    failures: list[str] = []
     models = [(f"embedded head={head}", lambda r, h=head: Embedded(r, h)) for head in ("module", "tied", "functional")]
     for (what, make), reentrant, threshold in [
         (m, r, t) for m in [*models, ("inside", Inside)] for r in BOTH for t in (0, 250)
     ]:
         torch.manual_seed(0)
-        name = f"{what} reentrant={reentrant} threshold={threshold}"
-        try:
-            err = _against_adamw(rank, world, make(reentrant), stage=3, stage3_param_persistence_threshold=threshold)
-            if err > 1e-5:
-                failures.append(f"{name}: differs from AdamW by {err:.2e}")
-        except RuntimeError as exc:
-            failures.append(f"{name}: {exc}")
+        model = make(reentrant)
+        train = functools.partial(
+            _against_adamw, rank, world, model, stage=3, stage3_param_persistence_threshold=threshold
+        )
+        _close_to_adamw(f"{what} reentrant={reentrant} threshold={threshold}", train, failures)
     return failures
 
 
