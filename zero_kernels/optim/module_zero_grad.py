@@ -57,12 +57,14 @@ def _routed(original: Callable[..., None]) -> Callable[..., None]:
 def _clear_held(module: nn.Module, set_to_none: bool) -> None:
     """Run ``zero_grad`` of each live optimizer that trains only parameters of ``module`` and holds gradients (any,
     with ``set_to_none`` False); warn once for one holding gradients that trains some of them and others too."""
+    ids: list[int] = []  # the module's parameters, looked at once, when an optimizer needs them
     for opt in live.optimizers():
         pipeline = opt.pipeline
         if not (pipeline.window_open or not set_to_none):
             continue
+        ids = ids or [id(p) for p in module.parameters()]
         held = pipeline.where  # id(parameter) -> its place, for every parameter the optimizer trains
-        mine = sum(1 for p in module.parameters() if id(p) in held)
+        mine = sum(1 for i in ids if i in held)
         if mine == len(held) and mine:
             opt.zero_grad(set_to_none)
         elif mine and pipeline.window_open and not pipeline.grads_in_p_grad:

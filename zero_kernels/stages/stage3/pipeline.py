@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -304,7 +303,7 @@ class Stage3Pipeline(Stage2Pipeline):
         prefetch = int(self.options.stage3_prefetch_bucket_size)
         self._units = units
         self._scheduler = Stage3Scheduler(
-            self.module, units, prefetch_numel=prefetch, check=self._check_gathers, on_end=_weak_end_round(self)
+            self.module, units, prefetch_numel=prefetch, check=self._check_gathers, on_end=self._end_scheduled_round
         )
         if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
             self._scheduler.follow(previous)
@@ -526,7 +525,10 @@ class Stage3Pipeline(Stage2Pipeline):
         """As the base, or a copy on the device of a shard kept in host memory or in a file (``host_params``)."""
         if self.params_in_file(buf):
             return self._staged_from_file(buf, bucket)
-        shard = self.param_shard(buf, bucket)
+        return self._staged(buf, self.param_shard(buf, bucket))
+
+    def _staged(self, buf: Stage3Buffer, shard: torch.Tensor) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """``shard`` (host memory) on the device inside the block (``host_params``), or itself where it is there."""
         return contextlib.nullcontext(shard) if self.host_params is None else self.host_params.staged(buf, shard)
 
     @contextlib.contextmanager
@@ -534,8 +536,7 @@ class Stage3Pipeline(Stage2Pipeline):
         """The device's update of a bucket of a unit whose shard is in a file: read into a pool buffer, updated on a
         copy on the device, written back (``disk_params``)."""
         host = self.step_params(buf, bucket)
-        staged = contextlib.nullcontext(host) if self.host_params is None else self.host_params.staged(buf, host)
-        with staged as params:
+        with self._staged(buf, host) as params:
             yield params
         self.stepped_params(buf, bucket, host)
 
@@ -756,15 +757,3 @@ class Stage3Pipeline(Stage2Pipeline):
         """As the base, with the parameter shards' files."""
         extra = 0 if self.disk_params is None else self.disk_params.files.disk_bytes()
         return super().disk_bytes() + extra
-
-
-def _weak_end_round(pipeline: Stage3Pipeline) -> Callable[[], None]:
-    """``pipeline._end_scheduled_round``, holding the pipeline weakly (the scheduler's hooks outlive nothing)."""
-    ref = weakref.ref(pipeline)
-
-    def end() -> None:
-        target = ref()
-        if target is not None:
-            target._end_scheduled_round()
-
-    return end
