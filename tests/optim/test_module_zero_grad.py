@@ -1,7 +1,8 @@
 """``model.zero_grad()`` clears what a backward left for the next step at every stage, as with
 ``torch.optim.AdamW``: a backward not followed by a step (an input-saliency backward after the step, a GAN's
 generator step through the discriminator, as torch's DCGAN example writes it) adds nothing to the next step, on one
-rank and on two; a module holding only part of an optimizer's parameters clears nothing and says so."""
+rank and on two; modules that together hold an optimizer's parameters (an encoder and a decoder) clear it once all
+were zeroed, and a part alone clears nothing, which the next step says."""
 
 from __future__ import annotations
 
@@ -162,7 +163,32 @@ def test_a_backward_cleared_by_model_zero_grad_adds_nothing_on_two_ranks() -> No
     run_ranks(_ranks, 2)
 
 
-def test_a_part_of_the_model_clears_nothing_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+def _two_part_loop(stage: int | None) -> list[list[torch.Tensor]]:
+    """One optimizer over an encoder and a decoder, cleared with ``enc.zero_grad(); dec.zero_grad()``: a spiking batch
+    skipped after ``clip_grad_norm_``, and a saliency backward after each step that no step uses."""
+    torch.manual_seed(0)
+    enc, dec = nn.Sequential(nn.Linear(6, 10), nn.Tanh()), nn.Linear(10, 3)
+    model = nn.ModuleDict({"enc": enc, "dec": dec})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR) if stage is None else zk.ShardedFusedAdam(
+        model, lr=LR, stage=stage)  # fmt: skip
+    for step in range(5):
+        x, y = _rows(step, 0, 1)
+        enc.zero_grad()
+        dec.zero_grad()
+        ((50.0 if step == 1 else 1.0) * ((dec(enc(x)) - y) ** 2).mean()).backward()
+        if torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 20:
+            continue
+        opt.step()
+        dec(enc(x.clone().requires_grad_(True))).sum().backward()
+    return [_weights(model, opt)]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_modules_zeroed_one_after_the_other_clear_the_optimizer_they_share(stage: int) -> None:
+    _compare(_two_part_loop(stage), _two_part_loop(None), f"stage {stage}")
+
+
+def test_a_part_of_the_model_clears_nothing_and_the_step_says_so(caplog: pytest.LogCaptureFixture) -> None:
     model = _net(0)
     opt = zk.ShardedFusedAdam(model, lr=LR, stage=2)
     x, y = _rows(0, 0, 1)
@@ -171,10 +197,31 @@ def test_a_part_of_the_model_clears_nothing_and_says_so(caplog: pytest.LogCaptur
     with caplog.at_level(logging.WARNING, logger="zero_kernels"):
         model[2].zero_grad()
         model[2].zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(opt.pipeline.buffers[0].grad_shard.split(1), held))
+        assert not caplog.records
+        opt.step()
+        ((model(x) - y) ** 2).mean().backward()
+        model[2].zero_grad()
+        opt.step()
     said = [r.getMessage() for r in caplog.records if "zero_grad()" in r.getMessage()]
-    assert len(said) == 1 and "holds 2 of the 4 parameters" in said[0], said
-    assert all(torch.equal(a, b) for a, b in zip(opt.pipeline.buffers[0].grad_shard.split(1), held))
+    assert len(said) == 1 and "Linear, Linear.zero_grad() held 2 of the 4 parameters" in said[0], said
+    ((model(x) - y) ** 2).mean().backward()
     model.zero_grad()
+    assert not opt.pipeline.window_open
+
+
+def test_a_backward_between_the_parts_keeps_the_first_parts_gradients() -> None:
+    """``enc.zero_grad()``, a backward, ``dec.zero_grad()``: the parts span a backward, so they clear nothing (the
+    backward's encoder gradients are held, which the encoder's zero_grad came before)."""
+    model = _net(0)
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=2)
+    x, y = _rows(0, 0, 1)
+    ((model(x) - y) ** 2).mean().backward()
+    model[0].zero_grad()
+    ((model(x) - y) ** 2).mean().backward()
+    model[2].zero_grad()
+    assert opt.pipeline.window_open
+    model[0].zero_grad()
     assert not opt.pipeline.window_open
 
 

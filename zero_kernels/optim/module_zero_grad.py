@@ -13,10 +13,12 @@ own and with the same ``set_to_none``, the ``zero_grad`` of each live optimizer 
 module (those it holds: trainable when it took them, whether frozen for a while since or not) and holds gradients
 since its last step or ``zero_grad`` (``window_open``), or, with ``set_to_none=False``, in any case (its zero
 gradients then stay, as ``p.grad`` does in AdamW, for a branch some steps leave unused). Between accumulation
-micro-steps that call is ignored, as it always is. A module holding only some of an optimizer's parameters cannot
-clear a part of its gradients (they are bucketed, reduced and sharded): it clears none, and says so once per
-optimizer while that optimizer holds gradients out of ``p.grad`` (where the step reads ``p.grad``, torch's own
-clears that part). An unrelated module costs one look at each of its parameters.
+micro-steps that call is ignored, as it always is. Modules that each hold only some of an optimizer's parameters
+(one optimizer over an encoder and a decoder, cleared with ``enc.zero_grad(); dec.zero_grad()``) clear its gradients
+once the modules zeroed since the last backward hold all of them together (``ZeroedPart``): a part alone cannot be
+cleared (the gradients are bucketed, reduced and sharded). A step that comes after a part was zeroed and before the
+rest was says once per optimizer that the part's gradients were not cleared (where the step reads ``p.grad``,
+torch's own cleared them, and nothing is said). An unrelated module costs one look at each of its parameters.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def _routed(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def _clear_held(module: nn.Module, set_to_none: bool) -> None:
-    """Run ``zero_grad`` of each live optimizer that trains only parameters of ``module`` and holds gradients (any,
-    with ``set_to_none`` False); warn once for one holding gradients that trains some of them and others too."""
+    """Run ``zero_grad`` of each live optimizer that holds gradients (any, with ``set_to_none`` False) and trains
+    only parameters of ``module``, or of the modules zeroed with it since the last backward (``ZeroedPart``)."""
     ids: list[int] = []  # the module's parameters, looked at once, when an optimizer needs them
     for opt in live.optimizers():
         pipeline = opt.pipeline
@@ -64,23 +66,51 @@ def _clear_held(module: nn.Module, set_to_none: bool) -> None:
             continue
         ids = ids or [id(p) for p in module.parameters()]
         held = pipeline.where  # id(parameter) -> its place, for every parameter the optimizer trains
-        mine = sum(1 for i in ids if i in held)
-        if mine == len(held) and mine:
+        mine = {i for i in ids if i in held}
+        if mine and (len(mine) == len(held) or ZeroedPart.add(pipeline, mine, type(module).__name__)):
             opt.zero_grad(set_to_none)
-        elif mine and pipeline.window_open and not pipeline.grads_in_p_grad:
-            _warn_part(opt, mine, len(held), type(module).__name__)
 
 
-def _warn_part(opt: Any, part: int, whole: int, module: str) -> None:
-    if opt in _warned:
+class ZeroedPart:
+    """The parameters of an optimizer held by the modules zeroed since its last step, ``zero_grad`` or gradient
+    (``pipeline.grad_arrivals``), when they are not all of them; kept on the pipeline, which drops it with the
+    window."""
+
+    def __init__(self, arrivals: int) -> None:
+        self.arrivals = arrivals
+        self.ids: set[int] = set()
+        self.modules: list[str] = []
+
+    @classmethod
+    def add(cls, pipeline: Any, ids: set[int], module: str) -> bool:
+        """Add a module's part; whether the parts now hold every parameter of the optimizer."""
+        part = pipeline.zeroed_part
+        if part is None or part.arrivals != pipeline.grad_arrivals:
+            part = pipeline.zeroed_part = cls(pipeline.grad_arrivals)
+        part.ids |= ids
+        part.modules.append(module)
+        if len(part.ids) < len(pipeline.where):
+            return False
+        pipeline.zeroed_part = None
+        return True
+
+
+def warn_part_left(opt: Any) -> None:
+    """Before a step: say once per optimizer when modules holding a part of its parameters were zeroed since the
+    last step and the rest was not, so the part's gradients held out of ``p.grad`` were not cleared."""
+    pipeline = opt.pipeline
+    part = pipeline.zeroed_part
+    if part is None or pipeline.grads_in_p_grad or opt in _warned:
         return
     _warned.add(opt)
     logger.warning(
-        "zero_kernels: %s.zero_grad() holds %d of the %d parameters of a ShardedFusedAdam (stage %d), which holds "
-        "gradients they cannot reach (bucketed and reduced): it cannot clear a part of them, so it clears none (call "
-        "opt.zero_grad() to drop them). Said once per optimizer",
-        module,
-        part,
-        whole,
+        "zero_kernels: %s.zero_grad() held %d of the %d parameters of a ShardedFusedAdam (stage %d), which holds "
+        "their gradients out of p.grad (bucketed and reduced): a part cannot be cleared, so this step uses the "
+        "gradients of every backward since the last step. Zero modules that together hold all of its parameters "
+        "after the last backward you want dropped (enc.zero_grad(); dec.zero_grad()), or call opt.zero_grad(). "
+        "Said once per optimizer",
+        ", ".join(part.modules),
+        len(part.ids),
+        len(pipeline.where),
         opt.options.stage,
     )

@@ -435,6 +435,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         hyper = [self._hyper(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
         self._micro_step = 0
         self._warn_late_group()
+        module_zero_grad.warn_part_left(self)
         self.wait_params()
         self._follow_replaced_params()
         scale = 1.0 / self._grad_divisor

@@ -53,6 +53,7 @@ class BackwardRound:
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         self._check_dense(p)
         self.window_open = True
+        self.grad_arrivals += 1
         b, slot = self.where[id(p)]
         buf = self.buffers[b]
         index = buf.index_of(slot)

@@ -145,6 +145,8 @@ class Pipeline(BackwardRound):
         self.scaled_backward = False  # inside the optimizer's backward (set by the optimizer)
         self.refusals = refusals.Refusals()  # problems found in backward, raised at the step on every rank
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
+        self.grad_arrivals = 0  # gradients delivered so far (a window's part zero_grad calls span none of them)
+        self.zeroed_part: Any = None  # the modules zeroed in this window so far, not all (``module_zero_grad``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
         self.spent = False  # the last step dropped gradients p.grad does not hold, and no zero_grad() came since
         self.spent_warned = False  # ``grad_state.warn_spent`` spoke
@@ -551,6 +553,7 @@ class Pipeline(BackwardRound):
         self.clipped = False
         self.refusals.clear()
         self.window_open = False
+        self.zeroed_part = None
         self.summed.clear()
 
     @property
