@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zero_kernels import _ext, comm, comm_objects
+from zero_kernels.comm.engine_base import resolve_backend
 
 SHARD_SIZES = (1, 7, 1000, 4099, 33, 65539, 2)
 
@@ -330,6 +331,21 @@ def test_auto_falls_back_to_torch_with_one_log_line(monkeypatch, caplog) -> None
         comm.make_engine(backend="cpp")
     with pytest.raises(ValueError, match="allowed: auto, cpp, torch"):
         comm.make_engine(backend="mpi")
+
+
+@pytest.mark.parametrize(
+    "name, config, cuda, want",
+    [
+        ("gloo", "cpu:gloo,cuda:gloo", False, "gloo"),
+        ("undefined", "cpu:gloo", False, "gloo"),  # init_process_group() without a backend, no CUDA
+        ("undefined", "cpu:gloo,cuda:nccl", True, "nccl"),  # the same with CUDA
+        ("undefined", "cpu:gloo,cuda:nccl", False, "gloo"),
+        ("cuda:nccl,cpu:gloo", "cuda:nccl,cpu:gloo", True, "nccl"),  # a per-device string given by hand
+        ("cuda:nccl", "cuda:nccl", False, "nccl"),  # no backend for the CPU: the one there is
+    ],
+)
+def test_the_backend_is_the_one_the_tensors_use(name: str, config: str, cuda: bool, want: str) -> None:
+    assert resolve_backend(name, config, cuda) == want
 
 
 def test_primitive_table_is_consulted() -> None:

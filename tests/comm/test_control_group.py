@@ -145,3 +145,32 @@ def _body(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_one_control_group_per_process_group_made_lazily_shared_and_destroyed_with_it() -> None:
     run_ranks_checked(_body, 2, timeout_s=120)
+
+
+def _host_data_at_construction(rank: int, world: int) -> list[str]:
+    """An NCCL engine bound to no device (Accelerate's ``init_process_group`` binds none): the offload tiers'
+    start-up agreement and qgZ's node grid are host data and go over the control group, needing no device."""
+    import zero_kernels.kernels as codec
+    from zero_kernels.comm.quantized import QuantizedReduceScatter
+    from zero_kernels.stages import offloaded
+
+    engine = comm.TorchCommEngine()
+    engine.backend = "nccl"  # what routes host data off the device; every collective below runs on gloo
+    failures = []
+    try:
+        offloaded.agree(engine, None, "offload.start")
+        QuantizedReduceScatter(engine, codec)
+    except ValueError as err:
+        failures.append(f"rank {rank}: {err}")
+    try:
+        offloaded.agree(engine, "disk full" if rank == 1 else None, "offload.start")
+        failures.append(f"rank {rank}: a rank's problem was not raised")
+    except OSError as err:
+        if "rank 1: disk full" not in str(err):
+            failures.append(f"rank {rank}: {err}")
+    return failures
+
+
+@pytest.mark.distributed
+def test_host_data_of_construction_needs_no_device_on_nccl() -> None:
+    run_ranks_checked(_host_data_at_construction, 2)

@@ -6,13 +6,16 @@ hold the whole model (nothing would overlap with backward): the gradients are re
 buckets of the granule, every collective stays within the configured bound, the gradient memory of
 the reductions (``memory_report()``: ``buffers`` and the scratch part of ``grads``) stays within a
 few buckets, and the result is the same, bit for bit, as with the granule configured by hand. The
-granule is shrunk to 4096 elements so that a small model spans many buckets.
+granule is shrunk to 4096 elements so that a small model spans many buckets. A process group whose backend is
+named per device ("cpu:gloo", "cpu:gloo,cuda:nccl", or "undefined" from ``init_process_group()`` without one) takes
+the granule of the backend its tensors use.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zero_kernels.optim as zo
@@ -85,6 +88,10 @@ def _bound(rank: int, world_size: int) -> None:
     _, seen = _run(2, rank, {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 1000})
     assert max(seen["reduce"] + seen["gather"]) <= 1000
     assert len(seen["gather"]) // 2 >= numel // 1000
+    # a group whose backend is named per device (as with init_process_group() and no backend) takes gloo's granule
+    per_device = dist.new_group([0, 1], backend="cpu:gloo")
+    params, seen = _run(2, rank, {"reduce_bucket_size": 500_000_000, "process_group": per_device})
+    assert len(seen["reduce"]) // 2 >= numel // GRANULE, f"cpu:gloo: {len(seen['reduce']) // 2} reductions per backward"
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -46,6 +46,23 @@ def issue_errors_named(operation: str) -> Callable:
     return wrap
 
 
+def backend_of(group: Optional[dist.ProcessGroup]) -> str:
+    """The backend that carries the data of ``group``: ``dist.get_backend``, or where that names none
+    (``init_process_group()`` without a backend gives "undefined"; a per-device string such as
+    "cpu:gloo,cuda:nccl") the one the group uses for CUDA tensors where CUDA is there, else for CPU ones."""
+    return resolve_backend(dist.get_backend(group), dist.get_backend_config(group), torch.cuda.is_available())
+
+
+def resolve_backend(name: str, config: str, cuda: bool) -> str:
+    """``backend_of`` given the group's backend name, its per-device config ("cpu:gloo,cuda:nccl") and whether
+    CUDA is there."""
+    if name != "undefined" and ":" not in name:
+        return name
+    per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
+    fallback = per_device.get("cpu") or next(iter(per_device.values()), name)
+    return per_device.get("cuda" if cuda else "cpu", fallback)
+
+
 def check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
     for role, t in (("shard", shard), ("full buffer", full)):
         if not t.is_contiguous():
@@ -73,7 +90,7 @@ class EngineBase:
         self._group = None if group is None else weakref.ref(group)
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.backend = dist.get_backend(group) if self.distributed else "local"
+        self.backend = backend_of(group) if self.distributed else "local"
         log.info(
             "zero_kernels comm: %s engine on %s, rank %d of %d; primitives: %s",
             self.kind,

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from .control import ControlLink
 from .engine_base import check_pair
 from .groups import node_groups
 from .handles import Handle
@@ -138,7 +139,7 @@ class QuantizedReduceScatter:
                 f"(its ranks in order); this one has {self.world_size} of the {world} ranks"
             )
         groups = node_groups()
-        places = all_gather_objects(self.engine, (groups.node, groups.local_rank), name="qgZ.grid")
+        places = all_gather_objects(ControlLink(self.engine).get(), (groups.node, groups.local_rank), name="qgZ.grid")
         at = {place: rank for rank, place in enumerate(places)}
         self.nodes, self.local = groups.nodes, groups.local_world_size
         self.intra, self.inter = groups.intra, groups.inter

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ..comm.control import ControlLink
 from ..comm.objects import all_gather_objects
 from ..env import settings
 from ..log import LOGGER_NAME
@@ -122,8 +123,12 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
 
 
 def agree(engine: Any, problem: Optional[str], name: str, key: str = "offload_optimizer") -> None:
-    """Raise ``OSError`` on every rank when ``problem`` is set on any (``key``: the block that could not start)."""
-    problems = all_gather_objects(engine, problem, name=name) if engine.world_size > 1 else [problem]
+    """Raise ``OSError`` on every rank when ``problem`` is set on any (``key``: the block that could not start); host
+    data, exchanged over the control group of ``engine``'s ranks (on NCCL a gloo group: no device needed)."""
+    if engine.world_size == 1:
+        problems = [problem]
+    else:
+        problems = all_gather_objects(ControlLink(engine).get(), problem, name=name)
     failed = [(r, p) for r, p in enumerate(problems) if p is not None]
     if failed:
         text = "; ".join(f"rank {r}: {p}" for r, p in failed)
