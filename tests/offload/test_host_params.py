@@ -122,3 +122,69 @@ def test_offload_param_is_acted_on_without_a_warning(tmp_path: Path, caplog: pyt
         assert (opt._pipeline.disk_params is not None) == (params is files)
         opt._pipeline.close()
     assert not (tmp_path / "zero_kernels").exists(), "the files are removed at close"
+
+
+class _InFlight:
+    """Stands for a copy up still reading the host shards (``stages.uploads``): notes their values when waited for."""
+
+    def __init__(self, shards: list[torch.Tensor]):
+        self.shards, self.seen = shards, None
+
+    def synchronize(self) -> None:
+        self.seen = [s.clone() for s in self.shards]
+
+
+def _writers(model: Net, opt: zk.ShardedFusedAdam, other: dict, saved: Path) -> dict:
+    """Each host write into the parameter shards, between steps."""
+
+    def assign() -> None:
+        with torch.no_grad():
+            model.emb.weight.data = other["emb.weight"].clone()
+            model(batch(8, ROWS))  # taken into the shard where the module is next gathered
+
+    def edit() -> None:
+        with opt.gathered_params():
+            with torch.no_grad():
+                model.emb.weight.add_(1.0)
+
+    def load() -> None:
+        with opt.gathered_params():
+            model.load_state_dict(other)
+
+    def step() -> None:
+        model(batch(9, ROWS)).backward()
+        opt.step()
+
+    return {
+        "model.load_state_dict": load,
+        "zk.checkpoint.load": lambda: zk.checkpoint.load(saved, model, opt),
+        "a value assigned to a freed parameter": assign,
+        "gathered_params() writing back": edit,
+        "the step": step,
+    }
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"], ids=["params alone", "with the state"])
+def test_host_writers_wait_for_copies_up_in_flight(
+    offload: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A host write into a shard a copy up may still read waits for it first (on a GPU: a gather queued behind
+    other work would read half-new values)."""
+    monkeypatch.setattr(HostTier, "share_host", False)
+    torch.manual_seed(0)
+    model = Net()
+    other = {k: v + 0.5 for k, v in Net().state_dict().items()}
+    opt = _opt(model, PARAMS, **({"offload_optimizer": offload} if offload else {}))
+    _train(model, opt, range(2))
+    zk.checkpoint.save(tmp_path / "ckpt", model, opt)
+    pipeline = opt._pipeline
+    for what, write in _writers(model, opt, other, tmp_path / "ckpt").items():
+        shards = [buf.param_shard for buf in pipeline.buffers if not buf.persistent]
+        before = [s.clone() for s in shards]
+        pending = _InFlight(shards)
+        pipeline.uploads._last[(0, 0)] = pending
+        write()
+        assert pending.seen is not None, f"{what}: wrote the shards without waiting for the copies up"
+        assert all(torch.equal(a, b) for a, b in zip(pending.seen, before)), f"{what}: waited after writing"
+        assert not all(torch.equal(a, b) for a, b in zip(shards, before)), f"{what}: wrote nothing (the test)"
+        assert not pipeline.uploads._last

@@ -198,6 +198,7 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
     assigned = [p for p in buf.params if p.numel() != 0]
     if not assigned:
         return False
+    pipeline.uploads.wait()  # a copy up still reading the shard (``uploads``)
     for slot in buf.layout.slots:
         p = buf.params[slot.param]
         if p.numel() != 0:

@@ -76,6 +76,7 @@ from .backward import BackwardRound, grad_hook, owners
 from .buffers import FlatBuffer, GroupHyper, Inflight
 from .layout import Bucket, BufferLayout, align_elements
 from .outcome import StepResult
+from .uploads import Uploads
 
 log = logging.getLogger("zero_kernels")
 
@@ -156,6 +157,7 @@ class Pipeline(BackwardRound):
         overlap = self.allgather_by_bucket and getattr(options, "overlap_param_gather", False)
         self.gathers = param_gather.ParamGathers(overlap)  # the step's all-gathers, kept in flight when overlapping
         self.tier = offloaded.make_tier(options, engine)  # where the optimizer state lives when offloaded (else None)
+        self.uploads = Uploads()  # copies up from host shards in flight: host writers wait for them (``uploads``)
         self.param_traffic = quantized_gather.Traffic()  # what parameter all-gathers sent (ZeRO++), logged once
         self.weight_quantizer = quantized_gather.WeightQuantizer()  # int8 copies of the shards (qwZ), per version
 
@@ -629,6 +631,7 @@ class Pipeline(BackwardRound):
         """
         self.wait_params()
         self.settle()
+        self.uploads.wait()
         grad_state.warn_spent(self)
         self.finish_grad_sync()
         checks = stats.step_checks(hyper, grad_scale, max_grad_norm)

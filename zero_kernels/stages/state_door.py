@@ -31,6 +31,7 @@ first calls ``buf.ready()``, which brings the whole shard into host memory; the 
 does stage 3's parameter shard with ``offload_param`` on nvme (``stage3.disk_params``: a stand-in while its
 file holds it). Full states are gathered and scattered where the parameters are. Callers (state dicts,
 copies, ``opt.state``, checkpoints) do not change; the update reaches the tier through ``stages.offloaded``.
+Every function here that writes a shard first waits for the copies up still reading host shards (``uploads``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def shard_state(pipeline: Pipeline) -> list[dict[str, torch.Tensor]]:
 
 def load_shard_state(pipeline: Pipeline, states: list[dict[str, torch.Tensor]]) -> None:
     """Copy shards saved by ``shard_state`` (same layout, checked by the caller) into the buffers."""
+    pipeline.uploads.wait()
     for buf, saved in zip(pipeline.buffers, states):
         _match_amsgrad(buf, _AMSGRAD in saved)
         for name, tensor in saved.items():
@@ -133,6 +135,7 @@ def gather_full_state(pipeline: Pipeline, keep: bool = True) -> dict[int, dict[s
 def scatter_full_state(pipeline: Pipeline, state: dict[int, dict[str, torch.Tensor]]) -> None:
     """Load a full state (shapes checked by the caller); parameters absent from it start fresh, and low-precision
     parameters without a ``master`` entry (fp32 parameters ignore one) start their master from their values."""
+    pipeline.uploads.wait()
     for buf in pipeline.buffers:
         entries = [state.get(i) for i in buf.indices]
         _match_amsgrad(buf, any(e is not None and _AMSGRAD in e for e in entries))
@@ -284,6 +287,7 @@ class LoadPiece:
 def load_pieces(pipeline: Pipeline) -> Iterator[LoadPiece]:
     """Where this rank's shard of every buffer is loaded into (see ``whole_params`` for parameters every
     rank holds whole)."""
+    pipeline.uploads.wait()
     for buf in pipeline.buffers:
         state = state_tensors(buf)
         for seg in buf.layout.segments(pipeline.shard_rank):
@@ -336,7 +340,9 @@ def param_shards(pipeline: Pipeline) -> list[Optional[torch.Tensor]]:
 
 
 def load_param_shards(pipeline: Pipeline, shards: list[Optional[torch.Tensor]]) -> None:
-    """Copy ``param_shards``' values (same layout) into this rank's parameter shards."""
+    """Copy ``param_shards``' values (same layout) into this rank's parameter shards (once the copies up still
+    reading them are done: ``uploads``)."""
+    pipeline.uploads.wait()
     for buf, values in zip(pipeline.buffers, shards):
         if values is not None:
             buf.ready()

@@ -20,7 +20,7 @@ a loaded state dict or checkpoint, a parameter assigned between steps).
 
 A shard in host memory (``offload_param``) is copied to the gathered buffer's device first (``on_device``:
 the shard, or with qwZ its int8 payload, quantized on the host: half the bytes of bf16 cross the bus);
-``uploaded`` counts those bytes.
+``uploaded`` counts those bytes; the host writers of the shard wait for those copies (``uploads``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from ...comm.handles import Works
 from ...config.zero_config import check_hpz
 from ..layout import Bucket
 from ..quantized_gather import Payload, Traffic, WeightQuantizer, all_gather_quantized, dequantize_chunks
+from ..uploads import Uploads
 
 if TYPE_CHECKING:
     from .pipeline import Stage3Buffer
@@ -44,8 +45,9 @@ if TYPE_CHECKING:
 class UnitGathers:
     """The gathers of stage 3's units with the ZeRO++ options of ``options``; one per pipeline."""
 
-    def __init__(self, engine: Any, options: Any, traffic: Traffic, quantizer: WeightQuantizer):
+    def __init__(self, engine: Any, options: Any, traffic: Traffic, quantizer: WeightQuantizer, uploads: Uploads):
         self.engine = engine
+        self.uploads = uploads  # the pipeline's: its host writers wait for the copies up recorded there
         world = engine.world_size
         self.quantized = bool(options.quantized_weights) and world > 1
         self.hpz_size = int(options.hpz_partition_size) if world > 1 else 1
@@ -80,7 +82,7 @@ class UnitGathers:
         if t.device == full.device:
             return t
         self.uploaded += t.numel() * t.element_size()
-        return t.to(full.device, non_blocking=True)
+        return self.uploads.copy_up(t, full.device)
 
     # ------------------------------------------------------------------ one bucket
     def start(

@@ -184,7 +184,9 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, module=module, **kwargs)
-        self.unit_gathers = UnitGathers(self.engine, self.options, self.param_traffic, self.weight_quantizer)
+        self.unit_gathers = UnitGathers(
+            self.engine, self.options, self.param_traffic, self.weight_quantizer, self.uploads
+        )
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3.plan.holders``)
         self._units: list = []  # ``_Unit``s, then ``FrozenUnit``s
         self._frozen: Optional[list[FrozenUnit]] = None  # built at the first ``add_group``
@@ -699,6 +701,7 @@ class Stage3Pipeline(Stage2Pipeline):
         return None
 
     def _write_back(self) -> None:
+        self.uploads.wait()
         for buf in self.buffers:
             if not buf.persistent:
                 adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
