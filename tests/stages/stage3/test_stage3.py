@@ -102,14 +102,14 @@ class FakeUnit:
             p.grad = None
 
 
-def _setup(order: str = "abc", prefetch: int = 0, persistent: str = "", frozen: str = ""):
+def _setup(order: str = "abc", prefetch: int = 0, persistent: str = "", frozen: str = "", max_live: int = 1 << 62):
     log: list = []
     model = Chain(log, order)
     for tag in frozen:
         getattr(model, tag).requires_grad_(False)
     ref = copy.deepcopy(model)
     units = [FakeUnit(t, getattr(model, t).parameters(), log, persistent=t in persistent) for t in "abc"]
-    model.scheduler = Stage3Scheduler(model, units, prefetch_numel=prefetch)  # its hooks hold it weakly
+    model.scheduler = Stage3Scheduler(model, units, prefetch_numel=prefetch, max_live_numel=max_live)  # held weakly
     return log, model, ref, units, model.scheduler
 
 
@@ -182,6 +182,23 @@ def test_hooks_prefetch_budget_counts_elements_ahead():
     log2.clear()
     model2(x)
     assert log2[:4] == _events("gather:a gather:b gather:c wait:a")
+
+
+def test_hooks_prefetch_stays_under_max_live_parameters():
+    """``stage3_max_live_parameters`` bounds what is gathered ahead, as in DeepSpeed: no prefetch once the gathered
+    units hold that many elements, none beyond it; the unit a module needs is gathered anyway."""
+    x = torch.randn(2, 4)
+    for max_live, ahead in (
+        (units_numel(3), "gather:a gather:b gather:c wait:a"),  # room for all three: the budget decides
+        (units_numel(2), "gather:a gather:b wait:a fwd:a"),  # room for one ahead
+        (units_numel(1), "gather:a wait:a fwd:a free:a"),  # a alone fills it: nothing ahead
+    ):
+        log, model, ref, units, _ = _setup(prefetch=units_numel(3), max_live=max_live)
+        model(x).backward()
+        log.clear()
+        model(x).backward()
+        assert log[:4] == _events(ahead), f"max_live {max_live}: {log[:4]}"
+        _check_grads(model, ref, units, x)
 
 
 def test_hooks_prefetch_starts_when_the_next_unit_exceeds_the_budget():

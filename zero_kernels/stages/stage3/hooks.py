@@ -11,7 +11,8 @@ Schedule, per module ``m`` that needs units (the root always runs these hooks):
 
 - forward pre-hook: gather ``m``'s units (wait for them), then start gathers of the units that come
   next in the previous forward's order: at least the next one, and more while they fit in
-  ``prefetch_numel`` elements (0 disables prefetch). The gathers started together are one *batch*:
+  ``prefetch_numel`` elements (0 disables prefetch), none while the gathered units hold ``max_live_numel``
+  elements and never more than fit under it. The gathers started together are one *batch*:
   ``check(batch, phase, deferred)`` runs before any of them is issued (stage 3 checks there that every
   rank gathers the same units; ``deferred`` when the pass follows the previous pass of its kind, see
   ``Check``); then every unit of the batch is told to ``read_ahead`` (a shard in a file starts its read)
@@ -219,6 +220,8 @@ class Stage3Scheduler:
         root: the model; its forward marks the start and end of a forward pass.
         units: parameter units; parameters of ``root`` that no unit owns are left alone.
         prefetch_numel: how many elements may be gathered ahead of use (0 disables prefetch).
+        max_live_numel: no prefetch while the sharded units gathered hold this many elements, and none beyond it
+            (the unit a module needs is gathered anyway).
         check: called with each batch of units about to be gathered, before any is (None: no check).
         on_end: called at the end of each backward, once every unit is reduced (the pipeline ends its round there).
     """
@@ -229,6 +232,7 @@ class Stage3Scheduler:
         units: Sequence[Unit],
         *,
         prefetch_numel: int,
+        max_live_numel: int = 1 << 62,
         check: Optional[Check] = None,
         on_end: Optional[Callable[[], None]] = None,
     ) -> None:
@@ -237,6 +241,8 @@ class Stage3Scheduler:
         self.root = root
         self.units = list(units)
         self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self._live_numel = 0  # elements of the sharded units gathered or being gathered
         self._check = check
         self._on_end = on_end
         self._owner = self._owners(self.units)
@@ -338,6 +344,7 @@ class Stage3Scheduler:
         for i in batch:
             self.units[i].start_gather()
             self._state[i] = _IN_FLIGHT
+            self._live_numel += self.units[i].numel
 
     def _finish(self, i: int) -> None:
         if self._state[i] == _FREE:
@@ -354,6 +361,7 @@ class Stage3Scheduler:
         self._finish(i)
         self.units[i].free()
         self._state[i] = _FREE
+        self._live_numel -= self.units[i].numel
         self._used[i] = False
         for p in self.units[i].params:
             guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
@@ -384,10 +392,13 @@ class Stage3Scheduler:
 
     def _prefetch(self, ahead: list[int], taken: set[int]) -> list[int]:
         """The free units of ``ahead`` to start now: the next one whatever its size (as DeepSpeed always
-        prefetches the next parameter), then more while they fit in the prefetch budget."""
-        if self.prefetch_numel == 0:
+        prefetches the next parameter), then more while they fit in the prefetch budget; none once the units
+        gathered (with those of ``taken``, about to be) hold ``max_live_numel`` elements, and no more than fit
+        in what is left of it (``stage3_max_live_parameters``, as DeepSpeed bounds its prefetch)."""
+        room = self.max_live_numel - self._live_numel - sum(self.units[i].numel for i in taken)
+        if self.prefetch_numel == 0 or room <= 0:
             return []
-        budget, batch = self.prefetch_numel, []
+        budget, batch = min(self.prefetch_numel, room), []
         for k, j in enumerate(ahead):
             if k > 0 and self.units[j].numel > budget:
                 break

@@ -305,7 +305,12 @@ class Stage3Pipeline(Stage2Pipeline):
         prefetch = int(self.options.stage3_prefetch_bucket_size)
         self._units = units
         self._scheduler = Stage3Scheduler(
-            self.module, units, prefetch_numel=prefetch, check=self._check_gathers, on_end=self._end_scheduled_round
+            self.module,
+            units,
+            prefetch_numel=prefetch,
+            max_live_numel=int(self.options.stage3_max_live_parameters),
+            check=self._check_gathers,
+            on_end=self._end_scheduled_round,
         )
         if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
             self._scheduler.follow(previous)
