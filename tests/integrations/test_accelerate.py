@@ -220,3 +220,16 @@ def test_backward_of_an_fp16_optimizer_goes_through_it(stage: int) -> None:
     with opt.gathered_params(), ropt.gathered_params():
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, r), f"stage {stage} {name}: {(p.float() - r.float()).abs().max().item():.3g}"
+
+
+def test_accumulation_counted_by_both_is_refused() -> None:
+    """Accelerate steps the optimizer once per window; an optimizer counting micro-steps too would make each update
+    span both counts (its gradients divided by both): ``prepare`` refuses it, naming where the count goes."""
+    import zero_kernels as zk
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    accelerator = _accelerator(ZeroAccelerator)
+    model = nn.Linear(6, 1)
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=2, gradient_accumulation_steps=ACCUMULATE)
+    with pytest.raises(ValueError, match="Keep the count in the Accelerator and build the optimizer without it"):
+        accelerator.prepare(model, opt)

@@ -207,3 +207,57 @@ def test_a_checkpoint_with_weights_only_resumes_the_model_as_the_trainer_does(tm
     with pytest.warns(UserWarning, match="holds the model's weights but no optimizer state"):
         again.train(resume_from_checkpoint=str(saved))
     assert again.state.global_step == STEPS
+
+
+def test_an_optimizer_other_than_adamw_is_refused(tmp_path, monkeypatch) -> None:
+    """``TrainingArguments(optim="sgd")`` without a config optimizer section: ZeroTrainer trains AdamW only, so it
+    says so (it trained AdamW silently)."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    args = _args(str(tmp_path), optim="sgd", ddp_backend=None)
+    trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=_data(), zero_optimization={"stage": 2})
+    with pytest.raises(ValueError, match="optim='sgd'.*allowed: adamw_torch"):
+        trainer.train()
+
+
+def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, monkeypatch) -> None:
+    """A Trainer subclass building its own param groups in ``create_optimizer`` (LLaVA's pattern): a
+    ``ShardedFusedAdam`` is stepped and clipped (it failed with 'NoneType' has no attribute 'clip_grad_norm_'); any
+    other optimizer is refused naming what to build."""
+    import zero_kernels as zk
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    class Custom(ZeroTrainer):
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                self.optimizer = zk.ShardedFusedAdam([{"params": params}], module=self.model, lr=1e-2, stage=2)
+            return self.optimizer
+
+    class Plain(ZeroTrainer):
+        def create_optimizer(self, model=None):
+            self.optimizer = self.optimizer or torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+            return self.optimizer
+
+    _one_process(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = Custom(model=_llama(), args=_args(str(tmp_path / "a"), ddp_backend=None), train_dataset=_data())
+        trainer.train()
+    assert trainer.zero_optimizer is trainer.optimizer.optimizer and trainer.zero_optimizer.applied_steps == STEPS
+    plain = Plain(model=_llama(), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data())
+    with pytest.raises(
+        TypeError, match=r"the optimizer \(AdamW\) is not a ShardedFusedAdam: a create_optimizer override must"
+    ):
+        plain.train()
+
+
+def test_a_given_optimizer_counting_micro_steps_is_refused(tmp_path) -> None:
+    import zero_kernels as zk
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    model = _llama()
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=2, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match="the Trainer counts the micro-steps itself"):
+        ZeroTrainer(model=model, args=_args(str(tmp_path), ddp_backend=None), optimizers=(opt, None))

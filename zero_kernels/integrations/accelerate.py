@@ -23,6 +23,8 @@ any other model is prepared as usual):
 - ``prepare_model`` does not wrap it in ``DistributedDataParallel`` (the optimizer reduces the
   gradients itself; DDP would reduce them again), as ``ZeroTrainer`` does for the Trainer; device
   placement, mixed-precision autocast and ``torch.compile`` still apply;
+- ``prepare`` refuses a ``ShardedFusedAdam`` that counts accumulation micro-steps itself (its
+  ``gradient_accumulation_steps``) when the Accelerator counts them too: keep the count in one place;
 - ``no_sync(model)``, which ``accumulate(model)`` enters for every micro-batch but the last, also
   enters the optimizer's ``no_sync()``: those backward passes accumulate locally;
 - ``backward(loss)``, for a prepared ``ShardedFusedAdam`` with fp16 loss scaling (its ``fp16`` config),
@@ -94,7 +96,21 @@ class ZeroAccelerator(Accelerator):
         """
         if optimizer in live.optimizers():
             self._check_world(optimizer)
+            self._check_accumulation(optimizer)
         return super().prepare_optimizer(optimizer, device_placement=device_placement)
+
+    def _check_accumulation(self, optimizer: Any) -> None:
+        """``ValueError`` when both Accelerate and ``optimizer`` count accumulation micro-steps: Accelerate steps
+        the optimizer only on the last micro-batch of its window, which the optimizer would count as one of its
+        own (each update would span both counts, its gradients divided by both)."""
+        if optimizer.gradient_accumulation_steps > 1 and self.gradient_accumulation_steps > 1:
+            raise ValueError(
+                f"both ZeroAccelerator(gradient_accumulation_steps={self.gradient_accumulation_steps}) and the "
+                f"ShardedFusedAdam (gradient_accumulation_steps={optimizer.gradient_accumulation_steps}) count "
+                "accumulation micro-steps: Accelerate steps the optimizer once per window, which the optimizer "
+                "counts as one micro-step of its own. Keep the count in the Accelerator and build the optimizer "
+                "without it (leave gradient_accumulation_steps out of its config)"
+            )
 
     def _check_world(self, optimizer: Any) -> None:
         """``ValueError`` when Accelerate runs several processes and ``optimizer`` was built before the process

@@ -104,6 +104,13 @@ class ZeroTrainer(Trainer):
                 f"ZeroTrainer: optimizers=({type(given).__name__}, ...): pass a ShardedFusedAdam, or no optimizer "
                 "(the trainer builds one from the arguments and zero_optimization)"
             )
+        if given is not None and given.gradient_accumulation_steps > 1:
+            raise ValueError(
+                f"ZeroTrainer: optimizers=(ShardedFusedAdam(gradient_accumulation_steps="
+                f"{given.gradient_accumulation_steps}), ...): the Trainer counts the micro-steps itself "
+                "(TrainingArguments.gradient_accumulation_steps) and steps the optimizer once per window; build the "
+                "optimizer without gradient_accumulation_steps"
+            )
         if given is not None and self.zero_source.whole:
             raise ValueError(
                 f"ZeroTrainer: optimizers=(...) and a DeepSpeed config ({self.zero_source.origin}) both say how to "
@@ -171,6 +178,7 @@ class ZeroTrainer(Trainer):
             hyper = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
             hyper.update(amsgrad=opt.amsgrad, maximize=opt.maximize)
             return [{"params": [p for _, p in named]}], {**hyper, "adam_w_mode": opt.adamw}
+        check_optim(self.args.optim)
         decay = set(self.get_decay_parameter_names(model))
         groups = [
             {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
@@ -215,10 +223,30 @@ class ZeroTrainer(Trainer):
             log.warning("%s", hf_config.describe(self.zero_source, config, self.args, self.model, steps, given))
         return config
 
+    def _sharded(self) -> ShardedFusedAdam:
+        """The ``ShardedFusedAdam`` this trainer steps: the one it built, or the one a subclass's own
+        ``create_optimizer`` built (``TypeError`` for any other optimizer)."""
+        if self.zero_optimizer is None:
+            built = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper holds it
+            if not isinstance(built, ShardedFusedAdam):
+                raise TypeError(
+                    f"ZeroTrainer: the optimizer ({type(built).__name__}) is not a ShardedFusedAdam: a "
+                    "create_optimizer override must set self.optimizer to a zk.ShardedFusedAdam (its param groups "
+                    "over the model's trainable parameters, module=self.model at stage 3)"
+                )
+            if built.gradient_accumulation_steps > 1:
+                raise ValueError(
+                    "ZeroTrainer: create_optimizer built a ShardedFusedAdam with gradient_accumulation_steps="
+                    f"{built.gradient_accumulation_steps}: the Trainer counts the micro-steps itself "
+                    "(TrainingArguments.gradient_accumulation_steps); build it without"
+                )
+            self.zero_optimizer = built
+        return self.zero_optimizer
+
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """As the Trainer's; micro-batches before the last of an accumulation step do not communicate."""
         sync = self.accelerator.sync_gradients
-        with self.zero_optimizer.no_sync() if not sync else contextlib.nullcontext():
+        with self._sharded().no_sync() if not sync else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
 
     # ---------------------------------------------------------------- clipping
@@ -231,7 +259,7 @@ class ZeroTrainer(Trainer):
     def _clip(self) -> torch.Tensor:
         """Clip to the config's gradient_clipping (a whole config), else to max_grad_norm; the norm before."""
         limit = hf_config.clipping(self.zero_source, self._resolved_config(), self.args)
-        return self.zero_optimizer.clip_grad_norm_(float("inf") if limit is None else limit)
+        return self._sharded().clip_grad_norm_(float("inf") if limit is None else limit)
 
     # ---------------------------------------------------------------- saving and loading
     def _gathers_on_save(self) -> bool:
@@ -320,6 +348,20 @@ class ZeroTrainer(Trainer):
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
+                "adamw_torch_npu_fused")  # TrainingArguments.optim values that are plain AdamW  # fmt: skip
+
+
+def check_optim(optim: Any) -> None:
+    """``ValueError`` unless ``TrainingArguments.optim`` is plain AdamW, which ``ShardedFusedAdam`` is."""
+    name = str(getattr(optim, "value", optim))
+    if name not in ADAMW_OPTIMS:
+        raise ValueError(
+            f"ZeroTrainer: TrainingArguments(optim={name!r}): ZeroTrainer trains with ShardedFusedAdam (AdamW); "
+            f"allowed: {', '.join(ADAMW_OPTIMS)}, or give the config an optimizer section (Adam/AdamW)"
+        )
 
 
 def _holds_weights(checkpoint_dir: str) -> bool:

@@ -576,8 +576,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             raise RuntimeError(
                 f"{what} on accumulation micro-step {self._micro_step + 1} of "
                 f"{self.gradient_accumulation_steps}: the gradients are complete only before the step that "
-                "updates; call it there (with Accelerate, give Accelerator(gradient_accumulation_steps=...) the "
-                "same count, so that sync_gradients is true only there), or set max_grad_norm"
+                "updates; call it there (with Accelerate or the HF Trainer, leave the count to them: "
+                "Accelerator(gradient_accumulation_steps=...) or TrainingArguments, and build the optimizer without "
+                "it, so that sync_gradients is true only there), or set max_grad_norm"
             )
         scale = 1.0 / self._grad_divisor
         factor, _ = amp.clip_factor(self)
