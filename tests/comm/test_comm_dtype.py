@@ -1,7 +1,7 @@
 """``communication_data_type``: bf16 gradients reduced (and, at stages 2-3, added up until the step) in fp32.
 
-Reference: every rank's local bf16 gradients, summed in float64 (divided by the world size where the
-stage keeps the mean). The reduced gradients this rank holds are compared with it element by element:
+Reference: every rank's local bf16 gradients, summed in float64 and divided by the world size (every stage
+keeps the mean). The reduced gradients this rank holds are compared with it element by element:
 reduced in fp32 they must be closer to it than reduced in bf16 (the default, as DeepSpeed's: the
 gradients' own dtype), and within fp32 rounding of it where the stage keeps them in fp32 (stages 2-3).
 """
@@ -30,8 +30,8 @@ def _batch(rank: int, k: int) -> torch.Tensor:
     return torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(10 * rank + k)).to(torch.bfloat16)
 
 
-def _reference(rank: int, world: int, passes: int, mean: bool) -> list[torch.Tensor]:
-    """Per parameter, the float64 sum over ranks and passes of the local bf16 gradients (or its mean over ranks)."""
+def _reference(rank: int, world: int, passes: int) -> list[torch.Tensor]:
+    """Per parameter, the float64 sum over passes of the local bf16 gradients, averaged over ranks."""
     model = _model()
     total = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
     for k in range(passes):
@@ -41,7 +41,7 @@ def _reference(rank: int, world: int, passes: int, mean: bool) -> list[torch.Ten
             everyone = [torch.empty_like(p.grad) for _ in range(world)]
             dist.all_gather(everyone, p.grad)
             t += sum(g.double() for g in everyone)
-    return [t / world if mean else t for t in total]
+    return [t / world for t in total]
 
 
 def _errors(rank: int, world: int, stage: int, comm: str | None, passes: int) -> tuple[torch.Tensor, float]:
@@ -53,7 +53,7 @@ def _errors(rank: int, world: int, stage: int, comm: str | None, passes: int) ->
         model(_batch(rank, k)).float().square().mean().backward()
     pipeline = opt.pipeline
     pipeline.finish_grad_sync()
-    ref = _reference(rank, world, passes, mean=not pipeline.grad_divisor_is_world)
+    ref = _reference(rank, world, passes)
     errors = []
     for buf in pipeline.buffers:
         shard = torch.cat([pipeline._grad_shard(buf, b) for b in buf.layout.buckets]).double()
@@ -82,6 +82,28 @@ def _cases(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_fp32_communication_reduces_bf16_gradients_closer_to_the_reference() -> None:
     run_ranks_checked(_cases, 3)
+
+
+def _near_the_limit(rank: int, world: int) -> list[str]:
+    """fp16 gradients of 40000 on every rank (each finite, their sum over 2 ranks is not): every stage averages
+    before it sums, as DeepSpeed does, so the step applies (stage 1 summed first and skipped it)."""
+    failures = []
+    for stage in (0, 1, 2, 3):
+        model = nn.Linear(8, 1, bias=False).half()
+        nn.init.zeros_(model.weight)
+        opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, fp16={"enabled": True, "initial_scale_power": 0})
+        opt.backward(model(torch.full((1, 8), 40000.0, dtype=torch.float16)).sum())
+        opt.step()
+        with opt.gathered_params():
+            weight = model.weight.detach().float().clone()
+        if opt.skipped_steps or not torch.allclose(weight, torch.full_like(weight, -1e-2), rtol=1e-3):
+            failures.append(f"rank {rank} stage {stage}: skipped {opt.skipped_steps}, weights {weight.tolist()}")
+    return failures
+
+
+@pytest.mark.distributed
+def test_fp16_gradients_whose_sum_overflows_are_averaged_first() -> None:
+    run_ranks_checked(_near_the_limit, 2)
 
 
 def test_communication_data_type_is_read_checked_and_copied() -> None:

@@ -92,8 +92,6 @@ def _errors(rank: int, stage: int, accum: str | None, comm: str | None, want: li
         kept = pipeline.grad_shard(buf, buf.layout.buckets[0]).dtype
         assert kept == (torch.float32 if wide else torch.bfloat16), (stage, accum, comm, kept)
         shard = torch.cat([pipeline.grad_shard(buf, b) for b in buf.layout.buckets]).double()
-        if pipeline.grad_divisor_is_world:  # stage 1 holds the sum over ranks
-            shard /= pipeline.world_size
         for seg in buf.layout.segments(pipeline.shard_rank):
             ref = want[buf.indices[buf.layout.slots[seg.slot].param]].flatten()
             got = shard[seg.shard_offset : seg.shard_offset + seg.numel]

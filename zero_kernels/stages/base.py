@@ -96,7 +96,6 @@ class Pipeline(BackwardRound):
 
     stage: ClassVar[int]
     requires_module: ClassVar[bool] = False  # True: needs the model, not just its parameters
-    grad_divisor_is_world: ClassVar[bool] = False  # True: the reduced gradients are sums over ranks
     max_inflight: ClassVar[int] = 2  # gradient reductions in flight during backward; older ones are completed
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
@@ -636,8 +635,6 @@ class Pipeline(BackwardRound):
         self.finish_grad_sync()
         checks = stats.step_checks(hyper, grad_scale, max_grad_norm)
         scale: outcome.Scale = grad_scale if clip_coef is None else clip_coef * grad_scale
-        if self.grad_divisor_is_world:
-            scale = scale / self.world_size
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
         stats.check_step_hyper(hyper)
         self.step_counts.counts.update(combined.counts)  # as the ranks holding each parameter's state have it

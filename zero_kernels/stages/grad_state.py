@@ -128,8 +128,6 @@ def grad_norm(pipeline: "Pipeline", grad_scale: float, order: float = 2.0) -> to
         order: the norm's order, checked by ``norms.norm_order``.
     """
     pipeline.finish_grad_sync()
-    if pipeline.grad_divisor_is_world:
-        grad_scale = grad_scale / pipeline.world_size
     if order != 2.0:
         column = norms.local_column(pipeline.norm_views(), pipeline.column_device, order)
         norms.reduce(pipeline.engine, column, order)

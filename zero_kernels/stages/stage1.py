@@ -2,17 +2,18 @@
 
 During backward ``p.grad`` is a view of the full ``grad_flat`` buffer holding this rank's local
 gradient, and it stays so: the step never writes into it. ``step()`` copies each bucket of
-``grad_flat`` into a scratch bucket and reduce-scatters that (a collective's input is scratch,
-see ``comm``) into ``grad_shard``, this rank's reduced gradients (the step divides by the world
-size), updates the rank's shard and all-gathers the parameters. So a second ``step()`` without a
-new backward, or a loop that never clears gradients (each backward adds to ``p.grad``), sees what
-``torch.optim.AdamW`` with DDP-averaged gradients sees. One rank reduces nothing: ``grad_flat`` is
-its reduced gradient. With another ``communication_data_type`` (fp32 for bf16/fp16 gradients) the
-scratch buckets are of that dtype and ``grad_shard`` of the wider one, so the sum is never rounded
-to the gradients' dtype. With a ``grad_accum_dtype`` wider than the gradients, ``grad_flat`` is of that dtype
-and holds them instead of ``p.grad`` (None after backward, as DeepSpeed's BF16_Optimizer leaves it): every
-backward's gradients are added into it, the step reduces the sum from there (``stages.grad_accum``) into a
-``grad_shard`` of that dtype.
+``grad_flat`` into a scratch bucket, divided by the world size (as stages 0 and 2 divide before they
+reduce, and DeepSpeed: a sum of fp16 gradients that are each finite must not overflow), and
+reduce-scatters that (a collective's input is scratch, see ``comm``) into ``grad_shard``, this rank's
+averaged gradients, updates the rank's shard and all-gathers the parameters. So a second ``step()``
+without a new backward, or a loop that never clears gradients (each backward adds to ``p.grad``),
+sees what ``torch.optim.AdamW`` with DDP-averaged gradients sees. One rank reduces nothing:
+``grad_flat`` is its reduced gradient. With another ``communication_data_type`` (fp32 for bf16/fp16
+gradients) the scratch buckets are of that dtype and ``grad_shard`` of the wider one, so the sum is
+never rounded to the gradients' dtype. With a ``grad_accum_dtype`` wider than the gradients,
+``grad_flat`` is of that dtype and holds them instead of ``p.grad`` (None after backward, as
+DeepSpeed's BF16_Optimizer leaves it): every backward's gradients are added into it, the step
+reduces the sum from there (``stages.grad_accum``) into a ``grad_shard`` of that dtype.
 
 Memory. ``grad_shard`` (this rank's part of the gradients) and the idle scratch buckets (no more
 bytes than ``grad_shard``) are kept from one step to the next and shown by ``memory_report()`` as
@@ -36,7 +37,6 @@ STEP_INFLIGHT = Pipeline.max_inflight + 2  # reductions in flight at the step
 
 class Stage1Pipeline(Pipeline):
     stage = 1
-    grad_divisor_is_world = True
     accumulates_locally = True
     allgather_by_bucket = True
 
@@ -67,7 +67,7 @@ class Stage1Pipeline(Pipeline):
         it where the dtypes agree, else in place and then copied (a narrower communication dtype)."""
         scratch = self._scratch(buf)
         part = scratch.narrow(0, 0, bucket.numel)
-        part.copy_(buf.bucket_slice(buf.grad_flat, bucket))
+        part.copy_(buf.bucket_slice(buf.grad_flat, bucket)).div_(self.world_size)  # averaged before the sum
         target = self.grad_shard(buf, bucket)
         out = (
             target if target.dtype == part.dtype else part.narrow(0, self.rank * bucket.shard_numel, bucket.shard_numel)
