@@ -360,6 +360,8 @@ def test_error_inputs_refused_at_construction() -> None:
          "parameters on two devices: parameter 'emb.weight' is on cpu, parameter 'b' on meta"),
         (dict(params_or_module=[("a", nn.Parameter(torch.randn(3, device="meta")))]), ValueError,
          "parameter 'a' is on the meta device \\(it has none\\). Materialize the model first"),
+        (dict(params_or_module=[("a", w), ("h", nn.Parameter(w.data[1:3]))]), ValueError,
+         "parameter 'emb.weight' and parameter 'h' share memory .* which would untie them"),
     ]  # fmt: skip
     for kwargs, kind, message in cases:
         kwargs = {"params_or_module": list(model.parameters()), **kwargs}

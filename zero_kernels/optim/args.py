@@ -247,6 +247,7 @@ def check_params(
         mine.add(id(p))
         _check_tensor(p, describe)
     everything = [p for other in previous for p in other] + params
+    _check_no_aliases(everything, describe)
     devices = {}
     for p in everything:
         devices.setdefault(p.device, p)
@@ -262,6 +263,27 @@ def check_params(
             "device (it has none). Materialize the model first (model.to_empty(device=...) then its initialisation, "
             "or load its weights), then build the optimizer"
         )
+
+
+def _check_no_aliases(params: list[torch.Tensor], describe: Callable[[torch.Tensor], str]) -> None:
+    """``ValueError`` for two parameters whose memory overlaps (``head.weight.data = embed.weight.data``): each gets a
+    slot of its own in the flat buffers, which would untie them silently."""
+    spans = []
+    for p in params:
+        if p.numel() == 0 or p.device.type == "meta":
+            continue
+        start = p.storage_offset()
+        end = start + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
+        spans.append((p.untyped_storage().data_ptr(), start * p.element_size(), end * p.element_size(), p))
+    spans.sort(key=lambda span: span[:3])
+    for (where_a, _, end_a, a), (where_b, start_b, _, b) in zip(spans, spans[1:]):
+        if where_a == where_b and start_b < end_a:
+            raise ValueError(
+                f"{describe(a)} and {describe(b)} share memory (one was given the other's storage, as "
+                "`b.data = a.data` does): ShardedFusedAdam gives each parameter a slot of its own, which would "
+                "untie them. Tie them as one Parameter (`model.head.weight = model.embed.weight`), as torch's weight "
+                "tying does"
+            )
 
 
 def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
