@@ -691,3 +691,26 @@ def test_gradients_set_by_hand_at_stage_3() -> None:
     with opt.gathered_params():
         for p, r in zip(model.parameters(), ref.parameters()):
             assert_close(p, r, rtol=1e-5, atol=1e-6, what="hand-set gradients")
+
+
+def test_forward_pre_hooks_registered_before_the_optimizer_see_gathered_parameters():
+    """``spectral_norm`` (a forward pre-hook computing ``weight`` from ``weight_orig``, registered before the
+    optimizer) trains as with AdamW, and a hook registered before it reads the parameter whole in every forward
+    (in the first it saw shape (0,), and spectral_norm failed with "shape '[0, -1]' is invalid")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.utils.spectral_norm(nn.Linear(8, 8)), nn.Linear(8, 1))
+    shapes = []
+    model[2].register_forward_pre_hook(lambda m, args: shapes.append(tuple(m.weight.shape)))
+    ref = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ropt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert shapes[:3] == [(1, 8)] * 3, shapes
+    with opt.gathered_params():
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -9,7 +9,9 @@ no hooks. The plan is read again at the start of a forward whenever a hint chang
 
 Schedule, per module ``m`` that needs units (the root always runs these hooks):
 
-- forward pre-hook: gather ``m``'s units (wait for them), then start gathers of the units that come
+- forward pre-hooks: one placed before every other (``prepend``), so that pre-hooks registered before the
+  optimizer (``spectral_norm``'s) find the parameters gathered: gather ``m``'s units (wait for them), then start
+  gathers of the units that come
   next in the previous forward's order: at least the next one, and more while they fit in
   ``prefetch_numel`` elements (0 disables prefetch), none while the gathered units hold ``max_live_numel``
   elements and never more than fit under it. The gathers started together are one *batch*:
@@ -305,7 +307,8 @@ class Stage3Scheduler:
             if p.module is not self.root:
                 route, post = self._output_hooks(p.module, self._post_forward)
                 pre = _ModelHook(_weakly(self._pre_forward, p, route.id, post.id))
-                self._module_handles += [p.module.register_forward_pre_hook(pre, with_kwargs=True), route, post]
+                early = p.module.register_forward_pre_hook(_ModelHook(_weakly(self._gather_early, p)), prepend=True)
+                self._module_handles += [early, p.module.register_forward_pre_hook(pre, with_kwargs=True), route, post]
 
     def _output_hooks(self, module: nn.Module, exit: Callable[..., Any]) -> tuple[RemovableHandle, RemovableHandle]:
         """The forward hooks ``module`` runs first (``_route``) and last (``exit``)."""
@@ -432,6 +435,12 @@ class Stage3Scheduler:
             self._forward.end()
             self._free_all()
         return output
+
+    def _gather_early(self, p: ModulePlan, module: nn.Module, args: Any) -> None:
+        """``p.module``'s first forward pre-hook: gather its units, so that the pre-hooks registered before the
+        optimizer (``spectral_norm``'s, a hook reading ``m.weight.shape``) see its parameters (``_enter``, in
+        its pre-hook after theirs, finds them gathered and watches the inputs the module gets)."""
+        self._gather(p.needs, self._forward, self._in_forward)
 
     def _pre_forward(
         self, p: ModulePlan, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any
