@@ -115,6 +115,15 @@ def test_defaults_are_deepspeeds() -> None:
         "hpz_partition_size": 1,
         "quantized_gradients": False,
         "loco_param": None,
+        "leaf_module": {  # DeepSpeed 0.19's default leaf classes
+            "classes": (
+                "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+            ),
+            "names": (),
+            "name_suffixes": (),
+        },
     }
     assert dataclasses.asdict(cfg.fp16) == {
         "enabled": False,

@@ -218,6 +218,18 @@ def names() -> Scalar:
     return Scalar("a list of strings", convert)
 
 
+def strings() -> Scalar:
+    """A JSON string or list of strings, returned as a tuple (a string alone: a tuple of one)."""
+
+    def convert(value: Any) -> Tuple[str, ...]:
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise Invalid
+        return tuple(dict.fromkeys(value))
+
+    return Scalar("a string or a list of strings", convert)
+
+
 def rejected(instead: str) -> Scalar:
     """A key DeepSpeed refuses too; the message names what to write ``instead``."""
 

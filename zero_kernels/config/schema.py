@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -39,6 +39,7 @@ from .rules import (
     number,
     pair,
     rejected,
+    strings,
 )
 from .scheduler import SCHEDULER
 
@@ -140,6 +141,40 @@ def _loco(value: Any, path: str, ctx: Any = None) -> Optional[LocoParam]:
     return _LOCO(value, path, ctx)
 
 
+# DeepSpeed 0.19's default leaf modules: Hugging Face's mixture-of-experts blocks, whose experts run by the data.
+DEFAULT_LEAF_CLASSES: Tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+@dataclass(frozen=True)
+class LeafModules:
+    """``zero_optimization.leaf_module``: the modules stage 3 treats as leaves (``set_leaf_modules``), by class
+    (its name or ``module.QualifiedName``), by name in ``named_modules()``, or by the end of that name."""
+
+    classes: Tuple[str, ...] = DEFAULT_LEAF_CLASSES
+    names: Tuple[str, ...] = ()
+    name_suffixes: Tuple[str, ...] = ()
+
+    @property
+    def customized(self) -> bool:
+        """Whether the config names modules of its own (DeepSpeed then warns when nothing matches)."""
+        return self != LeafModules()
+
+
+_LEAF = Section(
+    fields={
+        "classes": Field(strings(), DEFAULT_LEAF_CLASSES, auto=False),
+        "names": Field(strings(), (), auto=False),
+        "name_suffixes": Field(strings(), (), auto=False),
+    },
+    finish=lambda d: LeafModules(**d),
+    nullable=True,
+    allowed='a JSON object such as {"classes": ["MixtralSparseMoeBlock"], "names": [], "name_suffixes": []}',
+)
+
 # ZeRO++ (DeepSpeed's ``zero_*`` keys): the field of ``ZeroOptions`` each is carried in.
 ZEROPP_FIELDS: Dict[str, str] = {
     "quantized_weights": "zero_quantized_weights",
@@ -184,6 +219,7 @@ ZERO_FIELDS: Dict[str, Field] = {
     "zero_hpz_partition_size": Field(integer(0), 1, auto=False),
     "zero_quantized_gradients": Field(boolean(), False, auto=False),
     "zeropp_loco_param": Field(_loco, None, auto=False),
+    "leaf_module": Field(_LEAF, None, auto=False),
 }
 
 ZERO_IGNORED: Dict[str, int] = {
@@ -213,7 +249,6 @@ ZERO_IGNORED: Dict[str, int] = {
             "log_trace_cache_warnings",
             "enable_sanity_checks",
             "save_muon_momentum_buffer_in_memory",
-            "leaf_module",
             "mics_hierarchical_params_gather",
         )
     },

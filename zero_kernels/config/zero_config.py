@@ -53,6 +53,7 @@ from .schema import (
     ZERO,
     ZERO_FIELDS,
     ZEROPP_FIELDS,
+    LeafModules,
     LocoParam,
     hidden_size_values,
 )
@@ -158,6 +159,7 @@ class ZeroOptions:
     hpz_partition_size: int = _zero_default("hpz_partition_size")
     quantized_gradients: bool = _zero_default("quantized_gradients")
     loco_param: Optional[LocoParam] = None
+    leaf_module: LeafModules = field(default_factory=LeafModules)
 
     def __post_init__(self) -> None:
         blocks = {"offload_optimizer": OffloadOptimizerConfig, "offload_param": OffloadParamConfig, "aio": AioConfig}

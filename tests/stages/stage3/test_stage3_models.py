@@ -285,6 +285,8 @@ def _moe_case(rank: int, world: int, when: str, **zero) -> None:
     ref = copy.deepcopy(model)
     if when == "before":
         assert zk.set_leaf_modules(model, [MoEBlock]) == [model.moe]
+    if when == "config":  # DeepSpeed's zero_optimization.leaf_module, by the block's name
+        zero = {**zero, "leaf_module": {"names": ["moe"]}}
     opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL, **zero)
     if when == "after":
         zk.set_leaf_modules(model, ["MoEBlock"])
@@ -324,6 +326,7 @@ def _data_dependent_cases(rank: int, world: int) -> None:
     _moe_case(rank, world, "before", stage3_prefetch_bucket_size=0)
     if world == 2:
         _moe_case(rank, world, "after", stage3_prefetch_bucket_size=400)
+        _moe_case(rank, world, "config", stage3_prefetch_bucket_size=0)
 
 
 @pytest.mark.distributed
@@ -332,6 +335,39 @@ def test_data_dependent_modules_raise_or_train_as_leaf_modules(spawn, world: int
     """Ranks gathering different modules raise ``CommError`` on every rank (world 2); a mixture of experts
     whose ranks route to different experts matches AdamW once its block is a leaf module."""
     spawn(_data_dependent_cases, world)
+
+
+def test_leaf_module_config_marks_by_class_name_and_suffix(caplog: pytest.LogCaptureFixture) -> None:
+    """``zero_optimization.leaf_module`` as DeepSpeed applies it: classes by name or qualified name (by default
+    Hugging Face's mixture-of-experts blocks), names in ``named_modules()``, name suffixes; an entry of the config's
+    own that matches nothing is said."""
+    from zero_kernels.stages.stage3 import model_hints
+
+    class Block(nn.Module):  # stands for transformers' Mixtral block (one of DeepSpeed's default leaf classes)
+        def __init__(self) -> None:
+            super().__init__()
+            self.expert = nn.Linear(DIM, DIM)
+
+    Block.__module__, Block.__qualname__ = "transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"
+    cases = [
+        (None, ["mixtral"]),
+        ({"classes": "Expert"}, ["moe.experts.0", "moe.experts.1", "moe.experts.2", "moe.experts.3"][:EXPERTS]),
+        ({"classes": [], "names": ["moe"]}, ["moe"]),
+        ({"classes": [], "name_suffixes": [".1"]}, ["moe.experts.1"]),
+    ]
+    for leaf, want in cases:
+        model = MoENet()
+        model.mixtral = Block()
+        zero = {} if leaf is None else {"leaf_module": leaf}
+        zk.ShardedFusedAdam(model, lr=LR, stage=3, **zero)
+        marked = [name for name, m in model.named_modules() if model_hints.is_leaf(m)]
+        assert marked == want, (leaf, marked)
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        zk.ShardedFusedAdam(MoENet(), lr=LR, stage=3, leaf_module={"classes": ["Attention"], "names": ["nope"]})
+    assert "no module of MoENet matches classes 'Attention', names 'nope'" in caplog.text
+    with pytest.raises(ValueError, match="zero_optimization.leaf_module.names=3 is invalid"):
+        zk.initialize(MoENet(), {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "leaf_module": {"names": 3}}})  # fmt: skip
 
 
 def test_set_leaf_modules_bad_input() -> None:

@@ -3,10 +3,11 @@
 Stage 3 gathers the parameters a module holds just before the module runs and frees them after
 (``stages/stage3/pipeline.py``). Two common shapes of model break that rule; these calls describe them:
 
-- **Leaf modules** (``set_leaf_modules``): a module whose sub-modules run depending on the data, as a
-  mixture of experts routes each rank's tokens to different experts. Every rank must gather the same
-  parameters in the same order, so a leaf module's whole subtree is gathered when the leaf is entered,
-  and its sub-modules get no hooks. Its gradients are reduced once the leaf's backward has ended.
+- **Leaf modules** (``set_leaf_modules``; from a config's ``zero_optimization.leaf_module``,
+  ``apply_leaf_config``): a module whose sub-modules run depending on the data, as a mixture of experts
+  routes each rank's tokens to different experts. Every rank must gather the same parameters in the
+  same order, so a leaf module's whole subtree is gathered when the leaf is entered, and its
+  sub-modules get no hooks. Its gradients are reduced once the leaf's backward has ended.
 - **External parameters** (``register_external_parameter``): a parameter that a module's forward reads
   although another module holds it, such as ``F.linear(h, self.embed.weight)`` in the root's forward
   (a tied output embedding). It is gathered with the reading module's own parameters. Stage 3 also
@@ -20,12 +21,16 @@ all-gather per bucket); called after, the leaf gathers the buffers of its sub-mo
 from __future__ import annotations
 
 import itertools
-from typing import Iterable, Union
+import logging
+from typing import Any, Iterable, Union
 
 from torch import nn
 
+from ...log import LOGGER_NAME
+
 LEAF_ATTR = "_zero_kernels_leaf"
 EXTERNAL_ATTR = "_zero_kernels_external"
+logger = logging.getLogger(LOGGER_NAME)
 _changes = itertools.count(1)
 _generation = 0
 
@@ -72,6 +77,48 @@ def set_leaf_modules(model: nn.Module, leaf_classes: Iterable[Union[type, str]])
         setattr(m, LEAF_ATTR, True)
     _changed()
     return marked
+
+
+def apply_leaf_config(model: nn.Module, leaf: Any) -> list[nn.Module]:
+    """Mark the modules ``zero_optimization.leaf_module`` names as leaf modules, as DeepSpeed's engine does: by
+    class (``type(m).__name__`` or its ``module.QualifiedName``; by default Hugging Face's mixture-of-experts
+    blocks), by name in ``model.named_modules()``, by the end of that name. An entry the config itself gives that
+    matches no module is logged as a warning (the defaults need not match).
+
+    Args:
+        model: the model.
+        leaf: a ``config.LeafModules``.
+
+    Returns:
+        The modules marked.
+    """
+    named = list(model.named_modules())
+    found: dict[int, nn.Module] = {}
+    missing = []
+    matchers = (
+        ("classes", leaf.classes, lambda entry, name, m: entry in (type(m).__name__, _qualified(m))),
+        ("names", leaf.names, lambda entry, name, m: name == entry),
+        ("name_suffixes", leaf.name_suffixes, lambda entry, name, m: name.endswith(entry)),
+    )
+    for key, entries, matches in matchers:
+        for entry in entries:
+            hits = [m for name, m in named if matches(entry, name, m)]
+            found.update((id(m), m) for m in hits)
+            if not hits:
+                missing.append(f"{key} {entry!r}")
+    if missing and leaf.customized:
+        logger.warning("zero_kernels: zero_optimization.leaf_module: no module of %s matches %s", type(model).__name__,
+                       ", ".join(missing))  # fmt: skip
+    for m in found.values():
+        setattr(m, LEAF_ATTR, True)
+    if found:
+        _changed()
+    return list(found.values())
+
+
+def _qualified(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def is_leaf(module: nn.Module) -> bool:

@@ -67,7 +67,7 @@ from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
-from . import disk_grads, disk_params
+from . import disk_grads, disk_params, model_hints
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
@@ -184,6 +184,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"not its parameters; got {type(module).__name__}"
             )
         super().__init__(engine, options, module=module, **kwargs)
+        model_hints.apply_leaf_config(module, self.options.leaf_module)
         self.unit_gathers = UnitGathers(
             self.engine, self.options, self.param_traffic, self.weight_quantizer, self.uploads
         )
