@@ -222,3 +222,21 @@ def test_consolidate_and_inspect_show_a_window_they_cannot_carry(
     window = "open at micro-step 1 of the step; 1 rank of 1 held gradients of its earlier backward passes"
     assert len(warnings) == 1 and f"accumulation window ({window}); those gradients are not in" in warnings[0], warnings
     assert f"accumulation window: {window}" in shown, shown
+
+
+def test_loading_without_an_optimizer_says_how_to_load_the_weights_alone(tmp_path: Path) -> None:
+    """``ck.load(dir, model, None)`` (DeepSpeed's ``load_module_only``) is refused, naming consolidate; doing what
+    the message says gives the saved weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=2)
+    model(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    ck.save(tmp_path / "ckpt", model, opt)
+    fresh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    with pytest.raises(TypeError, match=r"got NoneType. For the model's weights alone: zk.checkpoint.consolidate"):
+        ck.load(tmp_path / "ckpt", fresh, None)
+    ck.consolidate(tmp_path / "ckpt", tmp_path / "out.pt")
+    fresh.load_state_dict(torch.load(tmp_path / "out.pt")["model"])
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name

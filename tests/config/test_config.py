@@ -563,3 +563,12 @@ def test_file_errors(tmp_path: pathlib.Path) -> None:
         ZeroConfig.from_deepspeed(twice)
     with pytest.raises(ValueError, match="a file path or a mapping, not int"):
         ZeroConfig.from_deepspeed(3)
+
+
+@pytest.mark.parametrize("flag, stage", [(True, 1), (False, 0)])
+def test_the_deprecated_boolean_form_reads_as_deepspeed_reads_it(flag: bool, stage: int, caplog) -> None:
+    """``"zero_optimization": true`` (DeepSpeed's first form): stage 1, false: stage 0, with one warning."""
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        cfg = ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 1, "zero_optimization": flag})
+    assert cfg.zero.stage == stage
+    assert f'write "zero_optimization": {{"stage": {stage}}}' in caplog.text

@@ -79,7 +79,11 @@ from .metadata import check_objects, read_metadata
 def _pipeline(optimizer: Any) -> Pipeline:
     pipeline = getattr(optimizer, "pipeline", None)
     if not isinstance(pipeline, Pipeline):
-        raise TypeError(f"checkpoint: expected a zero_kernels ShardedFusedAdam, got {type(optimizer).__name__}")
+        raise TypeError(
+            f"checkpoint: expected a zero_kernels ShardedFusedAdam, got {type(optimizer).__name__}. For the model's "
+            "weights alone: zk.checkpoint.consolidate(directory, out_path) (python -m zero_kernels consolidate "
+            "CKPT_DIR OUT.pt), then model.load_state_dict(torch.load(out_path)['model'])"
+        )
     return pipeline
 
 

@@ -368,6 +368,7 @@ class ZeroConfig:
         ctx = ParseContext(overrides=overrides, auto_defaults=dict(TRAINER_DEFAULTS), derived=set(_BATCH_KEYS))
         if "bf16" in data and "bfloat16" in data:
             raise ValueError('both "bf16" and its legacy spelling "bfloat16" are given: keep only "bf16"')
+        data = _legacy_zero_flag(data)
         _aio_forms(data)
         top = TOP(data, "", ctx)
         _check_unused(ctx, data)
@@ -399,6 +400,22 @@ def _build(cls: type, top: Dict[str, Any], world: int, ctx: ParseContext) -> Zer
         world_size=world,
         scheduler=top["scheduler"],
     )
+
+
+def _legacy_zero_flag(data: Mapping) -> Mapping:
+    """``"zero_optimization": true`` (or false), DeepSpeed's deprecated form: stage 1 (0), with one warning."""
+    flag = data.get("zero_optimization")
+    if not isinstance(flag, bool):
+        return data
+    stage = 1 if flag else 0
+    logger.warning(
+        '"zero_optimization": %s is a deprecated form, read as DeepSpeed reads it: '
+        '{"stage": %d}; write "zero_optimization": {"stage": %d}',
+        "true" if flag else "false",
+        stage,
+        stage,
+    )
+    return {**data, "zero_optimization": {"stage": stage}}
 
 
 def _aio_forms(data: Mapping) -> None:
