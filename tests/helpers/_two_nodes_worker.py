@@ -25,7 +25,8 @@ WORKERS = {
 
 def main(out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # A rank waits this long for a peer: 4 ranks on 2 cores shared with other work fell 60 s behind once.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     for name, module in WORKERS.items():
         folder = Path(out, name)
         folder.mkdir(exist_ok=True)
