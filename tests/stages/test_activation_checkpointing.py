@@ -142,12 +142,33 @@ def _close_to_adamw(name: str, train: Callable[[], float], failures: list[str]) 
         failures.append(f"{name}: {exc}")
 
 
+def _two_losses(rank: int, world: int) -> float:
+    """Two losses of one forward, backpropagated one after the other (``retain_graph=True``) through non-reentrant
+    segments: the second backward recomputes the segments without a forward before it."""
+    torch.manual_seed(0)
+    model = Net(shared=False, reentrant=False, last=True)
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, reduce_bucket_size=NARROW)  # one unit kept whole: all
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        x = torch.randn(ROWS * world, 6, generator=torch.Generator().manual_seed(step))
+        for m, o, rows in ((model, opt, x[rank * ROWS : (rank + 1) * ROWS]), (ref, ropt, x)):
+            out = m(rows)
+            out.sum().mul(1.0 / len(rows)).backward(retain_graph=True)
+            out.square().mean().backward()
+            o.step()
+            o.zero_grad()
+    with opt.gathered_params():
+        return max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+
+
 def _blocks_body(rank: int, world: int) -> list[str]:
     failures: list[str] = []
     for reentrant in BOTH:
         for bucket in BUCKETS:
             train = functools.partial(_train_blocks, rank, world, reentrant, bucket)
             _close_to_adamw(f"reentrant={reentrant} bucket={bucket}", train, failures)
+    _close_to_adamw("two losses, retain_graph", functools.partial(_two_losses, rank, world), failures)
     return failures
 
 

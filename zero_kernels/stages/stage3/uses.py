@@ -19,8 +19,11 @@ the module, which every rank has in common.
 
 Late units, reduced at the end of backward (the same point on every rank too): the units of a call
 whose inputs need no gradient or are all leaf tensors (the first layer, an embedding: the end of
-its backward is not seen), and units with a use that never ends (a forward whose output is never
-backpropagated holds its units' reductions until the end of the next backward).
+its backward is not seen), units with a use that never ends (a forward whose output is never
+backpropagated holds its units' reductions until the end of the next backward), and every unit in a
+backward that follows another without a forward between (a second backward through a graph kept with
+``retain_graph=True``: the forward's uses ended in the first, and segments that activation checkpointing
+recomputes would otherwise end a unit's uses before its other uses' gradients arrive).
 
 Recomputation (activation checkpointing). A forward that runs while backward runs is recomputing a
 segment: with ``use_reentrant=False`` its graph is never backpropagated (the uses recorded by the
@@ -86,6 +89,7 @@ class UseTracker:
         self._unrecorded = [0] * self._count  # calls without autograd inside a recording forward (reentrant segments)
         self._recomputed_ended = [0] * self._count  # recomputed calls whose backward has ended
         self.late: set[int] = set()  # reduced at the end of backward
+        self._forward_seen = False  # a forward recorded a use since the last backward ended
 
     def unrecorded(self, needs: Sequence[int]) -> None:
         """A module that needs the units ``needs`` ran without autograd inside a forward that records (a reentrant
@@ -95,6 +99,8 @@ class UseTracker:
 
     def begin(self, needs: Sequence[int], args: Any, kwargs: Any) -> None:
         """A module that needs the units ``needs`` is called with autograd recording: watch its inputs."""
+        recomputed = torch._C._current_graph_task_id() != -1
+        self._forward_seen = self._forward_seen or not recomputed
         seen: set[int] = set()
         watched = []
         for t in grad_tensors((args, kwargs)):
@@ -104,7 +110,6 @@ class UseTracker:
         if not watched:
             self.late.update(needs)
             return
-        recomputed = torch._C._current_graph_task_id() != -1
         use = _Use(self, tuple(needs), recomputed, len(watched))
         opened, used = (self._open_recomputed, self._used_recomputed) if recomputed else (self._open, self._used)
         for i in needs:
@@ -125,7 +130,7 @@ class UseTracker:
         self._on_ready([i for i in sorted(set(use.needs)) if self._all_ended(i)])
 
     def _all_ended(self, i: int) -> bool:
-        if i in self.late:
+        if i in self.late or not self._forward_seen:  # a second backward through a kept graph: at its end
             return False
         if self._unrecorded[i]:  # every segment that used it must be recomputed and its backward ended
             return self._open[i] == 0 and self._recomputed_ended[i] >= self._unrecorded[i]
