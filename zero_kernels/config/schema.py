@@ -158,11 +158,6 @@ class LeafModules:
     names: Tuple[str, ...] = ()
     name_suffixes: Tuple[str, ...] = ()
 
-    @property
-    def customized(self) -> bool:
-        """Whether the config names modules of its own (DeepSpeed then warns when nothing matches)."""
-        return self != LeafModules()
-
 
 _LEAF = Section(
     fields={

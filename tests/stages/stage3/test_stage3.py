@@ -695,12 +695,14 @@ def test_gradients_set_by_hand_at_stage_3() -> None:
 
 def test_forward_pre_hooks_registered_before_the_optimizer_see_gathered_parameters():
     """``spectral_norm`` (a forward pre-hook computing ``weight`` from ``weight_orig``, registered before the
-    optimizer) trains as with AdamW, and a hook registered before it reads the parameter whole in every forward
-    (in the first it saw shape (0,), and spectral_norm failed with "shape '[0, -1]' is invalid")."""
+    optimizer) and a pre-hook adding a function of the module's weight to its input train as with AdamW, and a hook
+    registered before it reads the parameter whole in every forward (in the first it saw shape (0,), and
+    spectral_norm failed with "shape '[0, -1]' is invalid"; the second failed in backward, its unit freed)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.utils.spectral_norm(nn.Linear(8, 8)), nn.Linear(8, 1))
     shapes = []
     model[2].register_forward_pre_hook(lambda m, args: shapes.append(tuple(m.weight.shape)))
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] + 0.1 * m.weight.sum(1),))  # reads it with autograd
     ref = copy.deepcopy(model)
     opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -363,6 +363,8 @@ def test_leaf_module_config_marks_by_class_name_and_suffix(caplog: pytest.LogCap
         marked = [name for name, m in model.named_modules() if model_hints.is_leaf(m)]
         assert marked == want, (leaf, marked)
     with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        zk.ShardedFusedAdam(MoENet(), lr=LR, stage=3, leaf_module={"names": ["moe"]})
+        assert not caplog.records, "the default classes need not match"
         zk.ShardedFusedAdam(MoENet(), lr=LR, stage=3, leaf_module={"classes": ["Attention"], "names": ["nope"]})
     assert "no module of MoENet matches classes 'Attention', names 'nope'" in caplog.text
     with pytest.raises(ValueError, match="zero_optimization.leaf_module.names=3 is invalid"):

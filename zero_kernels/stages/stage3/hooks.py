@@ -257,6 +257,7 @@ class Stage3Scheduler:
         self._forward, self._backward = _Pass(), _Pass()
         self._in_forward = self._in_backward = self._held = self._records = False
         self._stack: list[_Frame] = []
+        self._given: dict[int, list[Any]] = {}  # id(module) -> the inputs its callers gave, before the pre-hooks
         self._leaf_units: set[int] = set()  # units of leaf modules (named in errors)
         self._root_plan = ModulePlan(root, "", (), False)
         self._generation = -1
@@ -307,7 +308,8 @@ class Stage3Scheduler:
             if p.module is not self.root:
                 route, post = self._output_hooks(p.module, self._post_forward)
                 pre = _ModelHook(_weakly(self._pre_forward, p, route.id, post.id))
-                early = p.module.register_forward_pre_hook(_ModelHook(_weakly(self._gather_early, p)), prepend=True)
+                early = _ModelHook(_weakly(self._gather_early, p))
+                early = p.module.register_forward_pre_hook(early, prepend=True, with_kwargs=True)
                 self._module_handles += [early, p.module.register_forward_pre_hook(pre, with_kwargs=True), route, post]
 
     def _output_hooks(self, module: nn.Module, exit: Callable[..., Any]) -> tuple[RemovableHandle, RemovableHandle]:
@@ -424,6 +426,7 @@ class Stage3Scheduler:
             if self._generation != model_hints.generation():
                 self._install_modules()
             self._in_forward = True
+            self._given.clear()  # left by a pre-hook that raised
             self._records = torch.is_grad_enabled()  # a training forward (an evaluation runs without autograd)
             self._forward.begin()
         return self._enter(self._root_plan, args, kwargs)
@@ -436,30 +439,35 @@ class Stage3Scheduler:
             self._free_all()
         return output
 
-    def _gather_early(self, p: ModulePlan, module: nn.Module, args: Any) -> None:
+    def _gather_early(self, p: ModulePlan, module: nn.Module, args: Any, kwargs: Any) -> None:
         """``p.module``'s first forward pre-hook: gather its units, so that the pre-hooks registered before the
         optimizer (``spectral_norm``'s, a hook reading ``m.weight.shape``) see its parameters (``_enter``, in
-        its pre-hook after theirs, finds them gathered and watches the inputs the module gets)."""
+        its pre-hook after theirs, finds them gathered). The inputs the caller gave are kept for ``_enter``: a
+        pre-hook may compute the module's inputs from them and from its parameters (``x + m.weight.sum(1)``),
+        and the use ends only once the gradients of both reached them."""
         self._gather(p.needs, self._forward, self._in_forward)
+        self._given.setdefault(id(module), []).append((args, kwargs))
 
     def _pre_forward(
         self, p: ModulePlan, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any
     ) -> Any:
         _keep_order(module, route_id, post_id)
         global_hooks.follow()
-        return self._enter(p, args, kwargs)
+        given = self._given.get(id(module))
+        return self._enter(p, args, kwargs, given.pop() if given else None)
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         return self._exit(module, (args, kwargs), output)
 
-    def _enter(self, p: ModulePlan, args: Any, kwargs: Any) -> Any:
-        """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker."""
+    def _enter(self, p: ModulePlan, args: Any, kwargs: Any, given: Any = None) -> Any:
+        """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker.
+        ``given``: the inputs the caller gave, before the module's forward pre-hooks (``UseTracker.begin``)."""
         self._gather(p.needs, self._forward, self._in_forward)
         for i in p.needs:
             self._in_use[i] += 1
         self._stack.append(_Frame(p.module, list(p.needs)))
         if p.needs and torch.is_grad_enabled():
-            self._uses.begin(p.needs, args, kwargs)
+            self._uses.begin(p.needs, args, kwargs, given)
         elif p.needs and self._in_forward and self._records:  # a reentrant checkpoint's segment
             self._uses.unrecorded(p.needs)
         return None

@@ -82,8 +82,8 @@ def set_leaf_modules(model: nn.Module, leaf_classes: Iterable[Union[type, str]])
 def apply_leaf_config(model: nn.Module, leaf: Any) -> list[nn.Module]:
     """Mark the modules ``zero_optimization.leaf_module`` names as leaf modules, as DeepSpeed's engine does: by
     class (``type(m).__name__`` or its ``module.QualifiedName``; by default Hugging Face's mixture-of-experts
-    blocks), by name in ``model.named_modules()``, by the end of that name. An entry the config itself gives that
-    matches no module is logged as a warning (the defaults need not match).
+    blocks), by name in ``model.named_modules()``, by the end of that name. An entry of a field the config gives
+    (not its default) that matches no module is logged as a warning.
 
     Args:
         model: the model.
@@ -95,18 +95,20 @@ def apply_leaf_config(model: nn.Module, leaf: Any) -> list[nn.Module]:
     named = list(model.named_modules())
     found: dict[int, nn.Module] = {}
     missing = []
+    defaults = type(leaf)()
     matchers = (
-        ("classes", leaf.classes, lambda entry, name, m: entry in (type(m).__name__, _qualified(m))),
-        ("names", leaf.names, lambda entry, name, m: name == entry),
-        ("name_suffixes", leaf.name_suffixes, lambda entry, name, m: name.endswith(entry)),
+        ("classes", lambda entry, name, m: entry in (type(m).__name__, _qualified(m))),
+        ("names", lambda entry, name, m: name == entry),
+        ("name_suffixes", lambda entry, name, m: name.endswith(entry)),
     )
-    for key, entries, matches in matchers:
+    for key, matches in matchers:
+        entries = getattr(leaf, key)
         for entry in entries:
             hits = [m for name, m in named if matches(entry, name, m)]
             found.update((id(m), m) for m in hits)
-            if not hits:
+            if not hits and entries != getattr(defaults, key):
                 missing.append(f"{key} {entry!r}")
-    if missing and leaf.customized:
+    if missing:
         logger.warning("zero_kernels: zero_optimization.leaf_module: no module of %s matches %s", type(model).__name__,
                        ", ".join(missing))  # fmt: skip
     for m in found.values():

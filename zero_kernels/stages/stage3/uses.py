@@ -51,6 +51,17 @@ def grad_tensors(obj: Any) -> list[torch.Tensor]:
     return [t for t in nested.tensors(obj) if t.requires_grad]
 
 
+def _watchable(obj: Any) -> list[torch.Tensor]:
+    """The computed tensors requiring grad inside ``obj``, once each (a hook on each ends a use)."""
+    seen: set[int] = set()
+    out = []
+    for t in grad_tensors(obj):
+        if t.grad_fn is not None and id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
 class _Use:
     """One call of a module: its watched inputs count down to the end of its backward."""
 
@@ -97,16 +108,21 @@ class UseTracker:
         for i in set(needs):  # once per call, as ``_ended`` counts a recomputed call
             self._unrecorded[i] += 1
 
-    def begin(self, needs: Sequence[int], args: Any, kwargs: Any) -> None:
-        """A module that needs the units ``needs`` is called with autograd recording: watch its inputs."""
+    def begin(self, needs: Sequence[int], args: Any, kwargs: Any, given: Any = None) -> None:
+        """A module that needs the units ``needs`` is called with autograd recording: watch its inputs. ``given``:
+        the inputs its caller gave, where forward pre-hooks ran since; when those made inputs of their own (from
+        the given ones and perhaps the module's parameters, whose gradients arrive after the module's inputs'), the
+        given inputs are watched too, and the use is late when none of them can be."""
         recomputed = torch._C._current_graph_task_id() != -1
         self._forward_seen = self._forward_seen or not recomputed
-        seen: set[int] = set()
-        watched = []
-        for t in grad_tensors((args, kwargs)):
-            if t.grad_fn is not None and id(t) not in seen:
-                seen.add(id(t))
-                watched.append(t)
+        watched = _watchable((args, kwargs))
+        if given is not None:
+            original = _watchable(given)
+            made = {id(t) for t in watched} - {id(t) for t in original}
+            if made and not original:
+                watched = []
+            elif made:
+                watched += [t for t in original if id(t) not in {id(w) for w in watched}]
         if not watched:
             self.late.update(needs)
             return
