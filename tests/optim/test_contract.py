@@ -648,3 +648,25 @@ def test_groups_taken_from_another_optimizers_param_groups(stage: int) -> None:
     assert [g["param_names"] for g in opt.state_dict()["param_groups"]] == [
         g["param_names"] for g in ropt.state_dict()["param_groups"]
     ]
+
+
+def test_disjoint_slices_of_one_tensor_are_taken_overlapping_ones_refused() -> None:
+    """Parameters that are interleaved but disjoint slices of one tensor (columns, every other row) are trained as
+    AdamW trains them; slices that share elements are refused, naming both."""
+    for cut in ((slice(None), slice(0, 4)), (slice(None), slice(4, 8))), ((slice(0, None, 2),), (slice(1, None, 2),)):
+        big = torch.randn(4, 8)
+        twin = big.clone()
+        params = [nn.Parameter(big[c]) for c in cut]
+        ref = [nn.Parameter(twin[c]) for c in cut]
+        opt, ropt = zo.ShardedFusedAdam(params, lr=LR, stage=1), torch.optim.AdamW(ref, lr=LR)
+        for p, r in zip(params, ref):
+            p.grad, r.grad = torch.ones_like(p), torch.ones_like(r)
+        opt.step()
+        ropt.step()
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p.detach(), r.detach())
+    big = torch.randn(4, 8)
+    with pytest.raises(
+        ValueError, match=r"a parameter of shape \(4, 5\) and a parameter of shape \(4, 4\) share memory"
+    ):
+        zo.ShardedFusedAdam([nn.Parameter(big[:, :5]), nn.Parameter(big[:, 4:])], lr=LR, stage=1)

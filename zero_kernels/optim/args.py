@@ -276,14 +276,30 @@ def _check_no_aliases(params: list[torch.Tensor], describe: Callable[[torch.Tens
         end = start + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
         spans.append((p.untyped_storage().data_ptr(), start * p.element_size(), end * p.element_size(), p))
     spans.sort(key=lambda span: span[:3])
-    for (where_a, _, end_a, a), (where_b, start_b, _, b) in zip(spans, spans[1:]):
-        if where_a == where_b and start_b < end_a:
+    open_spans: list[tuple[int, int, torch.Tensor]] = []  # (storage, end, tensor) that may reach the next ones
+    for where_b, start_b, end_b, b in spans:
+        open_spans = [span for span in open_spans if span[0] == where_b and span[1] > start_b]
+        a = next((t for _, _, t in open_spans if _share_elements(t, b)), None)
+        open_spans.append((where_b, end_b, b))
+        if a is not None:
             raise ValueError(
                 f"{describe(a)} and {describe(b)} share memory (one was given the other's storage, as "
                 "`b.data = a.data` does): ShardedFusedAdam gives each parameter a slot of its own, which would "
                 "untie them. Tie them as one Parameter (`model.head.weight = model.embed.weight`), as torch's weight "
                 "tying does"
             )
+
+
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage whose spans overlap use a common element (interleaved slices of one
+    tensor, ``big[:, :4]`` and ``big[:, 4:]``, do not); another element size counts as sharing."""
+    if (a.is_contiguous() and b.is_contiguous()) or a.element_size() != b.element_size():
+        return True
+    lo = min(a.storage_offset(), b.storage_offset())
+    end = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in (a, b))
+    used = torch.zeros(end - lo, dtype=torch.bool)
+    used.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
+    return bool(used.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
 
 
 def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
