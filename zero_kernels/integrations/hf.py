@@ -104,13 +104,8 @@ class ZeroTrainer(Trainer):
                 f"ZeroTrainer: optimizers=({type(given).__name__}, ...): pass a ShardedFusedAdam, or no optimizer "
                 "(the trainer builds one from the arguments and zero_optimization)"
             )
-        if given is not None and given.gradient_accumulation_steps > 1:
-            raise ValueError(
-                f"ZeroTrainer: optimizers=(ShardedFusedAdam(gradient_accumulation_steps="
-                f"{given.gradient_accumulation_steps}), ...): the Trainer counts the micro-steps itself "
-                "(TrainingArguments.gradient_accumulation_steps) and steps the optimizer once per window; build the "
-                "optimizer without gradient_accumulation_steps"
-            )
+        if given is not None:
+            _check_counts_no_micro_steps(given, "optimizers=(...) holds")
         if given is not None and self.zero_source.whole:
             raise ValueError(
                 f"ZeroTrainer: optimizers=(...) and a DeepSpeed config ({self.zero_source.origin}) both say how to "
@@ -234,12 +229,7 @@ class ZeroTrainer(Trainer):
                     "create_optimizer override must set self.optimizer to a zk.ShardedFusedAdam (its param groups "
                     "over the model's trainable parameters, module=self.model at stage 3)"
                 )
-            if built.gradient_accumulation_steps > 1:
-                raise ValueError(
-                    "ZeroTrainer: create_optimizer built a ShardedFusedAdam with gradient_accumulation_steps="
-                    f"{built.gradient_accumulation_steps}: the Trainer counts the micro-steps itself "
-                    "(TrainingArguments.gradient_accumulation_steps); build it without"
-                )
+            _check_counts_no_micro_steps(built, "create_optimizer built")
             self.zero_optimizer = built
         return self.zero_optimizer
 
@@ -352,6 +342,18 @@ class ZeroTrainer(Trainer):
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
                 "adamw_torch_npu_fused")  # TrainingArguments.optim values that are plain AdamW  # fmt: skip
+
+
+def _check_counts_no_micro_steps(opt: ShardedFusedAdam, where: str) -> None:
+    """``ValueError`` for an optimizer that counts accumulation micro-steps itself: the Trainer counts them
+    (``TrainingArguments.gradient_accumulation_steps``) and steps the optimizer once per window."""
+    if opt.gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"ZeroTrainer: {where} a ShardedFusedAdam with gradient_accumulation_steps="
+            f"{opt.gradient_accumulation_steps}: the Trainer counts the micro-steps itself "
+            "(TrainingArguments.gradient_accumulation_steps) and steps the optimizer once per window; build the "
+            "optimizer without gradient_accumulation_steps"
+        )
 
 
 def check_optim(optim: Any) -> None:

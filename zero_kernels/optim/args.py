@@ -272,8 +272,7 @@ def _check_no_aliases(params: list[torch.Tensor], describe: Callable[[torch.Tens
     for p in params:
         if p.numel() == 0 or p.device.type == "meta":
             continue
-        start = p.storage_offset()
-        end = start + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
+        start, end = _span(p)
         spans.append((p.untyped_storage().data_ptr(), start * p.element_size(), end * p.element_size(), p))
     spans.sort(key=lambda span: span[:3])
     open_spans: list[tuple[int, int, torch.Tensor]] = []  # (storage, end, tensor) that may reach the next ones
@@ -290,13 +289,18 @@ def _check_no_aliases(params: list[torch.Tensor], describe: Callable[[torch.Tens
             )
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The first element of ``t``'s storage it uses and one past its last."""
+    start = t.storage_offset()
+    return start, start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+
+
 def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one storage whose spans overlap use a common element (interleaved slices of one
     tensor, ``big[:, :4]`` and ``big[:, 4:]``, do not); another element size counts as sharing."""
     if (a.is_contiguous() and b.is_contiguous()) or a.element_size() != b.element_size():
         return True
-    lo = min(a.storage_offset(), b.storage_offset())
-    end = max(t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in (a, b))
+    lo, end = min(a.storage_offset(), b.storage_offset()), max(_span(a)[1], _span(b)[1])
     used = torch.zeros(end - lo, dtype=torch.bool)
     used.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
     return bool(used.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())

@@ -73,10 +73,7 @@ def set_leaf_modules(model: nn.Module, leaf_classes: Iterable[Union[type, str]])
         raise ValueError(
             f"set_leaf_modules: no module of {type(model).__name__} is one of {wanted}; its classes: {present}"
         )
-    for m in marked:
-        setattr(m, LEAF_ATTR, True)
-    _changed()
-    return marked
+    return _mark_leaves(marked)
 
 
 def apply_leaf_config(model: nn.Module, leaf: Any) -> list[nn.Module]:
@@ -111,11 +108,16 @@ def apply_leaf_config(model: nn.Module, leaf: Any) -> list[nn.Module]:
     if missing:
         logger.warning("zero_kernels: zero_optimization.leaf_module: no module of %s matches %s", type(model).__name__,
                        ", ".join(missing))  # fmt: skip
-    for m in found.values():
+    return _mark_leaves(list(found.values()))
+
+
+def _mark_leaves(modules: list[nn.Module]) -> list[nn.Module]:
+    """Mark ``modules`` as leaf modules (stage 3 reads the hints again when some were); return them."""
+    for m in modules:
         setattr(m, LEAF_ATTR, True)
-    if found:
+    if modules:
         _changed()
-    return list(found.values())
+    return modules
 
 
 def _qualified(module: nn.Module) -> str:

@@ -118,11 +118,8 @@ class UseTracker:
         watched = _watchable((args, kwargs))
         if given is not None:
             original = _watchable(given)
-            made = {id(t) for t in watched} - {id(t) for t in original}
-            if made and not original:
-                watched = []
-            elif made:
-                watched += [t for t in original if id(t) not in {id(w) for w in watched}]
+            if {id(t) for t in watched} - {id(t) for t in original}:  # the pre-hooks made inputs of their own
+                watched = _watchable((args, kwargs, given)) if original else []
         if not watched:
             self.late.update(needs)
             return
