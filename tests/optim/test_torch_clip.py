@@ -17,6 +17,9 @@ stage on 1, 2 and 3 ranks, with clipping active:
    accumulation steps, and with stage 3's gradients in files (``offload_optimizer`` nvme); a NaN in one rank's
    shard makes the inf norm NaN on every rank; an order that
    measures no size (0, negative, NaN, not a number) raises ``ValueError`` naming ``norm_type``.
+5. Several clips before one step compose as torch's do (stages 1-3 apply them at the step): two
+   ``clip_grad_norm_`` calls, and a measure then ``clip_grads_with_norm_`` after a clip: each returned norm and the
+   weights as the reference's.
 """
 
 from __future__ import annotations
@@ -94,6 +97,31 @@ def accumulated_stage0(rank: int, world: int) -> None:
         opt.zero_grad()
         ropt.zero_grad()
         compare(model, ref, f"stage 0 accumulated step {step}")
+
+
+def clipped_twice(rank: int, world: int, stage: int) -> None:
+    """Item 5: clips before one step compose as torch's in-place clips do: the tighter of two holds and the second
+    returns the norm the first left; ``opt.clip_grad_norm_(inf)`` after a clip measures what it left, and
+    ``clip_grads_with_norm_`` with a given norm clips on top. Adam's ``eps`` is 1 on both sides, so the update
+    follows the gradients' size (with 1e-8 it would hide a clip coefficient)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage, eps=1.0), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    for step in range(2):
+        _backward(model, ref, rank, world, step)
+        got = [torch.nn.utils.clip_grad_norm_(model.parameters(), 0.02)]
+        want = [nn.utils.clip_grad_norm_(ref.parameters(), 0.02)]
+        if step == 0:
+            got.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            want.append(nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM))
+        else:
+            got.append(opt.clip_grad_norm_(float("inf")))
+            want.append(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None]))
+            torch.nn.utils.clip_grads_with_norm_(list(model.parameters()), 0.01, got[-1])
+            torch.nn.utils.clip_grads_with_norm_(list(ref.parameters()), 0.01, want[-1])
+        assert float(want[0]) > MAX_NORM, "clipping inactive"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert float(g) == pytest.approx(float(w), rel=1e-5), f"stage {stage} step {step}: norm {i}"
+        step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} clipped twice step {step}")
 
 
 def refusals(rank: int, world: int, stage: int) -> None:
@@ -212,6 +240,7 @@ def all_cases(rank: int, world: int) -> None:
     for stage in STAGES:
         for how in ("clip_grad_norm_", "bound early", "get_total_norm"):
             matches_reference(rank, world, stage, how)
+        clipped_twice(rank, world, stage)
         refusals(rank, world, stage)
     accumulated_stage0(rank, world)
 

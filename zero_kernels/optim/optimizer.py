@@ -86,7 +86,6 @@ from ..stages import (
     storage_bytes,
 )
 from ..stages import state_door as zstate
-from ..stages.outcome import clip_coef
 from . import amp, guards, module_zero_grad, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
@@ -102,6 +101,7 @@ from .args import (
     checked_groups,
     data_type,
 )
+from .pending_clip import PendingClips
 from .precision import LossScaler
 from .state_view import ShardedState
 
@@ -227,7 +227,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._micro_step = 0
         self._no_sync_depth = 0
-        self._clip: Optional[tuple[torch.Tensor, float, bool]] = None  # clip_grad_norm_'s (norm, max_norm, scale known)
+        self._clips = PendingClips()  # what clip_grad_norm_ asked of the coming step
         self._grad_scaler: Optional[weakref.ref] = None  # the torch.amp.GradScaler that last stepped this optimizer
         self._scaled_step = False  # the last step was driven by a GradScaler
         self.last_step: Optional[StepResult] = None
@@ -471,14 +471,13 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             )
 
     def _take_clip(self, scaled: Optional[amp.ScaledStep]) -> Optional[torch.Tensor]:
-        """The coefficient ``clip_grad_norm_`` asked for (None: none), its norm corrected for a GradScaler."""
-        request, self._clip = self._clip, None
-        if request is None:
-            return None
-        norm, max_norm, scale_known = request
-        if scaled is not None and not scale_known:
-            norm = amp.correct_clip(norm, scaled, self)
-        return torch.where(torch.isfinite(norm), clip_coef(norm, max_norm), 1.0)
+        """The coefficient the clips asked for compose to (None: none), norms taken before a GradScaler was known
+        corrected for it."""
+
+        def correct(norm: torch.Tensor, scale_known: bool) -> torch.Tensor:
+            return amp.correct_clip(norm, scaled, self) if scaled is not None and not scale_known else norm
+
+        return self._clips.take(correct)
 
     def _account(self, result: StepResult) -> None:
         """A step's outcome, once known (``Pipeline.settle``): count a skipped step, update the loss scale."""
@@ -564,13 +563,19 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             The global norm before clipping, as a 0-d float32 tensor.
         """
         _check_max_norm(max_norm)
-        norm = self._grad_norm(norm_type, "clip_grad_norm_")
-        self._clip_with_norm(max_norm, norm)
+        measured = self._measured_norm(norm_type, "clip_grad_norm_")
+        norm = self._clips.seen(measured)
+        self._ask_clip(max_norm, measured, measured=True)
         return norm.float()
 
     def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
-        """The global norm of order ``norm_type`` of this step's reduced gradients, a 0-d float64 tensor (a
-        collective; no clipping)."""
+        """The global norm of order ``norm_type`` of this step's reduced gradients as clipped so far (the clips
+        asked for since the last step, as torch's in-place clips would have left them), a 0-d float64 tensor (a
+        collective)."""
+        return self._clips.seen(self._measured_norm(norm_type, what))
+
+    def _measured_norm(self, norm_type: float, what: str) -> torch.Tensor:
+        """``_grad_norm`` before the clips asked for since the last step."""
         order = norms.norm_order(norm_type, what)
         if self._micro_step + 1 < self.gradient_accumulation_steps:
             raise RuntimeError(
@@ -585,12 +590,17 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale, order)
 
     def _clip_with_norm(self, max_norm: float, norm: Union[float, torch.Tensor]) -> None:
-        """The next step scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` (a non-finite norm: 1),
-        ``norm`` corrected there when it was measured before a GradScaler was known (``amp``)."""
+        """The next step scales the gradients by ``min(1, max_norm / (norm + 1e-6))`` (a non-finite norm: 1) besides
+        the clips asked for before, ``norm`` taken as given (``clip_grads_with_norm_``)."""
+        self._ask_clip(max_norm, norm, measured=False)
+
+    def _ask_clip(self, max_norm: float, norm: Union[float, torch.Tensor], measured: bool) -> None:
+        """Record a clip for the next step (``PendingClips``), ``norm`` corrected there when it was taken before a
+        GradScaler was known (``amp``)."""
         _check_max_norm(max_norm)
         _, scale_known = amp.clip_factor(self)
-        self._clip = (torch.as_tensor(norm, dtype=torch.float64), float(max_norm), scale_known)
-        self._pipeline.clipped = math.isfinite(float(max_norm))  # a later gradient of this step is refused
+        self._clips.ask(norm, max_norm, scale_known, measured)
+        self._pipeline.clipped = self._pipeline.clipped or math.isfinite(float(max_norm))  # a later gradient is refused
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps, except after a
@@ -609,7 +619,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             if not self._pipeline.failed_round_open:
                 return
             self._drop_window()
-        self._clip = None
+        self._clips.clear()
         self._pipeline.zero_grad(set_to_none)
 
     def _drop_window(self) -> None:

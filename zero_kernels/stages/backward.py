@@ -4,13 +4,11 @@ and reduced bucket by bucket, in the same order on every rank (see ``stages.base
 ``BackwardRound`` is the half of ``Pipeline`` that runs during ``loss.backward()``; the pipeline's
 constructor sets the state it uses (``where``, ``buffers``, ``has_grad``, the launch order and the
 collectives in flight) and the stages override ``_consume_grad``, ``_launch_bucket`` and
-``_before_step``. ``grad_hook`` is the post-accumulate-grad hook every trainable parameter gets;
-``owners`` says which pipeline handles a parameter (the one built last).
+``_before_step``. Gradients arrive through ``stages.grad_ready`` (after every hook on the parameter).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Callable, Optional
 
 import torch
@@ -19,17 +17,6 @@ from ..comm.handles import Handle
 from . import adopt, grad_accum, grad_state, refusals
 from .buffers import FlatBuffer, Inflight
 from .layout import Bucket
-
-owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
-
-
-def grad_hook(ref: weakref.ref) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        pipeline = ref()
-        if pipeline is not None and owners.get(id(param)) is ref:
-            pipeline._on_grad_ready(param)
-
-    return hook
 
 
 class BackwardRound:

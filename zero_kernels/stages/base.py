@@ -72,8 +72,9 @@ from . import (
     stats,
     update,
 )
-from .backward import BackwardRound, grad_hook, owners
+from .backward import BackwardRound
 from .buffers import FlatBuffer, GroupHyper, Inflight
+from .grad_ready import GradReady, owners
 from .layout import Bucket, BufferLayout, align_elements
 from .outcome import StepResult
 from .uploads import Uploads
@@ -387,7 +388,7 @@ class Pipeline(BackwardRound):
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
         for p in buf.params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(grad_hook(self._ref)))
+            self._hooks.append(GradReady(p, self._ref))
 
     def close(self) -> None:
         """Remove the gradient hooks (the parameters keep their current values); a disk tier removes its files."""

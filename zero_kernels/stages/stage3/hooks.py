@@ -156,7 +156,7 @@ def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
     """``method`` of the scheduler, with ``first`` before the hook's arguments, called through a weak reference:
     a hook stays on a parameter, on the model or on a graph node (a tensor's hooks are invisible to the cycle
     collector), and must not keep the scheduler, and through it the optimizer, its shards and its files, alive.
-    Once the scheduler is gone the hook does nothing (as stages 0-2's ``grad_hook``)."""
+    Once the scheduler is gone the hook does nothing (as stages 0-2's ``GradReady``)."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any, **kwargs: Any) -> Any:

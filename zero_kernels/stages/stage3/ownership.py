@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ..backward import owners
+from ..grad_ready import owners
 from . import guard
 
 
