@@ -11,7 +11,10 @@
 - A parameter written in place while its module has it gathered (``nn.Embedding(max_norm=...)``), in a
   training forward or an evaluation, on one rank only: the next step raises on every rank, naming the
   parameter and the rank, even after ``zero_grad()``, and updates nothing (the write used to be lost
-  at the free). Writes inside ``gathered_params()`` are kept: training after one matches AdamW.
+  at the free). Also for a parameter under ``stage3_param_persistence_threshold``, kept whole on every rank
+  (each rank's step took only the rows in its own shard: lost without a word). Writes inside
+  ``gathered_params()`` are kept, and so, for a persistent parameter, are writes between steps outside any
+  forward: training after them matches AdamW.
 - A parameter used with autograd outside any forward (an L2 penalty added to the loss,
   ``torch.autograd.grad(loss, params)``) is refused with a message that names what works; what it
   names for the penalty (computed in the model's forward, the parameters registered as external
@@ -134,19 +137,33 @@ def refused_write(model: nn.Module, opt: zo.ShardedFusedAdam, tokens: torch.Tens
         model[0].max_norm = None
 
 
-def forward_write_case(rank: int, world: int) -> None:
+def _embedding_models(threshold: int) -> tuple[nn.Module, nn.Module, zo.ShardedFusedAdam, torch.optim.AdamW]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 1))
     ref = copy.deepcopy(model)
-    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = zo.ShardedFusedAdam(
+        model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=threshold
+    )
+    return model, ref, opt, torch.optim.AdamW(ref.parameters(), lr=LR)
+
+
+def forward_write_case(rank: int, world: int, threshold: int) -> None:
+    """``threshold``: 0 shards the embedding; the default keeps it whole on every rank (persistent), where the
+    refused write stays in the writing rank's copy, as torch keeps it (so training starts again from a new model
+    there), and a write in place between steps, outside any forward, is an edit the step takes, as AdamW's."""
+    model, ref, opt, ropt = _embedding_models(threshold)
     tokens = torch.tensor([[1, 2, 3], [4, 5, 1]])
     mine = tokens[rank : rank + 1] if world == 2 else tokens
     refused_write(model, opt, mine, rank, world)
+    if threshold:
+        model, ref, opt, ropt = _embedding_models(threshold)
     with opt.gathered_params(), torch.no_grad():
         model[0].weight.mul_(0.5)
     with torch.no_grad():
         ref[0].weight.mul_(0.5)
+        if threshold:
+            model[0].weight.clamp_(-0.3, 0.3)
+            ref[0].weight.clamp_(-0.3, 0.3)
     for step in range(2):
         embedding_loss(model, mine).backward()
         embedding_loss(ref, tokens).backward()
@@ -155,8 +172,9 @@ def forward_write_case(rank: int, world: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_write_in_place_during_forward_is_refused(spawn, world: int) -> None:
-    spawn(forward_write_case, world)
+@pytest.mark.parametrize("threshold", [0, 100_000], ids=["sharded", "persistent"])
+def test_write_in_place_during_forward_is_refused(spawn, world: int, threshold: int) -> None:
+    spawn(forward_write_case, world, threshold)
 
 
 LAM = 1e-2

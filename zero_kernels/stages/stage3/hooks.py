@@ -210,6 +210,7 @@ class _Frame:
     needs: list[int]
     routed: Any = _UNROUTED  # the output its first forward hook gave the next hooks
     routed_tensors: dict[int, torch.Tensor] = field(default_factory=dict)  # its tensors that require grad
+    versions: list[tuple[nn.Parameter, int]] = field(default_factory=list)  # its persistent parameters' at entry
 
 
 class Stage3Scheduler:
@@ -226,6 +227,8 @@ class Stage3Scheduler:
             (the unit a module needs is gathered anyway).
         check: called with each batch of units about to be gathered, before any is (None: no check).
         on_end: called at the end of each backward, once every unit is reduced (the pipeline ends its round there).
+        written: called with a parameter of a persistent unit that a module's forward wrote in place (a sharded
+            unit's own ``free`` finds such writes); None: not looked for.
     """
 
     def __init__(
@@ -237,6 +240,7 @@ class Stage3Scheduler:
         max_live_numel: int = 1 << 62,
         check: Optional[Check] = None,
         on_end: Optional[Callable[[], None]] = None,
+        written: Optional[Callable[[nn.Parameter], None]] = None,
     ) -> None:
         if prefetch_numel < 0:
             raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {prefetch_numel}")
@@ -247,6 +251,8 @@ class Stage3Scheduler:
         self._live_numel = 0  # elements of the sharded units gathered or being gathered
         self._check = check
         self._on_end = on_end
+        self._written = written
+        self._watched: dict[int, tuple[nn.Parameter, ...]] = {}  # id(module) -> the persistent parameters it uses
         self._owner = self._owners(self.units)
         self._freed_params = {id(p) for u in self.units if not u.persistent for p in u.params}
         self._state = [_READY if u.persistent else _FREE for u in self.units]
@@ -301,6 +307,8 @@ class Stage3Scheduler:
         self._forward, self._backward = _Pass(), _Pass()  # a new plan: the next passes are checked at once
         self._root_plan = plans[0]
         self._leaf_units = set()
+        persistent = {id(q) for u in self.units if u.persistent for q in u.params}
+        self._watched = {id(p.module): tuple(q for q in p.params if id(q) in persistent) for p in plans}
         for p in plans:
             if p.leaf:
                 inside = {id(q) for q in p.module.parameters()}
@@ -465,7 +473,8 @@ class Stage3Scheduler:
         self._gather(p.needs, self._forward, self._in_forward)
         for i in p.needs:
             self._in_use[i] += 1
-        self._stack.append(_Frame(p.module, list(p.needs)))
+        watched = () if self._held or self._written is None else self._watched.get(id(p.module), ())
+        self._stack.append(_Frame(p.module, list(p.needs), versions=[(q, q._version) for q in watched]))
         if p.needs and torch.is_grad_enabled():
             self._uses.begin(p.needs, args, kwargs, given)
         elif p.needs and self._in_forward and self._records:  # a reentrant checkpoint's segment
@@ -508,12 +517,23 @@ class Stage3Scheduler:
             for i in frame.needs:
                 self._in_use[i] -= 1
             released += frame.needs
+            self._check_writes(frame)
             if frame.module is module:
                 break
         output = self._settled(frame, inputs, output)  # replaced, or a tensor added in place, by a hook
         for i in released:
             self._free(i)
         return output
+
+    def _check_writes(self, frame: _Frame) -> None:
+        """A persistent parameter the frame's module wrote in place during its forward (``nn.Embedding(max_norm)``):
+        kept whole on every rank, but each rank's step takes only its own shard's part, so the write is refused as
+        for a sharded unit (``forward_writes``); inside ``gathered_params()`` writes are meant."""
+        if self._held:
+            return
+        changed = next((q for q, version in frame.versions if q._version != version), None)
+        if changed is not None:
+            self._written(changed)
 
     def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
         """A freed parameter is computed with: gather it for the running module, or explain."""

@@ -312,6 +312,7 @@ class Stage3Pipeline(Stage2Pipeline):
             max_live_numel=int(self.options.stage3_max_live_parameters),
             check=self._check_gathers,
             on_end=self._end_scheduled_round,
+            written=self._written_in_forward,
         )
         if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
             self._scheduler.follow(previous)
@@ -324,6 +325,11 @@ class Stage3Pipeline(Stage2Pipeline):
             self._deferred.add(units, phase)
         else:
             check_same_units(self._control, units, phase, self._suggest_leaf)
+
+    def _written_in_forward(self, p: nn.Parameter) -> None:
+        """A persistent parameter written in place during a forward: refused at the step (``forward_writes``)."""
+        b, slot = self.where[id(p)]
+        self.forward_writes.record(self.buffers[b].index_of(slot))
 
     def _step_columns(self) -> list[float]:
         return self._deferred.columns() + self.forward_writes.columns()

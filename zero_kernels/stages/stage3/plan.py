@@ -26,6 +26,7 @@ class ModulePlan:
     name: str  # qualified name in the model ('' for the root)
     needs: tuple[int, ...]  # indices of the units, sorted
     leaf: bool
+    params: tuple[nn.Parameter, ...] = ()  # what it uses: held directly (a leaf: in its subtree) and external
 
 
 def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module, Optional[nn.Module]]]:
@@ -76,16 +77,17 @@ def plan(root: nn.Module, owner: dict[int, int]) -> list[ModulePlan]:
     """
     check_externals(root)
     needs: dict[int, set[int]] = {}
+    params: dict[int, dict[int, nn.Parameter]] = {}
     names: dict[int, tuple[str, nn.Module, bool]] = {}
     for name, module, leaf in _walk(root):
         target = leaf if leaf is not None else module
         if target is module:
             names[id(module)] = (name, module, leaf is not None)
-        units = needs.setdefault(id(target), set())
-        used = [*module.parameters(recurse=False), *external_parameters(module)]
-        units.update(owner[id(p)] for p in used if id(p) in owner)
+        used = [p for p in (*module.parameters(recurse=False), *external_parameters(module)) if id(p) in owner]
+        needs.setdefault(id(target), set()).update(owner[id(p)] for p in used)
+        params.setdefault(id(target), {}).update((id(p), p) for p in used)
     return [
-        ModulePlan(module, name, tuple(sorted(needs[key])), leaf)
+        ModulePlan(module, name, tuple(sorted(needs[key])), leaf, tuple(params[key].values()))
         for key, (name, module, leaf) in names.items()
         if needs[key] or module is root
     ]
