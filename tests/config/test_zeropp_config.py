@@ -106,3 +106,22 @@ def test_quantized_nontrainable_weights_is_carried_at_stage_3() -> None:
         {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}, world_size=2
     )
     assert cfg.zero.quantized_nontrainable_weights is True
+
+
+@pytest.mark.parametrize(
+    "stage, keys",
+    [(1, ("zero_quantized_weights",)), (2, ("zero_quantized_weights",)), (2, ("zero_quantized_gradients",))],
+)
+def test_below_stage_3_a_config_is_warned_that_deepspeed_ignores_the_key(
+    caplog: pytest.LogCaptureFixture, stage: int, keys: tuple
+) -> None:
+    """DeepSpeed 0.19 builds its stage 1-2 optimizer without the ZeRO++ switches: the same JSON would train unquantized
+    there, so a config that turns them on below stage 3 is warned (and still honoured); stage 3 is not warned."""
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        options = ZeroOptions.from_dict({"stage": stage, **dict.fromkeys(keys, True)})
+        ZeroOptions.from_dict({"stage": 3, **dict.fromkeys(keys, True)})
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert f"{keys[0]}=true at stage {stage}: zero_kernels quantizes" in warned[0]
+    assert "DeepSpeed 0.19 ignores it below stage 3" in warned[0]
+    assert options.quantized_weights or options.quantized_gradients

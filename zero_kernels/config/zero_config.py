@@ -181,12 +181,37 @@ class ZeroOptions:
         ctx = ParseContext()
         options = cls._from_parsed(ZERO(d, path, ctx))
         ctx.log()
+        _warn_zeropp_below_stage3(options, path)
         return options
 
     @classmethod
     def _from_parsed(cls, values: Mapping[str, Any], aio: Optional[AioConfig] = None) -> ZeroOptions:
         values = _deprecated_offload(values)
         return cls(**{**{f.name: values[_key(f.name)] for f in fields(cls)}, "aio": aio or values["aio"]})
+
+
+def _warn_zeropp_below_stage3(options: ZeroOptions, path: str) -> None:
+    """A config's quantized weights or gradients at stages 1-2 are honoured, where DeepSpeed 0.19 ignores them (its
+    stage 1-2 optimizer is built without them): the same JSON trains with other numbers, so say so."""
+    on = [_key(name) for name in ("quantized_weights", "quantized_gradients") if getattr(options, name)]
+    if on and options.stage < 3:
+        logger.warning(
+            "%s: %s at stage %d: zero_kernels quantizes (lossy: %s), where DeepSpeed 0.19 ignores %s below stage 3; "
+            "remove %s to train as DeepSpeed does",
+            path,
+            " and ".join(f"{key}=true" for key in on),
+            options.stage,
+            "; ".join(_ZEROPP_EFFECT[key] for key in on),
+            "it" if len(on) == 1 else "them",
+            "it" if len(on) == 1 else "them",
+        )
+
+
+_ZEROPP_EFFECT = {
+    "zero_quantized_weights": "every rank's copy of the others' parameters is the int8 all-gather's, within half a "
+    "block's scale",
+    "zero_quantized_gradients": "the gradients are reduced in int8 blocks",
+}
 
 
 def _check_offload_stage(options: ZeroOptions) -> None:
