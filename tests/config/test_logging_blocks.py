@@ -50,6 +50,15 @@ def test_the_alst_template_loads_with_one_warning(caplog: pytest.LogCaptureFixtu
     assert _without_effect(caplog, logging.INFO) == quiet
 
 
+@pytest.mark.parametrize("value, level", [(False, logging.WARNING), (True, logging.INFO)])
+def test_load_from_fp32_weights_false_is_a_warning(value: bool, level: int, caplog: pytest.LogCaptureFixture) -> None:
+    """With false DeepSpeed rebuilds the fp32 masters from the 16-bit weights at a checkpoint load; loads here take the
+    checkpoint's masters, so false is listed at WARNING, true (what is done anyway) at INFO."""
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2, "load_from_fp32_weights": value}})
+    assert _without_effect(caplog, level) == ["zero_optimization.load_from_fp32_weights"]
+
+
 @pytest.mark.parametrize(
     "key, value",
     [

@@ -223,7 +223,6 @@ ZERO_IGNORED: Dict[str, int] = {
         for k in (
             "round_robin_gradients",
             "elastic_checkpoint",
-            "load_from_fp32_weights",
             "ignore_unused_parameters",
             "allgather_partitions",
             "use_multi_rank_bucket_allreduce",
@@ -268,7 +267,13 @@ ZERO_ALIASES: Dict[str, str] = {
     **{name: key for name, key in ZEROPP_FIELDS.items()},
 }
 
-ZERO = Section(fields=ZERO_FIELDS, ignored=ZERO_IGNORED, aliases=ZERO_ALIASES)
+ZERO_UNUSED: Dict[str, Unused] = {
+    # false: DeepSpeed rebuilds the fp32 masters from the 16-bit weights when it loads a checkpoint; loads here
+    # always take the checkpoint's fp32 masters
+    "load_from_fp32_weights": Unused(boolean(), quiet=lambda value: value is not False),
+}
+
+ZERO = Section(fields=ZERO_FIELDS, ignored=ZERO_IGNORED, aliases=ZERO_ALIASES, unused=ZERO_UNUSED)
 
 OPTIMIZER_PARAMS = Section(
     fields={
