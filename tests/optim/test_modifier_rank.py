@@ -148,8 +148,8 @@ def edit_in_place(model: Net) -> None:
 
 
 class ErrorRecords(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
+    def __init__(self, level: int = logging.ERROR) -> None:
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -210,6 +210,39 @@ def test_a_modifier_edit_the_ranks_cannot_receive_raises_on_every_rank(spawn) ->
     """Once a hang in the broadcast: the ranks agree on shapes and dtypes first. Then rank 1's in-place edits reach
     every rank (once stage 0 kept them on rank 1 for good, stage 3 half of them when nested)."""
     spawn(all_mismatch_cases, 2, timeout_s=300)
+
+
+def unnamed_case(rank: int, world: int, options: dict) -> None:
+    """Stage 3 without ``modifier_rank``: the same edit on every rank says nothing; an edit on rank 0 alone, which
+    leaves each shard with its own rank's values, is reported at WARNING on every rank, naming the parameter and
+    ``modifier_rank``; values differing before a block that no rank edits in it say nothing."""
+    model, _ = make_models(torch.float32)
+    opt = make_opt(model, 3, **options)
+    records = ErrorRecords(logging.WARNING)
+    logging.getLogger("zero_kernels").addHandler(records)
+    try:
+        with opt.gathered_params():
+            init_weights(model)
+        assert not records.messages, records.messages
+        with opt.gathered_params(), torch.no_grad():
+            if rank == 0:
+                model.mid.weight.mul_(2.0)
+                model.head.bias.add_(1.0)  # persistent (whole on every rank)
+        with opt.gathered_params():
+            pass
+    finally:
+        logging.getLogger("zero_kernels").removeHandler(records)
+    assert len(records.messages) == 1, records.messages
+    assert re.search(r"different values of parameter '(mid\.weight|head\.bias)'.*modifier_rank=k", records.messages[0])
+
+
+def all_unnamed_cases(rank: int, world: int) -> None:
+    run_cases(rank, world, [(f"stage 3 {o}", unnamed_case, (o,)) for o in ({}, OFFLOADED)])
+
+
+@pytest.mark.distributed
+def test_an_edit_on_one_rank_without_modifier_rank_is_reported(spawn) -> None:
+    spawn(all_unnamed_cases, 2, timeout_s=300)
 
 
 @pytest.mark.parametrize("stage", (0, 3))

@@ -67,7 +67,7 @@ from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
-from . import disk_grads, disk_params, model_hints
+from . import disk_grads, disk_params, held_edits, model_hints
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
@@ -626,17 +626,18 @@ class Stage3Pipeline(Stage2Pipeline):
         """Every parameter holds its full value inside the block; changes go back to the shards on exit.
 
         Each rank writes back its own part of each parameter (and its fp32 master where the value
-        changed), so every rank must make the same change, or name the one rank that makes it:
-        ``modifier_rank`` (its full values go to every rank first, ``stages.modifier``).
+        changed), so every rank must make the same change (checked: ``held_edits``), or name the one rank that
+        makes it: ``modifier_rank`` (its full values go to every rank first, ``stages.modifier``).
         """
         modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
         if self._scheduler is None:
             yield
             return
         self._begin_hold()
-        others = self._others() if modifier_rank is not None else modifier.Others(())
+        others = self._others()
+        before = self._held_sums(others) if modifier_rank is None and self._hold_depth == 1 else None
         # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
-        with modifier.ending(functools.partial(self._end_hold, modifier_rank, others)):
+        with modifier.ending(functools.partial(self._end_hold, modifier_rank, others, before)):
             yield
 
     def _others(self) -> modifier.Others:
@@ -654,14 +655,19 @@ class Stage3Pipeline(Stage2Pipeline):
             self._gather_held_exact()
             self._scheduler.hold()
 
-    def _end_hold(self, modifier_rank: Optional[int], others: Optional[modifier.Others] = None) -> None:
-        """Leave a ``gathered_params`` block: ``modifier_rank``'s values to every rank, the edits into the shards
-        (outermost block), the units released. When the ranks cannot agree on what to send, what still fits is
-        sent and written back, then ``ModifierMismatch`` raised (``stages.modifier``)."""
+    def _end_hold(
+        self, modifier_rank: Optional[int], others: modifier.Others, before: Optional[torch.Tensor] = None
+    ) -> None:
+        """Leave a ``gathered_params`` block: ``modifier_rank``'s values to every rank (without it, the outermost
+        block's edits compared with ``before``, ``held_edits``), the edits into the shards (outermost block), the
+        units released. When the ranks cannot agree on what to send, what still fits is sent and written back, then
+        ``ModifierMismatch`` raised (``stages.modifier``)."""
         try:
             mismatch = None
             if modifier_rank is not None:
-                mismatch = self._broadcast_full(modifier_rank, others or modifier.Others(()))
+                mismatch = self._broadcast_full(modifier_rank, others)
+            elif before is not None:
+                self._agree_on_edits(others, before)
             if self._hold_depth == 1:
                 self._write_back()
             if mismatch is not None:
@@ -690,6 +696,27 @@ class Stage3Pipeline(Stage2Pipeline):
             self._state_dict_guard = stage3_save.guard_state_dict(self)
             if installed:
                 self._install_scheduler()
+
+    def _held_sums(self, others: modifier.Others) -> torch.Tensor:
+        """``held_edits.word_sums`` of every full buffer and of ``others``."""
+        full = [buf.param_flat if buf.persistent else buf.full for buf in self.buffers]
+        return held_edits.word_sums(full + others.tensors(), self.device)
+
+    def _agree_on_edits(self, others: modifier.Others, before: torch.Tensor) -> None:
+        """The outermost block without ``modifier_rank``: where some rank edited a full buffer or another parameter
+        of the model (its sums moved from ``before``) and the ranks now differ, say so, naming the first parameter
+        that differs (``held_edits``)."""
+        differ = held_edits.edited_differently(self.engine, before, self._held_sums(others))
+        if not differ:
+            return
+        if differ[0] < len(self.buffers):
+            buf = self.buffers[differ[0]]
+            params = [buf.param_of(slot) for slot in range(len(buf.layout.slots))]
+            per = held_edits.differing(self.engine, held_edits.word_sums(params, self.device))
+            name = self.name_of(params[per[0]]) if per else "the parameters"
+        else:
+            name = others.described()[differ[0] - len(self.buffers)][0]
+        held_edits.warn(name)
 
     def _broadcast_full(self, modifier_rank: int, others: modifier.Others) -> Optional[modifier.ModifierMismatch]:
         """Every parameter's full value (gathered units, persistent buffers, frozen units, the model's other
