@@ -7,6 +7,7 @@ scheduler's state in JSON) still loads, and its scheduler resumes right too.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import threading
 from collections import Counter, OrderedDict, defaultdict
@@ -105,6 +106,26 @@ def test_resumed_scheduler_gives_the_uninterrupted_lr_at_every_step(name: str, v
     assert len(set(expected)) > 2, f"{name}: the schedule hardly changes the lr: {expected}"
     for step, (got, want) in enumerate(zip(resumed, expected)):
         assert math.isclose(got, want, rel_tol=1e-12, abs_tol=1e-15), f"{name}: step {step}: lr {got} vs {want}"
+
+
+def test_a_load_without_the_saved_scheduler_says_the_schedule_restarts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DeepSpeed's load_checkpoint restores the engine's scheduler by itself: a load without ``scheduler=`` of a
+    checkpoint that holds one warns, naming its class and ``scheduler=``; a checkpoint without one says nothing."""
+    model = _model()
+    opt = _opt(model)
+    scheduler = SCHEDULERS[sorted(SCHEDULERS)[0]](opt)
+    _train(model, opt, scheduler, range(SAVE_AT))
+    ck.save(tmp_path / "with", model, opt, scheduler=scheduler)
+    ck.save(tmp_path / "without", model, opt)
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        ck.load(tmp_path / "without", model, opt)
+        assert not caplog.records
+        ck.load(tmp_path / "with", model, opt)
+    (record,) = caplog.records
+    assert f"state of a {type(scheduler).__name__} scheduler" in record.getMessage()
+    assert "pass scheduler=" in record.getMessage()
 
 
 def test_param_groups_and_extra_come_back_with_their_types(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import zlib
 from dataclasses import dataclass
@@ -73,6 +74,8 @@ from .format import (
     write_small,
 )
 from .metadata import check_objects, read_metadata
+
+log = logging.getLogger("zero_kernels")
 
 
 # ---------------------------------------------------------------- what lives where
@@ -604,4 +607,11 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     _apply(staged, optimizer, pipeline, _names(model, optimizer))
     if scheduler is not None:
         scheduler.load_state_dict(staged.book["lr_scheduler"])
+    elif staged.book.get("lr_scheduler") is not None:
+        log.warning(
+            "zero_kernels: checkpoint.load: the checkpoint holds the state of a %s scheduler, and no scheduler= was "
+            "given: the schedule starts again from its beginning; pass scheduler=<your lr scheduler> to resume it "
+            "(DeepSpeed's load_checkpoint restores the engine's own)",
+            staged.book.get("lr_scheduler_class") or "learning-rate",
+        )
     return staged.extra
