@@ -503,6 +503,11 @@ def test_skipped_steps_are_restored_at_any_world_size(tmp_path: Path) -> None:
     model, opt = _fp16_linear(stage=3, skipped=7)
     ck.load(tmp_path, model, opt)
     assert (opt.skipped_steps, opt.applied_steps) == (2, 0)
+    scale = opt.loss_scale
+    out = ck.consolidate(tmp_path, tmp_path / "whole.pt")  # the consolidated file carries them too
+    model, opt = _fp16_linear(stage=2, skipped=7)
+    opt.load_state_dict(torch.load(out, weights_only=True)["optimizer"])
+    assert (opt.skipped_steps, opt.loss_scale) == (2, scale), "from the consolidated file"
     del meta["skipped_steps"]
     (version / "metadata.json").write_text(json.dumps(meta))
     model, opt = _fp16_linear(stage=1)

@@ -6,7 +6,7 @@ and ``torch.optim.AdamW(model.parameters(), ...).load_state_dict(out["optimizer"
 parameter is written as its fp32 master (as DeepSpeed's ``zero_to_fp32.py`` does; loading it into
 a bf16 model rounds it to the trained bf16 values), and its optimizer entry also holds it as
 ``master`` (the same storage, written once), so a ``ShardedFusedAdam`` resumes from the file bit
-for bit.
+for bit (the fp16 loss scale and ``skipped_steps`` ride along under ``zero_kernels.sharded``, which AdamW ignores).
 
 Streaming. ``torch.save`` needs every tensor in memory. Here the pickle of the structure is
 written first, with each tensor a placeholder that names its storage record; then each record is
@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..optim.state_dicts import FORMAT as STATE_FORMAT
 from . import accumulation
 from .format import DTYPES, PathLike, TensorSource, fsync_dir, resolve
 from .metadata import read_book, read_metadata
@@ -82,8 +83,9 @@ class _Records:
         return _Placeholder(ref, tuple(shape))
 
 
-def _structure(src: TensorSource, records: _Records, groups: list[dict[str, Any]]) -> dict[str, Any]:
-    """The output object, every tensor a placeholder (tied model tensors share one)."""
+def _structure(src: TensorSource, records: _Records, book: dict[str, Any]) -> dict[str, Any]:
+    """The output object, every tensor a placeholder (tied model tensors share one); the optimizer's state carries the
+    fp16 loss scale and ``skipped_steps`` under ``STATE_FORMAT``, as ``full_state_dict()`` does (AdamW ignores it)."""
     meta = src.meta
     shared: dict[str, _Placeholder] = {}
 
@@ -108,7 +110,9 @@ def _structure(src: TensorSource, records: _Records, groups: list[dict[str, Any]
             for kind in ("max_exp_avg_sq", "master"):  # AMSGrad groups; bf16/fp16 parameters (the model's tensor)
                 if f"optim/{index}/{kind}" in meta["tensors"]:
                     state[index][kind] = lazy(f"optim/{index}/{kind}")
-    return {"model": model, "optimizer": {"state": state, "param_groups": _adamw_groups(meta, groups)}}
+    carried = {"whole": True, "loss_scaler": book["loss_scaler"], "skipped_steps": meta.get("skipped_steps")}
+    optimizer = {"state": state, "param_groups": _adamw_groups(meta, book["param_groups"]), STATE_FORMAT: carried}
+    return {"model": model, "optimizer": optimizer}
 
 
 def _adamw_groups(meta: dict[str, Any], saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -163,7 +167,7 @@ def consolidate(directory: PathLike, out_path: PathLike) -> Path:
     try:
         book = read_book(version, meta)
         with TensorSource(version, meta) as src:
-            _write(tmp, _structure(src, records, book["param_groups"]), records)
+            _write(tmp, _structure(src, records, book), records)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out)
