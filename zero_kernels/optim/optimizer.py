@@ -86,7 +86,7 @@ from ..stages import (
     storage_bytes,
 )
 from ..stages import state_door as zstate
-from . import amp, guards, module_zero_grad, torch_clip
+from . import amp, foreign_steps, guards, module_zero_grad, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
@@ -267,6 +267,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         live.register(self)
         torch_clip.install()
         module_zero_grad.install()
+        foreign_steps.install()
         self._unwatch = guards.watch(self, module)
 
     def _detach(self) -> None:
