@@ -3,7 +3,8 @@
 backward passes, saved after the first or the second of three micro-batches. The resumed run is
 compared with the uninterrupted one element by element (parameters and Adam state, bit for bit).
 Loaded at another stage, such a checkpoint raises on every rank, saying to save at a window
-boundary; one saved at a boundary loads with an empty window, as after ``zero_grad()``.
+boundary; one saved at a boundary loads with an empty window, as after ``zero_grad()``. With ZeRO++'s quantized
+weights (stages 1-3, 2 ranks) the resumed run is bit for bit the uninterrupted one too, inside a window and at its end.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ MICRO = 3
 MODES = ("accumulation_steps", "no_sync", "backward")
 
 
-def _opt(model: torch.nn.Module, stage: int, mode: str) -> zo.ShardedFusedAdam:
+def _opt(model: torch.nn.Module, stage: int, mode: str, **extra: bool) -> zo.ShardedFusedAdam:
     kwargs = {"gradient_accumulation_steps": MICRO} if mode == "accumulation_steps" else {}
     return zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET,
-                               stage3_param_persistence_threshold=2, **kwargs)  # fmt: skip
+                               stage3_param_persistence_threshold=2, **kwargs, **extra)  # fmt: skip
 
 
 def _micro(model: torch.nn.Module, opt: zo.ShardedFusedAdam, rank: int, world: int, step: int, m: int, mode: str):
@@ -80,6 +81,45 @@ def _case(rank: int, world: int, stage: int, mode: str, save_after: int, root: s
     refused = rf"inside a gradient accumulation window.*stage {stage} on {ranks};.*\(here: stage {other} on {ranks},"
     with pytest.raises(ck.CheckpointError, match=refused):
         ck.load(root, model, _opt(model, other, mode))
+
+
+def _quantized_case(rank: int, world: int, stage: int, save_after: int, root: str) -> None:
+    """qwZ: every rank's whole copy of the other ranks' parts (stages 1-2, stage 3's persistent parameters) is the
+    dequantized int8 all-gather's; a load writes exact values there, so it sends them again as the step does, and
+    the resumed run (saved inside the window or at its end) goes on bit for bit."""
+    runs = []
+    for saving in (False, True):
+        model, _ = make_models(torch.float32)
+        opt = _opt(model, stage, "no_sync", zero_quantized_weights=True)
+        for step in range(3):
+            for m in range(MICRO):
+                _micro(model, opt, rank, world, step, m, "no_sync")
+                if saving and step == 1 and m == save_after:
+                    ck.save(root, model, opt)
+                    model, _ = make_models(torch.float32)
+                    opt = _opt(model, stage, "no_sync", zero_quantized_weights=True)
+                    ck.load(root, model, opt)
+        runs.append(_state(model, opt))
+    expected, got = runs
+    for key, value in expected.items():
+        what = f"qwZ stage {stage} saved after micro-batch {save_after}: {key}"
+        assert torch.equal(got[key], value), f"{what} differs by {(got[key] - value).abs().max():.3g}"
+
+
+def _quantized_body(rank: int, world: int, tmp: str) -> list[str]:
+    problems = []
+    for stage in (1, 2, 3):
+        for save_after in (0, MICRO - 1):
+            try:
+                _quantized_case(rank, world, stage, save_after, f"{tmp}/q{stage}-{save_after}")
+            except Exception as err:  # every case runs; each rank reports what it found wrong
+                problems.append(f"{type(err).__name__}: {err}")
+    return problems
+
+
+@pytest.mark.distributed
+def test_a_quantized_weights_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    run_ranks_checked(_quantized_body, 2, str(tmp_path), timeout_s=300)
 
 
 def _boundary_case(rank: int, world: int, root: str) -> None:

@@ -548,6 +548,7 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
             dst.copy_(value.view(dst.shape))
     pipeline.assign_frozen(staged.frozen)
     master.record_all(pipeline)
+    pipeline.requantize_whole()
     saved = {p["name"]: p for p in staged.meta["params"]}
     for index in pipeline.steps:
         entry = saved[names[index]]

@@ -465,6 +465,16 @@ class Pipeline(BackwardRound):
             return quantized_gather.publish(self.engine, full, shard, payload, name, self.param_traffic)
         return self.engine.all_gather(full, shard, name=name)
 
+    def requantize_whole(self) -> None:
+        """qwZ, after a load wrote exact values into every rank's whole copy of the parameters: the other ranks'
+        parts as the step's quantized all-gather leaves them (dequantized), so that a resumed run goes on from the
+        values the uninterrupted run held (this rank's part stays exact, as after a step)."""
+        for buf in self.buffers:
+            if buf.param_flat is not None and self.epilogue_quantizer(buf) is not None:
+                for handle in [self._publish(buf, bucket) for bucket in buf.layout.buckets]:
+                    if handle is not None:
+                        handle.wait()
+
     def epilogue_quantizer(self, buf: FlatBuffer) -> Optional[quantized_gather.WeightQuantizer]:
         """Where the step's Adam kernel leaves the int8 copy of ``buf``'s updated shards (``update``'s epilogue),
         or None when no quantized gather sends them (qwZ off, or one shard)."""
