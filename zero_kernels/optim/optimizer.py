@@ -132,7 +132,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         adam_w_mode: decoupled weight decay (AdamW) if True; L2 added to the gradient (Adam) if False.
         max_grad_norm: clip the global gradient norm to this value (None or 0: no clipping).
         gradient_accumulation_steps: micro-steps per update (see the module docstring).
-        fp16: an ``FP16Config`` (or its fields as a dict) enabling loss scaling.
+        fp16: an ``FP16Config`` (or its fields as a dict) enabling loss scaling; True: DeepSpeed's dynamic
+            defaults (``FP16Config(enabled=True)``), False: none.
         skip_nonfinite_steps: skip (on every rank) a step whose gradients hold inf/NaN on some rank,
             and count it in ``skipped_steps``; False applies them, as ``torch.optim.AdamW`` does.
             fp16 loss scaling always skips such steps.
@@ -206,8 +207,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.adam_w_mode = bool(adam_w_mode)
         self.max_grad_norm = max_grad_norm or None
         self.gradient_accumulation_steps = gradient_accumulation_steps
-        if isinstance(fp16, Mapping):
-            fp16 = FP16Config(**fp16)
+        fp16 = _fp16_config(fp16)
         self.loss_scaler = LossScaler.from_fp16_config(fp16) if fp16 is not None and fp16.enabled else None
         params = module.parameters() if params_or_module is module else params_or_module
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
@@ -767,6 +767,20 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
         self.wait_params()
         return optim_copy.deep_copy(self, memo)
+
+
+def _fp16_config(fp16: Any) -> Optional[FP16Config]:
+    """``fp16=`` as an ``FP16Config`` (None: no loss scaling), or a ``TypeError`` naming it."""
+    if isinstance(fp16, bool):
+        return FP16Config(enabled=True) if fp16 else None
+    if isinstance(fp16, Mapping):
+        return FP16Config(**fp16)
+    if fp16 is None or isinstance(fp16, FP16Config):
+        return fp16
+    raise TypeError(
+        f"fp16 must be an FP16Config, a dict of its fields (DeepSpeed's fp16 block), True, False or None; got "
+        f"{type(fp16).__name__}"
+    )
 
 
 def _check_max_norm(max_norm: Any) -> None:
