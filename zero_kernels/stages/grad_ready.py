@@ -4,14 +4,17 @@ Autograd writes ``p.grad`` in ``p``'s gradient accumulator (its ``AccumulateGrad
 ``p`` itself (``register_post_accumulate_grad_hook``) in the order they were put on, then the node's own post hooks.
 The pipeline takes the gradient away (stage 2 copies it into a bucket and drops ``p.grad``; stage 0 starts the
 all-reduce of the buffer ``p.grad`` views), so it must come last: a hook on ``p`` put on after the optimizer was
-built (one that adds noise to ``p.grad`` or scales it) would find nothing, or write into a gradient being reduced.
-``GradReady`` therefore hands the gradient on from a post hook of the node, as DDP's reducer does.
+built (one that adds noise to ``p.grad``, scales it or drops it) would find nothing, or write into a gradient being
+reduced.
 
-The node belongs to the parameter only while its data keeps its dtype and device: giving ``p.data`` another one
-makes autograd build a new node on the next backward. A hook on ``p`` itself stays through that, so one is kept
-too: when it finds a node that is not the watched one, it watches the new node, whose post hooks run once the hooks
-on ``p`` have (a gradient not handed on is taken from ``p.grad`` at the end of backward all the same: the round's
-``_take_unreported``).
+``GradReady`` puts a hook on ``p`` that keeps itself last. Each time it runs it looks at the hooks after it (a walk
+from the end of ``p``'s hook table that stops at once where it is last, as it is but for the first backward after a
+user's hook came): where a user's hook follows, it moves itself to the end of the table for the backwards to come,
+and this once hands the gradient on from a post hook of the running node (``get_gradient_edge``), which the engine
+runs after every hook on ``p`` (those put on while the node ran included). No node is kept: autograd makes a new one
+for each graph, with the parameter's shape of that moment (a node kept across ``p.data = <another shape>``, as
+``resize_token_embeddings`` assigns, would make torch refuse the next backward before the optimizer could say what
+happened). A parameter whose hook dropped its gradient (``p.grad = None``) has none this round, as for AdamW.
 
 ``owners`` says which pipeline handles a parameter (the one built last); the others' hooks do nothing.
 """
@@ -19,52 +22,65 @@ on ``p`` have (a gradient not handed on is taken from ``p.grad`` at the end of b
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from collections import OrderedDict
+from typing import Any, Callable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
+_OURS = "zero_kernels_grad_ready"  # an attribute of the hooks GradReady puts on
 
 
 class GradReady:
     """Hands ``p``'s gradient to the pipeline ``ref`` points to (``_on_grad_ready``) after every hook on ``p``
-    (see the module docstring); ``remove()`` takes both hooks off."""
+    (see the module docstring); ``remove()`` takes its hook off."""
 
     def __init__(self, p: torch.Tensor, ref: weakref.ref):
         self._ref = ref
-        self._node: Optional[Any] = None
-        self._node_handle: Optional[Any] = None
-        me = weakref.ref(self)  # the hooks hold no strong reference to this object: the node would keep it alive
-        self._param_handle = p.register_post_accumulate_grad_hook(lambda param: _on_accumulated(me, param))
-        self._watch(p)
+        me = weakref.ref(self)  # the hook holds no strong reference to this object
 
-    def _watch(self, p: torch.Tensor) -> None:
-        if self._node_handle is not None:
-            self._node_handle.remove()
-        me = weakref.ref(self)
-        self._node = get_gradient_edge(p).node
-        self._node_handle = self._node.register_hook(lambda grad_inputs, grad_outputs: _hand_on(me, p))
+        def hook(param: torch.Tensor) -> None:
+            _on_accumulated(me, param)
+
+        setattr(hook, _OURS, True)
+        self._handle = p.register_post_accumulate_grad_hook(hook)
 
     def hand_on(self, p: torch.Tensor) -> None:
         pipeline = self._ref()
-        if pipeline is not None and owners.get(id(p)) is self._ref:
+        if pipeline is not None and p.grad is not None and owners.get(id(p)) is self._ref:
             pipeline._on_grad_ready(p)
 
     def remove(self) -> None:
-        self._param_handle.remove()
-        if self._node_handle is not None:
-            self._node_handle.remove()
-        self._node = self._node_handle = None
+        self._handle.remove()
 
 
 def _on_accumulated(me: weakref.ref, p: torch.Tensor) -> None:
     ready = me()
-    if ready is not None and get_gradient_edge(p).node is not ready._node:
-        ready._watch(p)  # a new node, running now: its post hook hands the gradient on after the hooks on ``p``
-
-
-def _hand_on(me: weakref.ref, p: torch.Tensor) -> None:
-    ready = me()
-    if ready is not None:
+    if ready is None:
+        return
+    hooks: OrderedDict[int, Callable[..., Any]] = p._post_accumulate_grad_hooks
+    key = ready._handle.id
+    if not _user_hook_after(hooks, key):
         ready.hand_on(p)
+        return
+    hooks[key] = hooks.pop(key)  # last from the next backward on
+    handed: list[bool] = []
+
+    def after_hooks(grad_inputs: Any, grad_outputs: Any) -> None:
+        later = me()
+        if later is not None and not handed:
+            handed.append(True)
+            later.hand_on(p)
+
+    get_gradient_edge(p).node.register_hook(after_hooks)
+
+
+def _user_hook_after(hooks: OrderedDict[int, Callable[..., Any]], key: int) -> bool:
+    """Whether a hook that is not one of ``GradReady``'s comes after the one under ``key``."""
+    for k in reversed(hooks):
+        if k == key:
+            return False
+        if not getattr(hooks[k], _OURS, False):
+            return True
+    return False
