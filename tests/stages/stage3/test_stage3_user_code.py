@@ -11,8 +11,9 @@
 - A parameter written in place while its module has it gathered (``nn.Embedding(max_norm=...)``), in a
   training forward or an evaluation, on one rank only: the next step raises on every rank, naming the
   parameter and the rank, even after ``zero_grad()``, and updates nothing (the write used to be lost
-  at the free). Also for a parameter under ``stage3_param_persistence_threshold``, kept whole on every rank
-  (each rank's step took only the rows in its own shard: lost without a word). Writes inside
+  at the free). A parameter under ``stage3_param_persistence_threshold``, kept whole on every rank, is refused
+  where the ranks' values then differ (each rank's step took only the rows in its own shard: a mix, without a
+  word), and kept where every rank wrote the same. Writes inside
   ``gathered_params()`` are kept, and so, for a persistent parameter, are writes between steps outside any
   forward: training after them matches AdamW.
 - A parameter used with autograd outside any forward (an L2 penalty added to the loss,
@@ -119,10 +120,19 @@ def embedding_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens).square().mean()
 
 
-def refused_write(model: nn.Module, opt: zo.ShardedFusedAdam, tokens: torch.Tensor, rank: int, world: int) -> None:
+PERSISTENT_WRITTEN = (
+    r"parameter '0\.weight' \(optimizer index 0\), kept whole on every rank .*written in place during a forward, "
+    r"and the ranks now hold different values.*nothing was updated"
+)
+
+
+def refused_write(
+    model: nn.Module, opt: zo.ShardedFusedAdam, tokens: torch.Tensor, rank: int, world: int, persistent: bool
+) -> None:
     """A forward that renormalises rows on rank 0 only (under no_grad, then a plain training forward; or in the
     training forward): the step raises on every rank."""
     where = r" \(found on rank 0 of 2; every rank raises\)" if world == 2 else "$"
+    pattern = PERSISTENT_WRITTEN if persistent else WRITTEN + where
     for evaluation in (True, False):
         model[0].max_norm = 1.0 if rank == 0 else None
         if evaluation:
@@ -131,7 +141,7 @@ def refused_write(model: nn.Module, opt: zo.ShardedFusedAdam, tokens: torch.Tens
             model[0].max_norm = None
             opt.zero_grad()
         embedding_loss(model, tokens).backward()
-        with pytest.raises(RuntimeError, match=WRITTEN + where):
+        with pytest.raises(RuntimeError, match=pattern):
             opt.step()
         opt.zero_grad()
         model[0].max_norm = None
@@ -148,13 +158,16 @@ def _embedding_models(threshold: int) -> tuple[nn.Module, nn.Module, zo.ShardedF
 
 
 def forward_write_case(rank: int, world: int, threshold: int) -> None:
-    """``threshold``: 0 shards the embedding; the default keeps it whole on every rank (persistent), where the
-    refused write stays in the writing rank's copy, as torch keeps it (so training starts again from a new model
-    there), and a write in place between steps, outside any forward, is an edit the step takes, as AdamW's."""
+    """``threshold``: 0 shards the embedding; the default keeps it whole on every rank (persistent). There a write
+    that differs between the ranks is refused (on one rank nothing differs: every write is kept) and stays in the
+    writing rank's copy, as torch keeps it (so training starts again from a new model); the same write on every rank
+    during a forward (the same rows renormalised), and a write between steps outside any forward, are edits the
+    step takes, as AdamW's."""
     model, ref, opt, ropt = _embedding_models(threshold)
     tokens = torch.tensor([[1, 2, 3], [4, 5, 1]])
     mine = tokens[rank : rank + 1] if world == 2 else tokens
-    refused_write(model, opt, mine, rank, world)
+    if not threshold or world == 2:
+        refused_write(model, opt, mine, rank, world, persistent=bool(threshold))
     if threshold:
         model, ref, opt, ropt = _embedding_models(threshold)
     with opt.gathered_params(), torch.no_grad():
@@ -165,6 +178,12 @@ def forward_write_case(rank: int, world: int, threshold: int) -> None:
             model[0].weight.clamp_(-0.3, 0.3)
             ref[0].weight.clamp_(-0.3, 0.3)
     for step in range(2):
+        if threshold and step == 1:  # every rank renormalises the same rows in a forward
+            for m in (model, ref):
+                m[0].max_norm = 0.1
+                with torch.no_grad():
+                    m(tokens)
+                m[0].max_norm = None
         embedding_loss(model, mine).backward()
         embedding_loss(ref, tokens).backward()
         step_and_compare(opt, ropt, model, ref, f"world {world} step {step}")

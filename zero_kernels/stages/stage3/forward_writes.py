@@ -13,6 +13,13 @@ gathered and compares them when freed: one int compare per parameter. A write th
 ``gathered_params()`` are meant, and go back to the shards: its units record their versions again
 before the block frees them.
 
+A parameter under ``stage3_param_persistence_threshold`` is never freed: it stays whole on every rank, and the step
+takes each rank's part of an edit from that rank's copy. A write in place during a forward is found by the same
+counters, around each module's forward (``stage3.hooks``), and kept where every rank made the same (a ``clamp_``
+of the weight, the same rows renormalised): the step's exchange says whether some rank found one, and the ranks
+then compare an exact sum of that parameter's bits (``held_edits``, one small all-reduce); where they differ
+every rank raises (``describe_persistent``).
+
 Whether a write happens may depend on a rank's data, and a free is no point where every rank can
 stop together, so the rank records the first parameter found (``record``) and the step's exchange
 carries it (``columns``): every rank raises the same ``RuntimeError`` there, naming the parameter and
@@ -25,6 +32,19 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 NONE = -1
+
+
+def describe_persistent(name: str) -> str:
+    """The error for persistent parameter ``name`` written in place during a forward, differently by rank."""
+    return (
+        f"ZeRO stage 3: {name}, kept whole on every rank (under stage3_param_persistence_threshold), was written in "
+        "place during a forward, and the ranks now hold different values of it, as nn.Embedding(max_norm=...) "
+        "renormalises the rows each rank's data looks up: each rank's step takes only its own part of it, so the "
+        "model would hold none of the ranks' values. Make the change out of place (for max_norm: look the rows up "
+        "without it and scale them, e = F.embedding(x, w); e = e * (max_norm / e.norm(dim=-1, keepdim=True))"
+        ".clamp(max=1)), the same on every rank, or inside `with optimizer.gathered_params():` between steps; "
+        "nothing was updated"
+    )
 
 
 def describe(name: str) -> str:

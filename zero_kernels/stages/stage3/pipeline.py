@@ -72,7 +72,7 @@ from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
 from .disk_params import DiskParams
-from .forward_writes import ForwardWrites
+from .forward_writes import NONE, ForwardWrites, describe_persistent
 from .frozen import FrozenUnit, frozen_members
 from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
@@ -196,6 +196,7 @@ class Stage3Pipeline(Stage2Pipeline):
         self._hold_depth = 0
         self._deferred = DeferredChecks()  # gathers of repeated passes, compared at the step
         self.forward_writes = ForwardWrites()  # a gathered parameter written in place, refused at the step
+        self.persistent_writes = ForwardWrites()  # a persistent one, refused where the ranks' values differ
         self.disk_params: Optional[DiskParams] = None  # ``offload_param`` on nvme: shards in files
         self.disk_grads: Optional[DiskGrads] = disk_grads.start(self.tier)  # the state on disk: gradients in files
         self.host_params: Optional[HostParams] = None  # ``offload_param``, the state not all in the tier
@@ -327,17 +328,33 @@ class Stage3Pipeline(Stage2Pipeline):
             check_same_units(self._control, units, phase, self._suggest_leaf)
 
     def _written_in_forward(self, p: nn.Parameter) -> None:
-        """A persistent parameter written in place during a forward: refused at the step (``forward_writes``)."""
+        """A persistent parameter written in place during a forward: compared across ranks at the step
+        (``forward_writes``)."""
         b, slot = self.where[id(p)]
-        self.forward_writes.record(self.buffers[b].index_of(slot))
+        self.persistent_writes.record(self.buffers[b].index_of(slot))
 
     def _step_columns(self) -> list[float]:
-        return self._deferred.columns() + self.forward_writes.columns()
+        return self._deferred.columns() + self.forward_writes.columns() + self.persistent_writes.columns()
 
     def _verify_step_columns(self, rows: list[list[float]]) -> None:
         n = len(self._deferred.columns())
         self._deferred.verify(self._control, [row[:n] for row in rows], self._units, self._suggest_leaf)
-        self.forward_writes.verify([row[n:] for row in rows], self._index_name)
+        self.forward_writes.verify([row[n : n + 1] for row in rows], self._index_name)
+        self._verify_persistent_writes([int(row[n + 1]) for row in rows])
+
+    def _verify_persistent_writes(self, found: list[int]) -> None:
+        """Where some rank found a persistent parameter written during a forward (every rank has ``found``, each
+        rank's first, or ``NONE``), the ranks compare its bits and raise where they differ."""
+        self.persistent_writes.index = NONE
+        written = [index for index in found if index != NONE]
+        if not written:
+            return
+        index = min(written)
+        p = next(
+            buf.params[slot.param] for buf in self.buffers for slot in buf.layout.slots if buf.index_of(slot) == index
+        )
+        if held_edits.differing(self.engine, held_edits.word_sums([p], self.device)):
+            raise RuntimeError(describe_persistent(self._index_name(index)))
 
     def _suggest_leaf(self, names: list[str]) -> str:
         """The fix for ranks that gather the units of modules ``names``: their closest common caller as a leaf."""
