@@ -9,7 +9,7 @@ import pickle
 
 import pytest
 
-from zero_kernels.config import ZeroConfig, ZeroOptions
+from zero_kernels.config import ZeroConfig, ZeroOptions, zero_config
 from zero_kernels.config.schema import LocoParam
 
 ZEROPP = {
@@ -113,15 +113,22 @@ def test_quantized_nontrainable_weights_is_carried_at_stage_3() -> None:
     [(1, ("zero_quantized_weights",)), (2, ("zero_quantized_weights",)), (2, ("zero_quantized_gradients",))],
 )
 def test_below_stage_3_a_config_is_warned_that_deepspeed_ignores_the_key(
-    caplog: pytest.LogCaptureFixture, stage: int, keys: tuple
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, stage: int, keys: tuple
 ) -> None:
     """DeepSpeed 0.19 builds its stage 1-2 optimizer without the ZeRO++ switches: the same JSON would train unquantized
-    there, so a config that turns them on below stage 3 is warned (and still honoured); stage 3 is not warned."""
+    there, so a DeepSpeed config that turns them on below stage 3 is warned once per process (and still honoured);
+    stage 3 is not warned, nor are ``ShardedFusedAdam``'s keyword arguments (``ZeroOptions.from_dict``), which are no
+    DeepSpeed config."""
+    monkeypatch.setattr(zero_config, "_ZEROPP_WARNED", set())
+    zero = {"stage": stage, **dict.fromkeys(keys, True)}
     with caplog.at_level(logging.WARNING, logger="zero_kernels"):
-        options = ZeroOptions.from_dict({"stage": stage, **dict.fromkeys(keys, True)})
-        ZeroOptions.from_dict({"stage": 3, **dict.fromkeys(keys, True)})
+        options = ZeroOptions.from_dict(zero)
+        assert not caplog.records, "keyword use"
+        for _ in range(2):
+            config = ZeroConfig.from_deepspeed({"zero_optimization": zero})
+        ZeroConfig.from_deepspeed({"zero_optimization": {**zero, "stage": 3}})
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1, warned
     assert f"{keys[0]}=true at stage {stage}: zero_kernels quantizes" in warned[0]
     assert "DeepSpeed 0.19 ignores it below stage 3" in warned[0]
-    assert options.quantized_weights or options.quantized_gradients
+    assert options == config.zero and (options.quantized_weights or options.quantized_gradients)

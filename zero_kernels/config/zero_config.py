@@ -181,7 +181,6 @@ class ZeroOptions:
         ctx = ParseContext()
         options = cls._from_parsed(ZERO(d, path, ctx))
         ctx.log()
-        _warn_zeropp_below_stage3(options, path)
         return options
 
     @classmethod
@@ -190,11 +189,16 @@ class ZeroOptions:
         return cls(**{**{f.name: values[_key(f.name)] for f in fields(cls)}, "aio": aio or values["aio"]})
 
 
+_ZEROPP_WARNED: set = set()  # (stage, keys) already warned about in this process
+
+
 def _warn_zeropp_below_stage3(options: ZeroOptions, path: str) -> None:
-    """A config's quantized weights or gradients at stages 1-2 are honoured, where DeepSpeed 0.19 ignores them (its
-    stage 1-2 optimizer is built without them): the same JSON trains with other numbers, so say so."""
-    on = [_key(name) for name in ("quantized_weights", "quantized_gradients") if getattr(options, name)]
-    if on and options.stage < 3:
+    """A DeepSpeed config's quantized weights or gradients at stages 1-2 are honoured, where DeepSpeed 0.19 ignores
+    them (its stage 1-2 optimizer is built without them): the same JSON trains with other numbers, so say so, once
+    per process (the keyword arguments of ``ShardedFusedAdam`` are not a DeepSpeed config: nothing is said)."""
+    on = tuple(_key(name) for name in ("quantized_weights", "quantized_gradients") if getattr(options, name))
+    if on and options.stage < 3 and (options.stage, on) not in _ZEROPP_WARNED:
+        _ZEROPP_WARNED.add((options.stage, on))
         logger.warning(
             "%s: %s at stage %d: zero_kernels quantizes (lossy: %s), where DeepSpeed 0.19 ignores %s below stage 3; "
             "remove %s to train as DeepSpeed does",
@@ -399,6 +403,7 @@ class ZeroConfig:
         _check_unused(ctx, data)
         config = _build(cls, top, world, ctx)
         ctx.log()
+        _warn_zeropp_below_stage3(config.zero, "zero_optimization")
         return config
 
 
