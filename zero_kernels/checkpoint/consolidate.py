@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..optim.state_dicts import FORMAT as STATE_FORMAT
+from ..stages.state_door import STATE_DICT_KEY
 from . import accumulation
 from .format import DTYPES, PathLike, TensorSource, fsync_dir, resolve
 from .metadata import read_book, read_metadata
@@ -85,7 +85,7 @@ class _Records:
 
 def _structure(src: TensorSource, records: _Records, book: dict[str, Any]) -> dict[str, Any]:
     """The output object, every tensor a placeholder (tied model tensors share one); the optimizer's state carries the
-    fp16 loss scale and ``skipped_steps`` under ``STATE_FORMAT``, as ``full_state_dict()`` does (AdamW ignores it)."""
+    fp16 loss scale and ``skipped_steps`` under ``STATE_DICT_KEY``, as ``full_state_dict()`` does (AdamW ignores it)."""
     meta = src.meta
     shared: dict[str, _Placeholder] = {}
 
@@ -111,7 +111,7 @@ def _structure(src: TensorSource, records: _Records, book: dict[str, Any]) -> di
                 if f"optim/{index}/{kind}" in meta["tensors"]:
                     state[index][kind] = lazy(f"optim/{index}/{kind}")
     carried = {"whole": True, "loss_scaler": book["loss_scaler"], "skipped_steps": meta.get("skipped_steps")}
-    optimizer = {"state": state, "param_groups": _adamw_groups(meta, book["param_groups"]), STATE_FORMAT: carried}
+    optimizer = {"state": state, "param_groups": _adamw_groups(meta, book["param_groups"]), STATE_DICT_KEY: carried}
     return {"model": model, "optimizer": optimizer}
 
 

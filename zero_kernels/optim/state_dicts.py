@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zero_kernels")
 
-FORMAT = "zero_kernels.sharded"
+FORMAT = zstate.STATE_DICT_KEY
 KEEP_OWN = (*IMPLEMENTATION_FLAGS, "decoupled_weight_decay")  # group keys a load does not change
 _ADAMW_GROUP_KEYS = {**ALGORITHM_FLAGS, **IMPLEMENTATION_FLAGS}
 _HYPER = ("lr", "betas", "eps", "weight_decay")

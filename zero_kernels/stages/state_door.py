@@ -46,6 +46,7 @@ from .adopt import current
 from .base import FlatBuffer, Pipeline
 from .master import record, unrecord, written
 
+STATE_DICT_KEY = "zero_kernels.sharded"  # the optimizer state dicts' key for what AdamW's layout has no place for
 KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")  # every state tensor a buffer may have
 MOMENTS = KINDS[:3]  # Adam's state proper (a reset zeroes these; the master is the parameter's value)
 _MOMENTS = KINDS[:2]
