@@ -527,8 +527,9 @@ class Stage3Scheduler:
 
     def _check_writes(self, frame: _Frame) -> None:
         """A persistent parameter the frame's module wrote in place during its forward (``nn.Embedding(max_norm)``):
-        kept whole on every rank, but each rank's step takes only its own shard's part, so the write is refused as
-        for a sharded unit (``forward_writes``); inside ``gathered_params()`` writes are meant."""
+        kept whole on every rank, but each rank's step takes only its own shard's part, so ``written`` is told (the
+        step refuses it where the ranks' values differ, ``forward_writes``); inside ``gathered_params()`` writes are
+        meant."""
         if self._held:
             return
         changed = next((q for q, version in frame.versions if q._version != version), None)
