@@ -189,10 +189,10 @@ class ZeroOptions:
         return cls(**{**{f.name: values[_key(f.name)] for f in fields(cls)}, "aio": aio or values["aio"]})
 
 
-_ZEROPP_WARNED: set = set()  # (stage, keys) already warned about in this process
+_ZEROPP_WARNED: set[tuple[int, tuple[str, ...]]] = set()  # (stage, keys) already warned about in this process
 
 
-def _warn_zeropp_below_stage3(options: ZeroOptions, path: str) -> None:
+def _warn_zeropp_below_stage3(options: ZeroOptions) -> None:
     """A DeepSpeed config's quantized weights or gradients at stages 1-2 are honoured, where DeepSpeed 0.19 ignores
     them (its stage 1-2 optimizer is built without them): the same JSON trains with other numbers, so say so, once
     per process (the keyword arguments of ``ShardedFusedAdam`` are not a DeepSpeed config: nothing is said)."""
@@ -200,9 +200,8 @@ def _warn_zeropp_below_stage3(options: ZeroOptions, path: str) -> None:
     if on and options.stage < 3 and (options.stage, on) not in _ZEROPP_WARNED:
         _ZEROPP_WARNED.add((options.stage, on))
         logger.warning(
-            "%s: %s at stage %d: zero_kernels quantizes (lossy: %s), where DeepSpeed 0.19 ignores %s below stage 3; "
-            "remove %s to train as DeepSpeed does",
-            path,
+            "zero_optimization: %s at stage %d: zero_kernels quantizes (lossy: %s), where DeepSpeed 0.19 ignores %s "
+            "below stage 3; remove %s to train as DeepSpeed does",
             " and ".join(f"{key}=true" for key in on),
             options.stage,
             "; ".join(_ZEROPP_EFFECT[key] for key in on),
@@ -403,7 +402,7 @@ class ZeroConfig:
         _check_unused(ctx, data)
         config = _build(cls, top, world, ctx)
         ctx.log()
-        _warn_zeropp_below_stage3(config.zero, "zero_optimization")
+        _warn_zeropp_below_stage3(config.zero)
         return config
 
 

@@ -30,17 +30,18 @@ def install() -> None:
         _installed = True
 
 
-def _wraps_sharded(optimizer: Any) -> bool:
+def _wraps_sharded(optimizer: Any, sharded: list[Any]) -> bool:
     seen = 0
     while optimizer is not None and seen < 8:  # wrappers of wrappers, never a cycle
-        if optimizer in live.optimizers():
+        if any(optimizer is s for s in sharded):
             return True
         optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
     return False
 
 
 def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if not live.optimizers() or _wraps_sharded(optimizer):
+    sharded = live.optimizers()
+    if not sharded or _wraps_sharded(optimizer, sharded):
         return
     params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
     ids = {id(p) for p in params}

@@ -610,10 +610,15 @@ class Pipeline(BackwardRound):
         return self._held[1]
 
     def _index_name(self, index: int) -> str:
+        p = self.param_at(index)
+        return f"parameter {index}" if p is None else f"{self.name_of(p)} (optimizer index {index})"
+
+    def param_at(self, index: int) -> Optional[torch.Tensor]:
+        """The parameter the optimizer numbers ``index`` (None: one the buffers do not hold, a frozen one)."""
         for buf in self.buffers:
             if index in buf.indices:
-                return f"{self.name_of(buf.params[buf.indices.index(index)])} (optimizer index {index})"
-        return f"parameter {index}"
+                return buf.params[buf.indices.index(index)]
+        return None
 
     def step(
         self,

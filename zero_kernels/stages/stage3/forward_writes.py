@@ -83,8 +83,13 @@ class ForwardWrites:
             rows: every rank's column, as the step's exchange gathered them.
             name: names a parameter by its optimizer index.
         """
-        self.index = NONE
-        for rank, (index,) in enumerate(rows):
-            if int(index) != NONE:
+        for rank, index in enumerate(self.take(rows)):
+            if index != NONE:
                 where = f" (found on rank {rank} of {len(rows)}; every rank raises)" if len(rows) > 1 else ""
-                raise RuntimeError(describe(name(int(index))) + where)
+                raise RuntimeError(describe(name(index)) + where)
+
+    def take(self, rows: Sequence[Sequence[float]]) -> list[int]:
+        """Every rank's parameter (``NONE``: none) from its ``columns()`` (``rows``, in rank order); this rank's record
+        is cleared."""
+        self.index = NONE
+        return [int(index) for (index,) in rows]

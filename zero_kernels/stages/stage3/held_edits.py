@@ -46,23 +46,25 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
 
 def differing(engine: Any, sums: torch.Tensor) -> list[int]:
     """The positions of ``sums`` (every rank's, in the same order) that are not the same on every rank."""
-    if engine.world_size == 1 or sums.numel() == 0:
-        return []
-    packed = torch.cat([sums, -sums])
-    engine.all_reduce(packed, op="max", name="held.edits").wait()
-    return (packed[: sums.numel()] != -packed[sums.numel() :]).nonzero().flatten().tolist()
+    return _differ(engine, sums, torch.ones_like(sums))
 
 
 def edited_differently(engine: Any, before: torch.Tensor, after: torch.Tensor) -> list[int]:
     """The positions of ``after`` that some rank changed from its ``before`` and that are not the same on every
     rank now (values that already differed and that no rank edited are left alone: not this block's doing)."""
-    if engine.world_size == 1 or after.numel() == 0:
+    return _differ(engine, after, (before != after).to(torch.int64))
+
+
+def _differ(engine: Any, values: torch.Tensor, marked: torch.Tensor) -> list[int]:
+    """The positions that some rank ``marked`` (non-zero) and where ``values`` differ between ranks (one all-reduce
+    of the maxima of ``marked``, ``values`` and ``-values``)."""
+    if engine.world_size == 1 or values.numel() == 0:
         return []
-    n = after.numel()
-    packed = torch.cat([(before != after).to(torch.int64), after, -after])
+    n = values.numel()
+    packed = torch.cat([marked, values, -values])
     engine.all_reduce(packed, op="max", name="held.edits").wait()
-    edited, differ = packed[:n] > 0, packed[n : 2 * n] != -packed[2 * n :]
-    return (edited & differ).nonzero().flatten().tolist()
+    some, differ = packed[:n] > 0, packed[n : 2 * n] != -packed[2 * n :]
+    return (some & differ).nonzero().flatten().tolist()
 
 
 def warn(name: str) -> None:

@@ -340,20 +340,16 @@ class Stage3Pipeline(Stage2Pipeline):
         n = len(self._deferred.columns())
         self._deferred.verify(self._control, [row[:n] for row in rows], self._units, self._suggest_leaf)
         self.forward_writes.verify([row[n : n + 1] for row in rows], self._index_name)
-        self._verify_persistent_writes([int(row[n + 1]) for row in rows])
+        self._verify_persistent_writes(self.persistent_writes.take([row[n + 1 :] for row in rows]))
 
     def _verify_persistent_writes(self, found: list[int]) -> None:
         """Where some rank found a persistent parameter written during a forward (every rank has ``found``, each
         rank's first, or ``NONE``), the ranks compare its bits and raise where they differ."""
-        self.persistent_writes.index = NONE
         written = [index for index in found if index != NONE]
         if not written:
             return
         index = min(written)
-        p = next(
-            buf.params[slot.param] for buf in self.buffers for slot in buf.layout.slots if buf.index_of(slot) == index
-        )
-        if held_edits.differing(self.engine, held_edits.word_sums([p], self.device)):
+        if held_edits.differing(self.engine, held_edits.word_sums([self.param_at(index)], self.device)):
             raise RuntimeError(describe_persistent(self._index_name(index)))
 
     def _suggest_leaf(self, names: list[str]) -> str:
