@@ -237,6 +237,18 @@ def test_narrower_accumulation_dtype_never_narrows(caplog: pytest.LogCaptureFixt
     assert opt.pipeline.buffers[0].grad_shard.dtype == torch.float32 and not opt.pipeline.reduces_micro_steps
 
 
+@pytest.mark.parametrize("model_dtype, accum", [(torch.float16, "bf16"), (torch.bfloat16, "fp16")])
+def test_the_other_16_bit_dtype_adds_up_in_fp32_and_says_so(
+    model_dtype: torch.dtype, accum: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        opt = zk.ShardedFusedAdam(
+            nn.Linear(4, 4).to(model_dtype), stage=1, gradient_accumulation_steps=2, grad_accum_dtype=accum
+        )
+    assert f"grad_accum_dtype={accum!r} cannot hold" in caplog.text and "accumulates them in fp32" in caplog.text
+    assert [buf.grad_flat.dtype for buf in opt.pipeline.buffers] == [torch.float32]
+
+
 def test_keyword_is_checked_and_read_from_the_config() -> None:
     with pytest.raises(ValueError, match="grad_accum_dtype='fp8'; allowed: fp32, fp16, bf16"):
         zk.ShardedFusedAdam(nn.Linear(4, 4), grad_accum_dtype="fp8")

@@ -1,5 +1,5 @@
 """How ``data_types.grad_accum_dtype`` (a pipeline's ``accum_dtype``) acts at each stage, and the warning where it
-does not (a dtype narrower than the gradients).
+is not the dtype the gradients add up in (a dtype narrower than them; fp16 beside bf16, which add up in fp32).
 
 DeepSpeed 0.19 (``engine.get_data_types``, ``_do_optimizer_sanity_check``) takes the key as the dtype
 gradients are added up in over micro-steps. With bf16/fp16 training and ``"fp32"``: its ZeRO-3 reduces every
@@ -26,7 +26,8 @@ stage 1's gradient shard is fp32 (its ``buffers``); autograd's own ``p.grad`` li
 window of 4 micro-steps of a 6.3M-parameter bf16 model on 2 gloo ranks took 1.2x (stage 1) and 1.3x (stage 0) as
 long as with bf16 accumulation (medians of 14 windows, alternating, on a loaded machine): the fp32 adds, autograd's
 new ``p.grad`` at every backward and the casts around the reduction.
-A dtype narrower than the gradients never narrows them (warned).
+A dtype narrower than the gradients never narrows them (warned); fp16 gradients with ``"bf16"`` (or bf16 with
+``"fp16"``) add up in fp32, the one dtype that holds both (warned).
 
 Default (the key absent): the gradients' own dtype at every stage. That is DeepSpeed's default since 0.17.6
 (the training dtype, whatever the stage; 0.7.7 to 0.17.5 chose fp32 for bf16 at stage 0 only), so a drop-in
@@ -72,17 +73,27 @@ def add_local(pipeline: "Pipeline", buf: "FlatBuffer", slot: int, p: torch.Tenso
 
 
 def warn_unused(pipeline: "Pipeline", buf: "FlatBuffer", warned: set[str]) -> None:
-    """Warn once (``warned`` holds the messages given) where ``pipeline.accum_dtype`` is narrower than ``buf``'s
-    gradients: it does not act there."""
+    """Warn once (``warned`` holds the messages given) where ``pipeline.accum_dtype`` is not the dtype the
+    gradients of ``buf`` add up in: narrower than them (it does not act), or a 16-bit dtype beside 16-bit gradients
+    of the other kind (fp16 and bf16: neither holds the other's values, so they add up in fp32)."""
     accum = pipeline.accum_dtype
-    if accum is None or accum == buf.dtype or torch.promote_types(buf.dtype, accum) != buf.dtype:
+    if accum is None or accum == buf.dtype:
+        return
+    wide = torch.promote_types(buf.dtype, accum)
+    if wide == accum:
         return
     grads = NAMES.get(buf.dtype, str(buf.dtype))
-    message = (
-        f"data_types.grad_accum_dtype={NAMES.get(accum, accum)!r} is narrower than the {grads} gradients: "
-        f"zero_kernels never rounds gradients to a narrower dtype and accumulates them in {grads} (DeepSpeed would "
-        "accumulate in the narrower one)"
-    )
+    asked = f"data_types.grad_accum_dtype={NAMES.get(accum, accum)!r}"
+    if wide == buf.dtype:
+        message = (
+            f"{asked} is narrower than the {grads} gradients: zero_kernels never rounds gradients to a narrower "
+            f"dtype and accumulates them in {grads} (DeepSpeed would accumulate in the narrower one)"
+        )
+    else:
+        message = (
+            f"{asked} cannot hold the {grads} gradients' values (nor they its): zero_kernels accumulates them in "
+            f"{NAMES.get(wide, wide)}; give 'fp32' (the same numbers) or {grads!r} to say which"
+        )
     if message not in warned:
         warned.add(message)
         log.warning(message)
