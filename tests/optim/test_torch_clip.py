@@ -124,6 +124,25 @@ def clipped_twice(rank: int, world: int, stage: int) -> None:
         step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} clipped twice step {step}")
 
 
+def clipped_by_both(rank: int, world: int, stage: int) -> None:
+    """``opt.clip_grad_norm_`` and torch's ``clip_grad_norm_`` before one step, in either order, compose as two of
+    torch's: at stage 0 ``p.grad`` is exact, so torch's own clip runs, unless the optimizer holds a clip asked for
+    and not yet applied (it is then routed to the optimizer, which sees that clip)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage, eps=1.0), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    for step in range(2):
+        _backward(model, ref, rank, world, step)
+        want = [nn.utils.clip_grad_norm_(ref.parameters(), 0.02), nn.utils.clip_grad_norm_(ref.parameters(), 0.05)]
+        if step == 0:
+            got = [opt.clip_grad_norm_(0.02), torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)]
+        else:
+            got = [torch.nn.utils.clip_grad_norm_(model.parameters(), 0.02), opt.clip_grad_norm_(0.05)]
+        assert float(want[0]) > 0.05, "clipping inactive"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert float(g) == pytest.approx(float(w), rel=1e-5), f"stage {stage} step {step}: norm {i}"
+        step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} clipped by both, step {step}")
+
+
 def refusals(rank: int, world: int, stage: int) -> None:
     """Item 3: calls that cannot be made right raise ValueError, on every rank."""
     model, ref = make_models(torch.float32)
@@ -241,6 +260,7 @@ def all_cases(rank: int, world: int) -> None:
         for how in ("clip_grad_norm_", "bound early", "get_total_norm"):
             matches_reference(rank, world, stage, how)
         clipped_twice(rank, world, stage)
+        clipped_by_both(rank, world, stage)
         refusals(rank, world, stage)
     accumulated_stage0(rank, world)
 

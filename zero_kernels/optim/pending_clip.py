@@ -53,6 +53,10 @@ class PendingClips:
     def clear(self) -> None:
         self._asked = []
 
+    def __bool__(self) -> bool:
+        """Whether a clip is asked for (``p.grad`` is then not yet clipped as the step will clip it)."""
+        return bool(self._asked)
+
 
 def _product(asked: list[_Asked], correct: Correct) -> Optional[torch.Tensor]:
     coef: Optional[torch.Tensor] = None

@@ -12,8 +12,8 @@ So once a ``ShardedFusedAdam`` exists, torch's ``clip_grad_norm_``, ``get_total_
 
 - no parameter (or gradient) of a live sharded optimizer, or one whose ``p.grad`` is the very
   gradient its step uses (stage 0, or stage 1 on one rank, without loss scaling, accumulation
-  steps or a wider ``grad_accum_dtype``: ``p.grad`` is then the mean over ranks, as with DDP): torch's own
-  function runs;
+  steps, a wider ``grad_accum_dtype`` or a clip asked of ``opt.clip_grad_norm_`` since the last step:
+  ``p.grad`` is then the mean over ranks, as with DDP): torch's own function runs;
 - every parameter the optimizer trains (others may come along if they have no gradient, such as
   frozen ones): ``clip_grad_norm_`` is ``opt.clip_grad_norm_`` (the global norm of the reduced
   gradients, applied by the next step); ``get_total_norm`` of their gradients (stage 1) is that
@@ -55,7 +55,8 @@ def exact_in_p_grad(optimizer: Any) -> bool:
     stage, world = optimizer.options.stage, optimizer.pipeline.world_size
     shared = (stage == 0 or (stage == 1 and world == 1)) and optimizer.pipeline.grads_in_p_grad
     scaled = optimizer._loss_scaler is not None  # fp16: p.grad holds the gradients times the loss scale
-    return shared and not scaled and optimizer.gradient_accumulation_steps == 1
+    unclipped = bool(optimizer._clips)  # opt.clip_grad_norm_ asked for a clip the step applies
+    return shared and not scaled and not unclipped and optimizer.gradient_accumulation_steps == 1
 
 
 def _why(optimizer: Any) -> str:
@@ -66,6 +67,8 @@ def _why(optimizer: Any) -> str:
         return f"at stage {stage} p.grad is None: the gradients add up in a buffer of the wider grad_accum_dtype"
     if stage == 1 and optimizer.pipeline.world_size > 1:
         return "at stage 1 p.grad is this rank's own gradient until the step reduces it"
+    if optimizer._clips:
+        return "p.grad is not yet clipped by the opt.clip_grad_norm_ asked for before: the step applies it"
     if optimizer.scales_loss:
         return f"p.grad holds the gradients times the loss scale ({optimizer.loss_scale:g}), which the step divides out"
     return (
