@@ -13,7 +13,8 @@
   parameter and the rank, even after ``zero_grad()``, and updates nothing (the write used to be lost
   at the free). A parameter under ``stage3_param_persistence_threshold``, kept whole on every rank, is refused
   where the ranks' values then differ (each rank's step took only the rows in its own shard: a mix, without a
-  word), and kept where every rank wrote the same. Writes inside
+  word), wherever in the forward the write is made (a module that does not use it, the root's own forward, a
+  pre-hook put on before the optimizer), and kept where every rank wrote the same. Writes inside
   ``gathered_params()`` are kept, and so, for a persistent parameter, are writes between steps outside any
   forward: training after them matches AdamW.
 - A parameter used with autograd outside any forward (an L2 penalty added to the loss,
@@ -194,6 +195,54 @@ def forward_write_case(rank: int, world: int, threshold: int) -> None:
 @pytest.mark.parametrize("threshold", [0, 100_000], ids=["sharded", "persistent"])
 def test_write_in_place_during_forward_is_refused(spawn, world: int, threshold: int) -> None:
     spawn(forward_write_case, world, threshold)
+
+
+class Writers(nn.Module):
+    """``b.weight`` (persistent) halved in place during the forward, while ``self.halve``: by the root's own forward,
+    by its sibling ``a``'s forward (which does not use it), or by a pre-hook on ``b`` put on before the optimizer."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.where, self.halve = nn.Linear(4, 4), nn.Linear(4, 1), where, False
+        self.a.register_forward_hook(lambda *_: self._write("sibling"))
+        self.b.register_forward_pre_hook(lambda *_: self._write("pre-hook"))
+
+    def _write(self, where: str) -> None:
+        if self.halve and self.where == where:
+            with torch.no_grad():
+                self.b.weight.mul_(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._write("root")
+        return self.b(self.a(x))
+
+
+def persistent_write_elsewhere_case(rank: int, world: int, where: str) -> None:
+    """A write that differs between the ranks is refused on every rank wherever in the forward it is made; the same
+    write on every rank trains as AdamW with that write."""
+    model, ref = Writers(where), Writers(where)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=100_000)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+    mine = x.chunk(world)[rank]
+    model.halve = rank == 0
+    model(mine).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"parameter 'b\.weight' .*kept whole on every rank .*ranks now hold"):
+        opt.step()
+    opt.zero_grad()
+    model.load_state_dict(ref.state_dict())
+    for step in range(2):
+        model.halve = ref.halve = step == 1
+        model(mine).square().mean().backward()
+        ref(x).square().mean().backward()
+        step_and_compare(opt, ropt, model, ref, f"{where} write, step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("where", ["root", "sibling", "pre-hook"])
+def test_persistent_write_anywhere_in_the_forward_is_found(spawn, where: str) -> None:
+    spawn(persistent_write_elsewhere_case, 2, where)
 
 
 LAM = 1e-2

@@ -15,10 +15,11 @@ before the block frees them.
 
 A parameter under ``stage3_param_persistence_threshold`` is never freed: it stays whole on every rank, and the step
 takes each rank's part of an edit from that rank's copy. A write in place during a forward is found by the same
-counters, around each module's forward (``stage3.hooks``), and kept where every rank made the same (a ``clamp_``
+counters, around each module's forward and around the whole forward (the root's: a write by a module that does
+not use the parameter, by the root's own code, by a pre-hook), and kept where every rank made the same (a ``clamp_``
 of the weight, the same rows renormalised): the step's exchange says whether some rank found one, and the ranks
-then compare an exact sum of that parameter's bits (``held_edits``, one small all-reduce); where they differ
-every rank raises (``describe_persistent``).
+then compare an exact sum of the bits of every persistent parameter (``held_edits``, one small all-reduce); where
+one that some rank found written differs between them every rank raises (``describe_persistent``).
 
 Whether a write happens may depend on a rank's data, and a free is no point where every rank can
 stop together, so the rank records the first parameter found (``record``) and the step's exchange
@@ -61,15 +62,17 @@ def describe(name: str) -> str:
 
 
 class ForwardWrites:
-    """The first parameter this rank found written in place between a gather and a free."""
+    """The parameters this rank found written in place between a gather and a free (or during a forward)."""
 
     def __init__(self) -> None:
-        self.index = NONE
+        self.index = NONE  # the first
+        self.found: set[int] = set()  # every one
 
     def record(self, index: int) -> None:
-        """Remember parameter ``index`` (optimizer numbering) unless one is held already."""
+        """Remember parameter ``index`` (optimizer numbering)."""
         if self.index == NONE:
             self.index = index
+        self.found.add(index)
 
     def columns(self) -> list[float]:
         """This rank's column of the step's exchange."""
@@ -92,4 +95,5 @@ class ForwardWrites:
         """Every rank's parameter (``NONE``: none) from its ``columns()`` (``rows``, in rank order); this rank's record
         is cleared."""
         self.index = NONE
+        self.found = set()
         return [int(index) for (index,) in rows]

@@ -46,16 +46,16 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
 
 def differing(engine: Any, sums: torch.Tensor) -> list[int]:
     """The positions of ``sums`` (every rank's, in the same order) that are not the same on every rank."""
-    return _differ(engine, sums, torch.ones_like(sums))
+    return marked_differing(engine, sums, torch.ones_like(sums))
 
 
 def edited_differently(engine: Any, before: torch.Tensor, after: torch.Tensor) -> list[int]:
     """The positions of ``after`` that some rank changed from its ``before`` and that are not the same on every
     rank now (values that already differed and that no rank edited are left alone: not this block's doing)."""
-    return _differ(engine, after, (before != after).to(torch.int64))
+    return marked_differing(engine, after, (before != after).to(torch.int64))
 
 
-def _differ(engine: Any, values: torch.Tensor, marked: torch.Tensor) -> list[int]:
+def marked_differing(engine: Any, values: torch.Tensor, marked: torch.Tensor) -> list[int]:
     """The positions that some rank ``marked`` (non-zero) and where ``values`` differ between ranks (one all-reduce
     of the maxima of ``marked``, ``values`` and ``-values``)."""
     if engine.world_size == 1 or values.numel() == 0:

@@ -309,6 +309,9 @@ class Stage3Scheduler:
         self._leaf_units = set()
         persistent = {id(q) for u in self.units if u.persistent for q in u.params}
         self._watched = {id(p.module): tuple(q for q in p.params if id(q) in persistent) for p in plans}
+        # the root's frame watches them all: a write by a module that does not use the parameter, by the root's
+        # own forward or by a pre-hook that runs before a module's frame begins
+        self._watched[id(self.root)] = tuple(q for u in self.units if u.persistent for q in u.params)
         for p in plans:
             if p.leaf:
                 inside = {id(q) for q in p.module.parameters()}
@@ -526,15 +529,15 @@ class Stage3Scheduler:
         return output
 
     def _check_writes(self, frame: _Frame) -> None:
-        """A persistent parameter the frame's module wrote in place during its forward (``nn.Embedding(max_norm)``):
-        kept whole on every rank, but each rank's step takes only its own shard's part, so ``written`` is told (the
-        step refuses it where the ranks' values differ, ``forward_writes``); inside ``gathered_params()`` writes are
-        meant."""
+        """The persistent parameters written in place during the frame's module's forward (``nn.Embedding(max_norm)``;
+        the root's frame: during the whole forward): kept whole on every rank, but each rank's step takes only its
+        own shard's part, so ``written`` is told of each (the step refuses them where the ranks' values differ,
+        ``forward_writes``); inside ``gathered_params()`` writes are meant."""
         if self._held:
             return
-        changed = next((q for q, version in frame.versions if q._version != version), None)
-        if changed is not None:
-            self._written(changed)
+        for q, version in frame.versions:
+            if q._version != version:
+                self._written(q)
 
     def _on_freed_use(self, param: nn.Parameter, func: Any) -> None:
         """A freed parameter is computed with: gather it for the running module, or explain."""

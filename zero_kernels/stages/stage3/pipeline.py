@@ -340,17 +340,21 @@ class Stage3Pipeline(Stage2Pipeline):
         n = len(self._deferred.columns())
         self._deferred.verify(self._control, [row[:n] for row in rows], self._units, self._suggest_leaf)
         self.forward_writes.verify([row[n : n + 1] for row in rows], self._index_name)
-        self._verify_persistent_writes(self.persistent_writes.take([row[n + 1 :] for row in rows]))
+        mine = self.persistent_writes.found
+        self._verify_persistent_writes(self.persistent_writes.take([row[n + 1 :] for row in rows]), mine)
 
-    def _verify_persistent_writes(self, found: list[int]) -> None:
+    def _verify_persistent_writes(self, found: list[int], mine: set[int]) -> None:
         """Where some rank found a persistent parameter written during a forward (every rank has ``found``, each
-        rank's first, or ``NONE``), the ranks compare its bits and raise where they differ."""
-        written = [index for index in found if index != NONE]
-        if not written:
+        rank's first, or ``NONE``; ``mine``: all this rank found), the ranks compare the bits of every persistent
+        parameter and raise where one that some rank found written differs."""
+        if all(index == NONE for index in found):
             return
-        index = min(written)
-        if held_edits.differing(self.engine, held_edits.word_sums([self.param_at(index)], self.device)):
-            raise RuntimeError(describe_persistent(self._index_name(index)))
+        held = [(index, p) for buf in self.buffers if buf.persistent for index, p in zip(buf.indices, buf.params)]
+        sums = held_edits.word_sums([p for _, p in held], self.device)
+        marked = torch.tensor([index in mine for index, _ in held], dtype=torch.int64, device=self.device)
+        differ = held_edits.marked_differing(self.engine, sums, marked)
+        if differ:
+            raise RuntimeError(describe_persistent(self._index_name(held[differ[0]][0])))
 
     def _suggest_leaf(self, names: list[str]) -> str:
         """The fix for ranks that gather the units of modules ``names``: their closest common caller as a leaf."""
