@@ -17,6 +17,8 @@
   pre-hook put on before the optimizer), and kept where every rank wrote the same. Writes inside
   ``gathered_params()`` are kept, and so, for a persistent parameter, are writes between steps outside any
   forward: training after them matches AdamW.
+- ``loss.backward(inputs=[...])`` naming gathered parameters (only they get gradients) trains next to AdamW doing
+  the same: naming a parameter there reads none of its values.
 - A parameter used with autograd outside any forward (an L2 penalty added to the loss,
   ``torch.autograd.grad(loss, params)``) is refused with a message that names what works; what it
   names for the penalty (computed in the model's forward, the parameters registered as external
@@ -243,6 +245,63 @@ def persistent_write_elsewhere_case(rank: int, world: int, where: str) -> None:
 @pytest.mark.parametrize("where", ["root", "sibling", "pre-hook"])
 def test_persistent_write_anywhere_in_the_forward_is_found(spawn, where: str) -> None:
     spawn(persistent_write_elsewhere_case, 2, where)
+
+
+def backward_inputs_case(rank: int, world: int) -> None:
+    """``backward(inputs=...)`` naming gathered parameters (only those get gradients: train part of the model this
+    step) reads no values: it runs as without ``inputs`` and trains next to AdamW doing the same."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    picks = [
+        lambda m: {"inputs": [m.emb.weight, m.head.weight]},
+        lambda m: {"inputs": [m.mid.weight]},
+        lambda m: {},
+    ]
+    for step, pick in enumerate(picks):
+        x = batch(step, world * ROWS)
+        loss = model(x[rank * ROWS : (rank + 1) * ROWS])
+        if step == 1:
+            torch.autograd.backward(loss, **pick(model))
+        else:
+            loss.backward(**pick(model))
+        ref(x).backward(**pick(ref))
+        step_and_compare(opt, ropt, model, ref, f"world {world} backward(inputs=...) step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_backward_with_inputs_naming_gathered_parameters(spawn, world: int) -> None:
+    spawn(backward_inputs_case, world)
+
+
+def _hand_grad(shape: torch.Size, step: int, k: int, rank: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + 10 * k + rank))
+
+
+def hand_set_grad_case(rank: int, world: int) -> None:
+    """``p.grad = g`` of the full shape on a parameter between uses raises naming it and ``gathered_params()``
+    (torch's own error named neither); set there, the gradients train next to AdamW given their mean."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    shapes = {n: q.shape for n, q in ref.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"parameter 'emb\.weight' is used \(p\.grad = \.\.\.\).*gathered_params"):
+        model.emb.weight.grad = torch.ones(shapes["emb.weight"])
+    assert model.emb.weight.grad is None
+    for step in range(2):
+        with opt.gathered_params():
+            for k, (n, q) in enumerate(model.named_parameters()):
+                if q.requires_grad:
+                    q.grad = _hand_grad(shapes[n], step, k, rank)
+        for k, (n, q) in enumerate(ref.named_parameters()):
+            if q.requires_grad:
+                q.grad = torch.stack([_hand_grad(shapes[n], step, k, r) for r in range(world)]).mean(0)
+        step_and_compare(opt, ropt, model, ref, f"world {world} gradients set by hand, step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_gradients_set_by_hand(spawn, world: int) -> None:
+    spawn(hand_set_grad_case, world)
 
 
 LAM = 1e-2

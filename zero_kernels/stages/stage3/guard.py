@@ -7,9 +7,10 @@ subclass of its own with a ``__torch_function__`` (as torch's ``UninitializedPar
 its class when it is materialised): any operation on it first calls the ``on_use`` callback given,
 which gathers the parameter or raises a clear error. ``mark_gathered`` restores the class, so a
 gathered parameter costs nothing extra. Reading metadata (shape, dtype, ``.data``, ``.grad``,
-hooks, ``detach()``) is not a use, nor are the conversions ``nn.Module.to()``, ``.half()``,
-``.cpu()`` and the like apply to every parameter (frameworks call them on a built model): on an
-empty tensor they give an empty tensor.
+hooks, ``detach()``) is not a use, nor is naming it in backward's ``inputs=``, nor ``p.grad = None``,
+nor are the conversions ``nn.Module.to()``, ``.half()``, ``.cpu()`` and the like apply to every
+parameter (frameworks call them on a built model): on an empty tensor they give an empty tensor.
+``p.grad = g`` with a non-empty ``g`` is a use (no gradient of the full shape fits a freed parameter).
 
 What ``.data``, ``detach()`` and those conversions return for a freed parameter is empty too, and
 no gather can fill it later: computing with it (``p.data.norm()``, a snapshot ``p.data.clone()`` and
@@ -81,8 +82,28 @@ def _callback(table: dict[int, "weakref.WeakMethod"], param: Any, func: Any) -> 
     return callback
 
 
+# backward's ``inputs=[p]`` names where gradients go, it reads no values: backward gathers as without it
+_TARGETS = (torch.autograd.backward, torch.Tensor.backward)
+
+
+def _sets_grad(func: Any) -> bool:
+    """``func`` is ``p.grad = ...``."""
+    return (
+        getattr(func, "__name__", "") == "__set__"
+        and getattr(getattr(func, "__self__", None), "__name__", "") == "grad"
+    )
+
+
+def _uses(func: Any, args: tuple) -> bool:
+    """Whether ``func`` on ``args`` uses a freed parameter's values (or, ``p.grad = g`` with a non-empty ``g``, would
+    give it a gradient of a shape it does not have now)."""
+    if _sets_grad(func):
+        return len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].numel() > 0
+    return getattr(func, "__name__", "") not in _PASS and func not in _TARGETS
+
+
 def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
-    if getattr(func, "__name__", "") not in _PASS:
+    if _uses(func, args):
         for t in tensors(args, kwargs):
             callback = _callback(_on_use, t, func) if isinstance(t, _Freed) else None
             if callback is not None:
@@ -197,6 +218,8 @@ def freed_by(param: nn.Parameter) -> Optional[bool]:
 
 def operation_name(func: Any) -> str:
     """A readable name of the torch function ``func`` for error messages."""
+    if _sets_grad(func):
+        return "p.grad = ..."
     name = getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None) or ""
     return name if module.startswith("torch._C") or not module else f"{module}.{name}"
@@ -213,6 +236,12 @@ def outside_forward(name: str, func: Any, where: str, needs_grad: bool) -> str:
             "reduces each parameter's gradient into the ranks' shards as its module's backward ends, and the "
             "parameter holds its values only around its module's forward and backward. Call loss.backward() and "
             "let the optimizer step; torch.autograd.grad with respect to inputs (not parameters) works"
+        )
+    if _sets_grad(func):
+        return head + (
+            "it holds no values between uses (shape (0,)), so a gradient of its full shape cannot be set on it. Set "
+            "gradients by hand inside `with optimizer.gathered_params():`, where parameters have their full shapes "
+            "(the next step reduces them as backward's), or let backward make them"
         )
     fix = (
         "Read it inside a module's forward (register it there with zero_kernels.register_external_parameter(module, "
