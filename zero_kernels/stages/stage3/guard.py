@@ -11,6 +11,9 @@ hooks, ``detach()``) is not a use, nor is naming it in backward's ``inputs=``, n
 nor are the conversions ``nn.Module.to()``, ``.half()``, ``.cpu()`` and the like apply to every
 parameter (frameworks call them on a built model): on an empty tensor they give an empty tensor.
 ``p.grad = g`` with a non-empty ``g`` is a use (no gradient of the full shape fits a freed parameter).
+The ``torch.nn.init`` functions that skip ``__torch_function__`` (``kaiming_normal_`` would do nothing on the
+empty tensor, ``xavier_uniform_`` fail naming no parameter) are wrapped the first time a parameter is freed, so
+they are uses too.
 
 What ``.data``, ``detach()`` and those conversions return for a freed parameter is empty too, and
 no gather can fill it later: computing with it (``p.data.norm()``, a snapshot ``p.data.clone()`` and
@@ -95,10 +98,11 @@ def _sets_grad(func: Any) -> bool:
 
 
 def _uses(func: Any, args: tuple) -> bool:
-    """Whether ``func`` on ``args`` uses a freed parameter's values (or, ``p.grad = g`` with a non-empty ``g``, would
-    give it a gradient of a shape it does not have now)."""
-    if _sets_grad(func):
-        return len(args) > 1 and isinstance(args[1], torch.Tensor) and args[1].numel() > 0
+    """Whether ``func`` on ``args`` uses a freed parameter's values (or, ``p.grad = g`` with a non-empty ``g`` of
+    another shape, would give it a gradient of a shape it does not have now)."""
+    if _sets_grad(func):  # (the optimizer's own code gives ``p.data`` the full shape first: not a use)
+        grad = args[1] if len(args) > 1 else None
+        return isinstance(grad, torch.Tensor) and grad.numel() > 0 and grad.shape != args[0].shape
     return getattr(func, "__name__", "") not in _PASS and func not in _TARGETS
 
 
@@ -192,10 +196,48 @@ def run_eagerly(fn: Callable) -> Callable:
     return hook
 
 
+# ``torch.nn.init`` functions that skip ``__torch_function__``: on a freed parameter they read its shape (0,) and do
+# nothing (``kaiming_normal_``: "Initializing zero-element tensors is a no-op") or fail naming no parameter
+_INITS = ("kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_", "eye_", "dirac_", "sparse_")
+
+
+def _use(t: Any, func: Any) -> None:
+    """What ``_handle`` (a freed parameter) or ``FreedRead`` does for an operation ``func`` on ``t``."""
+    if isinstance(t, _Freed):
+        callback = _callback(_on_use, t, func)
+    elif isinstance(t, FreedRead):
+        param = t._zk_param()
+        callback = None if param is None else (t._zk_report() or _callback(_on_read_use, param, func))
+        t = param
+    else:
+        return
+    if callback is not None:
+        callback(t, func)
+
+
+def _guarded_init(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def guarded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        _use(tensor, init)
+        return init(tensor, *args, **kwargs)
+
+    guarded._zk_guarded = True  # type: ignore[attr-defined]
+    return guarded
+
+
+def _guard_inits() -> None:
+    """Put ``_use`` in front of the ``_INITS`` (once): on a freed parameter they gather it or raise, naming it."""
+    for name in _INITS:
+        init = getattr(torch.nn.init, name, None)
+        if init is not None and not getattr(init, "_zk_guarded", False):
+            setattr(torch.nn.init, name, _guarded_init(init))
+
+
 def mark_freed(param: nn.Parameter, on_use: OnUse, on_read_use: Optional[OnUse] = None) -> None:
     """From now on an operation on ``param`` first calls ``on_use(param, func)``, and one on what its ``.data``,
     ``detach()`` or a conversion gives calls ``on_read_use(param, func)``, which must raise (bound methods, held
     weakly; without ``on_read_use`` those reads give plain empty tensors)."""
+    _guard_inits()
     _on_use[id(param)] = weakref.WeakMethod(on_use)
     if on_read_use is not None:
         _on_read_use[id(param)] = weakref.WeakMethod(on_read_use)
@@ -247,7 +289,12 @@ def outside_forward(name: str, func: Any, where: str, needs_grad: bool) -> str:
         "Read it inside a module's forward (register it there with zero_kernels.register_external_parameter(module, "
         "parameter) if another module holds it), or inside `with optimizer.gathered_params():`"
     )
-    if needs_grad:
+    if getattr(func, "__name__", "").endswith("_") and not getattr(func, "__name__", "").startswith("__"):
+        fix = (
+            "An in-place write (an initialisation, a fill) goes inside `with optimizer.gathered_params():`, the same "
+            "on every rank (it then reaches every rank's shard and master), or before the optimizer is built"
+        )
+    elif needs_grad:
         fix = (
             "A term that needs its gradient (an L2 penalty added to the loss, a head tied to it) must be computed "
             "inside a module's forward, e.g. the model's own: register the parameter for that module with "
