@@ -134,7 +134,7 @@ class BackwardRound:
         s = buf.layout.slots[slot]
         view = buf.grad_flat.narrow(0, s.offset, s.numel).view(s.shape)
         if p.grad is not view and (p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape):
-            if p.grad.shape != view.shape:  # p.data replaced by another shape (a resize after the optimizer)
+            if p.grad.shape != view.shape or p.dtype != view.dtype:  # p.data replaced: a resize or cast since build
                 adopt.check_compatible(buf, p, s.shape, self.name_of)
             view.copy_(p.grad)
             p.grad = view
