@@ -93,6 +93,11 @@ def check_freed(buf: "FlatBuffer", params: Sequence[torch.Tensor], name_of: Name
     )
 
 
+def replaced(buf: "FlatBuffer", flat: torch.Tensor) -> bool:
+    """Whether some parameter of ``buf`` no longer views ``flat`` (its ``.data`` was assigned)."""
+    return any(s.numel and not _views(buf.params[s.param], flat, s.offset, s.shape) for s in buf.layout.slots)
+
+
 def readopt(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> int:
     """Parameters of ``buf`` whose ``.data`` no longer views ``flat`` (its full buffer): their values are copied
     into ``flat`` and ``.data`` views it again; returns how many.

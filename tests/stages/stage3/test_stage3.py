@@ -91,7 +91,7 @@ class FakeUnit:
         for p, full in zip(self.params, self.full):
             p.data = full
 
-    def free(self) -> None:
+    def free(self, hand_over: bool = False) -> None:
         self.log.append(("free", self.tag))
         self._empty()
 

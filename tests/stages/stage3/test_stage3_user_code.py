@@ -17,6 +17,10 @@
   pre-hook put on before the optimizer), and kept where every rank wrote the same. Writes inside
   ``gathered_params()`` are kept, and so, for a persistent parameter, are writes between steps outside any
   forward: training after them matches AdamW.
+- Tensors taken inside ``gathered_params()`` (a ``state_dict()``, ``p.detach()``, an EMA swapped in through
+  ``p.data``) keep their values after the block, and the model its own.
+- ``torch.nn.init`` functions on a parameter between uses raise naming it (``kaiming_normal_`` did nothing);
+  inside ``gathered_params()`` they initialise it.
 - ``loss.backward(inputs=[...])`` naming gathered parameters (only they get gradients) trains next to AdamW doing
   the same: naming a parameter there reads none of its values.
 - A parameter used with autograd outside any forward (an L2 penalty added to the loss,
@@ -302,6 +306,76 @@ def hand_set_grad_case(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_gradients_set_by_hand(spawn, world: int) -> None:
     spawn(hand_set_grad_case, world)
+
+
+def kept_from_gathered_params_case(rank: int, world: int) -> None:
+    """What ``gathered_params()`` hands out outlives the block, as torch's tensors do: a ``state_dict()`` and
+    ``p.detach()`` taken there keep their values after it (reading them used to crash: their storage was emptied;
+    those of a persistent parameter view it, as torch's, and so follow the steps), and an EMA swapped in by
+    ``p.data, e.data = e.data, p.data`` and out again leaves both the model and the EMA as they were (the model used
+    to end up with the EMA's values, the EMA on an emptied storage); training goes on next to AdamW."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    forward_backward(model, ref, rank, world, 3, 0)
+    step_and_compare(opt, ropt, model, ref, f"world {world} step 0")
+    with opt.gathered_params():
+        state = model.state_dict()
+        detached = [q.detach() for q in model.parameters()]
+    want = {k: v.clone() for k, v in ref.state_dict().items()}
+    ema = [torch.full_like(q, 0.5) for q in ref.parameters()]
+    for swap in range(2):
+        with opt.gathered_params():
+            for e, q in zip(ema, model.parameters()):
+                q.data, e.data = e.data, q.data
+            if swap == 0:
+                assert all(bool((q == 0.5).all()) for q in model.parameters()), "EMA not swapped in"
+    assert all(bool((e == 0.5).all()) for e in ema), "the EMA lost its values"
+    for (k, v), q in zip(state.items(), detached):  # two blocks gathered and freed the units since
+        assert_close(v, want[k], rtol=1e-5, atol=1e-6, what=f"state_dict()[{k!r}] kept from gathered_params()")
+        assert_close(q, want[k], rtol=1e-5, atol=1e-6, what=f"{k}.detach() kept from gathered_params()")
+    for step in (1, 2):
+        forward_backward(model, ref, rank, world, 3, step)
+        step_and_compare(opt, ropt, model, ref, f"world {world} step {step} after the EMA went in and out")
+    assert all(bool(v.isfinite().all()) for v in [*state.values(), *detached, *ema]), "kept tensors readable"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_tensors_taken_in_gathered_params_outlive_it(spawn, world: int) -> None:
+    spawn(kept_from_gathered_params_case, world)
+
+
+INITS = [
+    lambda w: nn.init.kaiming_normal_(w),
+    lambda w: nn.init.xavier_uniform_(w),
+    lambda w: nn.init.orthogonal_(w),
+    lambda w: nn.init.eye_(w),
+    lambda w: nn.init.kaiming_uniform_(w),
+]
+
+
+def init_case(rank: int, world: int) -> None:
+    """``torch.nn.init`` on a parameter between uses raises naming it and ``gathered_params()``, whether or not the
+    function dispatches ``__torch_function__`` (``kaiming_normal_`` did nothing, ``xavier_uniform_`` failed naming no
+    parameter); inside the block it initialises the parameter, which then trains next to AdamW."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    for init in INITS:
+        with pytest.raises(RuntimeError, match=r"parameter 'emb\.weight' .*gathered_params"):
+            init(model.emb.weight)
+    with opt.gathered_params():
+        nn.init.kaiming_normal_(model.emb.weight, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        nn.init.kaiming_normal_(ref.emb.weight, generator=torch.Generator().manual_seed(3))
+    for step in range(2):
+        forward_backward(model, ref, rank, world, 3, step)
+        step_and_compare(opt, ropt, model, ref, f"world {world} initialised in the block, step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_init_functions_on_freed_parameters(spawn, world: int) -> None:
+    spawn(init_case, world)
 
 
 LAM = 1e-2

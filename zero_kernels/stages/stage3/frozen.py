@@ -107,10 +107,10 @@ class FrozenUnit:
         for p, shape, offset in zip(self.params, self.shapes, self.offsets):
             p.data = self.full.narrow(0, offset, shape.numel()).view(shape)
 
-    def free(self) -> None:
+    def free(self, hand_over: bool = False) -> None:
         self._free_params()
         self.full = None
-        self.storage.release()  # saved for backward views it too (``stage3.storage``)
+        self.storage.release(hand_over)  # saved for backward views it too (``stage3.storage``)
 
     def reduce_grads(self) -> None:
         """Frozen: nothing to reduce."""

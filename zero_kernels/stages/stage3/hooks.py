@@ -105,8 +105,9 @@ class Unit(Protocol):
     def finish_gather(self) -> None:
         """Wait for the gather started last and give each parameter its full value."""
 
-    def free(self) -> None:
-        """Drop the full parameters (each keeps its ``Parameter`` object)."""
+    def free(self, hand_over: bool = False) -> None:
+        """Drop the full parameters (each keeps its ``Parameter`` object); ``hand_over``: the end of
+        ``gathered_params()``, whose views of them may outlive it (``stage3.storage``)."""
 
     def reduce_grads(self) -> None:
         """Reduce the gradients of the parameters into this rank's shard; a missing ``.grad`` is no gradient."""
@@ -371,11 +372,11 @@ class Stage3Scheduler:
             for p in self.units[i].params:
                 guard.mark_gathered(p)
 
-    def _free(self, i: int) -> None:
+    def _free(self, i: int, hand_over: bool = False) -> None:
         if self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE:
             return
         self._finish(i)
-        self.units[i].free()
+        self.units[i].free(hand_over)
         self._state[i] = _FREE
         self._live_numel -= self.units[i].numel
         self._used[i] = False
@@ -424,9 +425,9 @@ class Stage3Scheduler:
                 batch.append(j)
         return batch
 
-    def _free_all(self) -> None:
+    def _free_all(self, hand_over: bool = False) -> None:
         for i in range(len(self.units)):
-            self._free(i)
+            self._free(i, hand_over)
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -672,9 +673,9 @@ class Stage3Scheduler:
         self._held = True
 
     def release(self) -> None:
-        """End ``hold()``: free every unit no running module uses."""
+        """End ``hold()``: free every unit no running module uses (views taken in the block keep their values)."""
         self._held = False
-        self._free_all()
+        self._free_all(hand_over=True)
 
     @property
     def gathered(self) -> list[bool]:

@@ -154,14 +154,14 @@ class _Unit:
         with torch._C.DisableTorchFunctionSubclass():
             self._versions = [p._version for p in self.params]
 
-    def free(self) -> None:
+    def free(self, hand_over: bool = False) -> None:
         for k, (p, version) in enumerate(zip(self.params, self._versions)):
             if p._version != version:  # written in place since the gather: lost now (``forward_writes``)
                 self.pipeline.forward_writes.record(self.buf.indices[k])
         for p in self.params:
             p.data = freed(self.buf.dtype, self.buf.device)
         self.buf.full = None
-        self.storage.release()  # what autograd saved from the forward views it too (``stage3.storage``)
+        self.storage.release(hand_over)  # what autograd saved from the forward views it too (``stage3.storage``)
 
     def reduce_grads(self) -> None:
         for p in self.params:
@@ -758,8 +758,11 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _write_back(self) -> None:
         self.uploads.wait()
+        units = {id(unit.buf): unit for unit in self._units if isinstance(unit, _Unit)}
         for buf in self.buffers:
             if not buf.persistent:
+                if adopt.replaced(buf, buf.full):  # what was assigned from the buffer keeps its values (``storage``)
+                    buf.full = units[id(buf)].storage.renew()
                 adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
                 for bucket in buf.layout.buckets:
                     self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))

@@ -11,6 +11,15 @@ holds only the units in use. The cost, as with FSDP: a view of a gathered parame
 it then is not defined (PyTorch raises for some operations and crashes in others); read parameters
 outside the forward inside ``gathered_params()``, and copy (``clone()``) what must outlive it.
 
+What ``gathered_params()`` hands out is different: a user reads parameters there to keep them
+(``sd = model.state_dict()``, ``p.detach()``, ``e.data, p.data = p.data, e.data`` to swap in an EMA), as with
+DeepSpeed's ``GatheredParameters`` and torch. So the end of the block frees a storage that something besides the
+buffer still views by leaving it to those views (``release(hand_over=True)``; the use count of the storage says
+whether any remain): they keep the values, and the next gather takes a new storage. Nothing else holds a view of
+the buffer by then (the parameters were given their empty tensors), so the bytes are given back at once where no
+such view was taken. A parameter whose ``.data`` was assigned in the block (the swap above) has its new values
+written back through a new storage (``renew``): the old one keeps the values the other tensor was given.
+
 The buffer, and the empty tensor a freed parameter holds, are made outside ``torch.inference_mode()`` even
 when the first gather runs inside it (an evaluation before training): an inference tensor could not be
 refilled by the gathers of a later training forward, nor give a parameter that autograd can use.
@@ -21,6 +30,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+_OWN_USES = 2  # the buffer's tensor and the Python storage object ``untyped_storage()`` gives
 
 
 class GatherStorage:
@@ -41,10 +52,23 @@ class GatherStorage:
                 storage.resize_(self.numel * self._tensor.element_size())
         return self._tensor
 
-    def release(self) -> None:
-        """Give the buffer's bytes back, whatever still views it."""
-        if self._tensor is not None:
-            self._tensor.untyped_storage().resize_(0)
+    def renew(self) -> torch.Tensor:
+        """A new storage holding the buffer's values (``take()`` must have been called); the old one is left to
+        whatever else views it."""
+        old, self._tensor = self._tensor, None
+        return self.take().copy_(old)
+
+    def release(self, hand_over: bool = False) -> None:
+        """Give the buffer's bytes back, whatever still views it; ``hand_over`` (the end of ``gathered_params()``):
+        where something else views them (a ``state_dict()`` or ``p.detach()`` taken in the block), leave them to it
+        and gather into a new storage next time."""
+        if self._tensor is None:
+            return
+        storage = self._tensor.untyped_storage()
+        if hand_over and torch._C._storage_Use_Count(storage._cdata) > _OWN_USES:
+            self._tensor = None
+        else:
+            storage.resize_(0)
 
 
 def freed(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
