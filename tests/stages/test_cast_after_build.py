@@ -1,9 +1,10 @@
 """``model.to(dtype)`` after the optimizer was built, at stages 0-2 on 1-2 gloo ranks, against ``torch.optim.AdamW``.
 
-The next backward (stages 0-1) or step (stage 2) raises a ``ValueError`` naming a parameter, its dtype now and the one the optimizer holds, and
-the fix (cast before building); at stages 0-1 it used to be torch's "attempting to assign a gradient with dtype
-'float' to a tensor with grad_dtype 'BFloat16'", naming nothing. Cast back (the values keep the rounding, as they
-do for AdamW's model), the gradients cleared, training goes on next to AdamW. Stage 3: ``tests/stages/stage3``.
+The next backward (stages 0-1) or step (stage 2) raises a ``ValueError`` naming a parameter, its dtype now and the
+one the optimizer holds, and the fix (cast before building); at stages 0-1 it used to be torch's "attempting to
+assign a gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'", naming nothing. Cast back (the
+values keep the rounding, as they do for AdamW's model), the gradients cleared, training goes on next to AdamW.
+Stage 3: ``tests/stages/stage3``.
 """
 
 from __future__ import annotations
