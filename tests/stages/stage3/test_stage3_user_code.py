@@ -378,6 +378,22 @@ def test_init_functions_on_freed_parameters(spawn, world: int) -> None:
     spawn(init_case, world)
 
 
+def test_parameters_tell_their_full_size_as_deepspeed_does() -> None:
+    """Between uses a parameter reports shape (0,), as DeepSpeed's; ``ds_shape`` and ``ds_numel`` give the full size
+    (what PEFT's parameter count and the Hugging Face Trainer's read under ZeRO-3)."""
+    model, ref = make_models(torch.float32)
+    make_opt(model, 3)
+    freed = [n for n, q in model.named_parameters() if q.numel() == 0]
+    assert freed, "nothing freed: the test would prove nothing"
+    for (name, q), r in zip(model.named_parameters(), ref.parameters()):
+        if hasattr(q, "ds_shape"):
+            assert (q.ds_shape, q.ds_numel) == (r.shape, r.numel()), name
+        else:
+            assert name not in freed and q.shape == r.shape, name
+    count = sum(q.ds_numel if q.numel() == 0 else q.numel() for q in model.parameters())  # PEFT's count
+    assert count == sum(r.numel() for r in ref.parameters())
+
+
 LAM = 1e-2
 
 

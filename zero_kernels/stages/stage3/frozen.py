@@ -34,6 +34,7 @@ from ...comm.handles import Handle, Works
 from ...kernels.quant import dequantize
 from ..adopt import check_compatible, check_freed
 from ..quantized_gather import Payload, Traffic, dequantize_chunks
+from . import full_shape
 from .storage import GatherStorage, freed
 
 QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +62,8 @@ class FrozenUnit:
         self.engine, self.traffic, self.name_of = engine, traffic, name_of
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
+        for p, shape in zip(self.params, self.shapes):
+            full_shape.label(p, shape)
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())

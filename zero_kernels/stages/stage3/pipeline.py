@@ -67,7 +67,7 @@ from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
-from . import disk_grads, disk_params, held_edits, model_hints
+from . import disk_grads, disk_params, full_shape, held_edits, model_hints
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
@@ -110,6 +110,8 @@ class _Unit:
         self.persistent = buf.persistent
         self.uid, self.name, self.kind = uid, name, type(holder).__name__
         self.storage = GatherStorage(buf.layout.numel, buf.dtype, buf.device)
+        for slot in buf.layout.slots:
+            full_shape.label(self.params[slot.param], slot.shape)
         self._handles: list = []
         self._versions: list[int] = []  # the parameters' version counters when gathered (``forward_writes``)
 
