@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from zero_kernels.agreement import RanksDisagree
+from zero_kernels.comm.primitives import CommError
 from zero_kernels.stages.buffers import GroupHyper
 from zero_kernels.stages.stats import StepStats, exchange, grad_column, step_checks
 
@@ -189,3 +190,20 @@ def test_step_checks_name_every_value() -> None:
     assert dict(step_checks(hyper, 0.25, 2.0))["max_grad_norm (gradient_clipping)"] == 2.0
     assert checks["the gradient scale 1 / (loss scale or gradient_accumulation_steps)"] == 0.25
     assert len(checks) == 7 * 2 + 2
+
+
+def test_a_row_from_another_collective_is_a_comm_error() -> None:
+    """A rank that was in another collective (its forward's parameter all-gather, after a different number of
+    micro-steps) sent no row of the exchange: a ``CommError`` saying so, not a disagreement on ``lr`` read from a
+    parameter's values."""
+    ranks = [_rank_args(r) for r in range(2)]
+    rows = []
+    for rank, args in enumerate(ranks):
+        engine = _Engine(2, rank)
+        with pytest.raises(_Recorded):
+            exchange(engine, engine, **args)
+        rows.append(engine.recorded)
+    rows[1] = torch.full_like(rows[1], 4.67e-310)
+    engine = _Engine(2, 0, rows)
+    with pytest.raises(CommError, match=r"\(step\.stats\) met another collective on rank\(s\) \[1\]"):
+        exchange(engine, engine, **ranks[0])

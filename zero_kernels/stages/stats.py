@@ -2,7 +2,7 @@
 
 Each rank packs one float64 vector of host data::
 
-    [ has_grad[i] for every parameter index i (sorted) | step count of i (-1: state held elsewhere) |
+    [ MARK | has_grad[i] for every parameter index i (sorted) | step count of i (-1: state held elsewhere) |
       gradient column | checks | extra ]
 
 and one all-gather over the control engine gives every rank every rank's vector (``world x
@@ -19,6 +19,9 @@ the same result:
 - a parameter's Adam step count is what the ranks holding its state say (``opt.state[p]["step"]``
   set there reaches every rank); ranks holding it that disagree (its state reset or set on some of
   them only) raise ``RanksDisagree`` naming the parameter, on every rank, before anything is updated.
+- a row that does not start with ``MARK`` came from a rank in another collective (a rank that ran another number
+  of passes: stage 3's parameter all-gathers pair with this one); a ``CommError`` says so, where the values read
+  from it would have raised a disagreement on ``lr``;
 - ``extra`` columns are a pipeline's own (stage 3: the digest of the gathers it did not check at
   once), returned per rank for the pipeline to compare.
 
@@ -42,6 +45,9 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..comm.agreement import RanksDisagree, disagreement
+from ..comm.primitives import CommError
+
+MARK = 5_784_113.0  # the first value of every rank's row in the exchange: a row without it came from another collective
 
 
 @dataclass(frozen=True)
@@ -164,18 +170,18 @@ def exchange(
     n = len(order)
     flags = [1.0 if has_grad[i] else 0.0 for i in order]
     steps = [float(counts[i]) if i in held else -1.0 for i in order]
-    values = [*flags, *steps, 0.0, *(v for _, v in checks), *(float(v) for v in extra)]
+    values = [MARK, *flags, *steps, 0.0, *(v for _, v in checks), *(float(v) for v in extra)]
     packed = torch.tensor(values, dtype=torch.float64)
-    n2 = 2 * n  # where the gradient column sits
+    n2 = 2 * n  # where the gradient column sits (after the mark)
     fold = column is not None and control is engine and column.device.type == "cpu"
     if fold:  # host memory already: the gradient column rides the same all-gather
-        packed[n2] = column
+        packed[1 + n2] = column
     if control.world_size > 1:
         gathered = torch.empty(control.world_size * packed.numel(), dtype=torch.float64)
         control.all_gather(gathered, packed, name="step.stats").wait()
-        table = gathered.view(control.world_size, -1)
+        table = _marked(gathered.view(control.world_size, -1))
     else:
-        table = packed.view(1, -1)
+        table = packed.view(1, -1)[:, 1:]
     rows = table.tolist()
     for column_index, (check, _) in enumerate(checks):
         message = disagreement(check, [_shown(row[n2 + 1 + column_index]) for row in rows])
@@ -195,6 +201,21 @@ def exchange(
     if engine.world_size > 1:  # on the device, in the engine's order: the host never reads it here
         engine.all_reduce(column, op="sum", name="step.grad_sq").wait()
     return StepStats(with_grad, column, extras, agreed)
+
+
+def _marked(table: torch.Tensor) -> torch.Tensor:
+    """``table`` without its column of ``MARK``s; ``CommError`` where a rank's row does not start with one (that rank
+    was in another collective)."""
+    strangers = [rank for rank, mark in enumerate(table[:, 0].tolist()) if mark != MARK]
+    if strangers:
+        raise CommError(
+            f"ShardedFusedAdam.step: the exchange of the step's statistics (step.stats) met another collective on "
+            f"rank(s) {strangers}: the ranks no longer issue the same collectives in the same order (a rank ran "
+            "another number of forwards, backwards or micro-steps than the others, or called step() alone). Every "
+            "rank must run the same passes between steps (under no_sync() too); the process group cannot be used "
+            "further, nothing was updated"
+        )
+    return table[:, 1:]
 
 
 def _agreed_counts(order: list[int], steps: torch.Tensor, name: Callable[[int], str]) -> dict[int, int]:
