@@ -18,6 +18,7 @@ Tiny models built from configs (random weights, no download). One spawn runs eve
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -221,9 +222,10 @@ def test_an_optimizer_other_than_adamw_is_refused(tmp_path, monkeypatch) -> None
         trainer.train()
 
 
-def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, monkeypatch) -> None:
+def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, monkeypatch, caplog) -> None:
     """A Trainer subclass building its own param groups in ``create_optimizer`` (LLaVA's pattern): a
-    ``ShardedFusedAdam`` is stepped and clipped (it failed with 'NoneType' has no attribute 'clip_grad_norm_'); any
+    ``ShardedFusedAdam`` is stepped and clipped (it failed with 'NoneType' has no attribute 'clip_grad_norm_'), and
+    the line saying where each value came from describes it (it described a stage-1 AdamW from the arguments); any
     other optimizer is refused naming what to build."""
     import zero_kernels as zk
     from zero_kernels.integrations.hf import ZeroTrainer
@@ -244,8 +246,12 @@ def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = Custom(model=_llama(), args=_args(str(tmp_path / "a"), ddp_backend=None), train_dataset=_data())
-        trainer.train()
+        with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+            trainer.train()
     assert trainer.zero_optimizer is trainer.optimizer.optimizer and trainer.zero_optimizer.applied_steps == STEPS
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ZeroTrainer: ")]
+    assert len(lines) == 1 and lines[0].startswith("ZeroTrainer: create_optimizer(): stage=2 [optimizer]"), lines
+    assert "optimizer=ShardedFusedAdam [create_optimizer]: group 0: lr=0.01" in lines[0], lines
     plain = Plain(model=_llama(), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data())
     with pytest.raises(
         TypeError, match=r"the optimizer \(AdamW\) is not a ShardedFusedAdam: a create_optimizer override must"

@@ -114,6 +114,8 @@ class ZeroTrainer(Trainer):
         self.zero_optimizer: Optional[ShardedFusedAdam] = given
         self.zero_given = given is not None  # optimizers=(ShardedFusedAdam, ...): the config does not build it
         self.zero_config: Optional[ZeroConfig] = None  # the config resolved when training starts
+        self._zero_built = False  # this trainer's create_optimizer built the optimizer from the config
+        self._sources_logged = False  # ``_log_sources`` done
         super().__init__(*args, **kwargs)
         for flag in ("fp16", "fsdp"):
             if getattr(self.args, flag):
@@ -161,6 +163,7 @@ class ZeroTrainer(Trainer):
             groups, hyper = self._groups(model, config)
             options = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
             self.zero_optimizer = ShardedFusedAdam(groups, module=model, **hyper, **options)
+            self._zero_built = True
         self.optimizer = self.zero_optimizer
         return self.optimizer
 
@@ -198,25 +201,37 @@ class ZeroTrainer(Trainer):
         if self.lr_scheduler is None and self.zero_source.whole and config.scheduler is not None:
             self.lr_scheduler = config.scheduler.build(self.optimizer if optimizer is None else optimizer)
             self._created_lr_scheduler = True
-            return self.lr_scheduler
-        created = self.lr_scheduler is None
-        scheduler = super().create_scheduler(num_training_steps, optimizer)
-        if created and _gateable(scheduler):
-            self.lr_scheduler = gate(scheduler)
+        else:
+            created = self.lr_scheduler is None
+            scheduler = super().create_scheduler(num_training_steps, optimizer)
+            if created and _gateable(scheduler):
+                self.lr_scheduler = gate(scheduler)
+        self._log_sources()
         return self.lr_scheduler
 
     def _resolved_config(self) -> ZeroConfig:
-        """The config with its ``"auto"`` values filled, once the training length is known; logged once."""
+        """The config with its ``"auto"`` values filled, kept once the training length is known."""
         if self.zero_config is not None:
             return self.zero_config
         steps = self.state.max_steps or self.args.max_steps
         steps = steps if steps and steps > 0 else None
         config = hf_config.resolve(self.zero_source, self.args, self.model, steps)
-        if steps is not None:  # known once training starts: before, nothing is kept (nor logged)
+        if steps is not None:  # known once training starts: before, nothing is kept
             self.zero_config = config
-            given = (self.zero_optimizer, self.lr_scheduler) if self.zero_given else None
-            log.warning("%s", hf_config.describe(self.zero_source, config, self.args, self.model, steps, given))
         return config
+
+    def _log_sources(self) -> None:
+        """Log, once, where each value came from (``hf_config.describe``): after ``create_scheduler``, when the
+        optimizer is known (given, built here from the config, or by a ``create_optimizer`` override)."""
+        if self._sources_logged or self.zero_config is None or self.optimizer is None:
+            return
+        self._sources_logged = True
+        where = (self.zero_source, self.zero_config, self.args, self.model, self.state.max_steps or self.args.max_steps)
+        if self._zero_built:
+            log.warning("%s", hf_config.describe(*where))
+        else:
+            by = "optimizers=" if self.zero_given else "create_optimizer"
+            log.warning("%s", hf_config.describe(*where, (self._sharded(), self.lr_scheduler), by))
 
     def _sharded(self) -> ShardedFusedAdam:
         """The ``ShardedFusedAdam`` this trainer steps: the one it built, or the one a subclass's own

@@ -232,7 +232,13 @@ def _scheduler_part(config: ZeroConfig, where: _Sources, args: Any) -> str:
 
 
 def describe(
-    source: ConfigSource, config: ZeroConfig, args: Any, model: Any, num_training_steps: int, given: Any = None
+    source: ConfigSource,
+    config: ZeroConfig,
+    args: Any,
+    model: Any,
+    num_training_steps: int,
+    given: Any = None,
+    given_by: str = "optimizers=",
 ) -> str:
     """One line: each value ``ZeroTrainer`` trains with, and where it came from.
 
@@ -242,12 +248,13 @@ def describe(
         args: the ``TrainingArguments``.
         model: the model.
         num_training_steps: the optimizer steps of this training.
-        given: ``(optimizer, scheduler)`` the user passed as ``optimizers=`` (None: built from the config); the
-            scheduler may be None (the Trainer's).
+        given: ``(optimizer, scheduler)`` the user passed as ``optimizers=`` or built in a ``create_optimizer``
+            override (None: built from the config); the scheduler may be None (the Trainer's).
+        given_by: ``"optimizers="`` or ``"create_optimizer"``: where ``given`` came from.
     """
     where = _Sources(source, args, model, num_training_steps, config.world_size)
     if given is not None:
-        parts = _given_parts(*given, args)
+        parts = _given_parts(*given, args, given_by)
     elif source.whole:
         clip = config.gradient_clipping
         parts = _zero_part(config, where) + [
@@ -263,11 +270,12 @@ def describe(
         ]
     if not source.whole:
         parts.append(f"gradient_clipping={args.max_grad_norm} [TrainingArguments.max_grad_norm]")
-    origin = "optimizers=(ShardedFusedAdam, ...)" if given is not None else source.origin
+    origins = {"optimizers=": "optimizers=(ShardedFusedAdam, ...)", "create_optimizer": "create_optimizer()"}
+    origin = origins[given_by] if given is not None else source.origin
     return f"ZeroTrainer: {origin}: " + "; ".join(parts)
 
 
-def _given_parts(opt: Any, scheduler: Any, args: Any) -> list[str]:
+def _given_parts(opt: Any, scheduler: Any, args: Any, given_by: str) -> list[str]:
     """``describe``'s parts for an optimizer the user built: its own options and param groups."""
     keys = ["reduce_bucket_size"]
     if opt.options.stage == 3:
@@ -280,11 +288,12 @@ def _given_parts(opt: Any, scheduler: Any, args: Any) -> list[str]:
         kind = getattr(args, "lr_scheduler_type", "linear")
         sched = f"scheduler={getattr(kind, 'value', kind)} [TrainingArguments]"
     else:
-        sched = f"scheduler={type(scheduler).__name__} [optimizers=]"
+        made_by = given_by if given_by == "optimizers=" else "create_scheduler"
+        sched = f"scheduler={type(scheduler).__name__} [{made_by}]"
     return (
         [f"stage={opt.options.stage} [optimizer]"]
         + [f"{k}={getattr(opt.options, k)} [optimizer]" for k in keys]
-        + [f"optimizer=ShardedFusedAdam [optimizers=]: {groups}", sched]
+        + [f"optimizer=ShardedFusedAdam [{given_by}]: {groups}", sched]
     )
 
 
