@@ -412,6 +412,46 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+class TiedThroughT(nn.Module):
+    """A head tied to the embedding read as ``h @ embed.weight.T`` in the root's forward (``.T`` was taken for a
+    read of ``.data``: refused), and a ``ParameterDict`` whose parameters the parent's forward uses (PEFT's
+    ``lora_embedding_A``: the dict is never called, so they were found only by use, under the root's name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mix = nn.Embedding(VOCAB, 6), Mixer()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (self.mix(self.embed(tokens)) @ self.embed.weight.T).square().mean()
+
+
+class Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.ParameterDict({"a": nn.Parameter(torch.randn(6, 6)), "b": nn.Parameter(torch.randn(6))})
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(h @ self.table["a"].T + self.table["b"])
+
+
+def _tied_t_case(rank: int, world: int) -> None:
+    records = _Records()
+    logging.getLogger("zero_kernels").addHandler(records)
+    model, ref = TiedThroughT(), TiedThroughT()
+    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
+    _train(rank, world, model, ref, opt, _token_batches(world, 3), "tied through .T, a ParameterDict")
+    logging.getLogger("zero_kernels").removeHandler(records)
+    text = " ".join(records.messages)
+    assert "uses parameter 'embed.weight'" in text and "table" not in text, text
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_parameters_read_through_t_and_parameter_dicts(spawn, world: int) -> None:
+    spawn(_tied_t_case, world)
+
+
 def _token_batches(world: int, steps: int) -> list[torch.Tensor]:
     return [
         torch.randint(0, VOCAB, (world * ROWS, 5), generator=torch.Generator().manual_seed(s)) for s in range(steps)

@@ -21,6 +21,8 @@
   ``p.data``) keep their values after the block, and the model its own.
 - ``torch.nn.init`` functions on a parameter between uses raise naming it (``kaiming_normal_`` did nothing);
   inside ``gathered_params()`` they initialise it.
+- A forward inside a ``torch.func`` transform is refused naming ``gathered_params()``; inside the block
+  ``vmap(grad(functional_call))`` gives torch's per-sample gradients.
 - ``loss.backward(inputs=[...])`` naming gathered parameters (only they get gradients) trains next to AdamW doing
   the same: naming a parameter there reads none of its values.
 - A parameter used with autograd outside any forward (an L2 penalty added to the loss,
@@ -392,6 +394,40 @@ def test_parameters_tell_their_full_size_as_deepspeed_does() -> None:
             assert name not in freed and q.shape == r.shape, name
     count = sum(q.ds_numel if q.numel() == 0 else q.numel() for q in model.parameters())  # PEFT's count
     assert count == sum(r.numel() for r in ref.parameters())
+
+
+def _per_sample_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """torch's per-sample gradients recipe: ``vmap(grad(functional_call))``."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(ps: dict[str, torch.Tensor], row: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(model, ps, (row[None],))
+
+    return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+
+def torch_func_case(rank: int, world: int) -> None:
+    """A forward inside a ``torch.func`` transform is refused naming ``gathered_params()`` (the first gather made
+    there left a buffer that crashed the next forward); inside the block it gives torch's per-sample gradients, and
+    training goes on next to AdamW."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    x = batch(7, 3)
+    with pytest.raises(RuntimeError, match=r"inside a torch\.func transform .*gathered_params"):
+        _per_sample_grads(model, x)
+    with opt.gathered_params():
+        got = _per_sample_grads(model, x)
+    for name, want in _per_sample_grads(ref, x).items():
+        assert_close(got[name], want, rtol=1e-5, atol=1e-6, what=f"per-sample gradient of {name}")
+    for step in range(2):
+        forward_backward(model, ref, rank, world, 3, step)
+        step_and_compare(opt, ropt, model, ref, f"world {world} after torch.func, step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_torch_func_transforms(spawn, world: int) -> None:
+    spawn(torch_func_case, world)
 
 
 LAM = 1e-2

@@ -55,12 +55,20 @@ _PASS = {
     "to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type", "empty_like", "share_memory_", "pin_memory",
     "_has_compatible_shallow_copy_type",
 }  # fmt: skip
+_VALUE_VIEWS = ("T", "mT", "H", "mH")
 _READS = {"detach", "to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type"}  # results stay marked
 _METADATA = {
     "__get__", "__set__", "size", "dim", "numel", "nelement", "element_size", "is_contiguous", "data_ptr",
     "untyped_storage", "storage", "_typed_storage", "__repr__", "__format__", "__dir__", "is_floating_point",
     "is_complex", "get_device", "_has_compatible_shallow_copy_type", *_READS,
 }  # fmt: skip
+UNDER_TRANSFORM = (
+    "ZeRO stage 3: the model's forward runs inside a torch.func transform (vmap, grad, jacrev, ...), where stage 3 "
+    "cannot gather parameters: a gather writes in place into buffers the transform captures. Run the transform "
+    "inside `with optimizer.gathered_params():` on every rank (every parameter is whole there and the forward gathers "
+    "nothing), e.g. per-sample gradients: with opt.gathered_params(): params = {k: v.detach() for k, v in "
+    "model.named_parameters()}; g = vmap(grad(loss_fn), in_dims=(None, 0))(params, x)"
+)
 ORPHANED = (
     "the stage-3 optimizer that kept its shards was deleted, and its values went with it (it is an empty tensor). "
     "Take the full weights out before deleting the optimizer (zero_kernels.save_pretrained(model, optimizer, "
@@ -97,9 +105,18 @@ def _sets_grad(func: Any) -> bool:
     )
 
 
+def _views_values(func: Any) -> bool:
+    """``func`` is ``p.T``, ``p.mT``, ``p.H`` or ``p.mH``: a view of the values, which a module computes with
+    (``x @ w.T``); ``p.data`` and ``detach()`` are metadata reads (``FreedRead``)."""
+    descriptor = getattr(func, "__self__", None)
+    return getattr(func, "__name__", "") == "__get__" and getattr(descriptor, "__name__", "") in _VALUE_VIEWS
+
+
 def _uses(func: Any, args: tuple) -> bool:
     """Whether ``func`` on ``args`` uses a freed parameter's values (or, ``p.grad = g`` with a non-empty ``g`` of
     another shape, would give it a gradient of a shape it does not have now)."""
+    if _views_values(func):
+        return True
     if _sets_grad(func):  # (the optimizer's own code gives ``p.data`` the full shape first: not a use)
         grad = args[1] if len(args) > 1 else None
         return isinstance(grad, torch.Tensor) and grad.numel() > 0 and grad.shape != args[0].shape

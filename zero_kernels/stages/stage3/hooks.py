@@ -431,7 +431,19 @@ class Stage3Scheduler:
 
     # -- forward ------------------------------------------------------------------------------
 
+    def _transformed(self) -> bool:
+        """Whether a ``torch.func`` transform (``vmap``, ``grad``, ...) runs this forward: inside ``gathered_params()``
+        every unit is whole and the hooks do nothing (the transform computes its own gradients); elsewhere refused
+        (a gather writes in place into buffers the transform captures; the first one made there was unusable)."""
+        if not torch._C._are_functorch_transforms_active():
+            return False
+        if self._held:
+            return True
+        raise RuntimeError(guard.UNDER_TRANSFORM)
+
     def _root_pre_forward(self, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._transformed():
+            return None
         _keep_order(module, route_id, post_id)
         global_hooks.follow()
         if not self._in_forward:
@@ -444,6 +456,8 @@ class Stage3Scheduler:
         return self._enter(self._root_plan, args, kwargs)
 
     def _root_post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if self._transformed():
+            return output
         output = self._exit(module, (args, kwargs), output)
         if self._in_forward and not self._stack:
             self._in_forward = False
@@ -457,19 +471,23 @@ class Stage3Scheduler:
         its pre-hook after theirs, finds them gathered). The inputs the caller gave are kept for ``_enter``: a
         pre-hook may compute the module's inputs from them and from its parameters (``x + m.weight.sum(1)``),
         and the use ends only once the gradients of both reached them."""
+        if self._transformed():
+            return
         self._gather(p.needs, self._forward, self._in_forward)
         self._given.setdefault(id(module), []).append((args, kwargs))
 
     def _pre_forward(
         self, p: ModulePlan, route_id: int, post_id: int, module: nn.Module, args: Any, kwargs: Any
     ) -> Any:
+        if self._transformed():
+            return None
         _keep_order(module, route_id, post_id)
         global_hooks.follow()
         given = self._given.get(id(module))
         return self._enter(p, args, kwargs, given.pop() if given else None)
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        return self._exit(module, (args, kwargs), output)
+        return output if self._transformed() else self._exit(module, (args, kwargs), output)
 
     def _enter(self, p: ModulePlan, args: Any, kwargs: Any, given: Any = None) -> Any:
         """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker.
@@ -487,6 +505,8 @@ class Stage3Scheduler:
 
     def _route(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         """``module``'s first forward hook: its output as the caller gets it (``_routed``), kept in its frame."""
+        if self._transformed():
+            return output
         frame = next((f for f in reversed(self._stack) if f.module is module), None)
         return output if frame is None else self._settled(frame, (args, kwargs), output)
 

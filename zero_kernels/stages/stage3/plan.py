@@ -29,8 +29,13 @@ class ModulePlan:
     params: tuple[nn.Parameter, ...] = ()  # what it uses: held directly (a leaf: in its subtree) and external
 
 
+_CALLED_BY_PARENT = (nn.ParameterDict, nn.ParameterList)  # never called: their parameters serve the parent's forward
+
+
 def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module, Optional[nn.Module]]]:
-    """(name, module, outermost leaf containing it or None), in ``root.modules()`` order."""
+    """(name, module, outermost leaf containing it or None), in ``root.modules()`` order; a ``ParameterDict`` or
+    ``ParameterList`` (never called) gets its parent as its leaf: the parent's forward uses its parameters (PEFT's
+    ``lora_A``, ``lora_embedding_A``)."""
     seen: set[int] = set()
 
     def visit(name: str, module: nn.Module, leaf: Optional[nn.Module]) -> Iterator:
@@ -41,7 +46,8 @@ def _walk(root: nn.Module) -> Iterator[tuple[str, nn.Module, Optional[nn.Module]
             leaf = module
         yield name, module, leaf
         for child_name, child in module.named_children():
-            yield from visit(f"{name}.{child_name}" if name else child_name, child, leaf)
+            inner = module if leaf is None and isinstance(child, _CALLED_BY_PARENT) else leaf
+            yield from visit(f"{name}.{child_name}" if name else child_name, child, inner)
 
     yield from visit("", root, None)
 
