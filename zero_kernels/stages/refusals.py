@@ -43,7 +43,8 @@ def describe(kind: int, stage: int, name: str) -> str:
         return (
             f"ShardedFusedAdam (stage {stage}): {name} has a gradient in p.grad that no reduction took: stage {stage} "
             "moves each backward's gradients into this rank's shard of the reduced gradients (p.grad is None after "
-            "backward), and a gradient set in p.grad after the step's synchronised backward would be ignored. Put "
+            "backward), and a gradient set in p.grad after the step's synchronised backward (any backward through the "
+            "model, torch.autograd.grad's too) would be ignored. Put "
             "what you add into the loss (or a gradient hook) before backward, or run that backward under "
             "opt.no_sync() (its gradients are then reduced at the step); nothing was updated"
         )
