@@ -15,3 +15,9 @@ def label(p: torch.Tensor, shape: torch.Size) -> None:
     """Give ``p`` its full ``shape`` as ``ds_shape`` and ``ds_numel``."""
     p.ds_shape = torch.Size(shape)
     p.ds_numel = torch.Size(shape).numel()
+
+
+def unlabel(p: torch.Tensor) -> None:
+    """Take ``label``'s attributes off ``p`` (the optimizer is closed: ``p`` holds its full value again)."""
+    for name in ("ds_shape", "ds_numel"):
+        p.__dict__.pop(name, None)

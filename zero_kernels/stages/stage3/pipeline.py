@@ -811,6 +811,9 @@ class Stage3Pipeline(Stage2Pipeline):
                 self._hold_depth -= 1
             self._scheduler.remove()
             self._scheduler = None
+        for unit in self._units:
+            for p in unit.params:
+                full_shape.unlabel(p)
         if self.disk_grads is not None:
             self.disk_grads.close()  # its writes done before the tier removes the files
         super().close()
