@@ -703,7 +703,8 @@ class Pipeline(BackwardRound):
     @contextlib.contextmanager
     def gathered_params(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
         """Full parameters inside the block; stages 0-2 hold them once the step's all-gathers are waited for
-        (with ``zero_quantized_weights``, gathered again unquantized: exact, e.g. for saving). ``modifier_rank``:
+        (with ``zero_quantized_weights``, gathered again unquantized: exact, e.g. for saving; at the block's end the
+        other ranks' parts are dequantized again, as the step leaves them). ``modifier_rank``:
         that rank's values of the model's parameters go to every rank at the block's end
         (``stages.modifier``); the next step, or read of the state, takes them as it takes any edit."""
         modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
@@ -711,12 +712,17 @@ class Pipeline(BackwardRound):
         self.gather_exact(self.buffers)
         if modifier_rank is None:
             yield
-            return
-        held = [p for buf in self.buffers for p in buf.params]
-        others = modifier.Others(modifier.loose(self.module, held))
-        # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
-        with modifier.ending(functools.partial(self._broadcast_params, modifier_rank, others)):
-            yield
+        else:
+            held = [p for buf in self.buffers for p in buf.params]
+            others = modifier.Others(modifier.loose(self.module, held))
+            # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
+            with modifier.ending(functools.partial(self._broadcast_params, modifier_rank, others)):
+                yield
+        if any(self.epilogue_quantizer(buf) is not None for buf in self.buffers):
+            # qwZ: the other ranks' parts dequantized again, as the step leaves them (a block, even an empty one or
+            # a save, must not change the run); values assigned in the block (p.data = ...) go into param_flat first
+            adopt.follow_replaced(self, self.name_of)
+            self.requantize_whole()
 
     def _broadcast_params(self, modifier_rank: int, others: modifier.Others) -> None:
         """Every rank takes ``modifier_rank``'s values of the held and the model's other parameters, once the ranks

@@ -1,0 +1,69 @@
+"""ZeRO++'s quantized weights (qwZ) at stages 1-2: a ``gathered_params()`` block leaves the run as it was.
+
+Inside the block every rank holds every rank's exact parameters (gathered again unquantized, e.g. to save them);
+between steps the other ranks' parts are the dequantized values the step's quantized all-gather sent. The block's
+end sends them quantized again, so a run with an empty block, or a ``zk.save_pretrained`` (which uses one), equals
+bit for bit the run without it (the exact values used to stay: 3.0e-4 apart in fp32 after 3 more steps), and an
+edit made in the block on every rank reaches the other ranks' parts as the step would send it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+
+STEPS = 6
+
+
+def _run(rank: int, stage: int, dtype: torch.dtype, block: str, out: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)).to(dtype)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True, reduce_bucket_size=64)
+    for step in range(STEPS):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(dtype)
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 2 and block == "empty":
+            with opt.gathered_params():
+                pass
+        elif step == 2 and block == "save_pretrained":
+            zk.save_pretrained(model, opt, out)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _edit(rank: int, stage: int) -> None:
+    """Halving every parameter in a block (a power of two: the int8 blocks scale exactly) halves what the forward
+    sees after it, the other ranks' dequantized parts included."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True, reduce_bucket_size=64)
+    model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    with opt.gathered_params(), torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), 0.5 * b), f"stage {stage}: the edit did not reach the other ranks' parts"
+
+
+def _case(rank: int, world: int, out: str) -> None:
+    for stage in (1, 2):
+        for dtype in (torch.float32, torch.bfloat16):
+            plain = _run(rank, stage, dtype, "", out)
+            for block in ("empty", "save_pretrained"):
+                got = _run(rank, stage, dtype, block, str(Path(out) / f"{stage}-{block}"))
+                for i, (g, w) in enumerate(zip(got, plain)):
+                    assert torch.equal(g, w), f"stage {stage} {dtype} {block}: param {i} {(g - w).abs().max():.3g}"
+        _edit(rank, stage)
+
+
+@pytest.mark.distributed
+def test_a_block_leaves_the_run_unchanged(spawn, tmp_path: Path) -> None:
+    spawn(_case, 2, str(tmp_path))
