@@ -465,9 +465,13 @@ def test_skipped_steps_are_restored_by_load_state_dict(stage: int, monkeypatch: 
 
 def test_fp16_true_false_and_wrong_types() -> None:
     """``fp16=True`` is DeepSpeed's dynamic loss scaling with its defaults (it used to fail with an AttributeError on
-    the bool), False none; another type is a TypeError naming ``fp16`` and what it takes."""
+    the bool), False none; a dict of fields is on unless it says ``"enabled": False`` (without the key it used to be
+    off, without a word); another type is a TypeError naming ``fp16`` and what it takes."""
     on = zo.ShardedFusedAdam(nn.Linear(2, 2).half(), lr=LR, fp16=True)
     assert on.loss_scaler is not None and on.loss_scale == 2.0**16
     assert zo.ShardedFusedAdam(nn.Linear(2, 2), lr=LR, fp16=False).loss_scaler is None
+    fields = zo.ShardedFusedAdam(nn.Linear(2, 2).half(), lr=LR, fp16={"initial_scale_power": 8})  # on: it was off
+    assert fields.loss_scaler is not None and fields.loss_scale == 2.0**8
+    assert zo.ShardedFusedAdam(nn.Linear(2, 2), lr=LR, fp16={"enabled": False}).loss_scaler is None
     with pytest.raises(TypeError, match=r"fp16 must be an FP16Config, a dict .* True, False or None; got str"):
         zo.ShardedFusedAdam(nn.Linear(2, 2), lr=LR, fp16="yes")

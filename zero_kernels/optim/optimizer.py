@@ -132,8 +132,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         adam_w_mode: decoupled weight decay (AdamW) if True; L2 added to the gradient (Adam) if False.
         max_grad_norm: clip the global gradient norm to this value (None or 0: no clipping).
         gradient_accumulation_steps: micro-steps per update (see the module docstring).
-        fp16: an ``FP16Config`` (or its fields as a dict) enabling loss scaling; True: DeepSpeed's dynamic
-            defaults (``FP16Config(enabled=True)``), False: none.
+        fp16: an ``FP16Config`` (or its fields as a dict, on unless it holds ``"enabled": False``) enabling loss
+            scaling; True: DeepSpeed's dynamic defaults (``FP16Config(enabled=True)``), False: none.
         skip_nonfinite_steps: skip (on every rank) a step whose gradients hold inf/NaN on some rank,
             and count it in ``skipped_steps``; False applies them, as ``torch.optim.AdamW`` does.
             fp16 loss scaling always skips such steps.
@@ -773,8 +773,8 @@ def _fp16_config(fp16: Any) -> Optional[FP16Config]:
     """``fp16=`` as an ``FP16Config`` (None: no loss scaling), or a ``TypeError`` naming it."""
     if isinstance(fp16, bool):
         return FP16Config(enabled=True) if fp16 else None
-    if isinstance(fp16, Mapping):
-        return FP16Config(**fp16)
+    if isinstance(fp16, Mapping):  # given as a keyword it reads as "on": DeepSpeed's block off only where it says so
+        return FP16Config(**{"enabled": True, **fp16})
     if fp16 is None or isinstance(fp16, FP16Config):
         return fp16
     raise TypeError(
