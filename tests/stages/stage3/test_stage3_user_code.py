@@ -326,7 +326,7 @@ def kept_from_gathered_params_case(rank: int, world: int) -> None:
     want = {k: v.clone() for k, v in ref.state_dict().items()}
     ema = [torch.full_like(q, 0.5) for q in ref.parameters()]
     for swap in range(2):
-        with opt.gathered_params():
+        with opt.gathered_params(modifier_rank=0 if swap else None):  # the broadcast took the swap apart too
             for e, q in zip(ema, model.parameters()):
                 q.data, e.data = e.data, q.data
             if swap == 0:
@@ -428,6 +428,41 @@ def torch_func_case(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_torch_func_transforms(spawn, world: int) -> None:
     spawn(torch_func_case, world)
+
+
+def saved_views_case(rank: int, world: int) -> None:
+    """A ``gathered_params()`` block between a forward and its backward keeps nothing: the storages the forward's
+    saved views share are emptied at the block's end as at any free (they were left to autograd, holding the whole
+    model through the backward); the backward then trains next to AdamW."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    ref = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, lr=LR, eps=1e-3, stage=3, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1e-3)
+    saved: dict[int, torch.UntypedStorage] = {}  # the storages of the parameters' saved views
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if any(t.untyped_storage().data_ptr() == q.untyped_storage().data_ptr() for q in model.parameters()):
+            saved[id(t.untyped_storage())] = t.untyped_storage()
+        return t
+
+    x = torch.randn(2 * world, 64, generator=torch.Generator().manual_seed(5))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x.chunk(world)[rank]).square().mean()
+    with opt.gathered_params():
+        pass
+    assert saved, "no saved view of a parameter: the test would prove nothing"
+    held = sum(s.nbytes() for s in saved.values())
+    assert held == 0, f"the forward's saved views of the parameters hold {held} bytes after the block"
+    loss.backward()
+    ref(x).square().mean().backward()
+    step_and_compare(opt, ropt, model, ref, f"world {world} a block between forward and backward")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_a_block_between_forward_and_backward_keeps_nothing(spawn, world: int) -> None:
+    spawn(saved_views_case, world)
 
 
 LAM = 1e-2

@@ -683,6 +683,7 @@ class Stage3Pipeline(Stage2Pipeline):
         ``ModifierMismatch`` raised (``stages.modifier``)."""
         try:
             mismatch = None
+            self._renew_replaced()
             if modifier_rank is not None:
                 mismatch = self._broadcast_full(modifier_rank, others)
             elif before is not None:
@@ -758,13 +759,18 @@ class Stage3Pipeline(Stage2Pipeline):
         modifier.broadcast(self.engine, full + others.tensors(), modifier_rank)
         return None
 
+    def _renew_replaced(self) -> None:
+        """A unit some of whose parameters were given another ``.data`` in the block (an EMA swapped in) moves to a
+        new storage before the assigned values are copied into it: what was assigned from the old one keeps its
+        values (``stage3.storage``)."""
+        for unit in self._units:
+            if isinstance(unit, _Unit) and unit.buf.full is not None and adopt.replaced(unit.buf, unit.buf.full):
+                unit.buf.full = unit.storage.renew()
+
     def _write_back(self) -> None:
         self.uploads.wait()
-        units = {id(unit.buf): unit for unit in self._units if isinstance(unit, _Unit)}
         for buf in self.buffers:
             if not buf.persistent:
-                if adopt.replaced(buf, buf.full):  # what was assigned from the buffer keeps its values (``storage``)
-                    buf.full = units[id(buf)].storage.renew()
                 adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
                 for bucket in buf.layout.buckets:
                     self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))

@@ -13,12 +13,12 @@ outside the forward inside ``gathered_params()``, and copy (``clone()``) what mu
 
 What ``gathered_params()`` hands out is different: a user reads parameters there to keep them
 (``sd = model.state_dict()``, ``p.detach()``, ``e.data, p.data = p.data, e.data`` to swap in an EMA), as with
-DeepSpeed's ``GatheredParameters`` and torch. So the end of the block frees a storage that something besides the
-buffer still views by leaving it to those views (``release(hand_over=True)``; the use count of the storage says
-whether any remain): they keep the values, and the next gather takes a new storage. Nothing else holds a view of
-the buffer by then (the parameters were given their empty tensors), so the bytes are given back at once where no
-such view was taken. A parameter whose ``.data`` was assigned in the block (the swap above) has its new values
-written back through a new storage (``renew``): the old one keeps the values the other tensor was given.
+DeepSpeed's ``GatheredParameters`` and torch. So the end of the block leaves a storage that got views while the
+block had it gathered to those views (``release(hand_over=True)``): they keep the values, and the next gather
+takes a new storage. The storage's use count, above what it was when the block gathered the unit, says whether
+any were taken (autograd's saved views of a forward before the block were there already: such a storage is
+emptied as at any free). A parameter whose ``.data`` was assigned in the block (the swap above) has its new
+values written back through a new storage (``renew``): the old one keeps the values the other tensor was given.
 
 The buffer, and the empty tensor a freed parameter holds, are made outside ``torch.inference_mode()`` even
 when the first gather runs inside it (an evaluation before training): an inference tensor could not be
@@ -31,7 +31,10 @@ from typing import Optional
 
 import torch
 
-_OWN_USES = 2  # the buffer's tensor and the Python storage object ``untyped_storage()`` gives
+
+def _uses(tensor: torch.Tensor) -> int:
+    """How many tensors (and Python storage objects) hold ``tensor``'s storage."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
 class GatherStorage:
@@ -40,6 +43,7 @@ class GatherStorage:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
         self._tensor: Optional[torch.Tensor] = None
+        self._uses = 0  # ``_uses`` of the buffer when last taken
 
     def take(self) -> torch.Tensor:
         """The buffer to gather into: its storage allocated again (the same storage object every time)."""
@@ -50,6 +54,7 @@ class GatherStorage:
             storage = self._tensor.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(self.numel * self._tensor.element_size())
+        self._uses = _uses(self._tensor)  # what views it already (autograd's saved views of an earlier forward)
         return self._tensor
 
     def renew(self) -> torch.Tensor:
@@ -64,11 +69,10 @@ class GatherStorage:
         and gather into a new storage next time."""
         if self._tensor is None:
             return
-        storage = self._tensor.untyped_storage()
-        if hand_over and torch._C._storage_Use_Count(storage._cdata) > _OWN_USES:
+        if hand_over and _uses(self._tensor) > self._uses:
             self._tensor = None
         else:
-            storage.resize_(0)
+            self._tensor.untyped_storage().resize_(0)
 
 
 def freed(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
