@@ -143,6 +143,21 @@ def clipped_by_both(rank: int, world: int, stage: int) -> None:
         step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} clipped by both, step {step}")
 
 
+def measured_then_torch(rank: int, world: int) -> None:
+    """Stage 0: ``opt.clip_grad_norm_(inf)`` only measures (to log the norm), so ``p.grad`` stays exact and torch's
+    clip on a subset and ``clip_grad_value_`` run as usual after it (they were refused)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, 0, eps=1.0), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    _backward(model, ref, rank, world, 0)
+    got = opt.clip_grad_norm_(float("inf"))
+    want = nn.utils.get_total_norm([p.grad for p in ref.parameters() if p.grad is not None])
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for m in (model, ref):
+        nn.utils.clip_grad_norm_([m.emb.weight, m.head.weight], 0.01)
+        nn.utils.clip_grad_value_(list(m.parameters()), 1e-3)
+    step_and_compare(opt, ropt, model, ref, f"stage 0 world {world} measured, then torch's clips")
+
+
 def refusals(rank: int, world: int, stage: int) -> None:
     """Item 3: calls that cannot be made right raise ValueError, on every rank."""
     model, ref = make_models(torch.float32)
@@ -263,6 +278,7 @@ def all_cases(rank: int, world: int) -> None:
         clipped_by_both(rank, world, stage)
         refusals(rank, world, stage)
     accumulated_stage0(rank, world)
+    measured_then_torch(rank, world)
 
 
 def test_one_process_every_stage() -> None:

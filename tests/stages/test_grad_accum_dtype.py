@@ -237,16 +237,25 @@ def test_narrower_accumulation_dtype_never_narrows(caplog: pytest.LogCaptureFixt
     assert opt.pipeline.buffers[0].grad_shard.dtype == torch.float32 and not opt.pipeline.reduces_micro_steps
 
 
+@pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("model_dtype, accum", [(torch.float16, "bf16"), (torch.bfloat16, "fp16")])
 def test_the_other_16_bit_dtype_adds_up_in_fp32_and_says_so(
-    model_dtype: torch.dtype, accum: str, caplog: pytest.LogCaptureFixture
+    model_dtype: torch.dtype, accum: str, stage: int, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Stage 3 (which builds its buffers apart) gave no warning at all, this one nor the narrower one's."""
     with caplog.at_level(logging.WARNING, logger="zero_kernels"):
         opt = zk.ShardedFusedAdam(
-            nn.Linear(4, 4).to(model_dtype), stage=1, gradient_accumulation_steps=2, grad_accum_dtype=accum
+            nn.Linear(4, 4).to(model_dtype), stage=stage, gradient_accumulation_steps=2, grad_accum_dtype=accum
         )
     assert f"grad_accum_dtype={accum!r} cannot hold" in caplog.text and "accumulates them in fp32" in caplog.text
-    assert [buf.grad_flat.dtype for buf in opt.pipeline.buffers] == [torch.float32]
+    wide = [buf.grad_flat if stage == 1 else buf.grad_shard for buf in opt.pipeline.buffers]
+    assert [t.dtype for t in wide] == [torch.float32]
+
+
+def test_a_narrower_dtype_is_warned_at_stage_3(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        zk.ShardedFusedAdam(nn.Linear(4, 4), stage=3, gradient_accumulation_steps=2, grad_accum_dtype="fp16")
+    assert "grad_accum_dtype='fp16' is narrower than the fp32 gradients" in caplog.text
 
 
 def test_keyword_is_checked_and_read_from_the_config() -> None:

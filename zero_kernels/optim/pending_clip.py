@@ -10,6 +10,7 @@ for before it; a norm the caller gives (``clip_grads_with_norm_``) is taken as i
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -54,8 +55,9 @@ class PendingClips:
         self._asked = []
 
     def __bool__(self) -> bool:
-        """Whether a clip is asked for (``p.grad`` is then not yet clipped as the step will clip it)."""
-        return bool(self._asked)
+        """Whether a clip is asked for (``p.grad`` is then not yet clipped as the step will clip it); a call that only
+        measures (``max_norm`` inf) clips nothing."""
+        return any(math.isfinite(a.max_norm) for a in self._asked)
 
 
 def _product(asked: list[_Asked], correct: Correct) -> Optional[torch.Tensor]:

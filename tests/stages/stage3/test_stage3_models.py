@@ -475,6 +475,8 @@ def _external_cases(rank: int, world: int) -> None:
         assert [p is model.embed.weight for p in external_parameters(model)] == [True]
     with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' is used \(.*\) outside any module's forward"):
         model.embed.weight.square().sum()
+    with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' is used \(p\.T\) outside any module's forward"):
+        model.embed.weight.T
     with pytest.raises(RuntimeError, match="gathered_params"):
         torch.cat([model.block.weight, model.block.weight])
     with opt.gathered_params():

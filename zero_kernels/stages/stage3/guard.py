@@ -279,6 +279,8 @@ def operation_name(func: Any) -> str:
     """A readable name of the torch function ``func`` for error messages."""
     if _sets_grad(func):
         return "p.grad = ..."
+    if _views_values(func):
+        return f"p.{func.__self__.__name__}"
     name = getattr(func, "__name__", None) or repr(func)
     module = getattr(func, "__module__", None) or ""
     return name if module.startswith("torch._C") or not module else f"{module}.{name}"

@@ -62,7 +62,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from .. import adopt, master, modifier, offloaded, stats
+from .. import adopt, grad_accum, master, modifier, offloaded, stats
 from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
@@ -243,6 +243,7 @@ class Stage3Pipeline(Stage2Pipeline):
         self._reserve_grads(buffers)
         in_files = self._choose_files(buffers)
         for buf in buffers:
+            grad_accum.warn_unused(self, buf, self._accum_warned)
             self._allocate(buf, in_file=id(buf) in in_files)
             self._index(buf)
         for _, i in trainable:
