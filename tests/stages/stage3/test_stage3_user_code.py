@@ -274,12 +274,6 @@ def backward_inputs_case(rank: int, world: int) -> None:
         step_and_compare(opt, ropt, model, ref, f"world {world} backward(inputs=...) step {step}")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_backward_with_inputs_naming_gathered_parameters(spawn, world: int) -> None:
-    spawn(backward_inputs_case, world)
-
-
 def _hand_grad(shape: torch.Size, step: int, k: int, rank: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1000 * step + 10 * k + rank))
 
@@ -302,12 +296,6 @@ def hand_set_grad_case(rank: int, world: int) -> None:
             if q.requires_grad:
                 q.grad = torch.stack([_hand_grad(shapes[n], step, k, r) for r in range(world)]).mean(0)
         step_and_compare(opt, ropt, model, ref, f"world {world} gradients set by hand, step {step}")
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_gradients_set_by_hand(spawn, world: int) -> None:
-    spawn(hand_set_grad_case, world)
 
 
 def kept_from_gathered_params_case(rank: int, world: int) -> None:
@@ -341,12 +329,6 @@ def kept_from_gathered_params_case(rank: int, world: int) -> None:
     assert all(bool(v.isfinite().all()) for v in [*state.values(), *detached, *ema]), "kept tensors readable"
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_tensors_taken_in_gathered_params_outlive_it(spawn, world: int) -> None:
-    spawn(kept_from_gathered_params_case, world)
-
-
 INITS = [
     lambda w: nn.init.kaiming_normal_(w),
     lambda w: nn.init.xavier_uniform_(w),
@@ -372,12 +354,6 @@ def init_case(rank: int, world: int) -> None:
     for step in range(2):
         forward_backward(model, ref, rank, world, 3, step)
         step_and_compare(opt, ropt, model, ref, f"world {world} initialised in the block, step {step}")
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_init_functions_on_freed_parameters(spawn, world: int) -> None:
-    spawn(init_case, world)
 
 
 def test_parameters_tell_their_full_size_as_deepspeed_does() -> None:
@@ -424,12 +400,6 @@ def torch_func_case(rank: int, world: int) -> None:
         step_and_compare(opt, ropt, model, ref, f"world {world} after torch.func, step {step}")
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_torch_func_transforms(spawn, world: int) -> None:
-    spawn(torch_func_case, world)
-
-
 def saved_views_case(rank: int, world: int) -> None:
     """A ``gathered_params()`` block between a forward and its backward keeps nothing: the storages the forward's
     saved views share are emptied at the block's end as at any free (they were left to autograd, holding the whole
@@ -459,10 +429,21 @@ def saved_views_case(rank: int, world: int) -> None:
     step_and_compare(opt, ropt, model, ref, f"world {world} a block between forward and backward")
 
 
+USER_CODE = [
+    backward_inputs_case,
+    hand_set_grad_case,
+    kept_from_gathered_params_case,
+    init_case,
+    torch_func_case,
+    saved_views_case,
+]
+
+
 @pytest.mark.distributed
+@pytest.mark.parametrize("case", USER_CODE, ids=lambda case: case.__name__)
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_a_block_between_forward_and_backward_keeps_nothing(spawn, world: int) -> None:
-    spawn(saved_views_case, world)
+def test_user_code_next_to_adamw(spawn, world: int, case) -> None:
+    spawn(case, world)
 
 
 LAM = 1e-2
