@@ -247,6 +247,29 @@ def persistent_write_elsewhere_case(rank: int, world: int, where: str) -> None:
         step_and_compare(opt, ropt, model, ref, f"{where} write, step {step}")
 
 
+def persistent_write_qwz_case(rank: int, world: int) -> None:
+    """With qwZ each rank holds the other ranks' parts of a persistent parameter dequantized (its bits differ by
+    design): the same write on every rank (a ``clamp_`` in the forward) trains on (it was refused from the second
+    step), and a write on one rank only is refused."""
+    model = Writers("root")
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, zero_quantized_weights=True)
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)).chunk(world)[rank]
+    for step in range(3):
+        model.halve = True
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model.halve = rank == 0
+    model(x).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"parameter 'b\.weight' .*kept whole on every rank"):
+        opt.step()
+
+
+@pytest.mark.distributed
+def test_persistent_writes_with_quantized_weights(spawn) -> None:
+    spawn(persistent_write_qwz_case, 2)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("where", ["root", "sibling", "pre-hook"])
 def test_persistent_write_anywhere_in_the_forward_is_found(spawn, where: str) -> None:

@@ -19,7 +19,9 @@ counters, around each module's forward and around the whole forward (the root's:
 not use the parameter, by the root's own code, by a pre-hook), and kept where every rank made the same (a ``clamp_``
 of the weight, the same rows renormalised): the step's exchange says whether some rank found one, and the ranks
 then compare an exact sum of the bits of every persistent parameter (``held_edits``, one small all-reduce); where
-one that some rank found written differs between them every rank raises (``describe_persistent``).
+one that some rank found written differs between them every rank raises (``describe_persistent``). With qwZ the
+ranks hold each other's parts dequantized (different bits by design): only a write found on some ranks and not on
+others is refused there.
 
 Whether a write happens may depend on a rank's data, and a free is no point where every rank can
 stop together, so the rank records the first parameter found (``record``) and the step's exchange

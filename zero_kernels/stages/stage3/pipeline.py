@@ -349,13 +349,16 @@ class Stage3Pipeline(Stage2Pipeline):
     def _verify_persistent_writes(self, found: list[int], mine: set[int]) -> None:
         """Where some rank found a persistent parameter written during a forward (every rank has ``found``, each
         rank's first, or ``NONE``; ``mine``: all this rank found), the ranks compare the bits of every persistent
-        parameter and raise where one that some rank found written differs."""
+        parameter and raise where one that some rank found written differs. With qwZ each rank holds the other
+        ranks' parts dequantized, so the bits differ by design: there only a write made on some ranks and not on
+        others is found (the marks differ); one made on every rank is taken as the same."""
         if all(index == NONE for index in found):
             return
         held = [(index, p) for buf in self.buffers if buf.persistent for index, p in zip(buf.indices, buf.params)]
-        sums = held_edits.word_sums([p for _, p in held], self.device)
         marked = torch.tensor([index in mine for index, _ in held], dtype=torch.int64, device=self.device)
-        differ = held_edits.marked_differing(self.engine, sums, marked)
+        dequantized = getattr(self.options, "quantized_weights", False) and self.num_shards > 1
+        values = marked if dequantized else held_edits.word_sums([p for _, p in held], self.device)
+        differ = held_edits.marked_differing(self.engine, values, marked)
         if differ:
             raise RuntimeError(describe_persistent(self._index_name(held[differ[0]][0])))
 
