@@ -43,6 +43,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.nn.init import kaiming_normal_ as early_kaiming_normal_
 
 import zero_kernels as zk
 import zero_kernels.optim as zo
@@ -358,6 +359,8 @@ INITS = [
     lambda w: nn.init.orthogonal_(w),
     lambda w: nn.init.eye_(w),
     lambda w: nn.init.kaiming_uniform_(w),
+    lambda w: early_kaiming_normal_(w),  # bound by name before any optimizer existed
+    lambda w: torch.nn.modules.activation.xavier_uniform_(w),  # how MultiheadAttention._reset_parameters calls it
 ]
 
 

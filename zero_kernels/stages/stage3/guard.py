@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
+import types
 import weakref
 from typing import Any, Callable, Optional
 
@@ -243,11 +245,22 @@ def _guarded_init(init: Callable) -> Callable:
 
 
 def _guard_inits() -> None:
-    """Put ``_use`` in front of the ``_INITS`` (once): on a freed parameter they gather it or raise, naming it."""
+    """Put ``_use`` in front of the ``_INITS``, once: on a freed parameter they gather it or raise, naming it. In
+    ``torch.nn.init`` and in every module loaded by then that bound them by name, under any name (``from
+    torch.nn.init import xavier_uniform_``: torch's MultiheadAttention and Transformer do)."""
+    guarded = {}
     for name in _INITS:
         init = getattr(torch.nn.init, name, None)
         if init is not None and not getattr(init, "_zk_guarded", False):
-            setattr(torch.nn.init, name, _guarded_init(init))
+            guarded[id(init)] = _guarded_init(init)
+            setattr(torch.nn.init, name, guarded[id(init)])
+    if not guarded:
+        return
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        for name, value in list(names.items()) if isinstance(names, dict) else ():
+            if type(value) is types.FunctionType and id(value) in guarded:  # also under another name
+                names[name] = guarded[id(value)]
 
 
 def mark_freed(param: nn.Parameter, on_use: OnUse, on_read_use: Optional[OnUse] = None) -> None:
