@@ -125,12 +125,26 @@ def _uses(func: Any, args: tuple) -> bool:
     return getattr(func, "__name__", "") not in _PASS and func not in _TARGETS
 
 
+def _report_use(t: Any, func: Any) -> None:
+    """An operation ``func`` on ``t``: a freed parameter's ``on_use`` is called, a ``FreedRead``'s report (or, its
+    hooks put back since, the one of the scheduler now in charge); other tensors: nothing."""
+    if isinstance(t, _Freed):
+        callback = _callback(_on_use, t, func)
+    elif isinstance(t, FreedRead):
+        param = t._zk_param()
+        callback = None if param is None else (t._zk_report() or _callback(_on_read_use, param, func))
+        t = param
+    else:
+        return
+    if callback is not None:
+        callback(t, func)
+
+
 def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
     if _uses(func, args):
         for t in tensors(args, kwargs):
-            callback = _callback(_on_use, t, func) if isinstance(t, _Freed) else None
-            if callback is not None:
-                callback(t, func)
+            if isinstance(t, _Freed):
+                _report_use(t, func)
     result = _disabled_torch_function_impl(func, types, args, kwargs or {})
     if args and isinstance(args[0], _Freed) and not torch.compiler.is_compiling():
         return _mark_read(func, result, args[0], _on_read_use.get(id(args[0])))
@@ -145,9 +159,7 @@ class _Freed(Mark):
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy of a freed parameter would be empty: ``on_use(param, copy.deepcopy)`` raises (or copies it as
         it is when no callback is registered)."""
-        callback = _callback(_on_use, self, copy.deepcopy)
-        if callback is not None:
-            callback(self, copy.deepcopy)
+        _report_use(self, copy.deepcopy)
         return self._zk_original.__deepcopy__(self, memo)
 
 
@@ -181,11 +193,7 @@ class FreedRead(torch.Tensor):
         if getattr(func, "__name__", "") not in _METADATA:
             for t in tensors(args, kwargs):
                 if isinstance(t, FreedRead):
-                    param, report = t._zk_param(), t._zk_report()
-                    if param is not None and report is None:  # hooks put back since: the scheduler now in charge
-                        report = _callback(_on_read_use, param, func)
-                    if param is not None and report is not None:
-                        report(param, func)
+                    _report_use(t, func)
         result = _disabled_torch_function_impl(func, types, args, kwargs or {})
         if args and isinstance(args[0], FreedRead):
             source = args[0]
@@ -220,24 +228,10 @@ def run_eagerly(fn: Callable) -> Callable:
 _INITS = ("kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_", "eye_", "dirac_", "sparse_")
 
 
-def _use(t: Any, func: Any) -> None:
-    """What ``_handle`` (a freed parameter) or ``FreedRead`` does for an operation ``func`` on ``t``."""
-    if isinstance(t, _Freed):
-        callback = _callback(_on_use, t, func)
-    elif isinstance(t, FreedRead):
-        param = t._zk_param()
-        callback = None if param is None else (t._zk_report() or _callback(_on_read_use, param, func))
-        t = param
-    else:
-        return
-    if callback is not None:
-        callback(t, func)
-
-
 def _guarded_init(init: Callable) -> Callable:
     @functools.wraps(init)
     def guarded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        _use(tensor, init)
+        _report_use(tensor, init)
         return init(tensor, *args, **kwargs)
 
     guarded._zk_guarded = True  # type: ignore[attr-defined]
@@ -245,7 +239,7 @@ def _guarded_init(init: Callable) -> Callable:
 
 
 def _guard_inits() -> None:
-    """Put ``_use`` in front of the ``_INITS``, once: on a freed parameter they gather it or raise, naming it. In
+    """Put ``_report_use`` in front of the ``_INITS``, once: on a freed parameter they gather it or raise, naming it. In
     ``torch.nn.init`` and in every module loaded by then that bound them by name, under any name (``from
     torch.nn.init import xavier_uniform_``: torch's MultiheadAttention and Transformer do)."""
     guarded = {}

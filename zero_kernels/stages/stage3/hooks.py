@@ -308,11 +308,12 @@ class Stage3Scheduler:
         self._forward, self._backward = _Pass(), _Pass()  # a new plan: the next passes are checked at once
         self._root_plan = plans[0]
         self._leaf_units = set()
-        persistent = {id(q) for u in self.units if u.persistent for q in u.params}
+        every = tuple(q for u in self.units if u.persistent for q in u.params)
+        persistent = {id(q) for q in every}
         self._watched = {id(p.module): tuple(q for q in p.params if id(q) in persistent) for p in plans}
         # the root's frame watches them all: a write by a module that does not use the parameter, by the root's
         # own forward or by a pre-hook that runs before a module's frame begins
-        self._watched[id(self.root)] = tuple(q for u in self.units if u.persistent for q in u.params)
+        self._watched[id(self.root)] = every
         for p in plans:
             if p.leaf:
                 inside = {id(q) for q in p.module.parameters()}

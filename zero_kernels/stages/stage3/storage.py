@@ -43,7 +43,7 @@ class GatherStorage:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
         self.numel, self.dtype, self.device = numel, dtype, device
         self._tensor: Optional[torch.Tensor] = None
-        self._uses = 0  # ``_uses`` of the buffer when last taken
+        self._taken_uses = 0  # ``_uses`` of the buffer when last taken
 
     def take(self) -> torch.Tensor:
         """The buffer to gather into: its storage allocated again (the same storage object every time)."""
@@ -54,7 +54,7 @@ class GatherStorage:
             storage = self._tensor.untyped_storage()
             if storage.nbytes() == 0:
                 storage.resize_(self.numel * self._tensor.element_size())
-        self._uses = _uses(self._tensor)  # what views it already (autograd's saved views of an earlier forward)
+        self._taken_uses = _uses(self._tensor)  # what views it already (autograd's saved views of an earlier forward)
         return self._tensor
 
     def renew(self) -> torch.Tensor:
@@ -69,7 +69,7 @@ class GatherStorage:
         and gather into a new storage next time."""
         if self._tensor is None:
             return
-        if hand_over and _uses(self._tensor) > self._uses:
+        if hand_over and _uses(self._tensor) > self._taken_uses:
             self._tensor = None
         else:
             self._tensor.untyped_storage().resize_(0)
