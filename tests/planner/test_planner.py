@@ -307,15 +307,17 @@ def test_zeropp_copies_are_counted_at_stage3_only() -> None:
         estimate_memory(psi, n, 3, hpz_partition_size=-1)
 
 
-def test_frozen_parameters_whole_or_partitioned_in_int8() -> None:
-    """LoRA on a frozen base: frozen parameters add to ``params`` only; whole in their dtype, or at stage 3 with
-    ``quantized_nontrainable_weights`` this rank's ``ceil(frozen/N)`` in int8 with a scale per block."""
-    psi, frozen, n = 1_000_000, 1_000_000_000, 8
+def test_frozen_parameters_whole_partitioned_or_partitioned_in_int8() -> None:
+    """LoRA on a frozen base: frozen parameters add to ``params`` only; whole in their dtype at stages 0-2, at
+    stage 3 this rank's ``ceil(frozen/N)`` in their dtype, or with ``quantized_nontrainable_weights`` in int8 with
+    a scale per block."""
+    psi, frozen, n = 1_000_000, 1_000_000_001, 8
     plain = estimate_memory(psi, n, 3)
-    whole = estimate_memory(psi, n, 3, frozen_params=frozen)
+    partitioned = estimate_memory(psi, n, 3, frozen_params=frozen)
     int8 = estimate_memory(psi, n, 3, frozen_params=frozen, quantized_nontrainable_weights=True)
-    assert whole.params == plain.params + 2 * frozen and whole.total == plain.total + 2 * frozen
-    assert int8.params == plain.params + int((1 + 4 / 2048) * frozen // n)
+    chunk = -(-frozen // n)
+    assert partitioned.params == plain.params + 2 * chunk and partitioned.total == plain.total + 2 * chunk
+    assert int8.params == plain.params + int((1 + 4 / 2048) * chunk)
     assert (int8.grads, int8.optimizer, int8.working_set) == (plain.grads, plain.optimizer, plain.working_set)
     assert estimate_memory(psi, n, 2, frozen_params=frozen).params == 2 * psi + 2 * frozen
     with pytest.raises(ValueError, match="quantized_nontrainable_weights applies at stage 3 only"):

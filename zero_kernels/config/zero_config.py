@@ -86,7 +86,7 @@ ZEROPP_STAGES: Dict[str, Tuple[int, ...]] = {
 }
 _ZEROPP_WHAT = {
     "quantized_weights": "quantizes the parameter all-gather, which stage 0 does not have",
-    "quantized_nontrainable_weights": "partitions the frozen parameters and stores them in int8, as only stage 3 "
+    "quantized_nontrainable_weights": "stores the partitioned frozen parameters in int8, as only stage 3 "
     "partitions parameters",
     "hpz_partition_size": "keeps a secondary partition of the parameters gathered at stage 3",
     "quantized_gradients": "quantizes the gradient reduce-scatter, which stages 0-1 do not have",
@@ -131,8 +131,8 @@ class ZeroOptions:
 
     ZeRO++ (read from DeepSpeed's keys, ``schema.ZEROPP_FIELDS``): ``quantized_weights``
     (``zero_quantized_weights``: parameter all-gathers send int8 blocks; stages 1-3),
-    ``quantized_nontrainable_weights`` (``zero_quantized_nontrainable_weights``: frozen parameters partitioned
-    too and stored in int8; stage 3), ``hpz_partition_size`` (``zero_hpz_partition_size``:
+    ``quantized_nontrainable_weights`` (``zero_quantized_nontrainable_weights``: stage 3's partitioned frozen
+    parameters stored in int8), ``hpz_partition_size`` (``zero_hpz_partition_size``:
     ranks holding a secondary partition for the backward gather; stage 3; 0 and 1 are off),
     ``quantized_gradients`` (``zero_quantized_gradients``; stages 2-3) and ``loco_param``
     (``zeropp_loco_param``: a ``LocoParam`` or None; needs quantized gradients).

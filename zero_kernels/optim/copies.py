@@ -21,8 +21,8 @@ model. At stage 3 the optimizer needs the model (its hooks gather parameters), s
 copy of it, ``copy.pipeline.module``; the model itself cannot be pickled while the optimizer's
 hooks are on it, and to deep-copy both in one call put the optimizer first:
 ``opt2, model2 = copy.deepcopy((opt, model))``. Copy between steps, and at stage 3 outside
-``gathered_params()``. An optimizer that stores frozen parameters in int8 at stage 3
-(``zero_quantized_nontrainable_weights``) is refused: a copy could not give them back without the other ranks.
+``gathered_params()``. Stage 3's partitioned frozen parameters come with it: the copy holds this rank's
+chunk of each frozen unit (``stage3.frozen``), as of the trainable ones.
 """
 
 from __future__ import annotations
@@ -76,13 +76,6 @@ class Origin:
 def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
     """Everything a copy is rebuilt from, by reference (the caller copies)."""
     pipeline = opt.pipeline
-    if pipeline.frozen_partitioned():
-        raise RuntimeError(
-            "a ShardedFusedAdam whose stage 3 stores the frozen parameters in int8 "
-            "(zero_optimization.zero_quantized_nontrainable_weights) cannot be copied or pickled: each rank holds "
-            "only its int8 chunk of them. On every rank, save a checkpoint (zero_kernels.checkpoint.save), or copy "
-            "the model inside `with optimizer.gathered_params():` (it then holds the full values)"
-        )
     params = [p for g in opt.param_groups for p in g["params"]]
     return {
         _TAG: _VERSION,
@@ -104,6 +97,7 @@ def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
             "steps": dict(pipeline.steps),
             "shapes": [tuple(pipeline.param_shape(p)) for p in params],
         },
+        "frozen": pipeline.frozen_chunks(),
     }
 
 
@@ -133,7 +127,8 @@ def snapshot(opt: "ShardedFusedAdam") -> dict[str, Any]:
     state = _portable(opt, None)
     if state["module"] is not None:  # its hooks cannot be pickled: a copy of it without them (and its parameters)
         with opt.pipeline.hooks_removed():
-            state.update(copy.deepcopy({"module": state["module"], "param_groups": state["param_groups"]}))
+            copied = {key: state[key] for key in ("module", "param_groups", "frozen")}
+            state.update(copy.deepcopy(copied))
     return state
 
 
@@ -158,6 +153,13 @@ def param_groups(state: dict[str, Any]) -> list[dict[str, Any]]:
     return groups
 
 
+def frozen_values(state: dict[str, Any]) -> None:
+    """Stage 3's frozen parameters of the snapshot, freed, given back their shapes (zeros until loaded)."""
+    for params, shapes, _ in state.get("frozen", []):
+        for p, shape in zip(params, shapes):
+            p.data = torch.zeros(shape, dtype=p.dtype, device=p.device)
+
+
 def load_shards(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
     """Into ``opt``, rebuilt from ``state`` by its own methods: this rank's shards, step counts, the last step's
     result and the other keys of ``opt.state``; raises when the rebuilt layout is not the saved one."""
@@ -169,5 +171,6 @@ def load_shards(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
     zstate.mark_written(pipeline, shard.get("written", []))
     pipeline.steps.update(shard["steps"])
     zstate.load_param_shards(pipeline, shard["param_shards"])
+    pipeline.load_frozen_chunks(state.get("frozen", []))
     opt.last_step = state["last_step"]
     opt.state.extra = dict(state["extra_state"])

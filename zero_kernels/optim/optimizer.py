@@ -318,7 +318,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             if not self._restoring:
                 g = len(self.param_groups) - 1
                 agreement.check_optimizer(self, f"adding param group {g}", group=g, names=self._names)
-                agreement.check_replicated(self._engine, group["params"], indices, self._param_name)
+                # a partitioned frozen parameter is this rank's chunk, the same split of the same values everywhere
+                kept = [(p, i) for p, i in zip(group["params"], indices) if id(p) not in own]
+                agreement.check_replicated(self._engine, [p for p, _ in kept], [i for _, i in kept], self._param_name)
             self._pipeline.add_group(len(self.param_groups) - 1, group["params"], indices)
         except Exception:
             self.param_groups.pop()  # the pipeline checks before it changes anything
@@ -758,6 +760,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         for key, value in optim_copy.settings(state).items():
             setattr(self, key, value)
         groups = optim_copy.param_groups(state)
+        optim_copy.frozen_values(state)
         self._build(groups, state["defaults"], module=state["module"], process_group=state["process_group"],
                     impl=state["impl"], restore=state["origin"])  # fmt: skip
         params = [p for g in groups for p in g["params"]]

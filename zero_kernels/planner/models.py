@@ -245,10 +245,10 @@ def estimate_memory(
             ``quantized_weights``, as int8 with a float32 scale per block.
         quantized_weights: ZeRO++'s ``zero_quantized_weights`` (stage 3 keeps its shard's int8 copy for the step).
         frozen_params: parameters that are frozen (``requires_grad=False``), besides the ``num_params`` trained:
-            no gradient nor optimizer state; counted in ``params``, whole on every rank.
+            no gradient nor optimizer state; counted in ``params``, whole on every rank at stages 0-2 and
+            partitioned at stage 3 (each rank keeps ``ceil(frozen_params/N)`` of them in ``param_dtype``).
         quantized_nontrainable_weights: ZeRO++'s ``zero_quantized_nontrainable_weights`` (stage 3): the frozen
-            parameters are partitioned instead, each rank keeping ``ceil(frozen_params/N)`` of them in int8
-            with a float32 scale per block.
+            parameters' partition is kept in int8 with a float32 scale per block.
         communication_data_type: DeepSpeed's key: the dtype gradients are reduced in (None: their own).
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
         bucket_elements: elements per bucket (``reduce_bucket_size``): stage 1's scratch buckets.
@@ -283,6 +283,8 @@ def estimate_memory(
     params = p_bytes * (shard if shard_params else num_params)
     if quantized_nontrainable_weights:
         params += int(_INT8_BYTES * shard_elements(frozen_params, world_size))
+    elif stage == 3:
+        params += p_bytes * shard_elements(frozen_params, world_size)
     else:
         params += p_bytes * frozen_params
     check_count("gradient_accumulation_steps", gradient_accumulation_steps)

@@ -18,10 +18,10 @@ are followed (before the step and before the state is read) and just before thei
 gathered by ``gathered_params()`` re-adopt (``readopt``) when the block ends.
 
 A parameter frozen (``requires_grad=False``) when the optimizer was built has no place in its
-buffers (stage 3 with ``zero_quantized_nontrainable_weights`` keeps it in an int8 unit that no step
-updates, ``stage3.frozen``): unfrozen later, it would get gradients that no step uses (``torch.optim.AdamW`` would train
-it; DeepSpeed, which also shards only what is trainable at ``initialize``, would not).
-``check_unfrozen`` raises then instead.
+buffers (stage 3 keeps it in a frozen unit that no step updates, ``stage3.frozen``): unfrozen later and
+left in its param group, it would get gradients that no step uses (``torch.optim.AdamW`` would train it;
+DeepSpeed, which also shards only what is trainable at ``initialize``, would not). ``check_unfrozen`` raises
+then instead. Given to ``add_param_group`` after it is unfrozen, it is trained from then on.
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ def check_unfrozen(groups: Sequence[Mapping[str, Any]], trainable: Container[int
                 raise ValueError(
                     f"{name(index)} was frozen (requires_grad=False) when the optimizer was built and has a gradient "
                     "now: ZeRO shards only the parameters that are trainable at construction, so no step would use "
-                    "it. Unfreeze before building the optimizer (a new one can load opt.full_state_dict()), or "
-                    "freeze it again; nothing was updated"
+                    "it. Unfreeze before building the optimizer (a new one can load opt.full_state_dict()), build "
+                    "it on the trainable parameters only and give this one to opt.add_param_group once unfrozen, "
+                    "or freeze it again; nothing was updated"
                 )
             index += 1

@@ -348,8 +348,8 @@ class Pipeline(BackwardRound):
         return self.buffers[b].layout.slots[slot].shape
 
     def frozen_partitioned(self) -> set[int]:
-        """id of every frozen parameter this pipeline holds as shards (stage 3 with
-        ``zero_quantized_nontrainable_weights``); the others stay whole in the model."""
+        """id of every frozen parameter this pipeline holds as shards (stage 3); the others stay whole in the
+        model."""
         return set()
 
     def gathered_frozen(self) -> Iterator[list[torch.nn.Parameter]]:
@@ -359,6 +359,13 @@ class Pipeline(BackwardRound):
 
     def assign_frozen(self, values: dict[int, torch.Tensor]) -> None:
         """Give frozen parameters of ``frozen_partitioned`` full values (id(parameter) -> value)."""
+
+    def frozen_chunks(self) -> list[tuple[list[torch.nn.Parameter], list[torch.Size], torch.Tensor]]:
+        """For a copy: per unit of ``frozen_partitioned``, its parameters, their shapes and this rank's chunk."""
+        return []
+
+    def load_frozen_chunks(self, chunks: Sequence[tuple[Sequence[torch.nn.Parameter], Any, torch.Tensor]]) -> None:
+        """Into a copy rebuilt from ``frozen_chunks``'s parameters: this rank's chunks."""
 
     def name_of(self, p: torch.Tensor) -> str:
         """How errors name ``p``: by its name in the model when the pipeline has the model, else as the optimizer

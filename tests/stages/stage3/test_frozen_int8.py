@@ -3,8 +3,8 @@
 A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2 gloo ranks:
 
 - between uses every frozen parameter is an empty tensor, and each rank holds its chunk of each frozen unit
-  as an int8 payload: ``memory_report()["params"]`` is that of the option off, less the frozen parameters'
-  bytes, plus the payloads' (counted from ``Payload``);
+  as an int8 payload: ``memory_report()["params"]`` is that of the option off, less the exact chunks'
+  bytes, plus the payloads' (counted from ``Payload``), and the planner says the same;
 - what every gather gives is the reference ``dequantize(quantize(chunk))`` of the original values, chunk by
   chunk, each element within half its block's scale of the original (float64), the same on every rank;
 - training with the option equals, bit for bit, training with it off on a model whose frozen weights are
@@ -14,8 +14,9 @@ A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2
 - ``zk.save_pretrained``, consolidation and a sharded checkpoint hold the dequantized values; a load gives
   them back (exactly at the same world size, within half of the new blocks' scales at another); writes into
   frozen parameters (inside ``gathered_params()``, or assigned between steps) are re-quantized; unfreezing
-  one is refused at the step; ``model.state_dict()`` between uses is refused naming a frozen parameter, and
-  so is a copy of the optimizer (the model copies inside ``gathered_params()``).
+  one is refused at the step, and one given to ``add_param_group`` trains from its dequantized values;
+  ``model.state_dict()`` between uses is refused naming a frozen parameter; a copy of the optimizer holds
+  this rank's payloads (and the model copies inside ``gathered_params()``).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
 from tests.helpers.dist import run_cases
+from tests.helpers.lora import Lora, batch, gathered, loss_of, train
 from zero_kernels.kernels.quant_reference import dequantize_ref, quantize_ref
 from zero_kernels.planner import estimate_memory
 from zero_kernels.stages.quantized_gather import Payload
@@ -40,43 +41,6 @@ LR, STEPS = 1e-2, 3
 # Relative rounding of a dequantized value (computed in float32) to the parameters' dtype: half an ulp.
 ROUNDING = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 OPTIONS = {"stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000}
-
-
-class Lora(nn.Module):
-    """Three frozen ``Linear`` layers, each with a trainable low-rank adapter beside it; ``recompute``: each
-    block under activation checkpointing ("reentrant" or "non-reentrant")."""
-
-    def __init__(self, dtype: torch.dtype, recompute: str = "", seed: int = 0):
-        super().__init__()
-        torch.manual_seed(seed)
-        sizes = [(24, 96), (96, 96), (96, 8)]
-        self.base = nn.ModuleList([nn.Linear(i, o) for i, o in sizes]).requires_grad_(False)
-        self.down = nn.ModuleList([nn.Linear(i, 4, bias=False) for i, _ in sizes])
-        self.up = nn.ModuleList([nn.Linear(4, o) for _, o in sizes])
-        self.to(dtype)
-        self.recompute = recompute
-
-    def block(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        y = self.base[i](x) + self.up[i](self.down[i](x))
-        return torch.tanh(y) if i < 2 else y
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i in range(3):
-            reentrant = self.recompute == "reentrant"
-            if self.recompute and (i > 0 or not reentrant):  # reentrant: not the first block (its input needs no grad)
-                x = checkpoint(self.block, i, x, use_reentrant=reentrant)
-            else:
-                x = self.block(i, x)
-        return x
-
-
-def _batch(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(6, 24, generator=g).to(dtype), torch.randn(6, 8, generator=g).to(dtype)
-
-
-def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (model(x).float() - y.float()).square().mean()
 
 
 def _build(dtype: torch.dtype, on: bool, recompute: str = "", seed: int = 0, frozen=None, group=None):
@@ -89,25 +53,6 @@ def _build(dtype: torch.dtype, on: bool, recompute: str = "", seed: int = 0, fro
         model, lr=LR, weight_decay=0.01, stage=3, zero_quantized_nontrainable_weights=on, process_group=group, **OPTIONS
     )
     return model, opt
-
-
-def _train(model: nn.Module, opt, rank: int, dtype: torch.dtype, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        loss = _loss(model, *_batch(step, rank, dtype))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def _gathered(model: nn.Module, opt) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(frozen values, trainable values), full, copied inside ``gathered_params()``."""
-    with opt.gathered_params():
-        frozen = [p.detach().clone() for p in model.base.parameters()]
-        trainable = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    return frozen, trainable
 
 
 def _reference_dequantized(original: list[torch.Tensor], holder_params: list[list[int]], world: int) -> list:
@@ -135,13 +80,13 @@ def _reference_dequantized(original: list[torch.Tensor], holder_params: list[lis
 
 
 def _frozen_bytes(model: nn.Module, world: int) -> tuple[int, int]:
-    """(bytes of the frozen parameters whole, bytes of this rank's int8 payloads of them)."""
-    whole = sum(p.numel() * p.element_size() for p in model.base.parameters())
-    payloads = 0
+    """(bytes of this rank's exact chunks of the frozen parameters, bytes of its int8 payloads of them)."""
+    exact = payloads = 0
     for layer in model.base:
-        n = sum(p.numel() for p in layer.parameters())
-        payloads += Payload(-(-n // world)).nbytes
-    return whole, payloads
+        chunk = -(-sum(p.numel() for p in layer.parameters()) // world)
+        exact += chunk * layer.weight.element_size()
+        payloads += Payload(chunk).nbytes
+    return exact, payloads
 
 
 def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
@@ -149,8 +94,8 @@ def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
     model, opt = _build(dtype, on=True)
     assert all(p.numel() == 0 for p in model.base.parameters()), "frozen parameters are partitioned"
     off_model, off_opt = _build(dtype, on=False)
-    whole, payloads = _frozen_bytes(Lora(dtype), world)
-    assert opt.memory_report()["params"] == off_opt.memory_report()["params"] - whole + payloads
+    exact, payloads = _frozen_bytes(Lora(dtype), world)
+    assert opt.memory_report()["params"] == off_opt.memory_report()["params"] - exact + payloads
     per_rank = sum(-(-sum(p.numel() for p in layer.parameters()) // world) for layer in Lora(dtype).base)
     assert per_rank <= payloads < 1.02 * per_rank, "about one byte per frozen element of this rank's chunks"
     frozen_numel = sum(p.numel() for p in Lora(dtype).base.parameters())
@@ -160,9 +105,11 @@ def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
     )
     without = estimate_memory(1, world, 3, param_dtype=kind)
     assert abs(planned.params - without.params - payloads) < 0.01 * payloads, "the planner's int8 frozen bytes"
+    planned = estimate_memory(1, world, 3, param_dtype=kind, frozen_params=frozen_numel)
+    assert abs(planned.params - without.params - exact) < 0.01 * exact, "the planner's exact frozen bytes"
 
     want, scale = _reference_dequantized(original, [[0, 1], [2, 3], [4, 5]], world)
-    frozen, _ = _gathered(model, opt)
+    frozen, _ = gathered(model, opt)
     for i, (got, ref, s, orig) in enumerate(zip(frozen, want, scale, original)):
         assert torch.equal(got, ref), f"frozen parameter {i}: not the reference dequantization"
         rounding = ROUNDING[dtype]
@@ -176,10 +123,10 @@ def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
     for recompute in ("", "non-reentrant", "reentrant"):
         model, opt = _build(dtype, on=True, recompute=recompute)
         twin, twin_opt = _build(dtype, on=False, recompute=recompute, frozen=want)
-        losses = _train(model, opt, rank, dtype, range(STEPS))
-        assert losses == _train(twin, twin_opt, rank, dtype, range(STEPS)), f"losses (recompute={recompute})"
-        frozen, trainable = _gathered(model, opt)
-        twin_frozen, twin_trainable = _gathered(twin, twin_opt)
+        losses = train(model, opt, rank, dtype, range(STEPS))
+        assert losses == train(twin, twin_opt, rank, dtype, range(STEPS)), f"losses (recompute={recompute})"
+        frozen, trainable = gathered(model, opt)
+        twin_frozen, twin_trainable = gathered(twin, twin_opt)
         assert all(torch.equal(a, b) for a, b in zip(frozen, want)), "frozen values unchanged by training"
         assert all(torch.equal(a, b) for a, b in zip(trainable, twin_trainable)), "trainable parameters"
         state, twin_state = opt.full_state_dict()["state"], twin_opt.full_state_dict()["state"]
@@ -199,37 +146,37 @@ def _against_adamw(model: nn.Module, opt, frozen: list[torch.Tensor], rank: int,
             p.copy_(value)
     adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
     for step in range(STEPS):
-        batches = [_batch(step, r, torch.float32) for r in range(world)]
+        batches = [batch(step, r, torch.float32) for r in range(world)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        _loss(ref, x, y).backward()
+        loss_of(ref, x, y).backward()
         adamw.step()
         adamw.zero_grad()
-    _, trainable = _gathered(model, opt)
+    _, trainable = gathered(model, opt)
     for got, want in zip(trainable, [p for p in ref.parameters() if p.requires_grad]):
         assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="trainable vs AdamW")
 
 
 def _checkpoint_case(rank: int, world: int, folder: str, dtype: torch.dtype) -> None:
     model, opt = _build(dtype, on=True)
-    _train(model, opt, rank, dtype, range(2))
-    saved, _ = _gathered(model, opt)
+    train(model, opt, rank, dtype, range(2))
+    saved, _ = gathered(model, opt)
     zk.checkpoint.save(folder, model, opt)
-    losses = _train(model, opt, rank, dtype, range(2, 4))
-    frozen, trainable = _gathered(model, opt)
+    losses = train(model, opt, rank, dtype, range(2, 4))
+    frozen, trainable = gathered(model, opt)
 
     other, other_opt = _build(dtype, on=True, seed=1)  # other frozen weights: the load must replace them
     zk.checkpoint.load(folder, other, other_opt)
-    loaded, _ = _gathered(other, other_opt)
+    loaded, _ = gathered(other, other_opt)
     assert all(torch.equal(a, b) for a, b in zip(loaded, saved)), "the loaded frozen values are those saved"
-    assert _train(other, other_opt, rank, dtype, range(2, 4)) == losses, "resumed losses"
-    other_frozen, other_trainable = _gathered(other, other_opt)
+    assert train(other, other_opt, rank, dtype, range(2, 4)) == losses, "resumed losses"
+    other_frozen, other_trainable = gathered(other, other_opt)
     assert all(torch.equal(a, b) for a, b in zip(other_trainable + other_frozen, trainable + frozen))
 
     # At another world size (one rank alone): the saved values quantized again in the new chunks' blocks.
     alone = [torch.distributed.new_group([r]) for r in range(world)][rank]
     one, one_opt = _build(dtype, on=True, seed=1, group=alone)
     zk.checkpoint.load(folder, one, one_opt)
-    resharded, _ = _gathered(one, one_opt)
+    resharded, _ = gathered(one, one_opt)
     _, scale = _reference_dequantized(saved, [[0, 1], [2, 3], [4, 5]], 1)
     for i, (got, s, value) in enumerate(zip(resharded, scale, saved)):
         rounding = ROUNDING[dtype]
@@ -254,34 +201,34 @@ def _writes_case(rank: int, world: int) -> None:
     model, opt = _build(torch.float32, on=True)
     with pytest.raises(RuntimeError, match="base.0.weight"):
         model.state_dict()
-    with pytest.raises(RuntimeError, match="zero_quantized_nontrainable_weights.*cannot be copied"):
-        copy.deepcopy(opt)
+    copied = copy.deepcopy(opt)  # this rank's payloads with it
+    assert all(torch.equal(a, b) for a, b in zip(gathered(copied.pipeline.module, copied)[0], gathered(model, opt)[0]))
     with opt.gathered_params():
         twin = copy.deepcopy(model)
-    assert all(torch.equal(a, b) for a, b in zip(twin.base.parameters(), _gathered(model, opt)[0]))
+    assert all(torch.equal(a, b) for a, b in zip(twin.base.parameters(), gathered(model, opt)[0]))
 
     # Written inside gathered_params(): re-quantized at the end of the block, the other units untouched.
-    before, _ = _gathered(model, opt)
+    before, _ = gathered(model, opt)
     new = torch.linspace(-1, 1, 96 * 96).view(96, 96)
     with opt.gathered_params(), torch.no_grad():
         model.base[1].weight.copy_(new)
         assert set(model.state_dict()) >= {"base.1.weight", "base.1.bias"}
-    after, _ = _gathered(model, opt)
+    after, _ = gathered(model, opt)
     want, _ = _reference_dequantized([new, before[3]], [[0, 1]], world)
     assert torch.equal(after[2], want[0]) and torch.equal(after[3], want[1]), "written values re-quantized"
     assert torch.equal(after[0], before[0]) and torch.equal(after[4], before[4]), "other units untouched"
-    again, _ = _gathered(model, opt)
+    again, _ = gathered(model, opt)
     assert all(torch.equal(a, b) for a, b in zip(again, after)), "a block without writes re-quantizes nothing"
 
     # Assigned between steps (p.data = ...): taken at the next gather.
     model.base[2].weight.data = torch.full((8, 96), 0.5)
-    _train(model, opt, rank, torch.float32, range(1))
-    assigned, _ = _gathered(model, opt)
+    train(model, opt, rank, torch.float32, range(1))
+    assigned, _ = gathered(model, opt)
     assert torch.equal(assigned[4], torch.full((8, 96), 0.5)), "assigned values (exact in int8) taken"
 
     # Unfrozen later: refused at the step, naming it.
     model.base[0].weight.requires_grad_(True)
-    _loss(model, *_batch(0, rank, torch.float32)).backward()
+    loss_of(model, *batch(0, rank, torch.float32)).backward()
     with pytest.raises(ValueError, match="base.0.weight.*frozen"):
         opt.step()
 
@@ -289,7 +236,7 @@ def _writes_case(rank: int, world: int) -> None:
     model, opt = _build(torch.float32, on=True)
     model.base[2].weight.data = torch.zeros(8, 95)
     with pytest.raises(ValueError, match="base.2.weight"):
-        _loss(model, *_batch(0, rank, torch.float32))
+        loss_of(model, *batch(0, rank, torch.float32))
 
 
 def _every_case(rank: int, world: int, folder: str) -> None:
@@ -328,11 +275,16 @@ def test_requantizing_dequantized_values_keeps_them(dtype: torch.dtype) -> None:
     assert bool((error <= blocks.scales[0].double() / 2 * (1 + 1e-6) + rounding).all())
 
 
-def test_a_frozen_parameter_stored_in_int8_cannot_join_a_param_group_later() -> None:
+def test_a_frozen_parameter_stored_in_int8_joins_a_param_group_later_with_its_dequantized_values() -> None:
     model = Lora(torch.float32)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = zk.ShardedFusedAdam(trainable, module=model, stage=3, zero_quantized_nontrainable_weights=True, **OPTIONS)
+    frozen, _ = gathered(model, opt)
     model.base[1].weight.requires_grad_(True)
-    with pytest.raises(ValueError, match="'base.1.weight' was frozen when the optimizer was built and is stored"):
-        opt.add_param_group({"params": [model.base[1].weight]})
-    assert len(opt.param_groups) == 1, "nothing added"
+    opt.add_param_group({"params": [model.base[1].weight]})
+    assert gathered(model, opt)[0][2].equal(frozen[2]), "the dequantized values, now trained"
+    train(model, opt, 0, torch.float32, range(1))
+    after, _ = gathered(model, opt)
+    assert not after[2].equal(frozen[2]) and all(after[i].equal(frozen[i]) for i in (0, 1, 4, 5))
+    half_scale = frozen[3].abs().max() / 127 / 2
+    assert (after[3] - frozen[3]).abs().max() <= half_scale * (1 + 1e-6), "the unit's rest quantized in its new chunk"

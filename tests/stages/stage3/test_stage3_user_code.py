@@ -88,11 +88,6 @@ def test_inference_mode_before_training(spawn, world: int, first: str) -> None:
 CAST = r"parameter '[\w.]+' was cast or moved after the optimizer was built and is now torch\.{}.*before building"
 
 
-def round_trip(p: torch.Tensor, dtype: torch.dtype) -> None:
-    """What a cast to ``dtype`` and back does to a parameter the optimizer does not hold (frozen)."""
-    p.data = p.data.to(dtype).float()
-
-
 def cast_case(rank: int, world: int) -> None:
     model, ref = make_models(torch.float32)
     opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
@@ -105,14 +100,12 @@ def cast_case(rank: int, world: int) -> None:
             with pytest.raises(ValueError, match=CAST.format(str(cast).split(".")[1])):
                 model(x)
             model.float()
-            round_trip(ref.frozen, cast)
         forward_backward(model, ref, rank, world, 3, step)
         if step != 1:
             model.to(cast)
             with pytest.raises(ValueError, match=CAST.format(str(cast).split(".")[1])):
                 opt.step()
             model.float()
-            round_trip(ref.frozen, cast)
         step_and_compare(opt, ropt, model, ref, f"world {world} step {step}")
         assert all(p.dtype == torch.float32 for p in model.parameters())
 

@@ -1,26 +1,32 @@
-"""Stage 3 with ``zero_quantized_nontrainable_weights``: frozen parameters partitioned and stored in int8.
+"""Stage 3's frozen parameters: partitioned like the trainable ones, exactly, or in int8 (ZeRO++).
 
-As in DeepSpeed, stage 3 then shards the frozen parameters of the model too (a large frozen base
-under small trainable adapters): each module's frozen floating-point parameters (fp32, bf16, fp16)
-form a ``FrozenUnit``, gathered before the module's forward and its backward (the input gradient of
-a frozen ``Linear`` needs its weight) and freed after, like a trainable unit. Between uses each rank
-keeps only its chunk of the unit, as int8 in blocks with one float32 scale each (``Payload``), about a
-quarter of fp32's bytes and half of bf16's. A gather all-gathers the payloads and dequantizes every
-chunk, this rank's own included, into the full buffer the parameters view: every rank sees the same
-values, each within half a block scale of the original. The quantization is lossy by design and
-done once; the fp32 original is not kept anywhere.
+As in DeepSpeed, stage 3 shards the frozen parameters of the model too (a large frozen base under
+small trainable adapters, a frozen reference model): each module's frozen floating-point parameters
+of one dtype form a ``FrozenUnit``, gathered before the module's forward and its backward (the input
+gradient of a frozen ``Linear`` needs its weight) and freed after, like a trainable unit. Between uses
+each rank keeps only its chunk of the unit (``1/N`` of it, flattened and padded to the world size):
+
+- ``ExactChunk`` (the default): the chunk as it is; a gather all-gathers the chunks into the full buffer
+  the parameters view, so every rank sees the original values bit for bit;
+- ``Int8Chunk`` (``zero_quantized_nontrainable_weights``): the chunk as int8 in blocks with one float32
+  scale each (``Payload``), about a quarter of fp32's bytes and half of bf16's. A gather all-gathers the
+  payloads and dequantizes every chunk, this rank's own included: every rank sees the same values, each
+  within half a block scale of the original. The quantization is lossy by design and done once; the
+  original is not kept anywhere.
 
 No gradient buffer, master or optimizer state exists for them; they are never reduced nor stepped.
-Parameters under ``stage3_param_persistence_threshold`` elements stay whole (unquantized) on every rank,
-as do frozen parameters of other dtypes. A frozen parameter unfrozen later is refused at the step
-(``adopt.check_unfrozen``), as without this option.
+Parameters under ``stage3_param_persistence_threshold`` elements stay whole on every rank, as trainable
+ones do; so do frozen parameters that are not floating point (int8 only: other than fp32, bf16 and fp16).
+A frozen parameter given to the optimizer later (``add_param_group`` after ``requires_grad_(True)``)
+leaves its unit: the unit is gathered once and rebuilt without it (``Stage3Pipeline``); one unfrozen
+and given no param group is refused at the step (``adopt.check_unfrozen``), as at every stage.
 
-Writes. New values reach the int8 chunk, re-quantized (every rank must make the same change): values
+Writes. New values reach the chunk (re-quantized in int8; every rank must make the same change): values
 assigned while the unit is freed (``p.data = ...``) are taken at its next gather (or by ``adopt_pending``);
 values written inside ``gathered_params()`` are taken when the block ends; a checkpoint load sets them
-(``assign``). A chunk none of whose values changed is left as it is, and a block whose values are already
-the dequantization of some int8 block (a checkpoint's saved values, the untouched blocks of a written chunk)
-keeps them exactly (``quantize_keeping``); the other blocks are within half of their new scale.
+(``assign``). A chunk none of whose values changed is left as it is. In int8, a block whose values are
+already the dequantization of some int8 block (a checkpoint's saved values, the untouched blocks of a
+written chunk) keeps them exactly (``quantize_keeping``); the other blocks are within half of their new scale.
 """
 
 from __future__ import annotations
@@ -42,8 +48,58 @@ QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 NameOf = Callable[[torch.Tensor], str]
 
 
+class ExactChunk:
+    """This rank's chunk of a frozen unit as it is: gathers give the original values."""
+
+    def __init__(self, values: torch.Tensor):
+        self.tensor = values
+
+    def gather(self, engine: Any, full: torch.Tensor, traffic: Traffic) -> Handle:
+        """Issue the all-gather of every rank's chunk into ``full``."""
+        traffic.plain += self.tensor.numel() * self.tensor.element_size()
+        return engine.all_gather(full, self.tensor, name="frozen")
+
+    def read(self, out: torch.Tensor) -> None:
+        """The chunk's values into ``out``."""
+        out.copy_(self.tensor)
+
+    def write(self, values: torch.Tensor) -> None:
+        """Hold ``values`` (the caller's own tensor) from now on."""
+        self.tensor = values
+
+
+class Int8Chunk:
+    """This rank's chunk of a frozen unit as an int8 payload (``zero_quantized_nontrainable_weights``)."""
+
+    def __init__(self, values: torch.Tensor):
+        self.layout = Payload(values.numel())
+        self.tensor = self.layout.quantize(values)
+
+    def gather(self, engine: Any, full: torch.Tensor, traffic: Traffic) -> Handle:
+        """Issue the all-gather of every rank's payload; the handle's wait dequantizes them all into ``full``."""
+        layout = self.layout
+        gathered = torch.empty(engine.world_size * layout.nbytes, dtype=torch.uint8, device=full.device)
+        traffic.quantized += layout.nbytes
+        traffic.unquantized_equivalent += layout.numel * full.element_size()
+        # Sent as float32 words (the payload is a multiple of 4 bytes): every engine moves float32 as is.
+        inner = engine.all_gather(gathered.view(torch.float32), self.tensor.view(torch.float32), name="frozen")
+
+        def unpack() -> None:
+            dequantize_chunks(gathered, layout, full, -1, None)  # every chunk, this rank's too
+
+        return Handle(Works([inner]), (gathered, self.tensor, full), unpack, "frozen gather")
+
+    def read(self, out: torch.Tensor) -> None:
+        """The chunk dequantized into ``out``."""
+        dequantize_chunks(self.tensor, self.layout, out, -1, None)
+
+    def write(self, values: torch.Tensor) -> None:
+        """Quantize ``values``, keeping the blocks that are already dequantized int8 exactly."""
+        self.tensor = quantize_keeping(self.layout, values)
+
+
 class FrozenUnit:
-    """Frozen parameters of one module: this rank's chunk as an int8 payload, gathered whole around uses.
+    """Frozen parameters of one module: this rank's chunk of them, gathered whole around uses.
 
     Args:
         engine: the data-parallel comm engine.
@@ -52,12 +108,20 @@ class FrozenUnit:
         kind: its class name.
         traffic: where the bytes sent are counted (``Traffic``).
         name_of: names a parameter in error messages.
+        quantized: keep the chunk in int8 (``Int8Chunk``) rather than as it is (``ExactChunk``).
     """
 
     persistent = False
 
     def __init__(
-        self, engine: Any, params: Sequence[nn.Parameter], name: str, kind: str, traffic: Traffic, name_of: NameOf
+        self,
+        engine: Any,
+        params: Sequence[nn.Parameter],
+        name: str,
+        kind: str,
+        traffic: Traffic,
+        name_of: NameOf,
+        quantized: bool = False,
     ):
         self.engine, self.traffic, self.name_of = engine, traffic, name_of
         self.params = list(params)
@@ -72,36 +136,24 @@ class FrozenUnit:
         self.chunk = -(-self.param_numel // world)
         self.numel = self.chunk * world
         self.dtype, self.device = self.params[0].dtype, self.params[0].device
-        self.layout = Payload(self.chunk)
         self.uid, self.name, self.kind = -1, name, kind
         self.full: Optional[torch.Tensor] = None
         self.storage = GatherStorage(self.numel, self.dtype, self.device)
         self._handle: Optional[Handle] = None
         self._lo, self._hi = rank * self.chunk, min((rank + 1) * self.chunk, self.param_numel)
-        whole = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
-        for p, offset in zip(self.params, self.offsets):
-            whole.narrow(0, offset, p.numel()).copy_(p.detach().reshape(-1))
-        self.payload = self.layout.quantize(whole.narrow(0, rank * self.chunk, self.chunk))
+        own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
+        self._fill(own, {id(p): p.detach() for p in self.params})
+        self.held = (Int8Chunk if quantized else ExactChunk)(own)
         self._free_params()
 
     # ------------------------------------------------------------------ scheduler face (``hooks.Unit``)
     def read_ahead(self) -> None:
-        """Nothing to prepare (the int8 shards stay in memory)."""
+        """Nothing to prepare (the chunks stay in memory)."""
 
     def start_gather(self) -> None:
         self.adopt_pending()
         self.full = self.storage.take()
-        gathered = torch.empty(self.engine.world_size * self.layout.nbytes, dtype=torch.uint8, device=self.device)
-        self.traffic.quantized += self.layout.nbytes
-        self.traffic.unquantized_equivalent += self.chunk * self.full.element_size()
-        # Sent as float32 words (the payload is a multiple of 4 bytes): every engine moves float32 as is.
-        inner = self.engine.all_gather(gathered.view(torch.float32), self.payload.view(torch.float32), name="frozen")
-        full, layout = self.full, self.layout
-
-        def unpack() -> None:
-            dequantize_chunks(gathered, layout, full, -1, None)  # every chunk, this rank's too
-
-        self._handle = Handle(Works([inner]), (gathered, self.payload, full), unpack, "frozen gather")
+        self._handle = self.held.gather(self.engine, self.full, self.traffic)
 
     def finish_gather(self) -> None:
         if self._handle is not None:
@@ -121,7 +173,7 @@ class FrozenUnit:
     # ------------------------------------------------------------------ writes
     def write_back(self) -> bool:
         """Inside ``gathered_params()`` (gathered): values written or assigned since the gather go into this rank's
-        chunk, re-quantized; returns whether it changed (a chunk whose values did not is left as it is)."""
+        chunk; returns whether it changed (a chunk whose values did not is left as it is)."""
         if self.full is None:
             return False
         for p, shape in zip(self.params, self.shapes):
@@ -132,8 +184,8 @@ class FrozenUnit:
         return changed
 
     def adopt_pending(self) -> int:
-        """Freed parameters given values (``p.data = ...``): this rank's parts go into its chunk (re-quantized) and
-        the parameters are freed again; returns how many."""
+        """Freed parameters given values (``p.data = ...``): this rank's parts go into its chunk and the parameters
+        are freed again; returns how many."""
         if self.full is not None:
             return 0
         check_freed(self, self.params, self.name_of)
@@ -148,12 +200,24 @@ class FrozenUnit:
         return len(given)
 
     def assign(self, values: Mapping[int, torch.Tensor]) -> bool:
-        """Set the parameters ``values`` (id(parameter) -> full value) holds: this rank's chunk is rebuilt from its
-        current dequantized values and those, and quantized again unless no value of it changed; returns
-        whether it was."""
+        """Set the parameters ``values`` holds (id(parameter) -> full value): this rank's chunk is rebuilt from its
+        current values and those, and stored again unless no value of it changed; returns whether it was."""
         own = torch.empty(self.chunk, dtype=self.dtype, device=self.device)
-        self.dequantize_own(own)
+        self.held.read(own)
         held = own.clone()
+        self._fill(own, values)
+        if torch.equal(own, held):
+            return False
+        self.held.write(own)
+        return True
+
+    def tensors(self) -> list[Optional[torch.Tensor]]:
+        """What this unit holds now (memory): the chunk, and the full buffer while gathered."""
+        return [self.held.tensor, self.full]
+
+    # ------------------------------------------------------------------ helpers
+    def _fill(self, own: torch.Tensor, values: Mapping[int, torch.Tensor]) -> None:
+        """Copy the parts of ``values`` (id(parameter) -> full value) that fall in this rank's chunk into ``own``."""
         for p, offset, end in zip(self.params, self.offsets, self.offsets[1:]):
             value = values.get(id(p))
             lo, hi = max(offset, self._lo), min(end, self._hi)
@@ -161,37 +225,29 @@ class FrozenUnit:
                 continue
             piece = value.reshape(-1).narrow(0, lo - offset, hi - lo)
             own.narrow(0, lo - self._lo, hi - lo).copy_(piece)
-        if torch.equal(own, held):
-            return False
-        self.payload = quantize_keeping(self.layout, own)
-        return True
 
-    def dequantize_own(self, out: torch.Tensor) -> None:
-        """This rank's chunk, dequantized into ``out`` (``chunk`` elements)."""
-        dequantize_chunks(self.payload, self.layout, out, -1, None)
-
-    def tensors(self) -> list[Optional[torch.Tensor]]:
-        """What this unit holds now (memory): the int8 payload, and the full buffer while gathered."""
-        return [self.payload, self.full]
-
-    # ------------------------------------------------------------------ helpers
     def _free_params(self) -> None:
         for p in self.params:
             p.data = freed(self.dtype, self.device)
 
 
-def frozen_members(module: nn.Module, holder: Mapping[int, int], threshold: int) -> dict[tuple, list[nn.Parameter]]:
+def frozen_members(
+    module: nn.Module, holder: Mapping[int, int], threshold: int, quantized: bool
+) -> dict[tuple, list[nn.Parameter]]:
     """The frozen parameters of ``module`` to partition, by unit key (-holder index, dtype, device), sorted.
 
     Args:
         module: the model.
         holder: id(parameter) -> index of the module whose unit it joins (``plan.holders``).
         threshold: ``stage3_param_persistence_threshold``: smaller parameters stay whole.
+        quantized: int8 chunks (only fp32, bf16 and fp16 parameters are partitioned), else exact ones (every
+            floating-point dtype).
     """
     units: dict[tuple, list[nn.Parameter]] = {}
     seen: set[int] = set()
     for p in module.parameters():
-        if id(p) in seen or p.requires_grad or p.dtype not in QUANTIZABLE or p.numel() < max(threshold, 1):
+        kept = p.dtype in QUANTIZABLE if quantized else p.is_floating_point()
+        if id(p) in seen or p.requires_grad or not kept or p.numel() < max(threshold, 1):
             continue
         seen.add(id(p))
         units.setdefault((-holder[id(p)], str(p.dtype), str(p.device)), []).append(p)

@@ -43,8 +43,8 @@ bounded pool of host buffers for each gather and for the update (``stage3.disk_p
 state on disk (``offload_optimizer`` nvme, ``ratio`` 1) the reduced gradient shards live in files too, written as
 each bucket's reduction completes and read ahead by the update (``stage3.disk_grads``).
 
-Frozen parameters stay whole on every rank, unless ``zero_quantized_nontrainable_weights`` is on: then
-they are partitioned too, per holding module, and stored in int8 (``stage3.frozen``).
+Frozen parameters are partitioned too, per holding module, as they are (or in int8 with
+``zero_quantized_nontrainable_weights``), and gathered around their module's uses (``stage3.frozen``).
 
 Limits: a parameter used
 outside the forward of a module that holds it must be registered (or is found on first use) as
@@ -226,13 +226,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 f"ZeRO stage 3: {len(foreign)} parameter(s) (shapes {foreign[:3]}) are not parameters of the "
                 "model given to the optimizer; stage 3 can only gather the model's own parameters"
             )
-        stored = [self.name_of(p) for p, _ in trainable if id(p) in self._frozen_shape]
-        if stored:
-            raise ValueError(
-                f"ZeRO stage 3: {stored[0]} was frozen when the optimizer was built and is stored in int8 "
-                "(zero_quantized_nontrainable_weights): it cannot be trained now. Unfreeze it before building "
-                "the optimizer"
-            )
+        self._release_frozen({id(p) for p, _ in trainable if id(p) in self._frozen_shape})
         threshold = int(self.options.stage3_param_persistence_threshold)
         units: dict[tuple, list[tuple[nn.Parameter, int]]] = {}
         for p, i in trainable:
@@ -254,18 +248,53 @@ class Stage3Pipeline(Stage2Pipeline):
         self._install_scheduler()
 
     def _partition_frozen(self) -> list[FrozenUnit]:
-        """With ``zero_quantized_nontrainable_weights``: the model's frozen parameters as int8 units
-        (``stage3.frozen``), built once; else none (they stay whole)."""
-        if not getattr(self.options, "quantized_nontrainable_weights", False):
-            return []
+        """The model's frozen parameters as units (``stage3.frozen``; int8 with
+        ``zero_quantized_nontrainable_weights``), built once."""
         modules = list(self.module.named_modules(remove_duplicate=True))
         threshold = int(self.options.stage3_param_persistence_threshold)
-        units = []
-        for key, params in frozen_members(self.module, self._holder, threshold).items():
-            name, holder = modules[-key[0]]
-            units.append(FrozenUnit(self.engine, params, name, type(holder).__name__, self.param_traffic, self.name_of))
-            self._frozen_shape.update((id(p), shape) for p, shape in zip(params, units[-1].shapes))
-        return units
+        quantized = self._frozen_quantized
+        return [
+            self._frozen_unit(params, *modules[-key[0]])
+            for key, params in frozen_members(self.module, self._holder, threshold, quantized).items()
+        ]
+
+    @property
+    def _frozen_quantized(self) -> bool:
+        return bool(getattr(self.options, "quantized_nontrainable_weights", False))
+
+    def _frozen_unit(self, params: list[nn.Parameter], name: str, holder: nn.Module) -> FrozenUnit:
+        unit = FrozenUnit(
+            self.engine, params, name, type(holder).__name__, self.param_traffic, self.name_of, self._frozen_quantized
+        )
+        self._frozen_shape.update((id(p), shape) for p, shape in zip(params, unit.shapes))
+        return unit
+
+    def _release_frozen(self, unfrozen: set[int]) -> None:
+        """Parameters of frozen units given to a param group (unfrozen after the optimizer was built): each unit
+        holding one is gathered (a collective: every rank adds the same group) and rebuilt without them; they hold
+        their full values again (in int8, the dequantized ones), to be sharded as trainable ones. In int8 the unit's
+        other parameters are quantized again in the new chunk's blocks (within half of their scale)."""
+        if not unfrozen:
+            return
+        modules = dict(self.module.named_modules(remove_duplicate=True))
+        kept = []
+        for unit in self._frozen or ():
+            if not any(id(p) in unfrozen for p in unit.params):
+                kept.append(unit)
+                continue
+            if unit.full is None:
+                unit.start_gather()
+                unit.finish_gather()
+            values = [p.detach().clone() for p in unit.params]
+            unit.free()
+            for p, value in zip(unit.params, values):
+                p.data = value
+                self._frozen_shape.pop(id(p))
+                full_shape.unlabel(p)
+            remaining = [p for p in unit.params if id(p) not in unfrozen]
+            if remaining:
+                kept.append(self._frozen_unit(remaining, unit.name, modules[unit.name]))
+        self._frozen = kept
 
     def _unit_buffer(self, group: int, members: list[tuple[nn.Parameter, int]], *, persistent: bool) -> Stage3Buffer:
         ps = [p for p, _ in members]
@@ -521,16 +550,16 @@ class Stage3Pipeline(Stage2Pipeline):
             self._end_round()
 
     def param_shape(self, p: torch.Tensor) -> torch.Size:
-        """As the base, and the full shape of a frozen parameter stored in int8."""
+        """As the base, and the full shape of a partitioned frozen parameter."""
         shape = self._frozen_shape.get(id(p))
         return super().param_shape(p) if shape is None else shape
 
     def frozen_partitioned(self) -> set[int]:
-        """id of every frozen parameter held as int8 shards (``zero_quantized_nontrainable_weights``)."""
+        """id of every frozen parameter partitioned (``stage3.frozen``)."""
         return set(self._frozen_shape)
 
     def gathered_frozen(self) -> Iterator[list[nn.Parameter]]:
-        """Each unit of frozen parameters in turn, gathered (dequantized) while the iteration is on it; a
+        """Each unit of frozen parameters in turn, gathered while the iteration is on it; a
         collective: every rank iterates to the end, between steps."""
         for unit in self._frozen or ():
             if unit.full is not None:  # gathered already (inside gathered_params())
@@ -544,12 +573,23 @@ class Stage3Pipeline(Stage2Pipeline):
                 unit.free()
 
     def assign_frozen(self, values: dict[int, torch.Tensor]) -> None:
-        """Give the frozen parameters stored in int8 the full values ``values`` holds (id(parameter) -> value):
-        this rank's chunks are quantized again (a checkpoint load)."""
+        """Give the partitioned frozen parameters the full values ``values`` holds (id(parameter) -> value):
+        this rank's chunks are rebuilt (a checkpoint load)."""
         for unit in self._frozen or ():
             mine = {k: v for k, v in values.items() if k in {id(p) for p in unit.params}}
             if mine:
                 unit.assign(mine)
+
+    def frozen_chunks(self) -> list[tuple[list[nn.Parameter], list[torch.Size], torch.Tensor]]:
+        return [(unit.params, unit.shapes, unit.held.tensor) for unit in self._frozen or ()]
+
+    def load_frozen_chunks(self, chunks: Sequence[tuple[Sequence[nn.Parameter], Any, torch.Tensor]]) -> None:
+        units = {tuple(id(p) for p in unit.params): unit for unit in self._frozen or ()}
+        for params, _, chunk in chunks:
+            unit = units.get(tuple(id(p) for p in params))
+            if unit is None:
+                raise RuntimeError("the rebuilt optimizer has other frozen units than the saved one")
+            unit.held.tensor = chunk
 
     def param_shard(self, buf: Stage3Buffer, bucket: Bucket) -> torch.Tensor:
         if buf.persistent:

@@ -1,0 +1,195 @@
+"""Stage 3 partitions the frozen parameters too, exactly, as DeepSpeed does (a LoRA base, a frozen reference model).
+
+A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2 gloo ranks:
+
+- between uses every frozen parameter is an empty tensor carrying its full shape (``ds_shape``), each rank holds
+  its chunk of each frozen unit as it is: ``memory_report()["params"]`` counts those chunks (1/N of the frozen
+  bytes, not all of them), and the planner says the same;
+- every gather gives the original values bit for bit, on every rank, before and after training;
+- training (with activation checkpointing, reentrant or not) stays with ``torch.optim.AdamW`` on the whole batch
+  within the stage-3 fp32 tolerance;
+- a sharded checkpoint, ``zk.save_pretrained`` and consolidation hold the original values; a load into a model
+  with other frozen values gives them back exactly, at the same world size and at another;
+- a copy of the optimizer carries this rank's chunks: the copied model's frozen values are the original's, and
+  the copy trains as the original does;
+- a frozen parameter unfrozen and given to ``add_param_group`` after some steps trains from then on as with
+  ``torch.optim.AdamW`` doing the same.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.check import assert_close
+from tests.helpers.dist import run_cases
+from tests.helpers.lora import Lora, batch, gathered, loss_of, train
+from zero_kernels.planner import estimate_memory
+
+LR, STEPS = 1e-2, 3
+OPTIONS = {"stage3_param_persistence_threshold": 0, "reduce_bucket_size": 2000}
+
+
+def _build(dtype: torch.dtype, recompute: str = "", seed: int = 0, group=None):
+    model = Lora(dtype, recompute, seed)
+    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.01, stage=3, process_group=group, **OPTIONS)
+    return model, opt
+
+
+def _originals(dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in Lora(dtype, seed=seed).base.parameters()]
+
+
+def _same_everywhere(t: torch.Tensor, world: int) -> bool:
+    everyone = [torch.empty_like(t) for _ in range(world)]
+    torch.distributed.all_gather(everyone, t)
+    return all(torch.equal(other, t) for other in everyone)
+
+
+def _adamw_reference(steps: int, world: int, unfreeze_at: int = -1) -> Lora:
+    """``torch.optim.AdamW`` on the whole batch; ``unfreeze_at``: from that step ``base.1.weight`` is trained too
+    (``add_param_group``)."""
+    ref = Lora(torch.float32)
+    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=0.01)
+    for step in range(steps):
+        if step == unfreeze_at:
+            adamw.add_param_group({"params": [ref.base[1].weight.requires_grad_(True)]})
+        batches = [batch(step, r, torch.float32) for r in range(world)]
+        loss_of(ref, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])).backward()
+        adamw.step()
+        adamw.zero_grad()
+    return ref
+
+
+def _values_case(rank: int, world: int, dtype: torch.dtype) -> None:
+    original = _originals(dtype)
+    model, opt = _build(dtype)
+    assert all(p.numel() == 0 for p in model.base.parameters()), "frozen parameters are partitioned"
+    assert [tuple(p.ds_shape) for p in model.base.parameters()] == [tuple(p.shape) for p in original]
+    chunks = sum(-(-sum(p.numel() for p in layer.parameters()) // world) for layer in Lora(dtype).base)
+    element = original[0].element_size()
+    adapters = Lora(dtype)
+    adapters.base = nn.ModuleList()  # the same trainable parameters without the frozen ones
+    without_base = zk.ShardedFusedAdam(adapters, lr=LR, stage=3, **OPTIONS).memory_report()["params"]
+    assert opt.memory_report()["params"] == without_base + chunks * element, "1/N of the frozen bytes"
+    frozen_numel = sum(p.numel() for p in original)
+    kind = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    planned = estimate_memory(1, world, 3, param_dtype=kind, frozen_params=frozen_numel)
+    without = estimate_memory(1, world, 3, param_dtype=kind)
+    assert abs(planned.params - without.params - chunks * element) <= 3 * world * element, "planner: 1/N of them"
+
+    frozen, _ = gathered(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(frozen, original)), "gathers give the original values"
+    assert _same_everywhere(frozen[2], world)
+    train(model, opt, rank, dtype, range(STEPS))
+    assert all(torch.equal(a, b) for a, b in zip(gathered(model, opt)[0], original)), "unchanged by training"
+
+
+def _training_case(rank: int, world: int) -> None:
+    ref = _adamw_reference(STEPS, world)
+    want = [p for p in ref.parameters() if p.requires_grad]
+    for recompute in ("", "non-reentrant", "reentrant"):
+        model, opt = _build(torch.float32, recompute)
+        train(model, opt, rank, torch.float32, range(STEPS))
+        frozen, trainable = gathered(model, opt)
+        assert all(torch.equal(a, b) for a, b in zip(frozen, _originals(torch.float32)))
+        for got, expected in zip(trainable, want):
+            tolerance = {"rtol": 1e-5, "atol": 1e-6 * expected.abs().max().item()}
+            assert_close(got, expected, **tolerance, what=f"trainable vs AdamW (recompute={recompute!r})")
+
+
+def _checkpoint_case(rank: int, world: int, folder: str, dtype: torch.dtype) -> None:
+    original = _originals(dtype)
+    model, opt = _build(dtype)
+    train(model, opt, rank, dtype, range(2))
+    zk.checkpoint.save(folder, model, opt)
+    losses = train(model, opt, rank, dtype, range(2, 4))
+    frozen, trainable = gathered(model, opt)
+
+    other, other_opt = _build(dtype, seed=1)  # other frozen values: the load must replace them
+    assert not torch.equal(gathered(other, other_opt)[0][0], original[0])
+    zk.checkpoint.load(folder, other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(gathered(other, other_opt)[0], original)), "loaded frozen values"
+    assert train(other, other_opt, rank, dtype, range(2, 4)) == losses, "resumed losses"
+    other_frozen, other_trainable = gathered(other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(other_trainable + other_frozen, trainable + frozen))
+
+    alone = [torch.distributed.new_group([r]) for r in range(world)][rank]  # another world size: one rank
+    one, one_opt = _build(dtype, seed=1, group=alone)
+    zk.checkpoint.load(folder, one, one_opt)
+    assert all(torch.equal(a, b) for a, b in zip(gathered(one, one_opt)[0], original)), "loaded at world 1"
+
+    zk.save_pretrained(model, opt, Path(folder) / "pretrained")
+    if rank == 0:
+        zk.checkpoint.consolidate(folder, Path(folder) / "consolidated.pt")
+        weights = torch.load(Path(folder) / "consolidated.pt", weights_only=True)["model"]
+        assert torch.equal(weights["base.1.weight"], original[2]), "consolidation holds the original values"
+        pretrained = torch.load(Path(folder) / "pretrained" / "model_state_dict.pt", weights_only=True)
+        names = [n for n, p in model.named_parameters() if not p.requires_grad]
+        assert all(torch.equal(pretrained[n], v) for n, v in zip(names, original)), "save_pretrained"
+    torch.distributed.barrier()
+
+
+def _copy_case(rank: int, world: int) -> None:
+    model, opt = _build(torch.float32)
+    train(model, opt, rank, torch.float32, range(2))
+    copied = copy.deepcopy(opt)
+    twin = copied.pipeline.module
+    assert all(p.numel() == 0 for p in twin.base.parameters()), "the copy's frozen parameters are partitioned"
+    assert all(torch.equal(a, b) for a, b in zip(gathered(twin, copied)[0], _originals(torch.float32)))
+    losses = train(model, opt, rank, torch.float32, range(2, 4))
+    assert train(twin, copied, rank, torch.float32, range(2, 4)) == losses, "the copy trains as the original"
+    assert all(torch.equal(a, b) for a, b in zip(gathered(twin, copied)[1], gathered(model, opt)[1]))
+
+
+def _unfreeze_case(rank: int, world: int) -> None:
+    model = Lora(torch.float32)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = zk.ShardedFusedAdam(trainable, module=model, lr=LR, weight_decay=0.01, stage=3, **OPTIONS)
+    train(model, opt, rank, torch.float32, range(2))
+    model.base[1].weight.requires_grad_(True)
+    opt.add_param_group({"params": [model.base[1].weight]})  # a collective: each rank adds the same group
+    assert model.base[1].weight.numel() == 0, "sharded as a trainable parameter"
+    train(model, opt, rank, torch.float32, range(2, 4))
+    ref = _adamw_reference(4, world, unfreeze_at=2)
+    frozen, _ = gathered(model, opt)
+    assert torch.equal(frozen[3], _originals(torch.float32)[3]), "the bias beside it stays frozen"
+    with opt.gathered_params():
+        for (name, got), expected in zip(model.named_parameters(), ref.parameters()):
+            tolerance = {"rtol": 1e-5, "atol": 1e-6 * expected.abs().max().item()}
+            assert_close(got.detach(), expected.detach(), **tolerance, what=f"{name} vs AdamW")
+
+
+def _every_case(rank: int, world: int, folder: str) -> None:
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    cases = [(f"values and memory {n}", _values_case, (d,)) for n, d in dtypes.items()]
+    cases.append(("training against AdamW", _training_case, ()))
+    cases += [(f"checkpoint {n}", _checkpoint_case, (f"{folder}/{n}", d)) for n, d in dtypes.items()]
+    cases.append(("a copy of the optimizer", _copy_case, ()))
+    cases.append(("unfrozen and added to a param group", _unfreeze_case, ()))
+    run_cases(rank, world, cases)
+
+
+@pytest.mark.distributed
+def test_frozen_parameters_partitioned_exactly(spawn, tmp_path: Path) -> None:
+    """The cases of the module docstring in turn on one pair of ranks."""
+    spawn(_every_case, 2, str(tmp_path), timeout_s=300)
+
+
+def test_a_model_with_only_frozen_parameters_besides_one_trains_and_keeps_them_exact() -> None:
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **OPTIONS)
+    assert model[0].weight.numel() == 0
+    for step in range(2):
+        model(torch.randn(3, 16, generator=torch.Generator().manual_seed(step))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with opt.gathered_params():
+        assert all(torch.equal(p, b) for p, b in zip(model[0].parameters(), before))
