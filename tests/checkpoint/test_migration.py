@@ -2,7 +2,8 @@
 scheduler section, and DeepSpeed ZeRO checkpoints resumed here.
 
 The DeepSpeed fixtures under ``tests/data/deepspeed`` were made by real DeepSpeed (two gloo ranks,
-stages 1-3, fp32 and bf16 with fp32 master; ``tests/data/make_deepspeed_fixtures.py``): each holds
+stages 1-3, fp32 and bf16 with fp32 master, and with a frozen parameter at stages 2-3;
+``tests/data/make_deepspeed_fixtures.py``): each holds
 a checkpoint after 4 steps and what DeepSpeed's own resumed run saw over the next 5 (losses, lr,
 and ``zero_to_fp32`` weights before and after). No deepspeed is needed here.
 
@@ -255,6 +256,10 @@ def test_import_keeps_deepspeeds_fp32_weights_steps_and_groups(imported: dict[st
                 assert torch.equal(src.full(key), before[p["name"]]), f"{case} {p['name']}"
                 assert src.full(f"optim/{i}/exp_avg_sq").min() >= 0
                 assert p["step"] == fixtures.STEPS_BEFORE
+        if fixtures.CASES[case][2]:  # DeepSpeed keeps the frozen fc1.weight apart from the optimizer's state
+            assert "fc1.weight" not in [p["name"] for p in meta["params"]]
+            with TensorSource(version, meta) as src:
+                assert torch.equal(src.full("model/fc1.weight").float(), before["fc1.weight"].float()), case
         assert [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
         book = read_file(version, OBJECTS, meta["objects"])
         assert meta["param_groups"][0]["betas"] == [0.9, 0.95] and book["param_groups"][0]["betas"] == (0.9, 0.95)
@@ -301,7 +306,7 @@ def _resume(rank: int, world: int, stages: dict[str, int], imported: dict[str, s
     for case, stage in stages.items():
         info = json.loads((DATA / "deepspeed" / case / "case.json").read_text())
         config = {**info["config"], "zero_optimization": {"stage": stage, "reduce_bucket_size": 16}}
-        model = fixtures.make_model()
+        model = fixtures.make_model(info.get("frozen", False))
         model, opt, scheduler = zk.initialize(model, config, model_parameters=fixtures.groups(model))
         zk.checkpoint.load(imported[case], model, opt, scheduler=scheduler)
         dtype = torch.bfloat16 if info["bf16"] else torch.float32
@@ -355,7 +360,7 @@ def test_resume_deepspeed_checkpoint_on_one_rank_matches_deepspeeds_run(imported
 @pytest.mark.distributed
 def test_resume_deepspeed_checkpoint_on_three_ranks_at_another_stage(imported: dict[str, Path]) -> None:
     """One checkpoint per DeepSpeed stage (both precisions covered), each at another stage on 3 ranks."""
-    stages = {"stage1_fp32": 3, "stage2_bf16": 1, "stage3_fp32": 2}
+    stages = {"stage1_fp32": 3, "stage2_bf16": 1, "stage3_fp32": 2, "stage3_frozen_bf16": 2, "stage2_frozen_fp32": 3}
     out = Path(imported[CASES[0]]).parent.parent / "world3.pt"
     run_ranks(_resume, 3, stages, {c: str(v) for c, v in imported.items()}, str(out))
     results = torch.load(out, weights_only=True)

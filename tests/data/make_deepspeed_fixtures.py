@@ -6,7 +6,7 @@ avoids building DeepSpeed's fused Adam op)::
     python -m venv /tmp/venv-ds && /tmp/venv-ds/bin/pip install torch==2.13.0 deepspeed
     /tmp/venv-ds/bin/python tests/data/make_deepspeed_fixtures.py tests/data/deepspeed
 
-For each (stage, precision) case, two gloo ranks train ``Tiny`` for ``STEPS_BEFORE`` steps under
+For each (stage, precision, frozen) case, two gloo ranks train ``Tiny`` for ``STEPS_BEFORE`` steps under
 DeepSpeed with a ``WarmupLR`` scheduler and save a checkpoint (``CASE/ckpt``); then two fresh
 ranks load it into a new engine and train ``STEPS_AFTER`` more steps. ``CASE/resumed.pt`` keeps
 what that resumed run saw: the mean loss over the ranks and the learning rate of every step, and
@@ -34,13 +34,17 @@ STEPS_BEFORE = 4
 STEPS_AFTER = 5
 ROWS = 6  # global batch rows; DeepSpeed's two ranks take 3 each
 WORLD = 2
+# case -> (stage, bf16, frozen: ``fc1.weight`` frozen, as a LoRA base, kept apart from the optimizer's state)
 CASES = {
-    "stage1_fp32": (1, False),
-    "stage2_fp32": (2, False),
-    "stage3_fp32": (3, False),
-    "stage1_bf16": (1, True),
-    "stage2_bf16": (2, True),
-    "stage3_bf16": (3, True),
+    "stage1_fp32": (1, False, False),
+    "stage2_fp32": (2, False, False),
+    "stage3_fp32": (3, False, False),
+    "stage1_bf16": (1, True, False),
+    "stage2_bf16": (2, True, False),
+    "stage3_bf16": (3, True, False),
+    "stage2_frozen_fp32": (2, False, True),
+    "stage3_frozen_fp32": (3, False, True),
+    "stage3_frozen_bf16": (3, True, True),
 }
 
 
@@ -56,9 +60,12 @@ class Tiny(nn.Module):
         return (self.fc2(torch.tanh(self.fc1(x))) - y).float().square().mean()
 
 
-def make_model() -> Tiny:
+def make_model(frozen: bool = False) -> Tiny:
+    """``frozen``: ``fc1.weight`` does not train."""
     torch.manual_seed(0)
-    return Tiny()
+    model = Tiny()
+    model.fc1.weight.requires_grad_(not frozen)
+    return model
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +75,9 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def groups(model: Tiny) -> list[dict]:
-    """Two param groups, as a Trainer makes them: weights decay, biases do not."""
-    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
-    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    """Two param groups of the trainable parameters, as a Trainer makes them: weights decay, biases do not."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.requires_grad]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias") and p.requires_grad]
     return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
 
 
@@ -92,7 +99,7 @@ def config(stage: int, bf16: bool) -> dict:
     }
 
 
-def _run(rank: int, case: str, stage: int, bf16: bool, out: str, port: int, resume: bool) -> None:
+def _run(rank: int, case: str, stage: int, bf16: bool, frozen: bool, out: str, port: int, resume: bool) -> None:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -101,7 +108,7 @@ def _run(rank: int, case: str, stage: int, bf16: bool, out: str, port: int, resu
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    model = make_model()
+    model = make_model(frozen)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, model_parameters=groups(model), config=config(stage, bf16)
     )
@@ -123,6 +130,10 @@ def _run(rank: int, case: str, stage: int, bf16: bool, out: str, port: int, resu
         losses.append(mean.item() / WORLD)
     if not resume:
         engine.save_checkpoint(str(ckpt), tag="global_step4")
+        dist.barrier()
+        if rank == 0:  # DeepSpeed's own recovery scripts, copied beside the checkpoint: not fixtures
+            for script in ckpt.glob("*.py"):
+                script.unlink()
         return
     dist.barrier()
     if rank == 0:
@@ -149,11 +160,12 @@ def main() -> None:
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (repeatable)")
     args = parser.parse_args()
     for case in args.case or CASES:
-        stage, bf16 = CASES[case]
+        stage, bf16, frozen = CASES[case]
         shutil.rmtree(Path(args.out) / case, ignore_errors=True)
         for resume in (False, True):
-            mp.spawn(_run, args=(case, stage, bf16, args.out, _free_port(), resume), nprocs=WORLD, join=True)
-        info = {"stage": stage, "bf16": bf16, "world_size": WORLD, "config": config(stage, bf16)}
+            args_ = (case, stage, bf16, frozen, args.out, _free_port(), resume)
+            mp.spawn(_run, args=args_, nprocs=WORLD, join=True)
+        info = {"stage": stage, "bf16": bf16, "frozen": frozen, "world_size": WORLD, "config": config(stage, bf16)}
         (Path(args.out) / case / "case.json").write_text(json.dumps(info, indent=1) + "\n")
         print(case, "done", file=sys.stderr)
 

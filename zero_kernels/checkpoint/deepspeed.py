@@ -29,8 +29,12 @@ to an inert stand-in class defined here (no DeepSpeed code is imported or run): 
 attributes only), and ``fragment_address`` (two ints per parameter slice). Anything else in a
 file (a user's ``client_state`` object, for example) is refused with the name of the global.
 
+Frozen parameters (``requires_grad=False``: a LoRA base) are not in DeepSpeed's optimizer state: their
+values come from the model states files' ``frozen_param_fragments`` (whole at stages 1-2, each rank's
+partition at stage 3) and are written as model tensors, as a zero_kernels checkpoint holds them.
+
 Not supported (each a clear ``CheckpointError``): model or pipeline parallel checkpoints
-(``mp_rank`` other than 00), frozen parameters, DeepSpeed's universal and offloaded (NVMe) formats.
+(``mp_rank`` other than 00), DeepSpeed's universal and offloaded (NVMe) formats.
 """
 
 from __future__ import annotations
@@ -181,9 +185,6 @@ def _params(model_state: dict[str, Any]) -> list[_Param]:
     shapes = model_state.get("param_shapes")
     if not isinstance(shapes, list):
         raise CheckpointError("the DeepSpeed model states lack 'param_shapes': not a ZeRO checkpoint")
-    if model_state.get("frozen_param_shapes"):
-        names = ", ".join(list(model_state["frozen_param_shapes"])[:3])
-        raise CheckpointError(f"frozen parameters ({names}) are not supported by the DeepSpeed import yet")
     return [_Param(name, g, torch.Size(shape), {}) for g, group in enumerate(shapes) for name, shape in group.items()]
 
 
@@ -242,6 +243,27 @@ def _assemble_stage3(params: list[_Param], optims: list[dict[str, Any]]) -> None
         sub = next(i for i, end in enumerate(ends) if offset < end)
         p.step = int(ranks[0][sub]["step"])
         offset += part
+
+
+def _frozen(model_state: dict[str, Any], stage: int, files: list[Path]) -> dict[str, torch.Tensor]:
+    """The frozen parameters' values by name (DeepSpeed saves them apart from the optimizer's): stages 1-2 keep
+    each whole in ``frozen_param_fragments``; stage 3 keeps each rank's ``ceil(numel / world)`` elements there,
+    in every rank's model states file (``files``, rank order), the last rank's padded."""
+    shapes = model_state.get("frozen_param_shapes") or {}
+    if not shapes:
+        return {}
+    states = [model_state] + [_load(path) for path in files[1:]] if stage == 3 else [model_state]
+    values = {}
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        fragments = [(state.get("frozen_param_fragments") or {}).get(name) for state in states]
+        if any(not isinstance(t, torch.Tensor) for t in fragments):
+            raise CheckpointError(f"the DeepSpeed model states lack the fragments of frozen parameter {name!r}")
+        flat = torch.cat([t.reshape(-1) for t in fragments])
+        if flat.numel() < numel:
+            raise CheckpointError(f"frozen parameter {name!r}: {flat.numel()} saved elements for shape {list(shape)}")
+        values[name] = flat[:numel].clone().view(tuple(shape))
+    return values
 
 
 # ---------------------------------------------------------------- metadata
@@ -390,11 +412,12 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
             f"{len(optims)}"
         )
     if stage == 3:
-        model_file = _by_rank(folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state")[0]
+        model_files = _by_rank(folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state")
     elif stage in (1, 2):
-        model_file = folder / "mp_rank_00_model_states.pt"
+        model_files = [folder / "mp_rank_00_model_states.pt"]
     else:
         raise CheckpointError(f"{folder}: ZeRO stage {stage} checkpoints cannot be imported; stages 1, 2 and 3 can")
+    model_file = model_files[0]
     if not model_file.is_file():
         raise CheckpointError(f"{folder} lacks {model_file.name}")
     model_state = _load(model_file)
@@ -402,6 +425,7 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
     (_assemble_stage3 if stage == 3 else _assemble_stage12)(params, optims)
     shared = dict(model_state.get("shared_params") or {})
     tensors, low = _model_tensors(model_state["module"], params, shared)
+    tensors.update(_frozen(model_state, stage, model_files))
     pieces = [(f"model/{key}", t) for key, t in tensors.items()]
     for i, p in enumerate(params):
         kinds = ("exp_avg", "exp_avg_sq", "master") if low[p.name] else ("exp_avg", "exp_avg_sq")
