@@ -10,8 +10,8 @@ A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2
   within the stage-3 fp32 tolerance;
 - a sharded checkpoint, ``zk.save_pretrained`` and consolidation hold the original values; a load into a model
   with other frozen values gives them back exactly, at the same world size and at another;
-- a copy of the optimizer carries this rank's chunks: the copied model's frozen values are the original's, and
-  the copy trains as the original does;
+- a copy of the optimizer (``copy.deepcopy``, pickled by ``torch.save``; exact or int8 chunks) carries this rank's
+  chunks: the copied model's frozen values are the original's, and the copy trains as the original does;
 - a frozen parameter unfrozen and given to ``add_param_group`` after some steps trains from then on as with
   ``torch.optim.AdamW`` doing the same.
 """
@@ -19,6 +19,7 @@ A LoRA-like model (frozen base ``Linear`` layers, small trainable adapters) on 2
 from __future__ import annotations
 
 import copy
+import io
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,19 @@ def test_a_model_with_only_frozen_parameters_besides_one_trains_and_keeps_them_e
         opt.zero_grad()
     with opt.gathered_params():
         assert all(torch.equal(p, b) for p, b in zip(model[0].parameters(), before))
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
+def test_a_pickled_optimizer_carries_the_frozen_chunks(int8: bool) -> None:
+    model = Lora(torch.float32)
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, zero_quantized_nontrainable_weights=int8, **OPTIONS)
+    train(model, opt, 0, torch.float32, range(2))
+    stream = io.BytesIO()
+    torch.save(opt, stream)
+    stream.seek(0)
+    loaded = torch.load(stream, weights_only=False)
+    twin = loaded.pipeline.module
+    frozen, trainable = gathered(model, opt)
+    twin_frozen, twin_trainable = gathered(twin, loaded)
+    assert all(torch.equal(a, b) for a, b in zip(frozen + trainable, twin_frozen + twin_trainable))
+    assert train(twin, loaded, 0, torch.float32, range(2, 4)) == train(model, opt, 0, torch.float32, range(2, 4))
