@@ -21,7 +21,7 @@ from .config.call_forms import check_dist_init, config_source, refuse_deepspeed_
 from .config.hf import model_hidden_size
 from .optim.args import check_process_group
 from .optim.optimizer import ShardedFusedAdam
-from .stages.stage3.ownership import refuse_held
+from .stages.ownership import refuse_held
 
 __all__ = ["initialize"]
 

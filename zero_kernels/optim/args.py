@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..config.schema import COMM_DTYPES
 from ..env import IMPLS
-from ..stages.stage3.ownership import refuse_held
+from ..stages.ownership import refuse_held
 
 ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
 IMPLEMENTATION_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}

@@ -16,7 +16,9 @@ for each graph, with the parameter's shape of that moment (a node kept across ``
 ``resize_token_embeddings`` assigns, would make torch refuse the next backward before the optimizer could say what
 happened). A parameter whose hook dropped its gradient (``p.grad = None``) has none this round, as for AdamW.
 
-``owners`` says which pipeline handles a parameter (the one built last); the others' hooks do nothing.
+``owners`` says which pipeline handles a parameter (the one built last; where that one is gone, closed or collected,
+the first live one whose hook runs takes it back); the others' hooks do nothing. Only pipelines that leave the
+gradient in ``p.grad`` share parameters (``stages.ownership.refuse_shared``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ class GradReady:
 
     def hand_on(self, p: torch.Tensor) -> None:
         pipeline = self._ref()
-        if pipeline is not None and p.grad is not None and owners.get(id(p)) is self._ref:
+        if pipeline is None or p.grad is None:
+            return
+        owner = owners.get(id(p))
+        if owner is not self._ref and (owner is None or owner() is None):
+            owners[id(p)] = owner = self._ref  # the pipeline built later on it is gone: this one takes it back
+        if owner is self._ref:
             pipeline._on_grad_ready(p)
 
     def remove(self) -> None:

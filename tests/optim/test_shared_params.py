@@ -1,0 +1,92 @@
+"""Two optimizers on one parameter (a shared trunk under an actor's and a critic's optimizer).
+
+Two ``torch.optim.AdamW`` each step a shared parameter with its own state. Two ``ShardedFusedAdam`` do the same
+where both leave the gradient in ``p.grad`` (stages 0-1): the weights match two AdamW. Where either takes it away
+(stages 2-3, or a wider ``grad_accum_dtype``), the second one is refused at construction, naming the parameter,
+and the first keeps training as before; a deleted first optimizer (still in its reference cycle) does not stand in
+the way.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.check import assert_close
+
+LR = 1e-2
+
+
+def _nets() -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    torch.manual_seed(0)
+    return nn.Linear(6, 12), nn.Linear(12, 3), nn.Linear(12, 1)
+
+
+def _loop(trunk: nn.Module, actor: nn.Module, critic: nn.Module, optimizers: list, steps: range) -> None:
+    for step in steps:
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        h = torch.tanh(trunk(x))
+        for opt in optimizers:
+            opt.zero_grad()
+        (actor(h).square().mean() + critic(h).square().mean()).backward()
+        for opt in optimizers:
+            opt.step()
+
+
+def _compare(ours: nn.Module, ref: nn.Module, what: str) -> None:
+    """fp32 tolerance, with elements near zero judged against the model's largest magnitude (a bias of one element
+    near zero has no scale of its own)."""
+    scale = max(p.abs().max().item() for p in ref.parameters())
+    for got, want in zip(ours.parameters(), ref.parameters()):
+        assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6 * scale, what=what)
+
+
+def _two(make, trunk: nn.Module, actor: nn.Module, critic: nn.Module) -> list:
+    return [make([*trunk.parameters(), *actor.parameters()]), make([*trunk.parameters(), *critic.parameters()])]
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_two_optimizers_sharing_a_trunk_step_it_as_two_adamw_do(stage: int) -> None:
+    ours = _nets()
+    ref = copy.deepcopy(ours)
+    _loop(*ref, _two(lambda ps: torch.optim.AdamW(ps, lr=LR), *ref), range(3))
+    _loop(*ours, _two(lambda ps: zk.ShardedFusedAdam(ps, lr=LR, stage=stage), *ours), range(3))
+    _compare(nn.ModuleList(ours), nn.ModuleList(ref), "vs AdamW")
+
+
+@pytest.mark.parametrize(
+    "first, second, extra",
+    [(2, 2, {}), (0, 2, {}), (2, 0, {}), (1, 3, {}), (0, 0, {"grad_accum_dtype": "fp32"})],
+    ids=["2-2", "0-2", "2-0", "1-3", "0-0 wide accumulation"],
+)
+def test_a_second_optimizer_that_would_miss_or_take_the_gradient_is_refused(first: int, second: int, extra) -> None:
+    trunk, actor, critic = _nets()
+    model = nn.ModuleList([trunk, actor, critic])
+    if extra:
+        model.to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam([*trunk.parameters(), *actor.parameters()], lr=LR, stage=first, **extra)
+    ref_opt = torch.optim.AdamW([*ref[0].parameters(), *ref[1].parameters()], lr=LR)
+    module = {"module": model} if second == 3 else {}
+    with pytest.raises(ValueError, match=r"parameter ('0\.weight'|of shape \(12, 6\)) is held by another Sharded"):
+        zk.ShardedFusedAdam([*trunk.parameters(), *critic.parameters()], lr=LR, stage=second, **module, **extra)
+    if extra:
+        return  # bf16: the refusal is what is checked
+    _loop(trunk, actor, critic, [opt], range(2))  # the first one trains as before
+    _loop(ref[0], ref[1], ref[2], [ref_opt], range(2))
+    _compare(model, ref, "the first one")
+
+
+def test_a_deleted_optimizer_gives_its_parameters_up_without_gc_collect() -> None:
+    ours = _nets()
+    ref = copy.deepcopy(ours)
+    warmup = zk.ShardedFusedAdam(ours[1].parameters(), lr=LR, stage=2)  # a head warm-up, then deleted
+    del warmup  # still alive in its reference cycle until the collector runs
+    main = zk.ShardedFusedAdam(nn.ModuleList(ours).parameters(), lr=LR, stage=2)
+    _loop(*ours, [main], range(3))
+    _loop(*ref, [torch.optim.AdamW(nn.ModuleList(ref).parameters(), lr=LR)], range(3))
+    _compare(nn.ModuleList(ours), nn.ModuleList(ref), "vs AdamW")
