@@ -10,6 +10,8 @@ the way.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -90,3 +92,22 @@ def test_a_deleted_optimizer_gives_its_parameters_up_without_gc_collect() -> Non
     _loop(*ours, [main], range(3))
     _loop(*ref, [torch.optim.AdamW(nn.ModuleList(ref).parameters(), lr=LR)], range(3))
     _compare(nn.ModuleList(ours), nn.ModuleList(ref), "vs AdamW")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_del_frees_the_optimizer_at_once_on_every_rank_alike(stage: int) -> None:
+    """No reference cycle holds a ShardedFusedAdam: ``del`` frees it then, not when each rank's collector runs (a
+    rank that collected it and one that did not would pair different collectives). At stages 0-2 its pipeline,
+    which holds the parameters, goes with it."""
+    trunk, actor, critic = _nets()
+    model = nn.ModuleList([trunk, actor])
+    gc.disable()
+    try:
+        opt = zk.ShardedFusedAdam(model if stage == 3 else model.parameters(), lr=LR, stage=stage)
+        _loop(trunk, actor, critic, [opt], range(1))
+        freed, pipeline = weakref.ref(opt), weakref.ref(opt.pipeline)
+        del opt
+        assert freed() is None
+        assert stage == 3 or pipeline() is None
+    finally:
+        gc.enable()

@@ -20,7 +20,6 @@ The error names the fix for each framework.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Callable, Optional
 
@@ -148,4 +147,11 @@ def watch(owner: Any, module: Optional[nn.Module]) -> Callable[[], None]:
     if module is not None:
         return refuse_ddp_forward(module, owner).remove
     _finder.add(owner)
-    return functools.partial(_finder.discard, owner)
+    ref = weakref.ref(owner)  # not the owner itself: it keeps what this returns
+
+    def stop() -> None:
+        held = ref()
+        if held is not None:
+            _finder.discard(held)
+
+    return stop

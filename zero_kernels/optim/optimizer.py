@@ -247,8 +247,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             accum_dtype=self.grad_accum_dtype,
         )  # fmt: skip
         self._pipeline.device = device
-        self._pipeline.index_name = self._param_name
-        self._pipeline.step_counts.on_settle = self._account
+        self._pipeline.index_name = weak_method(self._param_name)  # no reference cycle: `del opt` frees it
+        self._pipeline.step_counts.on_settle = weak_method(self._account)
         self._pipeline.loss_scaled = self.scales_loss  # a plain loss.backward() is refused
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         self._late_group_checked = False  # the first boundary step looks once for a process group made after us
@@ -261,7 +261,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._pipeline.close()  # the groups built before the one refused give their parameters back whole
             raise
         self._restoring = False
-        self.state = ShardedState(self._pipeline, self._params)
+        self.state = ShardedState(self._pipeline, weak_method(self._params))
         self._update_sync()
         held = {id(p) for g in self.param_groups for p in g["params"]}
         self._held_names = {n: i for i, n in self._names.items() if i in held}
@@ -772,6 +772,21 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
         self.wait_params()
         return optim_copy.deep_copy(self, memo)
+
+
+def weak_method(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound) called through a weak reference to its object, so that what keeps it (the pipeline,
+    ``opt.state``) keeps no reference back to the optimizer: without a reference cycle, ``del opt`` frees the
+    optimizer and gives its parameters up at once, on every rank alike, not when each rank's collector runs."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError("the ShardedFusedAdam this belonged to was deleted")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def _fp16_config(fp16: Any) -> Optional[FP16Config]:
