@@ -473,9 +473,10 @@ def _external_cases(rank: int, world: int) -> None:
         assert len(found) == (0 if registered else 1), records.messages
         assert "module '<root>' (TiedLM)" in found[0] if found else True
         assert [p is model.embed.weight for p in external_parameters(model)] == [True]
-    with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' is used \(.*\) outside any module's forward"):
+    outside = "outside the forward of its model's modules"
+    with pytest.raises(RuntimeError, match=rf"parameter 'embed.weight' is used \(.*\) {outside}"):
         model.embed.weight.square().sum()
-    with pytest.raises(RuntimeError, match=r"parameter 'embed.weight' is used \(p\.T\) outside any module's forward"):
+    with pytest.raises(RuntimeError, match=rf"parameter 'embed.weight' is used \(p\.T\) {outside}"):
         model.embed.weight.T
     with pytest.raises(RuntimeError, match="gathered_params"):
         torch.cat([model.block.weight, model.block.weight])
@@ -600,3 +601,24 @@ def _compiled_cases(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_torch_compile_matches_adamw_at_every_stage(spawn) -> None:
     spawn(_compiled_cases, 2)
+
+
+class _Reader(nn.Module):
+    """A model whose forward reads a parameter of another model, held by another stage-3 optimizer."""
+
+    def __init__(self, other: nn.Module):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        object.__setattr__(self, "other", other)  # not a sub-module
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(torch.tanh(self.a(z)), self.other[0].weight)
+
+
+def test_a_model_reading_another_stage3_optimizers_parameter_is_told_so() -> None:
+    other = nn.Sequential(nn.Linear(6, 3))
+    reader = _Reader(other)
+    keep = [zk.ShardedFusedAdam(m, lr=LR, stage=3, stage3_param_persistence_threshold=0) for m in (other, reader)]
+    with pytest.raises(RuntimeError, match="parameter '0.weight' .* in the forward of a model that another stage-3"):
+        reader(torch.randn(2, 4))
+    assert len(keep) == 2

@@ -201,6 +201,7 @@ class _ModelHook:
 
 
 _UNROUTED = object()
+_SCHEDULERS: "weakref.WeakSet[Stage3Scheduler]" = weakref.WeakSet()  # every live one (errors say whose forward runs)
 
 
 @dataclass
@@ -273,6 +274,7 @@ class Stage3Scheduler:
         self._handles: list[RemovableHandle] = []
         self._module_handles: list[RemovableHandle] = []
         self._install(root)
+        _SCHEDULERS.add(self)
 
     @staticmethod
     def _owners(units: Sequence[Unit]) -> dict[int, int]:
@@ -575,7 +577,13 @@ class Stage3Scheduler:
                 "zero_kernels.checkpoint's consolidated weights"
             )
         if not self._stack:
-            where = "during backward" if self._in_backward else "outside any module's forward"
+            where = "during backward" if self._in_backward else "outside the forward of its model's modules"
+            if not self._in_backward and any(other._stack for other in _SCHEDULERS if other is not self):
+                where = (
+                    "in the forward of a model that another stage-3 optimizer holds (a model's forward gathers "
+                    "the parameters of its own optimizer only; train both with one optimizer, or use it inside "
+                    "`with <its optimizer>.gathered_params():`)"
+                )
             needs_grad = torch.is_grad_enabled() and param.requires_grad
             raise RuntimeError(guard.outside_forward(name, func, where, needs_grad))
         frame = self._stack[-1]
