@@ -86,7 +86,7 @@ from ..stages import (
     storage_bytes,
 )
 from ..stages import state_door as zstate
-from ..stages.ownership import refuse_shared
+from ..stages.ownership import warn_shared
 from . import amp, foreign_steps, guards, module_zero_grad, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
@@ -311,7 +311,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         previous = [(g["params"], "param_names" in g) for g in self.param_groups]
         own = set(self._pipeline.where) | self._pipeline.frozen_partitioned()
         check_group(param_group, len(self.param_groups), previous, self.defaults, self._describe, own)
-        refuse_shared(param_group["params"], self._pipeline, lambda p: self._describe(p, {}))
+        warn_shared(param_group["params"], self._pipeline, lambda p: self._describe(p, {}))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:

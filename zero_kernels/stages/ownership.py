@@ -8,7 +8,7 @@ and fail later with errors that say nothing of the cause. So it is refused befor
 exists (whether emptied now or kept whole under ``stage3_param_persistence_threshold``), or emptied
 by one that was deleted, whose shards took the values with them (``guard.ORPHANED``).
 
-Any stage (``refuse_shared``). Two optimizers may share parameters as two ``torch.optim.AdamW`` do (a shared trunk
+Any stage (``warn_shared``). Two optimizers may share parameters as two ``torch.optim.AdamW`` do (a shared trunk
 under an actor's and a critic's optimizer: each steps it with its own state) only where both leave the gradient in
 ``p.grad`` for their steps to read (stages 0-1 without a wider ``grad_accum_dtype``). Where either takes it away
 (stages 2-3 move it into their buckets; a wider ``grad_accum_dtype`` into its own buffer) only one of them would
@@ -20,6 +20,7 @@ first, so that ``del old; new = ShardedFusedAdam(...)`` works without a ``gc.col
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -70,8 +71,8 @@ def _leaves_p_grad(pipeline: Any, p: torch.Tensor) -> bool:
     return pipeline.accumulates_locally and (accum is None or torch.promote_types(p.dtype, accum) == p.dtype)
 
 
-def refuse_shared(params: Iterable[torch.Tensor], pipeline: Any, describe: Callable[[torch.Tensor], str]) -> None:
-    """Raise ``ValueError`` naming the first of ``params`` that another live optimizer holds where one of the two
+def warn_shared(params: Iterable[torch.Tensor], pipeline: Any, describe: Callable[[torch.Tensor], str]) -> None:
+    """Warn, naming the first of ``params`` that another live optimizer holds where one of the two
     takes the gradient out of ``p.grad`` (see the module docstring).
 
     Args:
@@ -86,13 +87,16 @@ def refuse_shared(params: Iterable[torch.Tensor], pipeline: Any, describe: Calla
         other = _other_holder(p, pipeline)
         if other is None or (_leaves_p_grad(other, p) and _leaves_p_grad(pipeline, p)):
             continue
-        raise ValueError(
+        warnings.warn(
             f"{describe(p)} is held by another ShardedFusedAdam (stage {other.stage}) that is still alive; a "
             f"parameter can be shared by two of them only at stages 0-1 without a wider grad_accum_dtype (each "
             f"reads p.grad), while this one is stage {pipeline.stage}{_how(pipeline, other, p)}: only one of them "
             "would see its gradient. Train it with one optimizer (param groups can give it other settings), or "
-            "delete the other optimizer (every reference to it) before building this one"
+            "delete the other optimizer (every reference to it) before building this one; from now on this one "
+            "trains it",
+            stacklevel=4,
         )
+        return
 
 
 def _how(pipeline: Any, other: Any, p: torch.Tensor) -> str:
