@@ -210,3 +210,56 @@ def test_a_pickled_optimizer_carries_the_frozen_chunks(int8: bool) -> None:
     twin_frozen, twin_trainable = gathered(twin, loaded)
     assert all(torch.equal(a, b) for a, b in zip(frozen + trainable, twin_frozen + twin_trainable))
     assert train(twin, loaded, 0, torch.float32, range(2, 4)) == train(model, opt, 0, torch.float32, range(2, 4))
+
+
+class _Scale(nn.Module):
+    """``weight * x``: autograd saves the frozen weight itself (no detached view, as for ``F.linear``'s ``weight.t()``),
+    as an RMSNorm's weight or GPT-2's ``Conv1D`` (``addmm``) is saved."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.lin = _Scale(width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(self.norm(x))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_frozen_weight_saved_as_itself_survives_the_recomputation_check(reentrant: bool) -> None:
+    """Under activation checkpointing torch checks the recomputed saved tensors' shapes after the recomputed forward
+    has returned: the frozen unit stays gathered until its backward."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), _Block(16), _Block(16))
+        for block in model[1:]:
+            block.norm.requires_grad_(False)
+        return model
+
+    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = model[0](x)
+        for block in model[1:]:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)
+        return h.square().mean()
+
+    model, ref = build(), build()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **OPTIONS)
+    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    for step in range(2):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, adamw)):
+            forward(m, x).backward()
+            o.step()
+            o.zero_grad()
+    with opt.gathered_params():
+        for got, want in zip(model.parameters(), ref.parameters()):
+            assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="vs AdamW")

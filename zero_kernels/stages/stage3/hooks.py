@@ -549,8 +549,16 @@ class Stage3Scheduler:
                 break
         output = self._settled(frame, inputs, output)  # replaced, or a tensor added in place, by a hook
         for i in released:
-            self._free(i)
+            if not (self._in_backward and self._frozen(i)):
+                self._free(i)
         return output
+
+    def _frozen(self, i: int) -> bool:
+        """Whether unit ``i`` holds frozen parameters only. During backward (a non-reentrant checkpoint's
+        recomputation) such a unit stays gathered until its uses end (``_uses_ended``): autograd saves a parameter
+        that needs no gradient as itself, not as a detached view, and torch's check of the recomputed tensors reads
+        its shape after the recomputed forward has returned."""
+        return not any(p.requires_grad for p in self.units[i].params)
 
     def _check_writes(self, frame: _Frame) -> None:
         """The persistent parameters written in place during the frame's module's forward (``nn.Embedding(max_norm)``;
@@ -651,7 +659,7 @@ class Stage3Scheduler:
         (no parameter requires grad) are freed."""
         self._begin_backward()
         for i in ready:
-            if not any(p.requires_grad for p in self.units[i].params):
+            if self._frozen(i):
                 self._free(i)
             elif i not in self._reduced:
                 self._reduce(i)
