@@ -153,11 +153,17 @@ def param_groups(state: dict[str, Any]) -> list[dict[str, Any]]:
     return groups
 
 
-def frozen_values(state: dict[str, Any]) -> None:
-    """Stage 3's frozen parameters of the snapshot, freed, given back their shapes (zeros until loaded)."""
+def frozen_values(state: dict[str, Any]) -> list[torch.Tensor]:
+    """Stage 3's frozen parameters of the snapshot, freed, given back their shapes (zeros until loaded) and frozen
+    again where they were unfrozen since (and not given to a param group), so that the copy has the original's
+    frozen units; returns those, to unfreeze once the copy is built."""
+    unfrozen = []
     for params, shapes, _ in state.get("frozen", []):
         for p, shape in zip(params, shapes):
             p.data = torch.zeros(shape, dtype=p.dtype, device=p.device)
+            if p.requires_grad:
+                unfrozen.append(p.requires_grad_(False))
+    return unfrozen
 
 
 def load_shards(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:

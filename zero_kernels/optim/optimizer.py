@@ -308,6 +308,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         Args:
             param_group: ``{"params": [...], **hyper-parameter overrides}``.
         """
+        if self._pipeline.holding:
+            raise ValueError(
+                "add_param_group inside `with optimizer.gathered_params():` is not supported (the block's end writes "
+                "back what it gathered): add the group after the block; nothing was added"
+            )
         previous = [(g["params"], "param_names" in g) for g in self.param_groups]
         own = set(self._pipeline.where) | self._pipeline.frozen_partitioned()
         check_group(param_group, len(self.param_groups), previous, self.defaults, self._describe, own)
@@ -762,12 +767,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         for key, value in optim_copy.settings(state).items():
             setattr(self, key, value)
         groups = optim_copy.param_groups(state)
-        optim_copy.frozen_values(state)
+        unfrozen = optim_copy.frozen_values(state)  # frozen as in the original while the copy is built
         self._build(groups, state["defaults"], module=state["module"], process_group=state["process_group"],
                     impl=state["impl"], restore=state["origin"])  # fmt: skip
         params = [p for g in groups for p in g["params"]]
         self._names.update({id(p): n for p, n in zip(params, state["names"]) if n is not None})
         optim_copy.load_shards(self, state)
+        for p in unfrozen:
+            p.requires_grad_(True)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ShardedFusedAdam":
         self.wait_params()

@@ -263,3 +263,29 @@ def test_a_frozen_weight_saved_as_itself_survives_the_recomputation_check(reentr
     with opt.gathered_params():
         for got, want in zip(model.parameters(), ref.parameters()):
             assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="vs AdamW")
+
+
+def test_a_copy_taken_while_a_frozen_parameter_is_unfrozen_has_the_originals_frozen_units() -> None:
+    """Unfrozen (``requires_grad_(True)``) and not given to a param group yet: the copy keeps it in its frozen unit
+    as the original does, with its value, and unfrozen as in the original."""
+    model = Lora(torch.float32)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = zk.ShardedFusedAdam(trainable, module=model, lr=LR, stage=3, **OPTIONS)
+    train(model, opt, 0, torch.float32, range(2))
+    model.base[1].weight.requires_grad_(True)
+    copied = copy.deepcopy(opt)
+    twin = copied.pipeline.module
+    assert twin.base[1].weight.requires_grad and twin.base[1].weight.numel() == 0
+    assert all(torch.equal(a, b) for a, b in zip(gathered(twin, copied)[0], gathered(model, opt)[0]))
+
+
+def test_add_param_group_inside_gathered_params_is_refused_before_anything_changes() -> None:
+    model = Lora(torch.float32)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = zk.ShardedFusedAdam(trainable, module=model, lr=LR, stage=3, **OPTIONS)
+    with opt.gathered_params():
+        with pytest.raises(ValueError, match="add_param_group inside `with optimizer.gathered_params"):
+            opt.add_param_group({"params": [model.base[1].weight.requires_grad_(True)]})
+    assert len(opt.param_groups) == 1 and model.base[1].weight.numel() == 0
+    opt.add_param_group({"params": [model.base[1].weight]})  # after the block
+    assert len(opt.param_groups) == 2
