@@ -2,13 +2,14 @@
 
 Two ``torch.optim.AdamW`` each step a shared parameter with its own state. Two ``ShardedFusedAdam`` do the same
 where both leave the gradient in ``p.grad`` (stages 0-1): the weights match two AdamW. Where either takes it away
-(stages 2-3, or a wider ``grad_accum_dtype``), building the second one warns, naming the parameter,
-and the first keeps training as before; a deleted first optimizer (still in its reference cycle) does not stand in
-the way.
+(stages 2-3, or a wider ``grad_accum_dtype``), the one built last gets it and the first one's step raises, naming
+the parameter, before anything changes; an optimizer built again on the same model (the old one still bound)
+trains as AdamW, without a word; a deleted one does not stand in the way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -65,16 +66,36 @@ def test_two_optimizers_sharing_a_trunk_step_it_as_two_adamw_do(stage: int) -> N
     [(2, 2, {}), (0, 2, {}), (2, 0, {}), (1, 3, {}), (0, 0, {"grad_accum_dtype": "fp32"})],
     ids=["2-2", "0-2", "2-0", "1-3", "0-0 wide accumulation"],
 )
-def test_a_second_optimizer_that_would_miss_or_take_the_gradient_warns(first: int, second: int, extra) -> None:
+def test_the_first_optimizer_refuses_to_step_without_the_gradient_the_second_takes(first, second, extra) -> None:
     trunk, actor, critic = _nets()
     model = nn.ModuleList([trunk, actor, critic])
     if extra:
         model.to(torch.bfloat16)
-    opt = zk.ShardedFusedAdam([*trunk.parameters(), *actor.parameters()], lr=LR, stage=first, **extra)
+    oa = zk.ShardedFusedAdam([*trunk.parameters(), *actor.parameters()], lr=LR, stage=first, **extra)
     module = {"module": model} if second == 3 else {}
-    with pytest.warns(UserWarning, match=r"parameter ('0\.weight'|of shape \(12, 6\)) is held by another Sharded"):
-        zk.ShardedFusedAdam([*trunk.parameters(), *critic.parameters()], lr=LR, stage=second, **module, **extra)
-    assert len(opt.param_groups) == 1
+    oc = zk.ShardedFusedAdam([*trunk.parameters(), *critic.parameters()], lr=LR, stage=second, **module, **extra)
+    x = torch.randn(4, 6, dtype=next(trunk.parameters()).dtype)
+    h = torch.tanh(trunk(x))
+    (actor(h).float().square().mean() + critic(h).float().square().mean()).backward()
+    oc.step()
+    holding = oc.gathered_params() if second == 3 else contextlib.nullcontext()
+    with holding:
+        before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"parameter .* is also held by a ShardedFusedAdam built after.*nothing was"):
+        oa.step()
+    with oc.gathered_params() if second == 3 else contextlib.nullcontext():
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "nothing was updated"
+
+
+def test_an_optimizer_built_again_on_the_same_model_replaces_the_old_one_quietly(recwarn) -> None:
+    ours = _nets()
+    ref = copy.deepcopy(ours)
+    opt = zk.ShardedFusedAdam(nn.ModuleList(ours).parameters(), lr=LR, stage=2)
+    opt = zk.ShardedFusedAdam(nn.ModuleList(ours).parameters(), lr=LR, stage=2)  # the old one still bound here
+    _loop(*ours, [opt], range(3))
+    _loop(*ref, [torch.optim.AdamW(nn.ModuleList(ref).parameters(), lr=LR)], range(3))
+    _compare(nn.ModuleList(ours), nn.ModuleList(ref), "vs AdamW")
+    assert not [w for w in recwarn if "ShardedFusedAdam" in str(w.message)]
 
 
 def test_a_deleted_optimizer_gives_its_parameters_up_without_gc_collect() -> None:

@@ -86,7 +86,7 @@ from ..stages import (
     storage_bytes,
 )
 from ..stages import state_door as zstate
-from ..stages.ownership import warn_shared
+from ..stages.ownership import check_step
 from . import amp, foreign_steps, guards, module_zero_grad, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
@@ -316,7 +316,6 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         previous = [(g["params"], "param_names" in g) for g in self.param_groups]
         own = set(self._pipeline.where) | self._pipeline.frozen_partitioned()
         check_group(param_group, len(self.param_groups), previous, self.defaults, self._describe, own)
-        warn_shared(param_group["params"], self._pipeline, lambda p: self._describe(p, {}))
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -554,6 +553,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             adopt.check_module_params(module, self._held_names, self._pipeline.name_of)
         adopt.follow_replaced(self._pipeline, self._pipeline.name_of)
         adopt.check_unfrozen(self.param_groups, self._pipeline.has_grad, self._param_name)
+        check_step(self._pipeline, self._pipeline.name_of)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global norm of this step's gradients to ``max_norm`` (applied by the next ``step()``).

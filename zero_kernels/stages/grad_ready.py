@@ -18,7 +18,7 @@ happened). A parameter whose hook dropped its gradient (``p.grad = None``) has n
 
 ``owners`` says which pipeline handles a parameter (the one built last; where that one is gone, closed or collected,
 the first live one whose hook runs takes it back); the others' hooks do nothing. Only pipelines that leave the
-gradient in ``p.grad`` share parameters quietly (``stages.ownership.warn_shared`` warns otherwise).
+gradient in ``p.grad`` share parameters (``stages.ownership.check_step`` refuses the older one's step otherwise).
 """
 
 from __future__ import annotations

@@ -8,19 +8,20 @@ and fail later with errors that say nothing of the cause. So it is refused befor
 exists (whether emptied now or kept whole under ``stage3_param_persistence_threshold``), or emptied
 by one that was deleted, whose shards took the values with them (``guard.ORPHANED``).
 
-Any stage (``warn_shared``). Two optimizers may share parameters as two ``torch.optim.AdamW`` do (a shared trunk
-under an actor's and a critic's optimizer: each steps it with its own state) only where both leave the gradient in
+Any stage (``check_step``). Two optimizers may share parameters as two ``torch.optim.AdamW`` do (a shared trunk
+under an actor's and a critic's optimizer: each steps it with its own state) where both leave the gradient in
 ``p.grad`` for their steps to read (stages 0-1 without a wider ``grad_accum_dtype``). Where either takes it away
-(stages 2-3 move it into their buckets; a wider ``grad_accum_dtype`` into its own buffer) only one of them would
-ever see it, and the other would step without it, so the second optimizer is refused, naming the parameter. A
-deleted optimizer lives on in a reference cycle until Python's collector runs: on a clash the collector runs once
-first, so that ``del old; new = ShardedFusedAdam(...)`` works without a ``gc.collect()``.
+(stages 2-3 move it into their buckets; a wider ``grad_accum_dtype`` into its own buffer), the one built last gets
+it and the other would step without it: that one's ``step()`` raises, naming the parameter, before anything is
+updated. Building the second one is not refused: ``opt = ShardedFusedAdam(model, ...)`` run again builds the new
+one while the old one is still bound, and the old one is never stepped again. A deleted optimizer kept by a
+reference cycle (a stage-3 pipeline, until Python's collector runs) does not count: on a clash the collector runs
+once first.
 """
 
 from __future__ import annotations
 
 import gc
-import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -57,8 +58,8 @@ def refuse_held(params: Iterable[torch.Tensor], describe: Callable[[torch.Tensor
             )
 
 
-def _other_holder(p: torch.Tensor, pipeline: Any) -> Optional[Any]:
-    """The live pipeline other than ``pipeline`` that holds ``p`` (the latest built), if any."""
+def _later_holder(p: torch.Tensor, pipeline: Any) -> Optional[Any]:
+    """The live pipeline other than ``pipeline`` that holds ``p`` (the one built last), if any."""
     ref = owners.get(id(p))
     held = ref() if ref is not None else None
     return held if held is not None and held is not pipeline else None
@@ -71,37 +72,36 @@ def _leaves_p_grad(pipeline: Any, p: torch.Tensor) -> bool:
     return pipeline.accumulates_locally and (accum is None or torch.promote_types(p.dtype, accum) == p.dtype)
 
 
-def warn_shared(params: Iterable[torch.Tensor], pipeline: Any, describe: Callable[[torch.Tensor], str]) -> None:
-    """Warn, naming the first of ``params`` that another live optimizer holds where one of the two
-    takes the gradient out of ``p.grad`` (see the module docstring).
+def _lost(pipeline: Any) -> list[tuple[torch.Tensor, Any]]:
+    """``pipeline``'s parameters that a pipeline built later took, with it, where one of the two takes the
+    gradient away."""
+    lost = []
+    for buf in pipeline.buffers:
+        for p in buf.params:
+            later = _later_holder(p, pipeline)
+            if later is not None and not (_leaves_p_grad(later, p) and _leaves_p_grad(pipeline, p)):
+                lost.append((p, later))
+    return lost
+
+
+def check_step(pipeline: Any, name_of: Callable[[torch.Tensor], str]) -> None:
+    """Raise ``ValueError`` before ``pipeline``'s step changes anything when another optimizer built later took one
+    of its parameters' gradient (see the module docstring).
 
     Args:
-        params: the parameters the optimizer of ``pipeline`` is about to take.
-        pipeline: its pipeline (built, not yet holding them).
-        describe: names a parameter in errors.
+        pipeline: the stepping optimizer's pipeline.
+        name_of: names a parameter in errors.
     """
-    params = list(params)
-    if any(_other_holder(p, pipeline) is not None for p in params):
-        gc.collect()  # a deleted optimizer, still in its reference cycle, gives its parameters up
-    for p in params:
-        other = _other_holder(p, pipeline)
-        if other is None or (_leaves_p_grad(other, p) and _leaves_p_grad(pipeline, p)):
-            continue
-        warnings.warn(
-            f"{describe(p)} is held by another ShardedFusedAdam (stage {other.stage}) that is still alive; a "
-            f"parameter can be shared by two of them only at stages 0-1 without a wider grad_accum_dtype (each "
-            f"reads p.grad), while this one is stage {pipeline.stage}{_how(pipeline, other, p)}: only one of them "
-            "would see its gradient. Train it with one optimizer (param groups can give it other settings), or "
-            "delete the other optimizer (every reference to it) before building this one; from now on this one "
-            "trains it",
-            stacklevel=4,
-        )
+    if not _lost(pipeline):
         return
-
-
-def _how(pipeline: Any, other: Any, p: torch.Tensor) -> str:
-    if pipeline.accumulates_locally and not _leaves_p_grad(pipeline, p):
-        return " with a wider grad_accum_dtype"
-    if other.accumulates_locally and not _leaves_p_grad(other, p):
-        return " and the other accumulates in a wider grad_accum_dtype"
-    return ""
+    gc.collect()  # a deleted optimizer still in a reference cycle gives its parameters up
+    lost = _lost(pipeline)
+    if lost:
+        p, later = lost[0]
+        raise ValueError(
+            f"{name_of(p)} is also held by a ShardedFusedAdam built after this one (stage {later.stage}), which "
+            f"takes its gradient, so this one would step it without one: two optimizers share a parameter as two "
+            f"AdamW do only at stages 0-1 without a wider grad_accum_dtype (both read p.grad); this one is stage "
+            f"{pipeline.stage}. Train it with one optimizer (param groups can give it other settings), or delete "
+            "this one if the later one replaces it; nothing was updated"
+        )
