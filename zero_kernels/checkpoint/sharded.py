@@ -139,8 +139,8 @@ def _even_piece(rank: int, world: int, name: str, t: torch.Tensor) -> list[tuple
 def _other_pieces(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> list[tuple[str, int, torch.Tensor]]:
     """This rank's part of every model tensor the optimizer does not shard: of a frozen parameter (the same on
     every rank) its even ``1/N`` piece, of a buffer, which each rank may hold its own (BatchNorm's running
-    statistics), rank 0's whole, as DeepSpeed saves data-parallel rank 0's module; frozen parameters stored in
-    int8 at stage 3 (``zero_quantized_nontrainable_weights``) give their dequantized values, gathered one unit at
+    statistics), rank 0's whole, as DeepSpeed saves data-parallel rank 0's module; frozen parameters partitioned
+    at stage 3 give their values (dequantized with ``zero_quantized_nontrainable_weights``), gathered one unit at
     a time (a collective)."""
     pieces, rank, world = [], pipeline.rank, pipeline.world_size
     stored = pipeline.frozen_partitioned()
@@ -510,7 +510,7 @@ class _Staged:
     meta: dict
     book: dict[str, Any]
     moves: list[Move]
-    frozen: dict[int, torch.Tensor]  # id(frozen parameter stored in int8) -> its saved value
+    frozen: dict[int, torch.Tensor]  # id(frozen parameter partitioned at stage 3) -> its saved value
     extra: Any
     window: Optional[Window]
 

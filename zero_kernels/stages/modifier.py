@@ -6,8 +6,9 @@ its values are broadcast at the block's end, before stage 3 takes its shards bac
 (``uint8``) through the engine's ``all_reduce``: rank ``k`` sends them, every other rank zeros first, so the sum is
 rank ``k``'s bytes, bit for bit (signed zeros and NaN payloads too). Whatever follows sees the same values on
 every rank, as if every rank had made the same edit: the copies, shards and masters then follow as they follow
-such edits today (``stages.master``). The model's parameters the optimizer does not hold (frozen ones, whole on
-every rank) are broadcast as well, when the optimizer was given the model.
+such edits today (``stages.master``). The model's parameters the optimizer does not hold (frozen ones: whole on
+every rank at stages 0-2, gathered by the block at stage 3) are broadcast as well, when the optimizer was given
+the model.
 
 Before anything is sent the ranks agree, in one small exchange of objects, on what they send (``check_sendable``):
 a ``p.data = ...`` of another shape, dtype or device than the optimizer holds, on any rank, or a parameter outside
