@@ -289,3 +289,43 @@ def test_add_param_group_inside_gathered_params_is_refused_before_anything_chang
     assert len(opt.param_groups) == 1 and model.base[1].weight.numel() == 0
     opt.add_param_group({"params": [model.base[1].weight]})  # after the block
     assert len(opt.param_groups) == 2
+
+
+class _DoraLike(nn.Module):
+    """What PEFT's DoRA layer does (without importing peft): its forward reads its sub-modules' weights directly, the
+    adapter's shape and the frozen base weight's norm."""
+
+    def __init__(self, width: int, rank: int):
+        super().__init__()
+        self.base_layer = nn.Linear(width, width).requires_grad_(False)
+        self.lora_A, self.lora_B = nn.Linear(width, rank, bias=False), nn.Linear(rank, width, bias=False)
+        self.magnitude = nn.Parameter(torch.ones(width))
+        self.lora_variant = {"default": "dora"}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.lora_A.weight.shape[1] == x.shape[-1], "read while freed"
+        weight = self.base_layer.weight + self.lora_B.weight @ self.lora_A.weight
+        norm = weight.norm(dim=1).detach()
+        return (self.magnitude / norm) * torch.nn.functional.linear(x, weight) + self.base_layer.bias
+
+
+_DoraLike.__module__ = "peft.tuners.lora.layer"  # as PEFT's layers are found: by their package
+
+
+def test_peft_lora_variant_layers_are_gathered_as_leaf_modules() -> None:
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(_DoraLike(12, 2), nn.Tanh(), _DoraLike(12, 2))
+
+    model, ref = build(), build()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **OPTIONS)
+    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    for step in range(2):
+        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, adamw)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    with opt.gathered_params():
+        for got, want in zip(model.parameters(), ref.parameters()):
+            assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="vs AdamW")

@@ -111,6 +111,30 @@ def apply_leaf_config(model: nn.Module, leaf: Any) -> list[nn.Module]:
     return _mark_leaves(list(found.values()))
 
 
+def mark_adapter_variants(model: nn.Module) -> list[nn.Module]:
+    """Mark PEFT LoRA layers that run a variant of LoRA (DoRA: ``use_dora=True``) as leaf modules, with one log line.
+
+    Their forward computes with their sub-modules' weights directly (DoRA reads ``lora_A.weight.shape`` and the base
+    layer's weight for its norm), which a stage-3 module gathers only for itself: as a leaf, the layer gathers its
+    whole subtree when it runs. Recognised without importing peft: a module of a ``peft`` package with a non-empty
+    ``lora_variant`` (or a ``use_dora`` that says True for some adapter)."""
+    marked = [m for m in model.modules() if _runs_adapter_variant(m) and not is_leaf(m)]
+    if marked:
+        logger.info(
+            "ZeRO stage 3: %d PEFT LoRA layer(s) with a LoRA variant (DoRA) gathered as leaf modules (%s, ...)",
+            len(marked),
+            type(marked[0]).__name__,
+        )
+    return _mark_leaves(marked)
+
+
+def _runs_adapter_variant(module: nn.Module) -> bool:
+    if not type(module).__module__.startswith("peft."):
+        return False
+    variants, dora = getattr(module, "lora_variant", None), getattr(module, "use_dora", None)
+    return bool(isinstance(variants, dict) and variants) or bool(isinstance(dora, dict) and any(dora.values()))
+
+
 def _mark_leaves(modules: list[nn.Module]) -> list[nn.Module]:
     """Mark ``modules`` as leaf modules (stage 3 reads the hints again when some were); return them."""
     for m in modules:

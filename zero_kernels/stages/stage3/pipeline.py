@@ -187,6 +187,7 @@ class Stage3Pipeline(Stage2Pipeline):
             )
         super().__init__(engine, options, module=module, **kwargs)
         model_hints.apply_leaf_config(module, self.options.leaf_module)
+        model_hints.mark_adapter_variants(module)
         self.unit_gathers = UnitGathers(
             self.engine, self.options, self.param_traffic, self.weight_quantizer, self.uploads
         )
