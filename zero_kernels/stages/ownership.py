@@ -1,4 +1,4 @@
-"""Who may train a parameter: a second optimizer on parameters another one holds is refused where it would go wrong.
+"""Who may train a parameter: a stage-3 optimizer's alone; elsewhere one that lost its gradient to a later one stops.
 
 A stage-3 optimizer keeps each rank's shard of a parameter and empties the parameter between uses;
 its hooks on the model gather it. A second optimizer built on it (or ``zk.initialize`` run again on
