@@ -30,10 +30,15 @@ from .grad_ready import owners
 from .stage3 import guard
 
 
-def _held(p: torch.Tensor) -> bool:
-    """``p`` belongs to a stage-3 pipeline that exists (it holds ``p``, so ``id(p)`` is ``p``'s)."""
+def _holder(p: torch.Tensor) -> Optional[Any]:
+    """The live pipeline that holds ``p`` (the one built last; it holds ``p``, so ``id(p)`` is ``p``'s), if any."""
     ref = owners.get(id(p))
-    pipeline = ref() if ref is not None else None
+    return ref() if ref is not None else None
+
+
+def _held(p: torch.Tensor) -> bool:
+    """``p`` belongs to a stage-3 pipeline that exists."""
+    pipeline = _holder(p)
     return pipeline is not None and pipeline.stage == 3
 
 
@@ -60,9 +65,8 @@ def refuse_held(params: Iterable[torch.Tensor], describe: Callable[[torch.Tensor
 
 def _later_holder(p: torch.Tensor, pipeline: Any) -> Optional[Any]:
     """The live pipeline other than ``pipeline`` that holds ``p`` (the one built last), if any."""
-    ref = owners.get(id(p))
-    held = ref() if ref is not None else None
-    return held if held is not None and held is not pipeline else None
+    held = _holder(p)
+    return held if held is not pipeline else None
 
 
 def _leaves_p_grad(pipeline: Any, p: torch.Tensor) -> bool:
