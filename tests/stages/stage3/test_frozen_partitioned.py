@@ -212,6 +212,23 @@ def test_a_pickled_optimizer_carries_the_frozen_chunks(int8: bool) -> None:
     assert train(twin, loaded, 0, torch.float32, range(2, 4)) == train(model, opt, 0, torch.float32, range(2, 4))
 
 
+def _two_steps_next_to_adamw(build, loss, width: int) -> None:
+    """``build()``'s model at stage 3 and another ``build()`` under ``torch.optim.AdamW`` (its trainable parameters),
+    two steps of ``loss(model, x)`` each, then every parameter compared."""
+    model, ref = build(), build()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **OPTIONS)
+    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    for step in range(2):
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, adamw)):
+            loss(m, x).backward()
+            o.step()
+            o.zero_grad()
+    with opt.gathered_params():
+        for got, want in zip(model.parameters(), ref.parameters()):
+            assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="vs AdamW")
+
+
 class _Scale(nn.Module):
     """``weight * x``: autograd saves the frozen weight itself (no detached view, as for ``F.linear``'s ``weight.t()``),
     as an RMSNorm's weight or GPT-2's ``Conv1D`` (``addmm``) is saved."""
@@ -245,24 +262,13 @@ def test_a_frozen_weight_saved_as_itself_survives_the_recomputation_check(reentr
             block.norm.requires_grad_(False)
         return model
 
-    def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         h = model[0](x)
         for block in model[1:]:
             h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=reentrant)
         return h.square().mean()
 
-    model, ref = build(), build()
-    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **OPTIONS)
-    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
-    for step in range(2):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
-        for m, o in ((model, opt), (ref, adamw)):
-            forward(m, x).backward()
-            o.step()
-            o.zero_grad()
-    with opt.gathered_params():
-        for got, want in zip(model.parameters(), ref.parameters()):
-            assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="vs AdamW")
+    _two_steps_next_to_adamw(build, loss, 16)
 
 
 def test_a_copy_taken_while_a_frozen_parameter_is_unfrozen_has_the_originals_frozen_units() -> None:
@@ -317,15 +323,4 @@ def test_peft_lora_variant_layers_are_gathered_as_leaf_modules() -> None:
         torch.manual_seed(0)
         return nn.Sequential(_DoraLike(12, 2), nn.Tanh(), _DoraLike(12, 2))
 
-    model, ref = build(), build()
-    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **OPTIONS)
-    adamw = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
-    for step in range(2):
-        x = torch.randn(4, 12, generator=torch.Generator().manual_seed(step))
-        for m, o in ((model, opt), (ref, adamw)):
-            m(x).square().mean().backward()
-            o.step()
-            o.zero_grad()
-    with opt.gathered_params():
-        for got, want in zip(model.parameters(), ref.parameters()):
-            assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6 * want.abs().max().item(), what="vs AdamW")
+    _two_steps_next_to_adamw(build, lambda model, x: model(x).square().mean(), 12)
