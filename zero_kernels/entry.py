@@ -9,21 +9,29 @@ to the config's precision, and the optimizer built from the ``optimizer`` and
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from .config import ZeroConfig
+from .config import ZeroConfig, client_optimizer
 from .config.at_updates import gate
 from .config.call_forms import check_dist_init, config_source, refuse_deepspeed_only
 from .config.hf import model_hidden_size
+from .log import LOGGER_NAME
 from .optim.args import check_process_group
 from .optim.optimizer import ShardedFusedAdam
 from .stages.ownership import refuse_held
 
 __all__ = ["initialize"]
+
+logger = logging.getLogger(LOGGER_NAME)
+IGNORED_SECTION = (
+    'initialize: optimizer= %s is used and the config\'s "optimizer" section is not (as in DeepSpeed, which '
+    "uses the client optimizer)"
+)
 
 
 def initialize(
@@ -34,7 +42,8 @@ def initialize(
     impl: Optional[str] = None,
     model_parameters: Optional[Iterable[Any]] = None,
     training_args: Any = None,
-    lr_scheduler: Optional[Callable[[ShardedFusedAdam], LRScheduler]] = None,
+    optimizer: Any = None,
+    lr_scheduler: Union[Callable[[ShardedFusedAdam], LRScheduler], LRScheduler, None] = None,
     args: Any = None,
     config_params: Union[str, Mapping[str, Any], None] = None,
     dist_init_required: Optional[bool] = None,
@@ -64,8 +73,13 @@ def initialize(
             groups built before ``initialize`` stay valid.
         training_args: a Hugging Face ``TrainingArguments`` whose values fill ``"auto"`` entries as
             the Trainer does (transformers is not imported; any object with its attributes works).
+        optimizer: DeepSpeed's client optimizer: a ``torch.optim.AdamW`` or ``torch.optim.Adam`` over the model's
+            parameters, or a callable building one from ``model_parameters``; the ``ShardedFusedAdam`` returned
+            takes its param groups, hyper-parameters, weight-decay mode and state, and the config's ``optimizer``
+            section is not used, as in DeepSpeed (``config.client_optimizer``).
         lr_scheduler: a callable that builds the scheduler on the optimizer (``lambda opt: StepLR(opt, 2)``), as
-            DeepSpeed takes it; it steps at applied updates as the config's does. Not with a ``scheduler`` section.
+            DeepSpeed takes it, or a scheduler object built on ``optimizer``; it steps at applied updates as the
+            config's does. Not with a ``scheduler`` section.
         args: DeepSpeed's argparse namespace: its ``deepspeed_config`` (or ``deepscale_config``) is the config.
         config_params: DeepSpeed's older name for ``config``.
         dist_init_required: accepted for DeepSpeed's scripts; ``initialize`` never creates the process group, so
@@ -81,7 +95,8 @@ def initialize(
             "zero_kernels.ZeroConfig.from_deepspeed(config, world_size=N)"
         )
     check_dist_init(dist_init_required)
-    _check_scheduler_callable(lr_scheduler)
+    client = None if optimizer is None else client_optimizer.resolve(optimizer, model, model_parameters)
+    _check_scheduler(lr_scheduler, client)
     config = config_source(config, config_params, args)
     check_process_group(process_group)
     if not isinstance(config, ZeroConfig):
@@ -91,8 +106,13 @@ def initialize(
         config = ZeroConfig.from_deepspeed(config, world_size=world, training_args=training_args, **auto_values)
     elif training_args is not None or auto_values:
         raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
-    if config.optimizer is None:
-        raise ValueError('initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}')
+    if config.optimizer is None and client is None:
+        raise ValueError(
+            'initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}, or pass '
+            "optimizer=torch.optim.AdamW(model.parameters(), ...)"
+        )
+    if config.optimizer is not None and client is not None:
+        logger.warning(IGNORED_SECTION, type(client).__name__)
     if lr_scheduler is not None and config.scheduler is not None:
         raise ValueError(
             'initialize: lr_scheduler= was given and the config has a "scheduler" section (DeepSpeed would use '
@@ -101,31 +121,40 @@ def initialize(
     names = {id(p): name for name, p in model.named_parameters()}
     refuse_held(model.parameters(), lambda p: f"parameter {names[id(p)]!r}")  # before the cast changes the model
     restore_dtypes = _cast(model, config)
-    optimizer = None
+    built = None
     try:
-        optimizer = _build_optimizer(model, model_parameters, config, process_group, impl)
-        scheduler = _scheduler(config, lr_scheduler, optimizer)
+        built = _build_optimizer(model, model_parameters, config, process_group, impl, client)
+        if client is not None:
+            client_optimizer.adopt_state(client, built)
+        scheduler = _scheduler(config, lr_scheduler, built, client)
     except BaseException:
-        if optimizer is not None:  # its hooks come off (stage 3's gather every parameter back first)
-            optimizer._detach()
+        if built is not None:  # its hooks come off (stage 3's gather every parameter back first)
+            built._detach()
         restore_dtypes()
         raise
-    return (model, optimizer) if scheduler is None else (model, optimizer, scheduler)
+    return (model, built) if scheduler is None else (model, built, scheduler)
 
 
-def _check_scheduler_callable(lr_scheduler: Any) -> None:
-    if lr_scheduler is not None and not callable(lr_scheduler):
-        raise ValueError(
-            f"initialize: lr_scheduler= a scheduler object ({type(lr_scheduler).__name__}) is not taken: it steps "
-            "an optimizer other than the one initialize builds. Pass a callable that builds it on that optimizer "
-            "(lr_scheduler=lambda optimizer: StepLR(optimizer, ...)), or build it on the optimizer returned"
-        )
+def _check_scheduler(lr_scheduler: Any, client: Optional[torch.optim.Optimizer]) -> None:
+    if lr_scheduler is None or callable(lr_scheduler) or client_optimizer.built_on(lr_scheduler, client):
+        return
+    raise ValueError(
+        f"initialize: lr_scheduler= a scheduler object ({type(lr_scheduler).__name__}) is not taken: it steps "
+        "an optimizer other than the one initialize builds. Pass a callable that builds it on that optimizer "
+        "(lr_scheduler=lambda optimizer: StepLR(optimizer, ...)), build it on the optimizer returned, or pass the "
+        "optimizer it was built on as optimizer="
+    )
 
 
-def _scheduler(config: ZeroConfig, make: Any, optimizer: ShardedFusedAdam) -> Optional[LRScheduler]:
-    """The config's scheduler, or the one ``make(optimizer)`` builds (stepping at applied updates), or None."""
+def _scheduler(
+    config: ZeroConfig, make: Any, optimizer: ShardedFusedAdam, client: Optional[torch.optim.Optimizer]
+) -> Optional[LRScheduler]:
+    """The config's scheduler, the one ``make(optimizer)`` builds, or ``make`` moved from the client onto
+    ``optimizer`` (both stepping at applied updates), or None."""
     if make is None:
         return None if config.scheduler is None else config.scheduler.build(optimizer)
+    if client_optimizer.built_on(make, client):
+        return gate(client_optimizer.move_scheduler(make, optimizer))
     scheduler = make(optimizer)
     if not isinstance(scheduler, LRScheduler) or scheduler.optimizer is not optimizer:
         raise ValueError(
@@ -156,15 +185,26 @@ def _cast(model: nn.Module, config: ZeroConfig) -> Callable[[], None]:
 
 
 def _build_optimizer(
-    model: nn.Module, model_parameters: Optional[Iterable[Any]], config: ZeroConfig, process_group: Any, impl: Any
+    model: nn.Module,
+    model_parameters: Optional[Iterable[Any]],
+    config: ZeroConfig,
+    process_group: Any,
+    impl: Any,
+    client: Optional[torch.optim.Optimizer],
 ) -> ShardedFusedAdam:
-    """The ``ShardedFusedAdam`` of the config's ``optimizer`` and ``zero_optimization`` sections."""
-    opt = config.optimizer
+    """The ``ShardedFusedAdam`` of the config's ``optimizer`` section (or of the client optimizer's groups) and
+    ``zero_optimization`` section."""
     zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
-    params = model if model_parameters is None else model_parameters
+    if client is not None:
+        params: Any = client_optimizer.groups(client)
+        algorithm = {**client_optimizer.defaults(client), "adam_w_mode": client_optimizer.decoupled(client)}
+    else:
+        params = model if model_parameters is None else model_parameters
+        opt = config.optimizer
+        algorithm = dict(lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
+                         amsgrad=opt.amsgrad, maximize=opt.maximize, adam_w_mode=opt.adamw)  # fmt: skip
     return ShardedFusedAdam(
-        params, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay,
-        amsgrad=opt.amsgrad, maximize=opt.maximize, adam_w_mode=opt.adamw,
+        params, **algorithm,
         stage=config.stage, process_group=process_group, impl=impl,
         max_grad_norm=config.gradient_clipping or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,

@@ -93,7 +93,6 @@ def test_a_scheduler_object_or_a_second_scheduler_is_refused() -> None:
 @pytest.mark.parametrize(
     "name, instead",
     [
-        ("optimizer", 'config\'s "optimizer" section'),
         ("training_data", "DistributedSampler"),
         ("collate_fn", "DataLoader"),
         ("mpu", "process_group="),

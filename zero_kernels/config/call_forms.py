@@ -4,9 +4,9 @@ The config comes from ``config=``, ``config_params=`` (DeepSpeed's older name) o
 (``args.deepscale_config``, older still), with DeepSpeed 0.19's precedence and conflicts: ``config`` before
 ``config_params``; a config both in ``args`` and in the call, or in both of ``args``' fields, is an error.
 ``dist_init_required`` is checked only: ``initialize`` never creates the process group.
-``lr_scheduler=`` is taken as a callable that builds the scheduler on the optimizer; the arguments that hand
-``initialize`` an object zero_kernels does not build with (an optimizer, a scheduler object, a data set, a
-model-parallel unit) are refused, naming the argument and what to do instead.
+``optimizer=`` (a client Adam or AdamW) and ``lr_scheduler=`` are ``initialize``'s own (``client_optimizer``); the
+arguments that hand ``initialize`` an object zero_kernels does not build with (a data set, a model-parallel unit)
+are refused, naming the argument and what to do instead.
 """
 
 from __future__ import annotations
@@ -17,11 +17,6 @@ from typing import Any, Optional
 import torch
 
 _INSTEAD = {
-    "optimizer": (
-        'zero_kernels builds its own sharded optimizer; describe it in the config\'s "optimizer" section '
-        '({"type": "AdamW", "params": {"lr": ...}}), or build zero_kernels.ShardedFusedAdam(model, stage=N, ...) '
-        "yourself instead of calling initialize"
-    ),
     "training_data": (
         "initialize returns no data loader; build torch.utils.data.DataLoader(dataset, batch_size="
         "<train_micro_batch_size_per_gpu>, sampler=torch.utils.data.distributed.DistributedSampler(dataset), "

@@ -1,0 +1,135 @@
+"""``initialize(model, config, optimizer=client, lr_scheduler=scheduler_on_client)``: DeepSpeed's client optimizer.
+
+The ``ShardedFusedAdam`` built takes the client's groups, hyper-parameters, weight-decay mode and state, and the
+scheduler object built on the client steps it: training equals torch's client (with its scheduler) element by
+element, at every stage and on 2 ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, StepLR
+
+import zero_kernels as zk
+from tests.helpers.dist import run_ranks
+from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch, compare, extra_rows, local, make_models
+
+Client = Callable[[list], torch.optim.Optimizer]
+
+
+def _config(stage: int, **extra: Any) -> dict:
+    zero = {"stage": stage, "reduce_bucket_size": BUCKET, **(STAGE3 if stage == 3 else {})}
+    return {"train_micro_batch_size_per_gpu": ROWS, "zero_optimization": zero, **extra}
+
+
+def _groups(m: Net) -> list:
+    """Two groups with their own lr and weight decay (the frozen parameter left out)."""
+    head = [m.extra.weight, m.extra.bias, m.head.weight, m.head.bias]
+    rest = [p for p in m.parameters() if p.requires_grad and all(p is not h for h in head)]
+    return [{"params": rest, "lr": 3e-2}, {"params": head, "weight_decay": 0.2}]
+
+
+def _schedule(opt: torch.optim.Optimizer) -> LambdaLR:
+    return LambdaLR(opt, lambda k: 1.0 / (k + 1))
+
+
+def _train(rank: int, world: int, stage: int, make: Client, steps: int = 4, pre_steps: int = 0) -> None:
+    """``steps`` steps of ``initialize(optimizer=client, lr_scheduler=scheduler)`` next to torch's client and its
+    scheduler on the whole batch (after ``pre_steps`` the client took alone, on every rank, before initialize)."""
+    model, ref = make_models(torch.float32)
+    client, ropt = make(_groups(model)), make(_groups(ref))
+    for step in range(pre_steps):  # the same update on every rank: the client is replicated
+        for m, o in ((model, client), (ref, ropt)):
+            m(batch(100 + step, world * ROWS), None).backward()
+            o.step()
+            o.zero_grad()
+    sched, rsched = _schedule(client), _schedule(ropt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. torch's "lr_scheduler.step() before optimizer.step()"
+        model, opt, sched = zk.initialize(model, _config(stage), optimizer=client, lr_scheduler=sched)
+        assert isinstance(opt, zk.ShardedFusedAdam) and sched.optimizer is opt
+        for step in range(steps):
+            x, span = batch(step, world * ROWS), extra_rows(step, world)
+            model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage)).backward()
+            ref(x, span).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+            for o, s in ((opt, sched), (ropt, rsched)):
+                o.step()
+                o.zero_grad()
+                s.step()
+            assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ropt.param_groups]
+            with opt.gathered_params():
+                compare(model, ref, f"stage {stage} step {step}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05, amsgrad=True),
+        lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95)),
+        lambda g: torch.optim.Adam(g, lr=1e-2, weight_decay=0.05, decoupled_weight_decay=True, maximize=True),
+    ],
+    ids=["adamw-amsgrad", "adam-l2", "adam-decoupled-maximize"],
+)
+def test_a_client_optimizer_and_its_scheduler_train_as_torch(stage: int, make: Client) -> None:
+    _train(0, 1, stage, make)
+
+
+def test_a_client_that_has_stepped_hands_over_its_state() -> None:
+    _train(0, 1, 2, lambda g: torch.optim.AdamW(g, lr=1e-2, amsgrad=True), pre_steps=2)
+
+
+def _two_ranks(rank: int, world: int) -> None:
+    for stage in (2, 3):
+        _train(rank, world, stage, lambda g: torch.optim.AdamW(g, lr=1e-2, weight_decay=0.05))
+
+
+@pytest.mark.distributed
+def test_a_client_optimizer_on_two_ranks() -> None:
+    run_ranks(_two_ranks, 2)
+
+
+def test_a_callable_client_builds_from_model_parameters() -> None:
+    model = nn.Linear(4, 2)
+    groups = [{"params": [model.weight], "lr": 0.5}, {"params": [model.bias]}]
+    _, opt = zk.initialize(model, _config(1), model_parameters=groups, optimizer=lambda g: torch.optim.Adam(g, lr=0.1))
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.1] and opt.adam_w_mode is False
+
+
+def test_the_config_section_is_not_used_beside_a_client(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Linear(4, 2)
+    section = {"optimizer": {"type": "AdamW", "params": {"lr": 0.9}}}
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        _, opt = zk.initialize(model, _config(1, **section), optimizer=torch.optim.AdamW(model.parameters(), lr=0.2))
+    assert opt.param_groups[0]["lr"] == 0.2
+    assert 'optimizer= AdamW is used and the config\'s "optimizer" section is not' in caplog.text
+
+
+def test_other_clients_are_refused_naming_them() -> None:
+    model = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match=r"^initialize: optimizer= SGD is not taken: zero_kernels shards Adam and"):
+        zk.initialize(model, _config(1), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"optimizer= object is not taken"):
+        zk.initialize(model, _config(1), optimizer=lambda params: object())
+    mixed = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "decoupled_weight_decay": True}])
+    with pytest.raises(ValueError, match="decoupled_weight_decay True and others with False"):
+        zk.initialize(model, _config(1), optimizer=mixed)
+    with pytest.raises(ValueError, match=r'no "optimizer" section; add .*, or pass optimizer=torch.optim.AdamW'):
+        zk.initialize(model, _config(1))
+    assert not any(hasattr(p, "_zk_flat") for p in model.parameters()) and model.weight.grad is None
+
+
+def test_a_scheduler_on_another_optimizer_is_still_refused() -> None:
+    model = nn.Linear(4, 2)
+    client = torch.optim.AdamW(model.parameters(), lr=0.1)
+    other = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"scheduler object \(StepLR\) is not taken.*as optimizer="):
+        zk.initialize(model, _config(1), optimizer=client, lr_scheduler=StepLR(other, 1))
