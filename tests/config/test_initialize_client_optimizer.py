@@ -120,7 +120,7 @@ def test_other_clients_are_refused_naming_them() -> None:
     with pytest.raises(ValueError, match=r"optimizer= object is not taken"):
         zk.initialize(model, _config(1), optimizer=lambda params: object())
     mixed = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "decoupled_weight_decay": True}])
-    with pytest.raises(ValueError, match="decoupled_weight_decay True and others with False"):
+    with pytest.raises(ValueError, match=r"param group 1: decoupled_weight_decay=True, but this ShardedFusedAdam dec"):
         zk.initialize(model, _config(1), optimizer=mixed)
     with pytest.raises(ValueError, match=r'no "optimizer" section; add .*, or pass optimizer=torch.optim.AdamW'):
         zk.initialize(model, _config(1))

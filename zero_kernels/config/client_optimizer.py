@@ -54,16 +54,9 @@ def groups(client: torch.optim.Optimizer) -> list[dict[str, Any]]:
 
 
 def decoupled(client: torch.optim.Optimizer) -> bool:
-    """Whether the client decouples its weight decay (AdamW, or Adam with ``decoupled_weight_decay``);
-    ``ValueError`` when its groups disagree (``ShardedFusedAdam`` has one mode)."""
-    default = isinstance(client, torch.optim.AdamW)
-    modes = {bool(g.get("decoupled_weight_decay", default)) for g in client.param_groups}
-    if len(modes) > 1:
-        raise ValueError(
-            f"initialize: optimizer= {type(client).__name__} has param groups with decoupled_weight_decay True and "
-            "others with False: ShardedFusedAdam has one weight-decay mode for all groups (adam_w_mode)"
-        )
-    return modes.pop() if modes else default
+    """Whether the client decouples its weight decay: AdamW, or Adam built with ``decoupled_weight_decay=True`` (a
+    group saying otherwise is refused by ``ShardedFusedAdam``, which has one mode)."""
+    return bool(client.defaults.get("decoupled_weight_decay", isinstance(client, torch.optim.AdamW)))
 
 
 def defaults(client: torch.optim.Optimizer) -> dict[str, Any]:

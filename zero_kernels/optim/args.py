@@ -68,6 +68,33 @@ def check_group_values(group: Mapping[str, Any], where: str) -> None:
     check_flags(group, where)
 
 
+def decay_mode(adam_w_mode: Any, decoupled_weight_decay: Any) -> bool:
+    """The optimizer's weight-decay mode from ``adam_w_mode`` and torch's name for it, ``decoupled_weight_decay``
+    (None: not given); ``ValueError`` when they disagree with ``adam_w_mode`` set off its default."""
+    for name, value in (("adam_w_mode", adam_w_mode), ("decoupled_weight_decay", decoupled_weight_decay)):
+        if value is not None and not _is_flag(value):
+            raise ValueError(f"ShardedFusedAdam: {name} must be True or False, got {value!r}")
+    if decoupled_weight_decay is None:
+        return bool(adam_w_mode)
+    if not adam_w_mode and decoupled_weight_decay:
+        raise ValueError(
+            "ShardedFusedAdam: adam_w_mode=False and decoupled_weight_decay=True contradict each other (both name "
+            "the weight-decay mode): give one"
+        )
+    return bool(decoupled_weight_decay)
+
+
+def check_decay_mode(group: Mapping[str, Any], where: str, mode: bool) -> None:
+    """A group's ``decoupled_weight_decay`` (torch's key), when it has one, is the optimizer's one mode."""
+    value = group.get("decoupled_weight_decay", mode)
+    if not _is_flag(value) or bool(value) != mode:
+        raise ValueError(
+            f"{where}: decoupled_weight_decay={value!r}, but this ShardedFusedAdam decays "
+            f"{'decoupled (AdamW)' if mode else 'as L2 added to the gradient (Adam)'} in every group (adam_w_mode="
+            f"{mode}): build it with adam_w_mode={not mode} for the other mode; nothing was updated"
+        )
+
+
 def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
     """``torch.optim.AdamW``'s checks of the hyper-parameters, with its wording (a tensor ``lr``
     or tensor ``betas`` must have one element; both betas are numbers or both tensors)."""
@@ -398,6 +425,8 @@ def check_group(
     merged = {**defaults, **group}
     check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
     check_flags(group, f"param group {index}")
+    if "decoupled_weight_decay" in defaults:
+        check_decay_mode(group, f"param group {index}", defaults["decoupled_weight_decay"])
     check_params(tensors, index, [t for t, _ in previous], lambda p: describe(p, names))
     refuse_held([t for t in tensors if id(t) not in own], lambda p: describe(p, names))
     return tensors, bool(names) or "param_names" in group

@@ -91,6 +91,7 @@ from . import amp, foreign_steps, guards, module_zero_grad, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
+    check_decay_mode,
     check_flags,
     check_group,
     check_group_values,
@@ -101,6 +102,7 @@ from .args import (
     check_process_group,
     checked_groups,
     data_type,
+    decay_mode,
 )
 from .pending_clip import PendingClips
 from .precision import LossScaler
@@ -130,7 +132,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         stage: ZeRO stage 0-3.
         process_group: data-parallel group (None: the default group, or a single process).
         impl: kernel backend, ``auto | triton | cpu | torch`` (None: ``ZERO_KERNELS_IMPL``).
-        adam_w_mode: decoupled weight decay (AdamW) if True; L2 added to the gradient (Adam) if False.
+        adam_w_mode: decoupled weight decay (AdamW) if True; L2 added to the gradient (Adam) if False. One mode
+            for every group: a group's ``decoupled_weight_decay`` (torch's key) must agree with it.
+        decoupled_weight_decay: ``torch.optim.Adam``'s name for ``adam_w_mode`` (None: ``adam_w_mode``'s value);
+            ``adam_w_mode=False`` with ``decoupled_weight_decay=True`` is an error.
         max_grad_norm: clip the global gradient norm to this value (None or 0: no clipping).
         gradient_accumulation_steps: micro-steps per update (see the module docstring).
         fp16: an ``FP16Config`` (or its fields as a dict, on unless it holds ``"enabled": False``) enabling loss
@@ -170,6 +175,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         process_group: Any = None,
         impl: Optional[str] = None,
         adam_w_mode: bool = True,
+        decoupled_weight_decay: Optional[bool] = None,
         max_grad_norm: Optional[float] = None,
         gradient_accumulation_steps: int = 1,
         fp16: Union[FP16Config, Mapping[str, Any], None] = None,
@@ -205,13 +211,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.communication_data_type = data_type(communication_data_type)
         self.grad_accum_dtype = data_type(grad_accum_dtype, "grad_accum_dtype", GRAD_ACCUM_DTYPES)
         self.skipped_steps = 0  # steps that updated nothing because some gradient was inf/NaN
-        self.adam_w_mode = bool(adam_w_mode)
+        self.adam_w_mode = decay_mode(adam_w_mode, decoupled_weight_decay)
         self.max_grad_norm = max_grad_norm or None
         self.gradient_accumulation_steps = gradient_accumulation_steps
         fp16 = _fp16_config(fp16)
         self.loss_scaler = LossScaler.from_fp16_config(fp16) if fp16 is not None and fp16.enabled else None
         params = module.parameters() if params_or_module is module else params_or_module
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags,
+                        decoupled_weight_decay=self.adam_w_mode)  # fmt: skip
         self._build(params, defaults, module=module, process_group=process_group, impl=impl)
 
     def _build(
@@ -540,6 +547,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     def _hyper(self, g: Mapping[str, Any], where: str) -> GroupHyper:
         check_group_values(g, where)
+        check_decay_mode(g, where, self.adam_w_mode)
         b1, b2 = (float(b) for b in g["betas"])
         return GroupHyper(
             float(g["lr"]), b1, b2, float(g["eps"]), float(g["weight_decay"]), self.adam_w_mode,
