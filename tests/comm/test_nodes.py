@@ -177,3 +177,32 @@ def _uneven_nodes_zeropp(rank: int, world: int) -> None:
 def test_uneven_nodes_refuse_zeropp_on_every_rank(spawn) -> None:
     """The keys that need nodes of equal size say so on every rank, after the engine chose the direct exchange."""
     spawn(_uneven_nodes_zeropp, 3)
+
+
+BROKEN = {"missing": None, "not-an-integer": "two"}
+
+
+def _one_rank_broken(rank: int, world: int, how: str) -> None:
+    """Rank 3 alone has no LOCAL_WORLD_SIZE, or one that is not an integer: every rank still takes part in the
+    one layout exchange (before, rank 3 skipped it or failed before it, and paired its next exchange with the
+    others' layout exchange: a TypeError on three ranks, a device message on the fourth)."""
+    from zero_kernels import ShardedFusedAdam
+
+    _place(rank, 2, False)
+    if rank == 3:
+        os.environ.pop("LOCAL_WORLD_SIZE")
+        if BROKEN[how] is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = BROKEN[how]
+    opt = ShardedFusedAdam(torch.nn.Linear(3, 5), stage=2)
+    assert opt.pipeline.engine.nodes is None  # not a regular grid: the direct exchange on every rank
+    want = (
+        r"ranks disagree on LOCAL_WORLD_SIZE" if how == "missing" else r"rank 3: LOCAL_WORLD_SIZE='two' is not an int"
+    )
+    with pytest.raises(ValueError, match=want):
+        ShardedFusedAdam(torch.nn.Linear(3, 5), stage=3, zero_quantized_gradients=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", sorted(BROKEN))
+def test_one_rank_with_a_broken_node_environment_does_not_split_the_exchanges(spawn, how: str) -> None:
+    spawn(_one_rank_broken, 4, how)

@@ -4,7 +4,6 @@ lifetime of every operation it issues.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -35,9 +34,9 @@ class CppCommEngine(EngineBase):
     def _nodes(self) -> Optional[list[list[int]]]:
         """The ranks of each node when the job spans several nodes of equal size, several ranks each, and this
         engine's group is the whole world; None otherwise (unequal nodes keep the direct exchange). Collective
-        on the first engine of the default group when the launcher sets ``LOCAL_WORLD_SIZE``: every rank takes
-        part in one exchange of the layout, whatever its own node's size, so all of them decide alike."""
-        if self._engine is None or self.group is not dist.group.WORLD or "LOCAL_WORLD_SIZE" not in os.environ:
+        on the first engine of the default group: every rank takes part in one exchange of the layout, whatever
+        its own environment says (a rank without ``LOCAL_WORLD_SIZE`` too), so all of them decide alike."""
+        if self._engine is None or self.group is not dist.group.WORLD:
             return None
         from .groups import node_layout
 

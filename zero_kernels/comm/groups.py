@@ -23,7 +23,7 @@ import os
 import socket
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 
@@ -58,29 +58,46 @@ class NodeGroups:
     inter: Any
 
 
+# a rank's (node key, LOCAL_RANK, LOCAL_WORLD_SIZE): None where unset, the text where not an integer
+Place = tuple[str, Union[int, str, None], Union[int, str, None]]
 # (the default group, its node groups, every node's ranks, the subgroups made by size)
 _cache: Optional[tuple[weakref.ReferenceType, NodeGroups, list[list[int]], dict[int, Any]]] = None
 # (the default group, every rank's place: ``_where()`` of each rank)
-_places_cache: Optional[tuple[weakref.ReferenceType, list[tuple[str, Optional[int], Optional[int]]]]] = None
+_places_cache: Optional[tuple[weakref.ReferenceType, list["Place"]]] = None
 
 
-def _where() -> tuple[str, Optional[int], Optional[int]]:
-    """(node key, local rank, local world size) of this process, from its launcher's environment."""
+def _where() -> Place:
+    """(node key, local rank, local world size) of this process, from its launcher's environment; a value that is not
+    an integer is kept as written, for ``grid`` to refuse on every rank alike (this rank must not fail alone before
+    the exchange: the others would pair their exchange with its next one)."""
     node = os.environ.get("GROUP_RANK")
     key = f"node {node}" if node is not None else f"host {socket.gethostname()}"
-    local = os.environ.get("LOCAL_RANK")
-    size = os.environ.get("LOCAL_WORLD_SIZE")
-    return key, (int(local) if local is not None else None), (int(size) if size is not None else None)
+    return key, _integer(os.environ.get("LOCAL_RANK")), _integer(os.environ.get("LOCAL_WORLD_SIZE"))
 
 
-def grid(places: list[tuple[str, Optional[int], Optional[int]]]) -> list[list[int]]:
+def _integer(value: Optional[str]) -> Union[int, str, None]:
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return value
+
+
+def _check_integers(places: list[Place]) -> None:
+    for rank, (_, local, size) in enumerate(places):
+        for name, value in (("LOCAL_RANK", local), ("LOCAL_WORLD_SIZE", size)):
+            if isinstance(value, str):
+                raise ValueError(f"rank {rank}: {name}={value!r} is not an integer")
+
+
+def grid(places: list[Place]) -> list[list[int]]:
     """The global ranks of each node, by local rank, from every rank's ``(node key, local rank, local world
     size)``; a ValueError says what is irregular. Pure: every rank computes the same result or error.
 
     Args:
         places: per global rank, its node key, its ``LOCAL_RANK`` (None: its order on its node) and its
-            ``LOCAL_WORLD_SIZE`` (None: unknown).
+            ``LOCAL_WORLD_SIZE`` (None: unknown), each as ``_where()`` gives it (a string: not an integer).
     """
+    _check_integers(places)
     nodes: dict[str, list[int]] = {}
     for rank, (key, _, _) in enumerate(places):
         nodes.setdefault(key, []).append(rank)
@@ -104,7 +121,7 @@ def grid(places: list[tuple[str, Optional[int], Optional[int]]]) -> list[list[in
     return rows
 
 
-def _places() -> list[tuple[str, Optional[int], Optional[int]]]:
+def _places() -> list[Place]:
     """Every rank's ``_where()``, in rank order: one exchange over the default group's ranks (on a host group
     where the default one is NCCL) on the first call per default group, which every rank must make."""
     global _places_cache
