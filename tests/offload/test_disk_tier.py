@@ -91,6 +91,23 @@ def test_files_removed_when_the_optimizer_is_collected(tmp_path: Path) -> None:
     assert not run.exists()
 
 
+def test_del_removes_the_files_at_once(tmp_path: Path) -> None:
+    """No reference cycle keeps a stage 1-2 disk tier (a split buffer's swap-in held the buffer) until Python's
+    collector runs: ``del opt`` removes its files then, as it frees the optimizer."""
+    import gc
+
+    model = _model()
+    opt = _opt(model, tmp_path, ratio=0.5)
+    _step(model, opt)
+    run = opt._pipeline.tier.run
+    gc.disable()
+    try:
+        del opt
+        assert not run.exists()
+    finally:
+        gc.enable()
+
+
 KILLED = textwrap.dedent(
     """
     import os, signal, sys, torch
@@ -115,6 +132,41 @@ def test_killed_runs_files_removed_at_the_next_start(tmp_path: Path) -> None:
     assert not stale.exists() and live.exists() and tier.root.exists()
     tier.close()
     assert live.is_dir() and not tier.run.exists()  # the closed run took only its own directory
+
+
+FORKED = textwrap.dedent(
+    """
+    import gc, os, sys, torch
+    import zero_kernels.optim as zo
+    model = torch.nn.Linear(8, 8)
+    opt = zo.ShardedFusedAdam(model, stage=1, offload_optimizer={"device": "nvme", "nvme_path": sys.argv[1]})
+    def step():
+        model(torch.ones(2, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    step()
+    pid = os.fork()
+    if pid == 0:
+        if sys.argv[2] == "del":
+            del opt
+            gc.collect()
+        sys.exit(0)  # a normal exit: the finalizers run, in the child
+    os.waitpid(pid, 0)
+    assert any(opt._pipeline.tier.root.iterdir()), "the child removed the parent's files"
+    step()
+    print("ok", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["exit", "del"])
+def test_a_forked_child_leaves_the_parents_files(tmp_path: Path, how: str) -> None:
+    """A child of ``os.fork()`` shares the run's lock and runs its finalizer at exit (or when it drops its copy of
+    the optimizer): it must not remove the parent's directory, which the parent's next step reads."""
+    env = {**os.environ, "ZERO_KERNELS_IMPL": "torch"}
+    done = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path), how], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert not (tmp_path / "zero_kernels").exists()  # the parent's exit removed its own run
 
 
 HOLDER = textwrap.dedent(
@@ -233,6 +285,55 @@ def test_full_disk_is_refused_naming_path_and_bytes(tmp_path: Path) -> None:
             _opt(model, small)
         assert not (small / "zero_kernels").exists()  # the failed run's files are gone, and its empty parent
     _untouched(model, before)
+
+
+def _amsgrad_on_a_full_disk(rank: int, world: int, disks: list[str], when: str) -> None:
+    """Rank 1's disk has room for the moments but not for AMSGrad's maximum (made with the group: at the build, or
+    at the first step with the flag switched on): every rank raises the same ``OSError`` there, before any update
+    (before, rank 1 raised alone, at the step after other buckets were updated, and rank 0 waited in its next
+    collective), and none of the maximum's files is left."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 48), nn.Linear(48, 48))  # each maximum more than the start probe's page
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    offload = {"device": "nvme", "nvme_path": disks[rank]}
+    groups = lambda: [{"params": list(model[0].parameters())}, {"params": list(model[1].parameters())}]  # noqa: E731
+    match = r"could not make AMSGrad's maximum \(max_exp_avg_sq\) in its files; nothing was updated: rank 1: .*space"
+    opt = zo.ShardedFusedAdam(groups(), stage=2, offload_optimizer=offload)
+    if rank == 1:  # leave room for the moments only (the build), or none (the step)
+        free = _room(disks[1])
+        if when == "build":
+            del opt  # its files go at once
+            free = _room(disks[1]) - free + PROBE_PAGE
+        Path(disks[1], "filler").write_bytes(b"\0" * (_room(disks[1]) - (free if when == "build" else 0)))
+    if when == "build":
+        with pytest.raises(OSError, match=match):
+            last = groups()
+            last[1]["amsgrad"] = True  # the last group's maximum: every moment is made before it
+            zo.ShardedFusedAdam(last, stage=2, offload_optimizer=offload)
+        return
+    model(torch.ones(2, 48)).square().mean().backward()
+    opt.param_groups[1]["amsgrad"] = True  # torch reads the flag at each step
+    with pytest.raises(OSError, match=match):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing updated, on any rank
+    assert not list(opt._pipeline.tier.root.glob("*.max_exp_avg_sq"))
+
+
+PROBE_PAGE = 4096  # the start's probe file (``disk.probe``), removed before the state's files are made
+
+
+def _room(where: str) -> int:
+    stat = os.statvfs(where)
+    return stat.f_bavail * stat.f_frsize
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("when", ["build", "step"])
+def test_amsgrad_on_a_full_disk_raises_on_every_rank(tmp_path: Path, when: str) -> None:
+    from tests.helpers.dist import run_ranks
+
+    with _tmpfs(tmp_path / "d0", "size=1m") as d0, _tmpfs(tmp_path / "d1", "size=1m") as d1:
+        run_ranks(_amsgrad_on_a_full_disk, 2, [str(d0), str(d1)], when)
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])

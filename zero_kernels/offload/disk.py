@@ -150,9 +150,16 @@ def _make_fresh(fresh: Path, tries: int = 3) -> None:
                 raise
 
 
-def _remove_run(run: str, fd: Optional[int]) -> None:
+def _remove_run(run: str, fd: Optional[int], owner: int) -> None:
     """Remove a run directory, then release its lock. The ``zero_kernels`` directory it is in goes too once empty
-    (the last run out removes it: ``os.rmdir`` takes only an empty directory, never another run's)."""
+    (the last run out removes it: ``os.rmdir`` takes only an empty directory, never another run's). In a process
+    forked from the ``owner`` pid (``os.fork()``: the child shares the lock and runs this finalizer at its exit or
+    when it drops its copy) nothing is removed: the directory is the parent's; only the child's copy of the lock's
+    descriptor is closed, which leaves the parent's lock held."""
+    if os.getpid() != owner:
+        if fd is not None:
+            os.close(fd)
+        return
     try:
         shutil.rmtree(run, ignore_errors=True)
         try:
@@ -229,7 +236,7 @@ class RunDirectory:
             lock = _make_run(self.run)
         except OSError as err:
             raise _unwritable(err, base, nvme_path, key) from None
-        self._finalizer = weakref.finalize(self, _remove_run, str(self.run), lock)
+        self._finalizer = weakref.finalize(self, _remove_run, str(self.run), lock, os.getpid())
         try:
             probe(self.root, nvme_path, key)
         except OSError:
@@ -332,10 +339,19 @@ class DiskTier(HostTier):
 
     def add_zeros(self, key: int, kind: str) -> None:
         """New files of state ``kind`` of a buffer, all zeros (AMSGrad's maximum): any old ones removed, the new
-        ones read zeros as reserved (``add_buffer``), without a byte written."""
+        ones read zeros as reserved (``add_buffer``), without a byte written. A disk without room raises
+        ``OSError`` with none of them left."""
+        self.drop(key, kind)
+        try:
+            self.reserve(key, kind)
+        except OSError:
+            self.drop(key, kind)
+            raise
+
+    def drop(self, key: int, kind: str) -> None:
+        """Remove the files of state ``kind`` of a buffer (those there are)."""
         for g in range(len(self.groups[key])):
             self.path(key, g, kind).unlink(missing_ok=True)
-        self.reserve(key, kind)
 
     def write_masters(self, key: int, masters: list[tuple[int, torch.Tensor]]) -> None:
         """Write a new buffer's masters into its files ``PIECE`` elements at a time, never whole in host memory:

@@ -309,17 +309,41 @@ class Pipeline(BackwardRound):
         Args:
             group: index of the param group.
         """
+        on_disk: list[FlatBuffer] = []
         for buf in self.buffers:
             if buf.group != group or buf.max_exp_avg_sq is not None:
                 continue
             split = not placement.resident(buf)
             if split and self.tier.kind == "disk":
-                placement.add_zeros(self.tier, buf, "max_exp_avg_sq")  # into its files, never whole in host memory
+                on_disk.append(buf)
                 continue
             buf.ready()
             buf.max_exp_avg_sq = self._state_zeros(buf, buf.layout.shard_numel)
             if split:  # back where its state lives between steps (``placement``)
                 placement.split(self.tier, buf)
+        if on_disk:
+            self._reserve_max_on_disk(on_disk)
+
+    def _reserve_max_on_disk(self, bufs: list[FlatBuffer]) -> None:
+        """AMSGrad's maximum of ``bufs`` in new files (never whole in host memory); a disk without room on some rank
+        raises ``OSError`` on every rank (every rank reserves at the same point: the constructor, or the step's
+        start once the ranks agree on ``amsgrad``), with none of the files made by this call left."""
+        made: list[FlatBuffer] = []
+        problem: Optional[str] = None
+        for buf in bufs:
+            try:
+                placement.add_zeros(self.tier, buf, "max_exp_avg_sq")
+            except OSError as err:
+                problem = str(err)
+                break
+            made.append(buf)
+        try:
+            what = "could not make AMSGrad's maximum (max_exp_avg_sq) in its files; nothing was updated"
+            offloaded.agree(self.engine, problem, "offload.amsgrad", what=what)
+        except OSError:
+            for buf in made:
+                placement.drop_zeros(self.tier, buf, "max_exp_avg_sq")
+            raise
 
     def refresh_master(self, buf: FlatBuffer) -> None:
         """Set the fp32 master shard from the (low-precision) parameters."""
@@ -660,6 +684,9 @@ class Pipeline(BackwardRound):
         scale: outcome.Scale = grad_scale if clip_coef is None else clip_coef * grad_scale
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
         stats.check_step_hyper(hyper)
+        for g, h in enumerate(hyper):  # a group given amsgrad since the last step: its maximum before any update
+            if h.amsgrad:
+                self.allocate_max_exp_avg_sq(g)
         self.step_counts.counts.update(combined.counts)  # as the ranks holding each parameter's state have it
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels

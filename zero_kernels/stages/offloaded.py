@@ -122,9 +122,12 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
         raise
 
 
-def agree(engine: Any, problem: Optional[str], name: str, key: str = "offload_optimizer") -> None:
-    """Raise ``OSError`` on every rank when ``problem`` is set on any (``key``: the block that could not start); host
-    data, exchanged over the control group of ``engine``'s ranks (on NCCL a gloo group: no device needed)."""
+def agree(
+    engine: Any, problem: Optional[str], name: str, key: str = "offload_optimizer", what: str = "could not start"
+) -> None:
+    """Raise ``OSError`` on every rank when ``problem`` is set on any (``key``: the block that failed; ``what``: how,
+    in words);
+    host data, exchanged over the control group of ``engine``'s ranks (on NCCL a gloo group: no device needed)."""
     if engine.world_size == 1:
         problems = [problem]
     else:
@@ -132,7 +135,7 @@ def agree(engine: Any, problem: Optional[str], name: str, key: str = "offload_op
     failed = [(r, p) for r, p in enumerate(problems) if p is not None]
     if failed:
         text = "; ".join(f"rank {r}: {p}" for r, p in failed)
-        raise OSError(f"zero_optimization.{key} could not start: {text}")
+        raise OSError(f"zero_optimization.{key} {what}: {text}")
 
 
 def sub_groups(buf: FlatBuffer, size: int) -> list[tuple[int, int, int, int]]:

@@ -22,7 +22,8 @@ Forms of a buffer's state tensors (``FlatBuffer.exp_avg``, ...; ``tier_from``: i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -98,7 +99,7 @@ def split(tier: Any, buf: FlatBuffer) -> None:
     for kind, t in state.items():
         setattr(buf, kind, t.narrow(0, 0, c).to(buf.device, copy=True))
     master.record(buf)
-    buf.swap_in = lambda: merge(tier, buf)
+    buf.swap_in = _swap_in(tier, buf)
 
 
 def start_split(pipeline: "Pipeline", buf: FlatBuffer, group_numels: list[int]) -> None:
@@ -121,7 +122,14 @@ def start_split(pipeline: "Pipeline", buf: FlatBuffer, group_numels: list[int]) 
             buf.shard_slice(buf.master, bucket).copy_(value)
     tier.write_masters(id(buf), masters)
     master.record(buf)
-    buf.swap_in = lambda: merge(tier, buf)
+    buf.swap_in = _swap_in(tier, buf)
+
+
+def _swap_in(tier: Any, buf: FlatBuffer) -> Callable[[], None]:
+    """``merge(tier, buf)`` holding ``buf`` weakly: the buffer keeps it, and a reference cycle would keep the buffer,
+    and with it the tier's files, until Python's collector ran (``del opt`` frees the optimizer at once)."""
+    ref = weakref.ref(buf)
+    return lambda: merge(tier, ref())
 
 
 def add_zeros(tier: Any, buf: FlatBuffer, kind: str) -> None:
@@ -129,6 +137,12 @@ def add_zeros(tier: Any, buf: FlatBuffer, kind: str) -> None:
     step): its device part on the device, new files that read zeros (``tier.add_zeros``)."""
     tier.add_zeros(id(buf), kind)
     setattr(buf, kind, torch.zeros(cut(buf), dtype=torch.float32, device=buf.device))
+
+
+def drop_zeros(tier: Any, buf: FlatBuffer, kind: str) -> None:
+    """Undo ``add_zeros``: the buffer has no state ``kind`` again, its files removed."""
+    tier.drop(id(buf), kind)
+    setattr(buf, kind, None)
 
 
 def merge(tier: Any, buf: FlatBuffer) -> None:
