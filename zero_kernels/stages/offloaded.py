@@ -157,8 +157,6 @@ def update_bucket(
 ) -> None:
     """One bucket's update: on the device as without offload where its state is there (``placement``), else
     through the tier (see the module docstring); same arguments as ``update.update_bucket``."""
-    if h.amsgrad and buf.max_exp_avg_sq is None:
-        pipeline.allocate_max_exp_avg_sq(buf.group)
     tier = pipeline.tier
     if bucket.index == 0 and placement.splits(tier, buf) and placement.resident(buf):
         placement.split(tier, buf)  # read in for the state door since the last step: back where it lives

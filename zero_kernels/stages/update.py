@@ -98,8 +98,6 @@ def update_bucket(
         decision: the step's gradient multiplier and skip flag (``outcome.decide``).
         with_grad: parameter indices with a gradient on some rank this step.
     """
-    if h.amsgrad and buf.max_exp_avg_sq is None:
-        pipeline.allocate_max_exp_avg_sq(buf.group)
     with pipeline.device_params(buf, bucket) as params:
         low = buf.master is not None
         tensors = BucketTensors(
