@@ -322,10 +322,41 @@ def _check_sharded(opt: "ShardedFusedAdam", meta: Mapping[str, Any]) -> None:
         )
     if len(meta["shapes"]) != sum(len(g["params"]) for g in opt.param_groups):
         raise ValueError("load_state_dict: the state holds a different number of parameters")
-    if meta["layout"] != zstate.layout_signature(opt.pipeline):
+    here = zstate.layout_signature(opt.pipeline)
+    if meta["layout"] != here:
         stage, world, _ = meta["layout"]
+        settings = f"reduce_bucket_size {opt.options.reduce_bucket_size}"
+        if opt.pipeline.stage == 3:
+            settings += f", stage3_param_persistence_threshold {opt.options.stage3_param_persistence_threshold}"
         raise ValueError(
             f"load_state_dict: this sharded state was saved by stage {stage} on {plural(world, 'rank')} with another "
-            f"layout (here: stage {opt.pipeline.stage}, {plural(opt.pipeline.world_size, 'rank')}, "
-            f"reduce_bucket_size {opt.options.reduce_bucket_size}); use full_state_dict() to change them"
+            f"layout: {_layout_difference(meta['layout'][2], here[2], stage == 3)} (here: stage {opt.pipeline.stage}, "
+            f"{plural(opt.pipeline.world_size, 'rank')}, {settings}); use full_state_dict() to change them"
         )
+
+
+def _layout_difference(saved: list[Any], here: list[Any], stage3: bool) -> str:
+    """The first difference between two ``layout_signature`` buffer lists, in words, with the setting behind it."""
+    persistence = "stage3_param_persistence_threshold decides which parameters are sharded"
+    if len(saved) != len(here):
+        why = f" (at stage 3 one per sharded unit: {persistence})" if stage3 else ""
+        return f"it has {plural(len(saved), 'flat buffer')}, this optimizer {len(here)}{why}"
+    for i, (theirs, mine) in enumerate(zip(saved, here)):
+        (group, dtype, _, buckets, indices), (_, my_dtype, _, my_buckets, my_indices) = theirs, mine
+        if dtype != my_dtype:
+            return f"flat buffer {i} (param group {group}) holds {dtype} there, {my_dtype} here"
+        if indices != my_indices:
+            return (
+                f"flat buffer {i} (param group {group}) holds parameters {_span(indices)} there, {_span(my_indices)} "
+                f"here{f' (at stage 3, {persistence})' if stage3 else ''}"
+            )
+        if buckets != my_buckets:
+            return (
+                f"flat buffer {i} (param group {group}) is cut into {plural(len(buckets), 'bucket')} there, "
+                f"{len(my_buckets)} here (reduce_bucket_size)"
+            )
+    return "its flat buffers differ"
+
+
+def _span(indices: list[int]) -> str:
+    return f"{indices}" if len(indices) <= 6 else f"[{', '.join(map(str, indices[:6]))}, ... ({len(indices)} in all)]"
