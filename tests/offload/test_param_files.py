@@ -64,6 +64,10 @@ def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(t
     with opt.gathered_params(), host.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
+    read_back = sum(t.untyped_storage().nbytes() for t in pipeline.disk_params.resident_shards())
+    assert read_back >= shard_bytes  # the block's end read the shards in whole (host memory) until the next step
+    after = opt.memory_report()
+    assert after["params"] == 0 and after["host"] == report["host"] + read_back  # counted where they are
 
 
 def test_pool_buffers_keep_no_memory_once_given_back(tmp_path: Path) -> None:
