@@ -324,3 +324,38 @@ def test_peft_lora_variant_layers_are_gathered_as_leaf_modules() -> None:
         return nn.Sequential(_DoraLike(12, 2), nn.Tanh(), _DoraLike(12, 2))
 
     _two_steps_next_to_adamw(build, lambda model, x: model(x).square().mean(), 12)
+
+
+def _offloaded_chunks(rank: int, world: int, scratch: str) -> None:
+    """``offload_param`` (the HF ZeRO-3 template's, cpu; and nvme): the frozen chunks live in host memory, as
+    DeepSpeed offloads frozen parameters with the others (run on the CPU with ``HostTier.share_host`` off, which
+    makes the host copies as from a GPU; the copy up before each gather runs only where the device is another
+    memory): the weights are those without offload bit for bit, and ``memory_report`` counts the chunks under
+    ``host``, not ``params``."""
+    from zero_kernels.offload import HostTier
+
+    HostTier.share_host = False
+    nvme = {"device": "nvme", "nvme_path": f"{scratch}/rank{rank}", "max_in_cpu": 0}
+    Path(nvme["nvme_path"]).mkdir(exist_ok=True)
+    for params in ({"device": "cpu"}, nvme):
+        for int8 in (False, True):
+            extra = {"zero_quantized_nontrainable_weights": int8}
+            runs = []
+            for offload in (None, params):
+                model = Lora(torch.bfloat16)
+                opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, offload_param=offload, **OPTIONS, **extra)
+                chunks = sum(u.held.tensor.untyped_storage().nbytes() for u in opt._pipeline._frozen)
+                report = opt.memory_report()
+                train(model, opt, rank, torch.bfloat16, range(STEPS))
+                frozen_values, trainable = gathered(model, opt)
+                runs.append((frozen_values + trainable, report, chunks))
+            (plain, plain_report, plain_chunks), (moved, report, chunks) = runs
+            assert all(torch.equal(a, b) for a, b in zip(plain, moved)), (params, int8)
+            assert chunks == plain_chunks > 0
+            assert report["params"] <= plain_report["params"] - chunks, (params, int8, report, plain_report)
+            assert report["host"] >= plain_report["host"] + chunks
+
+
+@pytest.mark.distributed
+def test_offload_param_puts_the_frozen_chunks_in_host_memory(spawn, tmp_path: Path) -> None:
+    spawn(_offloaded_chunks, 2, str(tmp_path), timeout_s=300)

@@ -14,6 +14,9 @@ each rank keeps only its chunk of the unit (``1/N`` of it, flattened and padded 
   within half a block scale of the original. The quantization is lossy by design and done once; the
   original is not kept anywhere.
 
+With ``offload_param`` (``cpu`` or ``nvme``) the chunks live in host memory (``InHost``), as DeepSpeed offloads
+frozen parameters with the others, and each gather copies this rank's chunk up first.
+
 No gradient buffer, master or optimizer state exists for them; they are never reduced nor stepped.
 Parameters under ``stage3_param_persistence_threshold`` elements stay whole on every rank, as trainable
 ones do; so do frozen parameters that are not floating point (int8 only: other than fp32, bf16 and fp16).
@@ -48,16 +51,66 @@ QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16)
 NameOf = Callable[[torch.Tensor], str]
 
 
+class OnDevice:
+    """Where chunks live without ``offload_param``: where they were made, beside the parameters."""
+
+    def keep(self, chunk: torch.Tensor) -> torch.Tensor:
+        """``chunk`` as this home holds it."""
+        return chunk
+
+    def up(self, chunk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``chunk`` on the device of ``like``, for a gather."""
+        return chunk
+
+    def moves(self, device: torch.device) -> bool:
+        """Whether chunks of parameters on ``device`` live elsewhere (in host memory)."""
+        return False
+
+
+class InHost(OnDevice):
+    """``offload_param``: chunks in host memory (page-locked with ``pin_memory`` where CUDA is there), copied up for
+    each gather by ``up`` (the pipeline's ``gathers.on_device``: counted, its host memory read until copied). Where
+    the device is host memory (``shares``: a CPU-only machine) a chunk stays where it is.
+
+    Args:
+        pin: page-locked host tensors.
+        up: ``(chunk, like) ->`` the chunk on ``like``'s device.
+        shares: whether a device is host memory that chunks stay in.
+    """
+
+    def __init__(
+        self,
+        pin: bool,
+        up: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        shares: Callable[[torch.device], bool],
+    ):
+        self.pin, self._up, self._shares = pin, up, shares
+
+    def keep(self, chunk: torch.Tensor) -> torch.Tensor:
+        if not self.moves(chunk.device):
+            return chunk
+        host = torch.empty(chunk.shape, dtype=chunk.dtype, pin_memory=self.pin)
+        host.copy_(chunk)
+        return host
+
+    def up(self, chunk: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return self._up(chunk, like)
+
+    def moves(self, device: torch.device) -> bool:
+        return not self._shares(device)
+
+
 class ExactChunk:
     """This rank's chunk of a frozen unit as it is: gathers give the original values."""
 
-    def __init__(self, values: torch.Tensor):
-        self.tensor = values
+    def __init__(self, values: torch.Tensor, home: OnDevice):
+        self.home = home
+        self.tensor = home.keep(values)
 
     def gather(self, engine: Any, full: torch.Tensor, traffic: Traffic) -> Handle:
         """Issue the all-gather of every rank's chunk into ``full``."""
         traffic.plain += self.tensor.numel() * self.tensor.element_size()
-        return engine.all_gather(full, self.tensor, name="frozen")
+        return engine.all_gather(full, self.home.up(self.tensor, full), name="frozen")
 
     def read(self, out: torch.Tensor) -> None:
         """The chunk's values into ``out``."""
@@ -65,15 +118,16 @@ class ExactChunk:
 
     def write(self, values: torch.Tensor) -> None:
         """Hold ``values`` (the caller's own tensor) from now on."""
-        self.tensor = values
+        self.tensor = self.home.keep(values)
 
 
 class Int8Chunk:
     """This rank's chunk of a frozen unit as an int8 payload (``zero_quantized_nontrainable_weights``)."""
 
-    def __init__(self, values: torch.Tensor):
+    def __init__(self, values: torch.Tensor, home: OnDevice):
+        self.home = home
         self.layout = Payload(values.numel())
-        self.tensor = self.layout.quantize(values)
+        self.tensor = home.keep(self.layout.quantize(values))
 
     def gather(self, engine: Any, full: torch.Tensor, traffic: Traffic) -> Handle:
         """Issue the all-gather of every rank's payload; the handle's wait dequantizes them all into ``full``."""
@@ -81,21 +135,22 @@ class Int8Chunk:
         gathered = torch.empty(engine.world_size * layout.nbytes, dtype=torch.uint8, device=full.device)
         traffic.quantized += layout.nbytes
         traffic.unquantized_equivalent += layout.numel * full.element_size()
+        sent = self.home.up(self.tensor, gathered)
         # Sent as float32 words (the payload is a multiple of 4 bytes): every engine moves float32 as is.
-        inner = engine.all_gather(gathered.view(torch.float32), self.tensor.view(torch.float32), name="frozen")
+        inner = engine.all_gather(gathered.view(torch.float32), sent.view(torch.float32), name="frozen")
 
         def unpack() -> None:
             dequantize_chunks(gathered, layout, full, -1, None)  # every chunk, this rank's too
 
-        return Handle(Works([inner]), (gathered, self.tensor, full), unpack, "frozen gather")
+        return Handle(Works([inner]), (gathered, sent, full), unpack, "frozen gather")
 
     def read(self, out: torch.Tensor) -> None:
         """The chunk dequantized into ``out``."""
-        dequantize_chunks(self.tensor, self.layout, out, -1, None)
+        dequantize_chunks(self.tensor.to(out.device), self.layout, out, -1, None)
 
     def write(self, values: torch.Tensor) -> None:
         """Quantize ``values``, keeping the blocks that are already dequantized int8 exactly."""
-        self.tensor = quantize_keeping(self.layout, values)
+        self.tensor = self.home.keep(quantize_keeping(self.layout, values))
 
 
 class FrozenUnit:
@@ -109,6 +164,7 @@ class FrozenUnit:
         traffic: where the bytes sent are counted (``Traffic``).
         name_of: names a parameter in error messages.
         quantized: keep the chunk in int8 (``Int8Chunk``) rather than as it is (``ExactChunk``).
+        home: where the chunk lives (``InHost`` with ``offload_param``; default: beside the parameters).
     """
 
     persistent = False
@@ -122,8 +178,10 @@ class FrozenUnit:
         traffic: Traffic,
         name_of: NameOf,
         quantized: bool = False,
+        home: Optional[OnDevice] = None,
     ):
         self.engine, self.traffic, self.name_of = engine, traffic, name_of
+        self.home = home or OnDevice()
         self.params = list(params)
         self.shapes = [p.shape for p in self.params]
         for p, shape in zip(self.params, self.shapes):
@@ -143,7 +201,7 @@ class FrozenUnit:
         self._lo, self._hi = rank * self.chunk, min((rank + 1) * self.chunk, self.param_numel)
         own = torch.zeros(self.chunk, dtype=self.dtype, device=self.device)
         self._fill(own, {id(p): p.detach() for p in self.params})
-        self.held = (Int8Chunk if quantized else ExactChunk)(own)
+        self.held = (Int8Chunk if quantized else ExactChunk)(own, self.home)
         self._free_params()
 
     # ------------------------------------------------------------------ scheduler face (``hooks.Unit``)
@@ -212,8 +270,13 @@ class FrozenUnit:
         return True
 
     def tensors(self) -> list[Optional[torch.Tensor]]:
-        """What this unit holds now (memory): the chunk, and the full buffer while gathered."""
-        return [self.held.tensor, self.full]
+        """What this unit holds beside its parameters now (memory): the chunk unless in host memory
+        (``host_tensors``), and the full buffer while gathered."""
+        return [self.full] if self.home.moves(self.device) else [self.held.tensor, self.full]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The chunk where it lives in host memory (``InHost``), else nothing."""
+        return [self.held.tensor] if self.home.moves(self.device) else []
 
     # ------------------------------------------------------------------ helpers
     def _fill(self, own: torch.Tensor, values: Mapping[int, torch.Tensor]) -> None:

@@ -62,6 +62,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
+from ...offload import HostTier
 from .. import adopt, grad_accum, master, modifier, offloaded, stats
 from ..base import FlatBuffer
 from ..layout import Bucket
@@ -73,7 +74,7 @@ from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
 from .disk_params import DiskParams
 from .forward_writes import NONE, ForwardWrites, describe_persistent
-from .frozen import FrozenUnit, frozen_members
+from .frozen import FrozenUnit, InHost, frozen_members
 from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
 from .host_params import HostParams
@@ -265,10 +266,19 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _frozen_unit(self, params: list[nn.Parameter], name: str, holder: nn.Module) -> FrozenUnit:
         unit = FrozenUnit(
-            self.engine, params, name, type(holder).__name__, self.param_traffic, self.name_of, self._frozen_quantized
-        )
+            self.engine, params, name, type(holder).__name__, self.param_traffic, self.name_of, self._frozen_quantized,
+            home=self._frozen_home(),
+        )  # fmt: skip
         self._frozen_shape.update((id(p), shape) for p, shape in zip(params, unit.shapes))
         return unit
+
+    def _frozen_home(self) -> Optional[InHost]:
+        """Where frozen chunks live: in host memory with ``offload_param``, else beside the parameters (None)."""
+        config = self.options.offload_param
+        if not config.enabled:
+            return None
+        pin = bool(config.pin_memory) and torch.cuda.is_available()
+        return InHost(pin, self.unit_gathers.on_device, lambda device: HostTier.share_host and device.type == "cpu")
 
     def _release_frozen(self, unfrozen: set[int]) -> None:
         """Parameters of frozen units given to a param group (unfrozen after the optimizer was built): each unit
@@ -840,6 +850,7 @@ class Stage3Pipeline(Stage2Pipeline):
             tensors["grads"] = [t for t in tensors["grads"] if t is None or t.device.type != "meta"]
             tensors["host"] += self.disk_grads.files.pool()
         tensors["params"] += [t for unit in self._frozen or () for t in unit.tensors()]
+        tensors.setdefault("host", []).extend(t for unit in self._frozen or () for t in unit.host_tensors())
         tensors["secondary"] += [t for buf in self.buffers for t in buf.secondary or ()] + self.unit_gathers.tensors()
         return tensors
 
