@@ -19,6 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from .config import ZeroConfig, client_optimizer
 from .config.at_updates import gate
 from .config.call_forms import check_dist_init, config_source, refuse_deepspeed_only
+from .config.files import load
 from .config.hf import model_hidden_size
 from .log import LOGGER_NAME
 from .optim.args import check_process_group
@@ -99,6 +100,8 @@ def initialize(
     _check_scheduler(lr_scheduler, client)
     config = config_source(config, config_params, args)
     check_process_group(process_group)
+    if client is not None:
+        config = _without_optimizer_section(config, client)
     if not isinstance(config, ZeroConfig):
         world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
         if auto_values.get("hidden_size") is None:
@@ -111,8 +114,6 @@ def initialize(
             'initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}, or pass '
             "optimizer=torch.optim.AdamW(model.parameters(), ...)"
         )
-    if config.optimizer is not None and client is not None:
-        logger.warning(IGNORED_SECTION, type(client).__name__)
     if lr_scheduler is not None and config.scheduler is not None:
         raise ValueError(
             'initialize: lr_scheduler= was given and the config has a "scheduler" section (DeepSpeed would use '
@@ -132,7 +133,22 @@ def initialize(
             built._detach()
         restore_dtypes()
         raise
+    if client is not None:
+        client_optimizer.retire(client, built)
     return (model, built) if scheduler is None else (model, built, scheduler)
+
+
+def _without_optimizer_section(config: Any, client: torch.optim.Optimizer) -> Any:
+    """The config without its ``optimizer`` section, which a client optimizer replaces (as in DeepSpeed, which does
+    not read it then): neither checked nor read, also not for a scheduler's ``"auto"`` lr, which is then the
+    client's (one WARNING when there was a section). A ``ZeroConfig`` is taken as built."""
+    section = config.optimizer if isinstance(config, ZeroConfig) else load(config).get("optimizer")
+    if section is None:
+        return config
+    logger.warning(IGNORED_SECTION, type(client).__name__)
+    if isinstance(config, ZeroConfig):
+        return config
+    return {key: value for key, value in load(config).items() if key != "optimizer"}
 
 
 def _check_scheduler(lr_scheduler: Any, client: Optional[torch.optim.Optimizer]) -> None:
@@ -196,7 +212,7 @@ def _build_optimizer(
     ``zero_optimization`` section."""
     zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
     if client is not None:
-        params: Any = client_optimizer.groups(client)
+        params: Any = client_optimizer.groups(client)  # shared with the client
         algorithm = {**client_optimizer.defaults(client), "adam_w_mode": client_optimizer.decoupled(client)}
     else:
         params = model if model_parameters is None else model_parameters

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import nn
-from torch.optim.lr_scheduler import LambdaLR, StepLR
+from torch.optim.lr_scheduler import ExponentialLR, LambdaLR, StepLR
 
 import zero_kernels as zk
 from tests.helpers.dist import run_ranks
@@ -133,3 +133,110 @@ def test_a_scheduler_on_another_optimizer_is_still_refused() -> None:
     other = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"scheduler object \(StepLR\) is not taken.*as optimizer="):
         zk.initialize(model, _config(1), optimizer=client, lr_scheduler=StepLR(other, 1))
+
+
+def _script(rank: int, world: int, stage: int, edit: Any, steps: int = 4) -> None:
+    """A script that keeps stepping what it built on the client itself: ``edit(client, step)`` changes the client's
+    groups before each step (a scheduler built on the client and not passed to initialize, a written lr); the
+    update follows them, as DeepSpeed's (it shares the client's groups), next to torch doing the same."""
+    model, ref = make_models(torch.float32)
+    client, ropt = torch.optim.AdamW(_groups(model), lr=1e-2), torch.optim.AdamW(_groups(ref), lr=1e-2)
+    edits = [edit(o) for o in (client, ropt)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, opt = zk.initialize(model, _config(stage), optimizer=client)
+        for step in range(steps):
+            x, span = batch(step, world * ROWS), extra_rows(step, world)
+            model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage)).backward()
+            ref(x, span).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad()
+            for e in edits:
+                e(step)
+            with opt.gathered_params():
+                compare(model, ref, f"stage {stage} step {step}")
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ropt.param_groups]
+
+
+def _scheduler_kept_by_the_script(opt: torch.optim.Optimizer) -> Callable[[int], None]:
+    sched = _schedule(opt)
+    return lambda step: sched.step()
+
+
+def _lr_written(opt: torch.optim.Optimizer) -> Callable[[int], None]:
+    def write(step: int) -> None:
+        opt.param_groups[step % 2]["lr"] = 0.0 if step == 1 else 5e-3
+
+    return write
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("edit", [_scheduler_kept_by_the_script, _lr_written], ids=["scheduler-not-passed", "lr"])
+def test_what_the_script_does_to_the_client_s_groups_reaches_the_update(stage: int, edit: Any) -> None:
+    _script(0, 1, stage, edit)
+
+
+def test_nested_schedulers_are_moved_at_every_depth() -> None:
+    def nested(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        inner = [torch.optim.lr_scheduler.ConstantLR(opt, 0.5, total_iters=4), ExponentialLR(opt, 0.8)]
+        chained = torch.optim.lr_scheduler.ChainedScheduler(inner)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [chained, StepLR(opt, 1, 0.5)], milestones=[3])
+
+    model = nn.Linear(4, 2)
+    ref = copy.deepcopy(model)
+    client, ropt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched, rsched = nested(client), nested(ropt)  # (torch warns about its own nesting, on both)
+    config = _config(2, gradient_clipping=0.0)
+    model, opt, sched = zk.initialize(model, config, optimizer=client, lr_scheduler=sched)
+    for _ in range(5):
+        for m, o, s in ((model, opt, sched), (ref, ropt, rsched)):
+            m(torch.ones(2, 4)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+        assert opt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_scheduler_s_auto_lr_is_the_client_s() -> None:
+    """The config's "optimizer" section is not used beside a client, also not for a scheduler's "auto" lr."""
+    section = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 2}},
+    }
+    model = nn.Linear(4, 2)
+    model, opt, sched = zk.initialize(
+        model, _config(1, **section), optimizer=torch.optim.AdamW(model.parameters(), 1e-2)
+    )
+    for _ in range(3):
+        model(torch.ones(2, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-2)
+
+
+def test_an_empty_group_of_a_client_that_stepped_is_left_out() -> None:
+    model = nn.Linear(4, 2)
+    client = torch.optim.AdamW([{"params": [model.weight]}, {"params": []}, {"params": [model.bias]}], lr=1e-2)
+    model(torch.ones(2, 4)).square().mean().backward()
+    client.step()
+    client.zero_grad()
+    _, opt = zk.initialize(model, _config(1), optimizer=client)
+    assert len(opt.param_groups) == 2 and opt.state_dict()["state"][0]["step"] == 1
+
+
+def test_the_client_s_own_step_is_refused_after_initialize() -> None:
+    model = nn.Linear(4, 2)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    zk.initialize(model, _config(1), optimizer=client)
+    model(torch.ones(2, 4)).square().mean().backward()
+    before = model.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"this AdamW was given to zero_kernels.initialize\(optimizer=...\): step"):
+        client.step()
+    assert torch.equal(model.weight, before)
+    with pytest.raises(ValueError, match="optimizer= ShardedFusedAdam is not taken: it is zero_kernels' optimizer"):
+        zk.initialize(nn.Linear(4, 2), _config(1), optimizer=zk.ShardedFusedAdam(nn.Linear(4, 2)))

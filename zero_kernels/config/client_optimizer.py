@@ -1,14 +1,19 @@
 """A client optimizer, ``deepspeed.initialize(model, optimizer=..., lr_scheduler=...)``, as ``zk.initialize`` takes it.
 
 DeepSpeed wraps the optimizer a script built (``torch.optim.AdamW(model.parameters(), lr=...)``, or the one a
-callable builds from ``model_parameters``) in its ZeRO optimizer, which updates with that optimizer's param groups;
-the config's ``optimizer`` section is then not used. zero_kernels builds its ``ShardedFusedAdam`` from the same
-groups: each group's parameters, hyper-parameters (``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
-``maximize``) and any other key in it (a scheduler's ``initial_lr``); ``torch.optim.Adam`` adds its weight decay
-to the gradient (L2) unless built with ``decoupled_weight_decay=True``, ``torch.optim.AdamW`` decouples it. A client
-that has stepped already hands over its state (``load_state_dict``). A scheduler object built on the client (the
-usual ``get_linear_schedule_with_warmup(optimizer, ...)`` before ``deepspeed.initialize``) is moved onto the new
-optimizer, whose groups carry the keys it keeps there, and steps at applied updates as the config's does.
+callable builds from ``model_parameters``) in its ZeRO optimizer, which updates with that optimizer's own param
+groups; the config's ``optimizer`` section is then not used. zero_kernels builds its ``ShardedFusedAdam`` on the same
+group dicts (``groups``: shared, not copied, so that whatever changes the client's groups, such as a scheduler built
+on the client and stepped by the script, or ``client.param_groups[0]["lr"] = ...``, changes the update; empty
+groups are removed from the client, as DeepSpeed removes them): each group's parameters, hyper-parameters (``lr``,
+``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``maximize``) and any other key in it (a scheduler's
+``initial_lr``); ``torch.optim.Adam`` adds its weight decay to the gradient (L2) unless built with
+``decoupled_weight_decay=True``, ``torch.optim.AdamW`` decouples it. A client that has stepped already hands over its
+state (``load_state_dict``). A scheduler object built on the client and passed (the usual
+``get_linear_schedule_with_warmup(optimizer, ...)`` before ``deepspeed.initialize``) is moved onto the new optimizer,
+with the schedulers it chains, and steps at applied updates as the config's does. The client itself is retired
+(``retire``): its ``step()`` raises, since stepping it would update the replicated parameters with this rank's
+unreduced gradients.
 
 Other optimizer classes are refused naming the class: ``ShardedFusedAdam`` runs Adam and AdamW only.
 """
@@ -24,7 +29,6 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 CLIENT_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
-_IMPLEMENTATION = ("foreach", "fused", "capturable")  # how torch runs the step: ShardedFusedAdam's own is used
 
 
 def resolve(client: Any, model: nn.Module, model_parameters: Optional[Iterable[Any]]) -> torch.optim.Optimizer:
@@ -33,24 +37,26 @@ def resolve(client: Any, model: nn.Module, model_parameters: Optional[Iterable[A
     if not isinstance(client, torch.optim.Optimizer) and callable(client):
         client = client(model.parameters() if model_parameters is None else model_parameters)
     if type(client) not in CLIENT_CLASSES:
-        raise ValueError(
-            f"initialize: optimizer= {type(client).__name__} is not taken: zero_kernels shards Adam and AdamW "
-            "only. Pass torch.optim.AdamW(...) or torch.optim.Adam(...) (or a callable building one from the "
-            'parameters), or describe it in the config\'s "optimizer" section ({"type": "AdamW", "params": '
-            '{"lr": ...}})'
+        built = type(client).__name__ == "ShardedFusedAdam"
+        instead = (
+            "it is zero_kernels' optimizer already: use it without initialize, which builds its own"
+            if built
+            else "zero_kernels shards Adam and AdamW only. Pass torch.optim.AdamW(...) or torch.optim.Adam(...) (or a "
+            'callable building one from the parameters), or describe it in the config\'s "optimizer" section '
+            '({"type": "AdamW", "params": {"lr": ...}})'
         )
+        raise ValueError(f"initialize: optimizer= {type(client).__name__} is not taken: {instead}")
     return client
 
 
 def groups(client: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The client's param groups as ``ShardedFusedAdam`` takes them (empty ones left out, as DeepSpeed does); its
-    implementation flags (``foreach``, ``fused``, ``capturable``) left to ``ShardedFusedAdam``."""
-    taken = []
+    """The client's param group dicts themselves, for ``ShardedFusedAdam`` to share: its empty groups removed from
+    it (as DeepSpeed removes them) and ``capturable`` (torch's CUDA-graph form of its own step) cleared."""
+    client.param_groups[:] = [g for g in client.param_groups if g["params"]]
     for group in client.param_groups:
-        if group["params"]:
-            copy = {k: v for k, v in group.items() if k not in _IMPLEMENTATION}
-            taken.append({**copy, "params": list(group["params"])})
-    return taken
+        if group.get("capturable"):
+            group["capturable"] = False
+    return client.param_groups
 
 
 def decoupled(client: torch.optim.Optimizer) -> bool:
@@ -77,13 +83,42 @@ def built_on(scheduler: Any, client: Optional[torch.optim.Optimizer]) -> bool:
 
 
 def move_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> LRScheduler:
-    """``scheduler``, built on the client, stepping ``optimizer`` from now on (and the schedulers it chains, as
-    ``SequentialLR`` and ``ChainedScheduler`` keep them); ``optimizer.step`` is marked as torch marks the step of
-    the optimizer a scheduler is built on, so the scheduler's first ``step()`` does not warn."""
-    for inner in [scheduler, *getattr(scheduler, "_schedulers", ())]:
+    """``scheduler``, built on the client, stepping ``optimizer`` from now on, with the schedulers it chains at any
+    depth (``SequentialLR`` and ``ChainedScheduler`` keep them in ``_schedulers``); ``optimizer.step`` is marked as
+    torch marks the step of the optimizer a scheduler is built on, so the scheduler's first ``step()`` does not
+    warn."""
+    pending = [scheduler]
+    while pending:
+        inner = pending.pop()
         inner.optimizer = optimizer
+        pending.extend(getattr(inner, "_schedulers", ()))
     _mark_step(optimizer)
     return scheduler
+
+
+def retire(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+    """The client, once ``optimizer`` trains with its groups: its ``step()`` raises saying what to step instead, and
+    each step of ``optimizer`` counts as the client's for the schedulers still built on it (torch's check that
+    ``optimizer.step()`` ran before ``lr_scheduler.step()``)."""
+    name = type(client).__name__
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"this {name} was given to zero_kernels.initialize(optimizer=...): step the ShardedFusedAdam that "
+            "initialize returned (it trains with this optimizer's param groups); stepping this one would update the "
+            "parameters with this rank's unreduced gradients"
+        )
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    client.step = step  # type: ignore[method-assign]
+    ref = weakref.ref(client)
+
+    def mark(*_: Any) -> None:
+        target = ref()
+        if target is not None:
+            target._opt_called = True  # type: ignore[attr-defined]
+
+    optimizer.register_step_post_hook(mark)
 
 
 def _mark_step(optimizer: torch.optim.Optimizer) -> None:
