@@ -188,3 +188,67 @@ def test_host_writers_wait_for_copies_up_in_flight(
         assert all(torch.equal(a, b) for a, b in zip(pending.seen, before)), f"{what}: waited after writing"
         assert not all(torch.equal(a, b) for a, b in zip(shards, before)), f"{what}: wrote nothing (the test)"
         assert not pipeline.uploads._last
+
+
+class _Pending:
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("read", ["state_dict", "full_state_dict", "checkpoint"])
+def test_a_master_written_from_outside_waits_for_the_copies_up_before_writing_the_shard(
+    read: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A master written through ``opt.state`` reaches the host parameter shard at the next state read (``push``): on
+    a GPU the gathers' copies up from that pinned shard may still be queued then, so the write waits for them first
+    (it did only at the step). Run on the CPU with each copy up leaving a pending event, as CUDA's would."""
+    from zero_kernels.stages import master, uploads
+    from zero_kernels.stages.stage3 import gathers
+
+    def copy_up(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self._last[("pending", id(t))] = _Pending()
+        return t.to(device)
+
+    def on_device(self, t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:  # as from a GPU: always a copy
+        self.uploaded += t.numel() * t.element_size()
+        return self.uploads.copy_up(t, full.device)
+
+    from zero_kernels.stages.stage3.pipeline import Stage3Pipeline
+
+    pending_at_push: list[int] = []  # copies up pending when push takes a shard to write
+    pushing = []
+    push, param_shard = master.push, Stage3Pipeline.param_shard
+
+    def watched_push(pipeline, buf) -> None:
+        pushing.append(True)
+        try:
+            push(pipeline, buf)
+        finally:
+            pushing.pop()
+
+    def watched_shard(self, buf, bucket):
+        if pushing:
+            pending_at_push.append(len(self.uploads._last))
+        return param_shard(self, buf, bucket)
+
+    monkeypatch.setattr(uploads.Uploads, "copy_up", copy_up)
+    monkeypatch.setattr(gathers.UnitGathers, "on_device", on_device)
+    monkeypatch.setattr(HostTier, "share_host", False)
+    monkeypatch.setattr(master, "push", watched_push)
+    monkeypatch.setattr(Stage3Pipeline, "param_shard", watched_shard)
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    opt = zk.ShardedFusedAdam(model, stage=3, reduce_bucket_size=BUCKET, offload_param=PARAMS, **STAGE3)
+    for step in range(2):
+        model(batch(step, ROWS).to(torch.bfloat16)).backward()  # the second's gathers leave copies up pending
+        if step == 0:
+            opt.step()
+            opt.zero_grad()
+    assert opt._pipeline.uploads._last
+    with torch.no_grad():
+        opt.state[model.emb.weight]["master"].mul_(1.0)  # written from outside
+    if read == "checkpoint":
+        zk.checkpoint.save(str(tmp_path / "ckpt"), model, opt)
+    else:
+        getattr(opt, read)()
+    assert pending_at_push and all(n == 0 for n in pending_at_push), pending_at_push

@@ -107,7 +107,9 @@ def push_written(pipeline: "Pipeline") -> None:
 
 def push(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
     """This rank's parameters of ``buf`` take its master's values, rounded, in the shard and where the model reads
-    them now (stage 3 inside ``gathered_params()``); the master is the optimizer's again."""
+    them now (stage 3 inside ``gathered_params()``); the master is the optimizer's again. A host shard is written
+    only once the copies up still reading it (stage 3's gathers with ``offload_param``) are done."""
+    pipeline.uploads.wait()
     for bucket in buf.layout.buckets:
         value = buf.shard_slice(buf.master, bucket)
         shard, live = pipeline.param_shard(buf, bucket), pipeline.live_param_shard(buf, bucket)
