@@ -252,3 +252,34 @@ def test_a_master_written_from_outside_waits_for_the_copies_up_before_writing_th
     else:
         getattr(opt, read)()
     assert pending_at_push and all(n == 0 for n in pending_at_push), pending_at_push
+
+
+def _qwz_uploads(rank: int, world: int) -> None:
+    from zero_kernels.stages.stage3 import gathers
+
+    def on_device(self, t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:  # as from a GPU: always a copy
+        self.uploaded += t.numel() * t.element_size()
+        return self.uploads.copy_up(t, full.device)
+
+    gathers.UnitGathers.on_device = on_device
+    HostTier.share_host = False
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    opt = zk.ShardedFusedAdam(model, stage=3, reduce_bucket_size=BUCKET, offload_param=PARAMS,
+                              zero_quantized_weights=True, **STAGE3)  # fmt: skip
+    pipeline = opt._pipeline
+    shards = [buf for buf in pipeline.buffers if id(buf) in pipeline.host_params.moved]
+    assert shards
+    before = pipeline.unit_gathers.uploaded
+    with torch.no_grad():
+        model(batch(0, ROWS).to(torch.bfloat16))  # the forward gathers every sharded unit once, quantized
+    exact = sum(buf.layout.shard_numel * 2 for buf in shards)  # bf16 shards, exact
+    uploaded = pipeline.unit_gathers.uploaded - before
+    assert uploaded > exact, (uploaded, exact)  # the exact shard crossed (counted), and the payload
+
+
+@pytest.mark.distributed
+def test_qwz_copies_this_rank_s_exact_shard_up_and_counts_it() -> None:
+    """With ``zero_quantized_weights`` a gather keeps this rank's chunk exact: the shard, in host memory with
+    ``offload_param``, is copied up with the payload (counted; it was read from host memory inside the wait)."""
+    run_ranks(_qwz_uploads, 2)

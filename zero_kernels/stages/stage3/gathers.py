@@ -19,8 +19,9 @@ dropped when the shard changes: at the step, and at any write into the shard (``
 a loaded state dict or checkpoint, a parameter assigned between steps).
 
 A shard in host memory (``offload_param``) is copied to the gathered buffer's device first (``on_device``:
-the shard, or with qwZ its int8 payload, quantized on the host: half the bytes of bf16 cross the bus);
-``uploaded`` counts those bytes; the host writers of the shard wait for those copies (``uploads``).
+the shard; with qwZ its int8 payload, quantized on the host, and the shard as well, for this rank's chunk of the
+gathered values, which stays exact); ``uploaded`` counts those bytes; the host writers of the shard wait for
+those copies (``uploads``).
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class UnitGathers:
             payload = self.on_device(self.quantizer.payload(key, shard, layout), full)
             self.traffic.quantized += layout.nbytes
             self.traffic.unquantized_equivalent += shard.numel() * shard.element_size()
+            exact = self.on_device(shard, full)  # this rank's chunk stays exact: the shard itself, on the device
             handle, received = all_gather_quantized(
-                self.engine, full, shard, payload, layout, own_exact=True, name=name
+                self.engine, full, exact, payload, layout, own_exact=True, name=name
             )
         if keep and self.secondary_engine is not None:
             self._received.setdefault(id(buf), []).append((bucket, received))
@@ -156,9 +158,9 @@ class UnitGathers:
         layout = self.layout(shard.numel())
         gathered = torch.empty(part.numel() * self.hpz_size, dtype=torch.uint8, device=part.device)
         inner = engine.all_gather(gathered.view(torch.float32), part.view(torch.float32), name=f"{name}.hpz")
-        own = self.engine.rank
+        own, exact = self.engine.rank, self.on_device(shard, full)
 
         def unpack() -> None:
-            dequantize_chunks(gathered, layout, full, own, shard)
+            dequantize_chunks(gathered, layout, full, own, exact)
 
-        return Handle(Works([inner]), (gathered, part, full, shard), unpack, name)
+        return Handle(Works([inner]), (gathered, part, full, exact), unpack, name)
