@@ -423,3 +423,25 @@ def test_the_fallback_says_what_to_install(monkeypatch: pytest.MonkeyPatch, capl
         FileIO().close()
     lines = [r.getMessage() for r in caplog.records if "pure-Python engine" in r.getMessage()]
     assert len(lines) == 1 and "no compiler here" in lines[0] and "ninja" in lines[0]
+
+
+def test_a_pinned_buffer_is_allocated_without_an_extra_page(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CUDA is there the buffers are pinned, and a pinned block is page-aligned: it is asked for at its size,
+    not a page more (torch's pinned allocator rounds each block up to a power of two, so 4 MiB and a page would pin
+    8 MiB). Run on the CPU with the pinned allocation stood in by a page-aligned one."""
+    asked = []
+    real_empty = torch.empty
+
+    def empty(*size, dtype=None, pin_memory=False, **kwargs):
+        if not pin_memory:
+            return real_empty(*size, dtype=dtype, **kwargs)
+        asked.append(size[0])
+        raw = real_empty(size[0] + aio.PAGE, dtype=dtype)
+        shift = -raw.data_ptr() % aio.PAGE
+        return raw[shift : shift + size[0]]  # page-aligned, as cudaHostAlloc's blocks are
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", empty)
+    io = FileIO.__new__(FileIO)  # the allocation alone: no engine
+    t = FileIO.empty(io, 1 << 20, torch.float32)
+    assert asked == [4 << 20] and t.data_ptr() % aio.PAGE == 0 and t.numel() == 1 << 20

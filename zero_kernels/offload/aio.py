@@ -191,12 +191,18 @@ class FileIO:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised host tensor of ``numel`` elements at a page-aligned address (what direct I/O needs),
-        its storage rounded up to whole pages; pinned when CUDA is available (fast copies to the device)."""
+        its storage rounded up to whole pages; pinned when CUDA is available (fast copies to the device). A pinned
+        block is page-aligned already: it is allocated without the extra page an unaligned one needs (torch's
+        pinned allocator rounds every block up to a power of two, so a power-of-two buffer plus a page would pin
+        twice its size)."""
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"FileIO.empty: numel must be an integer >= 0, got {numel!r}")
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = max(PAGE, -(-numel * itemsize // PAGE) * PAGE)
-        raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        pin = torch.cuda.is_available()
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
+        if raw is None or raw.data_ptr() % PAGE:
+            raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, pin_memory=pin)
         shift = -raw.data_ptr() % PAGE
         return raw[shift : shift + nbytes].view(dtype)[:numel]
 
