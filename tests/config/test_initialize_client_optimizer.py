@@ -236,8 +236,14 @@ def test_the_client_s_own_step_is_refused_after_initialize() -> None:
     zk.initialize(model, _config(1), optimizer=client)
     model(torch.ones(2, 4)).square().mean().backward()
     before = model.weight.detach().clone()
-    with pytest.raises(RuntimeError, match=r"this AdamW was given to zero_kernels.initialize\(optimizer=...\): step"):
+    with pytest.raises(
+        RuntimeError, match=r"this AdamW was given to zero_kernels.initialize\(optimizer=...\): call"
+    ):
         client.step()
     assert torch.equal(model.weight, before)
+    with pytest.raises(RuntimeError, match=r"call load_state_dict\(\) of the ShardedFusedAdam that initialize ret"):
+        client.load_state_dict(client.state_dict())
+    with pytest.raises(RuntimeError, match=r"call add_param_group\(\) of the ShardedFusedAdam .* would not be tra"):
+        client.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
     with pytest.raises(ValueError, match="optimizer= ShardedFusedAdam is not taken: it is zero_kernels' optimizer"):
         zk.initialize(nn.Linear(4, 2), _config(1), optimizer=zk.ShardedFusedAdam(nn.Linear(4, 2)))

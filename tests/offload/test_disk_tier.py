@@ -336,6 +336,36 @@ def test_amsgrad_on_a_full_disk_raises_on_every_rank(tmp_path: Path, when: str) 
         run_ranks(_amsgrad_on_a_full_disk, 2, [str(d0), str(d1)], when)
 
 
+def _amsgrad_after_one_rank_read(rank: int, world: int, where: str) -> None:
+    """Rank 0 alone reads the state (``state_dict()``: its buffers read in whole until the next step), then every
+    rank switches amsgrad on: the maximum is made on every rank alike, through the same exchange (rank 0 made it
+    in host memory and skipped the exchange, rank 1 waited in it: a deadlock), and training stays bit for bit
+    that without offload."""
+    models = [nn.Sequential(nn.Linear(24, 24), nn.Linear(24, 4)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    path = Path(where) / f"r{rank}"
+    path.mkdir(exist_ok=True)
+    offload = {"device": "nvme", "nvme_path": str(path)}
+    opts = [zo.ShardedFusedAdam(models[0], stage=2, offload_optimizer=offload), zo.ShardedFusedAdam(models[1], stage=2)]
+    for step in range(3):
+        for model, opt in zip(models, opts):
+            model(torch.full((2, 24), 0.1 * (step + rank + 1))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                if rank == 0:
+                    opt.state_dict()
+                opt.param_groups[0]["amsgrad"] = True
+    assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models)))
+
+
+@pytest.mark.distributed
+def test_amsgrad_switched_on_after_a_state_read_on_one_rank(tmp_path: Path) -> None:
+    from tests.helpers.dist import run_ranks
+
+    run_ranks(_amsgrad_after_one_rank_read, 2, str(tmp_path), timeout_s=60)
+
+
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_state_views_and_copies_go_through_the_tier(device: str, tmp_path: Path) -> None:
     """Writes into ``opt.state[p]`` reach the tier's state (the disk tier: read in, written back at the step),

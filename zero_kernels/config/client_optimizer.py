@@ -13,7 +13,8 @@ state (``load_state_dict``). A scheduler object built on the client and passed (
 ``get_linear_schedule_with_warmup(optimizer, ...)`` before ``deepspeed.initialize``) is moved onto the new optimizer,
 with the schedulers it chains, and steps at applied updates as the config's does. The client itself is retired
 (``retire``): its ``step()`` raises, since stepping it would update the replicated parameters with this rank's
-unreduced gradients.
+unreduced gradients, and so do its ``load_state_dict()`` and ``add_param_group()``, which the ShardedFusedAdam
+would not follow.
 
 Other optimizer classes are refused naming the class: ``ShardedFusedAdam`` runs Adam and AdamW only.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -96,21 +97,21 @@ def move_scheduler(scheduler: LRScheduler, optimizer: torch.optim.Optimizer) -> 
     return scheduler
 
 
+_RETIRED = {
+    "step": "stepping this one would update the parameters with this rank's unreduced gradients",
+    "load_state_dict": "loading into this one would give it group dicts the ShardedFusedAdam does not share",
+    "add_param_group": "a group added here would not be trained",
+}
+
+
 def retire(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
-    """The client, once ``optimizer`` trains with its groups: its ``step()`` raises saying what to step instead, and
-    each step of ``optimizer`` counts as the client's for the schedulers still built on it (torch's check that
-    ``optimizer.step()`` ran before ``lr_scheduler.step()``)."""
-    name = type(client).__name__
-
-    def step(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            f"this {name} was given to zero_kernels.initialize(optimizer=...): step the ShardedFusedAdam that "
-            "initialize returned (it trains with this optimizer's param groups); stepping this one would update the "
-            "parameters with this rank's unreduced gradients"
-        )
-
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    client.step = step  # type: ignore[method-assign]
+    """The client, once ``optimizer`` trains with its groups: its ``step()``, ``load_state_dict()`` and
+    ``add_param_group()`` raise saying to call the ShardedFusedAdam's instead, and each step of ``optimizer`` counts
+    as the client's for the schedulers still built on it (torch's check that ``optimizer.step()`` ran before
+    ``lr_scheduler.step()``)."""
+    for method, why in _RETIRED.items():
+        setattr(client, method, _refusal(type(client).__name__, method, why))
+    client.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     ref = weakref.ref(client)
 
     def mark(*_: Any) -> None:
@@ -119,6 +120,16 @@ def retire(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> N
             target._opt_called = True  # type: ignore[attr-defined]
 
     optimizer.register_step_post_hook(mark)
+
+
+def _refusal(name: str, method: str, why: str) -> Callable[..., None]:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"this {name} was given to zero_kernels.initialize(optimizer=...): call {method}() of the "
+            f"ShardedFusedAdam that initialize returned (it trains with this optimizer's param groups); {why}"
+        )
+
+    return refuse
 
 
 def _mark_step(optimizer: torch.optim.Optimizer) -> None:

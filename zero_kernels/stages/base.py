@@ -313,10 +313,10 @@ class Pipeline(BackwardRound):
         for buf in self.buffers:
             if buf.group != group or buf.max_exp_avg_sq is not None:
                 continue
-            split = not placement.resident(buf)
-            if split and self.tier.kind == "disk":
-                on_disk.append(buf)
+            if self.tier is not None and self.tier.kind == "disk" and placement.splits(self.tier, buf):
+                on_disk.append(buf)  # its state lives in files between steps: the same on every rank
                 continue
+            split = not placement.resident(buf)
             buf.ready()
             buf.max_exp_avg_sq = self._state_zeros(buf, buf.layout.shard_numel)
             if split:  # back where its state lives between steps (``placement``)
@@ -325,9 +325,11 @@ class Pipeline(BackwardRound):
             self._reserve_max_on_disk(on_disk)
 
     def _reserve_max_on_disk(self, bufs: list[FlatBuffer]) -> None:
-        """AMSGrad's maximum of ``bufs`` in new files (never whole in host memory); a disk without room on some rank
-        raises ``OSError`` on every rank (every rank reserves at the same point: the constructor, or the step's
-        start once the ranks agree on ``amsgrad``), with none of the files made by this call left."""
+        """AMSGrad's maximum of ``bufs`` (buffers whose state lives in files between steps) in new files, never whole
+        in host memory unless the buffer's state is read in whole there now (a state read on this rank alone); a disk
+        without room on some rank raises ``OSError`` on every rank (every rank reserves at the same point: the
+        constructor, or the step's start once the ranks agree on ``amsgrad``, whatever each read), with none of the
+        files made by this call left."""
         made: list[FlatBuffer] = []
         problem: Optional[str] = None
         for buf in bufs:

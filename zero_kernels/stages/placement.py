@@ -133,10 +133,14 @@ def _swap_in(tier: Any, buf: FlatBuffer) -> Callable[[], None]:
 
 
 def add_zeros(tier: Any, buf: FlatBuffer, kind: str) -> None:
-    """A new state ``kind`` of zeros for a split buffer of the disk tier (AMSGrad's maximum, made at its first
-    step): its device part on the device, new files that read zeros (``tier.add_zeros``)."""
+    """A new state ``kind`` of zeros for a buffer of the disk tier (AMSGrad's maximum): new files that read zeros
+    (``tier.add_zeros``), and its device part on the device, or where the buffer is read in whole now (resident
+    until the next step splits it), the whole shard's zeros in host memory."""
     tier.add_zeros(id(buf), kind)
-    setattr(buf, kind, torch.zeros(cut(buf), dtype=torch.float32, device=buf.device))
+    if resident(buf):
+        setattr(buf, kind, tier.zeros(buf.layout.shard_numel))
+    else:
+        setattr(buf, kind, torch.zeros(cut(buf), dtype=torch.float32, device=buf.device))
 
 
 def drop_zeros(tier: Any, buf: FlatBuffer, kind: str) -> None:
