@@ -236,9 +236,7 @@ def test_the_client_s_own_step_is_refused_after_initialize() -> None:
     zk.initialize(model, _config(1), optimizer=client)
     model(torch.ones(2, 4)).square().mean().backward()
     before = model.weight.detach().clone()
-    with pytest.raises(
-        RuntimeError, match=r"this AdamW was given to zero_kernels.initialize\(optimizer=...\): call"
-    ):
+    with pytest.raises(RuntimeError, match=r"this AdamW was given to zero_kernels.initialize\(optimizer=...\): call"):
         client.step()
     assert torch.equal(model.weight, before)
     with pytest.raises(RuntimeError, match=r"call load_state_dict\(\) of the ShardedFusedAdam that initialize ret"):
