@@ -70,6 +70,26 @@ def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(t
     assert after["params"] == 0 and after["host"] == report["host"] + read_back  # counted where they are
 
 
+def test_a_copy_s_shards_read_in_whole_count_once_under_host(tmp_path: Path) -> None:
+    """A pickled copy of an optimizer whose shards are in files (``offload_param`` nvme, the state on the device)
+    holds them read in whole until its first step: ``memory_report`` counts them once, under ``host`` (they were
+    under ``params`` too), and after that step they are in files again."""
+    import io
+
+    model = _model()
+    opt = zo.ShardedFusedAdam(model, offload_param=_files(tmp_path), **KWARGS)
+    _train(model, opt, 1)
+    out = io.BytesIO()
+    torch.save(opt, out)
+    out.seek(0)
+    copied = torch.load(out, weights_only=False)
+    shards = sum(t.untyped_storage().nbytes() for t in copied._pipeline.disk_params.resident_shards())
+    report = copied.memory_report()
+    assert shards > 0 and report["params"] == 0 and report["host"] >= shards, report
+    _train(copied._pipeline.module, copied, 1)
+    assert copied.memory_report()["params"] == 0 and not copied._pipeline.disk_params.resident_shards()
+
+
 def test_pool_buffers_keep_no_memory_once_given_back(tmp_path: Path) -> None:
     """At one rank a unit's gathers are over as soon as they start: its pool buffer goes back then, not at the unit's
     use, and a buffer given back returns its pages, so no pool buffer is resident when a module runs (forward and

@@ -844,8 +844,11 @@ class Stage3Pipeline(Stage2Pipeline):
             on_host = {id(t) for t in self.host_params.tensors()}
             tensors["params"] = [t for t in tensors["params"] if id(t) not in on_host]
             tensors.setdefault("host", []).extend(self.host_params.tensors())
-        if self.disk_params is not None:  # the pool; a shard read in whole between steps (host memory)
-            tensors.setdefault("host", []).extend(self.disk_params.files.pool() + self.disk_params.resident_shards())
+        if self.disk_params is not None:  # the pool; a shard read in whole between steps (host memory), once
+            resident = self.disk_params.resident_shards()
+            ids = {id(t) for t in resident}
+            tensors["params"] = [t for t in tensors["params"] if t is None or id(t) not in ids]
+            tensors.setdefault("host", []).extend(self.disk_params.files.pool() + resident)
         if self.disk_grads is not None:  # the gradient shards are in files (a stand-in here); the pool
             tensors["grads"] = [t for t in tensors["grads"] if t is None or t.device.type != "meta"]
             tensors["host"] += self.disk_grads.files.pool()
