@@ -142,13 +142,11 @@ def _without_optimizer_section(config: Any, client: torch.optim.Optimizer) -> An
     """The config without its ``optimizer`` section, which a client optimizer replaces (as in DeepSpeed, which does
     not read it then): neither checked nor read, also not for a scheduler's ``"auto"`` lr, which is then the
     client's (one WARNING when there was a section). A ``ZeroConfig`` is taken as built."""
-    section = config.optimizer if isinstance(config, ZeroConfig) else load(config).get("optimizer")
-    if section is None:
+    data = None if isinstance(config, ZeroConfig) else load(config)
+    if (config.optimizer if data is None else data.get("optimizer")) is None:
         return config
     logger.warning(IGNORED_SECTION, type(client).__name__)
-    if isinstance(config, ZeroConfig):
-        return config
-    return {key: value for key, value in load(config).items() if key != "optimizer"}
+    return config if data is None else {key: value for key, value in data.items() if key != "optimizer"}
 
 
 def _check_scheduler(lr_scheduler: Any, client: Optional[torch.optim.Optimizer]) -> None:

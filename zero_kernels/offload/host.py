@@ -126,9 +126,11 @@ class HostTier:
     def zeros(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.empty(numel, dtype).zero_()
 
-    def shares(self, device: torch.device) -> bool:
-        """Whether the tensors of a buffer on ``device`` are host memory the update uses in place (no host copy)."""
-        return self.share_host and torch.device(device) == self.device
+    @classmethod
+    def shares(cls, device: torch.device) -> bool:
+        """Whether the tensors of a buffer on ``device`` are host memory used in place (no host copy): the tier's
+        state and copies, stage 3's parameter shards and frozen chunks with ``offload_param``."""
+        return cls.share_host and torch.device(device).type == "cpu"
 
     def attach(
         self, key: int, shard_numel: int, dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device

@@ -324,13 +324,13 @@ def _check_sharded(opt: "ShardedFusedAdam", meta: Mapping[str, Any]) -> None:
         raise ValueError("load_state_dict: the state holds a different number of parameters")
     here = zstate.layout_signature(opt.pipeline)
     if meta["layout"] != here:
-        stage, world, _ = meta["layout"]
+        stage, world, saved = meta["layout"]
         settings = f"reduce_bucket_size {opt.options.reduce_bucket_size}"
         if opt.pipeline.stage == 3:
             settings += f", stage3_param_persistence_threshold {opt.options.stage3_param_persistence_threshold}"
         raise ValueError(
             f"load_state_dict: this sharded state was saved by stage {stage} on {plural(world, 'rank')} with another "
-            f"layout: {_layout_difference(meta['layout'][2], here[2], stage == 3)} (here: stage {opt.pipeline.stage}, "
+            f"layout: {_layout_difference(saved, here[2], stage == 3)} (here: stage {opt.pipeline.stage}, "
             f"{plural(opt.pipeline.world_size, 'rank')}, {settings}); use full_state_dict() to change them"
         )
 

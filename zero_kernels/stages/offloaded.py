@@ -126,8 +126,8 @@ def agree(
     engine: Any, problem: Optional[str], name: str, key: str = "offload_optimizer", what: str = "could not start"
 ) -> None:
     """Raise ``OSError`` on every rank when ``problem`` is set on any (``key``: the block that failed; ``what``: how,
-    in words);
-    host data, exchanged over the control group of ``engine``'s ranks (on NCCL a gloo group: no device needed)."""
+    in words); host data, exchanged over the control group of ``engine``'s ranks (on NCCL a gloo group: no device
+    needed)."""
     if engine.world_size == 1:
         problems = [problem]
     else:

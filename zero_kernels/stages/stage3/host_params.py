@@ -50,7 +50,7 @@ class HostParams:
     def place(self, buf: "Stage3Buffer", tier_shard: Optional[HostShard]) -> None:
         """Move ``buf``'s parameter shard into host memory (``tier_shard``: the tier's host copies of its part of
         ``buf``, whose ``params`` become a view of the shard), unless it is host memory already."""
-        if HostTier.share_host and buf.param_shard.device.type == "cpu":
+        if HostTier.shares(buf.param_shard.device):
             return
         host = torch.empty(buf.param_shard.numel(), dtype=buf.dtype, pin_memory=self.pin)
         host.copy_(buf.param_shard)

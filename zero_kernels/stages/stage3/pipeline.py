@@ -278,7 +278,7 @@ class Stage3Pipeline(Stage2Pipeline):
         if not config.enabled:
             return None
         pin = bool(config.pin_memory) and torch.cuda.is_available()
-        return InHost(pin, self.unit_gathers.on_device, lambda device: HostTier.share_host and device.type == "cpu")
+        return InHost(pin, self.unit_gathers.on_device, HostTier.shares)
 
     def _release_frozen(self, unfrozen: set[int]) -> None:
         """Parameters of frozen units given to a param group (unfrozen after the optimizer was built): each unit
@@ -841,14 +841,10 @@ class Stage3Pipeline(Stage2Pipeline):
             tensors["params"] = [t for buf in self.buffers for t in (buf.param_flat, buf.full)]
             tensors["params"] += [buf.param_shard for buf in self.buffers if self._shard_in_place(buf)]
         if self.host_params is not None:  # the shards in host memory
-            on_host = {id(t) for t in self.host_params.tensors()}
-            tensors["params"] = [t for t in tensors["params"] if id(t) not in on_host]
-            tensors.setdefault("host", []).extend(self.host_params.tensors())
-        if self.disk_params is not None:  # the pool; a shard read in whole between steps (host memory), once
-            resident = self.disk_params.resident_shards()
-            ids = {id(t) for t in resident}
-            tensors["params"] = [t for t in tensors["params"] if t is None or id(t) not in ids]
-            tensors.setdefault("host", []).extend(self.disk_params.files.pool() + resident)
+            _to_host(tensors, self.host_params.tensors())
+        if self.disk_params is not None:  # the pool; a shard read in whole between steps (host memory)
+            _to_host(tensors, self.disk_params.resident_shards())
+            tensors["host"] += self.disk_params.files.pool()
         if self.disk_grads is not None:  # the gradient shards are in files (a stand-in here); the pool
             tensors["grads"] = [t for t in tensors["grads"] if t is None or t.device.type != "meta"]
             tensors["host"] += self.disk_grads.files.pool()
@@ -888,3 +884,10 @@ class Stage3Pipeline(Stage2Pipeline):
         """As the base, with the parameter shards' files."""
         extra = 0 if self.disk_params is None else self.disk_params.files.disk_bytes()
         return super().disk_bytes() + extra
+
+
+def _to_host(tensors: dict[str, list[Optional[torch.Tensor]]], moved: list[torch.Tensor]) -> None:
+    """``moved`` (tensors in host memory) counted once, under ``host``, not under ``params``."""
+    ids = {id(t) for t in moved}
+    tensors["params"] = [t for t in tensors["params"] if id(t) not in ids]
+    tensors.setdefault("host", []).extend(moved)
