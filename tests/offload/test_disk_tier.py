@@ -19,7 +19,7 @@ from torch import nn
 
 import zero_kernels.optim as zo
 from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig
-from zero_kernels.offload import DiskTier
+from zero_kernels.offload import DiskTier, disk
 
 SUB_GROUP = 2048
 
@@ -303,7 +303,7 @@ def _amsgrad_on_a_full_disk(rank: int, world: int, disks: list[str], when: str) 
         free = _room(disks[1])
         if when == "build":
             del opt  # its files go at once
-            free = _room(disks[1]) - free + PROBE_PAGE
+            free = _room(disks[1]) - free + disk._PROBE_BYTES  # the start's probe file, removed after
         Path(disks[1], "filler").write_bytes(b"\0" * (_room(disks[1]) - (free if when == "build" else 0)))
     if when == "build":
         with pytest.raises(OSError, match=match):
@@ -317,9 +317,6 @@ def _amsgrad_on_a_full_disk(rank: int, world: int, disks: list[str], when: str) 
         opt.step()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing updated, on any rank
     assert not list(opt._pipeline.tier.root.glob("*.max_exp_avg_sq"))
-
-
-PROBE_PAGE = 4096  # the start's probe file (``disk.probe``), removed before the state's files are made
 
 
 def _room(where: str) -> int:
@@ -412,7 +409,7 @@ def test_a_new_buffers_state_goes_to_its_files_piece_by_piece(
     optimizer without offload bit for bit (``ratio`` 0.5: the first buckets stay on the device)."""
     import copy
 
-    from zero_kernels.offload import aio, disk, host
+    from zero_kernels.offload import aio, host
 
     piece = 300
     monkeypatch.setattr(disk, "PIECE", piece)

@@ -190,6 +190,12 @@ def test_host_writers_wait_for_copies_up_in_flight(
         assert not pipeline.uploads._last
 
 
+def _always_copied_up(self, t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``UnitGathers.on_device`` as on a GPU, where a host shard is never on the gathered buffer's device."""
+    self.uploaded += t.numel() * t.element_size()
+    return self.uploads.copy_up(t, full.device)
+
+
 class _Pending:
     def synchronize(self) -> None:
         pass
@@ -208,10 +214,6 @@ def test_a_master_written_from_outside_waits_for_the_copies_up_before_writing_th
     def copy_up(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
         self._last[("pending", id(t))] = _Pending()
         return t.to(device)
-
-    def on_device(self, t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:  # as from a GPU: always a copy
-        self.uploaded += t.numel() * t.element_size()
-        return self.uploads.copy_up(t, full.device)
 
     from zero_kernels.stages.stage3.pipeline import Stage3Pipeline
 
@@ -232,7 +234,7 @@ def test_a_master_written_from_outside_waits_for_the_copies_up_before_writing_th
         return param_shard(self, buf, bucket)
 
     monkeypatch.setattr(uploads.Uploads, "copy_up", copy_up)
-    monkeypatch.setattr(gathers.UnitGathers, "on_device", on_device)
+    monkeypatch.setattr(gathers.UnitGathers, "on_device", _always_copied_up)
     monkeypatch.setattr(HostTier, "share_host", False)
     monkeypatch.setattr(master, "push", watched_push)
     monkeypatch.setattr(Stage3Pipeline, "param_shard", watched_shard)
@@ -257,11 +259,7 @@ def test_a_master_written_from_outside_waits_for_the_copies_up_before_writing_th
 def _qwz_uploads(rank: int, world: int) -> None:
     from zero_kernels.stages.stage3 import gathers
 
-    def on_device(self, t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:  # as from a GPU: always a copy
-        self.uploaded += t.numel() * t.element_size()
-        return self.uploads.copy_up(t, full.device)
-
-    gathers.UnitGathers.on_device = on_device
+    gathers.UnitGathers.on_device = _always_copied_up
     HostTier.share_host = False
     torch.manual_seed(0)
     model = Net().to(torch.bfloat16)
