@@ -62,7 +62,8 @@ def initialize(
     The model is cast to bf16/fp16 when the config enables it (as DeepSpeed does). An initialize that raises
     once the optimizer exists (the scheduler's constructor) takes the optimizer off the model again (no hook of
     it stays; stage 3 gives every parameter its full value back), and an initialize that raises after the cast
-    casts the model back to its dtypes, so a corrected call can be made on the same model.
+    casts the model back to its dtypes and a client optimizer's param groups back as they were (empty ones
+    included), so a corrected call can be made on the same model and client.
 
     Args:
         model: the model, replicated on every rank.
@@ -122,6 +123,7 @@ def initialize(
     names = {id(p): name for name, p in model.named_parameters()}
     refuse_held(model.parameters(), lambda p: f"parameter {names[id(p)]!r}")  # before the cast changes the model
     restore_dtypes = _cast(model, config)
+    restore_client = (lambda: None) if client is None else client_optimizer.keep(client)
     built = None
     try:
         built = _build_optimizer(model, model_parameters, config, process_group, impl, client)
@@ -132,6 +134,7 @@ def initialize(
         if built is not None:  # its hooks come off (stage 3's gather every parameter back first)
             built._detach()
         restore_dtypes()
+        restore_client()
         raise
     if client is not None:
         client_optimizer.retire(client, built)

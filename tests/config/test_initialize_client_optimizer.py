@@ -245,3 +245,24 @@ def test_the_client_s_own_step_is_refused_after_initialize() -> None:
         client.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
     with pytest.raises(ValueError, match="optimizer= ShardedFusedAdam is not taken: it is zero_kernels' optimizer"):
         zk.initialize(nn.Linear(4, 2), _config(1), optimizer=zk.ShardedFusedAdam(nn.Linear(4, 2)))
+
+
+def test_a_failed_initialize_leaves_the_client_as_it_was() -> None:
+    """A refused initialize (a group in the other decay mode) leaves the client's groups, empty ones and their keys
+    included, as they were, and the client steps as a torch optimizer that never met initialize."""
+    model, ref = nn.Linear(4, 2), nn.Linear(4, 2)
+    ref.load_state_dict(model.state_dict())
+    make = lambda m: torch.optim.Adam(  # noqa: E731
+        [{"params": [m.weight]}, {"params": []}, {"params": [m.bias], "decoupled_weight_decay": True}],
+        lr=1e-2,
+        weight_decay=0.1,
+    )
+    client, torch_client = make(model), make(ref)
+    before = [dict(g) for g in client.param_groups]
+    with pytest.raises(ValueError, match=r"param group 1: decoupled_weight_decay=True, but this ShardedFusedAdam"):
+        zk.initialize(model, _config(1), optimizer=client)
+    assert client.param_groups == before
+    for m, o in ((model, client), (ref, torch_client)):
+        m(torch.ones(2, 4)).square().mean().backward()
+        o.step()
+    assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)

@@ -60,6 +60,20 @@ def groups(client: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return client.param_groups
 
 
+def keep(client: torch.optim.Optimizer) -> Callable[[], None]:
+    """A function putting the client's param groups back as they are now (the list, each dict's keys and values),
+    for an initialize that fails after ``groups`` and the ``ShardedFusedAdam`` built on them changed them."""
+    kept = [(group, dict(group)) for group in client.param_groups]
+
+    def restore() -> None:
+        for group, items in kept:
+            group.clear()
+            group.update(items)
+        client.param_groups[:] = [group for group, _ in kept]
+
+    return restore
+
+
 def decoupled(client: torch.optim.Optimizer) -> bool:
     """Whether the client decouples its weight decay: AdamW, or Adam built with ``decoupled_weight_decay=True`` (a
     group saying otherwise is refused by ``ShardedFusedAdam``, which has one mode)."""
