@@ -202,16 +202,20 @@ def test_nested_schedulers_are_moved_at_every_depth() -> None:
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_scheduler_s_auto_lr_is_the_client_s() -> None:
-    """The config's "optimizer" section is not used beside a client, also not for a scheduler's "auto" lr."""
+def test_a_scheduler_s_auto_lr_is_the_client_s(caplog: pytest.LogCaptureFixture) -> None:
+    """The config's "optimizer" section is not used beside a client, also not for a scheduler's "auto" lr (and the
+    log says so)."""
     section = {
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 2}},
     }
     model = nn.Linear(4, 2)
-    model, opt, sched = zk.initialize(
-        model, _config(1, **section), optimizer=torch.optim.AdamW(model.parameters(), 1e-2)
-    )
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        model, opt, sched = zk.initialize(
+            model, _config(1, **section), optimizer=torch.optim.AdamW(model.parameters(), 1e-2)
+        )
+    assert "scheduler.params.warmup_max_lr=each param group's lr (no optimizer section" in caplog.text
+    assert "warmup_max_lr=None" not in caplog.text
     for _ in range(3):
         model(torch.ones(2, 4)).square().mean().backward()
         opt.step()

@@ -54,7 +54,14 @@ TRAINER_DEFAULTS: Dict[str, Tuple[Any, str]] = {
 
 
 def _optimizer_lr(ctx: ParseContext) -> Optional[float]:
-    return ctx.values.get("optimizer.params.lr")
+    """The optimizer section's lr; None without a section (a client optimizer's), logged as what it stands for:
+    each param group's lr, taken when the scheduler is built."""
+    lr = ctx.values.get("optimizer.params.lr")
+    if lr is None:
+        path = "scheduler.params.warmup_max_lr"
+        ctx.derived.add(path)
+        ctx.resolved.append(f"{path}=each param group's lr (no optimizer section: the optimizer's own groups)")
+    return lr
 
 
 def _attribute(args: Any, name: str) -> Any:
