@@ -240,3 +240,43 @@ def test_the_state_of_a_parameter_frozen_since_is_left_out_with_a_warning(
         _step(ref, ropt, batch(step, ROWS))
         with opt.gathered_params():
             compare(model, ref, f"stage {stage} step {step}")
+
+
+def _tensors(opt: zo.ShardedFusedAdam) -> list[torch.Tensor]:
+    state = opt.state_dict()
+    values = [float(g["lr"]) for g in state["param_groups"]]
+    return [torch.tensor(values)] + [t for e in state["state"].values() for t in e.values() if torch.is_tensor(t)]
+
+
+@pytest.mark.parametrize("step", [float("nan"), float("inf"), -3.0, 2.5])
+def test_a_step_that_is_no_count_is_refused_before_anything_loads(step: float) -> None:
+    """A saved step that is not a whole number >= 0 is refused naming the parameter, before the groups' values or
+    any moment change (it used to fail inside the load, half the state loaded, or to be truncated)."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=1)
+    _step(model, opt, batch(0, ROWS))
+    ropt = torch.optim.AdamW(groups(ref), lr=5 * LR)
+    for _ in range(2):
+        _step(ref, ropt, batch(1, ROWS))
+    saved = ropt.state_dict()
+    last = max(saved["state"])
+    saved["state"][last]["step"] = torch.tensor(step)
+    before = _tensors(opt)
+    message = rf"state\[{last}\]\[.step.\] \(.*{last}.*\) is {step}: a step count is a whole"
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved)
+    for a, b in zip(before, _tensors(opt), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_state_is_listed_in_parameter_order_as_in_adamw(stage: int) -> None:
+    """``state_dict()["state"]`` lists the parameters in their order, as ``torch.optim.AdamW`` does (code reading
+    ``list(sd["state"].values())`` pairs them with the parameters)."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=stage, reduce_bucket_size=BUCKET, module=model)
+    ropt = torch.optim.AdamW(groups(ref), lr=LR)
+    for m, o in ((model, opt), (ref, ropt)):
+        _step(m, o, batch(0, ROWS))
+    assert list(opt.state_dict()["state"]) == list(ropt.state_dict()["state"])
+    assert list(opt.full_state_dict()["state"]) == list(ropt.state_dict()["state"])

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import operator
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -204,6 +205,17 @@ def step_count(value: Any, what: str) -> int:
     return count
 
 
+def _check_step(value: Any, what: str) -> None:
+    """A saved AdamW step (a one-element tensor, or a number in older state dicts) is a whole number >= 0: the
+    shards count steps in integers, so a fractional, negative or non-finite one is refused before anything loads."""
+    try:
+        step = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{what} must be a number or a one-element tensor, got {value!r}") from None
+    if not (math.isfinite(step) and step >= 0 and step.is_integer()):
+        raise ValueError(f"{what} is {step}: a step count is a whole number >= 0; nothing was loaded")
+
+
 def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
     """The fp32 masters a ``whole`` state carries, into this rank's part of the master shards."""
     for piece in zstate.load_pieces(pipeline):
@@ -295,6 +307,7 @@ def _check_full(opt: "ShardedFusedAdam", entries: Mapping[int, Any]) -> dict[int
         for name in ("exp_avg_sq", "max_exp_avg_sq", "master"):
             if name in entry and tuple(entry[name].shape) != tuple(entry["exp_avg"].shape):
                 raise ValueError(f"load_state_dict: state[{key!r}]['{name}'] is not shaped like its exp_avg")
+        _check_step(entry["step"], f"load_state_dict: state[{key!r}]['step'] ({opt._param_name(key)})")
         shapes[key] = tuple(entry["exp_avg"].shape)
     _check_shapes(opt, shapes)
     frozen = sorted(set(shapes) - trainable)

@@ -130,7 +130,7 @@ def gather_full_state(pipeline: Pipeline, keep: bool = True) -> dict[int, dict[s
             for name, values in full.items():
                 entry[name] = values.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
             out[index] = entry
-    return out
+    return dict(sorted(out.items()))  # in parameter order, as torch.optim.AdamW lists its state
 
 
 def scatter_full_state(pipeline: Pipeline, state: dict[int, dict[str, torch.Tensor]]) -> None:
