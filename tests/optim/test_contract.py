@@ -416,6 +416,33 @@ def test_flags_as_adamw_takes_them() -> None:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_group_s_betas_may_mix_a_float_and_a_tensor_as_in_adamw() -> None:
+    """torch asks both betas to be floats or both tensors of the constructor's ``betas`` only: a group added with a
+    float beside a tensor, and a client whose tensor betas ``OneCycleLR`` turned into such a pair, train as AdamW."""
+    torch.manual_seed(0)
+    ours, theirs = Net(), Net()
+    theirs.load_state_dict(ours.state_dict())
+    t = torch.tensor
+    built = []
+    for model, make in ((ours, zo.ShardedFusedAdam), (theirs, torch.optim.AdamW)):
+        params = list(model.parameters())
+        opt = make(params[:2], lr=t(0.05), betas=(t(0.9), t(0.99)))
+        opt.add_param_group({"params": params[2:], "betas": (0.8, t(0.95))})
+        built.append((model, opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=5)))
+    small = nn.Linear(3, 2)
+    client = torch.optim.AdamW(small.parameters(), lr=t(0.05), betas=(t(0.9), t(0.99)))
+    torch.optim.lr_scheduler.OneCycleLR(client, max_lr=0.1, total_steps=5)  # beta1 now a float
+    zk.initialize(small, {"train_micro_batch_size_per_gpu": 1}, optimizer=client)
+    for step in range(4):
+        for model, opt, sched in built:
+            model(batch(step, ROWS)).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "key, value, message",
     [

@@ -95,9 +95,11 @@ def check_decay_mode(group: Mapping[str, Any], where: str, mode: bool) -> None:
         )
 
 
-def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
+def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float, *, same_kind_betas: bool = True) -> None:
     """``torch.optim.AdamW``'s checks of the hyper-parameters, with its wording (a tensor ``lr``
-    or tensor ``betas`` must have one element; both betas are numbers or both tensors)."""
+    or tensor ``betas`` must have one element; both betas are numbers or both tensors, which torch asks of the
+    constructor's ``betas`` only: ``same_kind_betas=False`` for a param group's, where a scheduler cycling the
+    momentum, ``OneCycleLR``, writes a float beta1 beside a tensor beta2)."""
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
     if not 0.0 <= lr:
@@ -116,7 +118,7 @@ def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     tensors = [isinstance(b, torch.Tensor) for b in betas]
-    if not (all(tensors) or all(_is_real(b) for b in betas)):
+    if same_kind_betas and not (all(tensors) or all(_is_real(b) for b in betas)):
         raise ValueError("betas must be either both floats or both Tensors")
 
 
@@ -423,7 +425,7 @@ def check_group(
         group["params"] = list(group["params"])
     tensors, names = check_structure(group["params"], [named for _, named in previous], "param_names" in group)
     merged = {**defaults, **group}
-    check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+    check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], same_kind_betas=False)
     check_flags(group, f"param group {index}")
     if "decoupled_weight_decay" in defaults:
         check_decay_mode(group, f"param group {index}", defaults["decoupled_weight_decay"])
