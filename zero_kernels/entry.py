@@ -214,7 +214,7 @@ def _build_optimizer(
     zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
     if client is not None:
         params: Any = client_optimizer.groups(client)  # shared with the client
-        algorithm = {**client_optimizer.defaults(client), "adam_w_mode": client_optimizer.decoupled(client)}
+        algorithm = client_optimizer.hyper(client)
     else:
         params = model if model_parameters is None else model_parameters
         opt = config.optimizer

@@ -235,11 +235,11 @@ def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, 
             if self.optimizer is None:
                 params = [p for p in self.model.parameters() if p.requires_grad]
                 self.optimizer = zk.ShardedFusedAdam([{"params": params}], module=self.model, lr=1e-2, stage=2)
-            return self.optimizer
+            return super().create_optimizer()  # the Trainer's create_optimizer keeps an optimizer set before it
 
     class Plain(ZeroTrainer):
         def create_optimizer(self, model=None):
-            self.optimizer = self.optimizer or torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+            self.optimizer = self.optimizer or torch.optim.SGD(self.model.parameters(), lr=1e-2)
             return self.optimizer
 
     _one_process(monkeypatch)
@@ -253,10 +253,77 @@ def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, 
     assert len(lines) == 1 and lines[0].startswith("ZeroTrainer: create_optimizer(): stage=2 [optimizer]"), lines
     assert "optimizer=ShardedFusedAdam [create_optimizer]: group 0: lr=0.01" in lines[0], lines
     plain = Plain(model=_llama(), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data())
-    with pytest.raises(
-        TypeError, match=r"the optimizer \(AdamW\) is not a ShardedFusedAdam: a create_optimizer override must"
-    ):
+    with pytest.raises(TypeError, match=r"the optimizer \(SGD\) is not a ShardedFusedAdam: a create_optimizer overr"):
         plain.train()
+
+
+def _lora_plus_groups(model) -> list[dict]:
+    """Param groups of their own, as LoRA+ builds them: the embeddings at lr 0 (they must not move), the rest at
+    the default lr, the norms without weight decay."""
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if "embed" in n], "lr": 0.0},
+        {"params": [p for n, p in named if "embed" not in n and "norm" not in n]},
+        {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0},
+    ]
+
+
+def _with_own_optimizer(base: type, calls_super: bool) -> type:
+    """``base`` with a ``create_optimizer`` building ``torch.optim.AdamW`` over its own groups: LLaMA-Factory's
+    form (set ``self.optimizer``, then ``super().create_optimizer()``) or one that returns it alone."""
+
+    class Own(base):
+        def create_optimizer(self, model=None):
+            if self.optimizer is None:
+                self.optimizer = torch.optim.AdamW(_lora_plus_groups(self.model), lr=2e-2, weight_decay=0.1, eps=1e-3)
+            return super().create_optimizer() if calls_super else self.optimizer
+
+    return Own
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("calls_super", [True, False], ids=["then-super", "alone"])
+def test_a_torch_adamw_built_by_a_create_optimizer_override_trains_with_its_groups(
+    tmp_path, monkeypatch, calls_super: bool, stage: int
+) -> None:
+    """A subclass building a ``torch.optim.AdamW`` over its own groups (LoRA+ in LLaMA-Factory) trains as the
+    Trainer with that optimizer, group by group, as the Trainer with DeepSpeed takes it as a client optimizer; it
+    was refused (returned alone) or silently replaced by an AdamW over the default groups (then ``super()``: the
+    embeddings at lr 0 moved by 4e-2)."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    weights = []
+    zero = {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 100}
+    for base, extra in ((Trainer, {}), (ZeroTrainer, {"zero_optimization": zero})):
+        model = _llama()
+        before = model.model.embed_tokens.weight.detach().clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = _with_own_optimizer(base, calls_super)(
+                model=model, args=_args(str(tmp_path / base.__name__), ddp_backend=None), train_dataset=_data(), **extra
+            )
+            trainer.train()
+        weights.append(_weights(model, trainer if base is ZeroTrainer else None))
+        assert torch.equal(weights[-1]["model.embed_tokens.weight"], before), base.__name__
+    _close(weights[1], weights[0], "ZeroTrainer with the override's AdamW", tol=1e-5)
+
+
+def test_a_torch_adamw_built_by_an_override_beside_a_config_optimizer_section_is_refused(tmp_path, monkeypatch):
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}  # fmt: skip
+    trainer = _with_own_optimizer(ZeroTrainer, True)(
+        model=_llama(), args=_args(str(tmp_path), ddp_backend=None), train_dataset=_data(), config=config
+    )
+    with pytest.raises(
+        ValueError, match=r'create_optimizer built torch.optim.AdamW and .* has an "optimizer" section: both'
+    ):
+        trainer.train()
 
 
 def test_a_given_optimizer_counting_micro_steps_is_refused(tmp_path) -> None:

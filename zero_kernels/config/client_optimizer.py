@@ -60,6 +60,12 @@ def groups(client: torch.optim.Optimizer) -> list[dict[str, Any]]:
     return client.param_groups
 
 
+def hyper(client: torch.optim.Optimizer) -> dict[str, Any]:
+    """``ShardedFusedAdam``'s keyword arguments for the client's algorithm: its defaults and its weight-decay mode
+    (``adam_w_mode``); its params are ``groups(client)``."""
+    return {**defaults(client), "adam_w_mode": decoupled(client)}
+
+
 def keep(client: torch.optim.Optimizer) -> Callable[[], None]:
     """A function putting the client's param groups back as they are now (the list, each dict's keys and values),
     for an initialize that fails after ``groups`` and the ``ShardedFusedAdam`` built on them changed them."""

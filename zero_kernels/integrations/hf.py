@@ -19,7 +19,9 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
 - the optimizer: ``ShardedFusedAdam`` with the config's optimizer over every trainable parameter,
   or without one with the arguments' ``learning_rate``, ``adam_beta1``, ``adam_beta2``,
   ``adam_epsilon`` and ``weight_decay`` (not applied to biases and norms, as the Trainer does); or
-  a ``ShardedFusedAdam`` passed as ``optimizers=(opt, scheduler)`` (not with a whole config);
+  a ``ShardedFusedAdam`` passed as ``optimizers=(opt, scheduler)`` (not with a whole config); or one sharing the
+  param groups of the ``torch.optim.AdamW``/``Adam`` a ``create_optimizer`` override built (a client optimizer, as
+  the Trainer with DeepSpeed takes it; not beside a config's optimizer section);
 - the DDP wrap: the optimizer reduces gradients itself, so the model is prepared by Accelerate
   without ``DistributedDataParallel`` (mixed-precision autocast and device placement still apply);
   gradient-accumulation micro-batches but the last run under ``opt.no_sync()``;
@@ -56,7 +58,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
-from ..config import ZeroConfig, ZeroOptions
+from ..config import ZeroConfig, ZeroOptions, client_optimizer
 from ..config.at_updates import counting, gate
 from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
@@ -150,6 +152,8 @@ class ZeroTrainer(Trainer):
         Args:
             model: the model (default: ``self.model``).
         """
+        if self.zero_optimizer is None and self.optimizer is not None:  # set by a subclass, which then calls this
+            self.zero_optimizer = self._adopt(self.optimizer, self.model if model is None else model)
         if self.zero_optimizer is None:
             model = self.model if model is None else model
             config = self._resolved_config()
@@ -197,6 +201,8 @@ class ZeroTrainer(Trainer):
             num_training_steps: as ``Trainer.create_scheduler``.
             optimizer: as ``Trainer.create_scheduler``.
         """
+        if self.optimizer is not None:
+            self._sharded()  # a torch AdamW a create_optimizer override built is replaced before a scheduler uses it
         config = self._resolved_config()
         if self.lr_scheduler is None and self.zero_source.whole and config.scheduler is not None:
             self.lr_scheduler = config.scheduler.build(self.optimizer if optimizer is None else optimizer)
@@ -235,18 +241,54 @@ class ZeroTrainer(Trainer):
 
     def _sharded(self) -> ShardedFusedAdam:
         """The ``ShardedFusedAdam`` this trainer steps: the one it built, or the one a subclass's own
-        ``create_optimizer`` built (``TypeError`` for any other optimizer)."""
+        ``create_optimizer`` built, or made from the ``torch.optim.AdamW``/``Adam`` it built (``_adopt``), put in
+        its place inside Accelerate's wrapper."""
         if self.zero_optimizer is None:
-            built = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper holds it
-            if not isinstance(built, ShardedFusedAdam):
-                raise TypeError(
-                    f"ZeroTrainer: the optimizer ({type(built).__name__}) is not a ShardedFusedAdam: a "
-                    "create_optimizer override must set self.optimizer to a zk.ShardedFusedAdam (its param groups "
-                    "over the model's trainable parameters, module=self.model at stage 3)"
-                )
-            _check_counts_no_micro_steps(built, "create_optimizer built")
-            self.zero_optimizer = built
+            wrapper = self.optimizer
+            built = getattr(wrapper, "optimizer", wrapper)  # Accelerate's wrapper holds it
+            self.zero_optimizer = self._adopt(built, self.model)
+            if wrapper is built:
+                self.optimizer = self.zero_optimizer
+            else:
+                wrapper.optimizer = self.zero_optimizer
         return self.zero_optimizer
+
+    def _adopt(self, built: Any, model: nn.Module) -> ShardedFusedAdam:
+        """The ``ShardedFusedAdam`` to train with, given the optimizer a subclass built: itself, or one sharing the
+        param groups of a ``torch.optim.AdamW``/``Adam`` (a client optimizer, as the Trainer with DeepSpeed hands
+        the one ``create_optimizer`` built to ``deepspeed.initialize``: its groups' lrs, LoRA+'s among them, are
+        kept); ``TypeError`` for any other optimizer."""
+        if isinstance(built, ShardedFusedAdam):
+            _check_counts_no_micro_steps(built, "create_optimizer built")
+            return built
+        if type(built) not in client_optimizer.CLIENT_CLASSES:
+            raise TypeError(
+                f"ZeroTrainer: the optimizer ({type(built).__name__}) is not a ShardedFusedAdam: a create_optimizer "
+                "override must set self.optimizer to a torch.optim.AdamW or Adam (its param groups are kept) or a "
+                "zk.ShardedFusedAdam (module=self.model at stage 3)"
+            )
+        config = self._resolved_config()
+        if self.zero_source.whole and config.optimizer is not None:
+            raise ValueError(
+                f"ZeroTrainer: create_optimizer built torch.optim.{type(built).__name__} and "
+                f'{self.zero_source.origin} has an "optimizer" section: both say how to train (the Trainer with '
+                "DeepSpeed would take the section and drop the optimizer built, its param groups with it): remove the "
+                "section, or build no optimizer"
+            )
+        if config.bf16 and self.zero_source.whole:
+            model.to(torch.bfloat16)  # as for the optimizer built from the config
+        options = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
+        restore = client_optimizer.keep(built)
+        try:
+            sharded = ShardedFusedAdam(
+                client_optimizer.groups(built), module=model, **client_optimizer.hyper(built), **options
+            )
+        except BaseException:
+            restore()
+            raise
+        client_optimizer.adopt_state(built, sharded)
+        client_optimizer.retire(built, sharded)
+        return sharded
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """As the Trainer's; micro-batches before the last of an accumulation step do not communicate."""
