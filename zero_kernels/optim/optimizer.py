@@ -87,7 +87,7 @@ from ..stages import (
 )
 from ..stages import state_door as zstate
 from ..stages.ownership import check_step
-from . import amp, foreign_steps, guards, module_zero_grad, torch_clip
+from . import amp, foreign_steps, guards, module_zero_grad, state_init, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
@@ -445,7 +445,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._micro_step += 1
-        if self._micro_step < self.gradient_accumulation_steps:
+        if self._micro_step < self.gradient_accumulation_steps and not state_init.only_makes_state(self):
             self._update_sync()
             return loss
         hyper = [self._hyper(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
