@@ -240,3 +240,25 @@ def test_loading_without_an_optimizer_says_how_to_load_the_weights_alone(tmp_pat
     fresh.load_state_dict(torch.load(tmp_path / "out.pt")["model"])
     for name, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_checkpoint_of_the_other_decay_mode_loads_with_a_warning_and_trains(
+    tmp_path: Path, stage: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An Adam-mode (L2) checkpoint loaded into an AdamW-mode optimizer keeps the optimizer's mode, as
+    ``load_state_dict`` does, with its WARNING; the groups took the saved ``decoupled_weight_decay``, and every step
+    after the load raised."""
+    model = make_net()
+    adam = zo.ShardedFusedAdam(model, lr=1e-2, weight_decay=0.1, stage=stage, adam_w_mode=False,
+                               reduce_bucket_size=30, stage3_param_persistence_threshold=4)  # fmt: skip
+    train(model, adam, range(2), 0, 1)
+    ck.save(tmp_path, model, adam)
+    again = make_net()
+    opt = make_opt(again, stage)
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        ck.load(tmp_path, again, opt)
+    assert "zero_kernels.checkpoint.load: param group 0 was saved with L2 weight decay" in caplog.text
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    train(again, opt, range(2, 4), 0, 1)
+    assert opt.applied_steps == 2

@@ -553,8 +553,9 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
     for index in pipeline.steps:
         entry = saved[names[index]]
         pipeline.steps[index] = int(entry["step"]) if entry["trainable"] else 0
+    state_door.warn_other_decay_mode(staged.book["param_groups"], optimizer.adam_w_mode, "zero_kernels.checkpoint.load")
     for group, hyper in zip(optimizer.param_groups, staged.book["param_groups"]):
-        group.update(hyper)
+        group.update({k: v for k, v in hyper.items() if k not in state_door.KEEP_OWN})
     scaler = getattr(optimizer, "loss_scaler", None)
     if scaler is not None and staged.book["loss_scaler"] is not None:
         scaler.load_state_dict(staged.book["loss_scaler"])

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zero_kernels")
 
 FORMAT = zstate.STATE_DICT_KEY
-KEEP_OWN = (*IMPLEMENTATION_FLAGS, "decoupled_weight_decay")  # group keys a load does not change
+KEEP_OWN = zstate.KEEP_OWN
 _ADAMW_GROUP_KEYS = {**ALGORITHM_FLAGS, **IMPLEMENTATION_FLAGS}
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 _LOST_FORMAT = (
@@ -168,7 +168,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     else:
         entries, extra = _by_parameter(opt, state, saved_groups)
         entries = _check_full(opt, entries)
-    _warn_other_decay_mode(opt, saved_groups)
+    zstate.warn_other_decay_mode(saved_groups, opt.adam_w_mode, "load_state_dict")
     for group, saved in zip(opt.param_groups, saved_groups):
         _adopt(group, saved)
     pipeline = opt.pipeline
@@ -222,28 +222,6 @@ def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
         entry = entries.get(piece.index)
         if "master" in piece.state and entry is not None and "master" in entry:
             piece.state["master"].copy_(entry["master"].reshape(-1).narrow(0, piece.start, piece.numel))
-
-
-def _mode(adam_w: bool) -> str:
-    if adam_w:
-        return "decoupled weight decay (AdamW, decoupled_weight_decay=True)"
-    return "L2 weight decay added to the gradient (Adam, decoupled_weight_decay=False)"
-
-
-def _warn_other_decay_mode(opt: "ShardedFusedAdam", saved_groups: list[dict[str, Any]]) -> None:
-    """One WARNING when a saved group with a non-zero ``weight_decay`` was trained in the other decay mode: this
-    optimizer keeps its own (``KEEP_OWN``), so the loaded decay now acts another way."""
-    for g, saved in enumerate(saved_groups):
-        mode = saved.get("decoupled_weight_decay", saved.get("adam_w_mode"))
-        if mode is None or bool(mode) == opt.adam_w_mode or not float(saved.get("weight_decay", 0.0)):
-            continue
-        log.warning(
-            "load_state_dict: param group %d was saved with %s and weight_decay=%g; this optimizer keeps its own "
-            "mode, %s, so from now on that decay acts as its mode does. Build it with adam_w_mode=%s to go on "
-            "as the state was trained",
-            g, _mode(bool(mode)), float(saved["weight_decay"]), _mode(opt.adam_w_mode), bool(mode),
-        )  # fmt: skip
-        return
 
 
 def _adopt(group: dict[str, Any], saved: dict[str, Any]) -> None:

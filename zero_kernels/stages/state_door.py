@@ -36,6 +36,7 @@ Every function here that writes a shard first waits for the copies up still read
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -46,11 +47,37 @@ from .adopt import current
 from .base import FlatBuffer, Pipeline
 from .master import record, unrecord, written
 
+log = logging.getLogger("zero_kernels")
 STATE_DICT_KEY = "zero_kernels.sharded"  # the optimizer state dicts' key for what AdamW's layout has no place for
 KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")  # every state tensor a buffer may have
 MOMENTS = KINDS[:3]  # Adam's state proper (a reset zeroes these; the master is the parameter's value)
 _MOMENTS = KINDS[:2]
+# Param-group keys a load keeps the optimizer's own values of: torch's implementation flags and the weight-decay mode
+# (``ShardedFusedAdam`` has one mode for all groups; a group saying the other is refused at the step).
+KEEP_OWN = ("foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay")
 _AMSGRAD = KINDS[2]
+
+
+def _mode(adam_w: bool) -> str:
+    if adam_w:
+        return "decoupled weight decay (AdamW, decoupled_weight_decay=True)"
+    return "L2 weight decay added to the gradient (Adam, decoupled_weight_decay=False)"
+
+
+def warn_other_decay_mode(saved_groups: list[dict[str, Any]], adam_w_mode: bool, what: str) -> None:
+    """One WARNING, from ``what`` (the load), when a saved group with a non-zero ``weight_decay`` was trained in the
+    other decay mode: the optimizer keeps its own (``KEEP_OWN``), so the loaded decay now acts another way."""
+    for g, saved in enumerate(saved_groups):
+        mode = saved.get("decoupled_weight_decay", saved.get("adam_w_mode"))
+        if mode is None or bool(mode) == adam_w_mode or not float(saved.get("weight_decay", 0.0)):
+            continue
+        log.warning(
+            "%s: param group %d was saved with %s and weight_decay=%g; this optimizer keeps its own mode, %s, so "
+            "from now on that decay acts as its mode does. Build it with adam_w_mode=%s to go on as the state was "
+            "trained",
+            what, g, _mode(bool(mode)), float(saved["weight_decay"]), _mode(adam_w_mode), bool(mode),
+        )  # fmt: skip
+        return
 
 
 def state_tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
