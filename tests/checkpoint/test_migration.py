@@ -387,6 +387,15 @@ def test_import_command_line_and_errors(tmp_path: Path, capsys: pytest.CaptureFi
         zk.checkpoint.from_deepspeed(ds, tmp_path / "out", tag="global_step4")
 
 
+def test_a_missing_stage3_model_states_file_is_named(tmp_path: Path) -> None:
+    """A stage-3 checkpoint without one rank's model states file: said so (it failed on a frozen parameter's size)."""
+    ds = tmp_path / "ds"
+    shutil.copytree(DATA / "deepspeed" / "stage3_frozen_fp32" / "ckpt", ds)
+    (ds / "global_step4" / "zero_pp_rank_1_mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks stage 3 model state files for ranks 0\.\.1 \(found ranks \[0"):
+        zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
+
+
 class _Unsafe:
     """An object in a checkpoint file that the importer must refuse to unpickle."""
 

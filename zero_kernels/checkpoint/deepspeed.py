@@ -146,16 +146,19 @@ def _tag_folder(ds_dir: Path, tag: Optional[str]) -> Path:
     return folder
 
 
-def _by_rank(folder: Path, pattern: str, what: str) -> list[Path]:
-    """Files of ``folder`` matching ``pattern`` (a regex with one rank group), in rank order 0..N-1."""
+def _by_rank(folder: Path, pattern: str, what: str, count: Optional[int] = None) -> list[Path]:
+    """Files of ``folder`` matching ``pattern`` (a regex with one rank group), in rank order 0..N-1 (N: ``count``
+    when the ranks are known, else as many as found)."""
     found = {}
     for path in folder.iterdir():
         match = re.fullmatch(pattern, path.name)
         if match:
             found[int(match.group(1))] = path
-    if not found or sorted(found) != list(range(len(found))):
-        raise CheckpointError(f"{folder} lacks {what} files for ranks 0..N-1 (found ranks {sorted(found)})")
-    return [found[r] for r in range(len(found))]
+    count = len(found) if count is None else count
+    if not found or sorted(found) != list(range(count)):
+        ranks = f"0..{count - 1}" if count else "0..N-1"
+        raise CheckpointError(f"{folder} lacks {what} files for ranks {ranks} (found ranks {sorted(found)})")
+    return [found[r] for r in range(count)]
 
 
 def _check_single_model_parallel_rank(folder: Path) -> None:
@@ -412,7 +415,9 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
             f"{len(optims)}"
         )
     if stage == 3:
-        model_files = _by_rank(folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state")
+        model_files = _by_rank(
+            folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state", count=len(optims)
+        )
     elif stage in (1, 2):
         model_files = [folder / "mp_rank_00_model_states.pt"]
     else:
