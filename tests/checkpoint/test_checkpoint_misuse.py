@@ -262,3 +262,37 @@ def test_a_checkpoint_of_the_other_decay_mode_loads_with_a_warning_and_trains(
     assert opt.param_groups[0]["decoupled_weight_decay"] is True
     train(again, opt, range(2, 4), 0, 1)
     assert opt.applied_steps == 2
+
+
+def _memory_error_body(rank: int, world: int, root: str) -> list[str]:
+    """Rank 1 runs out of memory writing its file: every rank raises the same CheckpointError, the last version
+    stays the latest, and the next save works (a MemoryError escaped on rank 1 alone, and rank 0 waited for it)."""
+    import zero_kernels.checkpoint.sharded as sharded
+
+    model = make_net()
+    opt = make_opt(model, 2)
+    train(model, opt, range(2), rank, world)
+    ck.save(root, model, opt)
+    write = sharded._write_rank_file
+
+    def failing(*args, **kwargs):
+        if rank == 1:
+            raise MemoryError("out of memory")
+        return write(*args, **kwargs)
+
+    sharded._write_rank_file = failing
+    try:
+        ck.save(root, model, opt)
+        problems = ["the failed save did not raise"]
+    except ck.CheckpointError as err:
+        problems = [] if "rank 1: MemoryError: out of memory" in str(err) else [f"unclear: {err}"]
+    finally:
+        sharded._write_rank_file = write
+    problems += [] if (Path(root) / "latest").read_text() == "v000001" else ["latest moved"]
+    ck.save(root, model, opt)
+    return problems
+
+
+@pytest.mark.distributed
+def test_a_memory_error_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    run_ranks_checked(_memory_error_body, 2, str(tmp_path))

@@ -274,7 +274,7 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
     """
     try:
         value, error = fn(), None
-    except (OSError, ValueError, TypeError, KeyError, RuntimeError) as err:
+    except Exception as err:  # MemoryError too: a failure on one rank alone would leave the others waiting for it
         value, error = None, str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}"
     mine = (error, value if share else None)
     outcomes = all_gather_objects(pipeline.engine, mine, name="checkpoint.outcomes", device=pipeline.device)
