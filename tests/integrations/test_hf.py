@@ -253,7 +253,7 @@ def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, 
     assert len(lines) == 1 and lines[0].startswith("ZeroTrainer: create_optimizer(): stage=2 [optimizer]"), lines
     assert "optimizer=ShardedFusedAdam [create_optimizer]: group 0: lr=0.01" in lines[0], lines
     plain = Plain(model=_llama(), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data())
-    with pytest.raises(TypeError, match=r"the optimizer \(SGD\) is not a ShardedFusedAdam: a create_optimizer overr"):
+    with pytest.raises(TypeError, match=r"the optimizer \(SGD\) that a create_optimizer override builds is not take"):
         plain.train()
 
 
@@ -321,7 +321,7 @@ def test_a_torch_adamw_built_by_an_override_beside_a_config_optimizer_section_is
         model=_llama(), args=_args(str(tmp_path), ddp_backend=None), train_dataset=_data(), config=config
     )
     with pytest.raises(
-        ValueError, match=r'create_optimizer built torch.optim.AdamW and .* has an "optimizer" section: both'
+        ValueError, match=r'create_optimizer override builds torch.optim.AdamW and .* "optimizer" section: both'
     ):
         trainer.train()
 
@@ -334,3 +334,29 @@ def test_a_given_optimizer_counting_micro_steps_is_refused(tmp_path) -> None:
     opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=2, gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="the Trainer counts the micro-steps itself"):
         ZeroTrainer(model=model, args=_args(str(tmp_path), ddp_backend=None), optimizers=(opt, None))
+
+
+def test_optimizer_cls_and_kwargs_are_trained_as_the_trainer_trains_them(tmp_path, monkeypatch) -> None:
+    """``Trainer(optimizer_cls_and_kwargs=(torch.optim.AdamW, {...}))``: the Trainer's groups with those kwargs, as
+    the Trainer (with DeepSpeed too, as a client optimizer) builds them; they were ignored (the arguments' betas and
+    eps trained instead). Another class is refused naming the argument."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    given = (torch.optim.AdamW, {"lr": 3e-2, "betas": (0.8, 0.95), "eps": 1e-2})
+    weights = []
+    for base, extra in ((Trainer, {}), (ZeroTrainer, {"zero_optimization": {"stage": 2, "reduce_bucket_size": 500}})):
+        model = _llama()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = base(model=model, args=_args(str(tmp_path / base.__name__), ddp_backend=None),
+                           train_dataset=_data(), optimizer_cls_and_kwargs=given, **extra)  # fmt: skip
+            trainer.train()
+        weights.append(_weights(model, trainer if base is ZeroTrainer else None))
+    _close(weights[1], weights[0], "ZeroTrainer with optimizer_cls_and_kwargs", tol=1e-5)
+    sgd = ZeroTrainer(model=_llama(), args=_args(str(tmp_path / "sgd"), ddp_backend=None), train_dataset=_data(),
+                      optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))  # fmt: skip
+    with pytest.raises(TypeError, match=r"the optimizer \(SGD\) that optimizer_cls_and_kwargs builds is not"):
+        sgd.train()

@@ -152,8 +152,12 @@ class ZeroTrainer(Trainer):
         Args:
             model: the model (default: ``self.model``).
         """
-        if self.zero_optimizer is None and self.optimizer is not None:  # set by a subclass, which then calls this
-            self.zero_optimizer = self._adopt(self.optimizer, self.model if model is None else model)
+        source = "a create_optimizer override"
+        if self.zero_optimizer is None and self.optimizer is None and self.optimizer_cls_and_kwargs is not None:
+            super().create_optimizer(model)  # the Trainer's groups with the class and kwargs given
+            source = "optimizer_cls_and_kwargs"
+        if self.zero_optimizer is None and self.optimizer is not None:  # or set by a subclass, which then calls this
+            self.zero_optimizer = self._adopt(self.optimizer, self.model if model is None else model, source)
         if self.zero_optimizer is None:
             model = self.model if model is None else model
             config = self._resolved_config()
@@ -253,8 +257,8 @@ class ZeroTrainer(Trainer):
                 wrapper.optimizer = self.zero_optimizer
         return self.zero_optimizer
 
-    def _adopt(self, built: Any, model: nn.Module) -> ShardedFusedAdam:
-        """The ``ShardedFusedAdam`` to train with, given the optimizer a subclass built: itself, or one sharing the
+    def _adopt(self, built: Any, model: nn.Module, source: str = "a create_optimizer override") -> ShardedFusedAdam:
+        """The ``ShardedFusedAdam`` to train with, given the optimizer ``source`` built: itself, or one sharing the
         param groups of a ``torch.optim.AdamW``/``Adam`` (a client optimizer, as the Trainer with DeepSpeed hands
         the one ``create_optimizer`` built to ``deepspeed.initialize``: its groups' lrs, LoRA+'s among them, are
         kept); ``TypeError`` for any other optimizer."""
@@ -263,17 +267,16 @@ class ZeroTrainer(Trainer):
             return built
         if type(built) not in client_optimizer.CLIENT_CLASSES:
             raise TypeError(
-                f"ZeroTrainer: the optimizer ({type(built).__name__}) is not a ShardedFusedAdam: a create_optimizer "
-                "override must set self.optimizer to a torch.optim.AdamW or Adam (its param groups are kept) or a "
-                "zk.ShardedFusedAdam (module=self.model at stage 3)"
+                f"ZeroTrainer: the optimizer ({type(built).__name__}) that {source} builds is not taken: it must be "
+                "a torch.optim.AdamW or Adam (its param groups are kept) or a zk.ShardedFusedAdam (module=self.model "
+                "at stage 3)"
             )
         config = self._resolved_config()
         if self.zero_source.whole and config.optimizer is not None:
             raise ValueError(
-                f"ZeroTrainer: create_optimizer built torch.optim.{type(built).__name__} and "
-                f'{self.zero_source.origin} has an "optimizer" section: both say how to train (the Trainer with '
-                "DeepSpeed would take the section and drop the optimizer built, its param groups with it): remove the "
-                "section, or build no optimizer"
+                f"ZeroTrainer: {source} builds torch.optim.{type(built).__name__} and {self.zero_source.origin} has "
+                'an "optimizer" section: both say how to train (the Trainer with DeepSpeed would take the section and '
+                "drop the optimizer built, its param groups with it): remove the section, or build no optimizer"
             )
         if config.bf16 and self.zero_source.whole:
             model.to(torch.bfloat16)  # as for the optimizer built from the config
