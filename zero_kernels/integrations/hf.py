@@ -147,7 +147,9 @@ class ZeroTrainer(Trainer):
         self.accelerator.prepare_model = prepare_without_ddp
 
     def create_optimizer(self, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
-        """Build the ``ShardedFusedAdam`` (once), from the config's optimizer section or from the arguments.
+        """Build the ``ShardedFusedAdam`` (once), from the config's optimizer section or from the arguments; or take
+        the optimizer a subclass set before calling this, or the one ``optimizer_cls_and_kwargs`` builds
+        (``_adopt``).
 
         Args:
             model: the model (default: ``self.model``).
