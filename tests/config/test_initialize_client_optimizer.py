@@ -270,3 +270,19 @@ def test_a_failed_initialize_leaves_the_client_as_it_was() -> None:
         m(torch.ones(2, 4)).square().mean().backward()
         o.step()
     assert torch.equal(model.weight, ref.weight) and torch.equal(model.bias, ref.bias)
+
+
+def test_a_failed_initialize_gives_a_tensor_lr_back_its_value() -> None:
+    """A scheduler built on the client by a refused call (a callable returning a list) wrote the client's tensor lr
+    in place: the failed call gives it its value back, so the corrected call trains at the client's lr (it trained
+    at a quarter of it)."""
+    model = nn.Linear(4, 2)
+    lr, betas = torch.tensor(1e-2), (torch.tensor(0.9), torch.tensor(0.999))
+    client = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas)
+    half = lambda o: LambdaLR(o, lambda k: 0.5)  # noqa: E731
+    with pytest.raises(ValueError):
+        zk.initialize(model, _config(1), optimizer=client, lr_scheduler=lambda o: [half(o)])
+    assert client.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(1e-2)
+    assert "initial_lr" not in client.param_groups[0]
+    _, opt, _ = zk.initialize(model, _config(1), optimizer=client, lr_scheduler=half)
+    assert opt.param_groups[0]["lr"].item() == pytest.approx(5e-3)

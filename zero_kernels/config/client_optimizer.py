@@ -67,17 +67,34 @@ def hyper(client: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def keep(client: torch.optim.Optimizer) -> Callable[[], None]:
-    """A function putting the client's param groups back as they are now (the list, each dict's keys and values),
-    for an initialize that fails after ``groups`` and the ``ShardedFusedAdam`` built on them changed them."""
+    """A function putting the client's param groups back as they are now (the list, each dict's keys and values, and
+    the values of the tensors in them: a scheduler writes a tensor ``lr`` or ``betas`` in place), for an initialize
+    that fails after ``groups``, the ``ShardedFusedAdam`` built on them or a scheduler changed them."""
     kept = [(group, dict(group)) for group in client.param_groups]
+    values = [(t, t.detach().clone()) for _, items in kept for t in _hyper_tensors(items)]
 
     def restore() -> None:
         for group, items in kept:
             group.clear()
             group.update(items)
         client.param_groups[:] = [group for group, _ in kept]
+        with torch.no_grad():
+            for tensor, value in values:
+                tensor.copy_(value)
 
     return restore
+
+
+def _hyper_tensors(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a group's hyper-parameters hold (a tensor ``lr``, tensor ``betas``), not its parameters."""
+    found = []
+    for key, value in group.items():
+        if key in ("params", "param_names"):
+            continue
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+    return found
 
 
 def decoupled(client: torch.optim.Optimizer) -> bool:
