@@ -280,3 +280,31 @@ def test_the_state_is_listed_in_parameter_order_as_in_adamw(stage: int) -> None:
         _step(m, o, batch(0, ROWS))
     assert list(opt.state_dict()["state"]) == list(ropt.state_dict()["state"])
     assert list(opt.full_state_dict()["state"]) == list(ropt.state_dict()["state"])
+
+
+def _bad_sharded_steps_body(rank: int, world: int) -> list[str]:
+    """Each rank's own sharded state dict with one step count edited to something that is no count: refused naming
+    the entry, the groups unchanged (the load applied the groups first, then failed or truncated)."""
+    model, _ = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(groups(model), lr=LR, stage=2, reduce_bucket_size=BUCKET)
+    _step(model, opt, batch(rank, ROWS))
+    problems = []
+    for bad in (float("nan"), -1, 2.5, "x"):
+        saved = copy.deepcopy(opt.state_dict())
+        steps = saved[zo.optimizer.optim_state.FORMAT]["steps"]
+        steps[next(iter(steps))] = bad
+        saved["param_groups"][0]["lr"] = 0.5
+        try:
+            opt.load_state_dict(saved)
+            problems.append(f"step {bad!r} was loaded")
+        except ValueError as err:
+            if "['steps']" not in str(err) or "must be an integer >= 0" not in str(err):
+                problems.append(f"step {bad!r}: unclear refusal: {err}")
+        if opt.param_groups[0]["lr"] != LR:
+            problems.append(f"step {bad!r}: the groups were loaded before the refusal")
+    return problems
+
+
+@pytest.mark.distributed
+def test_a_sharded_step_that_is_no_count_is_refused_before_anything_loads() -> None:
+    run_ranks_checked(_bad_sharded_steps_body, 2)

@@ -156,6 +156,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     state = state_dict["state"]
     if is_sharded:
         _check_sharded(opt, state_dict[FORMAT])
+        _sharded_steps(meta)  # checked before anything changes
         count = len(opt.pipeline.buffers)
         missing = [i for i in range(count) if i not in state]
         if missing:
@@ -174,7 +175,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     pipeline = opt.pipeline
     if is_sharded:
         zstate.load_shard_state(pipeline, [entries[i] for i in range(len(entries))])
-        pipeline.steps.update({int(k): int(v) for k, v in meta["steps"].items()})
+        pipeline.steps.update(_sharded_steps(meta))
     else:
         zstate.scatter_full_state(pipeline, entries)
         _load_masters(pipeline, entries)
@@ -203,6 +204,16 @@ def step_count(value: Any, what: str) -> int:
     if count is None or count < 0:
         raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
     return count
+
+
+def _sharded_steps(meta: Mapping[str, Any]) -> dict[int, int]:
+    """A sharded state's step counts by parameter index, each an integer >= 0 (``ValueError`` naming the entry)."""
+    where = f"load_state_dict: state_dict[{FORMAT!r}]['steps']"
+    steps = {}
+    for key, value in meta["steps"].items():
+        index = int(key) if isinstance(key, str) and key.isdigit() else step_count(key, f"{where}: key {key!r}")
+        steps[index] = step_count(value, f"{where}[{key!r}]")
+    return steps
 
 
 def _check_step(value: Any, what: str) -> None:
