@@ -360,3 +360,26 @@ def test_optimizer_cls_and_kwargs_are_trained_as_the_trainer_trains_them(tmp_pat
                       optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}))  # fmt: skip
     with pytest.raises(TypeError, match=r"the optimizer \(SGD\) that optimizer_cls_and_kwargs builds is not"):
         sgd.train()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_model_init_trains_every_train_call_on_the_new_model(tmp_path, monkeypatch, stage: int) -> None:
+    """``Trainer(model_init=...)`` builds a new model at each ``train()`` (a hyper-parameter search's trials): the
+    second ``train()`` trains it as the Trainer does (it stepped the first model's parameters: the new one never
+    moved)."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    zero = {"stage": stage, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 100}
+    weights = []
+    for base, extra in ((Trainer, {}), (ZeroTrainer, {"zero_optimization": zero})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = base(model_init=lambda: _llama(), args=_args(str(tmp_path / base.__name__), ddp_backend=None),
+                           train_dataset=_data(), **extra)  # fmt: skip
+            trainer.train()
+            trainer.train()
+        weights.append(_weights(trainer.model, trainer if base is ZeroTrainer else None))
+    _close(weights[1], weights[0], "the second train() of ZeroTrainer(model_init=...)", tol=1e-5)

@@ -127,6 +127,22 @@ class ZeroTrainer(Trainer):
                 )
         _refuse_deepspeed_partitioned(self.model)
 
+    def call_model_init(self, trial: Any = None) -> nn.Module:
+        """As the Trainer's; the optimizer built for the model it replaces comes off that model and goes, with the
+        resolved config (a hyper-parameter search trial may change the arguments), so that ``train()`` builds them
+        again for the new model (the Trainer drops ``self.optimizer`` there; the second ``train()`` stepped the
+        first model's parameters).
+
+        Args:
+            trial: as ``Trainer.call_model_init``.
+        """
+        model = super().call_model_init(trial)
+        if self.zero_optimizer is not None and not self.zero_given:
+            self.zero_optimizer._detach()
+            self.zero_optimizer, self.zero_config = None, None
+            self._zero_built = self._sources_logged = False
+        return model
+
     @property
     def zero_options(self) -> ZeroOptions:
         """The ``zero_optimization`` options: the optimizer's, once it exists."""
