@@ -108,6 +108,16 @@ def test_training_args_fill_every_auto_the_trainer_would(caplog: pytest.LogCaptu
     assert sum("auto" in r.getMessage() for r in caplog.records) == 1, "resolved values are logged in one record"
 
 
+def test_training_args_give_warmup_max_lr_without_an_optimizer_section() -> None:
+    """A config without an optimizer section (a client optimizer's, or one a Trainer subclass builds): "auto"
+    warmup_max_lr is still the arguments' learning_rate, as the Trainer fills it and DeepSpeed then warms every group
+    to it (it was each group's own lr)."""
+    config = {**HF_TEMPLATE}
+    del config["optimizer"]
+    cfg = zk.ZeroConfig.from_deepspeed(config, world_size=3, training_args=_args(), hidden_size=64)
+    assert cfg.scheduler.params["warmup_max_lr"] == 3e-4
+
+
 def test_matches_the_hf_trainer_where_transformers_is_installed() -> None:
     """The values the Trainer's own DeepSpeed integration writes into the same template (it needs deepspeed)."""
     transformers = pytest.importorskip("transformers")

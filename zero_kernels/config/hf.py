@@ -15,7 +15,8 @@ Key path -> ``TrainingArguments`` attribute:
 - ``optimizer.params.lr``/``betas``/``eps``/``weight_decay`` <- ``learning_rate``,
   ``(adam_beta1, adam_beta2)``, ``adam_epsilon``, ``weight_decay``.
 - ``fp16.enabled`` <- ``fp16 or fp16_full_eval``; ``bf16.enabled`` <- ``bf16 or bf16_full_eval``.
-- ``scheduler.params.warmup_min_lr`` <- 0; ``warmup_max_lr`` <- ``learning_rate`` (the optimizer's lr);
+- ``scheduler.params.warmup_min_lr`` <- 0; ``warmup_max_lr`` <- ``learning_rate`` (the optimizer's lr; also without
+  an optimizer section, where the optimizer's groups are a client's);
   ``total_num_steps`` <- ``max_steps`` (when > 0; the Trainer otherwise counts the data loader's
   batches, which zero_kernels cannot see: pass ``total_num_steps=``); ``warmup_num_steps`` <-
   ``max(1, get_warmup_steps(total_num_steps))``.
@@ -54,9 +55,14 @@ TRAINER_DEFAULTS: Dict[str, Tuple[Any, str]] = {
 
 
 def _optimizer_lr(ctx: ParseContext) -> Optional[float]:
-    """The optimizer section's lr; None without a section (a client optimizer's), logged as what it stands for:
-    each param group's lr, taken when the scheduler is built."""
+    """The optimizer section's lr; without a section (a client optimizer's, or one a Trainer subclass builds) the
+    arguments' ``learning_rate`` when ``training_args`` are given, as the Trainer fills it (DeepSpeed then warms every
+    group to it), else None, logged as what it stands for: each param group's lr, taken when the scheduler is
+    built."""
     lr = ctx.values.get("optimizer.params.lr")
+    given = ctx.overrides.get("optimizer.params.lr")
+    if lr is None and given is not None:
+        return given.value
     if lr is None:
         path = "scheduler.params.warmup_max_lr"
         ctx.derived.add(path)
