@@ -245,7 +245,8 @@ def test_an_optimizer_built_by_a_create_optimizer_override_is_stepped(tmp_path, 
     _one_process(monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = Custom(model=_llama(), args=_args(str(tmp_path / "a"), ddp_backend=None), train_dataset=_data())
+        args = _args(str(tmp_path / "a"), ddp_backend=None, warmup_steps=2)  # the log shows lr 0.01, not the warmup's 0
+        trainer = Custom(model=_llama(), args=args, train_dataset=_data())
         with caplog.at_level(logging.WARNING, logger="zero_kernels"):
             trainer.train()
     assert trainer.zero_optimizer is trainer.optimizer.optimizer and trainer.zero_optimizer.applied_steps == STEPS

@@ -281,7 +281,8 @@ def _given_parts(opt: Any, scheduler: Any, args: Any, given_by: str) -> list[str
     if opt.options.stage == 3:
         keys += ["stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"]
     groups = "; ".join(
-        f"group {i}: lr={g['lr']}, betas={tuple(g['betas'])}, eps={g['eps']}, weight_decay={g['weight_decay']}"
+        f"group {i}: lr={g.get('initial_lr', g['lr'])}, betas={tuple(g['betas'])}, eps={g['eps']}, "
+        f"weight_decay={g['weight_decay']}"  # the lr the schedule starts from: a warmup has set the group's to its own
         for i, g in enumerate(opt.param_groups)
     )
     if scheduler is None:
