@@ -233,3 +233,29 @@ def test_accumulation_counted_by_both_is_refused() -> None:
     opt = zk.ShardedFusedAdam(model, lr=LR, stage=2, gradient_accumulation_steps=ACCUMULATE)
     with pytest.raises(ValueError, match="Keep the count in the Accelerator and build the optimizer without it"):
         accelerator.prepare(model, opt)
+
+
+def test_checkpoints_take_the_optimizer_prepare_returned(tmp_path) -> None:
+    """``zk.checkpoint.save/load(dir, model, opt)`` with the ``opt`` that ``accelerator.prepare`` returned (Accelerate's
+    wrapper), as the README's loop names it: saved and loaded as the ShardedFusedAdam inside (it was refused, the
+    message pointing at consolidate)."""
+    import zero_kernels as zk
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    accelerator = _accelerator(ZeroAccelerator)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 1))
+    model, opt = accelerator.prepare(model, zk.ShardedFusedAdam(model, lr=LR, stage=2))
+    model(torch.ones(ROWS, 6)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    zk.checkpoint.save(tmp_path, model, opt)
+    saved = opt.optimizer.full_state_dict()["state"]
+    model(torch.ones(ROWS, 6)).square().mean().backward()
+    opt.step()
+    assert saved and opt.optimizer.applied_steps == 2
+    zk.checkpoint.load(tmp_path, model, opt)
+    loaded = opt.optimizer.full_state_dict()["state"]
+    assert loaded.keys() == saved.keys()
+    for index, entry in loaded.items():
+        assert torch.equal(entry["exp_avg"], saved[index]["exp_avg"]), f"state[{index}] after load"

@@ -79,6 +79,13 @@ log = logging.getLogger("zero_kernels")
 
 
 # ---------------------------------------------------------------- what lives where
+def _unwrapped(optimizer: Any) -> Any:
+    """``optimizer``, or the one a wrapper holds (Accelerate's ``AcceleratedOptimizer``: ``.optimizer``), which
+    ``accelerator.prepare`` returns in its place."""
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(getattr(inner, "pipeline", None), Pipeline) else optimizer
+
+
 def _pipeline(optimizer: Any) -> Pipeline:
     pipeline = getattr(optimizer, "pipeline", None)
     if not isinstance(pipeline, Pipeline):
@@ -307,7 +314,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     Args:
         directory: the checkpoint root (created if needed); earlier versions stay untouched.
         model: the model the optimizer trains (tensors are named by its ``state_dict`` keys).
-        optimizer: the ``ShardedFusedAdam`` training ``model``.
+        optimizer: the ``ShardedFusedAdam`` training ``model`` (or the wrapper ``accelerator.prepare`` returned).
         extra: an object to keep with the checkpoint (``checkpoint.objects`` says which types); ``load``
             returns it.
         scheduler: an lr scheduler whose ``state_dict()`` is kept with the checkpoint, exactly.
@@ -316,6 +323,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
         the directory of the new version (complete when this returns, on every rank).
     """
     check_byteorder()
+    optimizer = _unwrapped(optimizer)
     pipeline = _pipeline(optimizer)
     _refuse_inside_hold(pipeline, "save")
     pipeline.wait_params()
@@ -593,7 +601,8 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     Args:
         directory: a checkpoint root written by ``save`` or one of its ``vNNNNNN`` version directories.
         model: the model (same parameter names and shapes as the one saved).
-        optimizer: its ``ShardedFusedAdam`` (same param groups, by parameter name).
+        optimizer: its ``ShardedFusedAdam`` (same param groups, by parameter name), or the wrapper
+            ``accelerator.prepare`` returned.
         scheduler: an lr scheduler to restore from the state saved with ``save(..., scheduler=)``
             (or imported from DeepSpeed); it is loaded after the optimizer's param groups.
 
@@ -601,6 +610,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
         the ``extra`` object given to ``save`` (None when there was none).
     """
     check_byteorder()
+    optimizer = _unwrapped(optimizer)
     pipeline = _pipeline(optimizer)
     _refuse_inside_hold(pipeline, "load")
     pipeline.wait_params()
