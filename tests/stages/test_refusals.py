@@ -266,3 +266,34 @@ def _every_case(rank: int, world: int, directory: str) -> list[str]:
 @pytest.mark.distributed
 def test_late_or_repeated_gradients_raise_or_count_on_every_rank_and_resume(tmp_path) -> None:
     run_ranks_checked(_every_case, WORLD, str(tmp_path), timeout_s=180)
+
+
+def _step_inside_no_sync_body(rank: int, world: int) -> list[str]:
+    """``opt.step()`` inside ``opt.no_sync()`` at every stage: refused on every rank before anything changes (it
+    reduced the local gradients anyway, where DDP steps each rank on its own: 0.1 apart after 3 steps); the step
+    after the block then trains as usual."""
+    problems = []
+    for stage in range(4):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+        opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage)
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(rank))
+        with opt.no_sync():
+            model(x).square().mean().backward()
+            try:
+                opt.step()
+                problems.append(f"stage {stage}: a step inside no_sync() was taken")
+            except RuntimeError as err:
+                if "step() inside no_sync()" not in str(err):
+                    problems.append(f"stage {stage}: unclear refusal: {err}")
+        if opt.applied_steps or opt.micro_step:
+            problems.append(f"stage {stage}: the refused step changed the optimizer")
+        opt.step()
+        if opt.applied_steps != 1:
+            problems.append(f"stage {stage}: the step after the block did not update")
+    return problems
+
+
+@pytest.mark.distributed
+def test_a_step_inside_no_sync_is_refused() -> None:
+    run_ranks_checked(_step_inside_no_sync_body, 2)

@@ -360,7 +360,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next one outside communicates."""
+        """Backward passes inside accumulate gradients locally; the next one outside communicates. ``step()`` inside
+        raises (DDP would step each rank on its own gradients, which sharded state cannot do; DeepSpeed's engine
+        refuses it too)."""
         self._no_sync_depth += 1
         self._update_sync()
         try:
@@ -438,6 +440,13 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             closure: re-evaluates the model and returns the loss (optional).
             grad_scaler: the ``torch.amp.GradScaler`` of ``scaler.step(opt)``, which passes it (see ``amp``).
         """
+        if self._no_sync_depth:
+            raise RuntimeError(
+                "ShardedFusedAdam.step() inside no_sync(): DDP would step each rank on its own local gradients (the "
+                "replicas drifting apart, as Accelerate's LocalSGD wants), which sharded optimizer state cannot do; "
+                "this step would reduce them across ranks instead. Leave the no_sync() block, then step; nothing "
+                "was changed"
+            )
         check_groups_unchanged(self._built_groups, self.param_groups)
         scaled = amp.begin(grad_scaler, self)
         loss = None
