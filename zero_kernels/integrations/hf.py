@@ -179,19 +179,23 @@ class ZeroTrainer(Trainer):
         if self.zero_optimizer is None:
             model = self.model if model is None else model
             config = self._resolved_config()
-            if config.fp16.enabled:
-                raise ValueError(
-                    f"ZeroTrainer: fp16 is enabled in {self.zero_source.origin}: the Trainer's loop cannot apply "
-                    "zero_kernels' loss scaling; use bf16 (or fp32)"
-                )
-            if config.bf16 and self.zero_source.whole:
-                model.to(torch.bfloat16)  # as DeepSpeed: bf16 weights, fp32 master weights in the optimizer
+            self._cast(model, config)
             groups, hyper = self._groups(model, config)
-            options = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
-            self.zero_optimizer = ShardedFusedAdam(groups, module=model, **hyper, **options)
+            self.zero_optimizer = ShardedFusedAdam(groups, module=model, **hyper, **_zero_options(config))
             self._zero_built = True
         self.optimizer = self.zero_optimizer
         return self.optimizer
+
+    def _cast(self, model: nn.Module, config: ZeroConfig) -> None:
+        """The model in the precision the config trains it in, before its optimizer is built: bf16 weights for a whole
+        config with bf16 (as DeepSpeed; the fp32 master weights are the optimizer's); fp16 refused."""
+        if config.fp16.enabled:
+            raise ValueError(
+                f"ZeroTrainer: fp16 is enabled in {self.zero_source.origin}: the Trainer's loop cannot apply "
+                "zero_kernels' loss scaling; use bf16 (or fp32)"
+            )
+        if config.bf16 and self.zero_source.whole:
+            model.to(torch.bfloat16)
 
     def _groups(self, model: nn.Module, config: ZeroConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Param groups and hyper-parameters: the config's optimizer over every trainable parameter (as
@@ -296,13 +300,11 @@ class ZeroTrainer(Trainer):
                 'an "optimizer" section: both say how to train (the Trainer with DeepSpeed would take the section and '
                 "drop the optimizer built, its param groups with it): remove the section, or build no optimizer"
             )
-        if config.bf16 and self.zero_source.whole:
-            model.to(torch.bfloat16)  # as for the optimizer built from the config
-        options = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
+        self._cast(model, config)
         restore = client_optimizer.keep(built)
         try:
             sharded = ShardedFusedAdam(
-                client_optimizer.groups(built), module=model, **client_optimizer.hyper(built), **options
+                client_optimizer.groups(built), module=model, **client_optimizer.hyper(built), **_zero_options(config)
             )
         except BaseException:
             restore()
@@ -432,6 +434,11 @@ def _check_counts_no_micro_steps(opt: ShardedFusedAdam, where: str) -> None:
             "(TrainingArguments.gradient_accumulation_steps) and steps the optimizer once per window; build the "
             "optimizer without gradient_accumulation_steps"
         )
+
+
+def _zero_options(config: ZeroConfig) -> dict[str, Any]:
+    """The config's ``zero_optimization`` options, as ``ShardedFusedAdam``'s keyword arguments."""
+    return {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
 
 
 def check_optim(optim: Any) -> None:
