@@ -156,7 +156,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     state = state_dict["state"]
     if is_sharded:
         _check_sharded(opt, state_dict[FORMAT])
-        _sharded_steps(meta)  # checked before anything changes
+        steps = _sharded_steps(meta)  # checked before anything changes
         count = len(opt.pipeline.buffers)
         missing = [i for i in range(count) if i not in state]
         if missing:
@@ -175,7 +175,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     pipeline = opt.pipeline
     if is_sharded:
         zstate.load_shard_state(pipeline, [entries[i] for i in range(len(entries))])
-        pipeline.steps.update(_sharded_steps(meta))
+        pipeline.steps.update(steps)
     else:
         zstate.scatter_full_state(pipeline, entries)
         _load_masters(pipeline, entries)
