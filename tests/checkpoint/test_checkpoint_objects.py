@@ -167,6 +167,33 @@ def test_param_groups_and_extra_come_back_with_their_types(tmp_path: Path) -> No
     assert opt2.param_groups[1]["param_names"] == ["weight", "bias"]
 
 
+def test_tensors_saved_on_a_gpu_come_back_where_the_loader_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``extra`` (and the objects) written by rank 0 from its GPU: a reader without one gets them on the CPU (it was
+    refused, naming weights_only), a reader with one on its own current GPU, not on rank 0's."""
+    import torch.serialization as serialization
+
+    model = _model()
+    extra = {"ema": torch.arange(3.0), "epoch": 3}
+    real = serialization.location_tag
+    monkeypatch.setattr(serialization, "location_tag", lambda storage: "cuda:0")  # as torch.save on cuda:0 writes
+    ck.save(tmp_path, model, _opt(model), extra=extra)
+    monkeypatch.setattr(serialization, "location_tag", real)
+    back = ck.load(tmp_path, model, _opt(model))
+    assert back["ema"].device.type == "cpu" and torch.equal(back["ema"], extra["ema"]) and back["epoch"] == 3
+    moved: list[int] = []
+
+    def cuda(storage: Any, device: int) -> Any:
+        moved.append(device)
+        return storage
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.UntypedStorage, "cuda", cuda, raising=False)
+    (saved,) = tmp_path.glob("v*/extra.pt")
+    assert torch.equal(ck.objects.loads(saved.read_bytes(), "extra.pt")["ema"], extra["ema"])
+    assert moved == [1], moved
+
+
 def test_objects_that_cannot_be_read_back_safely_are_refused_when_saved(tmp_path: Path) -> None:
     model = _model()
     opt = _opt(model)

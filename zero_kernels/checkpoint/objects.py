@@ -114,6 +114,14 @@ def dumps(obj: Any, where: str) -> bytes:
     return data.getvalue()
 
 
+def _here(storage: Any, location: str) -> Any:
+    """Where a saved tensor comes back: one saved from a GPU on this process's current GPU (every rank reads what
+    rank 0 wrote: not on rank 0's device), on the CPU where there is none; any other on the CPU."""
+    if location.startswith("cuda") and torch.cuda.is_available():
+        return storage.cuda(torch.cuda.current_device())
+    return storage
+
+
 def loads(data: bytes, what: str) -> Any:
     """Objects written by ``dumps``, or by ``torch.save`` alone (earlier ``extra.pt`` files); never runs code.
 
@@ -122,7 +130,7 @@ def loads(data: bytes, what: str) -> Any:
         what: the file, for the message.
     """
     try:
-        return decode(torch.load(io.BytesIO(data), weights_only=True))
+        return decode(torch.load(io.BytesIO(data), weights_only=True, map_location=_here))
     except CheckpointError:
         raise
     except Exception as err:  # UnpicklingError for a refused object; others for a damaged archive or deep nesting
