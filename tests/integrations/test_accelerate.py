@@ -48,12 +48,12 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(rows), batch_size=ROWS, shuffle=False)
 
 
-def _accelerator(kind: type):
+def _accelerator(kind: type, mixed_precision: str = "no"):
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state()
     GradientState._reset_state()
-    return kind(cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    return kind(cpu=True, gradient_accumulation_steps=ACCUMULATE, mixed_precision=mixed_precision)
 
 
 def _train(accelerator, model: nn.Module, opt: torch.optim.Optimizer, loader) -> list[tuple[float, dict]]:
@@ -259,3 +259,86 @@ def test_checkpoints_take_the_optimizer_prepare_returned(tmp_path) -> None:
     assert loaded.keys() == saved.keys()
     for index, entry in loaded.items():
         assert torch.equal(entry["exp_avg"], saved[index]["exp_avg"]), f"state[{index}] after load"
+
+
+INF_MICRO_BATCH = 2  # the first micro-batch of the second step: its loss is inf on rank 1
+
+
+def _scaled_accelerator(kind: type):
+    """An Accelerator with ``mixed_precision="fp16"`` (autocast) holding a GradScaler, as it makes one on a GPU (on
+    the CPU it makes none): growth every 2 steps, so the scale both grows and backs off within the run."""
+    accelerator = _accelerator(kind, "fp16")
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    accelerator.native_amp = True
+    return accelerator
+
+
+def _train_scaled(accelerator, model: nn.Module, opt, loader, rank: int) -> list[tuple]:
+    """The loop, an inf loss on rank 1 at ``INF_MICRO_BATCH``; per step: (scale, step_was_skipped, weights)."""
+    inner = getattr(model, "module", model)
+    sharded = getattr(opt.optimizer, "gathered_params", contextlib.nullcontext)
+    history = []
+    for k, (x,) in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = model(x).square().mean()
+            accelerator.backward(loss * float("inf") if k == INF_MICRO_BATCH and rank == 1 else loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad()
+        if accelerator.sync_gradients:
+            with sharded():
+                weights = {k: v.detach().clone() for k, v in inner.state_dict().items()}
+            history.append((accelerator.scaler.get_scale(), opt.step_was_skipped, weights))
+    return history
+
+
+def scaled_cases(rank: int, world: int) -> None:
+    from accelerate import Accelerator
+
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    _env(rank, world)
+    accelerator = _scaled_accelerator(Accelerator)
+    model = _model()
+    model, opt, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR), _loader())
+    expected = _train_scaled(accelerator, model, opt, loader, rank)
+    assert [s for _, s, _ in expected] == [False, True, False], expected
+    for stage in STAGES:
+        accelerator = _scaled_accelerator(ZeroAccelerator)
+        model = _model()
+        model, opt, loader = accelerator.prepare(model, _sharded(model, stage), _loader())
+        history = _train_scaled(accelerator, model, opt, loader, rank)
+        for step, ((scale, skipped, weights), (rscale, rskipped, rweights)) in enumerate(zip(history, expected)):
+            what = f"stage {stage} step {step} rank {rank}"
+            assert (scale, skipped) == (rscale, rskipped), f"{what}: scale, skipped {scale, skipped} vs DDP's"
+            for name, value in rweights.items():
+                atol = 1e-6 * value.abs().max().item()
+                assert_close(weights[name], value, rtol=1e-5, atol=atol, what=f"{what} {name}")
+
+
+@pytest.mark.distributed
+def test_a_grad_scaler_steps_as_with_ddp(spawn) -> None:
+    """5. With a GradScaler (fp16 on a GPU), an inf on one rank: at every stage the scale, ``step_was_skipped`` and
+    the weights after each step are DDP + AdamW's (the scaler stepped the optimizer through Accelerate's wrapper,
+    which hid ``grad_scaler``: the step ignored the scale at stage 0, the ranks' scales parted at stage 1, and
+    ``scaler.update()`` failed at stages 2-3)."""
+    spawn(scaled_cases, WORLD, timeout_s=300.0)
+
+
+def test_a_wrapper_hiding_grad_scaler_is_refused() -> None:
+    """GradScaler then passes the scale as attributes, its inf check made on one rank's ``p.grad``: refused before
+    anything changes, the attributes gone."""
+    import zero_kernels as zk
+
+    model = _model()
+    opt = zk.ShardedFusedAdam(model.parameters(), lr=LR, stage=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = opt.step
+    opt.step = lambda *args, **kwargs: step(*args, **kwargs)  # what Accelerate's AcceleratedOptimizer does
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(ROWS, 6)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match=r"hides step's grad_scaler .*functools.wraps\(opt.step\)"):
+        scaler.step(opt)
+    assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
+    assert opt.applied_steps == 0 and all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -30,6 +30,11 @@ any other model is prepared as usual):
 - ``backward(loss)``, for a prepared ``ShardedFusedAdam`` with fp16 loss scaling (its ``fp16`` config),
   divides the loss by Accelerate's accumulation steps, as Accelerate's, and runs ``opt.backward`` (which
   scales it; a plain ``loss.backward()`` is refused there); any other loss goes to Accelerate's;
+- with a ``GradScaler`` (``mixed_precision="fp16"`` where Accelerate makes one: on a GPU), the step that Accelerate's
+  wrapper hands it shows ``opt.step``'s signature (Accelerate's hides it, and the scaler then passes the scale as
+  attributes, which the optimizer refuses), so the scaler passes itself: the step unscales and skips on every
+  rank together (``amp``), and ``step_was_skipped`` says whether it updated (an Accelerate-prepared scheduler
+  does not step on a skipped step);
 - ``clip_grad_norm_(model.parameters(), max_norm)`` unscales as Accelerate's, then calls torch's
   ``clip_grad_norm_``: for these parameters that is ``opt.clip_grad_norm_`` (``torch_clip``), the
   global norm of the reduced gradients, applied by the next step. (Accelerate's own, from 1.16, keeps
@@ -53,7 +58,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Iterable, Iterator, Optional
+import functools
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from accelerate import Accelerator
@@ -94,10 +100,14 @@ class ZeroAccelerator(Accelerator):
             optimizer: the optimizer.
             device_placement: as ``Accelerator.prepare_optimizer``.
         """
-        if optimizer in live.optimizers():
+        ours = optimizer in live.optimizers()
+        if ours:
             self._check_world(optimizer)
             self._check_accumulation(optimizer)
-        return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if ours and getattr(prepared, "scaler", None) is not None:
+            prepared._optimizer_patched_step_method = _scaled_step(prepared, optimizer)
+        return prepared
 
     def _check_accumulation(self, optimizer: Any) -> None:
         """``ValueError`` when both Accelerate and ``optimizer`` count accumulation micro-steps: Accelerate steps
@@ -189,6 +199,22 @@ class ZeroAccelerator(Accelerator):
             for opt in optimizers:
                 stack.enter_context(opt.gathered_params())
             return _copies(model.state_dict())
+
+
+def _scaled_step(prepared: Any, opt: ShardedFusedAdam) -> Callable[..., Any]:
+    """The step Accelerate's wrapper hands its GradScaler (see the module docstring): ``opt.step``'s signature, so
+    the scaler passes itself as ``grad_scaler``, and the wrapper told whether it updated (``step_was_skipped``)."""
+
+    original = prepared._optimizer_original_step_method  # opt.step, which Accelerate replaces by this one
+
+    @functools.wraps(original)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        skipped = opt.skipped_steps
+        result = original(*args, **kwargs)
+        prepared._accelerate_step_called = opt.skipped_steps == skipped
+        return result
+
+    return step
 
 
 def _copies(state: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,10 @@ and the step
   ``skip_nonfinite_steps`` says), and hands that global flag to the scaler as the found-inf of this
   optimizer, so ``scaler.update()`` backs off or grows the scale the same way on every rank.
 
+GradScaler's other way, the scale and its found-inf set as the optimizer's attributes ``grad_scale`` and
+``found_inf`` (taken for an optimizer whose ``step`` does not show ``grad_scaler``: a wrapper hid it), is
+refused before anything changes: that found-inf comes from ``p.grad`` on one rank.
+
 ``opt.clip_grad_norm_`` between ``scaler.unscale_(opt)`` and ``scaler.step(opt)`` measures the
 unscaled gradients once the optimizer has seen the scaler (from the second step on); at the first
 step it cannot know the scale, returns the norm of the scaled gradients and logs it once, while the
@@ -91,6 +95,8 @@ def begin(scaler: Any, opt: Any) -> Optional[ScaledStep]:
         scaler: the ``grad_scaler`` given to ``opt.step`` (a ``torch.amp.GradScaler``).
         opt: the ``ShardedFusedAdam``.
     """
+    if scaler is None and "found_inf" in vars(opt):
+        _refuse_attributes(opt)
     if scaler is None or not scaler.is_enabled():
         return None
     if opt.loss_scaler is not None:
@@ -107,6 +113,21 @@ def begin(scaler: Any, opt: Any) -> Optional[ScaledStep]:
     opt._grad_scaler = weakref.ref(scaler)
     inv = _inv_scale(scaler)
     return ScaledStep(scaler, inv if _still_scaled(scaler, opt) else None, inv)
+
+
+def _refuse_attributes(opt: Any) -> None:
+    """``RuntimeError``, the scaler's attributes removed, nothing else changed: GradScaler passed the scale as the
+    attributes ``grad_scale`` and ``found_inf`` (its way for an optimizer whose ``step`` does not show a
+    ``grad_scaler`` parameter: a wrapper hid it), its found-inf taken from ``p.grad`` on this rank alone."""
+    for name in ("grad_scale", "found_inf"):
+        vars(opt).pop(name, None)
+    raise RuntimeError(
+        "ShardedFusedAdam.step: torch.amp.GradScaler called it through a wrapper that hides step's grad_scaler "
+        "parameter, so the scaler passed the scale as attributes, with an inf/NaN check made on this rank's p.grad "
+        "alone (stage 1 holds the local gradients there, stages 2-3 none), which would unscale nothing and let the "
+        "ranks' scales part. Call scaler.step(opt) on the ShardedFusedAdam itself, or wrap its step with "
+        "functools.wraps(opt.step) (with Accelerate, use ZeroAccelerator); nothing was changed"
+    )
 
 
 def clip_factor(opt: Any) -> tuple[Optional[torch.Tensor], bool]:
