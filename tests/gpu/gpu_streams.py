@@ -27,6 +27,7 @@ failed, 2 no CUDA device or no comm engine (every check written as skipped).
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import socket
 import sys
@@ -34,6 +35,7 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -57,16 +59,20 @@ class ThroughCpp(comm.CppCommEngine):
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         super().__init__(process_group)
         self._engine = self._ext.Engine(self.group)
+        self.issued: collections.Counter[str] = collections.Counter()  # collectives by kind
 
     def reduce_scatter(self, output, input, *, name="", primitive=None):
+        self.issued["reduce_scatter"] += 1
         _, primitive = self._prepare("reduce_scatter", name, output, input, primitive)
         return self._issue("reduce_scatter", input, output, input, name, getattr(self._ext.Primitive, primitive))
 
     def all_gather(self, output, input, *, name="", primitive=None):
+        self.issued["all_gather"] += 1
         _, primitive = self._prepare("all_gather", name, input, output, primitive)
         return self._issue("all_gather", output, output, input, name, getattr(self._ext.Primitive, primitive))
 
     def all_reduce(self, tensor, *, op="sum", name=""):
+        self.issued["all_reduce"] += 1
         self._check_all_reduce(name, tensor, op)
         return self._issue("all_reduce", tensor, tensor, op, name)
 
@@ -196,10 +202,21 @@ def _model(width: int = 1024, depth: int = 4) -> nn.Module:
 
 
 def _ours(model: nn.Module, stage: int, **options) -> ShardedFusedAdam:
-    opt = ShardedFusedAdam(model, lr=LR, weight_decay=WEIGHT_DECAY, stage=stage, **options)
-    engine = ThroughCpp()
-    opt._engine = opt._pipeline.engine = engine
+    """The optimizer built on a ``ThroughCpp`` engine: every part that keeps the engine (stage 3's unit gathers
+    too) has that one."""
+    with mock.patch("zero_kernels.optim.optimizer.make_engine", lambda group=None: ThroughCpp(group)):
+        opt = ShardedFusedAdam(model, lr=LR, weight_decay=WEIGHT_DECAY, stage=stage, **options)
+    engine = opt._pipeline.engine
+    assert isinstance(engine, ThroughCpp) and opt._engine is engine, type(engine).__name__
+    gathers = getattr(opt._pipeline, "unit_gathers", None)
+    assert gathers is None or gathers.engine is engine, "stage 3's gathers kept another engine"
     return opt
+
+
+def _through(opt: ShardedFusedAdam, *kinds: str) -> list[str]:
+    """A problem for each kind of collective that never went through the optimizer's ``ThroughCpp``."""
+    issued = opt._pipeline.engine.issued
+    return [f"no {kind} went through the engine under test ({dict(issued)})" for kind in kinds if not issued[kind]]
 
 
 def _sleep_before_bucket_copies(model: nn.Module) -> None:
@@ -236,7 +253,7 @@ def check_stage3_prefetch() -> list[str]:
         if problems:
             break
     opt._pipeline.engine.synchronize()
-    return problems
+    return problems + _through(opt, "all_gather", "reduce_scatter")
 
 
 def _where(exc: BaseException) -> str:
@@ -281,6 +298,8 @@ def check_sync_free() -> list[str]:
             problems += _sync_free(f"stage {stage} step", opt.step)
             opt.zero_grad()
         opt._pipeline.engine.synchronize()
+        kinds = ("reduce_scatter", "all_gather") if stage == 3 else ("reduce_scatter",)  # stage 2, one rank: no gather
+        problems += [f"stage {stage}: {p}" for p in _through(opt, *kinds)]
     return problems
 
 
