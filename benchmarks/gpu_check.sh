@@ -22,6 +22,8 @@
 # Every script writes its JSON after each check (each check guarded), so a step stopped by its limit
 # keeps what it finished. `timeout -k GRACE` kills a step GRACE seconds after its limit, so the worst
 # case is the sum of the limits plus one GRACE per step: WORST_CASE_S below, 298 s.
+# Everything the run writes is packed into RESULTS_DIR/gpu_check.tgz at the end too: one file to bring back
+# from a machine that returns only a few (the run writes a dozen).
 # Without CUDA the run still goes end to end: every GPU check is written as skipped (exit 2).
 # Exits 1 when a check or the build failed (the rest still runs), 2 when nothing could run (no CUDA), else 0.
 set -uo pipefail
@@ -92,6 +94,7 @@ else
 fi
 limit "$SUMMARY_S" "$PYTHON" benchmarks/gpu_report.py "$results" --worst-case "$WORST_CASE_S" \
     --elapsed "$((SECONDS - started))"
+tar czf "$results/gpu_check.tgz" --exclude gpu_check.tgz -C "$results" .
 if [ "$failed" -ne 0 ]; then
     exit 1
 fi

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,9 @@ def test_runs_end_to_end_without_cuda(tmp_path: Path) -> None:
         total += len(found["checks"])
     for name in ("ops", "comm"):
         assert (tmp_path / f"{name}_build.status").read_text().strip() == "built"
+    with tarfile.open(tmp_path / "gpu_check.tgz") as packed:  # one file holds them all
+        names = {Path(m.name).name for m in packed.getmembers() if m.isfile()}
+    assert names == {p.name for p in tmp_path.iterdir() if p.name != "gpu_check.tgz"}, names
     assert re.match(rf"gpu_check: 0 passed, 0 failed, {total} skipped in \d+ s \(worst case \d+ s\)", lines[-1]), lines[
         -1
     ]
