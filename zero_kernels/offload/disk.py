@@ -18,12 +18,17 @@ reserves the buffer's bytes on the disk (``posix_fallocate`` where the file syst
 without room for the state fails there, naming the path and the bytes it needed.
 
 Swapping. ``buffer_count`` host buffers (slots) hold one sub-group each. ``load(key, g)`` returns
-sub-group ``g``'s tensors, read from its files (waiting for a read started earlier), and with
-``pipeline_read`` starts reading ``g + 1`` into a free slot; ``store(key, g)`` writes it back, in the
-background with ``pipeline_write`` (its slot is free once the write is done), else at once. So the
-host Adam of one sub-group runs while the next is read and the previous written. ``finish`` waits for
-every write. ``spill``/``fill`` write and read a whole buffer (its state made resident for the state
-door between steps, and put back at the next step).
+sub-group ``g``'s tensors, read from its files (waiting for a read started earlier) unless a slot holds them
+already, and with ``pipeline_read`` starts reading ``g + 1`` into a free slot; ``store(key, g)`` writes it back,
+in the background with ``pipeline_write``, else at once. So the host Adam of one sub-group runs while the next is
+read and the previous written. A slot written back keeps its sub-group (the same bytes as its files) until it is
+needed for another. ``finish`` (the step's end) waits for every write, then, with ``pipeline_read``, starts reading
+the first sub-groups the step loaded, as many as there are slots, into the slots holding the others: the next
+step finds them read (read during its forward and backward), and where the slots hold every sub-group nothing is
+read again. A slot's bytes are only ever its files' bytes or the step's new values on their way to them: every
+write into the files from elsewhere (``spill``, ``add_zeros``, ``drop``, ``write_masters``, ``add_buffer``)
+first drops the slots holding that buffer. ``spill``/``fill`` write and read a whole buffer (its state made
+resident for the state door between steps, and put back at the next step).
 
 I/O goes through ``FileIO`` (``aio``: the C++ engine, or its Python fallback); every
 error names the file. The directory's rules (``RunDirectory``) and the engine (``file_io``) serve stage 3's
@@ -66,6 +71,8 @@ class _Slot:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     kinds: tuple[str, ...] = ()  # the state kinds it holds now
     holds: Optional[tuple[int, int]] = None
+    stored: bool = False  # what it holds is written back (its files' bytes once the writes are done): evictable
+    loaded: bool = False  # handed to the update by ``load`` and not stored yet: its bytes may differ from the files
     reading: list[IOHandle] = field(default_factory=list)
     writing: list[IOHandle] = field(default_factory=list)
 
@@ -296,6 +303,8 @@ class DiskTier(HostTier):
         self.slots: list[_Slot] = [_Slot() for _ in range(config.buffer_count)]
         self.read_ahead = config.pipeline_read
         self.write_behind = config.pipeline_write
+        self.order: list[tuple[int, int, tuple[str, ...]]] = []  # (key, g, kinds) this step loaded, in order
+        self.last_order: list[tuple[int, int, tuple[str, ...]]] = []  # the last step's that loaded any
         self.bytes_read = 0
         self.bytes_written = 0
 
@@ -307,6 +316,7 @@ class DiskTier(HostTier):
         """Register a buffer's sub-groups (elements each) and reserve its files for ``kinds``: new files, which
         read zeros until written (POSIX: bytes past the end of a file that ``posix_fallocate`` or ``ftruncate``
         extends read as zeros)."""
+        self.forget(key)
         self.names[key] = len(self.names)
         self.groups[key] = list(group_numels)
         for kind in kinds:
@@ -325,6 +335,7 @@ class DiskTier(HostTier):
     # ---------------------------------------------------------------- whole buffers
     def spill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
         """Write a buffer's whole state (``{kind: its shard}``, host tensors) into its files."""
+        self.forget(key)
         handles = []
         for kind, t in tensors.items():
             if not self.path(key, 0, kind).exists():
@@ -350,6 +361,7 @@ class DiskTier(HostTier):
 
     def drop(self, key: int, kind: str) -> None:
         """Remove the files of state ``kind`` of a buffer (those there are)."""
+        self.forget(key)
         for g in range(len(self.groups[key])):
             self.path(key, g, kind).unlink(missing_ok=True)
 
@@ -360,6 +372,7 @@ class DiskTier(HostTier):
         reserved (``add_buffer``)."""
         if not masters:
             return
+        self.forget(key)
         ends = list(itertools.accumulate(self.groups[key]))
         staging = [self.io.empty(min(PIECE, ends[-1]), torch.float32) for _ in range(2)]
         writes: list[Optional[IOHandle]] = [None, None]
@@ -396,11 +409,19 @@ class DiskTier(HostTier):
 
     # ---------------------------------------------------------------- sub-groups, swapped
     def load(self, key: int, g: int, kinds: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """Sub-group ``g`` of buffer ``key`` in a slot (``{kind: tensor}``); reads the next one ahead."""
+        """Sub-group ``g`` of buffer ``key`` in a slot (``{kind: tensor}``), for the update to change and
+        ``store``; reads the next one ahead."""
+        if not self.order or self.order[-1][:2] != (key, g):  # each bucket of the sub-group loads it
+            self.order.append((key, g, kinds))
         slot = self._holding(key, g)
+        if slot is not None and slot.kinds != kinds:
+            self._drop(slot)
+            slot = None
         if slot is None:
             slot = self._start_read(key, g, kinds)
         slot.wait_reads()
+        slot.wait_writes()  # a slot kept from the last step: the update writes into it now
+        slot.stored, slot.loaded = False, True
         if self.read_ahead and g + 1 < len(self.groups[key]) and self._holding(key, g + 1) is None:
             free = self._free_slot(block=False, keep=slot)
             if free is not None:
@@ -409,42 +430,81 @@ class DiskTier(HostTier):
         return {kind: slot.tensors[kind].narrow(0, 0, numel) for kind in kinds}
 
     def store(self, key: int, g: int) -> None:
-        """Write sub-group ``g`` back from its slot (in the background with ``pipeline_write``)."""
+        """Write sub-group ``g`` back from its slot (in the background with ``pipeline_write``); the slot keeps it."""
         slot = self._holding(key, g)
         numel = self.groups[key][g]
         for kind in slot.kinds:
             slot.writing.append(self.io.write(self.path(key, g, kind), slot.tensors[kind].narrow(0, 0, numel)))
             self.bytes_written += numel * ELEMENT
-        slot.holds = None
+        slot.stored, slot.loaded = True, False
         if not self.write_behind:
             slot.wait_writes()
 
     def finish(self) -> None:
-        """Every write done, every read ahead dropped."""
+        """The step's end: every read and write done; with ``pipeline_read`` the next step's first sub-groups read
+        ahead (see the module docstring)."""
+        self._settle()
+        if self.order:
+            self.last_order, self.order = self.order, []
+        if self.read_ahead:
+            self._read_next()
+
+    def _settle(self) -> None:
+        """Every read and write done; a slot loaded and not stored (an update cut short) emptied."""
         for slot in self.slots:
             slot.wait_reads()
             slot.wait_writes()
-            slot.holds = None
+            if slot.loaded:
+                slot.holds, slot.loaded = None, False
+
+    def _read_next(self) -> None:
+        """Start reading the first sub-groups of the last step's order (one per slot) that no slot holds, into
+        slots holding none of them."""
+        wanted = [(key, g, kinds) for key, g, kinds in self.last_order[: len(self.slots)] if g < len(self.groups[key])]
+        keep = {(key, g) for key, g, _ in wanted}
+        for key, g, kinds in wanted:
+            held = self._holding(key, g)
+            if held is not None and held.kinds == kinds:
+                continue
+            if held is not None:
+                self._drop(held)
+            slot = next((s for s in self.slots if s.holds is None or s.holds not in keep), None)
+            if slot is None:
+                return
+            self._drop(slot)
+            self._start_read(key, g, kinds, slot)
+
+    def forget(self, key: int) -> None:
+        """Empty the slots holding sub-groups of buffer ``key`` (its files are about to be written elsewhere)."""
+        for slot in self.slots:
+            if slot.holds is not None and slot.holds[0] == key:
+                self._drop(slot)
+
+    @staticmethod
+    def _drop(slot: _Slot) -> None:
+        slot.wait_reads()
+        slot.wait_writes()
+        slot.holds, slot.stored, slot.loaded = None, False, False
 
     def _holding(self, key: int, g: int) -> Optional[_Slot]:
         return next((s for s in self.slots if s.holds == (key, g)), None)
 
     def _free_slot(self, *, block: bool, keep: Optional[_Slot] = None) -> Optional[_Slot]:
-        """A slot holding nothing whose writes are done; ``block``: wait for the oldest writes (or drop a read
-        ahead) when there is none."""
-        for s in self.slots:
-            if s is not keep and s.holds is None and s.idle():
-                s.wait_writes()
-                return s
+        """A slot holding nothing, else one holding a written-back sub-group, its writes done (emptied); ``block``:
+        wait for the oldest writes (or drop a read ahead) when there is none."""
+        for evictable in (lambda s: s.holds is None, lambda s: s.stored):
+            for s in self.slots:
+                if s is not keep and evictable(s) and s.idle():
+                    self._drop(s)
+                    return s
         if not block:
             return None
         for s in self.slots:
-            if s is not keep and s.holds is None:
-                s.wait_writes()
+            if s is not keep and (s.holds is None or s.stored):
+                self._drop(s)
                 return s
         victim = next(s for s in self.slots if s is not keep)
-        victim.wait_reads()
-        victim.holds = None
+        self._drop(victim)
         return victim
 
     def _start_read(self, key: int, g: int, kinds: tuple[str, ...], slot: Optional[_Slot] = None) -> _Slot:
@@ -456,6 +516,7 @@ class DiskTier(HostTier):
                 slot.tensors[kind] = self.io.empty(size, torch.float32)
         slot.kinds = kinds
         slot.holds = (key, g)
+        slot.stored = False
         slot.reading = [self.io.read(self.path(key, g, k), slot.tensors[k].narrow(0, 0, numel)) for k in kinds]
         self.bytes_read += numel * ELEMENT * len(kinds)
         return slot
@@ -471,7 +532,7 @@ class DiskTier(HostTier):
     def close(self) -> None:
         """Wait for the I/O in flight, stop the engine and remove this run's files."""
         try:
-            self.finish()
+            self._settle()
         finally:
             self.io.close()
             self.directory.remove()

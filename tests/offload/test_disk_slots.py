@@ -1,0 +1,152 @@
+"""The disk tier's swap buffers (slots) between steps: with ``pipeline_read`` a step's end reads the next step's
+first sub-groups, a slot written back keeps its sub-group (where the slots hold every sub-group, nothing is read
+again), and whatever writes the files between steps (a state loaded, an edit of ``opt.state``, AMSGrad switched
+on) is what the next step reads: the weights and state stay bit for bit those of the same run without offload."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels.optim as zo
+
+BUCKET = 256
+SUB_GROUP = 512
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16)).to(torch.bfloat16)
+
+
+def _pair(path: Path, buffers: int, pipeline: bool = True) -> tuple[list, list]:
+    """(models, optimizers): the same model twice, one optimizer without offload and one with the state on disk."""
+    plain = _model()
+    tiered = copy.deepcopy(plain)
+    offload = {"device": "nvme", "nvme_path": str(path), "buffer_count": buffers,
+               "pipeline_read": pipeline, "pipeline_write": pipeline}  # fmt: skip
+    kwargs = dict(stage=2, lr=1e-2, reduce_bucket_size=BUCKET)
+    a = zo.ShardedFusedAdam(plain, **kwargs)
+    b = zo.ShardedFusedAdam(tiered, offload_optimizer=offload, sub_group_size=SUB_GROUP, **kwargs)
+    return [plain, tiered], [a, b]
+
+
+def _step(model: nn.Module, opt: zo.ShardedFusedAdam, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(4, 32).to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _same(models: list, opts: list, state: bool = True) -> None:
+    """The weights equal; ``state``: the optimizer state too (read through the state door: the disk tier reads it
+    all in, and the next step writes it all back)."""
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    if not state:
+        return
+    ours, theirs = opts[1].full_state_dict()["state"], opts[0].full_state_dict()["state"]
+    assert ours.keys() == theirs.keys()
+    for i in ours:
+        for k in theirs[i]:
+            assert torch.equal(ours[i][k], theirs[i][k]), (i, k)
+
+
+def _files(tier, key: int, g: int, kind: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(tier.path(key, g, kind).read_bytes()), dtype=torch.float32)
+
+
+def test_a_steps_end_reads_the_next_steps_first_sub_groups(tmp_path: Path) -> None:
+    models, opts = _pair(tmp_path, buffers=2)
+    tier = opts[1]._pipeline.tier
+    (buf,) = opts[1]._pipeline.buffers
+    assert len(buf.groups) > 2  # more sub-groups than slots
+    for seed in range(3):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        held = sorted(s.holds for s in tier.slots)
+        assert held == [(id(buf), 0), (id(buf), 1)], held  # read after the step, before the next one's update
+        for slot in tier.slots:
+            slot.wait_reads()
+            key, g = slot.holds
+            for kind in slot.kinds:
+                numel = tier.groups[key][g]
+                assert torch.equal(slot.tensors[kind][:numel], _files(tier, key, g, kind)), (g, kind)
+        _same(models, opts)
+
+
+def test_slots_holding_every_sub_group_read_nothing_again(tmp_path: Path) -> None:
+    models, opts = _pair(tmp_path, buffers=8)
+    tier = opts[1]._pipeline.tier
+    (buf,) = opts[1]._pipeline.buffers
+    state_bytes = buf.layout.shard_numel * 4 * 3  # master, exp_avg, exp_avg_sq
+    assert 1 < len(buf.groups) <= 8
+    moved = []
+    for seed in range(4):
+        before = tier.traffic()
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        moved.append({k: tier.traffic()[k] - before[k] for k in ("read", "written")})
+        _same(models, opts, state=False)
+    _same(models, opts)
+    assert moved[0] == {"read": state_bytes, "written": state_bytes}, moved
+    assert moved[1:] == [{"read": 0, "written": state_bytes}] * 3, moved  # written every step, never read again
+
+
+def test_without_pipeline_read_each_step_reads_its_state(tmp_path: Path) -> None:
+    models, opts = _pair(tmp_path, buffers=8, pipeline=False)
+    tier = opts[1]._pipeline.tier
+    (buf,) = opts[1]._pipeline.buffers
+    for seed in range(2):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        assert all(s.holds is None or s.stored for s in tier.slots)
+    _same(models, opts)
+
+
+def _load_other_state(models: list, opts: list) -> None:
+    for model, opt in zip(models, opts):
+        other_model, other = copy.deepcopy((model, opt))  # together: the copy steps the copied model
+        _step(other_model, other, 7)
+        saved = other.state_dict()
+        assert not torch.equal(saved["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+        opt.load_state_dict(saved)
+
+
+def _edit_state(models: list, opts: list) -> None:
+    for model, opt in zip(models, opts):
+        p = next(model.parameters())
+        opt.state[p]["exp_avg"].fill_(0.25)
+        opt.state[p]["master"].add_(0.5)
+
+
+def _amsgrad_on(models: list, opts: list) -> None:
+    for opt in opts:
+        opt.param_groups[0]["amsgrad"] = True
+
+
+def _set_weights(models: list, opts: list) -> None:
+    for model in models:
+        with torch.no_grad():
+            next(model.parameters()).mul_(0.5)
+
+
+@pytest.mark.parametrize("buffers", [2, 8])
+@pytest.mark.parametrize("change", [_load_other_state, _edit_state, _amsgrad_on, _set_weights])
+def test_what_changes_between_steps_is_what_the_next_step_reads(change: Callable, buffers: int, tmp_path: Path) -> None:
+    models, opts = _pair(tmp_path, buffers=buffers)
+    tier = opts[1]._pipeline.tier
+    for seed in range(2):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+    assert any(s.holds is not None for s in tier.slots)
+    change(models, opts)
+    for seed in range(2, 4):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        _same(models, opts)
