@@ -308,3 +308,30 @@ def test_scheduler_advances_only_at_applied_updates(tmp_path, section: bool) -> 
     assert trainer.zero_optimizer.skipped_steps == 1, "the inf step was not skipped"
     moved = [b != a for a, b in zip(lrs, lrs[1:])]
     assert moved == [True, False, True, True], f"lr after each step {lrs}: it moved on the skipped step (the 3rd)"
+
+
+def test_arguments_found_after_another_positional_argument(tmp_path, caplog) -> None:
+    """A trainer taking ``(model, ref_model, args)`` (TRL's DPOTrainer; GRPOTrainer's ``(model, reward_funcs,
+    args)``) with ``ZeroTrainer`` first in its bases: the config in its arguments is the one trained (the reference
+    model was read as the arguments: ZeroTrainer logged no DeepSpeed config and built stage 1, and the Trainer
+    then set up DeepSpeed itself)."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    class PairTrainer(Trainer):
+        def __init__(self, model, ref_model, args=None, **kwargs):
+            self.ref_model = ref_model
+            super().__init__(model=model, args=args, **kwargs)
+
+    class ZeroPair(ZeroTrainer, PairTrainer):
+        pass
+
+    args = _args(str(tmp_path), max_steps=20, ddp_backend=None)
+    args.deepspeed = {"zero_optimization": {"stage": 2}}  # as TrainingArguments(deepspeed=...) keeps it
+    ref = _llama()
+    trainer = ZeroPair(_llama(), ref, args, train_dataset=_data(8))
+    assert trainer.ref_model is ref and trainer.args.deepspeed is None and trainer.zero_source.whole
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        trainer.create_optimizer()
+    assert trainer.zero_optimizer.options.stage == 2

@@ -54,7 +54,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
@@ -92,12 +92,13 @@ class ZeroTrainer(Trainer):
         **kwargs: Any,
     ):
         args = list(args)
-        training_args = args[1] if len(args) > 1 else kwargs.get("args")
+        at = _arguments_at(args)
+        training_args = args[at] if at is not None else kwargs.get("args")
         self.zero_source = hf_config.find(config, zero_optimization, training_args)
         if training_args is not None:
             detached = hf_config.without_deepspeed(training_args)
-            if len(args) > 1:
-                args[1] = detached
+            if at is not None:
+                args[at] = detached
             else:
                 kwargs["args"] = detached
         given = kwargs.get("optimizers", (None, None))[0]
@@ -422,6 +423,13 @@ class ZeroTrainer(Trainer):
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
                 "adamw_torch_npu_fused")  # TrainingArguments.optim values that are plain AdamW  # fmt: skip
+
+
+def _arguments_at(args: list[Any]) -> Optional[int]:
+    """Where the ``TrainingArguments`` are among a trainer's positional arguments (None: not there): second for
+    the Trainer, third for TRL's ``DPOTrainer(model, ref_model, args)`` and ``GRPOTrainer(model, reward_funcs,
+    args)`` in a class that puts ``ZeroTrainer`` first."""
+    return next((i for i, value in enumerate(args) if isinstance(value, TrainingArguments)), None)
 
 
 def _check_counts_no_micro_steps(opt: ShardedFusedAdam, where: str) -> None:
