@@ -62,6 +62,7 @@ from ..config import ZeroConfig, ZeroOptions, client_optimizer
 from ..config.at_updates import counting, gate
 from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
+from ..stages.stage3 import register_external_parameter
 from . import hf_config
 from .save import agree
 
@@ -185,6 +186,7 @@ class ZeroTrainer(Trainer):
             self.zero_optimizer = ShardedFusedAdam(groups, module=model, **hyper, **_zero_options(config))
             self._zero_built = True
         self.optimizer = self.zero_optimizer
+        self._gather_head_for_fused_loss(self.model if model is None else model)
         return self.optimizer
 
     def _cast(self, model: nn.Module, config: ZeroConfig) -> None:
@@ -274,11 +276,31 @@ class ZeroTrainer(Trainer):
             wrapper = self.optimizer
             built = getattr(wrapper, "optimizer", wrapper)  # Accelerate's wrapper holds it
             self.zero_optimizer = self._adopt(built, self.model)
+            self._gather_head_for_fused_loss(self.model)
             if wrapper is built:
                 self.optimizer = self.zero_optimizer
             else:
                 wrapper.optimizer = self.zero_optimizer
         return self.zero_optimizer
+
+    def _gather_head_for_fused_loss(self, model: nn.Module) -> None:
+        """Stage 3, under a trainer whose loss reads the output embeddings' parameters in the model's forward
+        without calling that module (TRL's trainers' fused LM-head loss, ``use_liger_kernel``): those parameters are
+        registered for the model (``register_external_parameter``), as TRL gathers them under DeepSpeed's ZeRO-3.
+        Unregistered they are empty there, and a kernel that reads only their shape computes a loss of nothing: no
+        error, and nothing trains."""
+        if self.zero_optimizer is None or self.zero_optimizer.options.stage != 3 or not _fused_loss(self):
+            return
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
+        head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+        if head is None:
+            return
+        for name, parameter in head.named_parameters():
+            register_external_parameter(inner, parameter)
+            log.info(
+                "ZeroTrainer: stage 3: %s.%s is gathered for %s's forward, where %s reads it without calling %s",
+                type(head).__name__, name, type(inner).__name__, _fused_loss(self), type(head).__name__,
+            )  # fmt: skip
 
     def _adopt(self, built: Any, model: nn.Module, source: str = "a create_optimizer override") -> ShardedFusedAdam:
         """The ``ShardedFusedAdam`` to train with, given the optimizer ``source`` built: itself, or one sharing the
@@ -423,6 +445,15 @@ class ZeroTrainer(Trainer):
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
                 "adamw_torch_npu_fused")  # TrainingArguments.optim values that are plain AdamW  # fmt: skip
+
+
+def _fused_loss(trainer: Trainer) -> str:
+    """What reads the output embeddings' parameters in the model's forward without calling that module, in words
+    ("" where nothing does): TRL's trainers (their fused LM-head loss) or the Trainer's ``use_liger_kernel``."""
+    trl = next((c.__name__ for c in type(trainer).__mro__ if c.__module__.split(".")[0] == "trl"), None)
+    if trl is not None:
+        return f"TRL's {trl} (its fused LM-head loss)"
+    return "use_liger_kernel (Liger's fused cross-entropy)" if getattr(trainer.args, "use_liger_kernel", False) else ""
 
 
 def _arguments_at(args: list[Any]) -> Optional[int]:
