@@ -24,15 +24,18 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 16)).to(torch.bfloat16)
 
 
-def _pair(path: Path, buffers: int, pipeline: bool = True) -> tuple[list, list]:
-    """(models, optimizers): the same model twice, one optimizer without offload and one with the state on disk."""
+def _pair(
+    path: Path, buffers: int, read: bool = True, write: bool = False, sub_group: int = SUB_GROUP
+) -> tuple[list, list]:
+    """(models, optimizers): the same model twice, one optimizer without offload and one with the state on disk
+    (``read``/``write``: ``pipeline_read``/``pipeline_write``; writes at once make the slots used deterministic)."""
     plain = _model()
     tiered = copy.deepcopy(plain)
     offload = {"device": "nvme", "nvme_path": str(path), "buffer_count": buffers,
-               "pipeline_read": pipeline, "pipeline_write": pipeline}  # fmt: skip
+               "pipeline_read": read, "pipeline_write": write}  # fmt: skip
     kwargs = dict(stage=2, lr=1e-2, reduce_bucket_size=BUCKET)
     a = zo.ShardedFusedAdam(plain, **kwargs)
-    b = zo.ShardedFusedAdam(tiered, offload_optimizer=offload, sub_group_size=SUB_GROUP, **kwargs)
+    b = zo.ShardedFusedAdam(tiered, offload_optimizer=offload, sub_group_size=sub_group, **kwargs)
     return [plain, tiered], [a, b]
 
 
@@ -80,12 +83,30 @@ def test_a_steps_end_reads_the_next_steps_first_sub_groups(tmp_path: Path) -> No
         _same(models, opts)
 
 
-def test_slots_holding_every_sub_group_read_nothing_again(tmp_path: Path) -> None:
+def test_only_the_slots_swapping_needs_are_used(tmp_path: Path) -> None:
+    """8 buffers, writes at once: two slots swap the sub-groups (one updated, the next read ahead), and the others
+    are never allocated (host memory as before the slots kept anything)."""
     models, opts = _pair(tmp_path, buffers=8)
     tier = opts[1]._pipeline.tier
     (buf,) = opts[1]._pipeline.buffers
+    assert len(buf.groups) > 2
+    for seed in range(3):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        assert [bool(s.tensors) for s in tier.slots] == [True, True] + [False] * 6
+        assert sorted(s.holds[1] for s in tier.slots[:2]) == [0, 1]
+    _same(models, opts)
+
+
+@pytest.mark.parametrize("write", [False, True])
+def test_slots_holding_every_sub_group_read_nothing_again(tmp_path: Path, write: bool) -> None:
+    """One sub-group (DeepSpeed's default ``sub_group_size``, 1e9, over a small shard): after the first step its slot
+    holds it, and it is written every step, never read again."""
+    models, opts = _pair(tmp_path, buffers=4, write=write, sub_group=10**9)
+    tier = opts[1]._pipeline.tier
+    (buf,) = opts[1]._pipeline.buffers
     state_bytes = buf.layout.shard_numel * 4 * 3  # master, exp_avg, exp_avg_sq
-    assert 1 < len(buf.groups) <= 8
+    assert len(buf.groups) == 1
     moved = []
     for seed in range(4):
         before = tier.traffic()
@@ -99,7 +120,7 @@ def test_slots_holding_every_sub_group_read_nothing_again(tmp_path: Path) -> Non
 
 
 def test_without_pipeline_read_each_step_reads_its_state(tmp_path: Path) -> None:
-    models, opts = _pair(tmp_path, buffers=8, pipeline=False)
+    models, opts = _pair(tmp_path, buffers=8, read=False)
     tier = opts[1]._pipeline.tier
     (buf,) = opts[1]._pipeline.buffers
     for seed in range(2):

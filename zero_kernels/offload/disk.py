@@ -22,13 +22,14 @@ sub-group ``g``'s tensors, read from its files (waiting for a read started earli
 already, and with ``pipeline_read`` starts reading ``g + 1`` into a free slot; ``store(key, g)`` writes it back,
 in the background with ``pipeline_write``, else at once. So the host Adam of one sub-group runs while the next is
 read and the previous written. A slot written back keeps its sub-group (the same bytes as its files) until it is
-needed for another. ``finish`` (the step's end) waits for every write, then, with ``pipeline_read``, starts reading
-the first sub-groups the step loaded, as many as there are slots, into the slots holding the others: the next
-step finds them read (read during its forward and backward), and where the slots hold every sub-group nothing is
-read again. A slot's bytes are only ever its files' bytes or the step's new values on their way to them: every
-write into the files from elsewhere (``spill``, ``add_zeros``, ``drop``, ``write_masters``, ``add_buffer``)
-first drops the slots holding that buffer. ``spill``/``fill`` write and read a whole buffer (its state made
-resident for the state door between steps, and put back at the next step).
+needed for another; a slot is first used (its buffers allocated) only when no used one is free, so the slots in use
+are as many as the swapping needs, not always ``buffer_count``. ``finish`` (the step's end) waits for every write,
+then, with ``pipeline_read``, starts reading the first sub-groups the step loaded, as many as there are slots in
+use, into the slots holding the others: the next step finds them read (read during its forward and backward), and
+where those slots hold every sub-group nothing is read again. A slot's bytes are only ever its files' bytes or
+the step's new values on their way to them: every write into the files from elsewhere (``spill``, ``add_zeros``,
+``drop``, ``write_masters``, ``add_buffer``) first drops the slots holding that buffer. ``spill``/``fill`` write
+and read a whole buffer (its state made resident for the state door between steps, and put back at the next step).
 
 I/O goes through ``FileIO`` (``aio``: the C++ engine, or its Python fallback); every
 error names the file. The directory's rules (``RunDirectory``) and the engine (``file_io``) serve stage 3's
@@ -458,9 +459,10 @@ class DiskTier(HostTier):
                 slot.holds, slot.loaded = None, False
 
     def _read_next(self) -> None:
-        """Start reading the first sub-groups of the last step's order (one per slot) that no slot holds, into
-        slots holding none of them."""
-        wanted = [(key, g, kinds) for key, g, kinds in self.last_order[: len(self.slots)] if g < len(self.groups[key])]
+        """Start reading the first sub-groups of the last step's order (one per slot the step used) that no slot
+        holds, into used slots holding none of them."""
+        used = [s for s in self.slots if s.tensors]
+        wanted = [(key, g, kinds) for key, g, kinds in self.last_order[: len(used)] if g < len(self.groups[key])]
         keep = {(key, g) for key, g, _ in wanted}
         for key, g, kinds in wanted:
             held = self._holding(key, g)
@@ -468,7 +470,7 @@ class DiskTier(HostTier):
                 continue
             if held is not None:
                 self._drop(held)
-            slot = next((s for s in self.slots if s.holds is None or s.holds not in keep), None)
+            slot = next((s for s in used if s.holds is None or s.holds not in keep), None)
             if slot is None:
                 return
             self._drop(slot)
@@ -490,9 +492,10 @@ class DiskTier(HostTier):
         return next((s for s in self.slots if s.holds == (key, g)), None)
 
     def _free_slot(self, *, block: bool, keep: Optional[_Slot] = None) -> Optional[_Slot]:
-        """A slot holding nothing, else one holding a written-back sub-group, its writes done (emptied); ``block``:
-        wait for the oldest writes (or drop a read ahead) when there is none."""
-        for evictable in (lambda s: s.holds is None, lambda s: s.stored):
+        """A slot whose writes are done (emptied): one that holds nothing, else one holding a written-back sub-group,
+        else one never used (its buffers are allocated then: the slots in use are only as many as the swapping
+        needs); ``block``: wait for the oldest writes (or drop a read ahead) when there is none."""
+        for evictable in (lambda s: s.holds is None and s.tensors, lambda s: s.stored, lambda s: s.holds is None):
             for s in self.slots:
                 if s is not keep and evictable(s) and s.idle():
                     self._drop(s)
