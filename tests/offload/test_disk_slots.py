@@ -83,13 +83,13 @@ def test_a_steps_end_reads_the_next_steps_first_sub_groups(tmp_path: Path) -> No
         _same(models, opts)
 
 
-def test_only_the_slots_swapping_needs_are_used(tmp_path: Path) -> None:
-    """8 buffers, writes at once: two slots swap the sub-groups (one updated, the next read ahead), and the others
-    are never allocated (host memory as before the slots kept anything)."""
-    models, opts = _pair(tmp_path, buffers=8)
+def test_slots_in_use_stay_within_the_swap_pool(tmp_path: Path) -> None:
+    """8 buffers of ``sub_group_size`` 64 elements (DeepSpeed's pool: 512 per state kind) and sub-groups of whole
+    256-element buckets: two slots swap them (one updated, the next read ahead), the others are never allocated."""
+    models, opts = _pair(tmp_path, buffers=8, sub_group=64)
     tier = opts[1]._pipeline.tier
     (buf,) = opts[1]._pipeline.buffers
-    assert len(buf.groups) > 2
+    assert len(buf.groups) > 2 and max(numel for *_, numel in buf.groups) == BUCKET
     for seed in range(3):
         for model, opt in zip(models, opts):
             _step(model, opt, seed)
@@ -99,14 +99,18 @@ def test_only_the_slots_swapping_needs_are_used(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("write", [False, True])
-def test_slots_holding_every_sub_group_read_nothing_again(tmp_path: Path, write: bool) -> None:
-    """One sub-group (DeepSpeed's default ``sub_group_size``, 1e9, over a small shard): after the first step its slot
-    holds it, and it is written every step, never read again."""
-    models, opts = _pair(tmp_path, buffers=4, write=write, sub_group=10**9)
+@pytest.mark.parametrize("buffers, sub_group", [(4, 10**9), (8, SUB_GROUP)])
+def test_slots_holding_every_sub_group_read_nothing_again(
+    tmp_path: Path, write: bool, buffers: int, sub_group: int
+) -> None:
+    """The sub-groups fit the swap pool (one, with DeepSpeed's default ``sub_group_size`` 1e9 over a small shard;
+    or a few, each within ``sub_group_size``): after the first step the slots hold them, and they are written every
+    step, never read again."""
+    models, opts = _pair(tmp_path, buffers=buffers, write=write, sub_group=sub_group)
     tier = opts[1]._pipeline.tier
     (buf,) = opts[1]._pipeline.buffers
     state_bytes = buf.layout.shard_numel * 4 * 3  # master, exp_avg, exp_avg_sq
-    assert len(buf.groups) == 1
+    assert len(buf.groups) <= buffers and (len(buf.groups) == 1) == (sub_group == 10**9)
     moved = []
     for seed in range(4):
         before = tier.traffic()

@@ -22,14 +22,16 @@ sub-group ``g``'s tensors, read from its files (waiting for a read started earli
 already, and with ``pipeline_read`` starts reading ``g + 1`` into a free slot; ``store(key, g)`` writes it back,
 in the background with ``pipeline_write``, else at once. So the host Adam of one sub-group runs while the next is
 read and the previous written. A slot written back keeps its sub-group (the same bytes as its files) until it is
-needed for another; a slot is first used (its buffers allocated) only when no used one is free, so the slots in use
-are as many as the swapping needs, not always ``buffer_count``. ``finish`` (the step's end) waits for every write,
-then, with ``pipeline_read``, starts reading the first sub-groups the step loaded, as many as there are slots in
-use, into the slots holding the others: the next step finds them read (read during its forward and backward), and
-where those slots hold every sub-group nothing is read again. A slot's bytes are only ever its files' bytes or
-the step's new values on their way to them: every write into the files from elsewhere (``spill``, ``add_zeros``,
-``drop``, ``write_masters``, ``add_buffer``) first drops the slots holding that buffer. ``spill``/``fill`` write
-and read a whole buffer (its state made resident for the state door between steps, and put back at the next step).
+needed for another. Slots are put in use (their buffers allocated) while they stay within DeepSpeed's swap pool,
+``buffer_count`` buffers of ``sub_group_size`` elements (sub-groups larger than that, whole buckets, fit fewer
+times), and beyond it only as the swapping needs (one updated, the next read ahead, the last written).
+``finish`` (the step's end) waits for every write, then, with ``pipeline_read``, starts reading the first
+sub-groups the step loaded, as many as there are slots in use, into the slots holding the others: the next step
+finds them read (read during its forward and backward), and where those slots hold every sub-group nothing is read
+again. A slot's bytes are only ever its files' bytes or the step's new values on their way to them: every write
+into the files from elsewhere (``spill``, ``add_zeros``, ``drop``, ``write_masters``, ``add_buffer``) first drops
+the slots holding that buffer. ``spill``/``fill`` write and read a whole buffer (its state made resident for the
+state door between steps, and put back at the next step).
 
 I/O goes through ``FileIO`` (``aio``: the C++ engine, or its Python fallback); every
 error names the file. The directory's rules (``RunDirectory``) and the engine (``file_io``) serve stage 3's
@@ -294,8 +296,9 @@ class DiskTier(HostTier):
 
     kind = "disk"
 
-    def __init__(self, config: OffloadOptimizerConfig, aio: AioConfig, *, rank: int):
+    def __init__(self, config: OffloadOptimizerConfig, aio: AioConfig, *, rank: int, sub_group_size: int = 10**9):
         super().__init__(config)
+        self.pool_numel = config.buffer_count * sub_group_size  # DeepSpeed's swap pool, in elements per state kind
         self.directory = RunDirectory(config.nvme_path, "offload_optimizer.nvme_path", rank)
         self.run, self.root = self.directory.run, self.directory.root
         self.io = file_io(aio)
@@ -492,10 +495,14 @@ class DiskTier(HostTier):
         return next((s for s in self.slots if s.holds == (key, g)), None)
 
     def _free_slot(self, *, block: bool, keep: Optional[_Slot] = None) -> Optional[_Slot]:
-        """A slot whose writes are done (emptied): one that holds nothing, else one holding a written-back sub-group,
-        else one never used (its buffers are allocated then: the slots in use are only as many as the swapping
-        needs); ``block``: wait for the oldest writes (or drop a read ahead) when there is none."""
-        for evictable in (lambda s: s.holds is None and s.tensors, lambda s: s.stored, lambda s: s.holds is None):
+        """A slot whose writes are done (emptied): one in use that holds nothing, else one never used while the
+        slots in use stay within the pool (``_pool_slots``), else one holding a written-back sub-group, else one
+        never used (the swapping needs it); ``block``: wait for the oldest writes (or drop a read ahead) when there
+        is none."""
+        room = sum(1 for s in self.slots if s.tensors) < self._pool_slots()
+        passes = (lambda s: s.holds is None and s.tensors, lambda s: room and not s.tensors, lambda s: s.stored,
+                  lambda s: s.holds is None)  # fmt: skip
+        for evictable in passes:
             for s in self.slots:
                 if s is not keep and evictable(s) and s.idle():
                     self._drop(s)
@@ -509,6 +516,13 @@ class DiskTier(HostTier):
         victim = next(s for s in self.slots if s is not keep)
         self._drop(victim)
         return victim
+
+    def _pool_slots(self) -> int:
+        """How many slots may keep sub-groups: as many of the largest sub-group as ``buffer_count`` buffers of
+        ``sub_group_size`` elements hold (DeepSpeed's swap pool; a bucket over ``sub_group_size`` is a sub-group of its
+        own, so fewer), at least one."""
+        largest = max((n for groups in self.groups.values() for n in groups), default=1)
+        return max(1, min(len(self.slots), self.pool_numel // max(largest, 1)))
 
     def _start_read(self, key: int, g: int, kinds: tuple[str, ...], slot: Optional[_Slot] = None) -> _Slot:
         slot = slot or self._free_slot(block=True)

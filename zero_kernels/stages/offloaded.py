@@ -82,7 +82,7 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
         if config.device == "cpu":
             tier = HostTier(config)
         else:
-            tier = DiskTier(config, options.aio, rank=engine.rank)
+            tier = DiskTier(config, options.aio, rank=engine.rank, sub_group_size=options.sub_group_size)
     except (OSError, ValueError) as err:
         problem = str(err)
     try:
