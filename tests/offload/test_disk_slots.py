@@ -175,3 +175,47 @@ def test_what_changes_between_steps_is_what_the_next_step_reads(change: Callable
         for model, opt in zip(models, opts):
             _step(model, opt, seed)
         _same(models, opts)
+
+
+@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("read", [False, True])
+def test_a_step_cut_short_leaves_the_state_partly_updated_as_without_offload(
+    read: bool, buffers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception from the update's second launch (sub-groups of 2 buckets: one updated in its slot, not stored),
+    then, as a loop catching it would, ``zero_grad()``, a state read (``read``: a checkpoint there) and more steps:
+    the weights and state stay those of the same run without offload (a state read there lost that slot's update:
+    it read the files, and the next step dropped the slot)."""
+    import zero_kernels.stages.offloaded as offloaded
+    import zero_kernels.stages.update as update
+
+    models, opts = _pair(tmp_path, buffers=buffers, write=True)
+    assert opts[1]._pipeline.buffers[0].groups[0][1] == 2  # the first sub-group holds 2 buckets
+    for seed in range(2):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+    for model, opt in zip(models, opts):
+        calls = []
+
+        def cut(real: Callable) -> Callable:
+            def launch(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise KeyboardInterrupt("in the update")
+                return real(*args, **kwargs)
+
+            return launch
+
+        with monkeypatch.context() as patched:
+            patched.setattr(update, "launch", cut(update.launch))
+            patched.setattr(offloaded, "launch", cut(offloaded.launch))
+            with pytest.raises(KeyboardInterrupt):
+                _step(model, opt, 2)
+        opt.zero_grad()
+        if read:
+            opt.state_dict()
+    for seed in range(3, 6):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        _same(models, opts, state=False)
+    _same(models, opts)

@@ -401,6 +401,7 @@ class DiskTier(HostTier):
 
     def fill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
         """Read a buffer's whole state from its files into ``{kind: host tensor}``."""
+        self._write_back()
         handles = []
         for kind, t in tensors.items():
             at = 0
@@ -417,6 +418,7 @@ class DiskTier(HostTier):
         ``store``; reads the next one ahead."""
         if not self.order or self.order[-1][:2] != (key, g):  # each bucket of the sub-group loads it
             self.order.append((key, g, kinds))
+            self._store_cut_short(but=(key, g))
         slot = self._holding(key, g)
         if slot is not None and slot.kinds != kinds:
             self._drop(slot)
@@ -454,12 +456,23 @@ class DiskTier(HostTier):
             self._read_next()
 
     def _settle(self) -> None:
-        """Every read and write done; a slot loaded and not stored (an update cut short) emptied."""
+        """Every read and write done (``_write_back`` first)."""
+        self._write_back()
         for slot in self.slots:
             slot.wait_reads()
+
+    def _write_back(self) -> None:
+        """``_store_cut_short``, then every write waited for: the files hold what the slots do."""
+        self._store_cut_short()
+        for slot in self.slots:
             slot.wait_writes()
-            if slot.loaded:
-                slot.holds, slot.loaded = None, False
+
+    def _store_cut_short(self, but: Optional[tuple[int, int]] = None) -> None:
+        """Store every slot an update loaded and did not store, but the one holding ``but``: a step cut short by an
+        exception left it so; its new values go to the files, the state partly updated as the parameters are."""
+        for slot in self.slots:
+            if slot.loaded and slot.holds != but:
+                self.store(*slot.holds)
 
     def _read_next(self) -> None:
         """Start reading the first sub-groups of the last step's order (one per slot the step used) that no slot
@@ -481,6 +494,7 @@ class DiskTier(HostTier):
 
     def forget(self, key: int) -> None:
         """Empty the slots holding sub-groups of buffer ``key`` (its files are about to be written elsewhere)."""
+        self._write_back()
         for slot in self.slots:
             if slot.holds is not None and slot.holds[0] == key:
                 self._drop(slot)
