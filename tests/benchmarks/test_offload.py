@@ -104,10 +104,11 @@ def test_subject_at_a_tiny_size() -> None:
         assert ("down_MB" in r) == offloaded
         if offloaded:  # the "device" is host memory here: the tier uses its shards in place, nothing crosses
             assert r["up_MB"] == r["down_MB"] == 0
-        if r["provider"].endswith("-nvme"):  # fp32 master, m and v read and written once per step
+        if r["provider"].endswith("-nvme"):  # fp32 master, m and v written once per step, read unless kept
             in_memory = host[(r["provider"].replace("-nvme", "-cpu"), r["rank"])]  # the same state, all in memory
-            assert r["read_MB"] == r["written_MB"] == pytest.approx(in_memory) and in_memory > 0
-            assert r["disk_MB"] >= r["read_MB"] and r["io_of_disk"] > 0
+            assert r["written_MB"] == pytest.approx(in_memory) and in_memory > 0
+            assert 0 <= r["read_MB"] <= r["written_MB"]  # the swap buffers keep what the pool holds (disk.py)
+            assert r["disk_MB"] >= r["written_MB"] and r["io_of_disk"] > 0
         grads = r["provider"] == "zk-stage3-nvme"  # its gradient shard in files: written and read once per step
         assert ("grads_read_MB" in r) == grads
         if grads:
@@ -137,7 +138,7 @@ def test_big_case_at_a_tiny_size() -> None:
     assert os.environ.get(offload.MMAP_ENV) == before  # put back as it was
     for row in rows:
         assert row["params"] == 320 * 320 * 2 and "error" not in row
-        assert row["read_GB"] == row["written_GB"] and row["read_GB"] * 1e9 >= 12 * row["params"]
+        assert 0 <= row["read_GB"] <= row["written_GB"] and row["written_GB"] * 1e9 >= 12 * row["params"]
         assert row["peak_rss_GB"] >= row["steps_peak_rss_GB"] > 0
         assert row["update_io_of_disk"] >= row["io_of_disk"] > 0 and row["step_over_io_bound"] > 0
         assert row["step_s"] >= row["update_s"] > 0 and row["fwd_bwd_s"] > 0
