@@ -1,4 +1,5 @@
-"""``model.generate`` at stage 3 on 2 gloo ranks whose generations differ in length, with ``synced_gpus=True``.
+"""``model.generate`` at stage 3 on 2 gloo ranks whose generations differ in length, with ``synced_gpus=True``
+given and without it (stage 3 on several ranks makes it the default, as DeepSpeed's ZeRO-3 does).
 
 Rank 0 stops at an end-of-text token after 2 new tokens, rank 1 runs to ``max_new_tokens=6``. A
 stage-3 forward all-gathers the parameters, a collective: ``synced_gpus=True`` keeps the finished
@@ -44,10 +45,11 @@ def generate_in_step(rank: int, world: int) -> None:
     kwargs = _stops_early(plain)
     opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, reduce_bucket_size=300, stage3_param_persistence_threshold=20)
     with torch.no_grad():
-        out = model.generate(PROMPT, synced_gpus=True, **kwargs)
         expected = plain.generate(PROMPT, **kwargs)
-    assert torch.equal(out, expected), f"rank {rank}: {out.tolist()} vs unsharded {expected.tolist()}"
-    assert out.shape[1] == PROMPT.shape[1] + (EARLY if rank == 0 else NEW_TOKENS), out.tolist()
+        for given in ({"synced_gpus": True}, {}):  # without it: on by default at stage 3 on several ranks
+            out = model.generate(PROMPT, **given, **kwargs)
+            assert torch.equal(out, expected), f"rank {rank} {given}: {out.tolist()} vs unsharded {expected.tolist()}"
+            assert out.shape[1] == PROMPT.shape[1] + (EARLY if rank == 0 else NEW_TOKENS), out.tolist()
 
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
     model.train()
@@ -63,3 +65,25 @@ def generate_in_step(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_generate_lengths_differing_by_rank(spawn) -> None:
     spawn(generate_in_step, WORLD, timeout_s=180.0)
+
+
+def test_the_synced_generate_is_the_models_own_and_comes_off() -> None:
+    """The default is a method bound to the module (a deep copy's is bound to the copy), a value given wins, and
+    ``restore`` takes it off; modules without Hugging Face's ``generate`` are left alone."""
+    from unittest import mock
+
+    from zero_kernels.stages.stage3 import generation
+
+    model = gpt2().eval()
+    synced = generation.sync_generate(model)
+    assert synced == [model] and vars(model)["generate"].__self__ is model
+    copied = copy.deepcopy(model)
+    assert vars(copied)["generate"].__self__ is copied
+    with mock.patch.object(type(model), "generate", autospec=True) as original:
+        model.generate(PROMPT)
+        model.generate(PROMPT, synced_gpus=False)
+        model.generate(PROMPT, synced_gpus=None)
+    assert [c.kwargs["synced_gpus"] for c in original.call_args_list] == [True, False, True]
+    assert all(c.args[0] is model for c in original.call_args_list)
+    generation.restore(synced)
+    assert "generate" not in vars(model) and model.generate.__func__ is type(model).generate

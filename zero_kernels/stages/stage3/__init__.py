@@ -5,7 +5,8 @@
 empties, whatever autograd saved of it), ``uses`` and ``guard`` (reads of a freed
 parameter caught), ``check`` (ranks gather the same thing), ``save`` (full weights out), ``ownership`` (one stage-3
 optimizer per parameter), and
-``model_hints`` (leaf modules and external parameters the module tree does not say).
+``model_hints`` (leaf modules and external parameters the module tree does not say), ``generation`` (Hugging Face's
+``generate`` kept in step across ranks).
 """
 
 from __future__ import annotations

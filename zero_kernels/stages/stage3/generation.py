@@ -1,0 +1,49 @@
+"""Stage 3 on several ranks: Hugging Face's ``generate`` keeps every rank running forwards until all are done.
+
+Each new token is a forward, which gathers: a rank whose generation ends first (an end-of-text token, a shorter
+``max_new_tokens``) must go on running forwards until every rank is done, or the ranks' gathers fall out of step
+(a hang, or an abort inside the backend). ``generate(..., synced_gpus=True)`` does that; Hugging Face turns it on
+by itself only under DeepSpeed's ZeRO-3 or FSDP, and trainers that generate (TRL's GRPO, a ``Seq2SeqTrainer``'s
+``predict_with_generate``) do not pass it. ``sync_generate`` gives each module of the model whose class has Hugging
+Face's ``generate`` (``GenerationMixin`` among its bases) a ``generate`` whose ``synced_gpus`` is True unless the
+caller gives a value (``None`` counts as none), as DeepSpeed's ZeRO-3 makes it: an attribute of that module, a
+method bound to it (a deep copy of the model gets one bound to the copy). ``restore`` takes it off (the pipeline's
+``close``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import nn
+
+
+def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The class's ``generate`` with ``synced_gpus=True`` unless given."""
+    if kwargs.get("synced_gpus") is None:
+        kwargs["synced_gpus"] = True
+    return type(self).generate(self, *args, **kwargs)
+
+
+def _generates(module: nn.Module) -> bool:
+    return any(c.__name__ == "GenerationMixin" for c in type(module).__mro__)
+
+
+def sync_generate(model: nn.Module) -> list[nn.Module]:
+    """Give the modules of ``model`` that generate (see the module docstring) the synced ``generate``, where they have
+    none of their own yet; returns them."""
+    synced = []
+    for module in model.modules():
+        if _generates(module) and "generate" not in vars(module):
+            module.generate = types.MethodType(generate, module)
+            synced.append(module)
+    return synced
+
+
+def restore(modules: list[nn.Module]) -> None:
+    """Take the synced ``generate`` off ``modules`` (where it is still the one ``sync_generate`` gave)."""
+    for module in modules:
+        given = vars(module).get("generate")
+        if getattr(given, "__func__", None) is generate:
+            del module.generate
