@@ -219,3 +219,56 @@ def test_a_step_cut_short_leaves_the_state_partly_updated_as_without_offload(
             _step(model, opt, seed)
         _same(models, opts, state=False)
     _same(models, opts)
+
+
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_a_read_cut_short_leaves_no_slot_claiming_its_sub_group(
+    nth: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interrupt inside the ``nth`` read submission of a step (the tier's own read or one ahead), the run without
+    offload interrupted before the same kernel launch, then more steps: the same weights and state (the slot
+    claimed the sub-group before its reads were submitted, and the next step trained on its old bytes)."""
+    import zero_kernels.stages.offloaded as offloaded
+    import zero_kernels.stages.update as update
+    from zero_kernels.offload.aio import FileIO
+
+    models, opts = _pair(tmp_path, buffers=2)
+    for seed in range(2):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+    launched, reads, stop = [0], [0], [None]
+
+    def counted(real: Callable) -> Callable:
+        def launch(*args, **kwargs):
+            if stop[0] is not None and launched[0] == stop[0]:
+                raise KeyboardInterrupt("before the same launch")
+            launched[0] += 1
+            return real(*args, **kwargs)
+
+        return launch
+
+    real_read = FileIO.read
+
+    def read(self, *args, **kwargs):
+        reads[0] += 1
+        if reads[0] == nth:
+            raise KeyboardInterrupt("in a read")
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(update, "launch", counted(update.launch))
+    monkeypatch.setattr(offloaded, "launch", counted(offloaded.launch))
+    with monkeypatch.context() as patched:
+        patched.setattr(FileIO, "read", read)
+        with pytest.raises(KeyboardInterrupt):
+            _step(models[1], opts[1], 2)
+    opts[1].zero_grad()
+    stop[0], launched[0] = launched[0], 0
+    with pytest.raises(KeyboardInterrupt):
+        _step(models[0], opts[0], 2)
+    opts[0].zero_grad()
+    stop[0] = None
+    for seed in range(3, 6):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        _same(models, opts, state=False)
+    _same(models, opts)

@@ -545,10 +545,15 @@ class DiskTier(HostTier):
         for kind in kinds:
             if kind not in slot.tensors or slot.tensors[kind].numel() < size:
                 slot.tensors[kind] = self.io.empty(size, torch.float32)
-        slot.kinds = kinds
-        slot.holds = (key, g)
-        slot.stored = False
-        slot.reading = [self.io.read(self.path(key, g, k), slot.tensors[k].narrow(0, 0, numel)) for k in kinds]
+        slot.holds, slot.stored = None, False
+        reading: list[IOHandle] = []
+        try:
+            for k in kinds:
+                reading.append(self.io.read(self.path(key, g, k), slot.tensors[k].narrow(0, 0, numel)))
+        except BaseException:  # (an interrupt) the slot holds nothing: none of its bytes may pass for the sub-group's
+            _wait_quietly(reading)
+            raise
+        slot.kinds, slot.holds, slot.reading = kinds, (key, g), reading
         self.bytes_read += numel * ELEMENT * len(kinds)
         return slot
 
@@ -567,6 +572,15 @@ class DiskTier(HostTier):
         finally:
             self.io.close()
             self.directory.remove()
+
+
+def _wait_quietly(handles: list[IOHandle]) -> None:
+    """Wait for ``handles`` (their buffer is reused next), whatever they end with."""
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:  # the error goes with the buffer's bytes, which nothing reads
+            pass
 
 
 def _wait_all(handles: list[IOHandle]) -> None:
