@@ -13,6 +13,7 @@ inside the backend.
 from __future__ import annotations
 
 import copy
+import io
 import os
 
 import pytest
@@ -68,8 +69,9 @@ def test_generate_lengths_differing_by_rank(spawn) -> None:
 
 
 def test_the_synced_generate_is_the_models_own_and_comes_off() -> None:
-    """The default is a method bound to the module (a deep copy's is bound to the copy), a value given wins, and
-    ``restore`` takes it off; modules without Hugging Face's ``generate`` are left alone."""
+    """The default is a method bound to the module, a value given wins, a deep copy (unsharded, which may generate on
+    one rank) and a model loaded from a pickle generate as Hugging Face's own until synced themselves, and
+    ``restore`` takes it off."""
     from unittest import mock
 
     from zero_kernels.stages.stage3 import generation
@@ -78,12 +80,17 @@ def test_the_synced_generate_is_the_models_own_and_comes_off() -> None:
     synced = generation.sync_generate(model)
     assert synced == [model] and vars(model)["generate"].__self__ is model
     copied = copy.deepcopy(model)
-    assert vars(copied)["generate"].__self__ is copied
+    pickled = io.BytesIO()
+    torch.save(model, pickled)
+    loaded = torch.load(io.BytesIO(pickled.getvalue()), weights_only=False)
     with mock.patch.object(type(model), "generate", autospec=True) as original:
         model.generate(PROMPT)
         model.generate(PROMPT, synced_gpus=False)
         model.generate(PROMPT, synced_gpus=None)
-    assert [c.kwargs["synced_gpus"] for c in original.call_args_list] == [True, False, True]
-    assert all(c.args[0] is model for c in original.call_args_list)
+        copied.generate(PROMPT)
+    seen = [(c.args[0], c.kwargs.get("synced_gpus")) for c in original.call_args_list]
+    assert seen == [(model, True), (model, False), (model, True), (copied, None)], seen
+    assert vars(loaded)["generate"].__func__ is type(loaded).generate  # what a pickle keeps: Hugging Face's own
+    assert generation.sync_generate(loaded) == [loaded]  # its leftover (the class's method) is not the user's
     generation.restore(synced)
     assert "generate" not in vars(model) and model.generate.__func__ is type(model).generate

@@ -7,21 +7,25 @@ by itself only under DeepSpeed's ZeRO-3 or FSDP, and trainers that generate (TRL
 ``predict_with_generate``) do not pass it. ``sync_generate`` gives each module of the model whose class has Hugging
 Face's ``generate`` (``GenerationMixin`` among its bases) a ``generate`` whose ``synced_gpus`` is True unless the
 caller gives a value (``None`` counts as none), as DeepSpeed's ZeRO-3 makes it: an attribute of that module, a
-method bound to it (a deep copy of the model gets one bound to the copy). ``restore`` takes it off (the pipeline's
-``close``).
+method bound to it. Only the modules ``sync_generate`` gave it to (held weakly) default so: a deep copy of the model
+(an unsharded copy, generating on one rank) or one loaded from a pickle generates as Hugging Face's own, unless an
+optimizer of its own syncs it. ``restore`` takes it off (the pipeline's ``close``).
 """
 
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 from torch import nn
 
+_synced: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # the modules a stage-3 pipeline syncs now
+
 
 def generate(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The class's ``generate`` with ``synced_gpus=True`` unless given."""
-    if kwargs.get("synced_gpus") is None:
+    """The class's ``generate``, with ``synced_gpus=True`` unless given where this module is synced."""
+    if self in _synced and kwargs.get("synced_gpus") is None:
         kwargs["synced_gpus"] = True
     return type(self).generate(self, *args, **kwargs)
 
@@ -35,8 +39,10 @@ def sync_generate(model: nn.Module) -> list[nn.Module]:
     none of their own yet; returns them."""
     synced = []
     for module in model.modules():
-        if _generates(module) and "generate" not in vars(module):
+        given = getattr(vars(module).get("generate"), "__func__", None)  # a bound method of our own or the class's
+        if _generates(module) and ("generate" not in vars(module) or given in (generate, type(module).generate)):
             module.generate = types.MethodType(generate, module)
+            _synced.add(module)
             synced.append(module)
     return synced
 
@@ -44,6 +50,7 @@ def sync_generate(model: nn.Module) -> list[nn.Module]:
 def restore(modules: list[nn.Module]) -> None:
     """Take the synced ``generate`` off ``modules`` (where it is still the one ``sync_generate`` gave)."""
     for module in modules:
+        _synced.discard(module)
         given = vars(module).get("generate")
         if getattr(given, "__func__", None) is generate:
             del module.generate
