@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import zero_kernels.optim as zo
+from zero_kernels.config import ZeroOptions
 from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig
 from zero_kernels.offload import DiskTier, disk
 
@@ -181,7 +182,8 @@ HOLDER = textwrap.dedent(
 
 
 def _tier(path: Path) -> DiskTier:
-    return DiskTier(OffloadOptimizerConfig(device="nvme", nvme_path=str(path)), AioConfig(), rank=0)
+    config = OffloadOptimizerConfig(device="nvme", nvme_path=str(path))
+    return DiskTier(config, AioConfig(), rank=0, sub_group_size=ZeroOptions().sub_group_size)
 
 
 def test_a_live_run_is_kept_whatever_its_pid_says(tmp_path: Path) -> None:

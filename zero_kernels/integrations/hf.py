@@ -289,7 +289,8 @@ class ZeroTrainer(Trainer):
         registered for the model (``register_external_parameter``), as TRL gathers them under DeepSpeed's ZeRO-3.
         Unregistered they are empty there, and a kernel that reads only their shape computes a loss of nothing: no
         error, and nothing trains."""
-        if self.zero_optimizer is None or self.zero_optimizer.options.stage != 3 or not _fused_loss(self):
+        reason = _fused_loss(self)
+        if self.zero_optimizer is None or self.zero_optimizer.options.stage != 3 or not reason:
             return
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's wrapper
         head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
@@ -299,7 +300,7 @@ class ZeroTrainer(Trainer):
             register_external_parameter(inner, parameter)
             log.info(
                 "ZeroTrainer: stage 3: %s.%s is gathered for %s's forward, where %s reads it without calling %s",
-                type(head).__name__, name, type(inner).__name__, _fused_loss(self), type(head).__name__,
+                type(head).__name__, name, type(inner).__name__, reason, type(head).__name__,
             )  # fmt: skip
 
     def _adopt(self, built: Any, model: nn.Module, source: str = "a create_optimizer override") -> ShardedFusedAdam:

@@ -292,11 +292,12 @@ class DiskTier(HostTier):
         config: the ``offload_optimizer`` block (``device="nvme"``, ``nvme_path``, ``buffer_count``, ...).
         aio: the ``aio`` block (the I/O engine's knobs).
         rank: this process's rank (its directory).
+        sub_group_size: ``zero_optimization.sub_group_size`` (the swap pool, with ``buffer_count``).
     """
 
     kind = "disk"
 
-    def __init__(self, config: OffloadOptimizerConfig, aio: AioConfig, *, rank: int, sub_group_size: int = 10**9):
+    def __init__(self, config: OffloadOptimizerConfig, aio: AioConfig, *, rank: int, sub_group_size: int):
         super().__init__(config)
         self.pool_numel = config.buffer_count * sub_group_size  # DeepSpeed's swap pool, in elements per state kind
         self.directory = RunDirectory(config.nvme_path, "offload_optimizer.nvme_path", rank)
@@ -419,10 +420,7 @@ class DiskTier(HostTier):
         if not self.order or self.order[-1][:2] != (key, g):  # each bucket of the sub-group loads it
             self.order.append((key, g, kinds))
             self._store_cut_short(but=(key, g))
-        slot = self._holding(key, g)
-        if slot is not None and slot.kinds != kinds:
-            self._drop(slot)
-            slot = None
+        slot = self._held(key, g, kinds)
         if slot is None:
             slot = self._start_read(key, g, kinds)
         slot.wait_reads()
@@ -481,11 +479,8 @@ class DiskTier(HostTier):
         wanted = [(key, g, kinds) for key, g, kinds in self.last_order[: len(used)] if g < len(self.groups[key])]
         keep = {(key, g) for key, g, _ in wanted}
         for key, g, kinds in wanted:
-            held = self._holding(key, g)
-            if held is not None and held.kinds == kinds:
+            if self._held(key, g, kinds) is not None:
                 continue
-            if held is not None:
-                self._drop(held)
             slot = next((s for s in used if s.holds is None or s.holds not in keep), None)
             if slot is None:
                 return
@@ -507,6 +502,15 @@ class DiskTier(HostTier):
 
     def _holding(self, key: int, g: int) -> Optional[_Slot]:
         return next((s for s in self.slots if s.holds == (key, g)), None)
+
+    def _held(self, key: int, g: int, kinds: tuple[str, ...]) -> Optional[_Slot]:
+        """The slot holding sub-group ``g`` of ``key`` with the state ``kinds``; one holding it with other kinds
+        (AMSGrad's maximum switched on or off since) is emptied."""
+        slot = self._holding(key, g)
+        if slot is not None and slot.kinds != kinds:
+            self._drop(slot)
+            return None
+        return slot
 
     def _free_slot(self, *, block: bool, keep: Optional[_Slot] = None) -> Optional[_Slot]:
         """A slot whose writes are done (emptied): one in use that holds nothing, else one never used while the
@@ -539,13 +543,14 @@ class DiskTier(HostTier):
         return max(1, min(len(self.slots), self.pool_numel // max(largest, 1)))
 
     def _start_read(self, key: int, g: int, kinds: tuple[str, ...], slot: Optional[_Slot] = None) -> _Slot:
+        """Start reading sub-group ``g`` of ``key`` into ``slot`` (an emptied one: ``_drop``; default: a free one);
+        the slot holds it once every read is submitted."""
         slot = slot or self._free_slot(block=True)
         numel = self.groups[key][g]
         size = max(n for groups in self.groups.values() for n in groups)
         for kind in kinds:
             if kind not in slot.tensors or slot.tensors[kind].numel() < size:
                 slot.tensors[kind] = self.io.empty(size, torch.float32)
-        slot.holds, slot.stored = None, False
         reading: list[IOHandle] = []
         try:
             for k in kinds:

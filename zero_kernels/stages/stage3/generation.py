@@ -36,7 +36,7 @@ def _generates(module: nn.Module) -> bool:
 
 def sync_generate(model: nn.Module) -> list[nn.Module]:
     """Give the modules of ``model`` that generate (see the module docstring) the synced ``generate``, where they have
-    none of their own yet; returns them."""
+    none of their own yet (ours, or the class's method a pickle leaves, is not one); returns them."""
     synced = []
     for module in model.modules():
         given = getattr(vars(module).get("generate"), "__func__", None)  # a bound method of our own or the class's
