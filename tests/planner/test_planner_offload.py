@@ -60,6 +60,18 @@ def test_nvme_offload_reads_and_writes_the_state_once_per_step_through_sub_group
     assert sub_group_elements(10) == 1 << 20 and sub_group_elements(10**12) == MAX_SUB_GROUP
 
 
+def test_a_state_the_swap_pool_holds_is_never_read_again() -> None:
+    """The disk tier's ``buffer_count`` buffers keep their sub-groups between steps: a shard of at most
+    ``buffer_count`` sub-groups is written back every step and never read; a larger one is read once."""
+    small = 3 * (1 << 20)  # elements per rank: 3 sub-groups of the smallest size
+    est = estimate_offload(small * N, N, 2, NVME)
+    assert est.sub_group_size == 1 << 20 and est.disk_read == 0 and est.disk_write == 12 * small
+    assert est.phase_s["forward"] == 0
+    big = estimate_offload(5 * (1 << 20) * N, N, 2, NVME)  # 5 sub-groups, 4 buffers
+    assert big.disk_read == big.disk_write == 12 * 5 * (1 << 20)
+    assert big.phase_s["forward"] == pytest.approx(12 * 4 * (1 << 20) / (20 * GB / 8))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_share_offloaded_counts_only_that_share(stage: int) -> None:
     share = replace(CPU, ratio=0.25)
@@ -186,8 +198,10 @@ def test_the_update_after_backward_is_the_adam_or_the_disk_whichever_is_longer()
     assert cpu.phase_s["after"] == pytest.approx(adam_s + bus_s)
     assert cpu.phase_s["backward"] == 0
     nvme = estimate_offload(PSI, N, 2, NVME)
-    disk_s = 2 * 12 * SHARD / (20 * GB / 8)  # read + write, the node's disk shared by its 8 ranks
+    pool = 4 * sub_group_elements(SHARD) * 12  # read beside the forward: the pool's sub-groups
+    disk_s = (2 * 12 * SHARD - pool) / (20 * GB / 8)  # read + write, the node's disk shared by its 8 ranks
     assert disk_s > adam_s and nvme.phase_s["after"] == pytest.approx(disk_s + bus_s)
+    assert nvme.phase_s["forward"] == pytest.approx(pool / (20 * GB / 8))
     fast_disk = estimate_offload(PSI, N, 2, replace(NVME, disk_gbps=10_000.0))
     assert fast_disk.phase_s["after"] == pytest.approx(adam_s + bus_s)
 
@@ -363,9 +377,10 @@ def test_json_loads_through_zero_config(tmp_path, capsys, optimizer: str) -> Non
      ("nvme", 0.5, False, None)],
 )  # fmt: skip
 def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, monkeypatch, optimizer, ratio, shared, comm) -> None:
-    """The plan's figures, byte for byte, against what a step held and moved: on this machine the device is the
-    host, and the tier makes no host copies (``HostTier.share_host``); with it off the tier copies as from a GPU.
-    The plan is given the padded flat buffer and the share the pipeline offloaded (it cuts at whole buckets)."""
+    """The plan's figures, byte for byte, against what a step after the first held and moved: on this machine the
+    device is the host, and the tier makes no host copies (``HostTier.share_host``); with it off the tier copies as
+    from a GPU. The plan is given the padded flat buffer and the share the pipeline offloaded (it cuts at whole
+    buckets)."""
     import torch
 
     import zero_kernels as zk
@@ -385,9 +400,11 @@ def test_the_model_matches_what_the_tiers_hold_and_move(tmp_path, monkeypatch, o
     (buf,) = opt._pipeline.buffers
     share = placement.tier_numel(buf) / buf.layout.shard_numel
     assert ratio <= share < ratio + 0.13, share
-    module(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
-    before = dict(tier.traffic())
-    opt.step()
+    for _ in range(2):  # the second step's traffic: the swap pool holds what the first step left in it
+        module(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean().backward()
+        before = dict(tier.traffic())
+        opt.step()
+        opt.zero_grad()
     moved = {k: v - before.get(k, 0) for k, v in tier.traffic().items()}
     setup = replace(NVME if optimizer == "nvme" else CPU, ranks_per_node=1, ratio=share, device_is_host=shared)
     grads = reduced_grad_dtype("bf16", comm)

@@ -13,10 +13,12 @@ reduces it into (``models.reduced_grad_dtype``: 4 bytes with ``communication_dat
 ``grad_accum_dtype`` ``fp32``). Where the device is the host (``device_is_host``: a machine without GPU) the host
 tier makes no copies and nothing crosses (``offload.HostTier.shares``): the host holds the state alone, and the
 parameter shards stay where the device keeps them (``offload_param`` ``cpu`` moves nothing). With ``nvme`` the
-state is read and written back once per step (2·K bytes per element of the shard) through
-``buffer_count`` pinned buffers of ``sub_group_size`` elements; read-ahead and write-behind run the CPU
-Adam of one sub-group while the next is read and the previous written, so the update takes the longer of
-the Adam and the disk, not their sum.
+state is written back once per step (K bytes per element of the shard) through ``buffer_count`` pinned
+buffers of ``sub_group_size`` elements (the pool); read-ahead and write-behind run the CPU Adam of one sub-group
+while the next is read and the previous written, so the update takes the longer of the Adam and the disk, not
+their sum. The pool keeps its sub-groups between steps: a state that fits in it is never read again, and a
+larger one is read once per step, the pool's worth of it (the next step's first sub-groups, ``early_read``)
+beside the forward, the rest in the update.
 
 ``ratio`` (``offload_optimizer.ratio``, in (0, 1]) offloads only that share of the state: the rest stays on
 the device with its gradients and parameters (the pipeline cuts at whole buckets; the plan takes the share
@@ -275,9 +277,10 @@ def estimate_offload(
     up_after = (elem * moved if setup.optimizer != "none" and param_off == "none" and crosses else 0) + staged
     up_gather = elem * shard * gathers if param_off != "none" and crosses else 0
     state_io = state if setup.optimizer == "nvme" else 0
+    state_read, early = _state_reads(state_io, k_bytes * OPTIMIZER_BUFFERS * sub)
     gather_reads = in_files * gathers
     update_reads = device_part if param_off == "nvme" else 0  # the device's update reads its part of the shard
-    read = state_io + gather_reads + grad_io + update_reads  # the shards are read for every gather; the host Adam
+    read = state_read + gather_reads + grad_io + update_reads  # the shards are read for every gather; the host Adam
     write = state_io + in_files + grad_io  # overwrites its part (it reads it only where it keeps some elements)
     return OffloadEstimate(
         host_bytes=host,
@@ -290,10 +293,27 @@ def estimate_offload(
         disk_write=write,
         adam_s=state * setup.ranks_per_node / (setup.adam_gbps * 1e9),
         phase_s=_phases(
-            setup, state, down, up_after, up_gather, gather_reads, in_files + update_reads, grad_file, reductions
+            setup,
+            state,
+            (state_read - early, early),
+            down,
+            up_after,
+            up_gather,
+            gather_reads,
+            in_files + update_reads,
+            grad_file,
+            reductions,
         ),
         sub_group_size=sub,
     )
+
+
+def _state_reads(state: int, pool: int) -> tuple[int, int]:
+    """(bytes of the state read per step, of which read beside the next forward) with ``state`` bytes on the
+    disk and a pool of ``pool`` bytes: nothing where the pool holds it all."""
+    if state <= pool:
+        return 0, 0
+    return state, pool
 
 
 def _copies(setup: OffloadSetup, elem: int, g_elem: int, moved: int, param_shard: int) -> int:
@@ -307,6 +327,7 @@ def _copies(setup: OffloadSetup, elem: int, g_elem: int, moved: int, param_shard
 def _phases(
     setup: OffloadSetup,
     state: int,
+    state_reads: tuple[int, int],
     down: int,
     up_after: int,
     up_gather: int,
@@ -319,9 +340,9 @@ def _phases(
 
     Gathers of offloaded parameters split evenly between forward and backward (each the longer of its
     uploads and its disk reads, ``gather_reads``); a node's disk serves its ranks one after another (its
-    bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is read and
-    written, and parameter shards in files are written (and the device's part read) by the update (``in_files``
-    bytes, after backward). The
+    bandwidth divided among them); the bus is per rank and full duplex; on the disk the state is written by the
+    update and read (``state_reads``: bytes read in the update, and beside the next forward), and parameter shards
+    in files are written (and the device's part read) by the update (``in_files`` bytes, after backward). The
     gradients go down in the update, bucket by bucket before its Adam (``down``, after backward); a gradient shard
     in files (``grad_file`` bytes) goes down and is written by each of the step's ``reductions`` beside backward,
     read back by every one after the first, and read by the update.
@@ -330,10 +351,11 @@ def _phases(
     disk = (setup.disk_gbps or math.inf) * 1e9 / setup.ranks_per_node
     gather_s = max(up_gather / bus, gather_reads / disk) / 2
     adam_s = state * setup.ranks_per_node / (setup.adam_gbps * 1e9)
-    state_io_s = 2 * state / disk if setup.optimizer == "nvme" else 0.0
+    read_after, read_early = state_reads
+    state_io_s = (read_after + state) / disk if setup.optimizer == "nvme" else 0.0
     down_after = 0 if grad_file else down
     return {
-        "forward": gather_s,
+        "forward": max(up_gather / bus, gather_reads / disk + 2 * read_early / disk) / 2,
         "backward": max(gather_s, down / bus, (2 * reductions - 1) * grad_file / disk) if grad_file else gather_s,
         "after": max(adam_s, state_io_s + (in_files + grad_file) / disk) + (up_after + down_after) / bus,
     }
