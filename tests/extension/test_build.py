@@ -175,3 +175,32 @@ def test_readme_lists_every_environment_variable() -> None:
     readme = (ROOT / "README.md").read_text()
     for variable in env.VARIABLES:
         assert f"`{variable}`" in readme, variable
+
+
+def test_a_remembered_failure_keeps_no_optimizer_alive(monkeypatch: pytest.MonkeyPatch, fresh_results: dict) -> None:
+    """Where an extension cannot be built, each optimizer built falls back to the torch path; the failure kept
+    for the next one holds no traceback, whose frames would keep every optimizer built (and its model) alive."""
+    import gc
+    import weakref
+
+    import torch
+
+    import zero_kernels as zk
+
+    def unavailable(name: str) -> None:
+        raise _ext.ExtensionUnavailable(f"extension {name!r}: no compiler here")
+
+    monkeypatch.setattr(_ext, "_build", unavailable)
+    for _ in range(2):  # the first build fails and is remembered; the second finds the failure
+        model = torch.nn.Linear(4, 4)
+        opt = zk.ShardedFusedAdam(model.parameters(), lr=0.1, stage=1)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        gone = [weakref.ref(x) for x in (opt, model)]
+        del model, opt
+        gc.collect()
+        assert [ref() for ref in gone] == [None, None]
+    assert set(fresh_results) >= {"comm"}
+    with pytest.raises(_ext.ExtensionUnavailable, match="no compiler here") as raised:
+        _ext.load("comm")
+    assert raised.value is not fresh_results["comm"]

@@ -202,16 +202,18 @@ _RESULTS: dict[str, ModuleType | ExtensionUnavailable] = {}
 def load(name: str) -> ModuleType:
     """The compiled extension ``name`` ("ops", "comm" or "io"); raises ExtensionUnavailable.
 
-    The outcome, module or failure, is remembered for the life of the process.
+    The outcome, module or failure, is remembered for the life of the process. A failure is raised anew each
+    time: the remembered one keeps no traceback, whose frames would keep the callers' objects (an optimizer being
+    built, its model) alive for as long.
     """
     if name not in _RESULTS:
         try:
             _RESULTS[name] = _build(name)
         except ExtensionUnavailable as exc:
-            _RESULTS[name] = exc
+            _RESULTS[name] = exc.with_traceback(None)
     result = _RESULTS[name]
     if isinstance(result, ExtensionUnavailable):
-        raise result
+        raise ExtensionUnavailable(*result.args) from result.__cause__
     return result
 
 
