@@ -7,7 +7,8 @@ rank running forward passes until every rank is done (Hugging Face turns it on b
 DeepSpeed ZeRO-3 or FSDP). Each rank's tokens must equal those of an unsharded copy of the model
 given the same arguments, and a training step after it must leave the ranks in step (the same
 weights on both). Without ``synced_gpus`` the ranks' gathers fall out of step: a hang, or an abort
-inside the backend.
+inside the backend. A ``Seq2SeqTrainer`` under ``ZeroTrainer`` predicting with generate (which passes
+``synced_gpus=False`` itself outside DeepSpeed and FSDP) generates in step too.
 """
 
 from __future__ import annotations
@@ -94,3 +95,59 @@ def test_the_synced_generate_is_the_models_own_and_comes_off() -> None:
     assert generation.sync_generate(loaded) == [loaded]  # its leftover (the class's method) is not the user's
     generation.restore(synced)
     assert "generate" not in vars(model) and model.generate.__func__ is type(model).generate
+
+
+def _prompts(model, eos_after: int) -> tuple[torch.Tensor, int]:
+    """Two prompts and an end-of-text token: the first's greedy generation reaches it after ``eos_after`` new
+    tokens, the second's not within ``NEW_TOKENS``."""
+    g = torch.Generator().manual_seed(1)
+    first = torch.randint(1, VOCAB, (1, 3), generator=g)
+    with torch.no_grad():
+        out = model.generate(first, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    eos = int(out[0, 3 + eos_after - 1])
+    assert eos not in out[0, 3 : 3 + eos_after - 1].tolist(), "pick another seed"
+    for _ in range(100):
+        second = torch.randint(1, VOCAB, (1, 3), generator=g)
+        with torch.no_grad():
+            new = model.generate(second, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, 3:]
+        if eos not in new.tolist():
+            return torch.cat([first, second]), eos
+    raise AssertionError("no second prompt found")
+
+
+def seq2seq_predict_in_step(rank: int, world: int, out: str) -> None:
+    """A ``Seq2SeqTrainer`` with ``predict_with_generate`` passes ``synced_gpus=False`` itself outside DeepSpeed
+    and FSDP; under ``ZeroTrainer`` at stage 3 it generates in step."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    class Zero(ZeroTrainer, Seq2SeqTrainer):
+        pass
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
+    model = gpt2()
+    model.config.pad_token_id = 0
+    prompts, eos = _prompts(model, EARLY)
+    train = [{"input_ids": (ids := torch.randint(1, VOCAB, (8,))), "labels": ids} for _ in range(4)]
+    args = Seq2SeqTrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=2, report_to=[],
+                                    per_device_eval_batch_size=1, predict_with_generate=True, use_cpu=True,
+                                    ddp_backend="gloo", disable_tqdm=True, save_strategy="no")  # fmt: skip
+    zero = {"stage": 3, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 20}
+    trainer = Zero(model=model, args=args, train_dataset=train, zero_optimization=zero)
+    trainer.train()
+    with trainer.zero_optimizer.gathered_params():
+        plain = copy.deepcopy(model).eval()
+    kwargs = dict(max_new_tokens=NEW_TOKENS, eos_token_id=eos, do_sample=False)
+    got = trainer.predict([{"input_ids": p} for p in prompts], **kwargs).predictions
+    for row, prompt in zip(got, prompts):  # every rank's generation, gathered
+        with torch.no_grad():
+            expected = plain.generate(prompt[None], pad_token_id=0, **kwargs)[0].tolist()
+        assert row.tolist()[: len(expected)] == expected, f"rank {rank}: {row.tolist()} vs unsharded {expected}"
+    assert [len(plain.generate(p[None], pad_token_id=0, **kwargs)[0]) for p in prompts] == [3 + EARLY, 3 + NEW_TOKENS]
+
+
+@pytest.mark.distributed
+def test_seq2seq_trainer_predicts_with_generate_in_step(spawn, tmp_path) -> None:
+    spawn(seq2seq_predict_in_step, WORLD, str(tmp_path), timeout_s=240.0)

@@ -37,7 +37,9 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
   (``python -m zero_kernels consolidate`` turns it into a state dict). Checkpoints
   (``save_strategy``) hold that sharded checkpoint of model and optimizer, written by every rank;
 - loading: ``train(resume_from_checkpoint=...)`` restores model and optimizer from it, at any
-  world size and stage.
+  world size and stage;
+- generation in evaluation: with a ``Seq2SeqTrainer`` (``class T(ZeroTrainer, Seq2SeqTrainer)``),
+  ``predict_with_generate`` at stage 3 on several ranks generates with ``synced_gpus=True`` unless given.
 
 Not supported: fp16 (``fp16=True`` or in the config: ``ZeroTrainer`` does not drive the Trainer's
 ``GradScaler`` yet; use bf16 or fp32) and FSDP.
@@ -54,7 +56,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
 from transformers.trainer import SCHEDULER_NAME
 
 from .. import checkpoint
@@ -62,7 +64,7 @@ from ..config import ZeroConfig, ZeroOptions, client_optimizer
 from ..config.at_updates import counting, gate
 from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
-from ..stages.stage3 import register_external_parameter
+from ..stages.stage3 import generates_synced, register_external_parameter
 from . import hf_config
 from .save import agree
 
@@ -342,6 +344,27 @@ class ZeroTrainer(Trainer):
         sync = self.accelerator.sync_gradients
         with self._sharded().no_sync() if not sync else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: Optional[list[str]] = None,
+        **gen_kwargs: Any,
+    ) -> Any:
+        """As the Trainer's. A ``Seq2SeqTrainer`` generating (``predict_with_generate``) passes ``synced_gpus``
+        itself, False outside DeepSpeed and FSDP: where stage 3 syncs the model's ``generate`` (on several ranks)
+        it is True unless given, or ranks whose generations differ in length hang."""
+        if self._generates_synced(prediction_loss_only):
+            gen_kwargs = dict(gen_kwargs or getattr(self, "_gen_kwargs", {}))
+            if gen_kwargs.get("synced_gpus") is None:
+                gen_kwargs["synced_gpus"] = True
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **gen_kwargs)
+
+    def _generates_synced(self, prediction_loss_only: bool) -> bool:
+        generating = isinstance(self, Seq2SeqTrainer) and getattr(self.args, "predict_with_generate", False)
+        return generating and not prediction_loss_only and generates_synced(self.model)
 
     # ---------------------------------------------------------------- clipping
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:

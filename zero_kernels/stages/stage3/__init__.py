@@ -11,7 +11,8 @@ optimizer per parameter), and
 
 from __future__ import annotations
 
+from .generation import generates_synced
 from .model_hints import register_external_parameter, set_leaf_modules
 from .pipeline import Stage3Buffer, Stage3Pipeline
 
-__all__ = ["Stage3Buffer", "Stage3Pipeline", "register_external_parameter", "set_leaf_modules"]
+__all__ = ["Stage3Buffer", "Stage3Pipeline", "generates_synced", "register_external_parameter", "set_leaf_modules"]

@@ -47,6 +47,11 @@ def sync_generate(model: nn.Module) -> list[nn.Module]:
     return synced
 
 
+def generates_synced(model: nn.Module) -> bool:
+    """Whether a module of ``model`` has the synced ``generate`` (a live stage-3 pipeline on several ranks)."""
+    return any(module in _synced for module in model.modules())
+
+
 def restore(modules: list[nn.Module]) -> None:
     """Take the synced ``generate`` off ``modules`` (where it is still the one ``sync_generate`` gave)."""
     for module in modules:
