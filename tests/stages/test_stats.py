@@ -188,7 +188,7 @@ def test_step_checks_name_every_value() -> None:
     assert checks["param_groups[1]['eps']"] == 1e-6 and checks["param_groups[0]['weight_decay']"] == 0.01
     assert math.isnan(checks["max_grad_norm (gradient_clipping)"])
     assert dict(step_checks(hyper, 0.25, 2.0))["max_grad_norm (gradient_clipping)"] == 2.0
-    assert checks["the gradient scale 1 / (loss scale or gradient_accumulation_steps)"] == 0.25
+    assert checks["the gradient scale 1 / (loss scale or gradient_accumulation_steps) x scale_grads_"] == 0.25
     assert len(checks) == 7 * 2 + 2
 
 

@@ -236,6 +236,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._micro_step = 0
         self._no_sync_depth = 0
         self._clips = PendingClips()  # what clip_grad_norm_ asked of the coming step
+        self._grad_factor = 1.0  # what scale_grads_ asked of the coming step
         self._grad_scaler: Optional[weakref.ref] = None  # the torch.amp.GradScaler that last stepped this optimizer
         self._scaled_step = False  # the last step was driven by a GradScaler
         self.last_step: Optional[StepResult] = None
@@ -463,7 +464,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         module_zero_grad.warn_part_left(self)
         self.wait_params()
         self._follow_replaced_params()
-        scale = 1.0 / self._grad_divisor
+        scale = self._grad_factor / self._grad_divisor
+        self._grad_factor = 1.0
         multiplier = self._take_clip(scaled)
         if scaled is not None and scaled.multiplier is not None:
             multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
@@ -595,6 +597,32 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._ask_clip(max_norm, measured, measured=True)
         return norm.float()
 
+    def scale_grads_(self, factor: Union[float, torch.Tensor]) -> None:
+        """Multiply this step's gradients by ``factor`` (applied by the next ``step()``; a norm taken after this
+        call sees it).
+
+        What ``p.grad *= factor`` over the model's parameters does for a plain optimizer (torchtune's
+        ``training.scale_grads``: gradients of a loss summed over tokens, divided by the token count once it is
+        known), for gradients that live in shards: at stages 2 and 3 ``p.grad`` is None after backward, so such a
+        loop scales nothing. Call it on every rank with the same factor (the step compares them), after the last
+        backward of the step; a gradient that arrives after it is refused at the step, as after
+        ``clip_grad_norm_``.
+
+        Args:
+            factor: a finite number (or a 0-d tensor holding one).
+        """
+        value = float(factor)
+        if not math.isfinite(value):
+            raise ValueError(f"ShardedFusedAdam.scale_grads_: factor={value}: give a finite number")
+        if self._micro_step + 1 < self.gradient_accumulation_steps:
+            raise RuntimeError(
+                f"ShardedFusedAdam.scale_grads_ on accumulation micro-step {self._micro_step + 1} of "
+                f"{self.gradient_accumulation_steps}: the later micro-steps' gradients would be scaled too; call it "
+                "after the last backward of the step"
+            )
+        self._grad_factor *= value
+        self._pipeline.clipped = True  # a later gradient is refused
+
     def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
         """The global norm of order ``norm_type`` of this step's reduced gradients as clipped so far (the clips
         asked for since the last step, as torch's in-place clips would have left them), a 0-d float64 tensor (a
@@ -612,7 +640,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "Accelerator(gradient_accumulation_steps=...) or TrainingArguments, and build the optimizer without "
                 "it, so that sync_gradients is true only there), or set max_grad_norm"
             )
-        scale = 1.0 / self._grad_divisor
+        scale = self._grad_factor / self._grad_divisor
         factor, _ = amp.clip_factor(self)
         return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale, order)
 
@@ -647,6 +675,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 return
             self._drop_window()
         self._clips.clear()
+        self._grad_factor = 1.0
         self._pipeline.zero_grad(set_to_none)
 
     def _drop_window(self) -> None:

@@ -55,7 +55,7 @@ def exact_in_p_grad(optimizer: Any) -> bool:
     stage, world = optimizer.options.stage, optimizer.pipeline.world_size
     shared = (stage == 0 or (stage == 1 and world == 1)) and optimizer.pipeline.grads_in_p_grad
     scaled = optimizer._loss_scaler is not None  # fp16: p.grad holds the gradients times the loss scale
-    unclipped = bool(optimizer._clips)  # opt.clip_grad_norm_ asked for a clip the step applies
+    unclipped = bool(optimizer._clips) or optimizer._grad_factor != 1.0  # the step applies a clip or a scale
     return shared and not scaled and not unclipped and optimizer.gradient_accumulation_steps == 1
 
 
@@ -69,6 +69,8 @@ def _why(optimizer: Any) -> str:
         return "at stage 1 p.grad is this rank's own gradient until the step reduces it"
     if optimizer._clips:
         return "p.grad is not yet clipped by the opt.clip_grad_norm_ asked for before: the step applies it"
+    if optimizer._grad_factor != 1.0:
+        return "p.grad is not yet scaled by the opt.scale_grads_ asked for before: the step applies it"
     if optimizer.scales_loss:
         return f"p.grad holds the gradients times the loss scale ({optimizer.loss_scale:g}), which the step divides out"
     return (

@@ -16,8 +16,9 @@ it is found. Problems:
 - ``UNSEEN_GRADIENT``: stages 2-3 keep no ``p.grad`` (a backward moves it into the reduced shard);
   one left there at the step, which no reduction took (``p.grad = ...`` set by hand after the
   step's synchronised backward), would be ignored by the step.
-- ``AFTER_CLIP``: a gradient that arrives after ``clip_grad_norm_`` measured the norm: torch
-  clips what ``p.grad`` held then and adds later gradients unclipped; the step here clips the sum.
+- ``AFTER_CLIP``: a gradient that arrives after ``clip_grad_norm_`` measured the norm (or ``scale_grads_``
+  scaled the gradients): torch clips what ``p.grad`` held then and adds later gradients unclipped; the step here
+  clips the sum.
 - ``UNSCALED_BACKWARD``: with fp16 loss scaling, a gradient from a backward the optimizer did not
   scale (``loss.backward()`` in place of ``opt.backward(loss)``): the step would divide it by the loss
   scale. DeepSpeed refuses it too ("Loss scaling is required"). Raised at the step even on one rank,
@@ -57,8 +58,9 @@ def describe(kind: int, stage: int, name: str) -> str:
         )
     return (
         f"ShardedFusedAdam (stage {stage}): {name} got a gradient after clip_grad_norm_ measured the gradients' "
-        "norm: torch.optim.AdamW would see the earlier gradients clipped and this one unclipped, which the fused "
-        "step cannot do. Call clip_grad_norm_ after the last backward of the step; nothing was updated"
+        "norm (or scale_grads_ scaled them): torch.optim.AdamW would see the earlier gradients clipped (scaled) and "
+        "this one not, which the fused step cannot do. Call them after the last backward of the step; nothing was "
+        "updated"
     )
 
 

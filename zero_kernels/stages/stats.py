@@ -63,7 +63,8 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
 
     Args:
         hyper: per param group ``GroupHyper``.
-        grad_scale: the gradient multiplier (1 / loss scale with fp16 loss scaling, else 1 / accumulation steps).
+        grad_scale: the gradient multiplier (1 / loss scale with fp16 loss scaling, else 1 / accumulation steps,
+            times the factors ``scale_grads_`` was given).
         max_grad_norm: the clipping norm (None: off).
     """
     checks = []
@@ -78,7 +79,7 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
             (f"{group}['amsgrad']", float(h.amsgrad)),
             (f"{group}['maximize']", float(h.maximize)),
         ]
-    checks.append(("the gradient scale 1 / (loss scale or gradient_accumulation_steps)", grad_scale))
+    checks.append(("the gradient scale 1 / (loss scale or gradient_accumulation_steps) x scale_grads_", grad_scale))
     checks.append(("max_grad_norm (gradient_clipping)", math.nan if max_grad_norm is None else max_grad_norm))
     return [(name, float(value)) for name, value in checks]
 

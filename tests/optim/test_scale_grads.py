@@ -1,0 +1,122 @@
+"""``opt.scale_grads_(factor)``: the gradients scaled after backward, as ``p.grad *= factor`` scales them.
+
+torchtune's loop sums the loss over tokens and divides the gradients by the token count once it is known
+(``training.scale_grads``: ``p.grad *= factor`` over the model's parameters), then clips and logs the norm. At
+stages 2 and 3 ``p.grad`` is None after backward, so that loop scales nothing; ``scale_grads_`` is the call that
+reaches the sharded gradients. Against a single process running ``torch.optim.AdamW`` on the whole batch with
+``p.grad *= factor`` and torch's clip, at every stage on 1 and 2 ranks, clipping active: scaled then clipped,
+clipped then scaled, scaled twice: the same norms and weights. A non-finite factor, a call inside the accumulation
+window, a gradient after it and ranks given different factors raise; ``zero_grad`` drops it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.lockstep import LR, ROWS, Net, batch, make_models, step_and_compare
+from zero_kernels.agreement import RanksDisagree
+
+STAGES = (0, 1, 2, 3)
+MAX_NORM = 0.05
+SUM = 20.0  # the loss is summed, not averaged: its gradients are SUM times too large until scaled
+
+
+def _opt(model: Net, stage: int, **kwargs) -> zk.ShardedFusedAdam:
+    extra = {"stage3_param_persistence_threshold": 10} if stage == 3 else {}
+    return zk.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=13, eps=1.0, **extra, **kwargs)
+
+
+def _backward(model: Net, ref: Net, rank: int, world: int, step: int) -> None:
+    x = batch(step, world * ROWS)
+    (model(x[rank * ROWS : (rank + 1) * ROWS]) * SUM).backward()
+    (ref(x) * SUM).backward()
+
+
+def _scale_ref(ref: Net, factor: float) -> None:
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad *= factor
+
+
+def matches_in_place_scaling(rank: int, world: int, stage: int) -> None:
+    """Scaled then clipped, clipped then scaled, scaled twice: the norms and the weights as the reference's.
+    Adam's ``eps`` is 1 on both sides, so the update follows the gradients' size (with 1e-8 it hides the scale)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    for step in range(3):
+        _backward(model, ref, rank, world, step)
+        if step == 0:
+            opt.scale_grads_(torch.tensor(1 / SUM))  # torchtune passes a tensor
+            _scale_ref(ref, 1 / SUM)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM if step < 2 else float("inf"))
+        expected = nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM if step < 2 else float("inf"))
+        assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"stage {stage} step {step}: norm"
+        if step == 1:
+            opt.scale_grads_(1 / SUM)
+            _scale_ref(ref, 1 / SUM)
+        if step == 2:
+            for factor in (0.5, 0.1):
+                opt.scale_grads_(factor)
+                _scale_ref(ref, factor)
+            measured = opt.clip_grad_norm_(float("inf"))
+            assert float(measured) == pytest.approx(float(expected) * 0.05, rel=1e-5), f"stage {stage}: scaled norm"
+        step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} scale_grads_ step {step}")
+
+
+def refusals(rank: int, world: int, stage: int) -> None:
+    """A gradient after the scale raises (at the step on several ranks); ``zero_grad`` drops the scale with the
+    gradients."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    with pytest.raises(ValueError, match="factor=nan: give a finite number"):
+        opt.scale_grads_(float("nan"))
+    _backward(model, ref, rank, world, 0)
+    opt.scale_grads_(0.5)
+    with pytest.raises(RuntimeError, match="or scale_grads_ scaled them"):
+        _backward(model, ref, rank, world, 1)  # on one rank it raises here already
+        opt.step()
+    opt.zero_grad()
+    ropt.zero_grad()
+    _backward(model, ref, rank, world, 2)
+    step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} after zero_grad: unscaled")
+
+
+def all_cases(rank: int, world: int) -> None:
+    for stage in STAGES:
+        matches_in_place_scaling(rank, world, stage)
+        refusals(rank, world, stage)
+
+
+def disagreeing(rank: int, world: int) -> None:
+    model, ref = make_models(torch.float32)
+    opt = _opt(model, 2)
+    _backward(model, ref, rank, world, 0)
+    opt.scale_grads_(0.5 if rank == 0 else 0.25)
+    with pytest.raises(RanksDisagree, match="scale_grads_"):
+        opt.step()
+
+
+def test_one_process_every_stage() -> None:
+    all_cases(0, 1)
+
+
+@pytest.mark.distributed
+def test_ranks_every_stage(spawn) -> None:
+    spawn(all_cases, 2, timeout_s=300.0)
+
+
+@pytest.mark.distributed
+def test_ranks_given_different_factors_are_refused(spawn) -> None:
+    spawn(disagreeing, 2, timeout_s=120.0)
+
+
+def test_inside_the_accumulation_window_it_is_refused() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=2, gradient_accumulation_steps=2)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="scale_grads_ on accumulation micro-step 1 of 2"):
+        opt.scale_grads_(0.5)
