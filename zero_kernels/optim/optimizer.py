@@ -87,7 +87,7 @@ from ..stages import (
 )
 from ..stages import state_door as zstate
 from ..stages.ownership import check_step
-from . import amp, foreign_steps, guards, module_zero_grad, state_init, torch_clip
+from . import amp, dcp, foreign_steps, guards, module_zero_grad, state_init, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
@@ -735,7 +735,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state (reload with the same world size, stage and model); on the
         rank given to ``consolidate_state_dict(to=...)``, the whole state it gathered, until the next
-        step, load, or reset or write through ``opt.state`` (then the shard, with a warning). Registered
+        step, load, or reset or write through ``opt.state`` (then the shard, with a warning); asked by
+        ``torch.distributed.checkpoint``'s state-dict helpers, the whole state on every rank (``dcp``). Registered
         state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
         self.wait_params()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
@@ -745,6 +746,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._consolidated = None
         if self._consolidated is not None:
             state_dict = optim_state.with_whole_meta(self, self._consolidated)
+        elif self._pipeline.num_shards > 1 and dcp.asked_by_dcp():
+            state_dict = optim_state.full(self)
         else:
             state_dict = optim_state.sharded(self)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
