@@ -8,7 +8,7 @@
 3. Stage 3: ``model.state_dict()`` of shards is refused with what to call; ``save_pretrained``
    writes full weights.
 4. A model wrapped in DDP is refused (given to the optimizer, or wrapped afterwards, also when the
-   optimizer was given only the parameters).
+   optimizer was given only the parameters); so are FSDP2's DTensor parameters.
 5. ``opt.clip_grad_norm_`` matches ``torch.nn.utils.clip_grad_norm_`` + AdamW.
 6. ``ZERO_KERNELS_LOG_LEVEL=INFO`` prints once; the planner labels offload "not supported here".
 """
@@ -185,6 +185,19 @@ def ddp_refused(rank: int, world: int, stage: int) -> None:
         del opt
 
 
+def fsdp_refused(stage: int) -> None:
+    """Item 4: parameters FSDP2's ``fully_shard`` made DTensors are refused naming one (they already are shards),
+    the module or its parameters given."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, _ = make_models(torch.float32)
+    fully_shard(model)
+    said = r"cannot train (parameter '\w+'|a parameter of shape \(1,\)): it is a DTensor"
+    for given in (model, list(model.parameters()))[: 1 if stage == 3 else 2]:  # stage 3 needs the model
+        with pytest.raises(ValueError, match=said):
+            zo.ShardedFusedAdam(given, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+
+
 def clipped(rank: int, world: int, stage: int) -> None:
     """Item 5: ``opt.clip_grad_norm_`` before each step, against torch's clip on the whole-batch model."""
     model, ref = make_models(torch.float32)
@@ -213,6 +226,7 @@ def frameworks(rank: int, world: int, directory: str) -> None:
         master_kept(rank, world, stage)
         replacement_errors(rank, world, stage)
         clipped(rank, world, stage)
+        fsdp_refused(stage)
     for stage in STAGES:
         ddp_refused(rank, world, stage)
     stage3_saving(rank, world, directory)

@@ -336,6 +336,13 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:
+    if any(c.__name__ == "DTensor" for c in type(p).__mro__):
+        raise ValueError(
+            f"ShardedFusedAdam cannot train {describe(p)}: it is a DTensor (FSDP2's fully_shard or tensor "
+            "parallelism shards it already). ShardedFusedAdam shards plain parameters itself: build it on the model "
+            "without fully_shard (stage 3 is the ZeRO counterpart of FSDP), or train DTensor parameters with "
+            "torch.optim.AdamW"
+        )
     if p.layout != torch.strided:
         raise ValueError(f"ShardedFusedAdam does not support sparse parameters: {describe(p)} has layout {p.layout}")
     if not p.requires_grad:
