@@ -237,6 +237,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._no_sync_depth = 0
         self._clips = PendingClips()  # what clip_grad_norm_ asked of the coming step
         self._grad_factor = 1.0  # what scale_grads_ asked of the coming step
+        self._warned_twice = False  # ``_warn_accumulated_twice`` spoke
         self._grad_scaler: Optional[weakref.ref] = None  # the torch.amp.GradScaler that last stepped this optimizer
         self._scaled_step = False  # the last step was driven by a GradScaler
         self.last_step: Optional[StepResult] = None
@@ -454,6 +455,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._warn_accumulated_twice()
         self._micro_step += 1
         if self._micro_step < self.gradient_accumulation_steps and not state_init.only_makes_state(self):
             self._update_sync()
@@ -496,6 +498,23 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "the gradients across them",
                 world,
             )
+
+    def _warn_accumulated_twice(self) -> None:
+        """Said once: several backward passes reached this ``step()`` call, which counts as one of
+        ``gradient_accumulation_steps`` micro-steps: a loop that accumulates itself (PyTorch Lightning's
+        ``accumulate_grad_batches``, a ``step()`` every k batches) then counts the window twice."""
+        if not self._pipeline.step_called() or self.gradient_accumulation_steps == 1 or self._warned_twice:
+            return
+        self._warned_twice = True
+        log.warning(
+            "zero_kernels: several backward passes reached this step() call, which counts as one of "
+            "gradient_accumulation_steps=%d micro-steps: if the loop accumulates itself (PyTorch Lightning's "
+            "accumulate_grad_batches, step() called every k batches), each update takes k x %d batches and there are "
+            "k times fewer updates. Count accumulation in one place (gradient_accumulation_steps 1 there, or step() "
+            "after every backward); several losses' backward passes in one micro-step are fine",
+            self.gradient_accumulation_steps,
+            self.gradient_accumulation_steps,
+        )
 
     def _take_clip(self, scaled: Optional[amp.ScaledStep]) -> Optional[torch.Tensor]:
         """The coefficient the clips asked for compose to (None: none), norms taken before a GradScaler was known

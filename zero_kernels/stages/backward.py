@@ -45,6 +45,7 @@ class BackwardRound:
         buf = self.buffers[b]
         index = buf.index_of(slot)
         self.has_grad[index] = True
+        self._note_arrival(index)
         self._note_gradient(index, p)
         if not self.sync_enabled:
             if buf.grad_flat is not None:  # stages 0-1: p.grad views grad_flat (or wide_local: added into it)
@@ -61,6 +62,20 @@ class BackwardRound:
         for k in buf.layout.slot_buckets[slot]:
             buf.pending[k] -= 1
         self._launch_ready()
+
+    def _note_arrival(self, index: int) -> None:
+        """Count a parameter's gradients between ``step()`` calls (the optimizer warns where several backward
+        passes reach each call while it counts the calls as accumulation micro-steps)."""
+        if index in self.since_step_call:
+            self.repeated_since_step_call = True
+        self.since_step_call.add(index)
+
+    def step_called(self) -> bool:
+        """Whether a parameter got several gradients since the last ``step()`` call; starts counting again."""
+        repeated = self.repeated_since_step_call
+        self.since_step_call.clear()
+        self.repeated_since_step_call = False
+        return repeated
 
     def _first_report(self, b: int, slot: int, p: torch.Tensor) -> Optional[bool]:
         """Open the round if needed; False when ``p`` already reported in it, None when it cannot be taken.

@@ -147,6 +147,8 @@ class Pipeline(BackwardRound):
         self.refusals = refusals.Refusals()  # problems found in backward, raised at the step on every rank
         self.window_open = False  # a backward delivered gradients since the last step or zero_grad (``window``)
         self.grad_arrivals = 0  # gradients delivered so far (a window's part zero_grad calls span none of them)
+        self.since_step_call: set[int] = set()  # parameters that got a gradient since the last step() call
+        self.repeated_since_step_call = False  # one of them got a second (several backward passes per call)
         self.zeroed_part: Any = None  # the modules zeroed in this window so far, not all (``module_zero_grad``)
         self.stepped_with: set[int] = set()  # parameters that had a gradient in the last step (grad_state)
         self.spent = False  # the last step dropped gradients p.grad does not hold, and no zero_grad() came since
