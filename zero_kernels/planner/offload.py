@@ -17,7 +17,7 @@ state is written back once per step (K bytes per element of the shard) through `
 buffers of ``sub_group_size`` elements (the pool); read-ahead and write-behind run the CPU Adam of one sub-group
 while the next is read and the previous written, so the update takes the longer of the Adam and the disk, not
 their sum. The pool keeps its sub-groups between steps: a state that fits in it is never read again, and a
-larger one is read once per step, the pool's worth of it (the next step's first sub-groups, ``early_read``)
+larger one is read once per step, the pool's worth of it (the next step's first sub-groups)
 beside the forward, the rest in the update.
 
 ``ratio`` (``offload_optimizer.ratio``, in (0, 1]) offloads only that share of the state: the rest stays on
