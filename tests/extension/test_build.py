@@ -187,8 +187,11 @@ def test_a_remembered_failure_keeps_no_optimizer_alive(monkeypatch: pytest.Monke
 
     import zero_kernels as zk
 
-    def unavailable(name: str) -> None:
-        raise _ext.ExtensionUnavailable(f"extension {name!r}: no compiler here")
+    def unavailable(name: str) -> None:  # as a compiler error surfaces: raised from the error of the build
+        try:
+            raise RuntimeError("c++ exited with 1")
+        except RuntimeError as exc:
+            raise _ext.ExtensionUnavailable(f"extension {name!r}: no compiler here") from exc
 
     monkeypatch.setattr(_ext, "_build", unavailable)
     for _ in range(2):  # the first build fails and is remembered; the second finds the failure
@@ -203,4 +206,4 @@ def test_a_remembered_failure_keeps_no_optimizer_alive(monkeypatch: pytest.Monke
     assert set(fresh_results) >= {"comm"}
     with pytest.raises(_ext.ExtensionUnavailable, match="no compiler here") as raised:
         _ext.load("comm")
-    assert raised.value is not fresh_results["comm"]
+    assert raised.value is not fresh_results["comm"] and "c++ exited" in str(raised.value.__cause__)

@@ -203,18 +203,31 @@ def load(name: str) -> ModuleType:
     """The compiled extension ``name`` ("ops", "comm" or "io"); raises ExtensionUnavailable.
 
     The outcome, module or failure, is remembered for the life of the process. A failure is raised anew each
-    time: the remembered one keeps no traceback, whose frames would keep the callers' objects (an optimizer being
-    built, its model) alive for as long.
+    time: the remembered one, and the errors it came from, keep no traceback, whose frames (and the frames that
+    called them) would keep the callers' objects (an optimizer being built, its model) alive for as long.
     """
     if name not in _RESULTS:
         try:
             _RESULTS[name] = _build(name)
         except ExtensionUnavailable as exc:
-            _RESULTS[name] = exc.with_traceback(None)
+            _RESULTS[name] = _without_tracebacks(exc)
     result = _RESULTS[name]
     if isinstance(result, ExtensionUnavailable):
         raise ExtensionUnavailable(*result.args) from result.__cause__
     return result
+
+
+def _without_tracebacks(exc: ExtensionUnavailable) -> ExtensionUnavailable:
+    """``exc`` with the tracebacks of it and of the errors it came from (causes, contexts) dropped."""
+    seen: set[int] = set()
+    links: list[BaseException] = [exc]
+    while links:
+        link = links.pop()
+        if id(link) not in seen:
+            seen.add(id(link))
+            link.__traceback__ = None
+            links += [e for e in (link.__cause__, link.__context__) if e is not None]
+    return exc
 
 
 def available(name: str) -> bool:
