@@ -5,8 +5,9 @@ torchtune's loop sums the loss over tokens and divides the gradients by the toke
 stages 2 and 3 ``p.grad`` is None after backward, so that loop scales nothing; ``scale_grads_`` is the call that
 reaches the sharded gradients. Against a single process running ``torch.optim.AdamW`` on the whole batch with
 ``p.grad *= factor`` and torch's clip, at every stage on 1 and 2 ranks, clipping active: scaled then clipped,
-clipped then scaled, scaled twice: the same norms and weights. A non-finite factor, a call inside the accumulation
-window, a gradient after it and ranks given different factors raise; ``zero_grad`` drops it.
+clipped then scaled, scaled twice: the same norms and weights; a step refused before any update keeps the scale
+and the clip for the call that follows. A non-finite or negative factor, a call inside the accumulation window, a
+gradient after it and ranks given different factors raise; ``zero_grad`` drops it.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def refusals(rank: int, world: int, stage: int) -> None:
     gradients."""
     model, ref = make_models(torch.float32)
     opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
-    with pytest.raises(ValueError, match="factor=nan: give a finite number"):
-        opt.scale_grads_(float("nan"))
+    for bad in (float("nan"), -0.5):
+        with pytest.raises(ValueError, match=f"factor={bad}: give a finite number >= 0"):
+            opt.scale_grads_(bad)
     _backward(model, ref, rank, world, 0)
     opt.scale_grads_(0.5)
     with pytest.raises(RuntimeError, match="or scale_grads_ scaled them"):
@@ -84,10 +86,28 @@ def refusals(rank: int, world: int, stage: int) -> None:
     step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} after zero_grad: unscaled")
 
 
+def refused_then_retried(rank: int, world: int, stage: int) -> None:
+    """A step refused before any update (a NaN lr) keeps the scale and the clip asked for: called again once the
+    lr is fixed, it applies them (they were dropped: the retry ran unscaled and unclipped)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    _backward(model, ref, rank, world, 0)
+    opt.scale_grads_(1 / SUM)
+    _scale_ref(ref, 1 / SUM)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    assert float(nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)) > MAX_NORM, "clipping inactive"
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="is nan"):
+        opt.step()
+    opt.param_groups[0]["lr"] = LR
+    step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} retried after a refused step")
+
+
 def all_cases(rank: int, world: int) -> None:
     for stage in STAGES:
         matches_in_place_scaling(rank, world, stage)
         refusals(rank, world, stage)
+        refused_then_retried(rank, world, stage)
 
 
 def disagreeing(rank: int, world: int) -> None:

@@ -467,8 +467,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.wait_params()
         self._follow_replaced_params()
         scale = self._grad_factor / self._grad_divisor
-        self._grad_factor = 1.0
-        multiplier = self._take_clip(scaled)
+        multiplier = self._clip_coefficient(scaled)
         if scaled is not None and scaled.multiplier is not None:
             multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
         self._consolidated = None  # the state is about to change
@@ -478,6 +477,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.last_step = self._pipeline.step(
             hyper, grad_scale=scale, clip_coef=multiplier, max_grad_norm=self.max_grad_norm, check_finite=check_finite
         )
+        self._clips.clear()  # kept for a step refused before any update, called again
+        self._grad_factor = 1.0
         if scaled is not None:
             scaled.record(self, self.last_step.skip_flag)
         self._update_sync()
@@ -516,14 +517,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self.gradient_accumulation_steps,
         )
 
-    def _take_clip(self, scaled: Optional[amp.ScaledStep]) -> Optional[torch.Tensor]:
+    def _clip_coefficient(self, scaled: Optional[amp.ScaledStep]) -> Optional[torch.Tensor]:
         """The coefficient the clips asked for compose to (None: none), norms taken before a GradScaler was known
         corrected for it."""
 
         def correct(norm: torch.Tensor, scale_known: bool) -> torch.Tensor:
             return amp.correct_clip(norm, scaled, self) if scaled is not None and not scale_known else norm
 
-        return self._clips.take(correct)
+        return self._clips.coefficient(correct)
 
     def _account(self, result: StepResult) -> None:
         """A step's outcome, once known (``Pipeline.settle``): count a skipped step, update the loss scale."""
@@ -628,11 +629,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         ``clip_grad_norm_``.
 
         Args:
-            factor: a finite number (or a 0-d tensor holding one).
+            factor: a finite number >= 0 (or a 0-d tensor holding one).
         """
         value = float(factor)
-        if not math.isfinite(value):
-            raise ValueError(f"ShardedFusedAdam.scale_grads_: factor={value}: give a finite number")
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"ShardedFusedAdam.scale_grads_: factor={value}: give a finite number >= 0 (to ascend a loss, negate "
+                "the loss)"
+            )
         if self._micro_step + 1 < self.gradient_accumulation_steps:
             raise RuntimeError(
                 f"ShardedFusedAdam.scale_grads_ on accumulation micro-step {self._micro_step + 1} of "

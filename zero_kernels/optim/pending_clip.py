@@ -45,11 +45,11 @@ class PendingClips:
         coef = _product(self._asked, lambda norm, known: norm)
         return measured if coef is None else measured * coef.to(measured.device)
 
-    def take(self, correct: Correct) -> Optional[torch.Tensor]:
+    def coefficient(self, correct: Correct) -> Optional[torch.Tensor]:
         """The coefficient of every clip asked for (None: none), each norm passed through ``correct`` first (a
-        GradScaler learnt of after the norm was taken); forgets them."""
-        asked, self._asked = self._asked, []
-        return _product(asked, correct)
+        GradScaler learnt of after the norm was taken); the step forgets them (``clear``) once it has run, so a
+        step refused before any update (a NaN lr, ranks disagreeing) applies them when called again."""
+        return _product(self._asked, correct)
 
     def clear(self) -> None:
         self._asked = []
