@@ -15,7 +15,8 @@ holds of the flattened parameter in order (with several buckets a piece may skip
 other ranks in between). A value assigned may have the view's shape or the whole parameter's (this
 rank takes its elements). A parameter whose state lives only on other ranks, that is frozen, or
 that has not stepped yet is absent, as in AdamW before its first step; reading it gives an empty
-dict. ``opt.full_state_dict()`` (a collective) gives whole tensors.
+dict (asked by ``torch.distributed.checkpoint``'s loader, its keys with values None: ``dcp``).
+``opt.full_state_dict()`` (a collective) gives whole tensors.
 
 Resetting, as with AdamW (run the same statement on every rank, as any optimizer call):
 ``opt.state[p] = {}``, ``del opt.state[p]``, ``opt.state.clear()`` and ``opt.state = {}`` (or
@@ -44,6 +45,7 @@ from ..stages import state_door as door
 from ..stages.state_door import KINDS as _KINDS
 from ..stages.state_door import MOMENTS as _MOMENTS
 from ..stages.state_door import HeldPiece as _Piece
+from . import dcp
 
 
 def _take(piece: _Piece, value: torch.Tensor, shape: torch.Size, full: torch.Size) -> torch.Tensor:
@@ -186,7 +188,19 @@ class ShardedState(MutableMapping):
         if not isinstance(key, torch.Tensor):
             return self.extra.setdefault(key, {})  # torch's state is a defaultdict(dict)
         entry = self.entry(key)
+        if entry is None and dcp.asked_by_dcp():
+            return self._names_for_dcp(key)
         return {} if entry is None else entry
+
+    def _names_for_dcp(self, p: torch.Tensor) -> dict[str, None]:
+        """The state keys of ``p`` (values None) where another rank holds its state: DCP's loader of a flattened
+        optimizer state dict (``flatten_optimizer_state_dict``) takes the keys of ``opt.state[p]`` for the entries
+        it rebuilds, and this rank loads the whole state too."""
+        index = self._trained(p)
+        if index is None or self._pipeline.steps[index] == 0:
+            return {}
+        b, _ = self._pipeline.where[id(p)]
+        return dict.fromkeys(("step", *door.state_tensors(self._pipeline.buffers[b])))
 
     # ---------------------------------------------------------------- resets and replacements
     def _reset(self, p: torch.Tensor, index: int) -> None:
