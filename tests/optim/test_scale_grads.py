@@ -103,6 +103,36 @@ def refused_then_retried(rank: int, world: int, stage: int) -> None:
     step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} retried after a refused step")
 
 
+def saved_in_between(rank: int, world: int, stage: int, folder: str) -> None:
+    """A checkpoint saved between the scale (and a clip) and the step keeps them with the window: the resumed
+    optimizer's step applies them, and refuses a later gradient (they were lost: 5e-3 off AdamW)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    _backward(model, ref, rank, world, 0)
+    opt.scale_grads_(1 / SUM)
+    _scale_ref(ref, 1 / SUM)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    assert float(nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)) > MAX_NORM, "clipping inactive"
+    path = f"{folder}/stage{stage}"
+    zk.checkpoint.save(path, model, opt)
+    resumed, _ = make_models(torch.float32)
+    opt2 = _opt(resumed, stage)
+    zk.checkpoint.load(path, resumed, opt2)
+    assert opt2.grad_edits() == opt.grad_edits() is not None
+    step_and_compare(opt2, ropt, resumed, ref, f"stage {stage} world {world} resumed between scale and step")
+    fresh, _ = make_models(torch.float32)
+    opt3 = _opt(fresh, stage)
+    zk.checkpoint.load(path, fresh, opt3)
+    with pytest.raises(RuntimeError, match="or scale_grads_ scaled them"):
+        fresh(batch(1, ROWS)).backward()  # on one rank it raises here already
+        opt3.step()
+
+
+def checkpoint_cases(rank: int, world: int, folder: str) -> None:
+    for stage in STAGES:
+        saved_in_between(rank, world, stage, folder)
+
+
 def all_cases(rank: int, world: int) -> None:
     for stage in STAGES:
         matches_in_place_scaling(rank, world, stage)
@@ -126,6 +156,11 @@ def test_one_process_every_stage() -> None:
 @pytest.mark.distributed
 def test_ranks_every_stage(spawn) -> None:
     spawn(all_cases, 2, timeout_s=300.0)
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_in_between_keeps_them(spawn, tmp_path) -> None:
+    spawn(checkpoint_cases, 2, str(tmp_path), timeout_s=300.0)
 
 
 @pytest.mark.distributed

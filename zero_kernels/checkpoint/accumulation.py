@@ -78,6 +78,7 @@ def book(results: list[dict[str, Any]], optimizer: Any, pipeline: Pipeline) -> O
         "micro_step": optimizer.micro_step,
         "layout": zstate.layout_signature(pipeline),
         "ranks": [empty if f is None else f for f in flags],
+        "edits": optimizer.grad_edits(),  # clips and scales asked of the coming step
     }
 
 
@@ -158,11 +159,16 @@ def _read(src: TensorSource, key: str, numel: int, version: Path) -> torch.Tenso
     return src.full(key)
 
 
-def apply(window: Optional[zwindow.Window], micro_step: int, optimizer: Any, pipeline: Pipeline) -> None:
-    """Put the staged window back (None: start with an empty one) and the micro-step count."""
-    if window is None:
+def apply(
+    window: Optional[zwindow.Window], entry: Optional[dict[str, Any]], optimizer: Any, pipeline: Pipeline
+) -> None:
+    """Put the staged window back (None: start with an empty one), the micro-step count and the clips and scales
+    asked of the coming step (``entry``: the saved window's entry)."""
+    if window is None or entry is None:
         zwindow.clear(pipeline)
         optimizer.micro_step = 0
+        optimizer.load_grad_edits(None)
         return
     zwindow.restore(pipeline, window)
-    optimizer.micro_step = micro_step
+    optimizer.micro_step = entry["micro_step"]
+    optimizer.load_grad_edits(entry.get("edits"))  # absent from checkpoints of before it was kept

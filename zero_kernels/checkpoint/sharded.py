@@ -569,8 +569,7 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
         scaler.load_state_dict(staged.book["loss_scaler"])
     if "skipped_steps" in staged.meta:  # absent from checkpoints of before it was kept
         optimizer.skipped_steps = staged.meta["skipped_steps"]
-    window = staged.book["window"]
-    accumulation.apply(staged.window, 0 if window is None else window["micro_step"], optimizer, pipeline)
+    accumulation.apply(staged.window, staged.book["window"], optimizer, pipeline)
 
 
 def _refuse_inside_hold(pipeline: Pipeline, action: str) -> None:

@@ -646,6 +646,20 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._grad_factor *= value
         self._pipeline.clipped = True  # a later gradient is refused
 
+    def grad_edits(self) -> Optional[dict[str, Any]]:
+        """What ``clip_grad_norm_`` and ``scale_grads_`` asked of the coming step, as plain data (None: nothing):
+        a checkpoint saved inside the accumulation window keeps it (``load_grad_edits``)."""
+        if not self._clips.to_list() and self._grad_factor == 1.0:
+            return None
+        return {"factor": self._grad_factor, "clips": self._clips.to_list()}
+
+    def load_grad_edits(self, edits: Optional[dict[str, Any]]) -> None:
+        """Ask again of the coming step what ``grad_edits`` gave (None: nothing); later gradients are refused, as
+        after the calls themselves."""
+        self._grad_factor = 1.0 if edits is None else float(edits["factor"])
+        self._clips.load_list([] if edits is None else edits["clips"])
+        self._pipeline.clipped = edits is not None
+
     def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
         """The global norm of order ``norm_type`` of this step's reduced gradients as clipped so far (the clips
         asked for since the last step, as torch's in-place clips would have left them), a 0-d float64 tensor (a

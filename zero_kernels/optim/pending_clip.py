@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -53,6 +53,14 @@ class PendingClips:
 
     def clear(self) -> None:
         self._asked = []
+
+    def to_list(self) -> list[list[Any]]:
+        """The clips asked for as plain data (a checkpoint saved between them and the step keeps them)."""
+        return [[float(a.norm), a.max_norm, a.scale_known, a.measured] for a in self._asked]
+
+    def load_list(self, asked: list[list[Any]]) -> None:
+        """The clips ``to_list`` gave, asked for again."""
+        self._asked = [_Asked(torch.tensor(norm, dtype=torch.float64), *rest) for norm, *rest in asked]
 
     def __bool__(self) -> bool:
         """Whether a clip is asked for (``p.grad`` is then not yet clipped as the step will clip it); a call that only
