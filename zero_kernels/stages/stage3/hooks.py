@@ -289,7 +289,7 @@ class Stage3Scheduler:
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
         global_hooks.join(self)
-        route, post = self._output_hooks(root, self._root_post_forward)
+        route, post = self._output_hooks(root, self._root_post_forward, always=True)
         pre = _ModelHook(_weakly(self._root_pre_forward, route.id, post.id))
         self._handles += [root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), route, post]
         for i, unit in enumerate(self.units):
@@ -327,10 +327,15 @@ class Stage3Scheduler:
                 early = p.module.register_forward_pre_hook(early, prepend=True, with_kwargs=True)
                 self._module_handles += [early, p.module.register_forward_pre_hook(pre, with_kwargs=True), route, post]
 
-    def _output_hooks(self, module: nn.Module, exit: Callable[..., Any]) -> tuple[RemovableHandle, RemovableHandle]:
-        """The forward hooks ``module`` runs first (``_route``) and last (``exit``)."""
+    def _output_hooks(
+        self, module: nn.Module, exit: Callable[..., Any], always: bool = False
+    ) -> tuple[RemovableHandle, RemovableHandle]:
+        """The forward hooks ``module`` runs first (``_route``) and last (``exit``; ``always``: also when the
+        forward raises, as the root's does: the units of the modules it left running are freed and the next forward
+        starts afresh, where they stayed gathered and in use, with the failed forward's graph, for the rest of the
+        run)."""
         route = module.register_forward_hook(_ModelHook(_weakly(self._route)), prepend=True, with_kwargs=True)
-        return route, module.register_forward_hook(_ModelHook(_weakly(exit)), with_kwargs=True)
+        return route, module.register_forward_hook(_ModelHook(_weakly(exit)), with_kwargs=True, always_call=always)
 
     def follow(self, previous: "Stage3Scheduler") -> None:
         """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same

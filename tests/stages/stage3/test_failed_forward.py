@@ -1,0 +1,66 @@
+"""A forward that raises out of a stage-3 model (an out-of-memory error caught, a batch-size finder's retry): the
+units the modules it left running had gathered are freed, the failed batch's graph goes with its exception, and
+training goes on as ``torch.optim.AdamW`` on the batches that trained. Before, the scheduler stayed "in forward"
+for the rest of the run: every failed forward's activations and the failing module's full weights stayed held.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.check import assert_close
+
+LR = 1e-2
+
+
+class OutOfMemory(Exception):
+    """Stands for ``torch.OutOfMemoryError``."""
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _boom(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    raise OutOfMemory("stand-in for torch.OutOfMemoryError")
+
+
+def test_a_forward_that_raises_leaves_nothing_held() -> None:
+    model, ref = _model(), _model()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    _step(model, opt, 0)
+    _step(ref, ropt, 0)
+    held = opt.memory_report()["params"]
+    activations: list[weakref.ref] = []
+    keep = model[2].register_forward_hook(lambda m, i, o: activations.append(weakref.ref(o)))
+    for _ in range(3):
+        failing = model[4].register_forward_hook(_boom)
+        try:
+            model(torch.randn(256, 16)).sum().backward()
+        except OutOfMemory:
+            pass
+        failing.remove()
+        gc.collect()
+        assert opt.memory_report()["params"] == held, "the failing forward's units stayed gathered"
+        assert all(a() is None for a in activations), "the failed forward's activations stayed alive"
+    keep.remove()
+    for seed in (1, 2):
+        _step(model, opt, seed)
+        _step(ref, ropt, seed)
+    with opt.gathered_params():
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p, q, rtol=1e-5, atol=1e-6 * float(q.detach().abs().max()), what=name)
