@@ -37,13 +37,13 @@ class Handle:
                 if self._epilogue is not None:
                     self._epilogue()
             except Exception as exc:  # the backend's own error type varies (RuntimeError, DistBackendError)
-                self._error = CommError(f"{self._what} failed: {exc}")
-                self._error.__cause__ = exc
+                self._error = CommError(f"{self._what} failed: {exc}")  # kept unraised, its cause without traceback:
+                self._error.__cause__ = exc.with_traceback(None)  # a traceback keeps its callers' frames alive
             self._done = True
             self._work = self._epilogue = None
             self._keep_alive = ()
         if self._error is not None:
-            raise self._error
+            raise CommError(*self._error.args) from self._error.__cause__  # anew at every wait
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()

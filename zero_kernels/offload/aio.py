@@ -94,18 +94,19 @@ class IOHandle:
         self._tensor: torch.Tensor | None = tensor  # alive until the request is waited for
         self._wait: Callable[[], tuple[int, str]] | None = wait
         self._done: Callable[[], bool] | None = done
-        self._error: OSError | None = None
+        self._failure: tuple[int, str] | None = None  # (errno, what failed)
 
     def wait(self) -> None:
         """Block until the request has finished; raise ``OSError`` naming the path and the cause if it failed
-        (every call raises the same error). Once finished the handle holds the tensor no more: a handle kept
+        (every call raises the same error, made anew: one error raised again would gather every caller's frames in
+        its traceback, and keep them alive). Once finished the handle holds the tensor no more: a handle kept
         after its wait (a file's write kept until its next read) does not keep the tensor's memory."""
         if self._wait is not None:
             code, detail = self._wait()
-            self._error = io_error(self.path, code, detail) if code else None
+            self._failure = (code, detail) if code else None
             self._tensor = self._wait = self._done = None  # the engine's request holds the tensor too
-        if self._error is not None:
-            raise self._error
+        if self._failure is not None:
+            raise io_error(self.path, *self._failure)
 
     def done(self) -> bool:
         """Whether the request has finished (successfully or not); never blocks."""
