@@ -57,16 +57,22 @@ class _RefuseDDPForward:
 
     def __init__(self, owner: Any) -> None:
         self._owner = weakref.ref(owner)
+        self.handle: Optional[RemovableHandle] = None  # its own, taken off once the owner is gone
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._owner = lambda: None
+        self.handle = None
 
     def __call__(self, mod: nn.Module, args: Any) -> None:
+        if self._owner() is None:
+            if self.handle is not None:
+                self.handle.remove()
+            return
         active = getattr(DistributedDataParallel, "_active_ddp_module", None)
-        if active is None or self._owner() is None:
+        if active is None:
             return
         if any(m is mod for m in active.module.modules()):
             raise RuntimeError(f"the model runs inside DistributedDataParallel, which was wrapped around it: {_FIX}")
@@ -79,7 +85,9 @@ def refuse_ddp_forward(module: nn.Module, owner: Any) -> RemovableHandle:
         module: the model the optimizer trains.
         owner: the optimizer; once it is garbage collected the hook does nothing.
     """
-    return module.register_forward_pre_hook(_RefuseDDPForward(owner))
+    hook = _RefuseDDPForward(owner)
+    hook.handle = module.register_forward_pre_hook(hook)
+    return hook.handle
 
 
 class _Finder:

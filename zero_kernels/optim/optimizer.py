@@ -279,6 +279,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         module_zero_grad.install()
         foreign_steps.install()
         self._unwatch = guards.watch(self, module)
+        weakref.finalize(self, self._unwatch).atexit = False  # its hook comes off the model once it is collected
 
     def _detach(self) -> None:
         """Take this optimizer off its model (an ``initialize`` that failed): the pipeline's hooks and the DDP

@@ -133,6 +133,8 @@ class Pipeline(BackwardRound):
         self._sync_enabled = True
         self._ref = weakref.ref(self)
         self._hooks: list[Any] = []
+        self._owned: list[int] = []  # id() of the parameters ``owners`` maps to this pipeline
+        weakref.finalize(self, _let_go, self._hooks, self._owned, self._ref).atexit = False
         self._launch_order: list[tuple[int, int]] = []  # (buffer, bucket) in collective order
         self._next_launch = 0
         self._reported: set[tuple[int, int]] = set()  # (buffer, slot) that reported in this round
@@ -363,6 +365,7 @@ class Pipeline(BackwardRound):
             p = buf.params[slot.param]
             self.where[id(p)] = (b, slot_index)
             owners[id(p)] = self._ref
+            self._owned.append(id(p))
         self._register_grad_hooks(buf)
         self._launch_order += [(b, k.index) for k in buf.layout.buckets]
         self._reset_pending(buf)
@@ -430,13 +433,7 @@ class Pipeline(BackwardRound):
         self.wait_params()
         if self.tier is not None:
             self.tier.close()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        for buf in self.buffers:
-            for p in buf.params:
-                if owners.get(id(p)) is self._ref:
-                    del owners[id(p)]
+        _let_go(self._hooks, self._owned, self._ref)
 
     # ---------------------------------------------------------------- step
     # The shard accessors (grad_shard, param_shard, master_shard, norm_views) are the public override
@@ -810,3 +807,16 @@ class Pipeline(BackwardRound):
         if self.tier is not None:
             tensors.update(placement.memory(self))
         return tensors
+
+
+def _let_go(hooks: list[Any], owned: list[int], ref: weakref.ref) -> None:
+    """Take a pipeline's gradient hooks off its parameters and its entries out of ``owners``: at ``close``, or once
+    the pipeline is collected (a model trained by one optimizer after another, a learning-rate finder or a notebook
+    building them anew: the hooks of the dead ones did nothing, and each forward and backward paid for them)."""
+    for h in hooks:
+        h.remove()
+    hooks.clear()
+    for i in owned:
+        if owners.get(i) is ref:
+            del owners[i]
+    owned.clear()
