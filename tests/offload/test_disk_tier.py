@@ -5,6 +5,7 @@ before anything changes."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -168,6 +169,28 @@ def test_a_forked_child_leaves_the_parents_files(tmp_path: Path, how: str) -> No
     done = subprocess.run([sys.executable, "-c", FORKED, str(tmp_path), how], capture_output=True, text=True, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     assert not (tmp_path / "zero_kernels").exists()  # the parent's exit removed its own run
+
+
+_KEPT: list = []
+
+
+def _hold_a_run(nvme_path: str, told: "multiprocessing.queues.Queue") -> None:
+    from zero_kernels.offload.disk import RunDirectory
+
+    _KEPT.append(RunDirectory(nvme_path, "offload_optimizer.nvme_path", 0))  # alive when the process ends
+    told.put(str(_KEPT[-1].run))
+
+
+def test_a_process_multiprocessing_forked_removes_its_run_when_it_ends(tmp_path: Path) -> None:
+    """A rank started by multiprocessing's fork (Accelerate's ``notebook_launcher``) ends with ``os._exit``, which
+    runs no interpreter exit: its files stayed on the disk until the next run on the host removed them."""
+    context = multiprocessing.get_context("fork")
+    told = context.Queue()
+    child = context.Process(target=_hold_a_run, args=(str(tmp_path), told))
+    child.start()
+    run = Path(told.get(timeout=60))
+    child.join(60)
+    assert child.exitcode == 0 and not run.exists(), f"the ended process left {sorted(run.rglob('*'))}"
 
 
 HOLDER = textwrap.dedent(

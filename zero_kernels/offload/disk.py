@@ -7,8 +7,9 @@ of each sub-group of each buffer (``add_buffer``: the pipeline chooses the sub-g
 (``RunDirectory``). A new tier first removes the run directories of this host whose owner is gone (a killed
 run's files): those whose lock it can take, never one whose lock is held (a run in another PID namespace,
 whose pid means nothing here, included); a directory without the lock file (an older version's) by its pid.
-Its own directory is removed by ``close`` or, at the latest, when the tier is collected or the interpreter
-exits (a finalizer); the kernel releases the lock when the process ends, however. ``<nvme_path>/zero_kernels``
+Its own directory is removed by ``close`` or, at the latest, when the tier is collected, the interpreter
+exits or a process multiprocessing started ends (finalizers); the kernel releases the lock when the process ends,
+however. ``<nvme_path>/zero_kernels``
 goes with the last run in it (only when empty: ``nvme_path`` itself and anything else in it stay).
 
 Start. ``nvme_path`` is made absolute (``~`` expanded) against the working directory at start, so a later
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import multiprocessing.util
 import os
 import shutil
 import socket
@@ -247,6 +249,9 @@ class RunDirectory:
         except OSError as err:
             raise _unwritable(err, base, nvme_path, key) from None
         self._finalizer = weakref.finalize(self, _remove_run, str(self.run), lock, os.getpid())
+        # also where a process multiprocessing forked ends (os._exit: no interpreter exit runs weakref's finalizers;
+        # Accelerate's notebook_launcher starts its ranks so)
+        multiprocessing.util.Finalize(self, self._finalizer, exitpriority=0)
         try:
             probe(self.root, nvme_path, key)
         except OSError:
