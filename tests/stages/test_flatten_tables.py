@@ -101,3 +101,19 @@ def test_table_follows_the_flat_buffers_residue(monkeypatch: pytest.MonkeyPatch)
     back = torch.zeros(32)
     triton_flatten.unflatten_triton(at_8, [back], [3])
     assert torch.equal(back, tensor)
+
+
+def test_tables_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables of one tensor are keyed on its layout: models of new shapes, trained one after another (a search over
+    widths), built new ones without end. Both caches keep the most recently used."""
+    monkeypatch.setattr(triton_flatten, "LAYOUT_TABLES", 3)
+    monkeypatch.setattr(triton_flatten, "POINTER_TABLES", 2)
+    triton_flatten.cache_clear()
+    for width in range(1, 9):
+        tensor, other = torch.randn(width), torch.randn(width + 1)
+        flat = torch.zeros(2 * width + 1)
+        flatten([tensor], flat, [0], impl="triton")
+        flatten([tensor, other], flat, [0, width], impl="triton")
+        assert torch.equal(flat[:width], tensor) and torch.equal(flat[width:], other)
+        assert triton_flatten.cache_info()["size"] <= 3 + 2
+    assert triton_flatten.cache_info()["misses"] == 16

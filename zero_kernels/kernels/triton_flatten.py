@@ -56,6 +56,7 @@ log = logging.getLogger("zero_kernels")
 MAX_STRIDED_DIMS = 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 POINTER_TABLES = 256  # tables of several tensors (keyed on their addresses) kept
+LAYOUT_TABLES = 4096  # tables of one tensor (keyed on its layout) kept: models of new shapes trained one by one
 
 # Columns of a ``meta`` row.
 _PTR: tl.constexpr = tl.constexpr(0)  # address, relative to the launch's base address
@@ -249,7 +250,7 @@ class _Table:
     stream: Optional[int]  # the stream that copy was queued on
 
 
-_LAYOUT_TABLES: dict[tuple, _Table] = {}  # launches of one tensor: keyed on its layout only
+_LAYOUT_TABLES: OrderedDict[tuple, _Table] = OrderedDict()  # launches of one tensor: keyed on its layout only
 _POINTER_TABLES: OrderedDict[tuple, _Table] = OrderedDict()  # several tensors: keyed on their addresses too
 _STATS = {"hits": 0, "misses": 0, "host_copies": 0}
 
@@ -374,14 +375,13 @@ def _table(op: str, tensors: Sequence[torch.Tensor], offsets: Sequence[int], fla
     table = cache.get(key)
     if table is not None:
         _STATS["hits"] += 1
-        if not one:
-            _POINTER_TABLES.move_to_end(key)
+        cache.move_to_end(key)
         return table
     _STATS["misses"] += 1
     table = _build_table(op, tensors, offsets, flat, relative=one)
     cache[key] = table
-    if len(_POINTER_TABLES) > POINTER_TABLES:
-        _POINTER_TABLES.popitem(last=False)
+    if len(cache) > (LAYOUT_TABLES if one else POINTER_TABLES):
+        cache.popitem(last=False)  # the least recently used
     return table
 
 
