@@ -42,3 +42,19 @@ def test_one_count_says_nothing(count: int, backwards: int, caplog: pytest.LogCa
         for stage in (0, 2, 3):
             _run(stage, count=count, backwards=backwards)
     assert SAID not in caplog.text
+
+
+def test_a_backward_whose_gradients_are_dropped_counts_for_no_call(caplog: pytest.LogCaptureFixture) -> None:
+    """A batch that failed and was dropped with ``zero_grad()`` (an out-of-memory retry) before the micro-step's
+    backward: one backward reaches the call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=2, gradient_accumulation_steps=2)
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        for _ in range(2):  # windows of 2 micro-steps, a batch dropped before each
+            model(torch.randn(2, 4)).square().mean().backward()
+            opt.zero_grad()  # at micro-step 0 it drops the batch
+            for _ in range(2):
+                model(torch.randn(2, 4)).square().mean().backward()
+                opt.step()
+    assert SAID not in caplog.text

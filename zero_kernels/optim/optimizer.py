@@ -513,7 +513,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             "gradient_accumulation_steps=%d micro-steps: if the loop accumulates itself (PyTorch Lightning's "
             "accumulate_grad_batches, step() called every k batches), each update takes k x %d batches and there are "
             "k times fewer updates. Count accumulation in one place (gradient_accumulation_steps 1 there, or step() "
-            "after every backward); several losses' backward passes in one micro-step are fine",
+            "after every backward); several losses' backward passes in one micro-step, or a parameter used in several "
+            "reentrant checkpoint segments, are fine",
             self.gradient_accumulation_steps,
             self.gradient_accumulation_steps,
         )

@@ -599,6 +599,8 @@ class Pipeline(BackwardRound):
         self.window_open = False
         self.zeroed_part = None
         self.summed.clear()
+        self.since_step_call.clear()  # a backward whose gradients are dropped counts for no step() call
+        self.repeated_since_step_call = False
 
     @property
     def owed(self) -> bool:
