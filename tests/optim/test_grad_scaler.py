@@ -114,3 +114,40 @@ def _body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
 def test_grad_scaler_matches_adamw(world: int) -> None:
     run_ranks_checked(_body, world)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_checkpoint_between_unscale_and_step_keeps_the_gradients_unscaled(stage: int, tmp_path) -> None:
+    """Stages 0-1 keep the gradients in ``p.grad``, which ``scaler.unscale_(opt)`` divides: a checkpoint saved
+    between it and ``scaler.step`` holds them divided, and the resumed scaler (its per-optimizer state is in no
+    state dict) would have the step divide them again (2e-2 off AdamW, with and without a clip)."""
+    import zero_kernels as zk
+
+    extra = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET, **extra)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", **SCALER)
+    for step in range(3):
+        x = batch(step, ROWS)
+        scaler.scale(model(x)).backward()
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(MAX_NORM)
+        if step == 1:  # the optimizer has seen the scaler: it knows p.grad was divided
+            zk.checkpoint.save(str(tmp_path), model, opt)
+            saved = scaler.state_dict()
+            model, _ = make_models(torch.float32)
+            opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET, **extra)
+            zk.checkpoint.load(str(tmp_path), model, opt)
+            scaler = torch.amp.GradScaler("cpu", **SCALER)
+            scaler.load_state_dict(saved)
+            scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))  # torch's step needs it after a load
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref(x).backward()
+        assert float(nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)) > MAX_NORM, "clipping inactive"
+        ropt.step()
+        ropt.zero_grad()
+    with opt.gathered_params():
+        compare(model, ref, f"stage {stage}: resumed between unscale_ and step")

@@ -64,8 +64,21 @@ def _inv_scale(scaler: Any) -> torch.Tensor:
     return scale.double().reciprocal().float().double()
 
 
+def unscaled_in_p_grad(opt: Any) -> bool:
+    """Whether ``scaler.unscale_(opt)`` divided the gradients the optimizer reads since its last step, the scaler
+    known (it stepped the optimizer before): a checkpoint saved then keeps it, as the resumed scaler cannot."""
+    ref = getattr(opt, "_grad_scaler", None)
+    scaler = ref() if ref is not None else None
+    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+        return False
+    return scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED and not _still_scaled(scaler, opt)
+
+
 def _still_scaled(scaler: Any, opt: Any) -> bool:
-    """Whether the gradients the optimizer reads still carry the scale (``unscale_`` did not reach them)."""
+    """Whether the gradients the optimizer reads still carry the scale (``unscale_`` did not reach them, and no
+    checkpoint loaded them divided already: ``opt._unscaled_loaded``)."""
+    if getattr(opt, "_unscaled_loaded", False):
+        return False
     state = scaler._per_optimizer_states[id(opt)]
     if state["stage"] is OptState.READY:
         return True

@@ -237,6 +237,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._no_sync_depth = 0
         self._clips = PendingClips()  # what clip_grad_norm_ asked of the coming step
         self._grad_factor = 1.0  # what scale_grads_ asked of the coming step
+        self._unscaled_loaded = False  # a checkpoint brought gradients a GradScaler's unscale_ had divided
         self._warned_twice = False  # ``_warn_accumulated_twice`` spoke
         self._grad_scaler: Optional[weakref.ref] = None  # the torch.amp.GradScaler that last stepped this optimizer
         self._scaled_step = False  # the last step was driven by a GradScaler
@@ -480,6 +481,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         )
         self._clips.clear()  # kept for a step refused before any update, called again
         self._grad_factor = 1.0
+        self._unscaled_loaded = False
         if scaled is not None:
             scaled.record(self, self.last_step.skip_flag)
         self._update_sync()
@@ -651,16 +653,19 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def grad_edits(self) -> Optional[dict[str, Any]]:
         """What ``clip_grad_norm_`` and ``scale_grads_`` asked of the coming step, as plain data (None: nothing):
         a checkpoint saved inside the accumulation window keeps it (``load_grad_edits``)."""
-        if not self._clips.to_list() and self._grad_factor == 1.0:
+        unscaled = self._unscaled_loaded or amp.unscaled_in_p_grad(self)  # by a GradScaler's unscale_
+        if not self._clips.to_list() and self._grad_factor == 1.0 and not unscaled:
             return None
-        return {"factor": self._grad_factor, "clips": self._clips.to_list()}
+        return {"factor": self._grad_factor, "clips": self._clips.to_list(), "unscaled": unscaled}
 
     def load_grad_edits(self, edits: Optional[dict[str, Any]]) -> None:
         """Ask again of the coming step what ``grad_edits`` gave (None: nothing); later gradients are refused, as
-        after the calls themselves."""
+        after the calls themselves. Gradients a GradScaler's ``unscale_`` divided are not divided again by the next
+        ``scaler.step(opt)``."""
         self._grad_factor = 1.0 if edits is None else float(edits["factor"])
         self._clips.load_list([] if edits is None else edits["clips"])
-        self._pipeline.clipped = edits is not None
+        self._unscaled_loaded = edits is not None and bool(edits.get("unscaled", False))
+        self._pipeline.clipped = bool(self._clips.to_list()) or self._grad_factor != 1.0
 
     def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
         """The global norm of order ``norm_type`` of this step's reduced gradients as clipped so far (the clips
@@ -715,6 +720,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._drop_window()
         self._clips.clear()
         self._grad_factor = 1.0
+        self._unscaled_loaded = False
         self._pipeline.zero_grad(set_to_none)
 
     def _drop_window(self) -> None:
