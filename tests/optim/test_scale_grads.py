@@ -86,9 +86,8 @@ def refusals(rank: int, world: int, stage: int) -> None:
     step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} after zero_grad: unscaled")
 
 
-def refused_then_retried(rank: int, world: int, stage: int) -> None:
-    """A step refused before any update (a NaN lr) keeps the scale and the clip asked for: called again once the
-    lr is fixed, it applies them (they were dropped: the retry ran unscaled and unclipped)."""
+def _scaled_and_clipped(rank: int, world: int, stage: int) -> tuple[Net, Net, zk.ShardedFusedAdam, torch.optim.AdamW]:
+    """A backward, then a scale and a clip asked of the step (the reference's gradients scaled and clipped)."""
     model, ref = make_models(torch.float32)
     opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
     _backward(model, ref, rank, world, 0)
@@ -96,6 +95,13 @@ def refused_then_retried(rank: int, world: int, stage: int) -> None:
     _scale_ref(ref, 1 / SUM)
     torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     assert float(nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)) > MAX_NORM, "clipping inactive"
+    return model, ref, opt, ropt
+
+
+def refused_then_retried(rank: int, world: int, stage: int) -> None:
+    """A step refused before any update (a NaN lr) keeps the scale and the clip asked for: called again once the
+    lr is fixed, it applies them (they were dropped: the retry ran unscaled and unclipped)."""
+    model, ref, opt, ropt = _scaled_and_clipped(rank, world, stage)
     opt.param_groups[0]["lr"] = float("nan")
     with pytest.raises(ValueError, match="is nan"):
         opt.step()
@@ -106,13 +112,7 @@ def refused_then_retried(rank: int, world: int, stage: int) -> None:
 def saved_in_between(rank: int, world: int, stage: int, folder: str) -> None:
     """A checkpoint saved between the scale (and a clip) and the step keeps them with the window: the resumed
     optimizer's step applies them, and refuses a later gradient (they were lost: 5e-3 off AdamW)."""
-    model, ref = make_models(torch.float32)
-    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
-    _backward(model, ref, rank, world, 0)
-    opt.scale_grads_(1 / SUM)
-    _scale_ref(ref, 1 / SUM)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    assert float(nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)) > MAX_NORM, "clipping inactive"
+    model, ref, opt, ropt = _scaled_and_clipped(rank, world, stage)
     path = f"{folder}/stage{stage}"
     zk.checkpoint.save(path, model, opt)
     resumed, _ = make_models(torch.float32)
