@@ -64,12 +64,22 @@ def _inv_scale(scaler: Any) -> torch.Tensor:
     return scale.double().reciprocal().float().double()
 
 
+def _seen_scaler(opt: Any) -> Optional[Any]:
+    """The GradScaler that last stepped ``opt`` (None: none yet, or it is gone)."""
+    ref = getattr(opt, "_grad_scaler", None)
+    return ref() if ref is not None else None
+
+
+def _scaling(scaler: Optional[Any]) -> bool:
+    """Whether ``scaler`` is an enabled GradScaler that has a scale."""
+    return scaler is not None and scaler.is_enabled() and scaler._scale is not None
+
+
 def unscaled_in_p_grad(opt: Any) -> bool:
     """Whether ``scaler.unscale_(opt)`` divided the gradients the optimizer reads since its last step, the scaler
     known (it stepped the optimizer before): a checkpoint saved then keeps it, as the resumed scaler cannot."""
-    ref = getattr(opt, "_grad_scaler", None)
-    scaler = ref() if ref is not None else None
-    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+    scaler = _seen_scaler(opt)
+    if not _scaling(scaler):
         return False
     return scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED and not _still_scaled(scaler, opt)
 
@@ -149,9 +159,8 @@ def clip_factor(opt: Any) -> tuple[Optional[torch.Tensor], bool]:
     The multiplier is ``1 / scale`` when the optimizer has seen an enabled GradScaler and the gradients
     it reads are still scaled; unknown until the first ``scaler.step(opt)``.
     """
-    ref = getattr(opt, "_grad_scaler", None)
-    scaler = ref() if ref is not None else None
-    if scaler is None or not scaler.is_enabled() or scaler._scale is None:
+    scaler = _seen_scaler(opt)
+    if not _scaling(scaler):
         return None, scaler is not None
     return (_inv_scale(scaler) if _still_scaled(scaler, opt) else None), True
 

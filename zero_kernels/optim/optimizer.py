@@ -479,9 +479,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.last_step = self._pipeline.step(
             hyper, grad_scale=scale, clip_coef=multiplier, max_grad_norm=self.max_grad_norm, check_finite=check_finite
         )
-        self._clips.clear()  # kept for a step refused before any update, called again
-        self._grad_factor = 1.0
-        self._unscaled_loaded = False
+        self._forget_grad_edits()  # kept for a step refused before any update, called again
         if scaled is not None:
             scaled.record(self, self.last_step.skip_flag)
         self._update_sync()
@@ -654,18 +652,27 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         """What ``clip_grad_norm_`` and ``scale_grads_`` asked of the coming step, as plain data (None: nothing):
         a checkpoint saved inside the accumulation window keeps it (``load_grad_edits``)."""
         unscaled = self._unscaled_loaded or amp.unscaled_in_p_grad(self)  # by a GradScaler's unscale_
-        if not self._clips.to_list() and self._grad_factor == 1.0 and not unscaled:
+        clips = self._clips.to_list()
+        if not clips and self._grad_factor == 1.0 and not unscaled:
             return None
-        return {"factor": self._grad_factor, "clips": self._clips.to_list(), "unscaled": unscaled}
+        return {"factor": self._grad_factor, "clips": clips, "unscaled": unscaled}
 
     def load_grad_edits(self, edits: Optional[dict[str, Any]]) -> None:
         """Ask again of the coming step what ``grad_edits`` gave (None: nothing); later gradients are refused, as
         after the calls themselves. Gradients a GradScaler's ``unscale_`` divided are not divided again by the next
         ``scaler.step(opt)``."""
-        self._grad_factor = 1.0 if edits is None else float(edits["factor"])
-        self._clips.load_list([] if edits is None else edits["clips"])
-        self._unscaled_loaded = edits is not None and bool(edits.get("unscaled", False))
+        self._forget_grad_edits()
+        if edits is not None:
+            self._grad_factor = float(edits["factor"])
+            self._clips.load_list(edits["clips"])
+            self._unscaled_loaded = bool(edits.get("unscaled", False))
         self._pipeline.clipped = bool(self._clips.to_list()) or self._grad_factor != 1.0
+
+    def _forget_grad_edits(self) -> None:
+        """Nothing asked of the coming step any more: its gradients were used, or dropped."""
+        self._clips.clear()
+        self._grad_factor = 1.0
+        self._unscaled_loaded = False
 
     def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
         """The global norm of order ``norm_type`` of this step's reduced gradients as clipped so far (the clips
@@ -718,9 +725,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             if not self._pipeline.failed_round_open:
                 return
             self._drop_window()
-        self._clips.clear()
-        self._grad_factor = 1.0
-        self._unscaled_loaded = False
+        self._forget_grad_edits()
         self._pipeline.zero_grad(set_to_none)
 
     def _drop_window(self) -> None:

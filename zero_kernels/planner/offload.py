@@ -355,7 +355,7 @@ def _phases(
     state_io_s = (read_after + state) / disk if setup.optimizer == "nvme" else 0.0
     down_after = 0 if grad_file else down
     return {
-        "forward": max(up_gather / bus, gather_reads / disk + 2 * read_early / disk) / 2,
+        "forward": max(up_gather / bus / 2, (gather_reads / 2 + read_early) / disk),
         "backward": max(gather_s, down / bus, (2 * reductions - 1) * grad_file / disk) if grad_file else gather_s,
         "after": max(adam_s, state_io_s + (in_files + grad_file) / disk) + (up_after + down_after) / bus,
     }
