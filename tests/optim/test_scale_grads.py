@@ -128,9 +128,26 @@ def saved_in_between(rank: int, world: int, stage: int, folder: str) -> None:
         opt3.step()
 
 
+def measured_then_saved(rank: int, world: int, stage: int, folder: str) -> None:
+    """A norm only measured (``clip_grad_norm_(inf)``, to log it) clips nothing, so a later backward is taken before
+    the step, and so it is after a checkpoint saved in between (it was refused there)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR, eps=1.0)
+    _backward(model, ref, rank, world, 0)
+    opt.clip_grad_norm_(float("inf"))
+    path = f"{folder}/measured{stage}"
+    zk.checkpoint.save(path, model, opt)
+    resumed, _ = make_models(torch.float32)
+    opt2 = _opt(resumed, stage)
+    zk.checkpoint.load(path, resumed, opt2)
+    _backward(resumed, ref, rank, world, 1)
+    step_and_compare(opt2, ropt, resumed, ref, f"stage {stage} world {world} a measure saved, then a backward")
+
+
 def checkpoint_cases(rank: int, world: int, folder: str) -> None:
     for stage in STAGES:
         saved_in_between(rank, world, stage, folder)
+        measured_then_saved(rank, world, stage, folder)
 
 
 def all_cases(rank: int, world: int) -> None:

@@ -666,7 +666,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._grad_factor = float(edits["factor"])
             self._clips.load_list(edits["clips"])
             self._unscaled_loaded = bool(edits.get("unscaled", False))
-        self._pipeline.clipped = bool(self._clips.to_list()) or self._grad_factor != 1.0
+        self._pipeline.clipped = bool(self._clips) or self._grad_factor != 1.0  # as asked: a measure clips nothing
 
     def _forget_grad_edits(self) -> None:
         """Nothing asked of the coming step any more: its gradients were used, or dropped."""
