@@ -7,7 +7,22 @@ from .config import FP16Config, OptimizerConfig, ZeroConfig, ZeroOptions
 from .entry import initialize
 from .env import settings
 from .integrations import save_pretrained
-from .optim import ShardedFusedAdam
+from .optim import (
+    ShardedFusedAdam,
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
 from .planner import estimate_comm, estimate_memory, recommend
 from .stages.stage3 import register_external_parameter, set_leaf_modules
 
@@ -28,6 +43,19 @@ __all__ = [
     "initialize",
     "recommend",
     "register_external_parameter",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
     "save_pretrained",
     "set_leaf_modules",
 ]

@@ -58,9 +58,9 @@ def describe(kind: int, stage: int, name: str) -> str:
         )
     return (
         f"ShardedFusedAdam (stage {stage}): {name} got a gradient after clip_grad_norm_ measured the gradients' "
-        "norm (or scale_grads_ scaled them): torch.optim.AdamW would see the earlier gradients clipped (scaled) and "
-        "this one not, which the fused step cannot do. Call them after the last backward of the step; nothing was "
-        "updated"
+        "norm (or scale_grads_ scaled them, or safe_set_full_grad set one): torch.optim.AdamW would see the earlier "
+        "gradients clipped (scaled, set) and this one not, which the fused step cannot do. Call them after the last "
+        "backward of the step; nothing was updated"
     )
 
 

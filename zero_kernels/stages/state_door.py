@@ -13,6 +13,8 @@ What it serves:
   ``torch.optim.AdamW`` layout (which keeps extra keys such as ``master``). Gathering is a collective
   (every rank must call it); scattering only reads this rank's parts;
 - per-parameter pieces this rank holds (``held_pieces``/``piece_views``: the ``opt.state`` views);
+- one parameter's fp32 value, state or reduced gradient, as this rank's runs of it (``runs``, ``write_runs``)
+  and whole (``assemble``: a collective): DeepSpeed's tensor-fragment functions (``optim.fragments``);
 - a checkpoint's pieces out and in (``save_pieces``, ``load_pieces``, ``whole_params``), which hide
   where the parameters live (whole in ``param_flat`` at stages 0-2, this rank's ``param_shard`` at
   stage 3).
@@ -45,7 +47,8 @@ import torch
 
 from .adopt import current
 from .base import FlatBuffer, Pipeline
-from .master import record, unrecord, written
+from .layout import Segment
+from .master import record, settle, unrecord, written
 
 log = logging.getLogger("zero_kernels")
 STATE_DICT_KEY = "zero_kernels.sharded"  # the optimizer state dicts' key for what AdamW's layout has no place for
@@ -380,3 +383,88 @@ def load_param_shards(pipeline: Pipeline, shards: list[Optional[torch.Tensor]]) 
 def shard_numels(pipeline: Pipeline) -> list[int]:
     """Per buffer: the elements of this rank's shard."""
     return [buf.layout.shard_numel for buf in pipeline.buffers]
+
+
+# ---------------------------------------------------------------- one parameter: its runs on this rank
+PARAM, GRAD = "param", "grad"  # ``runs``' kinds besides ``KINDS``: the fp32 value, the reduced gradient
+
+
+def runs(pipeline: Pipeline, p: torch.Tensor, kind: str) -> list[tuple[int, torch.Tensor]]:
+    """(first element in the flattened parameter, 1-D view) of every run of ``p`` this rank holds of ``kind``:
+    ``PARAM`` (its fp32 value: the master of a bf16/fp16 parameter, else the parameter's own storage), ``GRAD``
+    (this step's reduced gradient, as the step reads it: call ``finish_grad_sync`` first; with the gradients in a
+    file, copies) or a state kind of ``state_tensors``. Empty where this rank holds none of ``p``. The parameters'
+    edits and the masters are settled first (``master.settle``), so a value read is the one the step starts from."""
+    b, slot_index = pipeline.where[id(p)]
+    buf = pipeline.buffers[b]
+    if kind != GRAD:
+        buf.ready()
+        settle(pipeline, buf)
+    return [
+        (seg.param_offset, _view(pipeline, buf, seg, kind))
+        for seg in buf.layout.segments(pipeline.shard_rank)
+        if seg.slot == slot_index
+    ]
+
+
+def _view(pipeline: Pipeline, buf: FlatBuffer, seg: Segment, kind: str) -> torch.Tensor:
+    if kind == GRAD:
+        bucket = buf.layout.buckets[seg.bucket]
+        return pipeline.grad_shard(buf, bucket).narrow(0, seg.shard_offset - bucket.shard_offset, seg.numel)
+    if kind == PARAM and buf.master is None:
+        if buf.param_flat is not None:
+            return buf.param_flat.narrow(0, buf.layout.slots[seg.slot].offset + seg.param_offset, seg.numel)
+        return buf.param_shard.narrow(0, seg.shard_offset, seg.numel)
+    tensors = state_tensors(buf)
+    name = "master" if kind == PARAM else kind
+    if name not in tensors:
+        raise KeyError(name)
+    return tensors[name].narrow(0, seg.shard_offset, seg.numel)
+
+
+def assemble(pipeline: Pipeline, p: torch.Tensor, local: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The whole of ``p`` (its full shape, fp32) from every rank's ``local`` runs (a collective where the
+    parameters' state is sharded: each element comes from the one rank that holds it, bit for bit)."""
+    shape = pipeline.param_shape(p)
+    full = torch.zeros(math.prod(shape), dtype=torch.float32, device=pipeline.buffers[pipeline.where[id(p)][0]].device)
+    for start, values in local:
+        full.narrow(0, start, values.numel()).copy_(values)
+    if pipeline.num_shards > 1:  # one rank writes each element, the others add zeros: a sum of the bits is exact
+        pipeline.engine.all_reduce(full.view(torch.int32), op="sum", name="fragment").wait()
+    return full.view(shape)
+
+
+def write_runs(pipeline: Pipeline, p: torch.Tensor, kind: str, value: torch.Tensor) -> None:
+    """Write this rank's runs of ``p``'s ``kind`` from ``value``, the flattened whole parameter (fp32): the state
+    tensors, the master and, for ``PARAM``, the parameter itself wherever it is kept (rounded to its dtype: every
+    rank's whole copy at stages 0-2, this rank's shard and a gathered copy at stage 3), or the gradient shard."""
+    pipeline.uploads.wait()
+    b, slot_index = pipeline.where[id(p)]
+    buf = pipeline.buffers[b]
+    if kind == GRAD and pipeline.grads_in_file(buf):
+        shard = pipeline.reduced_shard(buf)
+        for seg in buf.layout.segments(pipeline.shard_rank):
+            if seg.slot == slot_index:
+                shard.narrow(0, seg.shard_offset, seg.numel).copy_(value.narrow(0, seg.param_offset, seg.numel))
+        pipeline.assign_reduced(buf, shard)
+        return
+    for start, view in runs(pipeline, p, kind):
+        view.copy_(value.narrow(0, start, view.numel()))
+    if kind == PARAM:
+        _write_params(pipeline, buf, slot_index, value)
+        record(buf)
+
+
+def _write_params(pipeline: Pipeline, buf: FlatBuffer, slot_index: int, value: torch.Tensor) -> None:
+    """The parameter's storage takes ``value`` (bf16/fp16: rounded, as a step leaves it from its master) in every
+    copy the model may read, not only in this rank's runs."""
+    slot = buf.layout.slots[slot_index]
+    for whole in (buf.param_flat, getattr(buf, "full", None)):  # every rank's copy; stage 3's gathered one
+        if whole is not None:
+            whole.narrow(0, slot.offset, slot.numel).copy_(value)
+    if buf.param_flat is None:
+        for seg in buf.layout.segments(pipeline.shard_rank):
+            if seg.slot == slot_index:
+                buf.param_shard.narrow(0, seg.shard_offset, seg.numel).copy_(
+                    value.narrow(0, seg.param_offset, seg.numel)
+                )
