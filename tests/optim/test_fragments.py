@@ -157,6 +157,8 @@ def bf16_values_kept_exactly(rank: int, world: int, stage: int) -> None:
     opt.step()
     opt.zero_grad()
     p = model.mid.weight
+    with pytest.raises(KeyError, match="holds exp_avg, exp_avg_sq \\(max_exp_avg_sq once its group uses AMSGrad"):
+        zk.safe_get_local_optimizer_state(p, "max_exp_avg_sq")
     value = torch.randn(ref.mid.weight.shape, generator=torch.Generator().manual_seed(3))
     zk.safe_set_full_fp32_param(p, value)
     zk.safe_set_full_optimizer_state(p, value.abs(), "exp_avg_sq")

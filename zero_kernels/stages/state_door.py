@@ -418,7 +418,9 @@ def _view(pipeline: Pipeline, buf: FlatBuffer, seg: Segment, kind: str) -> torch
     tensors = state_tensors(buf)
     name = "master" if kind == PARAM else kind
     if name not in tensors:
-        raise KeyError(name)
+        held = ", ".join(k for k in tensors if k != "master")
+        why = f"the parameter's optimizer state holds {held} ({_AMSGRAD} once its group uses AMSGrad)"
+        raise KeyError(f"{name!r}: {why}")
     return tensors[name].narrow(0, seg.shard_offset, seg.numel)
 
 
