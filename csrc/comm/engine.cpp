@@ -126,12 +126,15 @@ void copy_in(const at::Tensor& dst, const at::Tensor& src, Streams streams, cons
 // anything, for every primitive and dtype path: no collective or side-stream copy can then read a
 // buffer before the kernels that write it, nor write into a block that queued compute still reads
 // (a block the caching allocator handed back after compute freed it). CPU tensors need nothing.
+// `compute` may be 0: that is torch's default stream (torch.cuda.current_stream().cuda_stream is 0 there,
+// the legacy default stream), the stream an ordinary training loop runs on. Only the side stream, which the
+// engine made itself, is never 0.
 void order_after_compute(const at::Tensor& t, Streams streams, const std::string& what) {
   if (!t.is_cuda()) {
     return;
   }
-  if (streams.side == 0 || streams.compute == 0) {
-    throw std::invalid_argument(what + ": CUDA tensors need the compute and side streams");
+  if (streams.side == 0) {
+    throw std::invalid_argument(what + ": CUDA tensors need the side stream");
   }
   const SideStreamOps& ops = cuda_ops(what);
   check_cuda(ops.stream_wait(streams.side, streams.compute, t.get_device()), ops, what);

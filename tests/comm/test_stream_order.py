@@ -181,3 +181,39 @@ def test_torch_engine_copy_out_tells_the_allocator_of_the_waiting_stream(
     streams["set_current"](FakeStream("autograd callback"))
     handle.wait()
     assert used == ["autograd callback"], "the waiting stream's read of the temporary is not recorded"
+
+
+class _MetaOnCuda(torch.Tensor):
+    """A tensor that only says it is on cuda:0 (no storage): it reaches the C++ engine's stream checks, which
+    come before anything reads data."""
+
+    @staticmethod
+    def __new__(cls, numel: int) -> "_MetaOnCuda":
+        return torch.Tensor._make_wrapper_subclass(cls, (numel,), dtype=torch.float32, device=torch.device("cuda", 0))
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        raise AssertionError(f"the engine touched the data ({func}) before its stream checks")
+
+
+@pytest.mark.ext
+def test_cpp_engine_takes_the_default_stream_as_compute_stream() -> None:
+    """torch reports the default CUDA stream as handle 0 (``torch.cuda.current_stream().cuda_stream == 0``), the
+    stream an ordinary training loop runs on: the C++ engine must order its side stream after it, not refuse it
+    (it raised "CUDA tensors need the compute and side streams" for every collective, from the device check of the
+    optimizer's constructor on). Without CUDA in this build the operation stops at the next check."""
+    from zero_kernels import _ext
+
+    try:
+        ext = _ext.load("comm")
+    except _ext.ExtensionUnavailable as exc:
+        pytest.skip(f"C++ comm engine not buildable here: {exc}")
+    c10d = torch._C._distributed_c10d
+    store = c10d.HashStore()
+    group = c10d.ProcessGroup(store, 0, 2)
+    engine = ext.Engine(group)
+    for compute in (0, 0x1234):  # the default stream, another one
+        with pytest.raises(RuntimeError, match="built without CUDA"):
+            engine.all_reduce(_MetaOnCuda(4), "sum", "b", compute_stream=compute, side_stream=0x5EED, side=None)
+    with pytest.raises(ValueError, match="need the side stream"):
+        engine.all_reduce(_MetaOnCuda(4), "sum", "b", compute_stream=0, side_stream=0, side=None)
