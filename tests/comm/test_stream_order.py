@@ -217,3 +217,46 @@ def test_cpp_engine_takes_the_default_stream_as_compute_stream() -> None:
             engine.all_reduce(_MetaOnCuda(4), "sum", "b", compute_stream=compute, side_stream=0x5EED, side=None)
     with pytest.raises(ValueError, match="need the side stream"):
         engine.all_reduce(_MetaOnCuda(4), "sum", "b", compute_stream=0, side_stream=0, side=None)
+
+
+def test_wrapped_handle_epilogue_tells_the_allocator_of_the_waiting_stream(
+    streams: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """qwZ's gather (``all_gather_quantized``; hpZ's quantized gather and frozen int8 chunks alike) receives the int8
+    payloads into a buffer allocated with the issuing stream current and dequantizes out of it at ``wait()``, on the
+    stream current then: that stream's use is recorded (``record_stream``) before the handle drops the buffer, as
+    the torch engine's ``copy_out`` does; else its block could go to the issuing stream's next allocation while the
+    dequantize is still queued (the gathered parameters silently wrong)."""
+    from zero_kernels.comm.handles import Handle
+    from zero_kernels.stages import quantized_gather
+
+    recorded: list[tuple[str, str]] = []
+
+    class Recorded(OnGpu1):
+        def record_stream(self, stream: FakeStream) -> None:
+            recorded.append((type(self).__name__, stream.name))
+
+    class Received(Recorded):
+        pass
+
+    real_empty = torch.empty
+
+    def empty(*size: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        t = real_empty(*size, **kwargs)
+        return t.as_subclass(Received) if device is not None and torch.device(device).type == "cuda" else t
+
+    read_on: list[str] = []
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(
+        quantized_gather, "dequantize_chunks", lambda *args, **kwargs: read_on.append(torch.cuda.current_stream(1).name)
+    )
+    engine = SimpleNamespace(world_size=2, rank=0, all_gather=lambda *args, **kwargs: comm.Handle(None, ()))
+    layout = quantized_gather.Payload(64)
+    payload = real_empty(layout.nbytes, dtype=torch.uint8).as_subclass(Recorded)
+    full, shard = real_empty(128).as_subclass(Recorded), real_empty(64).as_subclass(Recorded)
+    handle, _ = quantized_gather.all_gather_quantized(engine, full, shard, payload, layout, own_exact=True, name="g")
+    assert isinstance(handle, Handle)
+    streams["set_current"](FakeStream("autograd callback"))
+    handle.wait()
+    assert read_on == ["autograd callback"]
+    assert ("Received", "autograd callback") in recorded, "the waiting stream's read of the received payloads is lost"

@@ -49,6 +49,16 @@ class Handle:
         return self._done or self._work is None or self._work.is_completed()
 
 
+def used_here(*tensors: torch.Tensor) -> None:
+    """An epilogue read ``tensors`` on the stream current at ``wait()``, which may not be the stream they were
+    allocated on (the one current at issue; an autograd callback's or a user's stream waits too): tell the caching
+    allocator of that use (``record_stream``) before the handle drops them, so that their blocks do not go to the
+    issuing stream's next allocation while the epilogue's kernels may still read them (as ``copy_out`` does)."""
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 class Works:
     """Several c10d works (the sends and receives of one point-to-point operation) as one."""
 

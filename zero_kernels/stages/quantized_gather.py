@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..comm.handles import Handle, Works
+from ..comm.handles import Handle, Works, used_here
 from ..kernels.quant import QuantizedBlocks, dequantize, quantize
 
 logger = logging.getLogger("zero_kernels")
@@ -194,6 +194,7 @@ def all_gather_quantized(
 
     def unpack() -> None:
         dequantize_chunks(gathered, layout, full, own, shard if own_exact else None)
+        used_here(gathered, shard if own_exact else None)
 
     return Handle(Works([inner]), (gathered, payload, full, shard), unpack, name), gathered
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ...comm.handles import Handle, Works
+from ...comm.handles import Handle, Works, used_here
 from ...kernels.quant import dequantize
 from ..adopt import check_compatible, check_freed
 from ..quantized_gather import Payload, Traffic, dequantize_chunks
@@ -141,6 +141,7 @@ class Int8Chunk:
 
         def unpack() -> None:
             dequantize_chunks(gathered, layout, full, -1, None)  # every chunk, this rank's too
+            used_here(gathered)
 
         return Handle(Works([inner]), (gathered, sent, full), unpack, "frozen gather")
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ...comm import Handle, make_engine
 from ...comm.groups import node_subgroup
-from ...comm.handles import Works
+from ...comm.handles import Works, used_here
 from ...config.zero_config import check_hpz
 from ..layout import Bucket
 from ..quantized_gather import Payload, Traffic, WeightQuantizer, all_gather_quantized, dequantize_chunks
@@ -162,5 +162,6 @@ class UnitGathers:
 
         def unpack() -> None:
             dequantize_chunks(gathered, layout, full, own, exact)
+            used_here(gathered, exact)
 
         return Handle(Works([inner]), (gathered, part, full, exact), unpack, name)
