@@ -218,15 +218,18 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
 
 
 def check_module_params(module: nn.Module, held: Mapping[str, int], name_of: NameOf) -> None:
-    """Every model parameter the optimizer was built with is still the model's ``Parameter`` object.
+    """Every model parameter the optimizer was built with is still the model's ``Parameter`` object, or another
+    one the optimizer holds (``model.embed.weight = model.head.weight`` after the optimizer was built ties the two as
+    the other direction does: the replaced one gets no gradient and is left alone, as by ``torch.optim.AdamW``).
 
     Args:
         module: the model.
         held: model name -> ``id`` of the parameter the optimizer holds under that name.
         name_of: names a parameter in error messages.
     """
+    ids = set(held.values())  # a Parameter the optimizer holds under another name (a weight tied since) trains on
     for name, p in module.named_parameters():
-        if name in held and held[name] != id(p):
+        if name in held and held[name] != id(p) and id(p) not in ids:
             raise ValueError(
                 f"model parameter {name!r} is no longer the Parameter the optimizer was built with (replaced by "
                 "load_state_dict(..., assign=True), a reassigned module or nn.Parameter): build the optimizer "
