@@ -375,6 +375,42 @@ def test_error_inputs_refused_at_construction() -> None:
             assert not model._forward_pre_hooks and not hooks and w.shape == (11, 6), f"stage {stage}: {message}"
 
 
+class _ComplexAsReal(nn.Module):
+    """A complex weight kept as real pairs (the complex refusal's advice) next to an odd-sized parameter, so that the
+    flat buffer puts it at an odd storage offset (where ``torch.view_as_complex`` refuses it)."""
+
+    def __init__(self, weight: torch.Tensor, real: bool) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.view_as_real(weight).clone() if real else weight.clone())
+        self.d = nn.Parameter(torch.linspace(-1.0, 1.0, 5))
+        self.real = real
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.complex(self.w[..., 0], self.w[..., 1]) if self.real else self.w
+        return ((x[:, :4] * w).abs().square().sum() + (self.d * x).sum()).square()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_complex_refusal_s_advice_trains_as_adamw_on_the_complex_parameter(stage: int) -> None:
+    weight = torch.randn(4, dtype=torch.complex64, generator=torch.Generator().manual_seed(3))
+    model, ref = _ComplexAsReal(weight, real=True), _ComplexAsReal(weight, real=False)
+    with pytest.raises(ValueError, match=r"complex parameters.*torch\.complex\(w\[\.\.\., 0\], w\[\.\.\., 1\]\)"):
+        zo.ShardedFusedAdam(ref, lr=LR, stage=stage)
+    opt = zo.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=stage, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(3):
+        x = batch(step, 2)[:, :5]
+        model(x).backward()
+        ref(x).backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+        with opt.gathered_params():
+            w = torch.view_as_real(ref.w.detach())
+            assert_close(model.w, w, rtol=1e-5, atol=1e-6 * w.abs().max().item(), what=f"stage {stage} step {step}")
+
+
 def test_set_of_parameters_on_one_process_as_adamw() -> None:
     """A top-level set of parameters: AdamW takes it (list(params)); so does one process, with AdamW's results."""
     for stage in (1, 3):

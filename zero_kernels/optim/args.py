@@ -350,7 +350,10 @@ def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> N
     if p.is_complex():
         raise ValueError(
             f"ShardedFusedAdam does not support complex parameters: {describe(p)} is {p.dtype}; store it as a real "
-            "tensor with a last dimension of 2 (torch.view_as_real) and train that"
+            "tensor with a last dimension of 2 (torch.view_as_real(...).clone()) and train that, read in the forward "
+            "as torch.complex(w[..., 0], w[..., 1]) (the update is then AdamW's on the complex parameter; not "
+            "torch.view_as_complex(w), which needs an even storage offset, and the optimizer packs parameters "
+            "end to end in its buffers)"
         )
     if p.dtype not in TRAINABLE_DTYPES:
         allowed = ", ".join(str(d).replace("torch.", "") for d in TRAINABLE_DTYPES)
