@@ -6,12 +6,14 @@ both uses' gradients, the one replaced gets no gradient and is left alone, as ``
 second direction was refused at the first step ("no longer the Parameter the optimizer was built with"), the
 name check taking the Parameter the optimizer holds under the other name for a new one. At stages 0-3 (stage 3
 also with every parameter partitioned) on 2 and 3 gloo ranks, element by element against AdamW on the whole
-batch (DESIGN.md's fp32 tolerances).
+batch (DESIGN.md's fp32 tolerances). A sharded checkpoint of such a run, which names every tensor by its model name,
+is refused naming the parameter tied away (it said "a parameter of param group 0 (shape (0,))" at stage 3).
 """
 
 from __future__ import annotations
 
 import copy
+import tempfile
 
 import pytest
 import torch
@@ -79,6 +81,10 @@ def tied_case(rank: int, world: int, stage: int, tie, extra: dict) -> None:
             for (name, p), r in zip(model.named_parameters(), ref.parameters()):
                 close(p, r, f"stage {stage} {tie.__name__} step {step} {name}")
             close(old, rold, f"stage {stage} {tie.__name__} step {step}: the parameter tied away")
+    gone = "head" if tie is tie_head_to_embed else "embed"
+    with tempfile.TemporaryDirectory() as folder:
+        with pytest.raises(zk.checkpoint.CheckpointError, match=rf"'{gone}\.weight'.*shape \({VOCAB}, {WIDTH}\).*tied"):
+            zk.checkpoint.save(folder, model, opt)
 
 
 STAGE_CASES = [(0, {}), (1, {}), (2, {}), (3, {}), (3, {"stage3_param_persistence_threshold": 0})]

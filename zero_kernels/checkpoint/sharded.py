@@ -117,9 +117,17 @@ def _names(model: nn.Module, optimizer: Any) -> list[str]:
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) not in by_id:
+                what = (
+                    optimizer._param_name(len(out))
+                    if hasattr(optimizer, "_param_name")
+                    else f"a parameter of param group {g}"
+                )
+                shape = tuple(getattr(p, "ds_shape", p.shape))
                 raise CheckpointError(
-                    f"checkpoint: a parameter of param group {g} (shape {tuple(p.shape)}) is not in the model's "
-                    "state_dict; checkpoints name every tensor by its model name"
+                    f"checkpoint: {what} (shape {shape}), which the optimizer trains, is not in the model's "
+                    "state_dict (tied to another or replaced since the optimizer was built, as "
+                    "`model.head.weight = model.embed.weight` does); checkpoints name every tensor by its model "
+                    "name: tie or replace parameters before building the optimizer"
                 )
             out.append(by_id[id(p)])
     return out
