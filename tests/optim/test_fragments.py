@@ -170,6 +170,13 @@ def bf16_values_kept_exactly(rank: int, world: int, stage: int) -> None:
     _backward(model, ref, rank, world, 1, stage)
     opt.step()
     assert torch.equal(zk.safe_get_full_fp32_param(p), value), "a step at lr 0 kept the fp32 value set"
+    before = zk.safe_get_full_fp32_param(model.mid.bias)
+    with opt.gathered_params():
+        model.mid.bias.data.mul_(2)  # an edit of the parameter: the master takes it, as the next step would
+    assert torch.equal(zk.safe_get_full_fp32_param(model.mid.bias), (before.to(torch.bfloat16) * 2).float())
+    replaced = torch.full(ref.head.weight.shape, 0.5, dtype=torch.bfloat16)
+    model.head.weight.data = replaced.clone()  # followed, as by the step
+    assert torch.equal(zk.safe_get_full_fp32_param(model.head.weight), replaced.float()), "a replaced .data"
 
 
 def misuse(rank: int, world: int, stage: int) -> None:

@@ -148,16 +148,17 @@ def follow_replaced(pipeline: "Pipeline", name_of: NameOf) -> int:
         pipeline: the optimizer's pipeline (buffers without ``param_flat`` are stage-3 units, skipped).
         name_of: names a parameter in error messages.
     """
-    adopted = 0
-    for buf in pipeline.buffers:
-        if buf.param_flat is None:
-            adopted += adopt_freed(pipeline, buf, name_of)
-            continue
-        count = readopt(buf, buf.param_flat, name_of)
-        if count:
-            master.adopt_edits(pipeline, buf)
-        adopted += count
-    return adopted
+    return sum(follow_buffer(pipeline, buf, name_of) for buf in pipeline.buffers)
+
+
+def follow_buffer(pipeline: "Pipeline", buf: "FlatBuffer", name_of: NameOf) -> int:
+    """``follow_replaced`` for the parameters of ``buf`` alone; returns how many it re-adopted."""
+    if buf.param_flat is None:
+        return adopt_freed(pipeline, buf, name_of)
+    count = readopt(buf, buf.param_flat, name_of)
+    if count:
+        master.adopt_edits(pipeline, buf)
+    return count
 
 
 def adopt_freed(pipeline: "Pipeline", buf: "FlatBuffer", name_of: NameOf) -> int:

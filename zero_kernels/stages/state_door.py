@@ -45,10 +45,10 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from .adopt import current
+from .adopt import current, follow_buffer
 from .base import FlatBuffer, Pipeline
 from .layout import Segment
-from .master import record, settle, unrecord, written
+from .master import edited, push, record, unrecord, written
 
 log = logging.getLogger("zero_kernels")
 STATE_DICT_KEY = "zero_kernels.sharded"  # the optimizer state dicts' key for what AdamW's layout has no place for
@@ -393,18 +393,33 @@ def runs(pipeline: Pipeline, p: torch.Tensor, kind: str) -> list[tuple[int, torc
     """(first element in the flattened parameter, 1-D view) of every run of ``p`` this rank holds of ``kind``:
     ``PARAM`` (its fp32 value: the master of a bf16/fp16 parameter, else the parameter's own storage), ``GRAD``
     (this step's reduced gradient, as the step reads it: call ``finish_grad_sync`` first; with the gradients in a
-    file, copies) or a state kind of ``state_tensors``. Empty where this rank holds none of ``p``. The parameters'
-    edits and the masters are settled first (``master.settle``), so a value read is the one the step starts from."""
+    file, copies) or a state kind of ``state_tensors``. Empty where this rank holds none of ``p``. ``PARAM``'s runs
+    first take what was written into the parameter (``_current_master``): a value read is the one the step starts
+    from. Only ``p``'s runs are touched: a loop over every parameter costs one pass over the state."""
     b, slot_index = pipeline.where[id(p)]
     buf = pipeline.buffers[b]
+    segs = [seg for seg in buf.layout.segments(pipeline.shard_rank) if seg.slot == slot_index]
     if kind != GRAD:
         buf.ready()
-        settle(pipeline, buf)
-    return [
-        (seg.param_offset, _view(pipeline, buf, seg, kind))
-        for seg in buf.layout.segments(pipeline.shard_rank)
-        if seg.slot == slot_index
-    ]
+    if kind == PARAM and buf.master is not None:
+        _current_master(pipeline, buf, segs)
+    return [(seg.param_offset, _view(pipeline, buf, seg, kind)) for seg in segs]
+
+
+def _current_master(pipeline: Pipeline, buf: FlatBuffer, segs: list[Segment]) -> None:
+    """``master.settle`` for the runs ``segs`` alone: a master written from outside gives the parameters its values,
+    else these runs of the master take the parameter's edits."""
+    follow_buffer(pipeline, buf, pipeline.name_of)
+    if written(buf):
+        push(pipeline, buf)
+        return
+    for seg in segs:
+        bucket = buf.layout.buckets[seg.bucket]
+        live = pipeline.live_param_shard(buf, bucket).narrow(0, seg.shard_offset - bucket.shard_offset, seg.numel)
+        mine = buf.master.narrow(0, seg.shard_offset, seg.numel)
+        live = live.to(mine.device)
+        mine.copy_(live.float().where(edited(live, mine), mine))
+    record(buf)
 
 
 def _view(pipeline: Pipeline, buf: FlatBuffer, seg: Segment, kind: str) -> torch.Tensor:
