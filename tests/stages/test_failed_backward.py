@@ -9,12 +9,16 @@ buckets were reduced), caught, on one gloo rank and on two, at every stage, agai
 - The batch retried without ``zero_grad()``: torch adds the failed pass's gradients to the retry's; stage 1, which
   reduces at the step, does the same; stages 0, 2 and 3 reduced some of them already and raise an error that names
   ``zero_grad()``, after which ``zero_grad()`` and the next batch train as the run that skipped both.
+- A backward interrupted at its very end (Ctrl-C: ``KeyboardInterrupt`` while the round resets its counts), caught,
+  ``zero_grad()``: the next batches train as the run that skipped the batch (the round was marked closed with its
+  counts half reset: stages 2 and 3 then reduced the next backward's buckets before their gradients arrived, 2.8e-2
+  off AdamW with no error; stage 0 refused the next backward, naming the ``zero_grad()`` just called).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -269,6 +273,49 @@ def _window_dropped(rank: int, world: int) -> list[str]:
     return found
 
 
+def _interrupting(reset: Callable[..., None]) -> Callable[..., None]:
+    """``reset`` (the pipeline's ``_reset_pending``) that raises ``KeyboardInterrupt`` instead, once: Ctrl-C landing in
+    the end-of-backward callback, while the round resets its counts."""
+    fired = []
+
+    def interrupted(*args: object) -> None:
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C (simulated)")
+        reset(*args)
+
+    return interrupted
+
+
+def _interrupted_round_end(rank: int, world: int) -> list[str]:
+    """Batch 1's backward is interrupted at its very end; the loop catches it, zero_grad(), batches 2 and 3 train."""
+    found = []
+    plan = [(0, "train"), (1, "fail"), (2, "train"), (3, "train")]
+    ref = _adamw(world, plan)
+    for stage in STAGES:
+        model = _model()
+        opt = _opt(model, stage)
+        pipeline = opt._pipeline
+        for step in range(4):
+            loss = _loss(model, _rows(step, world, rank))
+            if step == 1:
+                pipeline._reset_pending = _interrupting(pipeline._reset_pending)
+            try:
+                loss.backward()
+                opt.step()
+            except KeyboardInterrupt:
+                if step != 1:
+                    found.append(f"stage {stage}: batch {step} interrupted")
+            except RuntimeError as exc:
+                found.append(f"stage {stage}: batch {step} raised {exc}")
+            finally:
+                pipeline.__dict__.pop("_reset_pending", None)
+            opt.zero_grad()
+        clean = _clean(stage, rank, world, [0, 2, 3])
+        found += _compare(f"stage {stage}, interrupted at the round's end", _params(model, opt), clean, ref)
+    return found
+
+
 def _every_case(rank: int, world: int) -> list[str]:
     return [
         f
@@ -288,3 +335,9 @@ def test_a_backward_that_raises_loses_its_batch_and_training_goes_on(world: int)
 @pytest.mark.parametrize("world", [1, 2])
 def test_zero_grad_after_a_failed_backward_mid_window_drops_the_window(world: int) -> None:
     run_ranks_checked(_window_dropped, world, timeout_s=180)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_backward_interrupted_at_its_end_loses_its_batch_and_training_goes_on(world: int) -> None:
+    run_ranks_checked(_interrupted_round_end, world, timeout_s=180)

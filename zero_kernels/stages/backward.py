@@ -189,11 +189,14 @@ class BackwardRound:
         self._reset_round()
 
     def _reset_round(self) -> None:
-        self._round_open = False
-        self._next_launch = 0
-        self._reported.clear()
+        """Ready for the next round. The round is marked closed last, in one statement with the launch position: an
+        interrupt in between (Ctrl-C caught by the loop, at the end of a backward) leaves it open, so that
+        ``zero_grad()`` or the step ends it again (``_close_failed_round``), where a round marked closed with
+        counts half reset made the next backward reduce buckets before their gradients arrived."""
         for buf in self.buffers:
             self._reset_pending(buf)
+        self._reported.clear()
+        self._next_launch, self._round_open = 0, False
 
     def _close_failed_round(self, keep: bool) -> None:
         """End the round a backward that raised left open: autograd drops the end-of-backward callback then, and
