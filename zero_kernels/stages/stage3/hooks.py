@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -165,6 +166,22 @@ def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
         return None if bound is None else bound(*first, *args, **kwargs)
 
     return call
+
+
+def _running_elsewhere(root: nn.Module) -> bool:
+    """Whether a call of ``root`` runs further up this thread's stack than the one whose forward pre-hook runs now
+    (the root called inside its own forward); else a forward marked running was left by an exception."""
+    calls, frame = 0, sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is root:
+            calls += 1
+            if calls > 1:
+                return True
+        frame = frame.f_back
+    return False
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def _keep_order(module: nn.Module, first: int, last: int) -> None:
@@ -454,6 +471,8 @@ class Stage3Scheduler:
             return None
         _keep_order(module, route_id, post_id)
         global_hooks.follow()
+        if self._in_forward and not _running_elsewhere(module):
+            self._abandon_forward()
         if not self._in_forward:
             if self._generation != model_hints.generation():
                 self._install_modules()
@@ -462,6 +481,21 @@ class Stage3Scheduler:
             self._records = torch.is_grad_enabled()  # a training forward (an evaluation runs without autograd)
             self._forward.begin()
         return self._enter(self._root_plan, args, kwargs)
+
+    def _abandon_forward(self) -> None:
+        """A forward that an exception torch runs no ``always_call`` hook for (``KeyboardInterrupt``: Ctrl-C caught
+        by the loop, ``SystemExit``) left: its frames are dropped and their units freed, as the root's exit hook does
+        for an ``Exception``; the next forward starts afresh (where the units stayed gathered and in use for the rest
+        of the run, every forward was checked at once, without prefetch, and its recorded order grew without end)."""
+        released: list[int] = []
+        while self._stack:
+            frame = self._stack.pop()
+            for i in frame.needs:
+                self._in_use[i] -= 1
+            released += frame.needs
+        self._in_forward = False
+        for i in released:
+            self._free(i)
 
     def _root_post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self._transformed():
