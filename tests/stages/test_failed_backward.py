@@ -13,6 +13,8 @@ buckets were reduced), caught, on one gloo rank and on two, at every stage, agai
   ``zero_grad()``: the next batches train as the run that skipped the batch (the round was marked closed with its
   counts half reset: stages 2 and 3 then reduced the next backward's buckets before their gradients arrived, 2.8e-2
   off AdamW with no error; stage 0 refused the next backward, naming the ``zero_grad()`` just called).
+- A backward interrupted right after a collective was issued, its handle lost on the way back: ``zero_grad()``
+  waits for every collective the engine issued, so none writes into the gradients it clears.
 """
 
 from __future__ import annotations
@@ -316,6 +318,48 @@ def _interrupted_round_end(rank: int, world: int) -> list[str]:
     return found
 
 
+def _losing_handle(track: Callable[..., object]) -> Callable[..., object]:
+    """``track`` (the pipeline's ``_track``) that raises ``KeyboardInterrupt`` instead, once, given a collective's
+    handle: Ctrl-C landing after the collective was issued, before its handle was recorded."""
+    fired = []
+
+    def interrupted(handle: object, *args: object, **kwargs: object) -> object:
+        if handle is not None and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt("Ctrl-C (simulated)")
+        return track(handle, *args, **kwargs)
+
+    return interrupted
+
+
+def _interrupted_after_issue(rank: int, world: int) -> list[str]:
+    """Batch 1's backward is interrupted right after its first collective was issued, its handle lost; the loop
+    catches it, zero_grad(), batches 2 and 3 train (stage 0's all-reduce, never waited for, wrote batch 1's gradients
+    into the buffer zero_grad() had cleared: 2.3e-2 off AdamW, no error)."""
+    found = []
+    plan = [(0, "train"), (1, "fail"), (2, "train"), (3, "train")]
+    ref = _adamw(world, plan)
+    for stage in STAGES:
+        model = _model()
+        opt = _opt(model, stage)
+        pipeline = opt._pipeline
+        for step in range(4):
+            loss = _loss(model, _rows(step, world, rank))
+            if step == 1:
+                pipeline._track = _losing_handle(pipeline._track)
+            try:
+                loss.backward()
+                opt.step()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                pipeline.__dict__.pop("_track", None)
+            opt.zero_grad()
+        clean = _clean(stage, rank, world, [0, 2, 3])
+        found += _compare(f"stage {stage}, a handle lost", _params(model, opt), clean, ref)
+    return found
+
+
 def _every_case(rank: int, world: int) -> list[str]:
     return [
         f
@@ -341,3 +385,8 @@ def test_zero_grad_after_a_failed_backward_mid_window_drops_the_window(world: in
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_backward_interrupted_at_its_end_loses_its_batch_and_training_goes_on(world: int) -> None:
     run_ranks_checked(_interrupted_round_end, world, timeout_s=180)
+
+
+@pytest.mark.distributed
+def test_a_collective_whose_handle_an_interrupt_lost_is_waited_for_by_zero_grad() -> None:
+    run_ranks_checked(_interrupted_after_issue, 2, timeout_s=180)

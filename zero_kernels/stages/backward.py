@@ -212,6 +212,7 @@ class BackwardRound:
             self._end_round()
             return
         self._complete_inflight()
+        self.engine.synchronize()  # one whose handle an interrupt lost on its way back (Ctrl-C after the issue)
         for buf in self.buffers:
             self._drop_unreduced(buf)
         self._reset_round()
