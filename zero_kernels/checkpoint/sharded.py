@@ -334,6 +334,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     optimizer = _unwrapped(optimizer)
     pipeline = _pipeline(optimizer)
     _refuse_inside_hold(pipeline, "save")
+    optimizer.check_param_groups(numbering=True)  # names from the groups, pieces from the buffers: must agree
     pipeline.wait_params()
     root = Path(directory)
     names = _names(model, optimizer)
@@ -620,6 +621,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     optimizer = _unwrapped(optimizer)
     pipeline = _pipeline(optimizer)
     _refuse_inside_hold(pipeline, "load")
+    optimizer.check_param_groups(numbering=True)
     pipeline.wait_params()
     adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
     staged = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False)

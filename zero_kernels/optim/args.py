@@ -468,3 +468,20 @@ def check_groups_unchanged(built: list[list[torch.Tensor]], groups: list[Mapping
                 "parameters of a ShardedFusedAdam live in flat buffers built for the ones it was given; add new ones "
                 "with opt.add_param_group({'params': [...]}), build a new optimizer to drop some; nothing was updated"
             )
+
+
+def check_numbering_unchanged(built: list[list[torch.Tensor]], groups: list[Mapping[str, Any]]) -> None:
+    """``check_groups_unchanged``'s error where the state dicts and checkpoints would number the parameters wrongly:
+    they key the state by the index each parameter was built with, and the groups' ``params`` as torch numbers
+    ``groups`` (a parameter listed again keeps its first index), so that numbering must give every parameter its
+    built index and list no other. ``param_groups.extend(param_groups)`` passes; a parameter added, removed or moved
+    does not."""
+    flat = [p for params in built for p in params]
+    index: dict[int, int] = {}
+    start = 0
+    for group in groups:
+        for i, p in enumerate(group["params"], start):
+            index.setdefault(id(p), i)
+        start += len(group["params"])
+    if len(index) != len(flat) or any(index.get(id(p)) != i for i, p in enumerate(flat)):
+        check_groups_unchanged(built, groups)

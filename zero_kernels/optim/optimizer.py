@@ -98,6 +98,7 @@ from .args import (
     check_groups_unchanged,
     check_hyper,
     check_impl,
+    check_numbering_unchanged,
     check_ordered,
     check_process_group,
     checked_groups,
@@ -451,7 +452,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "this step would reduce them across ranks instead. Leave the no_sync() block, then step; nothing "
                 "was changed"
             )
-        check_groups_unchanged(self._built_groups, self.param_groups)
+        self.check_param_groups()
         scaled = amp.begin(grad_scaler, self)
         loss = None
         if closure is not None:
@@ -484,6 +485,20 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             scaled.record(self, self.last_step.skip_flag)
         self._update_sync()
         return loss
+
+    def check_param_groups(self, numbering: bool = False) -> None:
+        """``ValueError`` when ``param_groups`` no longer hold the parameters the flat buffers were built for (a
+        parameter or group added or removed by hand), which the buffers cannot follow (``args.check_groups_unchanged``).
+
+        Args:
+            numbering: only where the groups no longer number the parameters as built
+                (``args.check_numbering_unchanged``): the state dicts and checkpoints key the state as built and the
+                groups' params as edited.
+        """
+        if numbering:
+            check_numbering_unchanged(self._built_groups, self.param_groups)
+        else:
+            check_groups_unchanged(self._built_groups, self.param_groups)
 
     def _warn_late_group(self) -> None:
         """Warn once when this optimizer, built before ``init_process_group``, steps while several ranks run:
@@ -788,6 +803,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         step, load, or reset or write through ``opt.state`` (then the shard, with a warning); asked by
         ``torch.distributed.checkpoint``'s state-dict helpers, the whole state on every rank (``dcp``). Registered
         state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
+        self.check_param_groups(numbering=True)  # the state is keyed as built, the groups' params as edited
         self.wait_params()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -808,6 +824,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole state in ``torch.optim.AdamW``'s layout (a collective: call it on every rank)."""
+        self.check_param_groups(numbering=True)
         self.wait_params()
         return optim_state.full(self)
 
@@ -823,6 +840,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
             raise ValueError(f"consolidate_state_dict: to={to!r} is not a rank of this process group (0..{world - 1})")
         keep = self._engine.rank == to
+        self.check_param_groups(numbering=True)
         self.wait_params()
         state = zstate.gather_full_state(self._pipeline, keep=keep)
         self._consolidated = state if keep else None
@@ -842,6 +860,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             kind = type(state_dict).__name__
             raise ValueError(f"load_state_dict: expected a dict with 'state' and 'param_groups', not a {kind}")
         state_dict = dict(state_dict)
+        self.check_param_groups(numbering=True)
         self.wait_params()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
