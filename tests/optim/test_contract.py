@@ -537,6 +537,20 @@ def test_parameter_frozen_at_construction_then_trained_is_refused(stage: int) ->
         assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)), "a refused step changed weights"
 
 
+def test_parameter_frozen_when_added_then_trained_is_refused_naming_the_remedy() -> None:
+    """Given to add_param_group while frozen, then unfrozen: refused as at construction, and the message names
+    add_param_group and a way out that works (it advised add_param_group, which refuses a parameter already held)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = zo.ShardedFusedAdam(model[1].parameters(), lr=LR, stage=2)
+    model[0].requires_grad_(False)
+    opt.add_param_group({"params": list(model[0].parameters())})
+    model[0].requires_grad_(True)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match=r"at construction or add_param_group.* build the optimizer without it"):
+        opt.step()
+
+
 def test_state_dict_numbering_and_names_as_adamw() -> None:
     model, ref = make_models(torch.float32)
     opt = zo.ShardedFusedAdam(model.named_parameters(), lr=LR)

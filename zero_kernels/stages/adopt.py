@@ -251,10 +251,11 @@ def check_unfrozen(groups: Sequence[Mapping[str, Any]], trainable: Container[int
         for p in group["params"]:
             if index not in trainable and p.requires_grad and p.grad is not None:
                 raise ValueError(
-                    f"{name(index)} was frozen (requires_grad=False) when the optimizer was built and has a gradient "
-                    "now: ZeRO shards only the parameters that are trainable at construction, so no step would use "
-                    "it. Unfreeze before building the optimizer (a new one can load opt.full_state_dict()), build "
-                    "it on the trainable parameters only and give this one to opt.add_param_group once unfrozen, "
-                    "or freeze it again; nothing was updated"
+                    f"{name(index)} was frozen (requires_grad=False) when it was given to the optimizer (at "
+                    "construction or add_param_group) and has a gradient now: ZeRO shards only the parameters that "
+                    "are trainable when given, so no step would use it. Unfreeze it before giving it (a new "
+                    "optimizer can load opt.full_state_dict()), or build the optimizer without it (on the trainable "
+                    "parameters only) and give it to opt.add_param_group once unfrozen, or freeze it again; nothing "
+                    "was updated"
                 )
             index += 1
