@@ -6,7 +6,9 @@ for the rest of the run: every failed forward's activations and the failing modu
 A ``KeyboardInterrupt`` (Ctrl-C caught by the loop to save and go on) runs no ``always_call`` hook: the next forward
 finds the interrupted one still marked running and drops it, freeing its units. Before, each interrupt kept the
 interrupted module's full weights gathered for the rest of the run (one more unit per interrupt), and every later
-forward ran without prefetch and checked its gathers across ranks at once.
+forward ran without prefetch and checked its gathers across ranks at once. One that lands inside a unit's free,
+with some of its parameters freed and some not, leaves a unit the next use gathers whole (it was taken for a gathered
+one with parameters replaced: the next ``gathered_params()`` raised a ``ValueError`` telling to resize the model).
 """
 
 from __future__ import annotations
@@ -92,6 +94,37 @@ def test_a_forward_interrupted_is_dropped_by_the_next() -> None:
         _step(model, opt, seed)
         _step(ref, ropt, seed)
         assert opt.memory_report()["params"] == held, f"the forward interrupted in layer {layer} kept units gathered"
+    with opt.gathered_params():
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p, q, rtol=1e-5, atol=1e-6 * float(q.detach().abs().max()), what=name)
+
+
+def test_a_free_interrupted_halfway_is_gathered_whole_next_time() -> None:
+    model, ref = _model(), _model()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    _step(model, opt, 0)
+    _step(ref, ropt, 0)
+    unit = next(u for u in opt.pipeline._scheduler.units if any(p is model[2].weight for p in u.params))
+    real = unit.free
+
+    def cut_short(hand_over: bool = False) -> None:
+        unit.__dict__.pop("free")
+        unit.params[0].data = torch.empty(0)  # one parameter freed, the others not
+        raise KeyboardInterrupt("Ctrl-C (simulated)")
+
+    unit.free = cut_short
+    try:
+        model(torch.randn(8, 16)).sum().backward()
+    except KeyboardInterrupt:
+        opt.zero_grad()
+    assert unit.free == real
+    with opt.gathered_params():
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p, q, rtol=1e-5, atol=1e-6 * float(q.detach().abs().max()), what=f"{name}, free cut short")
+    for seed in (1, 2):
+        _step(model, opt, seed)
+        _step(ref, ropt, seed)
     with opt.gathered_params():
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             assert_close(p, q, rtol=1e-5, atol=1e-6 * float(q.detach().abs().max()), what=name)

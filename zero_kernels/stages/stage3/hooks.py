@@ -401,10 +401,10 @@ class Stage3Scheduler:
         if self.units[i].persistent or self._held or self._in_use[i] or self._state[i] == _FREE:
             return
         self._finish(i)
-        self.units[i].free(hand_over)
-        self._state[i] = _FREE
+        self._state[i] = _FREE  # first: a free cut short (Ctrl-C) is gathered whole next time, as any free unit
         self._live_numel -= self.units[i].numel
         self._used[i] = False
+        self.units[i].free(hand_over)
         for p in self.units[i].params:
             guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
 
