@@ -8,6 +8,12 @@ name check taking the Parameter the optimizer holds under the other name for a n
 also with every parameter partitioned) on 2 and 3 gloo ranks, element by element against AdamW on the whole
 batch (DESIGN.md's fp32 tolerances). A sharded checkpoint of such a run, which names every tensor by its model name,
 is refused naming the parameter tied away (it said "a parameter of param group 0 (shape (0,))" at stage 3).
+
+At stage 3 the tie changes which modules read the tied weight: the modules' plan is read again at the next forward,
+as for a tie made before the optimizer was built. Where it was not, param groups that put the two modules' weights
+in different buffers made the step refuse a "second gradient" of the weight, and a weight the root's forward read
+(an external parameter) tied away made the next forward raise about a register_external_parameter call the user
+never made.
 """
 
 from __future__ import annotations
@@ -107,3 +113,56 @@ def test_tie_after_build_one_rank() -> None:
     for stage, extra in STAGE_CASES:
         for tie in (tie_head_to_embed, tie_embed_to_head):
             tied_case(0, 1, stage, tie, extra)
+
+
+class HeadRead(LM):
+    """The root's forward reads the head's weight itself (``F.linear(h, self.head.weight)``): at stage 3 with every
+    parameter partitioned the root gathers it as an external parameter (registered at its first use)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(self.embed(idx)))
+        return torch.nn.functional.linear(h, self.head.weight).logsumexp(-1).mean()
+
+
+def _tied_later(model_cls: type, tie, groups: bool, extra: dict) -> None:
+    """Train a step, tie, train two more, next to AdamW (one process, stage 3)."""
+    torch.manual_seed(0)
+    model = model_cls()
+    ref = copy.deepcopy(model)
+
+    def split(m: nn.Module) -> list[dict]:
+        rest = [m.mid.weight, m.mid.bias, m.head.weight]
+        return [{"params": [m.embed.weight], "weight_decay": 0.3}, {"params": rest}]
+
+    opt = zk.ShardedFusedAdam(split(model) if groups else model, module=model, lr=LR, weight_decay=1e-2, stage=3,
+                              reduce_bucket_size=BUCKET, **extra)  # fmt: skip
+    ropt = torch.optim.AdamW(split(ref) if groups else ref.parameters(), lr=LR, weight_decay=1e-2)
+    for step in range(3):
+        if step == 1:
+            tie(model), tie(ref)
+        x = tokens(step, 1)
+        model(x).backward()
+        ref(x).backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    with opt.gathered_params():
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            close(p, r, f"{model_cls.__name__} {tie.__name__} groups={groups} {extra} {name}")
+
+
+def test_tie_after_build_with_param_groups_at_stage3_kept_whole() -> None:
+    """Small (kept-whole) parameters, groups that put the tied weight's two modules in different buffers: the
+    tie changes which modules use ``head.weight``; the modules' plan was not re-read, and the step refused a
+    'second gradient' of ``head.weight`` (no error where both sat in one buffer)."""
+    for tie in (tie_embed_to_head, tie_head_to_embed):
+        _tied_later(LM, tie, True, {})
+
+
+def test_tie_after_build_of_a_weight_the_root_reads_at_stage3() -> None:
+    """Every parameter partitioned, the head's weight read by the root's forward (an external parameter): tied away
+    after build, the next forward raised "register_external_parameter: a parameter of shape (0,) registered on
+    module '' (LM) is not a parameter of the model", a call the user never made."""
+    for groups in (False, True):
+        _tied_later(HeadRead, tie_head_to_embed, groups, {"stage3_param_persistence_threshold": 0})

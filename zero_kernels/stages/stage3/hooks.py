@@ -305,6 +305,7 @@ class Stage3Scheduler:
 
     def _install(self, root: nn.Module) -> None:
         self._install_modules()
+        model_hints.follow_assignments(root.parameters())  # a weight tied after build: the plan is read again
         global_hooks.join(self)
         route, post = self._output_hooks(root, self._root_post_forward, always=True)
         pre = _ModelHook(_weakly(self._root_pre_forward, route.id, post.id))

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Iterable, Union
+import weakref
+from typing import Any, Iterable, Optional, Union
 
 from torch import nn
 
@@ -43,6 +44,29 @@ def _changed() -> None:
 def generation() -> int:
     """A number that changes whenever a hint is set anywhere (stage 3 re-reads the hints then)."""
     return _generation
+
+
+_followed: dict[int, "weakref.ref[nn.Parameter]"] = {}
+_assignments: Optional[Any] = None  # torch's global parameter-registration hook, once one parameter is followed
+
+
+def follow_assignments(params: Iterable[nn.Parameter]) -> None:
+    """Start a new generation whenever one of ``params`` is assigned to a module (``module.weight = p``): a weight
+    tied (or untied, swapped) after the optimizer was built changes which modules read it, so stage 3 re-reads the
+    plan before the next forward, as for a tie made before it was built (else the modules that now read it were
+    not counted among its uses: its unit was reduced before their gradients came)."""
+    global _assignments
+    for p in params:
+        key = id(p)
+        _followed[key] = weakref.ref(p, lambda r, key=key: _followed.pop(key) if _followed.get(key) is r else None)
+    if _assignments is None:
+        _assignments = nn.modules.module.register_module_parameter_registration_hook(_assigned)
+
+
+def _assigned(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+    ref = _followed.get(id(param)) if param is not None else None
+    if ref is not None and ref() is param:
+        _changed()
 
 
 def set_leaf_modules(model: nn.Module, leaf_classes: Iterable[Union[type, str]]) -> list[nn.Module]:

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Container, Iterator, Optional
 
 from torch import nn
 
@@ -62,12 +62,18 @@ def holders(root: nn.Module) -> dict[int, int]:
     return holder
 
 
-def check_externals(root: nn.Module) -> None:
-    """Raise ``ValueError`` if a module of ``root`` registered an external parameter that ``root`` does not hold."""
+def check_externals(root: nn.Module, trained: Container[int] = ()) -> None:
+    """Raise ``ValueError`` if a module of ``root`` registered an external parameter that ``root`` does not hold.
+
+    Args:
+        root: the model.
+        trained: ``id`` of parameters the optimizer holds: one of them no longer in the model was tied away since
+            (``model.head.weight = model.embed.weight``), its registration stale, not wrong.
+    """
     known = {id(p) for p in root.parameters()}
     for name, module, _ in _walk(root):
         for p in external_parameters(module):
-            if id(p) not in known:
+            if id(p) not in known and id(p) not in trained:
                 raise ValueError(
                     f"register_external_parameter: a parameter of shape {tuple(p.shape)} registered on module "
                     f"'{name}' ({type(module).__name__}) is not a parameter of the model"
@@ -81,7 +87,8 @@ def plan(root: nn.Module, owner: dict[int, int]) -> list[ModulePlan]:
         root: the model.
         owner: the unit of each parameter that has one (frozen parameters have none).
     """
-    check_externals(root)
+    check_externals(root, owner)
+    known = {id(p) for p in root.parameters()}  # an external parameter tied away since is read by no module
     needs: dict[int, set[int]] = {}
     params: dict[int, dict[int, nn.Parameter]] = {}
     names: dict[int, tuple[str, nn.Module, bool]] = {}
@@ -89,7 +96,8 @@ def plan(root: nn.Module, owner: dict[int, int]) -> list[ModulePlan]:
         target = leaf if leaf is not None else module
         if target is module:
             names[id(module)] = (name, module, leaf is not None)
-        used = [p for p in (*module.parameters(recurse=False), *external_parameters(module)) if id(p) in owner]
+        externals = [p for p in external_parameters(module) if id(p) in known]
+        used = [p for p in (*module.parameters(recurse=False), *externals) if id(p) in owner]
         needs.setdefault(id(target), set()).update(owner[id(p)] for p in used)
         params.setdefault(id(target), {}).update((id(p), p) for p in used)
     return [
