@@ -18,7 +18,8 @@ import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel
 
-from tests.helpers.lockstep import LR, WORLD_SIZES, Net, compare, forward_backward, make_models, make_opt
+from tests.helpers.check import assert_close
+from tests.helpers.lockstep import LR, WORLD_SIZES, Net, batch, compare, forward_backward, make_models, make_opt
 
 FIX = r"gathered_params\(\)"
 
@@ -136,3 +137,48 @@ def test_reads_inside_a_forward_of_another_module_still_work() -> None:
             continue
         model(x).square().sum().backward()
         opt.step()
+
+
+def swap(model: Net, ema: list[torch.Tensor]) -> None:
+    """Evaluate-with-EMA idiom: ``p.data, e.data = e.data, p.data`` for every parameter."""
+    for p, e in zip(model.parameters(), ema):
+        p.data, e.data = e.data, p.data
+
+
+def ema_swap_case(rank: int, world: int) -> None:
+    """EMA weights swapped in for an evaluation and back: inside ``gathered_params()`` (the forward outside it) as
+    AdamW's model does; outside it, the swap back of a parameter gathered since raises, naming it, instead of
+    keeping the EMA as the trained weights (and leaving the EMA empty)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    ema = [torch.full_like(p, 0.5) for p in ref.parameters()]
+    ref_ema = [e.clone() for e in ema]
+    x = batch(7, 3)
+    for step in range(2):
+        train_step(model, ref, opt, ropt, rank, world, step)
+    with opt.gathered_params():
+        swap(model, ema)
+    swap(ref, ref_ema)
+    with torch.no_grad():
+        assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6, what=f"world {world}: forward with the EMA swapped in")
+    with opt.gathered_params():
+        swap(model, ema)
+    swap(ref, ref_ema)
+    swap(model, ema)  # outside the block, nothing in between: undone exactly
+    swap(model, ema)
+    train_step(model, ref, opt, ropt, rank, world, 2)
+    with opt.gathered_params():
+        compare(model, ref, f"world {world}: EMA swapped in and out")
+    for e, r in zip(ema, ref_ema):
+        assert torch.equal(e, r), f"world {world}: the EMA lost its values"
+    swap(model, ema)  # outside the block, then a forward gathers what was swapped in
+    with torch.no_grad():
+        model(x)
+    with pytest.raises(RuntimeError, match=r"p\.data = t.*'emb.weight'.*gathered_params\(\)"):
+        swap(model, ema)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_ema_swapped_in_and_out(spawn, world: int) -> None:
+    spawn(ema_swap_case, world)

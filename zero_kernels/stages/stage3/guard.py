@@ -34,8 +34,10 @@ issue collectives and change parameters, which a compiled graph must not capture
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
+import itertools
 import sys
 import types
 import weakref
@@ -78,6 +80,10 @@ ORPHANED = (
 )
 _on_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> callback of the scheduler that freed it
 _on_read_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> its callback for uses of what it gave
+_epoch: dict[int, int] = {}  # id(freed parameter) -> a new number at each free and each adoption of assigned values
+_epochs = itertools.count()
+# id(parameter) -> (storage, epoch) of the empty tensors its latest .data reads gave (held, so no address is reused)
+_reads: dict[int, "collections.deque[tuple[torch.UntypedStorage, Optional[int]]]"] = {}
 
 
 def _orphaned_use(func: Any) -> str:
@@ -140,7 +146,46 @@ def _report_use(t: Any, func: Any) -> None:
         callback(t, func)
 
 
+def sets_data(func: Any) -> bool:
+    """``func`` is ``p.data = ...``."""
+    return (
+        getattr(func, "__name__", "") == "__set__"
+        and getattr(getattr(func, "__self__", None), "__name__", "") == "data"
+    )
+
+
+def _stale(param: nn.Parameter, value: Any) -> bool:
+    """``param.data = value``, ``value`` the empty tensor a ``.data`` read of ``param`` (or a ``FreedRead`` of another
+    parameter) gave before ``param``'s latest free or adoption: it would keep whatever ``param`` got since, where torch
+    puts back the values it was read from. ``p.data, e.data = e.data, p.data`` outside ``gathered_params()`` to
+    evaluate with an EMA, and back: the EMA reaches the shard at the evaluation's gather, ``e`` keeps the empty
+    tensor, and the swap back changed nothing: training went on from the EMA, the trained weights lost."""
+    if not isinstance(value, torch.Tensor) or value is param:
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        if value.numel() != 0:
+            return False
+        if isinstance(value, FreedRead):
+            return value._zk_param() is not param or getattr(value, "_zk_epoch", None) != _epoch.get(id(param))
+        storage = value.untyped_storage()._cdata
+    return any(s._cdata == storage and e != _epoch.get(id(param)) for s, e in _reads.get(id(param), ()))
+
+
+def _stale_assignment(param: nn.Parameter, value: torch.Tensor, func: Any) -> None:
+    """Raise through ``param``'s read callback (it names ``param``) for a stale ``param.data = value``."""
+    if isinstance(value, FreedRead) and value._zk_param() is not None:
+        _report_use(value, func)
+    callback = _callback(_on_read_use, param, func)
+    if callback is not None:
+        callback(param, func)
+
+
 def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
+    if len(args) > 1 and isinstance(args[0], _Freed) and sets_data(func):
+        if _stale(args[0], args[1]):
+            _stale_assignment(args[0], args[1], func)
+        elif isinstance(args[1], torch.Tensor) and not isinstance(args[1], FreedRead) and args[1].numel() == 0:
+            _epoch[id(args[0])] = next(_epochs)  # emptied again: the shard took the values assigned (an adoption)
     if _uses(func, args):
         for t in tensors(args, kwargs):
             if isinstance(t, _Freed):
@@ -179,6 +224,10 @@ def _mark_read(func: Any, result: Any, param: nn.Parameter, report: "weakref.Wea
         return result
     read = result.as_subclass(FreedRead)
     read._zk_param, read._zk_report = weakref.ref(param), report
+    read._zk_epoch = _epoch.get(id(param))
+    reads, storage = _reads.setdefault(id(param), collections.deque(maxlen=4)), result.untyped_storage()
+    if not any(s._cdata == storage._cdata for s, _ in reads):  # reads of one free share its empty storage
+        reads.append((storage, read._zk_epoch))
     return read
 
 
@@ -199,7 +248,10 @@ class FreedRead(torch.Tensor):
             source = args[0]
             param = source._zk_param()
             if param is not None and not isinstance(result, FreedRead):
-                return _mark_read(func, result, param, source._zk_report)
+                read = _mark_read(func, result, param, source._zk_report)
+                if isinstance(read, FreedRead):
+                    read._zk_epoch = getattr(source, "_zk_epoch", None)  # read when its source was
+                return read
         return result
 
 
@@ -263,6 +315,7 @@ def mark_freed(param: nn.Parameter, on_use: OnUse, on_read_use: Optional[OnUse] 
     weakly; without ``on_read_use`` those reads give plain empty tensors)."""
     _guard_inits()
     _on_use[id(param)] = weakref.WeakMethod(on_use)
+    _epoch[id(param)] = next(_epochs)
     if on_read_use is not None:
         _on_read_use[id(param)] = weakref.WeakMethod(on_read_use)
     mark(param, _Freed)
@@ -286,6 +339,8 @@ def operation_name(func: Any) -> str:
     """A readable name of the torch function ``func`` for error messages."""
     if _sets_grad(func):
         return "p.grad = ..."
+    if sets_data(func):
+        return "p.data = ..."
     if _views_values(func):
         return f"p.{func.__self__.__name__}"
     name = getattr(func, "__name__", None) or repr(func)

@@ -653,6 +653,16 @@ class Stage3Scheduler:
     def _on_freed_read_use(self, param: nn.Parameter, func: Any) -> None:
         """What ``.data``, ``detach()`` or a conversion gave for a freed parameter is computed with: explain."""
         name = self._names.get(id(param), "?")
+        if guard.sets_data(func):
+            raise RuntimeError(
+                f"ZeRO stage 3: `p.data = t` for parameter '{name}', where t is the empty tensor that .data gave while "
+                "it was freed, and it has been gathered or given other values since (a swap `p.data, e.data = "
+                "e.data, p.data` outside gathered_params(), to evaluate with EMA weights and back): t holds no values, "
+                "so nothing would be put back, and the values assigned before (the EMA's) would stay the trained "
+                "weights. Swap inside `with optimizer.gathered_params():` on every rank, both ways (the forward may "
+                "run outside it: the block's end writes what was swapped in into the shards), or copy instead "
+                "(`p.data.copy_(...)` inside the block)"
+            )
         fix = (
             "read parameters outside the forward inside `with optimizer.gathered_params():` (a copy taken there, "
             "e.g. {n: p.detach().clone() for n, p in model.named_parameters()}, holds the full values; writes made "
