@@ -18,7 +18,7 @@ from torch import nn
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
-from tests.helpers.lockstep import LR, ROWS, Net, batch, extra_rows, local, make_models, step_and_compare
+from tests.helpers.lockstep import LR, ROWS, Net, batch, compare, extra_rows, local, make_models, step_and_compare
 from tests.offload.exactness import copying
 
 STAGES = (0, 1, 2, 3)
@@ -111,11 +111,11 @@ def writes_reach_the_step(rank: int, world: int, stage: int, **kwargs) -> None:
         step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} after values set, step {step}")
 
 
-def local_writes(rank: int, world: int, stage: int) -> None:
+def local_writes(rank: int, world: int, stage: int, **kwargs) -> None:
     """Each rank sets its own piece of the moments and of the fp32 value, as the full values cut: the same run as
     full sets (the model reads the local weight after the next step)."""
     model, ref = make_models(torch.float32)
-    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt, ropt = _opt(model, stage, **kwargs), torch.optim.AdamW(ref.parameters(), lr=LR)
     _backward(model, ref, rank, world, 0, stage)
     step_and_compare(opt, ropt, model, ref, "first step")
     p, r = model.mid.weight, ref.mid.weight
@@ -179,6 +179,32 @@ def bf16_values_kept_exactly(rank: int, world: int, stage: int) -> None:
     assert torch.equal(zk.safe_get_full_fp32_param(model.head.weight), replaced.float()), "a replaced .data"
 
 
+def set_under_grad_scaler(rank: int, world: int, stage: int) -> None:
+    """A gradient set under a GradScaler is what the update uses, also at the first step, before the optimizer has
+    seen the scaler (the step then divides the scale out of the set value too: it is multiplied in at the step)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(2):
+        x, span = batch(step, world * ROWS), extra_rows(step, world)
+        scaler.scale(model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage))).backward()
+        ref(x, span).backward()
+        new = torch.randn(ref.mid.weight.shape, generator=torch.Generator().manual_seed(step)) * 0.1
+        zk.safe_set_full_grad(model.mid.weight, new)
+        ref.mid.weight.grad.copy_(new)
+        scaler.step(opt)
+        scaler.update()
+        ropt.step()
+        for o in (opt, ropt):
+            o.zero_grad()
+        what = f"stage {stage} world {world} GradScaler, a gradient set at step {step}"
+        with opt.gathered_params():
+            compare(model, ref, what)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = ropt.state[ref.mid.weight][key]
+            _close(zk.safe_get_full_optimizer_state(model.mid.weight, key), state, f"{what} {key}", atol=1e-5)
+
+
 def misuse(rank: int, world: int, stage: int) -> None:
     model, ref = make_models(torch.float32)
     opt = _opt(model, stage)
@@ -207,16 +233,17 @@ def all_cases(rank: int, world: int) -> None:
         local_writes(rank, world, stage)
         accumulated(rank, world, stage)
         bf16_values_kept_exactly(rank, world, stage)
+        set_under_grad_scaler(rank, world, stage)
         misuse(rank, world, stage)
 
 
 def offloaded_cases(rank: int, world: int, folder: str) -> None:
     """The state in host memory (copied down and up as from a GPU) at stage 2, on disk at stage 3 (the gradient
-    shards in files too)."""
+    shards in files too: a local gradient set reaches the file)."""
     with copying():
-        for case in (reads_match_adamw, writes_reach_the_step):
+        for case in (reads_match_adamw, writes_reach_the_step, local_writes):
             case(rank, world, 2, offload_optimizer={"device": "cpu"}, sub_group_size=32)
-    for case in (reads_match_adamw, writes_reach_the_step):
+    for case in (reads_match_adamw, writes_reach_the_step, local_writes):
         nvme = {"device": "nvme", "nvme_path": folder}  # files per rank
         case(rank, world, 3, offload_optimizer=nvme, sub_group_size=32)
 

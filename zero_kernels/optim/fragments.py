@@ -35,6 +35,7 @@ DeepSpeed's; the setters raise ``ValueError`` naming it (DeepSpeed's change noth
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -81,6 +82,10 @@ def _local(opt: Any, param: torch.Tensor, kind: str) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
 
 
+def _device(opt: Any, param: torch.Tensor) -> torch.device:
+    return opt.pipeline.buffers[opt.pipeline.where[id(param)][0]].device
+
+
 def _whole(opt: Any, param: torch.Tensor, value: Any, what: str) -> torch.Tensor:
     """``value`` as the flattened whole parameter, fp32, on the parameter's device (its shape checked)."""
     shape = opt.pipeline.param_shape(param)
@@ -99,13 +104,21 @@ def _write_local(opt: Any, param: torch.Tensor, kind: str, value: Any, what: str
     if value.numel() != numel:
         raise ValueError(f"{what}: this rank holds {numel} elements of the parameter, the value has {value.numel()}")
     flat = value.detach().reshape(-1).float()
+    if kind != door.PARAM:  # through the door's writer: a gradient shard kept in a file is no view to write into
+        whole = torch.zeros(math.prod(opt.pipeline.param_shape(param)), dtype=torch.float32, device=flat.device)
+        at = 0
+        for start, view in local:
+            whole.narrow(0, start, view.numel()).copy_(flat.narrow(0, at, view.numel()))
+            at += view.numel()
+        door.write_runs(opt.pipeline, param, kind, whole.to(_device(opt, param)))
+        return
     at = 0
     for _, view in local:
         view.copy_(flat.narrow(0, at, view.numel()))
         at += view.numel()
-    if kind == door.PARAM:  # every copy the model reads takes every rank's new piece
-        whole = door.assemble(opt.pipeline, param, door.runs(opt.pipeline, param, door.PARAM))
-        door.write_runs(opt.pipeline, param, door.PARAM, whole.reshape(-1))
+    # every copy the model reads takes every rank's new piece
+    whole = door.assemble(opt.pipeline, param, door.runs(opt.pipeline, param, door.PARAM))
+    door.write_runs(opt.pipeline, param, door.PARAM, whole.reshape(-1))
 
 
 def _complete_grads(opt: Any, what: str) -> None:
@@ -271,9 +284,36 @@ def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def _mark_grad(opt: Any, param: torch.Tensor) -> None:
-    """``param`` has a gradient this step, and a later backward's is refused at the step (as after a clip)."""
+    """``param`` has a gradient this step, and a later backward's is refused at the step (as after a clip). Set
+    before the optimizer has seen a GradScaler (its first ``scaler.step(opt)``), the value was not multiplied by
+    the scale the step will divide out: ``rescale_set_grads`` does it then."""
     opt.pipeline.has_grad[door.trained_index(opt.pipeline, param)] = True
     opt.pipeline.clipped = True
+    _, scale_known = amp.clip_factor(opt)
+    if not scale_known:
+        vars(opt).setdefault(_SET_UNKNOWN_SCALE, {})[id(param)] = param
+
+
+_SET_UNKNOWN_SCALE = "_fragment_grads_set_scale_unknown"  # {id: parameter} whose gradient was set, scaler unknown
+
+
+def rescale_set_grads(opt: Any, scale: Optional[float]) -> None:
+    """At the step: the gradients set while no GradScaler was known (``_mark_grad``) take the ``scale`` the step
+    now divides out (None: it divides nothing); the record is forgotten either way."""
+    params = vars(opt).pop(_SET_UNKNOWN_SCALE, {})
+    if scale is None:
+        return
+    for param in params.values():
+        local = door.runs(opt.pipeline, param, door.GRAD)
+        whole = torch.zeros(math.prod(opt.pipeline.param_shape(param)), dtype=torch.float32, device=_device(opt, param))
+        for start, view in local:
+            whole.narrow(0, start, view.numel()).copy_(view.float() * scale)
+        door.write_runs(opt.pipeline, param, door.GRAD, whole)
+
+
+def forget_set_grads(opt: Any) -> None:
+    """The gradients are gone (``zero_grad``): no set gradient waits for a scale."""
+    vars(opt).pop(_SET_UNKNOWN_SCALE, None)
 
 
 def _require_state(opt: Any, param: torch.Tensor, what: str) -> None:

@@ -87,7 +87,7 @@ from ..stages import (
 )
 from ..stages import state_door as zstate
 from ..stages.ownership import check_step
-from . import amp, dcp, foreign_steps, guards, module_zero_grad, state_init, torch_clip
+from . import amp, dcp, foreign_steps, fragments, guards, module_zero_grad, state_init, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
@@ -473,6 +473,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         multiplier = self._clip_coefficient(scaled)
         if scaled is not None and scaled.multiplier is not None:
             multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
+        still_scaled = scaled is not None and scaled.multiplier is not None
+        fragments.rescale_set_grads(self, 1.0 / float(scaled.multiplier) if still_scaled else None)
         self._consolidated = None  # the state is about to change
         check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps or scaled is not None
         self._pipeline.settle()  # the last step's outcome is accounted as that step's
@@ -741,6 +743,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 return
             self._drop_window()
         self._forget_grad_edits()
+        fragments.forget_set_grads(self)
         self._pipeline.zero_grad(set_to_none)
 
     def _drop_window(self) -> None:
