@@ -205,6 +205,32 @@ def set_under_grad_scaler(rank: int, world: int, stage: int) -> None:
             _close(zk.safe_get_full_optimizer_state(model.mid.weight, key), state, f"{what} {key}", atol=1e-5)
 
 
+def read_before_unscale(rank: int, world: int, stage: int) -> None:
+    """A gradient read (which reduces stage 1's gradients early), then ``scaler.unscale_(opt)`` and the step, from the
+    first step on: the update unscales what the read reduced (stage 1 on 2 ranks used the still-scaled shard: moments
+    1023x and 1048575x AdamW's, no error)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        x = batch(step, world * ROWS)  # every parameter used on every rank
+        scaler.scale(model(x[rank * ROWS : (rank + 1) * ROWS], (0, ROWS))).backward()
+        ref(x, (0, world * ROWS)).backward()
+        zk.safe_get_full_grad(model.head.weight)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        ropt.step()
+        for o in (opt, ropt):
+            o.zero_grad()
+        what = f"stage {stage} world {world} GradScaler, a gradient read before unscale_, step {step}"
+        with opt.gathered_params():
+            compare(model, ref, what)
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = ropt.state[ref.emb.weight][key]
+            _close(zk.safe_get_full_optimizer_state(model.emb.weight, key), state, f"{what} {key}", atol=1e-5)
+
+
 def misuse(rank: int, world: int, stage: int) -> None:
     model, ref = make_models(torch.float32)
     opt = _opt(model, stage)
@@ -234,6 +260,7 @@ def all_cases(rank: int, world: int) -> None:
         accumulated(rank, world, stage)
         bf16_values_kept_exactly(rank, world, stage)
         set_under_grad_scaler(rank, world, stage)
+        read_before_unscale(rank, world, stage)
         misuse(rank, world, stage)
 
 

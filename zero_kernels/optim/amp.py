@@ -37,6 +37,8 @@ from typing import Any, Optional
 import torch
 from torch.amp.grad_scaler import OptState
 
+from ..stages import grad_state
+
 log = logging.getLogger("zero_kernels")
 
 
@@ -93,8 +95,8 @@ def _still_scaled(scaler: Any, opt: Any) -> bool:
     if state["stage"] is OptState.READY:
         return True
     pipeline = opt.pipeline
-    if pipeline.grads_in_p_grad:
-        return False
+    if pipeline.grads_in_p_grad:  # unscale_ divided p.grad, unless stage 1 had reduced it into its shard before
+        return getattr(opt, "_reduced_early", None) == _SCALED
     reached = bool(state["found_inf_per_device"])  # unscale_ found gradients left in p.grad (no_sync)
     if reached and pipeline.wide_local:
         raise RuntimeError(
@@ -109,6 +111,45 @@ def _still_scaled(scaler: Any, opt: Any) -> bool:
             "the last backward of the step outside no_sync (or do not call scaler.unscale_(opt))"
         )
     return not reached
+
+
+_SCALED, _UNSCALED, _UNKNOWN = "scaled", "unscaled", "unknown"
+
+
+def note_reduction(opt: Any) -> None:
+    """Before a call that reduces stage 1's gradients ahead of the step (a norm, a gradient read: the step then
+    reads that shard, not ``p.grad``): whether a GradScaler's ``unscale_`` had divided ``p.grad`` by then. ``unscale_``
+    after it divides ``p.grad`` alone, so the step unscales the shard itself (``_still_scaled``); where no scaler was
+    known yet (the first step), the step reduces again (``begin``)."""
+    pipeline = opt.pipeline
+    if not (pipeline.grads_in_p_grad and pipeline.num_shards > 1) or pipeline.grads_final:
+        return
+    scaler = _seen_scaler(opt)
+    if scaler is None:  # whether unscale_ ran before: seen at the step from a sample of p.grad taken now
+        opt._reduced_early = _UNKNOWN
+        opt._reduced_sample = grad_state.sample_local(pipeline)
+    elif _scaling(scaler) and scaler._per_optimizer_states[id(opt)]["stage"] is not OptState.UNSCALED:
+        opt._reduced_early = _SCALED
+    else:
+        opt._reduced_early = _UNSCALED
+
+
+def forget_reduction(opt: Any) -> None:
+    """The gradients were used or dropped: no early reduction is pending."""
+    opt._reduced_early = opt._reduced_sample = None
+
+
+def _settle_unknown(scaler: Any, opt: Any) -> None:
+    """At the first ``scaler.step(opt)``, of a stage-1 reduction made before the scaler was known: where
+    ``unscale_`` has run and ``p.grad`` changed since the reduction read it, ``unscale_`` came after it, so the shard
+    is still scaled (where the sample cannot tell, ``p.grad`` is reduced again)."""
+    unscaled = scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED
+    changed = grad_state.local_changed(opt.pipeline, opt._reduced_sample) if unscaled else False
+    opt._reduced_early = _SCALED if changed else _UNSCALED
+    if changed is None:
+        opt.pipeline.reduce_again()
+        opt._reduced_early = _UNSCALED
+    opt._reduced_sample = None
 
 
 def begin(scaler: Any, opt: Any) -> Optional[ScaledStep]:
@@ -134,6 +175,8 @@ def begin(scaler: Any, opt: Any) -> Optional[ScaledStep]:
             "the first micro-steps and scaler.step(opt); scaler.update() on the last, or accumulate with opt.no_sync()"
         )
     opt._grad_scaler = weakref.ref(scaler)
+    if getattr(opt, "_reduced_early", None) == _UNKNOWN:
+        _settle_unknown(scaler, opt)
     inv = _inv_scale(scaler)
     return ScaledStep(scaler, inv if _still_scaled(scaler, opt) else None, inv)
 

@@ -128,6 +128,7 @@ def _complete_grads(opt: Any, what: str) -> None:
             f"{what} on accumulation micro-step {opt.micro_step + 1} of {opt.gradient_accumulation_steps}: the "
             "gradients are complete only before the step that updates; call it there"
         )
+    amp.note_reduction(opt)
     opt.pipeline.finish_grad_sync()
 
 

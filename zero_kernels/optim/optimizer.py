@@ -687,6 +687,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     def _forget_grad_edits(self) -> None:
         """Nothing asked of the coming step any more: its gradients were used, or dropped."""
+        amp.forget_reduction(self)
         self._clips.clear()
         self._grad_factor = 1.0
         self._unscaled_loaded = False
@@ -709,6 +710,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "it, so that sync_gradients is true only there), or set max_grad_norm"
             )
         scale = self._grad_factor / self._grad_divisor
+        amp.note_reduction(self)
         factor, _ = amp.clip_factor(self)
         return grad_state.grad_norm(self._pipeline, scale if factor is None else factor * scale, order)
 

@@ -580,6 +580,16 @@ class Pipeline(BackwardRound):
                     self._refuse(refusals.UNSEEN_GRADIENT, buf.index_of(slot), p)
 
     @property
+    def grads_final(self) -> bool:
+        """Whether this step's gradients were made final (``finish_grad_sync``) since the last gradient arrived."""
+        return self._grads_final
+
+    def reduce_again(self) -> None:
+        """The next ``finish_grad_sync`` reduces what ``p.grad`` holds again (stage 1: a GradScaler's ``unscale_`` may
+        have divided it after an early reduction read it)."""
+        self._grads_final = False
+
+    @property
     def reduced_since_step(self) -> bool:
         """Whether a synchronised backward (or the step's own synchronisation) ran since the last step."""
         return self._synced

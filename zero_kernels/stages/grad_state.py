@@ -30,7 +30,7 @@ optimizer, so the gradient state a pipeline keeps for itself must not outlive a 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -149,3 +149,31 @@ def second_gradient(stage: int, name: str) -> str:
         "checkpointing: use torch.utils.checkpoint(..., use_reentrant=False) (in transformers: "
         "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or stage 1"
     )
+
+
+SAMPLE = 16  # elements of each local gradient buffer ``sample_local`` keeps
+
+
+def sample_local(pipeline: "Pipeline") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(positions, values) of ``SAMPLE`` evenly spaced elements of each buffer's local gradients (``grad_flat``,
+    what ``p.grad`` views at stages 0-1): ``local_changed`` later tells whether they were written since."""
+    out = []
+    for buf in pipeline.buffers:
+        if buf.grad_flat is not None and buf.grad_flat.numel():
+            at = torch.linspace(0, buf.grad_flat.numel() - 1, SAMPLE, device=buf.grad_flat.device).long()
+            out.append((at, buf.grad_flat[at].clone()))
+    return out
+
+
+def local_changed(pipeline: "Pipeline", sample: list[tuple[torch.Tensor, torch.Tensor]]) -> Optional[bool]:
+    """Whether some finite nonzero element ``sample_local`` kept has another value now (a scaling of ``p.grad``
+    changes every one of them); None where it kept none (all zero: no scaling would show)."""
+    bufs = [b for b in pipeline.buffers if b.grad_flat is not None and b.grad_flat.numel()]
+    telling = False
+    for buf, (at, values) in zip(bufs, sample):
+        keep = values.isfinite() & (values != 0)
+        if bool(keep.any()):
+            telling = True
+            if not torch.equal(buf.grad_flat[at][keep], values[keep]):
+                return True
+    return False if telling else None
