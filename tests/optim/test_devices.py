@@ -160,3 +160,61 @@ def test_construction_exchanges_run_on_the_parameters_device(monkeypatch: pytest
     assert seen == [torch.device("cuda", 1)]
     with pytest.raises(ValueError, match="needs a device"):
         comm_objects.collective_device(nccl)
+
+
+def test_cpu_parameters_on_a_cuda_only_group_exchange_on_the_current_gpu(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model left on the CPU under init_process_group("nccl") (its group carries CUDA tensors only): the check's
+    exchange runs on this rank's current GPU, not on the CPU (which NCCL refuses), and names the fix."""
+    from zero_kernels.comm import devices as comm_devices
+
+    seen = []
+
+    def exchange(engine: Any, obj: Any, name: str, device: Any) -> list:
+        seen.append(device)
+        return [obj, None]
+
+    monkeypatch.setattr(comm_devices, "all_gather_objects", exchange)
+    monkeypatch.setattr(comm_devices.dist, "get_backend_config", lambda group: "cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    nccl = SimpleNamespace(world_size=2, rank=0, backend="nccl", group=object())
+    with pytest.raises(
+        ValueError,
+        match=r"^ShardedFusedAdam: on rank 0: the parameters are on cpu but the process "
+        r"group carries cuda tensors only \(backend nccl\); move the model to this rank's GPU.*"
+        r"model\.to\(torch\.cuda\.current_device\(\)\); zk\.initialize does not move the model",
+    ):
+        devices.check_current_device(nccl, torch.device("cpu"))
+    assert seen == [torch.device("cuda", 0)], "the exchange must run on a device the group carries"
+    seen.clear()
+    devices.check_current_device(nccl, torch.device("cuda", 0))  # the model on its GPU: nothing to say
+    assert seen == [torch.device("cuda", 0)]
+    monkeypatch.setattr(comm_devices.dist, "get_backend_config", lambda group: "cpu:gloo,cuda:nccl")
+    devices.check_current_device(nccl, torch.device("cpu"))  # a group that carries CPU tensors too: they train there
+
+
+def _cpu_model_on_a_cuda_only_group(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    import zero_kernels as zk
+
+    group = dist.new_group(backend="cuda:gloo")  # the device map of init_process_group("nccl"): CUDA tensors only
+    assert dist.get_backend_config(group) == "cuda:gloo"
+    model = torch.nn.Linear(4, 3)  # never moved to a GPU
+    with pytest.raises(
+        ValueError,
+        match=r"parameters are on cpu but the process group carries cuda tensors only.*"
+        r"model\.to\(torch\.cuda\.current_device\(\)\)",
+    ):
+        zk.ShardedFusedAdam(model, lr=1e-3, stage=2, process_group=group)
+
+
+@pytest.mark.distributed
+def test_a_model_left_on_the_cpu_under_a_cuda_only_group_is_refused_with_the_fix() -> None:
+    """The group of init_process_group("nccl") carries no CPU tensors: a model never moved to its GPU (which
+    deepspeed.initialize would have done) is refused on every rank naming the fix, where the optimizer's first
+    internal exchange failed with c10d's "No backend type associated with device type cpu"."""
+    from tests.helpers.dist import run_ranks
+
+    run_ranks(_cpu_model_on_a_cuda_only_group, 2)
