@@ -836,7 +836,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state (AdamW's layout) on rank ``to``, as ``ZeroRedundancyOptimizer`` does:
         a collective, call it on every rank; then ``state_dict()`` on rank ``to`` returns it (until the
-        next step or load). The other ranks hold one flat buffer of it at a time, and keep nothing.
+        next step or load), in host memory as ``ZeroRedundancyOptimizer`` keeps it. Every rank holds one state kind
+        of one flat buffer of it at a time on the device, and the other ranks keep nothing.
 
         Args:
             to: the rank (in this optimizer's process group) that receives the state.
@@ -847,7 +848,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         keep = self._engine.rank == to
         self.check_param_groups(numbering=True)
         self.wait_params()
-        state = zstate.gather_full_state(self._pipeline, keep=keep)
+        state = zstate.gather_full_state(self._pipeline, keep=keep, host=True)
         self._consolidated = state if keep else None
         self._consolidated_version = self.state.version
 

@@ -141,25 +141,31 @@ def _gather(pipeline: Pipeline, buf: FlatBuffer, shard: torch.Tensor) -> torch.T
     return full
 
 
-def gather_full_state(pipeline: Pipeline, keep: bool = True) -> dict[int, dict[str, torch.Tensor]]:
+def gather_full_state(pipeline: Pipeline, keep: bool = True, host: bool = False) -> dict[int, dict[str, torch.Tensor]]:
     """``{param index: {"step", "exp_avg", "exp_avg_sq"[, "max_exp_avg_sq"][, "master"]}}`` for every parameter
     that has stepped (``master``: bf16/fp16 parameters).
 
+    One state kind of one buffer is gathered whole at a time (on the parameters' device): every rank holds one
+    full buffer of it at most, beside what it keeps.
+
     Args:
         pipeline: the pipeline whose shards are gathered (a collective: every rank calls it).
-        keep: False on ranks that only take part: they return ``{}`` and hold one buffer at a time.
+        keep: False on ranks that only take part: they return ``{}``.
+        host: the entries in host memory (``consolidate_state_dict``, as ``ZeroRedundancyOptimizer`` keeps the
+            consolidated state on the CPU), not on the parameters' device.
     """
     current(pipeline)
     out: dict[int, dict[str, torch.Tensor]] = {}
     for buf in pipeline.buffers:
-        full = {name: _gather(pipeline, buf, t) for name, t in state_tensors(buf).items()}
-        for index, slot in buf.indexed_slots() if keep else ():
-            if pipeline.steps[index] == 0:
-                continue
-            entry = {"step": torch.tensor(float(pipeline.steps[index]))}
-            for name, values in full.items():
-                entry[name] = values.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
-            out[index] = entry
+        slots = [(index, slot) for index, slot in buf.indexed_slots() if pipeline.steps[index] != 0] if keep else []
+        for index, _ in slots:
+            out[index] = {"step": torch.tensor(float(pipeline.steps[index]))}
+        for name, shard in state_tensors(buf).items():
+            full = _gather(pipeline, buf, shard)
+            for index, slot in slots:
+                piece = full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                out[index][name] = piece.to("cpu", copy=True) if host else piece.clone()
+            del full  # before the next kind's buffer is gathered
     return dict(sorted(out.items()))  # in parameter order, as torch.optim.AdamW lists its state
 
 
