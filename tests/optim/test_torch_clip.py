@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_ as clip_bound_early  # bound at import, before any optimizer exists
 
 import zero_kernels as zk
-from tests.helpers.lockstep import LR, ROWS, Net, batch, compare, make_models, step_and_compare
+from tests.helpers.lockstep import LR, ROWS, Net, batch, compare, extra_rows, local, make_models, step_and_compare
 
 STAGES = (0, 1, 2, 3)
 MAX_NORM = 0.05
@@ -77,6 +77,31 @@ def matches_reference(rank: int, world: int, stage: int, how: str) -> None:
         assert float(expected) > MAX_NORM, "clipping inactive"
         assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"stage {stage} {how} step {step}: norm"
         step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} {how} step {step}")
+
+
+def used_on_some_ranks(rank: int, world: int, stage: int) -> None:
+    """A parameter only rank 0's rows use (``Net.extra`` at step 0): torch's clip over ``p.grad`` and a GradScaler's
+    ``unscale_`` see its reduced gradient on every rank, as with DDP (at stage 0 ``p.grad`` was None on the other
+    ranks: each clipped by another norm, or left it scaled, and the replicas drifted 1.8e-2 apart in 3 steps)."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(3):
+        x, span = batch(step, world * ROWS), extra_rows(step, world)
+        scaler.scale(model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage))).backward()
+        ref(x, span).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        expected = nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        if stage < 2 or step > 0:  # stages 2-3 return the scaled norm before the first scaler.step (README)
+            assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"stage {stage} step {step}: norm"
+        scaler.step(opt)
+        scaler.update()
+        ropt.step()
+        for o in (opt, ropt):
+            o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} world {world} a parameter some ranks use, step {step}")
 
 
 def accumulated_stage0(rank: int, world: int) -> None:
@@ -276,6 +301,7 @@ def all_cases(rank: int, world: int) -> None:
             matches_reference(rank, world, stage, how)
         clipped_twice(rank, world, stage)
         clipped_by_both(rank, world, stage)
+        used_on_some_ranks(rank, world, stage)
         refusals(rank, world, stage)
     accumulated_stage0(rank, world)
     measured_then_torch(rank, world)
