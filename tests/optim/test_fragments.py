@@ -12,6 +12,8 @@ before the first step, a gradient arriving after one was set.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -179,56 +181,53 @@ def bf16_values_kept_exactly(rank: int, world: int, stage: int) -> None:
     assert torch.equal(zk.safe_get_full_fp32_param(model.head.weight), replaced.float()), "a replaced .data"
 
 
-def set_under_grad_scaler(rank: int, world: int, stage: int) -> None:
-    """A gradient set under a GradScaler is what the update uses, also at the first step, before the optimizer has
-    seen the scaler (the step then divides the scale out of the set value too: it is multiplied in at the step)."""
+def _scaled_steps(rank: int, world: int, stage: int, steps: int, between: Callable, what: str) -> None:
+    """Steps under a GradScaler, ``between(model, ref, opt, step)`` after each backward; the weights and moments
+    compared with AdamW's after each step."""
     model, ref = make_models(torch.float32)
     opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    for step in range(2):
+    for step in range(steps):
         x, span = batch(step, world * ROWS), extra_rows(step, world)
         scaler.scale(model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage))).backward()
         ref(x, span).backward()
-        new = torch.randn(ref.mid.weight.shape, generator=torch.Generator().manual_seed(step)) * 0.1
-        zk.safe_set_full_grad(model.mid.weight, new)
-        ref.mid.weight.grad.copy_(new)
+        between(model, ref, opt, scaler)
         scaler.step(opt)
         scaler.update()
         ropt.step()
         for o in (opt, ropt):
             o.zero_grad()
-        what = f"stage {stage} world {world} GradScaler, a gradient set at step {step}"
+        name = f"stage {stage} world {world} GradScaler, {what}, step {step}"
         with opt.gathered_params():
-            compare(model, ref, what)
-        for key in ("exp_avg", "exp_avg_sq"):
-            state = ropt.state[ref.mid.weight][key]
-            _close(zk.safe_get_full_optimizer_state(model.mid.weight, key), state, f"{what} {key}", atol=1e-5)
+            compare(model, ref, name)
+        for p, r in ((model.mid.weight, ref.mid.weight), (model.emb.weight, ref.emb.weight)):
+            for key in ("exp_avg", "exp_avg_sq"):
+                _close(zk.safe_get_full_optimizer_state(p, key), ropt.state[r][key], f"{name} {key}", atol=1e-5)
+
+
+def set_under_grad_scaler(rank: int, world: int, stage: int) -> None:
+    """A gradient set under a GradScaler is what the update uses, also at the first step, before the optimizer has
+    seen the scaler (the step then divides the scale out of the set value too: it is multiplied in at the step)."""
+    values = torch.Generator().manual_seed(0)
+
+    def set_one(model: Net, ref: Net, opt: zk.ShardedFusedAdam, scaler: torch.amp.GradScaler) -> None:
+        new = torch.randn(ref.mid.weight.shape, generator=values) * 0.1
+        zk.safe_set_full_grad(model.mid.weight, new)
+        ref.mid.weight.grad.copy_(new)
+
+    _scaled_steps(rank, world, stage, 2, set_one, "a gradient set")
 
 
 def read_before_unscale(rank: int, world: int, stage: int) -> None:
     """A gradient read (which reduces stage 1's gradients early), then ``scaler.unscale_(opt)`` and the step, from the
     first step on: the update unscales what the read reduced (stage 1 on 2 ranks used the still-scaled shard: moments
     1023x and 1048575x AdamW's, no error)."""
-    model, ref = make_models(torch.float32)
-    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    for step in range(3):
-        x = batch(step, world * ROWS)  # every parameter used on every rank
-        scaler.scale(model(x[rank * ROWS : (rank + 1) * ROWS], (0, ROWS))).backward()
-        ref(x, (0, world * ROWS)).backward()
+
+    def read_then_unscale(model: Net, ref: Net, opt: zk.ShardedFusedAdam, scaler: torch.amp.GradScaler) -> None:
         zk.safe_get_full_grad(model.head.weight)
         scaler.unscale_(opt)
-        scaler.step(opt)
-        scaler.update()
-        ropt.step()
-        for o in (opt, ropt):
-            o.zero_grad()
-        what = f"stage {stage} world {world} GradScaler, a gradient read before unscale_, step {step}"
-        with opt.gathered_params():
-            compare(model, ref, what)
-        for key in ("exp_avg", "exp_avg_sq"):
-            state = ropt.state[ref.emb.weight][key]
-            _close(zk.safe_get_full_optimizer_state(model.emb.weight, key), state, f"{what} {key}", atol=1e-5)
+
+    _scaled_steps(rank, world, stage, 3, read_then_unscale, "a gradient read before unscale_")
 
 
 def misuse(rank: int, world: int, stage: int) -> None:

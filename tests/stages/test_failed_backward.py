@@ -289,8 +289,9 @@ def _interrupting(reset: Callable[..., None]) -> Callable[..., None]:
     return interrupted
 
 
-def _interrupted_round_end(rank: int, world: int) -> list[str]:
-    """Batch 1's backward is interrupted at its very end; the loop catches it, zero_grad(), batches 2 and 3 train."""
+def _interrupted_run(rank: int, world: int, attr: str, wrap: Callable, what: str) -> list[str]:
+    """Batch 1's backward is interrupted where the pipeline's ``attr``, wrapped by ``wrap``, raises; the loop catches
+    it, zero_grad(), batches 2 and 3 train: as the run that skipped batch 1, and AdamW on batches 0, 2, 3."""
     found = []
     plan = [(0, "train"), (1, "fail"), (2, "train"), (3, "train")]
     ref = _adamw(world, plan)
@@ -301,7 +302,7 @@ def _interrupted_round_end(rank: int, world: int) -> list[str]:
         for step in range(4):
             loss = _loss(model, _rows(step, world, rank))
             if step == 1:
-                pipeline._reset_pending = _interrupting(pipeline._reset_pending)
+                setattr(pipeline, attr, wrap(getattr(pipeline, attr)))
             try:
                 loss.backward()
                 opt.step()
@@ -311,11 +312,16 @@ def _interrupted_round_end(rank: int, world: int) -> list[str]:
             except RuntimeError as exc:
                 found.append(f"stage {stage}: batch {step} raised {exc}")
             finally:
-                pipeline.__dict__.pop("_reset_pending", None)
+                pipeline.__dict__.pop(attr, None)
             opt.zero_grad()
         clean = _clean(stage, rank, world, [0, 2, 3])
-        found += _compare(f"stage {stage}, interrupted at the round's end", _params(model, opt), clean, ref)
+        found += _compare(f"stage {stage}, {what}", _params(model, opt), clean, ref)
     return found
+
+
+def _interrupted_round_end(rank: int, world: int) -> list[str]:
+    """Batch 1's backward is interrupted at its very end, while the round resets its counts."""
+    return _interrupted_run(rank, world, "_reset_pending", _interrupting, "interrupted at the round's end")
 
 
 def _losing_handle(track: Callable[..., object]) -> Callable[..., object]:
@@ -333,31 +339,10 @@ def _losing_handle(track: Callable[..., object]) -> Callable[..., object]:
 
 
 def _interrupted_after_issue(rank: int, world: int) -> list[str]:
-    """Batch 1's backward is interrupted right after its first collective was issued, its handle lost; the loop
-    catches it, zero_grad(), batches 2 and 3 train (stage 0's all-reduce, never waited for, wrote batch 1's gradients
-    into the buffer zero_grad() had cleared: 2.3e-2 off AdamW, no error)."""
-    found = []
-    plan = [(0, "train"), (1, "fail"), (2, "train"), (3, "train")]
-    ref = _adamw(world, plan)
-    for stage in STAGES:
-        model = _model()
-        opt = _opt(model, stage)
-        pipeline = opt._pipeline
-        for step in range(4):
-            loss = _loss(model, _rows(step, world, rank))
-            if step == 1:
-                pipeline._track = _losing_handle(pipeline._track)
-            try:
-                loss.backward()
-                opt.step()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                pipeline.__dict__.pop("_track", None)
-            opt.zero_grad()
-        clean = _clean(stage, rank, world, [0, 2, 3])
-        found += _compare(f"stage {stage}, a handle lost", _params(model, opt), clean, ref)
-    return found
+    """Batch 1's backward is interrupted right after its first collective was issued, its handle lost (stage 0's
+    all-reduce, never waited for, wrote batch 1's gradients into the buffer zero_grad() had cleared: 2.3e-2 off
+    AdamW, no error)."""
+    return _interrupted_run(rank, world, "_track", _losing_handle, "a handle lost")
 
 
 def _every_case(rank: int, world: int) -> list[str]:
