@@ -490,13 +490,18 @@ class Stage3Scheduler:
         of the run, every forward was checked at once, without prefetch, and its recorded order grew without end)."""
         released: list[int] = []
         while self._stack:
-            frame = self._stack.pop()
-            for i in frame.needs:
-                self._in_use[i] -= 1
-            released += frame.needs
+            self._pop_frame(released)
         self._in_forward = False
         for i in released:
             self._free(i)
+
+    def _pop_frame(self, released: list[int]) -> _Frame:
+        """The innermost frame off the stack, its units no longer in use by it (added to ``released``)."""
+        frame = self._stack.pop()
+        for i in frame.needs:
+            self._in_use[i] -= 1
+        released += frame.needs
+        return frame
 
     def _root_post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if self._transformed():
@@ -580,10 +585,7 @@ class Stage3Scheduler:
             return output
         released: list[int] = []
         while self._stack:
-            frame = self._stack.pop()
-            for i in frame.needs:
-                self._in_use[i] -= 1
-            released += frame.needs
+            frame = self._pop_frame(released)
             self._check_writes(frame)
             if frame.module is module:
                 break
