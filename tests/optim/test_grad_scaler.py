@@ -151,3 +151,57 @@ def test_a_checkpoint_between_unscale_and_step_keeps_the_gradients_unscaled(stag
         ropt.zero_grad()
     with opt.gathered_params():
         compare(model, ref, f"stage {stage}: resumed between unscale_ and step")
+
+
+class _Rows(nn.Module):
+    """An embedding (the one trained parameter) whose rows each rank's tokens pick: rank 0 uses row 0, which the
+    first step's sample of ``p.grad`` (16 evenly spaced elements of the flat buffer) reads, rank 1 row 1, which it
+    does not: rank 1's sample holds zeros only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 8)
+        self.head = nn.Linear(8, 1).requires_grad_(False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens)).square().mean()
+
+
+def _sampled_on_some_ranks(rank: int, world: int, order: str) -> None:
+    """Stage 1, the first step: a norm (``unscale_`` then torch's clip, as documented) or a gradient read (before
+    ``unscale_``) reduces the gradients early, and the step tells from a sample of ``p.grad`` whether ``unscale_``
+    divided them after. A rank whose sample held only zeros reduced again at the step on its own, a collective the
+    other rank did not issue (gloo: 'Received data size doesn't match expected size', the ranks aborted). So did a rank
+    whose gradients overflowed (inf/NaN only), the step to be skipped, with ``unscale_`` then torch's clip."""
+    import zero_kernels as zk
+
+    tokens = [torch.tensor([0, 0]), torch.tensor([1, 1])]
+    torch.manual_seed(0)
+    model, ref = _Rows(), _Rows()
+    ref.load_state_dict(model.state_dict())
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler, rscaler = torch.amp.GradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+    if order == "an overflow on rank 1 at the first step":  # its sample: non-finite values only
+        tokens = [torch.tensor([0, 0]), torch.tensor([0, 1])]
+    for step in range(3):
+        bad = [1.0, math.inf if step == 0 and order.startswith("an overflow") else 1.0]
+        scaler.scale(model(tokens[rank]) * bad[rank]).backward()
+        rscaler.scale(sum(ref(t) * b for t, b in zip(tokens, bad)) / world).backward()
+        if order == "read, unscale_":
+            zk.safe_get_full_grad(model.emb.weight)
+        scaler.unscale_(opt)
+        rscaler.unscale_(ropt)
+        if order != "read, unscale_":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        for s, o in ((scaler, opt), (rscaler, ropt)):
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        compare(model, ref, f"stage 1, {order}, a sample of zeros on rank 1, step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("order", ["unscale_, clip", "read, unscale_", "an overflow on rank 1 at the first step"])
+def test_a_first_step_sample_of_zeros_on_one_rank(spawn, order: str) -> None:
+    spawn(_sampled_on_some_ranks, 2, order, timeout_s=120.0)

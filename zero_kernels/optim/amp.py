@@ -142,9 +142,10 @@ def forget_reduction(opt: Any) -> None:
 def _settle_unknown(scaler: Any, opt: Any) -> None:
     """At the first ``scaler.step(opt)``, of a stage-1 reduction made before the scaler was known: where
     ``unscale_`` has run and ``p.grad`` changed since the reduction read it, ``unscale_`` came after it, so the shard
-    is still scaled (where the sample cannot tell, ``p.grad`` is reduced again)."""
+    is still scaled (where no rank's sample can tell, ``p.grad`` is reduced again, on every rank)."""
     unscaled = scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED
     changed = grad_state.local_changed(opt.pipeline, opt._reduced_sample) if unscaled else False
+    changed = grad_state.agreed_change(opt.pipeline, changed)  # one rank alone must not reduce again
     opt._reduced_early = _SCALED if changed else _UNSCALED
     if changed is None:
         opt.pipeline.reduce_again()

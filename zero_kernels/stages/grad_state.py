@@ -177,3 +177,20 @@ def local_changed(pipeline: "Pipeline", sample: list[tuple[torch.Tensor, torch.T
             if not torch.equal(buf.grad_flat[at][keep], values[keep]):
                 return True
     return False if telling else None
+
+
+_VERDICTS = (None, False, True)  # ``local_changed``'s answers, in the order ``agreed_change`` ranks them
+
+
+def agreed_change(pipeline: "Pipeline", changed: Optional[bool]) -> Optional[bool]:
+    """``local_changed``'s verdict, the same on every rank (a small collective on several ranks): True where some rank
+    saw its sample change, else False where some rank's sample could tell, else None.
+
+    Every rank read gradients that the same calls scaled alike, but a rank's sample may hold zeros only (the rows of
+    an embedding its batch did not use) or non-finite values (an overflow on that rank): that rank alone reduced again
+    at the step, a collective the others did not issue (gloo aborted with "Received data size doesn't match")."""
+    if pipeline.world_size == 1:
+        return changed
+    code = torch.tensor([float(_VERDICTS.index(changed))], device=pipeline.column_device)
+    pipeline.engine.all_reduce(code, op="max", name="grads.sample").wait()
+    return _VERDICTS[int(code.item())]
