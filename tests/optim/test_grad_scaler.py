@@ -205,3 +205,42 @@ def _sampled_on_some_ranks(rank: int, world: int, order: str) -> None:
 @pytest.mark.parametrize("order", ["unscale_, clip", "read, unscale_", "an overflow on rank 1 at the first step"])
 def test_a_first_step_sample_of_zeros_on_one_rank(spawn, order: str) -> None:
     spawn(_sampled_on_some_ranks, 2, order, timeout_s=120.0)
+
+
+def _read_unscale_save(rank: int, world: int, folder: str) -> None:
+    """Stage 1 on 2 ranks, from the second step (the scaler known): a gradient read (an early reduction of the scaled
+    ``p.grad``), ``scaler.unscale_(opt)``, then a checkpoint saved and loaded before ``scaler.step``. The window keeps
+    ``p.grad``, which ``unscale_`` divided, but recorded it undivided (the step was to unscale the early shard):
+    the resumed step divided it again (4.6e-2 off AdamW, no error)."""
+    import zero_kernels as zk
+
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1, reduce_bucket_size=BUCKET)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler, rscaler = torch.amp.GradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+    for step in range(3):
+        x = batch(step, world * ROWS)
+        scaler.scale(model(x[rank * ROWS : (rank + 1) * ROWS])).backward()
+        rscaler.scale(ref(x)).backward()
+        zk.safe_get_full_grad(model.head.weight)
+        scaler.unscale_(opt)
+        rscaler.unscale_(ropt)
+        if step == 1:
+            zk.checkpoint.save(folder, model, opt)
+            saved = scaler.state_dict()
+            model, _ = make_models(torch.float32)
+            opt = zo.ShardedFusedAdam(model, lr=LR, stage=1, reduce_bucket_size=BUCKET)
+            zk.checkpoint.load(folder, model, opt)
+            scaler = torch.amp.GradScaler("cpu", **SCALER)
+            scaler.load_state_dict(saved)
+            scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))  # torch's step needs it after a load
+        for s, o in ((scaler, opt), (rscaler, ropt)):
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        compare(model, ref, f"stage 1, a gradient read, unscale_, a checkpoint (step 1), step {step}")
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_after_a_read_and_unscale_keeps_the_gradients_unscaled(spawn, tmp_path) -> None:
+    spawn(_read_unscale_save, 2, str(tmp_path), timeout_s=120.0)

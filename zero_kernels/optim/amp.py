@@ -81,9 +81,11 @@ def unscaled_in_p_grad(opt: Any) -> bool:
     """Whether ``scaler.unscale_(opt)`` divided the gradients the optimizer reads since its last step, the scaler
     known (it stepped the optimizer before): a checkpoint saved then keeps it, as the resumed scaler cannot."""
     scaler = _seen_scaler(opt)
-    if not _scaling(scaler):
+    if not _scaling(scaler) or scaler._per_optimizer_states[id(opt)]["stage"] is not OptState.UNSCALED:
         return False
-    return scaler._per_optimizer_states[id(opt)]["stage"] is OptState.UNSCALED and not _still_scaled(scaler, opt)
+    if opt.pipeline.grads_in_p_grad:  # unscale_ divided p.grad, which a checkpoint keeps, also where stage 1 had
+        return True  # reduced it into its shard before (the step was to unscale the shard: it reduces p.grad again)
+    return not _still_scaled(scaler, opt)
 
 
 def _still_scaled(scaler: Any, opt: Any) -> bool:
