@@ -104,6 +104,29 @@ def used_on_some_ranks(rank: int, world: int, stage: int) -> None:
             compare(model, ref, f"stage {stage} world {world} a parameter some ranks use, step {step}")
 
 
+def after_no_sync(rank: int, world: int, stage: int, order: str) -> None:
+    """Backward passes under ``no_sync()`` the step reduces (all of them, or one after the synchronised backward, which
+    the README says counts too), then torch's clip: at stage 0 ``p.grad`` held this rank's own part there, which torch's
+    clip measured and clipped on each rank alone (5.0e-2 off AdamW after 3 steps, 6.7e-2 with every backward under
+    ``no_sync``, no error); the clip is routed to the optimizer, which reduces first."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = _opt(model, stage), torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(3):
+        for micro in range(2):
+            x, span = batch(2 * step + micro, world * ROWS), extra_rows(2 * step + micro, world)
+            loss = model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage))
+            if order == "every backward under no_sync" or micro == 1:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            ref(x, span).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        expected = nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        assert float(norm) == pytest.approx(float(expected), rel=1e-5), f"stage {stage} {order} step {step}: norm"
+        step_and_compare(opt, ropt, model, ref, f"stage {stage} world {world} {order}, torch's clip, step {step}")
+
+
 def accumulated_stage0(rank: int, world: int) -> None:
     """Item 2: stage 0 with the optimizer's own accumulation: ``p.grad`` is a sum the step divides."""
     model, ref = make_models(torch.float32)
@@ -302,6 +325,8 @@ def all_cases(rank: int, world: int) -> None:
         clipped_twice(rank, world, stage)
         clipped_by_both(rank, world, stage)
         used_on_some_ranks(rank, world, stage)
+        for order in ("a no_sync backward after the synchronised one", "every backward under no_sync"):
+            after_no_sync(rank, world, stage, order)
         refusals(rank, world, stage)
     accumulated_stage0(rank, world)
     measured_then_torch(rank, world)
