@@ -35,7 +35,6 @@ DeepSpeed's; the setters raise ``ValueError`` naming it (DeepSpeed's change noth
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -78,12 +77,8 @@ def _stepped(opt: Any, param: torch.Tensor) -> bool:
 
 def _local(opt: Any, param: torch.Tensor, kind: str) -> torch.Tensor:
     pieces = [view.float() for _, view in door.runs(opt.pipeline, param, kind)]
-    device = opt.pipeline.buffers[opt.pipeline.where[id(param)][0]].device
+    device = door.device_of(opt.pipeline, param)
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.float32, device=device)
-
-
-def _device(opt: Any, param: torch.Tensor) -> torch.device:
-    return opt.pipeline.buffers[opt.pipeline.where[id(param)][0]].device
 
 
 def _whole(opt: Any, param: torch.Tensor, value: Any, what: str) -> torch.Tensor:
@@ -92,8 +87,7 @@ def _whole(opt: Any, param: torch.Tensor, value: Any, what: str) -> torch.Tensor
     value = torch.as_tensor(value)
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"{what}: a value of shape {tuple(value.shape)} for a parameter of shape {tuple(shape)}")
-    device = opt.pipeline.buffers[opt.pipeline.where[id(param)][0]].device
-    return value.detach().to(device=device, dtype=torch.float32).reshape(-1)
+    return value.detach().to(device=door.device_of(opt.pipeline, param), dtype=torch.float32).reshape(-1)
 
 
 def _write_local(opt: Any, param: torch.Tensor, kind: str, value: Any, what: str) -> None:
@@ -103,22 +97,17 @@ def _write_local(opt: Any, param: torch.Tensor, kind: str, value: Any, what: str
     value = torch.as_tensor(value)
     if value.numel() != numel:
         raise ValueError(f"{what}: this rank holds {numel} elements of the parameter, the value has {value.numel()}")
-    flat = value.detach().reshape(-1).float()
-    if kind != door.PARAM:  # through the door's writer: a gradient shard kept in a file is no view to write into
-        whole = torch.zeros(math.prod(opt.pipeline.param_shape(param)), dtype=torch.float32, device=flat.device)
-        at = 0
-        for start, view in local:
-            whole.narrow(0, start, view.numel()).copy_(flat.narrow(0, at, view.numel()))
-            at += view.numel()
-        door.write_runs(opt.pipeline, param, kind, whole.to(_device(opt, param)))
-        return
-    at = 0
-    for _, view in local:
-        view.copy_(flat.narrow(0, at, view.numel()))
+    flat = value.detach().reshape(-1).to(device=door.device_of(opt.pipeline, param), dtype=torch.float32)
+    pieces, at = [], 0
+    for start, view in local:
+        pieces.append((start, flat.narrow(0, at, view.numel())))
         at += view.numel()
-    # every copy the model reads takes every rank's new piece
-    whole = door.assemble(opt.pipeline, param, door.runs(opt.pipeline, param, door.PARAM))
-    door.write_runs(opt.pipeline, param, door.PARAM, whole.reshape(-1))
+    # the fp32 value: every copy the model reads takes every rank's new piece; else through the door's writer (a
+    # gradient shard kept in a file is no view to write into)
+    whole = (
+        door.assemble(opt.pipeline, param, pieces) if kind == door.PARAM else door.spread(opt.pipeline, param, pieces)
+    )
+    door.write_runs(opt.pipeline, param, kind, whole.reshape(-1))
 
 
 def _complete_grads(opt: Any, what: str) -> None:
@@ -209,8 +198,7 @@ def safe_get_full_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
     _complete_grads(opt, "safe_get_full_grad")
     if not _any_grad(opt, param):
         return None
-    grad = door.assemble(opt.pipeline, param, [(s, v.float()) for s, v in door.runs(opt.pipeline, param, door.GRAD)])
-    return grad * _grad_multiplier(opt)
+    return door.assemble(opt.pipeline, param, door.runs(opt.pipeline, param, door.GRAD)) * _grad_multiplier(opt)
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -305,11 +293,8 @@ def rescale_set_grads(opt: Any, scale: Optional[float]) -> None:
     if scale is None:
         return
     for param in params.values():
-        local = door.runs(opt.pipeline, param, door.GRAD)
-        whole = torch.zeros(math.prod(opt.pipeline.param_shape(param)), dtype=torch.float32, device=_device(opt, param))
-        for start, view in local:
-            whole.narrow(0, start, view.numel()).copy_(view.float() * scale)
-        door.write_runs(opt.pipeline, param, door.GRAD, whole)
+        local = [(start, view.float() * scale) for start, view in door.runs(opt.pipeline, param, door.GRAD)]
+        door.write_runs(opt.pipeline, param, door.GRAD, door.spread(opt.pipeline, param, local))
 
 
 def forget_set_grads(opt: Any) -> None:

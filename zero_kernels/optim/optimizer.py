@@ -471,10 +471,10 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._follow_replaced_params()
         scale = self._grad_factor / self._grad_divisor
         multiplier = self._clip_coefficient(scaled)
-        if scaled is not None and scaled.multiplier is not None:
-            multiplier = scaled.multiplier if multiplier is None else multiplier * scaled.multiplier
-        still_scaled = scaled is not None and scaled.multiplier is not None
-        fragments.rescale_set_grads(self, 1.0 / float(scaled.multiplier) if still_scaled else None)
+        unscale = None if scaled is None else scaled.multiplier  # 1 / the GradScaler's scale where still scaled
+        if unscale is not None:
+            multiplier = unscale if multiplier is None else multiplier * unscale
+        fragments.rescale_set_grads(self, None if unscale is None else 1.0 / float(unscale))
         self._consolidated = None  # the state is about to change
         check_finite = self.loss_scaler is not None or self.skip_nonfinite_steps or scaled is not None
         self._pipeline.settle()  # the last step's outcome is accounted as that step's
@@ -688,6 +688,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def _forget_grad_edits(self) -> None:
         """Nothing asked of the coming step any more: its gradients were used, or dropped."""
         amp.forget_reduction(self)
+        fragments.forget_set_grads(self)
         self._clips.clear()
         self._grad_factor = 1.0
         self._unscaled_loaded = False
@@ -745,7 +746,6 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 return
             self._drop_window()
         self._forget_grad_edits()
-        fragments.forget_set_grads(self)
         self._pipeline.zero_grad(set_to_none)
 
     def _drop_window(self) -> None:

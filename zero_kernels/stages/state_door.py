@@ -402,14 +402,35 @@ def runs(pipeline: Pipeline, p: torch.Tensor, kind: str) -> list[tuple[int, torc
     file, copies) or a state kind of ``state_tensors``. Empty where this rank holds none of ``p``. ``PARAM``'s runs
     first take what was written into the parameter (``_current_master``): a value read is the one the step starts
     from. Only ``p``'s runs are touched: a loop over every parameter costs one pass over the state."""
-    b, slot_index = pipeline.where[id(p)]
-    buf = pipeline.buffers[b]
-    segs = [seg for seg in buf.layout.segments(pipeline.shard_rank) if seg.slot == slot_index]
+    buf, slot_index = _home(pipeline, p)
+    segs = _segments(pipeline, buf, slot_index)
     if kind != GRAD:
         buf.ready()
     if kind == PARAM and buf.master is not None:
         _current_master(pipeline, buf, segs)
     return [(seg.param_offset, _view(pipeline, buf, seg, kind)) for seg in segs]
+
+
+def _home(pipeline: Pipeline, p: torch.Tensor) -> tuple[FlatBuffer, int]:
+    """The buffer holding ``p`` and its slot there."""
+    b, slot_index = pipeline.where[id(p)]
+    return pipeline.buffers[b], slot_index
+
+
+def _segments(pipeline: Pipeline, buf: FlatBuffer, slot_index: int) -> list[Segment]:
+    """The pieces of slot ``slot_index`` in this rank's shard of ``buf``."""
+    return [seg for seg in buf.layout.segments(pipeline.shard_rank) if seg.slot == slot_index]
+
+
+def _write_segments(segs: list[Segment], shard: torch.Tensor, value: torch.Tensor) -> None:
+    """Each of ``segs`` in ``shard`` (shard-sized) takes its elements of ``value`` (the flattened parameter)."""
+    for seg in segs:
+        shard.narrow(0, seg.shard_offset, seg.numel).copy_(value.narrow(0, seg.param_offset, seg.numel))
+
+
+def device_of(pipeline: Pipeline, p: torch.Tensor) -> torch.device:
+    """The device of the buffer holding ``p``."""
+    return _home(pipeline, p)[0].device
 
 
 def _current_master(pipeline: Pipeline, buf: FlatBuffer, segs: list[Segment]) -> None:
@@ -445,16 +466,21 @@ def _view(pipeline: Pipeline, buf: FlatBuffer, seg: Segment, kind: str) -> torch
     return tensors[name].narrow(0, seg.shard_offset, seg.numel)
 
 
+def spread(pipeline: Pipeline, p: torch.Tensor, local: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """The flattened ``p`` (fp32, on its buffer's device) holding this rank's ``local`` runs, zeros elsewhere."""
+    full = torch.zeros(math.prod(pipeline.param_shape(p)), dtype=torch.float32, device=device_of(pipeline, p))
+    for start, values in local:
+        full.narrow(0, start, values.numel()).copy_(values)
+    return full
+
+
 def assemble(pipeline: Pipeline, p: torch.Tensor, local: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
     """The whole of ``p`` (its full shape, fp32) from every rank's ``local`` runs (a collective where the
     parameters' state is sharded: each element comes from the one rank that holds it, bit for bit)."""
-    shape = pipeline.param_shape(p)
-    full = torch.zeros(math.prod(shape), dtype=torch.float32, device=pipeline.buffers[pipeline.where[id(p)][0]].device)
-    for start, values in local:
-        full.narrow(0, start, values.numel()).copy_(values)
+    full = spread(pipeline, p, local)
     if pipeline.num_shards > 1:  # one rank writes each element, the others add zeros: a sum of the bits is exact
         pipeline.engine.all_reduce(full.view(torch.int32), op="sum", name="fragment").wait()
-    return full.view(shape)
+    return full.view(pipeline.param_shape(p))
 
 
 def write_runs(pipeline: Pipeline, p: torch.Tensor, kind: str, value: torch.Tensor) -> None:
@@ -462,13 +488,10 @@ def write_runs(pipeline: Pipeline, p: torch.Tensor, kind: str, value: torch.Tens
     tensors, the master and, for ``PARAM``, the parameter itself wherever it is kept (rounded to its dtype: every
     rank's whole copy at stages 0-2, this rank's shard and a gathered copy at stage 3), or the gradient shard."""
     pipeline.uploads.wait()
-    b, slot_index = pipeline.where[id(p)]
-    buf = pipeline.buffers[b]
+    buf, slot_index = _home(pipeline, p)
     if kind == GRAD and pipeline.grads_in_file(buf):
         shard = pipeline.reduced_shard(buf)
-        for seg in buf.layout.segments(pipeline.shard_rank):
-            if seg.slot == slot_index:
-                shard.narrow(0, seg.shard_offset, seg.numel).copy_(value.narrow(0, seg.param_offset, seg.numel))
+        _write_segments(_segments(pipeline, buf, slot_index), shard, value)
         pipeline.assign_reduced(buf, shard)
         return
     for start, view in runs(pipeline, p, kind):
@@ -486,8 +509,4 @@ def _write_params(pipeline: Pipeline, buf: FlatBuffer, slot_index: int, value: t
         if whole is not None:
             whole.narrow(0, slot.offset, slot.numel).copy_(value)
     if buf.param_flat is None:
-        for seg in buf.layout.segments(pipeline.shard_rank):
-            if seg.slot == slot_index:
-                buf.param_shard.narrow(0, seg.shard_offset, seg.numel).copy_(
-                    value.narrow(0, seg.param_offset, seg.numel)
-                )
+        _write_segments(_segments(pipeline, buf, slot_index), buf.param_shard, value)
