@@ -10,7 +10,8 @@ the new values wherever they differ from what the master rounds to (``master.ado
 with equal values keeps the master's extra precision). Values written in place need none of this:
 the step finds them (``master``). A new dtype, device or shape cannot be followed: it raises
 ``ValueError`` naming the parameter (a freed stage-3 parameter too, whose empty tensor a cast gives the
-new dtype: ``check_freed``). ``Parameter`` objects replaced in the model
+new dtype: ``check_freed``; cast back, ``model.half(); model.float()``, its shard takes the rounding the casts give
+a held tensor: ``cast_through``). ``Parameter`` objects replaced in the model
 (``load_state_dict(..., assign=True)``, a module swapped) are caught by ``check_module_params``.
 
 Stage 3 units that are freed take assigned values into their shard (``adopt_freed``) wherever the others
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from . import master
+from .casts import cast_through, take_casts, was_cast
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline
@@ -175,7 +177,7 @@ def adopt_freed(pipeline: "Pipeline", buf: "FlatBuffer", name_of: NameOf) -> int
     if getattr(buf, "full", None) is not None or getattr(buf, "param_shard", None) is None:
         return 0
     assigned = [p for p in buf.params if p.numel() != 0]
-    if assigned:
+    if given_values(buf.params):
         buf.ready()  # a shard kept in a file (stage 3's offload_param on nvme) is read in to take the values
     if not adopt_assigned_shard(pipeline, buf, buf.param_shard, name_of):
         return 0
@@ -201,9 +203,9 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
         name_of: names a parameter in error messages.
     """
     check_freed(buf, buf.params, name_of)
-    assigned = [p for p in buf.params if p.numel() != 0]
-    if not assigned:
+    if not given_values(buf.params):
         return False
+    casts = {id(p): take_casts(p) for p in buf.params if p.numel() == 0}
     pipeline.uploads.wait()  # a copy up still reading the shard (``uploads``)
     for slot in buf.layout.slots:
         p = buf.params[slot.param]
@@ -211,11 +213,19 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
             check_compatible(buf, p, slot.shape, name_of)
     for seg in buf.layout.segments(pipeline.shard_rank):
         p = buf.param_of(seg.slot)
+        target = shard.narrow(0, seg.shard_offset, seg.numel)
         if p.numel() != 0:
-            piece = p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel)
-            shard.narrow(0, seg.shard_offset, seg.numel).copy_(piece)
+            target.copy_(p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
+        elif casts.get(id(p)):
+            target.copy_(cast_through(target, casts[id(p)]))
     master.adopt_edits(pipeline, buf)
     return True
+
+
+def given_values(params: Sequence[torch.Tensor]) -> bool:
+    """Whether some freed stage-3 parameter of ``params`` was given values (``p.data = ...``) or cast to another
+    dtype and back (``model.half(); model.float()``), which its shard must take before it is read or gathered."""
+    return any(p.numel() != 0 or was_cast(p) for p in params)
 
 
 def check_module_params(module: nn.Module, held: Mapping[str, int], name_of: NameOf) -> None:

@@ -42,6 +42,7 @@ from torch import nn
 from ...comm.handles import Handle, Works, used_here
 from ...kernels.quant import dequantize
 from ..adopt import check_compatible, check_freed
+from ..casts import cast_through, take_casts, was_cast
 from ..quantized_gather import Payload, Traffic, dequantize_chunks
 from . import full_shape
 from .storage import GatherStorage, freed
@@ -249,22 +250,31 @@ class FrozenUnit:
             return 0
         check_freed(self, self.params, self.name_of)
         given = {id(p): p.detach() for p in self.params if p.numel() != 0}
-        if not given:
+        casts = {id(p): take_casts(p) for p in self.params if p.numel() == 0 and was_cast(p)}
+        if not given and not casts:
             return 0
         for p, shape in zip(self.params, self.shapes):
             if id(p) in given:
                 check_compatible(self, p, shape, self.name_of)
-        self.assign(given)
+        self.assign(given, casts)
         self._free_params()
         return len(given)
 
-    def assign(self, values: Mapping[int, torch.Tensor]) -> bool:
-        """Set the parameters ``values`` holds (id(parameter) -> full value): this rank's chunk is rebuilt from its
+    def assign(
+        self, values: Mapping[int, torch.Tensor], casts: Optional[Mapping[int, list[torch.dtype]]] = None
+    ) -> bool:
+        """Set the parameters ``values`` holds (id(parameter) -> full value), and round those ``casts`` names through
+        the dtypes it gives (``model.half(); model.float()`` while freed): this rank's chunk is rebuilt from its
         current values and those, and stored again unless no value of it changed; returns whether it was."""
         own = torch.empty(self.chunk, dtype=self.dtype, device=self.device)
         self.held.read(own)
         held = own.clone()
         self._fill(own, values)
+        for p, offset, end in zip(self.params, self.offsets, self.offsets[1:]):
+            lo, hi = max(offset, self._lo), min(end, self._hi)
+            if casts and id(p) in casts and hi > lo:
+                piece = own.narrow(0, lo - self._lo, hi - lo)
+                piece.copy_(cast_through(piece, casts[id(p)]))
         if torch.equal(own, held):
             return False
         self.held.write(own)

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch._C import _disabled_torch_function_impl
 
+from ..casts import note_cast
 from ..class_mark import Mark, mark, tensors, torch_function, unmark
 
 OnUse = Callable[[nn.Parameter, Any], None]  # (parameter, the torch function about to run)
@@ -186,6 +187,7 @@ def _handle(func: Any, types: Any, args: tuple, kwargs: Any) -> Any:
             _stale_assignment(args[0], args[1], func)
         elif isinstance(args[1], torch.Tensor) and not isinstance(args[1], FreedRead) and args[1].numel() == 0:
             _epoch[id(args[0])] = next(_epochs)  # emptied again: the shard took the values assigned (an adoption)
+        note_cast(args[0], args[1])
     if _uses(func, args):
         for t in tensors(args, kwargs):
             if isinstance(t, _Freed):

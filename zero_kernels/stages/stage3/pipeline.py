@@ -123,7 +123,7 @@ class _Unit:
 
     def start_gather(self) -> None:
         buf, disk = self.buf, self.pipeline.disk_params
-        if disk is not None and any(p.numel() != 0 for p in self.params):
+        if disk is not None and adopt.given_values(self.params):
             disk.resident(buf)  # values given to the parameters go into the shard: read in from its file first
         adopt.adopt_assigned_shard(self.pipeline, buf, buf.param_shard, self.pipeline.name_of)
         buf.full = self.storage.take()
