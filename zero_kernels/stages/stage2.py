@@ -76,7 +76,7 @@ class Stage2Pipeline(Pipeline):
         buf.grad_shard = torch.zeros(buf.layout.shard_numel, dtype=self.accumulate_dtype_of(buf), device=buf.device)
 
     def _scratch(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
-        """The bucket's scratch for this round: a pooled bucket, or a new zero-filled one."""
+        """The bucket's scratch for this round: a pooled bucket, or a new one."""
         if bucket.index not in buf.scratch:
             dtype = self.comm_dtype_of(buf)
             pool = self._pool.setdefault((dtype, buf.device), [])
@@ -88,9 +88,11 @@ class Stage2Pipeline(Pipeline):
         return buf.scratch[bucket.index]
 
     def _new_bucket(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zero-filled scratch bucket of the largest bucket's size, for when the pool has none."""
+        """A scratch bucket of the largest bucket's size, for when the pool has none: left unfilled, as a pooled one
+        holds a past round's values (what no gradient is copied into is zeroed before the reduction,
+        ``_zero_unfilled``)."""
         size = max(b.numel for buf in self.buffers for b in buf.layout.buckets)
-        return torch.zeros(size, dtype=dtype, device=device)
+        return torch.empty(size, dtype=dtype, device=device)
 
     def _pieces(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, int, Tensor]]:
         """(bucket index, its scratch, offset there, the piece of ``p.grad``) for each bucket ``p`` lies in."""
