@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
+from .comm import agreement
 from .config import ZeroConfig, client_optimizer
 from .config.at_updates import gate
 from .config.call_forms import check_dist_init, config_source, refuse_deepspeed_only
@@ -126,6 +127,7 @@ def initialize(
     restore_client = (lambda: None) if client is None else client_optimizer.keep(client)
     built = None
     try:
+        _broadcast_model(model, process_group)
         built = _build_optimizer(model, model_parameters, config, process_group, impl, client)
         if client is not None:
             client_optimizer.adopt_state(client, built)
@@ -179,6 +181,22 @@ def _scheduler(
             "torch.optim.lr_scheduler.LRScheduler built on the optimizer it was given"
         )
     return gate(scheduler)
+
+
+def _broadcast_model(model: nn.Module, process_group: Any) -> None:
+    """Rank 0's parameter values on every rank where the ranks' values differ (after the cast, as
+    ``deepspeed.initialize`` broadcasts them), said once at WARNING; ``ShardedFusedAdam`` itself refuses them."""
+    named = list(model.named_parameters())
+    moved = agreement.broadcast_differing([p for _, p in named], process_group)
+    if moved:
+        first = ", ".join(repr(named[i][0]) for i in moved[:3]) + (
+            f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+        )
+        logger.warning(
+            "initialize: the ranks were given different values of %s; every rank now starts from rank 0's values "
+            "of the parameters, as deepspeed.initialize broadcasts them (buffers are left as they are)",
+            first,
+        )
 
 
 def _cast(model: nn.Module, config: ZeroConfig) -> Callable[[], None]:

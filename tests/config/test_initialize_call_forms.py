@@ -128,3 +128,47 @@ def test_world_size_is_refused_by_initialize_and_suggested_for_a_misspelling() -
         zk.initialize(nn.Linear(4, 2), _config(), wrld_size=1)
     assert "allowed: world_size" not in str(err.value)
     assert zk.ZeroConfig.from_deepspeed(_config(), world_size=2).train_batch_size == 8
+
+
+def _rank_dependent_init(rank: int, world: int) -> None:
+    """DeepSpeed's ``TestZero3ParamPartitioningLargeParam`` / ``TestZero3InitForParentWeightInitialization``: a model
+    initialised differently on each rank (its own seed; a weight filled on rank 0 only) trains from rank 0's values,
+    as ``deepspeed.initialize`` broadcasts them, at every stage (it was refused: "different values on some rank")."""
+    from tests.helpers.lockstep import ROWS, Net, batch, compare, extra_rows, local
+
+    for stage in (0, 1, 2, 3):
+        torch.manual_seed(rank)
+        model = Net()
+        if rank == 0:
+            with torch.no_grad():
+                model.head.bias.fill_(0.5)
+        torch.manual_seed(0)
+        ref = Net()
+        with torch.no_grad():
+            ref.head.bias.fill_(0.5)
+        cfg = {
+            "train_micro_batch_size_per_gpu": ROWS,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        }
+        model, opt = zk.initialize(model, cfg)
+        ropt = torch.optim.AdamW(
+            [p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0
+        )  # DeepSpeed's
+        for step in range(2):
+            x, span = batch(step, world * ROWS), extra_rows(step, world)
+            model(x[rank * ROWS : (rank + 1) * ROWS], local(span, rank, stage)).backward()
+            ref(x, span).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)  # DeepSpeed's default gradient_clipping
+            for o in (opt, ropt):
+                o.step()
+                o.zero_grad()
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage}")
+
+
+@pytest.mark.distributed
+def test_parameters_that_differ_across_ranks_start_from_rank_0s_as_deepspeed_broadcasts_them() -> None:
+    from tests.helpers.dist import run_ranks
+
+    run_ranks(_rank_dependent_init, 2)

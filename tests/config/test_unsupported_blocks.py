@@ -35,6 +35,9 @@ ALST = {"enabled": True, "size": 4, "mode": "ulysses", "ulysses": {"degree": 4, 
         ("graph_harvesting", True, "removed graph harvesting"),
         ("curriculum_learning", {"enabled": True}, "data_efficiency.data_sampling.curriculum_learning"),
         ("progressive_layer_drop", {"enabled": True}, "removed Progressive Layer Dropping"),
+        ("gradient_allreduce_op", "sum", "adds the data-parallel ranks' gradients instead of averaging them"),
+        ("gradient_allreduce_op", "max", 'remove it or write "mean"'),
+        ("managed_gradient_accumulation", False, "every step() call apply an update"),
     ],
 )
 def test_refused_with_what_they_would_change(key: str, value: object, says: str) -> None:
@@ -63,6 +66,21 @@ def test_turned_off_they_are_accepted_and_logged(caplog: pytest.LogCaptureFixtur
         "sparse_attention, sparse_gradients, tensor_parallel" in r.getMessage()
         for r in caplog.records
     )
+
+
+@pytest.mark.parametrize("value", ["mean", "MEAN", None])
+def test_deepspeeds_default_gradient_allreduce_op_is_taken(value: object) -> None:
+    """DeepSpeed's ``TestGradientAllreduceOp`` configs: ``"gradient_allreduce_op": "mean"`` (its default, read
+    case-insensitively) averages as zero_kernels does; it was an unknown key ("did you mean
+    'gradient_predivide_factor'")."""
+    assert ZeroConfig.from_deepspeed({"gradient_allreduce_op": value, "zero_optimization": {"stage": 2}}).stage == 2
+
+
+def test_deepspeeds_default_managed_gradient_accumulation_is_taken() -> None:
+    """DeepSpeed's ``TestUnmanagedGradientAccumulation`` baseline: ``"managed_gradient_accumulation": true`` (its
+    default) counts micro-steps as zero_kernels does; it was an unknown key."""
+    cfg = {"managed_gradient_accumulation": True, "gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 1}
+    assert ZeroConfig.from_deepspeed(cfg).gradient_accumulation_steps == 4
 
 
 def test_a_misspelt_one_is_an_unknown_key_with_a_hint() -> None:

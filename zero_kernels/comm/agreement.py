@@ -222,3 +222,32 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
             f"{name_of(indices[differ[0] // 2])} has {what} on some rank: every rank "
             "must start from the same model (same seed, or broadcast rank 0's parameters first)"
         )
+
+
+def broadcast_differing(params: Sequence[torch.Tensor], group: Any = None) -> list[int]:
+    """Give every rank the group's first rank's values of the parameters whose values differ across ranks, as
+    ``deepspeed.initialize`` broadcasts rank 0's parameters (a model built with another seed on each rank, or
+    initialised on rank 0 only). Float64 checksums first (one small all-reduce): parameters already replicated
+    move nothing. Returns the indices (into ``params``) of those broadcast; ranks that disagree on the number or
+    the sizes of the parameters are left to ``check_replicated``.
+    """
+    dist = torch.distributed
+    if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return []
+    device = params[0].device
+    stats = torch.zeros(2 * len(params) + 1, dtype=torch.float64, device=device)
+    stats[-1] = len(params)
+    for i, p in enumerate(params):
+        stats[2 * i] = p.numel()
+        stats[2 * i + 1] = _checksum(p)
+    packed = torch.cat([stats, -stats])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    same = packed[: stats.numel()] == -packed[stats.numel() :]
+    if not bool(same[0::2].all()):  # the count or a size differs: not the same model
+        return []
+    differ = (~same[1::2]).nonzero().flatten().tolist()
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for i in differ:
+            dist.broadcast(params[i].data, src, group=group)
+    return differ

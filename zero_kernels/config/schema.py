@@ -452,6 +452,22 @@ TOP_UNSUPPORTED: Dict[str, Unsupported] = {
         _tp_off,
         "remove the block or write autotp_size 1",
     ),
+    "gradient_allreduce_op": Unsupported(
+        "DeepSpeed's \"sum\" adds the data-parallel ranks' gradients instead of averaging them (every "
+        "gradient, and so the clipping norm, world-size times larger); zero_kernels averages them, as DeepSpeed's "
+        'default "mean"',
+        lambda value: value is None or (isinstance(value, str) and value.lower() == "mean"),
+        'remove it or write "mean" (for summed gradients, multiply the loss by the world size)',
+    ),
+    "managed_gradient_accumulation": Unsupported(
+        "DeepSpeed's false makes every step() call apply an update (the caller owns the accumulation boundary) while "
+        "backward still divides the loss by gradient_accumulation_steps; zero_kernels counts "
+        "gradient_accumulation_steps step() calls per update, as DeepSpeed's default true",
+        lambda value: value is None or value is True,
+        "remove it or write true; for updates at the steps you choose, write gradient_accumulation_steps 1 (with "
+        "train_batch_size to match) and divide the loss by your number of backward passes: several backward passes "
+        "before one step() add up",
+    ),
     "fp8": Unsupported(
         "fp8 training runs the matrix multiplications in fp8 with their own scaling (through the training tool, "
         "e.g. Transformer Engine); zero_kernels keeps and updates the parameters in their fp32/bf16/fp16 dtype and "

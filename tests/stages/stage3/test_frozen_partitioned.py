@@ -271,6 +271,33 @@ def test_a_frozen_weight_saved_as_itself_survives_the_recomputation_check(reentr
     _two_steps_next_to_adamw(build, loss, 16)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_recomputation_before_any_other_backward_node_keeps_the_frozen_unit_for_the_check(reentrant: bool) -> None:
+    """DeepSpeed's ``TestZeroFrozenParamCheckpointingVariants.test_multi_block`` (issue #4332): the loss reads the last
+    checkpointed segment's output directly and that segment ends in an op that saves its output (``relu``), so the
+    recomputation is the first thing backward runs, before any of stage 3's backward hooks has marked the backward
+    begun; the frozen norm recomputed there must stay gathered for torch's check (it was freed on the recomputed
+    forward's exit: ``CheckpointError``, recomputed shape ``[0]``, with ``use_reentrant=False``)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(nn.ModuleDict({"norm": nn.LayerNorm(16), "lin": nn.Linear(16, 16)}) for _ in range(2))
+        for block in blocks:
+            block["norm"].requires_grad_(False)
+        return blocks
+
+    def segment(block: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return torch.relu(block["lin"](block["norm"](h)))
+
+    def loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        h = x.requires_grad_()
+        for block in model:
+            h = torch.utils.checkpoint.checkpoint(segment, block, h, use_reentrant=reentrant)
+        return h.sum()
+
+    _two_steps_next_to_adamw(build, loss, 16)
+
+
 def test_a_copy_taken_while_a_frozen_parameter_is_unfrozen_has_the_originals_frozen_units() -> None:
     """Unfrozen (``requires_grad_(True)``) and not given to a param group yet: the copy keeps it in its frozen unit
     as the original does, with its value, and unfrozen as in the original."""

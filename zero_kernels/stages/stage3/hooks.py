@@ -590,14 +590,17 @@ class Stage3Scheduler:
             if frame.module is module:
                 break
         output = self._settled(frame, inputs, output)  # replaced, or a tensor added in place, by a hook
+        # A recomputation may be the first node a backward runs, before any hook of ours has marked it begun.
+        recomputing = self._in_backward or torch._C._current_graph_task_id() != -1
         for i in released:
-            if not (self._in_backward and self._frozen(i)):
+            if not (recomputing and self._frozen(i)):
                 self._free(i)
         return output
 
     def _frozen(self, i: int) -> bool:
         """Whether unit ``i`` holds frozen parameters only. During backward (a non-reentrant checkpoint's
-        recomputation) such a unit stays gathered until its uses end (``_uses_ended``): autograd saves a parameter
+        recomputation, also one that runs before any other node of the backward) such a unit stays gathered until
+        its uses end (``_uses_ended``) or the backward ends: autograd saves a parameter
         that needs no gradient as itself, not as a detached view, and torch's check of the recomputed tensors reads
         its shape after the recomputed forward has returned."""
         return not any(p.requires_grad for p in self.units[i].params)
