@@ -341,9 +341,10 @@ class Stage3Pipeline(Stage2Pipeline):
         if previous is not None:
             previous.remove()
         modules = list(self.module.named_modules(remove_duplicate=True))
+        holder_of = holders(self.module)  # read now: modules come and go (register_parametrization, remove_...)
         units = []
         for uid, buf in enumerate(self.buffers):
-            name, holder = modules[self._holder[id(buf.params[0])]]
+            name, holder = self._unit_holder(buf, modules, holder_of)
             units.append(_Unit(self, buf, uid, holder, f"{name} (persistent parameters)" if buf.persistent else name))
         for frozen in self._frozen or ():
             frozen.uid = len(units)
@@ -361,6 +362,20 @@ class Stage3Pipeline(Stage2Pipeline):
         )
         if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
             self._scheduler.follow(previous)
+
+    def _unit_holder(
+        self, buf: Stage3Buffer, modules: list[tuple[str, nn.Module]], holder_of: dict[int, int]
+    ) -> tuple[str, nn.Module]:
+        """(name, module) a unit is named after: the module that holds its first parameter still in the model, as the
+        model is now. Since the optimizer was built modules may have come (``register_parametrization`` puts the
+        parameter under ``parametrizations.<name>``) or gone (``remove_parametrizations``, ``remove_weight_norm``:
+        the parameters they held left the model, replaced by new ones): positions read when the units were made
+        would name another module or none. A unit none of whose parameters is in the model any more is never
+        gathered (no module uses it) and gets no gradient, so the step leaves it alone, as AdamW does."""
+        for p in buf.params:
+            if id(p) in holder_of:
+                return modules[holder_of[id(p)]]
+        return f"{self._unit_name(buf)} (no longer in the model)", nn.Module()
 
     def _check_gathers(self, batch: list[int], phase: str, deferred: bool) -> None:
         """Every rank must be about to gather the same units (``stage3.check``); else ``CommError`` now, or at
