@@ -603,6 +603,50 @@ def test_torch_compile_matches_adamw_at_every_stage(spawn) -> None:
     spawn(_compiled_cases, 2)
 
 
+class Ranks(nn.Module):
+    """Modules whose inputs have different ranks (3-D into the convolution and the norm, 2-D into the head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv1d(2, 4, 3), nn.LayerNorm(6), nn.Linear(24, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.conv(x)).flatten(1)).square().mean()
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _no_recompiled_hooks_case(rank: int, world: int) -> None:
+    torch._logging.set_logs(recompiles=True)
+    seen = _Messages()
+    logging.getLogger("torch._dynamo").addHandler(seen)
+    torch.manual_seed(0)
+    model = Ranks()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=0)
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(2):
+        compiled(torch.randn(2, 2, 8)).backward()
+        opt.step()
+        opt.zero_grad()
+    ours = [m.splitlines()[0] for m in seen.messages if "zero_kernels" in m]
+    assert not ours, f"Dynamo recompiled stage 3's hooks: {ours}"
+
+
+@pytest.mark.distributed
+def test_torch_compile_never_traces_stage3_hooks(spawn) -> None:
+    """Under ``torch.compile`` stage 3's module hooks run eagerly and are never traced: traced, they were compiled
+    anew for each module class and input rank they served (a small Wav2Vec2 reached Dynamo's recompile limit, with
+    its warning on every rank)."""
+    spawn(_no_recompiled_hooks_case, 1)
+
+
 class _Reader(nn.Module):
     """A model whose forward reads a parameter of another model, held by another stage-3 optimizer."""
 

@@ -202,10 +202,12 @@ class _ModelHook:
     """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``,
     pickle; ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that
     drives this scheduler (its gathers and pass bookkeeping) from the copy's forward. Run eagerly under
-    ``torch.compile`` (``stage3.guard.run_eagerly``)."""
+    ``torch.compile``, its call never traced: traced, it was compiled anew for each module class and argument
+    count it served, up to Dynamo's recompile limit and its warning on every rank (a small Wav2Vec2 reached it);
+    about 0.6 us more per call without ``torch.compile``."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn: Optional[Callable[..., Any]] = guard.run_eagerly(fn)
+        self._fn: Optional[Callable[..., Any]] = fn
 
     def __getstate__(self) -> dict[str, Any]:
         return {}
@@ -213,6 +215,7 @@ class _ModelHook:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._fn = None
 
+    @torch._disable_dynamo
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return None if self._fn is None else self._fn(*args, **kwargs)
 
