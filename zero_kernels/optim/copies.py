@@ -172,7 +172,11 @@ def load_shards(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
     shard = state["shard"]
     pipeline = opt.pipeline
     if zstate.layout_signature(pipeline) != shard["layout"]:
-        raise RuntimeError("the rebuilt optimizer has another flat-buffer layout than the saved one")
+        raise RuntimeError(
+            "the rebuilt optimizer has another flat-buffer layout than the saved one: the model's modules or "
+            "parameters, or the param groups, changed after the optimizer was built (a parametrization registered "
+            "or removed, a module replaced); copy or pickle it only with the model and groups it was built with"
+        )
     zstate.load_shard_state(pipeline, shard["buffers"])
     zstate.mark_written(pipeline, shard.get("written", []))
     pipeline.steps.update(shard["steps"])

@@ -101,3 +101,21 @@ def test_removed_parametrization_one_process(then: str) -> None:
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
 def test_removed_parametrization(spawn, world: int, then: str) -> None:
     spawn(removal_case, world, then)
+
+
+class _Scale(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def test_copy_after_a_parametrization_was_registered_says_the_model_changed() -> None:
+    """A parametrization registered after the optimizer was built moves its parameter under a new module: a copy
+    of the optimizer then finds another layout, and the error says that the model changed since (it said only
+    that the layouts differ)."""
+    torch.manual_seed(0)
+    model = PosConv()
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    with opt.gathered_params():
+        parametrize.register_parametrization(model.mid, "weight", _Scale())
+    with pytest.raises((ValueError, RuntimeError), match="changed after the optimizer was built"):
+        copy.deepcopy(opt)
