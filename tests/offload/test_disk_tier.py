@@ -5,6 +5,7 @@ before anything changes."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing
 import os
 import signal
@@ -310,6 +311,62 @@ def test_full_disk_is_refused_naming_path_and_bytes(tmp_path: Path) -> None:
             _opt(model, small)
         assert not (small / "zero_kernels").exists()  # the failed run's files are gone, and its empty parent
     _untouched(model, before)
+
+
+def test_add_param_group_on_a_full_disk_keeps_the_other_groups_state(tmp_path: Path) -> None:
+    """``add_param_group`` on a disk without room for the new group's state raises naming the key, and only the new
+    group's files go: the state already in files stays, and training goes on bit for bit as the same run without
+    offload (before, the refusal closed the whole tier: every file of the run was removed and each later step
+    raised "this FileIO is closed"); with room made, the group is added and trains."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32)).to(torch.bfloat16)
+    late_plain = nn.Linear(32, 32).to(torch.bfloat16)
+    tiered, late_tiered = copy.deepcopy(plain), copy.deepcopy(late_plain)
+    pairs = [(plain, late_plain, zo.ShardedFusedAdam(plain, stage=2, reduce_bucket_size=1024))]
+
+    def step(model: nn.Module, late: "nn.Module | None", opt: zo.ShardedFusedAdam, seed: int) -> None:
+        torch.manual_seed(seed)
+        out = model(torch.randn(4, 64).to(torch.bfloat16))
+        (out if late is None else late(out)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with _tmpfs(tmp_path / "small", "size=1m") as small:
+        pairs.append((tiered, late_tiered, _opt(tiered, small)))
+        for seed in range(2):
+            for model, _, opt in pairs:
+                step(model, None, opt, seed)
+        files = sorted(p.name for p in pairs[1][2]._pipeline.tier.root.iterdir())
+        filler = small / "filler"
+        filler.write_bytes(b"\0" * _room(str(small)))
+        with pytest.raises(OSError, match=r"offload_optimizer.nvme_path: cannot reserve .*No space left"):
+            pairs[1][2].add_param_group({"params": list(late_tiered.parameters())})
+        assert len(pairs[1][2].param_groups) == 1
+        assert sorted(p.name for p in pairs[1][2]._pipeline.tier.root.iterdir()) == files  # only the new ones went
+        for seed in range(2, 4):
+            for model, _, opt in pairs:
+                step(model, None, opt, seed)
+            _same_pair(pairs, state=seed == 3)
+        filler.unlink()
+        for _, late, opt in pairs:
+            opt.add_param_group({"params": list(late.parameters())})
+        for seed in range(4, 6):
+            for model, late, opt in pairs:
+                step(model, late, opt, seed)
+        _same_pair(pairs, state=True)
+        del pairs[1:]  # its files go before the disk does
+
+
+def _same_pair(pairs: list, state: bool) -> None:
+    (a, la, oa), (b, lb, ob) = pairs
+    for p, q in zip(list(a.parameters()) + list(la.parameters()), list(b.parameters()) + list(lb.parameters())):
+        assert torch.equal(p, q)
+    if state:
+        ours, theirs = ob.full_state_dict()["state"], oa.full_state_dict()["state"]
+        assert ours.keys() == theirs.keys()
+        for i in ours:
+            for k in theirs[i]:
+                assert torch.equal(ours[i][k], theirs[i][k]), (i, k)
 
 
 def _amsgrad_on_a_full_disk(rank: int, world: int, disks: list[str], when: str) -> None:

@@ -330,3 +330,40 @@ def test_a_param_group_added_while_training_with_everything_on_disk_trains_as_wi
             runs[name] = [p.detach().clone() for p in model.parameters()]
         opt._pipeline.close()
     assert all(torch.equal(a, b) for a, b in zip(runs["plain"], runs["disk"]))
+
+
+def _older_state_ranks(rank: int, world: int, scratch: str) -> None:
+    """Each rank: this rank's ``state_dict()``, one more step, that state loaded back and one more step, with the
+    parameter shards in files and the state in host memory or in files: the weights and state are bit for bit those
+    of the same run without offload, where the loaded master, older than the weights, gives way to them."""
+    runs = {}
+    root = Path(scratch) / f"rank{rank}"
+    root.mkdir()
+    tiers = {
+        "plain": {},
+        "cpu": {"offload_optimizer": "cpu", "offload_param": _files(root)},
+        "nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": str(root)}, "offload_param": _files(root)},
+    }
+    for name, extra in tiers.items():
+        model = _model()
+        opt = zo.ShardedFusedAdam(model, **KWARGS, **extra)
+        _train(model, opt, 3)
+        older = copy.deepcopy(opt.state_dict())
+        _train(model, opt, 1)
+        opt.load_state_dict(older)
+        _train(model, opt, 1)  # nothing reads the state or the weights between the load and this step
+        with opt.gathered_params():
+            runs[name] = [p.detach().clone() for p in model.parameters()], opt.full_state_dict()["state"]
+        opt._pipeline.close()
+    for name in ("cpu", "nvme"):
+        assert all(torch.equal(a, b) for a, b in zip(runs["plain"][0], runs[name][0])), f"{name}: the weights differ"
+        for i, entry in runs["plain"][1].items():
+            for kind, value in entry.items():
+                assert torch.equal(value, runs[name][1][i][kind]), f"{name}: state {i} {kind} differs"
+
+
+@pytest.mark.distributed
+def test_an_older_state_loaded_gives_way_to_the_weights_in_files(tmp_path: Path) -> None:
+    from tests.helpers.dist import run_ranks
+
+    run_ranks(_older_state_ranks, 2, str(tmp_path))

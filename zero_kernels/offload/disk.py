@@ -327,10 +327,20 @@ class DiskTier(HostTier):
         read zeros until written (POSIX: bytes past the end of a file that ``posix_fallocate`` or ``ftruncate``
         extends read as zeros)."""
         self.forget(key)
-        self.names[key] = len(self.names)
+        self.names[key] = max(self.names.values(), default=-1) + 1
         self.groups[key] = list(group_numels)
         for kind in kinds:
             self.reserve(key, kind)
+
+    def discard(self, key: int) -> None:
+        """Forget a buffer that could not be set up (a disk without room for it): its files removed, the other buffers'
+        state left in theirs."""
+        if key in self.groups:
+            self.forget(key)
+            for path in self.root.glob(f"b{self.names[key]}.g*"):
+                path.unlink(missing_ok=True)
+            del self.groups[key], self.names[key]
+        super().discard(key)
 
     def reserve(self, key: int, kind: str) -> None:
         """Make the files of state ``kind`` of a buffer, their bytes reserved on the disk."""

@@ -142,6 +142,10 @@ class HostTier:
         self.shards[key] = shard
         return shard
 
+    def discard(self, key: int) -> None:
+        """Forget a buffer that could not be set up (``attach`` done, its state not placed); the others stay."""
+        self.shards.pop(key, None)
+
     def init(self, dst: torch.Tensor, src: torch.Tensor, key: Hashable) -> None:
         """The first copy of a buffer's parameters down (counted apart from the steps' traffic); ``key`` names
         the piece for ``changed``."""

@@ -466,6 +466,10 @@ class Pipeline(BackwardRound):
         """Whether this rank's parameter shard of ``buf`` lives in a file (stage 3's ``offload_param`` on nvme)."""
         return False
 
+    def params_only_in_file(self, buf: FlatBuffer) -> bool:
+        """Whether that shard is in its file alone now (not read in whole since the last step: ``params_in_file``)."""
+        return False
+
     def finish_offloaded_step(self) -> None:
         """After the update's last bucket: the tier's (``offloaded.finish_step``)."""
         if self.tier is not None:

@@ -118,7 +118,9 @@ def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
     try:
         agree(pipeline.engine, problem, "offload.reserve")
     except OSError:
-        tier.close()  # its files are removed; the parameters keep their values
+        # only this buffer's files go: the state of the buffers before it (``add_param_group``) stays in theirs; a
+        # constructor that fails closes the whole tier (``Pipeline.close``); the parameters keep their values
+        tier.discard(id(buf))
         raise
 
 
@@ -167,7 +169,9 @@ def update_bucket(
     if not in_file and not pipeline.grads_in_file(buf) and skipped_on_host(decision):
         return  # the update would change nothing: no copies, no state read or written
     shard = tier.shards[id(buf)]
-    fresh = in_file and overwritten(pipeline, buf, bucket, decision, with_grad)
+    # a shard read in whole since the last step (a state read or load, a value given) may hold what the step must
+    # adopt (an edit, or weights newer than a master loaded): only a shard in its file alone holds nothing to adopt
+    fresh = in_file and pipeline.params_only_in_file(buf) and overwritten(pipeline, buf, bucket, decision, with_grad)
     if in_file:
         params, device_params = pipeline.step_params(buf, bucket, read=not fresh), None
     else:

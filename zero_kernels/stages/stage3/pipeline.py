@@ -647,6 +647,9 @@ class Stage3Pipeline(Stage2Pipeline):
     def params_in_file(self, buf: FlatBuffer) -> bool:
         return self.disk_params is not None and self.disk_params.holds(buf)
 
+    def params_only_in_file(self, buf: FlatBuffer) -> bool:
+        return self.params_in_file(buf) and self.disk_params.in_file(buf)
+
     def step_params(self, buf: Stage3Buffer, bucket: Bucket, read: bool = True) -> torch.Tensor:
         """The host Adam's copy of this rank's shard of ``bucket`` of a unit kept in a file (``disk_params``);
         ``read``: False where the update overwrites all of it (no edit to adopt: see ``DiskParams.step_params``)."""
