@@ -272,3 +272,63 @@ def test_a_read_cut_short_leaves_no_slot_claiming_its_sub_group(
             _step(model, opt, seed)
         _same(models, opts, state=False)
     _same(models, opts)
+
+
+@pytest.mark.parametrize("io", ["write", "read"])
+@pytest.mark.parametrize("write", [False, True])
+def test_a_failed_io_is_raised_once_and_training_goes_on_once_the_disk_is_back(
+    io: str, write: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One state write (or read) fails in a step (the disk refused it: EIO), then works again: the step raises that
+    error naming the file, and the state can be read and training goes on, bit for bit as the same run without
+    offload cut short before the same launch (the slot keeps the sub-group's new values and writes them again, or
+    reads the sub-group again). Before, the failed request stayed in its slot and every later step, state read or
+    checkpoint raised the same error again, the disk working or not."""
+    import errno
+
+    import zero_kernels.stages.offloaded as offloaded
+    import zero_kernels.stages.update as update
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    models, opts = _pair(tmp_path, buffers=1 if io == "read" else 2, read=io != "read", write=write)
+    for seed in range(2):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+    launched, stop, failed = [0], [None], []
+
+    def counted(real: Callable) -> Callable:
+        def launch(*args, **kwargs):
+            if stop[0] is not None and launched[0] == stop[0]:
+                raise KeyboardInterrupt("before the same launch")
+            launched[0] += 1
+            return real(*args, **kwargs)
+
+        return launch
+
+    real_io = getattr(FileIO, io)
+
+    def failing(self, path, tensor, offset=0):
+        if not failed and launched[0] >= 1:  # the step's first sub-group is updated: fail its next request
+            failed.append(path)
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, f"{io} of bytes 0..{tensor.nbytes}"), lambda: True)
+        return real_io(self, path, tensor, offset)
+
+    monkeypatch.setattr(update, "launch", counted(update.launch))
+    monkeypatch.setattr(offloaded, "launch", counted(offloaded.launch))
+    with monkeypatch.context() as patched:
+        patched.setattr(FileIO, io, failing)
+        with pytest.raises(OSError, match="Input/output error") as caught:
+            _step(models[1], opts[1], 2)
+    assert failed and str(caught.value.filename) == str(failed[0])
+    opts[1].zero_grad()
+    stop[0], launched[0] = launched[0], 0
+    with pytest.raises(KeyboardInterrupt):
+        _step(models[0], opts[0], 2)
+    opts[0].zero_grad()
+    stop[0] = None
+    _same(models, opts)  # the state reads (the disk is back)
+    for seed in range(3, 6):
+        for model, opt in zip(models, opts):
+            _step(model, opt, seed)
+        _same(models, opts, state=False)
+    _same(models, opts)

@@ -82,13 +82,25 @@ class _Slot:
     writing: list[IOHandle] = field(default_factory=list)
 
     def wait_reads(self) -> None:
-        for h in self.reading:
-            h.wait()
+        """Every read done; one that failed (raised here, once) leaves the slot holding nothing: read again."""
+        try:
+            _wait_all(self.reading)
+        except OSError:
+            self.reading = []
+            self.holds, self.stored, self.loaded = None, False, False
+            raise
         self.reading = []
 
     def wait_writes(self) -> None:
-        for h in self.writing:
-            h.wait()
+        """Every write done; one that failed (raised here, once) leaves the slot's bytes to be written again (as an
+        update's not stored: ``DiskTier._store_cut_short``), the files lacking them."""
+        try:
+            _wait_all(self.writing)
+        except OSError:
+            self.writing = []
+            if self.holds is not None:
+                self.stored, self.loaded = False, True
+            raise
         self.writing = []
 
     def idle(self) -> bool:
