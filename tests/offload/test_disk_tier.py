@@ -565,3 +565,50 @@ def test_a_zero_element_parameter_trains_at_stage3_on_disk(tmp_path: Path, param
     with opts[0].gathered_params(), opts[1].gathered_params():
         for a, b in zip(models[0].parameters(), models[1].parameters()):
             assert torch.equal(a, b)
+
+
+class _Growing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.last, self.grown = nn.Linear(32, 8), nn.Linear(8, 8), nn.ModuleList()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        for block in self.grown:
+            h = h + block(h)
+        return self.last(h)
+
+
+def test_stage3_add_param_group_on_a_full_disk_keeps_the_files_before(tmp_path: Path) -> None:
+    """Stage 3 with the state on disk (the gradient shards in files too): a module appended while training is given
+    to ``add_param_group`` on a disk without room for its gradient files: refused naming the key, and once room is
+    made it is added and the run trains bit for bit as without offload (before, the refusal closed the whole tier,
+    and the next add, like every step, failed on the run's deleted directory)."""
+    runs = {}
+    with _tmpfs(tmp_path / "small", "size=1m") as small:
+        extra = {"offload_optimizer": {"device": "nvme", "nvme_path": str(small)}, "sub_group_size": 64}
+        for name, kwargs in (("plain", {}), ("disk", extra)):
+            torch.manual_seed(0)
+            model = _Growing().to(torch.bfloat16)
+            opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=3, reduce_bucket_size=64,
+                                      stage3_param_persistence_threshold=0, **kwargs)  # fmt: skip
+            block = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 8)).to(torch.bfloat16)
+            for step in range(5):
+                if step == 2:
+                    model.grown.append(block)
+                    if kwargs:
+                        (small / "filler").write_bytes(b"\0" * _room(str(small)))
+                        with pytest.raises(OSError, match=r"cannot reserve .*\.grads' .*No space left"):
+                            opt.add_param_group({"params": list(block.parameters()), "lr": 2e-2})
+                        (small / "filler").unlink()
+                    opt.add_param_group({"params": list(block.parameters()), "lr": 2e-2})
+                x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+                model(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            with opt.gathered_params():
+                runs[name] = [p.detach().clone() for p in model.parameters()]
+            opt._pipeline.close()
+    assert len(runs["plain"]) == len(runs["disk"]) and all(
+        torch.equal(a, b) for a, b in zip(runs["plain"], runs["disk"])
+    )

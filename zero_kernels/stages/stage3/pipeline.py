@@ -490,16 +490,20 @@ class Stage3Pipeline(Stage2Pipeline):
         anything changes (a disk without room on any rank raises on every rank, the tier's files removed)."""
         if self.disk_grads is None:
             return
-        problem = None
+        problem, added = None, []
         try:
             for buf in buffers:
                 self.disk_grads.add(buf, self.accumulate_dtype_of(buf), self._unit_name(buf))
+                added.append(buf)
         except OSError as err:
             problem = str(err)
         try:
             offloaded.agree(self.engine, problem, "offload.reserve_grads")
         except OSError:
-            self.tier.close()
+            # only these files go: the state and gradients of the units before them (``add_param_group``) stay in
+            # theirs; a constructor that fails closes the whole tier (``Pipeline.close``)
+            for buf in reversed(added):
+                self.disk_grads.files.remove(id(buf))
             raise
 
     def _allocate_grads(self, buf: FlatBuffer) -> None:
