@@ -343,6 +343,27 @@ def test_a_write_into_the_master_wins_at_the_next_step(stage: int) -> None:
         assert torch.equal(value, runs[1][name]), f"stage {stage}: {name}"
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_older_state_loaded_leaves_the_parameters(stage: int) -> None:
+    """``load_state_dict`` of a state saved a step ago on one process, where the state dict is AdamW's layout with
+    each fp32 ``master``: the parameters keep their values (as a load into ``torch.optim.AdamW`` leaves them, and as
+    every world size does), and the masters give way to them, so a state read then holds masters rounding to the
+    parameters (the loaded masters won there, putting the weights back a step)."""
+    model, opt = train_bf16(stage, 0, 1, range(2))
+    older = copy.deepcopy(opt.state_dict())
+    train_bf16(stage, 0, 1, range(2, 3), model, opt)
+    now = weights(model, opt)
+    opt.load_state_dict(older)
+    state = opt.state_dict()["state"]
+    after = weights(model, opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for name, value in now.items():
+        assert torch.equal(after[name], value), f"stage {stage}: {name} changed by the load"
+    with opt.gathered_params():
+        for index, entry in state.items():
+            assert torch.equal(entry["master"].to(torch.bfloat16), params[index]), f"stage {stage}: master {index}"
+
+
 # ---------------------------------------------------------------- an edit between steps survives copies and loads
 OFFLOADS = ({}, {"offload_optimizer": {"device": "cpu"}})
 

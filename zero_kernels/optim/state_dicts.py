@@ -228,11 +228,15 @@ def _check_step(value: Any, what: str) -> None:
 
 
 def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
-    """The fp32 masters a ``whole`` state carries, into this rank's part of the master shards."""
+    """The fp32 masters a ``whole`` state carries, into this rank's part of the master shards: the optimizer's own
+    write (``stages.master``), so a master that does not round to its parameter (an older state loaded) gives way to
+    the parameter, as at every world size; unrecorded, it was taken for a write from outside and put the weights
+    back to the state's."""
     for piece in zstate.load_pieces(pipeline):
         entry = entries.get(piece.index)
         if "master" in piece.state and entry is not None and "master" in entry:
             piece.state["master"].copy_(entry["master"].reshape(-1).narrow(0, piece.start, piece.numel))
+    zstate.record_masters(pipeline)
 
 
 def _adopt(group: dict[str, Any], saved: dict[str, Any]) -> None:
