@@ -39,3 +39,15 @@ def _refused(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_sharded_state_of_another_layout_names_the_difference() -> None:
     run_ranks(_refused, 2)
+
+
+def test_buckets_of_other_sizes_are_not_said_to_differ_in_number() -> None:
+    """Saved on 2 ranks, loaded on 1 (probe BF, a nanoGPT resume at another world size): the buckets' count is the
+    same and their padded sizes differ; the message said "cut into 1 bucket there, 1 here (reduce_bucket_size)"."""
+    from zero_kernels.optim.state_dicts import _layout_difference
+
+    saved = [[1, "torch.float32", 64, [64], [11]]]
+    here = [[1, "torch.float32", 48, [48], [11]]]
+    message = _layout_difference(saved, here, stage3=True)
+    assert "1 bucket there, 1 here" not in message
+    assert "buckets of [64] elements there, [48] here" in message and "world size" in message

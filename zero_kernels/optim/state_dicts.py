@@ -356,10 +356,16 @@ def _layout_difference(saved: list[Any], here: list[Any], stage3: bool) -> str:
                 f"flat buffer {i} (param group {group}) holds parameters {_span(indices)} there, {_span(my_indices)} "
                 f"here{f' (at stage 3, {persistence})' if stage3 else ''}"
             )
-        if buckets != my_buckets:
+        if len(buckets) != len(my_buckets):
             return (
                 f"flat buffer {i} (param group {group}) is cut into {plural(len(buckets), 'bucket')} there, "
                 f"{len(my_buckets)} here (reduce_bucket_size)"
+            )
+        if buckets != my_buckets:
+            return (
+                f"flat buffer {i} (param group {group}) has buckets of {_span(buckets)} elements there, "
+                f"{_span(my_buckets)} here (each rank's part is padded: the sizes follow the world size and "
+                "reduce_bucket_size)"
             )
     return "its flat buffers differ"
 
