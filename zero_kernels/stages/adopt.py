@@ -205,7 +205,8 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
     check_freed(buf, buf.params, name_of)
     if not given_values(buf.params):
         return False
-    casts = {id(p): take_casts(p) for p in buf.params if p.numel() == 0}
+    # casts noted before a value was assigned are superseded by it (taken all the same, or a later gather rounds it)
+    casts = {id(p): take_casts(p) for p in buf.params}
     pipeline.uploads.wait()  # a copy up still reading the shard (``uploads``)
     for slot in buf.layout.slots:
         p = buf.params[slot.param]

@@ -130,6 +130,33 @@ def test_cast_after_build_is_refused(spawn, world: int) -> None:
     spawn(cast_case, world)
 
 
+def cast_then_assign_case(rank: int, world: int) -> None:
+    """``model.half(); model.float()`` with the parameters freed, then ``p.data = value`` (a trainable and the frozen
+    parameter) before the next gather: the assigned values are taken as given, and no later gather rounds them (or
+    the values the steps made of them) through fp16 again."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    new = {"emb.weight": torch.randn(11, 6, generator=torch.Generator().manual_seed(7)), "frozen": torch.randn(5) * 3}
+    for step in range(4):
+        if step == 1:
+            model.half()
+            model.float()
+            round_values(ref, torch.float16)
+            for m in (model, ref):
+                params = dict(m.named_parameters())
+                for name, value in new.items():
+                    params[name].data = value.clone()
+        forward_backward(model, ref, rank, world, 3, step)
+        step_and_compare(opt, ropt, model, ref, f"world {world} step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
+def test_cast_then_assigned_values_are_not_rounded(spawn, world: int) -> None:
+    spawn(cast_then_assign_case, world)
+
+
 WRITTEN = r"parameter '0\.weight' \(optimizer index 0\) was written in place.*max_norm.*nothing was updated"
 
 

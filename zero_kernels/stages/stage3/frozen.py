@@ -250,7 +250,9 @@ class FrozenUnit:
             return 0
         check_freed(self, self.params, self.name_of)
         given = {id(p): p.detach() for p in self.params if p.numel() != 0}
-        casts = {id(p): take_casts(p) for p in self.params if p.numel() == 0 and was_cast(p)}
+        # casts noted before a value was assigned are superseded by it (taken all the same, or a later gather rounds it)
+        taken = {id(p): (p.numel() == 0, take_casts(p)) for p in self.params if was_cast(p)}
+        casts = {i: dtypes for i, (freed, dtypes) in taken.items() if freed}
         if not given and not casts:
             return 0
         for p, shape in zip(self.params, self.shapes):
