@@ -172,3 +172,21 @@ def test_parameters_that_differ_across_ranks_start_from_rank_0s_as_deepspeed_bro
     from tests.helpers.dist import run_ranks
 
     run_ranks(_rank_dependent_init, 2)
+
+
+def _meta_model(rank: int, world: int) -> None:
+    """A model on the meta device given to ``initialize`` on 2 ranks is refused as ``ShardedFusedAdam`` refuses it
+    (naming the parameter and ``to_empty``), not by the broadcast of differing values reading its sizes ("Tensor.item()
+    cannot be called on meta tensors")."""
+    for stage in (0, 3):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+        with pytest.raises(ValueError, match=r"parameter '0\.weight' is on the meta device.*to_empty"):
+            zk.initialize(model, _config(zero_optimization={"stage": stage}))
+
+
+@pytest.mark.distributed
+def test_a_model_on_the_meta_device_is_refused_naming_its_parameter() -> None:
+    from tests.helpers.dist import run_ranks
+
+    run_ranks(_meta_model, 2)

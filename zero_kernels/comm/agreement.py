@@ -234,6 +234,8 @@ def broadcast_differing(params: Sequence[torch.Tensor], group: Any = None) -> li
     dist = torch.distributed
     if not params or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return []
+    if any(p.is_meta for p in params):  # no values to compare: ``ShardedFusedAdam`` refuses them, naming the parameter
+        return []
     device = params[0].device
     stats = torch.zeros(2 * len(params) + 1, dtype=torch.float64, device=device)
     stats[-1] = len(params)
