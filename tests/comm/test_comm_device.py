@@ -68,5 +68,9 @@ def test_replication_check_makes_no_float64_copy_of_a_parameter() -> None:
         agreement.check_replicated(Replicated(), params, [0, 1, 2], str)
     assert 0 < seen.numel <= big.numel() // 3, f"a float64 tensor of {seen.numel} elements for {big.numel()}"
     whole = torch.cat([big.double().sum().reshape(1), params[1].double().sum().reshape(1)])
-    chunked = torch.stack([agreement._checksum(big), agreement._checksum(params[1])])
+    chunked = torch.stack([agreement._checksum(big)[0], agreement._checksum(params[1])[0]])
     assert torch.allclose(chunked, whole, rtol=1e-12), "the chunked float64 sum is not the sum"
+    weights = torch.arange(big.numel(), dtype=torch.float64).remainder(agreement.CHECKSUM_PERIOD) + 1
+    weighted = agreement._checksum(big)[1]
+    assert torch.allclose(weighted, big.double().dot(weights), rtol=1e-12), "the weighted sum is not the weighted sum"
+    assert agreement._checksum(params[2].flip(0))[1] != agreement._checksum(params[2])[1], "a permutation is unseen"

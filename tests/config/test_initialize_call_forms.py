@@ -132,16 +132,19 @@ def test_world_size_is_refused_by_initialize_and_suggested_for_a_misspelling() -
 
 def _rank_dependent_init(rank: int, world: int) -> None:
     """DeepSpeed's ``TestZero3ParamPartitioningLargeParam`` / ``TestZero3InitForParentWeightInitialization``: a model
-    initialised differently on each rank (its own seed; a weight filled on rank 0 only) trains from rank 0's values,
+    initialised differently on each rank (its own seed; a weight filled on rank 0 only, one whose rows are in another
+    order on rank 1) trains from rank 0's values,
     as ``deepspeed.initialize`` broadcasts them, at every stage (it was refused: "different values on some rank")."""
     from tests.helpers.lockstep import ROWS, Net, batch, compare, extra_rows, local
 
     for stage in (0, 1, 2, 3):
-        torch.manual_seed(rank)
+        torch.manual_seed(rank if stage % 2 else 0)
         model = Net()
-        if rank == 0:
-            with torch.no_grad():
+        with torch.no_grad():
+            if rank == 0:
                 model.head.bias.fill_(0.5)
+            elif stage % 2 == 0:  # rank 0's values in another order: a plain sum of them cannot tell
+                model.mid.weight.copy_(model.mid.weight.flip(0))
         torch.manual_seed(0)
         ref = Net()
         with torch.no_grad():

@@ -192,6 +192,14 @@ def bad_input_case(rank: int, world: int, stage: int) -> None:
     if world > 1:
         with pytest.raises(ValueError, match="'head.bias'.*different values on some rank"):
             zo.ShardedFusedAdam(skewed, stage=stage)
+    torch.manual_seed(7)
+    permuted = Net()  # the same values, in another order on rank 1: the plain sum cannot tell
+    if rank == 1:
+        with torch.no_grad():
+            permuted.mid.weight.copy_(permuted.mid.weight.flip(0))
+    if world > 1:
+        with pytest.raises(ValueError, match="'mid.weight'.*different values on some rank"):
+            zo.ShardedFusedAdam(permuted, stage=stage)
 
 
 def contract_cases(rank: int, world: int, path: str) -> None:

@@ -177,18 +177,33 @@ def check_optimizer(
 
 
 CHECKSUM_CHUNK = 1 << 20  # elements summed in float64 at a time: at most an 8 MiB float64 copy
+CHECKSUM_PERIOD = 65521  # the position weights of ``_checksum`` repeat after this many elements (a prime)
 
 
 def _checksum(p: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of ``p``'s values, a float64 0-d tensor on its device.
+    """Two float64 checksums of ``p``'s values, a float64 tensor of 2 on its device: their sum, and their sum
+    weighted by position (each element times its index mod ``CHECKSUM_PERIOD``, plus one), which a permutation of
+    the values (rank 0's reversed) changes where the plain sum does not.
 
     Chunk by chunk: ``p.double()`` (or ``sum(dtype=torch.float64)``, which casts its input first) would
     hold a float64 copy of the whole parameter (8.4 GB for a 128k x 8192 embedding).
     """
     flat = p.detach().reshape(-1)
-    if flat.dtype == torch.float64 or flat.numel() <= CHECKSUM_CHUNK:
-        return flat.double().sum()
-    return torch.stack([chunk.double().sum() for chunk in flat.split(CHECKSUM_CHUNK)]).sum()
+    sums = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    for start, chunk in zip(range(0, flat.numel(), CHECKSUM_CHUNK), flat.split(CHECKSUM_CHUNK)):
+        values = chunk.double()
+        weights = torch.arange(start, start + values.numel(), dtype=torch.float64, device=flat.device)
+        sums += torch.stack([values.sum(), values.dot(weights.remainder_(CHECKSUM_PERIOD).add_(1))])
+    return sums
+
+
+def _stats(params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Per parameter its size and ``_checksum``s, float64 on ``device``, three numbers each."""
+    stats = torch.zeros(len(params), 3, dtype=torch.float64, device=device)
+    for i, p in enumerate(params):
+        stats[i, 0] = p.numel()
+        stats[i, 1:] = _checksum(p).to(device)
+    return stats.reshape(-1)
 
 
 def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
@@ -209,17 +224,14 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
         raise ValueError(
             f"the ranks pass different numbers of parameters to the optimizer ({int(-count[1])} to {int(count[0])})"
         )
-    stats = torch.zeros(2 * len(params), dtype=torch.float64, device=device)
-    for i, p in enumerate(params):
-        stats[2 * i] = p.numel()
-        stats[2 * i + 1] = _checksum(p)
+    stats = _stats(params, device)
     packed = torch.cat([stats, -stats])
     engine.all_reduce(packed, op="max", name="check.params").wait()
     differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()
     if differ:
-        what = "a different size" if differ[0] % 2 == 0 else "different values"
+        what = "a different size" if differ[0] % 3 == 0 else "different values"
         raise ValueError(
-            f"{name_of(indices[differ[0] // 2])} has {what} on some rank: every rank "
+            f"{name_of(indices[differ[0] // 3])} has {what} on some rank: every rank "
             "must start from the same model (same seed, or broadcast rank 0's parameters first)"
         )
 
@@ -236,18 +248,14 @@ def broadcast_differing(params: Sequence[torch.Tensor], group: Any = None) -> li
         return []
     if any(p.is_meta for p in params):  # no values to compare: ``ShardedFusedAdam`` refuses them, naming the parameter
         return []
-    device = params[0].device
-    stats = torch.zeros(2 * len(params) + 1, dtype=torch.float64, device=device)
-    stats[-1] = len(params)
-    for i, p in enumerate(params):
-        stats[2 * i] = p.numel()
-        stats[2 * i + 1] = _checksum(p)
+    count = torch.tensor([float(len(params))], dtype=torch.float64, device=params[0].device)
+    stats = torch.cat([_stats(params, params[0].device), count])
     packed = torch.cat([stats, -stats])
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    same = packed[: stats.numel()] == -packed[stats.numel() :]
-    if not bool(same[0::2].all()):  # the count or a size differs: not the same model
+    same = (packed[: stats.numel()] == -packed[stats.numel() :])[:-1].reshape(-1, 3)
+    if not bool(same[:, 0].all()) or packed[stats.numel() - 1] != -packed[-1]:  # not the same model
         return []
-    differ = (~same[1::2]).nonzero().flatten().tolist()
+    differ = (~same[:, 1:].all(dim=1)).nonzero().flatten().tolist()
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for i in differ:
