@@ -129,3 +129,55 @@ def test_second_optimizer_on_a_held_model_is_refused(tmp_path: Path, threshold: 
         for (name, p), r in zip(model.named_parameters(), ref.parameters()):
             assert p.dtype == torch.float32, name
             assert_close(p, r, rtol=1e-5, atol=1e-6 * r.detach().abs().max().item(), what=name)
+
+
+def _hooks(model: nn.Module) -> int:
+    """Hooks on the model's modules and parameters, every kind a stage-3 optimizer puts there."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+    on_modules = sum(len(getattr(m, kind)) for m in model.modules() for kind in kinds)
+    return on_modules + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_hooks_of_deleted_optimizers_come_off_the_model(tmp_path: Path) -> None:
+    """A model trained by one stage-3 optimizer after another (every parameter kept whole, so the model keeps its
+    values): each deleted optimizer's hooks come off the model, as at stages 0-2, and the model trains on next to
+    ``torch.optim.AdamW``. They stayed, doing nothing: 19 more hooks on this model per optimizer, each called at every
+    forward and backward."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    step = 0
+    for _ in range(3):
+        opt = _opt(model, "none", tmp_path, threshold=10**6)  # a new optimizer starts its moments afresh
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        for _ in range(2):
+            _step(model, opt, step)
+            _step(ref, ref_opt, step)
+            step += 1
+        del opt
+        gc.collect()
+        assert _hooks(model) == 0
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert_close(p, r, rtol=1e-5, atol=1e-6 * r.detach().abs().max().item())
+
+
+def test_emptied_model_keeps_only_the_guard_that_says_so(tmp_path: Path) -> None:
+    """Of a deleted optimizer's hooks on a model it emptied, only the ``state_dict()`` guard stays (it says the
+    values are gone), and the tables of emptied parameters, keyed by ``id``, forget the parameters once they are
+    collected (a search building a model and an optimizer after another left an entry per parameter)."""
+    from zero_kernels.stages.stage3 import guard
+
+    tables = (guard._on_use, guard._on_read_use, guard._epoch, guard._reads)
+    before = [len(t) for t in tables]
+    model = _model()
+    opt = _opt(model, "none", tmp_path)
+    _step(model, opt, 0)
+    model[0].weight.detach()  # a read of an emptied parameter: an entry in ``_reads``
+    del opt
+    gc.collect()
+    assert _hooks(model) == 1
+    with pytest.raises(RuntimeError, match="the stage-3 optimizer that kept its shards was deleted"):
+        model.state_dict()
+    del model
+    gc.collect()
+    assert [len(t) for t in tables] == before

@@ -85,6 +85,21 @@ _epoch: dict[int, int] = {}  # id(freed parameter) -> a new number at each free 
 _epochs = itertools.count()
 # id(parameter) -> (storage, epoch) of the empty tensors its latest .data reads gave (held, so no address is reused)
 _reads: dict[int, "collections.deque[tuple[torch.UntypedStorage, Optional[int]]]"] = {}
+_alive: dict[int, "weakref.ref[nn.Parameter]"] = {}  # id(parameter) -> its reference, whose end drops its entries
+
+
+def _follow(param: nn.Parameter) -> None:
+    """Drop ``param``'s entries from the tables above once it is collected: they are keyed by ``id``, and a
+    hyper-parameter search building a model and a stage-3 optimizer after another left a set per parameter."""
+    key = id(param)
+    ref = _alive.get(key)
+    if ref is None or ref() is not param:
+        _alive[key] = weakref.ref(param, lambda r, key=key: _forget(key) if _alive.get(key) is r else None)
+
+
+def _forget(key: int) -> None:
+    for table in (_alive, _on_use, _on_read_use, _epoch, _reads):
+        table.pop(key, None)
 
 
 def _orphaned_use(func: Any) -> str:
@@ -316,6 +331,7 @@ def mark_freed(param: nn.Parameter, on_use: OnUse, on_read_use: Optional[OnUse] 
     ``detach()`` or a conversion gives calls ``on_read_use(param, func)``, which must raise (bound methods, held
     weakly; without ``on_read_use`` those reads give plain empty tensors)."""
     _guard_inits()
+    _follow(param)
     _on_use[id(param)] = weakref.WeakMethod(on_use)
     _epoch[id(param)] = next(_epochs)
     if on_read_use is not None:

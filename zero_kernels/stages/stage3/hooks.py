@@ -220,6 +220,14 @@ class _ModelHook:
         return None if self._fn is None else self._fn(*args, **kwargs)
 
 
+def _take_off(*handles: list[RemovableHandle]) -> None:
+    """Remove ``handles`` and empty their lists (in place: a scheduler's finalizer holds them)."""
+    for some in handles:
+        for handle in some:
+            handle.remove()
+        some.clear()
+
+
 _UNROUTED = object()
 _SCHEDULERS: "weakref.WeakSet[Stage3Scheduler]" = weakref.WeakSet()  # every live one (errors say whose forward runs)
 
@@ -292,7 +300,10 @@ class Stage3Scheduler:
         self._names = {id(p): name for name, p in root.named_parameters()}
         self._module_names = {id(m): name for name, m in root.named_modules()}
         self._handles: list[RemovableHandle] = []
-        self._module_handles: list[RemovableHandle] = []
+        self._module_handles: list[RemovableHandle] = []  # both lists kept (emptied in place): ``_take_off`` holds them
+        # collected (its optimizer deleted): its hooks come off the model, as stages 0-2's do (``base._let_go``);
+        # left on, they did nothing, and a model trained by one optimizer after another gathered a set per optimizer
+        weakref.finalize(self, _take_off, self._handles, self._module_handles).atexit = False
         self._install(root)
         _SCHEDULERS.add(self)
 
@@ -324,9 +335,7 @@ class Stage3Scheduler:
     def _install_modules(self) -> None:
         """(Re)read the plan (``stage3.plan``) and hook the modules that need units."""
         plans = plan(self.root, self._owner)
-        for handle in self._module_handles:
-            handle.remove()
-        self._module_handles = []
+        _take_off(self._module_handles)
         self._generation = model_hints.generation()
         self._forward, self._backward = _Pass(), _Pass()  # a new plan: the next passes are checked at once
         self._root_plan = plans[0]
@@ -366,9 +375,7 @@ class Stage3Scheduler:
 
     def remove(self) -> None:
         """Take every hook off; parameters stay as they are (freed ones lose their mark)."""
-        for handle in self._handles + self._module_handles:
-            handle.remove()
-        self._handles, self._module_handles = [], []
+        _take_off(self._handles, self._module_handles)
         global_hooks.leave(self)
         for unit in self.units:
             for p in unit.params:

@@ -118,15 +118,33 @@ class _LoadGuard:
 
 
 class _Handles:
-    """The hooks ``guard_state_dict`` put on a model; ``remove()`` takes them off."""
+    """The hooks ``guard_state_dict`` put on a model; ``remove()`` takes them off. When the pipeline is collected
+    (its optimizer deleted) the load guards come off, and the state-dict guard too unless a parameter of the model is
+    still emptied (it refuses ``state_dict()`` of those): left on, a model trained by one stage-3 optimizer after
+    another gathered a set of guards per optimizer."""
 
-    def __init__(self, handles: list[RemovableHandle]) -> None:
-        self._handles = handles
+    def __init__(self, pipeline: "Pipeline", saving: RemovableHandle, loading: list[RemovableHandle]) -> None:
+        self._saving, self._loading = [saving], loading
+        self._end = weakref.finalize(pipeline, _drop_inert, self._saving, self._loading, weakref.ref(pipeline.module))
+        self._end.atexit = False
 
     def remove(self) -> None:
-        for handle in self._handles:
+        self._end.detach()
+        for handle in self._saving + self._loading:
             handle.remove()
-        self._handles = []
+        self._saving.clear()
+        self._loading.clear()
+
+
+def _drop_inert(saving: list[RemovableHandle], loading: list[RemovableHandle], model_ref: weakref.ref) -> None:
+    for handle in loading:
+        handle.remove()
+    loading.clear()
+    model = model_ref()
+    if model is None or all(guard.freed_by(p) is None for p in model.parameters()):
+        for handle in saving:
+            handle.remove()
+        saving.clear()
 
 
 def guard_state_dict(pipeline: "Pipeline") -> _Handles:
@@ -136,7 +154,7 @@ def guard_state_dict(pipeline: "Pipeline") -> _Handles:
     Args:
         pipeline: the stage-3 pipeline (its ``module`` and sub-modules get the hooks).
     """
-    handles = [pipeline.module.register_state_dict_post_hook(_StateDictGuard(pipeline))]
+    saving = pipeline.module.register_state_dict_post_hook(_StateDictGuard(pipeline))
     load_guard = _LoadGuard(pipeline)
-    handles += [m.register_load_state_dict_pre_hook(load_guard) for m in pipeline.module.modules()]
-    return _Handles(handles)
+    loading = [m.register_load_state_dict_pre_hook(load_guard) for m in pipeline.module.modules()]
+    return _Handles(pipeline, saving, loading)
