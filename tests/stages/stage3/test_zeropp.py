@@ -405,3 +405,33 @@ def test_hpz_on_two_nodes_equals_plain_stage3_and_zeropp_with_offload_equals_zer
     """On 2 nodes of 2 ranks, in turn: ZeRO++ with the optimizer state offloaded equals ZeRO++ without; hpZ (alone
     and with qwZ, activation checkpointing) equals plain stage 3 bit for bit."""
     spawn(_two_nodes_cases, 4, str(tmp_path), timeout_s=400)
+
+
+def _block_case(rank: int, world: int) -> None:
+    """qwZ with persistent units (their biases): a ``gathered_params()`` block between steps, empty or with a save,
+    leaves the run bit for bit as without it (the persistent units' other ranks' parts dequantized again)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        runs = []
+        for block in (False, True):
+            model = Net(dtype)
+            persistent = {"stage3_param_persistence_threshold": 100, "reduce_bucket_size": 2000}
+            opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, zero_quantized_weights=True, **persistent)
+            assert any(buf.persistent for buf in opt._pipeline.buffers)
+            for step in range(STEPS):
+                torch.manual_seed(100 * step + rank)
+                x, y = torch.randn(6, 24, dtype=dtype), torch.randn(6, 8, dtype=dtype)
+                (model(x).float() - y.float()).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if block and step == 0:
+                    with opt.gathered_params():
+                        pass
+                    opt.state_dict()
+            runs.append(_exact(model, opt) + _state(opt))
+        for a, b in zip(*runs):
+            assert torch.equal(a, b), f"{dtype}: a gathered_params() block between steps changed the run"
+
+
+@pytest.mark.distributed
+def test_qwz_gathered_params_block_leaves_persistent_units_as_the_step_left_them(spawn) -> None:
+    spawn(_block_case, 2)
