@@ -126,8 +126,10 @@ def _names(model: nn.Module, optimizer: Any) -> list[str]:
                 raise CheckpointError(
                     f"checkpoint: {what} (shape {shape}), which the optimizer trains, is not in the model's "
                     "state_dict (tied to another or replaced since the optimizer was built, as "
-                    "`model.head.weight = model.embed.weight` does); checkpoints name every tensor by its model "
-                    "name: tie or replace parameters before building the optimizer"
+                    "`model.head.weight = model.embed.weight` does, or taken out of the model with its module, as "
+                    "`remove_parametrizations` does); checkpoints name every tensor by its model name: tie, replace "
+                    "or remove parameters before building the optimizer, or save `optimizer.full_state_dict()` and "
+                    "the model's weights (`zk.save_pretrained`) instead"
                 )
             out.append(by_id[id(p)])
     return out

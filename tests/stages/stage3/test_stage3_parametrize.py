@@ -119,3 +119,19 @@ def test_copy_after_a_parametrization_was_registered_says_the_model_changed() ->
         parametrize.register_parametrization(model.mid, "weight", _Scale())
     with pytest.raises((ValueError, RuntimeError), match="changed after the optimizer was built"):
         copy.deepcopy(opt)
+
+
+def test_checkpoint_after_a_removed_parametrization_names_the_cause(tmp_path) -> None:
+    """After ``remove_parametrizations`` and ``add_param_group`` of the new weight, the parameters that left the model
+    stay in the optimizer's groups: ``zk.checkpoint.save`` refuses them, and the error names that cause (it spoke of
+    ties and replacements only)."""
+    import zero_kernels as zk
+    from zero_kernels.checkpoint import CheckpointError
+
+    model, _ = _models()
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    with opt.gathered_params():
+        _remove(model)
+    opt.add_param_group({"params": [model.conv.weight]})
+    with pytest.raises(CheckpointError, match="remove_parametrizations"):
+        zk.checkpoint.save(str(tmp_path / "ck"), model, opt)
