@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -221,6 +221,22 @@ def test_a_step_cut_short_leaves_the_state_partly_updated_as_without_offload(
     _same(models, opts)
 
 
+def _stopping_at(launched: list[int], stop: list[Optional[int]]) -> Callable[[Callable], Callable]:
+    """Wraps a kernel launch: counts the launches in ``launched[0]``, and raises ``KeyboardInterrupt`` at launch
+    ``stop[0]`` (None: never)."""
+
+    def counted(real: Callable) -> Callable:
+        def launch(*args, **kwargs):
+            if stop[0] is not None and launched[0] == stop[0]:
+                raise KeyboardInterrupt("before the same launch")
+            launched[0] += 1
+            return real(*args, **kwargs)
+
+        return launch
+
+    return counted
+
+
 @pytest.mark.parametrize("nth", [1, 2, 3])
 def test_a_read_cut_short_leaves_no_slot_claiming_its_sub_group(
     nth: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -238,15 +254,7 @@ def test_a_read_cut_short_leaves_no_slot_claiming_its_sub_group(
             _step(model, opt, seed)
     launched, reads, stop = [0], [0], [None]
 
-    def counted(real: Callable) -> Callable:
-        def launch(*args, **kwargs):
-            if stop[0] is not None and launched[0] == stop[0]:
-                raise KeyboardInterrupt("before the same launch")
-            launched[0] += 1
-            return real(*args, **kwargs)
-
-        return launch
-
+    counted = _stopping_at(launched, stop)
     real_read = FileIO.read
 
     def read(self, *args, **kwargs):
@@ -296,15 +304,7 @@ def test_a_failed_io_is_raised_once_and_training_goes_on_once_the_disk_is_back(
             _step(model, opt, seed)
     launched, stop, failed = [0], [None], []
 
-    def counted(real: Callable) -> Callable:
-        def launch(*args, **kwargs):
-            if stop[0] is not None and launched[0] == stop[0]:
-                raise KeyboardInterrupt("before the same launch")
-            launched[0] += 1
-            return real(*args, **kwargs)
-
-        return launch
-
+    counted = _stopping_at(launched, stop)
     real_io = getattr(FileIO, io)
 
     def failing(self, path, tensor, offset=0):

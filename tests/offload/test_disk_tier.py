@@ -568,6 +568,8 @@ def test_a_zero_element_parameter_trains_at_stage3_on_disk(tmp_path: Path, param
 
 
 class _Growing(nn.Module):
+    """Layers appended while training goes on (progressive growing): each new one gets a param group of its own."""
+
     def __init__(self) -> None:
         super().__init__()
         self.first, self.last, self.grown = nn.Linear(32, 8), nn.Linear(8, 8), nn.ModuleList()

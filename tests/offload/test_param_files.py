@@ -15,7 +15,7 @@ from torch import nn
 
 import zero_kernels.optim as zo
 from tests.helpers.resident import resident_pages
-from tests.offload.test_disk_tier import _tmpfs
+from tests.offload.test_disk_tier import _Growing, _tmpfs
 from zero_kernels.config.offload import AioConfig, OffloadParamConfig
 from zero_kernels.offload.param_files import ParamFiles
 from zero_kernels.stages.stage3.disk_params import DiskParams
@@ -292,20 +292,6 @@ def test_a_gathers_pool_buffer_waits_for_its_copy_up_only_when_handed_out_again(
             log.clear()
     finally:
         files.close()
-
-
-class _Growing(nn.Module):
-    """Layers appended while training goes on (progressive growing): each new one gets a param group of its own."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first, self.last, self.grown = nn.Linear(32, 8), nn.Linear(8, 8), nn.ModuleList()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.first(x))
-        for block in self.grown:
-            h = h + block(h)
-        return self.last(h)
 
 
 def test_a_param_group_added_while_training_with_everything_on_disk_trains_as_without_offload(tmp_path: Path) -> None:
