@@ -39,8 +39,8 @@ def test_all_gather_objects_uses_the_device_it_is_given() -> None:
 
 
 def test_replication_check_makes_no_float64_copy_of_a_parameter() -> None:
-    """The construction-time checksum is a float64 sum that never holds a float64 copy of a whole parameter
-    (an 8.4 GB copy for a 128k x 8192 fp32 embedding)."""
+    """The construction-time checksum (integer sums of the values' bits) never holds a 64-bit copy of a whole
+    parameter (an 8.4 GB copy for a 128k x 8192 fp32 embedding)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
@@ -52,7 +52,7 @@ def test_replication_check_makes_no_float64_copy_of_a_parameter() -> None:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                if isinstance(t, torch.Tensor) and t.dtype in (torch.float64, torch.int64):
                     self.numel = max(self.numel, t.numel())
             return out
 
@@ -67,10 +67,41 @@ def test_replication_check_makes_no_float64_copy_of_a_parameter() -> None:
     with LargestFloat64() as seen:
         agreement.check_replicated(Replicated(), params, [0, 1, 2], str)
     assert 0 < seen.numel <= big.numel() // 3, f"a float64 tensor of {seen.numel} elements for {big.numel()}"
-    whole = torch.cat([big.double().sum().reshape(1), params[1].double().sum().reshape(1)])
-    chunked = torch.stack([agreement._checksum(big)[0], agreement._checksum(params[1])[0]])
-    assert torch.allclose(chunked, whole, rtol=1e-12), "the chunked float64 sum is not the sum"
-    weights = torch.arange(big.numel(), dtype=torch.float64).remainder(agreement.CHECKSUM_PERIOD) + 1
-    weighted = agreement._checksum(big)[1]
-    assert torch.allclose(weighted, big.double().dot(weights), rtol=1e-12), "the weighted sum is not the weighted sum"
+    bits = big.view(torch.int32).long().remainder(agreement.CHECKSUM_MODULUS)  # the whole parameter at once
+    weights = torch.arange(big.numel()).remainder(agreement.CHECKSUM_PERIOD) + 1
+    whole = torch.stack([bits.sum(), bits.mul(weights).remainder(agreement.CHECKSUM_MODULUS).sum()])
+    assert torch.equal(agreement._checksum(big), whole.remainder(agreement.CHECKSUM_MODULUS).double()), "chunked"
     assert agreement._checksum(params[2].flip(0))[1] != agreement._checksum(params[2])[1], "a permutation is unseen"
+
+
+def test_checksum_is_the_same_on_ranks_with_other_thread_counts_and_for_nan() -> None:
+    """Identical parameters give identical checksums whatever the rank's CPU thread count (a float64 ``dot`` or
+    ``sum`` adds in another order with another number of threads: a rank with ``torch.set_num_threads(1)`` beside
+    one with 2 had its identical weights refused as 'different values' at build), and a NaN, +0.0/-0.0 compare as
+    equal values; a changed element, rows reversed and a swapped pair stay seen."""
+    from zero_kernels.comm import agreement
+
+    threads = torch.get_num_threads()
+    try:
+        for seed in range(4):
+            p = torch.randn((1 << 20) + 3 * seed + 1, generator=torch.Generator().manual_seed(seed))
+            torch.set_num_threads(1)
+            one = agreement._checksum(p)
+            torch.set_num_threads(2)
+            two = agreement._checksum(p)
+            assert torch.equal(one, two), f"seed {seed}: {one.tolist()} with 1 thread, {two.tolist()} with 2"
+    finally:
+        torch.set_num_threads(threads)
+    nan = torch.randn(10)
+    nan[3] = float("nan")
+    assert torch.equal(agreement._checksum(nan), agreement._checksum(nan.clone())), "a NaN differs from itself"
+    zeros = torch.zeros(5)
+    assert torch.equal(agreement._checksum(zeros), agreement._checksum(-zeros)), "-0.0 differs from 0.0"
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        q = torch.randn(4, 6).to(dtype)
+        changed = q.clone()
+        changed[2, 3] = -changed[2, 3]
+        swapped = q.clone().reshape(-1)
+        swapped[[1, 5]] = swapped[[5, 1]]
+        for other in (changed, q.flip(0), swapped.reshape(4, 6)):
+            assert not torch.equal(agreement._checksum(other), agreement._checksum(q)), dtype

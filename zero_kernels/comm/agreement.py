@@ -176,25 +176,38 @@ def check_optimizer(
     check_same(opt.pipeline.engine, fingerprint, "ShardedFusedAdam", device=opt.pipeline.device)
 
 
-CHECKSUM_CHUNK = 1 << 20  # elements summed in float64 at a time: at most an 8 MiB float64 copy
+CHECKSUM_CHUNK = 1 << 20  # elements checksummed at a time: at most an 8 MiB int64 copy
 CHECKSUM_PERIOD = 65521  # the position weights of ``_checksum`` repeat after this many elements (a prime)
+CHECKSUM_MODULUS = 16_777_213  # 2**24 - 3, a prime: the checksums are sums of bit patterns modulo it
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}  # element size -> its integer twin
 
 
 def _checksum(p: torch.Tensor) -> torch.Tensor:
-    """Two float64 checksums of ``p``'s values, a float64 tensor of 2 on its device: their sum, and their sum
-    weighted by position (each element times its index mod ``CHECKSUM_PERIOD``, plus one), which a permutation of
-    the values (rank 0's reversed) changes where the plain sum does not.
+    """Two checksums of ``p``'s values, a float64 tensor of 2 on its device: the sum of their bit patterns, and
+    that sum weighted by position (each element times its index mod ``CHECKSUM_PERIOD``, plus one), which a
+    permutation of the values (rank 0's reversed) changes where the plain sum does not; both modulo
+    ``CHECKSUM_MODULUS``.
 
-    Chunk by chunk: ``p.double()`` (or ``sum(dtype=torch.float64)``, which casts its input first) would
-    hold a float64 copy of the whole parameter (8.4 GB for a 128k x 8192 embedding).
+    In integers, exact: a float64 ``sum``/``dot`` adds in an order that depends on the thread count (a rank with
+    ``torch.set_num_threads(1)`` beside one with 2 had its identical values refused as different), and a NaN made
+    it NaN, unequal to itself. Equal bits are equal values (a NaN, on every rank), zeros count as +0.0.
+    Chunk by chunk: a whole-parameter copy would hold 8.4 GB for a 128k x 8192 embedding. Each term is below
+    2**24 * 2**16, so a chunk's sums stay far inside int64.
     """
     flat = p.detach().reshape(-1)
-    sums = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start, chunk in zip(range(0, flat.numel(), CHECKSUM_CHUNK), flat.split(CHECKSUM_CHUNK)):
-        values = chunk.double()
-        weights = torch.arange(start, start + values.numel(), dtype=torch.float64, device=flat.device)
-        sums += torch.stack([values.sum(), values.dot(weights.remainder_(CHECKSUM_PERIOD).add_(1))])
-    return sums
+        if chunk.is_floating_point():
+            bits = chunk.view(_BITS[chunk.element_size()]).long().masked_fill_(chunk == 0, 0)
+        else:
+            bits = chunk.long()
+        bits = bits.remainder_(CHECKSUM_MODULUS)
+        weights = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=flat.device)
+        weighted = bits.mul(weights.remainder_(CHECKSUM_PERIOD).add_(1)).sum()
+        sums.add_(torch.stack([bits.sum(), weighted])).remainder_(CHECKSUM_MODULUS)
+    return sums.double()
 
 
 def _stats(params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
