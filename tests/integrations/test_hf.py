@@ -210,6 +210,71 @@ def test_a_checkpoint_with_weights_only_resumes_the_model_as_the_trainer_does(tm
     assert again.state.global_step == STEPS
 
 
+class _StopAt:
+    """A Trainer callback that stops training once, at ``step`` (an interrupted run)."""
+
+    def __new__(cls, step: int):
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):
+            fired = False
+
+            def on_step_end(self, args, state, control, **kw):
+                if state.global_step == step and not self.fired:
+                    self.fired = control.should_training_stop = True
+
+        return Stop()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_of_the_plain_trainer_resumes_its_adamw_state_and_schedule(tmp_path, monkeypatch, stage) -> None:
+    """A checkpoint the Trainer wrote (DDP or one process + AdamW: ``optimizer.pt``, ``scheduler.pt``) resumed by
+    ``ZeroTrainer``: the AdamW state and the schedule continue, to the Trainer's uninterrupted weights (they were
+    dropped with a warning calling the checkpoint weights-only: the learning rate restarted from its first value
+    and the moments from zero, 0.65 of a weight's largest magnitude apart after 6 steps)."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    kw = dict(save_strategy="steps", save_steps=2, max_steps=6, ddp_backend=None)
+    full = _llama()
+    Trainer(model=full, args=_args(str(tmp_path / "full"), **kw), train_dataset=_data()).train()
+    cut = Trainer(model=_llama(), args=_args(str(tmp_path / "cut"), **kw), train_dataset=_data(),
+                  callbacks=[_StopAt(3)])  # fmt: skip
+    cut.train()
+    zero = {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0}
+    model = _llama(seed=5)
+    again = ZeroTrainer(model=model, args=_args(str(tmp_path / "again"), **kw), train_dataset=_data(),
+                        zero_optimization=zero)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # not called weights-only
+        warnings.filterwarnings("ignore", message=".*stage3_gather_16bit_weights_on_model_save")
+        again.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    _close(_weights(model, again), _weights(full), "resumed from the Trainer's checkpoint", tol=1e-5)
+
+
+def test_a_checkpoint_of_the_trainer_with_deepspeed_is_refused_naming_the_import(tmp_path, monkeypatch) -> None:
+    """A checkpoint the Trainer with DeepSpeed wrote (weights, a ``latest`` file naming its ``global_step`` folder):
+    refused, naming ``import-deepspeed`` (it was taken for a weights-only checkpoint: the DeepSpeed optimizer state
+    dropped with a warning saying there was none)."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    zero = {"stage": 2, "reduce_bucket_size": 700}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = _args(str(tmp_path / "a"), save_strategy="steps", save_steps=2, save_only_model=True, ddp_backend=None)
+        ZeroTrainer(model=_llama(), args=args, train_dataset=_data(), zero_optimization=zero).train()
+    saved = tmp_path / "a" / "checkpoint-2"
+    (saved / "global_step2").mkdir()
+    (saved / "latest").write_text("global_step2")
+    again = ZeroTrainer(model=_llama(seed=5), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data(),
+                        zero_optimization=zero)  # fmt: skip
+    with pytest.raises(ValueError, match="import-deepspeed"):
+        again.train(resume_from_checkpoint=str(saved))
+
+
 def test_an_optimizer_other_than_adamw_is_refused(tmp_path, monkeypatch) -> None:
     """``TrainingArguments(optim="sgd")`` without a config optimizer section: ZeroTrainer trains AdamW only, so it
     says so (it trained AdamW silently)."""

@@ -57,7 +57,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 from transformers import Seq2SeqTrainer, Trainer, TrainingArguments
-from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 from .. import checkpoint
 from ..config import ZeroConfig, ZeroOptions, client_optimizer
@@ -448,6 +448,28 @@ class ZeroTrainer(Trainer):
         if checkpoint_dir is None:
             return
         sharded = os.path.join(checkpoint_dir, CHECKPOINT_DIR)
+        optimizer_file = os.path.join(checkpoint_dir, OPTIMIZER_NAME)
+        if not os.path.isdir(sharded) and os.path.isfile(optimizer_file):
+            # the Trainer's own checkpoint (DDP or one process): torch.optim.AdamW's state dict, whole on every rank,
+            # in the layout load_state_dict takes at any stage; its groups are the ones built here from the arguments
+            log.info("ZeroTrainer: resuming the optimizer from the Trainer's %s", optimizer_file)
+            try:
+                self.zero_optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+            except ValueError as e:
+                raise ValueError(
+                    f"ZeroTrainer: {optimizer_file} (the Trainer's AdamW state) does not fit this optimizer's param "
+                    f"groups ({e}); build it as the Trainer did (no optimizer section in the config), or resume the "
+                    "model only: load its weights with from_pretrained and train without resume_from_checkpoint"
+                ) from e
+            self._load_scheduler(checkpoint_dir)
+            return
+        if not os.path.isdir(sharded) and os.path.isfile(os.path.join(checkpoint_dir, "latest")):
+            raise ValueError(
+                f"ZeroTrainer: {checkpoint_dir} is a checkpoint of the Trainer with DeepSpeed (its optimizer state is "
+                "in the DeepSpeed checkpoint named by its 'latest' file), which ZeroTrainer does not read in place: "
+                f"python -m zero_kernels import-deepspeed {checkpoint_dir} OUT_DIR writes a zero_kernels checkpoint "
+                "of it; load that with zk.checkpoint.load before training, or resume from a ZeroTrainer checkpoint"
+            )
         if not os.path.isdir(sharded) and _holds_weights(checkpoint_dir):
             warnings.warn(
                 f"ZeroTrainer: {checkpoint_dir} holds the model's weights but no optimizer state (saved with "
@@ -462,6 +484,9 @@ class ZeroTrainer(Trainer):
                 "ZeroTrainer, so the optimizer state cannot be restored"
             )
         self._load_sharded(sharded)
+        self._load_scheduler(checkpoint_dir)
+
+    def _load_scheduler(self, checkpoint_dir: str) -> None:
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
