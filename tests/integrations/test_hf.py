@@ -226,25 +226,42 @@ class _StopAt:
         return Stop()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_checkpoint_of_the_plain_trainer_resumes_its_adamw_state_and_schedule(tmp_path, monkeypatch, stage) -> None:
+def _lora_llama(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_llama(seed), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+@pytest.mark.parametrize("stage, lora", [(2, False), (3, False), (3, True)])
+def test_a_checkpoint_of_the_plain_trainer_resumes_its_adamw_state_and_schedule(
+    tmp_path, monkeypatch, stage, lora
+) -> None:
     """A checkpoint the Trainer wrote (DDP or one process + AdamW: ``optimizer.pt``, ``scheduler.pt``) resumed by
     ``ZeroTrainer``: the AdamW state and the schedule continue, to the Trainer's uninterrupted weights (they were
     dropped with a warning calling the checkpoint weights-only: the learning rate restarted from its first value
-    and the moments from zero, 0.65 of a weight's largest magnitude apart after 6 steps)."""
+    and the moments from zero, 0.65 of a weight's largest magnitude apart after 6 steps). A LoRA model's checkpoint
+    (an adapter, and an empty no-decay group in the Trainer's AdamW) too (it was refused as not ZeroTrainer's)."""
     from transformers import Trainer
 
     from zero_kernels.integrations.hf import ZeroTrainer
 
+    if lora:
+        pytest.importorskip("peft")
+    build = _lora_llama if lora else _llama
     _one_process(monkeypatch)
     kw = dict(save_strategy="steps", save_steps=2, max_steps=6, ddp_backend=None)
-    full = _llama()
+    full = build()
     Trainer(model=full, args=_args(str(tmp_path / "full"), **kw), train_dataset=_data()).train()
-    cut = Trainer(model=_llama(), args=_args(str(tmp_path / "cut"), **kw), train_dataset=_data(),
+    cut = Trainer(model=build(), args=_args(str(tmp_path / "cut"), **kw), train_dataset=_data(),
                   callbacks=[_StopAt(3)])  # fmt: skip
     cut.train()
     zero = {"stage": stage, "reduce_bucket_size": 700, "stage3_param_persistence_threshold": 0}
-    model = _llama(seed=5)
+    model = build(seed=0 if lora else 5)  # a LoRA checkpoint holds the adapter only: the same base
     again = ZeroTrainer(model=model, args=_args(str(tmp_path / "again"), **kw), train_dataset=_data(),
                         zero_optimization=zero)  # fmt: skip
     with warnings.catch_warnings():

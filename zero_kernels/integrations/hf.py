@@ -453,15 +453,22 @@ class ZeroTrainer(Trainer):
             # the Trainer's own checkpoint (DDP or one process): torch.optim.AdamW's state dict, whole on every rank,
             # in the layout load_state_dict takes at any stage; its groups are the ones built here from the arguments
             log.info("ZeroTrainer: resuming the optimizer from the Trainer's %s", optimizer_file)
+            state = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+            saved = state.get("param_groups", [])
+            kept = list(range(len(saved)))
+            if len(saved) != len(self.zero_optimizer.param_groups):
+                # the Trainer keeps an empty group (LoRA: nothing without weight decay), the groups built here do not
+                kept = [i for i, g in enumerate(saved) if g["params"]]
+                state = {**state, "param_groups": [saved[i] for i in kept]}
             try:
-                self.zero_optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+                self.zero_optimizer.load_state_dict(state)
             except ValueError as e:
                 raise ValueError(
                     f"ZeroTrainer: {optimizer_file} (the Trainer's AdamW state) does not fit this optimizer's param "
                     f"groups ({e}); build it as the Trainer did (no optimizer section in the config), or resume the "
                     "model only: load its weights with from_pretrained and train without resume_from_checkpoint"
                 ) from e
-            self._load_scheduler(checkpoint_dir)
+            self._load_scheduler(checkpoint_dir, kept if len(kept) != len(saved) else None, len(saved))
             return
         if not os.path.isdir(sharded) and os.path.isfile(os.path.join(checkpoint_dir, "latest")):
             raise ValueError(
@@ -486,10 +493,15 @@ class ZeroTrainer(Trainer):
         self._load_sharded(sharded)
         self._load_scheduler(checkpoint_dir)
 
-    def _load_scheduler(self, checkpoint_dir: str) -> None:
+    def _load_scheduler(self, checkpoint_dir: str, kept: Optional[list[int]] = None, groups: int = 0) -> None:
+        """``scheduler.pt``; ``kept``: the saved param groups kept (of ``groups``), whose per-group lists stay."""
         scheduler = os.path.join(checkpoint_dir, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            state = torch.load(scheduler, weights_only=True)
+            if kept is not None:
+                state = {k: [v[i] for i in kept] if isinstance(v, list) and len(v) == groups else v
+                         for k, v in state.items()}  # fmt: skip
+            self.lr_scheduler.load_state_dict(state)
 
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
