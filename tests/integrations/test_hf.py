@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,6 +192,18 @@ def test_load_best_model_at_end_restores_the_best_checkpoint(tmp_path, monkeypat
         assert trainer.evaluate()["eval_loss"] == trainer.state.best_metric
 
 
+def _weights_only_checkpoint(output_dir: Path, zero: dict) -> Path:
+    """A ``ZeroTrainer`` run on one process saving with ``save_only_model`` (weights, no optimizer state): its
+    checkpoint after step 2."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        args = _args(str(output_dir), save_strategy="steps", save_steps=2, save_only_model=True, ddp_backend=None)
+        ZeroTrainer(model=_llama(), args=args, train_dataset=_data(), zero_optimization=zero).train()
+    return output_dir / "checkpoint-2"
+
+
 def test_a_checkpoint_with_weights_only_resumes_the_model_as_the_trainer_does(tmp_path, monkeypatch) -> None:
     """A checkpoint saved with ``save_only_model`` (weights, no optimizer state): the resume loads the weights and
     starts the optimizer afresh, with a warning, as the Trainer does (it was refused)."""
@@ -198,11 +211,7 @@ def test_a_checkpoint_with_weights_only_resumes_the_model_as_the_trainer_does(tm
 
     _one_process(monkeypatch)
     zero = {"stage": 2, "reduce_bucket_size": 700}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = _args(str(tmp_path / "a"), save_strategy="steps", save_steps=2, save_only_model=True, ddp_backend=None)
-        ZeroTrainer(model=_llama(), args=args, train_dataset=_data(), zero_optimization=zero).train()
-    saved = tmp_path / "a" / "checkpoint-2"
+    saved = _weights_only_checkpoint(tmp_path / "a", zero)
     again = ZeroTrainer(model=_llama(seed=5), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data(),
                         zero_optimization=zero)  # fmt: skip
     with pytest.warns(UserWarning, match="holds the model's weights but no optimizer state"):
@@ -279,11 +288,7 @@ def test_a_checkpoint_of_the_trainer_with_deepspeed_is_refused_naming_the_import
 
     _one_process(monkeypatch)
     zero = {"stage": 2, "reduce_bucket_size": 700}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = _args(str(tmp_path / "a"), save_strategy="steps", save_steps=2, save_only_model=True, ddp_backend=None)
-        ZeroTrainer(model=_llama(), args=args, train_dataset=_data(), zero_optimization=zero).train()
-    saved = tmp_path / "a" / "checkpoint-2"
+    saved = _weights_only_checkpoint(tmp_path / "a", zero)
     (saved / "global_step2").mkdir()
     (saved / "latest").write_text("global_step2")
     again = ZeroTrainer(model=_llama(seed=5), args=_args(str(tmp_path / "b"), ddp_backend=None), train_dataset=_data(),

@@ -219,6 +219,14 @@ def _stats(params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor
     return stats.reshape(-1)
 
 
+def _same_everywhere(values: torch.Tensor, reduce_max: Callable[[torch.Tensor], Any]) -> torch.Tensor:
+    """Per element of ``values`` (float64), whether every rank holds the same: one max-reduction (``reduce_max``, in
+    place) of the values and their negations, whose largest equals minus the smallest only where all agree."""
+    packed = torch.cat([values, -values])
+    reduce_max(packed)
+    return packed[: values.numel()] == -packed[values.numel() :]
+
+
 def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
     """The values of ``params`` must be the same on every rank (sizes and float64 checksums, two small all-reduces).
 
@@ -238,9 +246,8 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
             f"the ranks pass different numbers of parameters to the optimizer ({int(-count[1])} to {int(count[0])})"
         )
     stats = _stats(params, device)
-    packed = torch.cat([stats, -stats])
-    engine.all_reduce(packed, op="max", name="check.params").wait()
-    differ = (packed[: stats.numel()] != -packed[stats.numel() :]).nonzero().flatten().tolist()
+    same = _same_everywhere(stats, lambda t: engine.all_reduce(t, op="max", name="check.params").wait())
+    differ = (~same).nonzero().flatten().tolist()
     if differ:
         what = "a different size" if differ[0] % 3 == 0 else "different values"
         raise ValueError(
@@ -252,7 +259,7 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
 def broadcast_differing(params: Sequence[torch.Tensor], group: Any = None) -> list[int]:
     """Give every rank the group's first rank's values of the parameters whose values differ across ranks, as
     ``deepspeed.initialize`` broadcasts rank 0's parameters (a model built with another seed on each rank, or
-    initialised on rank 0 only). Float64 checksums first (one small all-reduce): parameters already replicated
+    initialised on rank 0 only). Checksums first (one small all-reduce): parameters already replicated
     move nothing. Returns the indices (into ``params``) of those broadcast; ranks that disagree on the number or
     the sizes of the parameters are left to ``check_replicated``.
     """
@@ -263,12 +270,11 @@ def broadcast_differing(params: Sequence[torch.Tensor], group: Any = None) -> li
         return []
     count = torch.tensor([float(len(params))], dtype=torch.float64, device=params[0].device)
     stats = torch.cat([_stats(params, params[0].device), count])
-    packed = torch.cat([stats, -stats])
-    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
-    same = (packed[: stats.numel()] == -packed[stats.numel() :])[:-1].reshape(-1, 3)
-    if not bool(same[:, 0].all()) or packed[stats.numel() - 1] != -packed[-1]:  # not the same model
+    same = _same_everywhere(stats, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
+    per_param = same[:-1].reshape(-1, 3)
+    if not bool(per_param[:, 0].all()) or not bool(same[-1]):  # not the same model
         return []
-    differ = (~same[:, 1:].all(dim=1)).nonzero().flatten().tolist()
+    differ = (~per_param[:, 1:].all(dim=1)).nonzero().flatten().tolist()
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for i in differ:

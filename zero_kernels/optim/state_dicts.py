@@ -35,6 +35,7 @@ import math
 import operator
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from ..stages import master
 from ..stages import state_door as zstate
 from ..wording import plural
 from .args import ALGORITHM_FLAGS, IMPLEMENTATION_FLAGS, check_flags
@@ -236,7 +237,7 @@ def _load_masters(pipeline: Any, entries: Mapping[int, Any]) -> None:
         entry = entries.get(piece.index)
         if "master" in piece.state and entry is not None and "master" in entry:
             piece.state["master"].copy_(entry["master"].reshape(-1).narrow(0, piece.start, piece.numel))
-    zstate.record_masters(pipeline)
+    master.record_all(pipeline)
 
 
 def _adopt(group: dict[str, Any], saved: dict[str, Any]) -> None:

@@ -50,13 +50,17 @@ _in_torch_clip = contextvars.ContextVar("zero_kernels_in_torch_clip", default=Fa
 _installed = False
 
 
+def _reduced(pipeline: Any) -> bool:
+    """Whether ``p.grad`` holds the reduced gradients: one rank, or a synchronised backward ran since the step and
+    left nothing for the step's own round (backward passes under ``no_sync()`` after it)."""
+    return pipeline.world_size == 1 or (pipeline.reduced_since_step and not pipeline.owed)
+
+
 def exact_in_p_grad(optimizer: Any) -> bool:
     """Whether ``p.grad`` holds exactly the gradient ``optimizer``'s next step uses (torch's clip is right)."""
     stage, world = optimizer.options.stage, optimizer.pipeline.world_size
-    pipeline = optimizer.pipeline
-    shared = (stage == 0 or (stage == 1 and world == 1)) and pipeline.grads_in_p_grad
-    # stage 0 on several ranks: reduced by a synchronised backward, nothing left for the step's own round (no_sync)
-    reduced = world == 1 or (pipeline.reduced_since_step and not pipeline.owed)
+    shared = (stage == 0 or (stage == 1 and world == 1)) and optimizer.pipeline.grads_in_p_grad
+    reduced = _reduced(optimizer.pipeline)
     scaled = optimizer._loss_scaler is not None  # fp16: p.grad holds the gradients times the loss scale
     unclipped = bool(optimizer._clips) or optimizer._grad_factor != 1.0  # the step applies a clip or a scale
     return shared and reduced and not scaled and not unclipped and optimizer.gradient_accumulation_steps == 1
@@ -70,7 +74,7 @@ def _why(optimizer: Any) -> str:
         return f"at stage {stage} p.grad is None: the gradients add up in a buffer of the wider grad_accum_dtype"
     if stage == 1 and optimizer.pipeline.world_size > 1:
         return "at stage 1 p.grad is this rank's own gradient until the step reduces it"
-    if optimizer.pipeline.world_size > 1 and (optimizer.pipeline.owed or not optimizer.pipeline.reduced_since_step):
+    if not _reduced(optimizer.pipeline):
         return "p.grad holds gradients of backward passes under no_sync(), this rank's own until the step reduces them"
     if optimizer._clips:
         return "p.grad is not yet clipped by the opt.clip_grad_norm_ asked for before: the step applies it"

@@ -502,9 +502,10 @@ class Pipeline(BackwardRound):
         return self.engine.all_gather(full, shard, name=name)
 
     def requantize_whole(self) -> None:
-        """qwZ, after a load wrote exact values into every rank's whole copy of the parameters: the other ranks'
-        parts as the step's quantized all-gather leaves them (dequantized), so that a resumed run goes on from the
-        values the uninterrupted run held (this rank's part stays exact, as after a step)."""
+        """qwZ, after a load or a ``gathered_params()`` block wrote exact values into every rank's whole copy of the
+        parameters (stage 3: of its persistent units): the other ranks' parts as the step's quantized all-gather leaves
+        them (dequantized), so that a resumed run, or one that held a block, even an empty one or a save, goes on from
+        the values the uninterrupted run held (this rank's part stays exact, as after a step, edits included)."""
         for buf in self.buffers:
             if buf.param_flat is not None and self.epilogue_quantizer(buf) is not None:
                 for handle in [self._publish(buf, bucket) for bucket in buf.layout.buckets]:

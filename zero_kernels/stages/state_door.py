@@ -361,12 +361,6 @@ def written_masters(pipeline: Pipeline) -> list[bool]:
     return [written(buf) for buf in pipeline.buffers]
 
 
-def record_masters(pipeline: Pipeline) -> None:
-    """After a load wrote the masters: they are the optimizer's own (``master.record``), not a write from outside."""
-    for buf in pipeline.buffers:
-        record(buf)
-
-
 def mark_written(pipeline: Pipeline, flags: list[bool]) -> None:
     """After loading a copy's shards: the masters ``written_masters`` flagged count as written from outside."""
     for buf, flag in zip(pipeline.buffers, flags):

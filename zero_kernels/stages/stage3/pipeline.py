@@ -706,18 +706,6 @@ class Stage3Pipeline(Stage2Pipeline):
                     shard = self.unit_gathers.on_device(shard, full)
                     self.engine.all_gather(full, shard, name=f"exact.{b.index}").wait()
 
-    def _requantize_persistent(self) -> None:
-        """qwZ, at the end of the outermost ``gathered_params()``: the persistent units' other ranks' parts dequantized
-        again, as the step's quantized all-gather leaves them (stages 1-2 do the same), so that a block, even an empty
-        one or a save, does not change the run; this rank's part stays exact, edits made in the block included."""
-        if not self.unit_gathers.quantized:
-            return
-        for buf in self.buffers:
-            if buf.persistent and buf.param_flat is not None and self.epilogue_quantizer(buf) is not None:
-                for handle in [self._publish(buf, bucket) for bucket in buf.layout.buckets]:
-                    if handle is not None:
-                        handle.wait()
-
     @property
     def holding(self) -> bool:
         """Inside ``gathered_params()``: gathers are exact (no quantization, no secondary partition)."""
@@ -780,7 +768,7 @@ class Stage3Pipeline(Stage2Pipeline):
                 self._agree_on_edits(others, before)
             if self._hold_depth == 1:
                 self._write_back()
-                self._requantize_persistent()
+                self.requantize_whole()  # qwZ: persistent units' other ranks' parts as the step leaves them
             if mismatch is not None:
                 raise mismatch
         finally:
