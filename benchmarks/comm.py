@@ -83,9 +83,19 @@ def _issue(engine, op: str, full: torch.Tensor, shard: torch.Tensor, primitive: 
     return engine.all_reduce(full, name="bench")
 
 
+def _primitives(engine, op: str) -> tuple[str, ...]:
+    """The primitives of ``op`` to time on ``engine``: the shared ones, and the C++ engine's shared-memory ones
+    where its ranks share memory (``shares_memory`` decides at the first call: collective)."""
+    extra = tuple(p for p in engine.extra_primitives if p.startswith(op))
+    if extra and not engine.shares_memory():
+        extra = tuple(p for p in extra if not p.endswith("_shm"))
+    return PRIMITIVES[op] + extra
+
+
 def _bandwidth_rows(engine, sizes_mb: list[float], repeat: int) -> list[dict]:
     rows = []
-    for op, primitives in PRIMITIVES.items():
+    for op in PRIMITIVES:
+        primitives = _primitives(engine, op)
         for mb in sizes_mb:
             numel = int(mb * 2**20 / 4) // WORLD_SIZE * WORLD_SIZE
             full, shard = torch.randn(numel), torch.randn(numel // WORLD_SIZE)

@@ -21,6 +21,7 @@ VARIABLES = {
     "ZERO_KERNELS_NO_JIT": "1 = never compile the extension at run time; use the pure-PyTorch path",
     "ZERO_KERNELS_VERBOSE_BUILD": "1 = show compiler output of the just-in-time build",
     "ZERO_KERNELS_LOG_LEVEL": "level of the zero_kernels logger: DEBUG | INFO | WARNING | ERROR (default WARNING)",
+    "ZERO_KERNELS_SHM": "0 = ranks on one host exchange through gloo's sockets instead of shared memory (default 1)",
     "ZERO_KERNELS_CPU_ADAM_THREADS": "threads of the host Adam with offload_optimizer (default: "
     "offload_optimizer.cpuadam_cores_perc of the process's cores)",
 }
@@ -41,6 +42,11 @@ def _choice(name: str, allowed: tuple[str, ...], default: str, *, upper: bool = 
     if value not in allowed:
         raise ValueError(f"environment variable {name}={value!r}: allowed values are {', '.join(allowed)}")
     return value
+
+
+def shared_memory() -> bool:
+    """``ZERO_KERNELS_SHM``: whether ranks on one host exchange through shared memory (default yes)."""
+    return _flag("ZERO_KERNELS_SHM") if os.environ.get("ZERO_KERNELS_SHM", "").strip() else True
 
 
 def cpu_adam_threads() -> Optional[int]:

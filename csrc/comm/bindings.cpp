@@ -39,7 +39,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("reduce_scatter_p2p", zk::Primitive::kReduceScatterP2P)
       .value("all_gather_p2p", zk::Primitive::kAllGatherP2P)
       .value("reduce_scatter_nodes", zk::Primitive::kReduceScatterNodes)
-      .value("all_gather_nodes", zk::Primitive::kAllGatherNodes);
+      .value("all_gather_nodes", zk::Primitive::kAllGatherNodes)
+      .value("reduce_scatter_shm", zk::Primitive::kReduceScatterShm)
+      .value("all_gather_shm", zk::Primitive::kAllGatherShm);
 
   py::class_<zk::PendingOp, std::shared_ptr<zk::PendingOp>>(m, "PendingOp")
       .def("wait", &zk::PendingOp::wait, Release())
@@ -75,6 +77,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("synchronize", &zk::Engine::synchronize, Release())
       .def("set_nodes", &zk::Engine::set_nodes, py::arg("rows"))
       .def("in_flight", &zk::Engine::in_flight, Release())
+      .def("open_host_channel", &zk::Engine::open_host_channel, py::arg("name"), py::arg("create"),
+           py::arg("chunk_bytes"), py::arg("timeout_ms"), Release())
+      .def("host_channel_peers_visible", &zk::Engine::host_channel_peers_visible, Release())
+      .def("close_host_channel", &zk::Engine::close_host_channel, Release())
+      .def_static("unlink_host_channel", &zk::HostChannel::unlink, py::arg("name"))
       .def_property_readonly("rank", &zk::Engine::rank)
       .def_property_readonly("world_size", &zk::Engine::world_size)
       .def_property_readonly("backend", &zk::Engine::backend);

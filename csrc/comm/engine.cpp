@@ -43,10 +43,12 @@ at::Tensor part_of(const at::Tensor& buffer, int64_t owner, int64_t n) { return 
 at::Tensor sum_rows(const at::Tensor& rows) { return rows.size(0) == 1 ? rows.select(0, 0) : rows.sum(0); }
 
 // The epilogue of a point-to-point reduce-scatter: this rank's chunk `mine` (in the scratch input) plus the
-// rows it received, cast into `output` unless `mine` is `output`.
+// rows it received (none where `mine` holds the sum already), cast into `output` unless `mine` is `output`.
 std::function<void()> sum_into(at::Tensor output, at::Tensor mine, at::Tensor received) {
   return [output = std::move(output), mine = std::move(mine), received = std::move(received)]() {
-    mine.add_(sum_rows(received));
+    if (received.defined()) {
+      mine.add_(sum_rows(received));
+    }
     if (output.data_ptr() != mine.data_ptr() || output.scalar_type() != mine.scalar_type()) {
       output.copy_(mine);
     }
@@ -222,6 +224,10 @@ const char* primitive_name(Primitive primitive) {
       return "reduce_scatter_nodes";
     case Primitive::kAllGatherNodes:
       return "all_gather_nodes";
+    case Primitive::kReduceScatterShm:
+      return "reduce_scatter_shm";
+    case Primitive::kAllGatherShm:
+      return "all_gather_shm";
   }
   return "unknown";
 }
@@ -246,6 +252,13 @@ int64_t PendingOp::live() { return g_live_ops.load(); }
 // Finished with the side stream current, whoever calls: on NCCL a work's wait() orders the current
 // stream after the collective, and the epilogue's cast is queued on the side stream.
 void PendingOp::finish_locked() {
+  if (before_) {  // its failure is its own: raised by its wait(), or by Engine::synchronize
+    try {
+      before_->wait();
+    } catch (const std::exception&) {
+    }
+    before_.reset();
+  }
   const c10::OptionalStreamGuard on_side(finish_on_);
   try {
     if (later_.valid()) {
@@ -293,7 +306,20 @@ bool PendingOp::try_finish() {
   return done_;
 }
 
-bool PendingOp::all_completed_locked() const {
+void PendingOp::set_before(std::shared_ptr<PendingOp> before) {
+  std::lock_guard<std::mutex> lock(mu_);
+  before_ = std::move(before);
+}
+
+bool PendingOp::finished() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+bool PendingOp::all_completed_locked() {
+  if (before_ && !before_->finished()) {
+    return false;
+  }
   if (later_.valid()) {  // its second phase is point-to-point works, which cannot be polled either
     return false;
   }
@@ -398,6 +424,9 @@ std::shared_ptr<PendingOp> Engine::track(std::shared_ptr<PendingOp> op) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     reap_locked();
+    if (!in_flight_.empty()) {
+      op->set_before(in_flight_.back());
+    }
     in_flight_.push_back(op);
     while (static_cast<int64_t>(in_flight_.size()) > kMaxHeld) {
       due.push_back(in_flight_.front());
@@ -427,11 +456,16 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter(const at::Tensor& output, cons
   check_pair(output, input, world_size_, what);
   check_primitive(primitive,
                   {Primitive::kAllReduceSlice, Primitive::kReduceScatterList, Primitive::kReduceScatterTensor,
-                   Primitive::kReduceScatterP2P, Primitive::kReduceScatterNodes},
+                   Primitive::kReduceScatterP2P, Primitive::kReduceScatterNodes, Primitive::kReduceScatterShm},
                   what);
   const auto pg = begin(what, input, streams);
   at::Tensor in = input;
   const int64_t n = output.numel();
+  if (primitive == Primitive::kReduceScatterShm) {
+    auto work = channel(what, input).reduce_scatter(in, what);
+    return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{in, output},
+                                             sum_into(output, part_of(in, rank_, n), at::Tensor())));
+  }
   if (primitive == Primitive::kReduceScatterP2P) {
     return reduce_scatter_p2p(*pg, output, in, what);
   }
@@ -466,7 +500,8 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
   check_pair(input, output, world_size_, what);
   check_primitive(
       primitive,
-      {Primitive::kAllGatherList, Primitive::kAllGatherTensor, Primitive::kAllGatherP2P, Primitive::kAllGatherNodes},
+      {Primitive::kAllGatherList, Primitive::kAllGatherTensor, Primitive::kAllGatherP2P, Primitive::kAllGatherNodes,
+       Primitive::kAllGatherShm},
       what);
   const auto pg = begin(what, output, streams);
   at::Tensor out = output;
@@ -480,6 +515,11 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
   }
   if (primitive == Primitive::kAllGatherNodes) {
     return all_gather_nodes(pg, out, source, input, what);
+  }
+  if (primitive == Primitive::kAllGatherShm) {
+    auto work = channel(what, output).all_gather(out, source, what);
+    return track(std::make_shared<PendingOp>(what, Works{std::move(work)},
+                                             std::vector<at::Tensor>{input, source, out}, nullptr));
   }
   c10::intrusive_ptr<c10d::Work> work;
   if (primitive == Primitive::kAllGatherList) {
@@ -782,6 +822,24 @@ void Engine::synchronize() {
   if (first) {
     std::rethrow_exception(first);
   }
+}
+
+void Engine::open_host_channel(const std::string& name, bool create, int64_t chunk_bytes, int64_t timeout_ms) {
+  TORCH_CHECK(!channel_, "zero_kernels comm: the shared-memory channel is open already");
+  channel_ = std::make_unique<HostChannel>(name, create, rank_, world_size_, chunk_bytes,
+                                           std::chrono::milliseconds(timeout_ms));
+}
+
+bool Engine::host_channel_peers_visible() const { return channel_ && channel_->peers_visible(); }
+
+void Engine::close_host_channel() { channel_.reset(); }
+
+HostChannel& Engine::channel(const std::string& what, const at::Tensor& t) {
+  if (!channel_ || t.is_cuda()) {
+    throw std::invalid_argument(what + ": the shared-memory primitives need CPU tensors and every rank of the group "
+                                       "on one host (no channel is open)");
+  }
+  return *channel_;
 }
 
 int64_t Engine::in_flight() {

@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "comm/host_channel.h"
+
 namespace zero_kernels::comm {
 
 // The c10d call that carries out an operation; chosen per backend and size by the caller.
@@ -39,6 +41,8 @@ enum class Primitive {
   kAllGatherP2P,         // all_gather as a send/recv of this rank's shard to every peer (CPU)
   kReduceScatterNodes,   // reduce_scatter in two levels along the nodes: within each node, then across (CPU)
   kAllGatherNodes,       // all_gather in two levels along the nodes: across them, then within each (CPU)
+  kReduceScatterShm,     // reduce_scatter through the shared-memory channel of ranks on one host (CPU)
+  kAllGatherShm,         // all_gather through the shared-memory channel of ranks on one host (CPU)
 };
 
 using Works = std::vector<c10::intrusive_ptr<c10d::Work>>;
@@ -86,9 +90,15 @@ class PendingOp {
   // Number of PendingOp objects alive in this process (a leak check for tests).
   static int64_t live();
 
+  // The operation issued just before this one on its engine, still unfinished: this one is finished only after
+  // it, so that the epilogues write their outputs in issue order (an operation whose handle an interrupt lost,
+  // finished late, never overwrites what a later one wrote). Set by Engine::track.
+  void set_before(std::shared_ptr<PendingOp> before);
+  bool finished();
+
  private:
   void finish_locked();
-  bool all_completed_locked() const;
+  bool all_completed_locked();
 
   std::mutex mu_;
   const std::string what_;
@@ -100,6 +110,7 @@ class PendingOp {
   const bool on_host_;  // a CPU collective: wait() blocks until the backend has finished with it
   bool done_ = false;
   std::exception_ptr error_;
+  std::shared_ptr<PendingOp> before_;  // set_before; dropped once finished
 };
 
 // Holds its process group weakly: destroy_process_group() really destroys it (joining gloo's
@@ -131,6 +142,13 @@ class Engine {
   void set_nodes(const std::vector<std::vector<int64_t>>& rows);
   // Operations the engine still holds (finished ones are dropped first).
   int64_t in_flight();
+  // The shared-memory channel of the *Shm primitives (host_channel.h): rank 0 creates the segment `name`,
+  // the others open it once it exists; `timeout_ms` bounds every wait for a peer. Throws when it cannot.
+  void open_host_channel(const std::string& name, bool create, int64_t chunk_bytes, int64_t timeout_ms);
+  // HostChannel::peers_visible of the open channel; false without one.
+  bool host_channel_peers_visible() const;
+  // Drops the channel (when the ranks did not all open it); the *Shm primitives then raise.
+  void close_host_channel();
 
   // Operations held at most: issuing more first waits for the oldest. A point-to-point operation
   // cannot be polled (gloo's send/recv works report completion only once waited), so this bounds
@@ -148,6 +166,7 @@ class Engine {
   // compute stream (order_after_compute in engine.cpp), before anything is allocated or issued.
   c10::intrusive_ptr<c10d::ProcessGroup> begin(const std::string& what, const at::Tensor& t, Streams streams);
   std::shared_ptr<PendingOp> track(std::shared_ptr<PendingOp> op);
+  HostChannel& channel(const std::string& what, const at::Tensor& t);
   uint32_t next_tag(const std::string& what, const at::Tensor& t);
   std::shared_ptr<PendingOp> reduce_scatter_p2p(c10d::ProcessGroup& pg, const at::Tensor& output, at::Tensor& input,
                                                 const std::string& what);
@@ -186,6 +205,7 @@ class Engine {
   std::condition_variable relay_cv_;
   std::deque<std::packaged_task<Works()>> relay_jobs_;
   bool relay_stop_ = false;
+  std::unique_ptr<HostChannel> channel_;  // open_host_channel; destroyed after the operations are waited for
 };
 
 }  // namespace zero_kernels::comm

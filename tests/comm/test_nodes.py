@@ -117,13 +117,13 @@ def _one_node(rank: int, world: int) -> None:
     _place(rank, world, False)
     engine = make_engine(backend="cpp")
     assert engine.nodes is None
-    assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_p2p"
+    assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_shm"
     with pytest.raises(ValueError, match="reduce_scatter_nodes"):
         engine.reduce_scatter(torch.empty(1), torch.empty(world), primitive="reduce_scatter_nodes")
 
 
 @pytest.mark.distributed
-def test_one_node_keeps_the_pairwise_exchange(spawn) -> None:
+def test_one_node_exchanges_within_the_host(spawn) -> None:
     spawn(_one_node, 2)
 
 

@@ -13,6 +13,11 @@ from .._build import ext as _ext
 from .engine_base import EngineBase, issue_errors_named
 from .handles import CppHandle, Handle
 from .primitives import NODES_PRIMITIVES, CommError
+from .shared_memory import SHM_PRIMITIVES, SUMMED_DTYPES, open_channel
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 class CppCommEngine(EngineBase):
@@ -20,6 +25,8 @@ class CppCommEngine(EngineBase):
 
     kind = "cpp"
     nodes: Optional[list[list[int]]] = None  # the ranks of each node where the exchanges run in two levels
+    extra_primitives = tuple(SHM_PRIMITIVES.values())
+    _shared_memory: Optional[bool] = None  # decided at the first exchange that could share (shared_memory.open_channel)
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self._ext = _ext.load("comm")
@@ -29,7 +36,7 @@ class CppCommEngine(EngineBase):
         self.nodes = self._nodes()
         if self.nodes is not None:
             self._engine.set_nodes(self.nodes)
-            self.extra_primitives = tuple(NODES_PRIMITIVES.values())
+            self.extra_primitives += tuple(NODES_PRIMITIVES.values())
 
     def _nodes(self) -> Optional[list[list[int]]]:
         """The ranks of each node when the job spans several nodes of equal size, several ranks each, and this
@@ -44,9 +51,46 @@ class CppCommEngine(EngineBase):
         return rows if rows is not None and len(rows) > 1 and len(rows[0]) > 1 else None
 
     def primitive_for(self, operation: str, tensor: torch.Tensor) -> str:
-        """As ``EngineBase.primitive_for``; across nodes the point-to-point forms run in two levels."""
+        """As ``EngineBase.primitive_for``; across nodes the point-to-point forms run in two levels, on one
+        host through shared memory where the ranks can (collective at the first exchange that could)."""
         primitive = super().primitive_for(operation, tensor)
-        return NODES_PRIMITIVES.get(primitive, primitive) if self.nodes is not None else primitive
+        if self.nodes is not None:
+            return NODES_PRIMITIVES.get(primitive, primitive)
+        if self._shareable(operation, tensor) and self.shares_memory(first_bytes=_nbytes(tensor)):
+            return SHM_PRIMITIVES[primitive]
+        return primitive
+
+    def shares_memory(self, what: str = "", first_bytes: int = 0) -> bool:
+        """Whether this engine's ranks exchange through shared memory: decided by all of them at the first
+        call (collective), the same answer after. ``what`` names the operation that asked, in errors;
+        ``first_bytes`` is its full buffer, which sizes the segment (``shared_memory.chunk_bytes``)."""
+        if self._shared_memory is None:
+            if self._engine is None:
+                return False
+            self._shared_memory = False  # the decision's own exchanges go through the sockets
+            try:
+                self._shared_memory = open_channel(self, first_bytes)
+            except CommError as exc:
+                raise CommError(f"{what} failed: {exc}" if what else str(exc)) from exc
+        return self._shared_memory
+
+    def _shareable(self, operation: str, tensor: torch.Tensor) -> bool:
+        """Whether ``operation`` on a bucket like ``tensor`` runs through shared memory where the channel is open."""
+        primitive = super().primitive_for(operation, tensor)
+        summed = operation == "all_gather" or tensor.dtype in SUMMED_DTYPES
+        return self.nodes is None and primitive in SHM_PRIMITIVES and summed
+
+    def _prepare(
+        self, operation: str, name: str, shard: torch.Tensor, full: torch.Tensor, primitive: Optional[str]
+    ) -> tuple[str, str]:
+        """As ``EngineBase._prepare``; the first exchange that could run through shared memory decides first."""
+        if self._shared_memory is None:
+            what = self.describe(operation, name)
+            self._ensure_group(what)
+            asked = primitive in SHM_PRIMITIVES.values()
+            if asked or (primitive is None and self._shareable(operation, full)):
+                self.shares_memory(what, _nbytes(full))
+        return super()._prepare(operation, name, shard, full, primitive)
 
     def _streams(self, tensor: torch.Tensor) -> tuple[int, int, Optional["torch.cuda.Stream"]]:
         if not tensor.is_cuda:

@@ -13,7 +13,9 @@ through ``torch.distributed`` with ``async_op=True`` and is the reference; ``aut
 ``cpp`` and falls back to ``torch`` with one log line when the extension cannot be built.
 
 On CPU (gloo) collectives run on gloo's own threads, so they overlap with compute on the calling
-thread; ``wait()`` blocks (without the GIL). On CUDA (NCCL) collectives run on the process group's
+thread; ``wait()`` blocks (without the GIL). Where every rank of the group is on one host, the C++
+engine's reduce-scatter and all-gather go through a shared-memory segment instead, on a thread of its
+own (``shared_memory``). On CUDA (NCCL) collectives run on the process group's
 internal stream and overlap is event-based: the C++ engine issues each operation with a side stream
 current (the process group's stream follows the current stream) after making that side stream wait
 for the caller's current (compute) stream, so a collective never reads a buffer before the kernels

@@ -38,6 +38,8 @@ PRIMITIVES: dict[tuple[str, str], list[tuple[Optional[int], str]]] = {
     ("gloo", "all_gather"): [(None, "all_gather_p2p")],
 }
 DEFAULT_PRIMITIVES = {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_tensor"}
+# The C++ engine replaces the *_p2p rows by its shared-memory primitives where every rank of the group is
+# on one host (``shared_memory.SHM_PRIMITIVES``), and by the two-level ones across nodes (``NODES_PRIMITIVES``).
 
 # torch >= 2.13 names the flat collectives *_single and deprecates the older names.
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,421 @@
+#include "comm/host_channel.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace zero_kernels::comm {
+
+constexpr uint64_t kMagic = 0x7a6b73686d000001ULL;  // "zkshm", layout version 1
+
+struct alignas(64) Counter {
+  std::atomic<uint32_t> value{0};
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "the counters are shared between processes");
+static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word is 32 bits");
+
+struct RankEntry {
+  Counter written;   // chunks this rank has put into its slot
+  Counter consumed;  // chunks this rank has read from every peer's slot
+  alignas(64) int64_t pid = 0;
+  uint64_t start_time = 0;  // the process's start time in clock ticks since boot (/proc/<pid>/stat)
+};
+
+struct alignas(64) SegmentHeader {
+  std::atomic<uint64_t> magic;  // written last by the creator
+  int64_t world_size;
+  int64_t chunk_bytes;
+};
+
+namespace {
+
+constexpr int kSpins = 64;
+constexpr auto kPoll = std::chrono::milliseconds(100);
+
+class HostWork final : public c10d::Work {
+ public:
+  void complete(std::exception_ptr error) { finish(std::move(error)); }
+};
+
+size_t data_offset(int world_size) {
+  const size_t end = sizeof(SegmentHeader) + sizeof(RankEntry) * static_cast<size_t>(world_size);
+  return (end + 4095) / 4096 * 4096;
+}
+
+std::string system_error(const std::string& what, int error) { return what + ": " + std::strerror(error); }
+
+struct ProcState {
+  char state;
+  uint64_t start_time;
+};
+
+// State and start time of process `pid` from /proc (fields 3 and 22 of its stat line); none when it is gone.
+std::optional<ProcState> proc_state(int64_t pid) {
+  std::ifstream file("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(file, line)) {
+    return std::nullopt;
+  }
+  const size_t close = line.rfind(')');  // the command name in brackets may hold spaces
+  if (close == std::string::npos) {
+    return std::nullopt;
+  }
+  std::istringstream fields(line.substr(close + 2));
+  ProcState out{};
+  std::string skip;
+  fields >> out.state;
+  for (int field = 4; field < 22 && fields >> skip; ++field) {
+  }
+  if (!(fields >> out.start_time)) {
+    return std::nullopt;
+  }
+  return out;
+}
+
+bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+void futex_wake(std::atomic<uint32_t>& word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Sleeps while `word` holds `seen`, at most kPoll; false when the time ran out.
+bool futex_wait(std::atomic<uint32_t>& word, uint32_t seen) {
+  timespec limit{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kPoll).count()};
+  const long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, seen, &limit, nullptr, 0);
+  return !(rc == -1 && errno == ETIMEDOUT);
+}
+
+// mine += the peers' rows, in rank order, summed first as the point-to-point reduce-scatter does (their
+// sum in the accumulation type, rounded to T, then added to mine): both give the same bits.
+template <typename T>
+void add_rows(T* mine, const std::vector<const T*>& peers, int64_t n) {
+  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  if (peers.size() == 1) {
+    const T* row = peers.front();
+    for (int64_t i = 0; i < n; ++i) {
+      mine[i] = static_cast<T>(static_cast<Acc>(mine[i]) + static_cast<Acc>(row[i]));
+    }
+    return;
+  }
+  thread_local std::vector<Acc> sum;
+  sum.assign(peers.front(), peers.front() + n);
+  for (size_t p = 1; p < peers.size(); ++p) {
+    const T* row = peers[p];
+    for (int64_t i = 0; i < n; ++i) {
+      sum[i] += static_cast<Acc>(row[i]);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    mine[i] = static_cast<T>(static_cast<Acc>(mine[i]) + static_cast<Acc>(static_cast<T>(sum[i])));
+  }
+}
+
+template <typename T>
+void add_regions(char* mine, const std::vector<const char*>& peers, int64_t nbytes) {
+  std::vector<const T*> rows;
+  for (const char* p : peers) {
+    rows.push_back(reinterpret_cast<const T*>(p));
+  }
+  add_rows(reinterpret_cast<T*>(mine), rows, nbytes / static_cast<int64_t>(sizeof(T)));
+}
+
+}  // namespace
+
+HostChannel::HostChannel(const std::string& name, bool create, int rank, int world_size, int64_t chunk_bytes,
+                         std::chrono::milliseconds timeout)
+    : name_(name), rank_(rank), world_size_(world_size), chunk_bytes_(chunk_bytes), timeout_(timeout) {
+  const std::string what = "shared-memory segment " + name;
+  if (world_size < 2 || rank < 0 || rank >= world_size || chunk_bytes <= 0 || chunk_bytes % 64 != 0) {
+    throw std::invalid_argument(what + ": rank " + std::to_string(rank) + " of " + std::to_string(world_size) +
+                                ", chunk of " + std::to_string(chunk_bytes) + " bytes");
+  }
+  bytes_ = data_offset(world_size) + static_cast<size_t>(world_size) * 2 * world_size * chunk_bytes;
+  const int fd = create ? shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600) : shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) {
+    throw std::runtime_error(system_error(what + ": shm_open", errno));
+  }
+  auto fail = [&](const std::string& step, int error) {
+    close(fd);
+    if (create) {
+      shm_unlink(name.c_str());
+    }
+    throw std::runtime_error(system_error(what + ": " + step, error));
+  };
+  if (create) {
+    const int error = posix_fallocate(fd, 0, static_cast<off_t>(bytes_));  // no room: an error now, not SIGBUS later
+    if (error != 0) {
+      fail("reserving " + std::to_string(bytes_) + " bytes of shared memory (/dev/shm)", error);
+    }
+  } else {
+    struct stat info {};
+    if (fstat(fd, &info) != 0) {
+      fail("fstat", errno);
+    }
+    if (static_cast<size_t>(info.st_size) != bytes_) {
+      fail("it holds " + std::to_string(info.st_size) + " bytes where this rank expects " + std::to_string(bytes_),
+           EINVAL);
+    }
+  }
+  base_ = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base_ == MAP_FAILED) {
+    base_ = nullptr;
+    fail("mmap", errno);
+  }
+  close(fd);
+  header_ = static_cast<SegmentHeader*>(base_);
+  entries_ = reinterpret_cast<RankEntry*>(static_cast<char*>(base_) + sizeof(SegmentHeader));
+  data_ = static_cast<char*>(base_) + data_offset(world_size);
+  if (create) {
+    header_->world_size = world_size;
+    header_->chunk_bytes = chunk_bytes;
+    header_->magic.store(kMagic, std::memory_order_release);
+  } else if (header_->magic.load(std::memory_order_acquire) != kMagic || header_->world_size != world_size ||
+             header_->chunk_bytes != chunk_bytes) {
+    munmap(base_, bytes_);
+    throw std::runtime_error(what + ": its layout differs from this rank's (another build or another group)");
+  }
+  const auto self = proc_state(getpid());
+  entries_[rank].pid = getpid();
+  entries_[rank].start_time = self ? self->start_time : 0;
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+HostChannel::~HostChannel() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) {
+    worker_.join();
+  }
+  munmap(base_, bytes_);
+}
+
+void HostChannel::unlink(const std::string& name) { shm_unlink(name.c_str()); }
+
+bool HostChannel::peers_visible() const {
+  for (int peer = 0; peer < world_size_; ++peer) {
+    const auto state = proc_state(entries_[peer].pid);
+    if (!state || state->start_time != entries_[peer].start_time || state->state == 'Z' || state->state == 'X') {
+      return false;
+    }
+  }
+  return true;
+}
+
+void HostChannel::check_peer(int peer, const std::string& what) const {
+  const auto state = proc_state(entries_[peer].pid);
+  if (!state || state->start_time != entries_[peer].start_time || state->state == 'Z' || state->state == 'X') {
+    throw std::runtime_error(what + ": rank " + std::to_string(peer) + " (process " +
+                             std::to_string(entries_[peer].pid) + ") exited");
+  }
+}
+
+char* HostChannel::region(int owner, uint32_t chunk, int destination) const {
+  const int64_t index = (static_cast<int64_t>(owner) * 2 + (chunk & 1u)) * world_size_ + destination;
+  return data_ + index * chunk_bytes_;
+}
+
+void HostChannel::wait_counter(int peer, bool written, uint32_t target, const std::string& what) {
+  std::atomic<uint32_t>& word = written ? entries_[peer].written.value : entries_[peer].consumed.value;
+  for (int spin = 0; spin < kSpins; ++spin) {
+    if (reached(word.load(std::memory_order_acquire), target)) {
+      return;
+    }
+    sched_yield();
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  while (true) {
+    const uint32_t seen = word.load(std::memory_order_acquire);
+    if (reached(seen, target)) {
+      return;
+    }
+    if (!futex_wait(word, seen)) {
+      check_peer(peer, what);
+      if (std::chrono::steady_clock::now() > deadline) {
+        throw std::runtime_error(what + ": rank " + std::to_string(peer) + " did not reach it within the timeout (" +
+                                 std::to_string(timeout_.count() / 1000) + " s)");
+      }
+    }
+  }
+}
+
+void HostChannel::wait_half_free(uint32_t chunk, const std::string& what) {
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer != rank_) {
+      wait_counter(peer, false, chunk - 1, what);
+    }
+  }
+}
+
+void HostChannel::publish_written(uint32_t chunk) {
+  entries_[rank_].written.value.store(chunk + 1, std::memory_order_release);
+  futex_wake(entries_[rank_].written.value);
+}
+
+void HostChannel::wait_written(uint32_t chunk, const std::string& what) {
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer != rank_) {
+      wait_counter(peer, true, chunk + 1, what);
+    }
+  }
+}
+
+void HostChannel::publish_consumed(uint32_t chunk) {
+  entries_[rank_].consumed.value.store(chunk + 1, std::memory_order_release);
+  futex_wake(entries_[rank_].consumed.value);
+}
+
+void HostChannel::run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype, const std::string& what) {
+  for (int64_t offset = 0; offset < nbytes; offset += chunk_bytes_) {
+    const int64_t length = std::min(chunk_bytes_, nbytes - offset);
+    const uint32_t chunk = next_chunk_;
+    wait_half_free(chunk, what);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_) {
+        std::memcpy(region(rank_, chunk, peer), input + peer * nbytes + offset, length);
+      }
+    }
+    publish_written(chunk);
+    wait_written(chunk, what);
+    std::vector<const char*> peers;
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_) {
+        peers.push_back(region(peer, chunk, rank_));
+      }
+    }
+    char* mine = input + rank_ * nbytes + offset;
+    switch (dtype) {
+      case at::kFloat:
+        add_regions<float>(mine, peers, length);
+        break;
+      case at::kDouble:
+        add_regions<double>(mine, peers, length);
+        break;
+      case at::kHalf:
+        add_regions<c10::Half>(mine, peers, length);
+        break;
+      default:
+        add_regions<c10::BFloat16>(mine, peers, length);
+        break;
+    }
+    publish_consumed(chunk);
+    next_chunk_ = chunk + 1;
+  }
+}
+
+// An all-gather sends the same bytes to every peer: its chunk is the whole half of the slot.
+void HostChannel::run_all_gather(char* output, const char* source, int64_t nbytes, const std::string& what) {
+  if (output + rank_ * nbytes != source) {
+    std::memcpy(output + rank_ * nbytes, source, nbytes);
+  }
+  const int64_t half = chunk_bytes_ * world_size_;
+  for (int64_t offset = 0; offset < nbytes; offset += half) {
+    const int64_t length = std::min(half, nbytes - offset);
+    const uint32_t chunk = next_chunk_;
+    wait_half_free(chunk, what);
+    std::memcpy(region(rank_, chunk, 0), source + offset, length);
+    publish_written(chunk);
+    wait_written(chunk, what);
+    for (int peer = 0; peer < world_size_; ++peer) {
+      if (peer != rank_) {
+        std::memcpy(output + peer * nbytes + offset, region(peer, chunk, 0), length);
+      }
+    }
+    publish_consumed(chunk);
+    next_chunk_ = chunk + 1;
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> HostChannel::reduce_scatter(const at::Tensor& input, const std::string& what) {
+  const at::ScalarType dtype = input.scalar_type();
+  if (input.is_cuda() || !input.is_contiguous() ||
+      (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kHalf && dtype != at::kBFloat16)) {
+    throw std::invalid_argument(what + ": the shared-memory reduce-scatter takes contiguous CPU tensors of float32, "
+                                       "float64, float16 or bfloat16");
+  }
+  char* data = static_cast<char*>(input.data_ptr());
+  const int64_t nbytes = input.numel() / world_size_ * input.element_size();
+  return submit([this, data, nbytes, dtype, what] { run_reduce_scatter(data, nbytes, dtype, what); }, what);
+}
+
+c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output, const at::Tensor& source,
+                                                       const std::string& what) {
+  if (output.is_cuda() || source.is_cuda() || output.scalar_type() != source.scalar_type()) {
+    throw std::invalid_argument(what + ": the shared-memory all-gather takes CPU tensors of one dtype");
+  }
+  char* out = static_cast<char*>(output.data_ptr());
+  const char* in = static_cast<const char*>(source.data_ptr());
+  const int64_t nbytes = source.numel() * source.element_size();
+  return submit([this, out, in, nbytes, what] { run_all_gather(out, in, nbytes, what); }, what);
+}
+
+c10::intrusive_ptr<c10d::Work> HostChannel::submit(Job job, const std::string& what) {
+  auto work = c10::make_intrusive<HostWork>();
+  Job run = [this, job = std::move(job), work, what]() mutable {
+    std::exception_ptr error;
+    try {
+      if (broken_) {
+        try {
+          std::rethrow_exception(broken_);
+        } catch (const std::exception& e) {
+          throw std::runtime_error(what + ": an earlier operation on the shared-memory channel failed (" + e.what() +
+                                   ")");
+        }
+      }
+      job();
+    } catch (...) {
+      error = std::current_exception();
+      if (!broken_) {
+        broken_ = error;
+      }
+    }
+    const auto done = std::move(work);  // let go of it here: its waiter waits for the last other reference
+    done->complete(error);
+  };
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(std::move(run));
+  }
+  cv_.notify_one();
+  return work;
+}
+
+void HostChannel::worker_loop() {
+  while (true) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) {
+        return;
+      }
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+}  // namespace zero_kernels::comm

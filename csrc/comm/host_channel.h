@@ -1,0 +1,107 @@
+// The shared-memory channel: the ranks of one process group that live on one host exchange the data
+// of reduce-scatter and all-gather through one shared-memory segment instead of gloo's sockets. A
+// socket on loopback moves every byte through the kernel twice and costs a system call per message;
+// here each rank copies what its peers need into its own slot of the segment once, and each peer
+// reads it from there (`python -m benchmarks comm` measures both).
+//
+// Rank 0 creates the segment and the others open it (all of them before rank 0 unlinks its name, so
+// it never outlives the processes, even when they are killed). Each rank has a slot of two halves,
+// each with a region per destination rank; an operation runs in chunks of `chunk_bytes` per
+// destination through the halves in turn. Two counters per rank order the chunks: `written` (this
+// rank filled its half for that chunk) and `consumed` (it read every peer's region of that half).
+// Chunks are numbered across operations: every rank runs the group's operations in the same order.
+// A rank waits for its peers by spinning briefly, then on a futex, checking every 100 ms that each
+// peer process is still alive (a peer that died raises an error naming it, as gloo's closed socket
+// does) and the process group's timeout.
+//
+// Operations run on the channel's worker thread, in issue order; each returns a c10d work that
+// completes when this rank's part is done. Plain loops copy and add (no ATen call on that thread,
+// whose intra-op thread count is not the caller's). After one operation failed, every later one
+// fails with the same error: the chunk counts of the ranks no longer agree.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+
+namespace zero_kernels::comm {
+
+struct SegmentHeader;
+struct RankEntry;
+
+class HostChannel {
+ public:
+  // Rank 0 creates the segment `name` (`create`), the others open it; every rank writes its process's
+  // identity into its entry. `chunk_bytes`: one destination's region of one half (a multiple of 64).
+  // Throws std::runtime_error naming the segment and what failed (no shared memory, too little room).
+  HostChannel(const std::string& name, bool create, int rank, int world_size, int64_t chunk_bytes,
+              std::chrono::milliseconds timeout);
+  // Waits for the queued operations, stops the worker and unmaps the segment.
+  ~HostChannel();
+  HostChannel(const HostChannel&) = delete;
+  HostChannel& operator=(const HostChannel&) = delete;
+
+  // Removes the segment's name (the mappings stay); call once every rank has opened it.
+  static void unlink(const std::string& name);
+  // True when every peer's entry names a process this one sees alive with the same start time (the
+  // ranks share a process namespace, so a peer's death can be told); call once every rank has opened it.
+  bool peers_visible() const;
+
+  // Sum over ranks of `input` (world_size x n elements, float32/float64/float16/bfloat16) into this
+  // rank's chunk of `input` itself (the caller casts it into its output); `input` is scratch afterwards.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(const at::Tensor& input, const std::string& what);
+  // Every rank's `source` (n elements of output's dtype) in rank order into `output`.
+  c10::intrusive_ptr<c10d::Work> all_gather(const at::Tensor& output, const at::Tensor& source,
+                                            const std::string& what);
+
+  int64_t chunk_bytes() const { return chunk_bytes_; }
+
+ private:
+  using Job = std::function<void()>;
+  c10::intrusive_ptr<c10d::Work> submit(Job job, const std::string& what);
+  void worker_loop();
+
+  // The chunk loop of each operation; `nbytes`: bytes per rank.
+  void run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype, const std::string& what);
+  void run_all_gather(char* output, const char* source, int64_t nbytes, const std::string& what);
+  // Waits until chunk `chunk` may be written into its half (every peer consumed the one before in it).
+  void wait_half_free(uint32_t chunk, const std::string& what);
+  void publish_written(uint32_t chunk);
+  void wait_written(uint32_t chunk, const std::string& what);
+  void publish_consumed(uint32_t chunk);
+  void wait_counter(int peer, bool written, uint32_t target, const std::string& what);
+  void check_peer(int peer, const std::string& what) const;
+
+  char* region(int owner, uint32_t chunk, int destination) const;
+
+  const std::string name_;
+  const int rank_;
+  const int world_size_;
+  const int64_t chunk_bytes_;
+  const std::chrono::milliseconds timeout_;
+  size_t bytes_ = 0;
+  void* base_ = nullptr;
+  SegmentHeader* header_ = nullptr;
+  RankEntry* entries_ = nullptr;
+  char* data_ = nullptr;
+
+  uint32_t next_chunk_ = 0;  // worker thread only
+  std::exception_ptr broken_;  // worker thread only: the first failure
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> jobs_;
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+}  // namespace zero_kernels::comm

@@ -1,0 +1,138 @@
+"""The shared-memory channel of the C++ engine (``csrc/comm/host_channel.h``): when every rank of a group
+lives on one host, reduce-scatter and all-gather of CPU tensors go through one shared-memory segment
+instead of gloo's loopback sockets (the ``*_shm`` primitives).
+
+Whether a group may use it is decided once per engine, at its first reduce-scatter or all-gather, by
+every rank together (collective, on the caller's thread, in the group's order of operations):
+
+- every rank must want it (``ZERO_KERNELS_SHM``, default on) and be on Linux;
+- every rank must be on the same node by its launcher's word (``GROUP_RANK``, else the host name):
+  nodes emulated on one machine stay apart, so their link is what the exchange crosses;
+- rank 0 creates the segment and the others open it by name (which proves they share the host's
+  shared memory), and each must see every peer's process alive (a shared process namespace), so a
+  peer that dies is told as gloo tells it, by an error naming the rank.
+
+Where any of this fails on any rank, every rank keeps the point-to-point primitives; the reason is
+logged at INFO. The segment's name is unlinked once every rank has opened it: it lives only as long as
+the processes that map it, even when they are killed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import secrets
+import sys
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from .cpp_engine import CppCommEngine
+
+log = logging.getLogger("zero_kernels")
+
+# The point-to-point primitive each shared-memory primitive replaces where the channel is open.
+SHM_PRIMITIVES = {"reduce_scatter_p2p": "reduce_scatter_shm", "all_gather_p2p": "all_gather_shm"}
+# What the shared-memory reduce-scatter sums (csrc/comm/host_channel.cpp); other dtypes keep the sockets.
+SUMMED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# Bytes of the segment's data at most, whatever the group's size: /dev/shm is small in some containers.
+SEGMENT_BYTES = 16 << 20
+CHUNK_BYTES = (64 << 10, 4 << 20)  # one destination's region of one half: at least, at most
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def chunk_bytes(world_size: int, first_bytes: int) -> int:
+    """One destination's region of one half of a rank's slot: one rank's share of the first exchange
+    (``first_bytes``, its full buffer), so that an engine that only ever exchanges small objects keeps a
+    small segment, within the bounds of ``CHUNK_BYTES`` and the segment (2 halves of ``world_size``
+    regions per rank) within ``SEGMENT_BYTES``; a multiple of 4 KiB."""
+    cap = max(CHUNK_BYTES[0], min(CHUNK_BYTES[1], SEGMENT_BYTES // (2 * world_size * world_size)))
+    share = -(-first_bytes // world_size)
+    return max(CHUNK_BYTES[0], min(cap, share)) // 4096 * 4096
+
+
+def _wanted() -> Optional[str]:
+    """Why this rank will not use shared memory, or None."""
+    from ..env import shared_memory
+
+    if not shared_memory():
+        return "ZERO_KERNELS_SHM=0"
+    if not sys.platform.startswith("linux"):
+        return f"not on Linux ({sys.platform})"
+    return None
+
+
+def _timeout(engine: "CppCommEngine") -> datetime.timedelta:
+    """The process group's timeout, which bounds every wait for a peer as it bounds gloo's."""
+    try:
+        return engine.group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return DEFAULT_TIMEOUT
+
+
+def open_channel(engine: "CppCommEngine", first_bytes: int) -> bool:
+    """Open ``engine``'s shared-memory channel where every rank of its group can (module docstring): True
+    on every rank alike, or False on every rank. Collective; ``first_bytes``: the full buffer of the
+    exchange that asked (the same on every rank), which sizes the segment."""
+    from .groups import _where
+    from .objects import all_gather_objects
+
+    name = f"/zero_kernels-{os.getpid()}-{secrets.token_hex(8)}"
+    chunk = chunk_bytes(engine.world_size, first_bytes)
+    timeout_ms = int(_timeout(engine).total_seconds() * 1000)
+    created = None if engine.rank != 0 else _create(engine, name, chunk, timeout_ms)
+    facts = all_gather_objects(engine, (_wanted(), _where()[0], created), name="shared_memory.facts")
+    try:
+        reason = _refusal(facts)
+        opened = reason is None and (engine.rank == 0 or _open(engine, facts[0][2], chunk, timeout_ms))
+        everyone = all_gather_objects(engine, opened, name="shared_memory.opened")
+    finally:
+        if engine.rank == 0 and created is not None:
+            engine._engine.unlink_host_channel(created)
+    if reason is None and not all(everyone):
+        reason = "a rank could not open the segment (see that rank's log)"
+    if reason is None:
+        visible = all_gather_objects(engine, engine._engine.host_channel_peers_visible(), name="shared_memory.peers")
+        if not all(visible):
+            reason = "a rank cannot see its peers' processes (another process namespace)"
+    if reason is not None:
+        engine._engine.close_host_channel()
+        log.info("zero_kernels comm: rank %d keeps gloo's sockets for this group: %s", engine.rank, reason)
+        return False
+    log.info("zero_kernels comm: rank %d exchanges through shared memory (chunks of %d bytes)", engine.rank, chunk)
+    return True
+
+
+def _refusal(facts: list) -> Optional[str]:
+    """Why the ranks (their ``(unwanted, node, segment)`` facts, rank 0's first) cannot share memory, or None."""
+    for rank, (unwanted, _, _) in enumerate(facts):
+        if unwanted is not None:
+            return f"rank {rank}: {unwanted}"
+    nodes = {node for _, node, _ in facts}
+    if len(nodes) > 1:
+        return f"the ranks are on {len(nodes)} nodes"
+    if facts[0][2] is None:
+        return "rank 0 could not create the segment (see its log)"
+    return None
+
+
+def _create(engine: "CppCommEngine", name: str, chunk: int, timeout_ms: int) -> Optional[str]:
+    if _wanted() is not None:
+        return None
+    try:
+        engine._engine.open_host_channel(name, True, chunk, timeout_ms)
+    except (RuntimeError, ValueError) as exc:
+        log.info("zero_kernels comm: rank 0 could not create a shared-memory segment: %s", exc)
+        return None
+    return name
+
+
+def _open(engine: "CppCommEngine", name: str, chunk: int, timeout_ms: int) -> bool:
+    try:
+        engine._engine.open_host_channel(name, False, chunk, timeout_ms)
+    except (RuntimeError, ValueError) as exc:
+        log.info("zero_kernels comm: rank %d could not open the shared-memory segment: %s", engine.rank, exc)
+        return False
+    return True
