@@ -614,3 +614,84 @@ def test_stage3_add_param_group_on_a_full_disk_keeps_the_files_before(tmp_path: 
     assert len(runs["plain"]) == len(runs["disk"]) and all(
         torch.equal(a, b) for a, b in zip(runs["plain"], runs["disk"])
     )
+
+
+class _Wider(nn.Linear):
+    """An fp32 layer in a bf16 model (its own buffer at stages 1-2: one per dtype)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "stage, params, mixed, full_at",
+    [(2, None, True, 2), (3, None, False, 1), (3, None, False, 2), (3, "nvme", False, 2), (3, "cpu", False, 2)],
+    ids=[
+        "stage 2, its second buffer", "stage 3, its first unit", "stage 3, its second unit", "+ parameters on disk",
+        "+ parameters in host, half the state",
+    ],
+)  # fmt: skip
+def test_add_param_group_failing_part_way_leaves_the_run_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: int, params: "str | None", mixed: bool, full_at: int
+) -> None:
+    """The disk fills up while ``add_param_group`` reserves the state files of the group's ``full_at``-th buffer
+    (unit at stage 3), after the buffers before it were set up: ``OSError`` naming the key, the path and what is
+    full, and every buffer of the group is taken back (its files removed, its parameters whole and unchanged): the
+    run trains on bit for bit as the same run that never made the call, and adds the group once room is made.
+    Before, the buffers set up before stayed (a later step failed: ``KeyError``, ``IndexError``), and stage 3 left
+    the parameters taken apart (``mat2 must be a matrix``)."""
+    from zero_kernels.offload.disk import DiskTier as Tier
+
+    add_buffer, calls = Tier.add_buffer, []
+
+    def filling(self: Tier, *args, **kwargs) -> None:
+        calls.append(None)
+        if len(calls) == full_at:
+            (small / "filler").write_bytes(b"\0" * _room(str(small)))
+        add_buffer(self, *args, **kwargs)
+
+    runs, blocks = {}, {}
+    with _tmpfs(tmp_path / "small", "size=1m") as small:
+        disk = {"device": "nvme", "nvme_path": str(small)}
+        extra = {"offload_optimizer": disk}
+        if params == "nvme":
+            extra["offload_param"] = {**disk, "max_in_cpu": 0}
+        elif params == "cpu":  # the parameter shards in host memory, half the state on the device
+            extra = {"offload_optimizer": {**disk, "ratio": 0.5}, "offload_param": {"device": "cpu"}}
+        for name in ("never", "failed"):
+            torch.manual_seed(0)
+            model = _Growing().to(torch.bfloat16)
+            opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=64, sub_group_size=64,
+                                      stage3_param_persistence_threshold=0, **extra)  # fmt: skip
+            block = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), (_Wider if mixed else nn.Linear)(64, 8))
+            block[0].to(torch.bfloat16)
+            block[2].to(torch.float32 if mixed else torch.bfloat16)
+            before = [p.detach().clone() for p in block.parameters()]
+            for step in range(6):
+                if step == 2:
+                    model.grown.append(block)  # stage 3 gathers only the model's own parameters
+                if step == 2 and name == "failed":
+                    files = sorted(p.name for p in small.rglob("*") if p.is_file())
+                    monkeypatch.setattr(Tier, "add_buffer", filling)
+                    with pytest.raises(OSError, match=rf"nvme_path: cannot reserve .* in '{small}/.*No space left"):
+                        opt.add_param_group({"params": list(block.parameters()), "lr": 2e-2})
+                    monkeypatch.setattr(Tier, "add_buffer", add_buffer)
+                    (small / "filler").unlink()
+                    assert len(calls) == full_at and len(opt.param_groups) == 1
+                    assert sorted(p.name for p in small.rglob("*") if p.is_file()) == files  # only the new ones went
+                    assert all(torch.equal(p, q) for p, q in zip(block.parameters(), before))  # whole, unchanged
+                if step == 4:  # room made: added on both
+                    opt.add_param_group({"params": list(block.parameters()), "lr": 2e-2})
+                x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+                model(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                if step in (3, 5):
+                    with opt.gathered_params() if stage == 3 else contextlib.nullcontext():
+                        runs[name, step] = [p.detach().clone() for p in model.parameters()]
+            blocks[name] = block
+            opt._pipeline.close()
+    for step in (3, 5):
+        assert len(runs["never", step]) == len(runs["failed", step])
+        for a, b in zip(runs["never", step], runs["failed", step]):
+            assert torch.equal(a, b), step

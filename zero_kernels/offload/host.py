@@ -145,6 +145,8 @@ class HostTier:
     def discard(self, key: int) -> None:
         """Forget a buffer that could not be set up (``attach`` done, its state not placed); the others stay."""
         self.shards.pop(key, None)
+        for piece in [k for k in self._prints if isinstance(k, tuple) and k[0] == key]:
+            del self._prints[piece]  # a later buffer may get the same id: no stale fingerprint for it
 
     def init(self, dst: torch.Tensor, src: torch.Tensor, key: Hashable) -> None:
         """The first copy of a buffer's parameters down (counted apart from the steps' traffic); ``key`` names

@@ -271,11 +271,16 @@ class Pipeline(BackwardRound):
         for (dtype, device), members in by_dtype.items():
             ps = [p for p, _ in members]
             built.append(FlatBuffer(group, self.build_layout(ps), ps, [i for _, i in members], dtype, device))
-        for buf in built:
-            grad_accum.warn_unused(self, buf, self._accum_warned)
-            self._allocate(buf)
-            self._index(buf)
-            self.wide_local = self.wide_local or (buf.grad_flat is not None and buf.grad_flat.dtype != buf.dtype)
+        mark = self._mark([p for p, _ in trainable])
+        try:
+            for buf in built:
+                grad_accum.warn_unused(self, buf, self._accum_warned)
+                self._allocate(buf)
+                self._index(buf)
+                self.wide_local = self.wide_local or (buf.grad_flat is not None and buf.grad_flat.dtype != buf.dtype)
+        except BaseException:
+            self._unbuild(built, mark)
+            raise
         for _, i in trainable:
             self.step_counts.counts.setdefault(i, 0)
             self.has_grad.setdefault(i, False)
@@ -369,6 +374,47 @@ class Pipeline(BackwardRound):
         self._register_grad_hooks(buf)
         self._launch_order += [(b, k.index) for k in buf.layout.buckets]
         self._reset_pending(buf)
+
+    def _mark(self, params: Sequence[torch.nn.Parameter]) -> dict[str, Any]:
+        """What ``add_group`` is about to change, for ``_unbuild`` (``params``: the group's trainable parameters,
+        whose ``.data`` the buffers replace: the tensors they hold now are kept, unchanged)."""
+        return {
+            "buffers": len(self.buffers), "hooks": len(self._hooks), "launch": len(self._launch_order),
+            "wide_local": self.wide_local, "data": [(p, p.data) for p in params],
+            "owners": {id(p): owners.get(id(p)) for p in params},
+        }  # fmt: skip
+
+    def _unbuild(self, bufs: Sequence[FlatBuffer], mark: dict[str, Any]) -> None:
+        """Undo an ``add_group`` that failed part way (a disk without room for a buffer's state, on every rank): the
+        buffers of ``bufs`` it indexed are taken out again, what each holds in the tier is discarded (its files
+        removed; the other buffers' state stays in theirs), and their parameters get back the tensors they had, so
+        the model and the optimizer are as before the call (stage 3 had already taken the parameters apart)."""
+        gone = self.buffers[mark["buffers"] :]
+        for buf in gone:
+            for p in buf.params:
+                self.where.pop(id(p), None)
+        ids = {id(p) for buf in gone for p in buf.params}
+        self._owned[:] = [i for i in self._owned if i not in ids]
+        for i, before in mark["owners"].items():
+            if before is None:
+                owners.pop(i, None)
+            else:
+                owners[i] = before
+        del self.buffers[mark["buffers"] :]
+        for hook in self._hooks[mark["hooks"] :]:
+            hook.remove()
+        del self._hooks[mark["hooks"] :]
+        del self._launch_order[mark["launch"] :]
+        self.wide_local = mark["wide_local"]
+        for buf in bufs:
+            self._discard(buf)
+        for p, value in mark["data"]:
+            p.data = value
+
+    def _discard(self, buf: FlatBuffer) -> None:
+        """Forget a buffer ``_unbuild`` takes out: its part of the tier (files) goes."""
+        if self.tier is not None:
+            self.tier.discard(id(buf))
 
     def param_shape(self, p: torch.Tensor) -> torch.Size:
         """The full shape of ``p`` (stage 3 frees parameters between uses: ``p.shape`` may be ``(0,)``)."""

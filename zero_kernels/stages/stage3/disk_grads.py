@@ -69,6 +69,17 @@ class DiskGrads:
             self._at[(id(buf), bucket.index)] = len(self.order)
             self.order.append((buf, bucket))
 
+    def remove(self, buf: "FlatBuffer") -> None:
+        """Forget a buffer that could not be set up (``add_param_group`` on a disk without room): its file removed, its
+        buckets out of the step's order; nothing of it if it has no file."""
+        if id(buf) not in self.files.paths:
+            return
+        self.files.remove(id(buf))
+        self.order = [(b, k) for b, k in self.order if b is not buf]
+        self._at = {(id(b), k.index): i for i, (b, k) in enumerate(self.order)}
+        for key in [k for k in self.terms if k[0] == id(buf)]:
+            del self.terms[key]
+
     # ---------------------------------------------------------------- backward
     def reduced(self, buf: "FlatBuffer", bucket: Bucket, mine: torch.Tensor, first: bool) -> None:
         """A reduction of ``bucket`` completed (``mine``: this rank's part): the first since the step is the part's

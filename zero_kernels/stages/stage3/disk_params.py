@@ -103,6 +103,13 @@ class DiskParams:
             raise
         return chosen
 
+    def discard(self, buf: "Stage3Buffer") -> None:
+        """Forget a unit that could not be set up (``add_param_group`` on a disk without room): its file removed, if it
+        has one."""
+        self.units.pop(id(buf), None)
+        if id(buf) in self.files.paths:
+            self.files.remove(id(buf))
+
     def place(self, buf: "Stage3Buffer", shard: torch.Tensor) -> None:
         """Write a new file unit's shard (``shard``, host memory) into its file; ``param_shard`` becomes a stand-in."""
         self.files.write(id(buf), shard).wait()

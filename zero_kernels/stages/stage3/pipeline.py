@@ -238,11 +238,18 @@ class Stage3Pipeline(Stage2Pipeline):
             units.setdefault(key, []).append((p, i))
         buffers = [self._unit_buffer(group, units[key], persistent=key[0]) for key in sorted(units)]
         self._reserve_grads(buffers)
-        in_files = self._choose_files(buffers)
-        for buf in buffers:
-            grad_accum.warn_unused(self, buf, self._accum_warned)
-            self._allocate(buf, in_file=id(buf) in in_files)
-            self._index(buf)
+        # a failure from here on (a disk without room for a unit's parameters or state) takes back every unit of
+        # the group, the parameters whole again: the later steps run as if the group had never been given
+        mark = self._mark([p for p, _ in trainable])
+        try:
+            in_files = self._choose_files(buffers)
+            for buf in buffers:
+                grad_accum.warn_unused(self, buf, self._accum_warned)
+                self._allocate(buf, in_file=id(buf) in in_files)
+                self._index(buf)
+        except BaseException:
+            self._unbuild(buffers, mark)
+            raise
         for _, i in trainable:
             self.step_counts.counts.setdefault(i, 0)
             self.has_grad.setdefault(i, False)
@@ -503,8 +510,31 @@ class Stage3Pipeline(Stage2Pipeline):
             # only these files go: the state and gradients of the units before them (``add_param_group``) stay in
             # theirs; a constructor that fails closes the whole tier (``Pipeline.close``)
             for buf in reversed(added):
-                self.disk_grads.files.remove(id(buf))
+                self.disk_grads.remove(buf)
             raise
+
+    def _mark(self, params: Sequence[nn.Parameter]) -> dict[str, Any]:
+        """As every stage, and the host room of ``offload_param`` on nvme (``max_in_cpu``) the new units take."""
+        mark = super()._mark(params)
+        mark["room"] = None if self.disk_params is None else self.disk_params.room
+        return mark
+
+    def _unbuild(self, bufs: Sequence[FlatBuffer], mark: dict[str, Any]) -> None:
+        """As every stage; ``offload_param`` on nvme gets its host room back."""
+        super()._unbuild(bufs, mark)
+        if self.disk_params is not None:
+            self.disk_params.room = mark["room"]
+
+    def _discard(self, buf: FlatBuffer) -> None:
+        """As every stage, and the unit's gradient file and parameter file (or host shard) go too."""
+        super()._discard(buf)
+        if self.disk_grads is not None:
+            self.disk_grads.remove(buf)
+        if self.disk_params is not None:
+            self.disk_params.discard(buf)
+        if self.host_params is not None:
+            self.host_params.drop(buf)
+            self.host_params.moved.discard(id(buf))
 
     def _allocate_grads(self, buf: FlatBuffer) -> None:
         """As stage 2, unless the gradient shard is in its file (``_reserve_grads``)."""
