@@ -224,10 +224,10 @@ bool HostChannel::peers_visible() const {
   return true;
 }
 
-void HostChannel::check_peer(int peer, const std::string& what) const {
+void HostChannel::check_peer(int peer) const {
   const auto state = proc_state(entries_[peer].pid);
   if (!state || state->start_time != entries_[peer].start_time || state->state == 'Z' || state->state == 'X') {
-    throw std::runtime_error(what + ": rank " + std::to_string(peer) + " (process " +
+    throw std::runtime_error("rank " + std::to_string(peer) + " (process " +
                              std::to_string(entries_[peer].pid) + ") exited");
   }
 }
@@ -237,7 +237,7 @@ char* HostChannel::region(int owner, uint32_t chunk, int destination) const {
   return data_ + index * chunk_bytes_;
 }
 
-void HostChannel::wait_counter(int peer, bool written, uint32_t target, const std::string& what) {
+void HostChannel::wait_counter(int peer, bool written, uint32_t target) {
   std::atomic<uint32_t>& word = written ? entries_[peer].written.value : entries_[peer].consumed.value;
   for (int spin = 0; spin < kSpins; ++spin) {
     if (reached(word.load(std::memory_order_acquire), target)) {
@@ -252,19 +252,20 @@ void HostChannel::wait_counter(int peer, bool written, uint32_t target, const st
       return;
     }
     if (!futex_wait(word, seen)) {
-      check_peer(peer, what);
+      check_peer(peer);
       if (std::chrono::steady_clock::now() > deadline) {
-        throw std::runtime_error(what + ": rank " + std::to_string(peer) + " did not reach it within the timeout (" +
+        throw std::runtime_error("rank " + std::to_string(peer) +
+                                 " did not reach this operation within the process group's timeout (" +
                                  std::to_string(timeout_.count() / 1000) + " s)");
       }
     }
   }
 }
 
-void HostChannel::wait_half_free(uint32_t chunk, const std::string& what) {
+void HostChannel::wait_half_free(uint32_t chunk) {
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer != rank_) {
-      wait_counter(peer, false, chunk - 1, what);
+      wait_counter(peer, false, chunk - 1);
     }
   }
 }
@@ -274,10 +275,10 @@ void HostChannel::publish_written(uint32_t chunk) {
   futex_wake(entries_[rank_].written.value);
 }
 
-void HostChannel::wait_written(uint32_t chunk, const std::string& what) {
+void HostChannel::wait_written(uint32_t chunk) {
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer != rank_) {
-      wait_counter(peer, true, chunk + 1, what);
+      wait_counter(peer, true, chunk + 1);
     }
   }
 }
@@ -287,18 +288,18 @@ void HostChannel::publish_consumed(uint32_t chunk) {
   futex_wake(entries_[rank_].consumed.value);
 }
 
-void HostChannel::run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype, const std::string& what) {
+void HostChannel::run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype) {
   for (int64_t offset = 0; offset < nbytes; offset += chunk_bytes_) {
     const int64_t length = std::min(chunk_bytes_, nbytes - offset);
     const uint32_t chunk = next_chunk_;
-    wait_half_free(chunk, what);
+    wait_half_free(chunk);
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer != rank_) {
         std::memcpy(region(rank_, chunk, peer), input + peer * nbytes + offset, length);
       }
     }
     publish_written(chunk);
-    wait_written(chunk, what);
+    wait_written(chunk);
     std::vector<const char*> peers;
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer != rank_) {
@@ -326,7 +327,7 @@ void HostChannel::run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType
 }
 
 // An all-gather sends the same bytes to every peer: its chunk is the whole half of the slot.
-void HostChannel::run_all_gather(char* output, const char* source, int64_t nbytes, const std::string& what) {
+void HostChannel::run_all_gather(char* output, const char* source, int64_t nbytes) {
   if (output + rank_ * nbytes != source) {
     std::memcpy(output + rank_ * nbytes, source, nbytes);
   }
@@ -334,10 +335,10 @@ void HostChannel::run_all_gather(char* output, const char* source, int64_t nbyte
   for (int64_t offset = 0; offset < nbytes; offset += half) {
     const int64_t length = std::min(half, nbytes - offset);
     const uint32_t chunk = next_chunk_;
-    wait_half_free(chunk, what);
+    wait_half_free(chunk);
     std::memcpy(region(rank_, chunk, 0), source + offset, length);
     publish_written(chunk);
-    wait_written(chunk, what);
+    wait_written(chunk);
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer != rank_) {
         std::memcpy(output + peer * nbytes + offset, region(peer, chunk, 0), length);
@@ -357,7 +358,7 @@ c10::intrusive_ptr<c10d::Work> HostChannel::reduce_scatter(const at::Tensor& inp
   }
   char* data = static_cast<char*>(input.data_ptr());
   const int64_t nbytes = input.numel() / world_size_ * input.element_size();
-  return submit([this, data, nbytes, dtype, what] { run_reduce_scatter(data, nbytes, dtype, what); }, what);
+  return submit([this, data, nbytes, dtype] { run_reduce_scatter(data, nbytes, dtype); });
 }
 
 c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output, const at::Tensor& source,
@@ -368,19 +369,19 @@ c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output,
   char* out = static_cast<char*>(output.data_ptr());
   const char* in = static_cast<const char*>(source.data_ptr());
   const int64_t nbytes = source.numel() * source.element_size();
-  return submit([this, out, in, nbytes, what] { run_all_gather(out, in, nbytes, what); }, what);
+  return submit([this, out, in, nbytes] { run_all_gather(out, in, nbytes); });
 }
 
-c10::intrusive_ptr<c10d::Work> HostChannel::submit(Job job, const std::string& what) {
+c10::intrusive_ptr<c10d::Work> HostChannel::submit(Job job) {
   auto work = c10::make_intrusive<HostWork>();
-  Job run = [this, job = std::move(job), work, what]() mutable {
+  Job run = [this, job = std::move(job), work]() mutable {
     std::exception_ptr error;
     try {
       if (broken_) {
         try {
           std::rethrow_exception(broken_);
         } catch (const std::exception& e) {
-          throw std::runtime_error(what + ": an earlier operation on the shared-memory channel failed (" + e.what() +
+          throw std::runtime_error(std::string("an earlier operation on the shared-memory channel failed (") + e.what() +
                                    ")");
         }
       }

@@ -67,19 +67,20 @@ class HostChannel {
 
  private:
   using Job = std::function<void()>;
-  c10::intrusive_ptr<c10d::Work> submit(Job job, const std::string& what);
+  c10::intrusive_ptr<c10d::Work> submit(Job job);
   void worker_loop();
 
-  // The chunk loop of each operation; `nbytes`: bytes per rank.
-  void run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype, const std::string& what);
-  void run_all_gather(char* output, const char* source, int64_t nbytes, const std::string& what);
+  // The chunk loop of each operation; `nbytes`: bytes per rank. Their errors name the peer; the operation's
+  // PendingOp names the operation.
+  void run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype);
+  void run_all_gather(char* output, const char* source, int64_t nbytes);
   // Waits until chunk `chunk` may be written into its half (every peer consumed the one before in it).
-  void wait_half_free(uint32_t chunk, const std::string& what);
+  void wait_half_free(uint32_t chunk);
   void publish_written(uint32_t chunk);
-  void wait_written(uint32_t chunk, const std::string& what);
+  void wait_written(uint32_t chunk);
   void publish_consumed(uint32_t chunk);
-  void wait_counter(int peer, bool written, uint32_t target, const std::string& what);
-  void check_peer(int peer, const std::string& what) const;
+  void wait_counter(int peer, bool written, uint32_t target);
+  void check_peer(int peer) const;
 
   char* region(int owner, uint32_t chunk, int destination) const;
 
