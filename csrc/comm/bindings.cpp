@@ -69,11 +69,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "all_reduce",
           [](zk::Engine& e, const at::Tensor& tensor, const std::string& op, const std::string& name,
-             intptr_t compute_stream, intptr_t side_stream, std::optional<c10::Stream> side) {
-            return e.all_reduce(tensor, op, name, {compute_stream, side_stream, side});
+             intptr_t compute_stream, intptr_t side_stream, std::optional<c10::Stream> side, bool shared_memory) {
+            return e.all_reduce(tensor, op, name, {compute_stream, side_stream, side}, shared_memory);
           },
           py::arg("tensor"), py::arg("op"), py::arg("name"), py::arg("compute_stream") = 0, py::arg("side_stream") = 0,
-          py::arg("side") = py::none(), Release())
+          py::arg("side") = py::none(), py::arg("shared_memory") = false, Release())
       .def("synchronize", &zk::Engine::synchronize, Release())
       .def("set_nodes", &zk::Engine::set_nodes, py::arg("rows"))
       .def("in_flight", &zk::Engine::in_flight, Release())

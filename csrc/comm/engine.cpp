@@ -534,12 +534,19 @@ std::shared_ptr<PendingOp> Engine::all_gather(const at::Tensor& output, const at
 }
 
 std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const std::string& op,
-                                              const std::string& name, Streams streams) {
+                                              const std::string& name, Streams streams, bool shared_memory) {
   const std::string what = describe("all_reduce", name);
   check_flat(tensor, "the tensor", what);
   c10d::AllreduceOptions opts;
   opts.reduceOp = reduce_op(op, what);
   const auto pg = begin(what, tensor, streams);
+  if (shared_memory) {
+    if (op != "sum") {
+      throw std::invalid_argument(what + ": the shared-memory all-reduce sums; op '" + op + "'");
+    }
+    auto work = channel(what, tensor).all_reduce(tensor, what);
+    return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{tensor}, nullptr));
+  }
   std::vector<at::Tensor> tensors{tensor};
   auto work = pg->allreduce(tensors, opts);
   return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{tensor},

@@ -288,60 +288,92 @@ void HostChannel::publish_consumed(uint32_t chunk) {
   futex_wake(entries_[rank_].consumed.value);
 }
 
-void HostChannel::run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype) {
-  for (int64_t offset = 0; offset < nbytes; offset += chunk_bytes_) {
-    const int64_t length = std::min(chunk_bytes_, nbytes - offset);
+namespace {
+
+// The bytes of part `part_index` of a buffer of `total` bytes cut into parts of `part` bytes (the last ones may be
+// shorter or empty) from `offset` on, at most `limit`.
+int64_t part_length(int part_index, int64_t part, int64_t total, int64_t offset, int64_t limit) {
+  const int64_t end = std::min(total, (part_index + 1) * part);
+  return std::max<int64_t>(0, std::min(limit, end - part_index * part - offset));
+}
+
+void add_into(char* mine, const std::vector<const char*>& peers, int64_t nbytes, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      add_regions<float>(mine, peers, nbytes);
+      break;
+    case at::kDouble:
+      add_regions<double>(mine, peers, nbytes);
+      break;
+    case at::kHalf:
+      add_regions<c10::Half>(mine, peers, nbytes);
+      break;
+    default:
+      add_regions<c10::BFloat16>(mine, peers, nbytes);
+      break;
+  }
+}
+
+void check_summed(const at::Tensor& t, const std::string& what) {
+  const at::ScalarType dtype = t.scalar_type();
+  if (t.is_cuda() || !t.is_contiguous() ||
+      (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kHalf && dtype != at::kBFloat16)) {
+    throw std::invalid_argument(what + ": the shared-memory sums take contiguous CPU tensors of float32, float64, "
+                                       "float16 or bfloat16");
+  }
+}
+
+}  // namespace
+
+// Part q of `data` (`part` bytes, `total` in all) gets the sum of every rank's part q, on rank q only.
+void HostChannel::run_reduce_parts(char* data, int64_t part, int64_t total, at::ScalarType dtype) {
+  for (int64_t offset = 0; offset < part; offset += chunk_bytes_) {
     const uint32_t chunk = next_chunk_;
     wait_half_free(chunk);
     for (int peer = 0; peer < world_size_; ++peer) {
-      if (peer != rank_) {
-        std::memcpy(region(rank_, chunk, peer), input + peer * nbytes + offset, length);
+      const int64_t length = part_length(peer, part, total, offset, chunk_bytes_);
+      if (peer != rank_ && length > 0) {
+        std::memcpy(region(rank_, chunk, peer), data + peer * part + offset, length);
       }
     }
     publish_written(chunk);
     wait_written(chunk);
-    std::vector<const char*> peers;
-    for (int peer = 0; peer < world_size_; ++peer) {
-      if (peer != rank_) {
-        peers.push_back(region(peer, chunk, rank_));
+    const int64_t length = part_length(rank_, part, total, offset, chunk_bytes_);
+    if (length > 0) {
+      std::vector<const char*> peers;
+      for (int peer = 0; peer < world_size_; ++peer) {
+        if (peer != rank_) {
+          peers.push_back(region(peer, chunk, rank_));
+        }
       }
-    }
-    char* mine = input + rank_ * nbytes + offset;
-    switch (dtype) {
-      case at::kFloat:
-        add_regions<float>(mine, peers, length);
-        break;
-      case at::kDouble:
-        add_regions<double>(mine, peers, length);
-        break;
-      case at::kHalf:
-        add_regions<c10::Half>(mine, peers, length);
-        break;
-      default:
-        add_regions<c10::BFloat16>(mine, peers, length);
-        break;
+      add_into(data + rank_ * part + offset, peers, length, dtype);
     }
     publish_consumed(chunk);
     next_chunk_ = chunk + 1;
   }
 }
 
-// An all-gather sends the same bytes to every peer: its chunk is the whole half of the slot.
-void HostChannel::run_all_gather(char* output, const char* source, int64_t nbytes) {
-  if (output + rank_ * nbytes != source) {
-    std::memcpy(output + rank_ * nbytes, source, nbytes);
+// Part q of `output` (`part` bytes, `total` in all) gets rank q's `source`. An all-gather sends the same bytes to
+// every peer: its chunk is the whole half of the slot.
+void HostChannel::run_gather_parts(char* output, const char* source, int64_t part, int64_t total) {
+  const int64_t mine = part_length(rank_, part, total, 0, part);
+  if (output + rank_ * part != source && mine > 0) {
+    std::memcpy(output + rank_ * part, source, mine);
   }
   const int64_t half = chunk_bytes_ * world_size_;
-  for (int64_t offset = 0; offset < nbytes; offset += half) {
-    const int64_t length = std::min(half, nbytes - offset);
+  for (int64_t offset = 0; offset < part; offset += half) {
     const uint32_t chunk = next_chunk_;
     wait_half_free(chunk);
-    std::memcpy(region(rank_, chunk, 0), source + offset, length);
+    const int64_t length = part_length(rank_, part, total, offset, half);
+    if (length > 0) {
+      std::memcpy(region(rank_, chunk, 0), source + offset, length);
+    }
     publish_written(chunk);
     wait_written(chunk);
     for (int peer = 0; peer < world_size_; ++peer) {
-      if (peer != rank_) {
-        std::memcpy(output + peer * nbytes + offset, region(peer, chunk, 0), length);
+      const int64_t theirs = part_length(peer, part, total, offset, half);
+      if (peer != rank_ && theirs > 0) {
+        std::memcpy(output + peer * part + offset, region(peer, chunk, 0), theirs);
       }
     }
     publish_consumed(chunk);
@@ -350,15 +382,11 @@ void HostChannel::run_all_gather(char* output, const char* source, int64_t nbyte
 }
 
 c10::intrusive_ptr<c10d::Work> HostChannel::reduce_scatter(const at::Tensor& input, const std::string& what) {
-  const at::ScalarType dtype = input.scalar_type();
-  if (input.is_cuda() || !input.is_contiguous() ||
-      (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kHalf && dtype != at::kBFloat16)) {
-    throw std::invalid_argument(what + ": the shared-memory reduce-scatter takes contiguous CPU tensors of float32, "
-                                       "float64, float16 or bfloat16");
-  }
+  check_summed(input, what);
   char* data = static_cast<char*>(input.data_ptr());
-  const int64_t nbytes = input.numel() / world_size_ * input.element_size();
-  return submit([this, data, nbytes, dtype] { run_reduce_scatter(data, nbytes, dtype); });
+  const at::ScalarType dtype = input.scalar_type();
+  const int64_t part = input.numel() / world_size_ * input.element_size();
+  return submit([this, data, part, dtype] { run_reduce_parts(data, part, part * world_size_, dtype); });
 }
 
 c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output, const at::Tensor& source,
@@ -368,8 +396,21 @@ c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output,
   }
   char* out = static_cast<char*>(output.data_ptr());
   const char* in = static_cast<const char*>(source.data_ptr());
-  const int64_t nbytes = source.numel() * source.element_size();
-  return submit([this, out, in, nbytes] { run_all_gather(out, in, nbytes); });
+  const int64_t part = source.numel() * source.element_size();
+  return submit([this, out, in, part] { run_gather_parts(out, in, part, part * world_size_); });
+}
+
+// A reduce-scatter of parts of ceil(n / world_size) elements (the last ones shorter), then an all-gather of them.
+c10::intrusive_ptr<c10d::Work> HostChannel::all_reduce(const at::Tensor& tensor, const std::string& what) {
+  check_summed(tensor, what);
+  char* data = static_cast<char*>(tensor.data_ptr());
+  const at::ScalarType dtype = tensor.scalar_type();
+  const int64_t part = (tensor.numel() + world_size_ - 1) / world_size_ * tensor.element_size();
+  const int64_t total = tensor.numel() * tensor.element_size();
+  return submit([this, data, part, total, dtype] {
+    run_reduce_parts(data, part, total, dtype);
+    run_gather_parts(data, data + rank_ * part, part, total);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> HostChannel::submit(Job job) {

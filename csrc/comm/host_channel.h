@@ -62,6 +62,9 @@ class HostChannel {
   // Every rank's `source` (n elements of output's dtype) in rank order into `output`.
   c10::intrusive_ptr<c10d::Work> all_gather(const at::Tensor& output, const at::Tensor& source,
                                             const std::string& what);
+  // `tensor` (float32/float64/float16/bfloat16) summed over ranks in place: every rank sums one part of
+  // ceil(n / world_size) elements, then every rank gathers the parts; every rank gets the same bits.
+  c10::intrusive_ptr<c10d::Work> all_reduce(const at::Tensor& tensor, const std::string& what);
 
   int64_t chunk_bytes() const { return chunk_bytes_; }
 
@@ -70,10 +73,10 @@ class HostChannel {
   c10::intrusive_ptr<c10d::Work> submit(Job job);
   void worker_loop();
 
-  // The chunk loop of each operation; `nbytes`: bytes per rank. Their errors name the peer; the operation's
-  // PendingOp names the operation.
-  void run_reduce_scatter(char* input, int64_t nbytes, at::ScalarType dtype);
-  void run_all_gather(char* output, const char* source, int64_t nbytes);
+  // The chunk loops: a buffer of `total` bytes in parts of `part` bytes, part q rank q's (the last parts may be
+  // shorter or empty). Their errors name the peer; the operation's PendingOp names the operation.
+  void run_reduce_parts(char* data, int64_t part, int64_t total, at::ScalarType dtype);
+  void run_gather_parts(char* output, const char* source, int64_t part, int64_t total);
   // Waits until chunk `chunk` may be written into its half (every peer consumed the one before in it).
   void wait_half_free(uint32_t chunk);
   void publish_written(uint32_t chunk);

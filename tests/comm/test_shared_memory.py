@@ -75,6 +75,43 @@ def test_the_channel_gives_the_bits_of_the_pairwise_exchange(spawn, world: int) 
     spawn(_same_bits, world)
 
 
+def _sums(rank: int, world: int) -> None:
+    """All-reduce sums through the channel: the float64 sum within the dtype's rounding, the same bits on every rank
+    (each part is summed by one rank), whatever the size (fewer elements than ranks, parts of unequal length)."""
+    import torch.distributed as dist
+
+    engine = make_engine(backend="cpp")
+    assert engine.shares_memory()
+    for i, (dtype, n) in enumerate((d, n) for d in DTYPES for n in (*SIZES, world - 1, 2 * world + 1)):
+        mine = _bucket(rank, n, dtype, 1, i)
+        got = mine.clone()
+        engine.all_reduce(got, name=f"sum{i}").wait()
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        want = torch.stack([t.double() for t in everyone]).sum(0)
+        tol = {torch.float32: 1e-6, torch.float64: 1e-12}.get(dtype, 1e-2)
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * world)
+        results = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(results, got)
+        assert all(torch.equal(r, got) for r in results), (dtype, n)
+    for op, fold in (("max", torch.maximum), ("min", torch.minimum)):  # gloo's sockets
+        got = torch.tensor([float(rank), -float(rank)])
+        engine.all_reduce(got, op=op, name=op).wait()
+        want = torch.tensor([0.0, 0.0])
+        for r in range(world):
+            want = fold(want, torch.tensor([float(r), -float(r)]))
+        assert torch.equal(got, want), (op, got)
+    ints = torch.full((5,), rank + 1)
+    engine.all_reduce(ints, name="ints").wait()
+    assert torch.equal(ints, torch.full((5,), sum(range(1, world + 1))))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 3])
+def test_sums_through_the_channel_are_the_same_on_every_rank(spawn, world: int) -> None:
+    spawn(_sums, world)
+
+
 def _sockets_everywhere(rank: int, world: int, case: str) -> None:
     from zero_kernels.comm import shared_memory
 
@@ -83,7 +120,7 @@ def _sockets_everywhere(rank: int, world: int, case: str) -> None:
     if case == "two nodes":
         os.environ.update(GROUP_RANK=str(rank), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     if case == "no room":
-        shared_memory.SEGMENT_BYTES, shared_memory.CHUNK_BYTES = 1 << 60, (1 << 56, 1 << 56)
+        shared_memory.SEGMENT_BYTES, shared_memory.CHUNK_BYTES = 1 << 60, 1 << 56
     engine = make_engine(backend="cpp")
     assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_p2p", case
     assert engine.shares_memory() is False

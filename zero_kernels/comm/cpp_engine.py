@@ -16,10 +16,6 @@ from .primitives import NODES_PRIMITIVES, CommError
 from .shared_memory import SHM_PRIMITIVES, SUMMED_DTYPES, open_channel
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class CppCommEngine(EngineBase):
     """The C++ engine (``csrc/comm``): c10d collectives issued and tracked from C++."""
 
@@ -56,20 +52,19 @@ class CppCommEngine(EngineBase):
         primitive = super().primitive_for(operation, tensor)
         if self.nodes is not None:
             return NODES_PRIMITIVES.get(primitive, primitive)
-        if self._shareable(operation, tensor) and self.shares_memory(first_bytes=_nbytes(tensor)):
+        if self._shareable(operation, tensor) and self.shares_memory():
             return SHM_PRIMITIVES[primitive]
         return primitive
 
-    def shares_memory(self, what: str = "", first_bytes: int = 0) -> bool:
+    def shares_memory(self, what: str = "") -> bool:
         """Whether this engine's ranks exchange through shared memory: decided by all of them at the first
-        call (collective), the same answer after. ``what`` names the operation that asked, in errors;
-        ``first_bytes`` is its full buffer, which sizes the segment (``shared_memory.chunk_bytes``)."""
+        call (collective), the same answer after. ``what`` names the operation that asked, in errors."""
         if self._shared_memory is None:
             if self._engine is None:
                 return False
             self._shared_memory = False  # the decision's own exchanges go through the sockets
             try:
-                self._shared_memory = open_channel(self, first_bytes)
+                self._shared_memory = open_channel(self)
             except CommError as exc:
                 raise CommError(f"{what} failed: {exc}" if what else str(exc)) from exc
         return self._shared_memory
@@ -89,7 +84,7 @@ class CppCommEngine(EngineBase):
             self._ensure_group(what)
             asked = primitive in SHM_PRIMITIVES.values()
             if asked or (primitive is None and self._shareable(operation, full)):
-                self.shares_memory(what, _nbytes(full))
+                self.shares_memory(what)
         return super()._prepare(operation, name, shard, full, primitive)
 
     def _streams(self, tensor: torch.Tensor) -> tuple[int, int, Optional["torch.cuda.Stream"]]:
@@ -134,10 +129,13 @@ class CppCommEngine(EngineBase):
 
     @issue_errors_named("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
-        """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min)."""
-        self._check_all_reduce(name, tensor, op)
+        """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min); a sum through shared memory where the
+        ranks share it (``shares_memory``; its sums are taken in another order than gloo's)."""
+        what = self._check_all_reduce(name, tensor, op)
         if self.world_size == 1:
             return Handle(None, ())
+        if op == "sum" and self._shareable("reduce_scatter", tensor) and self.shares_memory(what):
+            return CppHandle(self._engine.all_reduce(tensor, op, name, shared_memory=True))
         return self._issue("all_reduce", tensor, tensor, op, name)
 
     def synchronize(self) -> None:

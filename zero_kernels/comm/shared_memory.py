@@ -1,8 +1,9 @@
 """The shared-memory channel of the C++ engine (``csrc/comm/host_channel.h``): when every rank of a group
 lives on one host, reduce-scatter and all-gather of CPU tensors go through one shared-memory segment
-instead of gloo's loopback sockets (the ``*_shm`` primitives).
+instead of gloo's loopback sockets (the ``*_shm`` primitives), and so do sums of floating-point tensors
+(``all_reduce``).
 
-Whether a group may use it is decided once per engine, at its first reduce-scatter or all-gather, by
+Whether a group may use it is decided once per engine, at its first exchange that could use it, by
 every rank together (collective, on the caller's thread, in the group's order of operations):
 
 - every rank must want it (``ZERO_KERNELS_SHM``, default on) and be on Linux;
@@ -39,18 +40,16 @@ SHM_PRIMITIVES = {"reduce_scatter_p2p": "reduce_scatter_shm", "all_gather_p2p": 
 SUMMED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Bytes of the segment's data at most, whatever the group's size: /dev/shm is small in some containers.
 SEGMENT_BYTES = 16 << 20
-CHUNK_BYTES = (64 << 10, 4 << 20)  # one destination's region of one half: at least, at most
+# One destination's region of one half of a rank's slot, at most: 2 x 4 MB exchanged in 64-256 KiB chunks took
+# half the time of 4 MiB ones on 2 ranks (benchmarks/RESULTS.md).
+CHUNK_BYTES = 256 << 10
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
 
-def chunk_bytes(world_size: int, first_bytes: int) -> int:
-    """One destination's region of one half of a rank's slot: one rank's share of the first exchange
-    (``first_bytes``, its full buffer), so that an engine that only ever exchanges small objects keeps a
-    small segment, within the bounds of ``CHUNK_BYTES`` and the segment (2 halves of ``world_size``
-    regions per rank) within ``SEGMENT_BYTES``; a multiple of 4 KiB."""
-    cap = max(CHUNK_BYTES[0], min(CHUNK_BYTES[1], SEGMENT_BYTES // (2 * world_size * world_size)))
-    share = -(-first_bytes // world_size)
-    return max(CHUNK_BYTES[0], min(cap, share)) // 4096 * 4096
+def chunk_bytes(world_size: int) -> int:
+    """One destination's region of one half of a rank's slot: ``CHUNK_BYTES``, less where the segment (2 halves
+    of ``world_size`` regions per rank) would pass ``SEGMENT_BYTES``; a multiple of 4 KiB."""
+    return max(4096, min(CHUNK_BYTES, SEGMENT_BYTES // (2 * world_size * world_size)) // 4096 * 4096)
 
 
 def _wanted() -> Optional[str]:
@@ -72,15 +71,14 @@ def _timeout(engine: "CppCommEngine") -> datetime.timedelta:
         return DEFAULT_TIMEOUT
 
 
-def open_channel(engine: "CppCommEngine", first_bytes: int) -> bool:
+def open_channel(engine: "CppCommEngine") -> bool:
     """Open ``engine``'s shared-memory channel where every rank of its group can (module docstring): True
-    on every rank alike, or False on every rank. Collective; ``first_bytes``: the full buffer of the
-    exchange that asked (the same on every rank), which sizes the segment."""
+    on every rank alike, or False on every rank. Collective."""
     from .groups import _where
     from .objects import all_gather_objects
 
     name = f"/zero_kernels-{os.getpid()}-{secrets.token_hex(8)}"
-    chunk = chunk_bytes(engine.world_size, first_bytes)
+    chunk = chunk_bytes(engine.world_size)
     timeout_ms = int(_timeout(engine).total_seconds() * 1000)
     created = None if engine.rank != 0 else _create(engine, name, chunk, timeout_ms)
     facts = all_gather_objects(engine, (_wanted(), _where()[0], created), name="shared_memory.facts")
