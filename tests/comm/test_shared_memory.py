@@ -196,3 +196,23 @@ def _lost_handle_finishes_first(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_lost_operation_finishes_before_a_later_one(spawn) -> None:
     spawn(_lost_handle_finishes_first, 2)
+
+
+def _peer_dies_before_the_handshake(rank: int, world: int) -> None:
+    """Rank 1 dies before its first exchange; rank 0 has created the segment when the handshake's first exchange
+    fails: the segment's name is removed all the same (it used to stay in /dev/shm after the job, 0.5 MiB here)."""
+    engine = make_engine(backend="cpp")
+    torch.distributed.barrier()
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    with pytest.raises(CommError, match="shared_memory.facts"):
+        engine.reduce_scatter(torch.empty(4), torch.ones(8), name="grads").wait()
+    left = sorted(p.name for p in Path("/dev/shm").glob(f"zero_kernels-{os.getpid()}-*"))
+    assert left == [], left
+    os._exit(0)  # the peer is gone: skip the process group's teardown
+
+
+@pytest.mark.distributed
+def test_a_peer_that_dies_before_the_handshake_leaves_no_segment(spawn) -> None:
+    spawn(_peer_dies_before_the_handshake, 2, timeout_s=30.0)

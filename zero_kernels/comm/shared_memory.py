@@ -81,8 +81,8 @@ def open_channel(engine: "CppCommEngine") -> bool:
     chunk = chunk_bytes(engine.world_size)
     timeout_ms = int(_timeout(engine).total_seconds() * 1000)
     created = None if engine.rank != 0 else _create(engine, name, chunk, timeout_ms)
-    facts = all_gather_objects(engine, (_wanted(), _where()[0], created), name="shared_memory.facts")
-    try:
+    try:  # from here on the name is removed whatever fails (a peer that died before the handshake: it stayed)
+        facts = all_gather_objects(engine, (_wanted(), _where()[0], created), name="shared_memory.facts")
         reason = _refusal(facts)
         opened = reason is None and (engine.rank == 0 or _open(engine, facts[0][2], chunk, timeout_ms))
         everyone = all_gather_objects(engine, opened, name="shared_memory.opened")
