@@ -32,7 +32,13 @@ def cpp_engine() -> None:
 
 
 def _segments() -> list[str]:
-    return sorted(p.name for p in Path("/dev/shm").glob("zero_kernels-*"))
+    """The segments in /dev/shm named by this job's rank 0 (the creator's pid is in the name): those of other jobs
+    on the host, or left behind by a killed one, are not this test's."""
+    pids = [None]
+    if torch.distributed.get_rank() == 0:
+        pids = [os.getpid()]
+    torch.distributed.broadcast_object_list(pids, src=0)
+    return sorted(p.name for p in Path("/dev/shm").glob(f"zero_kernels-{pids[0]}-*"))
 
 
 def _bucket(rank: int, n: int, dtype: torch.dtype, world: int, seed: int) -> torch.Tensor:
@@ -45,7 +51,8 @@ def _same_bits(rank: int, world: int) -> None:
     assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_shm"
     assert engine.primitive_for("all_gather", torch.empty(world, dtype=torch.uint8)) == "all_gather_shm"
     assert engine.primitive_for("reduce_scatter", torch.empty(world, dtype=torch.int64)) == "reduce_scatter_p2p"
-    assert _segments() == [], _segments()  # unlinked once every rank opened it
+    left = _segments()
+    assert left == [], left  # unlinked once every rank opened it
     issued = []
     for i, (dtype, n) in enumerate((d, n) for d in DTYPES for n in SIZES):
         bucket = _bucket(rank, n, dtype, world, i)
