@@ -86,6 +86,9 @@ def open_channel(engine: "CppCommEngine") -> bool:
         reason = _refusal(facts)
         opened = reason is None and (engine.rank == 0 or _open(engine, facts[0][2], chunk, timeout_ms))
         everyone = all_gather_objects(engine, opened, name="shared_memory.opened")
+    except BaseException:
+        engine._engine.close_host_channel()
+        raise
     finally:
         if engine.rank == 0 and created is not None:
             engine._engine.unlink_host_channel(created)
