@@ -40,8 +40,8 @@ SHM_PRIMITIVES = {"reduce_scatter_p2p": "reduce_scatter_shm", "all_gather_p2p": 
 SUMMED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 # Bytes of the segment's data at most, whatever the group's size: /dev/shm is small in some containers.
 SEGMENT_BYTES = 16 << 20
-# One destination's region of one half of a rank's slot, at most: 2 x 4 MB exchanged in 64-256 KiB chunks took
-# half the time of 4 MiB ones on 2 ranks (benchmarks/RESULTS.md).
+# One destination's region of one half of a rank's slot, at most: a reduce-scatter and an all-gather of 8 MB on
+# 2 ranks took 1.6-1.8 ms in chunks of 256 KiB, 2.2 ms in 1 MiB and 2.6-2.7 ms in 2 MiB (benchmarks/RESULTS.md).
 CHUNK_BYTES = 256 << 10
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 
