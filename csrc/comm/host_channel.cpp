@@ -26,7 +26,7 @@
 
 namespace zero_kernels::comm {
 
-constexpr uint64_t kMagic = 0x7a6b73686d000001ULL;  // "zkshm", layout version 1
+constexpr uint64_t kMagic = 0x7a6b73686d000002ULL;  // "zkshm", layout version 2
 
 struct alignas(64) Counter {
   std::atomic<uint32_t> value{0};
@@ -34,11 +34,21 @@ struct alignas(64) Counter {
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "the counters are shared between processes");
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "a futex word is 32 bits");
 
+// What a rank's half holds: the operation it belongs to, which every peer compares with its own before reading.
+struct ChunkTag {
+  uint64_t op;      // this rank's operations on the channel so far
+  int32_t kind;     // OpKind
+  int32_t dtype;    // the summed ScalarType, -1 for a gather
+  int64_t part;     // bytes per rank
+  int64_t total;    // bytes in all
+};
+
 struct RankEntry {
   Counter written;   // chunks this rank has put into its slot
   Counter consumed;  // chunks this rank has read from every peer's slot
   alignas(64) int64_t pid = 0;
   uint64_t start_time = 0;  // the process's start time in clock ticks since boot (/proc/<pid>/stat)
+  ChunkTag tags[2];         // per half
 };
 
 struct alignas(64) SegmentHeader {
@@ -93,6 +103,25 @@ std::optional<ProcState> proc_state(int64_t pid) {
 }
 
 bool reached(uint32_t value, uint32_t target) { return static_cast<int32_t>(value - target) >= 0; }
+
+const char* kind_name(int32_t kind) {
+  switch (kind) {
+    case OpKind::kReduceScatter:
+      return "reduce_scatter";
+    case OpKind::kAllGather:
+      return "all_gather";
+    case OpKind::kAllReduceSum:
+      return "all_reduce's sum";
+    default:
+      return "all_reduce's gather";
+  }
+}
+
+std::string describe_tag(const ChunkTag& tag) {
+  return std::string(kind_name(tag.kind)) + " (" + std::to_string(tag.total) + " bytes" +
+         (tag.dtype >= 0 ? std::string(" of ") + c10::toString(static_cast<at::ScalarType>(tag.dtype)) : "") +
+         ", operation " + std::to_string(tag.op) + " on the channel)";
+}
 
 void futex_wake(std::atomic<uint32_t>& word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
@@ -270,15 +299,23 @@ void HostChannel::wait_half_free(uint32_t chunk) {
   }
 }
 
-void HostChannel::publish_written(uint32_t chunk) {
+void HostChannel::publish_written(uint32_t chunk, const ChunkTag& tag) {
+  entries_[rank_].tags[chunk & 1u] = tag;
   entries_[rank_].written.value.store(chunk + 1, std::memory_order_release);
   futex_wake(entries_[rank_].written.value);
 }
 
-void HostChannel::wait_written(uint32_t chunk) {
+// Every peer filled its half for `chunk`, for the operation this rank runs (`tag`): ranks that issued their
+// operations in different orders raise here, before reading what the other put there for another operation.
+void HostChannel::wait_written(uint32_t chunk, const ChunkTag& tag) {
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer != rank_) {
       wait_counter(peer, true, chunk + 1);
+      const ChunkTag& theirs = entries_[peer].tags[chunk & 1u];
+      if (theirs.kind != tag.kind || theirs.dtype != tag.dtype || theirs.part != tag.part || theirs.total != tag.total) {
+        throw std::runtime_error("the ranks issued different operations: rank " + std::to_string(peer) + " runs " +
+                                 describe_tag(theirs) + " where this rank runs " + describe_tag(tag));
+      }
     }
   }
 }
@@ -326,7 +363,8 @@ void check_summed(const at::Tensor& t, const std::string& what) {
 }  // namespace
 
 // Part q of `data` (`part` bytes, `total` in all) gets the sum of every rank's part q, on rank q only.
-void HostChannel::run_reduce_parts(char* data, int64_t part, int64_t total, at::ScalarType dtype) {
+void HostChannel::run_reduce_parts(char* data, int64_t part, int64_t total, at::ScalarType dtype, int32_t kind) {
+  const ChunkTag tag{next_op_++, kind, static_cast<int32_t>(dtype), part, total};
   for (int64_t offset = 0; offset < part; offset += chunk_bytes_) {
     const uint32_t chunk = next_chunk_;
     wait_half_free(chunk);
@@ -336,8 +374,8 @@ void HostChannel::run_reduce_parts(char* data, int64_t part, int64_t total, at::
         std::memcpy(region(rank_, chunk, peer), data + peer * part + offset, length);
       }
     }
-    publish_written(chunk);
-    wait_written(chunk);
+    publish_written(chunk, tag);
+    wait_written(chunk, tag);
     const int64_t length = part_length(rank_, part, total, offset, chunk_bytes_);
     if (length > 0) {
       std::vector<const char*> peers;
@@ -355,7 +393,8 @@ void HostChannel::run_reduce_parts(char* data, int64_t part, int64_t total, at::
 
 // Part q of `output` (`part` bytes, `total` in all) gets rank q's `source`. An all-gather sends the same bytes to
 // every peer: its chunk is the whole half of the slot.
-void HostChannel::run_gather_parts(char* output, const char* source, int64_t part, int64_t total) {
+void HostChannel::run_gather_parts(char* output, const char* source, int64_t part, int64_t total, int32_t kind) {
+  const ChunkTag tag{next_op_++, kind, -1, part, total};
   const int64_t mine = part_length(rank_, part, total, 0, part);
   if (output + rank_ * part != source && mine > 0) {
     std::memcpy(output + rank_ * part, source, mine);
@@ -368,8 +407,8 @@ void HostChannel::run_gather_parts(char* output, const char* source, int64_t par
     if (length > 0) {
       std::memcpy(region(rank_, chunk, 0), source + offset, length);
     }
-    publish_written(chunk);
-    wait_written(chunk);
+    publish_written(chunk, tag);
+    wait_written(chunk, tag);
     for (int peer = 0; peer < world_size_; ++peer) {
       const int64_t theirs = part_length(peer, part, total, offset, half);
       if (peer != rank_ && theirs > 0) {
@@ -386,7 +425,9 @@ c10::intrusive_ptr<c10d::Work> HostChannel::reduce_scatter(const at::Tensor& inp
   char* data = static_cast<char*>(input.data_ptr());
   const at::ScalarType dtype = input.scalar_type();
   const int64_t part = input.numel() / world_size_ * input.element_size();
-  return submit([this, data, part, dtype] { run_reduce_parts(data, part, part * world_size_, dtype); });
+  return submit([this, data, part, dtype] {
+    run_reduce_parts(data, part, part * world_size_, dtype, OpKind::kReduceScatter);
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output, const at::Tensor& source,
@@ -397,7 +438,7 @@ c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output,
   char* out = static_cast<char*>(output.data_ptr());
   const char* in = static_cast<const char*>(source.data_ptr());
   const int64_t part = source.numel() * source.element_size();
-  return submit([this, out, in, part] { run_gather_parts(out, in, part, part * world_size_); });
+  return submit([this, out, in, part] { run_gather_parts(out, in, part, part * world_size_, OpKind::kAllGather); });
 }
 
 // A reduce-scatter of parts of ceil(n / world_size) elements (the last ones shorter), then an all-gather of them.
@@ -408,8 +449,8 @@ c10::intrusive_ptr<c10d::Work> HostChannel::all_reduce(const at::Tensor& tensor,
   const int64_t part = (tensor.numel() + world_size_ - 1) / world_size_ * tensor.element_size();
   const int64_t total = tensor.numel() * tensor.element_size();
   return submit([this, data, part, total, dtype] {
-    run_reduce_parts(data, part, total, dtype);
-    run_gather_parts(data, data + rank_ * part, part, total);
+    run_reduce_parts(data, part, total, dtype, OpKind::kAllReduceSum);
+    run_gather_parts(data, data + rank_ * part, part, total, OpKind::kAllReduceGather);
   });
 }
 

@@ -9,7 +9,10 @@
 // each with a region per destination rank; an operation runs in chunks of `chunk_bytes` per
 // destination through the halves in turn. Two counters per rank order the chunks: `written` (this
 // rank filled its half for that chunk) and `consumed` (it read every peer's region of that half).
-// Chunks are numbered across operations: every rank runs the group's operations in the same order.
+// Chunks are numbered across operations: every rank runs the group's operations in the same order. Each
+// half carries a tag of the operation it belongs to (kind, dtype, sizes), which every peer compares with
+// its own before it reads: ranks that issued different operations raise an error naming both, where
+// gloo's sockets would have raised on a size mismatch or hung, instead of mixing their data.
 // A rank waits for its peers by spinning briefly, then on a futex, checking every 100 ms that each
 // peer process is still alive (a peer that died raises an error naming it, as gloo's closed socket
 // does) and the process group's timeout.
@@ -37,6 +40,15 @@ namespace zero_kernels::comm {
 
 struct SegmentHeader;
 struct RankEntry;
+struct ChunkTag;
+
+// What a chunk belongs to, compared across ranks (ChunkTag in host_channel.cpp).
+namespace OpKind {
+constexpr int32_t kReduceScatter = 0;
+constexpr int32_t kAllGather = 1;
+constexpr int32_t kAllReduceSum = 2;
+constexpr int32_t kAllReduceGather = 3;
+}  // namespace OpKind
 
 class HostChannel {
  public:
@@ -75,12 +87,12 @@ class HostChannel {
 
   // The chunk loops: a buffer of `total` bytes in parts of `part` bytes, part q rank q's (the last parts may be
   // shorter or empty). Their errors name the peer; the operation's PendingOp names the operation.
-  void run_reduce_parts(char* data, int64_t part, int64_t total, at::ScalarType dtype);
-  void run_gather_parts(char* output, const char* source, int64_t part, int64_t total);
+  void run_reduce_parts(char* data, int64_t part, int64_t total, at::ScalarType dtype, int32_t kind);
+  void run_gather_parts(char* output, const char* source, int64_t part, int64_t total, int32_t kind);
   // Waits until chunk `chunk` may be written into its half (every peer consumed the one before in it).
   void wait_half_free(uint32_t chunk);
-  void publish_written(uint32_t chunk);
-  void wait_written(uint32_t chunk);
+  void publish_written(uint32_t chunk, const ChunkTag& tag);
+  void wait_written(uint32_t chunk, const ChunkTag& tag);
   void publish_consumed(uint32_t chunk);
   void wait_counter(int peer, bool written, uint32_t target);
   void check_peer(int peer) const;
@@ -99,6 +111,7 @@ class HostChannel {
   char* data_ = nullptr;
 
   uint32_t next_chunk_ = 0;  // worker thread only
+  uint64_t next_op_ = 0;     // worker thread only
   std::exception_ptr broken_;  // worker thread only: the first failure
 
   std::mutex mu_;

@@ -223,3 +223,23 @@ def _peer_dies_before_the_handshake(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_peer_that_dies_before_the_handshake_leaves_no_segment(spawn) -> None:
     spawn(_peer_dies_before_the_handshake, 2, timeout_s=30.0)
+
+
+def _different_operations(rank: int, world: int) -> None:
+    """Rank 1 skips an all-gather rank 0 issues (a forward run on one rank only): both raise at the next operation,
+    naming the two, before either reads what the other wrote for another one."""
+    engine = make_engine(backend="cpp")
+    assert engine.shares_memory()
+    if rank == 0:
+        engine.all_gather(torch.empty(2 * 64), torch.ones(64), name="extra")
+    mismatch = r"the ranks issued different operations: rank \d runs (reduce_scatter|all_gather) \(\d+ bytes"
+    with pytest.raises(CommError, match=mismatch):
+        engine.reduce_scatter(torch.empty(32), torch.ones(64), name="grads").wait()
+        engine.synchronize()
+    with pytest.raises(CommError, match="an earlier operation on the shared-memory channel failed"):
+        engine.all_gather(torch.empty(8), torch.ones(4), name="params").wait()
+
+
+@pytest.mark.distributed
+def test_ranks_that_issue_different_operations_raise(spawn) -> None:
+    spawn(_different_operations, 2)
