@@ -541,10 +541,7 @@ std::shared_ptr<PendingOp> Engine::all_reduce(const at::Tensor& tensor, const st
   opts.reduceOp = reduce_op(op, what);
   const auto pg = begin(what, tensor, streams);
   if (shared_memory) {
-    if (op != "sum") {
-      throw std::invalid_argument(what + ": the shared-memory all-reduce sums; op '" + op + "'");
-    }
-    auto work = channel(what, tensor).all_reduce(tensor, what);
+    auto work = channel(what, tensor).all_reduce(tensor, op, what);
     return track(std::make_shared<PendingOp>(what, Works{std::move(work)}, std::vector<at::Tensor>{tensor}, nullptr));
   }
   std::vector<at::Tensor> tensors{tensor};

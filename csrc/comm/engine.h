@@ -132,7 +132,7 @@ class Engine {
   std::shared_ptr<PendingOp> all_gather(const at::Tensor& output, const at::Tensor& input, const std::string& name,
                                         Primitive primitive, Streams streams);
   // `tensor` reduced in place with op "sum", "max" or "min"; through the shared-memory channel where
-  // `shared_memory` (a sum of floating-point CPU tensors, the channel open).
+  // `shared_memory` (CPU tensors of its dtypes, the channel open).
   std::shared_ptr<PendingOp> all_reduce(const at::Tensor& tensor, const std::string& op, const std::string& name,
                                         Streams streams, bool shared_memory = false);
   // Waits for every operation issued so far (each on its side stream, as PendingOp::wait); raises

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cerrno>
 #include <climits>
@@ -112,6 +113,10 @@ const char* kind_name(int32_t kind) {
       return "all_gather";
     case OpKind::kAllReduceSum:
       return "all_reduce's sum";
+    case OpKind::kAllReduceMax:
+      return "all_reduce's max";
+    case OpKind::kAllReduceMin:
+      return "all_reduce's min";
     default:
       return "all_reduce's gather";
   }
@@ -160,12 +165,39 @@ void add_rows(T* mine, const std::vector<const T*>& peers, int64_t n) {
 }
 
 template <typename T>
-void add_regions(char* mine, const std::vector<const char*>& peers, int64_t nbytes) {
+std::vector<const T*> rows_of(const std::vector<const char*>& peers) {
   std::vector<const T*> rows;
   for (const char* p : peers) {
     rows.push_back(reinterpret_cast<const T*>(p));
   }
-  add_rows(reinterpret_cast<T*>(mine), rows, nbytes / static_cast<int64_t>(sizeof(T)));
+  return rows;
+}
+
+template <typename T>
+void add_regions(char* mine, const std::vector<const char*>& peers, int64_t nbytes) {
+  add_rows(reinterpret_cast<T*>(mine), rows_of<T>(peers), nbytes / static_cast<int64_t>(sizeof(T)));
+}
+
+// mine = mine + the peers' rows (integers: exact, wrapping as torch's do), or the largest or smallest of them (a NaN
+// wins, as torch.maximum and torch.minimum have it; the result is one of the values, its bits unchanged).
+template <typename T>
+void fold_regions(char* mine_bytes, const std::vector<const char*>& peers, int64_t nbytes, int32_t kind) {
+  T* mine = reinterpret_cast<T*>(mine_bytes);
+  const int64_t n = nbytes / static_cast<int64_t>(sizeof(T));
+  for (const T* row : rows_of<T>(peers)) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (kind == OpKind::kAllReduceSum) {
+        mine[i] = static_cast<T>(mine[i] + row[i]);
+        continue;
+      }
+      const auto a = static_cast<double>(mine[i]);
+      const auto b = static_cast<double>(row[i]);
+      const bool take = std::isnan(b) ? !std::isnan(a) : (kind == OpKind::kAllReduceMax ? b > a : b < a);
+      if (take) {
+        mine[i] = row[i];
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -334,29 +366,47 @@ int64_t part_length(int part_index, int64_t part, int64_t total, int64_t offset,
   return std::max<int64_t>(0, std::min(limit, end - part_index * part - offset));
 }
 
-void add_into(char* mine, const std::vector<const char*>& peers, int64_t nbytes, at::ScalarType dtype) {
+bool floating(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+bool integral(at::ScalarType dtype) {
+  return dtype == at::kLong || dtype == at::kInt || dtype == at::kByte || dtype == at::kChar;
+}
+
+// mine combined with the peers' regions: a sum of floating-point values as the point-to-point exchange sums them
+// (add_rows), anything else as fold_regions.
+void combine_into(char* mine, const std::vector<const char*>& peers, int64_t nbytes, at::ScalarType dtype,
+                  int32_t kind) {
+  const bool sum = kind == OpKind::kReduceScatter || kind == OpKind::kAllReduceSum;
+  const int32_t fold = sum ? OpKind::kAllReduceSum : kind;
   switch (dtype) {
     case at::kFloat:
-      add_regions<float>(mine, peers, nbytes);
-      break;
+      return sum ? add_regions<float>(mine, peers, nbytes) : fold_regions<float>(mine, peers, nbytes, fold);
     case at::kDouble:
-      add_regions<double>(mine, peers, nbytes);
-      break;
+      return sum ? add_regions<double>(mine, peers, nbytes) : fold_regions<double>(mine, peers, nbytes, fold);
     case at::kHalf:
-      add_regions<c10::Half>(mine, peers, nbytes);
-      break;
+      return sum ? add_regions<c10::Half>(mine, peers, nbytes) : fold_regions<c10::Half>(mine, peers, nbytes, fold);
+    case at::kBFloat16:
+      return sum ? add_regions<c10::BFloat16>(mine, peers, nbytes)
+                 : fold_regions<c10::BFloat16>(mine, peers, nbytes, fold);
+    case at::kLong:
+      return fold_regions<int64_t>(mine, peers, nbytes, fold);
+    case at::kInt:
+      return fold_regions<int32_t>(mine, peers, nbytes, fold);
+    case at::kByte:
+      return fold_regions<uint8_t>(mine, peers, nbytes, fold);
     default:
-      add_regions<c10::BFloat16>(mine, peers, nbytes);
-      break;
+      return fold_regions<int8_t>(mine, peers, nbytes, fold);
   }
 }
 
-void check_summed(const at::Tensor& t, const std::string& what) {
+void check_reduced(const at::Tensor& t, bool integers, const std::string& what) {
   const at::ScalarType dtype = t.scalar_type();
-  if (t.is_cuda() || !t.is_contiguous() ||
-      (dtype != at::kFloat && dtype != at::kDouble && dtype != at::kHalf && dtype != at::kBFloat16)) {
-    throw std::invalid_argument(what + ": the shared-memory sums take contiguous CPU tensors of float32, float64, "
-                                       "float16 or bfloat16");
+  if (t.is_cuda() || !t.is_contiguous() || !(floating(dtype) || (integers && integral(dtype)))) {
+    throw std::invalid_argument(what + ": the shared-memory reductions take contiguous CPU tensors of float32, float64, "
+                                       "float16 or bfloat16" +
+                                (integers ? std::string(", or int64, int32, uint8 or int8 (all-reduce)") : ""));
   }
 }
 
@@ -384,7 +434,7 @@ void HostChannel::run_reduce_parts(char* data, int64_t part, int64_t total, at::
           peers.push_back(region(peer, chunk, rank_));
         }
       }
-      add_into(data + rank_ * part + offset, peers, length, dtype);
+      combine_into(data + rank_ * part + offset, peers, length, dtype, kind);
     }
     publish_consumed(chunk);
     next_chunk_ = chunk + 1;
@@ -421,7 +471,7 @@ void HostChannel::run_gather_parts(char* output, const char* source, int64_t par
 }
 
 c10::intrusive_ptr<c10d::Work> HostChannel::reduce_scatter(const at::Tensor& input, const std::string& what) {
-  check_summed(input, what);
+  check_reduced(input, false, what);
   char* data = static_cast<char*>(input.data_ptr());
   const at::ScalarType dtype = input.scalar_type();
   const int64_t part = input.numel() / world_size_ * input.element_size();
@@ -442,14 +492,21 @@ c10::intrusive_ptr<c10d::Work> HostChannel::all_gather(const at::Tensor& output,
 }
 
 // A reduce-scatter of parts of ceil(n / world_size) elements (the last ones shorter), then an all-gather of them.
-c10::intrusive_ptr<c10d::Work> HostChannel::all_reduce(const at::Tensor& tensor, const std::string& what) {
-  check_summed(tensor, what);
+c10::intrusive_ptr<c10d::Work> HostChannel::all_reduce(const at::Tensor& tensor, const std::string& op,
+                                                       const std::string& what) {
+  check_reduced(tensor, true, what);
+  int32_t kind = OpKind::kAllReduceSum;
+  if (op == "max" || op == "min") {
+    kind = op == "max" ? OpKind::kAllReduceMax : OpKind::kAllReduceMin;
+  } else if (op != "sum") {
+    throw std::invalid_argument(what + ": op '" + op + "'; allowed: sum, max, min");
+  }
   char* data = static_cast<char*>(tensor.data_ptr());
   const at::ScalarType dtype = tensor.scalar_type();
   const int64_t part = (tensor.numel() + world_size_ - 1) / world_size_ * tensor.element_size();
   const int64_t total = tensor.numel() * tensor.element_size();
-  return submit([this, data, part, total, dtype] {
-    run_reduce_parts(data, part, total, dtype, OpKind::kAllReduceSum);
+  return submit([this, data, part, total, dtype, kind] {
+    run_reduce_parts(data, part, total, dtype, kind);
     run_gather_parts(data, data + rank_ * part, part, total, OpKind::kAllReduceGather);
   });
 }

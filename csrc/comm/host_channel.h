@@ -47,7 +47,9 @@ namespace OpKind {
 constexpr int32_t kReduceScatter = 0;
 constexpr int32_t kAllGather = 1;
 constexpr int32_t kAllReduceSum = 2;
-constexpr int32_t kAllReduceGather = 3;
+constexpr int32_t kAllReduceMax = 3;
+constexpr int32_t kAllReduceMin = 4;
+constexpr int32_t kAllReduceGather = 5;
 }  // namespace OpKind
 
 class HostChannel {
@@ -74,9 +76,10 @@ class HostChannel {
   // Every rank's `source` (n elements of output's dtype) in rank order into `output`.
   c10::intrusive_ptr<c10d::Work> all_gather(const at::Tensor& output, const at::Tensor& source,
                                             const std::string& what);
-  // `tensor` (float32/float64/float16/bfloat16) summed over ranks in place: every rank sums one part of
-  // ceil(n / world_size) elements, then every rank gathers the parts; every rank gets the same bits.
-  c10::intrusive_ptr<c10d::Work> all_reduce(const at::Tensor& tensor, const std::string& what);
+  // `tensor` (float32/float64/float16/bfloat16, int64/int32/uint8/int8) reduced over ranks in place with `op`
+  // (sum, max or min): every rank reduces one part of ceil(n / world_size) elements, then every rank gathers the
+  // parts; every rank gets the same bits.
+  c10::intrusive_ptr<c10d::Work> all_reduce(const at::Tensor& tensor, const std::string& op, const std::string& what);
 
   int64_t chunk_bytes() const { return chunk_bytes_; }
 

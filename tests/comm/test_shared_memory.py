@@ -83,8 +83,9 @@ def test_the_channel_gives_the_bits_of_the_pairwise_exchange(spawn, world: int) 
 
 
 def _sums(rank: int, world: int) -> None:
-    """All-reduce sums through the channel: the float64 sum within the dtype's rounding, the same bits on every rank
-    (each part is summed by one rank), whatever the size (fewer elements than ranks, parts of unequal length)."""
+    """All-reduces through the channel: sums within the dtype's rounding of the float64 sum, the same bits on every
+    rank (each part is summed by one rank), whatever the size (fewer elements than ranks, parts of unequal length);
+    max and min of floating-point and integer tensors exactly, a NaN winning as in torch.maximum."""
     import torch.distributed as dist
 
     engine = make_engine(backend="cpp")
@@ -101,21 +102,29 @@ def _sums(rank: int, world: int) -> None:
         results = [torch.empty_like(got) for _ in range(world)]
         dist.all_gather(results, got)
         assert all(torch.equal(r, got) for r in results), (dtype, n)
-    for op, fold in (("max", torch.maximum), ("min", torch.minimum)):  # gloo's sockets
-        got = torch.tensor([float(rank), -float(rank)])
-        engine.all_reduce(got, op=op, name=op).wait()
-        want = torch.tensor([0.0, 0.0])
-        for r in range(world):
-            want = fold(want, torch.tensor([float(r), -float(r)]))
-        assert torch.equal(got, want), (op, got)
+    for op, fold in (("max", torch.maximum), ("min", torch.minimum)):
+        for dtype in (torch.float64, torch.bfloat16, torch.int64, torch.int8):
+            rows = [torch.tensor([r, -r, 3 * r - 2, 1]).to(dtype) for r in range(world)]
+            got = rows[rank].clone()
+            engine.all_reduce(got, op=op, name=op).wait()
+            want = rows[0]
+            for row in rows[1:]:
+                want = fold(want, row)
+            assert torch.equal(got, want), (op, dtype, got, want)
+        nan = torch.tensor([float("nan") if rank == world - 1 else 1.0, float(rank)])
+        engine.all_reduce(nan, op=op, name="nan").wait()
+        assert nan[0].isnan() and nan[1] == fold(torch.tensor(0.0), torch.tensor(float(world - 1))), (op, nan)
     ints = torch.full((5,), rank + 1)
     engine.all_reduce(ints, name="ints").wait()
     assert torch.equal(ints, torch.full((5,), sum(range(1, world + 1))))
+    wrapped = torch.full((3,), 100, dtype=torch.int8)  # wraps as torch's int8 sums do
+    engine.all_reduce(wrapped, name="int8").wait()
+    assert torch.equal(wrapped, (torch.full((3,), 100, dtype=torch.int8) * world)), wrapped
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
-def test_sums_through_the_channel_are_the_same_on_every_rank(spawn, world: int) -> None:
+def test_all_reduces_through_the_channel_are_the_same_on_every_rank(spawn, world: int) -> None:
     spawn(_sums, world)
 
 

@@ -13,7 +13,7 @@ from .._build import ext as _ext
 from .engine_base import EngineBase, issue_errors_named
 from .handles import CppHandle, Handle
 from .primitives import NODES_PRIMITIVES, CommError
-from .shared_memory import SHM_PRIMITIVES, SUMMED_DTYPES, open_channel
+from .shared_memory import REDUCED_DTYPES, SHM_PRIMITIVES, SUMMED_DTYPES, open_channel
 
 
 class CppCommEngine(EngineBase):
@@ -129,12 +129,12 @@ class CppCommEngine(EngineBase):
 
     @issue_errors_named("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
-        """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min); a sum through shared memory where the
-        ranks share it (``shares_memory``; its sums are taken in another order than gloo's)."""
+        """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min); through shared memory where the ranks
+        share it (``shares_memory``; its floating-point sums are taken in another order than gloo's)."""
         what = self._check_all_reduce(name, tensor, op)
         if self.world_size == 1:
             return Handle(None, ())
-        if op == "sum" and self._shareable("reduce_scatter", tensor) and self.shares_memory(what):
+        if tensor.dtype in REDUCED_DTYPES and self._shareable("all_gather", tensor) and self.shares_memory(what):
             return CppHandle(self._engine.all_reduce(tensor, op, name, shared_memory=True))
         return self._issue("all_reduce", tensor, tensor, op, name)
 

@@ -1,7 +1,8 @@
 """The shared-memory channel of the C++ engine (``csrc/comm/host_channel.h``): when every rank of a group
 lives on one host, reduce-scatter and all-gather of CPU tensors go through one shared-memory segment
-instead of gloo's loopback sockets (the ``*_shm`` primitives), and so do sums of floating-point tensors
-(``all_reduce``).
+instead of gloo's loopback sockets (the ``*_shm`` primitives), and so do all-reduces (sum, max, min) of
+floating-point and integer tensors: every exchange of the engine then carries the tags that tell ranks out
+of step apart.
 
 Whether a group may use it is decided once per engine, at its first exchange that could use it, by
 every rank together (collective, on the caller's thread, in the group's order of operations):
@@ -38,6 +39,8 @@ log = logging.getLogger("zero_kernels")
 SHM_PRIMITIVES = {"reduce_scatter_p2p": "reduce_scatter_shm", "all_gather_p2p": "all_gather_shm"}
 # What the shared-memory reduce-scatter sums (csrc/comm/host_channel.cpp); other dtypes keep the sockets.
 SUMMED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# What its all-reduce reduces (sum, max, min); other dtypes (bool) keep the sockets.
+REDUCED_DTYPES = SUMMED_DTYPES + (torch.int64, torch.int32, torch.uint8, torch.int8)
 # Bytes of the segment's data at most, whatever the group's size: /dev/shm is small in some containers.
 SEGMENT_BYTES = 16 << 20
 # One destination's region of one half of a rank's slot, at most: a reduce-scatter and an all-gather of 8 MB on
