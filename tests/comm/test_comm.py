@@ -240,9 +240,10 @@ def _errors_body(rank: int, world_size: int, names: list[str]) -> None:
         # A peer that never joins: the process group's timeout surfaces as a named failure.
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=2))
         timed = comm.make_engine(group, backend=engine.kind)
+        timed.all_reduce(torch.ones(4), name="first").wait()  # both ranks: the C++ engine's channel is decided
         if rank == 0:
             start = time.perf_counter()
-            handle = timed.all_reduce(torch.ones(16, dtype=torch.int64), name="late-bucket")  # gloo's sockets
+            handle = timed.all_reduce(torch.ones(16), name="late-bucket")
             for wait in (handle.wait, handle.wait, timed.synchronize):
                 with pytest.raises(comm.CommError, match=r"all_reduce of bucket 'late-bucket' on rank 0 of 2"):
                     wait()
