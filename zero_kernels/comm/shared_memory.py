@@ -15,8 +15,9 @@ every rank together (collective, on the caller's thread, in the group's order of
   peer that dies is told as gloo tells it, by an error naming the rank.
 
 Where any of this fails on any rank, every rank keeps the point-to-point primitives; the reason is
-logged at INFO. The segment's name is unlinked once every rank has opened it: it lives only as long as
-the processes that map it, even when they are killed.
+logged at INFO. The segment's name is unlinked once every rank has opened it, or when the decision fails:
+it lives only as long as the processes that map it, even when they are killed later (a rank 0 killed
+during the decision's few exchanges leaves it in /dev/shm).
 """
 
 from __future__ import annotations
