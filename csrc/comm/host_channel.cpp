@@ -204,7 +204,7 @@ void fold_regions(char* mine_bytes, const std::vector<const char*>& peers, int64
 
 HostChannel::HostChannel(const std::string& name, bool create, int rank, int world_size, int64_t chunk_bytes,
                          std::chrono::milliseconds timeout)
-    : name_(name), rank_(rank), world_size_(world_size), chunk_bytes_(chunk_bytes), timeout_(timeout) {
+    : rank_(rank), world_size_(world_size), chunk_bytes_(chunk_bytes), timeout_(timeout) {
   const std::string what = "shared-memory segment " + name;
   if (world_size < 2 || rank < 0 || rank >= world_size || chunk_bytes <= 0 || chunk_bytes % 64 != 0) {
     throw std::invalid_argument(what + ": rank " + std::to_string(rank) + " of " + std::to_string(world_size) +
@@ -275,10 +275,16 @@ HostChannel::~HostChannel() {
 
 void HostChannel::unlink(const std::string& name) { shm_unlink(name.c_str()); }
 
+// The process in `peer`'s entry still runs: it is there, not a zombie, and started when the entry says (its pid
+// was not taken by another process since).
+bool HostChannel::peer_alive(int peer) const {
+  const auto state = proc_state(entries_[peer].pid);
+  return state && state->start_time == entries_[peer].start_time && state->state != 'Z' && state->state != 'X';
+}
+
 bool HostChannel::peers_visible() const {
   for (int peer = 0; peer < world_size_; ++peer) {
-    const auto state = proc_state(entries_[peer].pid);
-    if (!state || state->start_time != entries_[peer].start_time || state->state == 'Z' || state->state == 'X') {
+    if (!peer_alive(peer)) {
       return false;
     }
   }
@@ -286,8 +292,7 @@ bool HostChannel::peers_visible() const {
 }
 
 void HostChannel::check_peer(int peer) const {
-  const auto state = proc_state(entries_[peer].pid);
-  if (!state || state->start_time != entries_[peer].start_time || state->state == 'Z' || state->state == 'X') {
+  if (!peer_alive(peer)) {
     throw std::runtime_error("rank " + std::to_string(peer) + " (process " +
                              std::to_string(entries_[peer].pid) + ") exited");
   }

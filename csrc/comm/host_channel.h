@@ -81,7 +81,6 @@ class HostChannel {
   // parts; every rank gets the same bits.
   c10::intrusive_ptr<c10d::Work> all_reduce(const at::Tensor& tensor, const std::string& op, const std::string& what);
 
-  int64_t chunk_bytes() const { return chunk_bytes_; }
 
  private:
   using Job = std::function<void()>;
@@ -98,11 +97,11 @@ class HostChannel {
   void wait_written(uint32_t chunk, const ChunkTag& tag);
   void publish_consumed(uint32_t chunk);
   void wait_counter(int peer, bool written, uint32_t target);
+  bool peer_alive(int peer) const;
   void check_peer(int peer) const;
 
   char* region(int owner, uint32_t chunk, int destination) const;
 
-  const std::string name_;
   const int rank_;
   const int world_size_;
   const int64_t chunk_bytes_;
