@@ -353,3 +353,18 @@ def test_an_older_state_loaded_gives_way_to_the_weights_in_files(tmp_path: Path)
     from tests.helpers.dist import run_ranks
 
     run_ranks(_older_state_ranks, 2, str(tmp_path))
+
+
+def test_memory_report_counts_nothing_for_the_stand_ins_of_shards_in_files(tmp_path: Path) -> None:
+    """With ``offload_param`` on nvme a unit's ``param_shard`` is a ``meta`` stand-in of the shard's size: it holds no
+    memory. Inside ``gathered_params()`` (no freed parameter left, whose empty storage hid it) ``memory_report``
+    counted one stand-in's bytes under ``params`` as if the shard were there too; it counts only the gathered
+    parameters."""
+    model = _model()
+    opt = zo.ShardedFusedAdam(model, offload_param=_files(tmp_path), **KWARGS)
+    _train(model, opt, 1)
+    pipeline = opt._pipeline
+    assert all(buf.param_shard.device.type == "meta" for buf in pipeline.disk_params.units.values())
+    with opt.gathered_params():
+        gathered = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+        assert opt.memory_report()["params"] == sum(gathered.values())

@@ -109,10 +109,12 @@ class GroupHyper:
 
 
 def storage_bytes(tensors: Sequence[Optional[torch.Tensor]]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once). A ``meta`` tensor (a
+    stand-in for a shard kept in a file) holds no memory and counts nothing: its storage's address is 0, as is that
+    of every other meta tensor and of an empty one, so keyed by address it counted the size of whichever came last."""
     seen: dict[int, int] = {}
     for t in tensors:
-        if t is not None:
+        if t is not None and t.device.type != "meta":
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
