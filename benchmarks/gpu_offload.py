@@ -14,7 +14,8 @@ Checks (each guarded; the JSON is written after each):
 
 - ``stageS offload cpu: bytes per step``: what the offload tier counted crossing the bus per step, each
   way between 2 and 2.01 bytes per parameter (bf16: the gradient shard down, the updated parameter shard
-  up; the 16-byte fingerprint of each bucket on top), so at most ~4 bytes per parameter in all.
+  up; the buckets' padding on top: the fingerprints that find edits are compared on the device and never
+  cross), so at most ~4 bytes per parameter in all.
 - ``stageS offload cpu: weights as without offload``: after the steps every parameter within one bf16
   ulp of its tensor's largest magnitude of the run without offload (the host runs the C++ Adam, the
   device Triton's: the same fp32 math, whose last bit may round apart).
@@ -56,7 +57,7 @@ from benchmarks.gpu_script import join_alone, main_with_smoke_run  # noqa: E402
 VARIANTS = ((2, True, False), (3, True, False), (3, True, True), (3, False, True))  # (stage, optimizer, params)
 LR = 1e-3
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one ulp is at most 2^-7 of a value's magnitude
-TRAFFIC_SLACK = 0.01  # bytes per parameter each way may exceed 2 by this (the buckets' fingerprints, padding)
+TRAFFIC_SLACK = 0.01  # bytes per parameter each way may exceed 2 by this (the buckets' padding)
 
 
 @dataclass(frozen=True)
