@@ -600,7 +600,7 @@ def _refuse_inside_hold(pipeline: Pipeline, action: str) -> None:
 
 
 def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: Any = None) -> Any:
-    """Load the newest complete version under ``directory`` (or that version directory); call it on every rank.
+    """Load the version ``directory``'s ``latest`` names (or that version directory); call it on every rank.
 
     Works whatever the world size, stage, bucket size and parameter dtypes of the run that saved,
     except for a checkpoint saved inside a gradient accumulation window, which resumes that window
