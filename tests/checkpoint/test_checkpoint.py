@@ -328,6 +328,33 @@ def _crash(root: Path, kill_at: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
 
 
+def test_a_complete_version_latest_does_not_name_is_loaded_by_path_and_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save killed after renaming its version into place and before naming it ``latest`` (that save never
+    returned): loading the root takes the version ``latest`` names and a warning names the newer one, which loads
+    by its path."""
+    model = make_net()
+    opt = zk_opt(model, stage=2)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path, model, opt)
+    first = zk_snapshot(model, opt)
+    train(model, opt, range(STEPS_BEFORE, STEPS_BEFORE + 1))
+    ck.save(tmp_path, model, opt)
+    second = zk_snapshot(model, opt)
+    (tmp_path / "latest").write_text("v000001")  # what the kill leaves: v000002 in place, latest not yet moved
+    for where, want, warned in ((tmp_path, first, True), (tmp_path / "v000002", second, False)):
+        caplog.clear()
+        fresh = make_net()
+        fresh_opt = zk_opt(fresh, stage=1, lr=0.5)
+        with caplog.at_level("WARNING", logger="zero_kernels"):
+            ck.load(where, fresh, fresh_opt)
+        compare(zk_snapshot(fresh, fresh_opt), want, f"loaded from {where.name}")
+        newer = [r.getMessage() for r in caplog.records if "v000002 beside it is complete but newer" in r.getMessage()]
+        assert bool(newer) == warned, caplog.text
+        assert not warned or str(tmp_path / "v000002") in newer[0]
+
+
 @pytest.mark.distributed  # the runs fixture spawns
 def test_save_killed_midway_leaves_the_previous_checkpoint(runs: dict[str, Any], tmp_path: Path) -> None:
     points = {"shard": "rank00000.bin", "rename": "v000002"}  # the shard file not renamed; the version not renamed

@@ -208,8 +208,10 @@ def remove_unfinished(root: Path, version: str) -> None:
 def resolve(directory: PathLike) -> Path:
     """The complete version directory that ``directory`` (a root or a version) designates.
 
-    A root resolves to the version its ``latest`` file names. A CheckpointError explains what is
-    wrong when there is none (nothing saved, or only a save that did not finish).
+    A root resolves to the version its ``latest`` file names; a newer complete version beside it (a save killed
+    after renaming it into place, before it named it ``latest``, so that save never returned) is named in a
+    warning. A CheckpointError explains what is wrong when there is none (nothing saved, or only a save that did
+    not finish).
     """
     path = Path(directory)
     if not path.is_dir():
@@ -222,6 +224,7 @@ def resolve(directory: PathLike) -> Path:
         name = (path / LATEST).read_text().strip()
         if not _VERSION_DIR.fullmatch(name) or not (path / name / METADATA).is_file():
             raise CheckpointError(f"checkpoint: {path / LATEST} names {name!r}, which is not a complete version")
+        _warn_newer(path, name)
         return path / name
     partial = sorted(p.name for p in path.iterdir() if p.name.startswith(TMP_PREFIX))
     if partial or _VERSION_DIR.fullmatch(path.name):
@@ -230,6 +233,20 @@ def resolve(directory: PathLike) -> Path:
             f"({', '.join(partial) or 'no ' + METADATA}); it cannot be loaded"
         )
     raise CheckpointError(f"checkpoint: {path} is not a checkpoint (no {LATEST} and no {METADATA})")
+
+
+def _warn_newer(root: Path, latest: str) -> None:
+    """Warn of complete versions under ``root`` newer than ``latest`` (see ``resolve``)."""
+    newer = sorted(
+        p.name for p in root.iterdir()
+        if _VERSION_DIR.fullmatch(p.name) and int(p.name[1:]) > int(latest[1:]) and (p / METADATA).is_file()
+    )  # fmt: skip
+    if newer:
+        log.warning(
+            "checkpoint: loading %s, which %s names; %s beside it is complete but newer (a save killed before it "
+            "named it latest: that save never returned); to resume from there, load %s",
+            latest, root / LATEST, ", ".join(newer), root / newer[-1],
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------- checked reads
