@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import warnings
@@ -130,6 +131,19 @@ class ZeroTrainer(Trainer):
                     "itself (use bf16=True or fp32 for mixed precision: it does not drive the Trainer's GradScaler yet)"
                 )
         _refuse_deepspeed_partitioned(self.model)
+        self._gather_policy_for_ref_sync()
+
+    def _gather_policy_for_ref_sync(self) -> None:
+        """TRL's ``sync_ref_model`` (``SyncRefModelCallback``) mixes the policy's ``p.data`` into the reference model
+        every ``ref_model_sync_steps``; under DeepSpeed's ZeRO-3 it gathers the parameters first. At stage 3 the sync
+        runs here inside ``gathered_params()`` (a collective: the callback runs on every rank); before, it read the
+        freed, empty parameters and raised at the first sync. Run at ``__init__`` and when the optimizer is built
+        (a TRL trainer first in the class adds the callback after ``ZeroTrainer.__init__``)."""
+        for callback in self.callback_handler.callbacks:
+            sync = getattr(callback, "sync_target_model", None)
+            if type(callback).__name__ != "SyncRefModelCallback" or sync is None or isinstance(sync, functools.partial):
+                continue
+            callback.sync_target_model = functools.partial(_synced_gathered, self, callback.sync_target_model)
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         """As the Trainer's; the optimizer built for the model it replaces comes off that model and goes, with the
@@ -189,11 +203,14 @@ class ZeroTrainer(Trainer):
             self._zero_built = True
         self.optimizer = self.zero_optimizer
         self._gather_head_for_fused_loss(self.model if model is None else model)
+        self._gather_policy_for_ref_sync()
         return self.optimizer
 
     def _cast(self, model: nn.Module, config: ZeroConfig) -> None:
         """The model in the precision the config trains it in, before its optimizer is built: bf16 weights for a whole
-        config with bf16 (as DeepSpeed; the fp32 master weights are the optimizer's); fp16 refused."""
+        config with bf16 (as DeepSpeed; the fp32 master weights are the optimizer's), and a TRL trainer's
+        ``ref_model`` with it (TRL's ``prepare_deepspeed`` gives it the same config: kept in fp32 it differed from the
+        bf16 policy it starts as); fp16 refused."""
         if config.fp16.enabled:
             raise ValueError(
                 f"ZeroTrainer: fp16 is enabled in {self.zero_source.origin}: the Trainer's loop cannot apply "
@@ -201,6 +218,9 @@ class ZeroTrainer(Trainer):
             )
         if config.bf16 and self.zero_source.whole:
             model.to(torch.bfloat16)
+            ref = getattr(self, "ref_model", None)  # TRL's reference model: DeepSpeed casts it with the same config
+            if isinstance(ref, nn.Module) and ref is not model:
+                ref.to(torch.bfloat16)
 
     def _groups(self, model: nn.Module, config: ZeroConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Param groups and hyper-parameters: the config's optimizer over every trainable parameter (as
@@ -506,6 +526,14 @@ class ZeroTrainer(Trainer):
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw_apex_fused", "adamw_torch_xla",
                 "adamw_torch_npu_fused")  # TrainingArguments.optim values that are plain AdamW  # fmt: skip
+
+
+def _synced_gathered(trainer: "ZeroTrainer", sync: Any, model: nn.Module, target: nn.Module, alpha: float) -> None:
+    """TRL's reference-model sync, the policy gathered at stage 3 (``_gather_policy_for_ref_sync``)."""
+    opt = trainer.zero_optimizer
+    held = opt.gathered_params() if opt is not None and opt.options.stage == 3 else contextlib.nullcontext()
+    with held:
+        sync(model, target, alpha)
 
 
 def _fused_loss(trainer: Trainer) -> str:
