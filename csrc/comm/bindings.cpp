@@ -79,6 +79,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("in_flight", &zk::Engine::in_flight, Release())
       .def("open_host_channel", &zk::Engine::open_host_channel, py::arg("name"), py::arg("create"),
            py::arg("chunk_bytes"), py::arg("timeout_ms"), Release())
+      .def("use_node_channel", &zk::Engine::use_node_channel)
       .def("host_channel_peers_visible", &zk::Engine::host_channel_peers_visible, Release())
       .def("close_host_channel", &zk::Engine::close_host_channel, Release())
       .def_static("unlink_host_channel", &zk::HostChannel::unlink, py::arg("name"))

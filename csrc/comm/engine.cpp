@@ -392,14 +392,7 @@ Engine::~Engine() {
       TORCH_WARN("zero_kernels comm engine destroyed with a failed operation: ", e.what());
     }
   }
-  {
-    std::lock_guard<std::mutex> lock(relay_mu_);
-    relay_stop_ = true;
-  }
-  relay_cv_.notify_all();
-  if (relay_thread_.joinable()) {
-    relay_thread_.join();
-  }
+  relay_.reset();
 }
 
 std::string Engine::backend() const { return backend_; }
@@ -631,34 +624,14 @@ void Engine::set_nodes(const std::vector<std::vector<int64_t>>& rows) {
   TORCH_CHECK(rows.size() * rows.front().size() == static_cast<size_t>(world_size_), what, ": ",
               rows.size() * rows.front().size(), " ranks given for a group of ", world_size_);
   rows_ = rows;
-  relay_thread_ = std::thread([this] { relay_loop(); });
+  relay_ = std::make_unique<OrderedWorker>();
 }
 
 std::future<Works> Engine::relay(std::function<Works()> phase) {
-  std::packaged_task<Works()> job(std::move(phase));
-  std::future<Works> done = job.get_future();
-  {
-    std::lock_guard<std::mutex> lock(relay_mu_);
-    relay_jobs_.push_back(std::move(job));
-  }
-  relay_cv_.notify_one();
+  auto job = std::make_shared<std::packaged_task<Works()>>(std::move(phase));
+  std::future<Works> done = job->get_future();
+  relay_->post([job] { (*job)(); });  // a failure is stored in the future, raised by the operation's wait()
   return done;
-}
-
-void Engine::relay_loop() {
-  while (true) {
-    std::packaged_task<Works()> job;
-    {
-      std::unique_lock<std::mutex> lock(relay_mu_);
-      relay_cv_.wait(lock, [this] { return relay_stop_ || !relay_jobs_.empty(); });
-      if (relay_jobs_.empty()) {
-        return;
-      }
-      job = std::move(relay_jobs_.front());
-      relay_jobs_.pop_front();
-    }
-    job();  // a failure is stored in the job's future, raised by the operation's wait()
-  }
 }
 
 namespace {
@@ -680,16 +653,23 @@ void finish_first_phase(Works& works) {
 // rank, one per node) and sums what it receives into its own column's chunks; then, across the nodes,
 // it sends each of those node sums to its owner, who sums them into its chunk. A node's link carries
 // (M-1)/M of the buffer each way, against L(N-L)/N for the pairwise exchange (half against all of it
-// at 2 x 2). The relay thread issues the second phase once the first is done.
+// at 2 x 2). The relay thread issues the second phase once the first is done. Where the node's
+// shared-memory channel is open (within_node), the first level is its reduce-scatter instead.
 std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                         const at::Tensor& output, at::Tensor& input,
                                                         const std::string& what) {
   const int64_t n = output.numel();
   const int nodes = static_cast<int>(rows_.size());
-  const int locals = static_cast<int>(rows_.front().size());
   const uint32_t first = next_tags(what, input, nodes + 1);
-  at::Tensor within = at::empty({locals - 1, nodes, n}, input.options());
   at::Tensor across = at::empty({nodes - 1, n}, input.options());
+  std::vector<at::Tensor> keep{input, across, output};
+  if (within_node(input) && HostChannel::sums(input.scalar_type())) {
+    return reduce_scatter_nodes_shm(pg, output, input, across, std::move(keep), static_cast<int>(tag_at(first, nodes)),
+                                    what);
+  }
+  const int locals = static_cast<int>(rows_.front().size());
+  at::Tensor within = at::empty({locals - 1, nodes, n}, input.options());
+  keep.push_back(within);
   Works works;
   for (int local = 0, row = 0; local < locals; ++local) {  // receives first: see reduce_scatter_p2p
     if (local != local_) {
@@ -708,30 +688,23 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
       }
     }
   }
-  auto second = [this, pg, works = std::move(works), input, within, across, n, nodes, locals,
+  std::vector<at::Tensor> sums;  // this rank's column: the chunks it sums for each node
+  for (int node = 0; node < nodes; ++node) {
+    sums.push_back(part_of(input, rows_[node][local_], n));
+  }
+  auto second = [this, pg, works = std::move(works), sums, within, across,
                  tag = static_cast<int>(tag_at(first, nodes))]() mutable {
     auto drop = [&] {  // the operation holds the tensors: no last reference is dropped on this thread
       works.clear();
-      input = within = across = at::Tensor();
+      sums.clear();
+      within = across = at::Tensor();
     };
     try {
       finish_first_phase(works);
-      for (int node = 0; node < nodes; ++node) {
-        part_of(input, rows_[node][local_], n).add_(sum_rows(within.select(1, node)));
+      for (size_t node = 0; node < sums.size(); ++node) {
+        sums[node].add_(sum_rows(within.select(1, static_cast<int64_t>(node))));
       }
-      Works next;
-      for (int node = 0, row = 0; node < nodes; ++node) {
-        if (node != node_) {
-          std::vector<at::Tensor> recv{across.select(0, row++)};
-          next.push_back(pg->recv(recv, static_cast<int>(rows_[node][local_]), tag));
-        }
-      }
-      for (int node = 0; node < nodes; ++node) {
-        if (node != node_) {
-          std::vector<at::Tensor> send{part_of(input, rows_[node][local_], n)};
-          next.push_back(pg->send(send, static_cast<int>(rows_[node][local_]), tag));
-        }
-      }
+      Works next = send_node_sums(*pg, sums, across, tag);
       drop();
       return next;
     } catch (...) {
@@ -739,14 +712,80 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
       throw;
     }
   };
+  auto mine = sums[node_];
   auto later = relay(std::move(second));
-  return track(std::make_shared<PendingOp>(what, Works{}, std::vector<at::Tensor>{input, within, across, output},
-                                           sum_into(output, part_of(input, rank_, n), across), std::nullopt,
-                                           std::move(later)));
+  return track(std::make_shared<PendingOp>(what, Works{}, std::move(keep), sum_into(output, mine, across),
+                                           std::nullopt, std::move(later)));
+}
+
+// The first level through the node's channel, on the relay thread (every channel operation goes from there, in
+// issue order, on every rank alike): this rank lays the columns side by side, reduce-scatters them within the
+// node and sends its column's sums across.
+std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes_shm(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                            const at::Tensor& output, const at::Tensor& input,
+                                                            const at::Tensor& across, std::vector<at::Tensor> keep,
+                                                            int tag, const std::string& what) {
+  const int64_t n = output.numel();
+  const int nodes = static_cast<int>(rows_.size());
+  const int locals = static_cast<int>(rows_.front().size());
+  at::Tensor columns = at::empty({locals, nodes, n}, input.options());
+  keep.push_back(columns);
+  std::vector<at::Tensor> sums;
+  for (int node = 0; node < nodes; ++node) {
+    sums.push_back(columns.select(0, local_).select(0, node));
+  }
+  auto level = [this, pg, input = at::Tensor(input), columns, sums, across = at::Tensor(across), n, nodes, locals, tag,
+                what]() mutable {
+    auto drop = [&] {
+      sums.clear();
+      input = columns = across = at::Tensor();
+    };
+    try {
+      for (int local = 0; local < locals; ++local) {
+        for (int node = 0; node < nodes; ++node) {
+          columns.select(0, local).select(0, node).copy_(part_of(input, rows_[node][local], n));
+        }
+      }
+      Works within{channel_->reduce_scatter(columns.view({-1}), what)};
+      finish_first_phase(within);
+      Works next = send_node_sums(*pg, sums, across, tag);
+      drop();
+      return next;
+    } catch (...) {
+      drop();
+      throw;
+    }
+  };
+  auto mine = sums[node_];
+  auto later = relay(std::move(level));
+  return track(std::make_shared<PendingOp>(what, Works{}, std::move(keep), sum_into(output, mine, across),
+                                           std::nullopt, std::move(later)));
+}
+
+// The second level of reduce_scatter_nodes: this rank's node sums (`sums`, one per node) to the ranks of its
+// column on the other nodes, theirs for this rank into the rows of `across`.
+Works Engine::send_node_sums(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& sums, const at::Tensor& across,
+                             int tag) {
+  const int nodes = static_cast<int>(rows_.size());
+  Works works;
+  for (int node = 0, row = 0; node < nodes; ++node) {
+    if (node != node_) {
+      std::vector<at::Tensor> recv{across.select(0, row++)};
+      works.push_back(pg.recv(recv, static_cast<int>(rows_[node][local_]), tag));
+    }
+  }
+  for (int node = 0; node < nodes; ++node) {
+    if (node != node_) {
+      std::vector<at::Tensor> send{sums[node]};
+      works.push_back(pg.send(send, static_cast<int>(rows_[node][local_]), tag));
+    }
+  }
+  return works;
 }
 
 // Two levels along the nodes: first every rank exchanges its shard with the ranks of its column on the
-// other nodes, then it sends what its column holds (M chunks) to each node-mate and receives theirs.
+// other nodes, then it sends what its column holds (M chunks) to each node-mate and receives theirs (through
+// the node's channel where it is open: an all-gather of the columns, copied into place).
 std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                     at::Tensor& output, at::Tensor& source, const at::Tensor& input,
                                                     const std::string& what) {
@@ -769,7 +808,8 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
       works.push_back(pg->send(send, static_cast<int>(rows_[node][local_]), tag));
     }
   }
-  auto second = [this, pg, works = std::move(works), output, n, nodes, locals, first]() mutable {
+  const bool shm = within_node(output);
+  auto second = [this, pg, works = std::move(works), output, n, nodes, locals, first, shm, what]() mutable {
     auto drop = [&] {  // the operation holds the tensors: no last reference is dropped on this thread
       works.clear();
       output = at::Tensor();
@@ -777,21 +817,25 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
     try {
       finish_first_phase(works);
       Works next;
-      for (int local = 0; local < locals; ++local) {
-        if (local != local_) {
-          for (int node = 0; node < nodes; ++node) {
-            std::vector<at::Tensor> recv{part_of(output, rows_[node][local], n)};
-            next.push_back(
-                pg->recv(recv, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
+      if (shm) {
+        gather_columns_shm(output, n, what);
+      } else {
+        for (int local = 0; local < locals; ++local) {
+          if (local != local_) {
+            for (int node = 0; node < nodes; ++node) {
+              std::vector<at::Tensor> recv{part_of(output, rows_[node][local], n)};
+              next.push_back(
+                  pg->recv(recv, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
+            }
           }
         }
-      }
-      for (int local = 0; local < locals; ++local) {
-        if (local != local_) {
-          for (int node = 0; node < nodes; ++node) {
-            std::vector<at::Tensor> send{part_of(output, rows_[node][local_], n)};
-            next.push_back(
-                pg->send(send, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
+        for (int local = 0; local < locals; ++local) {
+          if (local != local_) {
+            for (int node = 0; node < nodes; ++node) {
+              std::vector<at::Tensor> send{part_of(output, rows_[node][local_], n)};
+              next.push_back(
+                  pg->send(send, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
+            }
           }
         }
       }
@@ -806,6 +850,29 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
   return track(std::make_shared<PendingOp>(what, Works{}, std::vector<at::Tensor>{input, source, output}, nullptr,
                                            std::nullopt, std::move(later)));
 }
+
+// The second level of all_gather_nodes through the node's channel, on the relay thread: this rank's column
+// (its chunk of every node, `n` elements each) gathered from every node-mate, and their columns copied into place.
+void Engine::gather_columns_shm(const at::Tensor& output, int64_t n, const std::string& what) {
+  const int nodes = static_cast<int>(rows_.size());
+  const int locals = static_cast<int>(rows_.front().size());
+  at::Tensor mine = at::empty({nodes, n}, output.options());
+  at::Tensor columns = at::empty({locals, nodes, n}, output.options());
+  for (int node = 0; node < nodes; ++node) {
+    mine.select(0, node).copy_(part_of(output, rows_[node][local_], n));
+  }
+  Works within{channel_->all_gather(columns.view({-1}), mine.view({-1}), what)};
+  finish_first_phase(within);
+  for (int local = 0; local < locals; ++local) {
+    if (local != local_) {
+      for (int node = 0; node < nodes; ++node) {
+        part_of(output, rows_[node][local], n).copy_(columns.select(0, local).select(0, node));
+      }
+    }
+  }
+}
+
+bool Engine::within_node(const at::Tensor& t) const { return node_channel_ && !t.is_cuda(); }
 
 void Engine::synchronize() {
   std::deque<std::shared_ptr<PendingOp>> pending;
@@ -830,18 +897,28 @@ void Engine::synchronize() {
 
 void Engine::open_host_channel(const std::string& name, bool create, int64_t chunk_bytes, int64_t timeout_ms) {
   TORCH_CHECK(!channel_, "zero_kernels comm: the shared-memory channel is open already");
-  channel_ = std::make_unique<HostChannel>(name, create, rank_, world_size_, chunk_bytes,
+  const bool node = !rows_.empty();
+  channel_ = std::make_unique<HostChannel>(name, create, node ? local_ : rank_,
+                                           node ? static_cast<int>(rows_.front().size()) : world_size_, chunk_bytes,
                                            std::chrono::milliseconds(timeout_ms));
+}
+
+void Engine::use_node_channel() {
+  TORCH_CHECK(channel_ && !rows_.empty(), "zero_kernels comm: use_node_channel needs set_nodes and an open channel");
+  node_channel_ = true;
 }
 
 bool Engine::host_channel_peers_visible() const { return channel_ && channel_->peers_visible(); }
 
-void Engine::close_host_channel() { channel_.reset(); }
+void Engine::close_host_channel() {
+  node_channel_ = false;
+  channel_.reset();
+}
 
 HostChannel& Engine::channel(const std::string& what, const at::Tensor& t) {
-  if (!channel_ || t.is_cuda()) {
+  if (!channel_ || t.is_cuda() || !rows_.empty()) {
     throw std::invalid_argument(what + ": the shared-memory primitives need CPU tensors and every rank of the group "
-                                       "on one host (no channel is open)");
+                                       "on one host (no channel is open, or it is the node's)");
   }
   return *channel_;
 }

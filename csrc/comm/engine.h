@@ -12,7 +12,6 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -22,10 +21,10 @@
 #include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "comm/host_channel.h"
+#include "comm/ordered_worker.h"
 
 namespace zero_kernels::comm {
 
@@ -145,7 +144,12 @@ class Engine {
   int64_t in_flight();
   // The shared-memory channel of the *Shm primitives (host_channel.h): rank 0 creates the segment `name`,
   // the others open it once it exists; `timeout_ms` bounds every wait for a peer. Throws when it cannot.
+  // After set_nodes it is the channel of this rank's node instead (its local rank 0 creates it): the *Nodes
+  // primitives run their level within the node through it.
   void open_host_channel(const std::string& name, bool create, int64_t chunk_bytes, int64_t timeout_ms);
+  // After set_nodes: the *Nodes primitives use the node's open channel from now on (once every rank opened its
+  // node's: the exchanges that decide it do not).
+  void use_node_channel();
   // HostChannel::peers_visible of the open channel; false without one.
   bool host_channel_peers_visible() const;
   // Drops the channel (when the ranks did not all open it); the *Shm primitives then raise.
@@ -177,13 +181,20 @@ class Engine {
                                                   const at::Tensor& output, at::Tensor& input, const std::string& what);
   std::shared_ptr<PendingOp> all_gather_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& output,
                                               at::Tensor& source, const at::Tensor& input, const std::string& what);
+  std::shared_ptr<PendingOp> reduce_scatter_nodes_shm(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                                      const at::Tensor& output, const at::Tensor& input,
+                                                      const at::Tensor& across, std::vector<at::Tensor> keep, int tag,
+                                                      const std::string& what);
+  Works send_node_sums(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& sums, const at::Tensor& across, int tag);
+  void gather_columns_shm(const at::Tensor& output, int64_t n, const std::string& what);
+  // Whether a two-level operation on `t` runs its level within the node through the node's channel.
+  bool within_node(const at::Tensor& t) const;
   // Reserves `count` consecutive tags for one operation (the same on every rank): the first's number,
   // made a tag by tag_at(first, 0..count-1).
   uint32_t next_tags(const std::string& what, const at::Tensor& t, uint32_t count);
   uint32_t tag_at(uint32_t first, uint32_t offset) const;
   // Runs `phase` on the relay thread, after every phase handed over before it.
   std::future<Works> relay(std::function<Works()> phase);
-  void relay_loop();
   void reap_locked();
 
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group_;
@@ -201,12 +212,9 @@ class Engine {
   int local_ = 0;
   // The relay thread waits for each two-level operation's first phase and issues its second, in issue
   // order, so the caller never blocks between them (gloo's point-to-point works cannot be polled).
-  std::thread relay_thread_;
-  std::mutex relay_mu_;
-  std::condition_variable relay_cv_;
-  std::deque<std::packaged_task<Works()>> relay_jobs_;
-  bool relay_stop_ = false;
+  std::unique_ptr<OrderedWorker> relay_;
   std::unique_ptr<HostChannel> channel_;  // open_host_channel; destroyed after the operations are waited for
+  bool node_channel_ = false;             // use_node_channel
 };
 
 }  // namespace zero_kernels::comm

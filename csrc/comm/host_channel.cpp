@@ -258,18 +258,11 @@ HostChannel::HostChannel(const std::string& name, bool create, int rank, int wor
   const auto self = proc_state(getpid());
   entries_[rank].pid = getpid();
   entries_[rank].start_time = self ? self->start_time : 0;
-  worker_ = std::thread([this] { worker_loop(); });
+  worker_ = std::make_unique<OrderedWorker>();
 }
 
 HostChannel::~HostChannel() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) {
-    worker_.join();
-  }
+  worker_.reset();
   munmap(base_, bytes_);
 }
 
@@ -475,6 +468,8 @@ void HostChannel::run_gather_parts(char* output, const char* source, int64_t par
   }
 }
 
+bool HostChannel::sums(at::ScalarType dtype) { return floating(dtype); }
+
 c10::intrusive_ptr<c10d::Work> HostChannel::reduce_scatter(const at::Tensor& input, const std::string& what) {
   check_reduced(input, false, what);
   char* data = static_cast<char*>(input.data_ptr());
@@ -516,9 +511,9 @@ c10::intrusive_ptr<c10d::Work> HostChannel::all_reduce(const at::Tensor& tensor,
   });
 }
 
-c10::intrusive_ptr<c10d::Work> HostChannel::submit(Job job) {
+c10::intrusive_ptr<c10d::Work> HostChannel::submit(std::function<void()> job) {
   auto work = c10::make_intrusive<HostWork>();
-  Job run = [this, job = std::move(job), work]() mutable {
+  worker_->post([this, job = std::move(job), work]() mutable {
     std::exception_ptr error;
     try {
       if (broken_) {
@@ -538,29 +533,8 @@ c10::intrusive_ptr<c10d::Work> HostChannel::submit(Job job) {
     }
     const auto done = std::move(work);  // let go of it here: its waiter waits for the last other reference
     done->complete(error);
-  };
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    jobs_.push_back(std::move(run));
-  }
-  cv_.notify_one();
+  });
   return work;
-}
-
-void HostChannel::worker_loop() {
-  while (true) {
-    Job job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-      if (jobs_.empty()) {
-        return;
-      }
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
-    job();
-  }
 }
 
 }  // namespace zero_kernels::comm

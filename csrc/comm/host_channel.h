@@ -27,14 +27,13 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <functional>
-#include <mutex>
+#include <memory>
 #include <string>
-#include <thread>
+
+#include "comm/ordered_worker.h"
 
 namespace zero_kernels::comm {
 
@@ -64,6 +63,8 @@ class HostChannel {
   HostChannel(const HostChannel&) = delete;
   HostChannel& operator=(const HostChannel&) = delete;
 
+  // Whether reduce_scatter sums tensors of `dtype` (float32, float64, float16, bfloat16).
+  static bool sums(at::ScalarType dtype);
   // Removes the segment's name (the mappings stay); call once every rank has opened it.
   static void unlink(const std::string& name);
   // True when every peer's entry names a process this one sees alive with the same start time (the
@@ -83,9 +84,7 @@ class HostChannel {
 
 
  private:
-  using Job = std::function<void()>;
-  c10::intrusive_ptr<c10d::Work> submit(Job job);
-  void worker_loop();
+  c10::intrusive_ptr<c10d::Work> submit(std::function<void()> job);
 
   // The chunk loops: a buffer of `total` bytes in parts of `part` bytes, part q rank q's (the last parts may be
   // shorter or empty). Their errors name the peer; the operation's PendingOp names the operation.
@@ -116,11 +115,7 @@ class HostChannel {
   uint64_t next_op_ = 0;     // worker thread only
   std::exception_ptr broken_;  // worker thread only: the first failure
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Job> jobs_;
-  bool stop_ = false;
-  std::thread worker_;
+  std::unique_ptr<OrderedWorker> worker_;  // reset before the segment is unmapped
 };
 
 }  // namespace zero_kernels::comm

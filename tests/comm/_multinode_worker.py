@@ -80,7 +80,8 @@ def check_two_level(rank: int, g) -> list[str]:
 
 def check_engine(world: int, g) -> list[str]:
     """The C++ engine reduce-scatters in two levels along the nodes: a node sends half of the buffer over the link
-    (the direct exchange between every pair would send all of it), and the sums are right."""
+    (the direct exchange between every pair would send all of it), the level within the node goes through the node's
+    shared memory, and the sums are right."""
     engine = make_engine()
     if engine.kind != "cpp":
         return []
@@ -94,6 +95,8 @@ def check_engine(world: int, g) -> list[str]:
     )
     if not torch.equal(shard, torch.full_like(shard, world * (world + 1) / 2)):
         problems.append(f"the two-level reduce-scatter summed to {shard[:4]}")
+    if not engine.shares_memory():
+        problems.append("the ranks of a node did not open its shared-memory channel for the level within it")
     return problems
 
 

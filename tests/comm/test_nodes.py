@@ -62,8 +62,9 @@ def _all_gathers(engine, rank: int, world: int) -> None:
         assert torch.equal(full, torch.cat(shards).float())
 
 
-def _two_levels(rank: int, world: int, local_size: int, strided: bool, rows: list[list[int]]) -> None:
+def _two_levels(rank: int, world: int, local_size: int, strided: bool, rows: list[list[int]], shm: bool) -> None:
     _place(rank, local_size, strided)
+    os.environ["ZERO_KERNELS_SHM"] = str(int(shm))
     engine = make_engine(backend="cpp")
     assert engine.nodes == rows, engine.nodes
     assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_nodes"
@@ -72,6 +73,7 @@ def _two_levels(rank: int, world: int, local_size: int, strided: bool, rows: lis
     _all_gathers(engine, rank, world)
     engine.synchronize()
     assert engine.in_flight() == 0
+    assert engine.shares_memory() is shm  # the level within each node went through the node's channel
 
 
 @pytest.mark.distributed
@@ -84,8 +86,9 @@ def _two_levels(rank: int, world: int, local_size: int, strided: bool, rows: lis
     ],
     ids=["2x2", "2x2-strided", "2x3"],
 )
-def test_two_level_collectives_match_the_sums(spawn, world: int, local_size: int, strided: bool, rows) -> None:
-    spawn(_two_levels, world, local_size, strided, rows)
+@pytest.mark.parametrize("shm", [True, False], ids=["node-channel", "sockets"])
+def test_two_level_collectives_match_the_sums(spawn, world: int, local_size: int, strided: bool, rows, shm) -> None:
+    spawn(_two_levels, world, local_size, strided, rows, shm)
 
 
 def _two_engines(rank: int, world: int) -> None:

@@ -30,9 +30,9 @@ class CppCommEngine(EngineBase):
         self._engine = self._ext.Engine(self.group) if self.world_size > 1 else None
         self._side_streams: dict[int, "torch.cuda.Stream"] = {}
         self.nodes = self._nodes()
-        if self.nodes is not None:
+        if self.nodes is not None:  # the channel, if any, is the node's: only the two-level primitives use it
             self._engine.set_nodes(self.nodes)
-            self.extra_primitives += tuple(NODES_PRIMITIVES.values())
+            self.extra_primitives = tuple(NODES_PRIMITIVES.values())
 
     def _nodes(self) -> Optional[list[list[int]]]:
         """The ranks of each node when the job spans several nodes of equal size, several ranks each, and this
@@ -47,8 +47,9 @@ class CppCommEngine(EngineBase):
         return rows if rows is not None and len(rows) > 1 and len(rows[0]) > 1 else None
 
     def primitive_for(self, operation: str, tensor: torch.Tensor) -> str:
-        """As ``EngineBase.primitive_for``; across nodes the point-to-point forms run in two levels, on one
-        host through shared memory where the ranks can (collective at the first exchange that could)."""
+        """As ``EngineBase.primitive_for``; across nodes the point-to-point forms run in two levels (the level within
+        each node through the node's shared memory where its ranks can), on one host through shared memory where the
+        ranks can (collective at the first exchange that could)."""
         primitive = super().primitive_for(operation, tensor)
         if self.nodes is not None:
             return NODES_PRIMITIVES.get(primitive, primitive)
@@ -57,8 +58,9 @@ class CppCommEngine(EngineBase):
         return primitive
 
     def shares_memory(self, what: str = "") -> bool:
-        """Whether this engine's ranks exchange through shared memory: decided by all of them at the first
-        call (collective), the same answer after. ``what`` names the operation that asked, in errors."""
+        """Whether this engine's ranks exchange through shared memory (across nodes: the ranks of each node, within
+        it): decided by all of them at the first call (collective), the same answer after. ``what`` names the
+        operation that asked, in errors."""
         if self._shared_memory is None:
             if self._engine is None:
                 return False
@@ -73,7 +75,7 @@ class CppCommEngine(EngineBase):
         """Whether ``operation`` on a bucket like ``tensor`` runs through shared memory where the channel is open."""
         primitive = super().primitive_for(operation, tensor)
         summed = operation == "all_gather" or tensor.dtype in SUMMED_DTYPES
-        return self.nodes is None and primitive in SHM_PRIMITIVES and summed
+        return primitive in SHM_PRIMITIVES and summed
 
     def _prepare(
         self, operation: str, name: str, shard: torch.Tensor, full: torch.Tensor, primitive: Optional[str]
@@ -134,7 +136,8 @@ class CppCommEngine(EngineBase):
         what = self._check_all_reduce(name, tensor, op)
         if self.world_size == 1:
             return Handle(None, ())
-        if tensor.dtype in REDUCED_DTYPES and self._shareable("all_gather", tensor) and self.shares_memory(what):
+        shareable = self.nodes is None and self._shareable("all_gather", tensor)
+        if tensor.dtype in REDUCED_DTYPES and shareable and self.shares_memory(what):
             return CppHandle(self._engine.all_reduce(tensor, op, name, shared_memory=True))
         return self._issue("all_reduce", tensor, tensor, op, name)
 

@@ -14,6 +14,10 @@ every rank together (collective, on the caller's thread, in the group's order of
   shared memory), and each must see every peer's process alive (a shared process namespace), so a
   peer that dies is told as gloo tells it, by an error naming the rank.
 
+Across nodes (the engine's two-level primitives, ``CppCommEngine.nodes``) each node has a channel of its own,
+which its local rank 0 creates and its other ranks open: the level of those primitives within the node goes
+through it (the node check above does not apply; everything else does).
+
 Where any of this fails on any rank, every rank keeps the point-to-point primitives; the reason is
 logged at INFO. The segment's name is unlinked once every rank has opened it, or when the decision fails:
 it lives only as long as the processes that map it, even when they are killed later (a rank 0 killed
@@ -82,19 +86,20 @@ def open_channel(engine: "CppCommEngine") -> bool:
     from .objects import all_gather_objects
 
     name = f"/zero_kernels-{os.getpid()}-{secrets.token_hex(8)}"
-    chunk = chunk_bytes(engine.world_size)
+    creator = _creator(engine)
+    chunk = chunk_bytes(engine.world_size if engine.nodes is None else len(engine.nodes[0]))
     timeout_ms = int(_timeout(engine).total_seconds() * 1000)
-    created = None if engine.rank != 0 else _create(engine, name, chunk, timeout_ms)
+    created = None if engine.rank != creator else _create(engine, name, chunk, timeout_ms)
     try:  # from here on the name is removed whatever fails (a peer that died before the handshake: it stayed)
         facts = all_gather_objects(engine, (_wanted(), _where()[0], created), name="shared_memory.facts")
-        reason = _refusal(facts)
-        opened = reason is None and (engine.rank == 0 or _open(engine, facts[0][2], chunk, timeout_ms))
+        reason = _refusal(facts, [_creator(engine, r) for r in range(engine.world_size)], engine.nodes is None)
+        opened = reason is None and (engine.rank == creator or _open(engine, facts[creator][2], chunk, timeout_ms))
         everyone = all_gather_objects(engine, opened, name="shared_memory.opened")
     except BaseException:
         engine._engine.close_host_channel()
         raise
     finally:
-        if engine.rank == 0 and created is not None:
+        if created is not None:
             engine._engine.unlink_host_channel(created)
     if reason is None and not all(everyone):
         reason = "a rank could not open the segment (see that rank's log)"
@@ -106,20 +111,32 @@ def open_channel(engine: "CppCommEngine") -> bool:
         engine._engine.close_host_channel()
         log.info("zero_kernels comm: rank %d keeps gloo's sockets for this group: %s", engine.rank, reason)
         return False
+    if engine.nodes is not None:
+        engine._engine.use_node_channel()
     log.info("zero_kernels comm: rank %d exchanges through shared memory (chunks of %d bytes)", engine.rank, chunk)
     return True
 
 
-def _refusal(facts: list) -> Optional[str]:
-    """Why the ranks (their ``(unwanted, node, segment)`` facts, rank 0's first) cannot share memory, or None."""
+def _creator(engine: "CppCommEngine", rank: Optional[int] = None) -> int:
+    """The rank that creates the segment ``rank`` (default: this one) opens: rank 0, or its node's local rank 0."""
+    rank = engine.rank if rank is None else rank
+    if engine.nodes is None:
+        return 0
+    return next(row[0] for row in engine.nodes if rank in row)
+
+
+def _refusal(facts: list, creators: list[int], one_node: bool) -> Optional[str]:
+    """Why the ranks (their ``(unwanted, node, segment)`` facts, in rank order; ``creators``: the rank whose
+    segment each opens) cannot share memory, or None; ``one_node``: the channel is the whole group's."""
     for rank, (unwanted, _, _) in enumerate(facts):
         if unwanted is not None:
             return f"rank {rank}: {unwanted}"
     nodes = {node for _, node, _ in facts}
-    if len(nodes) > 1:
+    if one_node and len(nodes) > 1:
         return f"the ranks are on {len(nodes)} nodes"
-    if facts[0][2] is None:
-        return "rank 0 could not create the segment (see its log)"
+    for creator in sorted(set(creators)):
+        if facts[creator][2] is None:
+            return f"rank {creator} could not create the segment (see its log)"
     return None
 
 
@@ -129,7 +146,7 @@ def _create(engine: "CppCommEngine", name: str, chunk: int, timeout_ms: int) -> 
     try:
         engine._engine.open_host_channel(name, True, chunk, timeout_ms)
     except (RuntimeError, ValueError) as exc:
-        log.info("zero_kernels comm: rank 0 could not create a shared-memory segment: %s", exc)
+        log.info("zero_kernels comm: rank %d could not create a shared-memory segment: %s", engine.rank, exc)
         return None
     return name
 
