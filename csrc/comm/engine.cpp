@@ -654,55 +654,57 @@ void finish_first_phase(Works& works) {
 // it sends each of those node sums to its owner, who sums them into its chunk. A node's link carries
 // (M-1)/M of the buffer each way, against L(N-L)/N for the pairwise exchange (half against all of it
 // at 2 x 2). The relay thread issues the second phase once the first is done. Where the node's
-// shared-memory channel is open (within_node), the first level is its reduce-scatter instead.
+// shared-memory channel is open (within_node), the first level is its reduce-scatter of the columns laid side
+// by side instead, issued by the relay thread too.
 std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                                         const at::Tensor& output, at::Tensor& input,
                                                         const std::string& what) {
   const int64_t n = output.numel();
   const int nodes = static_cast<int>(rows_.size());
+  const int locals = static_cast<int>(rows_.front().size());
   const uint32_t first = next_tags(what, input, nodes + 1);
   at::Tensor across = at::empty({nodes - 1, n}, input.options());
   std::vector<at::Tensor> keep{input, across, output};
-  if (within_node(input) && HostChannel::sums(input.scalar_type())) {
-    return reduce_scatter_nodes_shm(pg, output, input, across, std::move(keep), static_cast<int>(tag_at(first, nodes)),
-                                    what);
-  }
-  const int locals = static_cast<int>(rows_.front().size());
-  at::Tensor within = at::empty({locals - 1, nodes, n}, input.options());
-  keep.push_back(within);
+  at::Tensor within;   // the sockets: what the node-mates send, by mate and node
+  at::Tensor columns;  // the node's channel: every column's chunks side by side, by local rank and node
+  std::vector<at::Tensor> sums;  // this rank's column: the chunk it sums for each node
   Works works;
-  for (int local = 0, row = 0; local < locals; ++local) {  // receives first: see reduce_scatter_p2p
-    if (local != local_) {
-      for (int node = 0; node < nodes; ++node) {
-        std::vector<at::Tensor> recv{within.select(0, row).select(0, node)};
-        works.push_back(pg->recv(recv, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, node))));
-      }
-      ++row;
+  if (within_node(input) && HostChannel::sums(input.scalar_type())) {
+    columns = at::empty({locals, nodes, n}, input.options());
+    keep.push_back(columns);
+    for (int node = 0; node < nodes; ++node) {
+      sums.push_back(columns.select(0, local_).select(0, node));
+    }
+  } else {
+    within = at::empty({locals - 1, nodes, n}, input.options());
+    keep.push_back(within);
+    works = send_columns(*pg, input, within, first);
+    for (int node = 0; node < nodes; ++node) {
+      sums.push_back(part_of(input, rows_[node][local_], n));
     }
   }
-  for (int local = 0; local < locals; ++local) {
-    if (local != local_) {
-      for (int node = 0; node < nodes; ++node) {
-        std::vector<at::Tensor> send{part_of(input, rows_[node][local], n)};
-        works.push_back(pg->send(send, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, node))));
-      }
-    }
-  }
-  std::vector<at::Tensor> sums;  // this rank's column: the chunks it sums for each node
-  for (int node = 0; node < nodes; ++node) {
-    sums.push_back(part_of(input, rows_[node][local_], n));
-  }
-  auto second = [this, pg, works = std::move(works), sums, within, across,
+  // on the relay thread, where every operation's channel part goes from, in issue order on every rank alike
+  auto second = [this, pg, works = std::move(works), input, within, columns, sums, across, n, what,
                  tag = static_cast<int>(tag_at(first, nodes))]() mutable {
     auto drop = [&] {  // the operation holds the tensors: no last reference is dropped on this thread
       works.clear();
       sums.clear();
-      within = across = at::Tensor();
+      input = within = columns = across = at::Tensor();
     };
     try {
-      finish_first_phase(works);
-      for (size_t node = 0; node < sums.size(); ++node) {
-        sums[node].add_(sum_rows(within.select(1, static_cast<int64_t>(node))));
+      if (columns.defined()) {
+        for (int64_t local = 0; local < columns.size(0); ++local) {
+          for (size_t node = 0; node < rows_.size(); ++node) {
+            columns.select(0, local).select(0, static_cast<int64_t>(node)).copy_(part_of(input, rows_[node][local], n));
+          }
+        }
+        works.push_back(channel_->reduce_scatter(columns.view({-1}), what));
+        finish_first_phase(works);
+      } else {
+        finish_first_phase(works);
+        for (size_t node = 0; node < sums.size(); ++node) {
+          sums[node].add_(sum_rows(within.select(1, static_cast<int64_t>(node))));
+        }
       }
       Works next = send_node_sums(*pg, sums, across, tag);
       drop();
@@ -718,48 +720,32 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
                                            std::nullopt, std::move(later)));
 }
 
-// The first level through the node's channel, on the relay thread (every channel operation goes from there, in
-// issue order, on every rank alike): this rank lays the columns side by side, reduce-scatters them within the
-// node and sends its column's sums across.
-std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes_shm(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                                                            const at::Tensor& output, const at::Tensor& input,
-                                                            const at::Tensor& across, std::vector<at::Tensor> keep,
-                                                            int tag, const std::string& what) {
-  const int64_t n = output.numel();
+// The first level of reduce_scatter_nodes over the sockets: each node-mate gets the chunks of its column from this
+// rank, and sends this rank's into `within` (by mate, then node).
+Works Engine::send_columns(c10d::ProcessGroup& pg, const at::Tensor& input, const at::Tensor& within,
+                           uint32_t first) {
+  const int64_t n = within.size(2);
   const int nodes = static_cast<int>(rows_.size());
   const int locals = static_cast<int>(rows_.front().size());
-  at::Tensor columns = at::empty({locals, nodes, n}, input.options());
-  keep.push_back(columns);
-  std::vector<at::Tensor> sums;
-  for (int node = 0; node < nodes; ++node) {
-    sums.push_back(columns.select(0, local_).select(0, node));
-  }
-  auto level = [this, pg, input = at::Tensor(input), columns, sums, across = at::Tensor(across), n, nodes, locals, tag,
-                what]() mutable {
-    auto drop = [&] {
-      sums.clear();
-      input = columns = across = at::Tensor();
-    };
-    try {
-      for (int local = 0; local < locals; ++local) {
-        for (int node = 0; node < nodes; ++node) {
-          columns.select(0, local).select(0, node).copy_(part_of(input, rows_[node][local], n));
-        }
+  Works works;
+  for (int local = 0, row = 0; local < locals; ++local) {  // receives first: see reduce_scatter_p2p
+    if (local != local_) {
+      for (int node = 0; node < nodes; ++node) {
+        std::vector<at::Tensor> recv{within.select(0, row).select(0, node)};
+        works.push_back(pg.recv(recv, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, node))));
       }
-      Works within{channel_->reduce_scatter(columns.view({-1}), what)};
-      finish_first_phase(within);
-      Works next = send_node_sums(*pg, sums, across, tag);
-      drop();
-      return next;
-    } catch (...) {
-      drop();
-      throw;
+      ++row;
     }
-  };
-  auto mine = sums[node_];
-  auto later = relay(std::move(level));
-  return track(std::make_shared<PendingOp>(what, Works{}, std::move(keep), sum_into(output, mine, across),
-                                           std::nullopt, std::move(later)));
+  }
+  for (int local = 0; local < locals; ++local) {
+    if (local != local_) {
+      for (int node = 0; node < nodes; ++node) {
+        std::vector<at::Tensor> send{part_of(input, rows_[node][local], n)};
+        works.push_back(pg.send(send, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, node))));
+      }
+    }
+  }
+  return works;
 }
 
 // The second level of reduce_scatter_nodes: this rank's node sums (`sums`, one per node) to the ranks of its

@@ -181,10 +181,7 @@ class Engine {
                                                   const at::Tensor& output, at::Tensor& input, const std::string& what);
   std::shared_ptr<PendingOp> all_gather_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& output,
                                               at::Tensor& source, const at::Tensor& input, const std::string& what);
-  std::shared_ptr<PendingOp> reduce_scatter_nodes_shm(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
-                                                      const at::Tensor& output, const at::Tensor& input,
-                                                      const at::Tensor& across, std::vector<at::Tensor> keep, int tag,
-                                                      const std::string& what);
+  Works send_columns(c10d::ProcessGroup& pg, const at::Tensor& input, const at::Tensor& within, uint32_t first);
   Works send_node_sums(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& sums, const at::Tensor& across, int tag);
   void gather_columns_shm(const at::Tensor& output, int64_t n, const std::string& what);
   // Whether a two-level operation on `t` runs its level within the node through the node's channel.
