@@ -886,7 +886,8 @@ void Engine::open_host_channel(const std::string& name, bool create, int64_t chu
   const bool node = !rows_.empty();
   channel_ = std::make_unique<HostChannel>(name, create, node ? local_ : rank_,
                                            node ? static_cast<int>(rows_.front().size()) : world_size_, chunk_bytes,
-                                           std::chrono::milliseconds(timeout_ms));
+                                           std::chrono::milliseconds(timeout_ms),
+                                           node ? rows_[node_] : std::vector<int64_t>{});  // errors name group ranks
 }
 
 void Engine::use_node_channel() {

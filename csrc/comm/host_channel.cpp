@@ -203,10 +203,11 @@ void fold_regions(char* mine_bytes, const std::vector<const char*>& peers, int64
 }  // namespace
 
 HostChannel::HostChannel(const std::string& name, bool create, int rank, int world_size, int64_t chunk_bytes,
-                         std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), chunk_bytes_(chunk_bytes), timeout_(timeout) {
+                         std::chrono::milliseconds timeout, std::vector<int64_t> ranks)
+    : rank_(rank), world_size_(world_size), chunk_bytes_(chunk_bytes), timeout_(timeout), ranks_(std::move(ranks)) {
   const std::string what = "shared-memory segment " + name;
-  if (world_size < 2 || rank < 0 || rank >= world_size || chunk_bytes <= 0 || chunk_bytes % 64 != 0) {
+  if (world_size < 2 || rank < 0 || rank >= world_size || chunk_bytes <= 0 || chunk_bytes % 64 != 0 ||
+      !(ranks_.empty() || ranks_.size() == static_cast<size_t>(world_size))) {
     throw std::invalid_argument(what + ": rank " + std::to_string(rank) + " of " + std::to_string(world_size) +
                                 ", chunk of " + std::to_string(chunk_bytes) + " bytes");
   }
@@ -286,9 +287,13 @@ bool HostChannel::peers_visible() const {
 
 void HostChannel::check_peer(int peer) const {
   if (!peer_alive(peer)) {
-    throw std::runtime_error("rank " + std::to_string(peer) + " (process " +
+    throw std::runtime_error(peer_name(peer) + " (process " +
                              std::to_string(entries_[peer].pid) + ") exited");
   }
+}
+
+std::string HostChannel::peer_name(int peer) const {
+  return "rank " + std::to_string(ranks_.empty() ? static_cast<int64_t>(peer) : ranks_[peer]);
 }
 
 char* HostChannel::region(int owner, uint32_t chunk, int destination) const {
@@ -313,8 +318,7 @@ void HostChannel::wait_counter(int peer, bool written, uint32_t target) {
     if (!futex_wait(word, seen)) {
       check_peer(peer);
       if (std::chrono::steady_clock::now() > deadline) {
-        throw std::runtime_error("rank " + std::to_string(peer) +
-                                 " did not reach this operation within the process group's timeout (" +
+        throw std::runtime_error(peer_name(peer) + " did not reach this operation within the process group's timeout (" +
                                  std::to_string(timeout_.count() / 1000) + " s)");
       }
     }
@@ -343,7 +347,7 @@ void HostChannel::wait_written(uint32_t chunk, const ChunkTag& tag) {
       wait_counter(peer, true, chunk + 1);
       const ChunkTag& theirs = entries_[peer].tags[chunk & 1u];
       if (theirs.kind != tag.kind || theirs.dtype != tag.dtype || theirs.part != tag.part || theirs.total != tag.total) {
-        throw std::runtime_error("the ranks issued different operations: rank " + std::to_string(peer) + " runs " +
+        throw std::runtime_error("the ranks issued different operations: " + peer_name(peer) + " runs " +
                                  describe_tag(theirs) + " where this rank runs " + describe_tag(tag));
       }
     }

@@ -32,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/ordered_worker.h"
 
@@ -56,8 +57,10 @@ class HostChannel {
   // Rank 0 creates the segment `name` (`create`), the others open it; every rank writes its process's
   // identity into its entry. `chunk_bytes`: one destination's region of one half (a multiple of 64).
   // Throws std::runtime_error naming the segment and what failed (no shared memory, too little room).
+  // `ranks`: each slot's rank in the process group, which the errors name (empty: the slot's own index; across
+  // nodes the channel is the node's and its slots are local ranks).
   HostChannel(const std::string& name, bool create, int rank, int world_size, int64_t chunk_bytes,
-              std::chrono::milliseconds timeout);
+              std::chrono::milliseconds timeout, std::vector<int64_t> ranks = {});
   // Waits for the queued operations, stops the worker and unmaps the segment.
   ~HostChannel();
   HostChannel(const HostChannel&) = delete;
@@ -98,6 +101,7 @@ class HostChannel {
   void wait_counter(int peer, bool written, uint32_t target);
   bool peer_alive(int peer) const;
   void check_peer(int peer) const;
+  std::string peer_name(int peer) const;  // "rank R": the peer's rank in the process group
 
   char* region(int owner, uint32_t chunk, int destination) const;
 
@@ -105,6 +109,7 @@ class HostChannel {
   const int world_size_;
   const int64_t chunk_bytes_;
   const std::chrono::milliseconds timeout_;
+  const std::vector<int64_t> ranks_;
   size_t bytes_ = 0;
   void* base_ = nullptr;
   SegmentHeader* header_ = nullptr;

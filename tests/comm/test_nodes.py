@@ -209,3 +209,28 @@ def _one_rank_broken(rank: int, world: int, how: str) -> None:
 @pytest.mark.parametrize("how", sorted(BROKEN))
 def test_one_rank_with_a_broken_node_environment_does_not_split_the_exchanges(spawn, how: str) -> None:
     spawn(_one_rank_broken, 4, how)
+
+
+def _node_mate_dies(rank: int, world: int) -> None:
+    """Rank 3 (local rank 1 of node 1) exits: rank 2's channel names it by its rank in the group, not by its slot in
+    the node's channel (before: `rank 1 (process ...) exited`, which named a rank of the other node)."""
+    import time
+
+    from zero_kernels.comm import CommError
+
+    _place(rank, 2, False)
+    engine = make_engine(backend="cpp")
+    assert engine.shares_memory()
+    if rank != 2:
+        os._exit(0)  # rank 2's reduce-scatter waits on its node-mate first, through the channel
+    started = time.monotonic()
+    named = r"reduce_scatter of bucket 'grads' on rank 2 of 4 \(gloo\) failed: rank 3 \(process \d+\) exited$"
+    with pytest.raises(CommError, match=named):
+        engine.reduce_scatter(torch.empty(4), torch.ones(16), name="grads").wait()
+    assert time.monotonic() - started < 10
+    os._exit(0)  # the peers are gone: skip the process group's teardown
+
+
+@pytest.mark.distributed
+def test_a_node_mate_that_dies_is_named_by_its_rank(spawn) -> None:
+    spawn(_node_mate_dies, 4, timeout_s=300.0)
