@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
 #include <type_traits>
@@ -636,6 +637,12 @@ std::future<Works> Engine::relay(std::function<Works()> phase) {
 
 namespace {
 
+// `src` into `dst` (contiguous CPU tensors of one dtype and size) with memcpy: on the relay thread, whose OpenMP
+// thread count is not the caller's, an ATen copy of a large piece would start a team of its own beside the ranks.
+void copy_bytes(const at::Tensor& dst, const at::Tensor& src) {
+  std::memcpy(dst.data_ptr(), src.data_ptr(), static_cast<size_t>(src.numel()) * src.element_size());
+}
+
 // Waits for the first phase's works on the relay thread and lets go of them there (their tensors are
 // held by the operation until it is finished, so no last reference is dropped here).
 void finish_first_phase(Works& works) {
@@ -695,7 +702,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
       if (columns.defined()) {
         for (int64_t local = 0; local < columns.size(0); ++local) {
           for (size_t node = 0; node < rows_.size(); ++node) {
-            columns.select(0, local).select(0, static_cast<int64_t>(node)).copy_(part_of(input, rows_[node][local], n));
+            copy_bytes(columns.select(0, local).select(0, static_cast<int64_t>(node)), part_of(input, rows_[node][local], n));
           }
         }
         works.push_back(channel_->reduce_scatter(columns.view({-1}), what));
@@ -845,14 +852,14 @@ void Engine::gather_columns_shm(const at::Tensor& output, int64_t n, const std::
   at::Tensor mine = at::empty({nodes, n}, output.options());
   at::Tensor columns = at::empty({locals, nodes, n}, output.options());
   for (int node = 0; node < nodes; ++node) {
-    mine.select(0, node).copy_(part_of(output, rows_[node][local_], n));
+    copy_bytes(mine.select(0, node), part_of(output, rows_[node][local_], n));
   }
   Works within{channel_->all_gather(columns.view({-1}), mine.view({-1}), what)};
   finish_first_phase(within);
   for (int local = 0; local < locals; ++local) {
     if (local != local_) {
       for (int node = 0; node < nodes; ++node) {
-        part_of(output, rows_[node][local], n).copy_(columns.select(0, local).select(0, node));
+        copy_bytes(part_of(output, rows_[node][local], n), columns.select(0, local).select(0, node));
       }
     }
   }
