@@ -20,8 +20,8 @@ through it (the node check above does not apply; everything else does).
 
 Where any of this fails on any rank, every rank keeps the point-to-point primitives; the reason is
 logged at INFO. The segment's name is unlinked once every rank has opened it, or when the decision fails:
-it lives only as long as the processes that map it, even when they are killed later (a rank 0 killed
-during the decision's few exchanges leaves it in /dev/shm).
+it lives only as long as the processes that map it, even when they are killed later (the rank that created it
+killed during the decision's few exchanges leaves it in /dev/shm).
 """
 
 from __future__ import annotations
