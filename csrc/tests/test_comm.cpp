@@ -6,6 +6,8 @@
 // streams stands in for CUDA, and a fake process-group backend hands out works that record, when
 // they are waited on, which stream was current: PendingOp::wait, Engine::synchronize and the
 // engine's destructor must all report the side stream, and leave the caller's stream current.
+// The ordered worker (the relay thread, the shared-memory channel's worker) runs its jobs in posting order
+// and, when destroyed, those still queued before it stops.
 #include <ATen/ATen.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -14,12 +16,17 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
 #include "comm/engine.h"
+#include "comm/ordered_worker.h"
 #include "tests/check.h"
 
 namespace {
@@ -111,11 +118,42 @@ void test_operations_finish_on_their_side_stream() {
   expect(backend->seen.size() == 4 && backend->seen.back() == 3, "a CPU operation changed the current stream");
 }
 
+void test_ordered_worker_runs_jobs_in_order_and_drains_them() {
+  std::vector<int> ran;
+  std::mutex mu;
+  std::atomic<bool> go{false};
+  std::thread release([&] {  // lets the first job end once the worker is being destroyed, its queue still full
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    go = true;
+  });
+  {
+    zero_kernels::comm::OrderedWorker worker;
+    worker.post([&] {  // holds the thread while the rest are queued
+      while (!go.load()) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+    for (int i = 0; i < 100; ++i) {
+      worker.post([&, i] {
+        std::lock_guard<std::mutex> lock(mu);
+        ran.push_back(i);
+      });
+    }
+  }  // destroyed with the jobs still queued: they run first
+  release.join();
+  bool ordered = ran.size() == 100;
+  for (size_t i = 0; ordered && i < ran.size(); ++i) {
+    ordered = ran[i] == static_cast<int>(i);
+  }
+  expect(ordered, "the ordered worker ran " + std::to_string(ran.size()) + " of 100 jobs, or out of order");
+}
+
 }  // namespace
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, FakeGuard);
 
 int main() {
   test_operations_finish_on_their_side_stream();
+  test_ordered_worker_runs_jobs_in_order_and_drains_them();
   return zero_kernels::testing::finish("comm engine tests");
 }
