@@ -193,7 +193,7 @@ def test_comm_summary_puts_the_chosen_primitive_against_gloos_own_collectives():
         "peer_ms": 4.0,
         "speedup": 2.0,
     }
-    assert overlap == {"case": "overlap 8 x 1 MB", "ours": "cpp engine", "note": "hidden 25%"}
+    assert overlap == {"case": "overlap 8 x 1 MB", "ours": "cpp engine", "note": "step 9.0 ms: hidden 25%"}
 
 
 # progress
