@@ -21,7 +21,8 @@ VARIABLES = {
     "ZERO_KERNELS_NO_JIT": "1 = never compile the extension at run time; use the pure-PyTorch path",
     "ZERO_KERNELS_VERBOSE_BUILD": "1 = show compiler output of the just-in-time build",
     "ZERO_KERNELS_LOG_LEVEL": "level of the zero_kernels logger: DEBUG | INFO | WARNING | ERROR (default WARNING)",
-    "ZERO_KERNELS_SHM": "0 = ranks on one host exchange through gloo's sockets instead of shared memory (default 1)",
+    "ZERO_KERNELS_SHM": "0 = ranks on one host, and the ranks of each node across nodes, exchange through gloo's "
+    "sockets instead of shared memory (default 1)",
     "ZERO_KERNELS_CPU_ADAM_THREADS": "threads of the host Adam with offload_optimizer (default: "
     "offload_optimizer.cpuadam_cores_perc of the process's cores)",
 }

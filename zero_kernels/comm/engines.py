@@ -15,7 +15,8 @@ through ``torch.distributed`` with ``async_op=True`` and is the reference; ``aut
 On CPU (gloo) collectives run on gloo's own threads, so they overlap with compute on the calling
 thread; ``wait()`` blocks (without the GIL). Where every rank of the group is on one host, the C++
 engine's reduce-scatter and all-gather go through a shared-memory segment instead, on a thread of its
-own (``shared_memory``). On CUDA (NCCL) collectives run on the process group's
+own (``shared_memory``); across nodes, their level within each node goes through that node's segment.
+On CUDA (NCCL) collectives run on the process group's
 internal stream and overlap is event-based: the C++ engine issues each operation with a side stream
 current (the process group's stream follows the current stream) after making that side stream wait
 for the caller's current (compute) stream, so a collective never reads a buffer before the kernels

@@ -89,11 +89,14 @@ def open_channel(engine: "CppCommEngine") -> bool:
     creator = _creator(engine)
     chunk = chunk_bytes(engine.world_size if engine.nodes is None else len(engine.nodes[0]))
     timeout_ms = int(_timeout(engine).total_seconds() * 1000)
-    created = None if engine.rank != creator else _create(engine, name, chunk, timeout_ms)
+    creates = engine.rank == creator and _wanted() is None
+    created = name if creates and _attach(engine, name, True, chunk, timeout_ms) else None
     try:  # from here on the name is removed whatever fails (a peer that died before the handshake: it stayed)
         facts = all_gather_objects(engine, (_wanted(), _where()[0], created), name="shared_memory.facts")
         reason = _refusal(facts, [_creator(engine, r) for r in range(engine.world_size)], engine.nodes is None)
-        opened = reason is None and (engine.rank == creator or _open(engine, facts[creator][2], chunk, timeout_ms))
+        opened = reason is None and (
+            engine.rank == creator or _attach(engine, facts[creator][2], False, chunk, timeout_ms)
+        )
         everyone = all_gather_objects(engine, opened, name="shared_memory.opened")
     except BaseException:
         engine._engine.close_host_channel()
@@ -140,21 +143,13 @@ def _refusal(facts: list, creators: list[int], one_node: bool) -> Optional[str]:
     return None
 
 
-def _create(engine: "CppCommEngine", name: str, chunk: int, timeout_ms: int) -> Optional[str]:
-    if _wanted() is not None:
-        return None
+def _attach(engine: "CppCommEngine", name: str, create: bool, chunk: int, timeout_ms: int) -> bool:
+    """Create (``create``) or open the segment ``name`` as ``engine``'s channel; False, said at INFO, where it
+    cannot."""
     try:
-        engine._engine.open_host_channel(name, True, chunk, timeout_ms)
+        engine._engine.open_host_channel(name, create, chunk, timeout_ms)
     except (RuntimeError, ValueError) as exc:
-        log.info("zero_kernels comm: rank %d could not create a shared-memory segment: %s", engine.rank, exc)
-        return None
-    return name
-
-
-def _open(engine: "CppCommEngine", name: str, chunk: int, timeout_ms: int) -> bool:
-    try:
-        engine._engine.open_host_channel(name, False, chunk, timeout_ms)
-    except (RuntimeError, ValueError) as exc:
-        log.info("zero_kernels comm: rank %d could not open the shared-memory segment: %s", engine.rank, exc)
+        how = "create a" if create else "open the"
+        log.info("zero_kernels comm: rank %d could not %s shared-memory segment: %s", engine.rank, how, exc)
         return False
     return True
