@@ -691,7 +691,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
     }
   }
   // on the relay thread, where every operation's channel part goes from, in issue order on every rank alike
-  auto second = [this, pg, works = std::move(works), input, within, columns, sums, across, n, what,
+  auto second = [this, pg, works = std::move(works), input, within, columns, sums, across, what,
                  tag = static_cast<int>(tag_at(first, nodes))]() mutable {
     auto drop = [&] {  // the operation holds the tensors: no last reference is dropped on this thread
       works.clear();
@@ -700,11 +700,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
     };
     try {
       if (columns.defined()) {
-        for (int64_t local = 0; local < columns.size(0); ++local) {
-          for (size_t node = 0; node < rows_.size(); ++node) {
-            copy_bytes(columns.select(0, local).select(0, static_cast<int64_t>(node)), part_of(input, rows_[node][local], n));
-          }
-        }
+        lay_columns(columns, input);
         works.push_back(channel_->reduce_scatter(columns.view({-1}), what));
         finish_first_phase(works);
       } else {
@@ -755,6 +751,17 @@ Works Engine::send_columns(c10d::ProcessGroup& pg, const at::Tensor& input, cons
   return works;
 }
 
+// Every node-mate's column side by side in `columns` (by local rank, then node), copied from `input` (by rank).
+void Engine::lay_columns(const at::Tensor& columns, const at::Tensor& input) const {
+  const int64_t n = columns.size(2);
+  for (int64_t local = 0; local < columns.size(0); ++local) {
+    for (size_t node = 0; node < rows_.size(); ++node) {
+      const at::Tensor chunk = columns.select(0, local).select(0, static_cast<int64_t>(node));
+      copy_bytes(chunk, part_of(input, rows_[node][local], n));
+    }
+  }
+}
+
 // The second level of reduce_scatter_nodes: this rank's node sums (`sums`, one per node) to the ranks of its
 // column on the other nodes, theirs for this rank into the rows of `across`.
 Works Engine::send_node_sums(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& sums, const at::Tensor& across,
@@ -784,7 +791,6 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
                                                     const std::string& what) {
   const int64_t n = source.numel();
   const int nodes = static_cast<int>(rows_.size());
-  const int locals = static_cast<int>(rows_.front().size());
   const uint32_t first = next_tags(what, output, nodes + 1);
   part_of(output, rank_, n).copy_(source);
   const int tag = static_cast<int>(tag_at(first, 0));
@@ -802,7 +808,7 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
     }
   }
   const bool shm = within_node(output);
-  auto second = [this, pg, works = std::move(works), output, n, nodes, locals, first, shm, what]() mutable {
+  auto second = [this, pg, works = std::move(works), output, n, first, shm, what]() mutable {
     auto drop = [&] {  // the operation holds the tensors: no last reference is dropped on this thread
       works.clear();
       output = at::Tensor();
@@ -813,24 +819,7 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
       if (shm) {
         gather_columns_shm(output, n, what);
       } else {
-        for (int local = 0; local < locals; ++local) {
-          if (local != local_) {
-            for (int node = 0; node < nodes; ++node) {
-              std::vector<at::Tensor> recv{part_of(output, rows_[node][local], n)};
-              next.push_back(
-                  pg->recv(recv, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
-            }
-          }
-        }
-        for (int local = 0; local < locals; ++local) {
-          if (local != local_) {
-            for (int node = 0; node < nodes; ++node) {
-              std::vector<at::Tensor> send{part_of(output, rows_[node][local_], n)};
-              next.push_back(
-                  pg->send(send, static_cast<int>(rows_[node_][local]), static_cast<int>(tag_at(first, 1 + node))));
-            }
-          }
-        }
+        next = gather_columns(*pg, output, n, first);
       }
       drop();
       return next;
@@ -842,6 +831,33 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
   auto later = relay(std::move(second));
   return track(std::make_shared<PendingOp>(what, Works{}, std::vector<at::Tensor>{input, source, output}, nullptr,
                                            std::nullopt, std::move(later)));
+}
+
+// The second level of all_gather_nodes over the sockets: this rank's column (its chunk of every node, `n` elements
+// each) to every node-mate, and theirs into place in `output`.
+Works Engine::gather_columns(c10d::ProcessGroup& pg, const at::Tensor& output, int64_t n, uint32_t first) {
+  const int nodes = static_cast<int>(rows_.size());
+  const int locals = static_cast<int>(rows_.front().size());
+  Works works;
+  for (int local = 0; local < locals; ++local) {  // receives first: see reduce_scatter_p2p
+    if (local != local_) {
+      for (int node = 0; node < nodes; ++node) {
+        std::vector<at::Tensor> recv{part_of(output, rows_[node][local], n)};
+        const int tag = static_cast<int>(tag_at(first, 1 + node));
+        works.push_back(pg.recv(recv, static_cast<int>(rows_[node_][local]), tag));
+      }
+    }
+  }
+  for (int local = 0; local < locals; ++local) {
+    if (local != local_) {
+      for (int node = 0; node < nodes; ++node) {
+        std::vector<at::Tensor> send{part_of(output, rows_[node][local_], n)};
+        const int tag = static_cast<int>(tag_at(first, 1 + node));
+        works.push_back(pg.send(send, static_cast<int>(rows_[node_][local]), tag));
+      }
+    }
+  }
+  return works;
 }
 
 // The second level of all_gather_nodes through the node's channel, on the relay thread: this rank's column
