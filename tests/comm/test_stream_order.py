@@ -260,3 +260,65 @@ def test_wrapped_handle_epilogue_tells_the_allocator_of_the_waiting_stream(
     handle.wait()
     assert read_on == ["autograd callback"]
     assert ("Received", "autograd callback") in recorded, "the waiting stream's read of the received payloads is lost"
+
+
+class _Work:
+    """A c10d work that is done whenever asked (its own stream ordering is the backend's)."""
+
+    def wait(self) -> None: ...
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_torch_engine_wait_on_another_stream_orders_the_issuing_stream(
+    streams: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NCCL a work's ``wait()`` orders only the stream current then. The C++ engine also makes the stream that was
+    current at issue wait (its epilogue); the torch engine must too: with ``overlap_param_gather`` the step issues the
+    gathers on the training stream and the first read of a parameter (an EMA update under a side stream) waits, and
+    gives the parameter its class back; the next forward on the training stream then read the bucket while the
+    all-gather was still writing it (silently stale or torn weights)."""
+    from zero_kernels.comm import torch_engine
+
+    monkeypatch.setattr(torch_engine, "all_gather_flat", lambda *args, **kwargs: _Work())
+    engine = comm.TorchCommEngine.__new__(comm.TorchCommEngine)
+    engine.rank, engine.world_size, engine.backend, engine._group = 0, 2, "nccl", None
+    engine._pending, engine._tags = [], 0
+    full, shard = torch.zeros(8).as_subclass(OnGpu1), torch.zeros(4).as_subclass(OnGpu1)
+    handle = engine.all_gather(full, shard, name="params.0", primitive="all_gather_tensor")
+    ema = FakeStream("ema side stream")
+    streams["set_current"](ema)
+    handle.wait()
+    assert streams["compute"].waited_for == ["ema side stream"], "the issuing stream does not follow the wait"
+    later = FakeStream("another reader")
+    streams["set_current"](later)
+    handle.wait()  # a later waiter on a third stream follows the issuing stream, which follows the first wait
+    assert later.waited_for == ["compute"]
+
+
+def test_wrapped_handle_epilogue_on_another_stream_orders_the_issuing_stream(streams: dict[str, Any]) -> None:
+    """qwZ's gather at stages 1-2 (``publish``, kept in flight by ``overlap_param_gather``) dequantizes the other
+    ranks' parts into the parameter buffer at ``wait()``, on the stream current then. The inner C++ handle orders the
+    issuing stream after the collective only, not after that dequantize: a wait under another stream must make the
+    issuing stream follow it, whichever engine carried the payloads."""
+    from zero_kernels.comm.handles import Handle, Works
+
+    side, ran_on = FakeStream("side"), []
+    inner = comm.CppHandle(RecordingOp(), side)
+    full = torch.zeros(8).as_subclass(OnGpu1)
+    handle = Handle(Works([inner]), (full,), lambda: ran_on.append(torch.cuda.current_stream(1).name), "qwZ")
+    ema = FakeStream("ema side stream")
+    streams["set_current"](ema)
+    handle.wait()
+    assert ran_on == ["ema side stream"] and ema.waited_for == ["side"]
+    assert streams["compute"].waited_for == ["ema side stream"], "the issuing stream does not follow the dequantize"
+
+
+def test_handles_waited_on_the_issuing_stream_add_no_wait(streams: dict[str, Any]) -> None:
+    from zero_kernels.comm.handles import Handle
+
+    handle = Handle(_Work(), (torch.zeros(4).as_subclass(OnGpu1),), None, "b")
+    handle.wait()
+    handle.wait()
+    assert streams["compute"].waited_for == []

@@ -13,7 +13,14 @@ from .primitives import CommError
 
 
 class Handle:
-    """One in-flight collective; ``wait()`` completes it (idempotent) and runs its epilogue."""
+    """One in-flight collective; ``wait()`` completes it (idempotent) and runs its epilogue.
+
+    On CUDA (a CUDA tensor among ``keep_alive``) the stream current at issue is remembered: a ``wait()`` with
+    another stream current (the backend's ``wait()`` orders that one only, and the epilogue runs on it) makes the
+    issuing stream follow it, as the C++ engine's epilogue does, and a later ``wait()`` on a third stream follows
+    the issuing stream: whatever the issuing stream queues next sees the result, whichever stream waited first
+    (``overlap_param_gather``: the first read of a parameter under a user's stream; qwZ's dequantize).
+    """
 
     def __init__(
         self,
@@ -28,8 +35,10 @@ class Handle:
         self._what = what
         self._error: Optional[CommError] = None
         self._done = False
+        self._stream = issuing_stream(keep_alive)
 
     def wait(self) -> None:
+        first = not self._done
         if not self._done:
             try:
                 if self._work is not None:
@@ -44,9 +53,24 @@ class Handle:
             self._keep_alive = ()
         if self._error is not None:
             raise CommError(*self._error.args) from self._error.__cause__  # anew at every wait
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self._stream.device)
+            if current != self._stream:
+                if first:
+                    self._stream.wait_stream(current)  # after the backend's wait and the epilogue on ``current``
+                else:
+                    current.wait_stream(self._stream)
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
+
+
+def issuing_stream(tensors: tuple) -> Optional["torch.cuda.Stream"]:
+    """The current stream of the device of the first CUDA tensor among ``tensors`` (None: none is on CUDA)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            return torch.cuda.current_stream(t.device)
+    return None
 
 
 def used_here(*tensors: torch.Tensor) -> None:
