@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "comm/row_sums.h"
 #include "comm/side_stream.h"
 
 namespace zero_kernels::comm {
@@ -39,9 +40,6 @@ void wait_for_backend_release(const c10::intrusive_ptr<c10d::Work>& work) {
 
 // The `n` elements of `buffer` that belong to rank `owner`.
 at::Tensor part_of(const at::Tensor& buffer, int64_t owner, int64_t n) { return buffer.narrow(0, owner * n, n); }
-
-// The sum of `rows` over its first dimension (one row is itself: nothing is copied).
-at::Tensor sum_rows(const at::Tensor& rows) { return rows.size(0) == 1 ? rows.select(0, 0) : rows.sum(0); }
 
 // The epilogue of a point-to-point reduce-scatter: this rank's chunk `mine` (in the scratch input) plus the
 // rows it received (none where `mine` holds the sum already), cast into `output` unless `mine` is `output`.
@@ -706,7 +704,7 @@ std::shared_ptr<PendingOp> Engine::reduce_scatter_nodes(const c10::intrusive_ptr
       } else {
         finish_first_phase(works);
         for (size_t node = 0; node < sums.size(); ++node) {
-          sums[node].add_(sum_rows(within.select(1, static_cast<int64_t>(node))));
+          add_rows(sums[node], within.select(1, static_cast<int64_t>(node)));
         }
       }
       Works next = send_node_sums(*pg, sums, across, tag);

@@ -25,6 +25,8 @@
 #include <utility>
 #include <vector>
 
+#include "comm/row_sums.h"
+
 namespace zero_kernels::comm {
 
 constexpr uint64_t kMagic = 0x7a6b73686d000002ULL;  // "zkshm", layout version 2
@@ -137,31 +139,6 @@ bool futex_wait(std::atomic<uint32_t>& word, uint32_t seen) {
   timespec limit{0, std::chrono::duration_cast<std::chrono::nanoseconds>(kPoll).count()};
   const long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, seen, &limit, nullptr, 0);
   return !(rc == -1 && errno == ETIMEDOUT);
-}
-
-// mine += the peers' rows, in rank order, summed first as the point-to-point reduce-scatter does (their
-// sum in the accumulation type, rounded to T, then added to mine): both give the same bits.
-template <typename T>
-void add_rows(T* mine, const std::vector<const T*>& peers, int64_t n) {
-  using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  if (peers.size() == 1) {
-    const T* row = peers.front();
-    for (int64_t i = 0; i < n; ++i) {
-      mine[i] = static_cast<T>(static_cast<Acc>(mine[i]) + static_cast<Acc>(row[i]));
-    }
-    return;
-  }
-  thread_local std::vector<Acc> sum;
-  sum.assign(peers.front(), peers.front() + n);
-  for (size_t p = 1; p < peers.size(); ++p) {
-    const T* row = peers[p];
-    for (int64_t i = 0; i < n; ++i) {
-      sum[i] += static_cast<Acc>(row[i]);
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    mine[i] = static_cast<T>(static_cast<Acc>(mine[i]) + static_cast<Acc>(static_cast<T>(sum[i])));
-  }
 }
 
 template <typename T>

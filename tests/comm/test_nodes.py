@@ -91,6 +91,29 @@ def test_two_level_collectives_match_the_sums(spawn, world: int, local_size: int
     spawn(_two_levels, world, local_size, strided, rows, shm)
 
 
+def _channel_and_sockets(rank: int, world: int) -> None:
+    """The level within each node through the node's channel and through the sockets sums the node-mates' chunks
+    alike (this rank's own, plus the others' sum rounded to the dtype): the same bits, in every summed dtype."""
+    _place(rank, 3, False)
+    engines = {}
+    for shm in (True, False):
+        os.environ["ZERO_KERNELS_SHM"] = str(int(shm))
+        engines[shm] = make_engine(backend="cpp")
+        assert engines[shm].shares_memory() is shm
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for n in (3, 4099):
+            data = _data(world, n, 7)[rank].to(dtype)
+            outs = {shm: torch.empty(n, dtype=dtype) for shm in engines}
+            for shm, engine in engines.items():
+                engine.reduce_scatter(outs[shm], data.clone(), primitive="reduce_scatter_nodes").wait()
+            assert torch.equal(outs[True], outs[False]), (dtype, n, (outs[True] - outs[False]).abs().max())
+
+
+@pytest.mark.distributed
+def test_channel_and_sockets_sum_within_the_node_alike(spawn) -> None:
+    spawn(_channel_and_sockets, 6)
+
+
 def _two_engines(rank: int, world: int) -> None:
     """Two engines on one group (two optimizers), their operations in flight together, each engine's second
     level posted by its own relay thread: each operation gets its own bytes."""
