@@ -13,6 +13,10 @@ issued the way the engine issues it on several ranks, so its ordering shows on o
   its buffer run late; the result is read right after ``wait()``, without a host sync: on the
   compute stream, on another stream current at ``wait()``, and on the compute stream after
   ``synchronize()`` called with another stream current. Each must see the result, not zeros.
+* ``first wait elsewhere``: the torch engine's handle and a wrapped one (qwZ's dequantize), issued on the
+  compute stream and first waited under another stream held by a sleep (their epilogue runs there, late):
+  the compute stream, which never waits on them again, and a third stream after its own ``wait()`` must
+  see the result.
 * ``stage 3 prefetch``: stage 3 with prefetch, with sleeps before each gradient's copy into its
   bucket and before each step, in lock-step with ``torch.optim.AdamW``.
 * ``sync``: stage-2 and stage-3 training steps (after a warm-up step) with clipping and the
@@ -47,6 +51,7 @@ from benchmarks.gpu_report import Report  # noqa: E402
 from benchmarks.gpu_script import skipped_without_cuda  # noqa: E402
 from tests.gpu.gpu_stages import LR, WEIGHT_DECAY, compare_fp32_step, sync_reference  # noqa: E402
 from zero_kernels import ShardedFusedAdam, _ext, comm  # noqa: E402
+from zero_kernels.comm.handles import Handle, Works  # noqa: E402
 
 SLEEP_CYCLES = 100_000_000  # about 50 ms of a spinning kernel: far longer than a launch takes
 NUMEL = 1 << 22
@@ -193,6 +198,43 @@ def check_output_order() -> list[str]:
     return problems
 
 
+def _first_wait_cases(n: int) -> dict[str, Callable[[], tuple[torch.Tensor, comm.Handle, float]]]:
+    """Handles whose epilogue runs on the stream current at ``wait()``, issued on the compute stream: (output,
+    handle, expected value)."""
+
+    def torch_engine() -> tuple[torch.Tensor, comm.Handle, float]:
+        x, out = torch.full((n,), 3.0, device="cuda"), torch.zeros(n, dtype=torch.bfloat16, device="cuda")
+        work = dist.all_reduce(x, async_op=True)  # the torch engine's all_reduce_slice on one rank
+        return out, Handle(work, (x, out), lambda: out.copy_(x), "rs"), 3.0
+
+    def wrapped() -> tuple[torch.Tensor, comm.Handle, float]:
+        payload, full = torch.zeros(n, dtype=torch.bfloat16, device="cuda"), torch.zeros(n, device="cuda")
+        inner = ThroughCpp().all_gather(payload, torch.full((n,), 5.0, dtype=torch.bfloat16, device="cuda"))
+        return full, Handle(Works([inner]), (payload, full), lambda: full.copy_(payload), "qwZ"), 5.0
+
+    return {"the torch engine's handle (cast out)": torch_engine, "a wrapped handle (qwZ's dequantize)": wrapped}
+
+
+def check_first_wait_elsewhere() -> list[str]:
+    """The first ``wait()`` under another stream, held there by a sleep so that the epilogue runs late (the first read
+    of a parameter under a user's stream with ``overlap_param_gather``): the compute stream, which issued the
+    operation and never waits on the handle again, must see the result; so must a third stream's later ``wait()``."""
+    problems = []
+    for what, issue in _first_wait_cases(NUMEL).items():
+        torch.cuda.synchronize()
+        out, handle, value = issue()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            handle.wait()
+        seen = out.clone()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            handle.wait()
+            third = out.clone()
+        problems += _expect(f"{what}, read on the compute stream", seen, value)
+        problems += _expect(f"{what}, read on a third stream after its wait()", third, value)
+    return problems
+
+
 def _model(width: int = 1024, depth: int = 4) -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -306,6 +348,7 @@ def check_sync_free() -> list[str]:
 CHECKS = {
     "engine: every primitive and dtype path waits for compute": check_engine_order,
     "engine: the result is ordered for its reader (side stream held by a sleep)": check_output_order,
+    "a first wait() under another stream orders the issuing stream": check_first_wait_elsewhere,
     "stage 3 with prefetch, sleeps in the way, vs torch.optim.AdamW": check_stage3_prefetch,
     "no host sync in a stage-2 and a stage-3 step": check_sync_free,
 }
