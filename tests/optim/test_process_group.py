@@ -54,3 +54,25 @@ def test_an_optimizer_built_before_the_process_group_warns_once_when_ranks_run(m
         with caplog.at_level("WARNING", logger="zero_kernels"):
             late.step()
     assert caplog.text.count(said) == 1 and "while 4 ranks run" in caplog.text, caplog.text
+
+
+def test_an_optimizer_launched_on_several_ranks_without_a_process_group_warns_once(monkeypatch, caplog) -> None:
+    """The README's quick start under ``torchrun`` with no ``init_process_group``: ``WORLD_SIZE`` says several
+    processes run, torch.distributed was never initialised, each process trains alone: the first step says so."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    said = "torch.distributed was never initialised"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    alone = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
+    model(torch.randn(4, 3)).sum().backward()
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        alone.step()
+    assert said not in caplog.text, "warned with WORLD_SIZE=1"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    launched = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
+    for _ in range(2):
+        launched.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        with caplog.at_level("WARNING", logger="zero_kernels"):
+            launched.step()
+    assert caplog.text.count(said) == 1 and "WORLD_SIZE=2" in caplog.text, caplog.text

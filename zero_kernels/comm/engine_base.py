@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from typing import Any, Callable, Optional
 
@@ -106,6 +107,15 @@ class EngineBase:
         if self.distributed or not (dist.is_available() and dist.is_initialized()):
             return 0
         return dist.get_world_size()
+
+    def launched_world_size(self) -> int:
+        """``WORLD_SIZE`` where a launcher (``torchrun``) started several processes but torch.distributed was never
+        initialised and this engine has no group (its optimizer then trains this process's parameters alone),
+        else 0."""
+        if self.distributed or (dist.is_available() and dist.is_initialized()):
+            return 0
+        value = os.environ.get("WORLD_SIZE", "").strip()
+        return int(value) if value.isdigit() and int(value) > 1 else 0
 
     @property
     def group(self) -> Optional[dist.ProcessGroup]:

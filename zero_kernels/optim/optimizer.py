@@ -517,6 +517,17 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "the gradients across them",
                 world,
             )
+            return
+        launched = self._engine.launched_world_size()
+        if launched > 1:
+            log.warning(
+                "zero_kernels: WORLD_SIZE=%d (a launcher such as torchrun started %d processes), but "
+                "torch.distributed was never initialised, so this optimizer trains this process's parameters "
+                "alone (world size 1), its gradients never averaged with the other processes': call "
+                "torch.distributed.init_process_group() before building it",
+                launched,
+                launched,
+            )
 
     def _warn_accumulated_twice(self) -> None:
         """Said once: several backward passes reached this ``step()`` call, which counts as one of
