@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from .comm import agreement
 from .config import ZeroConfig, client_optimizer
 from .config.at_updates import gate
-from .config.call_forms import check_dist_init, config_source, refuse_deepspeed_only
+from .config.call_forms import config_source, init_dist, refuse_deepspeed_only
 from .config.files import load
 from .config.hf import model_hidden_size
 from .log import LOGGER_NAME
@@ -85,8 +85,8 @@ def initialize(
             config's does. Not with a ``scheduler`` section.
         args: DeepSpeed's argparse namespace: its ``deepspeed_config`` (or ``deepscale_config``) is the config.
         config_params: DeepSpeed's older name for ``config``.
-        dist_init_required: accepted for DeepSpeed's scripts; ``initialize`` never creates the process group, so
-            True is an error unless it exists.
+        dist_init_required: as DeepSpeed's: None (default) and True create the default process group from a
+            launcher's environment (``torchrun``) where none exists; False never does. True with neither is an error.
         **auto_values: values for ``"auto"`` entries (see ``ZeroConfig.from_deepspeed``); the bucket
             sizes' ``hidden_size`` defaults to ``model.config.hidden_size`` when the model has one.
     """
@@ -97,11 +97,11 @@ def initialize(
             "group's; 1 without torch.distributed). To check a config for another size without training, call "
             "zero_kernels.ZeroConfig.from_deepspeed(config, world_size=N)"
         )
-    check_dist_init(dist_init_required)
     client = None if optimizer is None else client_optimizer.resolve(optimizer, model, model_parameters)
     _check_scheduler(lr_scheduler, client)
     config = config_source(config, config_params, args)
     check_process_group(process_group)
+    init_dist(dist_init_required)
     if client is not None:
         config = _without_optimizer_section(config, client)
     if not isinstance(config, ZeroConfig):

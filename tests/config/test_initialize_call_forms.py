@@ -4,7 +4,9 @@ conflicts, ``lr_scheduler=`` as a callable, and the arguments not taken refused 
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 import types
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from torch import nn
 from torch.optim.lr_scheduler import StepLR
 
 import zero_kernels as zk
+from tests.helpers.dist import free_port
+from zero_kernels.config.call_forms import LAUNCHER_ENV
 
 
 def _config(lr: float = 1e-2, **extra: object) -> dict:
@@ -113,12 +117,45 @@ def test_deepspeed_arguments_given_as_none_are_taken() -> None:
     assert isinstance(opt, zk.ShardedFusedAdam) and _lr((model, opt)) == 1e-2
 
 
-def test_dist_init_required_does_not_create_the_process_group() -> None:
-    assert len(zk.initialize(nn.Linear(4, 2), _config(), dist_init_required=False)) == 2
-    with pytest.raises(ValueError, match="dist_init_required=True: initialize does not create the process group"):
+def test_dist_init_required_without_a_launcher_creates_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for required in (None, False):
+        assert len(zk.initialize(nn.Linear(4, 2), _config(), dist_init_required=required)) == 2
+        assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match=r"dist_init_required=True, no process group and no launcher's environment "):
         zk.initialize(nn.Linear(4, 2), _config(), dist_init_required=True)
     with pytest.raises(ValueError, match="dist_init_required='yes' is invalid: expected True, False or None"):
         zk.initialize(nn.Linear(4, 2), _config(), dist_init_required="yes")
+
+
+def _launched_without_a_group(rank: int, world: int, port: int, required) -> None:
+    """A script written for deepspeed.initialize under torchrun: no init_process_group of its own."""
+    torch.distributed.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    reference = copy.deepcopy(model)
+    model, opt = zk.initialize(model, _config(gradient_accumulation_steps=1), dist_init_required=required)
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == world
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    for _ in range(2):
+        model(xs[rank]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sum(reference(x).square().mean() for x in xs).div(world).backward()
+        adamw.step()
+        adamw.zero_grad()
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("required", [None, True])
+def test_initialize_under_a_launcher_creates_the_process_group_as_deepspeed(spawn, required) -> None:
+    """Each process alone (world size 1) before: the gradients were never averaged, the weights differed by rank."""
+    spawn(_launched_without_a_group, 2, free_port(), required)
 
 
 def test_world_size_is_refused_by_initialize_and_suggested_for_a_misspelling() -> None:

@@ -3,7 +3,7 @@
 The config comes from ``config=``, ``config_params=`` (DeepSpeed's older name) or ``args.deepspeed_config``
 (``args.deepscale_config``, older still), with DeepSpeed 0.19's precedence and conflicts: ``config`` before
 ``config_params``; a config both in ``args`` and in the call, or in both of ``args``' fields, is an error.
-``dist_init_required`` is checked only: ``initialize`` never creates the process group.
+``dist_init_required``: ``initialize`` creates the process group from a launcher's environment, as DeepSpeed does.
 ``optimizer=`` (a client Adam or AdamW) and ``lr_scheduler=`` are ``initialize``'s own (``client_optimizer``); the
 arguments that hand ``initialize`` an object zero_kernels does not build with (a data set, a model-parallel unit)
 are refused, naming the argument and what to do instead.
@@ -11,10 +11,14 @@ are refused, naming the argument and what to do instead.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
+
+log = logging.getLogger("zero_kernels")
 
 _INSTEAD = {
     "training_data": (
@@ -52,21 +56,38 @@ def refuse_deepspeed_only(keywords: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in keywords.items() if name not in DEEPSPEED_ONLY}
 
 
-def check_dist_init(required: Any) -> None:
-    """``dist_init_required``: None and False ask nothing here (the process group is never created by
-    ``initialize``); True is an error unless the group exists, as DeepSpeed would create it.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets for init_process_group
+
+
+def init_dist(required: Any) -> None:
+    """``dist_init_required`` as ``deepspeed.initialize`` takes it: None (its default) and True create the default
+    process group where none exists and a launcher (``torchrun``) set ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``, as ``deepspeed.init_distributed`` does, with torch's default backends (gloo for CPU tensors, NCCL
+    for CUDA ones where CUDA is there); False never creates it. True with neither a group nor that environment is an
+    error (DeepSpeed would look for MPI's).
 
     Args:
         required: ``deepspeed.initialize``'s ``dist_init_required``.
     """
-    if required is None or required is False or (required is True and torch.distributed.is_initialized()):
+    if required is not None and required is not True and required is not False:
+        raise ValueError(f"initialize: dist_init_required={required!r} is invalid: expected True, False or None")
+    if required is False or not torch.distributed.is_available() or torch.distributed.is_initialized():
         return
-    if required is True:
-        raise ValueError(
-            "initialize: dist_init_required=True: initialize does not create the process group (deepspeed.initialize "
-            "does): call torch.distributed.init_process_group first (torchrun sets its environment)"
+    missing = [name for name in LAUNCHER_ENV if not os.environ.get(name)]
+    if not missing:
+        torch.distributed.init_process_group()
+        log.info(
+            "zero_kernels: initialize created the process group from the launcher's environment (rank %d of %d), as "
+            "deepspeed.initialize does",
+            torch.distributed.get_rank(),
+            torch.distributed.get_world_size(),
         )
-    raise ValueError(f"initialize: dist_init_required={required!r} is invalid: expected True, False or None")
+    elif required is True:
+        raise ValueError(
+            "initialize: dist_init_required=True, no process group and no launcher's environment "
+            f"({', '.join(missing)} not set): start the script with torchrun, or call "
+            "torch.distributed.init_process_group first"
+        )
 
 
 def config_source(config: Any, config_params: Any, args: Any) -> Any:
