@@ -159,6 +159,16 @@ def test_cpu_adam_threads_knob(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpu_threads(1e-9) == 1
 
 
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_a_bad_threads_value_is_a_value_error_at_construction(monkeypatch, tmp_path, device) -> None:
+    """As every other ``ZERO_KERNELS_*`` variable's: not an ``OSError`` saying the tier could not start."""
+    monkeypatch.setenv(THREADS_VARIABLE, "0")
+    offload = {"device": device, "nvme_path": str(tmp_path)}
+    with pytest.raises(ValueError, match=f"^environment variable {THREADS_VARIABLE}='0': expected an integer >= 1$"):
+        zo.ShardedFusedAdam(_model(torch.float32), stage=2, offload_optimizer=offload)
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_update_runs_on_the_tiers_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(THREADS_VARIABLE, "2")
     seen = []

@@ -43,7 +43,7 @@ import torch
 
 from ..comm.control import ControlLink
 from ..comm.objects import all_gather_objects
-from ..env import settings
+from ..env import cpu_adam_threads, settings
 from ..log import LOGGER_NAME
 from ..offload import DiskTier, HostTier
 from . import placement, update
@@ -76,6 +76,7 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
         logger.warning(SUPER_OFFLOAD if options.stage == 3 else SUPER_OFFLOAD_IGNORED, options.stage)
     if not config.enabled:
         return None
+    cpu_adam_threads()  # a bad value is a ValueError here, as every other variable's, not a tier that did not start
     tier: Optional[HostTier] = None
     problem: Optional[str] = None
     try:
