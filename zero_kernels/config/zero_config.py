@@ -462,7 +462,7 @@ def _aio_forms(data: Mapping) -> None:
     if nested:
         what.append(
             "zero_optimization.aio is read by zero_kernels, but DeepSpeed 0.19 reads aio only at the top level "
-            "and would ignore this block (using its defaults)"
+            "and refuses this block (zero_optimization takes no key 'aio': the same file fails to load there)"
         )
     if threads:
         what.append(
