@@ -518,7 +518,7 @@ def test_objects_are_frozen_and_hold_tuples() -> None:
     "build, fragment",
     [
         (lambda: ZeroOptions(stage=5), "ZeroOptions.stage=5"),
-        (lambda: ZeroOptions(offload_param="cpu"), "offload_param.device='cpu' needs stage 3"),
+        (lambda: ZeroOptions(offload_optimizer="cpu", stage=0), "offload_optimizer.device='cpu' needs stage 1"),
         (lambda: OptimizerConfig(type="AdamW", adamw=False), "contradicts type='AdamW'"),
         (lambda: OptimizerConfig(type="SGD"), "OptimizerConfig.type='SGD'"),
         (lambda: FP16Config(hysteresis=0), "FP16Config.hysteresis=0"),

@@ -14,6 +14,7 @@ import zero_kernels as zk
 from tests.helpers.hf_templates import ZERO3_OPTIONS, hf_template
 from zero_kernels.config import ZeroConfig, ZeroOptions
 from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zero_kernels.offload import cpu_threads
 
 HF_FP16 = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2,
            "min_loss_scale": 1}  # fmt: skip
@@ -174,20 +175,19 @@ def test_super_offload_warns_once_what_it_does(stage: int, fragment: str, caplog
 BAD = [
     ({"offload_optimizer": {"device": "gpu"}}, "offload_optimizer.device='gpu'", "'none', 'cpu', 'nvme'"),
     ({"offload_optimizer": {"device": "nvme"}}, 'offload_optimizer.device="nvme" needs', "nvme_path"),
-    ({"offload_optimizer": {"device": "cpu", "ratio": 0}}, "offload_optimizer.ratio=0", "> 0"),
-    ({"offload_optimizer": {"device": "cpu", "ratio": -0.1}}, "offload_optimizer.ratio=-0.1", "> 0"),
+    ({"offload_optimizer": {"device": "cpu", "ratio": -0.1}}, "offload_optimizer.ratio=-0.1", ">= 0"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 2}}, "offload_optimizer.ratio=2", "<= 1"),
     ({"offload_optimizer": {"device": "cpu", "ratio": "0.3"}}, "offload_optimizer.ratio='0.3'", "a finite number"),
-    ({"offload_optimizer": {"device": "cpu", "buffer_count": 0}}, "offload_optimizer.buffer_count=0", ">= 1"),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 0}}, "buffer_count=0", ">= 1"),
+    ({"offload_optimizer": {"device": "cpu", "buffer_count": -1}}, "offload_optimizer.buffer_count=-1", ">= 0"),
     ({"offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}, "offload_optimizer.pin_memory='yes'", "true"),
     ({"offload_optimizer": {"device": "cpu", "nvme_path": ""}}, "offload_optimizer.nvme_path=''", "directory"),
-    ({"offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0}}, "cpuadam_cores_perc=0", "> 0"),
+    ({"offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": -0.1}}, "cpuadam_cores_perc=-0.1", ">= 0"),
     ({"offload_optimizer": {"device": "cpu", "super_offload": 1}}, "super_offload=1", "true or false"),
     ({"offload_optimizer": {"device": "cpu", "pipline_read": True}}, "'pipline_read'", "did you mean 'pipeline_read'"),
     ({"offload_optimizer": 3}, "zero_optimization.offload_optimizer=3", '{"device": "cpu"}'),
-    ({"offload_param": {"device": "cpu"}}, "offload_param.device='cpu' needs stage 3", "stage is 1"),
     ({"offload_param": {"device": "nvme"}, "stage": 3}, 'offload_param.device="nvme" needs', "nvme_path"),
-    ({"offload_param": {"device": "cpu", "buffer_size": 0}, "stage": 3}, "offload_param.buffer_size=0", ">= 1"),
+    ({"offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_size": 0}, "stage": 3}, "buffer_size=0", ">= 1"),
     ({"offload_optimizer": "cpu", "stage": 0}, "offload_optimizer.device='cpu' needs stage 1, 2 or 3", "stage is 0"),
     ({"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}, "cpu_offload=true", "nvme"),
     ({"cpu_offload": "yes"}, "zero_optimization.cpu_offload='yes'", "true or false"),
@@ -198,6 +198,28 @@ BAD = [
     ({"aio": {"use_gds": True}}, "aio.use_gds=True", "not supported yet"),
     ({"aio": {"queue": 3}}, "'queue' in zero_optimization.aio", "queue_depth"),
 ]
+
+
+def test_values_deepspeed_takes_are_taken(caplog: pytest.LogCaptureFixture) -> None:
+    """DeepSpeed 0.19.8's schema: ``ratio`` 0 (nothing offloaded), ``cpuadam_cores_perc`` 0 (one thread here), no
+    buffers or buffer size where the device reads none, ``fast_init`` (logged without effect), ``pin_memory``
+    true by default, and ``offload_param`` below stage 3 (ignored, with a warning)."""
+    zero = {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "ratio": 0.0, "cpuadam_cores_perc": 0.0, "buffer_count": 0},
+        "offload_param": {"device": "cpu", "buffer_size": 0, "buffer_count": 0},
+    }
+    with caplog.at_level("INFO", logger="zero_kernels"):
+        options = ZeroConfig.from_deepspeed({"zero_optimization": zero}).zero
+    assert not options.offload_optimizer.enabled and options.offload_optimizer.pin_memory is True
+    assert not options.offload_param.enabled
+    assert "offload_param.device='cpu' has no effect at stage 2" in caplog.text, caplog.text
+    assert cpu_threads(0.0) == 1
+    caplog.clear()
+    with caplog.at_level("INFO", logger="zero_kernels"):
+        options = ZeroConfig.from_deepspeed({"zero_optimization": {"offload_optimizer": {"fast_init": True}}}).zero
+    assert options.offload_param.pin_memory is True
+    assert "without effect in zero_kernels: zero_optimization.offload_optimizer.fast_init" in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize("zero, where, allowed", BAD, ids=[w for _, w, _ in BAD])

@@ -8,14 +8,16 @@ device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
   device), ``"cpu"`` (host memory, ``pin_memory``: page-locked when CUDA is there) or ``"nvme"``
   (files under ``nvme_path``, swapped through ``buffer_count`` host buffers; ``pipeline_read``
   reads the next sub-group ahead, ``pipeline_write`` writes the last one behind).
-  ``cpuadam_cores_perc``: the share of this process's cores the host Adam uses (the environment
-  variable ``ZERO_KERNELS_CPU_ADAM_THREADS`` overrides it). ``ratio`` in (0, 1]: the share of the state that
-  is offloaded, whole buckets (the rest stays on the device: ``stages.placement``). ``super_offload``: accepted,
-  with a warning (the pipeline's): the host Adam runs after backward, without DeepSpeed's speculation.
-- ``OffloadParamConfig``: stage 3's parameter shards in host memory or files. Parsed and checked
-  (stage 3 only, ``nvme_path`` with ``"nvme"``); with all the optimizer state offloaded the shards are the state
-  tier's host copies (``"cpu"``), otherwise host memory of their own (``stages.stage3.host_params``); ``"nvme"``
-  puts the shards past ``max_in_cpu`` in files (``stages.stage3.disk_params``).
+  ``cpuadam_cores_perc``: the share of this process's cores the host Adam uses (at least one thread; the
+  environment variable ``ZERO_KERNELS_CPU_ADAM_THREADS`` overrides it). ``ratio`` in [0, 1]: the share of the state
+  that is offloaded, whole buckets (the rest stays on the device: ``stages.placement``; 0: none, as without the
+  block). ``super_offload``: accepted, with a warning (the pipeline's): the host Adam runs after backward, without
+  DeepSpeed's speculation. ``pin_memory`` defaults to true, as in DeepSpeed 0.19.8.
+- ``OffloadParamConfig``: stage 3's parameter shards in host memory or files. Parsed and checked (stage 3 only:
+  ``ZeroOptions`` drops it with a warning elsewhere; ``nvme_path`` with ``"nvme"``); with all the optimizer state
+  offloaded the shards are the state tier's host copies (``"cpu"``), otherwise host memory of their own
+  (``stages.stage3.host_params``); ``"nvme"`` puts the shards past ``max_in_cpu`` in files
+  (``stages.stage3.disk_params``).
 - ``AioConfig``: the file I/O engine's knobs (the thread count is ``intra_op_parallelism``).
 """
 
@@ -30,7 +32,7 @@ from .rules import Invalid, Scalar, boolean, choice, integer, number
 
 OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "nvme"}
 DEVICE: Scalar = choice(OFFLOAD_DEVICES)
-RATIO: Scalar = number(0, 1, lo_open=True)
+RATIO: Scalar = number(0, 1)
 PAGE = 4096
 
 
@@ -51,9 +53,16 @@ def _check(obj: Any, rules: Mapping[str, Scalar], prefix: str) -> None:
         object.__setattr__(obj, name, rule(getattr(obj, name), f"{prefix}.{name}"))
 
 
-def _need_path(device: str, path: Optional[str], prefix: str) -> None:
-    if device == "nvme" and path is None:
+def _need_nvme_keys(block: Any, prefix: str, sizes: tuple[str, ...]) -> None:
+    """``"nvme"`` needs a path and buffers of some size (DeepSpeed's schema takes 0 for any device: the cpu
+    device reads none of these keys)."""
+    if block.device != "nvme":
+        return
+    if block.nvme_path is None:
         raise ValueError(f'{prefix}.device="nvme" needs {prefix}.nvme_path (a directory for the swap files)')
+    for name in sizes:
+        if getattr(block, name) < 1:
+            raise ValueError(f'{prefix}.{name}=0: device "nvme" swaps through buffers: expected an integer >= 1')
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ class OffloadOptimizerConfig:
 
     device: str = "none"
     nvme_path: Optional[str] = None
-    pin_memory: bool = False
+    pin_memory: bool = True  # DeepSpeed 0.19.8's default
     buffer_count: int = 4
     pipeline_read: bool = False
     pipeline_write: bool = False
@@ -74,11 +83,12 @@ class OffloadOptimizerConfig:
     def __post_init__(self) -> None:
         prefix = "offload_optimizer"
         _check(self, OPTIMIZER_RULES, prefix)
-        _need_path(self.device, self.nvme_path, prefix)
+        _need_nvme_keys(self, prefix, ("buffer_count",))
 
     @property
     def enabled(self) -> bool:
-        return self.device != "none"
+        """A device, and a share of the state to put there (``ratio`` 0, which DeepSpeed takes, offloads none)."""
+        return self.device != "none" and self.ratio > 0
 
 
 @dataclass(frozen=True)
@@ -87,14 +97,14 @@ class OffloadParamConfig:
 
     device: str = "none"
     nvme_path: Optional[str] = None
-    pin_memory: bool = False
+    pin_memory: bool = True  # DeepSpeed 0.19.8's default
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         _check(self, PARAM_RULES, "offload_param")
-        _need_path(self.device, self.nvme_path, "offload_param")
+        _need_nvme_keys(self, "offload_param", ("buffer_count", "buffer_size"))
 
     @property
     def enabled(self) -> bool:
@@ -119,20 +129,20 @@ OPTIMIZER_RULES: dict[str, Scalar] = {
     "device": DEVICE,
     "nvme_path": PATH,
     "pin_memory": boolean(),
-    "buffer_count": integer(1),
+    "buffer_count": integer(0),
     "pipeline_read": boolean(),
     "pipeline_write": boolean(),
     "fast_init": boolean(),
     "ratio": RATIO,
-    "cpuadam_cores_perc": number(0, 1, lo_open=True),
+    "cpuadam_cores_perc": number(0, 1),  # 0 (DeepSpeed takes it): one thread
     "super_offload": boolean(),
 }
 PARAM_RULES: dict[str, Scalar] = {
     "device": DEVICE,
     "nvme_path": PATH,
     "pin_memory": boolean(),
-    "buffer_count": integer(1),
-    "buffer_size": integer(1),
+    "buffer_count": integer(0),
+    "buffer_size": integer(0),
     "max_in_cpu": integer(0),
 }
 AIO_RULES: dict[str, Scalar] = {

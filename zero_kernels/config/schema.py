@@ -67,6 +67,8 @@ def _block_fields(kind: type, rules: Dict[str, Scalar]) -> Dict[str, Field]:
 OFFLOAD_OPTIMIZER = Section(
     fields=_block_fields(OffloadOptimizerConfig, OPTIMIZER_RULES),
     ignored={"convert_grad_on_cpu": INFO},
+    # DeepSpeed's faster start of its nvme swapper: the disk tier writes a new buffer's state piece by piece anyway
+    unused={"fast_init": Unused(boolean(), level=INFO)},
     finish=lambda d: OffloadOptimizerConfig(**{k: d[k] for k in OPTIMIZER_RULES}),
     nullable=True,
     shorthand="device",

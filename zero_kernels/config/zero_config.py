@@ -218,17 +218,21 @@ _ZEROPP_EFFECT = {
 
 
 def _check_offload_stage(options: ZeroOptions) -> None:
-    """Offload where DeepSpeed has it: the optimizer state at stages 1-3, the parameters at stage 3."""
+    """Offload where DeepSpeed has it: the optimizer state at stages 1-3, the parameters at stage 3 (the block is
+    dropped with a warning elsewhere, as DeepSpeed ignores it)."""
     if options.offload_optimizer.enabled and options.stage == 0:
         raise ValueError(
             f"zero_optimization.offload_optimizer.device={options.offload_optimizer.device!r} needs stage 1, 2 or 3 "
             "(stage 0 keeps no sharded optimizer state to offload); stage is 0"
         )
     if options.offload_param.enabled and options.stage != 3:
-        raise ValueError(
-            f"zero_optimization.offload_param.device={options.offload_param.device!r} needs stage 3 (as in "
-            f"DeepSpeed: only stage 3 partitions the parameters); stage is {options.stage}"
+        logger.warning(
+            "zero_optimization.offload_param.device=%r has no effect at stage %d: only stage 3 partitions the "
+            "parameters (DeepSpeed ignores the block there too); every rank keeps its whole parameters",
+            options.offload_param.device,
+            options.stage,
         )
+        object.__setattr__(options, "offload_param", OffloadParamConfig())
 
 
 def _deprecated_offload(values: Mapping[str, Any]) -> Dict[str, Any]:
