@@ -28,6 +28,7 @@ import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow  # each case builds and trains Trainers: seconds even on an idle core
 
 STEPS, BATCH, SEQ, VOCAB = 4, 2, 8, 64
 

@@ -18,6 +18,7 @@ from tests.integrations.test_hf import _args, _close, _data, _llama, _one_proces
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow  # each case builds and trains Trainers: seconds even on an idle core
 
 ALPHA = 0.6
 
