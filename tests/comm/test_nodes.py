@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+from tests.helpers.lockstep import step_beside_adamw
 from zero_kernels import _ext
 from zero_kernels.comm import make_engine
 
@@ -172,12 +173,7 @@ def _uneven_nodes(rank: int, world: int, stage: int) -> None:
         assert engine.primitive_for("reduce_scatter", torch.empty(world)) == "reduce_scatter_p2p"
     for step in range(3):
         xs = [torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
-        model(xs[rank]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        sum(reference(x).square().mean() for x in xs).div(world).backward()
-        adamw.step()
-        adamw.zero_grad()
+        step_beside_adamw(model, opt, reference, adamw, xs, rank)
     with opt.gathered_params():
         for got, want in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import StepLR
 
 import zero_kernels as zk
 from tests.helpers.dist import free_port
+from tests.helpers.lockstep import step_beside_adamw
 from zero_kernels.config.call_forms import LAUNCHER_ENV
 
 
@@ -141,12 +142,7 @@ def _launched_without_a_group(rank: int, world: int, port: int, required) -> Non
     adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0)
     xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     for _ in range(2):
-        model(xs[rank]).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        sum(reference(x).square().mean() for x in xs).div(world).backward()
-        adamw.step()
-        adamw.zero_grad()
+        step_beside_adamw(model, opt, reference, adamw, xs, rank)
     for got, want in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
 

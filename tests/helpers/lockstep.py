@@ -232,6 +232,17 @@ def forward_backward(model: Net, ref: Net, rank: int, world: int, stage: int, st
     ref(x, span).backward()
 
 
+def step_beside_adamw(model: nn.Module, opt, ref: nn.Module, ropt: torch.optim.Optimizer, xs: list, rank: int) -> None:
+    """One step of ``opt`` on this rank's batch ``xs[rank]`` and one of ``ropt`` on every rank's: the mean of the
+    ranks' square-mean losses."""
+    model(xs[rank]).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    sum(ref(x).square().mean() for x in xs).div(len(xs)).backward()
+    ropt.step()
+    ropt.zero_grad()
+
+
 def deep_and_pickled_copies(
     model: Net, opt: zo.ShardedFusedAdam, stage: int
 ) -> dict[str, tuple[Net, zo.ShardedFusedAdam]]:
