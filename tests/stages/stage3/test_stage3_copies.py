@@ -7,12 +7,15 @@
 - ``copy.deepcopy(model)`` (what ``torch.optim.swa_utils.AveragedModel`` and EMA helpers do) while the
   parameters are freed raises on every rank, naming ``gathered_params()``; made inside
   ``gathered_params()`` it is a plain full copy: the optimizer's hooks in it are inert (its forward,
-  run on one rank alone, gathers nothing), and the averaged weights match AveragedModel on AdamW's.
+  run on one rank alone, gathers nothing), and the averaged weights match AveragedModel on AdamW's. Pickling
+  the model (``torch.save(model)``, ``torch.save((opt, model))``) raises likewise, and is a full copy inside
+  ``gathered_params()``.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 from pathlib import Path
 
 import pytest
@@ -103,6 +106,27 @@ def test_data_assigned_while_freed_reaches_the_shard(world: int, tmp_path: Path)
     run_ranks_checked(_assign_case, world, str(tmp_path), timeout_s=60)
 
 
+def _saved(obj: object) -> io.BytesIO:
+    f = io.BytesIO()
+    torch.save(obj, f)
+    f.seek(0)
+    return f
+
+
+def _pickles_refused(model: Net, opt: zk.ShardedFusedAdam) -> list[str]:
+    """``torch.save(model)`` and ``torch.save((opt, model))`` outside ``gathered_params()``: the first would hold
+    empty tensors, the second a model the loaded optimizer does not train (it trains a copy of its own)."""
+    found = []
+    for what, obj in {"torch.save(model)": model, "torch.save((opt, model))": (opt, model)}.items():
+        try:
+            _saved(obj)
+            found.append(f"{what} of the freed model did not raise")
+        except RuntimeError as exc:
+            if "pickling the model" not in str(exc) or "gathered_params()" not in str(exc):
+                found.append(f"{what}: {exc}")
+    return found
+
+
 def _copy_case(rank: int, world: int) -> list[str]:
     model, ref, opt, ropt = _make(world)
     _backward(model, ref, rank, world, 0)
@@ -115,8 +139,11 @@ def _copy_case(rank: int, world: int) -> list[str]:
         except RuntimeError as exc:
             if "copy.deepcopy" not in str(exc) or "gathered_params()" not in str(exc):
                 found.append(f"{what}: {exc}")
+    found += _pickles_refused(model, opt)
     with opt.gathered_params():
         averaged = AveragedModel(model)
+        pickled = torch.load(_saved(model), weights_only=False)  # a full copy
+    found += _differences(pickled, ref, "the model pickled inside gathered_params()")
     ref_averaged = AveragedModel(ref)
     for step in (1, 2):
         _backward(model, ref, rank, world, step)

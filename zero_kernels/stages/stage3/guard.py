@@ -21,7 +21,8 @@ its restore ``p.data.copy_(...)``, ``ema.lerp_(p.detach())``) would be as quietl
 ``FreedRead``, a tensor whose ``__torch_function__`` passes metadata and those reads and calls the
 ``on_read_use`` callback given to ``mark_freed`` (which raises) on any other operation. A deep copy of
 a freed parameter (``copy.deepcopy(model)``: ``AveragedModel``, EMA helpers) would be empty too: it
-calls ``on_use(param, copy.deepcopy)``, which raises.
+calls ``on_use(param, copy.deepcopy)``, which raises; so would a pickled one (``torch.save(model)``, or
+``torch.save((opt, model))``, whose model the loaded optimizer would not train): ``on_use(param, pickle.dumps)``.
 
 The callbacks are held weakly: once the scheduler that freed a parameter is gone (its optimizer deleted and
 collected), the shards that held its values are gone too, and any use of the parameter, or of what its ``.data``
@@ -38,6 +39,7 @@ import collections
 import copy
 import functools
 import itertools
+import pickle
 import sys
 import types
 import weakref
@@ -223,6 +225,12 @@ class _Freed(Mark):
         it is when no callback is registered)."""
         _report_use(self, copy.deepcopy)
         return self._zk_original.__deepcopy__(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled, a freed parameter would be empty (``torch.save(model)``): ``on_use(param, pickle.dumps)`` raises
+        (or pickles it as it is when no callback is registered: the optimizer's own copy of the model)."""
+        _report_use(self, pickle.dumps)
+        return self._zk_original.__reduce_ex__(self, protocol)
 
 
 def _is_read(func: Any) -> bool:

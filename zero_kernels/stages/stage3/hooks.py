@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import sys
 import weakref
 from collections import OrderedDict
@@ -218,6 +219,30 @@ class _ModelHook:
     @torch._disable_dynamo
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return None if self._fn is None else self._fn(*args, **kwargs)
+
+
+def _copy_refusal(func: Any, name: str) -> Optional[str]:
+    """Why a copy (``copy.deepcopy``) or a pickle (``pickle.dumps``: ``torch.save``) of the model cannot be made while
+    parameter ``name`` is freed, or None for other operations."""
+    if func is copy.deepcopy:
+        return (
+            f"ZeRO stage 3: copy.deepcopy of the model (or of parameter '{name}') while its parameters are "
+            "freed: between uses each rank holds only its shard, so the copy would hold empty tensors. Copy it "
+            "inside `with optimizer.gathered_params():` on every rank (e.g. "
+            "`with opt.gathered_params(): ema = torch.optim.swa_utils.AveragedModel(model)`): the copy then "
+            "holds the full values and none of the optimizer's hooks; or build it from "
+            "zero_kernels.checkpoint's consolidated weights"
+        )
+    if func is pickle.dumps:
+        return (
+            f"ZeRO stage 3: pickling the model (or parameter '{name}') while its parameters are freed "
+            "(torch.save(model), torch.save((opt, model))): the file would hold empty tensors, and a model saved "
+            "beside the optimizer would not be the one the loaded optimizer trains (it carries a copy of its own). "
+            "Save the optimizer alone (the loaded one trains `loaded.pipeline.module`), the weights "
+            "(zero_kernels.checkpoint, or `model.state_dict()` inside `with opt.gathered_params():`), or pickle "
+            "the model inside `with opt.gathered_params():` for a full copy without the optimizer's hooks"
+        )
+    return None
 
 
 def _take_off(*handles: list[RemovableHandle]) -> None:
@@ -630,15 +655,9 @@ class Stage3Scheduler:
         """A freed parameter is computed with: gather it for the running module, or explain."""
         i = self._owner[id(param)]
         name = self._names.get(id(param), "?")
-        if func is copy.deepcopy:
-            raise RuntimeError(
-                f"ZeRO stage 3: copy.deepcopy of the model (or of parameter '{name}') while its parameters are "
-                "freed: between uses each rank holds only its shard, so the copy would hold empty tensors. Copy it "
-                "inside `with optimizer.gathered_params():` on every rank (e.g. "
-                "`with opt.gathered_params(): ema = torch.optim.swa_utils.AveragedModel(model)`): the copy then "
-                "holds the full values and none of the optimizer's hooks; or build it from "
-                "zero_kernels.checkpoint's consolidated weights"
-            )
+        refusal = _copy_refusal(func, name)
+        if refusal is not None:
+            raise RuntimeError(refusal)
         if not self._stack:
             where = "during backward" if self._in_backward else "outside the forward of its model's modules"
             if not self._in_backward and any(other._stack for other in _SCHEDULERS if other is not self):
