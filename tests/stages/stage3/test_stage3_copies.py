@@ -115,14 +115,15 @@ def _saved(obj: object) -> io.BytesIO:
 
 def _pickles_refused(model: Net, opt: zk.ShardedFusedAdam) -> list[str]:
     """``torch.save(model)`` and ``torch.save((opt, model))`` outside ``gathered_params()``: the first would hold
-    empty tensors, the second a model the loaded optimizer does not train (it trains a copy of its own)."""
+    empty tensors where parameters are freed, the second a model the loaded optimizer does not train (it trains a
+    copy of its own), freed or not."""
     found = []
     for what, obj in {"torch.save(model)": model, "torch.save((opt, model))": (opt, model)}.items():
         try:
             _saved(obj)
             found.append(f"{what} of the freed model did not raise")
         except RuntimeError as exc:
-            if "pickling the model" not in str(exc) or "gathered_params()" not in str(exc):
+            if "pickling the model" not in str(exc) or "gathered_params()" not in str(exc) or "empty" not in str(exc):
                 found.append(f"{what}: {exc}")
     return found
 
@@ -140,6 +141,8 @@ def _copy_case(rank: int, world: int) -> list[str]:
             if "copy.deepcopy" not in str(exc) or "gathered_params()" not in str(exc):
                 found.append(f"{what}: {exc}")
     found += _pickles_refused(model, opt)
+    persistent = Net()  # every parameter under the persistence threshold: never freed, pickled whole
+    found += _pickles_refused(persistent, zk.ShardedFusedAdam(persistent, lr=LR, stage=3))
     with opt.gathered_params():
         averaged = AveragedModel(model)
         pickled = torch.load(_saved(model), weights_only=False)  # a full copy

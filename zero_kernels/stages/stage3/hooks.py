@@ -200,30 +200,43 @@ def _keep_order(module: nn.Module, first: int, last: int) -> None:
 
 
 class _ModelHook:
-    """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``,
-    pickle; ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that
-    drives this scheduler (its gathers and pass bookkeeping) from the copy's forward. Run eagerly under
-    ``torch.compile``, its call never traced: traced, it was compiled anew for each module class and argument
-    count it served, up to Dynamo's recompile limit and its warning on every rank (a small Wav2Vec2 reached it);
-    about 0.6 us more per call without ``torch.compile``."""
+    """A scheduler hook on a module of the model: an object, so that a copy of the model (``copy.deepcopy``;
+    ``torch.optim.swa_utils.AveragedModel`` deep-copies) carries an inert hook instead of one that drives this
+    scheduler (its gathers and pass bookkeeping) from the copy's forward, and a pickle of the model outside
+    ``gathered_params()`` raises (``_copy_refusal``), whether its parameters are freed or persistent: pickled with
+    the optimizer, it would not be the model the loaded optimizer trains. Run eagerly under ``torch.compile``, its
+    call never traced: traced, it was compiled anew for each module class and argument count it served, up to
+    Dynamo's recompile limit and its warning on every rank (a small Wav2Vec2 reached it); about 0.6 us more per call
+    without ``torch.compile``."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn: Optional[Callable[..., Any]] = fn
+    def __init__(self, fn: Callable[..., Any], scheduler: "Stage3Scheduler") -> None:
+        self._fn = fn
+        self._scheduler = weakref.ref(scheduler)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_InertHook":
+        return _InertHook()
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._fn = None
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        scheduler = self._scheduler()
+        if scheduler is not None and not scheduler._held:
+            raise RuntimeError(_copy_refusal(pickle.dumps, None))
+        return _InertHook, ()
 
     @torch._disable_dynamo
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return None if self._fn is None else self._fn(*args, **kwargs)
+        return self._fn(*args, **kwargs)
 
 
-def _copy_refusal(func: Any, name: str) -> Optional[str]:
+class _InertHook:
+    """What a copy of the model carries in place of a ``_ModelHook``: a hook that does nothing."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _copy_refusal(func: Any, name: Optional[str]) -> Optional[str]:
     """Why a copy (``copy.deepcopy``) or a pickle (``pickle.dumps``: ``torch.save``) of the model cannot be made while
-    parameter ``name`` is freed, or None for other operations."""
+    parameter ``name`` is freed (None: outside ``gathered_params()``), or None for other operations."""
     if func is copy.deepcopy:
         return (
             f"ZeRO stage 3: copy.deepcopy of the model (or of parameter '{name}') while its parameters are "
@@ -234,10 +247,11 @@ def _copy_refusal(func: Any, name: str) -> Optional[str]:
             "zero_kernels.checkpoint's consolidated weights"
         )
     if func is pickle.dumps:
+        what = "outside `gathered_params()`" if name is None else f"(or parameter '{name}') while it is freed"
         return (
-            f"ZeRO stage 3: pickling the model (or parameter '{name}') while its parameters are freed "
-            "(torch.save(model), torch.save((opt, model))): the file would hold empty tensors, and a model saved "
-            "beside the optimizer would not be the one the loaded optimizer trains (it carries a copy of its own). "
+            f"ZeRO stage 3: pickling the model {what} (torch.save(model), torch.save((opt, model))): a freed "
+            "parameter would be saved empty, and a model saved beside the optimizer would not be the one the loaded "
+            "optimizer trains (it carries a copy of its own). "
             "Save the optimizer alone (the loaded one trains `loaded.pipeline.module`), the weights "
             "(zero_kernels.checkpoint, or `model.state_dict()` inside `with opt.gathered_params():`), or pickle "
             "the model inside `with opt.gathered_params():` for a full copy without the optimizer's hooks"
@@ -347,7 +361,7 @@ class Stage3Scheduler:
         model_hints.follow_assignments(root.parameters())  # a weight tied after build: the plan is read again
         global_hooks.join(self)
         route, post = self._output_hooks(root, self._root_post_forward, always=True)
-        pre = _ModelHook(_weakly(self._root_pre_forward, route.id, post.id))
+        pre = _ModelHook(_weakly(self._root_pre_forward, route.id, post.id), self)
         self._handles += [root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), route, post]
         for i, unit in enumerate(self.units):
             for p in unit.params:
@@ -377,8 +391,8 @@ class Stage3Scheduler:
                 self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
             if p.module is not self.root:
                 route, post = self._output_hooks(p.module, self._post_forward)
-                pre = _ModelHook(_weakly(self._pre_forward, p, route.id, post.id))
-                early = _ModelHook(_weakly(self._gather_early, p))
+                pre = _ModelHook(_weakly(self._pre_forward, p, route.id, post.id), self)
+                early = _ModelHook(_weakly(self._gather_early, p), self)
                 early = p.module.register_forward_pre_hook(early, prepend=True, with_kwargs=True)
                 self._module_handles += [early, p.module.register_forward_pre_hook(pre, with_kwargs=True), route, post]
 
@@ -389,8 +403,9 @@ class Stage3Scheduler:
         forward raises, as the root's does: the units of the modules it left running are freed and the next forward
         starts afresh, where they stayed gathered and in use, with the failed forward's graph, for the rest of the
         run)."""
-        route = module.register_forward_hook(_ModelHook(_weakly(self._route)), prepend=True, with_kwargs=True)
-        return route, module.register_forward_hook(_ModelHook(_weakly(exit)), with_kwargs=True, always_call=always)
+        route = module.register_forward_hook(_ModelHook(_weakly(self._route), self), prepend=True, with_kwargs=True)
+        last = module.register_forward_hook(_ModelHook(_weakly(exit), self), with_kwargs=True, always_call=always)
+        return route, last
 
     def follow(self, previous: "Stage3Scheduler") -> None:
         """Carry on the pass orders of ``previous`` (removed) when it scheduled the same units under the same
