@@ -111,6 +111,8 @@ def initialize(
         config = ZeroConfig.from_deepspeed(config, world_size=world, training_args=training_args, **auto_values)
     elif training_args is not None or auto_values:
         raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
+    else:
+        _check_config_world(config, process_group)
     if config.optimizer is None and client is None:
         raise ValueError(
             'initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}, or pass '
@@ -141,6 +143,22 @@ def initialize(
     if client is not None:
         client_optimizer.retire(client, built)
     return (model, built) if scheduler is None else (model, built, scheduler)
+
+
+def _check_config_world(config: ZeroConfig, process_group: Any) -> None:
+    """A ``ZeroConfig`` whose batch sizes (or hpZ size) were checked against another world size than the group's:
+    one built before the process group existed (``initialize`` may create it) was derived for world size 1, and its
+    ``gradient_accumulation_steps`` would then be the wrong one, silently."""
+    world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
+    if config.world_size == world or (config.train_batch_size is None and config.zero.hpz_partition_size <= 1):
+        return
+    raise ValueError(
+        f"initialize: this ZeroConfig was built for world_size={config.world_size} (its batch sizes: "
+        f"train_batch_size={config.train_batch_size}, gradient_accumulation_steps="
+        f"{config.gradient_accumulation_steps}), but the process group has {world} ranks (a ZeroConfig built before "
+        "the process group existed is checked for 1): pass the DeepSpeed config itself to initialize, or build the "
+        f"ZeroConfig after init_process_group (ZeroConfig.from_deepspeed(config, world_size={world}))"
+    )
 
 
 def _without_optimizer_section(config: Any, client: torch.optim.Optimizer) -> Any:

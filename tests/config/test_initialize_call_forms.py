@@ -154,6 +154,28 @@ def test_initialize_under_a_launcher_creates_the_process_group_as_deepspeed(spaw
     spawn(_launched_without_a_group, 2, free_port(), required)
 
 
+def _zero_config_built_before_the_group(rank: int, world: int, port: int) -> None:
+    """A ZeroConfig built before initialize created the group was derived for world size 1 (accumulation 2 for
+    train_batch_size 8 of micro-batches of 4, where DeepSpeed derives 1 at 2 ranks): refused, not trained on."""
+    torch.distributed.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_PORT=str(port))
+    ds = {key: value for key, value in _config().items() if key != "gradient_accumulation_steps"}
+    ds.update(train_batch_size=8, train_micro_batch_size_per_gpu=4)
+    config = zk.ZeroConfig.from_deepspeed(ds)
+    assert config.world_size == 1 and config.gradient_accumulation_steps == 2
+    with pytest.raises(ValueError, match=r"^initialize: this ZeroConfig was built for world_size=1 .* has 2 ranks"):
+        zk.initialize(nn.Linear(4, 2), config)
+    assert torch.distributed.get_world_size() == world
+    _, opt = zk.initialize(nn.Linear(4, 2), zk.ZeroConfig.from_deepspeed(ds))  # built for the group: taken
+    assert opt.gradient_accumulation_steps == 1
+
+
+@pytest.mark.distributed
+def test_a_zero_config_built_for_another_world_size_is_refused(spawn) -> None:
+    """Before: trained with the world-size-1 accumulation under the 2-rank group initialize created, silently."""
+    spawn(_zero_config_built_before_the_group, 2, free_port())
+
+
 def test_world_size_is_refused_by_initialize_and_suggested_for_a_misspelling() -> None:
     with pytest.raises(ValueError, match=r"^initialize: world_size= is not taken: the data-parallel size is process_"):
         zk.initialize(nn.Linear(4, 2), _config(), world_size=1)
