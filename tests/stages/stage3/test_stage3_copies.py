@@ -169,3 +169,30 @@ def _copy_case(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_copies_of_the_model_are_full_or_refused() -> None:
     run_ranks_checked(_copy_case, 2, timeout_s=60)
+
+
+def _shared_case(rank: int, world: int) -> list[str]:
+    """The model pickled by ``torch.multiprocessing``'s pickler inside ``gathered_params()`` (what starting DataLoader
+    workers or a ``Process`` with the model does under spawn or forkserver): the gathered storages move to shared
+    memory; training on after the block must neither crash (torch cannot grow a shared storage resized to none) nor
+    differ from AdamW's."""
+    from multiprocessing.reduction import ForkingPickler
+
+    model, ref, opt, ropt = _make(world)
+    _backward(model, ref, rank, world, 0)
+    _step(opt, ropt)
+    with opt.gathered_params():
+        pickled = bytes(ForkingPickler.dumps(model))
+    for step in (1, 2):
+        _backward(model, ref, rank, world, step)
+        _step(opt, ropt)
+    with opt.gathered_params():
+        found = _differences(model, ref, f"world {world}: training after a pickle to another process")
+    del pickled
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
+def test_model_pickled_for_another_process_inside_gathered_params_trains_on(world: int) -> None:
+    run_ranks_checked(_shared_case, world, timeout_s=60)

@@ -9,7 +9,10 @@ backward has gathered the unit before its use (the scheduler's backward pre-hook
 holds only the units in use. The cost, as with FSDP: a view of a gathered parameter kept past a free
 (``w = self.weight.t()`` stored away in a forward) has no data until the next gather, and computing with
 it then is not defined (PyTorch raises for some operations and crashes in others); read parameters
-outside the forward inside ``gathered_params()``, and copy (``clone()``) what must outlive it.
+outside the forward inside ``gathered_params()``, and copy (``clone()``) what must outlive it. A storage
+moved to shared memory (the model pickled by ``torch.multiprocessing``'s pickler inside ``gathered_params()``:
+DataLoader workers or a ``Process`` started there, not forked) is never resized (torch crashes growing it again):
+its free leaves it to the processes that share it, and the next gather takes a new storage.
 
 What ``gathered_params()`` hands out is different: a user reads parameters there to keep them
 (``sd = model.state_dict()``, ``p.detach()``, ``e.data, p.data = p.data, e.data`` to swap in an EMA), as with
@@ -69,7 +72,10 @@ class GatherStorage:
         and gather into a new storage next time."""
         if self._tensor is None:
             return
-        if hand_over and _uses(self._tensor) > self._taken_uses:
+        if (hand_over and _uses(self._tensor) > self._taken_uses) or self._tensor.untyped_storage().is_shared():
+            # a shared storage (moved to shared memory by torch.multiprocessing's pickler: a DataLoader worker or a
+            # Process started with the model inside gathered_params()) cannot be resized: torch crashes (SIGSEGV)
+            # when it is grown again; it is left to the process that holds it, the next gather takes a new one
             self._tensor = None
         else:
             self._tensor.untyped_storage().resize_(0)
