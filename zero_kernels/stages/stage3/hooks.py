@@ -254,7 +254,9 @@ def _copy_refusal(func: Any, name: Optional[str]) -> Optional[str]:
             "optimizer trains (it carries a copy of its own). "
             "Save the optimizer alone (the loaded one trains `loaded.pipeline.module`), the weights "
             "(zero_kernels.checkpoint, or `model.state_dict()` inside `with opt.gathered_params():`), or pickle "
-            "the model inside `with opt.gathered_params():` for a full copy without the optimizer's hooks"
+            "the model inside `with opt.gathered_params():` for a full copy without the optimizer's hooks. DataLoader "
+            "workers and processes started with the model under spawn or forkserver pickle it too (and copy.copy of a "
+            "parameter): start them inside the block, where they get a copy of the full values, or use fork"
         )
     return None
 
