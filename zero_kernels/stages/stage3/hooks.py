@@ -256,7 +256,8 @@ def _copy_refusal(func: Any, name: Optional[str]) -> Optional[str]:
             "(zero_kernels.checkpoint, or `model.state_dict()` inside `with opt.gathered_params():`), or pickle "
             "the model inside `with opt.gathered_params():` for a full copy without the optimizer's hooks. DataLoader "
             "workers and processes started with the model under spawn or forkserver pickle it too (and copy.copy of a "
-            "parameter): start them inside the block, where they get a copy of the full values, or use fork"
+            "parameter): start them inside the block, where they get the full values (forked, the model's hooks "
+            "would gather in the worker)"
         )
     return None
 
