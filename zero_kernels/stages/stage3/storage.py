@@ -40,6 +40,13 @@ def _uses(tensor: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
 
 
+def _in_shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s host storage was moved to shared memory (torch.multiprocessing's pickler: a DataLoader
+    worker or a ``Process`` started with the model inside ``gathered_params()``): such a storage cannot be resized,
+    torch crashes (SIGSEGV) growing it again. (``is_shared()`` is always true of a CUDA storage, which is resized.)"""
+    return not tensor.is_cuda and tensor.untyped_storage().is_shared()
+
+
 class GatherStorage:
     """The full buffer of one unit: ``take()`` before a gather, ``release()`` at a free."""
 
@@ -69,13 +76,10 @@ class GatherStorage:
     def release(self, hand_over: bool = False) -> None:
         """Give the buffer's bytes back, whatever still views it; ``hand_over`` (the end of ``gathered_params()``):
         where something else views them (a ``state_dict()`` or ``p.detach()`` taken in the block), leave them to it
-        and gather into a new storage next time."""
+        and gather into a new storage next time; a storage in shared memory (``_in_shared_memory``) is left likewise."""
         if self._tensor is None:
             return
-        if (hand_over and _uses(self._tensor) > self._taken_uses) or self._tensor.untyped_storage().is_shared():
-            # a shared storage (moved to shared memory by torch.multiprocessing's pickler: a DataLoader worker or a
-            # Process started with the model inside gathered_params()) cannot be resized: torch crashes (SIGSEGV)
-            # when it is grown again; it is left to the process that holds it, the next gather takes a new one
+        if (hand_over and _uses(self._tensor) > self._taken_uses) or _in_shared_memory(self._tensor):
             self._tensor = None
         else:
             self._tensor.untyped_storage().resize_(0)
