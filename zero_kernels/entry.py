@@ -102,17 +102,17 @@ def initialize(
     config = config_source(config, config_params, args)
     check_process_group(process_group)
     init_dist(dist_init_required)
+    world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
     if client is not None:
         config = _without_optimizer_section(config, client)
     if not isinstance(config, ZeroConfig):
-        world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
         if auto_values.get("hidden_size") is None:
             auto_values["hidden_size"] = model_hidden_size(model)
         config = ZeroConfig.from_deepspeed(config, world_size=world, training_args=training_args, **auto_values)
     elif training_args is not None or auto_values:
         raise ValueError("initialize: training_args and auto values apply to a DeepSpeed config, not to a ZeroConfig")
     else:
-        _check_config_world(config, process_group)
+        _check_config_world(config, world)
     if config.optimizer is None and client is None:
         raise ValueError(
             'initialize: the config has no "optimizer" section; add {"type": "AdamW", "params": {...}}, or pass '
@@ -145,11 +145,10 @@ def initialize(
     return (model, built) if scheduler is None else (model, built, scheduler)
 
 
-def _check_config_world(config: ZeroConfig, process_group: Any) -> None:
-    """A ``ZeroConfig`` whose batch sizes (or hpZ size) were checked against another world size than the group's:
-    one built before the process group existed (``initialize`` may create it) was derived for world size 1, and its
-    ``gradient_accumulation_steps`` would then be the wrong one, silently."""
-    world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
+def _check_config_world(config: ZeroConfig, world: int) -> None:
+    """A ``ZeroConfig`` whose batch sizes (or hpZ size) were checked against another world size than the group's
+    (``world``): one built before the process group existed (``initialize`` may create it) was derived for world
+    size 1, and its ``gradient_accumulation_steps`` would then be the wrong one, silently."""
     if config.world_size == world or (config.train_batch_size is None and config.zero.hpz_partition_size <= 1):
         return
     raise ValueError(
