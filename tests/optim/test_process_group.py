@@ -35,24 +35,26 @@ def test_a_rank_outside_its_process_group_is_told_so(spawn) -> None:
     spawn(_outside, 3)
 
 
+def _steps_logged(opt: zk.ShardedFusedAdam, model: torch.nn.Module, caplog, steps: int) -> None:
+    """``steps`` steps of ``opt`` on ``model`` (its gradients zeroed first), the warnings they log in ``caplog``."""
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        with caplog.at_level("WARNING", logger="zero_kernels"):
+            opt.step()
+
+
 def test_an_optimizer_built_before_the_process_group_warns_once_when_ranks_run(monkeypatch, caplog) -> None:
     """Built before ``init_process_group`` (world size 1), it trains each process alone: the first step says so."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
     said = "built before torch.distributed was initialised"
-    model(torch.randn(4, 3)).sum().backward()
-    with caplog.at_level("WARNING", logger="zero_kernels"):
-        opt.step()
+    _steps_logged(zk.ShardedFusedAdam(model, lr=1e-2, stage=2), model, caplog, 1)
     assert said not in caplog.text, "warned without a process group"
     late = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
-    for _ in range(2):
-        late.zero_grad()
-        model(torch.randn(4, 3)).sum().backward()
-        with caplog.at_level("WARNING", logger="zero_kernels"):
-            late.step()
+    _steps_logged(late, model, caplog, 2)
     assert caplog.text.count(said) == 1 and "while 4 ranks run" in caplog.text, caplog.text
 
 
@@ -63,16 +65,8 @@ def test_an_optimizer_launched_on_several_ranks_without_a_process_group_warns_on
     model = torch.nn.Linear(3, 2)
     said = "torch.distributed was never initialised"
     monkeypatch.setenv("WORLD_SIZE", "1")
-    alone = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
-    model(torch.randn(4, 3)).sum().backward()
-    with caplog.at_level("WARNING", logger="zero_kernels"):
-        alone.step()
+    _steps_logged(zk.ShardedFusedAdam(model, lr=1e-2, stage=2), model, caplog, 1)
     assert said not in caplog.text, "warned with WORLD_SIZE=1"
     monkeypatch.setenv("WORLD_SIZE", "2")
-    launched = zk.ShardedFusedAdam(model, lr=1e-2, stage=2)
-    for _ in range(2):
-        launched.zero_grad()
-        model(torch.randn(4, 3)).sum().backward()
-        with caplog.at_level("WARNING", logger="zero_kernels"):
-            launched.step()
+    _steps_logged(zk.ShardedFusedAdam(model, lr=1e-2, stage=2), model, caplog, 2)
     assert caplog.text.count(said) == 1 and "WORLD_SIZE=2" in caplog.text, caplog.text
