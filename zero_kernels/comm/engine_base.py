@@ -64,6 +64,17 @@ def resolve_backend(name: str, config: str, cuda: bool) -> str:
     return per_device.get("cuda" if cuda else "cpu", fallback)
 
 
+def forked_message(what: str, pid: int) -> str:
+    """Why a collective cannot run in a process forked from the one that built the engine (process ``pid``)."""
+    return (
+        f"{what}: called in process {os.getpid()}, a child forked from process {pid}, where this optimizer was "
+        "built (a DataLoader worker, a multiprocessing.Process): the other ranks are not in it, and the collective "
+        "would wait for ever. Run the model (at stage 3 its forward all-gathers the parameters), backward and "
+        "step() in the training process only; to use the model in a worker, give it a copy made inside "
+        "opt.gathered_params() (copy.deepcopy(model) there is a plain module with the full weights)"
+    )
+
+
 def check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
     for role, t in (("shard", shard), ("full buffer", full)):
         if not t.is_contiguous():
@@ -87,6 +98,7 @@ class EngineBase:
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None):
         self.distributed = dist.is_available() and dist.is_initialized()
+        self.pid = os.getpid()  # the process whose ranks this engine's collectives pair with (``_ensure_group``)
         group = process_group if process_group is not None else (dist.group.WORLD if self.distributed else None)
         self._group = None if group is None else weakref.ref(group)
         self.rank = dist.get_rank(group) if self.distributed else 0
@@ -126,6 +138,8 @@ class EngineBase:
     def _ensure_group(self, what: str) -> Optional[dist.ProcessGroup]:
         if self._group is None:
             return None
+        if os.getpid() != self.pid:
+            raise CommError(forked_message(what, self.pid))
         group = self._group()
         if group is None:
             raise CommError(

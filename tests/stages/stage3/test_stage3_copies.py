@@ -10,6 +10,9 @@
   run on one rank alone, gathers nothing), and the averaged weights match AveragedModel on AdamW's. Pickling
   the model (``torch.save(model)``, ``torch.save((opt, model))``) raises likewise, and is a full copy inside
   ``gathered_params()``.
+- A forked DataLoader worker whose Dataset holds the model: its forward outside ``gathered_params()`` would all-gather
+  in a process without the other ranks (it hung); it raises a ``CommError`` naming the fork, and training goes on.
+  Workers started inside the block compute with the full weights.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import pytest
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
+from torch.utils.data import DataLoader, Dataset
 
 import zero_kernels as zk
 from tests.helpers.dist import run_ranks_checked
+from zero_kernels.comm import CommError
 
 ROWS, LR, BUCKET = 3, 1e-2, 16
 
@@ -196,3 +201,52 @@ def _shared_case(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
 def test_model_pickled_for_another_process_inside_gathered_params_trains_on(world: int) -> None:
     run_ranks_checked(_shared_case, world, timeout_s=60)
+
+
+class _Features(Dataset):
+    """A Dataset that runs the model, as feature-extraction pipelines do."""
+
+    def __init__(self, model: Net, world: int) -> None:
+        self.model, self.world = model, world
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(_batch(100 + index, self.world))
+
+
+def _worker_output(model: Net, world: int) -> torch.Tensor:
+    loader = DataLoader(  # timeout: a worker that waits for ever fails the test instead of hanging it
+        _Features(model, world), batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=30
+    )
+    return next(iter(loader))
+
+
+def _forked_case(rank: int, world: int) -> list[str]:
+    """A forked worker's forward raises outside ``gathered_params()`` (it waited for ranks that are not in its
+    process), computes with the full weights inside it, and the training process trains on as AdamW."""
+    model, ref, opt, ropt = _make(world)
+    _backward(model, ref, rank, world, 0)
+    _step(opt, ropt)
+    found = []
+    with pytest.raises(CommError, match="forked from process") as raised:
+        _worker_output(model, world)
+    if "gathered_params()" not in str(raised.value):
+        found.append(f"the error does not name gathered_params(): {raised.value}")
+    with opt.gathered_params():
+        got = _worker_output(model, world)
+    want = ref(_batch(100, world))
+    if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+        found.append(f"a worker started inside gathered_params(): {(got - want).abs().max().item():.3g} off AdamW's")
+    for step in (1, 2):
+        _backward(model, ref, rank, world, step)
+        _step(opt, ropt)
+    with opt.gathered_params():
+        return found + _differences(model, ref, "training after a forked worker's refused forward")
+
+
+@pytest.mark.distributed
+def test_forked_worker_running_the_model_raises_instead_of_waiting() -> None:
+    run_ranks_checked(_forked_case, 2, timeout_s=90)
