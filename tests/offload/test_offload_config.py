@@ -203,7 +203,7 @@ BAD = [
 def test_values_deepspeed_takes_are_taken(caplog: pytest.LogCaptureFixture) -> None:
     """DeepSpeed 0.19.8's schema: ``ratio`` 0 (nothing offloaded), ``cpuadam_cores_perc`` 0 (one thread here), no
     buffers or buffer size where the device reads none, ``fast_init`` (logged without effect), ``pin_memory``
-    true by default, and ``offload_param`` below stage 3 (ignored, with a warning)."""
+    true by default, and ``offload_param`` below stage 3 (ignored, with a warning, whatever it holds)."""
     zero = {
         "stage": 2,
         "offload_optimizer": {"device": "cpu", "ratio": 0.0, "cpuadam_cores_perc": 0.0, "buffer_count": 0},
@@ -215,6 +215,10 @@ def test_values_deepspeed_takes_are_taken(caplog: pytest.LogCaptureFixture) -> N
     assert not options.offload_param.enabled
     assert "offload_param.device='cpu' has no effect at stage 2" in caplog.text, caplog.text
     assert cpu_threads(0.0) == 1
+    nvme = {"stage": 1, "offload_param": {"device": "nvme", "buffer_count": 0}}  # no path, no buffers: ignored too
+    with caplog.at_level("INFO", logger="zero_kernels"):
+        assert not ZeroConfig.from_deepspeed({"zero_optimization": nvme}).zero.offload_param.enabled
+    assert "offload_param.device='nvme' has no effect at stage 1" in caplog.text, caplog.text
     caplog.clear()
     with caplog.at_level("INFO", logger="zero_kernels"):
         options = ZeroConfig.from_deepspeed({"zero_optimization": {"offload_optimizer": {"fast_init": True}}}).zero

@@ -104,6 +104,10 @@ class OffloadParamConfig:
 
     def __post_init__(self) -> None:
         _check(self, PARAM_RULES, "offload_param")
+
+    def check_nvme(self) -> None:
+        """``"nvme"``'s path and buffer sizes, checked at stage 3 only: DeepSpeed ignores the block below it, whatever
+        it holds (``zero_config``'s stage check drops it there)."""
         _need_nvme_keys(self, "offload_param", ("buffer_count", "buffer_size"))
 
     @property

@@ -233,6 +233,7 @@ def _check_offload_stage(options: ZeroOptions) -> None:
             options.stage,
         )
         object.__setattr__(options, "offload_param", OffloadParamConfig())
+    options.offload_param.check_nvme()
 
 
 def _deprecated_offload(values: Mapping[str, Any]) -> Dict[str, Any]:
