@@ -717,9 +717,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             raise RuntimeError(
                 f"{what} on accumulation micro-step {self._micro_step + 1} of "
                 f"{self.gradient_accumulation_steps}: the gradients are complete only before the step that "
-                "updates; call it there (with Accelerate or the HF Trainer, leave the count to them: "
-                "Accelerator(gradient_accumulation_steps=...) or TrainingArguments, and build the optimizer without "
-                "it, so that sync_gradients is true only there), or set max_grad_norm"
+                "updates; call it there (with Accelerate, the HF Trainer or Lightning, leave the count to them: "
+                "Accelerator(gradient_accumulation_steps=...), TrainingArguments or Trainer(accumulate_grad_batches="
+                "...), and build the optimizer without it, so that they clip only there), or set max_grad_norm"
             )
         scale = self._grad_factor / self._grad_divisor
         amp.note_reduction(self)
