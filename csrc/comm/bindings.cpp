@@ -74,6 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("tensor"), py::arg("op"), py::arg("name"), py::arg("compute_stream") = 0, py::arg("side_stream") = 0,
           py::arg("side") = py::none(), py::arg("shared_memory") = false, Release())
+      .def("all_reduce_nodes", &zk::Engine::all_reduce_nodes, py::arg("tensor"), py::arg("name"), Release())
       .def("synchronize", &zk::Engine::synchronize, Release())
       .def("set_nodes", &zk::Engine::set_nodes, py::arg("rows"))
       .def("in_flight", &zk::Engine::in_flight, Release())

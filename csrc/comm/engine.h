@@ -134,6 +134,9 @@ class Engine {
   // `shared_memory` (CPU tensors of its dtypes, the channel open).
   std::shared_ptr<PendingOp> all_reduce(const at::Tensor& tensor, const std::string& op, const std::string& name,
                                         Streams streams, bool shared_memory = false);
+  // `tensor` (CPU, a floating-point dtype) summed over ranks in place, in two levels along the nodes (set_nodes):
+  // a reduce-scatter within and across them, then an all-gather across and within them.
+  std::shared_ptr<PendingOp> all_reduce_nodes(const at::Tensor& tensor, const std::string& name);
   // Waits for every operation issued so far (each on its side stream, as PendingOp::wait); raises
   // the first failure among them.
   void synchronize();
@@ -181,6 +184,20 @@ class Engine {
                                                   const at::Tensor& output, at::Tensor& input, const std::string& what);
   std::shared_ptr<PendingOp> all_gather_nodes(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& output,
                                               at::Tensor& source, const at::Tensor& input, const std::string& what);
+  // What reduce_scatter_nodes carries from its first phase to its second.
+  struct NodeSums {
+    Works works;                   // the first level's sends and receives (the sockets)
+    at::Tensor input;              // the buffer reduced (scratch)
+    at::Tensor within;             // the sockets: what the node-mates send, by mate and node
+    at::Tensor columns;            // the node's channel: every column's chunks side by side, by local rank and node
+    at::Tensor across;             // the other nodes' sums of this rank's chunk
+    std::vector<at::Tensor> sums;  // this rank's column: the chunk it sums for each node
+    int tag = 0;                   // of the exchange across the nodes
+  };
+  NodeSums start_node_sums(c10d::ProcessGroup& pg, const at::Tensor& input, int64_t n, const std::string& what);
+  Works send_node_sums_after(c10d::ProcessGroup& pg, NodeSums& sums, const std::string& what);
+  Works exchange_across(c10d::ProcessGroup& pg, const at::Tensor& output, const at::Tensor& source, int64_t n,
+                        int tag);
   Works send_columns(c10d::ProcessGroup& pg, const at::Tensor& input, const at::Tensor& within, uint32_t first);
   Works send_node_sums(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& sums, const at::Tensor& across, int tag);
   void lay_columns(const at::Tensor& columns, const at::Tensor& input) const;

@@ -1,4 +1,4 @@
-"""The C++ engine's two-level reduce-scatter and all-gather across nodes, on gloo ranks that play nodes.
+"""The C++ engine's two-level reduce-scatter, all-gather and all-reduce across nodes, on gloo ranks that play nodes.
 
 Each rank is told its node and local rank as torchrun tells them (``GROUP_RANK``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``). A reduce-scatter sums in another order than the pairwise exchange, so it is compared
@@ -14,6 +14,7 @@ import os
 import pytest
 import torch
 
+import zero_kernels.comm.cpp_engine as cpp_module
 from tests.helpers.lockstep import step_beside_adamw
 from zero_kernels import _ext
 from zero_kernels.comm import make_engine
@@ -63,6 +64,27 @@ def _all_gathers(engine, rank: int, world: int) -> None:
         assert torch.equal(full, torch.cat(shards).float())
 
 
+def _all_reduces(engine, rank: int, world: int) -> None:
+    """Sums in two levels (at every size: the threshold lowered), in place, of sizes the ranks divide and do not,
+    several in flight with reduce-scatters between them; against the float64 sum."""
+    cpp_module.NODES_ALL_REDUCE_BYTES = 0
+    assert engine._two_levels(torch.empty(1), "sum")
+    issued = []
+    for i, n in enumerate(SIZES):
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = [t.to(dtype) for t in _data(world, n, 70 + i)]
+            mine = inputs[rank].clone()
+            issued.append((engine.all_reduce(mine, name=f"ar{n}"), mine, inputs, None))
+            out, data = torch.empty(n), _data(world, n, 90 + i)
+            issued.append((engine.reduce_scatter(out, data[rank].clone(), name=f"rs{n}"), out, data, n))
+    for handle, got, inputs, n in issued:
+        handle.wait()
+        want = torch.stack([t.double() for t in inputs]).sum(0)
+        want = want if n is None else want.narrow(0, rank * n, n)
+        tol = 1e-5 if got.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.double(), want.to(got.dtype).double(), rtol=tol, atol=tol * world)
+
+
 def _two_levels(rank: int, world: int, local_size: int, strided: bool, rows: list[list[int]], shm: bool) -> None:
     _place(rank, local_size, strided)
     os.environ["ZERO_KERNELS_SHM"] = str(int(shm))
@@ -72,6 +94,7 @@ def _two_levels(rank: int, world: int, local_size: int, strided: bool, rows: lis
     assert engine.primitive_for("all_gather", torch.empty(world)) == "all_gather_nodes"
     _reduce_scatters(engine, rank, world)
     _all_gathers(engine, rank, world)
+    _all_reduces(engine, rank, world)
     engine.synchronize()
     assert engine.in_flight() == 0
     assert engine.shares_memory() is shm  # the level within each node went through the node's channel
@@ -152,6 +175,33 @@ def _one_node(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_one_node_exchanges_within_the_host(spawn) -> None:
     spawn(_one_node, 2)
+
+
+def _stage0_across_nodes(rank: int, world: int, shm: bool) -> None:
+    """Stage 0 at 2 x 2: its gradient buckets (over ``NODES_ALL_REDUCE_BYTES``, sizes the ranks do not divide) are
+    summed in two levels, and it trains as AdamW on the whole batch."""
+    from zero_kernels import ShardedFusedAdam
+
+    _place(rank, 2, False)
+    os.environ["ZERO_KERNELS_SHM"] = str(int(shm))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(61, 301), torch.nn.Tanh(), torch.nn.Linear(301, 5))
+    reference = copy.deepcopy(model)
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    opt = ShardedFusedAdam(model, lr=1e-2, weight_decay=0.01, stage=0, reduce_bucket_size=20000)
+    engine = opt.pipeline.engine
+    assert engine.nodes == [[0, 1], [2, 3]] and engine._two_levels(torch.empty(20000), "sum")
+    for step in range(3):
+        xs = [torch.randn(4, 61, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(world)]
+        step_beside_adamw(model, opt, reference, adamw, xs, rank)
+    for got, want in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("shm", [True, False], ids=["node-channel", "sockets"])
+def test_stage0_sums_its_buckets_in_two_levels_across_nodes(spawn, shm: bool) -> None:
+    spawn(_stage0_across_nodes, 4, shm)
 
 
 UNEVEN = ((0, 0, 2), (0, 1, 2), (1, 0, 1))  # (GROUP_RANK, LOCAL_RANK, LOCAL_WORLD_SIZE): torchrun on 2 + 1 ranks

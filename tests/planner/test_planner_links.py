@@ -25,7 +25,10 @@ def nccl(**kw) -> Cluster:
     "cluster, kind, expected",
     [
         # ring through ranks 0-1 | 2-3: one edge per node and direction crosses, one stays inside
-        (gloo(), "all_reduce", (1.5 * B, 1.5 * B, 1.5 * B)),
+        (nccl(), "all_reduce", (1.5 * B, 1.5 * B, 1.5 * B)),
+        # gloo across nodes of 2: a two-level reduce-scatter, then all-gather (one node: gloo's ring)
+        (gloo(), "all_reduce", (B, B, 2 * B)),
+        (gloo(nodes=1), "all_reduce", (0.0, B, B)),
         (nccl(), "all_gather", (0.75 * B, 0.75 * B, 0.75 * B)),
         # two levels: each rank sends its node-mate the mate's half, then each of a node's 2 ranks sends
         # one quarter (a node sum) to the other node
@@ -39,7 +42,9 @@ def nccl(**kw) -> Cluster:
         (gloo(nodes=1, ranks_per_node=1), "all_reduce", (0.0, 0.0, 0.0)),
     ],
     ids=[
-        "gloo ring all-reduce",
+        "nccl ring all-reduce",
+        "gloo two-level all-reduce",
+        "gloo ring all-reduce on one node",
         "nccl ring all-gather",
         "gloo two-level all-gather",
         "gloo two-level reduce-scatter",
@@ -64,16 +69,19 @@ def test_a_collective_takes_its_busiest_resource() -> None:
     # one node, pairwise: the busiest resource alone (4 MB per rank at 1 MB/s)
     assert links.collective_seconds("all_gather", B, gloo(nodes=1, intra_Bps=1e6)) == pytest.approx(4.0)
     # ring all-reduce on 4 ranks: 2 x 3 steps of latency
-    assert links.collective_seconds("all_reduce", B, gloo(latency_s=1e-3)) == pytest.approx(0.12 + 6e-3)
+    assert links.collective_seconds("all_reduce", B, nccl(latency_s=1e-3)) == pytest.approx(0.12 + 6e-3)
+    # gloo across nodes: a two-level reduce-scatter, then all-gather (node, link, link, node)
+    parts = links.collective_parts("all_reduce", B, gloo(intra_Bps=1e8))
+    assert parts == [("node", 0.04), ("link", 0.04), ("link", 0.04), ("node", 0.04)]
 
 
 @pytest.mark.parametrize(
     "cluster, per_rank_psi",
-    [(gloo(), {0: 0.75, 1: 0.5, 2: 0.5, 3: 0.75}), (nccl(), {0: 0.75, 1: 0.75, 2: 0.75, 3: 1.125})],
+    [(gloo(), {0: 0.5, 1: 0.5, 2: 0.5, 3: 0.75}), (nccl(), {0: 0.75, 1: 0.75, 2: 0.75, 3: 1.125})],
     ids=["gloo", "nccl"],
 )
 def test_bytes_each_rank_sends_over_the_link_per_step(cluster: Cluster, per_rank_psi: dict) -> None:
-    """Per rank: its node's link bytes / 2 ranks. gloo: stage 0 a ring all-reduce (1.5 x 4 bytes x Ψ per node),
+    """Per rank: its node's link bytes / 2 ranks. gloo: stage 0 a two-level all-reduce (4 bytes x Ψ per node),
     stages 1-2 a two-level reduce-scatter and all-gather (Ψ/2 each), stage 3 two gathers and a reduce-scatter."""
     for stage, psi in per_rank_psi.items():
         step = stage_step(stage, PSI, cluster, Compute(0, 0, 0), units=[PSI // 4] * 4)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .._build import ext as _ext
 from .engine_base import EngineBase, issue_errors_named
 from .handles import CppHandle, Handle
-from .primitives import NODES_PRIMITIVES, CommError
+from .primitives import NODES_ALL_REDUCE_BYTES, NODES_PRIMITIVES, CommError
 from .shared_memory import REDUCED_DTYPES, SHM_PRIMITIVES, SUMMED_DTYPES, open_channel
 
 
@@ -132,14 +132,22 @@ class CppCommEngine(EngineBase):
     @issue_errors_named("all_reduce")
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", name: str = "") -> Handle:
         """Reduce ``tensor`` in place over ranks with ``op`` (sum, max or min); through shared memory where the ranks
-        share it (``shares_memory``; its floating-point sums are taken in another order than gloo's)."""
+        share it (``shares_memory``; its floating-point sums are taken in another order than gloo's); across nodes a
+        large floating-point sum in two levels (``_two_levels``; another order again)."""
         what = self._check_all_reduce(name, tensor, op)
         if self.world_size == 1:
             return Handle(None, ())
+        if self._two_levels(tensor, op):
+            return CppHandle(self._engine.all_reduce_nodes(tensor, name))
         shareable = self.nodes is None and self._shareable("all_gather", tensor)
         if tensor.dtype in REDUCED_DTYPES and shareable and self.shares_memory(what):
             return CppHandle(self._engine.all_reduce(tensor, op, name, shared_memory=True))
         return self._issue("all_reduce", tensor, tensor, op, name)
+
+    def _two_levels(self, tensor: torch.Tensor, op: str) -> bool:
+        """Whether ``all_reduce`` sums ``tensor`` in two levels along the nodes (``NODES_ALL_REDUCE_BYTES``)."""
+        big = tensor.numel() * tensor.element_size() >= NODES_ALL_REDUCE_BYTES
+        return self.nodes is not None and op == "sum" and tensor.dtype in SUMMED_DTYPES and not tensor.is_cuda and big
 
     def synchronize(self) -> None:
         """Wait for every operation issued so far; raises the first failure among them."""

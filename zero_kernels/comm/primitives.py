@@ -25,6 +25,10 @@ P2P_TAG_BASE, P2P_TAG_SPAN = 1 << 30, 1 << 29
 # node. A node's link then carries (M-1)/M of the buffer each way (M nodes) instead of L(N-L)/N (L ranks
 # per node, N ranks): half instead of all of it at 2 nodes of 2 ranks, where gloo's ring carries 3/4.
 NODES_PRIMITIVES = {"reduce_scatter_p2p": "reduce_scatter_nodes", "all_gather_p2p": "all_gather_nodes"}
+# A sum all-reduce of at least this many bytes runs as those two, one after the other (stage 0's buckets): a node's
+# link carries 2(M-1)/M of it each way, against 3/2 for gloo's ring at 2 x 2. Smaller ones (norms, flags: a few
+# messages either way) keep gloo's all-reduce.
+NODES_ALL_REDUCE_BYTES = 1 << 16
 MAX_HELD = 16  # operations an engine holds at most (the C++ engine's Engine::kMaxHeld)
 
 # (backend, operation) -> rows (largest bucket in bytes or None for any size, primitive); the first

@@ -10,7 +10,7 @@ Which bytes cross a node boundary depends on the collective's algorithm (``ALGOR
 collective over a buffer of ``B`` bytes (the full buffer: all-reduce's input, reduce-scatter's input,
 all-gather's output) on ``N`` ranks, ``L`` per node:
 
-- ``ring`` (gloo's all-reduce, NCCL's rings): the ring visits the ranks in rank order, so it leaves
+- ``ring`` (gloo's all-reduce on one node, NCCL's rings): the ring visits the ranks in rank order, so it leaves
   each node once: per node and direction the link carries one ring edge, ``2(N-1)/N·B`` for an
   all-reduce and ``(N-1)/N·B`` for a reduce-scatter or all-gather; every rank sends as much to its
   successor, a node neighbour for ``L - 1`` of a node's ``L`` ranks.
@@ -22,7 +22,8 @@ all-gather's output) on ``N`` ranks, ``L`` per node:
   node-mate that mate's ``M`` chunks (``(L-1)/L·B`` per rank), then sends each node sum to its owner
   elsewhere; an all-gather does the same in reverse. A node's link then carries ``(M-1)/M·B`` per
   direction (``M`` nodes): ``0.5·B`` at 2 nodes of 2 ranks, against a ring's ``0.75·B`` and the ``B`` of
-  a direct exchange between every pair.
+  a direct exchange between every pair. There an all-reduce (stage 0's buckets) is a two-level reduce-scatter and
+  all-gather, one after the other: ``B`` per direction against a ring's ``1.5·B``.
 
 A collective takes as long as its busiest resource needs, plus a latency per ring step: the link
 (``link bytes / (link_Bps·payload_share)``), a rank's intra-node sends (``/ intra_Bps``) and, when the
@@ -127,8 +128,10 @@ def algorithm(backend: str, kind: str) -> str:
 
 def two_levels(kind: str, cluster: Cluster) -> bool:
     """Whether ``kind`` runs in two levels along the nodes on ``cluster`` (gloo's pairwise exchange across nodes of
-    several ranks: ``comm.NODES_PRIMITIVES``)."""
-    return algorithm(cluster.backend, kind) == "pairwise" and cluster.nodes > 1 and cluster.ranks_per_node > 1
+    several ranks: ``comm.NODES_PRIMITIVES``; there an all-reduce is a reduce-scatter and an all-gather so, as the
+    engine sums one of over 64 KiB, ``comm.NODES_ALL_REDUCE_BYTES``: stage 0's buckets)."""
+    pairwise = algorithm(cluster.backend, "reduce_scatter" if kind == "all_reduce" else kind) == "pairwise"
+    return pairwise and cluster.nodes > 1 and cluster.ranks_per_node > 1
 
 
 def crossing_bytes(kind: str, buffer_bytes: float, cluster: Cluster) -> tuple[float, float, float]:
@@ -143,6 +146,9 @@ def crossing_bytes(kind: str, buffer_bytes: float, cluster: Cluster) -> tuple[fl
     n, local = cluster.world, cluster.ranks_per_node
     if n == 1:
         return 0.0, 0.0, 0.0
+    if kind == "all_reduce" and two_levels(kind, cluster):
+        link, intra_rank, intra_node = crossing_bytes("reduce_scatter", buffer_bytes, cluster)
+        return 2 * link, 2 * intra_rank, 2 * intra_node
     if algorithm(cluster.backend, kind) == "ring":
         edge = _RING_VOLUME[kind] * (n - 1) / n * buffer_bytes
         return (edge if cluster.nodes > 1 else 0.0), (edge if local > 1 else 0.0), (local - 1) * edge
@@ -161,6 +167,11 @@ def collective_parts(kind: str, buffer_bytes: float, cluster: Cluster) -> list[t
     ``link`` (which also bounds the node's own sends), or in two levels a ``node`` part (the sends within the node)
     and a ``link`` part, a reduce-scatter's node part first and an all-gather's last, each as long as its busiest
     resource needs. The latency of the collective's steps is added to its last part."""
+    if kind == "all_reduce" and two_levels(kind, cluster):
+        return [
+            *collective_parts("reduce_scatter", buffer_bytes, cluster),
+            *collective_parts("all_gather", buffer_bytes, cluster),
+        ]
     link, intra_rank, intra_node = crossing_bytes(kind, buffer_bytes, cluster)
     host = cluster.host_Bps or math.inf
     over_link = link / (cluster.link_Bps * cluster.payload_share)
