@@ -739,6 +739,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._clips.ask(norm, max_norm, scale_known, measured)
         self._pipeline.clipped = self._pipeline.clipped or math.isfinite(float(max_norm))  # a later gradient is refused
 
+    @torch.compiler.disable  # as step(): at stage 3 the freed parameters must not reach Dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps, except after a
         backward that raised: then it drops the whole window (every micro-step's gradients, the failed pass's

@@ -102,7 +102,8 @@ class BackwardRound:
     def _queue_round_end(self) -> None:
         """The round ends with the backward running now (an autograd callback); stage 3 ends it with the backward its
         scheduler follows instead."""
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+        end = torch._disable_dynamo(lambda: self._end_round())  # eager under a compiled train step
+        torch.autograd.Variable._execution_engine.queue_callback(end)
 
     def _refuse(self, kind: int, index: int, p: torch.Tensor) -> None:
         """Problem ``kind`` with parameter ``p`` (optimizer index ``index``): raised now on one rank, else recorded

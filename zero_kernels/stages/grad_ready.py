@@ -42,6 +42,7 @@ class GradReady:
         self._ref = ref
         me = weakref.ref(self)  # the hook holds no strong reference to this object
 
+        @torch._disable_dynamo  # run eagerly: never traced by a compiled frame whose backward calls it
         def hook(param: torch.Tensor) -> None:
             _on_accumulated(me, param)
 

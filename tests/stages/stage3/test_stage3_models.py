@@ -647,6 +647,47 @@ def test_torch_compile_never_traces_stage3_hooks(spawn) -> None:
     spawn(_no_recompiled_hooks_case, 1)
 
 
+def _compiled_train_step_cases(rank: int, world: int) -> None:
+    torch._logging.set_logs(recompiles=True)
+    seen = _Messages()
+    logging.getLogger("torch._dynamo").addHandler(seen)
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for stage in (0, 1, 2, 3):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Small()
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=stage, **SMALL)
+
+        @torch.compile(backend="aot_eager")
+        def train_step(x: torch.Tensor) -> None:
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+
+        for step, x in enumerate(batches):
+            train_step(x[rank * ROWS : (rank + 1) * ROWS])
+            ref(x).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            with opt.gathered_params():
+                _compare(model, ref, f"compiled train_step stage {stage} world {world} step {step}")
+        opt.pipeline.close()
+    ours = [m.splitlines()[0] for m in seen.messages if "zero_kernels" in m]
+    assert not ours, f"Dynamo traced the optimizer's backward hooks: {ours}"
+
+
+@pytest.mark.distributed
+def test_compiled_train_step_matches_adamw_at_every_stage(spawn) -> None:
+    """``torch.compile`` of a whole ``train_step`` (forward, ``backward()``, ``step()`` and ``zero_grad()`` inside):
+    the backward runs in the compiled frame, whose Dynamo callback used to trace the hooks it calls. Stage 3 raised
+    an ``InternalTorchDynamoError`` from its pre-backward gather (a freed parameter's ``_is_view`` taken for a use),
+    then from ``zero_grad()``'s ``p.grad = None``; stages 0-2 compiled the gradient hook once per parameter until
+    Dynamo's recompile limit, with its warning on every rank."""
+    spawn(_compiled_train_step_cases, 2)
+
+
 class _Reader(nn.Module):
     """A model whose forward reads a parameter of another model, held by another stage-3 optimizer."""
 

@@ -159,9 +159,11 @@ def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
     """``method`` of the scheduler, with ``first`` before the hook's arguments, called through a weak reference:
     a hook stays on a parameter, on the model or on a graph node (a tensor's hooks are invisible to the cycle
     collector), and must not keep the scheduler, and through it the optimizer, its shards and its files, alive.
-    Once the scheduler is gone the hook does nothing (as stages 0-2's ``GradReady``)."""
+    Once the scheduler is gone the hook does nothing (as stages 0-2's ``GradReady``). It runs eagerly, never traced:
+    a backward called inside a compiled function (a whole compiled ``train_step``) calls it under Dynamo."""
     ref = weakref.WeakMethod(method)
 
+    @torch._disable_dynamo
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = ref()
         return None if bound is None else bound(*first, *args, **kwargs)
@@ -739,7 +741,8 @@ class Stage3Scheduler:
                 raise RuntimeError(DOUBLE_BACKWARD)
             self._in_backward = True
             self._backward.begin(guess=self._forward.expected[::-1])
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            end = torch._disable_dynamo(lambda: self._end_backward())  # eager under a compiled train step
+            torch.autograd.Variable._execution_engine.queue_callback(end)
 
     def _pre_backward(self, needs: tuple[int, ...]) -> None:
         self._begin_backward()
