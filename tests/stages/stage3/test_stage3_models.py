@@ -688,6 +688,55 @@ def test_compiled_train_step_matches_adamw_at_every_stage(spawn) -> None:
     spawn(_compiled_train_step_cases, 2)
 
 
+class _Adapted(nn.Module):
+    """A PEFT-style LoRA layer: it reads its adapter's weight dtype before calling the adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(4, 2, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(2, 4, bias=False)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.lora_A["default"]
+        return self.base(x) + self.lora_B["default"](a(x.to(a.weight.dtype)))
+
+
+def _traced_read_case(rank: int, world: int) -> None:
+    seen = _Messages()
+    logging.getLogger("zero_kernels").addHandler(seen)
+    batches = [torch.randn(world * ROWS, 4, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(_Adapted(), nn.Tanh(), _Adapted())
+        ref = copy.deepcopy(model)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+        opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **SMALL)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        for x in batches:
+            run(x[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ref(x).square().mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        with opt.gathered_params():
+            _compare(model, ref, f"compiled={compiled}")
+        said = [m for m in seen.messages if "does not hold" in m]
+        assert bool(said) is compiled, said
+        assert all("torch.compile, tracing the forward" in m and "lora_A" in m for m in said), said
+        opt.pipeline.close()
+
+
+@pytest.mark.distributed
+def test_a_parameter_read_while_compiling_is_said_so(spawn) -> None:
+    """A LoRA layer reading its adapter's weight dtype, compiled at stage 3: the tracing wraps the freed weight, which
+    is then gathered with the traced module (as training without compile would: the same weights as AdamW), and the
+    warning says torch.compile read it, not that the model uses a parameter it does not hold."""
+    spawn(_traced_read_case, 2)
+
+
 class _Reader(nn.Module):
     """A model whose forward reads a parameter of another model, held by another stage-3 optimizer."""
 

@@ -155,6 +155,20 @@ class _Pass:
         return self.seen and self.on_track
 
 
+FOREIGN_USE = (
+    "ZeRO stage 3: module '%s' (%s) uses parameter '%s', which it does not hold, in its forward (%s); it is gathered "
+    "for that module from now on."
+)
+# torch.compile's tracing wraps a tensor an inlined forward reads (a LoRA layer reading its adapter's weight.dtype,
+# as PEFT's do): where the parameter is freed then, the module whose frame is being traced gathers it
+TRACED_USE = (
+    "ZeRO stage 3: torch.compile, tracing the forward of module '%s' (%s), read parameter '%s', which that module "
+    "does not hold (%s: a forward it inlines reads another module's parameter, e.g. its dtype, as PEFT's LoRA layers "
+    "do); it is gathered with that module from now on (the results are unchanged; it stays gathered for that "
+    "module's whole forward)."
+)
+
+
 def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
     """``method`` of the scheduler, with ``first`` before the hook's arguments, called through a weak reference:
     a hook stays on a parameter, on the model or on a graph node (a tensor's hooks are invisible to the cycle
@@ -691,12 +705,13 @@ class Stage3Scheduler:
         frame = self._stack[-1]
         user = self._module_names.get(id(frame.module), "?") or "<root>"
         log.warning(
-            "ZeRO stage 3: module '%s' (%s) uses parameter '%s', which it does not hold, in its forward; it is "
-            "gathered for that module from now on. zero_kernels.register_external_parameter(module, parameter) "
-            "says so up front (and silences this message).",
+            (TRACED_USE if torch.compiler.is_compiling() else FOREIGN_USE)
+            + " zero_kernels.register_external_parameter(module, parameter) says so up front (and silences this "
+            "message).",
             user,
             type(frame.module).__name__,
             name,
+            getattr(func, "__name__", func),
         )
         model_hints.register_external_parameter(frame.module, param)
         self._uses.late.add(i)  # this use was not counted: its unit waits for the end of backward
