@@ -182,3 +182,23 @@ def ema_swap_case(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", (1, 2), ids=lambda w: f"world{w}")
 def test_ema_swapped_in_and_out(spawn, world: int) -> None:
     spawn(ema_swap_case, world)
+
+
+def test_numpy_views_of_gathered_parameters_leave_training_working() -> None:
+    """``p.detach().numpy()`` inside ``gathered_params()`` (what ``torch.utils.tensorboard``'s ``add_histogram`` does
+    with a CPU tensor) and in a forward hook makes the storage not resizable: the free leaves it to the array (or
+    to nobody) instead of raising ``Trying to resize storage that is not resizable``, there and at every later
+    forward, and training goes on as AdamW."""
+    model, ref = make_models(torch.float32)
+    opt, ropt = make_opt(model, 3), torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(3):
+        with opt.gathered_params():
+            for p, r in zip(model.parameters(), ref.parameters()):
+                assert_close(torch.from_numpy(p.detach().numpy().copy()), r.detach(), rtol=1e-5, atol=1e-6)
+        seen = []
+        hook = model.head.register_forward_hook(lambda m, i, o: seen.append(m.weight.detach().numpy().sum()))
+        train_step(model, ref, opt, ropt, 0, 1, step)
+        hook.remove()
+        assert seen
+    with opt.gathered_params():
+        compare(model, ref, "after numpy() views of gathered parameters")

@@ -47,6 +47,13 @@ def _in_shared_memory(tensor: torch.Tensor) -> bool:
     return not tensor.is_cuda and tensor.untyped_storage().is_shared()
 
 
+def _not_resizable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage cannot be resized: in shared memory (``_in_shared_memory``), or pinned by a
+    NumPy view (``p.detach().numpy()``, as ``torch.utils.tensorboard``'s ``add_histogram`` takes of a CPU tensor:
+    torch marks the storage not resizable for good, even once the array is gone)."""
+    return _in_shared_memory(tensor) or not tensor.untyped_storage().resizable()
+
+
 class GatherStorage:
     """The full buffer of one unit: ``take()`` before a gather, ``release()`` at a free."""
 
@@ -76,10 +83,11 @@ class GatherStorage:
     def release(self, hand_over: bool = False) -> None:
         """Give the buffer's bytes back, whatever still views it; ``hand_over`` (the end of ``gathered_params()``):
         where something else views them (a ``state_dict()`` or ``p.detach()`` taken in the block), leave them to it
-        and gather into a new storage next time; a storage in shared memory (``_in_shared_memory``) is left likewise."""
+        and gather into a new storage next time; a storage that cannot be resized (``_not_resizable``: in shared
+        memory, viewed by NumPy) is left likewise (its bytes go with the last reference)."""
         if self._tensor is None:
             return
-        if (hand_over and _uses(self._tensor) > self._taken_uses) or _in_shared_memory(self._tensor):
+        if (hand_over and _uses(self._tensor) > self._taken_uses) or _not_resizable(self._tensor):
             self._tensor = None
         else:
             self._tensor.untyped_storage().resize_(0)
