@@ -60,6 +60,7 @@ like any other's. ``hold()`` keeps every unit gathered until ``release()`` (``ga
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import pickle
 import sys
@@ -175,14 +176,13 @@ def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
     collector), and must not keep the scheduler, and through it the optimizer, its shards and its files, alive.
     Once the scheduler is gone the hook does nothing (as stages 0-2's ``GradReady``). It runs eagerly, never traced:
     a backward called inside a compiled function (a whole compiled ``train_step``) calls it under Dynamo."""
-    ref = weakref.WeakMethod(method)
+    return functools.partial(_call_weakly, weakref.WeakMethod(method), first)
 
-    @torch._disable_dynamo
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        return None if bound is None else bound(*first, *args, **kwargs)
 
-    return call
+@torch._disable_dynamo  # one function, disabled once: a hook made per forward (a graph node's) finds it ready
+def _call_weakly(ref: weakref.WeakMethod, first: tuple, *args: Any, **kwargs: Any) -> Any:
+    bound = ref()
+    return None if bound is None else bound(*first, *args, **kwargs)
 
 
 def _running_elsewhere(root: nn.Module) -> bool:
