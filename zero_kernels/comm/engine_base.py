@@ -135,6 +135,14 @@ class EngineBase:
         destroys it, and with it the backend's threads, while an optimizer is still alive."""
         return self._ensure_group("zero_kernels comm")
 
+    @property
+    def group_held(self) -> Optional[dist.ProcessGroup]:
+        """The process group object for what runs no collective (a copy or a pickle of the optimizer naming it): as
+        ``group``, without refusing a forked process (``forked_message``: a checkpoint writer forked from the
+        training process may pickle the optimizer)."""
+        group = None if self._group is None else self._group()
+        return group if group is not None else self._ensure_group("zero_kernels comm")  # a destroyed one: its error
+
     def _ensure_group(self, what: str) -> Optional[dist.ProcessGroup]:
         if self._group is None:
             return None

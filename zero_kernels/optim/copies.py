@@ -105,7 +105,7 @@ def deep_copy(opt: "ShardedFusedAdam", memo: dict[int, Any]) -> "ShardedFusedAda
     """``copy.deepcopy(opt)``: the copy shares the process group; everything else is copied."""
     new = type(opt).__new__(type(opt))
     memo[id(opt)] = new
-    group = opt._engine.group
+    group = opt._engine.group_held
     if group is not None:
         memo[id(group)] = group
     with opt.pipeline.hooks_removed():
@@ -117,7 +117,7 @@ def deep_copy(opt: "ShardedFusedAdam", memo: dict[int, Any]) -> "ShardedFusedAda
 def snapshot(opt: "ShardedFusedAdam") -> dict[str, Any]:
     """``opt.__getstate__()``: what pickle writes (the parameters themselves, so that a model pickled
     with the optimizer keeps training with it; at stage 3 a copy of the model without its hooks)."""
-    group = opt._engine.group
+    group = opt._engine.group_held
     if group is not None and group is not dist.group.WORLD:
         raise RuntimeError(
             "a ShardedFusedAdam on a process group other than the default one cannot be pickled (a process group "
