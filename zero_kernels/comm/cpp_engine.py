@@ -4,6 +4,7 @@ lifetime of every operation it issues.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from .._build import ext as _ext
 from .engine_base import EngineBase, issue_errors_named
 from .handles import CppHandle, Handle
-from .primitives import NODES_ALL_REDUCE_BYTES, NODES_PRIMITIVES, CommError
+from .primitives import NODES_ALL_REDUCE_BYTES, NODES_PRIMITIVES, CommError, forked_message
 from .shared_memory import REDUCED_DTYPES, SHM_PRIMITIVES, SUMMED_DTYPES, open_channel
 
 
@@ -153,6 +154,8 @@ class CppCommEngine(EngineBase):
         """Wait for every operation issued so far; raises the first failure among them."""
         if self._engine is None:
             return
+        if os.getpid() != self.pid and self._engine.in_flight():  # a fork's copy of the parent's operations
+            raise CommError(forked_message("zero_kernels comm: synchronize", self.pid))
         try:
             self._engine.synchronize()
         except RuntimeError as exc:

@@ -20,6 +20,7 @@ from .primitives import (
     CommError,
     choose_primitive,
     describe_choices,
+    forked_message,
 )
 
 log = logging.getLogger("zero_kernels")
@@ -62,17 +63,6 @@ def resolve_backend(name: str, config: str, cuda: bool) -> str:
     per_device = dict(part.split(":", 1) for part in config.split(",") if ":" in part)
     fallback = per_device.get("cpu") or next(iter(per_device.values()), name)
     return per_device.get("cuda" if cuda else "cpu", fallback)
-
-
-def forked_message(what: str, pid: int) -> str:
-    """Why a collective cannot run in a process forked from the one that built the engine (process ``pid``)."""
-    return (
-        f"{what}: called in process {os.getpid()}, a child forked from process {pid}, where this optimizer was "
-        "built (a DataLoader worker, a multiprocessing.Process): the other ranks are not in it, and the collective "
-        "would wait for ever. Run the model (at stage 3 its forward all-gathers the parameters), backward and "
-        "step() in the training process only; to use the model in a worker, give it a copy made inside "
-        "opt.gathered_params() (copy.deepcopy(model) there is a plain module with the full weights)"
-    )
 
 
 def check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:

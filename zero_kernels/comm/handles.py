@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from .primitives import CommError
+from .primitives import CommError, forked_message
 
 
 class Handle:
@@ -36,8 +37,16 @@ class Handle:
         self._error: Optional[CommError] = None
         self._done = False
         self._stream = issuing_stream(keep_alive)
+        self._pid = os.getpid()
+
+    def _check_process(self) -> None:
+        """Refuse to wait in a process forked while the operation was in flight (the fork of a forward at stage 3,
+        its gathers issued): the parent's ranks, threads and backend are not in it, and the wait would never end."""
+        if os.getpid() != self._pid and not self.is_completed():
+            raise CommError(forked_message(f"waiting for {self._what or 'a collective'}", self._pid))
 
     def wait(self) -> None:
+        self._check_process()
         first = not self._done
         if not self._done:
             try:
@@ -111,6 +120,7 @@ class CppHandle(Handle):
         self._side = side_stream
 
     def wait(self) -> None:
+        self._check_process()
         try:
             self._op.wait()
         except RuntimeError as exc:

@@ -7,6 +7,7 @@ measured by ``python -m benchmarks comm`` (``PRIMITIVES``); ``primitive=`` overr
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch.distributed as dist
@@ -52,6 +53,18 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names the operation, bucket and rank."""
+
+
+def forked_message(what: str, pid: int) -> str:
+    """Why a collective cannot run, or be waited for, in a process forked from the one that runs the engine (process
+    ``pid``)."""
+    return (
+        f"{what}: called in process {os.getpid()}, a child forked from process {pid}, which runs this optimizer "
+        "(a DataLoader worker, a multiprocessing.Process): the other ranks are not in it, and the collective "
+        "would wait for ever. Run the model (at stage 3 its forward all-gathers the parameters), backward and "
+        "step() in the training process only; to use the model in a worker, give it a copy made inside "
+        "opt.gathered_params() (copy.deepcopy(model) there is a plain module with the full weights)"
+    )
 
 
 def choose_primitive(backend: str, operation: str, nbytes: int) -> str:

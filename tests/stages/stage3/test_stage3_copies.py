@@ -12,13 +12,15 @@
   ``gathered_params()``.
 - A forked DataLoader worker whose Dataset holds the model: its forward outside ``gathered_params()`` would all-gather
   in a process without the other ranks (it hung); it raises a ``CommError`` naming the fork, and training goes on.
-  Workers started inside the block compute with the full weights.
+  Workers started inside the block compute with the full weights. A child forked inside a forward, whose gathers were
+  in flight, raises too when it waits for one.
 """
 
 from __future__ import annotations
 
 import copy
 import io
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -290,3 +292,55 @@ def _pickled_in_a_fork_case(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_optimizer_pickled_in_a_forked_child() -> None:
     run_ranks_checked(_pickled_in_a_fork_case, 2, timeout_s=60)
+
+
+def _run_in_fork(fn) -> str:
+    """``fn()`` in a forked child: what it raised, or "returned"; a child that waits for ever fails the test."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            fn()
+            send.send("returned")
+        except Exception as exc:  # the child reports whatever it raised
+            send.send(f"{type(exc).__name__}: {exc}")
+
+    process = context.Process(target=child)
+    process.start()
+    got = receive.recv() if receive.poll(30) else "no answer in 30 s (waiting for ever)"
+    process.kill()
+    process.join()
+    return got
+
+
+def _fork_mid_forward_case(rank: int, world: int) -> list[str]:
+    """A fork inside a forward (a forward hook of the first layer), whose child runs the last layer: its gather was
+    issued by the parent's prefetch before the fork, and the child's wait for it raises instead of waiting for ever."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, reduce_bucket_size=BUCKET, stage3_param_persistence_threshold=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    said: list[str] = []
+
+    def hook(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+        if not said:
+            said.append(_run_in_fork(lambda: model[4](torch.zeros(1, 6))))
+
+    for step in range(3):
+        handle = model[0].register_forward_hook(hook) if step == 1 else None
+        x = _batch(step, world)
+        model(x[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
+        ref(x).square().mean().backward()
+        _step(opt, ropt)
+        if handle is not None:
+            handle.remove()
+    found = [] if "forked from process" in said[0] else [f"the forked child: {said[0]}"]
+    with opt.gathered_params():
+        return found + _differences(model, ref, "training after a fork inside a forward")
+
+
+@pytest.mark.distributed
+def test_fork_inside_a_forward_raises_in_the_child_instead_of_waiting() -> None:
+    run_ranks_checked(_fork_mid_forward_case, 2, timeout_s=90)
