@@ -16,6 +16,7 @@ import torch
 from ..comm.handles import Handle
 from . import adopt, grad_accum, grad_state, refusals
 from .buffers import FlatBuffer, Inflight
+from .eager import weakly
 from .layout import Bucket
 
 
@@ -102,8 +103,7 @@ class BackwardRound:
     def _queue_round_end(self) -> None:
         """The round ends with the backward running now (an autograd callback); stage 3 ends it with the backward its
         scheduler follows instead."""
-        end = torch._disable_dynamo(lambda: self._end_round())  # eager under a compiled train step
-        torch.autograd.Variable._execution_engine.queue_callback(end)
+        torch.autograd.Variable._execution_engine.queue_callback(weakly(self._end_round))  # eager, held weakly
 
     def _refuse(self, kind: int, index: int, p: torch.Tensor) -> None:
         """Problem ``kind`` with parameter ``p`` (optimizer index ``index``): raised now on one rank, else recorded

@@ -30,6 +30,8 @@ from typing import Any, Callable
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from .eager import weakly
+
 owners: dict[int, weakref.ref] = {}  # id(param) -> the pipeline whose hooks handle it (the latest)
 _OURS = "zero_kernels_grad_ready"  # an attribute of the hooks GradReady puts on
 
@@ -40,12 +42,7 @@ class GradReady:
 
     def __init__(self, p: torch.Tensor, ref: weakref.ref):
         self._ref = ref
-        me = weakref.ref(self)  # the hook holds no strong reference to this object
-
-        @torch._disable_dynamo  # run eagerly: never traced by a compiled frame whose backward calls it
-        def hook(param: torch.Tensor) -> None:
-            _on_accumulated(me, param)
-
+        hook = weakly(self._accumulated)  # no strong reference to this object; eager under a compiled train step
         setattr(hook, _OURS, True)
         self._handle = p.register_post_accumulate_grad_hook(hook)
 
@@ -58,6 +55,9 @@ class GradReady:
             owners[id(p)] = owner = self._ref  # the pipeline built later on it is gone: this one takes it back
         if owner is self._ref:
             pipeline._on_grad_ready(p)
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        _on_accumulated(weakref.ref(self), p)
 
     def remove(self) -> None:
         self._handle.remove()

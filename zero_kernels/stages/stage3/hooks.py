@@ -60,7 +60,6 @@ like any other's. ``hold()`` keeps every unit gathered until ``release()`` (``ga
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import pickle
 import sys
@@ -73,6 +72,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..eager import weakly
 from ..grad_state import second_gradient
 from . import global_hooks, model_hints
 from . import guard as guard
@@ -168,21 +168,6 @@ TRACED_USE = (
     "do); it is gathered with that module from now on (the results are unchanged; it stays gathered for that "
     "module's whole forward)."
 )
-
-
-def _weakly(method: Callable[..., Any], *first: Any) -> Callable[..., Any]:
-    """``method`` of the scheduler, with ``first`` before the hook's arguments, called through a weak reference:
-    a hook stays on a parameter, on the model or on a graph node (a tensor's hooks are invisible to the cycle
-    collector), and must not keep the scheduler, and through it the optimizer, its shards and its files, alive.
-    Once the scheduler is gone the hook does nothing (as stages 0-2's ``GradReady``). It runs eagerly, never traced:
-    a backward called inside a compiled function (a whole compiled ``train_step``) calls it under Dynamo."""
-    return functools.partial(_call_weakly, weakref.WeakMethod(method), first)
-
-
-@torch._disable_dynamo  # one function, disabled once: a hook made per forward (a graph node's) finds it ready
-def _call_weakly(ref: weakref.WeakMethod, first: tuple, *args: Any, **kwargs: Any) -> Any:
-    bound = ref()
-    return None if bound is None else bound(*first, *args, **kwargs)
 
 
 def _running_elsewhere(root: nn.Module) -> bool:
@@ -304,7 +289,7 @@ class _Frame:
 class Stage3Scheduler:
     """Installs the hooks on ``root`` and its sub-modules; ``remove()`` takes them off again.
 
-    The hooks hold the scheduler weakly (``_weakly``): whoever installs it keeps it (the pipeline does), and once
+    The hooks hold the scheduler weakly (``eager.weakly``): whoever installs it keeps it (the pipeline does), and once
     it is gone they do nothing.
 
     Args:
@@ -347,7 +332,7 @@ class Stage3Scheduler:
         self._in_use = [0] * len(self.units)
         self._used = [False] * len(self.units)  # the gathered copy served a module since its gather
         self._reduced: set[int] = set()
-        self._uses = UseTracker(len(self.units), _weakly(self._uses_ended))
+        self._uses = UseTracker(len(self.units), weakly(self._uses_ended))
         self._forward, self._backward = _Pass(), _Pass()
         self._in_forward = self._in_backward = self._held = self._records = False
         self._stack: list[_Frame] = []
@@ -380,12 +365,12 @@ class Stage3Scheduler:
         model_hints.follow_assignments(root.parameters())  # a weight tied after build: the plan is read again
         global_hooks.join(self)
         route, post = self._output_hooks(root, self._root_post_forward, always=True)
-        pre = _ModelHook(_weakly(self._root_pre_forward, route.id, post.id), self)
+        pre = _ModelHook(weakly(self._root_pre_forward, route.id, post.id), self)
         self._handles += [root.register_forward_pre_hook(pre, prepend=True, with_kwargs=True), route, post]
         for i, unit in enumerate(self.units):
             for p in unit.params:
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(_weakly(self._grad_ready, i)))
+                    self._handles.append(p.register_post_accumulate_grad_hook(weakly(self._grad_ready, i)))
             if self._state[i] == _FREE:
                 for p in unit.params:
                     guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
@@ -410,8 +395,8 @@ class Stage3Scheduler:
                 self._leaf_units.update(i for i in p.needs if all(id(q) in inside for q in self.units[i].params))
             if p.module is not self.root:
                 route, post = self._output_hooks(p.module, self._post_forward)
-                pre = _ModelHook(_weakly(self._pre_forward, p, route.id, post.id), self)
-                early = _ModelHook(_weakly(self._gather_early, p), self)
+                pre = _ModelHook(weakly(self._pre_forward, p, route.id, post.id), self)
+                early = _ModelHook(weakly(self._gather_early, p), self)
                 early = p.module.register_forward_pre_hook(early, prepend=True, with_kwargs=True)
                 self._module_handles += [early, p.module.register_forward_pre_hook(pre, with_kwargs=True), route, post]
 
@@ -422,8 +407,8 @@ class Stage3Scheduler:
         forward raises, as the root's does: the units of the modules it left running are freed and the next forward
         starts afresh, where they stayed gathered and in use, with the failed forward's graph, for the rest of the
         run)."""
-        route = module.register_forward_hook(_ModelHook(_weakly(self._route), self), prepend=True, with_kwargs=True)
-        last = module.register_forward_hook(_ModelHook(_weakly(exit), self), with_kwargs=True, always_call=always)
+        route = module.register_forward_hook(_ModelHook(weakly(self._route), self), prepend=True, with_kwargs=True)
+        last = module.register_forward_hook(_ModelHook(weakly(exit), self), with_kwargs=True, always_call=always)
         return route, last
 
     def follow(self, previous: "Stage3Scheduler") -> None:
@@ -643,7 +628,7 @@ class Stage3Scheduler:
         freed = [p for i in frame.needs if not self.units[i].persistent for p in self.units[i].params]
         output = copy_views(output, freed, self._freed_params)
         if frame.needs and torch.is_grad_enabled():
-            backward = _weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs)))
+            backward = weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs)))
             return route_outputs(output, inputs, backward, frame.routed_tensors)
         return output
 
@@ -756,8 +741,7 @@ class Stage3Scheduler:
                 raise RuntimeError(DOUBLE_BACKWARD)
             self._in_backward = True
             self._backward.begin(guess=self._forward.expected[::-1])
-            end = torch._disable_dynamo(lambda: self._end_backward())  # eager under a compiled train step
-            torch.autograd.Variable._execution_engine.queue_callback(end)
+            torch.autograd.Variable._execution_engine.queue_callback(weakly(self._end_backward))
 
     def _pre_backward(self, needs: tuple[int, ...]) -> None:
         self._begin_backward()
