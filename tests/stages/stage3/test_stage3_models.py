@@ -782,3 +782,20 @@ def test_eager_steps_make_no_dynamo_wrappers(monkeypatch: pytest.MonkeyPatch) ->
     assert len(made) <= 1, f"{len(made)} Dynamo wrappers made in one eager step"  # the round's end callback
     with opt.gathered_params():
         _compare(model, ref, "eager stage 3 after the hooks' wrappers")
+
+
+def test_compiled_autograd_is_refused_naming_it() -> None:
+    """Compiled autograd's tracing wraps the freed parameters the backward saved, which it cannot: the error it raises
+    has stage 3's own as its cause, naming compiled autograd and the way out (it named a use outside the forward)."""
+    import torch._dynamo.compiled_autograd as compiled_autograd
+
+    torch.manual_seed(0)
+    model = Small()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **SMALL)
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = compiled(torch.randn(ROWS, 4))
+    with pytest.raises(Exception) as raised, compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss.backward()
+    chain = [raised.value, raised.value.__cause__]
+    assert any("does not support compiled autograd" in str(e) for e in chain), chain
+    opt.pipeline.close()

@@ -170,6 +170,20 @@ TRACED_USE = (
 )
 
 
+COMPILED_AUTOGRAD = (
+    "ZeRO stage 3 does not support compiled autograd (torch._dynamo.config.compiled_autograd = True, or "
+    "torch._dynamo.compiled_autograd._enable): its tracing of the backward reads parameter '{name}' ({func}), which "
+    "stage 3 keeps freed (partitioned across the ranks) outside its module's forward and backward. Turn compiled "
+    "autograd off for this model (stages 0-2 support it; torch.compile of the model itself works at stage 3)"
+)
+
+
+def _compiled_autograd_on() -> bool:
+    """Whether compiled autograd is on (its tracing wraps every tensor the backward saved, freed parameters too)."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(compiled_autograd, "compiled_autograd_enabled", False))
+
+
 def _running_elsewhere(root: nn.Module) -> bool:
     """Whether a call of ``root`` runs further up this thread's stack than the one whose forward pre-hook runs now
     (the root called inside its own forward); else a forward marked running was left by an exception."""
@@ -678,6 +692,8 @@ class Stage3Scheduler:
         if refusal is not None:
             raise RuntimeError(refusal)
         if not self._stack:
+            if _compiled_autograd_on():
+                raise RuntimeError(COMPILED_AUTOGRAD.format(name=name, func=getattr(func, "__name__", func)))
             where = "during backward" if self._in_backward else "outside the forward of its model's modules"
             if not self._in_backward and any(other._stack for other in _SCHEDULERS if other is not self):
                 where = (
