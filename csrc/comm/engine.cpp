@@ -768,12 +768,7 @@ std::shared_ptr<PendingOp> Engine::all_reduce_nodes(const at::Tensor& tensor, co
       }
       Works gathered = exchange_across(*pg, full, part_of(full, rank_, n), n, static_cast<int>(tag_at(first, 0)));
       finish_first_phase(gathered);
-      Works next;
-      if (shm) {
-        gather_columns_shm(full, n, what);
-      } else {
-        next = gather_columns(*pg, full, n, first);
-      }
+      Works next = gather_within(*pg, full, n, first, shm, what);
       drop();
       return next;
     } catch (...) {
@@ -869,12 +864,7 @@ std::shared_ptr<PendingOp> Engine::all_gather_nodes(const c10::intrusive_ptr<c10
     };
     try {
       finish_first_phase(works);
-      Works next;
-      if (shm) {
-        gather_columns_shm(output, n, what);
-      } else {
-        next = gather_columns(*pg, output, n, first);
-      }
+      Works next = gather_within(*pg, output, n, first, shm, what);
       drop();
       return next;
     } catch (...) {
@@ -906,6 +896,17 @@ Works Engine::exchange_across(c10d::ProcessGroup& pg, const at::Tensor& output, 
     }
   }
   return works;
+}
+
+// The second level of all_gather_nodes, on the relay thread: this rank's column to its node-mates and theirs into
+// place in `output`, through the node's channel (`shm`, done on return) or over the sockets (their works returned).
+Works Engine::gather_within(c10d::ProcessGroup& pg, const at::Tensor& output, int64_t n, uint32_t first, bool shm,
+                            const std::string& what) {
+  if (shm) {
+    gather_columns_shm(output, n, what);
+    return {};
+  }
+  return gather_columns(pg, output, n, first);
 }
 
 // The second level of all_gather_nodes over the sockets: this rank's column (its chunk of every node, `n` elements

@@ -201,6 +201,8 @@ class Engine {
   Works send_columns(c10d::ProcessGroup& pg, const at::Tensor& input, const at::Tensor& within, uint32_t first);
   Works send_node_sums(c10d::ProcessGroup& pg, const std::vector<at::Tensor>& sums, const at::Tensor& across, int tag);
   void lay_columns(const at::Tensor& columns, const at::Tensor& input) const;
+  Works gather_within(c10d::ProcessGroup& pg, const at::Tensor& output, int64_t n, uint32_t first, bool shm,
+                      const std::string& what);
   Works gather_columns(c10d::ProcessGroup& pg, const at::Tensor& output, int64_t n, uint32_t first);
   void gather_columns_shm(const at::Tensor& output, int64_t n, const std::string& what);
   // Whether a two-level operation on `t` runs its level within the node through the node's channel.

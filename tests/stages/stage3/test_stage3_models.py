@@ -702,6 +702,11 @@ class _Adapted(nn.Module):
         return self.base(x) + self.lora_B["default"](a(x.to(a.weight.dtype)))
 
 
+def _square_mean_through(model: nn.Module, run: nn.Module):
+    """``_train``'s forward: ``model``'s goes through ``run`` (its compiled form), the reference's as it is."""
+    return lambda m, x: (run if m is model else m)(x).square().mean()
+
+
 def _traced_read_case(rank: int, world: int) -> None:
     seen = _Messages()
     logging.getLogger("zero_kernels").addHandler(seen)
@@ -711,18 +716,9 @@ def _traced_read_case(rank: int, world: int) -> None:
         torch.manual_seed(0)
         model = nn.Sequential(_Adapted(), nn.Tanh(), _Adapted())
         ref = copy.deepcopy(model)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-        opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **SMALL)
+        opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL)
         run = torch.compile(model, backend="aot_eager") if compiled else model
-        for x in batches:
-            run(x[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            ref(x).square().mean().backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-        with opt.gathered_params():
-            _compare(model, ref, f"compiled={compiled}")
+        _train(rank, world, model, ref, opt, batches, f"compiled={compiled}", forward=_square_mean_through(model, run))
         said = [m for m in seen.messages if "does not hold" in m]
         assert bool(said) is compiled, said
         assert all("torch.compile, tracing the forward" in m and "lora_A" in m for m in said), said

@@ -693,7 +693,7 @@ class Stage3Scheduler:
             raise RuntimeError(refusal)
         if not self._stack:
             if _compiled_autograd_on():
-                raise RuntimeError(COMPILED_AUTOGRAD.format(name=name, func=getattr(func, "__name__", func)))
+                raise RuntimeError(COMPILED_AUTOGRAD.format(name=name, func=guard.operation_name(func)))
             where = "during backward" if self._in_backward else "outside the forward of its model's modules"
             if not self._in_backward and any(other._stack for other in _SCHEDULERS if other is not self):
                 where = (
@@ -712,7 +712,7 @@ class Stage3Scheduler:
             user,
             type(frame.module).__name__,
             name,
-            getattr(func, "__name__", func),
+            guard.operation_name(func),
         )
         model_hints.register_external_parameter(frame.module, param)
         self._uses.late.add(i)  # this use was not counted: its unit waits for the end of backward

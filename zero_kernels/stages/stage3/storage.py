@@ -12,7 +12,8 @@ it then is not defined (PyTorch raises for some operations and crashes in others
 outside the forward inside ``gathered_params()``, and copy (``clone()``) what must outlive it. A storage
 moved to shared memory (the model pickled by ``torch.multiprocessing``'s pickler inside ``gathered_params()``:
 DataLoader workers or a ``Process`` started there, not forked) is never resized (torch crashes growing it again):
-its free leaves it to the processes that share it, and the next gather takes a new storage.
+its free leaves it to the processes that share it, and the next gather takes a new storage; so is one a NumPy view
+has marked not resizable (``p.detach().numpy()``), whose bytes go with its last reference.
 
 What ``gathered_params()`` hands out is different: a user reads parameters there to keep them
 (``sd = model.state_dict()``, ``p.detach()``, ``e.data, p.data = p.data, e.data`` to swap in an EMA), as with
