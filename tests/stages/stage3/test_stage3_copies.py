@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import io
 import multiprocessing
-import os
 from pathlib import Path
 
 import pytest
@@ -255,6 +254,17 @@ def test_forked_worker_running_the_model_raises_instead_of_waiting() -> None:
     run_ranks_checked(_forked_case, 2, timeout_s=90)
 
 
+def _pickle_and_copy(model: Net, opt: zk.ShardedFusedAdam) -> None:
+    """What a fork-based checkpoint writer does: pickle the model and the optimizer, and deep-copy them."""
+    data = io.BytesIO()
+    torch.save({"model": model, "opt": opt}, data)
+    copied = copy.deepcopy((model, opt))[0]
+    data.seek(0)
+    loaded = torch.load(data, weights_only=False)["model"]
+    if not all(torch.equal(a, b) for a, b in zip(loaded.parameters(), copied.parameters())):
+        raise AssertionError("the pickled and the deep copy differ")
+
+
 def _pickled_in_a_fork_case(rank: int, world: int) -> list[str]:
     """A child forked from the training process (a fork-based checkpoint writer) pickles and deep-copies the
     optimizer at stages 0-2 (no collective: it raised the fork's ``CommError``), and the copy's weights are the
@@ -266,25 +276,8 @@ def _pickled_in_a_fork_case(rank: int, world: int) -> list[str]:
         opt = zk.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
         model(_batch(0, world)[rank * ROWS : (rank + 1) * ROWS]).square().mean().backward()
         opt.step()
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                data = io.BytesIO()
-                torch.save({"model": model, "opt": opt}, data)
-                copied = copy.deepcopy((model, opt))[0]
-                data.seek(0)
-                loaded = torch.load(data, weights_only=False)["model"]
-                same = all(torch.equal(a, b) for a, b in zip(loaded.parameters(), copied.parameters()))
-                os.write(write, b"ok" if same else b"the pickled and the deep copy differ")
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
-                os.write(write, f"{type(exc).__name__}: {exc}"[:300].encode())
-            os._exit(0)
-        os.close(write)
-        os.waitpid(pid, 0)
-        said = os.read(read, 400).decode()
-        os.close(read)
-        if said != "ok":
+        said = _run_in_fork(lambda: _pickle_and_copy(model, opt))
+        if said != "returned":
             found.append(f"stage {stage}: pickling the optimizer in a forked child: {said}")
     return found
 
