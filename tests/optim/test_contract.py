@@ -322,6 +322,7 @@ def test_error_inputs_match_adamw() -> None:
         ([p, 3.0], {}),
         ([p * 2], {}),
         ([], {}),
+        (None, {}),  # AdamW: TypeError from list(None); was AttributeError here (None taken for the module)
     ]
     for params, kwargs in same:
         ours = _error(lambda: zo.ShardedFusedAdam(params, **kwargs))

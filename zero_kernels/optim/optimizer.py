@@ -217,7 +217,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self.gradient_accumulation_steps = gradient_accumulation_steps
         fp16 = _fp16_config(fp16)
         self.loss_scaler = LossScaler.from_fp16_config(fp16) if fp16 is not None and fp16.enabled else None
-        params = module.parameters() if params_or_module is module else params_or_module
+        params = module.parameters() if module is not None and params_or_module is module else params_or_module
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags,
                         decoupled_weight_decay=self.adam_w_mode)  # fmt: skip
         self._build(params, defaults, module=module, process_group=process_group, impl=impl)
