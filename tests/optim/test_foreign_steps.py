@@ -68,3 +68,24 @@ def test_both_may_step_where_the_gradients_stay_in_p_grad(stage: int) -> None:
     _backward(model)
     opt.step()
     sgd.step()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_another_optimizer_may_step_tensors_that_do_not_require_grad(stage: int) -> None:
+    """Backward gives such a tensor no gradient, so nothing is taken from it: AdamW's step over it does nothing, and
+    so does it beside the sharded optimizer (PyTorch's test_step_all_hooks steps two optimizers over one such
+    tensor); it was refused as if the sharded optimizer had taken its gradients."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    loose = torch.tensor([1.0, 1.0])
+    opt = zk.ShardedFusedAdam([*model.parameters(), loose] if stage == 2 else model, lr=1e-2, stage=stage)
+    _backward(model)
+    others = [loose] if stage == 2 else []
+    with opt.gathered_params():
+        torch.optim.SGD([model.bias, *others], lr=0.1).step()
+        assert torch.equal(loose, torch.ones(2)), "no gradient: SGD leaves it"
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\): parameter 0 .*is trained by"):
+        _backward(model)
+        torch.optim.SGD([model.weight, model.bias], lr=0.1).step()

@@ -7,8 +7,9 @@ any other optimizer) built on those parameters while the sharded one lives, to c
 nothing, silently. So a global step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``, put on once
 per process when the first ``ShardedFusedAdam`` is built) refuses such a step, naming a parameter and the ways out.
 An optimizer that wraps a ``ShardedFusedAdam`` (Accelerate's ``AcceleratedOptimizer``, through ``.optimizer``) is that
-optimizer; parameters that the sharded optimizers do not train, or whose gradients stay in ``p.grad`` (stages 0-1),
-are left alone.
+optimizer; parameters that the sharded optimizers do not train, whose gradients stay in ``p.grad`` (stages 0-1), or
+that do not require grad (backward gives them no gradient to take: the other optimizer's step is AdamW's no-op) are
+left alone.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     sharded = live.optimizers()
     if not sharded or _wraps_sharded(optimizer, sharded):
         return
-    params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
+    # a tensor that does not require grad gets no gradient from backward: the sharded optimizer takes nothing there
+    params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"] if p.requires_grad]
     ids = {id(p) for p in params}
     for sharded in live.training(params):
         if sharded.pipeline.grads_in_p_grad:
