@@ -323,6 +323,11 @@ def test_error_inputs_match_adamw() -> None:
         ([p * 2], {}),
         ([], {}),
         (None, {}),  # AdamW: TypeError from list(None); was AttributeError here (None taken for the module)
+        # refused by AdamW before the parameters are read (foreach has no effect here, but the input is refused)
+        (None, dict(lr=torch.tensor(0.001), foreach=True)),
+        ([p], dict(lr=torch.tensor(0.001), foreach=True)),
+        (None, dict(lr=0.001, betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=True)),
+        ([p], dict(betas=(torch.tensor(0.9), torch.tensor(0.99)), foreach=True)),
     ]
     for params, kwargs in same:
         ours = _error(lambda: zo.ShardedFusedAdam(params, **kwargs))

@@ -28,6 +28,7 @@ ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
 IMPLEMENTATION_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}
 TRAINABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+_TENSOR_WITH_FOREACH = "{} as a Tensor is not supported for capturable=False and foreach=True"  # AdamW's words
 _REFUSED = {
     "capturable": "the step reads the ranks' gradient flags and norm on the host, so it cannot be captured in "
     "a CUDA graph",
@@ -95,11 +96,16 @@ def check_decay_mode(group: Mapping[str, Any], where: str, mode: bool) -> None:
         )
 
 
-def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float, *, same_kind_betas: bool = True) -> None:
+def check_hyper(
+    lr: Any, betas: Any, eps: float, weight_decay: float, *, same_kind_betas: bool = True, foreach: Any = None
+) -> None:
     """``torch.optim.AdamW``'s checks of the hyper-parameters, with its wording (a tensor ``lr``
     or tensor ``betas`` must have one element; both betas are numbers or both tensors, which torch asks of the
     constructor's ``betas`` only: ``same_kind_betas=False`` for a param group's, where a scheduler cycling the
-    momentum, ``OneCycleLR``, writes a float beta1 beside a tensor beta2)."""
+    momentum, ``OneCycleLR``, writes a float beta1 beside a tensor beta2). ``foreach``: the constructor's flag,
+    which refuses a tensor ``lr`` or ``betas`` as AdamW does (no effect here, but the same input is refused)."""
+    if isinstance(lr, torch.Tensor) and foreach:
+        raise ValueError(_TENSOR_WITH_FOREACH.format("lr"))
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
     if not 0.0 <= lr:
@@ -120,6 +126,8 @@ def check_hyper(lr: Any, betas: Any, eps: float, weight_decay: float, *, same_ki
     tensors = [isinstance(b, torch.Tensor) for b in betas]
     if same_kind_betas and not (all(tensors) or all(_is_real(b) for b in betas)):
         raise ValueError("betas must be either both floats or both Tensors")
+    if foreach and any(tensors):
+        raise ValueError(_TENSOR_WITH_FOREACH.format(f"betas[{tensors.index(True)}]"))
 
 
 def check_flags(values: Mapping[str, Any], where: str) -> None:
