@@ -203,3 +203,15 @@ def _body(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
 def test_state_resets_match_adamw(world: int) -> None:
     run_ranks_checked(_body, world)
+
+
+def test_a_key_of_its_own_is_refused_naming_the_way_out() -> None:
+    """timm's ``Lookahead`` keeps its slow weights in the wrapped optimizer's state (``'lookahead_slow_buff'``): the
+    key cannot be added to a state that lives in the shards, and the error says where such values go instead."""
+    model = torch.nn.Linear(3, 2)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=0)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with pytest.raises(KeyError, match="in a dict of your own keyed by the parameter"):
+        opt.state[model.weight]["lookahead_slow_buff"] = model.weight.detach().clone()
+    assert sorted(opt.state[model.weight]) == ["exp_avg", "exp_avg_sq", "step"]

@@ -90,7 +90,9 @@ class ParamState(dict):
     def _check_key(self, key: str) -> None:
         if key not in self:
             raise KeyError(
-                f"opt.state[p] holds {', '.join(self)}: {key!r} cannot be added, the state lives in the shards"
+                f"opt.state[p] holds {', '.join(self)}: {key!r} cannot be added, the state lives in the shards; keep "
+                "values of your own per parameter (a Lookahead's slow weights, timm's 'lookahead_slow_buff') in a "
+                "dict of your own keyed by the parameter, not in the optimizer's state"
             )
 
     def __setitem__(self, key: str, value: Any) -> None:
