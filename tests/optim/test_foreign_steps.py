@@ -89,3 +89,37 @@ def test_another_optimizer_may_step_tensors_that_do_not_require_grad(stage: int)
     with pytest.raises(RuntimeError, match=r"SGD\.step\(\): parameter 0 .*is trained by"):
         _backward(model)
         torch.optim.SGD([model.weight, model.bias], lr=0.1).step()
+
+
+class _Lookahead(torch.optim.Optimizer):
+    """timm's ``Lookahead`` in short: an optimizer of its own around ``_base_optimizer``, whose slow update skips
+    parameters without ``p.grad``."""
+
+    def __init__(self, base: torch.optim.Optimizer) -> None:
+        self._base_optimizer = base
+        self.param_groups = base.param_groups
+        self.defaults = base.defaults
+        self.state = {}
+        self._optimizer_step_pre_hooks: dict = {}
+        self._optimizer_step_post_hooks: dict = {}
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = self._base_optimizer.step(closure)
+        for p in self.param_groups[0]["params"]:
+            if p.grad is not None:  # None at stages 2-3: no slow update, without a word
+                p.data.mul_(0.5)
+        return loss
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_wrapper_that_is_an_optimizer_of_its_own_is_told_what_p_grad_holds(stage: int) -> None:
+    model = nn.Linear(3, 2)
+    lookahead = _Lookahead(zk.ShardedFusedAdam(model, lr=1e-2, stage=stage))
+    lookahead.zero_grad()  # as a loop does; torch's zero_grad puts the step hooks on a class that skipped __init__
+    _backward(model)
+    with pytest.raises(
+        RuntimeError,
+        match=rf"_Lookahead\.step\(\): it wraps a ShardedFusedAdam at stage {stage} "
+        r"\(as \._base_optimizer\).*p\.grad is None after backward",
+    ):
+        lookahead.step()

@@ -40,6 +40,20 @@ def _wraps_sharded(optimizer: Any, sharded: list[Any]) -> bool:
     return False
 
 
+# where wrappers that are optimizers of their own keep the optimizer they wrap (timm's Lookahead: ``_base_optimizer``,
+# davda54's SAM: ``base_optimizer``); only ``.optimizer`` marks a wrapper that forwards and does nothing else
+_WRAPPED_AS = ("_base_optimizer", "base_optimizer", "_optimizer")
+
+
+def _wrapped_as(optimizer: Any, sharded: list[Any]) -> str:
+    """The attribute through which ``optimizer`` holds one of the sharded optimizers ('' where it does not)."""
+    for name in _WRAPPED_AS:
+        inner = getattr(optimizer, name, None)
+        if inner is not None and inner is not optimizer and _wraps_sharded(inner, sharded):
+            return name
+    return ""
+
+
 def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     sharded = live.optimizers()
     if not sharded or _wraps_sharded(optimizer, sharded):
@@ -51,6 +65,18 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         if sharded.pipeline.grads_in_p_grad:
             continue
         index = next(i for i, p in enumerate(live.params_of(sharded)) if id(p) in ids)
+        wrapped_as = _wrapped_as(optimizer, [sharded])
+        if wrapped_as:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): it wraps a ShardedFusedAdam at stage {sharded.options.stage} "
+                f"(as .{wrapped_as}) and works on the parameters itself, as torch's optimizers do: at this stage "
+                f"p.grad is None after backward (the gradients of {sharded._param_name(index)} and the others are "
+                "in the optimizer's buckets and shards) and opt.state[p] takes no keys of its own, so such a "
+                "wrapper skips what it does for parameters without p.grad (timm's Lookahead: its slow update) or "
+                "fails. Keep the "
+                "wrapper's values per parameter in a dict of its own, test p.requires_grad rather than p.grad, and "
+                "hold the ShardedFusedAdam as .optimizer; or train at stage 0 or 1, where p.grad holds the gradients"
+            )
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): {sharded._param_name(index)} is trained by a live ShardedFusedAdam "
             f"at stage {sharded.options.stage}, which takes its gradients out of p.grad during backward (into its "
