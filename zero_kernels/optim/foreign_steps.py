@@ -54,6 +54,21 @@ def _wrapped_as(optimizer: Any, sharded: list[Any]) -> str:
     return ""
 
 
+def _refuse_wrapper(optimizer: Any, sharded: Any, index: int) -> None:
+    """Raise where ``optimizer`` is a wrapper of ``sharded`` that is an optimizer of its own (``_WRAPPED_AS``)."""
+    wrapped_as = _wrapped_as(optimizer, [sharded])
+    if wrapped_as:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): it wraps a ShardedFusedAdam at stage {sharded.options.stage} "
+            f"(as .{wrapped_as}) and works on the parameters itself, as torch's optimizers do: at this stage "
+            f"p.grad is None after backward (the gradients of {sharded._param_name(index)} and the others are "
+            "in the optimizer's buckets and shards) and opt.state[p] takes no keys of its own, so such a wrapper "
+            "skips what it does for parameters without p.grad (timm's Lookahead: its slow update) or fails. Keep "
+            "the wrapper's values per parameter in a dict of its own, test p.requires_grad rather than p.grad, and "
+            "hold the ShardedFusedAdam as .optimizer"
+        )
+
+
 def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     sharded = live.optimizers()
     if not sharded or _wraps_sharded(optimizer, sharded):
@@ -65,18 +80,7 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         if sharded.pipeline.grads_in_p_grad:
             continue
         index = next(i for i, p in enumerate(live.params_of(sharded)) if id(p) in ids)
-        wrapped_as = _wrapped_as(optimizer, [sharded])
-        if wrapped_as:
-            raise RuntimeError(
-                f"{type(optimizer).__name__}.step(): it wraps a ShardedFusedAdam at stage {sharded.options.stage} "
-                f"(as .{wrapped_as}) and works on the parameters itself, as torch's optimizers do: at this stage "
-                f"p.grad is None after backward (the gradients of {sharded._param_name(index)} and the others are "
-                "in the optimizer's buckets and shards) and opt.state[p] takes no keys of its own, so such a "
-                "wrapper skips what it does for parameters without p.grad (timm's Lookahead: its slow update) or "
-                "fails. Keep the "
-                "wrapper's values per parameter in a dict of its own, test p.requires_grad rather than p.grad, and "
-                "hold the ShardedFusedAdam as .optimizer; or train at stage 0 or 1, where p.grad holds the gradients"
-            )
+        _refuse_wrapper(optimizer, sharded, index)
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): {sharded._param_name(index)} is trained by a live ShardedFusedAdam "
             f"at stage {sharded.options.stage}, which takes its gradients out of p.grad during backward (into its "
