@@ -240,6 +240,8 @@ def misuse(rank: int, world: int, stage: int) -> None:
             setter(model.frozen, torch.zeros(5))
     with pytest.raises(ValueError, match=r"a value of shape \(3,\) for a parameter of shape \(5, 11\)"):
         zk.safe_set_full_fp32_param(model.mid.weight, torch.zeros(3))
+    with pytest.raises(TypeError, match=r"None for the parameter of shape \(5, 11\).*requires_grad_\(False\)"):
+        zk.safe_set_full_grad(model.mid.weight, None)  # was "Could not infer dtype of NoneType"
     with pytest.raises(KeyError, match="optim_state_key must be one of exp_avg, exp_avg_sq, max_exp_avg_sq"):
         zk.safe_get_full_optimizer_state(model.mid.weight, "momentum_buffer")
     with pytest.raises(RuntimeError, match="has not stepped yet"):

@@ -205,6 +205,12 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     """Make ``value`` (its shape; the same on every rank) the gradient this step's update uses for ``param``."""
     what = "safe_set_full_grad"
     opt = _trainer(param, what)
+    if value is None:  # torch.as_tensor(None) would say only "Could not infer dtype of NoneType"
+        raise TypeError(
+            f"{what}: None for the parameter of shape {tuple(opt.pipeline.param_shape(param))}: the value is its "
+            "full gradient, a tensor. To leave a parameter out of a step, call p.requires_grad_(False) before its "
+            "backward, or set p.grad = None in a post-accumulate-grad hook (p.register_post_accumulate_grad_hook)"
+        )
     multiplier = _settable_multiplier(opt, what)
     door.write_runs(opt.pipeline, param, door.GRAD, _whole(opt, param, value, what) / multiplier)
     _mark_grad(opt, param)
