@@ -45,7 +45,11 @@ CASES = {
     "stage2_frozen_fp32": (2, False, True),
     "stage3_frozen_fp32": (3, False, True),
     "stage3_frozen_bf16": (3, True, True),
+    "stage3_subgroups_fp32": (3, False, False),
 }
+# case -> stage 3's sub_group_size, where it is small enough to cut a param group into several sub-groups
+# (DeepSpeed's default, 1e9, does so for a param group of over a billion elements)
+SUB_GROUP_SIZE = {"stage3_subgroups_fp32": 16}
 
 
 class Tiny(nn.Module):
@@ -81,7 +85,8 @@ def groups(model: Tiny) -> list[dict]:
     return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
 
 
-def config(stage: int, bf16: bool) -> dict:
+def config(stage: int, bf16: bool, sub_group_size: int | None = None) -> dict:
+    zero = {"stage": stage} if sub_group_size is None else {"stage": stage, "sub_group_size": sub_group_size}
     return {
         "train_micro_batch_size_per_gpu": ROWS // WORLD,
         "gradient_accumulation_steps": 1,
@@ -93,7 +98,7 @@ def config(stage: int, bf16: bool) -> dict:
             "type": "WarmupLR",
             "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-2, "warmup_num_steps": 6, "warmup_type": "linear"},
         },
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": bf16},
         "steps_per_print": 1000,
     }
@@ -110,7 +115,7 @@ def _run(rank: int, case: str, stage: int, bf16: bool, frozen: bool, out: str, p
     deepspeed.init_distributed(dist_backend="gloo")
     model = make_model(frozen)
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=groups(model), config=config(stage, bf16)
+        model=model, model_parameters=groups(model), config=config(stage, bf16, SUB_GROUP_SIZE.get(case))
     )
     ckpt = Path(out) / case / "ckpt"
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -165,7 +170,8 @@ def main() -> None:
         for resume in (False, True):
             args_ = (case, stage, bf16, frozen, args.out, _free_port(), resume)
             mp.spawn(_run, args=args_, nprocs=WORLD, join=True)
-        info = {"stage": stage, "bf16": bf16, "frozen": frozen, "world_size": WORLD, "config": config(stage, bf16)}
+        cfg = config(stage, bf16, SUB_GROUP_SIZE.get(case))
+        info = {"stage": stage, "bf16": bf16, "frozen": frozen, "world_size": WORLD, "config": cfg}
         (Path(args.out) / case / "case.json").write_text(json.dumps(info, indent=1) + "\n")
         print(case, "done", file=sys.stderr)
 

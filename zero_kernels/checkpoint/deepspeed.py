@@ -248,6 +248,28 @@ def _assemble_stage3(params: list[_Param], optims: list[dict[str, Any]]) -> None
         offset += part
 
 
+def _stage3_param_groups(params: list[_Param], optims: list[dict[str, Any]]) -> None:
+    """Stage 3's ``param_shapes`` has one entry per sub-group (a param group of more than ``sub_group_size``
+    elements is several, 1e9 by default): give each parameter the param group of its sub-group, the saved torch
+    param group whose ``"params"`` lists that sub-group's state index."""
+    saved = optims[0]["optimizer_state_dict"]["param_groups"]
+    subs = max(p.group for p in params) + 1
+    if len(saved) == subs:
+        return  # one saved param group per sub-group: the sub-group is the param group
+    owner = {}
+    for index, group in enumerate(saved):
+        for sub in group.get("params") or []:
+            owner.setdefault(int(sub), index)
+    missing = [sub for sub in range(subs) if sub not in owner]
+    if missing:
+        raise CheckpointError(
+            f"stage 3: {plural(subs, 'sub-group')} but {plural(len(saved), 'saved param group')}, none of which "
+            f"lists sub-group {missing[0]}"
+        )
+    for p in params:
+        p.group = owner[p.group]
+
+
 def _frozen(model_state: dict[str, Any], stage: int, files: list[Path]) -> dict[str, torch.Tensor]:
     """The frozen parameters' values by name (DeepSpeed saves them apart from the optimizer's): stages 1-2 keep
     each whole in ``frozen_param_fragments``; stage 3 keeps each rank's ``ceil(numel / world)`` elements there,
@@ -275,7 +297,7 @@ def _hyper(optims: list[dict[str, Any]], stage: int, params: list[_Param]) -> li
     inner = optims[0]["optimizer_state_dict"] if stage == 3 else optims[0]["base_optimizer_state"]
     saved = inner["param_groups"]
     groups = max(p.group for p in params) + 1
-    if stage == 3:
+    if stage == 3 and len(saved) != groups:
         world = len(optims)
         ends = torch.tensor([t.numel() for t in optims[0]["fp32_flat_groups"]]).cumsum(0).tolist()
         first_sub, offset = {}, 0
@@ -427,6 +449,8 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
         raise CheckpointError(f"{folder} lacks {model_file.name}")
     model_state = _load(model_file)
     params = _params(model_state)
+    if stage == 3:
+        _stage3_param_groups(params, optims)
     (_assemble_stage3 if stage == 3 else _assemble_stage12)(params, optims)
     shared = dict(model_state.get("shared_params") or {})
     tensors, low = _model_tensors(model_state["module"], params, shared)
