@@ -406,6 +406,27 @@ def test_a_missing_stage3_model_states_file_is_named(tmp_path: Path) -> None:
         zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
 
 
+def test_an_elastic_stage2_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    """DeepSpeed's ``elastic_checkpoint`` (stages 1-2) saves each group's lean Adam state as a list, not the torch
+    optimizer's state_dict: refused saying so (it failed with "list indices must be integers or slices, not str")."""
+    from zero_kernels.checkpoint import deepspeed as ds_import
+
+    ds = tmp_path / "ds"
+    shutil.copytree(DATA / "deepspeed" / "stage2_fp32" / "ckpt", ds)
+    for path in (ds / "global_step4").glob("*optim_states.pt"):
+        outer = ds_import._load(path)
+        inner = outer["optimizer_state_dict"]
+        base = inner["base_optimizer_state"]
+        inner["base_optimizer_state"] = [base["state"][g] for g in sorted(base["state"])]
+        inner["zero_stage"] = 2
+        inner.pop("loss_scaler", None)
+        outer.pop("param_slice_mappings", None)
+        inner.pop("param_slice_mappings", None)
+        torch.save(outer, path)
+    with pytest.raises(CheckpointError, match="elastic_checkpoint"):
+        zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
+
+
 class _Unsafe:
     """An object in a checkpoint file that the importer must refuse to unpickle."""
 

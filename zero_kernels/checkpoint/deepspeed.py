@@ -34,7 +34,8 @@ values come from the model states files' ``frozen_param_fragments`` (whole at st
 partition at stage 3) and are written as model tensors, as a zero_kernels checkpoint holds them.
 
 Not supported (each a clear ``CheckpointError``): model or pipeline parallel checkpoints
-(``mp_rank`` other than 00), DeepSpeed's universal and offloaded (NVMe) formats.
+(``mp_rank`` other than 00), DeepSpeed's universal and offloaded (NVMe) formats, and stage 1-2 checkpoints
+saved with ``elastic_checkpoint`` (which DeepSpeed 0.19.8 itself cannot load).
 """
 
 from __future__ import annotations
@@ -213,6 +214,11 @@ def _kinds(state: dict[int, dict[str, Any]], flats: list[torch.Tensor], what: st
 
 def _assemble_stage12(params: list[_Param], optims: list[dict[str, Any]]) -> None:
     """Stages 1-2: concatenate each group's partitions over ranks, then cut it into parameters."""
+    if not all(isinstance(o.get("base_optimizer_state"), dict) for o in optims):
+        raise CheckpointError(
+            "stage 1/2: the optimizer state is not a torch optimizer's state_dict (a list per param group: saved with "
+            "zero_optimization.elastic_checkpoint, which cannot be imported; DeepSpeed 0.19.8 cannot load it either)"
+        )
     ranks = [
         _kinds(o["base_optimizer_state"]["state"], o["single_partition_of_fp32_groups"], "stage 1/2") for o in optims
     ]
