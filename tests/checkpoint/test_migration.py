@@ -427,6 +427,37 @@ def test_an_elastic_stage2_checkpoint_is_refused_by_name(tmp_path: Path) -> None
         zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
 
 
+def test_frozen_parameters_deepspeed_left_out_keep_the_models_values(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``save_checkpoint(exclude_frozen_parameters=True)`` (the HF Trainer's with a PEFT model) leaves the frozen
+    parameters out: the load keeps the model's own values there, as DeepSpeed's does, and says so (it refused:
+    "model tensor 'fc1.weight' is not in ...: it was saved from another model")."""
+    from zero_kernels.checkpoint import deepspeed as ds_import
+
+    case = "stage2_frozen_fp32"
+    ds = tmp_path / "ds"
+    shutil.copytree(DATA / "deepspeed" / case / "ckpt", ds)
+    path = ds / "global_step4" / "mp_rank_00_model_states.pt"
+    state = ds_import._load(path)
+    del state["module"]["fc1.weight"], state["frozen_param_shapes"], state["frozen_param_fragments"]
+    torch.save(state, path)
+    zk.checkpoint.from_deepspeed(ds, tmp_path / "zk")
+    model = fixtures.make_model(frozen=True)
+    with torch.no_grad():
+        model.fc1.weight.add_(1.0)  # the base weights the user loaded: not DeepSpeed's init
+    base = model.fc1.weight.detach().clone()
+    config = json.loads((DATA / "deepspeed" / case / "case.json").read_text())["config"]
+    model, opt, scheduler = zk.initialize(model, config, model_parameters=fixtures.groups(model))
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        zk.checkpoint.load(tmp_path / "zk", model, opt, scheduler=scheduler)
+    assert torch.equal(model.fc1.weight, base)
+    before = _resumed(case)["weights_before"]
+    for name in ("fc1.bias", "fc2.weight", "fc2.bias"):
+        assert torch.equal(dict(model.named_parameters())[name], before[name])
+    assert "exclude_frozen_parameters" in caplog.text and "fc1.weight" in caplog.text
+
+
 class _Unsafe:
     """An object in a checkpoint file that the importer must refuse to unpickle."""
 

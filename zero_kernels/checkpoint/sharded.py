@@ -50,6 +50,7 @@ from torch import nn
 from ..comm.objects import all_gather_objects
 from ..stages import Pipeline, adopt, master, state_door
 from ..stages.window import Window
+from ..wording import plural
 from . import accumulation, objects
 from .format import (
     BLOCK_BYTES,
@@ -379,11 +380,21 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
 
 
 # ---------------------------------------------------------------- load
-def _check_model(meta: dict, pipeline: Pipeline, model: nn.Module, version: Path) -> None:
-    """Every model tensor is in the checkpoint with its shape, and nothing else is: else name the first mismatch."""
+def _check_model(meta: dict, pipeline: Pipeline, model: nn.Module, version: Path) -> set[str]:
+    """Every model tensor is in the checkpoint with its shape, and nothing else is: else name the first mismatch.
+
+    Returns the model tensors to leave as they are: frozen parameters absent from a checkpoint imported from
+    DeepSpeed, whose ``save_checkpoint(exclude_frozen_parameters=True)`` (the HF Trainer's with a PEFT model)
+    leaves them out; DeepSpeed's own load keeps the model's values there (``load_module_strict=False``)."""
     tensors, aliases = _model_tensors(model)
     saved = meta["model"]
+    imported = isinstance(meta.get("imported_from"), dict) and "deepspeed" in meta["imported_from"]
+    kept: set[str] = set()
     for key, name in aliases.items():
+        t = tensors[name]
+        if key not in saved and imported and isinstance(t, nn.Parameter) and not t.requires_grad:
+            kept.add(name)
+            continue
         if key not in saved:
             raise CheckpointError(
                 f"checkpoint: model tensor {key!r} is not in {version}: it was saved from another model"
@@ -397,6 +408,16 @@ def _check_model(meta: dict, pipeline: Pipeline, model: nn.Module, version: Path
     unknown = [key for key in saved if key not in aliases]
     if unknown:
         raise CheckpointError(f"checkpoint: {version} holds model tensor {unknown[0]!r}, which this model lacks")
+    if kept and pipeline.rank == 0:
+        names = ", ".join(sorted(kept)[:3]) + (", ..." if len(kept) > 3 else "")
+        log.warning(
+            "checkpoint: %s lacks %s (%s), frozen here (DeepSpeed's save_checkpoint(exclude_frozen_parameters=True) "
+            "leaves them out): the model's own values are kept, as DeepSpeed's load_checkpoint keeps them",
+            version,
+            plural(len(kept), "frozen parameter"),
+            names,
+        )
+    return kept
 
 
 def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path) -> dict[str, int]:
@@ -541,7 +562,7 @@ def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipe
     book = _read_book(version, meta, scheduler)
     _check_scheduler(book, optimizer, scheduler, version)
     names = _names(model, optimizer)
-    _check_model(meta, pipeline, model, version)
+    kept = _check_model(meta, pipeline, model, version)
     saved = _check_optimizer(meta, optimizer, names, version)
     accumulation.check(book["window"], optimizer, pipeline, version)
     tensors, _ = _model_tensors(model)
@@ -550,6 +571,8 @@ def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipe
     with TensorSource(version, meta) as src:
         moves = _stage_buffers(src, pipeline, names, saved)
         for name, t in tensors.items():
+            if name in kept:
+                continue
             if id(t) in stored:
                 frozen[id(t)] = src.full(f"model/{name}")
             elif id(t) not in pipeline.where:
