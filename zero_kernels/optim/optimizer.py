@@ -795,10 +795,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         kept for reuse by stages 2 and 3 (a few ``reduce_bucket_size`` buckets), and ``secondary``, ZeRO++'s
         copies of parameters at stage 3: hpZ's secondary partition and qwZ's int8 copy of this rank's shard. With
         ``offload_optimizer`` (or stage 3's ``offload_param``), ``optimizer`` counts only what stays on the
-        parameters' device and two more tiers are shown: ``host`` (the state in host memory, with the tier's
+        parameters' device and the two other tiers count: ``host`` (the state in host memory, with the tier's
         host copies of the parameter and gradient shards, stage 3's parameter shards in host memory, and the pool
         that its parameter shards in files are read through) and ``disk`` (the files under ``nvme_path``: the
-        state's, and with ``offload_param`` on nvme the parameter shards')."""
+        state's, and with ``offload_param`` on nvme the parameter shards'); without offload both are 0 (every key is
+        there at every stage)."""
         held = self._pipeline.memory_tensors()
         params = [p for g in self.param_groups for p in g["params"]]
         report = {
@@ -807,10 +808,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             "optimizer": storage_bytes(held["optimizer"]),
             "buffers": storage_bytes(held["buffers"]),
             "secondary": storage_bytes(held["secondary"]),
+            "host": storage_bytes(held.get("host", [])),
+            "disk": self._pipeline.disk_bytes(),
         }
-        if "host" in held:
-            report["host"] = storage_bytes(held["host"])
-            report["disk"] = self._pipeline.disk_bytes()
         return report
 
     # ---------------------------------------------------------------- state dicts
