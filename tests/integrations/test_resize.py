@@ -86,3 +86,23 @@ def test_resize_outside_a_block_is_refused_at_the_next_backward_or_step(stage: i
     with pytest.raises(ValueError, match=expected):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
+
+
+def test_resize_outside_a_block_at_stage3_is_refused_naming_the_remedy() -> None:
+    """Between uses the embedding is freed (shape ``(0,)``): Hugging Face's own code failed with "not enough values to
+    unpack (expected 2, got 1)" (probe CO); now a ``ValueError`` gives the full shape and says to resize before
+    building the optimizer, nothing changed. The method comes off with the optimizer."""
+    import zero_kernels as zk
+
+    model = gpt2()
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
+    with pytest.raises(ValueError, match=rf"full shape \({VOCAB}, 16\)\) is freed .*resize the model before building"):
+        model.resize_token_embeddings(VOCAB + 16)
+    assert model.config.vocab_size == VOCAB
+    with opt.gathered_params():
+        model.resize_token_embeddings(VOCAB)  # the whole weight inside the block: Hugging Face's own method runs
+    assert "resize_token_embeddings" in vars(model)
+    opt._detach()  # what a failed ``initialize`` does
+    assert "resize_token_embeddings" not in vars(model)
+    model.resize_token_embeddings(VOCAB + 16)  # the optimizer is off: Hugging Face's own, on the whole weight
+    assert model.transformer.wte.weight.shape == (VOCAB + 16, 16)

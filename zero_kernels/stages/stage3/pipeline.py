@@ -68,7 +68,7 @@ from ..base import FlatBuffer
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
-from . import disk_grads, disk_params, full_shape, generation, held_edits, model_hints
+from . import disk_grads, disk_params, full_shape, generation, held_edits, model_hints, resize
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
@@ -190,6 +190,7 @@ class Stage3Pipeline(Stage2Pipeline):
         model_hints.apply_leaf_config(module, self.options.leaf_module)
         model_hints.mark_adapter_variants(module)
         self._generating: list[nn.Module] = generation.sync_generate(module) if self.engine.world_size > 1 else []
+        self._resizing: list[nn.Module] = resize.guard_resize(module)
         self.unit_gathers = UnitGathers(
             self.engine, self.options, self.param_traffic, self.weight_quantizer, self.uploads
         )
@@ -919,6 +920,7 @@ class Stage3Pipeline(Stage2Pipeline):
         ``gathered_params()``: with qwZ a quantized gather would leave other ranks' parts dequantized)."""
         self._state_dict_guard.remove()
         generation.restore(self._generating)
+        resize.restore(self._resizing)
         if self._scheduler is not None:
             try:
                 self._begin_hold()

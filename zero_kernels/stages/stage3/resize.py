@@ -1,0 +1,50 @@
+"""Stage 3: Hugging Face's ``resize_token_embeddings`` called on the model between uses says what to do.
+
+Between uses the input embedding holds an empty tensor of shape ``(0,)``, so Hugging Face's resize fails in its own
+code with ``ValueError: not enough values to unpack (expected 2, got 1)``, which names neither the parameter nor the
+cause. ``guard_resize`` gives each module of the model whose class has ``resize_token_embeddings`` one (a method
+bound to that module) that raises first, where the input embedding's weight is freed, a ``ValueError`` naming it and
+the remedy: resize before building the optimizer. Inside ``gathered_params()`` the weight is whole and the class's
+own method runs (the block then refuses the shape change itself). ``restore`` takes it off (the pipeline's ``close``).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+from torch import nn
+
+
+def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The class's ``resize_token_embeddings``, refused with advice where the input embedding is freed."""
+    embedding = self.get_input_embeddings()
+    weight = getattr(embedding, "weight", None)
+    if weight is not None and weight.numel() == 0 and getattr(weight, "ds_numel", 0) > 0:
+        raise ValueError(
+            f"resize_token_embeddings at ZeRO stage 3 after the optimizer was built: the input embedding's weight "
+            f"(full shape {tuple(weight.ds_shape)}) is freed between uses on every rank, and a built optimizer "
+            "cannot follow a change of its shape; resize the model before building the optimizer (zk.initialize / "
+            "ShardedFusedAdam)"
+        )
+    return type(self).resize_token_embeddings(self, *args, **kwargs)
+
+
+def guard_resize(model: nn.Module) -> list[nn.Module]:
+    """Give the modules of ``model`` whose class resizes token embeddings the guarded method; returns them."""
+    guarded = []
+    for module in model.modules():
+        if callable(getattr(type(module), "resize_token_embeddings", None)) and "resize_token_embeddings" not in vars(
+            module
+        ):
+            module.resize_token_embeddings = types.MethodType(resize_token_embeddings, module)
+            guarded.append(module)
+    return guarded
+
+
+def restore(modules: list[nn.Module]) -> None:
+    """Take the guarded method off ``modules`` (where it is still the one ``guard_resize`` gave)."""
+    for module in modules:
+        given = vars(module).get("resize_token_embeddings")
+        if getattr(given, "__func__", None) is resize_token_embeddings:
+            del module.resize_token_embeddings
