@@ -152,6 +152,36 @@ def mark_adapter_variants(model: nn.Module) -> list[nn.Module]:
     return _mark_leaves(marked)
 
 
+def register_position_tables(model: nn.Module) -> list[nn.Module]:
+    """Register the position table of each Hugging Face ``*Embeddings`` module that reads its shape in its forward as
+    an external parameter of that module, with one log line.
+
+    CLIP's, SigLIP's, BLIP's and their kin's text and vision embeddings take ``self.position_embedding.weight.shape[0]``
+    as the longest sequence before they call the table: a freed table has shape ``(0,)``, and the forward refused every
+    sequence ("Sequence length must be less than max_position_embeddings ... 0"). Recognised without importing
+    transformers: a module of a ``transformers`` package whose class name ends in ``Embeddings`` and whose
+    ``position_embedding`` is an ``nn.Embedding``. Returns the modules registered for."""
+    found = [m for m in model.modules() if _reads_position_table(m)]
+    for m in found:
+        register_external_parameter(m, m.position_embedding.weight)
+    if found:
+        logger.info(
+            "ZeRO stage 3: the position tables of %d Hugging Face embedding module(s) (%s, ...), whose forward reads "
+            "the table's shape, gathered with them",
+            len(found),
+            type(found[0]).__name__,
+        )
+    return found
+
+
+def _reads_position_table(module: nn.Module) -> bool:
+    kind = type(module)
+    if not (kind.__module__.startswith("transformers.") and kind.__name__.endswith("Embeddings")):
+        return False
+    table = module._modules.get("position_embedding")
+    return isinstance(table, nn.Embedding) and not any(p is table.weight for p in external_parameters(module))
+
+
 def _runs_adapter_variant(module: nn.Module) -> bool:
     if not type(module).__module__.startswith("peft."):
         return False

@@ -189,6 +189,7 @@ class Stage3Pipeline(Stage2Pipeline):
         super().__init__(engine, options, module=module, **kwargs)
         model_hints.apply_leaf_config(module, self.options.leaf_module)
         model_hints.mark_adapter_variants(module)
+        model_hints.register_position_tables(module)
         self._generating: list[nn.Module] = generation.sync_generate(module) if self.engine.world_size > 1 else []
         self._resizing: list[nn.Module] = resize.guard_resize(module)
         self.unit_gathers = UnitGathers(
