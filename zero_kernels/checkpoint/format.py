@@ -177,6 +177,34 @@ def version_dirs(root: Path) -> list[str]:
     return sorted(names, key=lambda n: int(n[1:]))
 
 
+class SaveLock:
+    """The root's save lock (an flock on the root directory itself, so no file is added to it), taken by rank 0 of
+    the saving job before it numbers its version and released once ``latest`` names it (or the save failed). Two
+    jobs, or two data-parallel groups of one job, saving into one root at the same time would otherwise pick
+    version numbers, write ``latest`` through one temporary file and remove each other's unfinished versions
+    concurrently: the second is refused. The kernel drops an flock when its process dies, so a killed save leaves
+    no stale lock."""
+
+    def __init__(self, root: Path):
+        import fcntl
+
+        self._fd: Optional[int] = os.open(root, os.O_RDONLY)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.release()
+            raise CheckpointError(
+                f"checkpoint: another process is saving into {root} now: two jobs (or two data-parallel groups) "
+                "saving into one directory would replace each other's 'latest' and a later load would get the "
+                "other's model; give each its own directory"
+            ) from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
 def next_version(root: Path) -> str:
     """The name of the next version under ``root`` (after every complete and partial one)."""
     numbers = [0]

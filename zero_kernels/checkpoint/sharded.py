@@ -64,6 +64,7 @@ from .format import (
     BlockWriter,
     CheckpointError,
     PathLike,
+    SaveLock,
     TensorSource,
     check_byteorder,
     dtype_name,
@@ -343,20 +344,42 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     names = _names(model, optimizer)
     tensors, _ = _model_tensors(model)
     blob: Optional[bytes] = None
+    lock: Optional[SaveLock] = None
 
     def start() -> Optional[str]:
-        nonlocal blob
+        nonlocal blob, lock
         if pipeline.rank != 0:
             return None
         blob = None if extra is None else objects.dumps(extra, "extra")
         for key, value in _book(optimizer, scheduler).items():  # refused before anything is written
             objects.encode(value, _LABELS[key])
         root.mkdir(parents=True, exist_ok=True)
+        lock = SaveLock(root)
         version = next_version(root)
         (root / (TMP_PREFIX + version)).mkdir()
         return version
 
+    try:
+        return _save_version(root, model, optimizer, pipeline, names, tensors, scheduler, start, lambda: blob)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _save_version(
+    root: Path,
+    model: nn.Module,
+    optimizer: Any,
+    pipeline: Pipeline,
+    names: Any,
+    tensors: Any,
+    scheduler: Any,
+    start: Callable[[], Optional[str]],
+    extra_blob: Callable[[], Optional[bytes]],
+) -> Path:
+    """``save`` from numbering the version (``start``, rank 0 holding the root's lock) to ``latest`` naming it."""
     version = _collect(pipeline, start, share=True)[0]
+    blob = extra_blob()
     folder = root / (TMP_PREFIX + version)
     adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
     held = accumulation.capture(optimizer, pipeline)
