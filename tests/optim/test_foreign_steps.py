@@ -89,6 +89,9 @@ def test_another_optimizer_may_step_tensors_that_do_not_require_grad(stage: int)
     with pytest.raises(RuntimeError, match=r"SGD\.step\(\): parameter 0 .*is trained by"):
         _backward(model)
         torch.optim.SGD([model.weight, model.bias], lr=0.1).step()
+    model.weight.requires_grad_(False)  # frozen after its gradient was taken: still refused
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\): parameter 0 .*is trained by"):
+        torch.optim.SGD([model.weight], lr=0.1).step()
 
 
 class _Lookahead(torch.optim.Optimizer):

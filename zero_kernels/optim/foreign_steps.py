@@ -54,6 +54,13 @@ def _wrapped_as(optimizer: Any, sharded: list[Any]) -> str:
     return ""
 
 
+def _taken(sharded: Any, index: int, p: Any) -> bool:
+    """Whether ``sharded`` takes gradients of its parameter ``index`` (``p``) away from ``p.grad``: it requires grad,
+    or holds one taken before it was frozen. A tensor that does not require grad gets no gradient from backward:
+    another optimizer's step over it is AdamW's no-op."""
+    return p.requires_grad or bool(sharded.pipeline.has_grad.get(index))
+
+
 def _refuse_wrapper(optimizer: Any, sharded: Any, index: int) -> None:
     """Raise where ``optimizer`` is a wrapper of ``sharded`` that is an optimizer of its own (``_WRAPPED_AS``)."""
     wrapped_as = _wrapped_as(optimizer, [sharded])
@@ -73,13 +80,15 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     sharded = live.optimizers()
     if not sharded or _wraps_sharded(optimizer, sharded):
         return
-    # a tensor that does not require grad gets no gradient from backward: the sharded optimizer takes nothing there
-    params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"] if p.requires_grad]
+    params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
     ids = {id(p) for p in params}
     for sharded in live.training(params):
         if sharded.pipeline.grads_in_p_grad:
             continue
-        index = next(i for i, p in enumerate(live.params_of(sharded)) if id(p) in ids)
+        taken = [i for i, p in enumerate(live.params_of(sharded)) if id(p) in ids and _taken(sharded, i, p)]
+        if not taken:
+            continue
+        index = taken[0]
         _refuse_wrapper(optimizer, sharded, index)
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): {sharded._param_name(index)} is trained by a live ShardedFusedAdam "
