@@ -48,3 +48,24 @@ def test_a_save_while_another_process_saves_into_the_same_root_is_refused(tmp_pa
         fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the save kept its lock
     finally:
         os.close(probe)
+
+
+def test_a_process_forked_during_a_save_does_not_keep_the_lock(tmp_path: Path) -> None:
+    # a DataLoader's worker forked while a background thread saves: it inherited the lock's descriptor and held the
+    # lock for its whole life, refusing every later save into the root
+    model, opt = _trained()
+    lock = ck.format.SaveLock(tmp_path)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: stays alive until the parent has tried its next save
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        lock.release()
+        saved = ck.save(tmp_path, model, opt)
+        assert (tmp_path / "latest").read_text() == saved.name
+    finally:
+        os.close(write)
+        os.waitpid(pid, 0)

@@ -183,12 +183,22 @@ class SaveLock:
     jobs, or two data-parallel groups of one job, saving into one root at the same time would otherwise pick
     version numbers, write ``latest`` through one temporary file and remove each other's unfinished versions
     concurrently: the second is refused. The kernel drops an flock when its process dies, so a killed save leaves
-    no stale lock."""
+    no stale lock. A process forked while the lock is held (a DataLoader's worker started beside a save in a
+    background thread) would share the lock through its copy of the descriptor and keep it for its whole life,
+    refusing every later save into the root: the child closes its copy (closing a copy drops nothing of the
+    parent's)."""
+
+    _held: set = set()  # the descriptors of the locks this process holds now
+    _at_fork = False
 
     def __init__(self, root: Path):
         import fcntl
 
+        if not SaveLock._at_fork:
+            os.register_at_fork(after_in_child=SaveLock._close_in_child)
+            SaveLock._at_fork = True
         self._fd: Optional[int] = os.open(root, os.O_RDONLY)
+        SaveLock._held.add(self._fd)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -201,8 +211,19 @@ class SaveLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
+            if self._fd in SaveLock._held:  # not where a fork's child closed its copy already
+                SaveLock._held.discard(self._fd)
+                os.close(self._fd)  # closing drops the flock
             self._fd = None
+
+    @staticmethod
+    def _close_in_child() -> None:
+        for fd in SaveLock._held:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        SaveLock._held.clear()
 
 
 def next_version(root: Path) -> str:
