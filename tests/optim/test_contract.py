@@ -348,6 +348,9 @@ def test_error_inputs_refused_at_construction() -> None:
         (dict(impl="cuda"), ValueError, r"impl='cuda' is not a kernel backend; allowed: auto, triton, cpu, torch"),
         (dict(differentiable=True), ValueError, "differentiable=True is not supported"),
         (dict(capturable=True), ValueError, "capturable=True is not supported"),
+        # AdamW takes a tensor lr with foreach=True where capturable=True: refused for capturable, not for
+        # "capturable=False and foreach=True"
+        (dict(lr=torch.tensor(0.001), foreach=True, capturable=True), ValueError, "capturable=True is not supported"),
         (dict(amsgrad="yes"), ValueError, "amsgrad must be True or False \\(or 0, 1\\), got 'yes'"),
         (dict(params_or_module=[{"params": [w]}, {"params": [b], "maximize": 2}]), ValueError,
          "param group 1: maximize must be True or False"),

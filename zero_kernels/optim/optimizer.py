@@ -186,7 +186,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         module: Optional[nn.Module] = None,
         **zero_options: Any,
     ):
-        check_hyper(lr, betas, eps, weight_decay, foreach=foreach)
+        check_hyper(lr, betas, eps, weight_decay, foreach=foreach and not capturable)
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                      differentiable=differentiable, fused=fused)  # fmt: skip
         check_flags(flags, "ShardedFusedAdam")
