@@ -106,3 +106,18 @@ def test_resize_outside_a_block_at_stage3_is_refused_naming_the_remedy() -> None
     assert "resize_token_embeddings" not in vars(model)
     model.resize_token_embeddings(VOCAB + 16)  # the optimizer is off: Hugging Face's own, on the whole weight
     assert model.transformer.wte.weight.shape == (VOCAB + 16, 16)
+
+
+def test_resize_after_the_stage3_optimizer_was_deleted_says_the_values_went_with_it() -> None:
+    """``del opt`` takes the shards (the model is left empty) but not the guarded method: it told the user to resize
+    before building the optimizer, where the values are gone (probe CQ)."""
+    import gc
+
+    import zero_kernels as zk
+
+    model = gpt2()
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
+    del opt
+    gc.collect()
+    with pytest.raises(ValueError, match="optimizer that kept its shards was deleted, and its values went with it"):
+        model.resize_token_embeddings(VOCAB + 16)

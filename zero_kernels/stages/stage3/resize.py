@@ -15,12 +15,17 @@ from typing import Any
 
 from torch import nn
 
+from ... import live
+from .guard import ORPHANED
+
 
 def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The class's ``resize_token_embeddings``, refused with advice where the input embedding is freed."""
     embedding = self.get_input_embeddings()
     weight = getattr(embedding, "weight", None)
     if weight is not None and weight.numel() == 0 and getattr(weight, "ds_numel", 0) > 0:
+        if id(weight) not in live.owners():  # ``del opt`` took the values: this method stays on the model
+            raise ValueError(f"resize_token_embeddings: the input embedding's weight is freed: {ORPHANED}")
         raise ValueError(
             f"resize_token_embeddings at ZeRO stage 3 after the optimizer was built: the input embedding's weight "
             f"(full shape {tuple(weight.ds_shape)}) is freed between uses on every rank, and a built optimizer "
