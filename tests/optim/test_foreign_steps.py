@@ -92,6 +92,9 @@ def test_another_optimizer_may_step_tensors_that_do_not_require_grad(stage: int)
     model.weight.requires_grad_(False)  # frozen after its gradient was taken: still refused
     with pytest.raises(RuntimeError, match=r"SGD\.step\(\): parameter 0 .*is trained by"):
         torch.optim.SGD([model.weight], lr=0.1).step()
+    opt.step()  # the gradient used: torch's p.grad would still hold it, for the other optimizer too
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\): parameter 0 .*is trained by"):
+        torch.optim.SGD([model.weight], lr=0.1).step()
 
 
 class _Lookahead(torch.optim.Optimizer):

@@ -56,9 +56,11 @@ def _wrapped_as(optimizer: Any, sharded: list[Any]) -> str:
 
 def _taken(sharded: Any, index: int, p: Any) -> bool:
     """Whether ``sharded`` takes gradients of its parameter ``index`` (``p``) away from ``p.grad``: it requires grad,
-    or holds one taken before it was frozen. A tensor that does not require grad gets no gradient from backward:
-    another optimizer's step over it is AdamW's no-op."""
-    return p.requires_grad or bool(sharded.pipeline.has_grad.get(index))
+    or had one taken before it was frozen (held for the step, or used by the last step: torch's ``p.grad`` would
+    still hold it). A tensor that does not require grad and never had a gradient gets none from backward: another
+    optimizer's step over it is AdamW's no-op."""
+    pipeline = sharded.pipeline
+    return p.requires_grad or bool(pipeline.has_grad.get(index)) or index in pipeline.stepped_with
 
 
 def _refuse_wrapper(optimizer: Any, sharded: Any, index: int) -> None:
