@@ -121,3 +121,25 @@ def test_resize_after_the_stage3_optimizer_was_deleted_says_the_values_went_with
     gc.collect()
     with pytest.raises(ValueError, match="optimizer that kept its shards was deleted, and its values went with it"):
         model.resize_token_embeddings(VOCAB + 16)
+
+
+def test_a_model_unpickled_from_a_guarded_one_is_guarded_again() -> None:
+    """``torch.save(model)`` inside ``gathered_params()`` pickles the guarded method by name, so the loaded model comes
+    back with its class's own method as an attribute of its own: a stage-3 optimizer built on it then gave it no
+    guard (probe CQ); another model's guard (a copy's) is replaced too."""
+    import io
+
+    import zero_kernels as zk
+
+    model = gpt2()
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
+    with opt.gathered_params():
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert "resize_token_embeddings" in vars(loaded), "the pickled guard comes back as the class's method"
+    other = zk.ShardedFusedAdam(loaded, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
+    with pytest.raises(ValueError, match=r"is freed .*resize the model before building"):
+        loaded.resize_token_embeddings(VOCAB + 16)
+    del other

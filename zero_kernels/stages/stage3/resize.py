@@ -39,12 +39,21 @@ def guard_resize(model: nn.Module) -> list[nn.Module]:
     """Give the modules of ``model`` whose class resizes token embeddings the guarded method; returns them."""
     guarded = []
     for module in model.modules():
-        if callable(getattr(type(module), "resize_token_embeddings", None)) and "resize_token_embeddings" not in vars(
-            module
-        ):
+        if callable(getattr(type(module), "resize_token_embeddings", None)) and _unguarded(module):
             module.resize_token_embeddings = types.MethodType(resize_token_embeddings, module)
             guarded.append(module)
     return guarded
+
+
+def _unguarded(module: nn.Module) -> bool:
+    """Whether ``module`` has no method of its own in place of its class's, or only a copy's leftover: the class's
+    own method (a model pickled while guarded comes back with the method the name gave then) or another model's
+    guard."""
+    given = vars(module).get("resize_token_embeddings")
+    func = getattr(given, "__func__", None)
+    if given is None or func is getattr(type(module), "resize_token_embeddings"):
+        return True
+    return func is resize_token_embeddings and given.__self__ is not module
 
 
 def restore(modules: list[nn.Module]) -> None:
