@@ -38,6 +38,7 @@ version, pieces lie inside their files) before anything is opened or allocated.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -219,10 +220,8 @@ class SaveLock:
     @staticmethod
     def _close_in_child() -> None:
         for fd in SaveLock._held:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         SaveLock._held.clear()
 
 
