@@ -38,7 +38,6 @@ version, pieces lie inside their files) before anything is opened or allocated.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -185,25 +184,19 @@ class SaveLock:
     version numbers, write ``latest`` through one temporary file and remove each other's unfinished versions
     concurrently: the second is refused. The kernel drops an flock when its process dies, so a killed save leaves
     no stale lock. A process forked while the lock is held (a DataLoader's worker started beside a save in a
-    background thread) would share the lock through its copy of the descriptor and keep it for its whole life,
-    refusing every later save into the root: the child closes its copy (closing a copy drops nothing of the
-    parent's)."""
-
-    _held: set = set()  # the descriptors of the locks this process holds now
-    _at_fork = False
+    background thread) shares the lock through its copy of the descriptor: the release unlocks it explicitly
+    (``LOCK_UN`` acts on every copy) before it closes, so such a child, which may live for the whole run, does not
+    keep it and refuse every later save into the root."""
 
     def __init__(self, root: Path):
-        import fcntl
+        import fcntl  # POSIX only: imported where a save needs it
 
-        if not SaveLock._at_fork:
-            os.register_at_fork(after_in_child=SaveLock._close_in_child)
-            SaveLock._at_fork = True
         self._fd: Optional[int] = os.open(root, os.O_RDONLY)
-        SaveLock._held.add(self._fd)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            self.release()
+            os.close(self._fd)
+            self._fd = None
             raise CheckpointError(
                 f"checkpoint: another process is saving into {root} now: two jobs (or two data-parallel groups) "
                 "saving into one directory would replace each other's 'latest' and a later load would get the "
@@ -211,18 +204,12 @@ class SaveLock:
             ) from None
 
     def release(self) -> None:
-        if self._fd is not None:
-            if self._fd in SaveLock._held:  # not where a fork's child closed its copy already
-                SaveLock._held.discard(self._fd)
-                os.close(self._fd)  # closing drops the flock
-            self._fd = None
+        import fcntl
 
-    @staticmethod
-    def _close_in_child() -> None:
-        for fd in SaveLock._held:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        SaveLock._held.clear()
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
 
 
 def next_version(root: Path) -> str:
