@@ -14,11 +14,12 @@ optimizer of its own syncs it. ``restore`` takes it off (the pipeline's ``close`
 
 from __future__ import annotations
 
-import types
 import weakref
 from typing import Any
 
 from torch import nn
+
+from . import module_methods
 
 _synced: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # the modules a stage-3 pipeline syncs now
 
@@ -36,14 +37,9 @@ def _generates(module: nn.Module) -> bool:
 
 def sync_generate(model: nn.Module) -> list[nn.Module]:
     """Give the modules of ``model`` that generate (see the module docstring) the synced ``generate``, where they have
-    none of their own yet (ours, or the class's method a pickle leaves, is not one); returns them."""
-    synced = []
-    for module in model.modules():
-        given = getattr(vars(module).get("generate"), "__func__", None)  # a bound method of our own or the class's
-        if _generates(module) and ("generate" not in vars(module) or given in (generate, type(module).generate)):
-            module.generate = types.MethodType(generate, module)
-            _synced.add(module)
-            synced.append(module)
+    none of their own yet (``module_methods.put_on``); returns them."""
+    synced = module_methods.put_on(model, "generate", generate, _generates)
+    _synced.update(synced)
     return synced
 
 
@@ -56,6 +52,4 @@ def restore(modules: list[nn.Module]) -> None:
     """Take the synced ``generate`` off ``modules`` (where it is still the one ``sync_generate`` gave)."""
     for module in modules:
         _synced.discard(module)
-        given = vars(module).get("generate")
-        if getattr(given, "__func__", None) is generate:
-            del module.generate
+    module_methods.take_off(modules, "generate", generate)

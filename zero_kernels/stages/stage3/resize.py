@@ -10,12 +10,12 @@ own method runs (the block then refuses the shape change itself). ``restore`` ta
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 from torch import nn
 
 from ... import live
+from . import module_methods
 from .guard import ORPHANED
 
 
@@ -36,29 +36,15 @@ def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def guard_resize(model: nn.Module) -> list[nn.Module]:
-    """Give the modules of ``model`` whose class resizes token embeddings the guarded method; returns them."""
-    guarded = []
-    for module in model.modules():
-        if callable(getattr(type(module), "resize_token_embeddings", None)) and _unguarded(module):
-            module.resize_token_embeddings = types.MethodType(resize_token_embeddings, module)
-            guarded.append(module)
-    return guarded
+    """Give the modules of ``model`` whose class resizes token embeddings the guarded method, where they have none of
+    their own yet (``module_methods.put_on``); returns them."""
+    return module_methods.put_on(model, "resize_token_embeddings", resize_token_embeddings, _resizes)
 
 
-def _unguarded(module: nn.Module) -> bool:
-    """Whether ``module`` has no method of its own in place of its class's, or only a copy's leftover: the class's
-    own method (a model pickled while guarded comes back with the method the name gave then) or another model's
-    guard."""
-    given = vars(module).get("resize_token_embeddings")
-    func = getattr(given, "__func__", None)
-    if given is None or func is getattr(type(module), "resize_token_embeddings"):
-        return True
-    return func is resize_token_embeddings and given.__self__ is not module
+def _resizes(module: nn.Module) -> bool:
+    return callable(getattr(type(module), "resize_token_embeddings", None))
 
 
 def restore(modules: list[nn.Module]) -> None:
     """Take the guarded method off ``modules`` (where it is still the one ``guard_resize`` gave)."""
-    for module in modules:
-        given = vars(module).get("resize_token_embeddings")
-        if getattr(given, "__func__", None) is resize_token_embeddings:
-            del module.resize_token_embeddings
+    module_methods.take_off(modules, "resize_token_embeddings", resize_token_embeddings)
