@@ -34,6 +34,7 @@ inside an accumulation window, whose gradients resume only under the same layout
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -344,62 +345,42 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     names = _names(model, optimizer)
     tensors, _ = _model_tensors(model)
     blob: Optional[bytes] = None
-    lock: Optional[SaveLock] = None
+    with contextlib.ExitStack() as unlock:  # rank 0 holds the root's lock from numbering the version to 'latest'
 
-    def start() -> Optional[str]:
-        nonlocal blob, lock
-        if pipeline.rank != 0:
-            return None
-        blob = None if extra is None else objects.dumps(extra, "extra")
-        for key, value in _book(optimizer, scheduler).items():  # refused before anything is written
-            objects.encode(value, _LABELS[key])
-        root.mkdir(parents=True, exist_ok=True)
-        lock = SaveLock(root)
-        version = next_version(root)
-        (root / (TMP_PREFIX + version)).mkdir()
-        return version
+        def start() -> Optional[str]:
+            nonlocal blob
+            if pipeline.rank != 0:
+                return None
+            blob = None if extra is None else objects.dumps(extra, "extra")
+            for key, value in _book(optimizer, scheduler).items():  # refused before anything is written
+                objects.encode(value, _LABELS[key])
+            root.mkdir(parents=True, exist_ok=True)
+            unlock.callback(SaveLock(root).release)
+            version = next_version(root)
+            (root / (TMP_PREFIX + version)).mkdir()
+            return version
 
-    try:
-        return _save_version(root, model, optimizer, pipeline, names, tensors, scheduler, start, lambda: blob)
-    finally:
-        if lock is not None:
-            lock.release()
+        version = _collect(pipeline, start, share=True)[0]
+        folder = root / (TMP_PREFIX + version)
+        adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
+        held = accumulation.capture(optimizer, pipeline)
+        pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors) + held.pieces
 
+        def write() -> dict[str, Any]:
+            return {**_write_rank_file(folder, pipeline.rank, pieces), "specs": held.specs, "window": held.flags}
 
-def _save_version(
-    root: Path,
-    model: nn.Module,
-    optimizer: Any,
-    pipeline: Pipeline,
-    names: Any,
-    tensors: Any,
-    scheduler: Any,
-    start: Callable[[], Optional[str]],
-    extra_blob: Callable[[], Optional[bytes]],
-) -> Path:
-    """``save`` from numbering the version (``start``, rank 0 holding the root's lock) to ``latest`` naming it."""
-    version = _collect(pipeline, start, share=True)[0]
-    blob = extra_blob()
-    folder = root / (TMP_PREFIX + version)
-    adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
-    held = accumulation.capture(optimizer, pipeline)
-    pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors) + held.pieces
+        results = _collect(pipeline, write, share=True)
 
-    def write() -> dict[str, Any]:
-        return {**_write_rank_file(folder, pipeline.rank, pieces), "specs": held.specs, "window": held.flags}
+        def finish() -> None:
+            if pipeline.rank == 0:
+                book = {**_book(optimizer, scheduler), "window": accumulation.book(results, optimizer, pipeline)}
+                files = {OBJECTS: objects.dumps(book, "the checkpoint's objects"), EXTRA: blob}
+                entries = {"objects": _entry(files[OBJECTS]), "extra": _entry(blob)}
+                meta = _metadata(model, optimizer, pipeline, results, entries)
+                _commit(root, version, meta, files)
 
-    results = _collect(pipeline, write, share=True)
-
-    def finish() -> None:
-        if pipeline.rank == 0:
-            book = {**_book(optimizer, scheduler), "window": accumulation.book(results, optimizer, pipeline)}
-            files = {OBJECTS: objects.dumps(book, "the checkpoint's objects"), EXTRA: blob}
-            entries = {"objects": _entry(files[OBJECTS]), "extra": _entry(blob)}
-            meta = _metadata(model, optimizer, pipeline, results, entries)
-            _commit(root, version, meta, files)
-
-    _collect(pipeline, finish, share=False)
-    return root / version
+        _collect(pipeline, finish, share=False)
+        return root / version
 
 
 # ---------------------------------------------------------------- load
