@@ -299,18 +299,11 @@ def _frozen(model_state: dict[str, Any], stage: int, files: list[Path]) -> dict[
 
 # ---------------------------------------------------------------- metadata
 def _hyper(optims: list[dict[str, Any]], stage: int, params: list[_Param]) -> list[dict[str, Any]]:
-    """lr/betas/eps/weight_decay of every DeepSpeed param group (stage 3: from its first sub-group)."""
+    """lr/betas/eps/weight_decay of every DeepSpeed param group (each parameter's ``group`` indexes the saved param
+    groups: at stage 3 once ``_stage3_param_groups`` has mapped its sub-group to its param group)."""
     inner = optims[0]["optimizer_state_dict"] if stage == 3 else optims[0]["base_optimizer_state"]
     saved = inner["param_groups"]
     groups = max(p.group for p in params) + 1
-    if stage == 3 and len(saved) != groups:
-        world = len(optims)
-        ends = torch.tensor([t.numel() for t in optims[0]["fp32_flat_groups"]]).cumsum(0).tolist()
-        first_sub, offset = {}, 0
-        for p in params:
-            first_sub.setdefault(p.group, next(i for i, end in enumerate(ends) if offset < end))
-            offset += -(-p.numel // world)
-        saved = [saved[first_sub[g]] for g in range(groups)]
     out = []
     for g, group in enumerate(saved[:groups]):
         if group.get("amsgrad"):
