@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from .comm import agreement
 from .config import ZeroConfig, client_optimizer
 from .config.at_updates import gate
-from .config.call_forms import config_source, init_dist, refuse_deepspeed_only
+from .config.call_forms import align_local_rank, config_source, init_dist, refuse_deepspeed_only
 from .config.files import load
 from .config.hf import model_hidden_size
 from .log import LOGGER_NAME
@@ -83,7 +83,8 @@ def initialize(
         lr_scheduler: a callable that builds the scheduler on the optimizer (``lambda opt: StepLR(opt, 2)``), as
             DeepSpeed takes it, or a scheduler object built on ``optimizer``; it steps at applied updates as the
             config's does. Not with a ``scheduler`` section.
-        args: DeepSpeed's argparse namespace: its ``deepspeed_config`` (or ``deepscale_config``) is the config.
+        args: DeepSpeed's argparse namespace: its ``deepspeed_config`` (or ``deepscale_config``) is the config; its
+            ``local_rank``, where it has one, is set to the launcher's ``LOCAL_RANK``, as DeepSpeed sets it.
         config_params: DeepSpeed's older name for ``config``.
         dist_init_required: as DeepSpeed's: None (default) and True create the default process group from a
             launcher's environment (``torchrun``) where none exists; False never does. True with neither is an error.
@@ -102,6 +103,7 @@ def initialize(
     config = config_source(config, config_params, args)
     check_process_group(process_group)
     init_dist(dist_init_required)
+    align_local_rank(args)
     world = torch.distributed.get_world_size(process_group) if torch.distributed.is_initialized() else 1
     if client is not None:
         config = _without_optimizer_section(config, client)

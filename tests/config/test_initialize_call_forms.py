@@ -130,6 +130,21 @@ def test_dist_init_required_without_a_launcher_creates_nothing(monkeypatch: pyte
         zk.initialize(nn.Linear(4, 2), _config(), dist_init_required="yes")
 
 
+def test_args_local_rank_is_the_launchers_as_deepspeed_sets_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a script parsing --local_rank (default -1) under torchrun, which passes none, kept -1 after initialize on
+    every rank, where deepspeed.initialize sets it to LOCAL_RANK (``if args.local_rank == 0: save`` saved nowhere)."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    args = types.SimpleNamespace(deepspeed_config=None, local_rank=-1)
+    zk.initialize(nn.Linear(4, 2), _config(), args=args)
+    assert args.local_rank == 1
+    with pytest.raises(ValueError, match=r"args.local_rank is 0 but the launcher.s LOCAL_RANK is 1 \(DeepSpeed"):
+        zk.initialize(nn.Linear(4, 2), _config(), args=types.SimpleNamespace(local_rank=0))
+    monkeypatch.delenv("LOCAL_RANK")
+    alone = types.SimpleNamespace(deepspeed_config=None, local_rank=-1)
+    zk.initialize(nn.Linear(4, 2), _config(), args=alone)
+    assert alone.local_rank == -1  # no launcher: left as the script has it
+
+
 def _launched_without_a_group(rank: int, world: int, port: int, required) -> None:
     """A script written for deepspeed.initialize under torchrun: no init_process_group of its own."""
     torch.distributed.destroy_process_group()

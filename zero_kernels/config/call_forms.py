@@ -3,7 +3,8 @@
 The config comes from ``config=``, ``config_params=`` (DeepSpeed's older name) or ``args.deepspeed_config``
 (``args.deepscale_config``, older still), with DeepSpeed 0.19's precedence and conflicts: ``config`` before
 ``config_params``; a config both in ``args`` and in the call, or in both of ``args``' fields, is an error.
-``dist_init_required``: ``initialize`` creates the process group from a launcher's environment, as DeepSpeed does.
+``dist_init_required``: ``initialize`` creates the process group from a launcher's environment, as DeepSpeed does,
+and sets ``args.local_rank`` to the launcher's ``LOCAL_RANK``, as DeepSpeed sets it.
 ``optimizer=`` (a client Adam or AdamW) and ``lr_scheduler=`` are ``initialize``'s own (``client_optimizer``); the
 arguments that hand ``initialize`` an object zero_kernels does not build with (a data set, a model-parallel unit)
 are refused, naming the argument and what to do instead.
@@ -88,6 +89,27 @@ def init_dist(required: Any) -> None:
             f"({', '.join(missing)} not set): start the script with torchrun, or call "
             "torch.distributed.init_process_group first"
         )
+
+
+def align_local_rank(args: Any) -> None:
+    """``args.local_rank`` set to the launcher's ``LOCAL_RANK`` where ``args`` has the attribute and the variable is
+    set, as ``deepspeed.initialize`` sets it: scripts read it after initialize (``if args.local_rank == 0: save``),
+    and torchrun passes no ``--local_rank``, so it stayed at the parser's -1 on every rank. A different value of
+    0 or more given there is an error, as DeepSpeed asserts.
+
+    Args:
+        args: ``deepspeed.initialize``'s argparse namespace, or None.
+    """
+    local = os.environ.get("LOCAL_RANK")
+    if args is None or not hasattr(args, "local_rank") or not local:
+        return
+    given = args.local_rank
+    if given is not None and given >= 0 and given != int(local):
+        raise ValueError(
+            f"initialize: args.local_rank is {given} but the launcher's LOCAL_RANK is {local} (DeepSpeed refuses "
+            "the mismatch too): pass the launcher's value, or leave --local_rank out under torchrun"
+        )
+    args.local_rank = int(local)
 
 
 def config_source(config: Any, config_params: Any, args: Any) -> Any:
