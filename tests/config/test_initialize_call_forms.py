@@ -99,6 +99,7 @@ def test_a_scheduler_object_or_a_second_scheduler_is_refused() -> None:
     "name, instead",
     [
         ("training_data", "DistributedSampler"),
+        ("training_data", "ZeroConfig.from_deepspeed(config, world_size=torch.distributed.get_world_size())"),
         ("collate_fn", "DataLoader"),
         ("mpu", "process_group="),
         ("mesh_param", "process_group="),

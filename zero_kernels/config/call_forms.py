@@ -25,7 +25,9 @@ _INSTEAD = {
     "training_data": (
         "initialize returns no data loader; build torch.utils.data.DataLoader(dataset, batch_size="
         "<train_micro_batch_size_per_gpu>, sampler=torch.utils.data.distributed.DistributedSampler(dataset), "
-        "collate_fn=...) yourself"
+        "collate_fn=...) yourself (a config giving train_batch_size alone: zero_kernels.ZeroConfig.from_deepspeed("
+        "config, world_size=torch.distributed.get_world_size()).train_micro_batch_size_per_gpu is DeepSpeed's, "
+        "train_batch_size / (world size * gradient_accumulation_steps))"
     ),
     "mpu": (
         "model and pipeline parallelism are not supported: zero_kernels shards over one data-parallel group; "
