@@ -390,6 +390,26 @@ def test_fp16_refuses_a_plain_backward(stage: int) -> None:
     assert opt.applied_steps == 1
 
 
+def test_backward_takes_deepspeeds_scale_wrt_gas_true_and_refuses_false() -> None:
+    """A DeepSpeed loop's engine.backward(loss, scale_wrt_gas=...) translated to opt.backward: True (DeepSpeed's
+    default) trains as without it; False, whose gradients DeepSpeed leaves undivided, was passed on to
+    Tensor.backward, which failed with 'unexpected keyword argument'; it is refused saying what to pass instead."""
+    weights = []
+    for kwargs in ({}, {"scale_wrt_gas": True}):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3).half()
+        fp16 = {"enabled": True, "initial_scale_power": 4}
+        opt = zo.ShardedFusedAdam(model, lr=LR, stage=1, fp16=fp16, gradient_accumulation_steps=2)
+        for k in range(2):
+            opt.backward(model(torch.randn(2, 5, generator=torch.Generator().manual_seed(k)).half()).float().sum(),
+                         **kwargs)  # fmt: skip
+            opt.step()
+        weights.append(model.weight.detach().clone())
+    assert opt.applied_steps == 1 and torch.equal(*weights)
+    with pytest.raises(ValueError, match=r"scale_wrt_gas=False .* pass loss \* optimizer.gradient_accumulation_steps"):
+        opt.backward(model(torch.randn(2, 5).half()).float().sum(), scale_wrt_gas=False)
+
+
 def test_fp16_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None:
     """DeepSpeed stops the run on an overflow at ``min_loss_scale``; skipping every step from then on would
     train nothing, silently."""

@@ -398,8 +398,15 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
         Args:
             loss: the scalar loss of this micro-step.
-            **kwargs: passed to ``Tensor.backward``.
+            **kwargs: passed to ``Tensor.backward``; DeepSpeed's ``scale_wrt_gas=True`` (its default) is taken, False
+                is refused saying what to pass instead.
         """
+        if not kwargs.pop("scale_wrt_gas", True):
+            raise ValueError(
+                "ShardedFusedAdam.backward: scale_wrt_gas=False (DeepSpeed's engine.backward) is not taken: the step "
+                "divides every micro-step's gradients by gradient_accumulation_steps; to keep this micro-step's "
+                "undivided, pass loss * optimizer.gradient_accumulation_steps"
+            )
         if self.scales_loss:
             loss = loss / self.gradient_accumulation_steps
         self._pipeline.scaled_backward = True
