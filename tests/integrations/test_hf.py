@@ -472,3 +472,24 @@ def test_model_init_trains_every_train_call_on_the_new_model(tmp_path, monkeypat
             trainer.train()
         weights.append(_weights(trainer.model, trainer if base is ZeroTrainer else None))
     _close(weights[1], weights[0], "the second train() of ZeroTrainer(model_init=...)", tol=1e-5)
+
+
+def test_total_flos_at_stage_3_counts_the_full_parameters(tmp_path, monkeypatch) -> None:
+    """``total_flos`` (logged when training ends, kept in ``trainer_state.json``) at stage 3 is the Trainer's: the
+    Trainer's count of a step's operations read the sizes of the parameters freed between uses (0): only the
+    persistent ones counted (a 71st of the Trainer's with a persistence threshold of 100), none here."""
+    from transformers import Trainer
+
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    _one_process(monkeypatch)
+    flos = []
+    zero = {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0}
+    for base, extra in ((Trainer, {}), (ZeroTrainer, {"zero_optimization": zero})):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = base(model=_llama(), args=_args(str(tmp_path / base.__name__), ddp_backend=None, max_steps=1),
+                           train_dataset=_data(), **extra)  # fmt: skip
+            trainer.train()
+        flos.append(trainer.state.total_flos)
+    assert flos[1] == flos[0] > 0, flos

@@ -38,6 +38,7 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
   (``save_strategy``) hold that sharded checkpoint of model and optimizer, written by every rank;
 - loading: ``train(resume_from_checkpoint=...)`` restores model and optimizer from it, at any
   world size and stage;
+- ``total_flos``: at stage 3 from each parameter's full size (the Trainer's count reads the freed ones as empty);
 - generation in evaluation: with a ``Seq2SeqTrainer`` (``class T(ZeroTrainer, Seq2SeqTrainer)``),
   ``predict_with_generate`` at stage 3 on several ranks generates with ``synced_gpus=True`` unless given.
 
@@ -386,6 +387,19 @@ class ZeroTrainer(Trainer):
         generating = isinstance(self, Seq2SeqTrainer) and getattr(self.args, "predict_with_generate", False)
         return generating and not prediction_loss_only and generates_synced(self.model)
 
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """As the Trainer's (``total_flos``), from each parameter's full size at stage 3: the Trainer's count reads
+        ``numel()``, which is 0 for a parameter freed between uses (only the persistent ones counted).
+
+        Args:
+            inputs: as ``Trainer.floating_point_ops``.
+        """
+        main = getattr(self.model, "main_input_name", "input_ids")
+        opt = self.zero_optimizer
+        if opt is None or opt.options.stage != 3 or main not in inputs or not hasattr(self.model, "num_parameters"):
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[main].numel() * _full_parameter_count(self.model)
+
     # ---------------------------------------------------------------- clipping
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor:
         return self._clip()
@@ -577,6 +591,13 @@ def check_optim(optim: Any) -> None:
             f"ZeroTrainer: TrainingArguments(optim={name!r}): ZeroTrainer trains with ShardedFusedAdam (AdamW); "
             f"allowed: {', '.join(ADAMW_OPTIMS)}, or give the config an optimizer section (Adam/AdamW)"
         )
+
+
+def _full_parameter_count(model: nn.Module) -> int:
+    """``num_parameters(exclude_embeddings=True)`` of a Hugging Face model with stage 3's full sizes (``ds_numel``)."""
+    embeddings = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Embedding)}
+    params = (p for name, p in model.named_parameters() if name not in embeddings)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in params)
 
 
 def _holds_weights(checkpoint_dir: str) -> bool:
