@@ -1,6 +1,6 @@
 """DeepSpeed's learning-rate schedules as ``torch.optim.lr_scheduler.LRScheduler`` subclasses.
 
-``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and ``OneCycle`` take DeepSpeed's parameter
+``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle`` and ``LRRangeTest`` take DeepSpeed's parameter
 names and defaults (``deepspeed/runtime/lr_schedules.py``) and give the same learning rate at
 every step, so that a DeepSpeed config's ``scheduler`` section trains the same here. Use them as
 any torch scheduler: ``scheduler.step()`` after ``optimizer.step()``.
@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence, Union
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["OneCycle", "SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
+__all__ = ["LRRangeTest", "OneCycle", "SCHEDULERS", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR"]
 
 PerGroup = Union[float, Sequence[float]]
 WARMUP_TYPES = ("log", "linear")
@@ -357,10 +357,50 @@ class OneCycle(_DeepSpeedSchedule):
                 group["betas"] = betas
 
 
+class LRRangeTest(_DeepSpeedSchedule):
+    """The learning-rate range test: ``lr`` grows from ``lr_range_test_min_lr`` by ``lr_range_test_step_rate`` times
+    it every ``lr_range_test_step_size`` steps, without end (to find the largest ``lr`` that still trains).
+
+    At DeepSpeed iteration ``i`` the rate is ``min_lr * (1 + step_rate * (i + 1) / step_size)``, the quotient
+    rounded down with ``lr_range_test_staircase``.
+
+    Args:
+        optimizer: the optimizer whose param groups' ``lr`` is set.
+        lr_range_test_min_lr: the first learning rate (a number, or one per param group).
+        lr_range_test_step_size: the steps over which ``lr`` grows by ``step_rate * min_lr``.
+        lr_range_test_step_rate: the growth per ``step_size`` steps, in units of ``min_lr``.
+        lr_range_test_staircase: grow in steps of ``step_size`` instead of continuously.
+        last_batch_iteration: DeepSpeed's resume index; -1 starts from the beginning.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        lr_range_test_min_lr: PerGroup = 1e-3,
+        lr_range_test_step_size: int = 2000,
+        lr_range_test_step_rate: float = 1.0,
+        lr_range_test_staircase: bool = False,
+        last_batch_iteration: int = -1,
+    ) -> None:
+        self.min_lrs = _per_group(optimizer, lr_range_test_min_lr, "lr_range_test_min_lr")
+        self.step_size = _positive_int(lr_range_test_step_size, "lr_range_test_step_size")
+        self.step_rate = _number(lr_range_test_step_rate, "lr_range_test_step_rate")
+        if not isinstance(lr_range_test_staircase, bool):
+            raise ValueError(f"lr_range_test_staircase={lr_range_test_staircase!r} is invalid: expected true or false")
+        self.staircase = lr_range_test_staircase
+        super().__init__(optimizer, last_batch_iteration)
+
+    def lrs_at(self, iteration: int) -> list[float]:
+        intervals = (iteration + 1) / self.step_size
+        if self.staircase:
+            intervals = math.floor(intervals)
+        return [lo * (1 + self.step_rate * intervals) for lo in self.min_lrs]
+
+
 def _count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{name}={value!r} is invalid: expected an integer >= 0")
     return value
 
 
-SCHEDULERS = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle)}
+SCHEDULERS = {cls.__name__: cls for cls in (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)}

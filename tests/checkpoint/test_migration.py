@@ -175,7 +175,11 @@ def test_without_training_args_auto_takes_the_trainers_defaults() -> None:
         ),
         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_stepz": 3}}}, {}, ("'warmup_num_stepz'",)),
         ({"scheduler": {"type": "warmuplr"}}, {}, ("scheduler.type='warmuplr'", "did you mean 'WarmupLR'")),
-        ({"scheduler": {"type": "LRRangeTest"}}, {}, ("LRRangeTest", "not supported yet")),
+        (
+            {"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_step_size": 0}}},
+            {},
+            ("scheduler.params.lr_range_test_step_size=0",),
+        ),
         ({"scheduler": {"type": "WarmupLR"}}, {"training_args": object()}, ("training_args has no attribute",)),
         ({"scheduler": {"type": "WarmupLR"}}, {"total_num_steps": 5}, ("sets scheduler.params.total_num_steps",)),
     ],

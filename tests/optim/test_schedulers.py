@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zero_kernels.optim as zo
-from zero_kernels.schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zero_kernels.schedulers import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 L = math.log
 
@@ -86,6 +86,14 @@ TABLES = {
         ),
         [0.1, 0.3, 0.1, 0.1 / 1.25, 0.1 / 1.5, 0.1 / 1.75],
     ),
+    "LRRangeTest": (
+        lambda o: LRRangeTest(o, lr_range_test_min_lr=0.1, lr_range_test_step_size=2, lr_range_test_step_rate=3.0),
+        [0.1, 0.25, 0.4, 0.55, 0.7],
+    ),
+    "LRRangeTest staircase": (
+        lambda o: LRRangeTest(o, lr_range_test_min_lr=0.1, lr_range_test_step_size=2, lr_range_test_staircase=True),
+        [0.1, 0.1, 0.2, 0.2, 0.3, 0.3],
+    ),
     "OneCycle stairs": (
         lambda o: OneCycle(o, cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=4, cycle_first_stair_count=2),
         [0.0, 0.0, 0.5, 0.5, 1.0, 0.5, 0.5, 0.0, 0.0],
@@ -147,6 +155,8 @@ def test_works_with_sharded_fused_adam() -> None:
         (lambda o: WarmupCosineLR(o, total_num_steps=5, cos_min_ratio="x"), "cos_min_ratio='x'"),
         (lambda o: OneCycle(o, 0.1, 0.2, cycle_first_step_size=0), "cycle_first_step_size=0"),
         (lambda o: WarmupLR(o, last_batch_iteration=-2), "last_batch_iteration=-2"),
+        (lambda o: LRRangeTest(o, lr_range_test_step_size=0), "lr_range_test_step_size=0"),
+        (lambda o: LRRangeTest(o, lr_range_test_staircase="yes"), "lr_range_test_staircase='yes'"),
     ],
 )
 def test_bad_arguments_name_themselves(build, message: str) -> None:
@@ -174,6 +184,10 @@ DEEPSPEED_CASES = {
             cycle_min_lr=[0.01, 0.02], cycle_max_lr=0.1, cycle_first_step_size=3, decay_lr_rate=0.3,
             decay_step_size=2, decay_mom_rate=0.01, cycle_first_stair_count=3,
         ),
+    ],
+    "LRRangeTest": [
+        dict(lr_range_test_min_lr=0.01, lr_range_test_step_size=3, lr_range_test_step_rate=2.5),
+        dict(lr_range_test_min_lr=[0.01, 0.02], lr_range_test_step_size=4, lr_range_test_staircase=True),
     ],
 }  # fmt: skip
 

@@ -1,7 +1,7 @@
 """The ``scheduler`` section of a DeepSpeed config: ``{"type": NAME, "params": {...}}``.
 
 ``type`` is one of DeepSpeed's schedules (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
-``OneCycle``, built from ``zero_kernels.schedulers``) or, as DeepSpeed allows, the name of a
+``OneCycle``, ``LRRangeTest``, built from ``zero_kernels.schedulers``) or, as DeepSpeed allows, the name of a
 class of ``torch.optim.lr_scheduler`` (its params' names are checked against the class's
 signature, their values passed through as given). The params of DeepSpeed's schedules are
 checked against their signatures (unknown names, bad values) and may be ``"auto"``: filled
@@ -67,6 +67,10 @@ PARAM_RULES: Dict[str, Scalar] = {
     "cos_min_ratio": number(0),
     "decay_lr_rate": number(),
     "decay_mom_rate": number(),
+    "lr_range_test_min_lr": _PER_GROUP,
+    "lr_range_test_step_size": integer(1),
+    "lr_range_test_step_rate": number(),
+    "lr_range_test_staircase": boolean(),
 }
 
 
@@ -112,8 +116,6 @@ class SchedulerConfig:
 def _check_type(value: Any, path: str) -> str:
     if isinstance(value, str) and (value in schedulers.SCHEDULERS or value in _TORCH):
         return value
-    if value == "LRRangeTest":
-        raise ValueError(f"{path}='LRRangeTest' is not supported yet by zero_kernels")
     names = sorted(schedulers.SCHEDULERS)
     hint = suggest(str(value), [*names, *_TORCH])
     raise ValueError(
