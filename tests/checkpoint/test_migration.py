@@ -275,6 +275,8 @@ def test_import_keeps_deepspeeds_fp32_weights_steps_and_groups(imported: dict[st
             with TensorSource(version, meta) as src:
                 assert torch.equal(src.full("model/fc1.weight").float(), before["fc1.weight"].float()), case
         assert [g["weight_decay"] for g in meta["param_groups"]] == [0.1, 0.0]
+        weights_decay = [0 if p["name"].endswith("weight") else 1 for p in meta["params"]]
+        assert [p["group"] for p in meta["params"]] == weights_decay, f"{case}: {fixtures.groups.__doc__}"
         book = read_file(version, OBJECTS, meta["objects"])
         assert meta["param_groups"][0]["betas"] == [0.9, 0.95] and book["param_groups"][0]["betas"] == (0.9, 0.95)
         assert book["lr_scheduler"] == {"last_batch_iteration": 3}, f"{case}: {book['lr_scheduler']}"
@@ -320,7 +322,7 @@ def _resume(rank: int, world: int, stages: dict[str, int], imported: dict[str, s
     for case, stage in stages.items():
         info = json.loads((DATA / "deepspeed" / case / "case.json").read_text())
         config = {**info["config"], "zero_optimization": {"stage": stage, "reduce_bucket_size": 16}}
-        model = fixtures.make_model(info.get("frozen", False))
+        model = fixtures.make_model(info.get("frozen", False), info.get("frozen_biases", False))
         model, opt, scheduler = zk.initialize(model, config, model_parameters=fixtures.groups(model))
         zk.checkpoint.load(imported[case], model, opt, scheduler=scheduler)
         dtype = torch.bfloat16 if info["bf16"] else torch.float32

@@ -46,10 +46,15 @@ CASES = {
     "stage3_frozen_fp32": (3, False, True),
     "stage3_frozen_bf16": (3, True, True),
     "stage3_subgroups_fp32": (3, False, False),
+    "stage3_subgroups_frozen_biases_fp32": (3, False, False),
 }
 # case -> stage 3's sub_group_size, where it is small enough to cut a param group into several sub-groups
 # (DeepSpeed's default, 1e9, does so for a param group of over a billion elements)
-SUB_GROUP_SIZE = {"stage3_subgroups_fp32": 16}
+SUB_GROUP_SIZE = {"stage3_subgroups_fp32": 16, "stage3_subgroups_frozen_biases_fp32": 16}
+# cases whose biases are frozen and stay in DeepSpeed's param groups: the biases' group trains nothing, so DeepSpeed's
+# stage 3 gives it no sub-group and saves it with no "params", while the weights' group is two sub-groups (as many as
+# the saved param groups); zero_kernels resumes with ``groups``' trainable parameters (the biases' group empty)
+FROZEN_BIASES = {"stage3_subgroups_frozen_biases_fp32"}
 
 
 class Tiny(nn.Module):
@@ -64,11 +69,13 @@ class Tiny(nn.Module):
         return (self.fc2(torch.tanh(self.fc1(x))) - y).float().square().mean()
 
 
-def make_model(frozen: bool = False) -> Tiny:
-    """``frozen``: ``fc1.weight`` does not train."""
+def make_model(frozen: bool = False, frozen_biases: bool = False) -> Tiny:
+    """``frozen``: ``fc1.weight`` does not train; ``frozen_biases``: neither do the biases."""
     torch.manual_seed(0)
     model = Tiny()
     model.fc1.weight.requires_grad_(not frozen)
+    for bias in (model.fc1.bias, model.fc2.bias):
+        bias.requires_grad_(not frozen_biases)
     return model
 
 
@@ -78,10 +85,11 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
 
 
-def groups(model: Tiny) -> list[dict]:
-    """Two param groups of the trainable parameters, as a Trainer makes them: weights decay, biases do not."""
-    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and p.requires_grad]
-    biases = [p for n, p in model.named_parameters() if n.endswith("bias") and p.requires_grad]
+def groups(model: Tiny, frozen_too: bool = False) -> list[dict]:
+    """Two param groups of the trainable parameters (``frozen_too``: of every parameter), as a Trainer makes them:
+    weights decay, biases do not."""
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight") and (p.requires_grad or frozen_too)]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias") and (p.requires_grad or frozen_too)]
     return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
 
 
@@ -113,9 +121,10 @@ def _run(rank: int, case: str, stage: int, bf16: bool, frozen: bool, out: str, p
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
-    model = make_model(frozen)
+    model = make_model(frozen, case in FROZEN_BIASES)
+    params = groups(model, case in FROZEN_BIASES)
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=groups(model), config=config(stage, bf16, SUB_GROUP_SIZE.get(case))
+        model=model, model_parameters=params, config=config(stage, bf16, SUB_GROUP_SIZE.get(case))
     )
     ckpt = Path(out) / case / "ckpt"
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -172,6 +181,8 @@ def main() -> None:
             mp.spawn(_run, args=args_, nprocs=WORLD, join=True)
         cfg = config(stage, bf16, SUB_GROUP_SIZE.get(case))
         info = {"stage": stage, "bf16": bf16, "frozen": frozen, "world_size": WORLD, "config": cfg}
+        if case in FROZEN_BIASES:
+            info["frozen_biases"] = True
         (Path(args.out) / case / "case.json").write_text(json.dumps(info, indent=1) + "\n")
         print(case, "done", file=sys.stderr)
 

@@ -257,11 +257,11 @@ def _assemble_stage3(params: list[_Param], optims: list[dict[str, Any]]) -> None
 def _stage3_param_groups(params: list[_Param], optims: list[dict[str, Any]]) -> None:
     """Stage 3's ``param_shapes`` has one entry per sub-group (a param group of more than ``sub_group_size``
     elements is several, 1e9 by default): give each parameter the param group of its sub-group, the saved torch
-    param group whose ``"params"`` lists that sub-group's state index."""
+    param group whose ``"params"`` lists that sub-group's state index. Equal counts do not make the sub-group the
+    param group: a param group whose parameters are all frozen has no sub-group (DeepSpeed saves it with no
+    ``"params"``), so one of the others may have two."""
     saved = optims[0]["optimizer_state_dict"]["param_groups"]
     subs = max(p.group for p in params) + 1
-    if len(saved) == subs:
-        return  # one saved param group per sub-group: the sub-group is the param group
     owner = {}
     for index, group in enumerate(saved):
         for sub in group.get("params") or []:
@@ -298,14 +298,12 @@ def _frozen(model_state: dict[str, Any], stage: int, files: list[Path]) -> dict[
 
 
 # ---------------------------------------------------------------- metadata
-def _hyper(optims: list[dict[str, Any]], stage: int, params: list[_Param]) -> list[dict[str, Any]]:
+def _hyper(optims: list[dict[str, Any]], stage: int) -> list[dict[str, Any]]:
     """lr/betas/eps/weight_decay of every DeepSpeed param group (each parameter's ``group`` indexes the saved param
     groups: at stage 3 once ``_stage3_param_groups`` has mapped its sub-group to its param group)."""
     inner = optims[0]["optimizer_state_dict"] if stage == 3 else optims[0]["base_optimizer_state"]
-    saved = inner["param_groups"]
-    groups = max(p.group for p in params) + 1
     out = []
-    for g, group in enumerate(saved[:groups]):
+    for g, group in enumerate(inner["param_groups"]):  # every one: a group of frozen parameters trains none
         if group.get("amsgrad"):
             raise CheckpointError(f"param group {g} uses amsgrad, which zero_kernels does not support")
         out.append({k: list(group[k]) if k == "betas" else float(group[k]) for k in _HYPER})
@@ -460,7 +458,7 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
         pieces += [(f"optim/{i}/{kind}", p.values[kind].view(p.shape)) for kind in kinds]
     model_keys = {key: f"model/{key}" for key in tensors}
     model_keys.update({alias: f"model/{target}" for alias, target in shared.items()})
-    groups = _hyper(optims, stage, params)
+    groups = _hyper(optims, stage)
     meta = {
         "format": FORMAT,
         "version": VERSION,
