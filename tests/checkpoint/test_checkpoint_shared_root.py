@@ -8,6 +8,7 @@ lock (an flock on the root directory, dropped by the kernel when its process die
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -69,3 +70,27 @@ def test_a_process_forked_during_a_save_does_not_keep_the_lock(tmp_path: Path) -
     finally:
         os.close(write)
         os.waitpid(pid, 0)
+
+
+@pytest.mark.parametrize("code", [errno.EBADF, errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])
+def test_a_root_whose_file_system_does_not_lock_still_saves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    # NFSv4 emulates flock with a byte-range lock, which needs a descriptor open for writing (a directory never is:
+    # EBADF); Lustre mounted without -o flock answers ENOSYS: every save was refused as if another were under way
+    flock = fcntl.flock
+
+    def unsupported(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_EX:
+            raise OSError(code, os.strerror(code))
+        flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    model, opt = _trained()
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        first = ck.save(tmp_path, model, opt)
+        second = ck.save(tmp_path, model, opt)
+    assert (tmp_path / "latest").read_text() == second.name != first.name
+    assert caplog.text.count("cannot lock") == 1, caplog.text  # said once per root
+    assert os.strerror(code) in caplog.text
+    ck.load(tmp_path, model, opt)

@@ -38,6 +38,7 @@ version, pieces lie inside their files) before anything is opened or allocated.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -186,7 +187,9 @@ class SaveLock:
     no stale lock. A process forked while the lock is held (a DataLoader's worker started beside a save in a
     background thread) shares the lock through its copy of the descriptor: the release unlocks it explicitly
     (``LOCK_UN`` acts on every copy) before it closes, so such a child, which may live for the whole run, does not
-    keep it and refuse every later save into the root."""
+    keep it and refuse every later save into the root. A file system that cannot lock the root (NFSv4 emulates flock
+    with a lock that needs a descriptor open for writing, which a directory never is; Lustre mounted without
+    ``flock``) saves without the lock, as before it, with a WARNING once per root."""
 
     def __init__(self, root: Path):
         import fcntl  # POSIX only: imported where a save needs it
@@ -194,9 +197,12 @@ class SaveLock:
         self._fd: Optional[int] = os.open(root, os.O_RDONLY)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as err:
             os.close(self._fd)
             self._fd = None
+            if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                _warn_unlocked(root, err)
+                return
             raise CheckpointError(
                 f"checkpoint: another process is saving into {root} now: two jobs (or two data-parallel groups) "
                 "saving into one directory would replace each other's 'latest' and a later load would get the "
@@ -210,6 +216,20 @@ class SaveLock:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+
+_unlocked: set[Path] = set()  # roots whose file system cannot lock them, warned of
+
+
+def _warn_unlocked(root: Path, err: OSError) -> None:
+    if root.resolve() not in _unlocked:
+        _unlocked.add(root.resolve())
+        log.warning(
+            "checkpoint: cannot lock %s (its file system answered: %s): this save and the later ones into it go "
+            "unlocked, so a second job (or data-parallel group) saving into it at the same time is not detected; "
+            "give each its own directory",
+            root, err.strerror,
+        )  # fmt: skip
 
 
 def next_version(root: Path) -> str:
