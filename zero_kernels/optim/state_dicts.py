@@ -324,8 +324,11 @@ def _check_sharded(opt: "ShardedFusedAdam", meta: Mapping[str, Any]) -> None:
         raise ValueError(
             f"load_state_dict: this sharded state is rank {saved_by}'s shard, and this is rank {here}: each rank "
             "loads the state_dict() it saved itself (a file written by one rank for all, as accelerate's "
-            "save_state writes the optimizer, holds one rank's shard); to move a state between ranks, save "
-            "full_state_dict() or use zero_kernels.checkpoint"
+            "save_state writes the optimizer, holds one rank's shard); for a file one rank writes, as nanoGPT's "
+            "'if master_process' and torchvision's save_on_master do, call opt.consolidate_state_dict(to=0) on every "
+            "rank before it and save rank 0's state_dict() (the whole state, which loads on every rank), or "
+            "full_state_dict() taken on every rank (both are collectives: on rank 0 alone they wait for the other "
+            "ranks forever); or use zero_kernels.checkpoint"
         )
     if len(meta["shapes"]) != sum(len(g["params"]) for g in opt.param_groups):
         raise ValueError("load_state_dict: the state holds a different number of parameters")
