@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from .comm import agreement
+from .comm import agreement, devices
 from .config import ZeroConfig, client_optimizer
 from .config.at_updates import gate
 from .config.call_forms import align_local_rank, config_source, init_dist, refuse_deepspeed_only
@@ -204,8 +204,13 @@ def _scheduler(
 
 def _broadcast_model(model: nn.Module, process_group: Any) -> None:
     """Rank 0's parameter values on every rank where the ranks' values differ (after the cast, as
-    ``deepspeed.initialize`` broadcasts them), said once at WARNING; ``ShardedFusedAdam`` itself refuses them."""
+    ``deepspeed.initialize`` broadcasts them), said once at WARNING; ``ShardedFusedAdam`` itself refuses them.
+    Nothing is compared on a device the group carries no tensors of (a model left on the CPU under
+    ``init_process_group("nccl")``): ``ShardedFusedAdam`` refuses that, naming the fix."""
     named = list(model.named_parameters())
+    served = devices.group_device_types(process_group)
+    if named and served is not None and named[0][1].device.type not in served:
+        return
     moved = agreement.broadcast_differing([p for _, p in named], process_group)
     if moved:
         first = ", ".join(repr(named[i][0]) for i in moved[:3]) + (

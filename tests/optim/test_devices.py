@@ -201,20 +201,22 @@ def _cpu_model_on_a_cuda_only_group(rank: int, world_size: int) -> None:
 
     group = dist.new_group(backend="cuda:gloo")  # the device map of init_process_group("nccl"): CUDA tensors only
     assert dist.get_backend_config(group) == "cuda:gloo"
+    torch.manual_seed(rank)  # values differ across ranks: zk.initialize would broadcast rank 0's
     model = torch.nn.Linear(4, 3)  # never moved to a GPU
-    with pytest.raises(
-        ValueError,
-        match=r"parameters are on cpu but the process group carries cuda tensors only.*"
-        r"model\.to\(torch\.cuda\.current_device\(\)\)",
-    ):
+    refused = r"parameters are on cpu but the process group carries cuda tensors only.*model\.to\(torch\.cuda\."
+    with pytest.raises(ValueError, match=refused):
         zk.ShardedFusedAdam(model, lr=1e-3, stage=2, process_group=group)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    with pytest.raises(ValueError, match=refused):  # not c10d's "No backend type associated with device type cpu"
+        zk.initialize(model, config, process_group=group)
 
 
 @pytest.mark.distributed
 def test_a_model_left_on_the_cpu_under_a_cuda_only_group_is_refused_with_the_fix() -> None:
     """The group of init_process_group("nccl") carries no CPU tensors: a model never moved to its GPU (which
-    deepspeed.initialize would have done) is refused on every rank naming the fix, where the optimizer's first
-    internal exchange failed with c10d's "No backend type associated with device type cpu"."""
+    deepspeed.initialize would have done) is refused on every rank naming the fix, by ShardedFusedAdam and by
+    zk.initialize, where the optimizer's first internal exchange (initialize: its comparison of the ranks' values)
+    failed with c10d's "No backend type associated with device type cpu"."""
     from tests.helpers.dist import run_ranks
 
     run_ranks(_cpu_model_on_a_cuda_only_group, 2)

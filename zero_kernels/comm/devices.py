@@ -61,17 +61,27 @@ def current_device_problem(device: Optional[torch.device]) -> Optional[str]:
     return f"the parameters are on {device} but cuda:{current} is the current device"
 
 
-def served_device_types(engine: Any) -> Optional[frozenset[str]]:
-    """The device types whose tensors ``engine``'s process group carries ("cuda:nccl": cuda), or None where that is
-    not known or not needed (one rank: nothing is exchanged)."""
-    if engine.world_size == 1:
-        return None
+def group_device_types(group: Any) -> Optional[frozenset[str]]:
+    """The device types whose tensors process group ``group`` carries ("cuda:nccl": cuda; None: the default
+    group), or None where that is not known."""
     try:
-        config = str(dist.get_backend_config(engine.group))
+        config = str(dist.get_backend_config(group))
     except (AttributeError, RuntimeError, ValueError):
         return None
     types = frozenset(part.split(":", 1)[0] for part in config.split(",") if ":" in part)
     return types or None
+
+
+def served_device_types(engine: Any) -> Optional[frozenset[str]]:
+    """The device types whose tensors ``engine``'s process group carries, or None where that is not known or not
+    needed (one rank: nothing is exchanged)."""
+    if engine.world_size == 1:
+        return None
+    try:
+        group = engine.group
+    except AttributeError:  # an engine that does not say its group: not known
+        return None
+    return group_device_types(group)
 
 
 def unserved_problem(engine: Any, device: Optional[torch.device]) -> Optional[str]:
