@@ -6,6 +6,7 @@ one name changed::
     from zero_kernels.integrations.accelerate import ZeroAccelerator
 
     accelerator = ZeroAccelerator()  # takes Accelerator's arguments
+    model.to(accelerator.device)  # first: the optimizer keeps its buffers on the parameters' device
     opt = zk.ShardedFusedAdam(model.parameters(), lr=3e-4, stage=2)  # stage 3: ShardedFusedAdam(model, ...)
     model, opt, loader = accelerator.prepare(model, opt, loader)
     for batch in loader:
