@@ -7,7 +7,9 @@ the one its tensors live on (1), as after ``init_process_group(device_id=...)`` 
 
 from __future__ import annotations
 
+import ast
 import contextlib
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator, Optional
 
@@ -220,3 +222,69 @@ def test_a_model_left_on_the_cpu_under_a_cuda_only_group_is_refused_with_the_fix
     from tests.helpers.dist import run_ranks
 
     run_ranks(_cpu_model_on_a_cuda_only_group, 2)
+
+
+PACKAGE = Path(__file__).resolve().parents[2] / "zero_kernels"
+# The current CUDA device, read on purpose: the construction check, and a checkpoint's GPU tensor read back.
+READS_CURRENT_DEVICE = {"comm/devices.py", "checkpoint/objects.py"}
+IMPLICIT = {  # torch.cuda functions that take the current device when given no argument
+    "current_stream", "default_stream", "synchronize", "Stream", "current_blas_handle", "set_device",
+}  # fmt: skip
+
+
+def _dotted(node: ast.AST) -> str:
+    """``torch.cuda.current_stream`` for that attribute chain; "" for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def _cuda(values: list[ast.AST]) -> bool:
+    """Whether ``values`` hold the bare device name "cuda" (the current CUDA device)."""
+    return any(isinstance(v, ast.Constant) and v.value == "cuda" for v in values)
+
+
+def _launch_guards(tree: ast.AST) -> set[int]:
+    """The ids of the calls inside a ``with tuning.launch_device(...)`` block."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        entered = (
+            [i.context_expr for i in node.items if isinstance(i.context_expr, ast.Call)]
+            if isinstance(node, ast.With)
+            else []
+        )
+        if any(_dotted(call.func).endswith("launch_device") for call in entered):
+            inside |= {id(n) for n in ast.walk(node) if isinstance(n, ast.Call)}
+    return inside
+
+
+def _implicit_device_calls(path: Path) -> list[str]:
+    """Calls in ``path`` that would queue work on, or read, the current CUDA device instead of a named one."""
+    tree = ast.parse(path.read_text())
+    guarded, where = _launch_guards(tree), path.relative_to(PACKAGE).as_posix()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name, args = _dotted(node.func), node.args or node.keywords
+        bad = name.startswith("torch.cuda.") and name.rsplit(".", 1)[1] in IMPLICIT and not args
+        bad |= name == "torch.cuda.set_device" or (name.endswith(".cuda") and not args)
+        bad |= name == "torch.cuda.current_device" and where not in READS_CURRENT_DEVICE
+        bad |= name.endswith(".record") and not args  # an event recorded on the current device's stream
+        bad |= name == "torch.device" and len(node.args) == 1 and _cuda(node.args)
+        bad |= name.endswith(".to") and _cuda(node.args) or _cuda([k.value for k in node.keywords if k.arg == "device"])
+        launch = isinstance(node.func, ast.Subscript) and _dotted(node.func.value).endswith("_kernel")
+        bad |= launch and id(node) not in guarded and where != "kernels/aot.py"  # Triton launches on the current device
+        if bad:
+            found.append(f"{where}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_no_cuda_call_takes_the_current_device_implicitly() -> None:
+    """Every stream, event, synchronisation and Triton launch of the package names its tensors' device (or runs in
+    ``tuning.launch_device``): a rank whose tensors are on cuda:1 would otherwise queue it on the current device,
+    GPU 0 where the script did not call torch.cuda.set_device (refused at construction, but only there)."""
+    found = [hit for path in sorted(PACKAGE.rglob("*.py")) for hit in _implicit_device_calls(path)]
+    assert not found, "\n".join(found)
