@@ -146,6 +146,19 @@ def test_args_local_rank_is_the_launchers_as_deepspeed_sets_it(monkeypatch: pyte
     assert alone.local_rank == -1  # no launcher: left as the script has it
 
 
+def test_args_local_rank_parsed_as_a_string_is_compared_as_its_number(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: ``--local_rank`` parsed without ``type=int`` (a string, ``--local_rank=1`` from a launcher) failed
+    initialize with 'TypeError: '>=' not supported between str and int'; it is compared as its number and keeps its
+    type, as the script parsed it."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    for given in ("1", "-1"):
+        args = types.SimpleNamespace(deepspeed_config=None, local_rank=given)
+        zk.initialize(nn.Linear(4, 2), _config(), args=args)
+        assert args.local_rank == "1", given
+    with pytest.raises(ValueError, match=r"args.local_rank is '0' but the launcher.s LOCAL_RANK is 1"):
+        zk.initialize(nn.Linear(4, 2), _config(), args=types.SimpleNamespace(local_rank="0"))
+
+
 def _launched_without_a_group(rank: int, world: int, port: int, required) -> None:
     """A script written for deepspeed.initialize under torchrun: no init_process_group of its own."""
     torch.distributed.destroy_process_group()

@@ -97,7 +97,8 @@ def align_local_rank(args: Any) -> None:
     """``args.local_rank`` set to the launcher's ``LOCAL_RANK`` where ``args`` has the attribute and the variable is
     set, as ``deepspeed.initialize`` sets it: scripts read it after initialize (``if args.local_rank == 0: save``),
     and torchrun passes no ``--local_rank``, so it stayed at the parser's -1 on every rank. A different value of
-    0 or more given there is an error, as DeepSpeed asserts.
+    0 or more given there is an error, as DeepSpeed asserts. A string (``--local_rank`` parsed without
+    ``type=int``) is compared as its number and stays a string.
 
     Args:
         args: ``deepspeed.initialize``'s argparse namespace, or None.
@@ -106,12 +107,20 @@ def align_local_rank(args: Any) -> None:
     if args is None or not hasattr(args, "local_rank") or not local:
         return
     given = args.local_rank
-    if given is not None and given >= 0 and given != int(local):
+    number = _integer(given)
+    if number is not None and number >= 0 and number != int(local):
         raise ValueError(
-            f"initialize: args.local_rank is {given} but the launcher's LOCAL_RANK is {local} (DeepSpeed refuses "
+            f"initialize: args.local_rank is {given!r} but the launcher's LOCAL_RANK is {local} (DeepSpeed refuses "
             "the mismatch too): pass the launcher's value, or leave --local_rank out under torchrun"
         )
-    args.local_rank = int(local)
+    args.local_rank = local if isinstance(given, str) else int(local)
+
+
+def _integer(value: Any) -> Optional[int]:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def config_source(config: Any, config_params: Any, args: Any) -> Any:
