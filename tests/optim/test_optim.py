@@ -410,6 +410,23 @@ def test_backward_takes_deepspeeds_scale_wrt_gas_true_and_refuses_false() -> Non
         opt.backward(model(torch.randn(2, 5).half()).float().sum(), scale_wrt_gas=False)
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+def test_backward_takes_scale_wrt_gas_false_without_accumulation(fp16: bool) -> None:
+    """With gradient_accumulation_steps 1 nothing is divided, so DeepSpeed's scale_wrt_gas=False changes nothing
+    there and a loop passing it always (its own scaling) trains; it was refused as at every other accumulation."""
+    weights = []
+    for kwargs in ({}, {"scale_wrt_gas": False}):
+        torch.manual_seed(0)
+        model = nn.Linear(5, 3).half() if fp16 else nn.Linear(5, 3)
+        extra = {"fp16": {"enabled": True, "initial_scale_power": 4}} if fp16 else {}
+        opt = zo.ShardedFusedAdam(model, lr=LR, stage=1, gradient_accumulation_steps=1, **extra)
+        x = torch.randn(2, 5, generator=torch.Generator().manual_seed(1)).to(model.weight.dtype)
+        opt.backward(model(x).float().sum(), **kwargs)
+        opt.step()
+        weights.append(model.weight.detach().clone())
+    assert opt.applied_steps == 1 and torch.equal(*weights)
+
+
 def test_fp16_overflow_at_the_minimum_scale_raises_and_changes_nothing() -> None:
     """DeepSpeed stops the run on an overflow at ``min_loss_scale``; skipping every step from then on would
     train nothing, silently."""

@@ -399,9 +399,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         Args:
             loss: the scalar loss of this micro-step.
             **kwargs: passed to ``Tensor.backward``; DeepSpeed's ``scale_wrt_gas=True`` (its default) is taken, False
-                is refused saying what to pass instead.
+                too where ``gradient_accumulation_steps`` is 1 (nothing is divided), else refused saying what to pass.
         """
-        if not kwargs.pop("scale_wrt_gas", True):
+        if not kwargs.pop("scale_wrt_gas", True) and self.gradient_accumulation_steps > 1:
             raise ValueError(
                 "ShardedFusedAdam.backward: scale_wrt_gas=False (DeepSpeed's engine.backward) is not taken: the step "
                 "divides every micro-step's gradients by gradient_accumulation_steps; to keep this micro-step's "
