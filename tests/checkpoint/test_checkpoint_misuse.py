@@ -7,7 +7,8 @@
   weights from before the block's edits, which reach the shards at its end: it raises on every rank and writes
   nothing; saved after the block, the checkpoint holds the edits. The state dicts read there hold them.
 - A checkpoint whose optimized parameters differ from the optimizer's (one frozen on one side only: fine-tuning
-  from pretraining) names that parameter, not only the counts.
+  from pretraining) names that parameter, not only the counts; a saved param group that holds no parameter (an
+  imported DeepSpeed group of frozen parameters) missing from the optimizer is named, with the empty group to give.
 - ``consolidate`` of a checkpoint saved inside a gradient accumulation window, which it cannot carry, warns
   naming the window (micro-step, ranks holding gradients); ``inspect`` shows the window.
 """
@@ -203,6 +204,28 @@ def _saved_mid_window(root: Path, micro: int) -> None:
         model(torch.randn(ROWS, 6, generator=torch.Generator().manual_seed(m))).square().mean().backward()
         opt.step()
     ck.save(root, model, opt)
+
+
+def test_a_saved_param_group_with_no_parameter_is_named(tmp_path: Path) -> None:
+    """A checkpoint with a param group that holds no parameter (a DeepSpeed run's group of frozen biases, imported:
+    import-deepspeed keeps it) loaded by an optimizer without that group was refused with the counts alone ('2 param
+    groups with 2 parameters; this optimizer has 1 with 2'); it names the empty group and what to give."""
+
+    def make(empty: bool) -> tuple[nn.Module, zo.ShardedFusedAdam]:
+        model = make_net()
+        weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.endswith("weight"))
+        groups = [{"params": weights}] + ([{"params": []}] if empty else [])
+        return model, zo.ShardedFusedAdam(groups, module=model, lr=1e-2, stage=2)
+
+    model, opt = make(empty=True)
+    model(torch.randn(3, 6)).square().mean().backward()
+    opt.step()
+    ck.save(tmp_path, model, opt)
+    model, opt = make(empty=False)
+    with pytest.raises(ck.CheckpointError, match=r"param group 1 there holds no parameter.*\{'params': \[\]\}"):
+        ck.load(tmp_path, model, opt)
 
 
 @pytest.mark.parametrize("micro", [0, 1])

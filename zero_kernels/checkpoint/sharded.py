@@ -450,9 +450,22 @@ def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path
     if len(meta["param_groups"]) != len(optimizer.param_groups) or len(saved) != len(names):
         raise CheckpointError(
             f"checkpoint: {version} has {len(meta['param_groups'])} param groups with {len(saved)} parameters; "
-            f"this optimizer has {len(optimizer.param_groups)} with {len(names)}"
+            f"this optimizer has {len(optimizer.param_groups)} with {len(names)}{_empty_groups(meta)}"
         )
     return saved
+
+
+def _empty_groups(meta: dict) -> str:
+    """Where the saved param groups include some that hold no parameter (a DeepSpeed run's group of frozen
+    parameters, imported), which they are and what the optimizer gives in their place; else ""."""
+    held = {p["group"] for p in meta["params"]}
+    empty = [g for g in range(len(meta["param_groups"])) if g not in held]
+    if not empty:
+        return ""
+    return (
+        f" (param group {', '.join(map(str, empty))} there holds no parameter, frozen where it was saved: give the "
+        "optimizer an empty param group, {'params': []}, in that place)"
+    )
 
 
 def _state_key(src: TensorSource, kind: str, index: int, name: str, trained: bool) -> Optional[str]:
