@@ -206,17 +206,21 @@ def _saved_mid_window(root: Path, micro: int) -> None:
     ck.save(root, model, opt)
 
 
-def test_a_saved_param_group_with_no_parameter_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("first", [False, True])
+def test_a_saved_param_group_with_no_parameter_is_named(tmp_path: Path, first: bool) -> None:
     """A checkpoint with a param group that holds no parameter (a DeepSpeed run's group of frozen biases, imported:
     import-deepspeed keeps it) loaded by an optimizer without that group was refused with the counts alone ('2 param
-    groups with 2 parameters; this optimizer has 1 with 2'); it names the empty group and what to give."""
+    groups with 2 parameters; this optimizer has 1 with 2'), or, the empty group first, with the first parameter's
+    group index alone; either names the empty group and what to give."""
 
     def make(empty: bool) -> tuple[nn.Module, zo.ShardedFusedAdam]:
         model = make_net()
         weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
         for name, p in model.named_parameters():
             p.requires_grad_(name.endswith("weight"))
-        groups = [{"params": weights}] + ([{"params": []}] if empty else [])
+        groups = [{"params": weights}]
+        if empty:
+            groups.insert(0 if first else 1, {"params": []})
         return model, zo.ShardedFusedAdam(groups, module=model, lr=1e-2, stage=2)
 
     model, opt = make(empty=True)
@@ -224,7 +228,8 @@ def test_a_saved_param_group_with_no_parameter_is_named(tmp_path: Path) -> None:
     opt.step()
     ck.save(tmp_path, model, opt)
     model, opt = make(empty=False)
-    with pytest.raises(ck.CheckpointError, match=r"param group 1 there holds no parameter.*\{'params': \[\]\}"):
+    hint = rf"param group {0 if first else 1} there holds no parameter.*\{{'params': \[\]\}}"
+    with pytest.raises(ck.CheckpointError, match=hint):
         ck.load(tmp_path, model, opt)
 
 

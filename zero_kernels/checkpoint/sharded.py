@@ -439,6 +439,7 @@ def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path
                 )
                 raise CheckpointError(
                     f"checkpoint: parameter {name!r} is in param group {g} here but {where} in {version}"
+                    f"{_empty_groups(meta)}"
                 )
     here = set(names)
     for entry in meta["params"]:
