@@ -16,6 +16,7 @@ import copy
 from typing import Callable, Iterator
 
 import torch
+from torch import nn
 
 import zero_kernels.optim as zo
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
@@ -65,8 +66,18 @@ def _micro(model: Net, opt: zo.ShardedFusedAdam, rows: torch.Tensor, step: int, 
         loss.backward()
 
 
-def _state(opt: zo.ShardedFusedAdam) -> dict:
-    return opt.full_state_dict()["state"]
+def assert_same(a: zo.ShardedFusedAdam, b: zo.ShardedFusedAdam, plain: nn.Module, tiered: nn.Module, what: str) -> None:
+    """``plain`` and ``tiered`` (trained by ``a`` and ``b``) hold the same weights, and ``a`` and ``b`` the same full
+    optimizer state, kind for kind, bit for bit."""
+    with a.gathered_params(), b.gathered_params():
+        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+            assert torch.equal(p, q), f"{what}: parameter {name} differs"
+    sa, sb = a.full_state_dict()["state"], b.full_state_dict()["state"]
+    assert sa.keys() == sb.keys(), what
+    for i in sa:
+        assert sa[i].keys() == sb[i].keys(), f"{what}: state {i}"
+        for kind in sa[i]:
+            assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
 
 
 def pair_case(
@@ -109,14 +120,7 @@ def pair_case(
             during(b)
             if step < STEPS - 1:
                 continue
-        with a.gathered_params(), b.gathered_params():
-            for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
-                assert torch.equal(p, q), f"{what}: parameter {name} differs"
-        sa, sb = _state(a), _state(b)
-        assert sa.keys() == sb.keys(), what
-        for i in sa:
-            for kind in sa[i]:
-                assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
+        assert_same(a, b, plain, tiered, what)
     assert a.skipped_steps >= 1, "the schedule must skip a step"
     placed = [(buf.tier_from, len(buf.layout.buckets)) for buf in b._pipeline.buffers]  # ``offload_optimizer.ratio``
     numel = sum(buf.layout.shard_numel for buf in b._pipeline.buffers)

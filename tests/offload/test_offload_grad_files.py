@@ -23,6 +23,7 @@ import zero_kernels.checkpoint as ck
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch, extra_rows, local
+from tests.offload.exactness import assert_same
 from tests.offload.test_disk_tier import _tmpfs
 
 CLIP = 0.05
@@ -91,17 +92,6 @@ def _on_disk_only(opt: zo.ShardedFusedAdam) -> None:
     assert opt.memory_report()["grads"] == 0
 
 
-def _compare(a: zo.ShardedFusedAdam, b: zo.ShardedFusedAdam, plain: Net, tiered: Net, what: str) -> None:
-    with a.gathered_params(), b.gathered_params():
-        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
-            assert torch.equal(p, q), f"{what}: parameter {name} differs"
-    sa, sb = a.full_state_dict()["state"], b.full_state_dict()["state"]
-    assert sa.keys() == sb.keys(), what
-    for i in sa:
-        for kind in sa[i]:
-            assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
-
-
 def pair(rank: int, world: int, scratch: Path, dtype: torch.dtype, *, clip: bool = True, **kw) -> None:
     """Train without offload and with the state and the gradients on disk, comparing after every step."""
     torch.manual_seed(0)
@@ -120,7 +110,7 @@ def pair(rank: int, world: int, scratch: Path, dtype: torch.dtype, *, clip: bool
         if kind == "plain" and not kw:  # one reduction per bucket: the statistics read nothing more
             assert files.traffic()["read"] - read == shard_bytes, what
         _on_disk_only(b)
-        _compare(a, b, plain, tiered, what)
+        assert_same(a, b, plain, tiered, what)
     assert a.skipped_steps >= 1, "the schedule must skip a step"
     root = b._pipeline.tier.root
     b.pipeline.close()
@@ -174,7 +164,7 @@ def _window_ranks(rank: int, world: int, scratch: str) -> None:
     expected_model, expected = run(None)
     for resume in (_disk(root / f"resumed{rank}"), {}):
         model, opt = run(None, resume)
-        _compare(expected, opt, expected_model, model, f"resumed with {resume or 'no offload'}")
+        assert_same(expected, opt, expected_model, model, f"resumed with {resume or 'no offload'}")
 
 
 @pytest.mark.distributed

@@ -16,6 +16,7 @@ from torch import nn
 
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
+from tests.offload.exactness import assert_same
 
 BUCKET = 13  # elements: parameters straddle buckets and shards
 ROWS = 2
@@ -56,18 +57,6 @@ def _opt(model: _Tied, stage: int, offload: dict | None) -> zo.ShardedFusedAdam:
     )
 
 
-def _same(a: zo.ShardedFusedAdam, b: zo.ShardedFusedAdam, plain: _Tied, tiered: _Tied, what: str) -> None:
-    with a.gathered_params(), b.gathered_params():
-        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
-            assert torch.equal(p, q), f"{what}: parameter {name} differs"
-    sa, sb = a.full_state_dict()["state"], b.full_state_dict()["state"]
-    assert sa.keys() == sb.keys(), what
-    for i in sa:
-        assert sa[i].keys() == sb[i].keys(), f"{what}: state {i}"
-        for kind in sa[i]:
-            assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
-
-
 def _pair(rank: int, world: int, stage: int, offload: dict) -> None:
     torch.manual_seed(0)
     plain = _Tied().to(torch.bfloat16)
@@ -86,7 +75,7 @@ def _pair(rank: int, world: int, stage: int, offload: dict) -> None:
             opt.zero_grad()
         what = f"stage {stage} {offload['device']} step {step}"
         assert torch.equal(norms[0], norms[1]), f"{what}: clip_grad_norm_ {norms}"
-        _same(a, b, plain, tiered, what)
+        assert_same(a, b, plain, tiered, what)
     assert all(buf.tier_from > 0 for buf in b._pipeline.buffers[:1]), "ratio 0.5 keeps a part on the device"
     b._pipeline.close()
 
