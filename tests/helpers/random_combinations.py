@@ -99,7 +99,7 @@ class Model(nn.Module):
         for kind, layer in zip(self.kinds, self.layers):
             if kind == "embedding":
                 e = layer(ids % layer.num_embeddings)
-                h = h + e if e.shape[-1] == h.shape[-1] else h * (1 + e)
+                h = h + e if e.shape[-1] == h.shape[-1] else torch.tanh(h * (1 + e))  # LayerNorm undoes a scale
             elif kind == "conv1d":
                 h = torch.tanh(layer(h.unsqueeze(1)).squeeze(1))  # a LayerNorm next would wash its bias out
             elif kind == "layernorm":
