@@ -236,3 +236,39 @@ def test_stage3_reentrant_segments_between_kept_whole_and_sharded_units(world: i
     reductions it runs, and those of the kept-whole unit the outer backward reduces at its end, all reach the step
     (they were taken at the inner end, uncounted, so that the step updated none of them)."""
     run_ranks_checked(_mixed_units_body, world, timeout_s=600)
+
+
+class MixedKinds(nn.Module):
+    """One block in segments of both kinds in one forward, in the order ``kinds`` gives (``True``: reentrant)."""
+
+    def __init__(self, kinds: tuple[bool, ...]):
+        super().__init__()
+        self.kinds = kinds
+        self.inp, self.block, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for reentrant in self.kinds:
+            h = h + checkpoint(self.block, h, use_reentrant=reentrant)
+        return self.out(h)
+
+
+def _mixed_kinds_body(rank: int, world: int) -> list[str]:
+    failures: list[str] = []
+    for kinds in ((True, False), (False, True), (True, False, True)):
+        for threshold in (0, 100):
+            torch.manual_seed(0)
+            train = functools.partial(
+                _against_adamw, rank, world, MixedKinds(kinds), stage=3, stage3_param_persistence_threshold=threshold
+            )
+            _close_to_adamw(f"reentrant per segment={kinds} threshold={threshold}", train, failures)
+    return failures
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", (1, 2))
+def test_stage3_block_in_reentrant_and_non_reentrant_segments(world: int) -> None:
+    """A block used in a reentrant segment and later in a non-reentrant one: the non-reentrant recomputation's call
+    ends in the backward that recomputed it and no longer counts as the reentrant segment's, so the unit waits for
+    the reentrant segment's backward (it was reduced before it, and that gradient raised 'second gradient')."""
+    run_ranks_checked(_mixed_kinds_body, world, timeout_s=600)

@@ -34,7 +34,11 @@ that a reentrant segment's original forward used (a module called without autogr
 that records) waits, besides the uses recorded by the forward, for as many recomputed calls to end as
 the segments made: a unit shared by several segments, or by a segment and the rest of the model (stage
 3 pools the parameters under ``stage3_param_persistence_threshold`` of all modules into one unit),
-is reduced after the last of them.
+is reduced after the last of them. A reentrant segment's recomputed call ends inside the segment's own
+backward (another graph task than the one that recomputed it); a non-reentrant segment's recomputed call
+"ends" in the backward that recomputed it, through the original inputs it was given, and does not count as a
+reentrant segment's (a module in a reentrant segment and later in a non-reentrant one was reduced before the
+reentrant segment's backward, whose gradient then raised).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class _Use:
     def __init__(self, tracker: "UseTracker", needs: tuple[int, ...], recomputed: bool, pending: int):
         self.tracker, self.needs, self.recomputed, self.pending = tracker, needs, recomputed, pending
         self.round = tracker.round
+        self.task = torch._C._current_graph_task_id()  # the backward that recomputes it (-1: a forward)
 
     def hook(self, grad: torch.Tensor) -> None:
         self.pending -= 1
@@ -137,8 +142,8 @@ class UseTracker:
         opened = self._open_recomputed if use.recomputed else self._open
         for i in use.needs:
             opened[i] -= 1
-        if use.recomputed:
-            for i in set(use.needs):
+        if use.recomputed and torch._C._current_graph_task_id() != use.task:
+            for i in set(use.needs):  # a reentrant segment's backward (its own graph task) ended the call
                 self._recomputed_ended[i] += 1
         self._on_ready([i for i in sorted(set(use.needs)) if self._all_ended(i)])
 
