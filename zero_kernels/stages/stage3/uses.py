@@ -43,6 +43,7 @@ reentrant segment's backward, whose gradient then raised).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -74,10 +75,13 @@ class _Use:
         self.round = tracker.round
         self.task = torch._C._current_graph_task_id()  # the backward that recomputes it (-1: a forward)
 
-    def hook(self, grad: torch.Tensor) -> None:
-        self.pending -= 1
-        if self.pending == 0:
-            self.tracker._ended(self)
+
+@torch._disable_dynamo  # one function, disabled once (``eager``): a backward inside a compiled function calls it
+def _count_down(use: _Use, grad: torch.Tensor) -> None:
+    """A watched input's gradient is complete: the last one ends the use."""
+    use.pending -= 1
+    if use.pending == 0:
+        use.tracker._ended(use)
 
 
 class UseTracker:
@@ -134,7 +138,7 @@ class UseTracker:
             opened[i] += 1
             used.add(i)
         for t in watched:
-            t.register_hook(use.hook)
+            t.register_hook(functools.partial(_count_down, use))
 
     def _ended(self, use: _Use) -> None:
         if use.round != self.round:
