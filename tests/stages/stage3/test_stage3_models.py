@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
@@ -152,6 +153,54 @@ def test_parameter_read_outside_its_module_is_gathered_for_the_reader() -> None:
     model(x).backward()  # now the root gathers it before its forward and holds it until its end
     fwd = "check:a@forward gather:a wait:a fwd:a check:b@forward gather:b wait:b fwd:b free:b free:a "
     assert log == _events(fwd + bwd)
+
+
+class ReadsChild(nn.Module):
+    """Holds no parameter itself: reads its child's weight directly and calls the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.linear(x, self.lin.weight) + self.lin(x))
+
+
+class Recomputed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ReadsChild()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: self.inner(self.inner(t)), x, use_reentrant=False)
+        return self.head(h).sum()
+
+
+def test_a_recomputed_read_of_a_parameter_found_for_the_module_around_it_says_where_to_register_it() -> None:
+    """A module without parameters of its own reads its child's weight in a checkpointed segment: found on first use,
+    the weight is gathered for the root's forward, which the recomputation in backward does not run. The error names
+    the module it went to and the fix (it read as an L2 penalty computed outside the forward); registered for the
+    module that reads it, the model trains as AdamW."""
+    torch.manual_seed(0)
+    model = Recomputed()
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
+    with pytest.raises(RuntimeError, match=r"gathered for the forward of '<root>'.*register_external_parameter"):
+        model(torch.randn(3, 4)).backward()
+    torch.manual_seed(0)
+    model = Recomputed()
+    ref = copy.deepcopy(model)
+    zk.register_external_parameter(model.inner, model.inner.lin.weight)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).backward()
+            o.step()
+            o.zero_grad()
+        with opt.gathered_params():
+            _compare(model, ref, f"registered, step {step}")
 
 
 def test_freed_parameter_calls_back_on_operations_not_on_metadata() -> None:

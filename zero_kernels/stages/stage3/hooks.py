@@ -160,6 +160,15 @@ FOREIGN_USE = (
     "ZeRO stage 3: module '%s' (%s) uses parameter '%s', which it does not hold, in its forward (%s); it is gathered "
     "for that module from now on."
 )
+# a forward that activation checkpointing recomputes in backward reads a parameter registered for a module that is
+# not running then: found on first use inside a module that holds no parameter itself, it went to the module around
+RECOMPUTED_READ = (
+    "ZeRO stage 3: parameter '{name}' is used ({func}) during backward, where it is not gathered: it is gathered for "
+    "the forward of {readers} (registered, or found on its first use there: a module that holds no parameter of its "
+    "own, such as a container reading a child's weight, reads it inside the forward of the module around it), and a "
+    "forward recomputed by activation checkpointing reads it without that module running. Register it for the "
+    "module whose forward reads it: zero_kernels.register_external_parameter(module, parameter), before the forward"
+)
 # torch.compile's tracing wraps a tensor an inlined forward reads (a LoRA layer reading its adapter's weight.dtype,
 # as PEFT's do): where the parameter is freed then, the module whose frame is being traced gathers it
 TRACED_USE = (
@@ -673,6 +682,14 @@ class Stage3Scheduler:
         its shape after the recomputed forward has returned."""
         return not any(p.requires_grad for p in self.units[i].params)
 
+    def _readers(self, param: nn.Parameter) -> str:
+        """The modules ``param`` is registered for as an external parameter, quoted (empty: none)."""
+        return ", ".join(
+            f"'{self._module_names.get(id(m), '?') or '<root>'}'"
+            for m in self.root.modules()
+            if any(q is param for q in model_hints.external_parameters(m))
+        )
+
     def _check_writes(self, frame: _Frame) -> None:
         """The persistent parameters written in place during the frame's module's forward (``nn.Embedding(max_norm)``;
         the root's frame: during the whole forward): kept whole on every rank, but each rank's step takes only its
@@ -701,6 +718,9 @@ class Stage3Scheduler:
                     "the parameters of its own optimizer only; train both with one optimizer, or use it inside "
                     "`with <its optimizer>.gathered_params():`)"
                 )
+            readers = self._readers(param) if self._in_backward else ""
+            if readers:
+                raise RuntimeError(RECOMPUTED_READ.format(name=name, func=guard.operation_name(func), readers=readers))
             needs_grad = torch.is_grad_enabled() and param.requires_grad
             raise RuntimeError(guard.outside_forward(name, func, where, needs_grad))
         frame = self._stack[-1]
