@@ -168,3 +168,57 @@ def test_a_first_micro_step_at_lr_0_after_a_backward_is_still_a_micro_step(stage
     model(batch(0, ROWS), (0, ROWS)).backward()
     opt.step()
     assert opt.micro_step == 1 and opt.applied_steps == 0
+
+
+def _qwz_body(rank: int, world: int, stage: int, dtype: torch.dtype, folder: str) -> list[str]:
+    """qwZ at stages 1-2: outside ``gathered_params()`` each rank holds the other ranks' parameters dequantized, and
+    the model's state_dict with them: DCP's helpers are refused there; inside the block the run resumes bit for bit."""
+
+    def build() -> tuple[Net, zo.ShardedFusedAdam]:
+        torch.manual_seed(0)
+        model = Net().to(dtype)
+        opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET, zero_quantized_weights=True)
+        return model, opt
+
+    def train(model: Net, opt: zo.ShardedFusedAdam, steps: range) -> None:
+        for step in steps:
+            model(batch(step + 100 * rank, ROWS).to(dtype), (0, ROWS)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    problems = []
+    model, opt = build()
+    train(model, opt, range(2))
+    try:
+        get_state_dict(model, opt)
+        problems.append(f"stage {stage} {dtype}: get_state_dict outside gathered_params() was taken")
+    except ValueError as err:
+        if "gathered_params()" not in str(err):
+            problems.append(f"unclear refusal: {err}")
+    with opt.gathered_params():
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    train(model, opt, range(2, 4))
+    again, opt2 = build()
+    with opt2.gathered_params():
+        model_sd, optim_sd = get_state_dict(again, opt2)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=folder)
+        set_state_dict(again, opt2, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    train(again, opt2, range(2, 4))
+    with opt.gathered_params(), opt2.gathered_params():
+        for (name, p), q in zip(model.named_parameters(), again.parameters()):
+            if not torch.equal(p, q):
+                problems.append(f"stage {stage} {dtype}: {name} differs by {(p - q).abs().max().item():.3g}")
+    return problems
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_dcp_with_quantized_weights_below_stage_3_is_taken_inside_gathered_params(
+    stage: int, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """DCP's ``get_state_dict`` outside the block took the model's parameters as rank 0 held them, the other ranks'
+    parts dequantized, and the load wrote them into the weights (2e-3 apart at the load, fp32 and bf16)."""
+    run_ranks_checked(_qwz_body, 2, stage, dtype, str(tmp_path))

@@ -15,6 +15,13 @@ from __future__ import annotations
 import sys
 
 _DCP = "torch.distributed.checkpoint"
+OUTSIDE_GATHERED = (
+    "torch.distributed.checkpoint's state-dict helpers were called outside opt.gathered_params() with "
+    "zero_quantized_weights on several ranks: there each rank holds the other ranks' parameters dequantized (the "
+    "quantized all-gather's values), and so does the model's state_dict, which get_state_dict saves and "
+    "set_state_dict loads into the weights. Call get_state_dict, dcp.save, dcp.load and set_state_dict inside "
+    "`with opt.gathered_params():`, where every parameter is exact, as at stage 3"
+)
 _FRAMES = 3  # the caller of ``state_dict`` and the frames above it that are looked at
 
 

@@ -837,6 +837,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if self._consolidated is not None:
             state_dict = optim_state.with_whole_meta(self, self._consolidated)
         elif self._pipeline.num_shards > 1 and dcp.asked_by_dcp():
+            if self._pipeline.dequantized_copies():
+                raise ValueError(dcp.OUTSIDE_GATHERED)
             state_dict = optim_state.full(self)
         else:
             state_dict = optim_state.sharded(self)

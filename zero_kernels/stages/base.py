@@ -126,6 +126,7 @@ class Pipeline(BackwardRound):
         self.index_name: Callable[[int], str] = lambda index: f"parameter {index}"  # set by the optimizer
         self.device: Optional[torch.device] = None  # the parameters' device, where exchanges run (set by the optimizer)
         self.buffers: list[FlatBuffer] = []
+        self.exact_blocks = 0  # gathered_params() blocks open (qwZ: every rank holds every rank's exact parameters)
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (buffer index, slot index)
         self.step_counts = outcome.StepCounts()  # optimizer param index -> Adam step count (``steps``)
         self._control_link = ControlLink(engine)  # host-side exchanges (``stats``) never wait for a device
@@ -808,14 +809,18 @@ class Pipeline(BackwardRound):
         modifier.check_modifier_rank(modifier_rank, self.engine.world_size)
         self.wait_params()
         self.gather_exact(self.buffers)
-        if modifier_rank is None:
-            yield
-        else:
-            held = [p for buf in self.buffers for p in buf.params]
-            others = modifier.Others(modifier.loose(self.module, held))
-            # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
-            with modifier.ending(functools.partial(self._broadcast_params, modifier_rank, others)):
+        self.exact_blocks += 1
+        try:
+            if modifier_rank is None:
                 yield
+            else:
+                held = [p for buf in self.buffers for p in buf.params]
+                others = modifier.Others(modifier.loose(self.module, held))
+                # also when the block raised (on every rank): the ranks agree, as DeepSpeed's __exit__
+                with modifier.ending(functools.partial(self._broadcast_params, modifier_rank, others)):
+                    yield
+        finally:
+            self.exact_blocks -= 1
         if any(self.epilogue_quantizer(buf) is not None for buf in self.buffers):
             # qwZ: the other ranks' parts dequantized again, as the step leaves them (a block, even an empty one or
             # a save, must not change the run); values assigned in the block (p.data = ...) go into param_flat first
@@ -837,6 +842,11 @@ class Pipeline(BackwardRound):
             raise
         adopt.follow_replaced(self, self.name_of)  # p.data = ... on the modifier rank: into param_flat first
         modifier.broadcast(self.engine, flats + others.tensors(), modifier_rank)
+
+    def dequantized_copies(self) -> bool:
+        """qwZ outside ``gathered_params()``: this rank holds the other ranks' parameters as the step's quantized
+        all-gather left them, dequantized, and so does the model's state_dict."""
+        return self.exact_blocks == 0 and any(self.epilogue_quantizer(buf) is not None for buf in self.buffers)
 
     def gather_exact(self, buffers: Sequence[FlatBuffer]) -> None:
         """qwZ: all-gather ``buffers`` (whole ``param_flat``) again unquantized, so that every rank holds every

@@ -750,6 +750,11 @@ class Stage3Pipeline(Stage2Pipeline):
             buf.secondary = buf.secondary_stamp = None
         return super().step(*args, **kwargs)
 
+    def dequantized_copies(self) -> bool:
+        """Stage 3's model state_dict holds the parameters only inside its own ``gathered_params()``, exact there
+        (``stage3.save``); outside it raises."""
+        return False
+
     @contextlib.contextmanager
     def gathered_params(self, modifier_rank: Optional[int] = None) -> Iterator[None]:
         """Every parameter holds its full value inside the block; changes go back to the shards on exit.
