@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import zero_kernels.optim as zo
@@ -222,3 +223,37 @@ def test_dcp_with_quantized_weights_below_stage_3_is_taken_inside_gathered_param
     """DCP's ``get_state_dict`` outside the block took the model's parameters as rank 0 held them, the other ranks'
     parts dequantized, and the load wrote them into the weights (2e-3 apart at the load, fp32 and bf16)."""
     run_ranks_checked(_qwz_body, 2, stage, dtype, str(tmp_path))
+
+
+def _stateless_rank_body(rank: int, world: int, stage: int, folder: str) -> list[str]:
+    """A model too small for every rank to hold some of its state: DCP's ``get_state_dict`` asks ``opt.state``
+    whether there is a state to make, and each rank must answer alike."""
+    torch.manual_seed(0)
+    model = nn.Linear(2, 1)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage)
+    problems = [] if len(opt.state) == 0 else ["the model is not small enough"]
+
+    def train(steps: range) -> None:
+        for step in steps:
+            model(torch.full((1, 2), float(step + rank))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(range(2))
+    if rank == world - 1 and len(opt.state):
+        problems.append(f"rank {rank} holds state: nothing is tested")
+    with _whole(opt, stage):
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    if opt.applied_steps != 2:
+        problems.append(f"get_state_dict stepped: {opt.applied_steps} steps applied")
+    train(range(2, 3))
+    return problems
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dcp_with_a_rank_that_holds_no_state(stage: int, tmp_path: Path) -> None:
+    """A rank holding no parameter's state had an empty ``opt.state``: DCP's ``_init_optim_state`` stepped the
+    optimizer there alone, and the ranks hung at the next collective."""
+    run_ranks_checked(_stateless_rank_body, 3, stage, str(tmp_path), timeout_s=60)

@@ -303,5 +303,14 @@ class ShardedState(MutableMapping):
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
+    def __bool__(self) -> bool:
+        """Asked by ``torch.distributed.checkpoint`` (``_init_optim_state`` steps an optimizer whose ``state`` is
+        empty, to make one): whether any rank holds state, the same answer on every rank; a rank holding no
+        parameter's state (a model smaller than the ranks' shards) stepped alone and the ranks hung. Else, as a
+        dict: whether this rank holds any."""
+        if dcp.asked_by_dcp():
+            return any(n > 0 for n in self._pipeline.steps.values()) or bool(self.extra)
+        return len(self) > 0
+
     def __repr__(self) -> str:
         return f"ShardedState({len(self)} entries on rank {self._pipeline.rank})"
