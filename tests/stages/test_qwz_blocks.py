@@ -67,3 +67,29 @@ def _case(rank: int, world: int, out: str) -> None:
 @pytest.mark.distributed
 def test_a_block_leaves_the_run_unchanged(spawn, tmp_path: Path) -> None:
     spawn(_case, 2, str(tmp_path))
+
+
+def _nested(rank: int, world: int) -> None:
+    """A block inside a block (``zk.save_pretrained`` inside the user's): the parameters stay exact until the outer
+    block ends, so what the outer block reads or saves after the inner one (DCP's ``get_state_dict``, which is taken
+    inside a block) is exact, and the outer block's end leaves the run as it was."""
+    for stage in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True, reduce_bucket_size=64)
+        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+        opt.step()
+        outside = [p.detach().clone() for p in model.parameters()]
+        with opt.gathered_params():
+            exact = [p.detach().clone() for p in model.parameters()]
+            with opt.gathered_params():
+                pass
+            for i, (p, e) in enumerate(zip(model.parameters(), exact)):
+                assert torch.equal(p.detach(), e), f"stage {stage}: param {i} {(p - e).abs().max():.3g} off inside"
+        for i, (p, o) in enumerate(zip(model.parameters(), outside)):
+            assert torch.equal(p.detach(), o), f"stage {stage}: param {i} {(p - o).abs().max():.3g} off after the block"
+
+
+@pytest.mark.distributed
+def test_a_block_inside_a_block_keeps_the_parameters_exact(spawn) -> None:
+    spawn(_nested, 2)

@@ -821,9 +821,10 @@ class Pipeline(BackwardRound):
                     yield
         finally:
             self.exact_blocks -= 1
-        if any(self.epilogue_quantizer(buf) is not None for buf in self.buffers):
+        if self.exact_blocks == 0 and any(self.epilogue_quantizer(buf) is not None for buf in self.buffers):
             # qwZ: the other ranks' parts dequantized again, as the step leaves them (a block, even an empty one or
-            # a save, must not change the run); values assigned in the block (p.data = ...) go into param_flat first
+            # a save, must not change the run); values assigned in the block (p.data = ...) go into param_flat first.
+            # Only at the outermost block's end: a block inside one (a save) leaves the outer one's values exact
             adopt.follow_replaced(self, self.name_of)
             self.requantize_whole()
 
