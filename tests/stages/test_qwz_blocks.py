@@ -37,14 +37,20 @@ def _run(rank: int, stage: int, dtype: torch.dtype, block: str, out: str) -> lis
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _edit(rank: int, stage: int) -> None:
-    """Halving every parameter in a block (a power of two: the int8 blocks scale exactly) halves what the forward
-    sees after it, the other ranks' dequantized parts included."""
+def _stepped(rank: int, stage: int) -> tuple[nn.Module, zk.ShardedFusedAdam]:
+    """A small model and its qwZ optimizer after one step: the other ranks' parts are the dequantized values."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
     opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True, reduce_bucket_size=64)
     model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
     opt.step()
+    return model, opt
+
+
+def _edit(rank: int, stage: int) -> None:
+    """Halving every parameter in a block (a power of two: the int8 blocks scale exactly) halves what the forward
+    sees after it, the other ranks' dequantized parts included."""
+    model, opt = _stepped(rank, stage)
     before = [p.detach().clone() for p in model.parameters()]
     with opt.gathered_params(), torch.no_grad():
         for p in model.parameters():
@@ -74,11 +80,7 @@ def _nested(rank: int, world: int) -> None:
     block ends, so what the outer block reads or saves after the inner one (DCP's ``get_state_dict``, which is taken
     inside a block) is exact, and the outer block's end leaves the run as it was."""
     for stage in (1, 2):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-        opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True, reduce_bucket_size=64)
-        model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
-        opt.step()
+        model, opt = _stepped(rank, stage)
         outside = [p.detach().clone() for p in model.parameters()]
         with opt.gathered_params():
             exact = [p.detach().clone() for p in model.parameters()]
