@@ -821,7 +821,7 @@ class Pipeline(BackwardRound):
                     yield
         finally:
             self.exact_blocks -= 1
-        if self.exact_blocks == 0 and any(self.epilogue_quantizer(buf) is not None for buf in self.buffers):
+        if self.exact_blocks == 0 and self._quantized_gathers():
             # qwZ: the other ranks' parts dequantized again, as the step leaves them (a block, even an empty one or
             # a save, must not change the run); values assigned in the block (p.data = ...) go into param_flat first.
             # Only at the outermost block's end: a block inside one (a save) leaves the outer one's values exact
@@ -847,7 +847,11 @@ class Pipeline(BackwardRound):
     def dequantized_copies(self) -> bool:
         """qwZ outside ``gathered_params()``: this rank holds the other ranks' parameters as the step's quantized
         all-gather left them, dequantized, and so does the model's state_dict."""
-        return self.exact_blocks == 0 and any(self.epilogue_quantizer(buf) is not None for buf in self.buffers)
+        return self.exact_blocks == 0 and self._quantized_gathers()
+
+    def _quantized_gathers(self) -> bool:
+        """qwZ: some buffer's updated shard is all-gathered as int8 blocks after the step."""
+        return any(self.epilogue_quantizer(buf) is not None for buf in self.buffers)
 
     def gather_exact(self, buffers: Sequence[FlatBuffer]) -> None:
         """qwZ: all-gather ``buffers`` (whole ``param_flat``) again unquantized, so that every rank holds every
