@@ -66,18 +66,40 @@ def _micro(model: Net, opt: zo.ShardedFusedAdam, rows: torch.Tensor, step: int, 
         loss.backward()
 
 
+def differences(
+    a: zo.ShardedFusedAdam, b: zo.ShardedFusedAdam, wa: dict[str, torch.Tensor], wb: dict[str, torch.Tensor], what: str
+) -> list[str]:
+    """What differs, bit for bit, between the weights ``wa`` and ``wb`` (name to tensor) and between the full optimizer
+    states of ``a`` and ``b``: kinds of state, values (with their dtypes), non-tensor values and the groups'
+    hyper-parameters."""
+    found = [f"{what}: weight {n} differs" for n in wa if not torch.equal(wa[n], wb[n])]
+    fa, fb = a.full_state_dict(), b.full_state_dict()
+    if fa["state"].keys() != fb["state"].keys():
+        return found + [f"{what}: state entries {sorted(fa['state'])} vs {sorted(fb['state'])}"]
+    for i, sa in fa["state"].items():
+        sb = fb["state"][i]
+        if sa.keys() != sb.keys():
+            found.append(f"{what}: state[{i}] holds {sorted(sa)} vs {sorted(sb)}")
+        for kind in sa.keys() & sb.keys():
+            x, y = sa[kind], sb[kind]
+            same = torch.equal(x, y) and x.dtype == y.dtype if isinstance(x, torch.Tensor) else x == y
+            if not same:
+                found.append(f"{what}: state[{i}][{kind}] differs")
+    groups = [[{k: v for k, v in g.items() if k != "params"} for g in f["param_groups"]] for f in (fa, fb)]
+    if groups[0] != groups[1]:
+        found.append(f"{what}: param_groups {groups[0]} vs {groups[1]}")
+    return found
+
+
 def assert_same(a: zo.ShardedFusedAdam, b: zo.ShardedFusedAdam, plain: nn.Module, tiered: nn.Module, what: str) -> None:
     """``plain`` and ``tiered`` (trained by ``a`` and ``b``) hold the same weights, and ``a`` and ``b`` the same full
-    optimizer state, kind for kind, bit for bit."""
+    optimizer state (``differences``)."""
     with a.gathered_params(), b.gathered_params():
-        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
-            assert torch.equal(p, q), f"{what}: parameter {name} differs"
-    sa, sb = a.full_state_dict()["state"], b.full_state_dict()["state"]
-    assert sa.keys() == sb.keys(), what
-    for i in sa:
-        assert sa[i].keys() == sb[i].keys(), f"{what}: state {i}"
-        for kind in sa[i]:
-            assert torch.equal(sa[i][kind], sb[i][kind]), f"{what}: state {i} {kind} differs"
+        wa = {n: p.detach().clone() for n, p in plain.named_parameters()}
+        wb = {n: p.detach().clone() for n, p in tiered.named_parameters()}
+    assert wa.keys() == wb.keys(), what
+    found = differences(a, b, wa, wb, what)
+    assert not found, "\n".join(found)
 
 
 def pair_case(

@@ -23,6 +23,7 @@ import torch
 
 from tests.helpers import random_combinations as rc
 from tests.helpers.dist import run_ranks_checked
+from tests.offload import exactness
 from zero_kernels.offload import HostTier
 
 SEEDS = (3, 1, 7, 37, 18, 19, 8)
@@ -127,24 +128,7 @@ class Side:
 
 def compare(a: Side, b: Side, what: str) -> list[str]:
     """Every weight and every ``full_state_dict()`` value of ``b`` against ``a``'s, bit for bit."""
-    wa, wb = a.weights(), b.weights()
-    found = [f"{what}: weight {n} differs" for n in wa if not torch.equal(wa[n], wb[n])]
-    fa, fb = a.opt.full_state_dict(), b.opt.full_state_dict()
-    if fa["state"].keys() != fb["state"].keys():
-        return found + [f"{what}: state entries {sorted(fa['state'])} vs {sorted(fb['state'])}"]
-    for i, sa in fa["state"].items():
-        sb = fb["state"][i]
-        if sa.keys() != sb.keys():
-            found.append(f"{what}: state[{i}] holds {sorted(sa)} vs {sorted(sb)}")
-        for kind in sa.keys() & sb.keys():
-            x, y = sa[kind], sb[kind]
-            same = torch.equal(x, y) and x.dtype == y.dtype if isinstance(x, torch.Tensor) else x == y
-            if not same:
-                found.append(f"{what}: state[{i}][{kind}] differs")
-    groups = [[{k: v for k, v in g.items() if k != "params"} for g in f["param_groups"]] for f in (fa, fb)]
-    if groups[0] != groups[1]:
-        found.append(f"{what}: param_groups {groups[0]} vs {groups[1]}")
-    return found
+    return exactness.differences(a.opt, b.opt, a.weights(), b.weights(), what)
 
 
 def run_pair(rank: int, world: int, seed: int, nvme: str) -> list[str]:
