@@ -13,6 +13,9 @@ stage 0 starts all-reduces from inside backward):
    after the optimizer still sees them first.
 3. A hook put on after the optimizer that drops the gradient (``p.grad = None``, after which AdamW leaves the
    parameter alone): the parameter has none this round, at every stage (stages 0-2 raised an AttributeError).
+4. A post-accumulate-grad hook that returns a value (``lambda p: p.grad.mul_(0.5)``): the backward raises torch's own
+   error saying such hooks return None, as without the optimizer (stages 0-2 raised ``TypeError: 'NoneType' object
+   is not reversible`` from the optimizer's hook, which torch runs after it with the hook table unset).
 """
 
 from __future__ import annotations
@@ -93,6 +96,16 @@ def all_cases(rank: int, world: int) -> None:
 
 def test_one_process() -> None:
     all_cases(0, 1)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_hook_returning_a_value_gets_torchs_error(stage: int) -> None:
+    model, _ = make_models(torch.float32)
+    model.head.weight.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=stage)
+    with pytest.raises(RuntimeError, match="post accumulate grad hooks should return None"):
+        model(batch(0, ROWS)).backward()
+    opt.zero_grad()
 
 
 @pytest.mark.distributed

@@ -14,7 +14,9 @@ and this once hands the gradient on from a post hook of the running node (``get_
 runs after every hook on ``p`` (those put on while the node ran included). No node is kept: autograd makes a new one
 for each graph, with the parameter's shape of that moment (a node kept across ``p.data = <another shape>``, as
 ``resize_token_embeddings`` assigns, would make torch refuse the next backward before the optimizer could say what
-happened). A parameter whose hook dropped its gradient (``p.grad = None``) has none this round, as for AdamW.
+happened). A parameter whose hook dropped its gradient (``p.grad = None``) has none this round, as for AdamW. After a
+user's hook returned a value torch runs the hooks left with ``p``'s hook table unset and then fails the backward
+saying hooks return None: nothing is handed on then.
 
 ``owners`` says which pipeline handles a parameter (the one built last; where that one is gone, closed or collected,
 the first live one whose hook runs takes it back); the others' hooks do nothing. Only pipelines that leave the
@@ -68,6 +70,8 @@ def _on_accumulated(me: weakref.ref, p: torch.Tensor) -> None:
     if ready is None:
         return
     hooks: OrderedDict[int, Callable[..., Any]] = p._post_accumulate_grad_hooks
+    if hooks is None:  # unset by torch after a hook returned a value: torch raises saying so once all have run
+        return
     key = ready._handle.id
     if not _user_hook_after(hooks, key):
         ready.hand_on(p)
