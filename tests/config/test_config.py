@@ -487,6 +487,10 @@ BAD = [
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0", ">= 1"),
     ({"train_batch_size": 2.5}, "train_batch_size=2.5", "integer"),
     ({"communication_data_type": "fp8"}, "communication_data_type='fp8'", "'fp32', 'fp16', 'bf16', null"),
+    # an empty list, 0, "" or false for the params object: DeepSpeed fails building the schedule (** of a non-mapping)
+    ({"scheduler": {"type": "WarmupLR", "params": []}}, "scheduler.params=[]", "a JSON object"),
+    ({"scheduler": {"type": "WarmupLR", "params": 0}}, "scheduler.params=0", "a JSON object"),
+    ({"scheduler": {"type": "StepLR", "params": False}}, "scheduler.params=False", "a JSON object"),
 ]
 
 

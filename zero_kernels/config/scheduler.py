@@ -156,7 +156,8 @@ def parse_scheduler(value: Any, path: str, ctx: Optional[ParseContext] = None) -
     if "type" not in value:
         raise ValueError(f"{path}.type is missing: expected one of {', '.join(map(repr, sorted(_SECTIONS)))}")
     name = _check_type(value["type"], join(path, "type"))
-    params = value.get("params") or {}
+    params = value.get("params")
+    params = {} if params is None else params  # not `or {}`: [], 0 and false are refused below, not defaults
     where = join(path, "params")
     if not isinstance(params, Mapping):
         raise ValueError(f"{where}={params!r} is invalid: expected a JSON object")
