@@ -146,3 +146,20 @@ def test_a_failed_initialize_leaves_no_hook_and_does_not_train_the_model(stage: 
     _train(*zk.initialize(clean, config, lr_scheduler=working), torch.float32)
     for (name, p), q in zip(model.named_parameters(), clean.parameters()):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize(
+    "scheduler, said",
+    [
+        ({"type": "MultiStepLR", "params": {"milestones": 5}}, "'int' object is not iterable"),
+        ({"type": "LinearLR", "params": {"start_factor": 0}}, "Starting multiplicative factor"),
+        ({"type": "WarmupLR", "params": {"warmup_min_lr": [0.0, 0.1]}}, "warmup_min_lr has 2 values"),
+    ],
+)
+def test_a_value_the_scheduler_constructor_refuses_is_named_with_its_section(scheduler: dict, said: str) -> None:
+    """Torch's own words alone ("TypeError: 'int' object is not iterable") named neither the section nor the key."""
+    config = {**_config(stage=2, bf16=False, total_steps=5), "scheduler": scheduler}
+    with pytest.raises(ValueError) as err:
+        zk.initialize(_model(), config)
+    assert str(err.value).startswith("scheduler.params={") and f" is refused by {scheduler['type']}: " in str(err.value)
+    assert said in str(err.value)

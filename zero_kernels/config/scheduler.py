@@ -100,7 +100,8 @@ class SchedulerConfig:
     params: Dict[str, Any] = field(default_factory=dict)
 
     def build(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        """The scheduler for ``optimizer``, as DeepSpeed builds it (``Class(optimizer, **params)``); for an
+        """The scheduler for ``optimizer``, as DeepSpeed builds it (``Class(optimizer, **params)``: a value the class
+        refuses is a ``ValueError`` naming ``scheduler.params`` and the class); for an
         optimizer that counts ``applied_steps`` (``ShardedFusedAdam``, or a wrapper of it) a subclass whose
         ``step()`` advances only after an applied update, as DeepSpeed's engine steps it (``at_updates``).
 
@@ -110,7 +111,10 @@ class SchedulerConfig:
         cls = schedulers.SCHEDULERS.get(self.type) or getattr(torch.optim.lr_scheduler, self.type)
         if counting(optimizer) is not None:  # also wrapped, as Accelerate wraps it before the Trainer builds this
             cls = at_updates(cls)
-        return cls(optimizer, **self.params)
+        try:
+            return cls(optimizer, **self.params)
+        except (TypeError, ValueError) as err:  # the class's own words name neither the section nor the key
+            raise ValueError(f"scheduler.params={self.params!r} is refused by {self.type}: {err}") from err
 
 
 def _check_type(value: Any, path: str) -> str:
