@@ -419,6 +419,15 @@ def test_batch_sizes_must_agree_with_world_size(world: int) -> None:
         _batch(world, 1, None, 2)
 
 
+def test_a_derived_batch_size_below_one_names_the_sizes_given() -> None:
+    """train_batch_size 8 with a micro-batch of 4 on 4 ranks: the error named only the derived accumulation (0)."""
+    with pytest.raises(ValueError) as err:
+        _batch(4, 8, 4, None)
+    assert str(err.value).startswith("gradient_accumulation_steps=0 (derived) is invalid: batch sizes must be >= 1")
+    assert "train_batch_size=8, train_micro_batch_size_per_gpu=4, world_size=4" in str(err.value)
+    assert "train_batch_size must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps" in str(err.value)
+
+
 def test_world_size_defaults_to_one_without_process_group() -> None:
     assert not torch.distributed.is_initialized()
     assert ZeroConfig.from_deepspeed({"train_micro_batch_size_per_gpu": 3}).train_batch_size == 3

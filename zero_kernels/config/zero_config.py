@@ -534,8 +534,12 @@ def _check_batch(batch: int, micro: int, accum: int, world: int, derived: Tuple[
     values = dict(zip(_BATCH_KEYS, (batch, micro, accum)))
     shown = {k: f"{k}={v}" + (" (derived)" if k in derived else "") for k, v in values.items()}
     bad = [shown[k] for k, v in values.items() if v < 1]
-    if bad:
-        raise ValueError(f"{', '.join(bad)} is invalid: batch sizes must be >= 1 (world_size={world})")
+    if bad:  # a derived size (the ones given are >= 1): say what it was derived from
+        given = ", ".join(shown[k] for k in _BATCH_KEYS if k not in derived)
+        raise ValueError(
+            f"{', '.join(bad)} is invalid: batch sizes must be >= 1 ({given}, world_size={world}; train_batch_size "
+            "must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size)"
+        )
     if batch != micro * accum * world:
         raise ValueError(
             f"{shown['train_batch_size']} must equal train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
