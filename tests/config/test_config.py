@@ -500,6 +500,12 @@ BAD = [
     ({"scheduler": {"type": "WarmupLR", "params": []}}, "scheduler.params=[]", "a JSON object"),
     ({"scheduler": {"type": "WarmupLR", "params": 0}}, "scheduler.params=0", "a JSON object"),
     ({"scheduler": {"type": "StepLR", "params": False}}, "scheduler.params=False", "a JSON object"),
+    # a deprecated offload key true beside the block that replaced it (it read as device cpu over "none")
+    *(
+        ({"zero_optimization": {"stage": 3, old: True, new: block}}, f"zero_optimization.{old}=true", f"only {new}")
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param"))
+        for block in ({"device": "none"}, "none", {"device": "cpu"}, {"device": "nvme", "nvme_path": "/x"})
+    ),
 ]
 
 

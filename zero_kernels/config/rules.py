@@ -291,7 +291,8 @@ class Section:
     ``optional``: a missing section is ``None`` rather than all defaults; ``nullable``: an explicit
     ``null`` means all defaults; ``shorthand``: the key a bare string stands for (``"none"`` is
     read as ``{shorthand: "none"}``); ``unsupported``: keys refused with what they would change, unless off;
-    ``unused``: keys accepted without effect whose values are checked (``Unused``).
+    ``unused``: keys accepted without effect whose values are checked (``Unused``); ``replaced``: deprecated
+    boolean keys that stand, when true, for another key's block, refused given true together with that key.
     """
 
     fields: Mapping[str, Field]
@@ -299,6 +300,7 @@ class Section:
     unsupported: Mapping[str, Unsupported] = field(default_factory=dict)
     unused: Mapping[str, Unused] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
+    replaced: Mapping[str, str] = field(default_factory=dict)
     finish: Callable[[Dict[str, Any]], Any] = dict
     optional: bool = False
     nullable: bool = False
@@ -435,7 +437,20 @@ def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict
         if canonical in raw:
             raise ValueError(f"{join(path, canonical)} is given twice (as {canonical!r} and as an alias)")
         raw[canonical] = value
+    _check_replaced(raw, path, section)
     return raw
+
+
+def _check_replaced(raw: Mapping[str, Any], path: str, section: Section) -> None:
+    """A deprecated key set true beside the key that replaced it (which would win, or be overridden) is refused,
+    as DeepSpeed refuses the two together."""
+    for old, new in section.replaced.items():
+        if raw.get(old) is True and new in raw:
+            raise ValueError(
+                f"{join(path, old)}=true and {join(path, new)}={raw[new]!r} are given together: {old} is "
+                f"DeepSpeed's deprecated spelling of {new} with device 'cpu' (DeepSpeed refuses the two together); "
+                f"keep only {new}"
+            )
 
 
 def parse_section(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict[str, Any]:

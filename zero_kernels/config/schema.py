@@ -275,7 +275,13 @@ ZERO_UNUSED: Dict[str, Unused] = {
     "load_from_fp32_weights": Unused(boolean(), quiet=lambda value: value is not False),
 }
 
-ZERO = Section(fields=ZERO_FIELDS, ignored=ZERO_IGNORED, aliases=ZERO_ALIASES, unused=ZERO_UNUSED)
+ZERO = Section(
+    fields=ZERO_FIELDS,
+    ignored=ZERO_IGNORED,
+    aliases=ZERO_ALIASES,
+    unused=ZERO_UNUSED,
+    replaced={"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"},
+)
 
 OPTIMIZER_PARAMS = Section(
     fields={

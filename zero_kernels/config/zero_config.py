@@ -238,17 +238,13 @@ def _check_offload_stage(options: ZeroOptions) -> None:
 
 def _deprecated_offload(values: Mapping[str, Any]) -> Dict[str, Any]:
     """DeepSpeed's old spellings: ``cpu_offload``/``cpu_offload_param`` true stand for device ``"cpu"``, and
-    ``cpu_offload_use_pin_memory`` for ``pin_memory`` of both; they may not contradict the new blocks."""
+    ``cpu_offload_use_pin_memory`` for ``pin_memory`` of both (given true beside the new blocks they are refused
+    while parsing: ``Section.replaced``)."""
     out = dict(values)
     pin = values.get("cpu_offload_use_pin_memory", False)
     for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         block = out[new]
         if values.get(old):
-            if block.enabled and block.device != "cpu":
-                raise ValueError(
-                    f"zero_optimization.{old}=true contradicts zero_optimization.{new}.device={block.device!r}: "
-                    f"keep only {new}"
-                )
             logger.info("zero_optimization.%s is DeepSpeed's deprecated spelling of %s.device='cpu'", old, new)
             block = replace(block, device="cpu")
         if pin and block.enabled:
