@@ -311,6 +311,7 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
         "steps_per_print": 10,
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
+        "seq_parallel_communication_data_type": "bf16",  # Accelerate's and ALST's configs write it
         "scheduler": {"type": "WarmupLR"},
         "zero_optimization": {
             "stage": 2,
@@ -338,6 +339,7 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
         "steps_per_print",
         "wall_clock_breakdown",
         "zero_allow_untested_optimizer",
+        "seq_parallel_communication_data_type",
         "zero_optimization.round_robin_gradients",
         "zero_optimization.elastic_checkpoint",
         "zero_optimization.load_from_fp32_weights",

@@ -392,7 +392,7 @@ TOP_IGNORED: Dict[str, int] = {
             "hybrid_engine",
             "disable_allgather",
             "use_data_before_expert_parallelism",
-            "seq_parallel_comm_data_type",
+            "seq_parallel_communication_data_type",
         )
     },
     **{
