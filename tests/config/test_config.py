@@ -312,6 +312,8 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
         "seq_parallel_communication_data_type": "bf16",  # Accelerate's and ALST's configs write it
+        "log_level": "info",
+        "disable_python_gc": True,
         "scheduler": {"type": "WarmupLR"},
         "zero_optimization": {
             "stage": 2,
@@ -340,6 +342,8 @@ def test_ignored_keys_are_accepted_and_logged_once(caplog: pytest.LogCaptureFixt
         "wall_clock_breakdown",
         "zero_allow_untested_optimizer",
         "seq_parallel_communication_data_type",
+        "log_level",
+        "disable_python_gc",
         "zero_optimization.round_robin_gradients",
         "zero_optimization.elastic_checkpoint",
         "zero_optimization.load_from_fp32_weights",

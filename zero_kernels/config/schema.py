@@ -393,6 +393,8 @@ TOP_IGNORED: Dict[str, int] = {
             "disable_allgather",
             "use_data_before_expert_parallelism",
             "seq_parallel_communication_data_type",
+            "log_level",
+            "disable_python_gc",
         )
     },
     **{
