@@ -472,7 +472,7 @@ class _Unsafe:
 
 
 def test_fp16_dynamic_loss_scale_is_imported() -> None:
-    """fp16 runs cannot be made on this CPU: check the mapping of DeepSpeed's DynamicLossScaler state."""
+    """The mapping of DeepSpeed's DynamicLossScaler state, field by field (a real fp16 checkpoint: below)."""
     from zero_kernels.checkpoint import deepspeed as ds_import
 
     scaler = ds_import._DynamicLossScaler()
@@ -482,3 +482,49 @@ def test_fp16_dynamic_loss_scale_is_imported() -> None:
     static = ds_import._LossScaler()
     static.__setstate__({"cur_scale": 1.0, "dynamic": False})
     assert ds_import._loss_scaler({"loss_scaler": static}) is None
+
+
+def _resume_fp16(rank: int, world: int, case: str, imported: str, out: str) -> None:
+    info = json.loads((DATA / "deepspeed" / case / "case.json").read_text())
+    model = fixtures.make_model()
+    model, opt, scheduler = zk.initialize(model, info["config"], model_parameters=fixtures.groups(model))
+    zk.checkpoint.load(imported, model, opt, scheduler=scheduler)
+    got = {"skipped_at_load": opt.skipped_steps, "losses": [], "lrs": [], "loss_scales": []}
+    rows = fixtures.ROWS // world
+    for step in range(fixtures.STEPS_BEFORE, fixtures.STEPS_BEFORE + fixtures.STEPS_AFTER):
+        x, y = fixtures.batch(step)
+        got["lrs"].append(opt.param_groups[0]["lr"])
+        loss = model(x[rank * rows : (rank + 1) * rows].half(), y[rank * rows : (rank + 1) * rows].half())
+        opt.backward(loss)
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+        total = loss.detach().float().reshape(1)
+        dist.all_reduce(total)
+        got["losses"].append(total.item() / world)
+        got["loss_scales"].append(opt.loss_scale)
+    got["skipped_steps"] = opt.skipped_steps
+    with opt.gathered_params():
+        got["weights"] = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(got, out)
+
+
+@pytest.mark.distributed
+def test_fp16_checkpoint_saved_before_any_applied_step_resumes_as_deepspeed(tmp_path: Path) -> None:
+    """Every step before DeepSpeed's save overflowed the fp16 loss scale: its Adam never stepped and saved no state
+    (``stage2_fp16_skipped``). The import gives step 0 and zero moments; resumed on DeepSpeed's 2 ranks, the run
+    skips, scales and steps as DeepSpeed's did (loss scale, skipped_steps, lr, losses and weights)."""
+    case = "stage2_fp16_skipped"
+    theirs = _resumed(case)
+    version = zk.checkpoint.from_deepspeed(DATA / "deepspeed" / case / "ckpt", tmp_path / "zk")
+    assert [p["step"] for p in read_metadata(version)["params"]] == [0] * 4
+    run_ranks(_resume_fp16, 2, case, str(tmp_path / "zk"), str(tmp_path / "got.pt"))
+    got = torch.load(tmp_path / "got.pt", weights_only=True)
+    assert got["skipped_at_load"] == fixtures.STEPS_BEFORE
+    assert (got["loss_scales"], got["skipped_steps"]) == (theirs["loss_scales"], theirs["skipped_steps"])
+    assert got["lrs"] == pytest.approx(theirs["lrs"], rel=1e-12)
+    assert_close(torch.tensor(got["losses"]), torch.tensor(theirs["losses"]), rtol=2e-3, what=f"{case} loss")
+    for name, value in got["weights"].items():
+        expected = theirs["weights_after"][name].half().float()
+        assert_close(value, expected, rtol=0, atol=expected.abs().max().item() * 2**-10, what=f"{case} {name}")

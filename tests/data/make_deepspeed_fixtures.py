@@ -55,6 +55,10 @@ SUB_GROUP_SIZE = {"stage3_subgroups_fp32": 16, "stage3_subgroups_frozen_biases_f
 # stage 3 gives it no sub-group and saves it with no "params", while the weights' group is two sub-groups (as many as
 # the saved param groups); zero_kernels resumes with ``groups``' trainable parameters (the biases' group empty)
 FROZEN_BIASES = {"stage3_subgroups_frozen_biases_fp32"}
+# fp16 cases (case -> stage): the first loss scale, 2**20, overflows at each of the STEPS_BEFORE steps (the first only
+# spends a hysteresis), so DeepSpeed saves an optimizer that never stepped (no Adam state); the resumed run skips on
+# until the scale fits, then steps
+FP16_CASES = {"stage2_fp16_skipped": 2}
 
 
 class Tiny(nn.Module):
@@ -93,8 +97,9 @@ def groups(model: Tiny, frozen_too: bool = False) -> list[dict]:
     return [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
 
 
-def config(stage: int, bf16: bool, sub_group_size: int | None = None) -> dict:
+def config(stage: int, bf16: bool, sub_group_size: int | None = None, fp16: bool = False) -> dict:
     zero = {"stage": stage} if sub_group_size is None else {"stage": stage, "sub_group_size": sub_group_size}
+    precision = {"fp16": {"enabled": True, "initial_scale_power": 20}} if fp16 else {}
     return {
         "train_micro_batch_size_per_gpu": ROWS // WORLD,
         "gradient_accumulation_steps": 1,
@@ -109,6 +114,7 @@ def config(stage: int, bf16: bool, sub_group_size: int | None = None) -> dict:
         "zero_optimization": zero,
         "bf16": {"enabled": bf16},
         "steps_per_print": 1000,
+        **precision,
     }
 
 
@@ -123,22 +129,24 @@ def _run(rank: int, case: str, stage: int, bf16: bool, frozen: bool, out: str, p
     deepspeed.init_distributed(dist_backend="gloo")
     model = make_model(frozen, case in FROZEN_BIASES)
     params = groups(model, case in FROZEN_BIASES)
+    fp16 = case in FP16_CASES
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=params, config=config(stage, bf16, SUB_GROUP_SIZE.get(case))
+        model=model, model_parameters=params, config=config(stage, bf16, SUB_GROUP_SIZE.get(case), fp16)
     )
     ckpt = Path(out) / case / "ckpt"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.float16 if fp16 else torch.bfloat16 if bf16 else torch.float32
     lo, hi = rank * ROWS // WORLD, (rank + 1) * ROWS // WORLD
     steps = range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER) if resume else range(STEPS_BEFORE)
     if resume:
         engine.load_checkpoint(str(ckpt))
-    losses, lrs = [], []
+    losses, lrs, scales = [], [], []
     for step in steps:
         x, y = batch(step)
         lrs.append(engine.get_lr()[0])
         loss = engine(x[lo:hi].to(dtype), y[lo:hi].to(dtype))
         engine.backward(loss)
         engine.step()
+        scales.append(engine.optimizer.cur_scale if fp16 else 1.0)
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / WORLD)
@@ -154,6 +162,8 @@ def _run(rank: int, case: str, stage: int, bf16: bool, frozen: bool, out: str, p
         before = get_fp32_state_dict_from_zero_checkpoint(str(ckpt))
         after_dir = Path(out) / case / "after"
         engine_state = {"losses": losses, "lrs": lrs, "weights_before": before}
+        if fp16:  # the loss scale after each step, and the steps skipped by the end
+            engine_state.update(loss_scales=scales, skipped_steps=engine.skipped_steps)
     engine.save_checkpoint(str(Path(out) / case / "after"), tag="end")
     dist.barrier()
     if rank == 0:
@@ -171,15 +181,17 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", help="folder for the fixtures (one sub-folder per case)")
-    parser.add_argument("--case", action="append", choices=sorted(CASES), help="only these cases (repeatable)")
+    parser.add_argument(
+        "--case", action="append", choices=sorted([*CASES, *FP16_CASES]), help="only these cases (repeatable)"
+    )
     args = parser.parse_args()
-    for case in args.case or CASES:
-        stage, bf16, frozen = CASES[case]
+    for case in args.case or [*CASES, *FP16_CASES]:
+        stage, bf16, frozen = CASES[case] if case in CASES else (FP16_CASES[case], False, False)
         shutil.rmtree(Path(args.out) / case, ignore_errors=True)
         for resume in (False, True):
             args_ = (case, stage, bf16, frozen, args.out, _free_port(), resume)
             mp.spawn(_run, args=args_, nprocs=WORLD, join=True)
-        cfg = config(stage, bf16, SUB_GROUP_SIZE.get(case))
+        cfg = config(stage, bf16, SUB_GROUP_SIZE.get(case), case in FP16_CASES)
         info = {"stage": stage, "bf16": bf16, "frozen": frozen, "world_size": WORLD, "config": cfg}
         if case in FROZEN_BIASES:
             info["frozen_biases"] = True

@@ -193,10 +193,11 @@ def _params(model_state: dict[str, Any]) -> list[_Param]:
 
 
 def _kinds(state: dict[int, dict[str, Any]], flats: list[torch.Tensor], what: str) -> list[dict[str, torch.Tensor]]:
-    """Per flat group: its master vector and its Adam moments (same layout)."""
+    """Per flat group: its master vector and its Adam moments (same layout). A group with no state never stepped
+    (every step before the save skipped on an fp16 overflow): zero moments at step 0, as Adam starts them."""
     out = []
     for i, master in enumerate(flats):
-        entry = state.get(i)
+        entry = state.get(i) or {"exp_avg": torch.zeros_like(master), "exp_avg_sq": torch.zeros_like(master)}
         if not isinstance(entry, dict) or "exp_avg" not in entry or "exp_avg_sq" not in entry:
             raise CheckpointError(f"{what}: optimizer state {i} lacks exp_avg/exp_avg_sq (is this an Adam checkpoint?)")
         master = master.reshape(-1)
