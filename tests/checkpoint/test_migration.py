@@ -412,6 +412,18 @@ def test_a_missing_stage3_model_states_file_is_named(tmp_path: Path) -> None:
         zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
 
 
+def test_a_stage0_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    """DeepSpeed's stage 0 keeps its optimizer inside mp_rank_00_model_states.pt and writes no ZeRO optimizer files
+    (seen with DeepSpeed 0.19.8, fp32 and bf16): refused naming stage 0 and where the weights are (it said "lacks
+    optimizer state files for ranks 0..N-1 (found ranks [])")."""
+    ds = tmp_path / "ds"
+    shutil.copytree(DATA / "deepspeed" / "stage2_fp32" / "ckpt", ds)
+    for optim in (ds / "global_step4").glob("zero_pp_rank_*_optim_states.pt"):
+        optim.unlink()
+    with pytest.raises(CheckpointError, match=r"a ZeRO stage 0 checkpoint.*stages 1, 2 and 3 can.*'module'"):
+        zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
+
+
 def test_an_elastic_stage2_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
     """DeepSpeed's ``elastic_checkpoint`` (stages 1-2) saves each group's lean Adam state as a list, not the torch
     optimizer's state_dict: refused saying so (it failed with "list indices must be integers or slices, not str")."""

@@ -78,6 +78,7 @@ __all__ = ["from_deepspeed"]
 logger = logging.getLogger("zero_kernels")
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
+STAGE12_MODEL_FILE = "mp_rank_00_model_states.pt"  # stages 0-2: the one model states file (stage 3: one per rank)
 
 
 class _Stage(int):
@@ -160,6 +161,18 @@ def _by_rank(folder: Path, pattern: str, what: str, count: Optional[int] = None)
         ranks = f"0..{count - 1}" if count else "0..N-1"
         raise CheckpointError(f"{folder} lacks {what} files for ranks {ranks} (found ranks {sorted(found)})")
     return [found[r] for r in range(count)]
+
+
+def _refuse_stage0(folder: Path, optim_pattern: str) -> None:
+    """DeepSpeed's stage 0 keeps the whole optimizer inside the model states file and writes no ZeRO optimizer
+    state files: say so, not which ranks' files are missing."""
+    model_file = folder / STAGE12_MODEL_FILE
+    if model_file.is_file() and not any(re.fullmatch(optim_pattern, p.name) for p in folder.iterdir()):
+        raise CheckpointError(
+            f"{folder} holds {model_file.name} and no ZeRO optimizer state files (zero_pp_rank_N_mp_rank_00_"
+            "optim_states.pt): a ZeRO stage 0 checkpoint, which cannot be imported (stages 1, 2 and 3 can). Its "
+            "weights are the 'module' entry of that file: load them into the model and start a new optimizer"
+        )
 
 
 def _check_single_model_parallel_rank(folder: Path) -> None:
@@ -422,7 +435,9 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
     """
     folder = _tag_folder(Path(ds_dir), tag)
     _check_single_model_parallel_rank(folder)
-    optim_files = _by_rank(folder, r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt", "optimizer state")
+    optim_pattern = r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt"
+    _refuse_stage0(folder, optim_pattern)
+    optim_files = _by_rank(folder, optim_pattern, "optimizer state")
     optims = [_load(path).get("optimizer_state_dict") for path in optim_files]
     if not all(isinstance(o, dict) and "zero_stage" in o for o in optims):
         raise CheckpointError(f"{folder}: the optimizer state files are not DeepSpeed ZeRO optimizer states")
@@ -439,7 +454,7 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
             folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state", count=len(optims)
         )
     elif stage in (1, 2):
-        model_files = [folder / "mp_rank_00_model_states.pt"]
+        model_files = [folder / STAGE12_MODEL_FILE]
     else:
         raise CheckpointError(f"{folder}: ZeRO stage {stage} checkpoints cannot be imported; stages 1, 2 and 3 can")
     model_file = model_files[0]
