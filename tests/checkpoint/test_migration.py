@@ -445,6 +445,20 @@ def test_an_elastic_stage2_checkpoint_is_refused_by_name(tmp_path: Path) -> None
         zk.checkpoint.from_deepspeed(ds, tmp_path / "out")
 
 
+def test_frozen_parameters_given_to_the_optimizer_are_named_with_what_to_do(imported: dict[str, Path]) -> None:
+    """The param groups given to DeepSpeed may hold frozen parameters, which DeepSpeed keeps apart from its optimizer's
+    state; the same groups here are refused naming the parameter as frozen and saying to give only those that train
+    (it said "is in param group 0 here but not optimized in ...", with nothing to do)."""
+    case = "stage2_frozen_fp32"
+    info = json.loads((DATA / "deepspeed" / case / "case.json").read_text())
+    model = fixtures.make_model(frozen=True)
+    model, opt, scheduler = zk.initialize(model, info["config"], model_parameters=fixtures.groups(model, True))
+    with pytest.raises(
+        CheckpointError, match=r"'fc1.weight' is in param group 0 here .*\(frozen here.*requires_grad=True\)"
+    ):
+        zk.checkpoint.load(imported[case], model, opt, scheduler=scheduler)
+
+
 def test_frozen_parameters_deepspeed_left_out_keep_the_models_values(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

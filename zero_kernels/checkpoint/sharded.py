@@ -430,7 +430,7 @@ def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path
     saved = {p["name"]: i for i, p in enumerate(meta["params"])}
     index = 0
     for g, group in enumerate(optimizer.param_groups):
-        for _ in group["params"]:
+        for param in group["params"]:
             name = names[index]
             index += 1
             if name not in saved or meta["params"][saved[name]]["group"] != g:
@@ -439,7 +439,7 @@ def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path
                 )
                 raise CheckpointError(
                     f"checkpoint: parameter {name!r} is in param group {g} here but {where} in {version}"
-                    f"{_empty_groups(meta)}"
+                    f"{_frozen_here(param, name not in saved)}{_empty_groups(meta)}"
                 )
     here = set(names)
     for entry in meta["params"]:
@@ -454,6 +454,17 @@ def _check_optimizer(meta: dict, optimizer: Any, names: list[str], version: Path
             f"this optimizer has {len(optimizer.param_groups)} with {len(names)}{_empty_groups(meta)}"
         )
     return saved
+
+
+def _frozen_here(param: Any, unsaved: bool) -> str:
+    """Where a parameter the checkpoint did not optimize is frozen here (DeepSpeed keeps frozen parameters given in
+    its param groups apart from its optimizer's state): what to give the optimizer instead; else ""."""
+    if not unsaved or getattr(param, "requires_grad", True):
+        return ""
+    return (
+        " (frozen here, and the checkpoint keeps no optimizer state for it, as DeepSpeed keeps none for frozen "
+        "parameters: give the optimizer only the parameters with requires_grad=True)"
+    )
 
 
 def _empty_groups(meta: dict) -> str:
