@@ -274,7 +274,7 @@ def _scaled_accelerator(kind: type):
 
 
 def _train_scaled(accelerator, model: nn.Module, opt, loader, rank: int) -> list[tuple]:
-    """The loop, an inf loss on rank 1 at ``INF_MICRO_BATCH``; per step: (scale, step_was_skipped, weights)."""
+    """The loop, an inf loss on rank 1 at ``INF_MICRO_BATCH``; per step: (scale, step_was_skipped, norm, weights)."""
     inner = getattr(model, "module", model)
     sharded = getattr(opt.optimizer, "gathered_params", contextlib.nullcontext)
     history = []
@@ -283,13 +283,13 @@ def _train_scaled(accelerator, model: nn.Module, opt, loader, rank: int) -> list
             loss = model(x).square().mean()
             accelerator.backward(loss * float("inf") if k == INF_MICRO_BATCH and rank == 1 else loss)
             if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                norm = float(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM))
             opt.step()
             opt.zero_grad()
         if accelerator.sync_gradients:
             with sharded():
                 weights = {k: v.detach().clone() for k, v in inner.state_dict().items()}
-            history.append((accelerator.scaler.get_scale(), opt.step_was_skipped, weights))
+            history.append((accelerator.scaler.get_scale(), opt.step_was_skipped, norm, weights))
     return history
 
 
@@ -303,15 +303,18 @@ def scaled_cases(rank: int, world: int) -> None:
     model = _model()
     model, opt, loader = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=LR), _loader())
     expected = _train_scaled(accelerator, model, opt, loader, rank)
-    assert [s for _, s, _ in expected] == [False, True, False], expected
+    assert [s for _, s, _, _ in expected] == [False, True, False], expected
     for stage in STAGES:
         accelerator = _scaled_accelerator(ZeroAccelerator)
         model = _model()
         model, opt, loader = accelerator.prepare(model, _sharded(model, stage), _loader())
         history = _train_scaled(accelerator, model, opt, loader, rank)
-        for step, ((scale, skipped, weights), (rscale, rskipped, rweights)) in enumerate(zip(history, expected)):
+        for step, ((scale, skipped, norm, weights), (rscale, rskipped, rnorm, rweights)) in enumerate(
+            zip(history, expected)
+        ):
             what = f"stage {stage} step {step} rank {rank}"
             assert (scale, skipped) == (rscale, rskipped), f"{what}: scale, skipped {scale, skipped} vs DDP's"
+            assert norm == pytest.approx(rnorm, rel=1e-5, nan_ok=True), f"{what}: clip norm {norm} vs DDP's {rnorm}"
             for name, value in rweights.items():
                 atol = 1e-6 * value.abs().max().item()
                 assert_close(weights[name], value, rtol=1e-5, atol=atol, what=f"{what} {name}")
@@ -319,10 +322,11 @@ def scaled_cases(rank: int, world: int) -> None:
 
 @pytest.mark.distributed
 def test_a_grad_scaler_steps_as_with_ddp(spawn) -> None:
-    """5. With a GradScaler (fp16 on a GPU), an inf on one rank: at every stage the scale, ``step_was_skipped`` and
-    the weights after each step are DDP + AdamW's (the scaler stepped the optimizer through Accelerate's wrapper,
-    which hid ``grad_scaler``: the step ignored the scale at stage 0, the ranks' scales parted at stage 1, and
-    ``scaler.update()`` failed at stages 2-3)."""
+    """5. With a GradScaler (fp16 on a GPU), an inf on one rank: at every stage the scale, ``step_was_skipped``, the
+    norm ``accelerator.clip_grad_norm_`` returns (at stages 2-3 the first step's was the scaled gradients' norm, 4096x
+    DDP's, the optimizer not having seen the scaler yet) and the weights after each step are DDP + AdamW's (the
+    scaler stepped the optimizer through Accelerate's wrapper, which hid ``grad_scaler``: the step ignored the scale
+    at stage 0, the ranks' scales parted at stage 1, and ``scaler.update()`` failed at stages 2-3)."""
     spawn(scaled_cases, WORLD, timeout_s=300.0)
 
 

@@ -36,9 +36,10 @@ any other model is prepared as usual):
   attributes, which the optimizer refuses), so the scaler passes itself: the step unscales and skips on every
   rank together (``amp``), and ``step_was_skipped`` says whether it updated (an Accelerate-prepared scheduler
   does not step on a skipped step);
-- ``clip_grad_norm_(model.parameters(), max_norm)`` unscales as Accelerate's, then calls torch's
-  ``clip_grad_norm_``: for these parameters that is ``opt.clip_grad_norm_`` (``torch_clip``), the
-  global norm of the reduced gradients, applied by the next step. (Accelerate's own, from 1.16, keeps
+- ``clip_grad_norm_(model.parameters(), max_norm)`` tells the optimizer of Accelerate's GradScaler (so that the
+  first step's norm is the unscaled one too), unscales as Accelerate's, then calls torch's ``clip_grad_norm_``:
+  for these parameters that is ``opt.clip_grad_norm_`` (``torch_clip``), the global norm of the reduced
+  gradients, applied by the next step. (Accelerate's own, from 1.16, keeps
   only the parameters whose ``p.grad`` is set, which stages 2 and 3 leave ``None``: it would return 0
   and clip nothing.)
 - ``get_state_dict(model)``, and so ``save_model(model, directory)``, returns a copy of every tensor

@@ -22,7 +22,8 @@ refused before anything changes: that found-inf comes from ``p.grad`` on one ran
 ``opt.clip_grad_norm_`` between ``scaler.unscale_(opt)`` and ``scaler.step(opt)`` measures the
 unscaled gradients once the optimizer has seen the scaler (from the second step on); at the first
 step it cannot know the scale, returns the norm of the scaled gradients and logs it once, while the
-step itself applies the right clipping (the norm is corrected then). ``max_grad_norm`` (clipping
+step itself applies the right clipping (the norm is corrected then); unless told of the scaler before
+(``expect_scaler``: Accelerate's, by ``ZeroAccelerator.clip_grad_norm_``). ``max_grad_norm`` (clipping
 inside the step) is right from the first step. With ``gradient_accumulation_steps``, ``scaler.step``
 must come only on the micro-step that updates (GradScaler's scale must not change inside a window).
 """
@@ -70,6 +71,20 @@ def _seen_scaler(opt: Any) -> Optional[Any]:
     """The GradScaler that last stepped ``opt`` (None: none yet, or it is gone)."""
     ref = getattr(opt, "_grad_scaler", None)
     return ref() if ref is not None else None
+
+
+def expect_scaler(opt: Any, scaler: Any) -> None:
+    """Take ``scaler`` as the GradScaler ``opt`` has seen, before its first ``scaler.step(opt)``, where the caller
+    knows that this scaler steps it (Accelerate's, whose ``clip_grad_norm_`` measures before that step): a norm taken
+    then is the unscaled gradients' one. Nothing changes once a scaler has stepped ``opt``, or where its fp16 config
+    scales the loss (the step refuses a GradScaler there).
+
+    Args:
+        opt: the ``ShardedFusedAdam``.
+        scaler: the ``torch.amp.GradScaler`` that will step it.
+    """
+    if _seen_scaler(opt) is None and opt.loss_scaler is None:
+        opt._grad_scaler = weakref.ref(scaler)
 
 
 def _scaling(scaler: Optional[Any]) -> bool:

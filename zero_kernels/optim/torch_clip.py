@@ -45,6 +45,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from .. import live
+from . import amp
 
 _in_torch_clip = contextvars.ContextVar("zero_kernels_in_torch_clip", default=False)
 _installed = False
@@ -255,7 +256,13 @@ def _replace_inside(wrapper: Any, route: Callable[[Callable], Callable]) -> bool
 
 
 def clip_sharded(accelerator: Any, parameters: list, max_norm: float, norm_type: float) -> torch.Tensor:
-    """Accelerate's clipping of parameters a ``ShardedFusedAdam`` trains: unscale, then torch's routed call."""
+    """Accelerate's clipping of parameters a ``ShardedFusedAdam`` trains: unscale, then torch's routed call. The
+    optimizers are told first of the accelerator's GradScaler, which will step them: before their first step they
+    could not know it, and the norm of the first step was that of the scaled gradients."""
+    scaler = getattr(accelerator, "scaler", None)
+    if scaler is not None:
+        for opt in live.training(parameters):
+            amp.expect_scaler(opt, scaler)
     accelerator.unscale_gradients()
     return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
