@@ -1,8 +1,8 @@
 """No silent loss, no crash on bad input: what a new user runs into, tried on 2 gloo ranks.
 
 - The package runs without numpy (the CPU torch wheel does not bring it): save, load, gather.
-- Ranks that disagree on options or hyper-parameters raise on every rank, naming the key, the
-  values and the ranks, before any mismatched collective (construction) or update (step).
+- Ranks that disagree on options or hyper-parameters (a clip_grad_norm_'s max_norm too) raise on every rank,
+  naming the key, the values and the ranks, before any mismatched collective (construction) or update (step).
 - Non-finite gradients in fp32/bf16 skip the step on every rank, counted; as if it never happened.
 - A peer dying during backward gives the survivor a ``CommError`` naming the operation.
 
@@ -144,7 +144,7 @@ def _construction_cases(rank: int) -> None:
 
 
 def _step_cases(rank: int) -> None:
-    for stage in (1, 3):
+    for stage in (0, 1, 3):
         model = make_net()
         opt = zo.ShardedFusedAdam(model, lr=1e-3, stage=stage, reduce_bucket_size=BUCKET)
         with opt.gathered_params():
@@ -165,6 +165,12 @@ def _step_cases(rank: int) -> None:
             opt.param_groups[0].update(saved[0])
             opt.max_grad_norm = saved[1]
             opt.zero_grad()
+        model(batch(0, rank)).backward()
+        opt.clip_grad_norm_(0.05 if rank == 1 else 0.5)  # a collective: both ranks call it, with other norms
+        _raises_everywhere(
+            opt.step, "the ranks disagree on clip_grad_norm_'s max_norm: 0.5 on rank 0, 0.05 on rank 1", "nothing was"
+        )
+        opt.zero_grad()
         with opt.gathered_params():
             for p, b in zip(model.parameters(), before):
                 assert torch.equal(p, b), f"stage {stage}: a refused step changed a parameter"

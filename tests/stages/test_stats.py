@@ -189,7 +189,9 @@ def test_step_checks_name_every_value() -> None:
     assert math.isnan(checks["max_grad_norm (gradient_clipping)"])
     assert dict(step_checks(hyper, 0.25, 2.0))["max_grad_norm (gradient_clipping)"] == 2.0
     assert checks["the gradient scale 1 / (loss scale or gradient_accumulation_steps) x scale_grads_"] == 0.25
-    assert len(checks) == 7 * 2 + 2
+    assert math.isnan(checks["clip_grad_norm_'s max_norm"])
+    assert dict(step_checks(hyper, 0.25, None, 0.5))["clip_grad_norm_'s max_norm"] == 0.5
+    assert len(checks) == 7 * 2 + 3
 
 
 def test_a_row_from_another_collective_is_a_comm_error() -> None:

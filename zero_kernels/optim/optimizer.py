@@ -487,7 +487,12 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._pipeline.settle()  # the last step's outcome is accounted as that step's
         self._scaled_step = scaled is not None
         self.last_step = self._pipeline.step(
-            hyper, grad_scale=scale, clip_coef=multiplier, max_grad_norm=self.max_grad_norm, check_finite=check_finite
+            hyper,
+            grad_scale=scale,
+            clip_coef=multiplier,
+            max_grad_norm=self.max_grad_norm,
+            clip_max_norm=self._clips.max_norm(),
+            check_finite=check_finite,
         )
         self._forget_grad_edits()  # kept for a step refused before any update, called again
         if scaled is not None:

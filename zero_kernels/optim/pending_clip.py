@@ -51,6 +51,12 @@ class PendingClips:
         step refused before any update (a NaN lr, ranks disagreeing) applies them when called again."""
         return _product(self._asked, correct)
 
+    def max_norm(self) -> Optional[float]:
+        """The smallest finite ``max_norm`` asked for (None: no clip), which the ranks compare at the step: the clips
+        compose to about the smallest's, whatever their order."""
+        finite = [a.max_norm for a in self._asked if math.isfinite(a.max_norm)]
+        return min(finite) if finite else None
+
     def clear(self) -> None:
         self._asked = []
 

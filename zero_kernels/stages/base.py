@@ -723,14 +723,16 @@ class Pipeline(BackwardRound):
         grad_scale: float,
         clip_coef: Optional[torch.Tensor] = None,
         max_grad_norm: Optional[float] = None,
+        clip_max_norm: Optional[float] = None,
         check_finite: bool = False,
     ) -> StepResult:
         """Update this rank's shard and publish it; what the gradients decide stays on their device (``outcome``).
 
         Raises ``agreement.RanksDisagree`` on every rank, before any update, when the ranks pass
-        different hyper-parameters, gradient scales or clipping norms. Then ``ValueError`` on every rank, before
-        any update, when a group's lr, betas, eps or weight_decay is not finite. The step counts advance when
-        the outcome is settled (``settle``): at once when it is host memory, else when next read.
+        different hyper-parameters, gradient scales or clipping norms (``max_grad_norm``, ``clip_max_norm``). Then
+        ``ValueError`` on every rank, before any update, when a group's lr, betas, eps or weight_decay is not finite.
+        The step counts advance when the outcome is settled (``settle``): at once when it is host memory, else when
+        next read.
 
         Args:
             hyper: per param group hyper-parameters, indexed by group.
@@ -738,6 +740,8 @@ class Pipeline(BackwardRound):
                 1 / accumulation steps).
             clip_coef: a float64 0-d tensor that multiplies ``grad_scale`` (``clip_grad_norm_``), or None.
             max_grad_norm: clip the global gradient norm to this (None: no clipping).
+            clip_max_norm: the smallest ``max_norm`` of the clips behind ``clip_coef``, compared across ranks (None:
+                none).
             check_finite: skip the step (and report it) if any gradient is inf/NaN on any rank.
         """
         self.wait_params()
@@ -745,7 +749,7 @@ class Pipeline(BackwardRound):
         self.uploads.wait()
         grad_state.warn_spent(self)
         self.finish_grad_sync()
-        checks = stats.step_checks(hyper, grad_scale, max_grad_norm)
+        checks = stats.step_checks(hyper, grad_scale, max_grad_norm, clip_max_norm)
         scale: outcome.Scale = grad_scale if clip_coef is None else clip_coef * grad_scale
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
         stats.check_step_hyper(hyper)

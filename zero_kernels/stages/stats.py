@@ -58,7 +58,9 @@ class StepStats:
     counts: dict[int, int] = field(default_factory=dict)  # parameter index -> step count of the ranks holding it
 
 
-def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional[float]) -> list[tuple[str, float]]:
+def step_checks(
+    hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional[float], clip_max_norm: Optional[float] = None
+) -> list[tuple[str, float]]:
     """(name, value) of every value of this step that must be the same on every rank (None becomes NaN).
 
     Args:
@@ -66,6 +68,7 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
         grad_scale: the gradient multiplier (1 / loss scale with fp16 loss scaling, else 1 / accumulation steps,
             times the factors ``scale_grads_`` was given).
         max_grad_norm: the clipping norm (None: off).
+        clip_max_norm: the smallest ``max_norm`` given to ``clip_grad_norm_`` since the last step (None: none).
     """
     checks = []
     for g, h in enumerate(hyper):
@@ -81,6 +84,7 @@ def step_checks(hyper: Sequence[Any], grad_scale: float, max_grad_norm: Optional
         ]
     checks.append(("the gradient scale 1 / (loss scale or gradient_accumulation_steps) x scale_grads_", grad_scale))
     checks.append(("max_grad_norm (gradient_clipping)", math.nan if max_grad_norm is None else max_grad_norm))
+    checks.append(("clip_grad_norm_'s max_norm", math.nan if clip_max_norm is None else clip_max_norm))
     return [(name, float(value)) for name, value in checks]
 
 
