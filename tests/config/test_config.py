@@ -378,6 +378,13 @@ def test_torch_adamw_params_are_read_or_logged(caplog: pytest.LogCaptureFixture)
     assert "without effect" not in _messages(caplog, logging.WARNING)
 
 
+@pytest.mark.parametrize("config", [{"aio": None}, {"bf16": None}, {"bfloat16": None}, {"optimizer": None}])
+def test_a_null_section_is_read_as_absent(config: dict) -> None:
+    """DeepSpeed 0.19.8 reads "aio": null and "bf16": null as their defaults (its "bfloat16" and "optimizer" null
+    fail there with a bare error: taken as absent here)."""
+    assert ZeroConfig.from_deepspeed(config) == ZeroConfig.from_deepspeed({})
+
+
 def test_offload_spellings_that_mean_none() -> None:
     assert ZeroOptions.from_dict({"cpu_offload": False, "cpu_offload_param": False}).offload_optimizer.device == "none"
     assert ZeroOptions.from_dict({"offload_optimizer": None}).offload_optimizer.device == "none"

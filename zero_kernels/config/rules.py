@@ -288,7 +288,7 @@ class Section:
 
     ``ignored`` maps keys accepted without effect to the level they are logged at; ``aliases`` maps
     alternative names to canonical keys; ``finish`` turns the parsed dict into the stored value;
-    ``optional``: a missing section is ``None`` rather than all defaults; ``nullable``: an explicit
+    ``optional``: a missing or ``null`` section is ``None`` rather than all defaults; ``nullable``: an explicit
     ``null`` means all defaults; ``shorthand``: the key a bare string stands for (``"none"`` is
     read as ``{shorthand: "none"}``); ``unsupported``: keys refused with what they would change, unless off;
     ``unused``: keys accepted without effect whose values are checked (``Unused``); ``replaced``: deprecated
@@ -308,6 +308,8 @@ class Section:
     allowed: str = "a JSON object"
 
     def __call__(self, value: Any, path: str, ctx: Optional[ParseContext] = None) -> Any:
+        if value is None and self.optional:
+            return None
         if value is None and self.nullable:
             value = {}
         elif isinstance(value, str) and self.shorthand is not None:

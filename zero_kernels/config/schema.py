@@ -368,7 +368,8 @@ _BF16_UNUSED = {
     # false: DeepSpeed applies inf/NaN gradients; the step here still skips them unless skip_nonfinite_steps is false
     "check_grad_overflow": Unused(boolean(), quiet=lambda value: value is not False),
 }
-BF16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_UNUSED)
+# null: the defaults, as DeepSpeed reads it (its legacy "bfloat16": null fails there; optional here: as absent)
+BF16 = Section(fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_UNUSED, nullable=True)
 BFLOAT16 = Section(
     fields={"enabled": Field(boolean(), False)}, ignored=_BF16_IGNORED, unused=_BF16_UNUSED, optional=True
 )
