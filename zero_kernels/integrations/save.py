@@ -13,8 +13,9 @@ raises on every rank instead of leaving the others waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -71,6 +72,26 @@ def save_pretrained(model: nn.Module, optimizer: Any, save_directory: str | os.P
 def _write(model: nn.Module, save_directory: str | os.PathLike, kwargs: dict[str, Any]) -> None:
     os.makedirs(save_directory, exist_ok=True)
     if hasattr(model, "save_pretrained"):
-        model.save_pretrained(save_directory, **kwargs)
+        with _writes_here(model):
+            model.save_pretrained(save_directory, **kwargs)
     else:
         torch.save(model.state_dict(), os.path.join(save_directory, STATE_DICT_FILE))
+
+
+@contextlib.contextmanager
+def _writes_here(model: nn.Module) -> Iterator[None]:
+    """Transformers 5's ``save_pretrained`` writes only on the world's rank 0 (``should_save_on_this_rank``); the
+    writer is rank 0 of the optimizer's process group, another rank where that group is not the world (which
+    wrote nothing, silently): inside, ``model`` writes on this rank."""
+    if not hasattr(model, "should_save_on_this_rank"):
+        yield
+        return
+    own = vars(model).get("should_save_on_this_rank")
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.should_save_on_this_rank
+        else:
+            model.should_save_on_this_rank = own
