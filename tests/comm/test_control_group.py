@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import faulthandler
 import gc
 import pickle
 import sys
@@ -174,3 +175,27 @@ def _host_data_at_construction(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_host_data_of_construction_needs_no_device_on_nccl() -> None:
     run_ranks_checked(_host_data_at_construction, 2)
+
+
+def _world_after_a_group_of_some_ranks(rank: int, world: int) -> list[str]:
+    """Rank 0 is no member of a group made before (torch registers it on ranks 1 and 2 only, and names a group made
+    with ``use_local_synchronization`` by the count of groups this rank registered): the default group's control
+    group, made by every rank, must get one name on every rank (it got two, and building the optimizer hung in
+    gloo's rendezvous). A watchdog ends a rank that waits 60 s."""
+    faulthandler.dump_traceback_later(60, exit=True)
+    host_backends, control.HOST_BACKENDS = control.HOST_BACKENDS, frozenset()
+    try:
+        dist.new_group([1, 2])
+        model = _model()
+        opt = _optimizer(model)
+        _step(model, opt, rank)
+        made = opt.pipeline._control
+        return [] if made.group is not None else [f"rank {rank}: no control group"]
+    finally:
+        control.HOST_BACKENDS = host_backends
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.distributed
+def test_the_default_groups_control_group_is_made_after_a_group_of_some_ranks() -> None:
+    run_ranks_checked(_world_after_a_group_of_some_ranks, 3)

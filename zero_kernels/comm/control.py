@@ -17,6 +17,11 @@ That group is
   rank, and torch names a group made with ``use_local_synchronization`` after the number of groups
   a rank holds, so a group destroyed on one rank and not yet on another would give the next group
   made on them (this module's, or the user's own) different names on different ranks: a hang.
+
+The control group of a process group of every rank (the default group) is made by every rank as a group of the
+world, named by torch's count of such groups, the same on every rank. A process group of some of the ranks needs
+``use_local_synchronization`` (the others are not there): where its ranks hold different numbers of groups when it
+is made (one of them is in a group made earlier that another is not in), they wait under different names.
 """
 
 from __future__ import annotations
@@ -77,7 +82,11 @@ def _control_of(group: dist.ProcessGroup) -> _Control:
     if found is not None and found.data_group() is group:
         return found
     ranks = dist.get_process_group_ranks(group)
-    made = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    # torch (2.13) names a group made with use_local_synchronization by how many groups this rank has registered,
+    # which differs between ranks once some are members of a group the others are not: the ranks would wait for
+    # each other under two names. A group of every rank is made by every rank here, so torch's own count names it.
+    local = len(ranks) < dist.get_world_size()
+    made = dist.new_group(ranks, backend="gloo", use_local_synchronization=local)
     key = id(group)
     control = _Control(weakref.ref(group, lambda _: _destroy(key)), made, TorchCommEngine(made))
     _controls[key] = control
