@@ -217,10 +217,18 @@ def _broadcast_model(model: nn.Module, process_group: Any) -> None:
             f" and {len(moved) - 3} more" if len(moved) > 3 else ""
         )
         logger.warning(
-            "initialize: the ranks were given different values of %s; every rank now starts from rank 0's values "
+            "initialize: the ranks were given different values of %s; every rank now starts from %s values "
             "of the parameters, as deepspeed.initialize broadcasts them (buffers are left as they are)",
             first,
+            _source_rank(process_group),
         )
+
+
+def _source_rank(process_group: Any) -> str:
+    """Whose values ``_broadcast_model`` sends, for its message: rank 0, named by its global rank where that differs
+    (a ``process_group`` of ranks 1 and 2 takes global rank 1's values)."""
+    source = 0 if process_group is None else torch.distributed.get_global_rank(process_group, 0)
+    return "rank 0's" if source == 0 else f"process_group's rank 0's (global rank {source})"
 
 
 def _cast(model: nn.Module, config: ZeroConfig) -> Callable[[], None]:

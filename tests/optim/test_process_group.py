@@ -1,7 +1,10 @@
-"""Process groups: a rank outside the one it passes is told so (zk.initialize and ShardedFusedAdam), and an
-optimizer built before init_process_group warns when several ranks run."""
+"""Process groups: a rank outside the one it passes is told so (zk.initialize and ShardedFusedAdam), zk.initialize on
+a group names the global rank whose values its members take, and an optimizer built before init_process_group warns
+when several ranks run."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -70,3 +73,30 @@ def test_an_optimizer_launched_on_several_ranks_without_a_process_group_warns_on
     monkeypatch.setenv("WORLD_SIZE", "2")
     _steps_logged(zk.ShardedFusedAdam(model, lr=1e-2, stage=2), model, caplog, 2)
     assert caplog.text.count(said) == 1 and "WORLD_SIZE=2" in caplog.text, caplog.text
+
+
+def _differing_values(rank: int, world: int) -> None:
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        dist.barrier()
+        return
+    torch.manual_seed(rank)  # the members start from different values
+    model = torch.nn.Linear(3, 2)
+    torch.manual_seed(1)
+    expected = torch.nn.Linear(3, 2)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zero_kernels").addHandler(handler)
+    try:
+        zk.initialize(model, CONFIG, process_group=group)
+    finally:
+        logging.getLogger("zero_kernels").removeHandler(handler)
+    assert torch.equal(model.weight.detach(), expected.weight.detach()), "not global rank 1's values"
+    assert any("process_group's rank 0's (global rank 1) values" in m for m in said), said
+    dist.barrier()
+
+
+@pytest.mark.distributed
+def test_initialize_on_a_group_names_the_global_rank_whose_values_every_member_takes(spawn) -> None:
+    spawn(_differing_values, 3)
