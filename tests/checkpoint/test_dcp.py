@@ -257,3 +257,31 @@ def test_dcp_with_a_rank_that_holds_no_state(stage: int, tmp_path: Path) -> None
     """A rank holding no parameter's state had an empty ``opt.state``: DCP's ``_init_optim_state`` stepped the
     optimizer there alone, and the ranks hung at the next collective."""
     run_ranks_checked(_stateless_rank_body, 3, stage, str(tmp_path), timeout_s=60)
+
+
+def _after_consolidate_body(rank: int, world: int, stage: int) -> list[str]:
+    """``consolidate_state_dict(to=0)`` keeps the whole state on rank 0 for its ``state_dict()``; DCP's helpers, asked
+    before the next step, must still take the whole state on every rank alike (rank 0 took the kept one, the other
+    ranks gathered it: a collective on one side only, and the ranks failed or hung in the next one)."""
+    model, opt = _fresh(stage)
+    _train(model, opt, range(2))
+    opt.consolidate_state_dict(to=0)
+    with _whole(opt, stage):
+        _, optim_sd = get_state_dict(model, opt)
+    full = opt.full_state_dict()
+    problems = []
+    names = [name for name, _ in model.named_parameters()]
+    for index, entry in full["state"].items():
+        got = optim_sd["state"][names[index]]
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(got[key], entry[key]):
+                problems.append(f"rank {rank}: {names[index]} {key} differs from full_state_dict()'s")
+    if rank == 0 and len(opt.state_dict()["state"]) != len(full["state"]):
+        problems.append("rank 0's state_dict() is no longer the consolidated state")
+    return problems
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dcp_after_consolidate_state_dict_takes_the_whole_state_on_every_rank(stage: int) -> None:
+    run_ranks_checked(_after_consolidate_body, 2, stage, timeout_s=60)

@@ -839,12 +839,12 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if self._consolidated is not None and self.state.version != self._consolidated_version:
             log.warning(STATE_CHANGED)
             self._consolidated = None
-        if self._consolidated is not None:
-            state_dict = optim_state.with_whole_meta(self, self._consolidated)
-        elif self._pipeline.num_shards > 1 and dcp.asked_by_dcp():
+        if self._pipeline.num_shards > 1 and dcp.asked_by_dcp():  # collective: on rank ``to`` too, not the kept state
             if self._pipeline.dequantized_copies():
                 raise ValueError(dcp.OUTSIDE_GATHERED)
             state_dict = optim_state.full(self)
+        elif self._consolidated is not None:
+            state_dict = optim_state.with_whole_meta(self, self._consolidated)
         else:
             state_dict = optim_state.sharded(self)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
