@@ -199,3 +199,35 @@ def _world_after_a_group_of_some_ranks(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_the_default_groups_control_group_is_made_after_a_group_of_some_ranks() -> None:
     run_ranks_checked(_world_after_a_group_of_some_ranks, 3)
+
+
+def _group_out_of_order(rank: int, world: int) -> list[str]:
+    """A process group whose ranks are not in the world's order (``new_group([2, 0], sort_ranks=False)``: its rank 0
+    is global rank 2): its control group must number the ranks as it does. Sorted, it made global rank 0 its rank 0,
+    so host data came back in another order than the data group's ranks (an offload failure on the group's rank 1
+    was said to be rank 0's)."""
+    from zero_kernels.stages import offloaded
+
+    group = dist.new_group([2, 0], sort_ranks=False)
+    if rank == 1:
+        return []
+    host_backends, control.HOST_BACKENDS = control.HOST_BACKENDS, frozenset()
+    try:
+        engine = comm.TorchCommEngine(group)
+        failures = []
+        if control.ControlLink(engine).get().rank != engine.rank:
+            failures.append(f"rank {rank}: the control group numbers it {control.ControlLink(engine).get().rank}")
+        try:
+            offloaded.agree(engine, "disk full" if engine.rank == 1 else None, "offload.start")
+            failures.append(f"rank {rank}: the problem was not raised")
+        except OSError as err:
+            if "rank 1: disk full" not in str(err):
+                failures.append(f"rank {rank}: {err}")
+        return failures
+    finally:
+        control.HOST_BACKENDS = host_backends
+
+
+@pytest.mark.distributed
+def test_the_control_group_numbers_the_ranks_as_its_process_group_does() -> None:
+    run_ranks_checked(_group_out_of_order, 3)

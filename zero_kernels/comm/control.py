@@ -3,7 +3,8 @@
 Host data (which parameters got a gradient, the values ranks must agree on, stage 3's gather
 checks) is exchanged by the host and read at once. On gloo the data engine carries it itself. On
 any other backend (NCCL) waiting for it would wait for everything queued on the GPU before it, so
-it goes over a gloo group of the same ranks instead: the control group, a ``TorchCommEngine``.
+it goes over a gloo group of the same ranks, numbered alike, instead: the control group, a
+``TorchCommEngine``.
 
 That group is
 
@@ -86,7 +87,10 @@ def _control_of(group: dist.ProcessGroup) -> _Control:
     # which differs between ranks once some are members of a group the others are not: the ranks would wait for
     # each other under two names. A group of every rank is made by every rank here, so torch's own count names it.
     local = len(ranks) < dist.get_world_size()
-    made = dist.new_group(ranks, backend="gloo", use_local_synchronization=local)
+    # in the data group's order (new_group([2, 0], sort_ranks=False)): sorted, the ranks' host data came back in
+    # another order than their data ranks (a problem of rank 1 said to be rank 0's)
+    order = {} if ranks == sorted(ranks) else {"sort_ranks": False}
+    made = dist.new_group(ranks, backend="gloo", use_local_synchronization=local, **order)
     key = id(group)
     control = _Control(weakref.ref(group, lambda _: _destroy(key)), made, TorchCommEngine(made))
     _controls[key] = control
