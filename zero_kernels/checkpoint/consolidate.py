@@ -103,7 +103,7 @@ def _structure(src: TensorSource, records: _Records, book: dict[str, Any]) -> di
         if param["trainable"] and param["step"] > 0:
             step = float(param["step"])
             state[index] = {
-                "step": records.tensor((), torch.float32, lambda step=step: torch.tensor(step)),
+                "step": records.tensor((), torch.float32, lambda step=step: torch.tensor(step, dtype=torch.float32)),
                 "exp_avg": lazy(f"optim/{index}/exp_avg"),
                 "exp_avg_sq": lazy(f"optim/{index}/exp_avg_sq"),
             }

@@ -100,7 +100,7 @@ class ParamState(dict):
         self._on_write()
         if key == "step":
             self._pipeline.steps[self._index] = int(float(value))
-            super().__setitem__(key, torch.tensor(float(value)))
+            super().__setitem__(key, door.step_tensor(float(value)))
         else:
             view = dict.__getitem__(self, key)
             view.copy_(_take(self._piece, value, view.shape, self._full))
@@ -183,7 +183,7 @@ class ShardedState(MutableMapping):
         if index is None:
             return None
         piece = self._piece(p)
-        values = {"step": torch.tensor(float(self._pipeline.steps[index])), **self._views(p, piece)}
+        values = {"step": door.step_tensor(self._pipeline.steps[index]), **self._views(p, piece)}
         return ParamState(self._pipeline, index, values, piece, self._pipeline.param_shape(p), self._written)
 
     def __getitem__(self, key: Any) -> Any:

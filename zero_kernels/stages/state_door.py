@@ -83,6 +83,13 @@ def warn_other_decay_mode(saved_groups: list[dict[str, Any]], adam_w_mode: bool,
         return
 
 
+def step_tensor(count: float) -> torch.Tensor:
+    """A step count as ``torch.optim.AdamW`` keeps it: a 0-dim float32 tensor (float64 under a float64 default dtype),
+    never in a bf16 or fp16 default dtype set by the user (which would round counts past 256 or 2048)."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(count), dtype=dtype)
+
+
 def state_tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
     """``{kind: this rank's shard}`` of the state tensors ``buf`` has, in ``KINDS`` order (read in from the
     disk tier's files when it holds them: written back at the next step)."""
@@ -159,7 +166,7 @@ def gather_full_state(pipeline: Pipeline, keep: bool = True, host: bool = False)
     for buf in pipeline.buffers:
         slots = [(index, slot) for index, slot in buf.indexed_slots() if pipeline.steps[index] != 0] if keep else []
         for index, _ in slots:
-            out[index] = {"step": torch.tensor(float(pipeline.steps[index]))}
+            out[index] = {"step": step_tensor(pipeline.steps[index])}
         for name, shard in state_tensors(buf).items():
             full = _gather(pipeline, buf, shard)
             for index, slot in slots:
