@@ -279,6 +279,22 @@ def _errors_body(rank: int, world_size: int, names: list[str]) -> None:
             raw.all_reduce(torch.ones(4), "sum", "gone")
 
 
+def _group_errors_body(rank: int, world_size: int, names: list[str]) -> None:
+    """An engine on the group of ranks 1 and 2 names its rank in that group and the global one; on the world, one."""
+    group = dist.new_group([1, 2])
+    for name in names:
+        world = comm.make_engine(backend=name)
+        with pytest.raises(ValueError, match=rf"'odd' on rank {rank} of 3 \(gloo\)"):
+            world.reduce_scatter(torch.empty(3), torch.empty(7), name="odd")
+        if rank == 0:
+            continue
+        engine = comm.make_engine(group, backend=name)
+        said = rf"reduce_scatter of bucket 'odd' on rank {rank - 1} of 2 \(global rank {rank}\)"
+        with pytest.raises(ValueError, match=said):
+            engine.reduce_scatter(torch.empty(3), torch.empty(7), name="odd")
+    dist.barrier()
+
+
 # ---------------------------------------------------------------- tests
 
 
@@ -291,6 +307,11 @@ def test_collectives_match_torch_distributed(spawn, engine_names: list[str], wor
 @pytest.mark.distributed
 def test_errors_name_operation_bucket_and_rank(spawn, engine_names: list[str]) -> None:
     spawn(_errors_body, 2, engine_names)
+
+
+@pytest.mark.distributed
+def test_errors_on_a_group_of_some_ranks_name_the_global_rank(spawn, engine_names: list[str]) -> None:
+    spawn(_group_errors_body, 3, engine_names)
 
 
 @pytest.mark.ext

@@ -65,6 +65,14 @@ def resolve_backend(name: str, config: str, cuda: bool) -> str:
     return per_device.get("cuda" if cuda else "cpu", fallback)
 
 
+def _where(rank: int, world_size: int, distributed: bool) -> str:
+    """ "rank R of W", with the global rank where the process group is not the world (a data-parallel group of
+    some ranks, or of every rank in another order): its ranks are numbered apart from the job's."""
+    if distributed and (world_size != dist.get_world_size() or rank != dist.get_rank()):
+        return f"rank {rank} of {world_size} (global rank {dist.get_rank()})"
+    return f"rank {rank} of {world_size}"
+
+
 def check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
     for role, t in (("shard", shard), ("full buffer", full)):
         if not t.is_contiguous():
@@ -93,6 +101,7 @@ class EngineBase:
         self._group = None if group is None else weakref.ref(group)
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
+        self.where = _where(self.rank, self.world_size, self.distributed)
         self.backend = backend_of(group) if self.distributed else "local"
         log.info(
             "zero_kernels comm: %s engine on %s, rank %d of %d; primitives: %s",
@@ -147,10 +156,7 @@ class EngineBase:
         return group
 
     def describe(self, operation: str, name: str) -> str:
-        return (
-            f"zero_kernels comm: {operation} of bucket '{name}' on rank {self.rank} of {self.world_size} "
-            f"({self.backend})"
-        )
+        return f"zero_kernels comm: {operation} of bucket '{name}' on {self.where} ({self.backend})"
 
     def primitive_for(self, operation: str, tensor: torch.Tensor) -> str:
         """The primitive this engine uses for ``operation`` on a bucket like ``tensor`` (the full buffer)."""
