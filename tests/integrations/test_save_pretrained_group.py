@@ -48,3 +48,25 @@ def _save_on_a_group(rank: int, world: int, directory: str) -> None:
 @pytest.mark.distributed
 def test_save_pretrained_on_a_group_without_global_rank_0_writes_the_model(spawn, tmp_path) -> None:
     spawn(_save_on_a_group, 3, str(tmp_path / "saved"))
+
+
+def _declining_on_world_rank_0(rank: int, world: int, directory: str) -> None:
+    from transformers import GPT2LMHeadModel
+
+    import zero_kernels as zk
+
+    class Declining(GPT2LMHeadModel):
+        def should_save_on_this_rank(self, is_main_process: bool) -> bool:
+            return False
+
+    model = gpt2()
+    model.__class__ = Declining
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=1)
+    zk.save_pretrained(model, opt, directory)
+    assert os.listdir(directory) == [], "the class's own should_save_on_this_rank was overridden on the world's rank 0"
+    assert "should_save_on_this_rank" not in vars(model)
+
+
+@pytest.mark.distributed
+def test_save_pretrained_on_the_worlds_rank_0_keeps_the_models_own_rule(spawn, tmp_path) -> None:
+    spawn(_declining_on_world_rank_0, 1, str(tmp_path / "saved"))

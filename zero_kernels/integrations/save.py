@@ -82,8 +82,10 @@ def _write(model: nn.Module, save_directory: str | os.PathLike, kwargs: dict[str
 def _writes_here(model: nn.Module) -> Iterator[None]:
     """Transformers 5's ``save_pretrained`` writes only on the world's rank 0 (``should_save_on_this_rank``); the
     writer is rank 0 of the optimizer's process group, another rank where that group is not the world (which
-    wrote nothing, silently): inside, ``model`` writes on this rank."""
-    if not hasattr(model, "should_save_on_this_rank"):
+    wrote nothing, silently): inside, ``model`` writes on this rank. On the world's rank 0 the model's own rule
+    stands (a class of its own may decline)."""
+    elsewhere = torch.distributed.is_initialized() and torch.distributed.get_rank() != 0
+    if not elsewhere or not hasattr(model, "should_save_on_this_rank"):
         yield
         return
     own = vars(model).get("should_save_on_this_rank")
