@@ -66,8 +66,8 @@ def resolve_backend(name: str, config: str, cuda: bool) -> str:
 
 
 def _where(rank: int, world_size: int, distributed: bool) -> str:
-    """ "rank R of W", with the global rank where the process group is not the world (a data-parallel group of
-    some ranks, or of every rank in another order): its ranks are numbered apart from the job's."""
+    """This rank for messages, as "rank R of W", with the global rank beside it where the process group is not the
+    world (a data-parallel group of some ranks, or of every rank in another order): its ranks are numbered apart."""
     if distributed and (world_size != dist.get_world_size() or rank != dist.get_rank()):
         return f"rank {rank} of {world_size} (global rank {dist.get_rank()})"
     return f"rank {rank} of {world_size}"
