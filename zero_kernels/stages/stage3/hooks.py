@@ -485,6 +485,9 @@ class Stage3Scheduler:
         self.units[i].free(hand_over)
         for p in self.units[i].params:
             guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
+        # autocast keeps its casts of parameters until its region ends: a later forward in the same region (the
+        # next micro-step) took the cast of the freed parameter, and its backward failed on the freed tensor
+        torch.clear_autocast_cache()
 
     def _gather(self, needs: Sequence[int], step: _Pass, active: bool) -> None:
         """Gather ``needs`` now and prefetch what ``step`` expects next (only inside a pass)."""
