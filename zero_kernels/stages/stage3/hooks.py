@@ -485,9 +485,6 @@ class Stage3Scheduler:
         self.units[i].free(hand_over)
         for p in self.units[i].params:
             guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
-        # autocast keeps its casts of parameters until its region ends: a later forward in the same region (the
-        # next micro-step) took the cast of the freed parameter, and its backward failed on the freed tensor
-        torch.clear_autocast_cache()
 
     def _gather(self, needs: Sequence[int], step: _Pass, active: bool) -> None:
         """Gather ``needs`` now and prefetch what ``step`` expects next (only inside a pass)."""
@@ -620,6 +617,12 @@ class Stage3Scheduler:
     def _enter(self, p: ModulePlan, args: Any, kwargs: Any, given: Any = None) -> Any:
         """Gather what ``p.module`` needs and mark it running; a leaf's inputs get the end-of-backward marker.
         ``given``: the inputs the caller gave, before the module's forward pre-hooks (``UseTracker.begin``)."""
+        if not self._stack:
+            # A forward begins. Autocast keeps its casts of parameters until its region ends; a forward later in
+            # the region (the next micro-step) took an earlier forward's casts: of a freed parameter (its backward
+            # failed on the freed tensor), or made before the forward's inputs (the gradient came after the
+            # parameter's unit was reduced), of weights an optimizer step has changed since
+            torch.clear_autocast_cache()
         self._gather(p.needs, self._forward, self._in_forward)
         for i in p.needs:
             self._in_use[i] += 1
