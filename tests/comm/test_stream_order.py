@@ -124,6 +124,7 @@ def test_every_operation_hands_its_side_stream_to_the_engine(streams: dict[str, 
 
     engine = comm.CppCommEngine.__new__(comm.CppCommEngine)
     engine.rank, engine.world_size, engine.backend, engine._group = 0, 2, "nccl", None
+    engine.where = "rank 0 of 2"
     engine._side_streams = {}
     engine._engine = SimpleNamespace(**{n: record(n) for n in ("all_reduce", "all_gather", "reduce_scatter")})
     engine._ext = SimpleNamespace(Primitive=SimpleNamespace(all_gather_tensor=1, reduce_scatter_tensor=2))
@@ -174,6 +175,7 @@ def test_torch_engine_copy_out_tells_the_allocator_of_the_waiting_stream(
     monkeypatch.setattr(torch_engine, "reduce_scatter_flat", lambda *args, **kwargs: Work())
     engine = comm.TorchCommEngine.__new__(comm.TorchCommEngine)
     engine.rank, engine.world_size, engine.backend, engine._group = 0, 2, "nccl", None
+    engine.where = "rank 0 of 2"
     engine._pending, engine._tags = [], 0
     full = torch.arange(8.0).as_subclass(OnGpu1)
     shard = real_empty(4, dtype=torch.bfloat16).as_subclass(OnGpu1)
@@ -284,6 +286,7 @@ def test_torch_engine_wait_on_another_stream_orders_the_issuing_stream(
     monkeypatch.setattr(torch_engine, "all_gather_flat", lambda *args, **kwargs: _Work())
     engine = comm.TorchCommEngine.__new__(comm.TorchCommEngine)
     engine.rank, engine.world_size, engine.backend, engine._group = 0, 2, "nccl", None
+    engine.where = "rank 0 of 2"
     engine._pending, engine._tags = [], 0
     full, shard = torch.zeros(8).as_subclass(OnGpu1), torch.zeros(4).as_subclass(OnGpu1)
     handle = engine.all_gather(full, shard, name="params.0", primitive="all_gather_tensor")
