@@ -221,7 +221,7 @@ def _group_out_of_order(rank: int, world: int) -> list[str]:
             offloaded.agree(engine, "disk full" if engine.rank == 1 else None, "offload.start")
             failures.append(f"rank {rank}: the problem was not raised")
         except OSError as err:
-            if "rank 1: disk full" not in str(err):
+            if "rank 1 (global rank 0): disk full" not in str(err):
                 failures.append(f"rank {rank}: {err}")
         return failures
     finally:

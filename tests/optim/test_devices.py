@@ -135,7 +135,7 @@ def test_a_rank_on_the_wrong_device_stops_every_rank(monkeypatch: pytest.MonkeyP
         return [obj, "the parameters are on cuda:1 but cuda:0 is the current device"]
 
     monkeypatch.setattr(devices, "all_gather_objects", exchange)
-    engine = SimpleNamespace(world_size=2, rank=0, backend="gloo")
+    engine = SimpleNamespace(world_size=2, rank=0, backend="gloo", global_ranks=None)
     with pytest.raises(ValueError, match=r"^ShardedFusedAdam: on rank 1: the parameters are on cuda:1.*set_device"):
         devices.check_current_device(engine, torch.device("cpu"))
     assert seen == [torch.device("cpu")], "the exchange must run on the parameters' device"
@@ -155,7 +155,7 @@ def test_construction_exchanges_run_on_the_parameters_device(monkeypatch: pytest
 
     monkeypatch.setattr(agreement, "all_gather_objects", exchange)
     nccl = SimpleNamespace(
-        world_size=2, rank=0, backend="nccl", group=SimpleNamespace(bound_device_id=None), kind="cpp"
+        world_size=2, rank=0, backend="nccl", group=SimpleNamespace(bound_device_id=None), kind="cpp", global_ranks=None
     )
     opt = SimpleNamespace(pipeline=SimpleNamespace(engine=nccl, device=torch.device("cuda", 1)))
     agreement.check_optimizer(opt, "constructed with 1 param groups")
@@ -180,7 +180,7 @@ def test_cpu_parameters_on_a_cuda_only_group_exchange_on_the_current_gpu(
     monkeypatch.setattr(comm_devices, "all_gather_objects", exchange)
     monkeypatch.setattr(comm_devices.dist, "get_backend_config", lambda group: "cuda:nccl")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    nccl = SimpleNamespace(world_size=2, rank=0, backend="nccl", group=object())
+    nccl = SimpleNamespace(world_size=2, rank=0, backend="nccl", group=object(), global_ranks=None)
     with pytest.raises(
         ValueError,
         match=r"^ShardedFusedAdam: on rank 0: the parameters are on cpu but the process "

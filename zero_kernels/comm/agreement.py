@@ -32,8 +32,10 @@ class RanksDisagree(ValueError):
     """The ranks were given different options or hyper-parameters; the message names the key and the values."""
 
 
-def ranks_text(ranks: Sequence[int]) -> str:
-    """``[0]`` -> ``"rank 0"``; ``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+def ranks_text(ranks: Sequence[int], global_ranks: Optional[Sequence[int]] = None) -> str:
+    """``[0]`` -> ``"rank 0"``; ``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``. With ``global_ranks`` (an engine's: the
+    global rank of each of its process group's ranks, None where they are the job's), each rank's global rank
+    follows: ``[1]`` on the group of ranks 0 and 2 -> ``"rank 1 (global rank 2)"``."""
     spans: list[list[int]] = []
     for r in sorted(ranks):
         if spans and r == spans[-1][1] + 1:
@@ -41,7 +43,10 @@ def ranks_text(ranks: Sequence[int]) -> str:
         else:
             spans.append([r, r])
     text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-    return f"{'rank' if len(ranks) == 1 else 'ranks'} {text}"
+    word = "rank" if len(ranks) == 1 else "ranks"
+    if global_ranks is None:
+        return f"{word} {text}"
+    return f"{word} {text} (global {word} {', '.join(str(global_ranks[r]) for r in sorted(ranks))})"
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -50,8 +55,9 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def disagreement(key: str, values: Sequence[Any]) -> Optional[str]:
-    """None when every rank's value (``values[rank]``) equals rank 0's, else a sentence naming them all."""
+def disagreement(key: str, values: Sequence[Any], global_ranks: Optional[Sequence[int]] = None) -> Optional[str]:
+    """None when every rank's value (``values[rank]``) equals rank 0's, else a sentence naming them all (with their
+    global ranks: ``ranks_text``)."""
     if all(_same(v, values[0]) for v in values):
         return None
     groups: list[tuple[Any, list[int]]] = []
@@ -62,7 +68,7 @@ def disagreement(key: str, values: Sequence[Any]) -> Optional[str]:
                 break
         else:
             groups.append((value, [rank]))
-    shown = ", ".join(f"{v if v is _ABSENT else repr(v)} on {ranks_text(ranks)}" for v, ranks in groups)
+    shown = ", ".join(f"{v if v is _ABSENT else repr(v)} on {ranks_text(ranks, global_ranks)}" for v, ranks in groups)
     return f"the ranks disagree on {key}: {shown}"
 
 
@@ -86,7 +92,7 @@ def check_same(engine: Any, fingerprint: Mapping[str, Any], what: str, device: O
     for row in rows[1:]:
         keys += [k for k in row if k not in rows[0]]
     for key in keys:
-        message = disagreement(key, [row.get(key, _ABSENT) for row in rows])
+        message = disagreement(key, [row.get(key, _ABSENT) for row in rows], engine.global_ranks)
         if message is not None:
             raise RanksDisagree(
                 f"{what}: {message}. Every rank must build the optimizer with the same options, param groups "

@@ -125,6 +125,6 @@ def check_current_device(engine: Any, device: Optional[torch.device], *, exchang
     bad = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
     if not bad:
         return
-    where = "" if len(problems) == 1 else f"on {ranks_text([rank for rank, _ in bad])}: "
+    where = "" if len(problems) == 1 else f"on {ranks_text([rank for rank, _ in bad], engine.global_ranks)}: "
     fix = UNSERVED_FIX if UNSERVED in bad[0][1] else FIX
     raise ValueError(f"ShardedFusedAdam: {where}{bad[0][1]}; {fix}")

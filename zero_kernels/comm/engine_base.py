@@ -73,6 +73,15 @@ def _where(rank: int, world_size: int, distributed: bool) -> str:
     return f"rank {rank} of {world_size}"
 
 
+def _global_ranks(group: Optional[dist.ProcessGroup], distributed: bool) -> Optional[tuple[int, ...]]:
+    """The global rank of each of ``group``'s ranks, in its order, where the group numbers its ranks apart from the
+    job's (``dist.get_process_group_ranks``); None where its rank r is global rank r."""
+    if not distributed:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    return None if ranks == tuple(range(dist.get_world_size())) else ranks
+
+
 def check_pair(what: str, shard: torch.Tensor, full: torch.Tensor, world_size: int) -> None:
     for role, t in (("shard", shard), ("full buffer", full)):
         if not t.is_contiguous():
@@ -102,6 +111,7 @@ class EngineBase:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.where = _where(self.rank, self.world_size, self.distributed)
+        self.global_ranks = _global_ranks(group, self.distributed)  # for messages that name other ranks
         self.backend = backend_of(group) if self.distributed else "local"
         log.info(
             "zero_kernels comm: %s engine on %s, rank %d of %d; primitives: %s",

@@ -151,7 +151,8 @@ def check_sendable(
         if found:
             name, now, holds, remedy = found[0]
             raise ModifierMismatch(
-                f"{where}: {name} is {now} on rank {rank}, the optimizer holds {holds}: {remedy}. The replaced "
+                f"{where}: {name} is {now} on {ranks_text([rank], engine.global_ranks)}, the optimizer holds {holds}: "
+                f"{remedy}. The replaced "
                 f"values were not sent: {sent}. Other changes made in the block stay (resize_token_embeddings' "
                 "config.vocab_size: resize back to the size the optimizer holds, inside gathered_params())"
             )
@@ -161,5 +162,7 @@ def check_sendable(
         for rank, (_, described) in enumerate(rows):
             seen.setdefault(tuple(described[i][1:]) if i < len(described) else ("absent",), []).append(rank)
         if len(seen) > 1:
-            shown = ", ".join(f"{' '.join(map(str, reversed(k)))} on {ranks_text(r)}" for k, r in seen.items())
+            shown = ", ".join(
+                f"{' '.join(map(str, reversed(k)))} on {ranks_text(r, engine.global_ranks)}" for k, r in seen.items()
+            )
             raise ModifierMismatch(f"{where}: {name} differs between the ranks ({shown}){after}")

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ..comm.agreement import ranks_text
 from ..comm.control import ControlLink
 from ..comm.objects import all_gather_objects
 from ..env import cpu_adam_threads, settings
@@ -137,7 +138,7 @@ def agree(
         problems = all_gather_objects(ControlLink(engine).get(), problem, name=name)
     failed = [(r, p) for r, p in enumerate(problems) if p is not None]
     if failed:
-        text = "; ".join(f"rank {r}: {p}" for r, p in failed)
+        text = "; ".join(f"{ranks_text([r], engine.global_ranks)}: {p}" for r, p in failed)
         raise OSError(f"zero_optimization.{key} {what}: {text}")
 
 

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from ..comm.agreement import RanksDisagree, disagreement
+from ..comm.agreement import RanksDisagree, disagreement, ranks_text
 from ..comm.primitives import CommError
 
 MARK = 5_784_113.0  # the first value of every rank's row in the exchange: a row without it came from another collective
@@ -184,19 +184,19 @@ def exchange(
     if control.world_size > 1:
         gathered = torch.empty(control.world_size * packed.numel(), dtype=torch.float64)
         control.all_gather(gathered, packed, name="step.stats").wait()
-        table = _marked(gathered.view(control.world_size, -1))
+        table = _marked(gathered.view(control.world_size, -1), control.global_ranks)
     else:
         table = packed.view(1, -1)[:, 1:]
     rows = table.tolist()
     for column_index, (check, _) in enumerate(checks):
-        message = disagreement(check, [_shown(row[n2 + 1 + column_index]) for row in rows])
+        message = disagreement(check, [_shown(row[n2 + 1 + column_index]) for row in rows], control.global_ranks)
         if message is not None:
             raise RanksDisagree(
                 f"ShardedFusedAdam.step: {message}. Every rank must use the same hyper-parameters (set them the "
                 "same way on every rank, e.g. with the same scheduler); nothing was updated, and this step's gradients "
                 "are spent: zero_grad() and run backward again"
             )
-    agreed = _agreed_counts(order, table[:, n:n2], name)
+    agreed = _agreed_counts(order, table[:, n:n2], name, control.global_ranks)
     with_grad = {i for k, i in enumerate(order) if any(row[k] > 0 for row in rows)}
     extras = [row[len(row) - len(extra) :] for row in rows]
     if column is None:
@@ -208,22 +208,24 @@ def exchange(
     return StepStats(with_grad, column, extras, agreed)
 
 
-def _marked(table: torch.Tensor) -> torch.Tensor:
+def _marked(table: torch.Tensor, global_ranks: Optional[Sequence[int]]) -> torch.Tensor:
     """``table`` without its column of ``MARK``s; ``CommError`` where a rank's row does not start with one (that rank
-    was in another collective)."""
+    was in another collective; ``global_ranks``: the control engine's, for the message)."""
     strangers = [rank for rank, mark in enumerate(table[:, 0].tolist()) if mark != MARK]
     if strangers:
         raise CommError(
             f"ShardedFusedAdam.step: the exchange of the step's statistics (step.stats) met another collective on "
-            f"rank(s) {strangers}: the ranks no longer issue the same collectives in the same order (a rank ran "
-            "another number of forwards, backwards or micro-steps than the others, or called step() alone). Every "
-            "rank must run the same passes between steps (under no_sync() too); the process group cannot be used "
-            "further, nothing was updated"
+            f"{ranks_text(strangers, global_ranks)}: the ranks no longer issue the same collectives in the same order "
+            "(a rank ran another number of forwards, backwards or micro-steps than the others, or called step() "
+            "alone). Every rank must run the same passes between steps (under no_sync() too); the process group "
+            "cannot be used further, nothing was updated"
         )
     return table[:, 1:]
 
 
-def _agreed_counts(order: list[int], steps: torch.Tensor, name: Callable[[int], str]) -> dict[int, int]:
+def _agreed_counts(
+    order: list[int], steps: torch.Tensor, name: Callable[[int], str], global_ranks: Optional[Sequence[int]]
+) -> dict[int, int]:
     """Each parameter's step count as the ranks holding its state have it (``steps``: world x parameters,
     -1 where a rank holds none of it); raise where those ranks differ."""
     held = steps >= 0
@@ -233,7 +235,7 @@ def _agreed_counts(order: list[int], steps: torch.Tensor, name: Callable[[int], 
     if conflicts:
         k = conflicts[0]
         values = [int(v) if v >= 0 else None for v in steps[:, k].tolist()]
-        message = disagreement(f"the Adam step count of {name(order[k])}", values)
+        message = disagreement(f"the Adam step count of {name(order[k])}", values, global_ranks)
         raise RanksDisagree(
             f"ShardedFusedAdam.step: {message} (None: a rank that holds none of its state). Its state was reset "
             "(opt.state[p] = {}, del opt.state[p], opt.state.clear()) or set on some ranks only: run those "

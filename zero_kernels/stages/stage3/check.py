@@ -29,10 +29,11 @@ rather than in this module's message.
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from ...comm.agreement import ranks_text
 from ...comm.objects import all_gather_objects
 from ...comm.primitives import CommError
 
@@ -78,17 +79,25 @@ def check_same_units(engine, units: Sequence[Named], phase: str, suggest: Callab
     if values[:n] == [-v for v in values[n:]]:
         return
     everyone = all_gather_objects(engine, [(u.name, u.kind, u.param_numel) for u in units], name="stage3.check.units")
-    raise CommError(describe_mismatch(everyone, phase, suggest))
+    raise CommError(describe_mismatch(everyone, phase, suggest, engine.global_ranks))
 
 
-def describe_mismatch(everyone: list[list[tuple[str, str, int]]], phase: str, suggest: Callable) -> str:
-    """The message for ranks that gather different units: what each rank gathers where they first differ."""
+def describe_mismatch(
+    everyone: list[list[tuple[str, str, int]]],
+    phase: str,
+    suggest: Callable,
+    global_ranks: Optional[Sequence[int]] = None,
+) -> str:
+    """The message for ranks that gather different units: what each rank gathers where they first differ (with
+    its global rank: ``agreement.ranks_text``)."""
     return f"ZeRO stage 3: the ranks gather different parameters at the same point of the {phase}: " + _difference(
-        everyone, suggest
+        everyone, suggest, global_ranks
     )
 
 
-def _difference(everyone: list[list[tuple[str, str, int]]], suggest: Callable) -> str:
+def _difference(
+    everyone: list[list[tuple[str, str, int]]], suggest: Callable, global_ranks: Optional[Sequence[int]]
+) -> str:
     """What each rank gathers where the batches ``everyone`` first differ, and the fix."""
     at = 0
     while all(at < len(batch) for batch in everyone) and len({batch[at] for batch in everyone}) == 1:
@@ -101,7 +110,9 @@ def _difference(everyone: list[list[tuple[str, str, int]]], suggest: Callable) -
         name, kind, numel = batch[at]
         return f"'{name or '<root>'}' ({kind}, {numel} elements)"
 
-    ranks = "; ".join(f"rank {r} gathers the parameters of {what(batch)}" for r, batch in enumerate(everyone))
+    ranks = "; ".join(
+        f"{ranks_text([r], global_ranks)} gathers the parameters of {what(batch)}" for r, batch in enumerate(everyone)
+    )
     return (
         f"{ranks}. Every rank must run the same modules in the same order (the gathers pair up in order). "
         f"{suggest(names)}"

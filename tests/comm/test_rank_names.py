@@ -1,0 +1,77 @@
+"""Errors that name other ranks name their global ranks too, where the process group numbers its ranks apart from
+the job's: a data-parallel group of a device mesh (``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp",
+"tp"))``: ``mesh["dp"]`` is the group of global ranks 0 and 2, or 1 and 3), whose rank 1 is global rank 2 or 3.
+The options' agreement, the step's agreement, the offload start-up and stage 3's gather checks named the group's
+rank only, which points at another process's log."""
+
+from __future__ import annotations
+
+import faulthandler
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+from tests.helpers.dist import run_ranks_checked
+from zero_kernels import comm
+from zero_kernels.comm.agreement import RanksDisagree, ranks_text
+from zero_kernels.stages import offloaded
+from zero_kernels.stages.stage3.check import describe_mismatch
+
+
+def test_ranks_text_names_the_global_ranks_of_a_group() -> None:
+    assert ranks_text([1]) == "rank 1"
+    assert ranks_text([1], (0, 2)) == "rank 1 (global rank 2)"
+    assert ranks_text([1, 0], (3, 1)) == "ranks 0-1 (global ranks 3, 1)"
+
+
+def test_stage3_gather_mismatch_names_the_global_ranks() -> None:
+    everyone = [[("a", "Linear", 4)], [("b", "Linear", 4)]]
+    message = describe_mismatch(everyone, "forward", lambda names: "", (1, 3))
+    assert "rank 0 (global rank 1) gathers the parameters of 'a'" in message, message
+    assert "rank 1 (global rank 3) gathers the parameters of 'b'" in message, message
+
+
+def _mesh_group_errors(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"].get_group()
+        failures = []
+        second = f"rank 1 (global rank {2 + rank % 2})"
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        try:
+            zk.ShardedFusedAdam(model.parameters(), lr=1e-3 if rank < 2 else 2e-3, process_group=group)
+            failures.append(f"rank {rank}: different lrs were accepted")
+        except RanksDisagree as err:
+            if f"0.002 on {second}" not in str(err):
+                failures.append(f"rank {rank}: {err}")
+        opt = zk.ShardedFusedAdam(model.parameters(), lr=1e-3, process_group=group)
+        opt.param_groups[0]["lr"] = 1e-3 if rank < 2 else 2e-3
+        model(torch.ones(2, 4)).sum().backward()
+        try:
+            opt.step()
+            failures.append(f"rank {rank}: different lrs were stepped")
+        except RanksDisagree as err:
+            if f"0.002 on {second}" not in str(err):
+                failures.append(f"rank {rank}: {err}")
+        engine = comm.TorchCommEngine(group)
+        problem: Optional[str] = "disk full" if rank >= 2 else None
+        try:
+            offloaded.agree(engine, problem, "offload.start")
+            failures.append(f"rank {rank}: the offload problem was not raised")
+        except OSError as err:
+            if f"{second}: disk full" not in str(err):
+                failures.append(f"rank {rank}: {err}")
+        return failures
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.distributed
+def test_errors_on_a_device_meshs_data_parallel_group_name_the_global_ranks() -> None:
+    run_ranks_checked(_mesh_group_errors, 4)
