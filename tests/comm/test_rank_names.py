@@ -1,8 +1,9 @@
 """Errors that name other ranks name their global ranks too, where the process group numbers its ranks apart from
 the job's: a data-parallel group of a device mesh (``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp",
 "tp"))``: ``mesh["dp"]`` is the group of global ranks 0 and 2, or 1 and 3), whose rank 1 is global rank 2 or 3.
-The options' agreement, the step's agreement, the offload start-up and stage 3's gather checks named the group's
-rank only, which points at another process's log."""
+The options' agreement, the step's agreement, the offload start-up, stage 3's gather checks and a checkpoint's
+failures named the group's rank
+only, which points at another process's log."""
 
 from __future__ import annotations
 
@@ -75,3 +76,33 @@ def _mesh_group_errors(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_errors_on_a_device_meshs_data_parallel_group_name_the_global_ranks() -> None:
     run_ranks_checked(_mesh_group_errors, 4)
+
+
+def _mesh_checkpoint_error(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from zero_kernels.checkpoint import sharded
+
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"].get_group()
+        torch.manual_seed(0)
+        opt = zk.ShardedFusedAdam(nn.Linear(4, 4).parameters(), lr=1e-3, process_group=group)
+
+        def read() -> None:
+            if rank >= 2:  # the group's rank 1
+                raise zk.checkpoint.CheckpointError("shard file rank00001.bin is corrupted")
+
+        try:
+            sharded._collect(opt.pipeline, read, share=False)
+            return [f"rank {rank}: the failure was not raised"]
+        except zk.checkpoint.CheckpointError as err:
+            second = f"rank 1 (global rank {2 + rank % 2}): shard file"
+            return [] if str(err).startswith(second) else [f"rank {rank}: {err}"]
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_failure_on_a_device_meshs_data_parallel_group_names_the_global_rank() -> None:
+    run_ranks_checked(_mesh_checkpoint_error, 4)

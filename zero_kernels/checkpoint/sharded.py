@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from ..comm.agreement import ranks_text
 from ..comm.objects import all_gather_objects
 from ..stages import Pipeline, adopt, master, state_door
 from ..stages.window import Window
@@ -301,7 +302,7 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
     failed = [(rank, message) for rank, (message, _) in enumerate(outcomes) if message is not None]
     if failed:
         rank, message = failed[0]
-        where = "" if pipeline.world_size == 1 else f"rank {rank}: "
+        where = "" if pipeline.world_size == 1 else f"{ranks_text([rank], pipeline.engine.global_ranks)}: "
         raise CheckpointError(f"{where}{message}; nothing was changed")
     return [v for _, v in outcomes] if share else value
 
