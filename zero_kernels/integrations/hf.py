@@ -114,6 +114,7 @@ class ZeroTrainer(Trainer):
             )
         if given is not None:
             _check_counts_no_micro_steps(given, "optimizers=(...) holds")
+            _refuse_a_group_of_some_ranks(given)
         if given is not None and self.zero_source.whole:
             raise ValueError(
                 f"ZeroTrainer: optimizers=(...) and a DeepSpeed config ({self.zero_source.origin}) both say how to "
@@ -564,6 +565,21 @@ def _arguments_at(args: list[Any]) -> Optional[int]:
     the Trainer, third for TRL's ``DPOTrainer(model, ref_model, args)`` and ``GRPOTrainer(model, reward_funcs,
     args)`` in a class that puts ``ZeroTrainer`` first."""
     return next((i for i, value in enumerate(args) if isinstance(value, TrainingArguments)), None)
+
+
+def _refuse_a_group_of_some_ranks(opt: ShardedFusedAdam) -> None:
+    """The Trainer saves its model and checkpoints on the job's rank 0 only: an optimizer on a ``process_group`` of
+    some of the ranks would train the other groups' models and never write them."""
+    engine = opt.pipeline.engine
+    if not engine.distributed or engine.world_size == torch.distributed.get_world_size():
+        return
+    raise ValueError(
+        f"ZeroTrainer: optimizers=(...) holds a ShardedFusedAdam on a process_group of some of the ranks (global "
+        f"ranks {list(engine.global_ranks)} of {torch.distributed.get_world_size()}): the Trainer saves the model and "
+        "its checkpoints on global rank 0 only, so the other groups' models would never be written. Build it on "
+        "every rank's default group, or train each group in a loop of your own (zk.initialize(..., "
+        "process_group=...)) and save with zk.checkpoint.save or zk.save_pretrained, one directory per group"
+    )
 
 
 def _check_counts_no_micro_steps(opt: ShardedFusedAdam, where: str) -> None:
