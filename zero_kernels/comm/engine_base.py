@@ -65,14 +65,6 @@ def resolve_backend(name: str, config: str, cuda: bool) -> str:
     return per_device.get("cuda" if cuda else "cpu", fallback)
 
 
-def _where(rank: int, world_size: int, distributed: bool) -> str:
-    """This rank for messages, as "rank R of W", with the global rank beside it where the process group is not the
-    world (a data-parallel group of some ranks, or of every rank in another order): its ranks are numbered apart."""
-    if distributed and (world_size != dist.get_world_size() or rank != dist.get_rank()):
-        return f"rank {rank} of {world_size} (global rank {dist.get_rank()})"
-    return f"rank {rank} of {world_size}"
-
-
 def _global_ranks(group: Optional[dist.ProcessGroup], distributed: bool) -> Optional[tuple[int, ...]]:
     """The global rank of each of ``group``'s ranks, in its order, where the group numbers its ranks apart from the
     job's (``dist.get_process_group_ranks``); None where its rank r is global rank r."""
@@ -110,8 +102,9 @@ class EngineBase:
         self._group = None if group is None else weakref.ref(group)
         self.rank = dist.get_rank(group) if self.distributed else 0
         self.world_size = dist.get_world_size(group) if self.distributed else 1
-        self.where = _where(self.rank, self.world_size, self.distributed)
         self.global_ranks = _global_ranks(group, self.distributed)  # for messages that name other ranks
+        own = "" if self.global_ranks is None else f" (global rank {self.global_ranks[self.rank]})"
+        self.where = f"rank {self.rank} of {self.world_size}{own}"  # this rank, for messages
         self.backend = backend_of(group) if self.distributed else "local"
         log.info(
             "zero_kernels comm: %s engine on %s, rank %d of %d; primitives: %s",
