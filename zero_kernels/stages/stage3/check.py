@@ -171,7 +171,7 @@ class DeferredChecks:
                 else []
                 for batches in everyone
             ]
-            detail = f"First difference, in the {phase}: {_difference(described, suggest)}"
+            detail = f"First difference, in the {phase}: {_difference(described, suggest, engine.global_ranks)}"
         raise CommError(
             "ZeRO stage 3: the ranks gathered different parameters since the last step, found in the step's exchange: "
             f"the step is refused (nothing was updated; its parameters and gradients may be mixed up). {detail}"
