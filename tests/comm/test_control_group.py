@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import faulthandler
 import gc
 import pickle
 import sys
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_kernels as zk
-from tests.helpers.dist import run_ranks_checked
+from tests.helpers.dist import run_ranks_checked, watchdog
 from zero_kernels import comm, control
 
 
@@ -182,18 +181,17 @@ def _world_after_a_group_of_some_ranks(rank: int, world: int) -> list[str]:
     with ``use_local_synchronization`` by the count of groups this rank registered): the default group's control
     group, made by every rank, must get one name on every rank (it got two, and building the optimizer hung in
     gloo's rendezvous). A watchdog ends a rank that waits 60 s."""
-    faulthandler.dump_traceback_later(60, exit=True)
     host_backends, control.HOST_BACKENDS = control.HOST_BACKENDS, frozenset()
     try:
-        dist.new_group([1, 2])
-        model = _model()
-        opt = _optimizer(model)
-        _step(model, opt, rank)
+        with watchdog(60):
+            dist.new_group([1, 2])
+            model = _model()
+            opt = _optimizer(model)
+            _step(model, opt, rank)
         made = opt.pipeline._control
         return [] if made.group is not None else [f"rank {rank}: no control group"]
     finally:
         control.HOST_BACKENDS = host_backends
-        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.distributed

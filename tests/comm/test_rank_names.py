@@ -7,7 +7,6 @@ only, which points at another process's log."""
 
 from __future__ import annotations
 
-import faulthandler
 from typing import Optional
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from torch import nn
 
 import zero_kernels as zk
-from tests.helpers.dist import run_ranks_checked
+from tests.helpers.dist import run_ranks_checked, watchdog
 from zero_kernels import comm
 from zero_kernels.comm.agreement import RanksDisagree, ranks_text
 from zero_kernels.stages import offloaded
@@ -38,8 +37,7 @@ def test_stage3_gather_mismatch_names_the_global_ranks() -> None:
 def _mesh_group_errors(rank: int, world: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    faulthandler.dump_traceback_later(60, exit=True)
-    try:
+    with watchdog(60):
         group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"].get_group()
         failures = []
         second = f"rank 1 (global rank {2 + rank % 2})"
@@ -69,8 +67,6 @@ def _mesh_group_errors(rank: int, world: int) -> list[str]:
             if f"{second}: disk full" not in str(err):
                 failures.append(f"rank {rank}: {err}")
         return failures
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.distributed
@@ -83,8 +79,7 @@ def _mesh_checkpoint_error(rank: int, world: int) -> list[str]:
 
     from zero_kernels.checkpoint import sharded
 
-    faulthandler.dump_traceback_later(60, exit=True)
-    try:
+    with watchdog(60):
         group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"].get_group()
         torch.manual_seed(0)
         opt = zk.ShardedFusedAdam(nn.Linear(4, 4).parameters(), lr=1e-3, process_group=group)
@@ -99,8 +94,6 @@ def _mesh_checkpoint_error(rank: int, world: int) -> list[str]:
         except zk.checkpoint.CheckpointError as err:
             second = f"rank 1 (global rank {2 + rank % 2}): shard file"
             return [] if str(err).startswith(second) else [f"rank {rank}: {err}"]
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.distributed

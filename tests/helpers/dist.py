@@ -12,12 +12,14 @@ check that they issued the same collectives in the same order.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import os
 import socket
 import tempfile
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -100,6 +102,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         join=True,
         start_method="forkserver",
     )
+
+
+@contextlib.contextmanager
+def watchdog(seconds: float) -> Iterator[None]:
+    """Inside, a rank that is still there after ``seconds`` dumps its threads' stacks and exits: a test of a hang
+    that came back fails instead of waiting for the process group's timeout."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_cases(rank: int, world_size: int, cases: list[tuple[str, Callable[..., Any], tuple]]) -> None:
