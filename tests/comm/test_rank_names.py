@@ -7,7 +7,7 @@ only, which points at another process's log."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -99,3 +99,48 @@ def _mesh_checkpoint_error(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_a_checkpoint_failure_on_a_device_meshs_data_parallel_group_names_the_global_rank() -> None:
     run_ranks_checked(_mesh_checkpoint_error, 4)
+
+
+def _refused_on_the_second_rank(rank: int, opt: zk.ShardedFusedAdam, step: Callable[[], None]) -> list[str]:
+    try:
+        step()
+        opt.step()
+        return [f"rank {rank}: the step took what rank 1 of the group did"]
+    except RuntimeError as err:
+        where = f"(found on rank 1 (global rank {2 + rank % 2}) of 2; every rank raises)"
+        return [] if where in str(err) else [f"rank {rank}: {err}"]
+
+
+def _mesh_step_refusals(rank: int, world: int) -> list[str]:
+    """What a backward found on the group's rank 1 only, raised by the step on every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with watchdog(60):
+        group = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["dp"].get_group()
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        opt = zk.ShardedFusedAdam(model, lr=1e-3, stage=2, process_group=group)
+
+        def after_clip() -> None:
+            model(torch.ones(2, 4)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            with opt.no_sync():
+                if rank >= 2:
+                    model(torch.ones(2, 4)).sum().backward()
+
+        failures = _refused_on_the_second_rank(rank, opt, after_clip)
+        embedding = nn.Embedding(10, 4)
+        opt = zk.ShardedFusedAdam(
+            embedding, lr=1e-3, stage=3, process_group=group, stage3_param_persistence_threshold=0
+        )
+
+        def written_in_forward() -> None:
+            embedding.max_norm = 1.0 if rank >= 2 else None  # renormalises the rows it looks up, in place
+            embedding(torch.arange(6)).square().sum().backward()
+
+        return failures + _refused_on_the_second_rank(rank, opt, written_in_forward)
+
+
+@pytest.mark.distributed
+def test_a_step_refusal_on_a_device_meshs_data_parallel_group_names_the_global_rank() -> None:
+    run_ranks_checked(_mesh_step_refusals, 4)

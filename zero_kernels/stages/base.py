@@ -687,7 +687,9 @@ class Pipeline(BackwardRound):
             counts=self.step_counts.counts, held=self.held_indices(), name=self._index_name, extra=extra,
         )  # fmt: skip
         self._verify_step_columns([row[2:] for row in combined.extra])
-        self.refusals.verify([row[:2] for row in combined.extra], self.stage, self._index_name)
+        self.refusals.verify(
+            [row[:2] for row in combined.extra], self.stage, self._index_name, self._control.global_ranks
+        )
         return combined
 
     def _step_columns(self) -> list[float]:

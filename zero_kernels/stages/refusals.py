@@ -29,8 +29,9 @@ Kept until the step raises, ``zero_grad()`` discards the gradients, or a step wi
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
+from ..comm.agreement import ranks_text
 from .grad_state import second_gradient
 
 NONE, SECOND_GRADIENT, UNSEEN_GRADIENT, AFTER_CLIP, UNSCALED_BACKWARD = 0, 1, 2, 3, 4
@@ -82,15 +83,30 @@ class Refusals:
         """This rank's columns of the step's exchange."""
         return [float(self.kind), float(self.index)]
 
-    def verify(self, rows: Sequence[Sequence[float]], stage: int, name: Callable[[int], str]) -> None:
+    def verify(
+        self,
+        rows: Sequence[Sequence[float]],
+        stage: int,
+        name: Callable[[int], str],
+        global_ranks: Optional[Sequence[int]] = None,
+    ) -> None:
         """Raise on every rank when some rank's ``columns()`` (``rows``, in rank order) hold a problem.
 
         Args:
             rows: every rank's two columns, as the step's exchange gathered them.
             stage: the ZeRO stage, for the message.
             name: names a parameter by its optimizer index.
+            global_ranks: the exchange's engine's (``ranks_text``), for the message.
         """
         for rank, (kind, index) in enumerate(rows):
             if int(kind) != NONE:
-                where = f" (found on rank {rank} of {len(rows)}; every rank raises)" if len(rows) > 1 else ""
+                where = found_on(rank, len(rows), global_ranks)
                 raise RuntimeError(describe(int(kind), stage, name(int(index))) + where)
+
+
+def found_on(rank: int, world_size: int, global_ranks: Optional[Sequence[int]]) -> str:
+    """Where a problem every rank raises was found: `` (found on rank 1 (global rank 2) of 2; every rank raises)``,
+    nothing on one rank."""
+    if world_size == 1:
+        return ""
+    return f" (found on {ranks_text([rank], global_ranks)} of {world_size}; every rank raises)"

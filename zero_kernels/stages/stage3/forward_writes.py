@@ -32,7 +32,9 @@ until a step raises it (``zero_grad()`` does not clear it: the write is lost wha
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
+
+from ..refusals import found_on
 
 NONE = -1
 
@@ -80,17 +82,20 @@ class ForwardWrites:
         """This rank's column of the step's exchange."""
         return [float(self.index)]
 
-    def verify(self, rows: Sequence[Sequence[float]], name: Callable[[int], str]) -> None:
+    def verify(
+        self, rows: Sequence[Sequence[float]], name: Callable[[int], str], global_ranks: Optional[Sequence[int]] = None
+    ) -> None:
         """Raise on every rank when some rank's ``columns()`` (``rows``, in rank order) name a parameter; the
         record is cleared either way.
 
         Args:
             rows: every rank's column, as the step's exchange gathered them.
             name: names a parameter by its optimizer index.
+            global_ranks: the exchange's engine's (``ranks_text``), for the message.
         """
         for rank, index in enumerate(self.take(rows)):
             if index != NONE:
-                where = f" (found on rank {rank} of {len(rows)}; every rank raises)" if len(rows) > 1 else ""
+                where = found_on(rank, len(rows), global_ranks)
                 raise RuntimeError(describe(name(index)) + where)
 
     def take(self, rows: Sequence[Sequence[float]]) -> list[int]:

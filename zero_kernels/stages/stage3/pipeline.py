@@ -407,7 +407,7 @@ class Stage3Pipeline(Stage2Pipeline):
     def _verify_step_columns(self, rows: list[list[float]]) -> None:
         n = len(self._deferred.columns())
         self._deferred.verify(self._control, [row[:n] for row in rows], self._units, self._suggest_leaf)
-        self.forward_writes.verify([row[n : n + 1] for row in rows], self._index_name)
+        self.forward_writes.verify([row[n : n + 1] for row in rows], self._index_name, self._control.global_ranks)
         mine = self.persistent_writes.found
         self._verify_persistent_writes(self.persistent_writes.take([row[n + 1 :] for row in rows]), mine)
 
