@@ -13,7 +13,11 @@ parameters. So DDP is refused wherever it can be seen, whatever the optimizer wa
   after the optimizer exists): a forward pre-hook on the model when the optimizer knows it; when it
   was given only parameters, a process-wide forward pre-hook that finds the first module run that
   holds them (then hooks it as above and removes itself, so that it costs nothing afterwards) and
-  checks every DDP run meanwhile.
+  checks every DDP run meanwhile;
+- at every ``step()``, when a sub-module of that model holding the optimizer's parameters was wrapped in DDP
+  (``model.body = DistributedDataParallel(model.body)``, before or after the optimizer was built): the model's
+  pre-hook runs before the sub-module's DDP forward, so it cannot see it, and at stage 0 the two all-reduces
+  into ``p.grad`` left the weights 0.1-0.2 relative off DDP + AdamW with no error.
 
 The error names the fix for each framework.
 """
@@ -78,6 +82,25 @@ class _RefuseDDPForward:
             raise RuntimeError(f"the model runs inside DistributedDataParallel, which was wrapped around it: {_FIX}")
 
 
+_models: "weakref.WeakKeyDictionary[Any, weakref.ref[nn.Module]]" = weakref.WeakKeyDictionary()  # owner -> model
+
+
+def refuse_ddp_inside(owner: Any) -> None:
+    """RuntimeError when a sub-module of ``owner``'s model (given, or found at its first forward) that holds
+    parameters ``owner`` trains is a ``DistributedDataParallel`` wrapper; called before a step changes anything."""
+    ref = _models.get(owner)
+    model = None if ref is None else ref()
+    if model is None:
+        return
+    trained = {id(p) for p in live.params_of(owner)}
+    for name, m in model.named_modules():
+        if isinstance(m, DistributedDataParallel) and any(id(p) in trained for p in m.module.parameters()):
+            raise RuntimeError(
+                f"sub-module {name!r} of the model is wrapped in DistributedDataParallel, its gradients reduced by "
+                f"DDP as well (this step was refused, nothing changed): {_FIX}"
+            )
+
+
 def refuse_ddp_forward(module: nn.Module, owner: Any) -> RemovableHandle:
     """A forward pre-hook on ``module`` that raises when it runs inside a DDP forward while ``owner`` lives.
 
@@ -85,6 +108,7 @@ def refuse_ddp_forward(module: nn.Module, owner: Any) -> RemovableHandle:
         module: the model the optimizer trains.
         owner: the optimizer; once it is garbage collected the hook does nothing.
     """
+    _models[owner] = weakref.ref(module)
     hook = _RefuseDDPForward(owner)
     hook.handle = module.register_forward_pre_hook(hook)
     return hook.handle

@@ -459,6 +459,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "this step would reduce them across ranks instead. Leave the no_sync() block, then step; nothing "
                 "was changed"
             )
+        guards.refuse_ddp_inside(self)
         self.check_param_groups()
         scaled = amp.begin(grad_scaler, self)
         loss = None
