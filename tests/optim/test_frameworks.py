@@ -196,6 +196,21 @@ def fsdp_refused(stage: int) -> None:
     for given in (model, list(model.parameters()))[: 1 if stage == 3 else 2]:  # stage 3 needs the model
         with pytest.raises(ValueError, match=said):
             zo.ShardedFusedAdam(given, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    fsdp1_refused(stage)
+
+
+def fsdp1_refused(stage: int) -> None:
+    """Parameters FSDP1 flattened (its flat parameter, or with ``use_orig_params`` the views of it) are refused
+    naming FSDP; they were refused as differing between ranks ('every rank must start from the same model')."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    said = r"cannot train (parameter '[\w.]+'|a parameter of shape \(\d+,\)): FullyShardedDataParallel \(FSDP1\)"
+    for orig in (False, True):
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=orig)
+        for given in (wrapped, list(wrapped.parameters()))[: 1 if stage == 3 else 2]:
+            with pytest.raises(ValueError, match=said):
+                zo.ShardedFusedAdam(given, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
 
 
 def clipped(rank: int, world: int, stage: int) -> None:

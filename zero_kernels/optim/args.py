@@ -351,6 +351,13 @@ def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> N
             "without fully_shard (stage 3 is the ZeRO counterpart of FSDP), or train DTensor parameters with "
             "torch.optim.AdamW"
         )
+    if getattr(p, "_fsdp_flattened", False):  # torch's mark on the parameters FullyShardedDataParallel flattened
+        raise ValueError(
+            f"ShardedFusedAdam cannot train {describe(p)}: FullyShardedDataParallel (FSDP1) flattened and shards it "
+            "already, and reduces its gradients itself. Build ShardedFusedAdam on the model without "
+            "FullyShardedDataParallel (stage 3 is the ZeRO counterpart of FSDP), or train FSDP's parameters with "
+            "torch.optim.AdamW"
+        )
     if p.layout != torch.strided:
         raise ValueError(f"ShardedFusedAdam does not support sparse parameters: {describe(p)} has layout {p.layout}")
     if not p.requires_grad:
