@@ -37,7 +37,9 @@ _FIX = (
     "ShardedFusedAdam reduces gradients across ranks itself, so DDP would reduce them a second time. Train the "
     "bare model: in a plain loop do not wrap it in DistributedDataParallel; with the Hugging Face Trainer use "
     "zero_kernels.integrations.hf.ZeroTrainer; with Accelerate use zero_kernels.integrations.accelerate."
-    "ZeroAccelerator in place of Accelerator, and build the optimizer before accelerator.prepare(model, ...)"
+    "ZeroAccelerator in place of Accelerator, and build the optimizer before accelerator.prepare(model, ...); with "
+    "PyTorch Lightning give the Trainer a DDPStrategy subclass whose configure_ddp() does nothing, and Fabric one "
+    "whose setup_module(module) returns the module"
 )
 
 
