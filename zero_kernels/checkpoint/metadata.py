@@ -187,7 +187,27 @@ def read_metadata(version: Path) -> dict[str, Any]:
     for key, entry in c.of_type(meta["tensors"], dict, "tensors").items():
         _tensor(c, key, entry, sizes)
     _bookkeeping(c, meta)
+    _uncompiled_names(meta)
     return meta
+
+
+def uncompiled(key: str) -> str:
+    """``key`` without the ``_orig_mod`` steps that ``torch.compile``'s wrapper puts in its ``state_dict`` keys: a
+    checkpoint names a tensor alike whether the model or any of its modules was compiled or not."""
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
+
+
+def _uncompiled_names(meta: dict[str, Any]) -> None:
+    """The model's names in ``meta`` as ``uncompiled`` gives them: a checkpoint saved from a compiled model by a
+    version that kept ``_orig_mod.`` in them loads as one saved now."""
+
+    def key(k: str) -> str:
+        return "model/" + uncompiled(k[len("model/") :]) if k.startswith("model/") else k
+
+    meta["tensors"] = {key(k): entry for k, entry in meta["tensors"].items()}
+    meta["model"] = {uncompiled(name): key(k) for name, k in meta["model"].items()}
+    for p in meta["params"]:
+        p["name"] = uncompiled(p["name"])
 
 
 def check_objects(book: Any, meta: dict[str, Any], where: Path) -> dict[str, Any]:

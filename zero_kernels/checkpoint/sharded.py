@@ -77,7 +77,7 @@ from .format import (
     resolve,
     write_small,
 )
-from .metadata import check_objects, read_metadata
+from .metadata import check_objects, read_metadata, uncompiled
 
 log = logging.getLogger("zero_kernels")
 
@@ -101,20 +101,14 @@ def _pipeline(optimizer: Any) -> Pipeline:
     return pipeline
 
 
-def _uncompiled(key: str) -> str:
-    """``key`` without the ``_orig_mod`` step that ``torch.compile``'s wrapper puts in its ``state_dict`` keys: a
-    checkpoint names a tensor alike whether the model or any of its modules was compiled or not."""
-    return ".".join(part for part in key.split(".") if part != "_orig_mod")
-
-
 def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(first state_dict key -> tensor, every state_dict key -> its first key): tied tensors are stored once; keys
-    as the uncompiled model has them (``_uncompiled``)."""
+    as the uncompiled model has them (``metadata.uncompiled``)."""
     first: dict[int, str] = {}
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     for compiled_key, t in model.state_dict(keep_vars=True).items():
-        key = _uncompiled(compiled_key)
+        key = uncompiled(compiled_key)
         name = first.setdefault(id(t), key)
         tensors.setdefault(name, t)
         aliases[key] = name
