@@ -166,3 +166,42 @@ def test_tie_after_build_of_a_weight_the_root_reads_at_stage3() -> None:
     module '' (LM) is not a parameter of the model", a call the user never made."""
     for groups in (False, True):
         _tied_later(HeadRead, tie_head_to_embed, groups, {"stage3_param_persistence_threshold": 0})
+
+
+class TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.b(torch.tanh(self.a(x))) ** 2).sum()
+
+
+def test_tie_through_data_after_build_is_refused_naming_both() -> None:
+    """``b.weight.data = a.weight.data`` after the optimizer was built (``torch.optim.AdamW`` then trains both
+    Parameters on one storage) is refused at the next step, naming both, before anything changes, as at
+    construction: the step copied ``a``'s values into ``b``'s slot and untied them without a word (0.03 off AdamW
+    after 3 steps, every stage). Also across param groups (other buffers) and with the same tensor given to two."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    ties = {
+        "b.data = a.data": lambda m: setattr(m.b.weight, "data", m.a.weight.data),
+        "both given one tensor": lambda m: [setattr(p, "data", t) for t in [torch.randn(4, 4)] for p in m.parameters()],
+    }
+    for stage in (0, 1, 2):
+        for groups in (False, True):
+            for what, tie in ties.items():
+                model = TwoLinear()
+                params = [{"params": [model.a.weight]}, {"params": [model.b.weight]}] if groups else model
+                opt = zk.ShardedFusedAdam(params, module=model, lr=LR, stage=stage)
+                model(x).backward()
+                opt.step()
+                opt.zero_grad()
+                tie(model)
+                before = [p.detach().clone() for p in model.parameters()]
+                model(x).backward()
+                with pytest.raises(ValueError, match=r"parameter 'a\.weight' and parameter 'b\.weight' share memory"):
+                    opt.step()
+                for p, b in zip(model.parameters(), before):
+                    assert torch.equal(p.detach(), b), f"stage {stage} groups={groups} {what}: a value changed"

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ..config.schema import COMM_DTYPES
 from ..env import IMPLS
+from ..stages.aliases import check_no_aliases
 from ..stages.ownership import refuse_held
 
 ALGORITHM_FLAGS = {"amsgrad": False, "maximize": False}
@@ -284,7 +285,7 @@ def check_params(
         mine.add(id(p))
         _check_tensor(p, describe)
     everything = [p for other in previous for p in other] + params
-    _check_no_aliases(everything, describe)
+    check_no_aliases(everything, describe)
     devices = {}
     for p in everything:
         devices.setdefault(p.device, p)
@@ -300,47 +301,6 @@ def check_params(
             "device (it has none). Materialize the model first (model.to_empty(device=...) then its initialisation, "
             "or load its weights), then build the optimizer"
         )
-
-
-def _check_no_aliases(params: list[torch.Tensor], describe: Callable[[torch.Tensor], str]) -> None:
-    """``ValueError`` for two parameters whose memory overlaps (``head.weight.data = embed.weight.data``): each gets a
-    slot of its own in the flat buffers, which would untie them silently."""
-    spans = []
-    for p in params:
-        if p.numel() == 0 or p.device.type == "meta":
-            continue
-        start, end = _span(p)
-        spans.append((p.untyped_storage().data_ptr(), start * p.element_size(), end * p.element_size(), p))
-    spans.sort(key=lambda span: span[:3])
-    open_spans: list[tuple[int, int, torch.Tensor]] = []  # (storage, end, tensor) that may reach the next ones
-    for where_b, start_b, end_b, b in spans:
-        open_spans = [span for span in open_spans if span[0] == where_b and span[1] > start_b]
-        a = next((t for _, _, t in open_spans if _share_elements(t, b)), None)
-        open_spans.append((where_b, end_b, b))
-        if a is not None:
-            raise ValueError(
-                f"{describe(a)} and {describe(b)} share memory (one was given the other's storage, as "
-                "`b.data = a.data` does): ShardedFusedAdam gives each parameter a slot of its own, which would "
-                "untie them. Tie them as one Parameter (`model.head.weight = model.embed.weight`), as torch's weight "
-                "tying does"
-            )
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The first element of ``t``'s storage it uses and one past its last."""
-    start = t.storage_offset()
-    return start, start + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-
-
-def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors of one storage whose spans overlap use a common element (interleaved slices of one
-    tensor, ``big[:, :4]`` and ``big[:, 4:]``, do not); another element size counts as sharing."""
-    if (a.is_contiguous() and b.is_contiguous()) or a.element_size() != b.element_size():
-        return True
-    lo, end = min(a.storage_offset(), b.storage_offset()), max(_span(a)[1], _span(b)[1])
-    used = torch.zeros(end - lo, dtype=torch.bool)
-    used.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
-    return bool(used.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
 
 
 def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> None:

@@ -27,12 +27,13 @@ then instead. Given to ``add_param_group`` after it is unfrozen, it is trained f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from . import master
+from .aliases import check_no_aliases
 from .casts import cast_through, take_casts, was_cast
 
 if TYPE_CHECKING:
@@ -100,26 +101,29 @@ def replaced(buf: "FlatBuffer", flat: torch.Tensor) -> bool:
     return any(s.numel and not _views(buf.params[s.param], flat, s.offset, s.shape) for s in buf.layout.slots)
 
 
-def readopt(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> int:
+def readopt(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf, everyone: Iterable[torch.Tensor] = ()) -> int:
     """Parameters of ``buf`` whose ``.data`` no longer views ``flat`` (its full buffer): their values are copied
-    into ``flat`` and ``.data`` views it again; returns how many.
+    into ``flat`` and ``.data`` views it again; returns how many. A replacement that shares memory with another
+    parameter (``b.data = a.data``: a tie ``torch.optim.AdamW`` would train as one weight) raises first, naming
+    both (``aliases``): copied into a slot of its own, it would be untied without a word.
 
     Args:
         buf: the buffer.
         flat: the full buffer its parameters view (``param_flat``, or a stage-3 unit's gathered buffer).
         name_of: names a parameter in error messages.
+        everyone: every parameter of the optimizer (its other buffers' too), checked with ``buf``'s for shared
+            memory when one of ``buf``'s was replaced; by default ``buf``'s own.
     """
-    adopted = 0
-    for slot in buf.layout.slots:
+    moved = [s for s in buf.layout.slots if s.numel and not _views(buf.params[s.param], flat, s.offset, s.shape)]
+    if moved:
+        check_no_aliases(list(everyone) or buf.params, name_of)
+    for slot in moved:
         p = buf.params[slot.param]
-        if slot.numel == 0 or _views(p, flat, slot.offset, slot.shape):
-            continue
         check_compatible(buf, p, slot.shape, name_of)
         view = flat.narrow(0, slot.offset, slot.numel)
         view.copy_(p.detach().reshape(-1))
         p.data = view.view(slot.shape)
-        adopted += 1
-    return adopted
+    return len(moved)
 
 
 def misfits(buf: "FlatBuffer", flat: torch.Tensor, name_of: NameOf) -> list[tuple[str, str, str, str]]:
@@ -157,10 +161,15 @@ def follow_buffer(pipeline: "Pipeline", buf: "FlatBuffer", name_of: NameOf) -> i
     """``follow_replaced`` for the parameters of ``buf`` alone; returns how many it re-adopted."""
     if buf.param_flat is None:
         return adopt_freed(pipeline, buf, name_of)
-    count = readopt(buf, buf.param_flat, name_of)
+    count = readopt(buf, buf.param_flat, name_of, every_param(pipeline))
     if count:
         master.adopt_edits(pipeline, buf)
     return count
+
+
+def every_param(pipeline: "Pipeline") -> Iterator[torch.Tensor]:
+    """The trainable parameters of every buffer of ``pipeline`` (for ``readopt``'s shared-memory check)."""
+    return (p for buf in pipeline.buffers for p in buf.params)
 
 
 def adopt_freed(pipeline: "Pipeline", buf: "FlatBuffer", name_of: NameOf) -> int:

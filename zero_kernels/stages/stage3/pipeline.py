@@ -871,7 +871,7 @@ class Stage3Pipeline(Stage2Pipeline):
             modifier.send_what_fits(self.engine, modifier_rank, full, others, self.device)
             return mismatch
         for buf, flat in pairs:
-            adopt.readopt(buf, flat, self.name_of)
+            adopt.readopt(buf, flat, self.name_of, adopt.every_param(self))
         modifier.broadcast(self.engine, full + others.tensors(), modifier_rank)
         return None
 
@@ -887,7 +887,7 @@ class Stage3Pipeline(Stage2Pipeline):
         self.uploads.wait()
         for buf in self.buffers:
             if not buf.persistent:
-                adopt.readopt(buf, buf.full, self.name_of)  # p.data = ... inside the block
+                adopt.readopt(buf, buf.full, self.name_of, adopt.every_param(self))  # p.data = ... in the block
                 for bucket in buf.layout.buckets:
                     self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
             master.settle(self, buf)  # a master written from outside wins, as at the step
