@@ -105,3 +105,25 @@ def test_checksum_is_the_same_on_ranks_with_other_thread_counts_and_for_nan() ->
         swapped[[1, 5]] = swapped[[5, 1]]
         for other in (changed, q.flip(0), swapped.reshape(4, 6)):
             assert not torch.equal(agreement._checksum(other), agreement._checksum(q)), dtype
+
+
+def test_checksum_leaves_the_values_of_every_dtype_as_they_were() -> None:
+    """The checksum reads a parameter's bits through an integer view: for 8-byte elements (a frozen float64 or int64
+    parameter, a complex128 one) that view's ``long()`` was the parameter's own memory, and the checksum's in-place
+    remainder wrote its bit patterns modulo 2**24 - 3 into the parameter: on 2 ranks a frozen float64 parameter held
+    denormals like 7.6e-317 after ``ShardedFusedAdam`` was built (at every stage), without an error."""
+    from zero_kernels.comm import agreement
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float64, torch.complex128, torch.float32, torch.bfloat16, torch.float16):
+        p = torch.randn(3, 5, generator=g).to(dtype)
+        p[0, 0] = 0.0
+        before = p.clone()
+        agreement._checksum(p)
+        assert torch.equal(p, before), f"{dtype}: the checksum changed the values"
+    for dtype in (torch.int64, torch.int32, torch.int8):
+        p = torch.randint(-100, 100, (7,), generator=g).to(dtype)
+        p[0] = torch.iinfo(dtype).max
+        before = p.clone()
+        agreement._checksum(p)
+        assert torch.equal(p, before), f"{dtype}: the checksum changed the values"

@@ -205,10 +205,10 @@ def _checksum(p: torch.Tensor) -> torch.Tensor:
         flat = torch.view_as_real(flat).reshape(-1)
     sums = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for start, chunk in zip(range(0, flat.numel(), CHECKSUM_CHUNK), flat.split(CHECKSUM_CHUNK)):
+        words = chunk.view(_BITS[chunk.element_size()]) if chunk.is_floating_point() else chunk
+        bits = words.to(torch.int64, copy=True)  # for 8-byte elements ``long()`` gave the parameter's own memory
         if chunk.is_floating_point():
-            bits = chunk.view(_BITS[chunk.element_size()]).long().masked_fill_(chunk == 0, 0)
-        else:
-            bits = chunk.long()
+            bits.masked_fill_(chunk == 0, 0)
         bits = bits.remainder_(CHECKSUM_MODULUS)
         weights = torch.arange(start, start + bits.numel(), dtype=torch.int64, device=flat.device)
         weighted = bits.mul(weights.remainder_(CHECKSUM_PERIOD).add_(1)).sum()
