@@ -386,3 +386,20 @@ def _offloaded_chunks(rank: int, world: int, scratch: str) -> None:
 @pytest.mark.distributed
 def test_offload_param_puts_the_frozen_chunks_in_host_memory(spawn, tmp_path: Path) -> None:
     spawn(_offloaded_chunks, 2, str(tmp_path), timeout_s=300)
+
+
+def test_gathered_params_with_a_frozen_parameter_that_is_a_strided_view() -> None:
+    """A frozen parameter that is a strided view (every other column of a tensor, kept whole under the persistence
+    threshold: its flattening is a view with stride 2) made ``gathered_params()`` raise torch's 'self.stride(-1)
+    must be 1 to view Float as Short' from the block's edit check, which read its bits through a 16-bit view. Kept
+    whole or partitioned, the block runs and the frozen values are the original's."""
+    for threshold in (100_000, 0):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 4)
+        model.f = nn.Parameter(torch.randn(5, 8)[:, ::2], requires_grad=False)
+        original = model.f.detach().clone()
+        opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=threshold)
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        with opt.gathered_params():
+            assert torch.equal(model.f.detach(), original), f"threshold {threshold}"

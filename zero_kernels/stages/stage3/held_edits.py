@@ -39,7 +39,7 @@ def word_sums(tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -
 
 
 def _word_sum(t: torch.Tensor) -> torch.Tensor:
-    flat = t.detach().reshape(-1)
+    flat = t.detach().contiguous().view(-1)  # a strided view (every other column) flattens to stride 2: no word view
     words = flat.view(torch.uint8 if flat.element_size() == 1 else torch.int16)
     return torch.stack([chunk.to(torch.int64).sum() for chunk in words.split(_CHUNK)]).sum()
 
