@@ -325,3 +325,19 @@ def test_a_window_of_fp32_sums_loads_only_where_they_are_kept(tmp_path: Path) ->
     plain = _model()
     with pytest.raises(ck.CheckpointError, match="gradients added up in a wider grad_accum_dtype"):
         ck.load(tmp_path, plain, zk.ShardedFusedAdam(plain, stage=1, gradient_accumulation_steps=2))
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_parameter_given_another_shape_is_named_at_backward(stage: int) -> None:
+    """With the wide local buffer of stages 0-1, a ``p.data`` of another shape since the optimizer was built (a
+    resize without ``resize_token_embeddings`` first) made the gradient hook's add fail in torch ('The size of
+    tensor a (5) must match the size of tensor b (6)'); without the key the hook names the parameter and what to do.
+    Now it does with the key too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 5)).to(torch.bfloat16)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, grad_accum_dtype="fp32")
+    model[1].weight.data = torch.randn(6, 5, dtype=torch.bfloat16)  # an output grown by one (a vocabulary)
+    model[1].bias.data = torch.randn(6, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"parameter '1\.\w+' was replaced after the optimizer was built .*shape"):
+        model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    assert opt.pipeline.wide_local, "the case of the wide local buffer"

@@ -144,14 +144,14 @@ class BackwardRound:
     def _consume_grad(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> None:
         """Default (stages 0 and 1): make ``p.grad`` a view of ``grad_flat`` holding its value; with a wider
         ``grad_accum_dtype`` (``wide_local``) add it into ``grad_flat`` and drop it (``grad_accum.add_local``)."""
+        s = buf.layout.slots[slot]
+        if p.grad.shape != s.shape or (s.numel and p.dtype != buf.dtype):  # p.data resized or cast since build
+            adopt.check_compatible(buf, p, s.shape, self.name_of)
         if self.wide_local:
             grad_accum.add_local(self, buf, slot, p)
             return
-        s = buf.layout.slots[slot]
         view = buf.grad_flat.narrow(0, s.offset, s.numel).view(s.shape)
         if p.grad is not view and (p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape):
-            if p.grad.shape != view.shape or p.dtype != view.dtype:  # p.data replaced: a resize or cast since build
-                adopt.check_compatible(buf, p, s.shape, self.name_of)
             view.copy_(p.grad)
             p.grad = view
 
