@@ -95,3 +95,24 @@ def _nested(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_block_inside_a_block_keeps_the_parameters_exact(spawn) -> None:
     spawn(_nested, 2)
+
+
+def _deleted(rank: int, world: int) -> None:
+    """A deleted optimizer leaves the other ranks' parts dequantized: the model differs by rank, a new optimizer on
+    it is refused naming that cause and what to do, and the weights taken inside its block build one again."""
+    for stage in (1, 2):
+        model, opt = _stepped(rank, stage)
+        with opt.gathered_params():
+            exact = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        del opt
+        off = max((p.detach() - exact[k]).abs().max().item() for k, p in model.named_parameters())
+        assert off > 0, f"stage {stage}: the model left by the deleted optimizer holds the exact weights"
+        with pytest.raises(ValueError, match="different values.*zero_quantized_weights.*gathered_params"):
+            zk.ShardedFusedAdam(model, lr=1e-2, stage=stage)
+        model.load_state_dict(exact)
+        zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True)
+
+
+@pytest.mark.distributed
+def test_a_deleted_optimizer_leaves_dequantized_parts_and_says_so(spawn) -> None:
+    spawn(_deleted, 2)

@@ -233,6 +233,15 @@ def _same_everywhere(values: torch.Tensor, reduce_max: Callable[[torch.Tensor], 
     return packed[: values.numel()] == -packed[values.numel() :]
 
 
+# A model an optimizer with zero_quantized_weights trained keeps, once that optimizer is deleted, each rank's
+# dequantized copy of the other ranks' parts: its values differ by rank, and nothing can make them exact any more.
+_QUANTIZED_LEFTOVER = (
+    "; a model trained by an optimizer with zero_quantized_weights that was then deleted keeps the other ranks' "
+    "parts dequantized on each rank: take its weights inside that optimizer's gathered_params() (a state_dict(), or "
+    "zk.save_pretrained) before deleting it, and load them into the model"
+)
+
+
 def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
     """The values of ``params`` must be the same on every rank (sizes and float64 checksums, two small all-reduces).
 
@@ -255,10 +264,11 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
     same = _same_everywhere(stats, lambda t: engine.all_reduce(t, op="max", name="check.params").wait())
     differ = (~same).nonzero().flatten().tolist()
     if differ:
-        what = "a different size" if differ[0] % 3 == 0 else "different values"
+        sized = differ[0] % 3 == 0
         raise ValueError(
-            f"{name_of(indices[differ[0] // 3])} has {what} on some rank: every rank "
-            "must start from the same model (same seed, or broadcast rank 0's parameters first)"
+            f"{name_of(indices[differ[0] // 3])} has {'a different size' if sized else 'different values'} on some "
+            "rank: every rank must start from the same model (same seed, or broadcast rank 0's parameters first)"
+            + ("" if sized else _QUANTIZED_LEFTOVER)
         )
 
 
