@@ -181,3 +181,53 @@ def test_emptied_model_keeps_only_the_guard_that_says_so(tmp_path: Path) -> None
     del model
     gc.collect()
     assert [len(t) for t in tables] == before
+
+
+def _give_values(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = values[name].clone()
+
+
+def _assert_trained_as(model: nn.Module, ref: nn.Module) -> None:
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p, r, rtol=1e-5, atol=1e-6 * r.detach().abs().max().item(), what=name)
+
+
+def test_emptied_model_given_its_values_again_trains_on(tmp_path: Path) -> None:
+    """A model reused by one stage-3 optimizer after another (a search that builds the model once): once a deleted
+    optimizer emptied it, ``p.data = value`` of every parameter makes it an ordinary model again, and the next
+    optimizer trains it next to ``torch.optim.AdamW``. Each use still raised that the parameter holds no values, and
+    each optimizer left its ``state_dict()`` guard on the model."""
+    from zero_kernels.stages.stage3 import guard
+
+    tables = (guard._on_use, guard._on_read_use, guard._epoch, guard._reads)
+    before = [len(t) for t in tables]
+    model = _model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(2):
+        _step(ref, ref_opt, step)
+    _give_values(model, start)
+    for collected_first in (True, False, True):  # the values given after or before the collector took the optimizer
+        opt = _opt(model, "none", tmp_path)
+        for step in range(2):
+            _step(model, opt, step)
+        with opt.gathered_params():
+            _assert_trained_as(model, ref)
+        gc.disable()
+        try:
+            del opt
+            if collected_first:
+                gc.collect()
+            _give_values(model, start)
+        finally:
+            gc.enable()
+        gc.collect()
+        assert torch.equal(model.state_dict()["0.weight"], start["0.weight"])
+        assert _loss(model, 0).isfinite()
+        assert _hooks(model) <= 1, "a guard per deleted optimizer stayed on the model"
+    del model
+    gc.collect()
+    assert [len(t) for t in tables] == before

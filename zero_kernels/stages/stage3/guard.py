@@ -79,7 +79,8 @@ UNDER_TRANSFORM = (
 ORPHANED = (
     "the stage-3 optimizer that kept its shards was deleted, and its values went with it (it is an empty tensor). "
     "Take the full weights out before deleting the optimizer (zero_kernels.save_pretrained(model, optimizer, "
-    "directory), or a state dict taken inside `with optimizer.gathered_params():`) and load them into a fresh model"
+    "directory), or a state dict taken inside `with optimizer.gathered_params():`) and load them into a fresh model, "
+    "or give each parameter its value again (`p.data = value`)"
 )
 _on_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> callback of the scheduler that freed it
 _on_read_use: dict[int, "weakref.WeakMethod"] = {}  # id(parameter) -> its callback for uses of what it gave
@@ -109,14 +110,29 @@ def _orphaned_use(func: Any) -> str:
 
 
 def _callback(table: dict[int, "weakref.WeakMethod"], param: Any, func: Any) -> Optional[OnUse]:
-    """The callback ``table`` holds for ``param`` (None: none); raises ``ORPHANED`` where its scheduler is gone."""
+    """The callback ``table`` holds for ``param`` (None: none); raises ``ORPHANED`` where its scheduler is gone
+    (but for a use of a parameter given values again: ``_emptied``)."""
     ref = table.get(id(param))
     if ref is None:
         return None
     callback = ref()
     if callback is None:
+        if table is _on_use and not _emptied(param):
+            return None
         raise RuntimeError(_orphaned_use(func))
     return callback
+
+
+def _emptied(param: nn.Parameter) -> bool:
+    """Whether ``param``, freed by a scheduler that is gone, still holds no values. One given values again
+    (``p.data = value``, before or after its scheduler went) is an ordinary parameter from here on, for the next
+    optimizer on the same model; what was read of it while it was empty still raises (``_on_read_use`` stays)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        empty = param.numel() == 0
+    if not empty:
+        _on_use.pop(id(param), None)
+        unmark(param, _Freed)
+    return empty
 
 
 # backward's ``inputs=[p]`` names where gradients go, it reads no values: backward gathers as without it
@@ -358,7 +374,9 @@ def freed_by(param: nn.Parameter) -> Optional[bool]:
     """Whether ``param`` is freed by a scheduler that still exists (True), freed by one that is gone (False: it
     holds no values any more), or not freed (None)."""
     ref = _on_use.get(id(param)) if isinstance(param, _Freed) else None
-    return None if ref is None else ref() is not None
+    if ref is None:
+        return None
+    return True if ref() is not None else (False if _emptied(param) else None)
 
 
 def operation_name(func: Any) -> str:

@@ -136,15 +136,39 @@ class _Handles:
         self._loading.clear()
 
 
+# id(model) -> (the model, its state-dict guards kept by ``_drop_inert``): a guard is dropped once no parameter of
+# its model is left emptied (``p.data = value`` put the values back); each stage-3 optimizer built again on one model
+# left its guard there
+_kept: dict[int, tuple[weakref.ref, list[RemovableHandle]]] = {}
+
+
 def _drop_inert(saving: list[RemovableHandle], loading: list[RemovableHandle], model_ref: weakref.ref) -> None:
     for handle in loading:
         handle.remove()
     loading.clear()
     model = model_ref()
     if model is None or all(guard.freed_by(p) is None for p in model.parameters()):
-        for handle in saving:
-            handle.remove()
-        saving.clear()
+        _remove(saving)
+    else:
+        kept = _kept.get(id(model))
+        if kept is None or kept[0]() is not model:  # (or the entry of a collected model whose id was reused)
+            kept = _kept[id(model)] = (model_ref, [])
+        kept[1].extend(saving)
+
+
+def _drop_adopted() -> None:
+    """Remove the kept guards of models that no longer hold an emptied parameter of a collected pipeline."""
+    for key, (model_ref, handles) in list(_kept.items()):
+        model = model_ref()
+        if model is None or all(guard.freed_by(p) is not False for p in model.parameters()):
+            _remove(handles)
+            del _kept[key]
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def guard_state_dict(pipeline: "Pipeline") -> _Handles:
@@ -154,6 +178,7 @@ def guard_state_dict(pipeline: "Pipeline") -> _Handles:
     Args:
         pipeline: the stage-3 pipeline (its ``module`` and sub-modules get the hooks).
     """
+    _drop_adopted()
     saving = pipeline.module.register_state_dict_post_hook(_StateDictGuard(pipeline))
     load_guard = _LoadGuard(pipeline)
     loading = [m.register_load_state_dict_pre_hook(load_guard) for m in pipeline.module.modules()]
