@@ -112,8 +112,10 @@ def test_a_deleted_optimizer_gives_its_parameters_up_without_gc_collect() -> Non
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_del_frees_the_optimizer_at_once_on_every_rank_alike(stage: int) -> None:
     """No reference cycle holds a ShardedFusedAdam: ``del`` frees it then, not when each rank's collector runs (a
-    rank that collected it and one that did not would pair different collectives). At stages 0-2 its pipeline,
-    which holds the parameters, goes with it."""
+    rank that collected it and one that did not would pair different collectives). Its pipeline, which holds the
+    parameters and the Adam state, goes with it (at stage 3 its units and its scheduler's callbacks held it in a
+    reference cycle: a search building optimizer after optimizer kept each dead one's state until the collector ran,
+    64 MiB for a model of 4.2M parameters)."""
     trunk, actor, critic = _nets()
     model = nn.ModuleList([trunk, actor])
     gc.disable()
@@ -123,6 +125,6 @@ def test_del_frees_the_optimizer_at_once_on_every_rank_alike(stage: int) -> None
         freed, pipeline = weakref.ref(opt), weakref.ref(opt.pipeline)
         del opt
         assert freed() is None
-        assert stage == 3 or pipeline() is None
+        assert pipeline() is None
     finally:
         gc.enable()

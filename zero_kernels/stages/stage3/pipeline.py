@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -65,6 +66,7 @@ from torch import nn
 from ...offload import HostTier
 from .. import adopt, grad_accum, master, modifier, offloaded, stats
 from ..base import FlatBuffer
+from ..eager import weakly
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
@@ -104,7 +106,7 @@ class _Unit:
     """A ``Stage3Buffer`` seen by the scheduler: all-gather into ``full``, free, hand grads on."""
 
     def __init__(self, pipeline: "Stage3Pipeline", buf: Stage3Buffer, uid: int, holder: nn.Module, name: str):
-        self.pipeline, self.buf = pipeline, buf
+        self._pipeline, self.buf = weakref.ref(pipeline), buf
         self.params = buf.params
         self.numel = buf.layout.numel
         self.param_numel = sum(slot.numel for slot in buf.layout.slots)
@@ -115,6 +117,10 @@ class _Unit:
             full_shape.label(self.params[slot.param], slot.shape)
         self._handles: list = []
         self._versions: list[int] = []  # the parameters' version counters when gathered (``forward_writes``)
+
+    @property
+    def pipeline(self) -> "Stage3Pipeline":
+        return self._pipeline()
 
     def read_ahead(self) -> None:
         """Start reading a shard kept in a file (``disk_params``) for the gather that follows."""
@@ -365,9 +371,9 @@ class Stage3Pipeline(Stage2Pipeline):
             units,
             prefetch_numel=prefetch,
             max_live_numel=int(self.options.stage3_max_live_parameters),
-            check=self._check_gathers,
-            on_end=self._end_scheduled_round,
-            written=self._written_in_forward,
+            check=weakly(self._check_gathers),
+            on_end=weakly(self._end_scheduled_round),
+            written=weakly(self._written_in_forward),
         )
         if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
             self._scheduler.follow(previous)
