@@ -77,6 +77,24 @@ def test_optimizer_model_and_files_freed_when_deleted(tmp_path: Path, device: st
     assert _files(tmp_path) == []
 
 
+def test_del_removes_the_files_at_once(tmp_path: Path) -> None:
+    """``del opt`` frees the pipeline and removes the files under ``nvme_path`` at once, not when Python's
+    collector runs: the parameter files' read-in (a closure on each unit) and the gradient files' write callbacks
+    held them in reference cycles."""
+    model = _model()
+    opt = _opt(model, "nvme", tmp_path)
+    _step(model, opt, 0)
+    pipeline = weakref.ref(opt._pipeline)
+    gc.collect()
+    gc.disable()
+    try:
+        del opt
+        assert pipeline() is None, "the pipeline waits for the collector"
+        assert _files(tmp_path) == []
+    finally:
+        gc.enable()
+
+
 def test_model_of_a_deleted_optimizer_says_its_values_are_gone(tmp_path: Path) -> None:
     """The model outlives its stage-3 optimizer: the shards, the state and the files go with the optimizer, and
     the emptied parameters say so wherever they are used, and refuse a new optimizer."""

@@ -33,6 +33,7 @@ from ...offload.aio import IOHandle
 from ...offload.mapped import mapped_empty
 from ...offload.shard_files import Lease, ShardFiles
 from .. import stats
+from ..eager import weakly
 from ..layout import Bucket
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class DiskGrads:
 
     def _take(self, buf: "FlatBuffer", bucket: Bucket) -> Lease:
         lease = self.files.take(bucket.shard_numel, self.files.paths[id(buf)][1], lambda: None)
-        self.files.hold(lease, lambda: self._written(id(lease)))
+        self.files.hold(lease, weakly(self._written, id(lease)))  # its files hold this: no reference cycle
         return lease
 
     def _store(self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor) -> None:

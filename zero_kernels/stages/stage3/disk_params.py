@@ -26,6 +26,8 @@ the resident shards.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -115,7 +117,7 @@ class DiskParams:
         self.files.write(id(buf), shard).wait()
         self.units[id(buf)] = buf
         buf.param_shard = stand_in(buf.layout.shard_numel, buf.dtype)
-        buf.params_in = lambda: self.resident(buf)
+        buf.params_in = functools.partial(_read_in, weakref.ref(self), weakref.ref(buf))
 
     def holds(self, buf: "Stage3Buffer") -> bool:
         return id(buf) in self.units
@@ -237,3 +239,11 @@ def start(options: Any, engine: Any, agree: Callable[[Optional[str]], None]) -> 
             files.close()
         raise
     return DiskParams(files, config.max_in_cpu)
+
+
+def _read_in(owner: "weakref.ref[DiskParams]", buf: "weakref.ref[Stage3Buffer]") -> None:
+    """``buf.params_in``: ``owner.resident(buf)``, both held weakly (the buffer holds this and the disk parameters
+    hold the buffer: a reference cycle kept them and the files until Python's collector ran)."""
+    disk, unit = owner(), buf()
+    if disk is not None and unit is not None:
+        disk.resident(unit)
