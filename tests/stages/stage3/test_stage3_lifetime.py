@@ -95,6 +95,24 @@ def test_del_removes_the_files_at_once(tmp_path: Path) -> None:
         gc.enable()
 
 
+def test_del_frees_a_pipeline_with_frozen_units_at_once(tmp_path: Path) -> None:
+    """A frozen parameter partitioned in a unit of its own: ``del opt`` frees the pipeline at once too (the frozen
+    units held its ``name_of`` method, a reference cycle that kept the pipeline until Python's collector ran)."""
+    model = _model()
+    model[2].weight.requires_grad_(False)
+    opt = _opt(model, "none", tmp_path)
+    _step(model, opt, 0)
+    assert opt._pipeline._frozen, "no frozen unit"
+    pipeline = weakref.ref(opt._pipeline)
+    gc.collect()
+    gc.disable()
+    try:
+        del opt
+        assert pipeline() is None, "the pipeline waits for the collector"
+    finally:
+        gc.enable()
+
+
 def test_model_of_a_deleted_optimizer_says_its_values_are_gone(tmp_path: Path) -> None:
     """The model outlives its stage-3 optimizer: the shards, the state and the files go with the optimizer, and
     the emptied parameters say so wherever they are used, and refuse a new optimizer."""

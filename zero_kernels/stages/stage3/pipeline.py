@@ -281,9 +281,10 @@ class Stage3Pipeline(Stage2Pipeline):
         return bool(getattr(self.options, "quantized_nontrainable_weights", False))
 
     def _frozen_unit(self, params: list[nn.Parameter], name: str, holder: nn.Module) -> FrozenUnit:
+        # the unit holds the pipeline weakly: a reference cycle kept it until Python's collector ran
         unit = FrozenUnit(
-            self.engine, params, name, type(holder).__name__, self.param_traffic, self.name_of, self._frozen_quantized,
-            home=self._frozen_home(),
+            self.engine, params, name, type(holder).__name__, self.param_traffic, weakly(self.name_of),
+            self._frozen_quantized, home=self._frozen_home(),
         )  # fmt: skip
         self._frozen_shape.update((id(p), shape) for p, shape in zip(params, unit.shapes))
         return unit
