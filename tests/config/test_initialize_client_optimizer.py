@@ -286,3 +286,20 @@ def test_a_failed_initialize_gives_a_tensor_lr_back_its_value() -> None:
     assert "initial_lr" not in client.param_groups[0]
     _, opt, _ = zk.initialize(model, _config(1), optimizer=client, lr_scheduler=half)
     assert opt.param_groups[0]["lr"].item() == pytest.approx(5e-3)
+
+
+def test_a_scheduler_left_on_the_client_counts_micro_steps_as_steps() -> None:
+    """A scheduler built on the client and stepped by the script after every micro-step's ``optimizer.step()`` gets
+    no "lr_scheduler.step() before optimizer.step()" warning: every call of the step marks the client, also those
+    the step hooks, which run at updates only, do not see."""
+    model = nn.Linear(4, 2)
+    client = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = LambdaLR(client, lambda k: 1.0 / (k + 1))
+    model, opt = zk.initialize(model, _config(1, gradient_accumulation_steps=2), optimizer=client)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            model(torch.randn(ROWS, 4)).sum().backward()
+            opt.step()
+            sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [1e-2 / 5]

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import zero_kernels as zk
 import zero_kernels.optim as zo
@@ -163,6 +164,52 @@ def test_hooks_run_in_torch_order() -> None:
         assert ours == expected, f"stage {stage}: hook trace {ours} != AdamW's {expected}"
         assert expected[:2] == ["step_pre", "step_post"] and ("ran", True, False, True) in expected, expected
         assert ("load_post", 0.003) in expected and expected.count("step_pre") == 1, expected
+
+
+def accumulated_ema(opt: torch.optim.Optimizer, params: list[nn.Parameter], micro_steps: int) -> tuple[list, Any]:
+    """Three updates of ``micro_steps`` backward passes each, ``step()`` after every ``micro_steps``-th one (``opt``'s
+    step is called after each when it counts them itself); step hooks trace their calls and keep an EMA."""
+    trace: list[str] = []
+    ema: list[torch.Tensor] = []
+
+    def post(o: Any, args: Any, kwargs: Any) -> None:
+        trace.append("post")
+        for i, p in enumerate(params):
+            ema.append(p.detach().clone()) if len(ema) < len(params) else ema[i].lerp_(p.detach(), 0.5)
+
+    handles = [
+        opt.register_step_pre_hook(lambda o, args, kwargs: trace.append("pre")),
+        opt.register_step_post_hook(post),
+        register_optimizer_step_pre_hook(lambda o, args, kwargs: trace.append("global_pre") if o is opt else None),
+    ]
+    counts = getattr(opt, "gradient_accumulation_steps", 1) > 1
+    for step in range(3 * micro_steps):
+        for k, p in enumerate(params):
+            g = torch.full_like(p, 0.1 * (step + 1) + k)
+            p.grad = g if p.grad is None else p.grad + g
+        if counts or (step + 1) % micro_steps == 0:
+            opt.step()
+        if (step + 1) % micro_steps == 0:
+            opt.zero_grad()
+    for h in handles:
+        h.remove()
+    return trace, ema
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_step_hooks_run_at_updates_only(stage: int) -> None:
+    """With ``gradient_accumulation_steps`` the step hooks (the optimizer's and torch's global ones) run around the
+    calls that update, once per update as around AdamW's ``step()`` after its accumulated backward passes: they ran
+    at every micro-step, so an EMA kept in a post-hook was averaged with the unchanged weights as well."""
+    params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2))]
+    fresh = [nn.Parameter(p.detach().clone()) for p in params]
+    ours = accumulated_ema(zo.ShardedFusedAdam(fresh, lr=LR, stage=stage, gradient_accumulation_steps=2), fresh, 2)
+    adamw_params = [nn.Parameter(p.detach().clone()) for p in params]
+    expected = accumulated_ema(torch.optim.AdamW(adamw_params, lr=LR), adamw_params, 2)
+    assert expected[0] == ["global_pre", "pre", "post"] * 3, expected[0]
+    assert ours[0] == expected[0], f"stage {stage}: hook trace {ours[0]} != AdamW's {expected[0]}"
+    for a, b in zip(ours[1], expected[1]):
+        assert_close(a, b, rtol=1e-5, atol=1e-6, what=f"stage {stage}: EMA kept by a step post-hook")
 
 
 # ---------------------------------------------------------------- copies

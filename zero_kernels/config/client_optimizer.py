@@ -149,14 +149,7 @@ def retire(client: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> N
     for method, why in _RETIRED.items():
         setattr(client, method, _refusal(type(client).__name__, method, why))
     client.step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    ref = weakref.ref(client)
-
-    def mark(*_: Any) -> None:
-        target = ref()
-        if target is not None:
-            target._opt_called = True  # type: ignore[attr-defined]
-
-    optimizer.register_step_post_hook(mark)
+    optimizer._step_marks.append(weakref.ref(client))  # every call, micro-steps too (the step hooks run at updates)
 
 
 def _refusal(name: str, method: str, why: str) -> Callable[..., None]:

@@ -61,6 +61,7 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import weakref
@@ -236,6 +237,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._micro_step = 0
         self._no_sync_depth = 0
+        self._step_marks: list[weakref.ref] = []  # optimizers whose step() each call of this one stands for
         self._clips = PendingClips()  # what clip_grad_norm_ asked of the coming step
         self._grad_factor = 1.0  # what scale_grads_ asked of the coming step
         self._unscaled_loaded = False  # a checkpoint brought gradients a GradScaler's unscale_ had divided
@@ -467,8 +469,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._warn_accumulated_twice()
-        self._micro_step += 1
-        if self._micro_step < self.gradient_accumulation_steps and not state_init.only_makes_state(self):
+        if not self._updates_at_next_step():
+            self._micro_step += 1
             self._update_sync()
             return loss
         hyper = [self._hyper(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
@@ -500,6 +502,32 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             scaled.record(self, self.last_step.skip_flag)
         self._update_sync()
         return loss
+
+    def _updates_at_next_step(self) -> bool:
+        """Whether the next ``step()`` call updates (or skips an update): not an accumulation micro-step."""
+        micro_step = self._micro_step + 1
+        return micro_step >= self.gradient_accumulation_steps or state_init.only_makes_state(self, micro_step)
+
+    @staticmethod
+    def profile_hook_step(func: Callable[..., Any]) -> Callable[..., Any]:
+        """``torch.optim.Optimizer``'s wrapper of ``step`` (its profiler record, the step pre- and post-hooks, the
+        optimizer's and torch's global ones), with the hooks run only around a call that updates, once per update
+        as around ``torch.optim.AdamW.step()`` after its accumulated backward passes: an accumulation micro-step
+        runs under the profiler record alone."""
+        hooked = torch.optim.Optimizer.profile_hook_step(func)
+
+        @functools.wraps(func)
+        def step(self: "ShardedFusedAdam", *args: Any, **kwargs: Any) -> Any:
+            for ref in self._step_marks:  # torch's check that optimizer.step() ran before lr_scheduler.step()
+                marked = ref()
+                if marked is not None:
+                    marked._opt_called = True
+            if self._updates_at_next_step():
+                return hooked(self, *args, **kwargs)
+            with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+                return func(self, *args, **kwargs)
+
+        return step
 
     def check_param_groups(self, numbering: bool = False) -> None:
         """``ValueError`` when ``param_groups`` no longer hold the parameters the flat buffers were built for (a

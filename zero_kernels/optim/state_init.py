@@ -22,10 +22,10 @@ if TYPE_CHECKING:
     from .optimizer import ShardedFusedAdam
 
 
-def only_makes_state(opt: "ShardedFusedAdam") -> bool:
-    """Whether the ``step()`` under way (its micro-step counted) is a state-making call, decided alike on every rank
-    (one exchange, only when every lr is 0 on an optimizer that never stepped)."""
-    if opt.micro_step != 1 or opt.applied_steps or opt.skipped_steps:
+def only_makes_state(opt: "ShardedFusedAdam", micro_step: int) -> bool:
+    """Whether a ``step()`` on micro-step ``micro_step`` (1 for a window's first call) is a state-making call, decided
+    alike on every rank (one exchange, only when every lr is 0 on an optimizer that never stepped)."""
+    if micro_step != 1 or opt.applied_steps or opt.skipped_steps:
         return False
     if any(float(torch.as_tensor(group["lr"])) != 0.0 for group in opt.param_groups):
         return False
