@@ -196,6 +196,26 @@ def accumulated_ema(opt: torch.optim.Optimizer, params: list[nn.Parameter], micr
     return trace, ema
 
 
+def profiled_names(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[str]:
+    """The ``Optimizer.*`` records a profiler sees around a step and a zero_grad."""
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with torch.profiler.profile() as prof:
+        opt.step()
+        opt.zero_grad()
+    return sorted({e.name for e in prof.events() if e.name.startswith("Optimizer.")})
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))
+def test_profiler_records_step_and_zero_grad_as_torch(stage: int) -> None:
+    """``Optimizer.step#<class>.step`` and ``Optimizer.zero_grad#<class>.zero_grad``, as torch's optimizers record
+    them (zero_grad had no record)."""
+    params = [nn.Parameter(torch.randn(3, 2)), nn.Parameter(torch.randn(2))]
+    ours = profiled_names(zo.ShardedFusedAdam(params, lr=LR, stage=stage), params)
+    expected = profiled_names(torch.optim.AdamW(params, lr=LR), params)
+    assert [n.replace("AdamW", "ShardedFusedAdam") for n in expected] == ours, (ours, expected)
+
+
 @pytest.mark.parametrize("stage", (0, 1, 2))
 def test_step_hooks_run_at_updates_only(stage: int) -> None:
     """With ``gradient_accumulation_steps`` the step hooks (the optimizer's and torch's global ones) run around the

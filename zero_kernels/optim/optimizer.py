@@ -794,12 +794,13 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         Args:
             set_to_none: drop the gradients (``p.grad = None``) instead of zeroing them.
         """
-        if self._micro_step != 0:
-            if not self._pipeline.failed_round_open:
-                return
-            self._drop_window()
-        self._forget_grad_edits()
-        self._pipeline.zero_grad(set_to_none)
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):  # torch's record
+            if self._micro_step != 0:
+                if not self._pipeline.failed_round_open:
+                    return
+                self._drop_window()
+            self._forget_grad_edits()
+            self._pipeline.zero_grad(set_to_none)
 
     def _drop_window(self) -> None:
         """``zero_grad()`` after a backward that raised mid-window: the window restarts at micro-step 0."""
