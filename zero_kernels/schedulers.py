@@ -341,11 +341,27 @@ class OneCycle(_DeepSpeedSchedule):
     def step(self, epoch: Optional[int] = None) -> None:
         """Set every group's ``lr`` (and ``betas`` with ``cycle_momentum``) for the next iteration.
 
+        Raises ``ValueError``, changing nothing, where ``decay_mom_rate`` would make ``betas[0]`` 1 or more.
+
         Args:
             epoch: deprecated by torch; leave it None.
         """
+        self._check_momentum(self.last_batch_iteration + 1 if epoch is None else epoch - 1)
         super().step(epoch)
         self._set_betas()
+
+    def _check_momentum(self, iteration: int) -> None:
+        """Refuse an iteration whose momentum (raised by ``decay_mom_rate``) is 1 or more."""
+        if not self.cycle_momentum:
+            return
+        momentum = max(beta for beta, _ in self.betas_at(iteration))
+        if momentum >= 1.0:
+            raise ValueError(
+                f"OneCycle: iteration {iteration} would set betas[0] to {momentum:g}: scheduler.params.decay_mom_rate "
+                f"({self.decay_mom_rate:g}) raises the momentum after the cycle, cycle_max_mom * (1 + decay_mom_rate * "
+                f"k / decay_step_size), and Adam's betas must stay below 1. Lower decay_mom_rate or cycle_max_mom "
+                "(DeepSpeed trains on with betas[0] >= 1)"
+            )
 
     def _apply(self) -> None:
         super()._apply()

@@ -123,6 +123,26 @@ def test_one_cycle_momentum_and_groups() -> None:
     _check([g["lr"] for g in optimizer.param_groups], [0.1, 0.2])
 
 
+def test_one_cycle_momentum_reaching_one_is_refused_by_the_scheduler() -> None:
+    """decay_mom_rate raises betas[0] after the cycle: the schedule's step that would make it 1 or more raises
+    naming decay_mom_rate and changes nothing (it set the beta, and the optimizer was left to refuse it)."""
+    optimizer = _opt()
+    scheduler = OneCycle(
+        optimizer, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=2, decay_step_size=4,
+        cycle_max_mom=0.95, decay_mom_rate=0.1,
+    )  # fmt: skip
+    for _ in range(6):  # iterations 0-5: the cycle (0-3), then 0.95 * (1 + 0.1 * k / 4) for k = 1, 2
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["betas"][0] == pytest.approx(0.9975)
+    lr, state = optimizer.param_groups[0]["lr"], scheduler.state_dict()
+    optimizer.step()
+    with pytest.raises(ValueError, match=r"OneCycle: iteration 6 would set betas\[0\] to 1\.02125.*decay_mom_rate"):
+        scheduler.step()
+    assert optimizer.param_groups[0]["betas"][0] == pytest.approx(0.9975)
+    assert optimizer.param_groups[0]["lr"] == lr and scheduler.state_dict() == state
+
+
 def test_state_dict_round_trip_and_deepspeed_state() -> None:
     build = TABLES["WarmupDecayLR linear"][0]
     first = build(_opt())
