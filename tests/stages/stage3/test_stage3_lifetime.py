@@ -138,6 +138,21 @@ def test_model_of_a_deleted_optimizer_says_its_values_are_gone(tmp_path: Path) -
         zk.initialize(model, config)
 
 
+@pytest.mark.parametrize("collect", [False, True])
+def test_backward_of_a_forward_kept_past_its_optimizer_says_so(tmp_path: Path, collect: bool) -> None:
+    """A loss made before its stage-3 optimizer was deleted: its backward would read the gathered parameters the
+    optimizer freed; it says so (torch's 'setStorage: ... out of bounds for storage of size 0' before), whether
+    the collector has run or not."""
+    model = _model()
+    opt = _opt(model, "none", tmp_path)
+    loss = _loss(model, 0)
+    del opt
+    if collect:
+        gc.collect()
+    with pytest.raises(RuntimeError, match="backward of a forward run before its stage-3 optimizer was deleted"):
+        loss.backward()
+
+
 def _second(model: nn.Module, how: str) -> None:
     if how == "initialize bf16":  # would cast the model first
         config = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}, "bf16": {"enabled": True},

@@ -186,6 +186,13 @@ COMPILED_AUTOGRAD = (
     "autograd off for this model (stages 0-2 support it; torch.compile of the model itself works at stage 3)"
 )
 
+# a loss kept past ``del optimizer``: its backward would read the parameters gathered for its forward, freed since
+_GONE = (
+    "ZeRO stage 3: backward of a forward run before its stage-3 optimizer was deleted: the parameters gathered for "
+    "that forward were freed with the optimizer, which kept their shards. Run the backward (and the step) before "
+    "deleting the optimizer, or run the forward again under the optimizer that trains the model now"
+)
+
 
 def _compiled_autograd_on() -> bool:
     """Whether compiled autograd is on (its tracing wraps every tensor the backward saved, freed parameters too)."""
@@ -657,7 +664,7 @@ class Stage3Scheduler:
         freed = [p for i in frame.needs if not self.units[i].persistent for p in self.units[i].params]
         output = copy_views(output, freed, self._freed_params)
         if frame.needs and torch.is_grad_enabled():
-            backward = weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs)))
+            backward = weakly(self._pre_backward, tuple(dict.fromkeys(frame.needs)), gone=_GONE if freed else None)
             return route_outputs(output, inputs, backward, frame.routed_tensors)
         return output
 
