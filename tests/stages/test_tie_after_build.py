@@ -205,3 +205,37 @@ def test_tie_through_data_after_build_is_refused_naming_both() -> None:
                     opt.step()
                 for p, b in zip(model.parameters(), before):
                     assert torch.equal(p.detach(), b), f"stage {stage} groups={groups} {what}: a value changed"
+
+
+def _swap(m: TwoLinear) -> None:
+    m.a.weight.data, m.b.weight.data = m.b.weight.data, m.a.weight.data
+
+
+def test_weights_swapped_through_data_after_build_match_adamw() -> None:
+    """``a.data, b.data = b.data, a.data`` after the optimizer was built: each now views the other's slot, and the
+    step's copy of ``a``'s values into its own slot overwrote what ``b`` viewed, so both trained from ``b``'s old
+    values (0.6 off AdamW after one step at stages 0-2, no error). In one buffer and across param groups."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    for stage in (0, 1, 2, 3):
+        for groups in (False, True):
+            torch.manual_seed(0)
+            model = TwoLinear()
+            ref = copy.deepcopy(model)
+            params = [{"params": [model.a.weight]}, {"params": [model.b.weight]}] if groups else model
+            opt = zk.ShardedFusedAdam(params, module=model, lr=LR, stage=stage, stage3_param_persistence_threshold=0)
+            ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+            for step in range(2):
+                if step == 1:
+                    with opt.gathered_params():
+                        _swap(model)
+                    _swap(ref)
+                model(x).backward()
+                ref(x).backward()
+                opt.step()
+                ropt.step()
+                opt.zero_grad()
+                ropt.zero_grad()
+            with opt.gathered_params():
+                for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+                    close(p, r, f"stage {stage} groups={groups} {name}")

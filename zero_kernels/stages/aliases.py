@@ -35,6 +35,16 @@ def check_no_aliases(params: Iterable[torch.Tensor], describe: Callable[[torch.T
             )
 
 
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of ``a`` and ``b`` (first to last element used) overlap."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (start_a, end_a), (start_b, end_b) = _span(a), _span(b)
+    return (
+        start_a * a.element_size() < end_b * b.element_size() and start_b * b.element_size() < end_a * a.element_size()
+    )
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """The first element of ``t``'s storage it uses and one past its last."""
     start = t.storage_offset()
