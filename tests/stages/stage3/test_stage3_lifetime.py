@@ -153,6 +153,21 @@ def test_backward_of_a_forward_kept_past_its_optimizer_says_so(tmp_path: Path, c
         loss.backward()
 
 
+def test_model_used_after_del_while_a_kept_error_holds_its_hooks_says_so(tmp_path: Path) -> None:
+    """An error raised inside stage 3's hooks (a freed parameter read outside the forward) and kept, as IPython's
+    sys.last_traceback keeps it, holds the hooks' scheduler past ``del opt``: the next forward raised
+    "AttributeError: 'NoneType' object has no attribute 'disk_params'" instead of saying the optimizer is gone."""
+    model = _model()
+    opt = _opt(model, "none", tmp_path)
+    _step(model, opt, 0)
+    with pytest.raises(RuntimeError, match="outside the forward") as kept:
+        model[0].weight.sum()
+    del opt
+    with pytest.raises(RuntimeError, match="the stage-3 optimizer that kept its shards was deleted"):
+        _loss(model, 1)
+    del kept
+
+
 def _second(model: nn.Module, how: str) -> None:
     if how == "initialize bf16":  # would cast the model first
         config = {"optimizer": {"type": "AdamW", "params": {"lr": LR}}, "bf16": {"enabled": True},

@@ -70,7 +70,7 @@ from ..eager import weakly
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
-from . import disk_grads, disk_params, full_shape, generation, held_edits, model_hints, resize
+from . import disk_grads, disk_params, full_shape, generation, guard, held_edits, model_hints, resize
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
@@ -120,7 +120,12 @@ class _Unit:
 
     @property
     def pipeline(self) -> "Stage3Pipeline":
-        return self._pipeline()
+        """The pipeline; ``RuntimeError`` once it is gone while the scheduler lives on (held by a kept error's
+        traceback, as IPython's ``sys.last_traceback``): the model's parameters went with it."""
+        pipeline = self._pipeline()
+        if pipeline is None:
+            raise RuntimeError(f"ZeRO stage 3: the model is used after its optimizer was deleted: {guard.ORPHANED}")
+        return pipeline
 
     def read_ahead(self) -> None:
         """Start reading a shard kept in a file (``disk_params``) for the gather that follows."""
