@@ -232,6 +232,30 @@ def test_step_hooks_run_at_updates_only(stage: int) -> None:
         assert_close(a, b, rtol=1e-5, atol=1e-6, what=f"stage {stage}: EMA kept by a step post-hook")
 
 
+@pytest.mark.parametrize("stage", (0, 1, 3))
+def test_step_hooks_with_a_closure_and_lr_0_run_at_updates_only(stage: int) -> None:
+    """``step(closure)`` on the first micro-step with every lr 0 (a warmup from 0): the hooks ran as around a
+    state-making call (no gradient yet when they were decided, the closure's backward not run), so over 2 updates of
+    2 micro-steps a post-hook ran 3 times."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = zo.ShardedFusedAdam(model, lr=0.0, stage=stage, gradient_accumulation_steps=2)
+    calls = []
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append(o.applied_steps))
+    x = torch.randn(3, 4)
+
+    def closure() -> torch.Tensor:
+        loss = model(x).sum()
+        loss.backward()
+        return loss
+
+    for step in range(4):
+        opt.step(closure)
+        if step % 2 == 1:
+            opt.zero_grad()
+    assert calls == [1, 2], calls
+
+
 # ---------------------------------------------------------------- copies
 @pytest.mark.parametrize("stage", (1, 3))
 def test_compiled_step_runs_eagerly_as_adamw(stage: int) -> None:

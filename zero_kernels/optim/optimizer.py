@@ -469,7 +469,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._warn_accumulated_twice()
-        if not self._updates_at_next_step():
+        if not self._updates_at_next_step(closure is not None):
             self._micro_step += 1
             self._update_sync()
             return loss
@@ -503,10 +503,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._update_sync()
         return loss
 
-    def _updates_at_next_step(self) -> bool:
-        """Whether the next ``step()`` call updates (or skips an update): not an accumulation micro-step."""
+    def _updates_at_next_step(self, closure: bool) -> bool:
+        """Whether the next ``step()`` call updates (or skips an update): not an accumulation micro-step. A call
+        with a closure is never a state-making one (``state_init``): its hooks are decided before the closure's
+        backward brings the gradients that would tell."""
         micro_step = self._micro_step + 1
-        return micro_step >= self.gradient_accumulation_steps or state_init.only_makes_state(self, micro_step)
+        if micro_step >= self.gradient_accumulation_steps:
+            return True
+        return not closure and state_init.only_makes_state(self, micro_step)
 
     @staticmethod
     def profile_hook_step(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -522,7 +526,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 marked = ref()
                 if marked is not None:
                     marked._opt_called = True
-            if self._updates_at_next_step():
+            closure = args[0] if args else kwargs.get("closure")
+            if self._updates_at_next_step(closure is not None):
                 return hooked(self, *args, **kwargs)
             with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
                 return func(self, *args, **kwargs)
