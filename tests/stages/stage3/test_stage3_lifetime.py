@@ -260,6 +260,26 @@ def _assert_trained_as(model: nn.Module, ref: nn.Module) -> None:
         assert_close(p, r, rtol=1e-5, atol=1e-6 * r.detach().abs().max().item(), what=name)
 
 
+@pytest.mark.parametrize("copy_how", ["deepcopy", "torch.save"])
+def test_emptied_model_given_its_values_again_copies(tmp_path: Path, copy_how: str) -> None:
+    """``copy.deepcopy(model)`` or ``torch.save(model)`` as the first use of a model whose deleted stage-3 optimizer
+    emptied it and that was given its values again (``p.data = value``): the copy took the parameter for an ordinary
+    one again, and then raised "AttributeError: 'Parameter' object has no attribute '_zk_original'"."""
+    model = _model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = _opt(model, "none", tmp_path)
+    _step(model, opt, 0)
+    del opt
+    _give_values(model, start)
+    if copy_how == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        torch.save(model, tmp_path / "model.pt")
+        copied = torch.load(tmp_path / "model.pt", weights_only=False)
+    for name, value in copied.state_dict().items():
+        assert torch.equal(value, start[name]), name
+
+
 def test_emptied_model_given_its_values_again_trains_on(tmp_path: Path) -> None:
     """A model reused by one stage-3 optimizer after another (a search that builds the model once): once a deleted
     optimizer emptied it, ``p.data = value`` of every parameter makes it an ordinary model again, and the next

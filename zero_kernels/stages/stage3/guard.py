@@ -239,14 +239,16 @@ class _Freed(Mark):
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """A copy of a freed parameter would be empty: ``on_use(param, copy.deepcopy)`` raises (or copies it as
         it is when no callback is registered)."""
+        original = self._zk_original  # taken first: a parameter given values again loses its mark in the report
         _report_use(self, copy.deepcopy)
-        return self._zk_original.__deepcopy__(self, memo)
+        return original.__deepcopy__(self, memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled, a freed parameter would be empty (``torch.save(model)``): ``on_use(param, pickle.dumps)`` raises
         (or pickles it as it is when no callback is registered: the optimizer's own copy of the model)."""
+        original = self._zk_original
         _report_use(self, pickle.dumps)
-        return self._zk_original.__reduce_ex__(self, protocol)
+        return original.__reduce_ex__(self, protocol)
 
 
 def _is_read(func: Any) -> bool:
