@@ -310,6 +310,29 @@ def test_scheduler_advances_only_at_applied_updates(tmp_path, section: bool) -> 
     assert moved == [True, False, True, True], f"lr after each step {lrs}: it moved on the skipped step (the 3rd)"
 
 
+def test_a_whole_config_runs_the_forward_without_autocast(tmp_path) -> None:
+    """A whole config with bf16 and ``bf16=True``: the bf16 model runs without Accelerate's autocast and its outputs
+    stay bf16, as under the Trainer with DeepSpeed (Accelerate turns autocast off there). Before, the forward ran
+    under autocast with its outputs turned to fp32, so a ``compute_loss_func`` reading the logits computed another
+    loss: 9.4e-4 off the Trainer with DeepSpeed at the first step (GPT-2, ZeRO-3, 2 CPU ranks), its gradient norm
+    1.4e-3 off."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append(outputs.logits.dtype)
+        logits = outputs.logits[:, :-1].flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten())
+
+    config = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto",
+              "train_micro_batch_size_per_gpu": "auto"}  # fmt: skip
+    args = _args(str(tmp_path), max_steps=1, ddp_backend=None, bf16=True)
+    trainer = ZeroTrainer(model=_llama(), args=args, train_dataset=_data(8), config=config, compute_loss_func=loss_func)
+    trainer.train()
+    assert seen == [torch.bfloat16, torch.bfloat16], seen  # two accumulation micro-batches
+
+
 def test_arguments_found_after_another_positional_argument(tmp_path, caplog) -> None:
     """A trainer taking ``(model, ref_model, args)`` (TRL's DPOTrainer; GRPOTrainer's ``(model, reward_funcs,
     args)``) with ``ZeroTrainer`` first in its bases: the config in its arguments is the one trained (the reference

@@ -23,7 +23,8 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
   param groups of the ``torch.optim.AdamW``/``Adam`` a ``create_optimizer`` override built (a client optimizer, as
   the Trainer with DeepSpeed takes it; not beside a config's optimizer section);
 - the DDP wrap: the optimizer reduces gradients itself, so the model is prepared by Accelerate
-  without ``DistributedDataParallel`` (mixed-precision autocast and device placement still apply);
+  without ``DistributedDataParallel`` (mixed-precision autocast and device placement still apply; with a whole
+  config no autocast, as Accelerate under DeepSpeed: the config's bf16 casts the model itself);
   gradient-accumulation micro-batches but the last run under ``opt.no_sync()``;
 - zero_grad: the Trainer's ``model.zero_grad()`` is enough, as ``step()`` clears the optimizer's
   own gradient state;
@@ -175,6 +176,9 @@ class ZeroTrainer(Trainer):
         """As the Trainer's, with Accelerate preparing the model without a DDP wrapper (nor DeepSpeed)."""
         hf_config.accelerate_without_deepspeed()
         super().create_accelerator_and_postprocess()
+        if self.zero_source.whole:
+            # as Accelerate under DeepSpeed: the config says the precision (bf16 weights), no autocast around forwards
+            self.accelerator.native_amp = False
         prepare_model = self.accelerator.prepare_model
 
         def prepare_without_ddp(model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode=False):
