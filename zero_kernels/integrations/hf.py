@@ -223,10 +223,10 @@ class ZeroTrainer(Trainer):
                 "zero_kernels' loss scaling; use bf16 (or fp32)"
             )
         if config.bf16 and self.zero_source.whole:
-            model.to(torch.bfloat16)
+            _parameters_to_bf16(model)
             ref = getattr(self, "ref_model", None)  # TRL's reference model: DeepSpeed casts it with the same config
             if isinstance(ref, nn.Module) and ref is not model:
-                ref.to(torch.bfloat16)
+                _parameters_to_bf16(ref)
 
     def _groups(self, model: nn.Module, config: ZeroConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Param groups and hyper-parameters: the config's optimizer over every trainable parameter (as
@@ -553,6 +553,15 @@ def _synced_gathered(trainer: "ZeroTrainer", sync: Any, model: nn.Module, target
     held = opt.gathered_params() if opt is not None and opt.options.stage == 3 else contextlib.nullcontext()
     with held:
         sync(model, target, alpha)
+
+
+def _parameters_to_bf16(model: nn.Module) -> None:
+    """The parameters in bf16, the buffers left in their dtype (rotary ``inv_freq`` stays fp32), as DeepSpeed 0.19 casts
+    a module for a bf16 config; ``model.to(torch.bfloat16)`` cast the buffers too, which moved a Llama's rotary angles
+    off DeepSpeed's."""
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(torch.bfloat16)
 
 
 def _fused_loss(trainer: Trainer) -> str:
