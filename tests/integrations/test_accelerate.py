@@ -346,3 +346,36 @@ def test_a_wrapper_hiding_grad_scaler_is_refused() -> None:
         scaler.step(opt)
     assert "found_inf" not in vars(opt) and "grad_scale" not in vars(opt)
     assert opt.applied_steps == 0 and all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_a_wider_grad_accum_dtype_reduces_every_micro_batch(stage: int) -> None:
+    """An optimizer adding micro-batches up reduced in a wider ``grad_accum_dtype`` (bf16 weights, fp32 sums: its
+    ``reduces_micro_steps``): ``accumulate(model)`` leaves its ``no_sync()`` out, as Accelerate under DeepSpeed does,
+    so the sums are fp32 as in the loop without it, bit for bit; inside ``no_sync()`` they added up in bf16
+    ``p.grad``."""
+    import zero_kernels as zk
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    def build() -> tuple[nn.Module, zk.ShardedFusedAdam]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 1)).bfloat16()
+        return model, zk.ShardedFusedAdam(model, lr=LR, stage=stage, grad_accum_dtype="fp32")
+
+    accelerator = _accelerator(ZeroAccelerator)
+    model, opt = build()
+    assert opt.reduces_micro_steps
+    model, aopt = accelerator.prepare(model, opt)
+    ref, ropt = build()
+    for k, x in enumerate(_fp16_micro_batches()):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(x.bfloat16()).float().square().mean())
+            aopt.step()
+            aopt.zero_grad()
+        (ref(x.bfloat16()).float().square().mean() / ACCUMULATE).backward()
+        if k % ACCUMULATE == ACCUMULATE - 1:
+            ropt.step()
+            ropt.zero_grad()
+    mine, theirs = opt.full_state_dict()["state"], ropt.full_state_dict()["state"]
+    for i, state in theirs.items():
+        assert torch.equal(mine[i]["exp_avg"], state["exp_avg"]), f"stage {stage} parameter {i}"

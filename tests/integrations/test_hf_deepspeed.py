@@ -370,3 +370,34 @@ def test_arguments_found_after_another_positional_argument(tmp_path, caplog) -> 
     with caplog.at_level(logging.INFO, logger="zero_kernels"):
         trainer.create_optimizer()
     assert trainer.zero_optimizer.options.stage == 2
+
+
+@pytest.mark.parametrize("wider", [True, False])
+def test_a_wider_grad_accum_dtype_reduces_every_micro_batch(tmp_path, wider: bool) -> None:
+    """A whole bf16 config with ``data_types.grad_accum_dtype: fp32`` at stage 2: every micro-batch's backward reduces
+    into the fp32 gradient shard, as the Trainer with DeepSpeed runs it. The key (and ``communication_data_type``,
+    ``skip_nonfinite_steps``) never reached the optimizer, and the micro-batch before the last ran under
+    ``no_sync()``, its gradients added up in bf16 ``p.grad``. Without it, no_sync stays."""
+    from zero_kernels.integrations.hf import ZeroTrainer
+
+    trainers, synced = [], []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        synced.append(trainers[0].zero_optimizer.pipeline.sync_enabled)
+        logits = outputs.logits[:, :-1].flatten(0, 1).float()
+        return torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten())
+
+    config = {"bf16": {"enabled": "auto"}, "zero_optimization": {"stage": 2}, "gradient_accumulation_steps": "auto",
+              "train_micro_batch_size_per_gpu": "auto"}  # fmt: skip
+    if wider:  # with the other top-level keys the Trainer's optimizer left out
+        config.update(
+            data_types={"grad_accum_dtype": "fp32"}, communication_data_type="fp32", skip_nonfinite_steps=False
+        )
+    args = _args(str(tmp_path), max_steps=1, ddp_backend=None, bf16=True)
+    trainers.append(ZeroTrainer(model=_llama(), args=args, train_dataset=_data(8), config=config,
+                                compute_loss_func=loss_func))  # fmt: skip
+    trainers[0].train()
+    assert synced == ([True, True] if wider else [False, True]), synced
+    opt = trainers[0].zero_optimizer
+    kept = (opt.grad_accum_dtype, opt.communication_data_type, opt.skip_nonfinite_steps)
+    assert kept == ((torch.float32, torch.float32, False) if wider else (None, None, True)), kept

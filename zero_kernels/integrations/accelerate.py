@@ -27,7 +27,8 @@ any other model is prepared as usual):
 - ``prepare`` refuses a ``ShardedFusedAdam`` that counts accumulation micro-steps itself (its
   ``gradient_accumulation_steps``) when the Accelerator counts them too: keep the count in one place;
 - ``no_sync(model)``, which ``accumulate(model)`` enters for every micro-batch but the last, also
-  enters the optimizer's ``no_sync()``: those backward passes accumulate locally;
+  enters the optimizer's ``no_sync()``: those backward passes accumulate locally (not where a wider
+  ``grad_accum_dtype`` makes every micro-batch reduce, as DeepSpeed's: ``ShardedFusedAdam.reduces_micro_steps``);
 - ``backward(loss)``, for a prepared ``ShardedFusedAdam`` with fp16 loss scaling (its ``fp16`` config),
   divides the loss by Accelerate's accumulation steps, as Accelerate's, and runs ``opt.backward`` (which
   scales it; a plain ``loss.backward()`` is refused there); any other loss goes to Accelerate's;
@@ -137,7 +138,8 @@ class ZeroAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        """As ``Accelerator.no_sync``; also the ``no_sync()`` of the ``ShardedFusedAdam`` that trains ``model``.
+        """As ``Accelerator.no_sync``; also the ``no_sync()`` of the ``ShardedFusedAdam`` that trains ``model``,
+        unless it adds micro-batches up reduced in a wider ``grad_accum_dtype`` (``reduces_micro_steps``).
 
         Args:
             model: a model given to ``prepare``.
@@ -145,7 +147,8 @@ class ZeroAccelerator(Accelerator):
         with contextlib.ExitStack() as stack:
             stack.enter_context(super().no_sync(model))
             for opt in live.training(model.parameters()):
-                stack.enter_context(opt.no_sync())
+                if not opt.reduces_micro_steps:  # else every micro-batch reduces into the wider dtype, as DeepSpeed's
+                    stack.enter_context(opt.no_sync())
             yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -25,7 +25,8 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
 - the DDP wrap: the optimizer reduces gradients itself, so the model is prepared by Accelerate
   without ``DistributedDataParallel`` (mixed-precision autocast and device placement still apply; with a whole
   config no autocast, as Accelerate under DeepSpeed: the config's bf16 casts the model itself);
-  gradient-accumulation micro-batches but the last run under ``opt.no_sync()``;
+  gradient-accumulation micro-batches but the last run under ``opt.no_sync()`` (not where a wider
+  ``grad_accum_dtype`` makes every micro-batch reduce: ``ShardedFusedAdam.reduces_micro_steps``);
 - zero_grad: the Trainer's ``model.zero_grad()`` is enough, as ``step()`` clears the optimizer's
   own gradient state;
 - clipping and the logged ``grad_norm``: ``opt.clip_grad_norm_``, the global norm of the reduced
@@ -366,9 +367,12 @@ class ZeroTrainer(Trainer):
         return sharded
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """As the Trainer's; micro-batches before the last of an accumulation step do not communicate."""
-        sync = self.accelerator.sync_gradients
-        with self._sharded().no_sync() if not sync else contextlib.nullcontext():
+        """As the Trainer's; micro-batches before the last of an accumulation step do not communicate, but where
+        the optimizer adds them up reduced in a wider ``grad_accum_dtype`` (``reduces_micro_steps``), as the Trainer
+        with DeepSpeed does."""
+        opt = self._sharded()
+        local = not self.accelerator.sync_gradients and not opt.reduces_micro_steps
+        with opt.no_sync() if local else contextlib.nullcontext():
             return super().training_step(model, inputs, num_items_in_batch)
 
     def prediction_step(
@@ -608,8 +612,14 @@ def _check_counts_no_micro_steps(opt: ShardedFusedAdam, where: str) -> None:
 
 
 def _zero_options(config: ZeroConfig) -> dict[str, Any]:
-    """The config's ``zero_optimization`` options, as ``ShardedFusedAdam``'s keyword arguments."""
-    return {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
+    """The config's ``zero_optimization`` options, its ``communication_data_type``, ``data_types.grad_accum_dtype``
+    and ``skip_nonfinite_steps``, as ``ShardedFusedAdam``'s keyword arguments (the Trainer counts the accumulation
+    steps and clips)."""
+    zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
+    return dict(
+        zero, communication_data_type=config.communication_data_type, grad_accum_dtype=config.grad_accum_dtype,
+        skip_nonfinite_steps=config.skip_nonfinite_steps,
+    )  # fmt: skip
 
 
 def check_optim(optim: Any) -> None:

@@ -379,6 +379,14 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._update_sync()
 
     @property
+    def reduces_micro_steps(self) -> bool:
+        """Whether every backward pass between steps reduces its gradients at once, to add them up in the wider
+        ``grad_accum_dtype`` in the gradient shard (stages 2-3, as DeepSpeed's ZeRO-2/3 reduce every micro-step):
+        a loop that runs its micro-batches under ``no_sync()`` would add them up in ``p.grad`` instead, in the
+        gradients' dtype, so the Trainer and Accelerate integrations leave ``no_sync()`` out then."""
+        return self._pipeline.reduces_micro_steps
+
+    @property
     def pipeline(self) -> Pipeline:
         """The stage pipeline that owns the flat buffers, the shards and the per-parameter step counts.
 
