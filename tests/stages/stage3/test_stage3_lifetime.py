@@ -228,9 +228,10 @@ def test_hooks_of_deleted_optimizers_come_off_the_model(tmp_path: Path) -> None:
 
 
 def test_emptied_model_keeps_only_the_guard_that_says_so(tmp_path: Path) -> None:
-    """Of a deleted optimizer's hooks on a model it emptied, only the ``state_dict()`` guard stays (it says the
-    values are gone), and the tables of emptied parameters, keyed by ``id``, forget the parameters once they are
-    collected (a search building a model and an optimizer after another left an entry per parameter)."""
+    """Of a deleted optimizer's hooks on a model it emptied, only the ``state_dict()`` guard (it says the values are
+    gone) and the ``load_state_dict()`` pre-hook that lets a load fill the emptied parameters stay, and the tables
+    of emptied parameters, keyed by ``id``, forget the parameters once they are collected (a search building a model
+    and an optimizer after another left an entry per parameter)."""
     from zero_kernels.stages.stage3 import guard
 
     tables = (guard._on_use, guard._on_read_use, guard._epoch, guard._reads)
@@ -241,7 +242,7 @@ def test_emptied_model_keeps_only_the_guard_that_says_so(tmp_path: Path) -> None
     model[0].weight.detach()  # a read of an emptied parameter: an entry in ``_reads``
     del opt
     gc.collect()
-    assert _hooks(model) == 1
+    assert _hooks(model) == 2
     with pytest.raises(RuntimeError, match="the stage-3 optimizer that kept its shards was deleted"):
         model.state_dict()
     del model
@@ -313,7 +314,31 @@ def test_emptied_model_given_its_values_again_trains_on(tmp_path: Path) -> None:
         gc.collect()
         assert torch.equal(model.state_dict()["0.weight"], start["0.weight"])
         assert _loss(model, 0).isfinite()
-        assert _hooks(model) <= 1, "a guard per deleted optimizer stayed on the model"
+        assert _hooks(model) <= 2, "a guard per deleted optimizer stayed on the model"
     del model
     gc.collect()
     assert [len(t) for t in tables] == before
+
+
+def test_emptied_model_takes_a_state_dict_and_trains_on(tmp_path: Path) -> None:
+    """A model reused by one stage-3 optimizer after another, reset with ``model.load_state_dict(start)`` (a search
+    that builds its model once and loads its initial weights for each trial): once a deleted optimizer emptied it,
+    the load fills it as it fills an ordinary model, and the next optimizer trains it next to AdamW. torch refused
+    the load ('size mismatch ... torch.Size([0])')."""
+    model = _model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(2):
+        _step(ref, ref_opt, step)
+    for trial in range(2):
+        opt = _opt(model, "none", tmp_path)
+        for step in range(2):
+            _step(model, opt, step)
+        with opt.gathered_params():
+            _assert_trained_as(model, ref)
+        del opt
+        gc.collect()
+        model.load_state_dict(start)
+        assert all(torch.equal(v, start[k]) for k, v in model.state_dict().items()), f"trial {trial}"
+    assert _hooks(model) <= 2, "a guard per deleted optimizer stayed on the model"

@@ -17,7 +17,9 @@ handles the sharded layout (``zero_kernels.checkpoint``).
 pre-hook on every module raises first, before anything is copied, naming the first emptied
 parameter the state dict holds and what to do (on every rank: load inside ``gathered_params()``,
 whose exit writes the values back to the shards and the fp32 masters, or
-``zero_kernels.checkpoint.load`` for a checkpoint).
+``zero_kernels.checkpoint.load`` for a checkpoint). Once the optimizer is deleted (its pipeline collected), a model
+it left emptied takes ``model.load_state_dict(state_dict)`` as an ordinary model does (``_refill``), to be trained
+again by another optimizer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -136,9 +139,9 @@ class _Handles:
         self._loading.clear()
 
 
-# id(model) -> (the model, its state-dict guards kept by ``_drop_inert``): a guard is dropped once no parameter of
-# its model is left emptied (``p.data = value`` put the values back); each stage-3 optimizer built again on one model
-# left its guard there
+# id(model) -> (the model, its state-dict guards kept by ``_drop_inert`` and the ``_refill`` hook): they are dropped
+# once no parameter of its model is left emptied (``p.data = value`` or ``model.load_state_dict`` put the values back);
+# each stage-3 optimizer built again on one model left its guard there
 _kept: dict[int, tuple[weakref.ref, list[RemovableHandle]]] = {}
 
 
@@ -152,8 +155,18 @@ def _drop_inert(saving: list[RemovableHandle], loading: list[RemovableHandle], m
     else:
         kept = _kept.get(id(model))
         if kept is None or kept[0]() is not model:  # (or the entry of a collected model whose id was reused)
-            kept = _kept[id(model)] = (model_ref, [])
+            kept = _kept[id(model)] = (model_ref, [model.register_load_state_dict_pre_hook(_refill)])
         kept[1].extend(saving)
+
+
+def _refill(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """The load-state-dict pre-hook of a model left emptied by a collected pipeline: each emptied parameter the state
+    dict holds takes its shape (uninitialised) first, so ``model.load_state_dict(state_dict)`` fills it as it fills an
+    ordinary model (torch refused the load as a size mismatch with ``torch.Size([0])``)."""
+    for name, p in module.named_parameters(remove_duplicate=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor) and guard.freed_by(p) is False:
+            p.data = torch.empty(value.shape, dtype=p.dtype, device=p.device)
 
 
 def _drop_adopted() -> None:
