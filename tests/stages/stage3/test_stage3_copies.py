@@ -309,7 +309,9 @@ def _run_in_fork(fn) -> str:
 
 def _fork_mid_forward_case(rank: int, world: int) -> list[str]:
     """A fork inside a forward (a forward hook of the first layer), whose child runs the last layer: its gather was
-    issued by the parent's prefetch before the fork, and the child's wait for it raises instead of waiting for ever."""
+    issued by the parent's prefetch before the fork, and the child's wait for it raises instead of waiting for ever,
+    or, where the gather had completed before the fork (the engine's thread can finish it first), the child reads
+    what it received and returns."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
     ref = copy.deepcopy(model)
@@ -329,7 +331,7 @@ def _fork_mid_forward_case(rank: int, world: int) -> list[str]:
         _step(opt, ropt)
         if handle is not None:
             handle.remove()
-    found = [] if "forked from process" in said[0] else [f"the forked child: {said[0]}"]
+    found = [] if "forked from process" in said[0] or said[0] == "returned" else [f"the forked child: {said[0]}"]
     with opt.gathered_params():
         return found + _differences(model, ref, "training after a fork inside a forward")
 
