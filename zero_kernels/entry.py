@@ -8,7 +8,6 @@ to the config's precision, and the optimizer built from the ``optimizer`` and
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
@@ -261,7 +260,6 @@ def _build_optimizer(
 ) -> ShardedFusedAdam:
     """The ``ShardedFusedAdam`` of the config's ``optimizer`` section (or of the client optimizer's groups) and
     ``zero_optimization`` section."""
-    zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(config.zero) if f.name != "stage"}
     if client is not None:
         params: Any = client_optimizer.groups(client)  # shared with the client
         algorithm = client_optimizer.hyper(client)
@@ -272,10 +270,9 @@ def _build_optimizer(
                          amsgrad=opt.amsgrad, maximize=opt.maximize, adam_w_mode=opt.adamw)  # fmt: skip
     return ShardedFusedAdam(
         params, **algorithm,
-        stage=config.stage, process_group=process_group, impl=impl,
+        process_group=process_group, impl=impl,
         max_grad_norm=config.gradient_clipping or None,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
-        fp16=config.fp16 if config.fp16.enabled else None, skip_nonfinite_steps=config.skip_nonfinite_steps,
-        communication_data_type=config.communication_data_type, grad_accum_dtype=config.grad_accum_dtype,
-        module=model, **zero,
+        fp16=config.fp16 if config.fp16.enabled else None,
+        module=model, **config.sharded_options(),
     )  # fmt: skip

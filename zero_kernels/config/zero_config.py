@@ -365,6 +365,16 @@ class ZeroConfig:
         """The ZeRO stage, 0 to 3."""
         return self.zero.stage
 
+    def sharded_options(self) -> dict[str, Any]:
+        """``ShardedFusedAdam``'s keyword arguments this config sets beside the optimizer's hyper-parameters and what
+        a training loop counts or clips itself: every ``zero_optimization`` option (the stage included),
+        ``communication_data_type``, ``data_types.grad_accum_dtype`` and ``skip_nonfinite_steps``."""
+        zero = {f.name: getattr(self.zero, f.name) for f in fields(self.zero)}
+        return dict(
+            zero, communication_data_type=self.communication_data_type, grad_accum_dtype=self.grad_accum_dtype,
+            skip_nonfinite_steps=self.skip_nonfinite_steps,
+        )  # fmt: skip
+
     @classmethod
     def from_deepspeed(
         cls,

@@ -51,7 +51,6 @@ Not supported: fp16 (``fp16=True`` or in the config: ``ZeroTrainer`` does not dr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -206,7 +205,7 @@ class ZeroTrainer(Trainer):
             config = self._resolved_config()
             self._cast(model, config)
             groups, hyper = self._groups(model, config)
-            self.zero_optimizer = ShardedFusedAdam(groups, module=model, **hyper, **_zero_options(config))
+            self.zero_optimizer = ShardedFusedAdam(groups, module=model, **hyper, **config.sharded_options())
             self._zero_built = True
         self.optimizer = self.zero_optimizer
         self._gather_head_for_fused_loss(self.model if model is None else model)
@@ -357,7 +356,10 @@ class ZeroTrainer(Trainer):
         restore = client_optimizer.keep(built)
         try:
             sharded = ShardedFusedAdam(
-                client_optimizer.groups(built), module=model, **client_optimizer.hyper(built), **_zero_options(config)
+                client_optimizer.groups(built),
+                module=model,
+                **client_optimizer.hyper(built),
+                **config.sharded_options(),
             )
         except BaseException:
             restore()
@@ -609,17 +611,6 @@ def _check_counts_no_micro_steps(opt: ShardedFusedAdam, where: str) -> None:
             "(TrainingArguments.gradient_accumulation_steps) and steps the optimizer once per window; build the "
             "optimizer without gradient_accumulation_steps"
         )
-
-
-def _zero_options(config: ZeroConfig) -> dict[str, Any]:
-    """The config's ``zero_optimization`` options, its ``communication_data_type``, ``data_types.grad_accum_dtype``
-    and ``skip_nonfinite_steps``, as ``ShardedFusedAdam``'s keyword arguments (the Trainer counts the accumulation
-    steps and clips)."""
-    zero = {f.name: getattr(config.zero, f.name) for f in dataclasses.fields(ZeroOptions)}
-    return dict(
-        zero, communication_data_type=config.communication_data_type, grad_accum_dtype=config.grad_accum_dtype,
-        skip_nonfinite_steps=config.skip_nonfinite_steps,
-    )  # fmt: skip
 
 
 def check_optim(optim: Any) -> None:
