@@ -4,10 +4,12 @@ before it was deleted, is refused before anything changes."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import weakref
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -77,6 +79,17 @@ def test_optimizer_model_and_files_freed_when_deleted(tmp_path: Path, device: st
     assert _files(tmp_path) == []
 
 
+@contextlib.contextmanager
+def _collector_off() -> Iterator[None]:
+    """Python's cycle collector off inside (after one run): what is freed there, reference counting freed."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def test_del_removes_the_files_at_once(tmp_path: Path) -> None:
     """``del opt`` frees the pipeline and removes the files under ``nvme_path`` at once, not when Python's
     collector runs: the parameter files' read-in (a closure on each unit) and the gradient files' write callbacks
@@ -85,14 +98,10 @@ def test_del_removes_the_files_at_once(tmp_path: Path) -> None:
     opt = _opt(model, "nvme", tmp_path)
     _step(model, opt, 0)
     pipeline = weakref.ref(opt._pipeline)
-    gc.collect()
-    gc.disable()
-    try:
+    with _collector_off():
         del opt
         assert pipeline() is None, "the pipeline waits for the collector"
         assert _files(tmp_path) == []
-    finally:
-        gc.enable()
 
 
 def test_del_frees_a_pipeline_with_frozen_units_at_once(tmp_path: Path) -> None:
@@ -104,13 +113,9 @@ def test_del_frees_a_pipeline_with_frozen_units_at_once(tmp_path: Path) -> None:
     _step(model, opt, 0)
     assert opt._pipeline._frozen, "no frozen unit"
     pipeline = weakref.ref(opt._pipeline)
-    gc.collect()
-    gc.disable()
-    try:
+    with _collector_off():
         del opt
         assert pipeline() is None, "the pipeline waits for the collector"
-    finally:
-        gc.enable()
 
 
 def test_model_of_a_deleted_optimizer_says_its_values_are_gone(tmp_path: Path) -> None:
