@@ -235,11 +235,20 @@ def _same_everywhere(values: torch.Tensor, reduce_max: Callable[[torch.Tensor], 
 
 # A model an optimizer with zero_quantized_weights trained keeps, once that optimizer is deleted, each rank's
 # dequantized copy of the other ranks' parts: its values differ by rank, and nothing can make them exact any more.
+# Named only once a quantized gather has left such values in this process (``note_dequantized_weights``).
+_dequantized_weights = False
 _QUANTIZED_LEFTOVER = (
     "; a model trained by an optimizer with zero_quantized_weights that was then deleted keeps the other ranks' "
     "parts dequantized on each rank: take its weights inside that optimizer's gathered_params() (a state_dict(), or "
     "zk.save_pretrained) before deleting it, and load them into the model"
 )
+
+
+def note_dequantized_weights() -> None:
+    """A quantized gather (qwZ) wrote other ranks' dequantized values into parameters: from now on a refusal of
+    values that differ by rank names that cause too."""
+    global _dequantized_weights
+    _dequantized_weights = True
 
 
 def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Sequence[int], name_of: Callable) -> None:
@@ -268,7 +277,7 @@ def check_replicated(engine: Any, params: Sequence[torch.Tensor], indices: Seque
         raise ValueError(
             f"{name_of(indices[differ[0] // 3])} has {'a different size' if sized else 'different values'} on some "
             "rank: every rank must start from the same model (same seed, or broadcast rank 0's parameters first)"
-            + ("" if sized else _QUANTIZED_LEFTOVER)
+            + (_QUANTIZED_LEFTOVER if _dequantized_weights and not sized else "")
         )
 
 

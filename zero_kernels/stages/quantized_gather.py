@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..comm.agreement import note_dequantized_weights
 from ..comm.handles import Handle, Works, used_here
 from ..kernels.quant import QuantizedBlocks, dequantize, quantize
 
@@ -165,6 +166,7 @@ def dequantize_chunks(
     """Every rank's payload in ``gathered`` dequantized into its chunk of ``full``, except chunk ``own``: a
     copy of ``own_shard`` (None: that chunk is the shard already)."""
     n = layout.numel
+    note_dequantized_weights()
     for r in range(full.numel() // n):
         target = full.narrow(0, r * n, n)
         if r == own:
