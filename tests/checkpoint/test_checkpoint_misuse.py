@@ -11,6 +11,9 @@
   imported DeepSpeed group of frozen parameters) missing from the optimizer is named, with the empty group to give.
 - ``consolidate`` of a checkpoint saved inside a gradient accumulation window, which it cannot carry, warns
   naming the window (micro-step, ranks holding gradients); ``inspect`` shows the window.
+- A folder that is not a checkpoint but holds one in a sub-folder (a Hugging Face Trainer ``checkpoint-N`` folder
+  written by ``ZeroTrainer``, whose sharded checkpoint is ``checkpoint-N/zero_kernels``) is refused naming that
+  sub-folder, by ``load``, ``consolidate`` and ``inspect`` alike.
 """
 
 from __future__ import annotations
@@ -268,6 +271,26 @@ def test_loading_without_an_optimizer_says_how_to_load_the_weights_alone(tmp_pat
     fresh.load_state_dict(torch.load(tmp_path / "out.pt")["model"])
     for name, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_a_folder_holding_a_checkpoint_names_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Trainer checkpoint folder (``ZeroTrainer`` writes the sharded checkpoint into its ``zero_kernels``
+    sub-folder) given where the checkpoint is expected: the error names the sub-folder to pass."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    folder = tmp_path / "checkpoint-10"
+    ck.save(folder / "zero_kernels", model, opt)
+    inner = str(folder / "zero_kernels")
+    with pytest.raises(ck.CheckpointError, match="not a checkpoint") as raised:
+        ck.load(folder, model, opt)
+    assert f"pass {inner}" in str(raised.value)
+    assert cli(["consolidate", str(folder), str(tmp_path / "out.pt")]) == 2
+    assert cli(["inspect", str(folder)]) == 2
+    assert capsys.readouterr().err.count(f"pass {inner}") == 2
+    ck.consolidate(inner, tmp_path / "out.pt")  # what the message says works
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])

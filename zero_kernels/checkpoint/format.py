@@ -287,7 +287,14 @@ def resolve(directory: PathLike) -> Path:
             f"checkpoint: {path} holds no complete checkpoint: a save did not finish "
             f"({', '.join(partial) or 'no ' + METADATA}); it cannot be loaded"
         )
-    raise CheckpointError(f"checkpoint: {path} is not a checkpoint (no {LATEST} and no {METADATA})")
+    raise CheckpointError(f"checkpoint: {path} is not a checkpoint (no {LATEST} and no {METADATA}){_inner(path)}")
+
+
+def _inner(path: Path) -> str:
+    """Where a folder that is not a checkpoint holds one in a sub-folder (a Hugging Face Trainer ``checkpoint-N``
+    folder written by ``ZeroTrainer`` keeps it in ``zero_kernels``): the sentence naming it, else ''."""
+    inner = sorted(p for p in path.iterdir() if (p / LATEST).is_file() or (p / METADATA).is_file())
+    return f"; it holds one in a sub-folder: pass {inner[0]}" if inner else ""
 
 
 def _warn_newer(root: Path, latest: str) -> None:
