@@ -112,6 +112,14 @@ def test_deepspeed_arguments_not_taken_say_what_to_do_instead(name: str, instead
     assert instead in str(err.value) and "allowed" not in str(err.value)
 
 
+def test_distributed_port_names_the_environment_the_group_is_made_from() -> None:
+    """initialize makes the process group from the launcher's environment where none exists (dist_init_required), so
+    the port is MASTER_PORT's; the message said initialize does not create the process group."""
+    with pytest.raises(ValueError, match="distributed_port=") as err:
+        zk.initialize(nn.Linear(4, 2), _config(), distributed_port=29500)
+    assert "MASTER_PORT" in str(err.value) and "does not create" not in str(err.value)
+
+
 def test_deepspeed_arguments_given_as_none_are_taken() -> None:
     """None is their default in deepspeed.initialize, and scripts pass it explicitly (``mpu=... if ... else None``)."""
     none = {name: None for name in ("optimizer", "training_data", "collate_fn", "mpu", "mesh_param")}

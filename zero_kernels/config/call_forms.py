@@ -35,8 +35,8 @@ _INSTEAD = {
     ),
     "mesh_param": "a device mesh is not supported: pass the data-parallel group as process_group=",
     "distributed_port": (
-        "initialize does not create the process group: call torch.distributed.init_process_group first "
-        "(torchrun sets its address and port)"
+        "initialize makes the process group from the launcher's environment, MASTER_ADDR and MASTER_PORT as torchrun "
+        "sets them: set MASTER_PORT, or call torch.distributed.init_process_group first"
     ),
 }
 _INSTEAD["collate_fn"] = _INSTEAD["training_data"]
