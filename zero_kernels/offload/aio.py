@@ -248,11 +248,7 @@ def _make_engine(block_size: int, queue_depth: int, threads: int, direct: bool) 
     try:
         module = _extension()
     except _ext.ExtensionUnavailable as exc:
-        _ext.warn_once(
-            f"{exc}; zero_kernels disk I/O runs the pure-Python engine (os.preadv/os.pwritev on threads). For "
-            "the C++ engine install a C++ compiler (e.g. `apt-get install g++`) and ninja (`pip install ninja`), "
-            "and unset ZERO_KERNELS_NO_JIT"
-        )
+        _ext.warn_once(f"{exc}; zero_kernels disk I/O runs the pure-Python engine (os.preadv/os.pwritev on threads)")
         return _PythonEngine(block_size, queue_depth, threads, direct)
     return _CppEngine(module, block_size, queue_depth, threads, direct)
 
