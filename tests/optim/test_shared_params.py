@@ -20,6 +20,7 @@ from torch import nn
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
+from tests.helpers.dist import run_ranks
 
 LR = 1e-2
 
@@ -128,3 +129,22 @@ def test_del_frees_the_optimizer_at_once_on_every_rank_alike(stage: int) -> None
         assert pipeline() is None
     finally:
         gc.enable()
+
+
+def _older_steps_beside_stage3(rank: int, world: int, first: int) -> None:
+    trunk, actor, critic = _nets()
+    model = nn.ModuleList([trunk, actor])
+    old = zk.ShardedFusedAdam(model.parameters(), lr=LR, stage=first)
+    new = zk.ShardedFusedAdam(model, lr=LR, stage=3, stage3_param_persistence_threshold=0)  # `old` still bound
+    _loop(trunk, actor, critic, [new], range(1))
+    with pytest.raises(ValueError, match=r"is also held by a ShardedFusedAdam built after this one \(stage 3\)"):
+        old.step()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("first", [0, 1, 2])
+def test_an_older_optimizer_beside_a_stage3_one_on_its_parameters_says_so_at_its_step(first: int) -> None:
+    """A stage-3 optimizer built on the parameters of a live stage 0-2 one empties them between uses (on several
+    ranks): the older one's step names the optimizer built after it, as for stages 0-2; it said that the parameter
+    was replaced by one of shape (0,) and to resize the model before building the optimizer."""
+    run_ranks(_older_steps_beside_stage3, 2, first)

@@ -670,13 +670,15 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         )  # fmt: skip
 
     def _follow_replaced_params(self) -> None:
-        """Re-adopt parameters whose ``.data`` was replaced since the last step (see ``stages.adopt``)."""
+        """Re-adopt parameters whose ``.data`` was replaced since the last step (see ``stages.adopt``), once no
+        optimizer built later took them (a stage-3 one empties them: taken for a replacement, an emptied parameter
+        was refused as one whose shape changed)."""
+        check_step(self._pipeline, self._pipeline.name_of)
         module = self._pipeline.module
         if module is not None:
             adopt.check_module_params(module, self._held_names, self._pipeline.name_of)
         adopt.follow_replaced(self._pipeline, self._pipeline.name_of)
         adopt.check_unfrozen(self.param_groups, self._pipeline.has_grad, self._param_name)
-        check_step(self._pipeline, self._pipeline.name_of)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the global norm of this step's gradients to ``max_norm`` (applied by the next ``step()``).
