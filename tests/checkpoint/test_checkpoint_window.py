@@ -155,3 +155,37 @@ def _body(rank: int, world: int, tmp: str) -> list[str]:
 @pytest.mark.parametrize("world", WORLD_SIZES, ids=lambda w: f"world{w}")
 def test_checkpoint_inside_an_accumulation_window_resumes_it(world: int, tmp_path: Path) -> None:
     run_ranks_checked(_body, world, str(tmp_path), timeout_s=300)
+
+
+def _gan_iteration(G: torch.nn.Module, D: torch.nn.Module, o_g, o_d, step: int) -> None:
+    """torch's DCGAN loop: the generator's loss backpropagates through the discriminator, leaving gradients in the
+    discriminator's optimizer after its step, which its next iteration clears."""
+    g = torch.Generator().manual_seed(step)
+    real, z = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+    o_d.zero_grad()
+    fake = G(z)
+    (D(real).square().mean() + D(fake.detach()).mean()).backward()
+    o_d.step()
+    o_g.zero_grad()
+    D(fake).mean().backward()
+    o_g.step()
+
+
+def test_a_gan_checkpoint_says_at_its_save_why_it_resumes_at_its_layout_only(tmp_path: Path, caplog) -> None:
+    torch.manual_seed(0)
+    G, D = torch.nn.Linear(3, 6), torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
+    o_g, o_d = zo.ShardedFusedAdam(G, lr=LR, stage=2), zo.ShardedFusedAdam(D, lr=LR, stage=2)
+    _gan_iteration(G, D, o_g, o_d, 0)
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        ck.save(tmp_path / "D", D, o_d)
+    assert "saved inside a gradient accumulation window" in caplog.text and "opt.zero_grad()" in caplog.text
+    with pytest.raises(ck.CheckpointError, match=r"after opt.zero_grad\(\) where no step uses the gradients held \(a"):
+        ck.load(tmp_path / "D", D, zo.ShardedFusedAdam(D, lr=LR, stage=1))
+    o_d = zo.ShardedFusedAdam(D, lr=LR, stage=2)
+    ck.load(tmp_path / "D", D, o_d)
+    o_d.zero_grad()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="zero_kernels"):
+        ck.save(tmp_path / "D", D, o_d)
+    assert "accumulation window" not in caplog.text
+    ck.load(tmp_path / "D", D, zo.ShardedFusedAdam(D, lr=LR, stage=1))

@@ -8,12 +8,14 @@ file (``window/RANK/grad/INDEX``, ``window/RANK/shard/BUFFER``, and with a wider
 micro-step count, the layout and each rank's flags. Loading puts every rank's window back exactly
 when the layout is the same (world size, stage, bucket size, model: ``stages.state_door.layout_signature``);
 a rank's gradients mean nothing under another layout, so an open window there is a
-``CheckpointError`` that says to save at a window boundary (after ``opt.step()``). A checkpoint
+``CheckpointError`` that says to save at a window boundary (after ``opt.step()``, or ``opt.zero_grad()`` where no
+step uses what is held), and ``save`` says it at WARNING when it writes one. A checkpoint
 saved at a boundary, or by an earlier version, loads with an empty window (as after ``zero_grad()``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -25,6 +27,8 @@ from ..stages import state_door as zstate
 from ..stages import window as zwindow
 from ..wording import plural
 from .format import CheckpointError, TensorSource, dtype_name
+
+log = logging.getLogger("zero_kernels")
 
 Piece = tuple[str, int, torch.Tensor]  # (tensor key, first element, source view)
 
@@ -82,6 +86,29 @@ def book(results: list[dict[str, Any]], optimizer: Any, pipeline: Pipeline) -> O
     }
 
 
+_REMEDY = (
+    "Save at a window boundary to resume elsewhere: after opt.step(), or after opt.zero_grad() where no step uses the "
+    "gradients held (a GAN generator's backward through its discriminator leaves gradients in the discriminator's "
+    "optimizer, which its next iteration clears)"
+)
+
+
+def warn_saved(entry: Optional[dict[str, Any]], version: Path) -> None:
+    """Say at WARNING that ``version`` was saved inside a window (``entry``; None: at a boundary, nothing said): its
+    load is refused under another layout, which a user otherwise learns only when resuming elsewhere."""
+    if entry is not None:
+        stage_, world, _ = entry["layout"]
+        log.warning(
+            "checkpoint: %s was saved inside a gradient accumulation window (%s): it resumes only at stage %d on %s, "
+            "with the same bucket size and model. %s",
+            version,
+            describe(entry),
+            stage_,
+            plural(world, "rank"),
+            _REMEDY,
+        )
+
+
 def describe(entry: Optional[dict[str, Any]]) -> Optional[str]:
     """What a saved window (``entry``; None: none) holds, in words, for the readers that drop it."""
     if entry is None:
@@ -104,8 +131,9 @@ def check(entry: Optional[dict[str, Any]], optimizer: Any, pipeline: Pipeline, v
             f"checkpoint: {version} was saved inside a gradient accumulation window (micro-step "
             f"{entry['micro_step']} of the step, gradients of earlier backward passes held) by stage {stage_} on "
             f"{plural(world, 'rank')}; those gradients resume only at the same world size, stage, bucket size and "
-            f"model (here: stage {pipeline.stage} on {plural(pipeline.world_size, 'rank')}, or another layout). Save "
-            "at a window boundary (after opt.step()) to resume elsewhere"
+            f"model (here: stage {pipeline.stage} on {plural(pipeline.world_size, 'rank')}, or another layout). "
+            f"{_REMEDY}; this checkpoint resumes at its own layout (load it there, call opt.zero_grad() where no step "
+            "uses those gradients, and save again)"
         )
     if not entry["micro_step"] < optimizer.gradient_accumulation_steps:
         raise CheckpointError(

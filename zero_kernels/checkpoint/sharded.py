@@ -381,6 +381,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
                 entries = {"objects": _entry(files[OBJECTS]), "extra": _entry(blob)}
                 meta = _metadata(model, optimizer, pipeline, results, entries)
                 _commit(root, version, meta, files)
+                accumulation.warn_saved(book["window"], root / version)
 
         _collect(pipeline, finish, share=False)
         return root / version
