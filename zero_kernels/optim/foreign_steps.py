@@ -9,7 +9,8 @@ per process when the first ``ShardedFusedAdam`` is built) refuses such a step, n
 An optimizer that wraps a ``ShardedFusedAdam`` (Accelerate's ``AcceleratedOptimizer``, through ``.optimizer``) is that
 optimizer; parameters that the sharded optimizers do not train, whose gradients stay in ``p.grad`` (stages 0-1), or
 that do not require grad (backward gives them no gradient to take: the other optimizer's step is AdamW's no-op) are
-left alone.
+left alone. The same hook says once where such an optimizer steps parameters of the model whose gradients no sharded
+optimizer reduces (``optim.unreduced``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import live
+from . import unreduced
 
 _installed = False
 
@@ -82,6 +84,7 @@ def _refuse_foreign_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     sharded = live.optimizers()
     if not sharded or _wraps_sharded(optimizer, sharded):
         return
+    unreduced.warn_once(optimizer)
     params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
     ids = {id(p) for p in params}
     for sharded in live.training(params):
