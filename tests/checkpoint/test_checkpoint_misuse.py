@@ -14,6 +14,10 @@
 - A folder that is not a checkpoint but holds one in a sub-folder (a Hugging Face Trainer ``checkpoint-N`` folder
   written by ``ZeroTrainer``, whose sharded checkpoint is ``checkpoint-N/zero_kernels``) is refused naming that
   sub-folder, by ``load``, ``consolidate`` and ``inspect`` alike.
+- A model holding tensors another stage-3 optimizer shards (a GAN's wrapper, each part with its own optimizer),
+  saved or loaded with one of them: those tensors are empty here; refused naming one and what to save instead (the
+  save failed inside with an error about reading a freed parameter's ``.data``, the load said the checkpoint came
+  from another model); each part saved with its own module resumes.
 """
 
 from __future__ import annotations
@@ -348,3 +352,32 @@ def _memory_error_body(rank: int, world: int, root: str) -> list[str]:
 @pytest.mark.distributed
 def test_a_memory_error_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) -> None:
     run_ranks_checked(_memory_error_body, 2, str(tmp_path))
+
+
+def _gan(stage: int) -> tuple[nn.ModuleDict, zo.ShardedFusedAdam, zo.ShardedFusedAdam]:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"generator": nn.Linear(3, 6), "discriminator": nn.Linear(6, 1)})
+    kw = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}  # shard even these tiny tensors
+    opts = [zo.ShardedFusedAdam(model[part], lr=1e-2, stage=stage, **kw) for part in ("generator", "discriminator")]
+    model["discriminator"](model["generator"](torch.randn(4, 3))).mean().backward()
+    for opt in opts:
+        opt.step()
+    return model, *opts
+
+
+def test_a_model_part_of_which_another_stage3_optimizer_trains_is_refused_naming_it(tmp_path: Path) -> None:
+    model, opt_g, opt_d = _gan(2)
+    ck.save(tmp_path / "stage2", model, opt_g)  # at stages 0-2 the whole wrapper's values are there to save
+    model, opt_g, opt_d = _gan(3)
+    refused = r"{}: model tensor 'discriminator.weight' is trained by another ShardedFusedAdam, at stage 3"
+    with pytest.raises(ck.CheckpointError, match=refused.format("save")):
+        ck.save(tmp_path / "wrapper", model, opt_g)
+    assert not (tmp_path / "wrapper").exists()
+    with pytest.raises(ck.CheckpointError, match=refused.format("load")):
+        ck.load(tmp_path / "stage2", model, opt_g)
+    ck.save(tmp_path / "g", model["generator"], opt_g)
+    with opt_g.gathered_params():
+        saved = model["generator"].weight.detach().clone()
+    fresh = nn.Linear(3, 6)
+    ck.load(tmp_path / "g", fresh, zo.ShardedFusedAdam(fresh, lr=1e-2, stage=1))
+    assert torch.equal(fresh.weight.detach(), saved)

@@ -48,6 +48,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .. import live
 from ..comm.agreement import ranks_text
 from ..comm.objects import all_gather_objects
 from ..stages import Pipeline, adopt, master, state_door
@@ -342,6 +343,7 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     optimizer = _unwrapped(optimizer)
     pipeline = _pipeline(optimizer)
     _refuse_inside_hold(pipeline, "save")
+    _refuse_held_elsewhere(model, optimizer, "save")
     optimizer.check_param_groups(numbering=True)  # names from the groups, pieces from the buffers: must agree
     pipeline.wait_params()
     root = Path(directory)
@@ -639,6 +641,26 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
     accumulation.apply(staged.window, staged.book["window"], optimizer, pipeline)
 
 
+def _refuse_held_elsewhere(model: nn.Module, optimizer: Any, action: str) -> None:
+    """A model tensor that another live stage-3 optimizer shards (a GAN's discriminator in the wrapper holding both
+    parts, each part with its optimizer) is an empty tensor on every rank here between uses (unless kept whole under
+    ``stage3_param_persistence_threshold``): its values are in that optimizer's shards, which this optimizer's
+    checkpoint does not reach. Raise on every rank (every rank finds the same), before anything is read, written or
+    changed, naming it and what to save instead."""
+    owners = live.owners()
+    for name, t in _model_tensors(model)[0].items():
+        other = owners.get(id(t))
+        if other is None or other is optimizer or other.pipeline.stage != 3 or t.numel() == getattr(t, "ds_numel", 0):
+            continue
+        done = "nothing was written" if action == "save" else "nothing was changed"
+        raise CheckpointError(
+            f"checkpoint: {action}: model tensor {name!r} is trained by another ShardedFusedAdam, at stage 3, whose "
+            "shards hold its values (this optimizer's checkpoint cannot reach them): give each optimizer the module "
+            f"holding what it trains, one directory each (zk.checkpoint.{action}(dir_g, model.generator, opt_g) and "
+            f"zk.checkpoint.{action}(dir_d, model.discriminator, opt_d)); {done}"
+        )
+
+
 def _refuse_inside_hold(pipeline: Pipeline, action: str) -> None:
     """At stage 3 the block's edits reach the shards, which checkpoints read and write, only at the end of
     ``gathered_params()``: a save inside it would write the weights from before the edits, and the block's end
@@ -679,6 +701,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     optimizer = _unwrapped(optimizer)
     pipeline = _pipeline(optimizer)
     _refuse_inside_hold(pipeline, "load")
+    _refuse_held_elsewhere(model, optimizer, "load")
     optimizer.check_param_groups(numbering=True)
     pipeline.wait_params()
     adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
