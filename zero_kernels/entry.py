@@ -24,7 +24,7 @@ from .config.hf import model_hidden_size
 from .log import LOGGER_NAME
 from .optim.args import check_process_group
 from .optim.optimizer import ShardedFusedAdam
-from .stages.ownership import refuse_held
+from .stages.ownership import others_held, refuse_held
 
 __all__ = ["initialize"]
 
@@ -124,13 +124,17 @@ def initialize(
             'initialize: lr_scheduler= was given and the config has a "scheduler" section (DeepSpeed would use '
             "lr_scheduler= and ignore the section): give one"
         )
+    model_parameters = _listed(model_parameters)
+    taken = _taken(model, model_parameters, client)
     names = {id(p): name for name, p in model.named_parameters()}
-    refuse_held(model.parameters(), lambda p: f"parameter {names[id(p)]!r}")  # before the cast changes the model
+    refuse_held(taken, lambda p: f"parameter {names.get(id(p), '?')!r}")
+    if config.bf16 or config.fp16.enabled:  # the cast changes every parameter of the model, another optimizer's too
+        refuse_held(model.parameters(), lambda p: _CAST_HELD.format(names[id(p)]))
     restore_dtypes = _cast(model, config)
     restore_client = (lambda: None) if client is None else client_optimizer.keep(client)
     built = None
     try:
-        _broadcast_model(model, process_group)
+        _broadcast_model(model, process_group, others_held(model.parameters(), taken))
         built = _build_optimizer(model, model_parameters, config, process_group, impl, client)
         if client is not None:
             client_optimizer.adopt_state(client, built)
@@ -201,12 +205,47 @@ def _scheduler(
     return gate(scheduler)
 
 
-def _broadcast_model(model: nn.Module, process_group: Any) -> None:
+_CAST_HELD = (
+    "parameter {!r}, which the config's cast of the whole model would change (initialize each part as a module of "
+    "its own: zk.initialize(model.generator, config)),"
+)
+
+
+def _listed(model_parameters: Optional[Iterable[Any]]) -> Optional[Any]:
+    """``model_parameters`` as a list, its groups' ``params`` too (``model.G.parameters()`` is an iterator, read
+    once here to know what the optimizer takes, and again when it is built)."""
+    if model_parameters is None or isinstance(model_parameters, torch.Tensor):
+        return model_parameters  # a lone tensor: ShardedFusedAdam refuses it as torch does
+    listed = []
+    for entry in model_parameters:
+        if isinstance(entry, Mapping) and "params" in entry and not isinstance(entry["params"], torch.Tensor):
+            entry = {**entry, "params": list(entry["params"])}
+        listed.append(entry)
+    return listed
+
+
+def _taken(model: nn.Module, model_parameters: Optional[Any], client: Optional[torch.optim.Optimizer]) -> list[Any]:
+    """The parameters the optimizer being built takes: the client's, those of ``model_parameters``, or the model's."""
+    if client is not None:
+        return [p for g in client.param_groups for p in g["params"]]
+    if model_parameters is None or isinstance(model_parameters, torch.Tensor):
+        return list(model.parameters())
+    taken = []
+    for entry in model_parameters:
+        params = entry["params"] if isinstance(entry, Mapping) and "params" in entry else [entry]
+        taken += [params] if isinstance(params, torch.Tensor) else list(params)
+    return taken
+
+
+def _broadcast_model(model: nn.Module, process_group: Any, skip: set[int]) -> None:
     """Rank 0's parameter values on every rank where the ranks' values differ (after the cast, as
     ``deepspeed.initialize`` broadcasts them), said once at WARNING; ``ShardedFusedAdam`` itself refuses them.
     Nothing is compared on a device the group carries no tensors of (a model left on the CPU under
-    ``init_process_group("nccl")``): ``ShardedFusedAdam`` refuses that, naming the fix."""
-    named = list(model.named_parameters())
+    ``init_process_group("nccl")``): ``ShardedFusedAdam`` refuses that, naming the fix. Parameters in ``skip``
+    (``id``) are another optimizer's (a GAN's generator under one wrapper with the discriminator, each part
+    initialized with its own ``model_parameters``): that optimizer's initialize broadcast them, and at stage 3 they
+    are empty between uses."""
+    named = [(name, p) for name, p in model.named_parameters() if id(p) not in skip]
     served = devices.group_device_types(process_group)
     if named and served is not None and named[0][1].device.type not in served:
         return

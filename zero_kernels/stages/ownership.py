@@ -63,6 +63,13 @@ def refuse_held(params: Iterable[torch.Tensor], describe: Callable[[torch.Tensor
             )
 
 
+def others_held(params: Iterable[torch.Tensor], taken: Iterable[torch.Tensor]) -> set[int]:
+    """``id`` of each of ``params`` not among ``taken`` that a live optimizer holds (another optimizer's, for an
+    optimizer being built on ``taken`` of a model whose parameters are ``params``)."""
+    mine = {id(p) for p in taken}
+    return {id(p) for p in params if id(p) not in mine and _holder(p) is not None}
+
+
 def _later_holder(p: torch.Tensor, pipeline: Any) -> Optional[Any]:
     """The live pipeline other than ``pipeline`` that holds ``p`` (the one built last), if any."""
     held = _holder(p)

@@ -177,3 +177,38 @@ def _ranks(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_several_models_and_optimizers_train_as_with_adamw_on_two_ranks() -> None:
     run_ranks(_ranks, 2, timeout_s=300.0)
+
+
+def _config(stage: int, lr: float, **extra: object) -> dict:
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    params = {"lr": lr, "weight_decay": 0.01}  # torch.optim.AdamW's default
+    return {"optimizer": {"type": "AdamW", "params": params}, "zero_optimization": zero, **extra}
+
+
+def _initialized_parts(rank: int, world: int) -> None:
+    for s_g, s_d in ((3, 3), (3, 1), (2, 3)):
+        (G, D), (Gr, Dr) = _gan(), _gan()
+        model = nn.ModuleDict({"G": G, "D": D})
+        _, o_g = zk.initialize(model, _config(s_g, 1e-2), model_parameters=G.parameters())
+        _, o_d = zk.initialize(model, _config(s_d, 2e-2), model_parameters=[{"params": D.parameters()}])
+        _gan_loop(G, D, o_g, o_d, rank * ROWS, (rank + 1) * ROWS)
+        r_g, r_d = torch.optim.AdamW(Gr.parameters(), lr=1e-2), torch.optim.AdamW(Dr.parameters(), lr=2e-2)
+        _gan_loop(Gr, Dr, r_g, r_d, 0, world * ROWS)
+        with _gathered(o_g), _gathered(o_d):
+            compare(G, Gr, f"rank {rank} initialize G{s_g} D{s_d}: G")
+            compare(D, Dr, f"rank {rank} initialize G{s_g} D{s_d}: D")
+        with pytest.raises(ValueError, match=r"parameter '[GD].0.weight' is held \(sharded\) by another stage-3"):
+            zk.initialize(model, _config(2, 1e-2))  # the whole model again
+        if s_g == 3 and s_d != 3:  # the cast would change the generator, which the stage-3 optimizer shards
+            with pytest.raises(ValueError, match=r"'G.0.weight', which the config's cast of the whole model would"):
+                zk.initialize(model, _config(2, 1e-2, bf16={"enabled": True}), model_parameters=D.parameters())
+
+
+@pytest.mark.distributed
+def test_parts_of_one_model_each_initialized_with_their_model_parameters_train_as_with_adamw() -> None:
+    """``zk.initialize(model, config, model_parameters=model.G.parameters())`` and the same for ``model.D``, as each
+    part's own ``ShardedFusedAdam(..., module=model)``: the second was refused at stage 3 as a second optimizer on the
+    generator's parameters (initialize checked every parameter of the model, not those it takes), and the stage-3
+    generator's emptied parameters were then broadcast as the model's. Initializing the whole model again, and a cast
+    of the whole model that would change the other optimizer's sharded parameters, are still refused."""
+    run_ranks(_initialized_parts, 2, timeout_s=120.0)
