@@ -111,8 +111,8 @@ def check_step(pipeline: Any, name_of: Callable[[torch.Tensor], str]) -> None:
         p, later = lost[0]
         raise ValueError(
             f"{name_of(p)} is also held by a ShardedFusedAdam built after this one (stage {later.stage}), which "
-            f"takes its gradient, so this one would step it without one: two optimizers share a parameter as two "
-            f"AdamW do only at stages 0-1 without a wider grad_accum_dtype (both read p.grad); this one is stage "
-            f"{pipeline.stage}. Train it with one optimizer (param groups can give it other settings), or delete "
-            "this one if the later one replaces it; nothing was updated"
+            "gets its gradient (the optimizer built last does), so this one would step it without one: two "
+            "optimizers share a parameter as two AdamW do only at stages 0-1 without a wider grad_accum_dtype (both "
+            f"read p.grad); this one is stage {pipeline.stage}. Train it with one optimizer (param groups can give it "
+            "other settings), or delete this one if the later one replaces it; nothing was updated"
         )
