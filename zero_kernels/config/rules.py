@@ -292,7 +292,9 @@ class Section:
     ``null`` means all defaults; ``shorthand``: the key a bare string stands for (``"none"`` is
     read as ``{shorthand: "none"}``); ``unsupported``: keys refused with what they would change, unless off;
     ``unused``: keys accepted without effect whose values are checked (``Unused``); ``replaced``: deprecated
-    boolean keys that stand, when true, for another key's block, refused given true together with that key.
+    boolean keys that stand, when true, for another key's block, refused given true together with that key;
+    ``inert``: keys kept as parsed values that act on nothing here, logged with the ignored ones when given, at INFO
+    where ``inert[key](value, values)`` says zero_kernels does what the value asks anyway, else at WARNING.
     """
 
     fields: Mapping[str, Field]
@@ -301,6 +303,7 @@ class Section:
     unused: Mapping[str, Unused] = field(default_factory=dict)
     aliases: Mapping[str, str] = field(default_factory=dict)
     replaced: Mapping[str, str] = field(default_factory=dict)
+    inert: Mapping[str, Callable[[Any, Mapping[str, Any]], bool]] = field(default_factory=dict)
     finish: Callable[[Dict[str, Any]], Any] = dict
     optional: bool = False
     nullable: bool = False
@@ -473,4 +476,7 @@ def parse_section(d: Mapping, path: str, section: Section, ctx: ParseContext) ->
         else:
             out[key] = spec.rule(value, where, ctx)
         ctx.values[sub] = out[key]
+    for key, done_anyway in section.inert.items():
+        if key in raw:
+            ctx.ignore(join(path, key), logging.INFO if done_anyway(out[key], out) else logging.WARNING)
     return out

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -275,11 +275,22 @@ ZERO_UNUSED: Dict[str, Unused] = {
     "load_from_fp32_weights": Unused(boolean(), quiet=lambda value: value is not False),
 }
 
+# Keys read into ``ZeroOptions`` that no stage acts on, and whether a value asks for what the stages do anyway:
+# stages 0, 2 and 3 reduce during backward, stage 1 at the step; gradients always go through contiguous buckets
+# that stages 1-3 reduce-scatter; stage 3 frees every unit after each use (a reuse distance of 0).
+ZERO_INERT: Dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
+    "overlap_comm": lambda value, zero: value is None or value == (zero["stage"] != 1),
+    "contiguous_gradients": lambda value, zero: value is True,
+    "reduce_scatter": lambda value, zero: value is True or zero["stage"] == 0,
+    "stage3_max_reuse_distance": lambda value, zero: True,
+}
+
 ZERO = Section(
     fields=ZERO_FIELDS,
     ignored=ZERO_IGNORED,
     aliases=ZERO_ALIASES,
     unused=ZERO_UNUSED,
+    inert=ZERO_INERT,
     replaced={"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"},
 )
 
