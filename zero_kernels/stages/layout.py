@@ -101,6 +101,11 @@ class BufferLayout:
         return self.numel // self.num_shards
 
     @cached_property
+    def largest_bucket(self) -> int:
+        """Elements of the largest bucket (0 when there is none)."""
+        return max((b.numel for b in self.buckets), default=0)
+
+    @cached_property
     def widest_slot(self) -> int:
         """The most buckets one slot spans (1 when there is no slot)."""
         return max((len(k) for k in self.slot_buckets), default=1)

@@ -16,9 +16,10 @@ DeepSpeed's BF16_Optimizer leaves it): every backward's gradients are added into
 reduces the sum from there (``stages.grad_accum``) into a ``grad_shard`` of that dtype.
 
 Memory. ``grad_shard`` (this rank's part of the gradients) and the idle scratch buckets (no more
-bytes than ``grad_shard``) are kept from one step to the next and shown by ``memory_report()`` as
-``buffers``: they hold nothing between steps. At the step up to ``STEP_INFLIGHT`` reductions are in
-flight. Allocating both afresh at every step, or two reductions in flight, made a 6.3M-parameter
+bytes than ``grad_shard``, each of the largest bucket's size; where one of that size is larger than ``grad_shard``
+none is kept and each is made at its own bucket's size) are kept from one step to the next and shown by
+``memory_report()`` as ``buffers``: they hold nothing between steps. At the step up to ``STEP_INFLIGHT``
+reductions are in flight. Allocating both afresh at every step, or two reductions in flight, made a 6.3M-parameter
 step on 2 gloo ranks about 1.5x slower than reducing in place (medians of 20 steps, loaded machine);
 kept and four in flight, about 1.1x (the copy of the gradients).
 """
@@ -65,7 +66,7 @@ class Stage1Pipeline(Pipeline):
     def _reduce_bucket(self, buf: FlatBuffer, bucket: Bucket) -> None:
         """Reduce-scatter a scratch copy of ``bucket``'s local gradients into ``grad_shard``: straight into
         it where the dtypes agree, else in place and then copied (a narrower communication dtype)."""
-        scratch = self._scratch(buf)
+        scratch = self._scratch(buf, bucket)
         part = scratch.narrow(0, 0, bucket.numel)
         part.copy_(buf.bucket_slice(buf.grad_flat, bucket)).div_(self.world_size)  # averaged before the sum
         target = self.grad_shard(buf, bucket)
@@ -80,23 +81,38 @@ class Stage1Pipeline(Pipeline):
 
         self._track(self.engine.reduce_scatter(out, part, name=f"grads.{bucket.index}"), finish, held=(scratch,))
 
-    def _scratch(self, buf: FlatBuffer) -> torch.Tensor:
+    def _scratch(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """An idle scratch bucket of ``buf``'s communication dtype, on its device, that fits every bucket
-        reduced in that dtype, or a new one."""
+        reduced in that dtype, or a new one for ``bucket`` (``_new_bucket``)."""
         dtype = self.comm_dtype_of(buf)
-        size = max(
-            b.numel for other in self.buffers if self.comm_dtype_of(other) == dtype for b in other.layout.buckets
-        )
+        size = self._scratch_numel(dtype)
         for i, t in enumerate(self._idle):
             if t.dtype == dtype and t.device == buf.device and t.numel() >= size:
                 return self._idle.pop(i)
-        return torch.empty(size, dtype=dtype, device=buf.device)
+        return self._new_bucket(dtype, buf.device, bucket.numel)
+
+    def _new_bucket(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """A new scratch bucket for a bucket of ``numel`` elements: of the size that fits every bucket of ``dtype``,
+        which the idle ones may keep, or of ``numel`` alone where they could not keep one of that size (more bytes
+        than the gradient shard: the step of a model of fewer than two buckets per rank held two of the largest size
+        where its other bucket is small)."""
+        size = self._scratch_numel(dtype)
+        kept = size * dtype.itemsize <= self._shard_bytes()
+        return torch.empty(size if kept else numel, dtype=dtype, device=device)
+
+    def _scratch_numel(self, dtype: torch.dtype) -> int:
+        """Elements of a scratch bucket that fits every bucket reduced in ``dtype``."""
+        return max(other.layout.largest_bucket for other in self.buffers if self.comm_dtype_of(other) == dtype)
+
+    def _shard_bytes(self) -> int:
+        """Bytes of the gradient shards: the most the idle scratch buckets hold."""
+        return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers if b.grad_shard is not None)
 
     def _give_back(self, scratch: torch.Tensor) -> None:
-        """Keep a finished scratch bucket, while the idle ones hold no more bytes than the gradient shard."""
-        shards = [b.grad_shard for b in self.buffers if b.grad_shard is not None]
+        """Keep a finished scratch bucket that fits every bucket, while the idle ones hold no more bytes than the
+        gradient shard."""
         idle = sum(t.numel() * t.element_size() for t in [*self._idle, scratch])
-        if idle <= sum(t.numel() * t.element_size() for t in shards):
+        if scratch.numel() >= self._scratch_numel(scratch.dtype) and idle <= self._shard_bytes():
             self._idle.append(scratch)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:

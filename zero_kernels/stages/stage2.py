@@ -82,17 +82,24 @@ class Stage2Pipeline(Pipeline):
             pool = self._pool.setdefault((dtype, buf.device), [])
             while pool and pool[-1].numel() < bucket.numel:  # smaller than a group added since
                 pool.pop()
-            whole = pool.pop() if pool else self._new_bucket(dtype, buf.device)
+            whole = pool.pop() if pool else self._new_bucket(dtype, buf.device, bucket.numel)
             buf.scratch[bucket.index] = whole.narrow(0, 0, bucket.numel)
             buf.filled[bucket.index] = set()
         return buf.scratch[bucket.index]
 
-    def _new_bucket(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A scratch bucket of the largest bucket's size, for when the pool has none: left unfilled, as a pooled one
-        holds a past round's values (what no gradient is copied into is zeroed before the reduction,
-        ``_zero_unfilled``)."""
-        size = max(b.numel for buf in self.buffers for b in buf.layout.buckets)
-        return torch.empty(size, dtype=dtype, device=device)
+    def _new_bucket(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """A scratch bucket for a bucket of ``numel`` elements, for when the pool has none: of the largest bucket's
+        size, so that the pool may keep it for any bucket, or of ``numel`` alone where the pool keeps none of that
+        size (more bytes than this rank's gradient shard: a backward of a model of fewer than two buckets per rank
+        held two of the largest size where its other bucket is small). Left unfilled, as a pooled one holds a past
+        round's values (what no gradient is copied into is zeroed before the reduction, ``_zero_unfilled``)."""
+        largest = self._largest()
+        kept = largest * dtype.itemsize <= self._shard_bytes()
+        return torch.empty(largest if kept else numel, dtype=dtype, device=device)
+
+    def _largest(self) -> int:
+        """Elements of the largest bucket: the size of the scratch buckets the pool keeps."""
+        return max((buf.layout.largest_bucket for buf in self.buffers), default=0)
 
     def _pieces(self, buf: FlatBuffer, slot: int, p: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, int, Tensor]]:
         """(bucket index, its scratch, offset there, the piece of ``p.grad``) for each bucket ``p`` lies in."""
@@ -175,12 +182,16 @@ class Stage2Pipeline(Pipeline):
         return self.max_inflight + 1 + max(FILLING, widest)
 
     def _give_back(self, buf: FlatBuffer, whole: torch.Tensor) -> None:
-        """Keep a finished scratch bucket for reuse, within the pool's limits."""
+        """Keep a finished scratch bucket of the largest size for reuse, within the pool's limits."""
         pool = self._pool.setdefault((whole.dtype, buf.device), [])
         pooled = sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
-        shard = sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers)
-        if len(pool) < self.pool_limit(buf.device) and pooled + whole.numel() * whole.element_size() <= shard:
+        fits = pooled + whole.numel() * whole.element_size() <= self._shard_bytes()
+        if whole.numel() == self._largest() and len(pool) < self.pool_limit(buf.device) and fits:
             pool.append(whole)
+
+    def _shard_bytes(self) -> int:
+        """Bytes of this rank's gradient shards: the most the pool keeps."""
+        return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """As the base, with ``buffers`` the pooled scratch buckets."""
