@@ -45,8 +45,8 @@ any other model is prepared as usual):
   and clip nothing.)
 - ``get_state_dict(model)``, and so ``save_model(model, directory)``, returns a copy of every tensor
   of the state dict, taken inside the optimizer's ``gathered_params()`` (at stage 3 the full
-  weights, gathered: a collective, call it on every rank, as with DeepSpeed's ZeRO-3); tied weights
-  stay one tensor. Accelerate's own returns the parameters, views into the optimizer's flat buffer
+  weights, in host memory, gathered a unit at a time as DeepSpeed's ZeRO-3 does: a collective, call it on every
+  rank); tied weights stay one tensor. Accelerate's own returns the parameters, views into the optimizer's flat buffer
   at stages 0-2, and its ``save_model`` then keeps one tensor per storage: one of the model's weights.
 
 An optimizer built before the ``ZeroAccelerator`` (which starts the process group) has no group: a
@@ -71,6 +71,8 @@ from torch import nn
 from .. import live
 from ..optim import ShardedFusedAdam
 from ..optim.torch_clip import clip_sharded
+from ..stages.stage3.consolidated import model_state_dict
+from .save import sharded_params
 
 __all__ = ["ZeroAccelerator"]
 
@@ -200,6 +202,8 @@ class ZeroAccelerator(Accelerator):
             return super().get_state_dict(model, unwrap=unwrap)
         if unwrap:
             model = self.unwrap_model(model)
+        if len(optimizers) == 1 and sharded_params(optimizers[0]):  # a unit at a time, into host memory
+            return model_state_dict(optimizers[0].pipeline, model, keep=True)
         with contextlib.ExitStack() as stack:
             for opt in optimizers:
                 stack.enter_context(opt.gathered_params())

@@ -68,8 +68,9 @@ from ..config.at_updates import counting, gate
 from ..optim.optimizer import ShardedFusedAdam
 from ..stages import adopt
 from ..stages.stage3 import generates_synced, register_external_parameter
+from ..stages.stage3.consolidated import model_state_dict
 from . import hf_config
-from .save import agree
+from .save import agree, sharded_params
 
 __all__ = ["ZeroTrainer", "CHECKPOINT_DIR"]
 
@@ -441,8 +442,12 @@ class ZeroTrainer(Trainer):
         if self._gathers_on_save():
             ok = False
             try:
-                with self.zero_optimizer.gathered_params():
-                    self._save(output_dir)
+                if sharded_params(self.zero_optimizer):  # a unit at a time, into the writer's host memory
+                    state = model_state_dict(self.zero_optimizer.pipeline, self.model, keep=self.args.should_save)
+                    self._save(output_dir, state_dict=state)
+                else:
+                    with self.zero_optimizer.gathered_params():
+                        self._save(output_dir)
                 ok = True
             finally:
                 agree(self.zero_optimizer, ok, "save_model")

@@ -3,8 +3,9 @@ Accelerate (``integrations.accelerate``).
 
 ``save_pretrained(model, optimizer, directory)`` is what to call, on every rank, where a plain loop
 would call ``model.save_pretrained(directory)`` or ``torch.save(model.state_dict(), path)``: at stage
-3 it gathers the parameters (each rank holds only its shard between uses), rank 0 writes, and every
-rank returns once the files are there. The ranks agree on the outcome, so a failed write on rank 0
+3 it gathers the parameters one unit at a time into a state dict in rank 0's host memory (each rank holds only
+its shard between uses, and a model that fits only at stage 3 does not fit whole: ``stage3.consolidated``), rank 0
+writes, and every rank returns once the files are there. The ranks agree on the outcome, so a failed write on rank 0
 raises on every rank instead of leaving the others waiting.
 
 ``integrations.hf`` needs ``transformers``, ``integrations.accelerate`` needs ``accelerate`` (both in
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 
+from ..stages.stage3.consolidated import model_state_dict
+from ..stages.stage3.pipeline import Stage3Pipeline
 from ..wording import plural
 
 STATE_DICT_FILE = "model_state_dict.pt"
@@ -59,9 +62,14 @@ def save_pretrained(model: nn.Module, optimizer: Any, save_directory: str | os.P
     rank = optimizer.pipeline.engine.rank
     ok = True
     try:
-        with optimizer.gathered_params():
+        if sharded_params(optimizer) and "state_dict" not in kwargs:
+            state = model_state_dict(optimizer.pipeline, model, keep=rank == 0)
             if rank == 0:
-                _write(model, save_directory, kwargs)
+                _write(model, save_directory, kwargs, state)
+        else:
+            with optimizer.gathered_params():
+                if rank == 0:
+                    _write(model, save_directory, kwargs)
     except Exception:
         ok = False
         agree(optimizer, ok, "save_pretrained")
@@ -69,13 +77,25 @@ def save_pretrained(model: nn.Module, optimizer: Any, save_directory: str | os.P
     agree(optimizer, ok, "save_pretrained")
 
 
-def _write(model: nn.Module, save_directory: str | os.PathLike, kwargs: dict[str, Any]) -> None:
+def sharded_params(optimizer: Any) -> bool:
+    """Whether ``optimizer`` shards the parameters (stage 3): full weights are then gathered a unit at a time
+    (``stages.stage3.consolidated``), not all at once."""
+    return isinstance(optimizer.pipeline, Stage3Pipeline)
+
+
+def _write(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    kwargs: dict[str, Any],
+    state: Optional[dict[str, Any]] = None,
+) -> None:
+    """Rank 0's write: ``state`` (None: the model's own state dict, whole at the time)."""
     os.makedirs(save_directory, exist_ok=True)
     if hasattr(model, "save_pretrained"):
         with _writes_here(model):
-            model.save_pretrained(save_directory, **kwargs)
+            model.save_pretrained(save_directory, **kwargs, **({} if state is None else {"state_dict": state}))
     else:
-        torch.save(model.state_dict(), os.path.join(save_directory, STATE_DICT_FILE))
+        torch.save(model.state_dict() if state is None else state, os.path.join(save_directory, STATE_DICT_FILE))
 
 
 @contextlib.contextmanager

@@ -66,7 +66,7 @@ import sys
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -866,6 +866,21 @@ class Stage3Scheduler:
         """End ``hold()``: free every unit no running module uses (views taken in the block keep their values)."""
         self._held = False
         self._free_all(hand_over=True)
+
+    def each_gathered(self, phase: str) -> Iterator[Unit]:
+        """Every unit whole in turn, gathered one at a time and freed after its turn (those already whole, persistent
+        or held, as they are): a read of the whole model that never holds it whole. ``phase`` names the reader in
+        the ranks' check of their gathers."""
+        for i, unit in enumerate(self.units):
+            gathered_here = self._state[i] == _FREE
+            if gathered_here:
+                self._start([i], phase)
+            self._finish(i)
+            try:
+                yield unit
+            finally:
+                if gathered_here:
+                    self._free(i, hand_over=True)
 
     @property
     def gathered(self) -> list[bool]:

@@ -786,6 +786,23 @@ class Stage3Pipeline(Stage2Pipeline):
         with modifier.ending(functools.partial(self._end_hold, modifier_rank, others, before)):
             yield
 
+    def each_unit_whole(self) -> Iterator[Sequence[nn.Parameter]]:
+        """Each unit's parameters whole in turn, exact, gathered one unit at a time (``stage3.consolidated``): the
+        whole model read without ever being whole on the device. A collective: every rank iterates to the end,
+        between steps and outside a forward; inside ``gathered_params()`` every unit is whole already."""
+        if self._scheduler is None or self._hold_depth:
+            for unit in self._units:
+                yield unit.params
+            return
+        self._hold_depth += 1  # gathers are exact (``holding``)
+        try:
+            self._gather_held_exact()
+            for unit in self._scheduler.each_gathered("a consolidated state dict"):
+                yield unit.params
+        finally:
+            self._hold_depth -= 1
+            self.requantize_whole()
+
     def _others(self) -> modifier.Others:
         """What a modifier block sends besides the buffers: the gathered frozen units' and the model's other
         parameters."""
