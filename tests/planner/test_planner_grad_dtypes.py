@@ -64,8 +64,9 @@ def test_stage1_keeps_its_reduced_shard_and_scratch_buckets() -> None:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_accumulation_keeps_the_local_gradients_where_micro_steps_do_not_reduce(stage: int) -> None:
     one, four = estimate_memory(PSI, N, stage), estimate_memory(PSI, N, stage, gradient_accumulation_steps=4)
-    assert four.grads - one.grads == (2 * PSI if stage >= 2 else 0)  # p.grad, bf16, until the last micro-step
-    kw = {"grad_accum_dtype": "fp32"}  # stages 2-3 reduce every micro-step into the fp32 shard instead
+    # p.grad, bf16, until the last micro-step at stage 2; stage 3 reduces every micro-step into its shard
+    assert four.grads - one.grads == (2 * PSI if stage == 2 else 0)
+    kw = {"grad_accum_dtype": "fp32"}  # stage 2 reduces every micro-step into the fp32 shard instead
     assert estimate_memory(PSI, N, stage, gradient_accumulation_steps=4, **kw) == estimate_memory(PSI, N, stage, **kw)
 
 

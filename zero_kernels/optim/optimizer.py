@@ -380,10 +380,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
 
     @property
     def reduces_micro_steps(self) -> bool:
-        """Whether every backward pass between steps reduces its gradients at once, to add them up in the wider
-        ``grad_accum_dtype`` in the gradient shard (stages 2-3, as DeepSpeed's ZeRO-2/3 reduce every micro-step):
-        a loop that runs its micro-batches under ``no_sync()`` would add them up in ``p.grad`` instead, in the
-        gradients' dtype, so the Trainer and Accelerate integrations leave ``no_sync()`` out then."""
+        """Whether every backward pass between steps reduces its gradients at once, to add them up in the gradient
+        shard (stage 3, as DeepSpeed's ZeRO-3; stage 2 with a wider ``grad_accum_dtype``, added up in that dtype, as
+        DeepSpeed's ZeRO-2 reduces every micro-step): a loop that runs its micro-batches under ``no_sync()`` would add
+        them up in ``p.grad`` instead, the whole local gradient in the gradients' dtype, so the Trainer and Accelerate
+        integrations leave ``no_sync()`` out then."""
         return self._pipeline.reduces_micro_steps
 
     @property

@@ -519,11 +519,11 @@ def recommend(
             dtype gradients are reduced in; a wider one widens the gradient shard of stages 2 and 3 and the
             offloaded gradients (:func:`~zero_kernels.planner.models.reduced_grad_dtype`). The config gets it.
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (same values): a wider one widens the
-            gradient shard of stages 2 and 3 and makes them reduce at every micro-step (stages 0 and 1 add the
-            micro-steps up in it locally). The config gets it.
+            gradient shard of stages 2 and 3 and makes stage 2 reduce at every micro-step, as stage 3 does (stages 0
+            and 1 add the micro-steps up in it locally). The config gets it.
         gradient_accumulation_steps: DeepSpeed's key, micro-steps per optimizer step (None: 1):
             ``tokens_per_step`` and ``compute_s`` stay per optimizer step; stage 3 gathers at every micro-step,
-            and stages 2-3 reduce at every one with a wider ``grad_accum_dtype``. The config gets it.
+            and reduces at every one, as stage 2 does with a wider ``grad_accum_dtype``. The config gets it.
         train_micro_batch_size_per_gpu: DeepSpeed's key, samples per micro-step per GPU; the config gets it (the
             plan does not use it: ``activation_bytes`` and ``tokens_per_step`` are the workload's size).
 

@@ -174,7 +174,7 @@ class MemoryEstimate:
         buffers: stage 1 only (``memory_report()["buffers"]``): the reduced gradient shard the step reduce-scatters
             into and the scratch buckets it keeps for the next step (:func:`stage1_buffers`). Beyond the ZeRO
             paper's model states.
-        local_grads: of ``grads``, stages 2-3 with accumulation that does not reduce every micro-step: the whole
+        local_grads: of ``grads``, stage 2 with accumulation that does not reduce every micro-step: the whole
             local gradient in ``p.grad`` between micro-steps (whole on every rank, however many there are).
     """
 
@@ -252,8 +252,8 @@ def estimate_memory(
         communication_data_type: DeepSpeed's key: the dtype gradients are reduced in (None: their own).
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
         bucket_elements: elements per bucket (``reduce_bucket_size``): stage 1's scratch buckets.
-        gradient_accumulation_steps: micro-steps per optimizer step. Above 1, stages 2 and 3 that do not reduce at
-            every micro-step (:func:`reduces_micro_steps`) hold the whole local gradient in ``p.grad`` (the
+        gradient_accumulation_steps: micro-steps per optimizer step. Above 1, stage 2 where it does not reduce at
+            every micro-step (:func:`reduces_micro_steps`) holds the whole local gradient in ``p.grad`` (the
             gradients' dtype) between micro-steps, besides the reduced shard: counted in ``grads``.
 
     Returns:
@@ -368,16 +368,16 @@ def _zeropp_bytes(num_params: int, shard: int, hpz: int, quantized: bool, p_byte
 
 
 def reduces_micro_steps(stage: int, grad_dtype: str, grad_accum_dtype: str | None) -> bool:
-    """Whether every accumulation micro-step reduces its gradients (``Pipeline.reduces_micro_steps``): at stages 2
-    and 3 with a ``grad_accum_dtype`` wider than the gradients; stages 0 and 1 add micro-steps up locally and reduce
-    once per optimizer step, as stages 2 and 3 do without the key.
+    """Whether every accumulation micro-step reduces its gradients (``Pipeline.reduces_micro_steps``): always at stage 3
+    (into the shard, as DeepSpeed's ZeRO-3), at stage 2 with a ``grad_accum_dtype`` wider than the gradients; stages 0
+    and 1 add micro-steps up locally and reduce once per optimizer step, as stage 2 does without the key.
 
     Args:
         stage: ZeRO stage, 0 to 3.
         grad_dtype: the gradients' dtype.
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
     """
-    return stage >= 2 and reduced_grad_dtype(grad_dtype, None, grad_accum_dtype) != grad_dtype
+    return stage == 3 or (stage == 2 and reduced_grad_dtype(grad_dtype, None, grad_accum_dtype) != grad_dtype)
 
 
 PHASES = ("forward", "backward", "after")  # the compute phases communication hides behind (``COLLECTIVES``)
@@ -460,7 +460,7 @@ def estimate_comm(
     bf16 training stage 0 sends twice the bytes, stages 1-2 1.5 times, stage 3 4/3 times.
 
     With ``gradient_accumulation_steps`` K, stage 3 gathers the parameters at every micro-step (2K gathers per
-    optimizer step); the gradients are reduced once per optimizer step, except at stages 2-3 with a wider
+    optimizer step); the gradients are reduced once per optimizer step, except at stage 3 and at stage 2 with a wider
     ``grad_accum_dtype`` (:func:`reduces_micro_steps`), where every micro-step reduces them (K reductions).
 
     Time is a bandwidth term plus a latency term: ``bytes_sent / link`` plus, for every collective

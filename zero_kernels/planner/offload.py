@@ -35,7 +35,8 @@ Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shar
 as the pipeline does): not on the device nor as a host copy; each reduction sends it down and writes it, beside
 backward, and the update reads it (a later micro-step's reduction reads it back to add): ``g`` bytes per element
 on the disk, written and read once per step, or once per micro-step where every micro-step reduces
-(``every_micro_step``: a ``grad_accum_dtype`` wider than the gradients, ``models.reduces_micro_steps``).
+(``every_micro_step``: stage 3 always, stage 2 with a ``grad_accum_dtype`` wider than the gradients,
+``models.reduces_micro_steps``).
 
 Devices, hosts and disks: ``ranks_per_node`` ranks share a node's host memory, its disk (capacity and
 bandwidth) and its CPU cores (the CPU Adam's rate is the node's, divided among them); each rank has its

@@ -214,9 +214,10 @@ class Pipeline(BackwardRound):
     @property
     def reduces_micro_steps(self) -> bool:
         """Whether accumulation micro-steps (``gradient_accumulation_steps``) reduce their gradients at once, to
-        be added up in the wider ``accum_dtype`` in the gradient shard, rather than in ``p.grad`` (autograd, the
-        gradients' dtype) until the last: at stages 2-3 with an ``accum_dtype`` wider than some buffer's gradients,
-        as DeepSpeed's ZeRO-2/3 reduce every micro-step. ``no_sync()`` still accumulates locally."""
+        be added up in the gradient shard, rather than in ``p.grad`` (autograd, the gradients' dtype) until the last:
+        at stage 2 with an ``accum_dtype`` wider than some buffer's gradients (added up in that dtype), as DeepSpeed's
+        ZeRO-2 reduces every micro-step; always at stage 3 (``Stage3Pipeline``). ``no_sync()`` still accumulates
+        locally."""
         if not self.accumulates_reduced or self.accum_dtype is None:
             return False
         return any(torch.promote_types(buf.dtype, self.accum_dtype) != buf.dtype for buf in self.buffers)
