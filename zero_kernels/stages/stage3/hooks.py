@@ -177,6 +177,15 @@ TRACED_USE = (
     "do); it is gathered with that module from now on (the results are unchanged; it stays gathered for that "
     "module's whole forward)."
 )
+# a parameter kept whole shares its unit with the model's other small parameters, which is reduced when the backward of
+# the calls of the modules using it ends: one read outside those forwards, upstream of them, gets its gradient after
+KEPT_WHOLE_LATE = (
+    "; or '{name}', kept whole on every rank (under stage3_param_persistence_threshold), is used outside the forward "
+    "of the module that holds it (a method of the model other than forward, such as model.encode(x) or "
+    "forward_features(x), reading it directly): stage 3 reduces it when the backward of the module calls that use "
+    "its unit ends, and this gradient came after. Call such a method from that module's forward (a forward that "
+    "dispatches to it); with stage3_param_persistence_threshold=0 such a use is refused where it happens"
+)
 
 
 COMPILED_AUTOGRAD = (
@@ -805,7 +814,9 @@ class Stage3Scheduler:
                     "gradient after the leaf's backward had ended and its gradients were reduced; a parameter "
                     "of a leaf module must be used only inside the leaf's forward"
                 )
-            raise RuntimeError(second_gradient(3, f"parameter '{self._names.get(id(param), '?')}'"))
+            name = self._names.get(id(param), "?")
+            late = KEPT_WHOLE_LATE.format(name=name) if self.units[i].persistent else ""
+            raise RuntimeError(second_gradient(3, f"parameter '{name}'") + late)
 
     def _uses_ended(self, ready: list[int]) -> None:
         """Every use of the units ``ready`` has ended its backward (``stage3.uses``): reduce them; frozen units
