@@ -378,6 +378,17 @@ class ShardedFusedAdam(torch.optim.Optimizer):
             self._no_sync_depth -= 1
             self._update_sync()
 
+    def join_hook(self, **kwargs: Any) -> None:
+        """What ``torch.distributed.algorithms.Join([opt])`` asks of a ``Joinable`` (``ZeroRedundancyOptimizer`` is
+        one, for uneven inputs): refused, as a rank out of batches cannot stand in for the reductions of the others'
+        backward passes and steps."""
+        raise RuntimeError(
+            "ShardedFusedAdam does not support torch.distributed.algorithms.Join (uneven inputs across ranks): the "
+            "gradient reductions of backward and the step's exchanges are collectives that every rank must run "
+            "alike. Give every rank the same number of batches (DistributedSampler(..., drop_last=True)), or stop "
+            "every rank once one runs out (all-reduce a 'has a batch' flag before each step); nothing was changed"
+        )
+
     @property
     def reduces_micro_steps(self) -> bool:
         """Whether every backward pass between steps reduces its gradients at once, to add them up in the gradient
