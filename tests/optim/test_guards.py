@@ -101,3 +101,21 @@ def test_the_step_walks_the_model_only_after_a_ddp_wrapper_was_registered(monkey
         opt.step()
         checks.append(_CountedChecks.checks)
     assert checks[0] > 0 and checks[-1] == checks[0], checks
+
+
+class _StandInDDP(nn.Module):
+    """Stands for the DistributedDataParallel wrapper that PyTorch-Ignite's ``idist.auto_model`` returns on several
+    ranks."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def test_the_ddp_refusal_names_ignites_auto_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ignite's usual loop wraps the model with ``idist.auto_model``; the refusal named the Trainer's, Accelerate's and
+    Lightning's ways out but not Ignite's, whose users were told only not to wrap what they never wrapped by hand."""
+    monkeypatch.setattr(guards, "DistributedDataParallel", _StandInDDP)
+    fix = r"Ignite.*leave out idist\.auto_model\(model\).*model\.to\(idist\.device\(\)\)"
+    with pytest.raises(ValueError, match=fix):
+        ShardedFusedAdam(_StandInDDP(nn.Linear(2, 2)), stage=0)

@@ -41,7 +41,8 @@ _FIX = (
     "zero_kernels.integrations.hf.ZeroTrainer; with Accelerate use zero_kernels.integrations.accelerate."
     "ZeroAccelerator in place of Accelerator, and build the optimizer before accelerator.prepare(model, ...); with "
     "PyTorch Lightning give the Trainer a DDPStrategy subclass whose configure_ddp() does nothing, and Fabric one "
-    "whose setup_module(module) returns the module"
+    "whose setup_module(module) returns the module; with PyTorch-Ignite leave out idist.auto_model(model), which "
+    "wraps it in DDP on several ranks, and move it with model.to(idist.device())"
 )
 
 
