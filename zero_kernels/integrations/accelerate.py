@@ -27,8 +27,9 @@ any other model is prepared as usual):
 - ``prepare`` refuses a ``ShardedFusedAdam`` that counts accumulation micro-steps itself (its
   ``gradient_accumulation_steps``) when the Accelerator counts them too: keep the count in one place;
 - ``no_sync(model)``, which ``accumulate(model)`` enters for every micro-batch but the last, also
-  enters the optimizer's ``no_sync()``: those backward passes accumulate locally (not where a wider
-  ``grad_accum_dtype`` makes every micro-batch reduce, as DeepSpeed's: ``ShardedFusedAdam.reduces_micro_steps``);
+  enters the optimizer's ``no_sync()``: those backward passes accumulate locally (not where every micro-batch
+  reduces, as DeepSpeed's: stage 3, and stage 2 with a wider ``grad_accum_dtype``:
+  ``ShardedFusedAdam.reduces_micro_steps``);
 - ``backward(loss)``, for a prepared ``ShardedFusedAdam`` with fp16 loss scaling (its ``fp16`` config),
   divides the loss by Accelerate's accumulation steps, as Accelerate's, and runs ``opt.backward`` (which
   scales it; a plain ``loss.backward()`` is refused there); any other loss goes to Accelerate's;
