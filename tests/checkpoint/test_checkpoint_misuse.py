@@ -13,7 +13,8 @@
   naming the window (micro-step, ranks holding gradients); ``inspect`` shows the window.
 - A folder that is not a checkpoint but holds one in a sub-folder (a Hugging Face Trainer ``checkpoint-N`` folder
   written by ``ZeroTrainer``, whose sharded checkpoint is ``checkpoint-N/zero_kernels``) is refused naming that
-  sub-folder, by ``load``, ``consolidate`` and ``inspect`` alike.
+  sub-folder, by ``load``, ``consolidate`` and ``inspect`` alike; a root whose ``latest`` file is gone, naming its
+  newest version (it named the oldest).
 - A model holding tensors another stage-3 optimizer shards (a GAN's wrapper, each part with its own optimizer),
   saved or loaded with one of them: those tensors are empty here; refused naming one and what to save instead (the
   save failed inside with an error about reading a freed parameter's ``.data``, the load said the checkpoint came
@@ -296,6 +297,22 @@ def test_a_folder_holding_a_checkpoint_names_it(tmp_path: Path, capsys: pytest.C
     assert cli(["inspect", str(folder)]) == 2
     assert capsys.readouterr().err.count(f"pass {inner}") == 2
     ck.consolidate(inner, tmp_path / "out.pt")  # what the message says works
+
+
+def test_a_root_without_its_latest_file_names_its_newest_version(tmp_path: Path) -> None:
+    """A root whose ``latest`` file is gone (copied without it) holds complete versions: the error names the newest
+    one, not the oldest (following it resumed from two steps before the last save)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 2))
+    opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=1)
+    for _ in range(3):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        ck.save(tmp_path, model, opt)
+    (tmp_path / "latest").unlink()
+    with pytest.raises(ck.CheckpointError, match="not a checkpoint") as raised:
+        ck.load(tmp_path, model, opt)
+    assert f"pass the newest, {tmp_path / 'v000003'}" in str(raised.value)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])

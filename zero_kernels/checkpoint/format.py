@@ -292,8 +292,13 @@ def resolve(directory: PathLike) -> Path:
 
 def _inner(path: Path) -> str:
     """Where a folder that is not a checkpoint holds one in a sub-folder (a Hugging Face Trainer ``checkpoint-N``
-    folder written by ``ZeroTrainer`` keeps it in ``zero_kernels``): the sentence naming it, else ''."""
+    folder written by ``ZeroTrainer`` keeps it in ``zero_kernels``; a root whose ``latest`` file is gone holds its
+    versions, of which the newest is named): the sentence naming it, else ''."""
     inner = sorted(p for p in path.iterdir() if (p / LATEST).is_file() or (p / METADATA).is_file())
+    versions = [p for p in inner if _VERSION_DIR.fullmatch(p.name)]
+    if versions:
+        newest = max(versions, key=lambda p: int(p.name[1:]))
+        return f"; it holds versions without a {LATEST} file naming one: pass the newest, {newest}"
     return f"; it holds one in a sub-folder: pass {inner[0]}" if inner else ""
 
 
