@@ -29,12 +29,13 @@ from torch.utils.checkpoint import checkpoint
 
 import zero_kernels as zk
 from tests.helpers.check import assert_close
+from tests.helpers.dist import run_ranks
 from tests.stages.stage3.test_stage3 import FakeUnit, Lin, _events
 from zero_kernels.comm import CommError, TorchCommEngine
 from zero_kernels.control import ControlLink
 from zero_kernels.model_hints import external_parameters
 from zero_kernels.stages import stage3_guard
-from zero_kernels.stages.stage3_check import check_same_units
+from zero_kernels.stages.stage3_check import check_same_units, explain_failed_gather
 from zero_kernels.stages.stage3_hooks import Stage3Scheduler
 
 DIM, EXPERTS, ROWS, LR = 6, 4, 2, 2e-2
@@ -267,6 +268,33 @@ def _divergence_cases(rank: int, world: int) -> None:
     assert "rank 1 gathers the parameters of 'moe.experts.1.up' (Linear, 56 elements)" in text, text
     assert "closest module around both is 'moe' (MoEBlock)" in text, text
     assert "set_leaf_modules(model, [MoEBlock])" in text, text
+
+
+def _later_divergence(rank: int, world: int) -> None:
+    """Rank 1 leaves the modules of the first, checked forward in the second while rank 0 repeats them: rank 1 checks
+    at once where rank 0 gathers (its check deferred), so the collectives do not pair up (the C++ engine says so, the
+    torch engine times out); both errors name the likely cause and the fix."""
+    torch.manual_seed(0)
+    model = Fork(same_size=False)
+    _opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **SMALL, stage3_prefetch_bucket_size=0)
+    x = torch.randn(ROWS, 4)
+    model(x, "left").backward()
+    with pytest.raises(CommError) as err:
+        model(x, "left" if rank == 0 else "right")
+    assert "some ranks run other modules than the others" in str(err.value), str(err.value)
+    assert "zero_kernels.set_leaf_modules(model, [ThatModuleClass])" in str(err.value), str(err.value)
+
+
+@pytest.mark.distributed
+def test_ranks_that_leave_a_checked_forward_order_are_told_why_their_collectives_failed() -> None:
+    run_ranks(_later_divergence, 2, timeout_s=10.0)
+
+
+def test_a_failed_gather_is_explained_only_where_the_collectives_did_not_pair_up() -> None:
+    timeout = CommError("all_gather of bucket 'gather.0' failed: Timed out waiting 5000ms for recv operation")
+    assert "some ranks run other modules" in str(explain_failed_gather(timeout))
+    exited = CommError("all_gather of bucket 'gather.0' on rank 0 of 2 (gloo) failed: rank 1 (process 7) exited")
+    assert explain_failed_gather(exited) is exited
 
 
 # -- mixture of experts: leaf modules -----------------------------------------------------------------

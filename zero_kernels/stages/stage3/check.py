@@ -23,8 +23,9 @@ previous one (checked) is folded into a running digest instead (``DeferredChecks
 step's existing exchange (``stats``): ranks whose gathers differed raise ``CommError`` there, naming
 the first batch that differs, before anything is updated. A difference that shows only on some
 ranks (one rank leaves the previous order, another does not) makes the leaving rank check at once
-while the others gather: that ends in the backend's timeout (``CommError`` naming the collective)
-rather than in this module's message.
+while the others gather: that ends in the backend's timeout, or in the C++ engine's "the ranks issued different
+operations", rather than in this module's message; ``explain_failed_gather`` adds the likely cause and the fix to
+those errors.
 """
 
 from __future__ import annotations
@@ -57,6 +58,26 @@ def signature(units: Sequence[Named]) -> list[int]:
     for u in units:
         digest = (digest * 1_000_003 + u.uid * 4_294_967_311 + u.numel) % _HASH_MOD
     return [len(units), units[0].uid, units[0].numel, sum(u.numel for u in units), digest]
+
+
+# What a gather or check that timed out or paired with another operation most likely means at stage 3.
+_DIVERGED = (
+    ". At ZeRO stage 3 this is what happens when some ranks run other modules than the others in a pass that so far "
+    "followed the previous one (the data choosing the modules: a mixture of experts routing tokens, a branch taken "
+    "on some ranks only), so the ranks gather different parameters at the same point: every rank must run the same "
+    "modules in the same order. Mark the module that makes the choice as a leaf module, gathered whole on every "
+    "rank: zero_kernels.set_leaf_modules(model, [ThatModuleClass])"
+)
+
+
+def explain_failed_gather(exc: CommError) -> CommError:
+    """``exc`` from a stage-3 gather or its check, with the likely cause added where the ranks' collectives did not
+    pair up (a timeout, or operations that differ): ranks that ran different modules after a pass that was checked
+    (see the module docstring); other failures (a rank that exited) as they are."""
+    text = str(exc)
+    if "different operations" not in text and "timed out" not in text.lower():
+        return exc
+    return CommError(text + _DIVERGED)
 
 
 def check_same_units(engine, units: Sequence[Named], phase: str, suggest: Callable[[list[str]], str]) -> None:

@@ -72,11 +72,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ...comm.primitives import CommError
 from ..eager import weakly
 from ..grad_state import second_gradient
 from . import global_hooks, model_hints
 from . import guard as guard
 from .boundary import copy_views, route_outputs
+from .check import explain_failed_gather
 from .plan import ModulePlan, plan
 from .uses import UseTracker, grad_tensors
 
@@ -503,7 +505,17 @@ class Stage3Scheduler:
             guard.mark_freed(p, self._on_freed_use, self._on_freed_read_use)
 
     def _gather(self, needs: Sequence[int], step: _Pass, active: bool) -> None:
-        """Gather ``needs`` now and prefetch what ``step`` expects next (only inside a pass)."""
+        """Gather ``needs`` now and prefetch what ``step`` expects next (only inside a pass); a failed collective
+        says what ranks that ran different modules look like (``check.explain_failed_gather``)."""
+        try:
+            self._gather_now(needs, step, active)
+        except CommError as exc:
+            explained = explain_failed_gather(exc)
+            if explained is exc:
+                raise
+            raise explained from exc
+
+    def _gather_now(self, needs: Sequence[int], step: _Pass, active: bool) -> None:
         ahead: list[int] = []
         for i in needs:
             if active and not self.units[i].persistent and not self._used[i]:
