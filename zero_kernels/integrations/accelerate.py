@@ -142,7 +142,8 @@ class ZeroAccelerator(Accelerator):
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """As ``Accelerator.no_sync``; also the ``no_sync()`` of the ``ShardedFusedAdam`` that trains ``model``,
-        unless it adds micro-batches up reduced in a wider ``grad_accum_dtype`` (``reduces_micro_steps``).
+        unless it adds micro-batches up reduced (``reduces_micro_steps``: stage 3, and stage 2 with a wider
+        ``grad_accum_dtype``).
 
         Args:
             model: a model given to ``prepare``.
@@ -150,7 +151,7 @@ class ZeroAccelerator(Accelerator):
         with contextlib.ExitStack() as stack:
             stack.enter_context(super().no_sync(model))
             for opt in live.training(model.parameters()):
-                if not opt.reduces_micro_steps:  # else every micro-batch reduces into the wider dtype, as DeepSpeed's
+                if not opt.reduces_micro_steps:  # else every micro-batch reduces into the shard, as DeepSpeed's
                     stack.enter_context(opt.no_sync())
             yield
 

@@ -876,6 +876,18 @@ class Pipeline(BackwardRound):
         it); stages 0-2 hook only the parameters, which copies do not carry, so this does nothing."""
         yield
 
+    def grad_shard_bytes(self) -> int:
+        """Bytes of this rank's gradient shards: the most the idle scratch buckets of stages 1-3 hold."""
+        return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers if b.grad_shard is not None)
+
+    def new_scratch(self, size: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new scratch bucket for a bucket of ``numel`` elements: of ``size`` elements (what fits every bucket, which
+        the idle ones may keep), or of ``numel`` alone where one of ``size`` holds more bytes than the gradient shards
+        and so would never be kept (a model of fewer than two buckets per rank held two of the largest size where its
+        other bucket is small). Left unfilled."""
+        kept = size * dtype.itemsize <= self.grad_shard_bytes()
+        return torch.empty(size if kept else numel, dtype=dtype, device=device)
+
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """Tensors this rank holds, by kind (``params`` lists only the flat buffers; the optimizer adds the rest).
         With offload, the optimizer state in the tier is under ``host`` (``placement.memory``), not ``optimizer``."""

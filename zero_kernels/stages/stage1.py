@@ -92,27 +92,19 @@ class Stage1Pipeline(Pipeline):
         return self._new_bucket(dtype, buf.device, bucket.numel)
 
     def _new_bucket(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
-        """A new scratch bucket for a bucket of ``numel`` elements: of the size that fits every bucket of ``dtype``,
-        which the idle ones may keep, or of ``numel`` alone where they could not keep one of that size (more bytes
-        than the gradient shard: the step of a model of fewer than two buckets per rank held two of the largest size
-        where its other bucket is small)."""
-        size = self._scratch_numel(dtype)
-        kept = size * dtype.itemsize <= self._shard_bytes()
-        return torch.empty(size if kept else numel, dtype=dtype, device=device)
+        """A new scratch bucket for a bucket of ``numel`` elements (``new_scratch``), sized to fit every bucket of
+        ``dtype`` where the idle ones may keep it."""
+        return self.new_scratch(self._scratch_numel(dtype), numel, dtype, device)
 
     def _scratch_numel(self, dtype: torch.dtype) -> int:
         """Elements of a scratch bucket that fits every bucket reduced in ``dtype``."""
         return max(other.layout.largest_bucket for other in self.buffers if self.comm_dtype_of(other) == dtype)
 
-    def _shard_bytes(self) -> int:
-        """Bytes of the gradient shards: the most the idle scratch buckets hold."""
-        return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers if b.grad_shard is not None)
-
     def _give_back(self, scratch: torch.Tensor) -> None:
         """Keep a finished scratch bucket that fits every bucket, while the idle ones hold no more bytes than the
         gradient shard."""
         idle = sum(t.numel() * t.element_size() for t in [*self._idle, scratch])
-        if scratch.numel() >= self._scratch_numel(scratch.dtype) and idle <= self._shard_bytes():
+        if scratch.numel() >= self._scratch_numel(scratch.dtype) and idle <= self.grad_shard_bytes():
             self._idle.append(scratch)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:

@@ -88,14 +88,10 @@ class Stage2Pipeline(Pipeline):
         return buf.scratch[bucket.index]
 
     def _new_bucket(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
-        """A scratch bucket for a bucket of ``numel`` elements, for when the pool has none: of the largest bucket's
-        size, so that the pool may keep it for any bucket, or of ``numel`` alone where the pool keeps none of that
-        size (more bytes than this rank's gradient shard: a backward of a model of fewer than two buckets per rank
-        held two of the largest size where its other bucket is small). Left unfilled, as a pooled one holds a past
+        """A scratch bucket for a bucket of ``numel`` elements, for when the pool has none (``new_scratch``): of the
+        largest bucket's size where the pool may keep it for any bucket. Left unfilled, as a pooled one holds a past
         round's values (what no gradient is copied into is zeroed before the reduction, ``_zero_unfilled``)."""
-        largest = self._largest()
-        kept = largest * dtype.itemsize <= self._shard_bytes()
-        return torch.empty(largest if kept else numel, dtype=dtype, device=device)
+        return self.new_scratch(self._largest(), numel, dtype, device)
 
     def _largest(self) -> int:
         """Elements of the largest bucket: the size of the scratch buckets the pool keeps."""
@@ -185,13 +181,9 @@ class Stage2Pipeline(Pipeline):
         """Keep a finished scratch bucket of the largest size for reuse, within the pool's limits."""
         pool = self._pool.setdefault((whole.dtype, buf.device), [])
         pooled = sum(t.numel() * t.element_size() for ts in self._pool.values() for t in ts)
-        fits = pooled + whole.numel() * whole.element_size() <= self._shard_bytes()
+        fits = pooled + whole.numel() * whole.element_size() <= self.grad_shard_bytes()
         if whole.numel() == self._largest() and len(pool) < self.pool_limit(buf.device) and fits:
             pool.append(whole)
-
-    def _shard_bytes(self) -> int:
-        """Bytes of this rank's gradient shards: the most the pool keeps."""
-        return sum(b.grad_shard.numel() * b.grad_shard.element_size() for b in self.buffers)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """As the base, with ``buffers`` the pooled scratch buckets."""
