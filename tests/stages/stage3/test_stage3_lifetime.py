@@ -286,6 +286,17 @@ def test_emptied_model_given_its_values_again_copies(tmp_path: Path, copy_how: s
         assert torch.equal(value, start[name]), name
 
 
+def _model_and_reference() -> tuple[nn.Module, dict[str, torch.Tensor], nn.Module]:
+    """A model, its starting values, and a copy of it trained two steps by ``torch.optim.AdamW``."""
+    model = _model()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(2):
+        _step(ref, ref_opt, step)
+    return model, start, ref
+
+
 def test_emptied_model_given_its_values_again_trains_on(tmp_path: Path) -> None:
     """A model reused by one stage-3 optimizer after another (a search that builds the model once): once a deleted
     optimizer emptied it, ``p.data = value`` of every parameter makes it an ordinary model again, and the next
@@ -295,12 +306,7 @@ def test_emptied_model_given_its_values_again_trains_on(tmp_path: Path) -> None:
 
     tables = (guard._on_use, guard._on_read_use, guard._epoch, guard._reads)
     before = [len(t) for t in tables]
-    model = _model()
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    for step in range(2):
-        _step(ref, ref_opt, step)
+    model, start, ref = _model_and_reference()
     _give_values(model, start)
     for collected_first in (True, False, True):  # the values given after or before the collector took the optimizer
         opt = _opt(model, "none", tmp_path)
@@ -330,12 +336,7 @@ def test_emptied_model_takes_a_state_dict_and_trains_on(tmp_path: Path) -> None:
     that builds its model once and loads its initial weights for each trial): once a deleted optimizer emptied it,
     the load fills it as it fills an ordinary model, and the next optimizer trains it next to AdamW. torch refused
     the load ('size mismatch ... torch.Size([0])')."""
-    model = _model()
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    for step in range(2):
-        _step(ref, ref_opt, step)
+    model, start, ref = _model_and_reference()
     for trial in range(2):
         opt = _opt(model, "none", tmp_path)
         for step in range(2):
