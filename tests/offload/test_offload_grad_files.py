@@ -2,12 +2,12 @@
 gradient swap, ``stages.stage3.disk_grads``): weights and Adam state bit for bit those of the same run without
 offload, compared after every step at 1 and 2 gloo ranks (bf16, fp16 with loss scaling and overflow steps, fp32;
 clipping; a non-finite step; two backward passes before a step and a round owed after ``no_sync``; a parameter
-without a gradient; ``zero_grad(set_to_none=False)`` between backward and step; ``gradient_accumulation_steps``
-2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk while training (after a
-backward they hold the resident shard's bytes) and gone after ``close``; no resident gradient shard in
-``memory_report``; the gradients read once per step (the statistics read nothing); a checkpoint saved inside an
-accumulation window resumed with and without offload; a disk without room for the gradients refused naming the
-key."""
+without a gradient; ``zero_grad(set_to_none=False)`` between backward and step (between micro-steps, ignored);
+``gradient_accumulation_steps`` 2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk
+while training (after a backward they hold the resident shard's bytes) and gone after ``close``; no resident
+gradient shard in ``memory_report``; the gradients read once per step (the statistics read nothing); a checkpoint
+saved inside an accumulation window resumed with and without offload; a disk without room for the gradients refused
+naming the key."""
 
 from __future__ import annotations
 
@@ -64,6 +64,8 @@ def _one_step(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, step:
     if opt.gradient_accumulation_steps == 2:
         _backward(model, opt, rows[0], extra)
         opt.step()  # a micro-step: no update
+        if kind == "zeroed":  # ignored between micro-steps
+            opt.zero_grad(set_to_none=False)
         _backward(model, opt, rows[1], extra, inf)
     elif kind in ("twice", "owed"):
         _backward(model, opt, rows[0], extra)
@@ -71,8 +73,8 @@ def _one_step(model: Net, opt: zo.ShardedFusedAdam, rank: int, world: int, step:
             _backward(model, opt, rows[1], extra)
     else:
         _backward(model, opt, rows[0], extra, inf)
-    if kind == "zeroed":  # the step applies zero gradients to the parameters the last step updated
-        opt.zero_grad(set_to_none=False)
+    if kind == "zeroed" and opt.gradient_accumulation_steps == 1:  # the step applies zero gradients to the
+        opt.zero_grad(set_to_none=False)  # parameters the last step updated
     norm = None if clip or step < 3 else float(opt.clip_grad_norm_(CLIP))
     opt.step()
     opt.zero_grad()

@@ -13,12 +13,13 @@ own and with the same ``set_to_none``, the ``zero_grad`` of each live optimizer 
 module (those it holds: trainable when it took them, whether frozen for a while since or not) and holds gradients
 since its last step or ``zero_grad`` (``window_open``), or, with ``set_to_none=False``, in any case (its zero
 gradients then stay, as ``p.grad`` does in AdamW, for a branch some steps leave unused). Between accumulation
-micro-steps that call is ignored, as it always is. Modules that each hold only some of an optimizer's parameters
-(one optimizer over an encoder and a decoder, cleared with ``enc.zero_grad(); dec.zero_grad()``) clear its gradients
-once the modules zeroed since the last backward hold all of them together (``ZeroedPart``): a part alone cannot be
-cleared (the gradients are bucketed, reduced and sharded). A step that comes after a part was zeroed and before the
-rest was says once per optimizer that the part's gradients were not cleared (where the step reads ``p.grad``,
-torch's own cleared them, and nothing is said). An unrelated module costs one look at each of its parameters.
+micro-steps the window's gradients stay, ``p.grad`` included (``mid_window``). Modules that each hold only some of
+an optimizer's parameters (one optimizer over an encoder and a decoder, cleared with ``enc.zero_grad();
+dec.zero_grad()``) clear its gradients once the modules zeroed since the last backward hold all of them together
+(``ZeroedPart``): a part alone cannot be cleared (the gradients are bucketed, reduced and sharded). A step that
+comes after a part was zeroed and before the rest was says once per optimizer that the part's gradients were not
+cleared (where the step reads ``p.grad``, torch's own cleared them, and nothing is said). An unrelated module costs
+one look at each of its parameters.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 
 from .. import live
 from ..log import LOGGER_NAME
+from . import mid_window
 
 logger = logging.getLogger(LOGGER_NAME)
 _installed = False
@@ -48,7 +50,8 @@ def install() -> None:
 
 def _routed(original: Callable[..., None]) -> Callable[..., None]:
     def zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
-        original(self, set_to_none)
+        with mid_window.module_call(self):
+            original(self, set_to_none)
         _clear_held(self, set_to_none)
 
     zero_grad.__doc__ = original.__doc__

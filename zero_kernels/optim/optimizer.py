@@ -88,7 +88,7 @@ from ..stages import (
 )
 from ..stages import state_door as zstate
 from ..stages.ownership import check_step
-from . import amp, dcp, foreign_steps, fragments, guards, module_zero_grad, state_init, torch_clip
+from . import amp, dcp, foreign_steps, fragments, guards, mid_window, module_zero_grad, state_init, torch_clip
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
@@ -236,6 +236,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         """Engine, pipeline and param groups: at construction, and when a copy is rebuilt (``restore``)."""
         self._names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         self._micro_step = 0
+        self._micro_arrivals = 0  # the pipeline's gradient arrivals at the last micro-step's step() (mid_window)
         self._no_sync_depth = 0
         self._step_marks: list[weakref.ref] = []  # optimizers whose step() each call of this one stands for
         self._clips = PendingClips()  # what clip_grad_norm_ asked of the coming step
@@ -463,6 +464,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.gradient_accumulation_steps:
             raise ValueError(f"micro_step must be in 0..{self.gradient_accumulation_steps - 1}, got {value!r}")
         self._micro_step = value
+        mid_window.mark(self)
         self._update_sync()
 
     @torch.compiler.disable
@@ -491,6 +493,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._warn_accumulated_twice()
         if not self._updates_at_next_step(closure is not None):
             self._micro_step += 1
+            mid_window.mark(self)
             self._update_sync()
             return loss
         hyper = [self._hyper(g, f"param group {i}") for i, g in enumerate(self.param_groups)]
@@ -811,7 +814,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``torch.optim.Optimizer.zero_grad``; ignored between accumulation micro-steps, except after a
         backward that raised: then it drops the whole window (every micro-step's gradients, the failed pass's
-        included) and the window starts again at micro-step 0, as ``torch.optim`` clears ``p.grad``.
+        included) and the window starts again at micro-step 0, as ``torch.optim`` clears ``p.grad``. Refused
+        between micro-steps after a backward that came after the last micro-step's ``step()`` (``mid_window``).
 
         Not needed between steps: ``step()`` clears the gradient state the optimizer keeps for itself,
         so a loop that calls only ``model.zero_grad()`` trains the same (see ``stages.grad_state``); and
@@ -824,6 +828,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         with torch.autograd.profiler.record_function(self._zero_grad_profile_name):  # torch's record
             if self._micro_step != 0:
                 if not self._pipeline.failed_round_open:
+                    mid_window.refuse(self, "ShardedFusedAdam.zero_grad()")
                     return
                 self._drop_window()
             self._forget_grad_edits()
