@@ -500,7 +500,9 @@ BAD = [
     ({"fp16": {"enabled": True, "loss_scale_window": 0}}, "fp16.loss_scale_window=0", ">= 1 with dynamic"),
     ({"fp16": {"min_loss_scale": 0.5}}, "fp16.min_loss_scale=0.5", "an integer, or a string holding one"),
     ({"fp16": {"min_loss_scale": "2.5"}}, "fp16.min_loss_scale='2.5'", "an integer, or a string holding one"),
-    ({"fp16": {"initial_scale_power": "x"}}, "fp16.initial_scale_power='x'", "an integer >= 0, or a string"),
+    ({"fp16": {"initial_scale_power": "x"}}, "fp16.initial_scale_power='x'", "an integer from 0 to 1023, or a"),
+    # 2**1024 is no float: the loss scaler failed later with a bare OverflowError naming no key
+    ({"fp16": {"enabled": True, "initial_scale_power": 1024}}, "fp16.initial_scale_power=1024", "from 0 to 1023"),
     ({"fp16": {"loss_scale": "abc"}}, "fp16.loss_scale='abc'", "a finite number >= 0, or a string holding one"),
     ({"fp16": {"loss_scale": "inf"}}, "fp16.loss_scale='inf'", "a finite number >= 0"),
     ({"fp16": {"loss_scale": True}}, "fp16.loss_scale=True", "a finite number >= 0"),

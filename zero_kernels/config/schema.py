@@ -333,7 +333,8 @@ FP16 = Section(
         "enabled": Field(boolean(), False),
         "loss_scale": Field(number(0, text=True), 0.0),  # DeepSpeed reads it with float(): "128" too
         # ints in DeepSpeed's config model, which reads "2" as 2 and refuses 0.5
-        "initial_scale_power": Field(integer(0, text=True), 16),
+        # at most 1023: the starting scale 2**power must be a float (DeepSpeed refuses an infinite one)
+        "initial_scale_power": Field(integer(0, 1023, text=True), 16),
         "loss_scale_window": Field(integer(text=True), 1000),  # >= 1 with dynamic scaling: FP16Config
         "hysteresis": Field(integer(1, text=True), 2),
         "min_loss_scale": Field(integer(text=True), 1),  # >= 1 with dynamic scaling: FP16Config
