@@ -531,6 +531,25 @@ def test_bad_values_name_key_value_and_allowed(config: dict, where: str, allowed
     assert where in str(err.value) and allowed in str(err.value), str(err.value)
 
 
+def test_zero_integers_written_as_strings_are_read_as_deepspeed_reads_them() -> None:
+    # DeepSpeed's zero_optimization model takes "1000", " 1000", "+1000" and "1000.0" for its integers
+    counts = {
+        "reduce_bucket_size": "1000",
+        "allgather_bucket_size": " 2000 ",
+        "stage3_prefetch_bucket_size": "+0",
+        "stage3_param_persistence_threshold": "100.0",
+        "stage3_max_live_parameters": "7",
+        "stage3_max_reuse_distance": "8",
+        "sub_group_size": "9",
+    }
+    zero = ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 3, **counts, "zero_hpz_partition_size": "1"}}).zero
+    assert {k: getattr(zero, k) for k in counts} == {k: int(float(v)) for k, v in counts.items()}
+    assert zero.hpz_partition_size == 1 and type(zero.reduce_bucket_size) is int
+    for bad in ("5e8", "0.5", "-1"):  # refused by DeepSpeed too
+        with pytest.raises(ValueError, match=f"reduce_bucket_size='{bad}' is invalid: expected an integer >= 1, or a"):
+            ZeroConfig.from_deepspeed({"zero_optimization": {"reduce_bucket_size": bad}})
+
+
 def test_zero_options_from_dict_uses_the_given_path() -> None:
     expected = r"^ShardedFusedAdam\.stage=9 is invalid: expected an integer from 0 to 3, or a string holding one"
     with pytest.raises(ValueError, match=expected):

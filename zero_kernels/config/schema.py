@@ -181,28 +181,29 @@ ZEROPP_FIELDS: Dict[str, str] = {
     "loco_param": "zeropp_loco_param",
 }
 
+# The counts take strings holding an integer ("1000", "1000.0") as DeepSpeed's zero_optimization model reads them.
 ZERO_FIELDS: Dict[str, Field] = {
     "stage": Field(enum_integer(0, 3), 0, auto=False),
     # None: DeepSpeed's stage-dependent default, on for stage 3 only.
     "overlap_comm": Field(boolean(), None),
     "contiguous_gradients": Field(boolean(), True),
-    "reduce_bucket_size": Field(integer(1), 500_000_000),
-    "allgather_bucket_size": Field(integer(1), 500_000_000),
+    "reduce_bucket_size": Field(integer(1, text=True), 500_000_000),
+    "allgather_bucket_size": Field(integer(1, text=True), 500_000_000),
     "reduce_scatter": Field(boolean(), True),
     # Not a DeepSpeed key (Megatron's overlap_param_gather): stages 1-2 wait for the all-gather after the
     # step where the next forward first uses a parameter, not in the step.
     "overlap_param_gather": Field(boolean(), False),
     # 0 is DeepSpeed's way to turn prefetching off, so it is allowed here.
-    "stage3_prefetch_bucket_size": Field(integer(0), 50_000_000),
-    "stage3_param_persistence_threshold": Field(integer(0), 100_000),
-    "stage3_max_live_parameters": Field(integer(0), 1_000_000_000),
-    "stage3_max_reuse_distance": Field(integer(0), 1_000_000_000),
+    "stage3_prefetch_bucket_size": Field(integer(0, text=True), 50_000_000),
+    "stage3_param_persistence_threshold": Field(integer(0, text=True), 100_000),
+    "stage3_max_live_parameters": Field(integer(0, text=True), 1_000_000_000),
+    "stage3_max_reuse_distance": Field(integer(0, text=True), 1_000_000_000),
     # Whether the Hugging Face integration's save_model gathers full weights at stage 3 (DeepSpeed's default: no).
     "stage3_gather_16bit_weights_on_model_save": Field(boolean(), False),
     "offload_optimizer": Field(OFFLOAD_OPTIMIZER, None, auto=False),
     "offload_param": Field(OFFLOAD_PARAM, None, auto=False),
     # Elements of the optimizer state swapped in and out at once by the disk tier (DeepSpeed's default).
-    "sub_group_size": Field(integer(0), 1_000_000_000),
+    "sub_group_size": Field(integer(0, text=True), 1_000_000_000),
     "aio": Field(AIO, None, auto=False),  # the Hugging Face template's place; DeepSpeed reads it at the top level
     # Deprecated DeepSpeed spellings: offload_optimizer / offload_param {"device": "cpu"}, and their pin_memory.
     "cpu_offload": Field(boolean(), False, auto=False),
@@ -213,7 +214,7 @@ ZERO_FIELDS: Dict[str, Field] = {
     # Stage 3: frozen parameters partitioned too, and stored in int8 (``stages.stage3.frozen``).
     "zero_quantized_nontrainable_weights": Field(boolean(), False, auto=False),
     # 0 and 1 both mean no secondary partition (DeepSpeed: ge=0, on above 1).
-    "zero_hpz_partition_size": Field(integer(0), 1, auto=False),
+    "zero_hpz_partition_size": Field(integer(0, text=True), 1, auto=False),
     "zero_quantized_gradients": Field(boolean(), False, auto=False),
     "zeropp_loco_param": Field(_loco, None, auto=False),
     "leaf_module": Field(_LEAF, None, auto=False),
