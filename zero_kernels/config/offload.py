@@ -32,7 +32,7 @@ from .rules import Invalid, Scalar, boolean, choice, integer, number
 
 OFFLOAD_DEVICES = {"none": "none", "cpu": "cpu", "nvme": "nvme"}
 DEVICE: Scalar = choice(OFFLOAD_DEVICES)
-RATIO: Scalar = number(0, 1)
+RATIO: Scalar = number(0, 1, text=True)
 PAGE = 4096
 
 
@@ -129,11 +129,12 @@ class AioConfig:
         _check(self, AIO_RULES, "aio")
 
 
+# The numbers take strings holding one ("5", "0.5") as DeepSpeed's offload config models read them.
 OPTIMIZER_RULES: dict[str, Scalar] = {
     "device": DEVICE,
     "nvme_path": PATH,
     "pin_memory": boolean(),
-    "buffer_count": integer(0),
+    "buffer_count": integer(0, text=True),
     "pipeline_read": boolean(),
     "pipeline_write": boolean(),
     "fast_init": boolean(),
@@ -145,9 +146,9 @@ PARAM_RULES: dict[str, Scalar] = {
     "device": DEVICE,
     "nvme_path": PATH,
     "pin_memory": boolean(),
-    "buffer_count": integer(0),
-    "buffer_size": integer(0),
-    "max_in_cpu": integer(0),
+    "buffer_count": integer(0, text=True),
+    "buffer_size": integer(0, text=True),
+    "max_in_cpu": integer(0, text=True),
 }
 AIO_RULES: dict[str, Scalar] = {
     "block_size": integer(PAGE, multiple_of=PAGE),  # whole pages (the engine's pieces: ``offload.aio``)
