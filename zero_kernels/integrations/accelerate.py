@@ -28,8 +28,7 @@ any other model is prepared as usual):
   ``gradient_accumulation_steps``) when the Accelerator counts them too: keep the count in one place;
 - ``no_sync(model)``, which ``accumulate(model)`` enters for every micro-batch but the last, also
   enters the optimizer's ``no_sync()``: those backward passes accumulate locally (not where every micro-batch
-  reduces, as DeepSpeed's: stage 3, and stage 2 with a wider ``grad_accum_dtype``:
-  ``ShardedFusedAdam.reduces_micro_steps``);
+  reduces, as DeepSpeed's: stages 2 and 3, ``ShardedFusedAdam.reduces_micro_steps``);
 - ``backward(loss)``, for a prepared ``ShardedFusedAdam`` with fp16 loss scaling (its ``fp16`` config),
   divides the loss by Accelerate's accumulation steps, as Accelerate's, and runs ``opt.backward`` (which
   scales it; a plain ``loss.backward()`` is refused there); any other loss goes to Accelerate's;
@@ -142,8 +141,7 @@ class ZeroAccelerator(Accelerator):
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """As ``Accelerator.no_sync``; also the ``no_sync()`` of the ``ShardedFusedAdam`` that trains ``model``,
-        unless it adds micro-batches up reduced (``reduces_micro_steps``: stage 3, and stage 2 with a wider
-        ``grad_accum_dtype``).
+        unless it adds micro-batches up reduced (``reduces_micro_steps``: stages 2 and 3).
 
         Args:
             model: a model given to ``prepare``.

@@ -26,7 +26,7 @@ Launch with ``torchrun --nproc_per_node N`` as for any Trainer script. What the 
   without ``DistributedDataParallel`` (mixed-precision autocast and device placement still apply; with a whole
   config no autocast, as Accelerate under DeepSpeed: the config's bf16 casts the model itself);
   gradient-accumulation micro-batches but the last run under ``opt.no_sync()`` (not where every micro-batch
-  reduces: stage 3, and stage 2 with a wider ``grad_accum_dtype``: ``ShardedFusedAdam.reduces_micro_steps``);
+  reduces: stages 2 and 3, ``ShardedFusedAdam.reduces_micro_steps``);
 - zero_grad: the Trainer's ``model.zero_grad()`` is enough, as ``step()`` clears the optimizer's
   own gradient state;
 - clipping and the logged ``grad_norm``: ``opt.clip_grad_norm_``, the global norm of the reduced
@@ -371,8 +371,8 @@ class ZeroTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """As the Trainer's; micro-batches before the last of an accumulation step do not communicate, but where
-        the optimizer adds them up reduced (``reduces_micro_steps``: stage 3, and stage 2 with a wider
-        ``grad_accum_dtype``), as the Trainer with DeepSpeed does."""
+        the optimizer adds them up reduced (``reduces_micro_steps``: stages 2 and 3), as the Trainer with DeepSpeed
+        does."""
         opt = self._sharded()
         local = not self.accelerator.sync_gradients and not opt.reduces_micro_steps
         with opt.no_sync() if local else contextlib.nullcontext():

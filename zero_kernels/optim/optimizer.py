@@ -349,7 +349,6 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._built_groups.append(list(group["params"]))
         if group["amsgrad"]:
             self._pipeline.allocate_max_exp_avg_sq(len(self.param_groups) - 1)
-        self._update_sync()  # the group's dtype may make micro-steps reduce (``Pipeline.reduces_micro_steps``)
 
     def _param_name(self, index: int) -> str:
         i = index
@@ -393,10 +392,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     @property
     def reduces_micro_steps(self) -> bool:
         """Whether every backward pass between steps reduces its gradients at once, to add them up in the gradient
-        shard (stage 3, as DeepSpeed's ZeRO-3; stage 2 with a wider ``grad_accum_dtype``, added up in that dtype, as
-        DeepSpeed's ZeRO-2 reduces every micro-step): a loop that runs its micro-batches under ``no_sync()`` would add
-        them up in ``p.grad`` instead, the whole local gradient in the gradients' dtype, so the Trainer and Accelerate
-        integrations leave ``no_sync()`` out then."""
+        shard (stages 2 and 3, as DeepSpeed's ZeRO-2 and ZeRO-3; in a wider ``grad_accum_dtype`` where one is set): a
+        loop that runs its micro-batches under ``no_sync()`` would add them up in ``p.grad`` instead, the whole local
+        gradient in the gradients' dtype, so the Trainer and Accelerate integrations leave ``no_sync()`` out then."""
         return self._pipeline.reduces_micro_steps
 
     @property

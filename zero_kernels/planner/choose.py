@@ -309,7 +309,6 @@ def plan_stages(
             param_dtype=param_dtype,
             bucket_elements=bucket_elements,
             gradient_accumulation_steps=gradient_accumulation_steps,
-            grad_accum_dtype=grad_accum_dtype,
         )
         off = None
         if active:
@@ -322,7 +321,7 @@ def plan_stages(
                 param_dtype=param_dtype,
                 master_weights=master_weights,
                 grad_dtype=grads,
-                every_micro_step=reduces_micro_steps(stage, param_dtype, grad_accum_dtype),
+                every_micro_step=reduces_micro_steps(stage),
             )
             memory = device_memory(memory, offload if stage == 3 else replace(offload, param="none"), stage=stage)
         exposed = _exposed(comm, compute_s or 0.0, off)
@@ -362,15 +361,13 @@ def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[
     if s3.offload is not None:
         return " ".join(lines + [_offload_shortfall(s3)])
     m = s3.memory
-    room = gpu_memory - s3.activation_bytes - m.working_set - m.local_grads  # what more ranks do not shrink
-    per_param = (m.params + m.grads - m.local_grads + m.optimizer) // shard_elements(num_params, gpus)
+    room = gpu_memory - s3.activation_bytes - m.working_set  # what more ranks do not shrink
+    per_param = (m.params + m.grads + m.optimizer) // shard_elements(num_params, gpus)
     need = _min_gpus(per_param, num_params, room)
     if need is None:
         lines.append(
-            "More GPUs cannot help: activations, the largest gathered unit"
-            + (" and the local gradients held between micro-steps" if m.local_grads else "")
-            + " alone exceed the GPU memory; reduce activations (activation checkpointing, a smaller micro-batch) "
-            "or the largest layer."
+            "More GPUs cannot help: activations and the largest gathered unit alone exceed the GPU memory; reduce "
+            "activations (activation checkpointing, a smaller micro-batch) or the largest layer."
         )
         return " ".join(lines)
     lines.append(f"To fit at stage 3: use at least {need} GPUs.")

@@ -174,8 +174,6 @@ class MemoryEstimate:
         buffers: stage 1 only (``memory_report()["buffers"]``): the reduced gradient shard the step reduce-scatters
             into and the scratch buckets it keeps for the next step (:func:`stage1_buffers`). Beyond the ZeRO
             paper's model states.
-        local_grads: of ``grads``, stage 2 with accumulation that does not reduce every micro-step: the whole
-            local gradient in ``p.grad`` between micro-steps (whole on every rank, however many there are).
     """
 
     params: int
@@ -185,7 +183,6 @@ class MemoryEstimate:
     total: int
     secondary: int = 0
     buffers: int = 0
-    local_grads: int = 0
 
     @property
     def model_states(self) -> int:
@@ -252,9 +249,9 @@ def estimate_memory(
         communication_data_type: DeepSpeed's key: the dtype gradients are reduced in (None: their own).
         grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
         bucket_elements: elements per bucket (``reduce_bucket_size``): stage 1's scratch buckets.
-        gradient_accumulation_steps: micro-steps per optimizer step. Above 1, stage 2 where it does not reduce at
-            every micro-step (:func:`reduces_micro_steps`) holds the whole local gradient in ``p.grad`` (the
-            gradients' dtype) between micro-steps, besides the reduced shard: counted in ``grads``.
+        gradient_accumulation_steps: micro-steps per optimizer step: the estimate is the same for every value (stages
+            0-1 add micro-steps up in the full local gradient, stages 2-3 reduce each into the shard,
+            :func:`reduces_micro_steps`).
 
     Returns:
         A :class:`MemoryEstimate` in bytes.
@@ -289,9 +286,6 @@ def estimate_memory(
         params += p_bytes * frozen_params
     check_count("gradient_accumulation_steps", gradient_accumulation_steps)
     grads = shard_g_bytes * shard if shard_grads else g_bytes * num_params
-    local = 0
-    if shard_grads and gradient_accumulation_steps > 1 and not reduces_micro_steps(stage, grads_in, grad_accum_dtype):
-        local = unit_g_bytes * num_params  # p.grad, added up by autograd until the last micro-step
     optimizer = k_bytes * (shard if shard_opt else num_params)
     working = (p_bytes + unit_g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
     secondary = _zeropp_bytes(num_params, shard, hpz_partition_size, quantized_weights, p_bytes) if stage == 3 else 0
@@ -299,9 +293,8 @@ def estimate_memory(
     if stage == 1 and world_size > 1:
         comm_bytes = DTYPE_BYTES[grads_in if communication_data_type is None else communication_data_type]
         buffers = stage1_buffers(num_params, shard, shard_g_bytes, comm_bytes, bucket_elements)
-    grads += local
     total = params + grads + optimizer + working + secondary + buffers
-    return MemoryEstimate(params, grads, optimizer, working, total, secondary, buffers, local)
+    return MemoryEstimate(params, grads, optimizer, working, total, secondary, buffers)
 
 
 # Scratch buckets stage 1's step has in use at once: ``stages.stage1.STEP_INFLIGHT`` reductions in flight, and the
@@ -367,17 +360,15 @@ def _zeropp_bytes(num_params: int, shard: int, hpz: int, quantized: bool, p_byte
     return int(secondary + copy)
 
 
-def reduces_micro_steps(stage: int, grad_dtype: str, grad_accum_dtype: str | None) -> bool:
-    """Whether every accumulation micro-step reduces its gradients (``Pipeline.reduces_micro_steps``): always at stage 3
-    (into the shard, as DeepSpeed's ZeRO-3), at stage 2 with a ``grad_accum_dtype`` wider than the gradients; stages 0
-    and 1 add micro-steps up locally and reduce once per optimizer step, as stage 2 does without the key.
+def reduces_micro_steps(stage: int) -> bool:
+    """Whether every accumulation micro-step reduces its gradients (``Pipeline.reduces_micro_steps``): at stages 2 and
+    3 (into the shard, as DeepSpeed's ZeRO-2 and ZeRO-3); stages 0 and 1 add micro-steps up locally and reduce once
+    per optimizer step.
 
     Args:
         stage: ZeRO stage, 0 to 3.
-        grad_dtype: the gradients' dtype.
-        grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
     """
-    return stage == 3 or (stage == 2 and reduced_grad_dtype(grad_dtype, None, grad_accum_dtype) != grad_dtype)
+    return stage >= 2
 
 
 PHASES = ("forward", "backward", "after")  # the compute phases communication hides behind (``COLLECTIVES``)
@@ -446,7 +437,6 @@ def estimate_comm(
     param_dtype: str = "bf16",
     bucket_elements: int = 500_000_000,
     gradient_accumulation_steps: int = 1,
-    grad_accum_dtype: str | None = None,
 ) -> CommEstimate:
     """Bytes each GPU sends and receives per optimizer step at ``stage``, and the time on a ring at the given link.
 
@@ -460,8 +450,8 @@ def estimate_comm(
     bf16 training stage 0 sends twice the bytes, stages 1-2 1.5 times, stage 3 4/3 times.
 
     With ``gradient_accumulation_steps`` K, stage 3 gathers the parameters at every micro-step (2K gathers per
-    optimizer step); the gradients are reduced once per optimizer step, except at stage 3 and at stage 2 with a wider
-    ``grad_accum_dtype`` (:func:`reduces_micro_steps`), where every micro-step reduces them (K reductions).
+    optimizer step); the gradients are reduced once per optimizer step at stages 0-1, at every micro-step at stages 2-3
+    (:func:`reduces_micro_steps`: K reductions).
 
     Time is a bandwidth term plus a latency term: ``bytes_sent / link`` plus, for every collective
     launch, its ring steps (N - 1 for reduce-scatter and all-gather, 2(N - 1) for all-reduce) times
@@ -479,7 +469,6 @@ def estimate_comm(
         bucket_elements: elements per collective launch (DeepSpeed's ``reduce_bucket_size``; its
             default is 5e8).
         gradient_accumulation_steps: K, micro-steps per optimizer step (>= 1).
-        grad_accum_dtype: DeepSpeed's ``data_types.grad_accum_dtype`` (None: the gradients' own).
 
     Returns:
         A :class:`CommEstimate`.
@@ -496,7 +485,7 @@ def estimate_comm(
         "params": dtype_bytes("param_dtype", param_dtype),
         "grads": dtype_bytes("comm_dtype", param_dtype if comm_dtype is None else comm_dtype),
     }
-    every = "micro" if reduces_micro_steps(stage, param_dtype, grad_accum_dtype) else "step"
+    every = "micro" if reduces_micro_steps(stage) else "step"
     buckets = -(-num_params // bucket_elements)
     counts = [bucket_elements] * (buckets - 1) + [num_params - (buckets - 1) * bucket_elements]
     sent = {"grads": 0, "params": 0}

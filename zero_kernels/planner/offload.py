@@ -35,8 +35,7 @@ Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shar
 as the pipeline does): not on the device nor as a host copy; each reduction sends it down and writes it, beside
 backward, and the update reads it (a later micro-step's reduction reads it back to add): ``g`` bytes per element
 on the disk, written and read once per step, or once per micro-step where every micro-step reduces
-(``every_micro_step``: stage 3 always, stage 2 with a ``grad_accum_dtype`` wider than the gradients,
-``models.reduces_micro_steps``).
+(``every_micro_step``: stages 2 and 3, ``models.reduces_micro_steps``).
 
 Devices, hosts and disks: ``ranks_per_node`` ranks share a node's host memory, its disk (capacity and
 bandwidth) and its CPU cores (the CPU Adam's rate is the node's, divided among them); each rank has its
@@ -214,15 +213,14 @@ def grads_in_files(stage: int, setup: OffloadSetup) -> bool:
 def device_memory(memory: MemoryEstimate, setup: OffloadSetup, *, stage: int) -> MemoryEstimate:
     """What stays on the device: the estimate without the offloaded share of the optimizer state (and stage 3's
     parameter shard with ``offload_param``, unless the device is the host and the shard is kept in memory; and its
-    reduced gradient shard where it is in files, ``grads_in_files``: the local gradients stay). ZeRO++'s copies
+    reduced gradient shard where it is in files, ``grads_in_files``). ZeRO++'s copies
     (``secondary``) are gathered from the shard onto the device, so they stay."""
     kept = setup.param == "none" or (setup.device_is_host and setup.param == "cpu")
     params = memory.params if kept else 0
-    grads = memory.local_grads if grads_in_files(stage, setup) else memory.grads
+    grads = 0 if grads_in_files(stage, setup) else memory.grads
     optimizer = round(memory.optimizer * (1 - setup.ratio)) if setup.optimizer != "none" else memory.optimizer
     total = params + grads + optimizer + memory.working_set + memory.secondary + memory.buffers
-    kept_too = {"secondary": memory.secondary, "buffers": memory.buffers, "local_grads": memory.local_grads}
-    return MemoryEstimate(params, grads, optimizer, memory.working_set, total, **kept_too)
+    return MemoryEstimate(params, grads, optimizer, memory.working_set, total, memory.secondary, memory.buffers)
 
 
 def estimate_offload(

@@ -101,7 +101,10 @@ class Pipeline(BackwardRound):
     allgather_by_bucket: ClassVar[bool] = False  # True: the step all-gathers parameters bucket by bucket
     reduces_in_backward: ClassVar[bool] = False  # True: a launched bucket is reduced then (stages 0, 2, 3)
     quantizes_gradients: ClassVar[bool] = False  # True: zero_quantized_gradients applies (stages 2, 3: qgZ)
-    accumulates_reduced: ClassVar[bool] = False  # True: a wider accum_dtype acts (stages 2, 3; ``reduces_micro_steps``)
+    # True: every accumulation micro-step (``gradient_accumulation_steps``) reduces its gradients at once, added up
+    # in the gradient shard (of a wider accum_dtype where one is set), not in ``p.grad`` until the last, as
+    # DeepSpeed's ZeRO-2 and ZeRO-3 do (stages 2, 3); ``no_sync()`` still accumulates locally
+    reduces_micro_steps: ClassVar[bool] = False
     accumulates_locally: ClassVar[bool] = False  # True: grad_flat keeps the whole local gradient (stages 0, 1)
 
     def __init__(
@@ -207,20 +210,9 @@ class Pipeline(BackwardRound):
         communication dtype and ``accum_dtype`` (fp32 for bf16 gradients reduced or accumulated in fp32). Never
         narrower than the gradients."""
         wide = torch.promote_types(buf.dtype, self.comm_dtype_of(buf))
-        if (self.accumulates_reduced or self.accumulates_locally) and self.accum_dtype is not None:
+        if (self.reduces_micro_steps or self.accumulates_locally) and self.accum_dtype is not None:
             wide = torch.promote_types(wide, self.accum_dtype)
         return wide
-
-    @property
-    def reduces_micro_steps(self) -> bool:
-        """Whether accumulation micro-steps (``gradient_accumulation_steps``) reduce their gradients at once, to
-        be added up in the gradient shard, rather than in ``p.grad`` (autograd, the gradients' dtype) until the last:
-        at stage 2 with an ``accum_dtype`` wider than some buffer's gradients (added up in that dtype), as DeepSpeed's
-        ZeRO-2 reduces every micro-step; always at stage 3 (``Stage3Pipeline``). ``no_sync()`` still accumulates
-        locally."""
-        if not self.accumulates_reduced or self.accum_dtype is None:
-            return False
-        return any(torch.promote_types(buf.dtype, self.accum_dtype) != buf.dtype for buf in self.buffers)
 
     @property
     def holding(self) -> bool:

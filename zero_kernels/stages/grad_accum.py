@@ -10,24 +10,23 @@ micro-step's gradients up in fp32 before reducing them; at stage 0 0.19 refuses 
 micro-steps' reduced gradients up in the training dtype (the first micro-step's partition is the
 accumulator), casting to fp32 only at the boundary.
 
-zero_kernels acts on it at every stage. At stages 2 and 3 (``Pipeline.accumulates_reduced``) each accumulation
-micro-step reduces its gradients (in the communication dtype) and adds them into a gradient shard of the wider
-dtype (``Pipeline.reduces_micro_steps``), DeepSpeed's ZeRO-3 numerics; at stage 2 that is more precise than
-DeepSpeed's. At stages 0 and 1 (``Pipeline.accumulates_locally``) the full local gradient buffer ``grad_flat`` takes
-the wider dtype (``local_dtype``; ``Pipeline.wide_local``): every backward's gradients are added into it as their
-hooks fire and ``p.grad`` is set to None (``add_local``; ``p.grad`` must have the parameter's dtype), as
-DeepSpeed's BF16_Optimizer empties ``p.grad`` into its fp32 buffers; the reduction reads the sum from there, in the
-communication dtype as without the key (stage 0 all-reduces it at the synchronised backward, stage 1
-reduce-scatters it at the step), so the update sees the fp32 sum. So with it ``p.grad`` is None after backward at
-every stage, as DeepSpeed shows it; clipping and a ``GradScaler`` work through the optimizer, as at stages 2-3.
-At stage 0 zero_kernels acts where DeepSpeed 0.19 refuses: what its earlier versions did, and what the key asks.
-Memory at stages 0-1: ``grad_flat`` takes 4 bytes per element instead of 2 (``memory_report()``'s ``grads``), and
-stage 1's gradient shard is fp32 (its ``buffers``); autograd's own ``p.grad`` lives only until its hook. Time: a
-window of 4 micro-steps of a 6.3M-parameter bf16 model on 2 gloo ranks took 1.2x (stage 1) and 1.3x (stage 0) as
-long as with bf16 accumulation (medians of 14 windows, alternating, on a loaded machine): the fp32 adds, autograd's
-new ``p.grad`` at every backward and the casts around the reduction.
-A dtype narrower than the gradients never narrows them (warned); fp16 gradients with ``"bf16"`` (or bf16 with
-``"fp16"``) add up in fp32, the one dtype that holds both (warned).
+zero_kernels acts on it at every stage. At stages 2 and 3, where each accumulation micro-step reduces its gradients
+(in the communication dtype; ``Pipeline.reduces_micro_steps``), it widens the gradient shard they are added into,
+DeepSpeed's ZeRO-3 numerics; at stage 2 that is more precise than DeepSpeed's. At stages 0 and 1
+(``Pipeline.accumulates_locally``) the full local gradient buffer ``grad_flat`` takes the wider dtype
+(``local_dtype``; ``Pipeline.wide_local``): every backward's gradients are added into it as their hooks fire and
+``p.grad`` is set to None (``add_local``; ``p.grad`` must have the parameter's dtype), as DeepSpeed's BF16_Optimizer
+empties ``p.grad`` into its fp32 buffers; the reduction reads the sum from there, in the communication dtype as
+without the key (stage 0 all-reduces it at the synchronised backward, stage 1 reduce-scatters it at the step), so
+the update sees the fp32 sum. So with it ``p.grad`` is None after backward at every stage, as DeepSpeed shows it;
+clipping and a ``GradScaler`` work through the optimizer, as at stages 2-3. At stage 0 zero_kernels acts where
+DeepSpeed 0.19 refuses: what its earlier versions did, and what the key asks. Memory at stages 0-1: ``grad_flat``
+takes 4 bytes per element instead of 2 (``memory_report()``'s ``grads``), and stage 1's gradient shard is fp32 (its
+``buffers``); autograd's own ``p.grad`` lives only until its hook. Time: a window of 4 micro-steps of a
+6.3M-parameter bf16 model on 2 gloo ranks took 1.2x (stage 1) and 1.3x (stage 0) as long as with bf16 accumulation
+(medians of 14 windows, alternating, on a loaded machine): the fp32 adds, autograd's new ``p.grad`` at every
+backward and the casts around the reduction. A dtype narrower than the gradients never narrows them (warned); fp16
+gradients with ``"bf16"`` (or bf16 with ``"fp16"``) add up in fp32, the one dtype that holds both (warned).
 
 Default (the key absent): the gradients' own dtype at every stage. That is DeepSpeed's default since 0.17.6
 (the training dtype, whatever the stage; 0.7.7 to 0.17.5 chose fp32 for bf16 at stage 0 only), so a drop-in

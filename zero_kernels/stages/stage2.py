@@ -10,8 +10,9 @@ after a step, added by later ones, so several backward passes before a step accu
 bucket goes back to a pool, to be reused by the next bucket that fills. Buckets are of the
 communication dtype (``communication_data_type``, else the gradients' own) and ``grad_shard`` of the
 wider of the two: with ``"fp32"``, bf16/fp16 gradients are cast to fp32 as they are copied in,
-reduced in fp32 and added up in fp32 until the step. A wider ``grad_accum_dtype`` widens ``grad_shard`` too,
-and then every accumulation micro-step is reduced and added into it (``stages.grad_accum``).
+reduced in fp32 and added up in fp32 until the step. Every ``gradient_accumulation_steps`` micro-step is reduced
+and added into it, as DeepSpeed's ZeRO-2 does (``reduces_micro_steps``), so between micro-steps a rank holds its
+shard, not the whole local gradient; a wider ``grad_accum_dtype`` widens ``grad_shard`` (``stages.grad_accum``).
 The pool keeps what backward uses at once, ``pool_limit(device)`` buckets of the largest size:
 ``max_inflight + 1`` in flight, and two being filled or, in host memory where one parameter spans more
 buckets, as many as it spans (its gradient is copied into all of them at once); never more bytes than this
@@ -56,7 +57,7 @@ class Stage2Pipeline(Pipeline):
     allgather_by_bucket = True
 
     quantizes_gradients = True
-    accumulates_reduced = True
+    reduces_micro_steps = True
 
     def __init__(self, engine: Any, options: Any, **kwargs: Any):
         super().__init__(engine, options, **kwargs)

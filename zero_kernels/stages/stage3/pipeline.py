@@ -751,14 +751,6 @@ class Stage3Pipeline(Stage2Pipeline):
                     self.engine.all_gather(full, shard, name=f"exact.{b.index}").wait()
 
     @property
-    def reduces_micro_steps(self) -> bool:
-        """Always: every accumulation micro-step reduces its gradients into the shard, as DeepSpeed's ZeRO-3 does, so
-        that between micro-steps a rank holds its shard of the gradients, not the whole local gradient (2-4 bytes per
-        parameter of the model on every rank, the memory stage 3 exists to save). ``no_sync()`` still accumulates
-        locally."""
-        return True
-
-    @property
     def holding(self) -> bool:
         """Inside ``gathered_params()``: gathers are exact (no quantization, no secondary partition)."""
         return self._hold_depth > 0
