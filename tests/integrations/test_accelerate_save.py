@@ -52,6 +52,8 @@ def _check_saved(stage: int, directory: str, safe: bool) -> None:
     from transformers import GPT2LMHeadModel
 
     accelerator, model, opt = _trained(stage)
+    state = accelerator.get_state_dict(model)  # at stage 3 only the writer holds a copy, as under DeepSpeed
+    assert (state is None) == (stage == 3 and not accelerator.is_main_process), f"stage {stage}"
     accelerator.save_model(model, directory, safe_serialization=safe)
     if accelerator.is_main_process:
         model.config.save_pretrained(directory)

@@ -45,9 +45,10 @@ any other model is prepared as usual):
   and clip nothing.)
 - ``get_state_dict(model)``, and so ``save_model(model, directory)``, returns a copy of every tensor
   of the state dict, taken inside the optimizer's ``gathered_params()`` (at stage 3 the full
-  weights, in host memory, gathered a unit at a time as DeepSpeed's ZeRO-3 does: a collective, call it on every
-  rank); tied weights stay one tensor. Accelerate's own returns the parameters, views into the optimizer's flat buffer
-  at stages 0-2, and its ``save_model`` then keeps one tensor per storage: one of the model's weights.
+  weights, in the writing process's host memory, gathered a unit at a time as DeepSpeed's ZeRO-3 does: a
+  collective, call it on every rank; None on the other processes); tied weights stay one tensor. Accelerate's own
+  returns the parameters, views into the optimizer's flat buffer at stages 0-2, and its ``save_model`` then keeps
+  one tensor per storage: one of the model's weights.
 
 An optimizer built before the ``ZeroAccelerator`` (which starts the process group) has no group: a
 world of one rank, which never reduces gradients across processes. ``prepare`` refuses it, naming
@@ -189,9 +190,12 @@ class ZeroAccelerator(Accelerator):
             return clip_sharded(self, parameters, max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Optional[dict[str, Any]]:
         """As ``Accelerator.get_state_dict``; for a model a ``ShardedFusedAdam`` trains, a copy of every tensor,
-        full at every stage (a collective at stage 3: call it on every rank).
+        full at every stage. At stage 3 a collective (call it on every rank) that gathers one unit at a time into
+        the host memory of the process that writes (the main one; each node's with ``save_on_each_node``) and
+        returns None on the others, as Accelerate's under DeepSpeed's ZeRO-3, so the ranks do not each hold a
+        copy of the whole model.
 
         Args:
             model: a model given to ``prepare``.
@@ -203,7 +207,9 @@ class ZeroAccelerator(Accelerator):
         if unwrap:
             model = self.unwrap_model(model)
         if len(optimizers) == 1 and sharded_params(optimizers[0]):  # a unit at a time, into host memory
-            return model_state_dict(optimizers[0].pipeline, model, keep=True)
+            each_node = self.project_configuration.save_on_each_node
+            keep = self.is_local_main_process if each_node else self.is_main_process
+            return model_state_dict(optimizers[0].pipeline, model, keep=keep)
         with contextlib.ExitStack() as stack:
             for opt in optimizers:
                 stack.enter_context(opt.gathered_params())
