@@ -4,7 +4,8 @@ backward passes, saved after the first or the second of three micro-batches. The
 compared with the uninterrupted one element by element (parameters and Adam state, bit for bit).
 Loaded at another stage, such a checkpoint raises on every rank, saying to save at a window
 boundary; one saved at a boundary loads with an empty window, as after ``zero_grad()``. With ZeRO++'s quantized
-weights (stages 1-3, 2 ranks) the resumed run is bit for bit the uninterrupted one too, inside a window and at its end.
+weights (stages 1-3, 2 ranks) the resumed run is bit for bit the uninterrupted one too, inside a window and at its end,
+before the first step as after it.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ def _case(rank: int, world: int, stage: int, mode: str, save_after: int, root: s
         ck.load(root, model, _opt(model, other, mode))
 
 
-def _quantized_case(rank: int, world: int, stage: int, save_after: int, root: str) -> None:
+def _quantized_case(rank: int, world: int, stage: int, save_step: int, save_after: int, root: str) -> None:
     """qwZ: every rank's whole copy of the other ranks' parts (stages 1-2, stage 3's persistent parameters) is the
-    dequantized int8 all-gather's; a load writes exact values there, so it sends them again as the step does, and
-    the resumed run (saved inside the window or at its end) goes on bit for bit."""
+    dequantized int8 all-gather's once a step ran; a load writes exact values there, so it sends them again as the
+    step does, and the resumed run (saved inside the window or at its end) goes on bit for bit. Saved before the
+    first step, the copies stay exact, as the uninterrupted run's are (the load sent them quantized: the Adam state
+    1.1e-4 off two steps later, stages 1-2)."""
     runs = []
     for saving in (False, True):
         model, _ = make_models(torch.float32)
@@ -94,7 +97,7 @@ def _quantized_case(rank: int, world: int, stage: int, save_after: int, root: st
         for step in range(3):
             for m in range(MICRO):
                 _micro(model, opt, rank, world, step, m, "no_sync")
-                if saving and step == 1 and m == save_after:
+                if saving and step == save_step and m == save_after:
                     ck.save(root, model, opt)
                     model, _ = make_models(torch.float32)
                     opt = _opt(model, stage, "no_sync", zero_quantized_weights=True)
@@ -102,16 +105,42 @@ def _quantized_case(rank: int, world: int, stage: int, save_after: int, root: st
         runs.append(_state(model, opt))
     expected, got = runs
     for key, value in expected.items():
-        what = f"qwZ stage {stage} saved after micro-batch {save_after}: {key}"
+        what = f"qwZ stage {stage} saved after micro-batch {save_after} of step {save_step}: {key}"
+        assert torch.equal(got[key], value), f"{what} differs by {(got[key] - value).abs().max():.3g}"
+
+
+def _gradless_case(rank: int, world: int, stage: int, root: str) -> None:
+    """qwZ: a step before any backward (no gradient anywhere, every step count stays 0) sends the shards quantized all
+    the same; a checkpoint saved after it keeps that, and the resumed run goes on bit for bit."""
+    runs = []
+    for saving in (False, True):
+        model, _ = make_models(torch.float32)
+        opt = _opt(model, stage, "no_sync", zero_quantized_weights=True)
+        opt.step()
+        if saving:
+            ck.save(root, model, opt)
+            model, _ = make_models(torch.float32)
+            opt = _opt(model, stage, "no_sync", zero_quantized_weights=True)
+            ck.load(root, model, opt)
+        for m in range(MICRO):
+            _micro(model, opt, rank, world, 0, m, "no_sync")
+        runs.append(_state(model, opt))
+    expected, got = runs
+    for key, value in expected.items():
+        what = f"qwZ stage {stage} saved after a step without gradients: {key}"
         assert torch.equal(got[key], value), f"{what} differs by {(got[key] - value).abs().max():.3g}"
 
 
 def _quantized_body(rank: int, world: int, tmp: str) -> list[str]:
     problems = []
     for stage in (1, 2, 3):
-        for save_after in (0, MICRO - 1):
+        try:
+            _gradless_case(rank, world, stage, f"{tmp}/gradless{stage}")
+        except Exception as err:
+            problems.append(f"{type(err).__name__}: {err}")
+        for save_step, save_after in ((0, 0), (1, 0), (1, MICRO - 1)):
             try:
-                _quantized_case(rank, world, stage, save_after, f"{tmp}/q{stage}-{save_after}")
+                _quantized_case(rank, world, stage, save_step, save_after, f"{tmp}/q{stage}-{save_step}-{save_after}")
             except Exception as err:  # every case runs; each rank reports what it found wrong
                 problems.append(f"{type(err).__name__}: {err}")
     return problems

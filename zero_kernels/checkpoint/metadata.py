@@ -150,8 +150,9 @@ def _bookkeeping(c: _Checker, meta: dict[str, Any]) -> None:
             c.of_type(entry, dict, key)
             c.count(entry.get("bytes"), f"{key}.bytes")
             c.count(entry.get("crc32"), f"{key}.crc32", 0, 0xFFFFFFFF)
-    if not isinstance(meta.get("adam_w_mode", True), bool):
-        raise c.fail("adam_w_mode", "must be true or false")
+    for key in ("adam_w_mode", "dequantized"):
+        if not isinstance(meta.get(key, True), bool):
+            raise c.fail(key, "must be true or false")
 
 
 def read_metadata(version: Path) -> dict[str, Any]:

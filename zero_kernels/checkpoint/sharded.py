@@ -283,6 +283,7 @@ def _metadata(
         "param_groups": groups,
         "adam_w_mode": bool(getattr(optimizer, "adam_w_mode", True)),
         "skipped_steps": optimizer.skipped_steps,  # the same on every rank (the skip is decided on global stats)
+        "dequantized": any(buf.dequantized for buf in pipeline.buffers),  # qwZ: a step's int8 gather wrote them
         **files,
     }
 
@@ -625,7 +626,7 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
             dst.copy_(value.view(dst.shape))
     pipeline.assign_frozen(staged.frozen)
     master.record_all(pipeline)
-    pipeline.requantize_whole()
+    pipeline.requantize_loaded(staged.meta.get("dequantized", True))  # absent before it was kept: as then
     saved = {p["name"]: p for p in staged.meta["params"]}
     for index in pipeline.steps:
         entry = saved[names[index]]

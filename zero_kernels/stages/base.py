@@ -536,6 +536,7 @@ class Pipeline(BackwardRound):
         full = buf.bucket_slice(buf.param_flat, bucket)
         shard, name = self.param_shard(buf, bucket), f"params.{bucket.index}"
         if getattr(self.options, "quantized_weights", False):  # qwZ: this rank's chunk of full is its exact shard
+            buf.dequantized = True
             layout = quantized_gather.Payload(shard.numel())
             payload = self.weight_quantizer.take(self.weight_quantizer.key(buf, bucket), shard, layout)
             return quantized_gather.publish(self.engine, full, shard, payload, name, self.param_traffic)
@@ -545,12 +546,20 @@ class Pipeline(BackwardRound):
         """qwZ, after a load or a ``gathered_params()`` block wrote exact values into every rank's whole copy of the
         parameters (stage 3: of its persistent units): the other ranks' parts as the step's quantized all-gather leaves
         them (dequantized), so that a resumed run, or one that held a block, even an empty one or a save, goes on from
-        the values the uninterrupted run held (this rank's part stays exact, as after a step, edits included)."""
+        the values the uninterrupted run held (this rank's part stays exact, as after a step, edits included). Only
+        where a step sent them so (``buf.dequantized``): before the first step every rank's copy is exact."""
         for buf in self.buffers:
-            if buf.param_flat is not None and self.epilogue_quantizer(buf) is not None:
+            if buf.param_flat is not None and buf.dequantized and self.epilogue_quantizer(buf) is not None:
                 for handle in [self._publish(buf, bucket) for bucket in buf.layout.buckets]:
                     if handle is not None:
                         handle.wait()
+
+    def requantize_loaded(self, dequantized: bool) -> None:
+        """qwZ, after a load wrote exact values into the whole copies: the other ranks' parts as the saved run held
+        them, dequantized where a step's int8 all-gather had written them (``requantize_whole``), else exact."""
+        for buf in self.buffers:
+            buf.dequantized = dequantized
+        self.requantize_whole()
 
     def epilogue_quantizer(self, buf: FlatBuffer) -> Optional[quantized_gather.WeightQuantizer]:
         """Where the step's Adam kernel leaves the int8 copy of ``buf``'s updated shards (``update``'s epilogue),

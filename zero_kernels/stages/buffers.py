@@ -39,6 +39,7 @@ class FlatBuffer:
     exp_avg_sq: Optional[torch.Tensor] = None
     max_exp_avg_sq: Optional[torch.Tensor] = None  # AMSGrad's running maximum of exp_avg_sq (when used)
     master_version: int = -1  # master._version after the optimizer's own last write into it (``stages.master``)
+    dequantized: bool = False  # qwZ: a step's int8 all-gather wrote the other ranks' parts of param_flat
     pending: list[int] = field(default_factory=list)  # per bucket: parameters still to report
     scratch: dict[int, torch.Tensor] = field(default_factory=dict)  # per bucket: gradients still being filled
     filled: dict[int, set[int]] = field(default_factory=dict)  # per bucket: slots copied into its scratch
