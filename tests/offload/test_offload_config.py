@@ -68,17 +68,23 @@ def test_hf_zero3_template_reads_both_blocks_and_sub_group_size() -> None:
 
 
 def test_offload_numbers_written_as_strings_are_read_as_deepspeed_reads_them() -> None:
-    # DeepSpeed's offload config models take "5" for their integers and "0.5" for ratio
+    # DeepSpeed's offload config models take "5" for their integers and "0.5" for ratio and cpuadam_cores_perc
     zero = ZeroConfig.from_deepspeed(
         {
             "zero_optimization": {
                 "stage": 3,
-                "offload_optimizer": {"device": "cpu", "buffer_count": "5", "ratio": "0.5"},
+                "offload_optimizer": {
+                    "device": "cpu",
+                    "buffer_count": "5",
+                    "ratio": "0.5",
+                    "cpuadam_cores_perc": "0.25",
+                },
                 "offload_param": {"device": "cpu", "buffer_count": "6", "buffer_size": "1000.0", "max_in_cpu": " 7"},
             }
         }
     ).zero
-    assert (zero.offload_optimizer.buffer_count, zero.offload_optimizer.ratio) == (5, 0.5)
+    off = zero.offload_optimizer
+    assert (off.buffer_count, off.ratio, off.cpuadam_cores_perc) == (5, 0.5, 0.25)
     param = zero.offload_param
     assert (param.buffer_count, param.buffer_size, param.max_in_cpu) == (6, 1000, 7) and type(param.buffer_size) is int
 

@@ -139,7 +139,7 @@ OPTIMIZER_RULES: dict[str, Scalar] = {
     "pipeline_write": boolean(),
     "fast_init": boolean(),
     "ratio": RATIO,
-    "cpuadam_cores_perc": number(0, 1),  # 0 (DeepSpeed takes it): one thread
+    "cpuadam_cores_perc": number(0, 1, text=True),  # 0 (DeepSpeed takes it): one thread
     "super_offload": boolean(),
 }
 PARAM_RULES: dict[str, Scalar] = {
