@@ -490,6 +490,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 loss = closure()
         self._warn_accumulated_twice()
         if not self._updates_at_next_step(closure is not None):
+            self._pipeline.keep_failed_round()
             self._micro_step += 1
             mid_window.mark(self)
             self._update_sync()

@@ -49,6 +49,7 @@ class BackwardRound:
         self._note_arrival(index)
         self._note_gradient(index, p)
         if not self.sync_enabled:
+            self._open_pass()
             if buf.grad_flat is not None:  # stages 0-1: p.grad views grad_flat (or wide_local: added into it)
                 self._consume_grad(buf, slot, p)
             return
@@ -99,6 +100,17 @@ class BackwardRound:
             self._refuse(refusals.SECOND_GRADIENT, buf.index_of(slot), p)
             return None
         return False
+
+    def _open_pass(self) -> None:
+        """A backward that reduces nothing (``no_sync``, a stage 0-1 micro-step) opens no round; it is marked open
+        until it ends, so that one that raised is told apart (``failed_round_open``) as a round is: ``zero_grad()``
+        then drops the window, where it would take the failure's gradients for a backward after the step."""
+        if not self._pass_open:
+            self._pass_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(weakly(self._end_pass))  # eager, held weakly
+
+    def _end_pass(self) -> None:
+        self._pass_open = False
 
     def _queue_round_end(self) -> None:
         """The round ends with the backward running now (an autograd callback); stage 3 ends it with the backward its
@@ -206,7 +218,10 @@ class BackwardRound:
         ``keep`` (the step, ``clip_grad_norm_``): end it as backward would have; its gradients are the step's, as
         ``torch.optim.AdamW`` uses what the failed backward left in ``p.grad``. Else (``zero_grad()``): complete the
         collectives it launched, in issue order (ranks whose backward raised at the same point launched the same
-        ones), drop the gradients it left in the stage's buffers, and let the next backward open a new round."""
+        ones), drop the gradients it left in the stage's buffers, and let the next backward open a new round. A
+        failed pass that reduced nothing (``_open_pass``) left its gradients where the step or ``zero_grad()`` finds
+        them."""
+        self._pass_open = False
         if not self._round_open:
             return
         if keep:

@@ -144,6 +144,7 @@ class Pipeline(BackwardRound):
         self._reported: set[tuple[int, int]] = set()  # (buffer, slot) that reported in this round
         self._inflight: list[Inflight] = []  # in issue order
         self._round_open = False
+        self._pass_open = False  # a backward that reduces nothing is running, or raised (``_open_pass``)
         self._synced = False  # a synchronised backward happened since the last step
         self._owed = False  # gradients may be left unreduced after it: the step reduces once more (``sync_enabled``)
         self._grads_final = False  # finish_grad_sync() ran since the last step, and no gradient arrived since
@@ -650,8 +651,14 @@ class Pipeline(BackwardRound):
 
     @property
     def failed_round_open(self) -> bool:
-        """Whether a backward that raised left its round open (outside a backward: ``_close_failed_round``)."""
-        return self._round_open
+        """Whether a backward that raised left its round open (outside a backward: ``_close_failed_round``), or left
+        open the pass of one that reduces nothing (``_open_pass``)."""
+        return self._round_open or self._pass_open
+
+    def keep_failed_round(self) -> None:
+        """A micro-step's ``step()``: what a backward that raised left is the window's, as at the step that updates
+        (``_close_failed_round``), so that the window's next ``zero_grad()`` keeps it."""
+        self._close_failed_round(keep=True)
 
     def reset_grad_sync(self) -> None:
         """The gradients are gone (step or ``zero_grad``): the next ones start a new synchronisation."""
