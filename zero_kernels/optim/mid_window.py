@@ -3,9 +3,9 @@ micro-step's ``step()``.
 
 With ``gradient_accumulation_steps`` every micro-step calls ``step()``, and ``zero_grad()`` between micro-steps keeps
 the window's gradients, as DeepSpeed's engine does: the optimizer's own call is ignored, and ``model.zero_grad()`` of a
-module holding its parameters leaves the micro-steps' sum in their ``p.grad`` (stages 0-2 add micro-steps up there;
-stage 3, and a wider ``grad_accum_dtype``, reduce each into the gradient shard, which torch's call cannot reach), so
-every stage updates on the whole window.
+module holding its parameters leaves the micro-steps' sum in their ``p.grad`` (stages 0-1 add micro-steps up there,
+or in a buffer of a wider ``grad_accum_dtype``; stages 2-3 reduce each into the gradient shard, which torch's call
+cannot reach), so every stage updates on the whole window.
 
 A loop that backpropagates after a micro-step's ``step()`` and then clears, as torch's DCGAN loop does (the
 generator's loss through the discriminator, cleared by ``netD.zero_grad()``) or an input-saliency backward, means that
