@@ -34,8 +34,8 @@ writes it back (the device's part of it read first: the host Adam overwrites its
 Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shard in files (``grads_in_files``,
 as the pipeline does): not on the device nor as a host copy; each reduction sends it down and writes it, beside
 backward, and the update reads it (a later micro-step's reduction reads it back to add): ``g`` bytes per element
-on the disk, written and read once per step, or once per micro-step where every micro-step reduces
-(``every_micro_step``: stages 2 and 3, ``models.reduces_micro_steps``).
+on the disk, written and read at every reduction: once per micro-step (``every_micro_step``: stage 3 reduces every
+micro-step, ``models.reduces_micro_steps``).
 
 Devices, hosts and disks: ``ranks_per_node`` ranks share a node's host memory, its disk (capacity and
 bandwidth) and its CPU cores (the CPU Adam's rate is the node's, divided among them); each rank has its
