@@ -96,6 +96,7 @@ def _portable(opt: "ShardedFusedAdam", process_group: Any) -> dict[str, Any]:
             "param_shards": zstate.param_shards(pipeline),
             "steps": dict(pipeline.steps),
             "shapes": [tuple(pipeline.param_shape(p)) for p in params],
+            "dequantized": [buf.dequantized for buf in pipeline.buffers],  # qwZ: as the copied whole copies hold
         },
         "frozen": pipeline.frozen_chunks(),
     }
@@ -181,6 +182,8 @@ def load_shards(opt: "ShardedFusedAdam", state: dict[str, Any]) -> None:
     zstate.mark_written(pipeline, shard.get("written", []))
     pipeline.steps.update(shard["steps"])
     zstate.load_param_shards(pipeline, shard["param_shards"])
+    for buf, dequantized in zip(pipeline.buffers, shard.get("dequantized", [True] * len(pipeline.buffers))):
+        buf.dequantized = dequantized  # absent from older snapshots: requantized at a block's end, as then
     pipeline.load_frozen_chunks(state.get("frozen", []))
     opt.last_step = state["last_step"]
     opt.state.extra = dict(state["extra_state"])
