@@ -112,7 +112,8 @@ CASES = {
     "lr not a number": (_set(["param_groups", 0, "lr"], "fast"), r"param_groups\[0\].lr must be a finite number"),
     "loss scaler without scale": (_set(["loss_scaler"], {"good_steps": 1}), "loss_scaler.scale must be"),
     "negative skipped_steps": (_set(["skipped_steps"], -1), "skipped_steps must be >= 0, not -1"),
-    "dequantized not a bool": (_set(["dequantized"], 1), "dequantized must be true or false"),
+    "dequantized not a bool": (_set(["dequantized"], 1), "dequantized must be true, false or a list of param group"),
+    "dequantized group out of range": (_set(["dequantized"], [7]), r"dequantized\[0\] must be in 0\.\.0, not 7"),
     "extra entry not an object": (_set(["extra"], [1]), "extra must be a JSON object"),
 }
 

@@ -27,11 +27,11 @@ to ``{"shape", "dtype", "pieces": [[file, elem_offset, byte_offset, numel], ...]
 ``file``. Model tensors are keyed ``model/NAME``, Adam state ``optim/INDEX/{exp_avg,exp_avg_sq,
 master}``, the gradients of a rank's open accumulation window ``window/RANK/grad/INDEX`` and
 ``window/RANK/shard/BUFFER``. The rest (``model`` key aliases, ``params``, a JSON summary of the
-``param_groups``, the optimizer's ``skipped_steps`` and ``dequantized`` (qwZ: whether a step's int8 all-gather had
-written the other ranks' parts of the whole parameters), absent before they were kept) is bookkeeping read
-by ``checkpoint.load``, ``checkpoint.consolidate`` and ``inspect``; ``objects`` and ``extra`` give
-the size and CRC of ``objects.pt`` and ``extra.pt``, whose objects keep their exact types
-(``checkpoint.objects``). Version 1 (before ``objects.pt``) kept the param groups, the loss scale
+``param_groups``, the optimizer's ``skipped_steps`` and ``dequantized`` (qwZ: the param groups whose whole
+parameters' other-rank parts a step's int8 all-gather had written; true or false for all of them as first kept),
+absent before they were kept) is bookkeeping read by ``checkpoint.load``, ``checkpoint.consolidate`` and
+``inspect``; ``objects`` and ``extra`` give the size and CRC of ``objects.pt`` and ``extra.pt``, whose objects
+keep their exact types (``checkpoint.objects``). Version 1 (before ``objects.pt``) kept the param groups, the loss scale
 and the scheduler's state in the JSON itself; it still loads. A checkpoint directory is untrusted
 input: ``metadata.read_metadata`` checks every field (shard file names are plain names inside the
 version, pieces lie inside their files) before anything is opened or allocated.

@@ -150,9 +150,13 @@ def _bookkeeping(c: _Checker, meta: dict[str, Any]) -> None:
             c.of_type(entry, dict, key)
             c.count(entry.get("bytes"), f"{key}.bytes")
             c.count(entry.get("crc32"), f"{key}.crc32", 0, 0xFFFFFFFF)
-    for key in ("adam_w_mode", "dequantized"):
-        if not isinstance(meta.get(key, True), bool):
-            raise c.fail(key, "must be true or false")
+    if not isinstance(meta.get("adam_w_mode", True), bool):
+        raise c.fail("adam_w_mode", "must be true or false")
+    dequantized = meta.get("dequantized", True)  # param group indices; true or false for all as first kept
+    if not isinstance(dequantized, (bool, list)):
+        raise c.fail("dequantized", "must be true, false or a list of param group indices")
+    for i, g in enumerate([] if isinstance(dequantized, bool) else dequantized):
+        c.count(g, f"dequantized[{i}]", 0, max(len(groups) - 1, 0))
 
 
 def read_metadata(version: Path) -> dict[str, Any]:

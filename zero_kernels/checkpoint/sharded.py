@@ -283,7 +283,8 @@ def _metadata(
         "param_groups": groups,
         "adam_w_mode": bool(getattr(optimizer, "adam_w_mode", True)),
         "skipped_steps": optimizer.skipped_steps,  # the same on every rank (the skip is decided on global stats)
-        "dequantized": any(buf.dequantized for buf in pipeline.buffers),  # qwZ: a step's int8 gather wrote them
+        # qwZ: the param groups whose whole copies a step's int8 all-gather wrote (a group added since, not yet)
+        "dequantized": sorted({buf.group for buf in pipeline.buffers if buf.dequantized}),
         **files,
     }
 

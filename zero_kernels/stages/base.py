@@ -50,7 +50,7 @@ import contextlib
 import functools
 import logging
 import weakref
-from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -555,11 +555,12 @@ class Pipeline(BackwardRound):
                     if handle is not None:
                         handle.wait()
 
-    def requantize_loaded(self, dequantized: bool) -> None:
+    def requantize_loaded(self, dequantized: Union[bool, list[int]]) -> None:
         """qwZ, after a load wrote exact values into the whole copies: the other ranks' parts as the saved run held
-        them, dequantized where a step's int8 all-gather had written them (``requantize_whole``), else exact."""
+        them, dequantized where a step's int8 all-gather had written them (``requantize_whole``), else exact.
+        ``dequantized``: the param groups it had written, or True / False for all of them."""
         for buf in self.buffers:
-            buf.dequantized = dequantized
+            buf.dequantized = dequantized if isinstance(dequantized, bool) else buf.group in dequantized
         self.requantize_whole()
 
     def epilogue_quantizer(self, buf: FlatBuffer) -> Optional[quantized_gather.WeightQuantizer]:
