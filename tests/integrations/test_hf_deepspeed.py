@@ -373,11 +373,11 @@ def test_arguments_found_after_another_positional_argument(tmp_path, caplog) -> 
 
 
 @pytest.mark.parametrize("wider", [True, False])
-def test_a_wider_grad_accum_dtype_reduces_every_micro_batch(tmp_path, wider: bool) -> None:
+def test_stage_2_reduces_every_micro_batch(tmp_path, wider: bool) -> None:
     """A whole bf16 config at stage 2: every micro-batch's backward reduces into the gradient shard, as the Trainer
-    with DeepSpeed runs it (the micro-batch before the last ran under ``no_sync()``, the whole local gradient added up
-    in bf16 ``p.grad``); with ``data_types.grad_accum_dtype: fp32`` into an fp32 shard (the key, and
-    ``communication_data_type`` and ``skip_nonfinite_steps``, never reached the optimizer)."""
+    with DeepSpeed runs it (the micro-batch before the last used to run under ``no_sync()``, the whole local gradient
+    added up in bf16 ``p.grad``); with ``data_types.grad_accum_dtype: fp32`` into an fp32 shard (the key, and
+    ``communication_data_type`` and ``skip_nonfinite_steps``, used to never reach the optimizer)."""
     from zero_kernels.integrations.hf import ZeroTrainer
 
     trainers, synced = [], []
