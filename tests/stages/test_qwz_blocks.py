@@ -41,11 +41,11 @@ def _run(rank: int, stage: int, dtype: torch.dtype, block: str, out: str) -> lis
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _stepped(rank: int, stage: int) -> tuple[nn.Module, zk.ShardedFusedAdam]:
+def _stepped(rank: int, stage: int, **extra: int) -> tuple[nn.Module, zk.ShardedFusedAdam]:
     """A small model and its qwZ optimizer after one step: the other ranks' parts are the dequantized values."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True, reduce_bucket_size=64)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=stage, zero_quantized_weights=True, reduce_bucket_size=64, **extra)
     model(torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
     opt.step()
     return model, opt
@@ -164,10 +164,10 @@ def test_a_deleted_optimizer_leaves_dequantized_parts_and_says_so(spawn) -> None
 def _copied(rank: int, world: int) -> None:
     """A copy of the model and its optimizer (``copy.deepcopy``) taken after a step holds the other ranks' parts as
     the step sent them, so a block on it ends as on the original (the copy's left them exact: 2.2e-3 apart after 3
-    more steps) and both runs go on equal."""
-    for stage in (1, 2):
+    more steps, stages 1-3) and both runs go on equal."""
+    for stage in (1, 2, 3):
         runs = []
-        model, opt = _stepped(rank, stage)
+        model, opt = _stepped(rank, stage, **({"stage3_param_persistence_threshold": 10**6} if stage == 3 else {}))
         opt.zero_grad()
         for model, opt in (model, opt), copy.deepcopy((model, opt)):
             for step in range(3):
