@@ -218,3 +218,20 @@ def test_a_backward_that_raised_mid_window(stage: int, failure: str) -> None:
     kept the failure open and dropped the window at the next micro-step's zero_grad(), 1.0e-1 off)."""
     on_failure, drop = FAILURES[failure]
     _compare(_failing_loop(stage, on_failure), _failing_reference(drop), f"stage {stage}, {failure}")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])  # stage 3 refuses a second optimizer on the parameters it shards
+def test_an_optimizer_built_again_mid_window_takes_model_zero_grad_over(stage: int) -> None:
+    """An optimizer rebuilt on the model inside a window, the old one still referenced: ``model.zero_grad()`` is the
+    new one's (it raised the old one's refusal at every call)."""
+    net_d, net_g = _nets()
+    old = zk.ShardedFusedAdam(net_d, lr=LR, stage=stage, gradient_accumulation_steps=MICRO)
+    real, noise = _batch(0, 0, 1)
+    _d_loss(net_d, net_g, real, noise).backward()
+    old.step()
+    _d_loss(net_d, net_g, real, noise).backward()
+    new = zk.ShardedFusedAdam(net_d, lr=LR, stage=stage)
+    net_d.zero_grad()
+    for p in net_d.parameters():
+        assert p.grad is None, "model.zero_grad() cleared nothing for the optimizer that owns the parameters"
+    assert (old.micro_step, new.micro_step) == (1, 0)
