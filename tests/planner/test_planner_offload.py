@@ -132,9 +132,9 @@ def test_stage_3_with_the_state_on_disk_keeps_the_gradient_shard_in_files() -> N
     a later one) and read by the update; stages 1-2, the cpu tier and a share keep it as before."""
     plain = estimate_offload(PSI, N, 2, NVME)
     disk_bps = 20 * GB / 8  # the node's disk shared by its 8 ranks
-    for accum, every in ((1, False), (4, False), (4, True)):
-        est = estimate_offload(PSI, N, 3, replace(NVME, grad_accum=accum), every_micro_step=every)
-        reductions = accum if every else 1  # micro-steps added up locally: one reduction per step
+    for accum in (1, 4):
+        est = estimate_offload(PSI, N, 3, replace(NVME, grad_accum=accum))
+        reductions = accum  # stage 3 reduces every micro-step
         assert est.disk_bytes == plain.disk_bytes + 2 * SHARD
         assert est.disk_read == est.disk_write == 12 * SHARD + reductions * 2 * SHARD
         assert est.bus_down == reductions * 2 * SHARD  # down to its file at every reduction
@@ -153,9 +153,8 @@ def test_the_shard_goes_down_once_per_step_whatever_the_micro_steps() -> None:
     the device before (``test_the_model_matches_the_gradients_down_over_micro_steps`` measures it)."""
     acc = replace(CPU, grad_accum=4)
     for stage in (1, 2, 3):
-        for every in (False, True):
-            assert estimate_offload(PSI, N, stage, acc, every_micro_step=every).bus_down == 2 * SHARD
-    assert estimate_offload(PSI, N, 2, acc, grad_dtype="fp32", every_micro_step=True).bus_down == 4 * SHARD
+        assert estimate_offload(PSI, N, stage, acc).bus_down == 2 * SHARD
+    assert estimate_offload(PSI, N, 2, acc, grad_dtype="fp32").bus_down == 4 * SHARD
 
 
 @pytest.mark.parametrize("grad_accum_dtype", [None, "fp32"])
@@ -183,11 +182,10 @@ def test_the_model_matches_the_gradients_down_over_micro_steps(monkeypatch, grad
         opt.step()  # acts at the window's last micro-step
     moved = tier.traffic()["down"] - before.get("down", 0)
     (buf,) = opt._pipeline.buffers
-    every = reduces_micro_steps(2)
     setup = replace(CPU, ranks_per_node=1, grad_accum=2)
     grads = reduced_grad_dtype("bf16", None, grad_accum_dtype)
-    est = estimate_offload(buf.layout.numel, 1, 2, setup, grad_dtype=grads, every_micro_step=every)
-    assert every and moved == est.bus_down > 0
+    est = estimate_offload(buf.layout.numel, 1, 2, setup, grad_dtype=grads)
+    assert reduces_micro_steps(2) and moved == est.bus_down > 0
 
 
 def test_the_update_after_backward_is_the_adam_or_the_disk_whichever_is_longer() -> None:

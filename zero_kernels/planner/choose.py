@@ -25,7 +25,6 @@ from .models import (
     estimate_memory,
     get_link,
     reduced_grad_dtype,
-    reduces_micro_steps,
     shard_elements,
 )
 from .offload import OffloadEstimate, OffloadSetup, device_memory, estimate_offload, offload_keys
@@ -321,7 +320,6 @@ def plan_stages(
                 param_dtype=param_dtype,
                 master_weights=master_weights,
                 grad_dtype=grads,
-                every_micro_step=reduces_micro_steps(stage),
             )
             memory = device_memory(memory, offload if stage == 3 else replace(offload, param="none"), stage=stage)
         exposed = _exposed(comm, compute_s or 0.0, off)

@@ -34,8 +34,8 @@ writes it back (the device's part of it read first: the host Adam overwrites its
 Stage 3 with the state on ``nvme`` (``ratio`` 1) keeps the reduced gradient shard in files (``grads_in_files``,
 as the pipeline does): not on the device nor as a host copy; each reduction sends it down and writes it, beside
 backward, and the update reads it (a later micro-step's reduction reads it back to add): ``g`` bytes per element
-on the disk, written and read at every reduction: once per micro-step (``every_micro_step``: stage 3 reduces every
-micro-step, ``models.reduces_micro_steps``).
+on the disk, written and read at every reduction: once per micro-step (stage 3 reduces every micro-step,
+``models.reduces_micro_steps``).
 
 Devices, hosts and disks: ``ranks_per_node`` ranks share a node's host memory, its disk (capacity and
 bandwidth) and its CPU cores (the CPU Adam's rate is the node's, divided among them); each rank has its
@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .models import MemoryEstimate, check_count, check_positive, dtype_bytes, shard_elements
+from .models import MemoryEstimate, check_count, check_positive, dtype_bytes, reduces_micro_steps, shard_elements
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 
@@ -232,7 +232,6 @@ def estimate_offload(
     param_dtype: str = "bf16",
     master_weights: bool = True,
     grad_dtype: Optional[str] = None,
-    every_micro_step: bool = False,
 ) -> OffloadEstimate:
     """One rank's offload at ``stage`` (1 to 3; ``offload_param`` counts at stage 3 only).
 
@@ -244,8 +243,6 @@ def estimate_offload(
         param_dtype: parameter dtype (and the gradients', unless ``grad_dtype``).
         master_weights: whether the state holds an fp32 master copy (K = 12 bytes per element, else 8).
         grad_dtype: the dtype of the reduced gradient shard (``models.reduced_grad_dtype``); None: ``param_dtype``.
-        every_micro_step: whether every accumulation micro-step reduces its gradients
-            (``models.reduces_micro_steps``); else the micro-steps are added up locally and reduced once per step.
     """
     if stage < 1:
         raise ValueError(f"stage={stage}: offload needs ZeRO stage 1, 2 or 3")
@@ -268,7 +265,7 @@ def estimate_offload(
     host += PARAM_BUFFERS * PARAM_BUFFER_SIZE * elem if param_off == "nvme" else 0
     in_files = elem * shard if param_off == "nvme" else 0  # parameter shards in files
     grad_file = g_elem * shard if files else 0
-    reductions = setup.grad_accum if every_micro_step and stage >= 2 else 1
+    reductions = setup.grad_accum if reduces_micro_steps(stage) else 1
     grad_io = grad_file * reductions  # written at every reduction; read back by the later ones and by the update
     disk = (state if setup.optimizer == "nvme" else 0) + in_files + grad_file
     downs = reductions if files else 1  # to its file at every reduction, else to the host copy in the update
