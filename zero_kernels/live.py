@@ -47,6 +47,17 @@ def owners() -> dict[int, Any]:
     return found
 
 
+def owned(optimizer: Any, ids: Iterable[int]) -> set[int]:
+    """Of the parameter ids ``ids``, those ``optimizer`` trains as their owner (no live optimizer built later trains
+    them too, ``owners``); ids of parameters it does not train cost one look each."""
+    held = optimizer.pipeline.where  # id(parameter) -> its place, for every parameter the optimizer trains
+    mine = {i for i in ids if i in held}
+    if mine:
+        table = owners()
+        mine = {i for i in mine if table.get(i) is optimizer}
+    return mine
+
+
 def training(params: Iterable[torch.Tensor]) -> list[Any]:
     """The live optimizers that train some of ``params``, oldest first."""
     table = owners()

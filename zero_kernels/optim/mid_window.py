@@ -62,19 +62,17 @@ def module_call(module: nn.Module) -> Iterator[None]:
     """Around torch's ``module.zero_grad()``: ``refuse`` for each live optimizer between micro-steps that trains a
     parameter of ``module`` (as its owner: one built later on the same parameters takes them over, ``live.owners``),
     then keep those parameters' ``p.grad`` (the window's micro-steps) through the call."""
-    ids: set[int] = set()
-    owners: dict[int, Any] = {}
+    ids: list[int] = []
     kept: dict[Any, Any] = {}
     for opt in live.optimizers():
         if not _between(opt):
             continue
-        ids = ids or {id(p) for p in module.parameters()}
-        owners = owners or live.owners()
-        mine = [p for p in live.params_of(opt) if id(p) in ids and owners.get(id(p)) is opt]
+        ids = ids or [id(p) for p in module.parameters()]
+        mine = live.owned(opt, ids)
         if not mine:
             continue
         refuse(opt, f"{type(module).__name__}.zero_grad()")
-        kept.update((p, p.grad) for p in mine if p.grad is not None)
+        kept.update((p, p.grad) for p in live.params_of(opt) if id(p) in mine and p.grad is not None)
     for p in kept:
         p.grad = None  # out of torch's reach, whether it sets to None or zeroes in place
     try:

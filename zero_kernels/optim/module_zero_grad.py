@@ -63,15 +63,13 @@ def _clear_held(module: nn.Module, set_to_none: bool) -> None:
     """Run ``zero_grad`` of each live optimizer that holds gradients (any, with ``set_to_none`` False) and trains
     only parameters of ``module``, or of the modules zeroed with it since the last backward (``ZeroedPart``)."""
     ids: list[int] = []  # the module's parameters, looked at once, when an optimizer needs them
-    owners: dict[int, Any] = {}
     for opt in live.optimizers():
         pipeline = opt.pipeline
         if not (pipeline.window_open or not set_to_none):
             continue
         ids = ids or [id(p) for p in module.parameters()]
-        owners = owners or live.owners()  # one built later on the same parameters took them over
+        mine = live.owned(opt, ids)  # one built later on the same parameters took them over
         held = pipeline.where  # id(parameter) -> its place, for every parameter the optimizer trains
-        mine = {i for i in ids if i in held and owners.get(i) is opt}
         if mine and (len(mine) == len(held) or ZeroedPart.add(pipeline, mine, type(module).__name__)):
             opt.zero_grad(set_to_none)
 
