@@ -21,6 +21,7 @@ import torch
 
 import zero_kernels.checkpoint as ck
 import zero_kernels.optim as zo
+import zero_kernels.stages.stage3.disk_grads as disk_grads_module
 from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch, extra_rows, local
 from tests.offload.exactness import assert_same
@@ -205,3 +206,49 @@ def test_the_files_hold_the_reduced_gradients_bit_for_bit(tmp_path: Path) -> Non
         on_disk = torch.frombuffer(bytearray(path.read_bytes()), dtype=dtype)
         assert on_disk.numel() == theirs.grad_shard.numel() and theirs.grad_shard.abs().sum() > 0
         assert torch.equal(on_disk.view(torch.int16), theirs.grad_shard.view(torch.int16)), path.name
+
+
+def test_the_statistics_are_taken_at_the_last_micro_step_of_a_window(tmp_path: Path, monkeypatch) -> None:
+    """With ``gradient_accumulation_steps`` 3 a micro-step before the window's last takes no statistics of the files'
+    values (the next micro-step changes them): each bucket's terms are taken once per update, by the last micro-step's
+    reduction, and the step's clipping reads nothing more than the update. A window whose last micro-step has no
+    backward (its terms not taken) is clipped by the files' values. Weights bit for bit those without offload."""
+    counted = [0]
+    partial = disk_grads_module.stats.partial
+
+    def counting(values: torch.Tensor, *, norm: bool) -> torch.Tensor:
+        counted[0] += 1
+        return partial(values, norm=norm)
+
+    monkeypatch.setattr(disk_grads_module.stats, "partial", counting)
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = (_opt(plain, None, torch.bfloat16, gradient_accumulation_steps=3),
+            _opt(tiered, _disk(tmp_path), torch.bfloat16, gradient_accumulation_steps=3))  # fmt: skip
+    files = b._pipeline.disk_grads.files
+    shard_bytes = sum(buf.layout.shard_numel * buf.grad_shard.dtype.itemsize for buf in b._pipeline.buffers)
+    buckets = sum(len(buf.layout.buckets) for buf in b._pipeline.buffers)
+    for step in range(3):
+        x = batch(step, 3 * ROWS)
+        read = files.traffic()["read"]
+        for m in range(3 if step != 1 else 2):  # step 1: the last micro-step has no backward
+            _backward(plain, a, x[m * ROWS : (m + 1) * ROWS], None)
+            counted[0] = 0
+            _backward(tiered, b, x[m * ROWS : (m + 1) * ROWS], None)
+            kinds = len(b._pipeline.disk_grads.wanted)  # the kinds the last step asked for (both before the first)
+            assert counted[0] == (kinds * buckets if m == 2 else 0), f"step {step} micro-step {m}: {counted[0]} terms"
+            a.step()
+            counted[0] = 0
+            b.step()
+            assert counted[0] == 0, f"step {step} micro-step {m}: {counted[0]} terms at its step()"
+        if step == 1:  # the window's last micro-step, without a backward: the terms from the files
+            a.step()
+            counted[0] = 0
+            b.step()
+            assert counted[0] == kinds * buckets, f"step {step}: {counted[0]} terms at the step"
+        if step != 1:  # the micro-steps' sums read back twice, and the update's reads: no statistics read
+            assert files.traffic()["read"] - read == 3 * shard_bytes, f"step {step}"
+        for opt in (a, b):
+            opt.zero_grad()
+        assert_same(a, b, plain, tiered, f"step {step}")

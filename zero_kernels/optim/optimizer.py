@@ -364,6 +364,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         last_micro = self._micro_step == self.gradient_accumulation_steps - 1
         reduce = last_micro or self._pipeline.reduces_micro_steps
         self._pipeline.sync_enabled = reduce and self._no_sync_depth == 0
+        self._pipeline.window_ends = last_micro
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -135,6 +135,9 @@ class Pipeline(BackwardRound):
         self._control_link = ControlLink(engine)  # host-side exchanges (``stats``) never wait for a device
         self.has_grad: dict[int, bool] = {}  # optimizer param index -> got a gradient this step
         self._sync_enabled = True
+        # the next backward is expected to end the accumulation window (set by the optimizer): a reduction before
+        # the window's last one need not take the step's statistics of its gradients (``stage3.disk_grads``)
+        self.window_ends = True
         self._ref = weakref.ref(self)
         self._hooks: list[Any] = []
         self._owned: list[int] = []  # id() of the parameters ``owners`` maps to this pipeline

@@ -82,9 +82,13 @@ class DiskGrads:
             del self.terms[key]
 
     # ---------------------------------------------------------------- backward
-    def reduced(self, buf: "FlatBuffer", bucket: Bucket, mine: torch.Tensor, first: bool) -> None:
+    def reduced(
+        self, buf: "FlatBuffer", bucket: Bucket, mine: torch.Tensor, first: bool, *, final: bool = True
+    ) -> None:
         """A reduction of ``bucket`` completed (``mine``: this rank's part): the first since the step is the part's
-        value, a later one is added to it (read back from the file)."""
+        value, a later one is added to it (read back from the file). ``final`` False: an accumulation micro-step
+        before the window's last, whose sum the next one changes: no terms taken (a step that comes first computes
+        them from the file)."""
         lease = self._take(buf, bucket)
         if first:
             values = lease.tensor if buf.device.type == "cpu" else torch.empty_like(lease.tensor, device=buf.device)
@@ -92,7 +96,7 @@ class DiskGrads:
         else:
             self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
             values = lease.tensor.to(buf.device).add_(mine)
-        self._store(buf, bucket, lease, values)
+        self._store(buf, bucket, lease, values, terms=final)
 
     def zero(self, buf: "FlatBuffer", bucket: Bucket) -> None:
         """No reduction wrote ``bucket`` since the step: its part is zeros."""
@@ -104,9 +108,12 @@ class DiskGrads:
         self.files.hold(lease, weakly(self._written, id(lease)))  # its files hold this: no reference cycle
         return lease
 
-    def _store(self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor) -> None:
-        """Take the terms of the part's final ``values`` (on the gradients' device) and write it from ``lease``."""
-        self.terms[(id(buf), bucket.index)] = self._terms(values)
+    def _store(
+        self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor, *, terms: bool = True
+    ) -> None:
+        """Take the terms of the part's ``values`` (on the gradients' device; ``terms`` False: none, the ones of the
+        values before dropped) and write it from ``lease``."""
+        self.terms[(id(buf), bucket.index)] = self._terms(values) if terms else {}
         if values.data_ptr() != lease.tensor.data_ptr():
             lease.tensor.copy_(values)
         self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset))
@@ -131,7 +138,7 @@ class DiskGrads:
         self._asked.add(norm)
         for buf, bucket in self.order:
             terms = self.terms[(id(buf), bucket.index)]
-            if norm not in terms:  # not taken when it was reduced: from the file's values
+            if norm not in terms:  # not taken when it was reduced (or not its last reduction): from the file's values
                 terms[norm] = stats.partial(self.read(buf, bucket), norm=norm)
             yield terms[norm]
 

@@ -559,7 +559,7 @@ class Stage3Pipeline(Stage2Pipeline):
         if self.disk_grads is None:
             super()._accumulate(buf, bucket, mine, first)
         else:  # the part and its column terms go to the file (``disk_grads``)
-            self.disk_grads.reduced(buf, bucket, mine, first)
+            self.disk_grads.reduced(buf, bucket, mine, first, final=self.window_ends)
 
     def grads_in_file(self, buf: FlatBuffer) -> bool:
         return self.disk_grads is not None
