@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import re
 import shutil
@@ -214,11 +213,6 @@ class EmulatedNodes:
         for node in self.nodes:
             _tc("-n", node.netns, *_qdisc_args(node.ifname, rate), check=rate is not None)
         self.rate = rate
-
-    def counters(self, node: Node) -> tuple[int, int]:
-        """(bytes sent, bytes received) by ``node``'s end of the link so far."""
-        (link,) = json.loads(_ip("-n", node.netns, "-j", "-s", "link", "show", "dev", node.ifname).stdout)
-        return int(link["stats64"]["tx"]["bytes"]), int(link["stats64"]["rx"]["bytes"])
 
     def launch(self, node: Node, argv: Sequence[str], env: Optional[dict] = None, **popen) -> subprocess.Popen:
         """Start ``argv`` inside ``node``'s namespace (``ip netns exec``); it is killed on exit at the latest."""

@@ -77,7 +77,6 @@ def test_slots_and_buckets_tile_the_buffer(shapes: str, num_shards: int, bucket_
     assert start == layout.numel
     for i in range(len(layout.slots)):
         assert layout.slot_buckets[i] == tuple(b.index for b in layout.buckets if i in b.slots)
-    assert layout.slot_of_param() == {s.param: i for i, s in enumerate(layout.slots)}
 
 
 @pytest.mark.parametrize("bucket_numel", [1, 50, 10_000])

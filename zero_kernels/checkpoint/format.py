@@ -171,14 +171,6 @@ class BlockWriter:
 
 
 # ---------------------------------------------------------------- finding a version
-def version_dirs(root: Path) -> list[str]:
-    """Complete-looking version directory names under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    names = [p.name for p in root.iterdir() if p.is_dir() and _VERSION_DIR.fullmatch(p.name)]
-    return sorted(names, key=lambda n: int(n[1:]))
-
-
 class SaveLock:
     """The root's save lock (an flock on the root directory itself, so no file is added to it), taken by rank 0 of
     the saving job before it numbers its version and released once ``latest`` names it (or the save failed). Two

@@ -346,14 +346,6 @@ def _check_tensor(p: torch.Tensor, describe: Callable[[torch.Tensor], str]) -> N
         )
 
 
-def sparse_grad_error(name: str) -> RuntimeError:
-    """AdamW's error for a sparse gradient, naming the parameter."""
-    return RuntimeError(
-        f"ShardedFusedAdam does not support sparse gradients, please consider SparseAdam instead ({name} has a "
-        "sparse gradient)"
-    )
-
-
 Describe = Callable[[torch.Tensor, Mapping[int, str]], str]
 
 

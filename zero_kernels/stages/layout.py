@@ -143,10 +143,6 @@ class BufferLayout:
         slot_buckets = tuple(tuple(b.index for b in buckets if i in b.slots) for i in range(len(slots)))
         return cls(tuple(slots), tuple(buckets), numel, num_shards, slot_buckets)
 
-    def slot_of_param(self) -> dict[int, int]:
-        """param index -> slot index."""
-        return {s.param: i for i, s in enumerate(self.slots)}
-
     def segments(self, rank: int, bucket: int | None = None) -> Iterator[Segment]:
         """Pieces of parameters in ``rank``'s shard buffer, in shard order (padding is skipped).
 
