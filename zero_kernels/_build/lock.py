@@ -104,9 +104,7 @@ def _wait_for_flock(fd: int, path: str, what: str, mode: int) -> None:
         now = time.monotonic()
         if now >= next_log:
             holder = _parse(_read(fd))
-            since = (
-                "" if holder is None else f", which has been building it for {max(0.0, time.time() - holder[2]):.0f} s"
-            )
+            since = "" if holder is None else f", which has been building it for {_age(holder):.0f} s"
             log.warning(
                 "zero_kernels: waiting for %s to finish building %s%s; waited %.0f s so far (lock %s; a build "
                 "usually takes %s)",
