@@ -56,7 +56,7 @@ def _errors(rank: int, world: int, stage: int, comm: str | None, passes: int) ->
     ref = _reference(rank, world, passes)
     errors = []
     for buf in pipeline.buffers:
-        shard = torch.cat([pipeline._grad_shard(buf, b) for b in buf.layout.buckets]).double()
+        shard = torch.cat([pipeline.grad_shard(buf, b) for b in buf.layout.buckets]).double()
         for seg in buf.layout.segments(pipeline.shard_rank):
             want = ref[buf.indices[buf.layout.slots[seg.slot].param]].flatten()
             got = shard[seg.shard_offset : seg.shard_offset + seg.numel]

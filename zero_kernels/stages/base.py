@@ -489,10 +489,6 @@ class Pipeline(BackwardRound):
             return buf.rank_slice(buf.grad_flat, bucket, self.shard_rank)
         return buf.shard_slice(buf.grad_shard, bucket)
 
-    def _grad_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
-        """``grad_shard`` under its name before it was public, kept for one release."""
-        return self.grad_shard(buf, bucket)
-
     def param_shard(self, buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
         """This rank's parameters of ``bucket`` in the storage dtype (the all-gather input)."""
         return buf.rank_slice(buf.param_flat, bucket, self.shard_rank)
