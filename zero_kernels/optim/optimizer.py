@@ -691,7 +691,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         check_step(self._pipeline, self._pipeline.name_of)
         module = self._pipeline.module
         if module is not None:
-            adopt.check_module_params(module, self._held_names, self._pipeline.name_of)
+            adopt.check_module_params(module, self._held_names)
         adopt.follow_replaced(self._pipeline, self._pipeline.name_of)
         adopt.check_unfrozen(self.param_groups, self._pipeline.has_grad, self._param_name)
 

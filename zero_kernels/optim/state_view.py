@@ -174,7 +174,7 @@ class ShardedState(MutableMapping):
         index = self._trained(p)
         return index if self._pipeline.steps[index] > 0 else None
 
-    def _views(self, p: torch.Tensor, piece: _Piece) -> dict[str, torch.Tensor]:
+    def _views(self, piece: _Piece) -> dict[str, torch.Tensor]:
         return door.piece_views(self._pipeline, piece)
 
     def entry(self, p: torch.Tensor) -> Optional[ParamState]:
@@ -183,7 +183,7 @@ class ShardedState(MutableMapping):
         if index is None:
             return None
         piece = self._piece(p)
-        values = {"step": door.step_tensor(self._pipeline.steps[index]), **self._views(p, piece)}
+        values = {"step": door.step_tensor(self._pipeline.steps[index]), **self._views(piece)}
         return ParamState(self._pipeline, index, values, piece, self._pipeline.param_shape(p), self._written)
 
     def __getitem__(self, key: Any) -> Any:
@@ -211,7 +211,7 @@ class ShardedState(MutableMapping):
         self._pipeline.steps[index] = 0
         piece = self._piece(p)
         if piece is not None:
-            for kind, view in self._views(p, piece).items():
+            for kind, view in self._views(piece).items():
                 if kind in _MOMENTS:
                     view.zero_()
 
@@ -236,7 +236,7 @@ class ShardedState(MutableMapping):
         if value and "step" not in value:
             raise KeyError("opt.state[p] = {...} needs 'step' (AdamW reads state['step']), or {} to reset")
         piece = self._piece(key)
-        views = self._views(key, piece) if piece is not None and value else {}
+        views = self._views(piece) if piece is not None and value else {}
         full = self._pipeline.param_shape(key)
         taken = {k: _take(piece, v, views[k].shape, full).clone() for k, v in value.items() if k in views}
         step = int(float(value["step"])) if value else 0  # everything checked: now change

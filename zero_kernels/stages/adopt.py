@@ -252,7 +252,7 @@ def given_values(params: Sequence[torch.Tensor]) -> bool:
     return any(p.numel() != 0 or was_cast(p) for p in params)
 
 
-def check_module_params(module: nn.Module, held: Mapping[str, int], name_of: NameOf) -> None:
+def check_module_params(module: nn.Module, held: Mapping[str, int]) -> None:
     """Every model parameter the optimizer was built with is still the model's ``Parameter`` object, or another
     one the optimizer holds (``model.embed.weight = model.head.weight`` after the optimizer was built ties the two as
     the other direction does: the replaced one gets no gradient and is left alone, as by ``torch.optim.AdamW``).
@@ -260,7 +260,6 @@ def check_module_params(module: nn.Module, held: Mapping[str, int], name_of: Nam
     Args:
         module: the model.
         held: model name -> ``id`` of the parameter the optimizer holds under that name.
-        name_of: names a parameter in error messages.
     """
     ids = set(held.values())  # a Parameter the optimizer holds under another name (a weight tied since) trains on
     for name, p in module.named_parameters():
