@@ -775,11 +775,11 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._grad_factor = 1.0
         self._unscaled_loaded = False
 
-    def _grad_norm(self, norm_type: float = 2.0, what: str = "get_total_norm") -> torch.Tensor:
+    def _grad_norm(self, norm_type: float) -> torch.Tensor:
         """The global norm of order ``norm_type`` of this step's reduced gradients as clipped so far (the clips
         asked for since the last step, as torch's in-place clips would have left them), a 0-d float64 tensor (a
-        collective)."""
-        return self._clips.seen(self._measured_norm(norm_type, what))
+        collective); ``get_total_norm``'s."""
+        return self._clips.seen(self._measured_norm(norm_type, "get_total_norm"))
 
     def _measured_norm(self, norm_type: float, what: str) -> torch.Tensor:
         """``_grad_norm`` before the clips asked for since the last step."""
