@@ -1,6 +1,6 @@
 """Which C++/CUDA sources make up each extension module, and how to compile them.
 
-Shared by the just-in-time builder (``_ext.py``) and by ``setup.py`` for
+Shared by the just-in-time builder (``ext.py``) and by ``setup.py`` for
 ``ZERO_KERNELS_BUILD_OPS=1``. Imports nothing but the standard library.
 """
 

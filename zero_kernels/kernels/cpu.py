@@ -3,7 +3,7 @@
 Arguments are validated here with the reference's checks before any C++ runs (the C++ entry
 points check again); bias corrections are computed here in float64. Importing this module builds
 nothing: the extension is built or loaded on the first call and raises
-``zero_kernels._ext.ExtensionUnavailable`` when that is impossible.
+``zero_kernels._build.ext.ExtensionUnavailable`` when that is impossible.
 """
 
 from __future__ import annotations

@@ -384,7 +384,7 @@ def check_group(
 ) -> tuple[list[torch.Tensor], bool]:
     """A new group's structure (as torch checks it), hyper-parameters, flags and parameters, against the
     groups before it, and no parameter held by a stage-3 optimizer but the one adding the group
-    (``stage3.ownership``); returns, as ``previous`` lists them, its tensors and whether they have names.
+    (``stages.ownership``); returns, as ``previous`` lists them, its tensors and whether they have names.
 
     ``group["params"]`` becomes a list, as ``torch.optim.Optimizer.add_param_group`` makes it.
 

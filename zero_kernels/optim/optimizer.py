@@ -23,9 +23,8 @@ Param groups: pass them as to ``torch.optim.AdamW``; stage 3 also needs the mode
 - Accumulation: ``with opt.no_sync(): loss.backward()`` for all micro-steps but the last (grads
   accumulate locally; divide the loss yourself, as with DDP), or ``gradient_accumulation_steps=k``:
   call ``backward``/``step``/``zero_grad`` every micro-step; only every k-th ``step`` updates,
-  ``zero_grad`` between is ignored, communication happens on the k-th (on every one at stages 2-3 with a
-  ``grad_accum_dtype`` wider than the gradients: ``stages.grad_accum``), and the gradients are averaged over
-  the k micro-steps (DeepSpeed's rule).
+  ``zero_grad`` between is ignored, communication happens on the k-th at stages 0-1 and on every one at stages
+  2-3 (``reduces_micro_steps``), and the gradients are averaged over the k micro-steps (DeepSpeed's rule).
 - fp16: ``opt.backward(loss)`` scales the loss by ``opt.loss_scale / gradient_accumulation_steps`` (as
   DeepSpeed's ``engine.backward``); ``step`` unscales inside the kernel, skips the update on inf/NaN (on any
   rank) and adjusts the scale (``precision``). A plain ``loss.backward()`` is refused there (the step raises,

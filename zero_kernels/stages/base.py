@@ -35,8 +35,8 @@ outcome is read (``outcome.StepCounts``).
 
 Rules. A parameter without a gradient on any rank this step (``p.grad is None`` in
 ``torch.optim.AdamW`` terms) is not updated: no change to it, its m and v, or its step count.
-Gradients are averaged over ranks (``grad_divisor``). Public override points (the shard accessors
-the update, ``master`` and ``stats`` use): ``grad_shard``, ``param_shard``, ``master_shard``,
+Gradients are averaged over ranks as their bucket is reduced (``_launch_bucket``). Public override points
+(the shard accessors the update, ``master`` and ``stats`` use): ``grad_shard``, ``param_shard``, ``master_shard``,
 ``norm_views`` (and ``grad_column``, ``zero_reduced``, ``reduced_shard``, ``assign_reduced``, for a stage that
 keeps the reduced gradients elsewhere: stage 3's files), and ``epilogue_quantizer`` (where the update leaves
 qwZ's int8 copies). Overrides within the stages: ``num_shards``, ``_place_params``, ``_allocate_grads``,

@@ -3,8 +3,7 @@
 ``pipeline`` (the stage-3 pipeline and its buffers), ``plan`` (which parameters a module gathers),
 ``hooks`` (the forward/backward hooks that gather and free), ``storage`` (a gathered buffer a free
 empties, whatever autograd saved of it), ``uses`` and ``guard`` (reads of a freed
-parameter caught), ``check`` (ranks gather the same thing), ``save`` (full weights out), ``ownership`` (one stage-3
-optimizer per parameter), and
+parameter caught), ``check`` (ranks gather the same thing), ``save`` (full weights out), and
 ``model_hints`` (leaf modules and external parameters the module tree does not say), ``generation`` (Hugging Face's
 ``generate`` kept in step across ranks).
 """
