@@ -136,12 +136,7 @@ def _bookkeeping(c: _Checker, meta: dict[str, Any]) -> None:
         c.count(p.get("group"), f"params[{i}].group", 0, max(len(groups) - 1, 0))
         c.of_type(p.get("trainable"), bool, f"params[{i}].trainable")
         c.count(p.get("step"), f"params[{i}].step")
-    scaler = meta.get("loss_scaler")
-    if scaler is not None:
-        c.of_type(scaler, dict, "loss_scaler")
-        c.number(scaler.get("scale"), "loss_scaler.scale")
-        c.count(scaler.get("good_steps"), "loss_scaler.good_steps")
-        c.count(scaler.get("hysteresis_left"), "loss_scaler.hysteresis_left")
+    _loss_scaler(c, meta.get("loss_scaler"))
     if "skipped_steps" in meta:
         c.count(meta["skipped_steps"], "skipped_steps")
     for key in ("extra", "objects"):
@@ -157,6 +152,15 @@ def _bookkeeping(c: _Checker, meta: dict[str, Any]) -> None:
         raise c.fail("dequantized", "must be true, false or a list of param group indices")
     for i, g in enumerate([] if isinstance(dequantized, bool) else dequantized):
         c.count(g, f"dequantized[{i}]", 0, max(len(groups) - 1, 0))
+
+
+def _loss_scaler(c: _Checker, scaler: Any) -> None:
+    """The fp16 loss scaler's saved state, where there is one (in the metadata, or in ``objects.pt``)."""
+    if scaler is not None:
+        c.of_type(scaler, dict, "loss_scaler")
+        c.number(scaler.get("scale"), "loss_scaler.scale")
+        c.count(scaler.get("good_steps"), "loss_scaler.good_steps")
+        c.count(scaler.get("hysteresis_left"), "loss_scaler.hysteresis_left")
 
 
 def read_metadata(version: Path) -> dict[str, Any]:
@@ -243,12 +247,7 @@ def check_objects(book: Any, meta: dict[str, Any], where: Path) -> dict[str, Any
         c.of_type(book["lr_scheduler"], dict, "lr_scheduler")
     if book.get("lr_scheduler_class") is not None:
         c.of_type(book["lr_scheduler_class"], str, "lr_scheduler_class")
-    scaler = book.get("loss_scaler")
-    if scaler is not None:
-        c.of_type(scaler, dict, "loss_scaler")
-        c.number(scaler.get("scale"), "loss_scaler.scale")
-        c.count(scaler.get("good_steps"), "loss_scaler.good_steps")
-        c.count(scaler.get("hysteresis_left"), "loss_scaler.hysteresis_left")
+    _loss_scaler(c, book.get("loss_scaler"))
     if book.get("window") is not None:
         _window(c, book["window"], meta["world_size"])
     return book
