@@ -48,9 +48,9 @@ def _freed(pipeline: "Pipeline", p: nn.Parameter, value: Any) -> bool:
     return value.numel() == 0 and pipeline.param_shape(p).numel() != 0
 
 
-class _StateDictGuard:
-    """The state-dict post-hook of ``guard_state_dict``: a class, so that a model carrying it can still be
-    copied or pickled (a copy's guard is inert)."""
+class _PipelineHook:
+    """A hook of ``guard_state_dict`` holding its pipeline weakly: a class, so that a model carrying it can still be
+    copied or pickled; a copy holds no pipeline (its guard is inert)."""
 
     def __init__(self, pipeline: "Pipeline") -> None:
         self._pipeline = weakref.ref(pipeline)
@@ -60,6 +60,10 @@ class _StateDictGuard:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._pipeline = lambda: None
+
+
+class _StateDictGuard(_PipelineHook):
+    """The state-dict post-hook of ``guard_state_dict``."""
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         owner = self._pipeline()
@@ -90,18 +94,9 @@ def _refuse_orphaned(module: nn.Module, prefix: str) -> None:
             )
 
 
-class _LoadGuard:
+class _LoadGuard(_PipelineHook):
     """The load-state-dict pre-hook of ``guard_state_dict`` on one module: checks the loaded module's subtree once,
     where the load starts (``prefix`` empty: the module ``load_state_dict`` was called on); inert in a copy."""
-
-    def __init__(self, pipeline: "Pipeline") -> None:
-        self._pipeline = weakref.ref(pipeline)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._pipeline = lambda: None
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         owner = self._pipeline()
