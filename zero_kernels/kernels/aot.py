@@ -154,18 +154,32 @@ def _tensor(numel: int, dtype: torch.dtype, aligned: bool) -> torch.Tensor:
 
 
 def _adam_call(axes: dict[str, Any]) -> None:
-    from .triton_adam import adam_step_triton
-
     axes = dict(axes)
     n, aligned = axes.pop("numel"), axes.pop("aligned")
     n = n if aligned else n - 1
     window = (3, n - 5) if axes.pop("window") else None  # a piece off the 16-element grid, as stages.update makes
-    grad = _tensor(n, _DTYPES[axes.pop("grad_dtype")], aligned)
+    _launch_adam(n, aligned, axes, window=window)
+
+
+def _adam_quantized_call(axes: dict[str, Any]) -> None:
+    from .quant_reference import QuantizedBlocks
+
+    axes = dict(axes)
+    block = axes.pop("block")
+    n = 4 * block - 16  # a shard (a multiple of 16 elements) of several blocks, the last one partial
+    _launch_adam(n, True, axes, quantized=QuantizedBlocks.empty(n, 8, block))
+
+
+def _launch_adam(n: int, aligned: bool, axes: dict[str, Any], **extra: Any) -> None:
+    """``adam_step_triton`` on tensors of ``n`` elements as the Adam axes ask (taken out of ``axes``; the rest are
+    passed as they are), with ``extra``."""
+    from .triton_adam import adam_step_triton
+
     out_dtype = axes.pop("out_dtype")
     scale = {"tensor": torch.ones(1), "float": 0.5, None: None}[axes.pop("grad_scale")]
     adam_step_triton(
         _tensor(n, torch.float32, aligned),
-        grad,
+        _tensor(n, _DTYPES[axes.pop("grad_dtype")], aligned),
         _tensor(n, torch.float32, aligned),
         _tensor(n, torch.float32, aligned),
         lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1,
@@ -173,31 +187,7 @@ def _adam_call(axes: dict[str, Any]) -> None:
         found_inf=torch.zeros(1) if axes.pop("found_inf") else None,
         out=None if out_dtype is None else _tensor(n, _DTYPES[out_dtype], aligned),
         max_exp_avg_sq=_tensor(n, torch.float32, aligned) if axes.pop("amsgrad") else None,
-        window=window,
-        **axes,
-    )  # fmt: skip
-
-
-def _adam_quantized_call(axes: dict[str, Any]) -> None:
-    from .quant_reference import QuantizedBlocks
-    from .triton_adam import adam_step_triton
-
-    axes = dict(axes)
-    block = axes.pop("block")
-    n = 4 * block - 16  # a shard (a multiple of 16 elements) of several blocks, the last one partial
-    out_dtype = axes.pop("out_dtype")
-    scale = {"tensor": torch.ones(1), "float": 0.5, None: None}[axes.pop("grad_scale")]
-    adam_step_triton(
-        _tensor(n, torch.float32, True),
-        _tensor(n, _DTYPES[axes.pop("grad_dtype")], True),
-        _tensor(n, torch.float32, True),
-        _tensor(n, torch.float32, True),
-        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=1,
-        grad_scale=scale,
-        found_inf=torch.zeros(1) if axes.pop("found_inf") else None,
-        out=None if out_dtype is None else _tensor(n, _DTYPES[out_dtype], True),
-        max_exp_avg_sq=_tensor(n, torch.float32, True) if axes.pop("amsgrad") else None,
-        quantized=QuantizedBlocks.empty(n, 8, block),
+        **extra,
         **axes,
     )  # fmt: skip
 
