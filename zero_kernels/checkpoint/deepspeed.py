@@ -420,6 +420,40 @@ def _write(root: Path, meta: dict[str, Any], pieces: list[tuple[str, torch.Tenso
     return root / version
 
 
+def _optimizer_states(folder: Path) -> tuple[list[dict[str, Any]], int]:
+    """The ZeRO optimizer state of every rank in ``folder``, checked (one file per rank that saved it), and the
+    ZeRO stage they were saved at."""
+    optim_pattern = r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt"
+    _refuse_stage0(folder, optim_pattern)
+    optim_files = _by_rank(folder, optim_pattern, "optimizer state")
+    optims = [_load(path).get("optimizer_state_dict") for path in optim_files]
+    if not all(isinstance(o, dict) and "zero_stage" in o for o in optims):
+        raise CheckpointError(f"{folder}: the optimizer state files are not DeepSpeed ZeRO optimizer states")
+    stage = int(optims[0]["zero_stage"])
+    count = optims[0].get("partition_count")
+    count = max(count) if isinstance(count, (list, tuple)) else count
+    if count != len(optims):
+        raise CheckpointError(
+            f"{folder}: the checkpoint was saved by {plural(count, 'rank')} but holds optimizer state files for "
+            f"{len(optims)}"
+        )
+    return optims, stage
+
+
+def _model_files(folder: Path, stage: int, ranks: int) -> list[Path]:
+    """The model state files of a stage-``stage`` checkpoint saved by ``ranks`` ranks (stage 3: one per rank, else
+    one), the first of them checked to be there."""
+    if stage == 3:
+        files = _by_rank(folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state", count=ranks)
+    elif stage in (1, 2):
+        files = [folder / STAGE12_MODEL_FILE]
+    else:
+        raise CheckpointError(f"{folder}: ZeRO stage {stage} checkpoints cannot be imported; stages 1, 2 and 3 can")
+    if not files[0].is_file():
+        raise CheckpointError(f"{folder} lacks {files[0].name}")
+    return files
+
+
 def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = None) -> Path:
     """Convert a DeepSpeed ZeRO stage 1/2/3 checkpoint into a new version of a zero_kernels checkpoint.
 
@@ -435,31 +469,9 @@ def from_deepspeed(ds_dir: PathLike, out_dir: PathLike, *, tag: Optional[str] = 
     """
     folder = _tag_folder(Path(ds_dir), tag)
     _check_single_model_parallel_rank(folder)
-    optim_pattern = r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt"
-    _refuse_stage0(folder, optim_pattern)
-    optim_files = _by_rank(folder, optim_pattern, "optimizer state")
-    optims = [_load(path).get("optimizer_state_dict") for path in optim_files]
-    if not all(isinstance(o, dict) and "zero_stage" in o for o in optims):
-        raise CheckpointError(f"{folder}: the optimizer state files are not DeepSpeed ZeRO optimizer states")
-    stage = int(optims[0]["zero_stage"])
-    count = optims[0].get("partition_count")
-    count = max(count) if isinstance(count, (list, tuple)) else count
-    if count != len(optims):
-        raise CheckpointError(
-            f"{folder}: the checkpoint was saved by {plural(count, 'rank')} but holds optimizer state files for "
-            f"{len(optims)}"
-        )
-    if stage == 3:
-        model_files = _by_rank(
-            folder, r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt", "stage 3 model state", count=len(optims)
-        )
-    elif stage in (1, 2):
-        model_files = [folder / STAGE12_MODEL_FILE]
-    else:
-        raise CheckpointError(f"{folder}: ZeRO stage {stage} checkpoints cannot be imported; stages 1, 2 and 3 can")
+    optims, stage = _optimizer_states(folder)
+    model_files = _model_files(folder, stage, len(optims))
     model_file = model_files[0]
-    if not model_file.is_file():
-        raise CheckpointError(f"{folder} lacks {model_file.name}")
     model_state = _load(model_file)
     params = _params(model_state)
     if stage == 3:
