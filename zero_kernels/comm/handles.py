@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -114,7 +114,7 @@ class CppHandle(Handle):
     for it, so a consumer on another stream (an autograd callback's, a user's) reads the result.
     """
 
-    def __init__(self, op, side_stream: Optional["torch.cuda.Stream"] = None):
+    def __init__(self, op: Any, side_stream: Optional["torch.cuda.Stream"] = None):
         super().__init__(None, (), what=op.what)
         self._op = op
         self._side = side_stream

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .models import STAGES, check_count, check_positive, check_stage
 
@@ -330,7 +330,9 @@ def stage_step(
     return LinkStep(stage, end, s.comm_s, end - compute.total_s, s.link_bytes / cluster.ranks_per_node)
 
 
-def calibrate(stage: int, measured_s: float, phases: Compute, num_params: int, cluster: Cluster, **options) -> Compute:
+def calibrate(
+    stage: int, measured_s: float, phases: Compute, num_params: int, cluster: Cluster, **options: Any
+) -> Compute:
     """The compute that makes :func:`stage_step` on ``cluster`` match a measured step.
 
     ``phases`` (e.g. the measured forward, backward and step times, which include waiting) fixes the
@@ -361,7 +363,13 @@ def calibrate(stage: int, measured_s: float, phases: Compute, num_params: int, c
 
 
 def crossover_Bps(
-    num_params: int, cluster: Cluster, compute: dict[int, Compute], *, low: float = 1e5, high: float = 1e12, **options
+    num_params: int,
+    cluster: Cluster,
+    compute: dict[int, Compute],
+    *,
+    low: float = 1e5,
+    high: float = 1e12,
+    **options: Any,
 ) -> tuple[Optional[float], str]:
     """The link rate (bytes per second each way) below which stage 3's step is longer than stage 2's.
 

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from ...comm.agreement import ranks_text
+from ...comm.engine_base import EngineBase
 from ...comm.objects import all_gather_objects
 from ...comm.primitives import CommError
 
@@ -80,7 +81,9 @@ def explain_failed_gather(exc: CommError) -> CommError:
     return CommError(text + _DIVERGED)
 
 
-def check_same_units(engine, units: Sequence[Named], phase: str, suggest: Callable[[list[str]], str]) -> None:
+def check_same_units(
+    engine: EngineBase, units: Sequence[Named], phase: str, suggest: Callable[[list[str]], str]
+) -> None:
     """Raise ``CommError`` on every rank unless every rank is about to gather ``units`` too.
 
     Args:
@@ -164,7 +167,9 @@ class DeferredChecks:
         """The values compared in the step's exchange (exact in float64)."""
         return [float(self.count), float(self.digest >> 31), float(self.digest & ((1 << 31) - 1))]
 
-    def verify(self, engine, rows: Sequence[Sequence[float]], units: Sequence[Named], suggest: Callable) -> None:
+    def verify(
+        self, engine: EngineBase, rows: Sequence[Sequence[float]], units: Sequence[Named], suggest: Callable
+    ) -> None:
         """Raise ``CommError`` on every rank unless every rank's ``columns()`` (``rows``, in rank order) are
         equal; forget the batches either way.
 
