@@ -20,7 +20,7 @@ import gc
 import importlib.util
 import os
 import warnings
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ def _memory(engine, inputs: torch.Tensor) -> dict:
     return {k: sum(v.values()) for k, v in kinds.items()}
 
 
-def engine(model: nn.Module, cfg: dict):
+def engine(model: nn.Module, cfg: dict) -> Any:
     """A DeepSpeed engine of ``model`` under ``cfg`` on the gloo group this rank already joined."""
     import deepspeed
     import deepspeed.comm.torch as ds_torch_comm

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from zero_kernels.liveness import process_alive
 
@@ -214,7 +214,7 @@ class EmulatedNodes:
             _tc("-n", node.netns, *_qdisc_args(node.ifname, rate), check=rate is not None)
         self.rate = rate
 
-    def launch(self, node: Node, argv: Sequence[str], env: Optional[dict] = None, **popen) -> subprocess.Popen:
+    def launch(self, node: Node, argv: Sequence[str], env: Optional[dict] = None, **popen: Any) -> subprocess.Popen:
         """Start ``argv`` inside ``node``'s namespace (``ip netns exec``); it is killed on exit at the latest."""
         proc = subprocess.Popen(["ip", "netns", "exec", node.netns, *argv], env=env, start_new_session=True, **popen)
         self._procs.append(proc)

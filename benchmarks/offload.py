@@ -46,6 +46,7 @@ faster of the two (``disk_mixed_GBps``; ``disk_mixed_GBps_low``: the slower).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import resource
@@ -104,7 +105,7 @@ DISK = "disk (this run's folder, the engine streaming)"  # the row of the disk's
 _options: dict[str, Any] = {"dir": None, "big": False, "big_params": 400_000_000}
 
 
-def add_arguments(parser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--offload-dir", metavar="DIR", help="offload: folder for the state files (default: a temp dir)"
     )
@@ -112,7 +113,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--big-params", type=float, default=4e8, help="offload --big: parameters (default 4e8)")
 
 
-def configure(args) -> None:
+def configure(args: argparse.Namespace) -> None:
     _options.update(dir=args.offload_dir, big=args.big, big_params=int(args.big_params))
 
 
