@@ -67,17 +67,17 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _range_text(lo: Optional[float], hi: Optional[float], lo_open: bool, hi_open: bool) -> str:
+def _range_text(lo: Optional[float], hi: Optional[float], hi_open: bool) -> str:
     parts = []
     if lo is not None:
-        parts.append(f"{'>' if lo_open else '>='} {lo:g}")
+        parts.append(f">= {lo:g}")
     if hi is not None:
         parts.append(f"{'<' if hi_open else '<='} {hi:g}")
     return " and ".join(parts)
 
 
-def _in_range(x: float, lo: Optional[float], hi: Optional[float], lo_open: bool, hi_open: bool) -> bool:
-    if lo is not None and (x <= lo if lo_open else x < lo):
+def _in_range(x: float, lo: Optional[float], hi: Optional[float], hi_open: bool) -> bool:
+    if lo is not None and x < lo:
         return False
     return hi is None or (x < hi if hi_open else x <= hi)
 
@@ -95,11 +95,11 @@ def integer(lo: Optional[int] = None, hi: Optional[int] = None, *, multiple_of: 
             value = float(value)
         if not _is_number(value) or not math.isfinite(value) or value != int(value):
             raise Invalid
-        if not _in_range(value, lo, hi, False, False) or int(value) % multiple_of:
+        if not _in_range(value, lo, hi, False) or int(value) % multiple_of:
             raise Invalid
         return int(value)
 
-    bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else _range_text(lo, hi, False, False)
+    bounds = f"from {lo} to {hi}" if lo is not None and hi is not None else _range_text(lo, hi, False)
     multiple = f", a multiple of {multiple_of}" if multiple_of != 1 else ""
     allowed = f"an integer {bounds}".strip() + multiple
     return Scalar(f"{allowed}, or a string holding one" if text else allowed, convert)
@@ -124,7 +124,6 @@ def number(
     lo: Optional[float] = None,
     hi: Optional[float] = None,
     *,
-    lo_open: bool = False,
     hi_open: bool = False,
     text: bool = False,
 ) -> Scalar:
@@ -139,11 +138,11 @@ def number(
                 raise Invalid from None
         if not _is_number(value) or not math.isfinite(value):
             raise Invalid
-        if not _in_range(value, lo, hi, lo_open, hi_open):
+        if not _in_range(value, lo, hi, hi_open):
             raise Invalid
         return float(value)
 
-    allowed = f"a finite number {_range_text(lo, hi, lo_open, hi_open)}".strip()
+    allowed = f"a finite number {_range_text(lo, hi, hi_open)}".strip()
     return Scalar(f"{allowed}, or a string holding one" if text else allowed, convert)
 
 
