@@ -163,7 +163,6 @@ def choice(
     names: Mapping[str, Any],
     *,
     nullable: bool = False,
-    supported: Optional[Tuple[Any, ...]] = None,
     shown: Optional[Tuple[str, ...]] = None,
 ) -> Scalar:
     """A case-insensitive name from ``names`` (lower-case name -> stored value); null if ``nullable``.
@@ -179,7 +178,7 @@ def choice(
             raise Invalid
         return names[value.lower()]
 
-    return Scalar(f"one of {listed} (case-insensitive)", convert, supported)
+    return Scalar(f"one of {listed} (case-insensitive)", convert)
 
 
 def pair(item: Scalar) -> Scalar:
