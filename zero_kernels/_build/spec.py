@@ -50,13 +50,13 @@ def include_dirs(root: Path | None = None) -> list[str]:
 _QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
-def headers(files: list[str], root: Path | None = None) -> list[str]:
+def headers(files: list[str]) -> list[str]:
     """Sorted project headers that ``files`` include, directly or through other headers.
 
     ``#include "x"`` is looked up as the compiler does: next to the including file, then in
     ``include_dirs``; system headers (``<x>``) and names found nowhere are not the project's.
     """
-    search = [Path(d) for d in include_dirs(root)]
+    search = [Path(d) for d in include_dirs()]
     found: set[Path] = set()
     todo = [Path(f) for f in files]
     while todo:
