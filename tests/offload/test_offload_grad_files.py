@@ -252,3 +252,43 @@ def test_the_statistics_are_taken_at_the_last_micro_step_of_a_window(tmp_path: P
         for opt in (a, b):
             opt.zero_grad()
         assert_same(a, b, plain, tiered, f"step {step}")
+
+
+def test_a_micro_step_finds_its_bucket_sums_read_ahead(tmp_path: Path, monkeypatch) -> None:
+    """From the second micro-step of a window on, each bucket's sum so far is read back before its reduction adds to
+    it: the read of the bucket reduced next (in the first micro-step's order) starts when one completes, into a free
+    pool buffer, so that backward computes meanwhile; every reduction after a micro-step's first finds its read
+    started. Nothing more is read, and the weights are those without offload bit for bit."""
+    found: list[bool] = []
+    reduced = disk_grads_module.DiskGrads.reduced
+
+    def recording(self, buf, bucket, mine, first, **kw) -> None:
+        if not first:
+            found.append((id(buf), bucket.index) in self._ahead)
+        reduced(self, buf, bucket, mine, first, **kw)
+
+    monkeypatch.setattr(disk_grads_module.DiskGrads, "reduced", recording)
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    disk = {**_disk(tmp_path), "buffer_count": 4}
+    a, b = (_opt(plain, None, torch.bfloat16, gradient_accumulation_steps=3),
+            _opt(tiered, disk, torch.bfloat16, gradient_accumulation_steps=3))  # fmt: skip
+    files = b._pipeline.disk_grads.files
+    shard_bytes = sum(buf.layout.shard_numel * buf.grad_shard.dtype.itemsize for buf in b._pipeline.buffers)
+    buckets = sum(len(buf.layout.buckets) for buf in b._pipeline.buffers)
+    assert buckets >= 3, "the model must have several buckets"
+    for step in range(2):
+        x = batch(step, 3 * ROWS)
+        read = files.traffic()["read"]
+        for m in range(3):
+            found.clear()
+            for model, opt in ((plain, a), (tiered, b)):
+                _backward(model, opt, x[m * ROWS : (m + 1) * ROWS], None)
+                opt.step()
+            if m:
+                assert found == [False] + [True] * (buckets - 1), f"step {step} micro-step {m}: {found}"
+        assert files.traffic()["read"] - read == 3 * shard_bytes, f"step {step}"
+        for opt in (a, b):
+            opt.zero_grad()
+        assert_same(a, b, plain, tiered, f"step {step}")

@@ -12,7 +12,8 @@ Backward. When a bucket's reduction completes (``reduced``) this rank's part goe
 the terms of the step's gradient column are taken from those final values (``stats.partial``: the squared
 norm, the finiteness sum, or both: the kinds the last step asked for, both before the first step), and the
 buffer is written to the file in the background, back in the pool once written. A bucket reduced again before
-the step (a late gradient; every accumulation micro-step) reads its part back, adds, takes the terms again
+the step (a late gradient; every accumulation micro-step) reads its part back (started when the bucket before it
+in the window's first micro-step was reduced: ``_read_next``), adds, takes the terms again
 (but not on a micro-step before the window's last, ``Pipeline.window_ends``: the next one replaces them) and
 writes; ``zero`` writes zeros where no reduction wrote (``grad_state.zero_unwritten``).
 
@@ -58,7 +59,9 @@ class DiskGrads:
         self._asked: set[bool] = set()  # the kinds asked for since the last step
         self._at: dict[Key, int] = {}  # its place in ``order``
         self._writing: dict[int, tuple[Lease, IOHandle]] = {}  # id(lease) -> (lease, its write)
-        self._ahead: dict[Key, tuple[Lease, IOHandle]] = {}  # reads started for the update
+        self._ahead: dict[Key, tuple[Lease, IOHandle]] = {}  # reads started before use (update, accumulation)
+        self._after: dict[Key, Key] = {}  # the bucket reduced next, in the order of a window's first micro-step
+        self._last: Optional[Key] = None  # the last bucket of that order so far
         self._using: dict[Key, Lease] = {}  # what the update reads now
 
     # ---------------------------------------------------------------- setting up
@@ -90,17 +93,42 @@ class DiskGrads:
         value, a later one is added to it (read back from the file). ``final`` False: an accumulation micro-step
         before the window's last, whose sum the next one changes: no terms taken (a step that comes first computes
         them from the file)."""
-        lease = self._take(buf, bucket)
+        key = (id(buf), bucket.index)
         if first:
+            self._forget(key)
+            if self._last is not None:
+                self._after[self._last] = key
+            self._last = key
+            lease = self._take(buf, bucket)
             values = lease.tensor if buf.device.type == "cpu" else torch.empty_like(lease.tensor, device=buf.device)
             values.copy_(mine)
         else:
-            self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
+            lease, read = self._ahead.pop(key, None) or self._start(buf, bucket, wait=True)
+            self.files.hold(lease, weakly(self._written, id(lease)))  # written from it next
+            self._read_next(key)
+            read.wait()
             values = lease.tensor.to(buf.device).add_(mine)
         self._store(buf, bucket, lease, values, terms=final)
 
+    def _read_next(self, key: Key) -> None:
+        """Start reading the sum of the bucket reduced after ``key`` (in the window's first micro-step) into a free
+        pool buffer (those of finished writes are put back first), so that its reduction finds it read: the read runs
+        while backward computes."""
+        after = self._after.get(key)
+        if after is None or after in self._ahead or after not in self._at:
+            return
+        for held in [held for held, (_, write) in self._writing.items() if write.done()]:
+            self._written(held)  # buffers whose writes finished go back to the pool
+        self._start(*self.order[self._at[after]], wait=False)
+
+    def _forget(self, key: Key) -> None:
+        """A read started ahead of ``key``'s part goes (the part is about to be written)."""
+        if key in self._ahead:
+            self._drop(key)
+
     def zero(self, buf: "FlatBuffer", bucket: Bucket) -> None:
         """No reduction wrote ``bucket`` since the step: its part is zeros."""
+        self._forget((id(buf), bucket.index))
         lease = self._take(buf, bucket)
         self._store(buf, bucket, lease, lease.tensor.to(buf.device).zero_())
 
@@ -184,6 +212,7 @@ class DiskGrads:
         """After the step's last bucket: every buffer back (reads ahead are dropped); the next reductions take the
         kinds of term this step asked for."""
         self.wanted, self._asked = self._asked or self.wanted, set()
+        self._last = None
         for key in list(self._ahead):
             self._drop(key)
         for buf, bucket in [(b, k) for b, k in self.order if (id(b), k.index) in self._using]:
@@ -207,6 +236,7 @@ class DiskGrads:
         shard = self.files.io.empty(buf.layout.shard_numel, self.files.paths[id(buf)][1]).copy_(values.reshape(-1))
         on_device = shard.to(buf.device)
         for bucket in buf.layout.buckets:
+            self._forget((id(buf), bucket.index))
             part = buf.shard_slice(on_device, bucket)
             self.terms[(id(buf), bucket.index)] = self._terms(part)
         self.files.write(id(buf), shard).wait()
