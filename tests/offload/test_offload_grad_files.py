@@ -292,3 +292,30 @@ def test_a_micro_step_finds_its_bucket_sums_read_ahead(tmp_path: Path, monkeypat
         for opt in (a, b):
             opt.zero_grad()
         assert_same(a, b, plain, tiered, f"step {step}")
+
+
+def test_the_update_finds_the_gradients_read_ahead(tmp_path: Path, monkeypatch) -> None:
+    """The update's reads of the gradient files run ahead of use from its first bucket on: the buffers whose writes
+    (backward's) have finished go back to the pool first, so every bucket after the first finds its read started."""
+    found: list[bool] = []
+    step = disk_grads_module.DiskGrads.step
+
+    def recording(self, buf, bucket) -> torch.Tensor:
+        found.append((id(buf), bucket.index) in self._ahead)
+        return step(self, buf, bucket)
+
+    monkeypatch.setattr(disk_grads_module.DiskGrads, "step", recording)
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, {**_disk(tmp_path), "buffer_count": 4}, torch.bfloat16)
+    buckets = sum(len(buf.layout.buckets) for buf in b._pipeline.buffers)
+    for step_index in range(2):
+        found.clear()
+        for model, opt in ((plain, a), (tiered, b)):
+            _backward(model, opt, batch(step_index, ROWS), None)
+            b._pipeline.disk_grads.files.finish()  # backward's writes done, as when the step comes later
+            opt.step()
+            opt.zero_grad()
+        assert found == [False] + [True] * (buckets - 1), f"step {step_index}: {found}"
+        assert_same(a, b, plain, tiered, f"step {step_index}")

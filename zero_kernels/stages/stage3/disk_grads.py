@@ -112,14 +112,18 @@ class DiskGrads:
 
     def _read_next(self, key: Key) -> None:
         """Start reading the sum of the bucket reduced after ``key`` (in the window's first micro-step) into a free
-        pool buffer (those of finished writes are put back first), so that its reduction finds it read: the read runs
-        while backward computes."""
+        pool buffer, so that its reduction finds it read: the read runs while backward computes."""
         after = self._after.get(key)
         if after is None or after in self._ahead or after not in self._at:
             return
-        for held in [held for held, (_, write) in self._writing.items() if write.done()]:
-            self._written(held)  # buffers whose writes finished go back to the pool
+        self._reclaim()
         self._start(*self.order[self._at[after]], wait=False)
+
+    def _reclaim(self) -> None:
+        """Put the buffers whose writes finished back in the pool (else they wait there for a ``take`` that must
+        wait, and reads ahead, which take only free buffers, find none)."""
+        for held in [held for held, (_, write) in self._writing.items() if write.done()]:
+            self._written(held)
 
     def _forget(self, key: Key) -> None:
         """A read started ahead of ``key``'s part goes (the part is about to be written)."""
@@ -178,6 +182,7 @@ class DiskGrads:
         lease, read = self._ahead.pop(key, None) or self._start(buf, bucket, wait=True)
         self.files.hold(lease, lambda: self.used(buf, bucket))
         self._using[key] = lease
+        self._reclaim()
         for later, later_bucket in self.order[self._at[key] + 1 : self._at[key] + self.files.buffer_count]:
             ahead = (id(later), later_bucket.index)
             if ahead not in self._ahead and self._start(later, later_bucket, wait=False) is None:
