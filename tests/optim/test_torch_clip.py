@@ -33,6 +33,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_ as clip_bound_early  # bound at import, before any optimizer exists
 
 import zero_kernels as zk
+from tests.helpers.check import assert_close
 from tests.helpers.lockstep import LR, ROWS, Net, batch, compare, extra_rows, local, make_models, step_and_compare
 
 STAGES = (0, 1, 2, 3)
@@ -367,3 +368,25 @@ def test_a_clip_inside_the_accumulation_window_is_refused_and_names_the_remedy()
     model(torch.randn(4, 3)).sum().backward()
     expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in model.parameters()])) / 2
     assert float(opt.clip_grad_norm_(1.0)) == pytest.approx(float(expected), rel=1e-6)
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2))  # stage 3 reads parameters only in a forward
+def test_an_inf_gradient_under_an_inf_norm_clip_clips_nothing(stage: int) -> None:
+    """An inf in one gradient element with ``skip_nonfinite_steps=False``: ``clip_grad_norm_(max_norm, inf)`` returns
+    inf (torch's norm, not the largest finite float) and, the norm being non-finite, clips nothing (README, When
+    things go wrong): the step is AdamW's on the unclipped gradients, the inf element NaN and every other element
+    updated, for the last element of each parameter."""
+    names = [n for n, p in Net().named_parameters() if p.requires_grad]
+    for name in names:
+        model, ref = make_models(torch.float32)
+        opt, ropt = _opt(model, stage, skip_nonfinite_steps=False), torch.optim.AdamW(ref.parameters(), lr=LR)
+        for m in (model, ref):
+            (m(batch(0, ROWS)) + torch.tensor(math.inf) * m.get_parameter(name).flatten()[-1]).backward()
+        norm = opt.clip_grad_norm_(MAX_NORM, math.inf)
+        assert float(norm) == math.inf, f"stage {stage} {name}: inf norm {float(norm)}"
+        opt.step()
+        ropt.step()
+        for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+            scale = r.detach().nan_to_num(0.0).abs().max().item()
+            assert_close(p, r, rtol=1e-5, atol=1e-6 * scale, what=f"stage {stage} inf in {name}: {n}")
+        assert model.get_parameter(name).flatten()[-1].isnan()
