@@ -258,3 +258,34 @@ def _added_group(rank: int, world: int, stage: int, root: str) -> None:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_qwz_a_group_added_before_the_save_resumes_bit_for_bit(spawn, tmp_path: Path, stage: int) -> None:
     spawn(_added_group, 2, stage, str(tmp_path))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_grad_keeping_zeros_after_a_resumed_window_keeps_the_last_steps_parameters(
+    tmp_path: Path, stage: int
+) -> None:
+    """A window resumed from a checkpoint, then dropped by ``opt.zero_grad(set_to_none=False)`` (a spiking batch
+    skipped): the parameters of the last step keep a zero gradient, as ``p.grad`` zeroed in ``torch.optim.AdamW``,
+    so the next step moves ``extra`` (used in the step before the window, not since) by its momentum, bit for bit as
+    the uninterrupted run does (stages 2-3 keep no ``p.grad``: the window carries which parameters the last step
+    had)."""
+    runs = []
+    for saving in (False, True):
+        model, _ = make_models(torch.float32)
+        opt = _opt(model, stage, "backward")
+        model(batch(0, ROWS), extra=(0, ROWS)).backward()
+        opt.step()
+        model(batch(1, ROWS)).backward()
+        if saving:
+            ck.save(str(tmp_path), model, opt)
+            model, _ = make_models(torch.float32)
+            opt = _opt(model, stage, "backward")
+            ck.load(str(tmp_path), model, opt)
+        opt.zero_grad(set_to_none=False)
+        model(batch(2, ROWS)).backward()
+        opt.step()
+        runs.append(_state(model, opt))
+    expected, got = runs
+    assert got.keys() == expected.keys(), sorted(got)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), f"stage {stage}: {key} differs by {(got[key] - value).abs().max():.3g}"
