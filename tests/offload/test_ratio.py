@@ -84,3 +84,21 @@ def test_only_the_tiers_share_crosses_the_bus(stage: int, monkeypatch: pytest.Mo
     opt.step()
     moved = {k: v - before[k] for k, v in tier.traffic().items()}
     assert moved["down"] == moved["up"] == 2 * placement.tier_numel(buf), moved
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5])
+def test_each_buffer_keeps_whole_buckets_within_the_share_of_everything_placed(ratio: float) -> None:
+    """Two param groups (two buffers of 4 buckets of 256 elements): the device keeps, over the buffers placed so far,
+    the longest run of first buckets that stays within ``(1 - ratio)`` of their elements (a bucket that ends exactly
+    there included): ``(1 - ratio)`` of each buffer here, the second's budget less what the first kept."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(31, 32), torch.nn.Linear(31, 32)  # 1024 elements each
+    groups = [{"params": list(first.parameters())}, {"params": list(second.parameters())}]
+    opt = zk.ShardedFusedAdam(
+        groups, stage=1, reduce_bucket_size=BUCKET, offload_optimizer={"device": "cpu", "ratio": ratio}
+    )
+    bufs = opt._pipeline.buffers
+    assert [b.layout.shard_numel for b in bufs] == [1024, 1024] and all(len(b.layout.buckets) == 4 for b in bufs)
+    kept = int((1 - ratio) * 1024)
+    assert [placement.cut(b) for b in bufs] == [kept, kept]
+    opt._pipeline.close()
