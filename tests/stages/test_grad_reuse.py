@@ -87,3 +87,24 @@ def test_a_step_on_dropped_gradients_says_so_once(stage: int, caplog: pytest.Log
                 changed = any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
             assert changed == (stage < 2), f"stage {stage}: the second step changed the parameters: {changed}"
     assert caplog.text.count(SPENT) == (1 if stage >= 2 else 0), caplog.text
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_grad_keeping_zeros_gives_no_gradient_to_a_parameter_that_never_had_one(stage: int) -> None:
+    """``zero_grad(set_to_none=False)`` before every backward, ``extra`` never used: AdamW leaves its ``p.grad`` None
+    and never updates it (no weight decay, no step count); the other parameters as AdamW's, element by element."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(3):
+        for o in (opt, ropt):
+            o.zero_grad(set_to_none=False)
+        model(batch(step, ROWS)).backward()
+        ref(batch(step, ROWS)).backward()
+        opt.step()
+        ropt.step()
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} step {step}")
+    state = opt.full_state_dict()["state"]
+    extra = [i for i, (n, p) in enumerate(model.named_parameters()) if p.requires_grad and n.startswith("extra.")]
+    assert extra and all(i not in state or float(state[i]["step"]) == 0 for i in extra), state.keys()
