@@ -76,6 +76,14 @@ TABLES = {
         lambda o: WarmupCosineLR(o, total_num_steps=4, warmup_num_steps=2),
         [0.0, 0.0, 2.0, 2.0 * (1e-4 + (1 - 1e-4) * 0.5), 2.0 * 1e-4, 2.0 * 1e-4],
     ),
+    "WarmupDecayLR ending with the warmup": (
+        lambda o: WarmupDecayLR(o, total_num_steps=3, warmup_max_lr=1.0, warmup_num_steps=3, warmup_type="linear"),
+        [0.0, 0.0, 1 / 3, 2 / 3, 0.0, 0.0],
+    ),
+    "WarmupCosineLR ending with the warmup": (
+        lambda o: WarmupCosineLR(o, total_num_steps=3, warmup_num_steps=3, cos_min_ratio=0.1, warmup_type="linear"),
+        [0.0, 0.0, 2 / 3, 4 / 3, 0.1 * 2, 0.1 * 2],
+    ),
     "OneCycle": (
         lambda o: OneCycle(o, cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=2, cycle_second_step_size=4),
         [0.1, 0.3, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1],
