@@ -84,6 +84,10 @@ TABLES = {
         lambda o: WarmupCosineLR(o, total_num_steps=3, warmup_num_steps=3, cos_min_ratio=0.1, warmup_type="linear"),
         [0.0, 0.0, 2 / 3, 4 / 3, 0.1 * 2, 0.1 * 2],
     ),
+    "WarmupCosineLR below a negative floor": (
+        lambda o: WarmupCosineLR(o, total_num_steps=4, warmup_num_steps=2, cos_min_ratio=-0.5, warmup_type="linear"),
+        [0.0, 0.0, 1.0, 0.5, 0.0, 0.0],
+    ),
     "OneCycle": (
         lambda o: OneCycle(o, cycle_min_lr=0.1, cycle_max_lr=0.5, cycle_first_step_size=2, cycle_second_step_size=4),
         [0.1, 0.3, 0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.1],
