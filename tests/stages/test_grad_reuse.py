@@ -108,3 +108,24 @@ def test_zero_grad_keeping_zeros_gives_no_gradient_to_a_parameter_that_never_had
     state = opt.full_state_dict()["state"]
     extra = [i for i, (n, p) in enumerate(model.named_parameters()) if p.requires_grad and n.startswith("extra.")]
     assert extra and all(i not in state or float(state[i]["step"]) == 0 for i in extra), state.keys()
+
+
+@pytest.mark.parametrize("clear", ["model.zero_grad()", "nothing"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_each_step_uses_only_the_backward_since_the_last_step_without_opt_zero_grad(stage: int, clear: str) -> None:
+    """Stages 2-3 without ``opt.zero_grad()`` (``model.zero_grad()``, or no clearing at all): each step uses the
+    gradients of the backward since the last step only, as AdamW with ``zero_grad()`` every step, element by
+    element (the step forgets which buckets its reductions wrote, so the next reduction overwrites them)."""
+    model, ref = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for step in range(3):
+        if clear == "model.zero_grad()":
+            model.zero_grad()
+        ropt.zero_grad()
+        model(batch(step, ROWS)).backward()
+        ref(batch(step, ROWS)).backward()
+        opt.step()
+        ropt.step()
+        with opt.gathered_params():
+            compare(model, ref, f"stage {stage} {clear} step {step}")
