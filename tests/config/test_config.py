@@ -578,6 +578,8 @@ def test_objects_are_frozen_and_hold_tuples() -> None:
         (lambda: ZeroConfig(bf16=True, fp16=FP16Config(enabled=True)), "fp16.enabled and bf16.enabled"),
         (lambda: ZeroConfig(train_batch_size=3, train_micro_batch_size_per_gpu=2), "train_batch_size=3 must equal"),
         (lambda: ZeroConfig(zero={"stage": 1}), "ZeroConfig.zero="),
+        (lambda: ZeroConfig(gradient_clipping=-1.0), "ZeroConfig.gradient_clipping=-1.0"),
+        (lambda: ZeroConfig(gradient_accumulation_steps=0), "ZeroConfig.gradient_accumulation_steps=0"),
     ],
 )
 def test_direct_construction_is_validated_too(build, fragment: str) -> None:
