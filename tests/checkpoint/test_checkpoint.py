@@ -33,6 +33,7 @@ import zero_kernels.checkpoint as ck
 import zero_kernels.checkpoint.cli as consolidate_cli
 import zero_kernels.checkpoint.inspect_cli as inspect_cli
 import zero_kernels.optim as zo
+from tests.helpers import lockstep
 from tests.helpers.check import assert_close
 from tests.helpers.dist import run_ranks, run_ranks_checked
 from tests.helpers.paths import pythonpath
@@ -540,3 +541,25 @@ def test_skipped_steps_are_restored_at_any_world_size(tmp_path: Path) -> None:
     model, opt = _fp16_linear(stage=1)
     ck.load(tmp_path, model, opt)
     assert opt.skipped_steps == 0 and opt.loss_scale == 4.0
+
+
+def test_the_consolidated_state_has_adamws_entries(tmp_path: Path) -> None:
+    """After two steps in which ``extra`` (never called) had no gradient: the consolidated optimizer state has an
+    entry for exactly the parameters ``torch.optim.AdamW``'s ``state_dict()`` has one for after the same steps, each
+    with AdamW's values element by element (stage 2, one rank)."""
+    model, ref = lockstep.make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=lockstep.LR, stage=2, reduce_bucket_size=lockstep.BUCKET)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lockstep.LR)
+    for step in range(2):
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            m(lockstep.batch(step, lockstep.ROWS)).backward()
+            o.step()
+    ck.save(tmp_path / "ck", model, opt)
+    got = torch.load(ck.consolidate(tmp_path / "ck", tmp_path / "out.pt"), weights_only=True)["optimizer"]["state"]
+    expected = ropt.state_dict()["state"]
+    assert sorted(got) == sorted(expected)
+    for index, entry in expected.items():
+        for key, value in entry.items():
+            scale = value.abs().max().item()
+            assert_close(got[index][key], value, rtol=1e-5, atol=1e-6 * scale, what=f"state {index} {key}")
