@@ -543,23 +543,32 @@ def test_skipped_steps_are_restored_at_any_world_size(tmp_path: Path) -> None:
     assert opt.skipped_steps == 0 and opt.loss_scale == 4.0
 
 
-def test_the_consolidated_state_has_adamws_entries(tmp_path: Path) -> None:
-    """After two steps in which ``extra`` (never called) had no gradient: the consolidated optimizer state has an
-    entry for exactly the parameters ``torch.optim.AdamW``'s ``state_dict()`` has one for after the same steps, each
-    with AdamW's values element by element (stage 2, one rank)."""
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_the_consolidated_state_has_adamws_entries(tmp_path: Path, adam_w_mode: bool) -> None:
+    """Two param groups, two steps in which ``extra`` (never called) had no gradient: the consolidated optimizer
+    state has an entry for exactly the parameters ``torch.optim.AdamW``'s ``state_dict()`` has one for after the same
+    steps (``torch.optim.Adam``'s with ``adam_w_mode=False``), each with its values element by element, and its
+    param groups number the same parameters with the same hyper-parameters and decay mode (stage 2, one rank)."""
     model, ref = lockstep.make_models(torch.float32)
-    opt = zo.ShardedFusedAdam(model, lr=lockstep.LR, stage=2, reduce_bucket_size=lockstep.BUCKET)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=lockstep.LR)
+    groups = lockstep.two_groups(model)
+    opt = zo.ShardedFusedAdam(groups, lr=lockstep.LR, stage=2, reduce_bucket_size=lockstep.BUCKET,
+                              weight_decay=0.01, adam_w_mode=adam_w_mode)  # fmt: skip
+    kind = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    ropt = kind(lockstep.two_groups(ref), lr=lockstep.LR, weight_decay=0.01)
     for step in range(2):
         for m, o in ((model, opt), (ref, ropt)):
             o.zero_grad()
             m(lockstep.batch(step, lockstep.ROWS)).backward()
             o.step()
     ck.save(tmp_path / "ck", model, opt)
-    got = torch.load(ck.consolidate(tmp_path / "ck", tmp_path / "out.pt"), weights_only=True)["optimizer"]["state"]
-    expected = ropt.state_dict()["state"]
-    assert sorted(got) == sorted(expected)
-    for index, entry in expected.items():
+    got = torch.load(ck.consolidate(tmp_path / "ck", tmp_path / "out.pt"), weights_only=True)["optimizer"]
+    expected = ropt.state_dict()
+    assert sorted(got["state"]) == sorted(expected["state"])
+    for index, entry in expected["state"].items():
         for key, value in entry.items():
             scale = value.abs().max().item()
-            assert_close(got[index][key], value, rtol=1e-5, atol=1e-6 * scale, what=f"state {index} {key}")
+            assert_close(got["state"][index][key], value, rtol=1e-5, atol=1e-6 * scale, what=f"state {index} {key}")
+    keys = ("params", "lr", "weight_decay", "decoupled_weight_decay")
+    assert [{k: g[k] for k in keys} for g in got["param_groups"]] == [
+        {k: g[k] for k in keys} for g in expected["param_groups"]
+    ]
