@@ -102,3 +102,26 @@ def test_each_buffer_keeps_whole_buckets_within_the_share_of_everything_placed(r
     kept = int((1 - ratio) * 1024)
     assert [placement.cut(b) for b in bufs] == [kept, kept]
     opt._pipeline.close()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_steps_found_unedited_by_fingerprint_copy_no_parameters_down(
+    stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a GPU's tier (``share_host`` off, edits found by ``fingerprint``: ``bitwise`` False): every step, not only
+    the first, moves 2 bytes per element of the tier's part down (the gradient) and 2 up (the parameter); the
+    parameters the last step pushed up are known unedited, so none is copied down again."""
+    monkeypatch.setattr(HostTier, "share_host", False)
+    monkeypatch.setattr(HostTier, "bitwise", lambda self, device: False)
+    model = _model().to(torch.bfloat16)
+    opt = zk.ShardedFusedAdam(model, stage=stage, reduce_bucket_size=BUCKET,
+                              offload_optimizer={"device": "cpu", "ratio": 0.3})  # fmt: skip
+    (buf,) = opt._pipeline.buffers
+    tier = opt._pipeline.tier
+    for step in range(3):
+        before = dict(tier.traffic())
+        model(torch.randn(4, 40, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        moved = {k: v - before[k] for k, v in tier.traffic().items()}
+        assert moved["down"] == moved["up"] == 2 * placement.tier_numel(buf), (step, moved)
