@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import zero_kernels.optim as zo
-from zero_kernels.stages.stage2 import FILLING
+from zero_kernels.stages.stage2 import FILLING, Stage2Pipeline
 
 BUCKET = 1024  # elements per bucket (reduce_bucket_size)
 
@@ -51,3 +51,17 @@ def _steps(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_steps_after_the_first_make_no_new_bucket(spawn) -> None:
     spawn(_steps, 2)
+
+
+@pytest.mark.parametrize("limit", [1, 2])
+def test_the_pool_keeps_no_more_buckets_than_its_limit(limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backward that fills more scratch buckets than ``pool_limit`` (here forced low, as a GPU's is beside a
+    parameter spanning many buckets) gives back to the pool only up to the limit; the rest are freed."""
+    monkeypatch.setattr(Stage2Pipeline, "pool_limit", lambda self, device: limit)
+    model = _model()
+    opt = zo.ShardedFusedAdam(model, lr=1e-2, stage=2, reduce_bucket_size=BUCKET, impl="torch")
+    for _ in range(2):
+        model(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        assert len(opt.pipeline.memory_tensors()["buffers"]) == limit
