@@ -26,7 +26,8 @@ import torch
 
 from zero_kernels.config.offload import AioConfig
 from zero_kernels.offload import IOHandle
-from zero_kernels.offload.disk import allocate, file_io
+from zero_kernels.offload.aio import file_io
+from zero_kernels.offload.run_directory import allocate
 
 PROBE_BYTES = 1 << 30
 
@@ -34,7 +35,7 @@ PROBE_BYTES = 1 << 30
 def measure(folder: str, aio: dict[str, Any], size: int = PROBE_BYTES) -> dict:
     """``disk_write_GBps``, ``disk_read_GBps``, ``disk_mixed_GBps`` and ``disk_probe`` (the engine that moved the
     bytes) of the disk under ``folder`` through the disk tier's engine with the ``aio`` block ``aio`` (DeepSpeed's
-    keys, ``disk.file_io``)."""
+    keys, ``aio.file_io``)."""
     paths = [os.path.join(folder, f"disk_probe.{i}") for i in (0, 1)]
     io = file_io(AioConfig(**aio))
     try:

@@ -22,7 +22,7 @@ from torch import nn
 import zero_kernels.optim as zo
 from zero_kernels.config import ZeroOptions
 from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig
-from zero_kernels.offload import DiskTier, disk
+from zero_kernels.offload import DiskTier, disk, run_directory
 
 SUB_GROUP = 2048
 
@@ -176,7 +176,7 @@ _KEPT: list = []
 
 
 def _hold_a_run(nvme_path: str, told: "multiprocessing.queues.Queue") -> None:
-    from zero_kernels.offload.disk import RunDirectory
+    from zero_kernels.offload.run_directory import RunDirectory
 
     _KEPT.append(RunDirectory(nvme_path, "offload_optimizer.nvme_path", 0))  # alive when the process ends
     told.put(str(_KEPT[-1].run))
@@ -197,7 +197,7 @@ def test_a_process_multiprocessing_forked_removes_its_run_when_it_ends(tmp_path:
 HOLDER = textwrap.dedent(
     """
     import sys
-    from zero_kernels.offload.disk import RunDirectory
+    from zero_kernels.offload.run_directory import RunDirectory
     directory = RunDirectory(sys.argv[1], "offload_optimizer.nvme_path", 0)
     print(directory.run, flush=True)
     sys.stdin.readline()
@@ -385,7 +385,7 @@ def _amsgrad_on_a_full_disk(rank: int, world: int, disks: list[str], when: str) 
         free = _room(disks[1])
         if when == "build":
             del opt  # its files go at once
-            free = _room(disks[1]) - free + disk._PROBE_BYTES  # the start's probe file, removed after
+            free = _room(disks[1]) - free + run_directory._PROBE_BYTES  # the start's probe file, removed after
         Path(disks[1], "filler").write_bytes(b"\0" * (_room(disks[1]) - (free if when == "build" else 0)))
     if when == "build":
         with pytest.raises(OSError, match=match):

@@ -4,6 +4,7 @@ Interface::
 
     io = FileIO(block_size=1 << 20, queue_depth=8, threads=1, single_submit=False, overlap_events=True,
                 direct=True)
+    io = file_io(aio)                     # an engine with the knobs of the config's ``aio`` block
     buf = io.empty(numel, dtype)          # host tensor at a page-aligned address (bytes rounded up
                                           # to whole 4 KiB pages inside), the fastest to move
     release_pages(buf)                    # its pages back to the system until next written (reads 0)
@@ -65,12 +66,13 @@ from typing import Any, Callable
 import torch
 
 from .._build import ext as _ext
+from ..config.offload import AioConfig
 
 log = logging.getLogger("zero_kernels")
 
 PAGE = 4096  # the alignment O_DIRECT asks of file offsets, lengths and memory addresses
 
-__all__ = ["FileIO", "IOHandle", "PAGE", "release_pages"]
+__all__ = ["FileIO", "IOHandle", "PAGE", "file_io", "release_pages"]
 
 
 def _extension() -> ModuleType:
@@ -242,6 +244,17 @@ class FileIO:
         if paths:
             self._logged_fallback = True
             log.info("zero_kernels: the file system of %s refuses O_DIRECT; its files use buffered I/O", paths[0])
+
+
+def file_io(aio: AioConfig) -> FileIO:
+    """The I/O engine with the ``aio`` block's knobs."""
+    return FileIO(
+        block_size=aio.block_size,
+        queue_depth=aio.queue_depth,
+        threads=aio.intra_op_parallelism,
+        single_submit=aio.single_submit,
+        overlap_events=aio.overlap_events,
+    )
 
 
 def _make_engine(block_size: int, queue_depth: int, threads: int, direct: bool) -> Any:

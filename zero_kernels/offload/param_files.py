@@ -1,9 +1,10 @@
 """Stage 3's parameter shards in files (``offload_param`` with ``device: nvme``), read through a bounded host pool.
 
 Files. ``<nvme_path>/zero_kernels/<run>/rank<R>/u<n>.params``: this rank's shard of one unit, in the parameters'
-dtype, ``n`` in the order the units were added. The directory is a ``disk.RunDirectory`` (the disk tier's start
-checks, reservation and cleanup, with errors naming ``offload_param.nvme_path``); bytes move through a ``FileIO``
-(the disk tier's engine, with the ``aio`` block's knobs). Files, pool and I/O are ``shard_files.ShardFiles``'.
+dtype, ``n`` in the order the units were added. The directory is a ``run_directory.RunDirectory`` (start checks,
+reservation and cleanup as for the disk tier's files, with errors naming ``offload_param.nvme_path``); bytes move
+through a ``FileIO`` (``aio.file_io``: the disk tier's engine, with the ``aio`` block's knobs). Files, pool and I/O
+are ``shard_files.ShardFiles``'.
 
 Pool. DeepSpeed's parameter swapper keeps ``buffer_count`` host buffers of ``buffer_size`` elements and asserts
 that each partition fits in one. Here the pool is ``buffer_count`` page-aligned host buffers, each as large as
@@ -16,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..config.offload import AioConfig, OffloadParamConfig
-from .disk import RunDirectory, file_io
+from .aio import file_io
+from .run_directory import RunDirectory
 from .shard_files import ShardFiles
 
 KEY = "offload_param"

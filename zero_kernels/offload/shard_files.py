@@ -1,9 +1,9 @@
 """Shards in files under a run directory, read and written through a bounded pool of page-aligned host buffers.
 
-Files. ``add`` reserves one file per shard (``<root>/u<n>.<suffix>``, ``n`` in the order the shards were added)
-in a ``disk.RunDirectory``, whose errors name its key; bytes move through a ``FileIO``. Stage 3's parameter shards
-(``param_files``, their own directory and engine) and its gradient shards (``stages.stage3.disk_grads``, in the
-state tier's directory, through its engine) are such files.
+Files. ``add`` reserves one file per shard (``<root>/u<n>.<suffix>``, ``n`` in the order the shards were added) in a
+``run_directory.RunDirectory``, whose errors name its key; bytes move through a ``FileIO``. Stage 3's parameter
+shards (``param_files``, their own directory and engine) and its gradient shards (``stages.stage3.disk_grads``, in
+the state tier's directory, through its engine) are such files.
 
 Pool. ``buffer_count`` page-aligned host buffers, each as large as ``fit`` asked for, allocated when first taken.
 ``take`` hands out a free buffer; when every buffer is held it first calls the oldest holder's release callback,
@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .aio import FileIO, IOHandle, release_pages
-from .disk import RunDirectory
+from .run_directory import RunDirectory
 
 
 @dataclass(eq=False)
