@@ -1,6 +1,7 @@
 """ZeRO stage 3: parameters gathered per module just before use and freed after.
 
-``pipeline`` (the stage-3 pipeline and its buffers), ``plan`` (which parameters a module gathers),
+``pipeline`` (the stage-3 pipeline and its buffers), ``units`` (a unit of trainable parameters: gathered, freed,
+its gradients handed on), ``plan`` (which parameters a module gathers),
 ``hooks`` (the forward/backward hooks that gather and free), ``storage`` (a gathered buffer a free
 empties, whatever autograd saved of it), ``uses`` and ``guard`` (reads of a freed
 parameter caught), ``check`` (ranks gather the same thing), ``save`` (full weights out), and

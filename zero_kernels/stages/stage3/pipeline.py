@@ -10,8 +10,8 @@ elements are pooled, per param group and dtype, into one persistent unit that st
 (buckets of ``reduce_bucket_size`` elements, each split evenly over the ranks), so gathering a
 unit is one all-gather per bucket into a full buffer that the parameters view; freeing sets
 every ``p.data`` to an empty tensor (the ``Parameter`` objects, and so the model's and the
-optimizer's references, stay valid). Buffers are ordered from the last module to the first, the
-order in which backward produces gradients.
+optimizer's references, stay valid): ``units.TrainableUnit``. Buffers are ordered from the last module to the
+first, the order in which backward produces gradients.
 
 When. ``hooks.Stage3Scheduler`` gathers a unit before each forward and backward use,
 prefetches the next unit and more up to ``stage3_prefetch_bucket_size`` elements ahead, and frees
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -70,7 +69,7 @@ from ..eager import weakly
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
 from ..stage2 import Stage2Pipeline
-from . import disk_grads, disk_params, full_shape, generation, guard, held_edits, model_hints, resize
+from . import disk_grads, disk_params, full_shape, generation, held_edits, model_hints, resize
 from . import save as stage3_save
 from .check import DeferredChecks, check_same_units
 from .disk_grads import DiskGrads
@@ -81,7 +80,7 @@ from .gathers import UnitGathers
 from .hooks import Stage3Scheduler
 from .host_params import HostParams
 from .plan import check_externals, holders
-from .storage import GatherStorage, freed
+from .units import TrainableUnit
 
 
 @dataclass
@@ -100,90 +99,6 @@ class Stage3Buffer(FlatBuffer):
         super().ready()
         if self.params_in is not None:
             self.params_in()
-
-
-class _Unit:
-    """A ``Stage3Buffer`` seen by the scheduler: all-gather into ``full``, free, hand grads on."""
-
-    def __init__(self, pipeline: "Stage3Pipeline", buf: Stage3Buffer, uid: int, holder: nn.Module, name: str):
-        self._pipeline, self.buf = weakref.ref(pipeline), buf
-        self.params = buf.params
-        self.numel = buf.layout.numel
-        self.param_numel = sum(slot.numel for slot in buf.layout.slots)
-        self.persistent = buf.persistent
-        self.uid, self.name, self.kind = uid, name, type(holder).__name__
-        self.storage = GatherStorage(buf.layout.numel, buf.dtype, buf.device)
-        for slot in buf.layout.slots:
-            full_shape.label(self.params[slot.param], slot.shape)
-        self._handles: list = []
-        self._versions: list[int] = []  # the parameters' version counters when gathered (``forward_writes``)
-
-    @property
-    def pipeline(self) -> "Stage3Pipeline":
-        """The pipeline; ``RuntimeError`` once it is gone while the scheduler lives on (held by a kept error's
-        traceback, as IPython's ``sys.last_traceback``): the model's parameters went with it."""
-        pipeline = self._pipeline()
-        if pipeline is None:
-            raise RuntimeError(f"ZeRO stage 3: the model is used after its optimizer was deleted: {guard.ORPHANED}")
-        return pipeline
-
-    def read_ahead(self) -> None:
-        """Start reading a shard kept in a file (``disk_params``) for the gather that follows."""
-        if self.pipeline.disk_params is not None:
-            self.pipeline.disk_params.read_ahead(self.buf)
-
-    def start_gather(self) -> None:
-        buf, disk = self.buf, self.pipeline.disk_params
-        if disk is not None and adopt.given_values(self.params):
-            disk.resident(buf)  # values given to the parameters go into the shard: read in from its file first
-        adopt.adopt_assigned_shard(self.pipeline, buf, buf.param_shard, self.pipeline.name_of)
-        buf.full = self.storage.take()
-        shard = buf.param_shard if disk is None else disk.source(buf, self._settle)
-        gathers, exact = self.pipeline.unit_gathers, self.pipeline.holding
-        self._handles = [
-            gathers.start(buf, b, buf.shard_slice(shard, b), f"gather.{b.index}", exact=exact)
-            for b in buf.layout.buckets
-        ]
-        if disk is not None and buf.device.type == "cpu" and all(h.is_completed() for h in self._handles):
-            self._settle()  # the gathers are over (one rank): a pool buffer goes back now, not at the unit's use
-
-    def _settle(self) -> None:
-        """The gathers waited for; a shard read from a file gives its pool buffer back."""
-        for handle in self._handles:
-            handle.wait()
-        self._handles = []
-        if self.pipeline.disk_params is not None:
-            self.pipeline.disk_params.done(self.buf)
-
-    def finish_gather(self) -> None:
-        self._settle()
-        self.pipeline.unit_gathers.finish(self.buf, self.buf.param_shard)
-        for slot in self.buf.layout.slots:
-            self.params[slot.param].data = self.buf.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
-        self.record_versions()
-
-    def record_versions(self) -> None:
-        """What a write in place into the gathered parameters is measured from (``forward_writes``); read past the
-        ``__torch_function__`` of parameters still marked freed (``stage3.guard``): 0.4 us a parameter instead of 6."""
-        with torch._C.DisableTorchFunctionSubclass():
-            self._versions = [p._version for p in self.params]
-
-    def free(self, hand_over: bool = False) -> None:
-        for k, (p, version) in enumerate(zip(self.params, self._versions)):
-            if p._version != version:  # written in place since the gather: lost now (``forward_writes``)
-                self.pipeline.forward_writes.record(self.buf.indices[k])
-        for p in self.params:
-            p.data = freed(self.buf.dtype, self.buf.device)
-        self.buf.full = None
-        self.storage.release(hand_over)  # what autograd saved from the forward views it too (``stage3.storage``)
-
-    def reduce_grads(self) -> None:
-        for p in self.params:
-            if p.requires_grad:
-                if p.grad is not None:
-                    self.pipeline._on_grad_ready(p)
-                else:
-                    self.pipeline._on_no_grad(p)
 
 
 class Stage3Pipeline(Stage2Pipeline):
@@ -207,7 +122,7 @@ class Stage3Pipeline(Stage2Pipeline):
             self.engine, self.options, self.param_traffic, self.weight_quantizer, self.uploads
         )
         self._holder: dict[int, int] = {}  # id(parameter) -> index of its unit's module (``stage3.plan.holders``)
-        self._units: list = []  # ``_Unit``s, then ``FrozenUnit``s
+        self._units: list = []  # ``TrainableUnit``s, then ``FrozenUnit``s
         self._frozen: Optional[list[FrozenUnit]] = None  # built at the first ``add_group``
         self._frozen_shape: dict[int, torch.Size] = {}  # id(frozen partitioned parameter) -> its shape
         self._scheduler: Optional[Stage3Scheduler] = None
@@ -366,7 +281,8 @@ class Stage3Pipeline(Stage2Pipeline):
         units = []
         for uid, buf in enumerate(self.buffers):
             name, holder = self._unit_holder(buf, modules, holder_of)
-            units.append(_Unit(self, buf, uid, holder, f"{name} (persistent parameters)" if buf.persistent else name))
+            label = f"{name} (persistent parameters)" if buf.persistent else name
+            units.append(TrainableUnit(self, buf, uid, holder, label))
         for frozen in self._frozen or ():
             frozen.uid = len(units)
             units.append(frozen)
@@ -612,7 +528,7 @@ class Stage3Pipeline(Stage2Pipeline):
             p.data = torch.empty(0, dtype=buf.dtype, device=buf.device)
 
     def _register_grad_hooks(self, buf: FlatBuffer) -> None:
-        """The scheduler hands gradients on (``_Unit.reduce_grads``) when it reduces a unit."""
+        """The scheduler hands gradients on (``TrainableUnit.reduce_grads``) when it reduces a unit."""
 
     def _queue_round_end(self) -> None:
         """The round ends where the scheduler's backward ends (``_end_scheduled_round``): the units hand their gradients
@@ -841,7 +757,7 @@ class Stage3Pipeline(Stage2Pipeline):
             self._hold_depth -= 1
             if self._hold_depth == 0:
                 for unit in self._units:  # writes inside the block are meant (``forward_writes``)
-                    if isinstance(unit, _Unit) and unit.buf.full is not None:
+                    if isinstance(unit, TrainableUnit) and unit.buf.full is not None:
                         unit.record_versions()
                 self._scheduler.release()
 
@@ -909,7 +825,11 @@ class Stage3Pipeline(Stage2Pipeline):
         new storage before the assigned values are copied into it: what was assigned from the old one keeps its
         values (``stage3.storage``)."""
         for unit in self._units:
-            if isinstance(unit, _Unit) and unit.buf.full is not None and adopt.replaced(unit.buf, unit.buf.full):
+            if (
+                isinstance(unit, TrainableUnit)
+                and unit.buf.full is not None
+                and adopt.replaced(unit.buf, unit.buf.full)
+            ):
                 unit.buf.full = unit.storage.renew()
 
     def _write_back(self) -> None:
