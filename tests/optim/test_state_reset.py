@@ -7,7 +7,8 @@ Every rank runs the same statements, as any optimizer call; a rank that holds no
 state (``tiny`` has one element: at world sizes 2-3 one rank holds it) resets nothing there and
 raises nothing. Parameters are compared after every step (``tests.helpers.lockstep.compare``), the state at
 the end (``full_state_dict()`` against AdamW's ``state_dict()``). A reset made on one rank only
-raises ``RanksDisagree`` on every rank at the next step, naming the parameter. A reset or write after
+raises ``RanksDisagree`` on every rank at the next step, naming the parameter; so does a state loaded on one
+rank only, and the error names that cause too. A reset or write after
 ``consolidate_state_dict()`` drops the whole state it gathered (``state_dict()`` warns and gives the shard).
 """
 
@@ -134,6 +135,24 @@ def _one_rank_reset_case(rank: int, world: int, stage: int) -> None:
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), f"stage {stage}: updated"
 
 
+def _one_rank_load_case(rank: int, world: int, stage: int) -> None:
+    """A state loaded on rank 0 only (the other ranks' load raised and was caught, as libraries that load a file one
+    rank wrote do): the next step raises on every rank, naming the load as a cause."""
+    model, _ = make_models(torch.float32)
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
+    for step in range(3):
+        model(batch(step, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            saved = opt.state_dict()
+    if rank == 0:
+        opt.load_state_dict(saved)
+    model(batch(3, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
+    with pytest.raises(RanksDisagree, match=r"step count of parameter .*loaded \(load_state_dict\)"):
+        opt.step()
+
+
 def _master_case(rank: int, world: int) -> None:
     """bf16: a reset keeps the fp32 master and the weights (they are not Adam state)."""
     model, _ = make_models(torch.bfloat16)
@@ -188,6 +207,7 @@ def _body(rank: int, world: int) -> list[str]:
     cases = [(f"stage {stage} resets", _reset_case, (stage,)) for stage in STAGES]
     if world > 1:
         cases += [(f"stage {stage} one rank", _one_rank_reset_case, (stage,)) for stage in STAGES]
+        cases += [(f"stage {stage} loaded on one rank", _one_rank_load_case, (stage,)) for stage in STAGES]
     cases.append(("bf16 master", _master_case, ()))
     if world > 1:
         cases.append(("consolidated, then reset", _consolidated_case, ()))

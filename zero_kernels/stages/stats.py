@@ -238,8 +238,10 @@ def _agreed_counts(
         message = disagreement(f"the Adam step count of {name(order[k])}", values, global_ranks)
         raise RanksDisagree(
             f"ShardedFusedAdam.step: {message} (None: a rank that holds none of its state). Its state was reset "
-            "(opt.state[p] = {}, del opt.state[p], opt.state.clear()) or set on some ranks only: run those "
-            "statements on every rank. Nothing was updated"
+            "(opt.state[p] = {}, del opt.state[p], opt.state.clear()), set, or loaded (load_state_dict) on some "
+            "ranks only (also where the load raised on the other ranks and the caller went on: a shard loaded on "
+            "another rank than its own is refused): run those statements on every rank, each loading its own "
+            "state_dict() or a consolidated one. Nothing was updated"
         )
     return {i: int(c) for i, c, h in zip(order, highest.tolist(), held.any(0).tolist()) if h}
 
