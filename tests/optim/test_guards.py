@@ -119,3 +119,13 @@ def test_the_ddp_refusal_names_ignites_auto_model(monkeypatch: pytest.MonkeyPatc
     fix = r"Ignite.*leave out idist\.auto_model\(model\).*model\.to\(idist\.device\(\)\)"
     with pytest.raises(ValueError, match=fix):
         ShardedFusedAdam(_StandInDDP(nn.Linear(2, 2)), stage=0)
+
+
+def test_the_ddp_refusal_names_fastais_and_mmengines_wrappers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fastai's ``DistributedTrainer`` (``learn.to_distributed()``) and mmengine's ``Runner`` under a launcher wrap the
+    model in DDP themselves; the refusal told their users only not to wrap what they never wrapped by hand."""
+    monkeypatch.setattr(guards, "DistributedDataParallel", _StandInDDP)
+    fastai = r"fastai leave out DistributedTrainer \(learn\.to_distributed\(\)\)"
+    mmengine = r"mmengine's Runner pass launcher='none' after torch\.distributed\.init_process_group\(\)"
+    with pytest.raises(ValueError, match=f"{fastai}.*{mmengine}"):
+        ShardedFusedAdam(_StandInDDP(nn.Linear(2, 2)), stage=0)

@@ -42,7 +42,9 @@ _FIX = (
     "ZeroAccelerator in place of Accelerator, and build the optimizer before accelerator.prepare(model, ...); with "
     "PyTorch Lightning give the Trainer a DDPStrategy subclass whose configure_ddp() does nothing, and Fabric one "
     "whose setup_module(module) returns the module; with PyTorch-Ignite leave out idist.auto_model(model), which "
-    "wraps it in DDP on several ranks, and move it with model.to(idist.device())"
+    "wraps it in DDP on several ranks, and move it with model.to(idist.device()); with fastai leave out "
+    "DistributedTrainer (learn.to_distributed()) and give each rank its part of the data; with mmengine's Runner pass "
+    "launcher='none' after torch.distributed.init_process_group() (its DefaultSampler still splits the data)"
 )
 
 
