@@ -6,8 +6,9 @@ without a gradient; ``zero_grad(set_to_none=False)`` between backward and step (
 ``gradient_accumulation_steps`` 2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk
 while training (after a backward they hold the resident shard's bytes) and gone after ``close``; no resident
 gradient shard in ``memory_report``; the gradients read once per step (the statistics read nothing); a checkpoint
-saved inside an accumulation window resumed with and without offload; a disk without room for the gradients refused
-naming the key."""
+saved inside an accumulation window resumed with and without offload; one bucket after ``zero_grad(set_to_none=
+False)`` between backward and step (it follows itself in the read-ahead order); a disk without room for the
+gradients refused naming the key."""
 
 from __future__ import annotations
 
@@ -319,3 +320,26 @@ def test_the_update_finds_the_gradients_read_ahead(tmp_path: Path, monkeypatch) 
             opt.zero_grad()
         assert found == [False] + [True] * (buckets - 1), f"step {step_index}: {found}"
         assert_same(a, b, plain, tiered, f"step {step_index}")
+
+
+def test_a_bucket_reduced_first_after_zero_grad_reads_nothing_of_itself_ahead(tmp_path: Path) -> None:
+    """One bucket: ``zero_grad(set_to_none=False)`` between backward and step makes the step reduce it again (zeros),
+    first after being the last reduced, so it follows itself in the order reads ahead follow. Its reductions after
+    a later window's first (a second backward before the step) must not start a read of its own part ahead of
+    their write: the update would use the sum before that backward. Weights bit for bit those without offload."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(6, 3, bias=False).to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = (zo.ShardedFusedAdam(model, lr=2e-2, stage=3, max_grad_norm=CLIP, stage3_param_persistence_threshold=0,
+                                **({} if offload is None else {"offload_optimizer": offload}))
+            for model, offload in ((plain, None), (tiered, _disk(tmp_path))))  # fmt: skip
+    assert sum(len(buf.layout.buckets) for buf in b._pipeline.buffers) == 1
+    for step in range(3):
+        for model, opt in ((plain, a), (tiered, b)):
+            for micro in range(1 if step == 0 else 2):
+                model(batch(3 * step + micro, ROWS).to(torch.bfloat16)).float().square().mean().backward()
+            if step == 0:
+                opt.zero_grad(set_to_none=False)
+            opt.step()
+            opt.zero_grad()
+        assert_same(a, b, plain, tiered, f"step {step}")

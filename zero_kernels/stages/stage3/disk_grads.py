@@ -112,9 +112,11 @@ class DiskGrads:
 
     def _read_next(self, key: Key) -> None:
         """Start reading the sum of the bucket reduced after ``key`` (in the window's first micro-step) into a free
-        pool buffer, so that its reduction finds it read: the read runs while backward computes."""
+        pool buffer, so that its reduction finds it read: the read runs while backward computes. Not ``key`` itself
+        (its part is written next: a read started now would hold the sum before it), which follows itself when it was
+        the last bucket reduced before ``zero_grad()`` and the first after."""
         after = self._after.get(key)
-        if after is None or after in self._ahead or after not in self._at:
+        if after is None or after == key or after in self._ahead or after not in self._at:
             return
         self._reclaim()
         self._start(*self.order[self._at[after]], wait=False)
