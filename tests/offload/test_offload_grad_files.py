@@ -343,3 +343,29 @@ def test_a_bucket_reduced_first_after_zero_grad_reads_nothing_of_itself_ahead(tm
             opt.step()
             opt.zero_grad()
         assert_same(a, b, plain, tiered, f"step {step}")
+
+
+def test_no_read_ahead_follows_a_link_from_a_window_before(tmp_path: Path, monkeypatch) -> None:
+    """A step after ``zero_grad(set_to_none=False)`` reduces every bucket again (zeros), after the last one reduced,
+    so the order reads ahead follow links that last bucket to the first. A later window's order is its own first
+    micro-step's: its last bucket starts no read of the first (the step's zeros would drop it unused)."""
+    dropped = [0]
+    drop = disk_grads_module.DiskGrads._drop
+
+    def counting(self, key) -> None:
+        dropped[0] += 1
+        drop(self, key)
+
+    monkeypatch.setattr(disk_grads_module.DiskGrads, "_drop", counting)
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, {**_disk(tmp_path), "buffer_count": 4}, torch.bfloat16)
+    for step in range(3):
+        for model, opt in ((plain, a), (tiered, b)):
+            for micro in range(2):
+                _backward(model, opt, batch(3 * step + micro, ROWS), None)
+            opt.zero_grad(set_to_none=False)
+            opt.step()
+        assert dropped[0] == 0, f"step {step}: {dropped[0]} reads started ahead and dropped unused"
+        assert_same(a, b, plain, tiered, f"step {step}")

@@ -96,6 +96,7 @@ class DiskGrads:
         key = (id(buf), bucket.index)
         if first:
             self._forget(key)
+            self._after.pop(key, None)  # its successor in this window's order, if any, is set when it comes
             if self._last is not None:
                 self._after[self._last] = key
             self._last = key
