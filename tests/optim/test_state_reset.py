@@ -116,14 +116,22 @@ def _reset_case(rank: int, world: int, stage: int) -> None:
                 assert_close(ours[index][key], entry[key], rtol=1e-5, atol=1e-6 * scale, what=f"state[{index}] {key}")
 
 
-def _one_rank_reset_case(rank: int, world: int, stage: int) -> None:
-    """A reset on rank 0 only: the next step raises on every rank and updates nothing."""
+def _trained(rank: int, world: int, stage: int) -> tuple[torch.nn.Module, zo.ShardedFusedAdam, dict]:
+    """A model and its optimizer after two steps on this rank's rows, and the optimizer's state dict after the first."""
     model, _ = make_models(torch.float32)
     opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
     for step in range(2):
         model(batch(step, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
         opt.step()
         opt.zero_grad()
+        if step == 0:
+            saved = opt.state_dict()
+    return model, opt, saved
+
+
+def _one_rank_reset_case(rank: int, world: int, stage: int) -> None:
+    """A reset on rank 0 only: the next step raises on every rank and updates nothing."""
+    model, opt, _ = _trained(rank, world, stage)
     if rank == 0:
         opt.state[model.emb.weight] = {}
     model(batch(2, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
@@ -138,17 +146,10 @@ def _one_rank_reset_case(rank: int, world: int, stage: int) -> None:
 def _one_rank_load_case(rank: int, world: int, stage: int) -> None:
     """A state loaded on rank 0 only (the other ranks' load raised and was caught, as libraries that load a file one
     rank wrote do): the next step raises on every rank, naming the load as a cause."""
-    model, _ = make_models(torch.float32)
-    opt = zo.ShardedFusedAdam(model, lr=LR, stage=stage, reduce_bucket_size=BUCKET)
-    for step in range(3):
-        model(batch(step, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 0:
-            saved = opt.state_dict()
+    model, opt, saved = _trained(rank, world, stage)
     if rank == 0:
         opt.load_state_dict(saved)
-    model(batch(3, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
+    model(batch(2, world * ROWS)[rank * ROWS : (rank + 1) * ROWS]).backward()
     with pytest.raises(RanksDisagree, match=r"step count of parameter .*loaded \(load_state_dict\)"):
         opt.step()
 
