@@ -5,10 +5,12 @@ clipping; a non-finite step; two backward passes before a step and a round owed 
 without a gradient; ``zero_grad(set_to_none=False)`` between backward and step (between micro-steps, ignored);
 ``gradient_accumulation_steps`` 2, in the gradients' dtype and in fp32; ``clip_grad_norm_``); the files on disk
 while training (after a backward they hold the resident shard's bytes) and gone after ``close``; no resident
-gradient shard in ``memory_report``; the gradients read once per step (the statistics read nothing); a checkpoint
-saved inside an accumulation window resumed with and without offload; one bucket after ``zero_grad(set_to_none=
-False)`` between backward and step (it follows itself in the read-ahead order); a disk without room for the
-gradients refused naming the key."""
+gradient shard in ``memory_report``; the gradients read once per step (the statistics read nothing); the statistics
+taken at a window's last micro-step only; reads ahead: each later micro-step's bucket sums and the update's
+gradients found read before use, none following a link from a window before; a checkpoint saved inside an
+accumulation window resumed with and without offload; one bucket after ``zero_grad(set_to_none=False)`` between
+backward and step (it follows itself in the read-ahead order); a disk without room for the gradients refused naming
+the key."""
 
 from __future__ import annotations
 
