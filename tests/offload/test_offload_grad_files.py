@@ -29,6 +29,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch, extra_rows, local
 from tests.offload.exactness import assert_same
 from tests.offload.test_disk_tier import _tmpfs
+from zero_kernels.offload.shard_files import ShardFiles
 
 CLIP = 0.05
 KINDS = ("plain", "twice", "owed", "nonfinite", "plain", "zeroed", "partial", "plain")
@@ -177,6 +178,52 @@ def _window_ranks(rank: int, world: int, scratch: str) -> None:
 @pytest.mark.parametrize("world", [1, 2], ids=lambda w: f"world{w}")
 def test_a_window_saved_with_gradients_in_files_resumes_exactly(world: int, tmp_path: Path) -> None:
     run_ranks(_window_ranks, world, str(tmp_path), timeout_s=300.0)
+
+
+class _Deferred:
+    """A write that starts only when waited for: the engine's workers may finish writes in any order."""
+
+    def __init__(self, start) -> None:
+        self._start, self._handle = start, None
+
+    def wait(self) -> None:
+        if self._handle is None:
+            self._handle = self._start()
+        self._handle.wait()
+
+    def done(self) -> bool:
+        return self._handle is not None and self._handle.done()
+
+
+def test_a_window_loaded_over_writes_in_flight_keeps_the_loaded_sums(tmp_path: Path, monkeypatch) -> None:
+    """A window loaded into the optimizer right after a backward: the files take the loaded sums after backward's
+    writes still in flight, which must not land over them (the next update would use that backward's sums).
+    Writes here finish only when waited for; weights and state bit for bit those without offload."""
+
+    def deferred(self, key: int, tensor: torch.Tensor, offset: int = 0) -> _Deferred:
+        path, _ = self.paths[key]
+        handle = _Deferred(lambda: self.io.write(path, tensor, offset * tensor.element_size()))
+        self._writes.setdefault(key, []).append(handle)
+        return handle
+
+    monkeypatch.setattr(ShardFiles, "write", deferred)
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = (_opt(plain, None, torch.bfloat16, gradient_accumulation_steps=2),
+            _opt(tiered, {**_disk(tmp_path / "nvme"), "buffer_count": 4}, torch.bfloat16,
+                 gradient_accumulation_steps=2))  # fmt: skip
+    for name, model, opt in (("plain", plain, a), ("tiered", tiered, b)):
+        _backward(model, opt, batch(0, ROWS), None)
+        ck.save(tmp_path / name, model, opt)  # inside the window
+        opt.step()
+        _backward(model, opt, batch(1, ROWS), None)
+        ck.load(tmp_path / name, model, opt)  # backward's writes still in flight
+        opt.step()
+        _backward(model, opt, batch(2, ROWS), None)
+        opt.step()
+        opt.zero_grad()
+    assert_same(a, b, plain, tiered, "after the load")
 
 
 def test_a_disk_without_room_for_the_gradients_is_refused_naming_the_key(tmp_path: Path) -> None:

@@ -240,7 +240,10 @@ class DiskGrads:
         return shard
 
     def assign(self, buf: "FlatBuffer", values: torch.Tensor) -> None:
-        """Write ``values`` (a whole shard) into ``buf``'s file, and take every bucket's terms from them."""
+        """Write ``values`` (a whole shard) into ``buf``'s file, and take every bucket's terms from them. Backward's
+        writes still in flight finish first: the engine's workers finish writes in any order, so one of the same
+        bytes could land over ``values``."""
+        self.files.finish()
         shard = self.files.io.empty(buf.layout.shard_numel, self.files.paths[id(buf)][1]).copy_(values.reshape(-1))
         on_device = shard.to(buf.device)
         for bucket in buf.layout.buckets:
