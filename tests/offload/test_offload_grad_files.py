@@ -180,33 +180,49 @@ def test_a_window_saved_with_gradients_in_files_resumes_exactly(world: int, tmp_
     run_ranks(_window_ranks, world, str(tmp_path), timeout_s=300.0)
 
 
-class _Deferred:
-    """A write that starts only when waited for: the engine's workers may finish writes in any order."""
+class _Reordered:
+    """A write that finishes in the worst order the engine's workers allow: only when waited for, after every later
+    write to the same file still pending (``_reordered_writes``)."""
 
-    def __init__(self, start) -> None:
-        self._start, self._handle = start, None
+    def __init__(self, pending: list, path: Path, start) -> None:
+        self._pending, self._path, self._start, self._handle = pending, path, start, None
+        pending.append(self)
+
+    def _run(self) -> None:
+        if self._handle is None:
+            self._handle = self._start()
+            self._handle.wait()
+            self._pending.remove(self)
 
     def wait(self) -> None:
         if self._handle is None:
-            self._handle = self._start()
-        self._handle.wait()
+            later = self._pending[self._pending.index(self) + 1 :]
+            for write in reversed([w for w in later if w._path == self._path]):
+                write._run()
+            self._run()
 
     def done(self) -> bool:
-        return self._handle is not None and self._handle.done()
+        return self._handle is not None
+
+
+def _reordered_writes(monkeypatch) -> None:
+    """The gradient files' writes finish in reverse order (``_Reordered``)."""
+    pending: list[_Reordered] = []
+
+    def reordered(self, key: int, tensor: torch.Tensor, offset: int = 0) -> _Reordered:
+        path, _ = self.paths[key]
+        handle = _Reordered(pending, path, lambda: self.io.write(path, tensor, offset * tensor.element_size()))
+        self._writes.setdefault(key, []).append(handle)
+        return handle
+
+    monkeypatch.setattr(ShardFiles, "write", reordered)
 
 
 def test_a_window_loaded_over_writes_in_flight_keeps_the_loaded_sums(tmp_path: Path, monkeypatch) -> None:
     """A window loaded into the optimizer right after a backward: the files take the loaded sums after backward's
     writes still in flight, which must not land over them (the next update would use that backward's sums).
-    Writes here finish only when waited for; weights and state bit for bit those without offload."""
-
-    def deferred(self, key: int, tensor: torch.Tensor, offset: int = 0) -> _Deferred:
-        path, _ = self.paths[key]
-        handle = _Deferred(lambda: self.io.write(path, tensor, offset * tensor.element_size()))
-        self._writes.setdefault(key, []).append(handle)
-        return handle
-
-    monkeypatch.setattr(ShardFiles, "write", deferred)
+    Writes here finish in reverse order; weights and state bit for bit those without offload."""
+    _reordered_writes(monkeypatch)
     torch.manual_seed(0)
     plain = Net().to(torch.bfloat16)
     tiered = copy.deepcopy(plain)
@@ -224,6 +240,26 @@ def test_a_window_loaded_over_writes_in_flight_keeps_the_loaded_sums(tmp_path: P
         opt.step()
         opt.zero_grad()
     assert_same(a, b, plain, tiered, "after the load")
+
+
+def test_a_dropped_windows_writes_in_flight_do_not_land_over_the_next_backwards(tmp_path: Path, monkeypatch) -> None:
+    """A backward whose gradients ``zero_grad()`` drops without a step (a GAN's discriminator after the generator's
+    backward), then the backward the step uses: each bucket's first write of the new window waits for its write of
+    the dropped one, else that could land later (the update would use the dropped gradients). Writes here finish in
+    reverse order; weights and state bit for bit those without offload."""
+    _reordered_writes(monkeypatch)
+    torch.manual_seed(0)
+    plain = Net().to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, {**_disk(tmp_path), "buffer_count": 8}, torch.bfloat16)
+    for step in range(2):
+        for model, opt in ((plain, a), (tiered, b)):
+            _backward(model, opt, batch(10 + step, ROWS), None)
+            opt.zero_grad()
+            _backward(model, opt, batch(step, ROWS), None)
+            opt.step()
+            opt.zero_grad()
+        assert_same(a, b, plain, tiered, f"step {step}")
 
 
 def test_a_disk_without_room_for_the_gradients_is_refused_naming_the_key(tmp_path: Path) -> None:

@@ -59,6 +59,7 @@ class DiskGrads:
         self._asked: set[bool] = set()  # the kinds asked for since the last step
         self._at: dict[Key, int] = {}  # its place in ``order``
         self._writing: dict[int, tuple[Lease, IOHandle]] = {}  # id(lease) -> (lease, its write)
+        self._wrote: dict[Key, IOHandle] = {}  # each bucket's last write (its next one waits for it)
         self._ahead: dict[Key, tuple[Lease, IOHandle]] = {}  # reads started before use (update, accumulation)
         self._after: dict[Key, Key] = {}  # the bucket reduced next, in the order of a window's first micro-step
         self._last: Optional[Key] = None  # the last bucket of that order so far
@@ -84,6 +85,7 @@ class DiskGrads:
         self._at = {(id(b), k.index): i for i, (b, k) in enumerate(self.order)}
         for key in [k for k in self.terms if k[0] == id(buf)]:
             del self.terms[key]
+            self._wrote.pop(key, None)
 
     # ---------------------------------------------------------------- backward
     def reduced(
@@ -148,11 +150,17 @@ class DiskGrads:
         self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor, *, terms: bool = True
     ) -> None:
         """Take the terms of the part's ``values`` (on the gradients' device; ``terms`` False: none, the ones of the
-        values before dropped) and write it from ``lease``."""
-        self.terms[(id(buf), bucket.index)] = self._terms(values) if terms else {}
+        values before dropped) and write it from ``lease``, after the part's write before (the engine's workers finish
+        writes in any order: one of a window ``zero_grad()`` dropped could land over this one)."""
+        key = (id(buf), bucket.index)
+        self.terms[key] = self._terms(values) if terms else {}
         if values.data_ptr() != lease.tensor.data_ptr():
             lease.tensor.copy_(values)
-        self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset))
+        before = self._wrote.get(key)
+        if before is not None:
+            before.wait()
+        self._wrote[key] = write = self.files.write(id(buf), lease.tensor, bucket.shard_offset)
+        self._writing[id(lease)] = (lease, write)
 
     def _terms(self, values: torch.Tensor) -> dict[bool, torch.Tensor]:
         """The wanted kinds of term of a part's final ``values``. The squared norm widens 16-bit values to fp32 first
