@@ -8,9 +8,10 @@ while training (after a backward they hold the resident shard's bytes) and gone 
 gradient shard in ``memory_report``; the gradients read once per step (the statistics read nothing); the statistics
 taken at a window's last micro-step only; reads ahead: each later micro-step's bucket sums and the update's
 gradients found read before use, none following a link from a window before; a checkpoint saved inside an
-accumulation window resumed with and without offload; one bucket after ``zero_grad(set_to_none=False)`` between
-backward and step (it follows itself in the read-ahead order); a disk without room for the gradients refused naming
-the key."""
+accumulation window resumed with and without offload; writes that finish in reverse order: a window loaded right
+after a backward, a backward dropped by ``zero_grad()`` before the one the step uses; one bucket after
+``zero_grad(set_to_none=False)`` between backward and step (it follows itself in the read-ahead order); a disk
+without room for the gradients refused naming the key."""
 
 from __future__ import annotations
 

@@ -11,11 +11,12 @@ Backward. When a bucket's reduction completes (``reduced``) this rank's part goe
 (``offload.ShardFiles``: ``offload_optimizer.buffer_count`` page-aligned buffers of the largest bucket part),
 the terms of the step's gradient column are taken from those final values (``stats.partial``: the squared
 norm, the finiteness sum, or both: the kinds the last step asked for, both before the first step), and the
-buffer is written to the file in the background, back in the pool once written. A bucket reduced again before
-the step (a late gradient; every accumulation micro-step) reads its part back (started when the bucket before it
-in the window's first micro-step was reduced: ``_read_next``), adds, takes the terms again
-(but not on a micro-step before the window's last, ``Pipeline.window_ends``: the next one replaces them) and
-writes; ``zero`` writes zeros where no reduction wrote (``grad_state.zero_unwritten``).
+buffer is written to the file in the background (after the part's write before: the engine finishes writes in any
+order), back in the pool once written. A bucket reduced again before the step (a late gradient; every accumulation
+micro-step) reads its part back (started when the bucket before it in the window's first micro-step was reduced:
+``_read_next``), adds, takes the terms again (but not on a micro-step before the window's last,
+``Pipeline.window_ends``: the next one replaces them) and writes; ``zero`` writes zeros where no reduction wrote
+(``grad_state.zero_unwritten``).
 
 Step. The statistics sum the terms in bucket order (``column``: ``stats.grad_column``'s value bit for bit,
 with no read of the gradients; a kind of term not taken, as when ``clip_grad_norm_`` is first called, is
