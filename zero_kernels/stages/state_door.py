@@ -331,6 +331,7 @@ class LoadPiece:
 def load_pieces(pipeline: Pipeline) -> Iterator[LoadPiece]:
     """Where this rank's shard of every buffer is loaded into (see ``whole_params`` for parameters every
     rank holds whole)."""
+    pipeline.loading_params()
     pipeline.uploads.wait()
     for buf in pipeline.buffers:
         state = state_tensors(buf)
@@ -386,6 +387,7 @@ def param_shards(pipeline: Pipeline) -> list[Optional[torch.Tensor]]:
 def load_param_shards(pipeline: Pipeline, shards: list[Optional[torch.Tensor]]) -> None:
     """Copy ``param_shards``' values (same layout) into this rank's parameter shards (once the copies up still
     reading them are done: ``uploads``)."""
+    pipeline.loading_params()
     pipeline.uploads.wait()
     for buf, values in zip(pipeline.buffers, shards):
         if values is not None:

@@ -1,9 +1,13 @@
 """hpZ's secondary partition after a write between steps: a forward that kept it, then parameters written inside
-``gathered_params()`` (or loaded); the next forward gathers the written values, as plain training does."""
+``gathered_params()`` or loaded from a checkpoint; the next forward gathers the written values, as plain training does.
+A load writes nothing into a shard that holds padding only (rank 3's of the first unit here), so that rank's shard
+looked unchanged: it alone kept its secondary partition (other ranks' values) and gathered from it, the others from
+every rank (gloo timed out)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,16 +15,18 @@ from torch import nn
 
 import zero_kernels as zk
 
+HPZ = {"stage3_param_persistence_threshold": 0, "zero_hpz_partition_size": 2}
 
-def _net() -> nn.Module:
-    torch.manual_seed(0)
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
 def _case(rank: int, world: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # one node: hpZ over pairs of it
     model, reference = _net(), _net()
-    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, stage3_param_persistence_threshold=0, zero_hpz_partition_size=2)
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, **HPZ)
     torch.manual_seed(rank)
     x = torch.randn(5, 12)
     with torch.no_grad():
@@ -39,3 +45,25 @@ def _case(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_forward_after_a_write_in_gathered_params_reads_the_written_values(spawn) -> None:
     spawn(_case, 4, timeout_s=300)
+
+
+def _load_case(rank: int, world: int, root: str) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    saved = _net(1)
+    zk.checkpoint.save(root, saved, zk.ShardedFusedAdam(saved, lr=1e-2, stage=3, **HPZ))
+    model = _net()
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, **HPZ)
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        model(x)  # keeps the secondary partition
+    if rank == 3:
+        assert not list(opt._pipeline.buffers[0].layout.segments(3)), "rank 3's shard of the first unit: padding only"
+    zk.checkpoint.load(root, model, opt)
+    with torch.no_grad():
+        got, want = model(x), _net(1)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.distributed
+def test_a_forward_after_a_checkpoint_load_reads_the_loaded_values(spawn, tmp_path: Path) -> None:
+    spawn(_load_case, 4, str(tmp_path), timeout_s=60)

@@ -673,10 +673,18 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         """As every stage; the shards change, so ZeRO++'s quantized copies and secondary partitions go first."""
+        self._drop_secondary()
+        return super().step(*args, **kwargs)
+
+    def loading_params(self) -> None:
+        """A rank whose shard holds padding only is not written, so its own shard cannot tell it that the secondary
+        partition (other ranks' values) is stale: it would gather from it alone."""
+        self._drop_secondary()
+
+    def _drop_secondary(self) -> None:
         self.unit_gathers.changed()
         for buf in self.buffers:
             buf.secondary = buf.secondary_stamp = None
-        return super().step(*args, **kwargs)
 
     def dequantized_copies(self) -> bool:
         """Stage 3's model state_dict holds the parameters only inside its own ``gathered_params()``, exact there
