@@ -678,9 +678,10 @@ class Pipeline(BackwardRound):
         """Whether gradients left in ``p.grad`` after this step's synchronised backward await a round at the step."""
         return self._owed
 
-    def loading_params(self) -> None:
-        """A load is about to write this rank's parameter shards (on every rank): copies that hold other ranks' values
-        go (stage 3's hpZ partitions); stages 0-2 keep none."""
+    def writing_params(self) -> None:
+        """Parameter values are about to be written on every rank (a load, ``safe_set_full_fp32_param``), perhaps into
+        some ranks' shards only: copies that hold other ranks' values go (stage 3's hpZ partitions); stages 0-2 keep
+        none."""
 
     def reopen(self, synced: bool, owed: bool = False) -> None:
         """A window put back (``window.restore``): gradients held, reduced by a synchronised backward or not, and

@@ -331,7 +331,7 @@ class LoadPiece:
 def load_pieces(pipeline: Pipeline) -> Iterator[LoadPiece]:
     """Where this rank's shard of every buffer is loaded into (see ``whole_params`` for parameters every
     rank holds whole)."""
-    pipeline.loading_params()
+    pipeline.writing_params()
     pipeline.uploads.wait()
     for buf in pipeline.buffers:
         state = state_tensors(buf)
@@ -387,7 +387,7 @@ def param_shards(pipeline: Pipeline) -> list[Optional[torch.Tensor]]:
 def load_param_shards(pipeline: Pipeline, shards: list[Optional[torch.Tensor]]) -> None:
     """Copy ``param_shards``' values (same layout) into this rank's parameter shards (once the copies up still
     reading them are done: ``uploads``)."""
-    pipeline.loading_params()
+    pipeline.writing_params()
     pipeline.uploads.wait()
     for buf, values in zip(pipeline.buffers, shards):
         if values is not None:
@@ -496,6 +496,8 @@ def write_runs(pipeline: Pipeline, p: torch.Tensor, kind: str, value: torch.Tens
     """Write this rank's runs of ``p``'s ``kind`` from ``value``, the flattened whole parameter (fp32): the state
     tensors, the master and, for ``PARAM``, the parameter itself wherever it is kept (rounded to its dtype: every
     rank's whole copy at stages 0-2, this rank's shard and a gathered copy at stage 3), or the gradient shard."""
+    if kind == PARAM:
+        pipeline.writing_params()
     pipeline.uploads.wait()
     buf, slot_index = _home(pipeline, p)
     if kind == GRAD and pipeline.grads_in_file(buf):

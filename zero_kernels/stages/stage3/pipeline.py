@@ -676,9 +676,10 @@ class Stage3Pipeline(Stage2Pipeline):
         self._drop_secondary()
         return super().step(*args, **kwargs)
 
-    def loading_params(self) -> None:
-        """A rank whose shard holds padding only is not written, so its own shard cannot tell it that the secondary
-        partition (other ranks' values) is stale: it would gather from it alone."""
+    def writing_params(self) -> None:
+        """A rank whose shard holds none of what is written (padding only, or another parameter) is not written, so its
+        own shard cannot tell it that the secondary partition (other ranks' values) is stale: it would gather from
+        it alone."""
         self._drop_secondary()
 
     def _drop_secondary(self) -> None:
