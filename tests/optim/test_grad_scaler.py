@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks_checked
 from tests.helpers.lockstep import BUCKET, LR, ROWS, STAGES, WORLD_SIZES, batch, compare, make_models
@@ -154,9 +155,9 @@ def test_a_checkpoint_between_unscale_and_step_keeps_the_gradients_unscaled(stag
 
 
 class _Rows(nn.Module):
-    """An embedding (the one trained parameter) whose rows each rank's tokens pick: rank 0 uses row 0, which the
-    first step's sample of ``p.grad`` (16 evenly spaced elements of the flat buffer) reads, rank 1 row 1, which it
-    does not: rank 1's sample holds zeros only."""
+    """An embedding (the one trained parameter) whose rows the tokens pick: the first step's sample of ``p.grad`` (16
+    evenly spaced elements of the flat buffer) reads row 0, not rows 1 and 2, so a rank whose tokens use only those
+    has a sample of zeros."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -244,3 +245,36 @@ def _read_unscale_save(rank: int, world: int, folder: str) -> None:
 @pytest.mark.distributed
 def test_a_checkpoint_after_a_read_and_unscale_keeps_the_gradients_unscaled(spawn, tmp_path) -> None:
     spawn(_read_unscale_save, 2, str(tmp_path), timeout_s=120.0)
+
+
+def _zero_samples_everywhere(rank: int, world: int) -> None:
+    tokens = [torch.tensor([1, 1]), torch.tensor([2, 2])]
+    torch.manual_seed(0)
+    model, ref = _Rows(), _Rows()
+    ref.load_state_dict(model.state_dict())
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    scaler, rscaler = torch.amp.GradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+    for step in range(2):
+        scaler.scale(model(tokens[rank])).backward()
+        rscaler.scale(sum(ref(t) for t in tokens) / world).backward()
+        zk.safe_get_full_grad(model.emb.weight)  # reduces early, the scaler not known yet at the first step
+        scaler.unscale_(opt)
+        rscaler.unscale_(ropt)
+        for s, o in ((scaler, opt), (rscaler, ropt)):
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        compare(model, ref, f"stage 1, samples of zeros on every rank, step {step}")
+        state, rstate = opt.full_state_dict()["state"][0], ropt.state[ref.emb.weight]
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = float(rstate[key].abs().max())
+            torch.testing.assert_close(state[key], rstate[key], rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.distributed
+def test_a_first_step_sample_of_zeros_on_every_rank(spawn) -> None:
+    """The gradients reduced early (a gradient read before ``unscale_``) while every rank's sample of ``p.grad`` at
+    the first step holds zeros only: no rank can tell whether ``unscale_`` came after the reduction, so the step
+    reduces again and trains as ``torch.optim.AdamW`` with its own scaler (moments too)."""
+    spawn(_zero_samples_everywhere, 2, timeout_s=120.0)
