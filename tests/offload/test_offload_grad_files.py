@@ -30,7 +30,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch, extra_rows, local
 from tests.offload.exactness import assert_same
 from tests.offload.test_disk_tier import _tmpfs
-from zero_kernels.offload.shard_files import ShardFiles
+from zero_kernels.offload.aio import FileIO
 
 CLIP = 0.05
 KINDS = ("plain", "twice", "owed", "nonfinite", "plain", "zeroed", "partial", "plain")
@@ -210,13 +210,14 @@ def _reordered_writes(monkeypatch) -> None:
     """The gradient files' writes finish in reverse order (``_Reordered``)."""
     pending: list[_Reordered] = []
 
-    def reordered(self, key: int, tensor: torch.Tensor, offset: int = 0) -> _Reordered:
-        path, _ = self.paths[key]
-        handle = _Reordered(pending, path, lambda: self.io.write(path, tensor, offset * tensor.element_size()))
-        self._writes.setdefault(key, []).append(handle)
-        return handle
+    write = FileIO.write
 
-    monkeypatch.setattr(ShardFiles, "write", reordered)
+    def reordered(self, path: Path, tensor: torch.Tensor, offset: int = 0):
+        if not str(path).endswith(".grads"):
+            return write(self, path, tensor, offset)
+        return _Reordered(pending, path, lambda: write(self, path, tensor, offset))
+
+    monkeypatch.setattr(FileIO, "write", reordered)
 
 
 def test_a_window_loaded_over_writes_in_flight_keeps_the_loaded_sums(tmp_path: Path, monkeypatch) -> None:

@@ -13,7 +13,8 @@ the system (``aio.release_pages``; page-locked buffers keep theirs): what the po
 held, not ``buffer_count`` of them.
 
 I/O. ``read`` and ``write`` move a range of a shard asynchronously (an ``IOHandle``); a read first waits for the
-writes still in flight on the same file, so it sees the last values written. ``finish`` waits for every write.
+writes still in flight on the same file, so it sees the last values written, and a write for those of the same bytes,
+so the last one written lands last. ``finish`` waits for every write.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ShardFiles:
         self.suffix = suffix
         self.owned = owned
         self.paths: dict[int, tuple[Path, torch.dtype]] = {}  # key -> its file and dtype
-        self._writes: dict[int, list[IOHandle]] = {}
+        self._writes: dict[int, list[tuple[int, int, IOHandle]]] = {}  # key -> (first byte, end byte, write) in flight
         self._nbytes = 0  # the size of each pool buffer
         self._pool: list[torch.Tensor] = []  # every buffer allocated (uint8)
         self._free: list[torch.Tensor] = []
@@ -82,16 +83,25 @@ class ShardFiles:
         path.unlink(missing_ok=True)
 
     def write(self, key: int, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
-        """Start writing ``tensor`` into the shard's file from element ``offset``."""
+        """Start writing ``tensor`` into the shard's file from element ``offset``, after the writes in flight to any
+        of the same bytes (the engine's workers finish requests in any order: an older one could land last)."""
         path, _ = self.paths[key]
-        handle = self.io.write(path, tensor, offset * tensor.element_size())
-        self._writes.setdefault(key, []).append(handle)
-        self.bytes_written += tensor.numel() * tensor.element_size()
+        start = offset * tensor.element_size()
+        end = start + tensor.numel() * tensor.element_size()
+        kept = []
+        for span in self._writes.get(key, []):
+            if span[0] < end and start < span[1]:
+                span[2].wait()
+            else:
+                kept.append(span)
+        handle = self.io.write(path, tensor, start)
+        self._writes[key] = kept + [(start, end, handle)]
+        self.bytes_written += end - start
         return handle
 
     def read(self, key: int, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
         """Start filling ``tensor`` from the shard's file from element ``offset`` (after its writes in flight)."""
-        for handle in self._writes.pop(key, []):
+        for _, _, handle in self._writes.pop(key, []):
             handle.wait()
         path, _ = self.paths[key]
         self.bytes_read += tensor.numel() * tensor.element_size()
@@ -100,8 +110,8 @@ class ShardFiles:
     def finish(self) -> None:
         """Wait for every write in flight."""
         writes, self._writes = self._writes, {}
-        for handles in writes.values():
-            for handle in handles:
+        for spans in writes.values():
+            for _, _, handle in spans:
                 handle.wait()
 
     def disk_bytes(self) -> int:

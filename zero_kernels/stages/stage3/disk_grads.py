@@ -11,8 +11,8 @@ Backward. When a bucket's reduction completes (``reduced``) this rank's part goe
 (``offload.ShardFiles``: ``offload_optimizer.buffer_count`` page-aligned buffers of the largest bucket part),
 the terms of the step's gradient column are taken from those final values (``stats.partial``: the squared
 norm, the finiteness sum, or both: the kinds the last step asked for, both before the first step), and the
-buffer is written to the file in the background (after the part's write before: the engine finishes writes in any
-order), back in the pool once written. A bucket reduced again before the step (a late gradient; every accumulation
+buffer is written to the file in the background (after the part's write before: ``ShardFiles.write``), back in the
+pool once written. A bucket reduced again before the step (a late gradient; every accumulation
 micro-step) reads its part back (started when the bucket before it in the window's first micro-step was reduced:
 ``_read_next``), adds, takes the terms again (but not on a micro-step before the window's last,
 ``Pipeline.window_ends``: the next one replaces them) and writes; ``zero`` writes zeros where no reduction wrote
@@ -60,7 +60,6 @@ class DiskGrads:
         self._asked: set[bool] = set()  # the kinds asked for since the last step
         self._at: dict[Key, int] = {}  # its place in ``order``
         self._writing: dict[int, tuple[Lease, IOHandle]] = {}  # id(lease) -> (lease, its write)
-        self._wrote: dict[Key, IOHandle] = {}  # each bucket's last write (its next one waits for it)
         self._ahead: dict[Key, tuple[Lease, IOHandle]] = {}  # reads started before use (update, accumulation)
         self._after: dict[Key, Key] = {}  # the bucket reduced next, in the order of a window's first micro-step
         self._last: Optional[Key] = None  # the last bucket of that order so far
@@ -86,7 +85,6 @@ class DiskGrads:
         self._at = {(id(b), k.index): i for i, (b, k) in enumerate(self.order)}
         for key in [k for k in self.terms if k[0] == id(buf)]:
             del self.terms[key]
-            self._wrote.pop(key, None)
 
     # ---------------------------------------------------------------- backward
     def reduced(
@@ -151,17 +149,12 @@ class DiskGrads:
         self, buf: "FlatBuffer", bucket: Bucket, lease: Lease, values: torch.Tensor, *, terms: bool = True
     ) -> None:
         """Take the terms of the part's ``values`` (on the gradients' device; ``terms`` False: none, the ones of the
-        values before dropped) and write it from ``lease``, after the part's write before (the engine's workers finish
-        writes in any order: one of a window ``zero_grad()`` dropped could land over this one)."""
-        key = (id(buf), bucket.index)
-        self.terms[key] = self._terms(values) if terms else {}
+        values before dropped) and write it from ``lease`` (after the part's write before, one of a window
+        ``zero_grad()`` dropped: ``ShardFiles.write``)."""
+        self.terms[(id(buf), bucket.index)] = self._terms(values) if terms else {}
         if values.data_ptr() != lease.tensor.data_ptr():
             lease.tensor.copy_(values)
-        before = self._wrote.get(key)
-        if before is not None:
-            before.wait()
-        self._wrote[key] = write = self.files.write(id(buf), lease.tensor, bucket.shard_offset)
-        self._writing[id(lease)] = (lease, write)
+        self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset))
 
     def _terms(self, values: torch.Tensor) -> dict[bool, torch.Tensor]:
         """The wanted kinds of term of a part's final ``values``. The squared norm widens 16-bit values to fp32 first
@@ -249,10 +242,8 @@ class DiskGrads:
         return shard
 
     def assign(self, buf: "FlatBuffer", values: torch.Tensor) -> None:
-        """Write ``values`` (a whole shard) into ``buf``'s file, and take every bucket's terms from them. Backward's
-        writes still in flight finish first: the engine's workers finish writes in any order, so one of the same
-        bytes could land over ``values``."""
-        self.files.finish()
+        """Write ``values`` (a whole shard) into ``buf``'s file (after backward's writes still in flight there:
+        ``ShardFiles.write``), and take every bucket's terms from them."""
         shard = self.files.io.empty(buf.layout.shard_numel, self.files.paths[id(buf)][1]).copy_(values.reshape(-1))
         on_device = shard.to(buf.device)
         for bucket in buf.layout.buckets:
