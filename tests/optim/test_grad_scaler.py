@@ -122,7 +122,6 @@ def test_a_checkpoint_between_unscale_and_step_keeps_the_gradients_unscaled(stag
     """Stages 0-1 keep the gradients in ``p.grad``, which ``scaler.unscale_(opt)`` divides: a checkpoint saved
     between it and ``scaler.step`` holds them divided, and the resumed scaler (its per-optimizer state is in no
     state dict) would have the step divide them again (2e-2 off AdamW, with and without a clip)."""
-    import zero_kernels as zk
 
     extra = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
     model, ref = make_models(torch.float32)
@@ -168,21 +167,24 @@ class _Rows(nn.Module):
         return self.head(self.emb(tokens)).square().mean()
 
 
+def _rows_pair() -> tuple:
+    """Two ``_Rows`` with the same weights (seed 0): ours at stage 1 and AdamW's, each with its own GradScaler."""
+    torch.manual_seed(0)
+    model, ref = _Rows(), _Rows()
+    ref.load_state_dict(model.state_dict())
+    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    return model, ref, opt, ropt, torch.amp.GradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+
+
 def _sampled_on_some_ranks(rank: int, world: int, order: str) -> None:
     """Stage 1, the first step: a norm (``unscale_`` then torch's clip, as documented) or a gradient read (before
     ``unscale_``) reduces the gradients early, and the step tells from a sample of ``p.grad`` whether ``unscale_``
     divided them after. A rank whose sample held only zeros reduced again at the step on its own, a collective the
     other rank did not issue (gloo: 'Received data size doesn't match expected size', the ranks aborted). So did a rank
     whose gradients overflowed (inf/NaN only), the step to be skipped, with ``unscale_`` then torch's clip."""
-    import zero_kernels as zk
-
     tokens = [torch.tensor([0, 0]), torch.tensor([1, 1])]
-    torch.manual_seed(0)
-    model, ref = _Rows(), _Rows()
-    ref.load_state_dict(model.state_dict())
-    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    scaler, rscaler = torch.amp.GradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+    model, ref, opt, ropt, scaler, rscaler = _rows_pair()
     if order == "an overflow on rank 1 at the first step":  # its sample: non-finite values only
         tokens = [torch.tensor([0, 0]), torch.tensor([0, 1])]
     for step in range(3):
@@ -213,7 +215,6 @@ def _read_unscale_save(rank: int, world: int, folder: str) -> None:
     ``p.grad``), ``scaler.unscale_(opt)``, then a checkpoint saved and loaded before ``scaler.step``. The window keeps
     ``p.grad``, which ``unscale_`` divided, but recorded it undivided (the step was to unscale the early shard):
     the resumed step divided it again (4.6e-2 off AdamW, no error)."""
-    import zero_kernels as zk
 
     model, ref = make_models(torch.float32)
     opt = zo.ShardedFusedAdam(model, lr=LR, stage=1, reduce_bucket_size=BUCKET)
@@ -249,12 +250,7 @@ def test_a_checkpoint_after_a_read_and_unscale_keeps_the_gradients_unscaled(spaw
 
 def _zero_samples_everywhere(rank: int, world: int) -> None:
     tokens = [torch.tensor([1, 1]), torch.tensor([2, 2])]
-    torch.manual_seed(0)
-    model, ref = _Rows(), _Rows()
-    ref.load_state_dict(model.state_dict())
-    opt = zo.ShardedFusedAdam(model, lr=LR, stage=1)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    scaler, rscaler = torch.amp.GradScaler("cpu", **SCALER), torch.amp.GradScaler("cpu", **SCALER)
+    model, ref, opt, ropt, scaler, rscaler = _rows_pair()
     for step in range(2):
         scaler.scale(model(tokens[rank])).backward()
         rscaler.scale(sum(ref(t) for t in tokens) / world).backward()
