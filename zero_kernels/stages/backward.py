@@ -5,6 +5,17 @@ and reduced bucket by bucket, in the same order on every rank (see ``stages.base
 constructor sets the state it uses (``where``, ``buffers``, ``has_grad``, the launch order and the
 collectives in flight) and the stages override ``_consume_grad``, ``_launch_bucket`` and
 ``_before_step``. Gradients arrive through ``stages.grad_ready`` (after every hook on the parameter).
+
+Streams (CUDA). Autograd runs the gradient hooks on the forward's stream and the end-of-backward callback, which
+completes the round's last reductions, on the stream of the caller of ``backward()``; a step or ``zero_grad()``
+completes what is left on the user's. They differ where the forward ran under ``torch.cuda.stream(s)``. A next
+backward called from the same stream waits for them (autograd orders its first gradient after the caller's stream),
+but the forward before it does not: what the completions free (stage 0's copy in a wider communication dtype, a
+scratch bucket the pool does not keep) goes back to the allocator of the hooks' stream, which could hand it to that
+forward while they still read it; and a backward called from yet another stream would refill pooled buckets, or add
+into ``grad_shard`` and ``p.grad``, before their writes. So the stream current when a round or pass opens is
+remembered, and after completions on another stream it waits for them (``_follow_completions``): whatever it queues
+next comes after them.
 """
 
 from __future__ import annotations
@@ -90,6 +101,7 @@ class BackwardRound:
         """
         if not self._round_open:
             self._round_open = True
+            self._hook_stream = self._cuda_stream()
             self._queue_round_end()
         if (b, slot) not in self._reported:
             self._reported.add((b, slot))
@@ -107,6 +119,7 @@ class BackwardRound:
         then drops the window, where it would take the failure's gradients for a backward after the step."""
         if not self._pass_open:
             self._pass_open = True
+            self._hook_stream = self._cuda_stream()
             torch.autograd.Variable._execution_engine.queue_callback(weakly(self._end_pass))  # eager, held weakly
 
     def _end_pass(self) -> None:
@@ -269,11 +282,29 @@ class BackwardRound:
 
     def _complete_inflight(self, keep: int = 0) -> None:
         """Complete the oldest collectives, in issue order, until at most ``keep`` are in flight."""
+        completed = len(self._inflight) > keep
         while len(self._inflight) > keep:
             op = self._inflight.pop(0)
             op.handle.wait()
             if op.epilogue is not None:
                 op.epilogue()
+        if completed:
+            self._follow_completions()
+
+    def _cuda_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The current stream of the parameters' device where that is a GPU, else None."""
+        device = self.device
+        return torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
+
+    def _follow_completions(self) -> None:
+        """After completions on the current stream: where the last round's or pass's hooks ran on another one, that
+        one waits for them (see the module docstring), on the device, without the host waiting."""
+        hooks = self._hook_stream
+        if hooks is None:
+            return
+        current = torch.cuda.current_stream(hooks.device)
+        if current != hooks:
+            hooks.wait_stream(current)
 
     def _before_step(self) -> None:
         """Finish the reduction of gradients into ``grad_shard`` (stage 1 reduces here)."""

@@ -146,6 +146,7 @@ class Pipeline(BackwardRound):
         self._next_launch = 0
         self._reported: set[tuple[int, int]] = set()  # (buffer, slot) that reported in this round
         self._inflight: list[Inflight] = []  # in issue order
+        self._hook_stream: Optional[Any] = None  # CUDA: the stream the last round's or pass's hooks ran on (backward)
         self._round_open = False
         self._pass_open = False  # a backward that reduces nothing is running, or raised (``_open_pass``)
         self._synced = False  # a synchronised backward happened since the last step
