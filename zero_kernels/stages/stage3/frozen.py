@@ -219,6 +219,7 @@ class FrozenUnit:
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+        self.storage.used()
         for p, shape, offset in zip(self.params, self.shapes, self.offsets):
             p.data = self.full.narrow(0, offset, shape.numel()).view(shape)
 

@@ -24,6 +24,11 @@ any were taken (autograd's saved views of a forward before the block were there 
 emptied as at any free). A parameter whose ``.data`` was assigned in the block (the swap above) has its new
 values written back through a new storage (``renew``): the old one keeps the values the other tensor was given.
 
+On a GPU the buffer's block belongs to the stream its gather was issued on (a prefetch: the module before's), and a
+module run under another stream (``torch.cuda.stream(s)`` in a parent's forward) reads it there: the stream that
+first reads it after the gather (``used``) and the one that frees it are told to the allocator (``record_stream``),
+so that the free does not hand the block to the gathering stream's next allocation while those reads are queued.
+
 The buffer, and the empty tensor a freed parameter holds, are made outside ``torch.inference_mode()`` even
 when the first gather runs inside it (an evaluation before training): an inference tensor could not be
 refilled by the gathers of a later training forward, nor give a parameter that autograd can use.
@@ -34,6 +39,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from ...comm.handles import used_here
 
 
 def _uses(tensor: torch.Tensor) -> int:
@@ -81,6 +88,12 @@ class GatherStorage:
         old, self._tensor = self._tensor, None
         return self.take().copy_(old)
 
+    def used(self) -> None:
+        """The buffer is read on the current stream from now on (the gather waited for there): told to the allocator
+        where that is not the stream it was taken on (CUDA; see the module docstring)."""
+        if self._tensor is not None:
+            used_here(self._tensor)
+
     def release(self, hand_over: bool = False) -> None:
         """Give the buffer's bytes back, whatever still views it; ``hand_over`` (the end of ``gathered_params()``):
         where something else views them (a ``state_dict()`` or ``p.detach()`` taken in the block), leave them to it
@@ -88,6 +101,7 @@ class GatherStorage:
         memory, viewed by NumPy) is left likewise (its bytes go with the last reference)."""
         if self._tensor is None:
             return
+        used_here(self._tensor)  # the freeing stream's reads (of the module that used it last) come before a reuse
         if (hand_over and _uses(self._tensor) > self._taken_uses) or _not_resizable(self._tensor):
             self._tensor = None
         else:

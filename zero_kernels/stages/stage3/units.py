@@ -86,6 +86,7 @@ class TrainableUnit:
 
     def finish_gather(self) -> None:
         self._settle()
+        self.storage.used()
         self.pipeline.unit_gathers.finish(self.buf, self.buf.param_shard)
         for slot in self.buf.layout.slots:
             self.params[slot.param].data = self.buf.full.narrow(0, slot.offset, slot.numel).view(slot.shape)
