@@ -230,6 +230,7 @@ def adopt_assigned_shard(pipeline: "Pipeline", buf: "FlatBuffer", shard: torch.T
         return False
     # casts noted before a value was assigned are superseded by it (taken all the same, or a later gather rounds it)
     casts = {id(p): take_casts(p) for p in buf.params}
+    pipeline.writing_params(buf)  # a rank whose shard holds none of it is not written (stage 3's hpZ partitions)
     pipeline.uploads.wait()  # a copy up still reading the shard (``uploads``)
     for slot in buf.layout.slots:
         p = buf.params[slot.param]

@@ -679,10 +679,11 @@ class Pipeline(BackwardRound):
         """Whether gradients left in ``p.grad`` after this step's synchronised backward await a round at the step."""
         return self._owed
 
-    def writing_params(self) -> None:
+    def writing_params(self, buf: Optional[FlatBuffer] = None) -> None:
         """Parameter values are about to be written on every rank (a load, ``safe_set_full_fp32_param``), perhaps into
         some ranks' shards only: copies that hold other ranks' values go (stage 3's hpZ partitions); stages 0-2 keep
-        none."""
+        none. ``buf``: into that buffer's parameters alone (a value given to a freed stage-3 parameter), whose copies
+        alone go."""
 
     def reopen(self, synced: bool, owed: bool = False) -> None:
         """A window put back (``window.restore``): gradients held, reduced by a synchronised backward or not, and

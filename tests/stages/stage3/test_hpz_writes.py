@@ -1,9 +1,9 @@
 """hpZ's secondary partition after a write between steps: a forward that kept it, then parameters written inside
-``gathered_params()``, loaded from a checkpoint or set by ``safe_set_full_fp32_param``; the next forward gathers the
-written values, as plain training does. A load writes nothing into a shard that holds padding only (rank 3's of the
-first unit here), nor does a setter into a shard without the parameter, so that rank's shard looked unchanged: it
-alone kept its secondary partition (other ranks' values) and gathered from it, the others from every rank (gloo timed
-out)."""
+``gathered_params()``, loaded from a checkpoint, set by ``safe_set_full_fp32_param`` or given a value while freed
+(``p.data = ...``); the next forward gathers the written values, as plain training does. A load writes nothing into a
+shard that holds padding only (rank 3's of the first unit here), nor does a setter or an assigned value into a shard
+without the parameter, so that rank's shard looked unchanged: it alone kept its secondary partition (other ranks'
+values) and gathered from it, the others from every rank (gloo timed out, or the gathers paired up wrongly)."""
 
 from __future__ import annotations
 
@@ -89,3 +89,26 @@ def _set_case(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_a_forward_after_setting_one_parameter_reads_its_value(spawn) -> None:
     spawn(_set_case, 4, timeout_s=60)
+
+
+def _assign_case(rank: int, world: int) -> None:
+    os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")  # 2 nodes of 2
+    model, reference = _net(), _net()
+    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, **HPZ)
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        model(x)  # keeps the secondary partition
+        assert all(buf.secondary is not None for buf in opt._pipeline.buffers)
+        value = _net(1)[2].bias.detach().clone()  # 4 elements: in one rank's shard
+        reference[2].bias.copy_(value)
+    model[2].bias.data = value.clone()  # freed: its shard takes it before the next gather
+    if rank == 0:
+        opt.state_dict()  # a read on one rank takes it there first, before the forward gathers the first unit
+    with torch.no_grad():
+        got, want = model(x), reference(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
+@pytest.mark.distributed
+def test_a_forward_after_assigning_a_freed_parameter_reads_its_value(spawn) -> None:
+    spawn(_assign_case, 4, timeout_s=60)

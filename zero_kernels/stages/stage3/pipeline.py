@@ -676,11 +676,16 @@ class Stage3Pipeline(Stage2Pipeline):
         self._drop_secondary()
         return super().step(*args, **kwargs)
 
-    def writing_params(self) -> None:
+    def writing_params(self, buf: Optional[Stage3Buffer] = None) -> None:
         """A rank whose shard holds none of what is written (padding only, or another parameter) is not written, so its
         own shard cannot tell it that the secondary partition (other ranks' values) is stale: it would gather from
-        it alone."""
-        self._drop_secondary()
+        it alone. A value given to a freed parameter (``buf``) goes into the shards where each rank adopts it: at a
+        state read on some ranks, at the unit's next gather on the others, so only ``buf``'s partition goes, which
+        every rank then drops before that gather."""
+        if buf is None:
+            self._drop_secondary()
+        else:
+            buf.secondary = buf.secondary_stamp = None
 
     def _drop_secondary(self) -> None:
         self.unit_gathers.changed()
