@@ -368,3 +368,44 @@ def test_memory_report_counts_nothing_for_the_stand_ins_of_shards_in_files(tmp_p
     with opt.gathered_params():
         gathered = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
         assert opt.memory_report()["params"] == sum(gathered.values())
+
+
+@pytest.mark.parametrize("buffers", [1, 3])
+def test_a_step_cut_short_gives_its_pool_buffer_back_and_training_goes_on(buffers: int, tmp_path: Path) -> None:
+    """An exception from the second bucket's update, after its shard was read into a pool buffer and before it was
+    written back (a loop catching it calls ``zero_grad()`` and goes on): that buffer goes back to the pool when the
+    pool needs it, unwritten (the kernel did not run), and the weights stay bit for bit those of the same run without
+    offload."""
+    import zero_kernels.stages.offloaded as offloaded
+    import zero_kernels.stages.update as update
+
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path, buffer_count=buffers),
+                              **{**KWARGS, "reduce_bucket_size": 128})  # fmt: skip
+    plain = zo.ShardedFusedAdam(twin, **{**KWARGS, "reduce_bucket_size": 128})
+    for m, o in ((model, opt), (twin, plain)):
+        _train(m, o, 2)
+        launched = []
+
+        def cut(real):
+            def launch(*args, **kwargs):
+                launched.append(1)
+                if len(launched) == 2:
+                    raise KeyboardInterrupt("in the update")
+                return real(*args, **kwargs)
+
+            return launch
+
+        with pytest.MonkeyPatch.context() as patched:
+            patched.setattr(update, "launch", cut(update.launch))
+            patched.setattr(offloaded, "launch", cut(offloaded.launch))
+            x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+            m(x).float().square().mean().backward()
+            with pytest.raises(KeyboardInterrupt):
+                o.step()
+        o.zero_grad()
+        _train(m, o, 3)
+    with opt.gathered_params(), plain.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q)

@@ -20,8 +20,9 @@ Step. The update (the host Adam, or the device's on a copy of the buffer: ``Stag
 and writes each bucket's shard in a pool buffer filled from the file (``step_params``: the kernel reads the
 parameters too, to adopt edits; the host Adam skips the read where it writes every element of the bucket's shard,
 since a shard still in its file was not edited: only a resident one can be); ``stepped`` writes it back in the
-background (the buffer returns to the pool when the write is done); ``finish_step`` waits for the writes and frees
-the resident shards.
+background (the buffer returns to the pool when the write is done; one a step cut short by an exception left unwritten
+returns unwritten, when the pool needs it or at that bucket's next update); ``finish_step`` waits for the writes and
+frees the resident shards.
 """
 
 from __future__ import annotations
@@ -179,8 +180,11 @@ class DiskParams:
         ``read`` is False: the update overwrites every element, and a shard still in its file holds no edit)."""
         if not self.in_file(buf):
             return buf.shard_slice(buf.param_shard, bucket)
+        left = self._stepping.pop((id(buf), bucket.index), None)
+        if left is not None:
+            self._back(left)
         lease = self.files.take(bucket.shard_numel, buf.dtype, lambda: None)
-        self.files.hold(lease, lambda: self._written(id(lease)))
+        self.files.hold(lease, lambda: self._back(lease))
         if read:
             self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
         self._stepping[(id(buf), bucket.index)] = lease
@@ -193,16 +197,22 @@ class DiskParams:
         if lease is not None:
             self._writing[id(lease)] = (lease, write)
 
-    def _written(self, key: int) -> None:
-        lease, write = self._writing.pop(key)
-        write.wait()
+    def _back(self, lease: Lease) -> None:
+        """Give a pool buffer of the update back once its write (``stepped``) is done. One that a step cut short (an
+        exception in the update) left before its write goes back unwritten: the file keeps the bucket's shard as it
+        was before that update."""
+        held = self._writing.pop(id(lease), None)
+        if held is not None:
+            held[1].wait()
+        for key in [key for key, stepping in self._stepping.items() if stepping is lease]:
+            del self._stepping[key]
         self.files.put(lease)
 
     def finish_step(self) -> None:
         """After the step's last bucket: every write done, every buffer back, the resident shards freed (their
         files hold what the step wrote)."""
-        for key in list(self._writing):
-            self._written(key)
+        for lease, _ in list(self._writing.values()):
+            self._back(lease)
         for key in list(self._ahead):
             self._drop_ahead(key)  # read before the step: stale
         self.files.finish()
