@@ -1,7 +1,8 @@
 """The disk tier's swap buffers (slots) between steps: with ``pipeline_read`` a step's end reads the next step's
 first sub-groups, a slot written back keeps its sub-group (where the slots hold every sub-group, nothing is read
 again), and whatever writes the files between steps (a state loaded, an edit of ``opt.state``, AMSGrad switched
-on) is what the next step reads: the weights and state stay bit for bit those of the same run without offload."""
+on) is what the next step reads: the weights and state stay bit for bit those of the same run without offload. A
+spill whose write fails leaves no other write running, to land over later ones."""
 
 from __future__ import annotations
 
@@ -332,3 +333,56 @@ def test_a_failed_io_is_raised_once_and_training_goes_on_once_the_disk_is_back(
             _step(model, opt, seed)
         _same(models, opts, state=False)
     _same(models, opts)
+
+
+class _Late:
+    """A write that runs only when waited for: as late as the engine's workers may finish it."""
+
+    def __init__(self, start: Callable) -> None:
+        self._start, self._handle = start, None
+
+    def wait(self) -> None:
+        if self._handle is None:
+            self._handle = self._start()
+        self._handle.wait()
+
+    def done(self) -> bool:
+        return self._handle is not None and self._handle.done()
+
+
+def test_a_failed_spill_leaves_no_write_to_land_over_the_next_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer's state spilled into its files (the step after a state read): one sub-group's write fails (EIO)
+    while the other's still runs. ``spill`` raises once every write is done; a write left running could land after
+    the retried spill and the step's update of that sub-group, putting the old values back in its file."""
+    import errno
+
+    from tests.offload.test_disk_tier import _tier
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    tier = _tier(tmp_path)
+    tier.add_buffer(1, [8, 8], ("exp_avg",))
+    old, new = torch.arange(16.0), torch.full((8,), -1.0)
+    late: list[_Late] = []
+    real = FileIO.write
+
+    def write(self, path, tensor, offset=0):
+        if ".g0." in str(path):
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, "writing"), lambda: True)
+        late.append(_Late(lambda: real(self, path, tensor, offset)))
+        return late[-1]
+
+    with monkeypatch.context() as patched:
+        patched.setattr(FileIO, "write", write)
+        with pytest.raises(OSError, match="Input/output error"):
+            tier.spill(1, {"exp_avg": old.clone()})
+    tier.spill(1, {"exp_avg": old.clone()})  # the disk is back: the next step spills again
+    tier.load(1, 1, ("exp_avg",))["exp_avg"].copy_(new)
+    tier.store(1, 1)
+    tier.finish()
+    late[0].wait()  # the engine finishes what it was given
+    out = torch.empty(16)
+    tier.fill(1, {"exp_avg": out})
+    assert torch.equal(out, torch.cat([old[:8], new])), out
+    tier.close()

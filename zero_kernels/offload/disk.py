@@ -152,7 +152,8 @@ class DiskTier(HostTier):
 
     # ---------------------------------------------------------------- whole buffers
     def spill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Write a buffer's whole state (``{kind: its shard}``, host tensors) into its files."""
+        """Write a buffer's whole state (``{kind: its shard}``, host tensors) into its files; a write that fails raises
+        once every write is done (none is left to land after later ones)."""
         self.forget(key)
         handles = []
         for kind, t in tensors.items():
@@ -163,8 +164,7 @@ class DiskTier(HostTier):
                 handles.append(self.io.write(self.path(key, g, kind), t.narrow(0, at, numel).contiguous()))
                 at += numel
             self.bytes_written += t.numel() * t.element_size()
-        for h in handles:
-            h.wait()
+        _wait_all(handles)
 
     def add_zeros(self, key: int, kind: str) -> None:
         """New files of state ``kind`` of a buffer, all zeros (AMSGrad's maximum): any old ones removed, the new
