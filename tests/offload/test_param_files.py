@@ -409,3 +409,42 @@ def test_a_step_cut_short_gives_its_pool_buffer_back_and_training_goes_on(buffer
     with opt.gathered_params(), plain.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q)
+
+
+def test_a_failed_write_leaves_no_other_write_of_the_file_to_land_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two writes in flight to a shard's file, the first of which fails (EIO): the read after them raises once both
+    are done. The other, left running and forgotten, could land after a later write of the same bytes (here it
+    finishes only when waited for, at the end, as the engine would finish it)."""
+    import errno
+
+    from tests.offload.test_disk_slots import _Late
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=1, buffer_size=1000)
+    files = ParamFiles(config, AioConfig(), rank=0)
+    files.add(1, 16, torch.float32, "unit 1")
+    late: list[_Late] = []
+    real = FileIO.write
+
+    def write(self, path, tensor, offset=0):
+        if offset == 0:
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, "writing"), lambda: True)
+        late.append(_Late(lambda: real(self, path, tensor, offset)))
+        return late[-1]
+
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(FileIO, "write", write)
+            files.write(1, torch.zeros(8))
+            files.write(1, torch.ones(8), 8)
+        with pytest.raises(OSError, match="Input/output error"):
+            files.read(1, torch.empty(16))
+        files.write(1, torch.full((8,), 2.0), 8).wait()
+        late[0].wait()  # the engine finishes what it was given
+        out = torch.empty(8)
+        files.read(1, out, 8).wait()
+        assert torch.equal(out, torch.full((8,), 2.0)), out
+    finally:
+        files.close()

@@ -12,6 +12,7 @@ Interface::
     h = io.read(path, tensor, offset=0)   # returns at once; fills ``tensor`` from the file's bytes
     h.done()                              # True once finished (also when it failed)
     h.wait()                              # blocks; raises OSError naming the path and the cause
+    wait_all(handles)                     # waits for every one, then raises the first error
     io.backend                            # which engine runs, for logs: "cpp-odirect", "python-buffered", ...
     io.close()                            # finishes what was submitted, then stops (also ``with FileIO() as io``)
 
@@ -61,7 +62,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -72,7 +73,7 @@ log = logging.getLogger("zero_kernels")
 
 PAGE = 4096  # the alignment O_DIRECT asks of file offsets, lengths and memory addresses
 
-__all__ = ["FileIO", "IOHandle", "PAGE", "file_io", "release_pages"]
+__all__ = ["FileIO", "IOHandle", "PAGE", "file_io", "release_pages", "wait_all"]
 
 
 def _extension() -> ModuleType:
@@ -116,6 +117,19 @@ class IOHandle:
 
     def __repr__(self) -> str:
         return f"IOHandle({self.path!r}, {'done' if self.done() else 'in flight'})"
+
+
+def wait_all(handles: Iterable[IOHandle]) -> None:
+    """Wait for every one of ``handles``, then raise the first error: none is left in flight, to finish after
+    requests made later (the workers finish requests in any order)."""
+    error: OSError | None = None
+    for h in handles:
+        try:
+            h.wait()
+        except OSError as err:
+            error = error or err
+    if error is not None:
+        raise error
 
 
 def _check_positive(name: str, value: Any) -> int:

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from ..config.offload import AioConfig, OffloadOptimizerConfig
-from .aio import IOHandle, file_io
+from .aio import IOHandle, file_io, wait_all
 from .host import HostTier
 from .run_directory import RunDirectory
 
@@ -65,7 +65,7 @@ class _Slot:
     def wait_reads(self) -> None:
         """Every read done; one that failed (raised here, once) leaves the slot holding nothing: read again."""
         try:
-            _wait_all(self.reading)
+            wait_all(self.reading)
         except OSError:
             self.reading = []
             self.holds, self.stored, self.loaded = None, False, False
@@ -76,7 +76,7 @@ class _Slot:
         """Every write done; one that failed (raised here, once) leaves the slot's bytes to be written again (as an
         update's not stored: ``DiskTier._store_cut_short``), the files lacking them."""
         try:
-            _wait_all(self.writing)
+            wait_all(self.writing)
         except OSError:
             self.writing = []
             if self.holds is not None:
@@ -164,7 +164,7 @@ class DiskTier(HostTier):
                 handles.append(self.io.write(self.path(key, g, kind), t.narrow(0, at, numel).contiguous()))
                 at += numel
             self.bytes_written += t.numel() * t.element_size()
-        _wait_all(handles)
+        wait_all(handles)
 
     def add_zeros(self, key: int, kind: str) -> None:
         """New files of state ``kind`` of a buffer, all zeros (AMSGrad's maximum): any old ones removed, the new
@@ -211,7 +211,7 @@ class DiskTier(HostTier):
                 handles.append(writes[i])
                 done += n
             self.bytes_written += flat.numel() * ELEMENT
-        _wait_all(handles)
+        wait_all(handles)
 
     def fill(self, key: int, tensors: dict[str, torch.Tensor]) -> None:
         """Read a buffer's whole state from its files into ``{kind: host tensor}``."""
@@ -399,15 +399,3 @@ def _wait_quietly(handles: list[IOHandle]) -> None:
             h.wait()
         except Exception:  # the error goes with the buffer's bytes, which nothing reads
             pass
-
-
-def _wait_all(handles: list[IOHandle]) -> None:
-    """Wait for every one of ``handles``, then raise the first error (none is left in flight)."""
-    error: Optional[OSError] = None
-    for h in handles:
-        try:
-            h.wait()
-        except OSError as err:
-            error = error or err
-    if error is not None:
-        raise error

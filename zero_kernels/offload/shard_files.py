@@ -14,7 +14,8 @@ held, not ``buffer_count`` of them.
 
 I/O. ``read`` and ``write`` move a range of a shard asynchronously (an ``IOHandle``); a read first waits for the
 writes still in flight on the same file, so it sees the last values written, and a write for those of the same bytes,
-so the last one written lands last. ``finish`` waits for every write.
+so the last one written lands last; a write that failed raises there once every one waited for is done (none is
+left to land later). ``finish`` waits for every write.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .aio import FileIO, IOHandle, release_pages
+from .aio import FileIO, IOHandle, release_pages, wait_all
 from .run_directory import RunDirectory
 
 
@@ -88,12 +89,10 @@ class ShardFiles:
         path, _ = self.paths[key]
         start = offset * tensor.element_size()
         end = start + tensor.numel() * tensor.element_size()
-        kept = []
-        for span in self._writes.get(key, []):
-            if span[0] < end and start < span[1]:
-                span[2].wait()
-            else:
-                kept.append(span)
+        spans = self._writes.get(key, [])
+        kept = [span for span in spans if not (span[0] < end and start < span[1])]
+        self._writes[key] = kept
+        wait_all(span[2] for span in spans if span[0] < end and start < span[1])
         handle = self.io.write(path, tensor, start)
         self._writes[key] = kept + [(start, end, handle)]
         self.bytes_written += end - start
@@ -101,8 +100,7 @@ class ShardFiles:
 
     def read(self, key: int, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
         """Start filling ``tensor`` from the shard's file from element ``offset`` (after its writes in flight)."""
-        for _, _, handle in self._writes.pop(key, []):
-            handle.wait()
+        wait_all(handle for _, _, handle in self._writes.pop(key, []))
         path, _ = self.paths[key]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return self.io.read(path, tensor, offset * tensor.element_size())
@@ -110,9 +108,7 @@ class ShardFiles:
     def finish(self) -> None:
         """Wait for every write in flight."""
         writes, self._writes = self._writes, {}
-        for spans in writes.values():
-            for _, _, handle in spans:
-                handle.wait()
+        wait_all(handle for spans in writes.values() for _, _, handle in spans)
 
     def disk_bytes(self) -> int:
         """Bytes of the shards' files."""
