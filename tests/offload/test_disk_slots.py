@@ -386,3 +386,50 @@ def test_a_failed_spill_leaves_no_write_to_land_over_the_next_steps(
     tier.fill(1, {"exp_avg": out})
     assert torch.equal(out, torch.cat([old[:8], new])), out
     tier.close()
+
+
+def test_an_update_whose_writes_failed_twice_is_written_once_the_disk_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One slot; a step's update of sub-group 1 fails to be written (EIO: the step raises, the slot keeps the new
+    values), and so does the next step, whose first load writes them first. The step after, the disk back, writes
+    them before its first load reads into that slot: the update is kept, not dropped for the read (the load was
+    taken for a bucket of the sub-group loaded last, which writes nothing first)."""
+    import errno
+
+    from zero_kernels.config.offload import AioConfig, OffloadOptimizerConfig
+    from zero_kernels.offload import DiskTier
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    config = OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=1)
+    tier = DiskTier(config, AioConfig(), rank=0, sub_group_size=8)
+    tier.add_buffer(1, [8, 8], ("exp_avg",))
+    real = FileIO.write
+
+    def failing(self, path, tensor, offset=0):
+        if ".g1." in str(path):
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, "writing"), lambda: True)
+        return real(self, path, tensor, offset)
+
+    def update(g: int, value: float) -> None:
+        tier.load(1, g, ("exp_avg",))["exp_avg"].fill_(value)
+        tier.store(1, g)
+
+    update(0, 1.0)
+    update(1, 1.0)
+    tier.finish()
+    with monkeypatch.context() as patched:
+        patched.setattr(FileIO, "write", failing)
+        update(0, 2.0)
+        with pytest.raises(OSError, match="Input/output error"):
+            update(1, 2.0)
+        with pytest.raises(OSError, match="Input/output error"):
+            update(0, 3.0)  # writes sub-group 1 first, which fails again
+    for g in range(2):
+        assert torch.equal(tier.load(1, g, ("exp_avg",))["exp_avg"], torch.full((8,), 2.0)), g
+        tier.store(1, g)
+    tier.finish()
+    out = torch.empty(16)
+    tier.fill(1, {"exp_avg": out})
+    assert torch.equal(out, torch.full((16,), 2.0)), out
+    tier.close()

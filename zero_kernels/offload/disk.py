@@ -232,7 +232,7 @@ class DiskTier(HostTier):
         ``store``; reads the next one ahead."""
         if not self.order or self.order[-1][:2] != (key, g):  # each bucket of the sub-group loads it
             self.order.append((key, g, kinds))
-            self._store_cut_short(but=(key, g))
+        self._store_cut_short(but=(key, g))  # also where a load before raised there (a write failed again)
         slot = self._held(key, g, kinds)
         if slot is None:
             slot = self._start_read(key, g, kinds)
