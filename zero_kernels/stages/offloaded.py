@@ -201,12 +201,14 @@ def update_bucket(
         launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl), adopt=not fresh)
     if grads_in_file:
         pipeline.stepped_grads(buf, bucket)
-    if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
-        tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
+    # the parameters go before the state is stored: a store that fails keeps the new state to write again, and the
+    # parameters made with it must not be dropped (fp32 parameters in a file are their own master)
     if separate:
         tier.up(device_params, params, (id(buf), bucket.index))
     if in_file:
         pipeline.stepped_params(buf, bucket, params)
+    if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
+        tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
 
 
 def overwritten(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, decision: Decision, with_grad: set[int]) -> bool:
