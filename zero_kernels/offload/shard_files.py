@@ -98,6 +98,17 @@ class ShardFiles:
         self.bytes_written += end - start
         return handle
 
+    def wait_write(self, key: int, handle: IOHandle) -> None:
+        """Wait for one write of the shard's file (``write``'s handle), unless a read, a later write of the same bytes
+        or ``finish`` waited for it already: a write that failed raises its error once, wherever it is waited for
+        first."""
+        spans = self._writes.get(key, [])
+        kept = [span for span in spans if span[2] is not handle]
+        if len(kept) == len(spans):
+            return
+        self._writes[key] = kept
+        handle.wait()
+
     def read(self, key: int, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
         """Start filling ``tensor`` from the shard's file from element ``offset`` (after its writes in flight)."""
         wait_all(handle for _, _, handle in self._writes.pop(key, []))

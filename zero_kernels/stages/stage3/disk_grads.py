@@ -59,7 +59,7 @@ class DiskGrads:
         self.wanted = {True, False}  # the kinds of term taken as buckets are reduced
         self._asked: set[bool] = set()  # the kinds asked for since the last step
         self._at: dict[Key, int] = {}  # its place in ``order``
-        self._writing: dict[int, tuple[Lease, IOHandle]] = {}  # id(lease) -> (lease, its write)
+        self._writing: dict[int, tuple[Lease, IOHandle, int]] = {}  # id(lease) -> (lease, its write, its file)
         self._ahead: dict[Key, tuple[Lease, IOHandle]] = {}  # reads started before use (update, accumulation)
         self._after: dict[Key, Key] = {}  # the bucket reduced next, in the order of a window's first micro-step
         self._last: Optional[Key] = None  # the last bucket of that order so far
@@ -108,7 +108,11 @@ class DiskGrads:
             lease, read = self._ahead.pop(key, None) or self._start(buf, bucket, wait=True)
             self.files.hold(lease, weakly(self._written, id(lease)))  # written from it next
             self._read_next(key)
-            read.wait()
+            try:
+                read.wait()
+            except OSError:
+                self.files.put(lease)  # not written from: back at once
+                raise
             values = lease.tensor.to(buf.device).add_(mine)
         self._store(buf, bucket, lease, values, terms=final)
 
@@ -126,7 +130,7 @@ class DiskGrads:
     def _reclaim(self) -> None:
         """Put the buffers whose writes finished back in the pool (else they wait there for a ``take`` that must
         wait, and reads ahead, which take only free buffers, find none)."""
-        for held in [held for held, (_, write) in self._writing.items() if write.done()]:
+        for held in [held for held, (_, write, _) in self._writing.items() if write.done()]:
             self._written(held)
 
     def _forget(self, key: Key) -> None:
@@ -154,7 +158,7 @@ class DiskGrads:
         self.terms[(id(buf), bucket.index)] = self._terms(values) if terms else {}
         if values.data_ptr() != lease.tensor.data_ptr():
             lease.tensor.copy_(values)
-        self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset))
+        self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset), id(buf))
 
     def _terms(self, values: torch.Tensor) -> dict[bool, torch.Tensor]:
         """The wanted kinds of term of a part's final ``values``. The squared norm widens 16-bit values to fp32 first
@@ -166,9 +170,13 @@ class DiskGrads:
         return {norm: stats.partial(wide if norm else values, norm=norm) for norm in self.wanted}
 
     def _written(self, key: int) -> None:
-        lease, write = self._writing.pop(key)
-        write.wait()
-        self.files.put(lease)
+        """A part's write done: its buffer goes back (after a write that failed too, whose error is raised here unless
+        it was raised where the file's writes were waited for)."""
+        lease, write, file = self._writing.pop(key)
+        try:
+            self.files.wait_write(file, write)
+        finally:
+            self.files.put(lease)
 
     # ---------------------------------------------------------------- the step
     def column(self, norm: bool) -> Iterator[torch.Tensor]:
@@ -208,9 +216,12 @@ class DiskGrads:
         return started
 
     def _drop(self, key: Key) -> None:
+        """A read started ahead goes: its buffer back once it is done (or failed, raised here)."""
         lease, read = self._ahead.pop(key)
-        read.wait()
-        self.files.put(lease)
+        try:
+            read.wait()
+        finally:
+            self.files.put(lease)
 
     def used(self, buf: "FlatBuffer", bucket: Bucket) -> None:
         """The update is done with ``bucket``'s gradients: their buffer goes back."""

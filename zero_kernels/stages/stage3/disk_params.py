@@ -84,7 +84,7 @@ class DiskParams:
         self._ahead: dict[int, tuple[Lease, Any]] = {}  # id(buffer) -> (lease, read) started ahead of its gather
         self._gathering: dict[int, Lease] = {}  # id(buffer) -> the lease its gathers read
         self._stepping: dict[tuple[int, int], Lease] = {}  # (id(buffer), bucket) -> the lease the update writes
-        self._writing: dict[int, tuple[Lease, Any]] = {}  # id(lease) -> (lease, write)
+        self._writing: dict[int, tuple[Lease, Any, int]] = {}  # id(lease) -> (lease, write, its file)
 
     # ---------------------------------------------------------------- setting up
     def choose(self, buffers: list["Stage3Buffer"], name: Callable[["Stage3Buffer"], str]) -> list["Stage3Buffer"]:
@@ -195,23 +195,25 @@ class DiskParams:
         write = self.files.write(id(buf), params, bucket.shard_offset)
         lease = self._stepping.pop((id(buf), bucket.index), None)
         if lease is not None:
-            self._writing[id(lease)] = (lease, write)
+            self._writing[id(lease)] = (lease, write, id(buf))
 
     def _back(self, lease: Lease) -> None:
         """Give a pool buffer of the update back once its write (``stepped``) is done. One that a step cut short (an
         exception in the update) left before its write goes back unwritten: the file keeps the bucket's shard as it
         was before that update."""
         held = self._writing.pop(id(lease), None)
-        if held is not None:
-            held[1].wait()
-        for key in [key for key, stepping in self._stepping.items() if stepping is lease]:
-            del self._stepping[key]
-        self.files.put(lease)
+        try:
+            if held is not None:
+                self.files.wait_write(held[2], held[1])
+        finally:
+            for key in [key for key, stepping in self._stepping.items() if stepping is lease]:
+                del self._stepping[key]
+            self.files.put(lease)
 
     def finish_step(self) -> None:
         """After the step's last bucket: every write done, every buffer back, the resident shards freed (their
         files hold what the step wrote)."""
-        for lease, _ in list(self._writing.values()):
+        for lease, _, _ in list(self._writing.values()):
             self._back(lease)
         for key in list(self._ahead):
             self._drop_ahead(key)  # read before the step: stale
