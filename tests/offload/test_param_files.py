@@ -296,6 +296,24 @@ def test_a_gathers_pool_buffer_waits_for_its_copy_up_only_when_handed_out_again(
         files.close()
 
 
+def test_a_lease_given_back_twice_is_one_free_buffer(tmp_path: Path) -> None:
+    """A lease put back a second time (its holder released it already) adds nothing to the pool's free buffers:
+    else two later takes got the same buffer, each writing over the other's shard."""
+    config = OffloadParamConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=2, buffer_size=1000)
+    files = ParamFiles(config, AioConfig(), rank=0)
+    files.add(1, 100, torch.bfloat16, "unit 1")
+    try:
+        lease = files.take(100, torch.bfloat16, lambda: None)
+        files.put(lease)
+        files.put(lease)
+        first = files.take(100, torch.bfloat16, lambda: None)
+        second = files.take(100, torch.bfloat16, lambda: None)
+        assert first.raw is not second.raw
+        assert len(files.pool()) == 2
+    finally:
+        files.close()
+
+
 def test_a_param_group_added_while_training_with_everything_on_disk_trains_as_without_offload(tmp_path: Path) -> None:
     """The state, the gradient shards and the parameter shards in files: the new group's shards, larger than any
     before, get larger pool buffers in place of the old ones, and the weights stay bit for bit those of the run
