@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
@@ -310,6 +311,84 @@ def test_a_lease_given_back_twice_is_one_free_buffer(tmp_path: Path) -> None:
         second = files.take(100, torch.bfloat16, lambda: None)
         assert first.raw is not second.raw
         assert len(files.pool()) == 2
+    finally:
+        files.close()
+
+
+def _pool(path: Path, buffers: int) -> ParamFiles:
+    config = OffloadParamConfig(device="nvme", nvme_path=str(path), buffer_count=buffers, buffer_size=1000)
+    return ParamFiles(config, AioConfig(), rank=0)
+
+
+class _Unit:
+    """What ``DiskParams`` reads of a stage-3 unit: one bucket over its whole shard, in host memory."""
+
+    def __init__(self, numel: int) -> None:
+        self.layout = SimpleNamespace(shard_numel=numel, buckets=[SimpleNamespace(index=0, shard_numel=numel,
+                                                                                  shard_offset=0)])  # fmt: skip
+        self.dtype, self.device, self.param_shard = torch.bfloat16, torch.device("cpu"), None
+
+
+def test_a_shards_file_holds_its_bytes_from_when_it_is_added(tmp_path: Path) -> None:
+    """Each shard's file is reserved at its size in bytes (elements times the dtype's size) before anything is
+    written: a disk without room fails then, not in the middle of a step."""
+    files = _pool(tmp_path, 1)
+    try:
+        files.add(1, 100, torch.bfloat16, "unit 1")
+        files.add(2, 10, torch.float32, "unit 2")
+        assert files.disk_bytes() == 100 * 2 + 10 * 4
+    finally:
+        files.close()
+
+
+def test_a_full_pool_asks_its_oldest_holder_for_a_buffer(tmp_path: Path) -> None:
+    """Every buffer held: a take calls the release of the holder that took its buffer first (a buffer taken last is
+    the one its holder is about to use)."""
+    files = _pool(tmp_path, 2)
+    files.add(1, 100, torch.bfloat16, "unit 1")
+    leases, released = {}, []
+
+    def release(name: str) -> Callable[[], None]:
+        return lambda: (released.append(name), files.put(leases[name]))
+
+    try:
+        for name in ("first", "second"):
+            leases[name] = files.take(100, torch.bfloat16, release(name))
+        third = files.take(100, torch.bfloat16, lambda: None)
+        assert released == ["first"] and third.raw is leases["first"].raw
+    finally:
+        files.close()
+
+
+def test_units_from_the_first_that_does_not_fit_in_max_in_cpu_go_to_files(tmp_path: Path) -> None:
+    """In order, units whose shards fit in what is left of ``max_in_cpu`` stay in host memory (one that fills it
+    exactly too); from the first that does not fit, every unit goes to a file, a smaller one after it too."""
+    for sizes, room, in_files in (([4, 6], 4, [6]), ([4, 6, 1], 5, [6, 1])):
+        files = _pool(tmp_path, 1)
+        try:
+            chosen = DiskParams(files, max_in_cpu=room).choose([_Unit(n) for n in sizes], lambda unit: "unit")
+            assert [unit.layout.shard_numel for unit in chosen] == in_files, (sizes, room)
+        finally:
+            files.close()
+
+
+def test_a_read_ahead_left_at_the_step_gives_way_to_what_the_step_wrote(tmp_path: Path) -> None:
+    """A unit's shard read ahead for a gather that had not come when the step updated the shard: the step's end
+    drops that read, and the next gather sends the values the step wrote."""
+    files = _pool(tmp_path, 2)
+    disk = DiskParams(files, max_in_cpu=0)
+    unit = _Unit(100)
+    (bucket,) = unit.layout.buckets
+    try:
+        disk.choose([unit], lambda unit: "unit")
+        disk.place(unit, torch.full((100,), 1.0, dtype=torch.bfloat16))
+        disk.read_ahead(unit)
+        params = disk.step_params(unit, bucket)
+        params.fill_(2.0)
+        disk.stepped(unit, bucket, params)
+        disk.finish_step()
+        assert torch.equal(disk.source(unit, lambda: None), torch.full((100,), 2.0, dtype=torch.bfloat16))
+        disk.done(unit)
     finally:
         files.close()
 
