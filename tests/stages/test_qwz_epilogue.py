@@ -152,6 +152,15 @@ def _backend_case(rank: int, impl: str) -> None:
                 assert not probe.wrong, (impl, probe.wrong)
 
 
+@pytest.mark.parametrize("numel, block, blocks", [(4098, 1368, 3), (2049, 1028, 2), (2048, 2048, 1), (5, 8, 1)])
+def test_a_payload_is_the_fewest_blocks_as_even_as_a_multiple_of_4_allows(numel: int, block: int, blocks: int) -> None:
+    """At most ``WEIGHT_BLOCK`` elements a block, in the fewest blocks, split evenly with each rounded up to a multiple
+    of 4 (the scales stay 4-byte aligned): rounding down instead made 4098 elements 4 blocks, the last nearly empty."""
+    layout = quantized_gather.Payload(numel)
+    assert (layout.block, layout.blocks) == (block, blocks)
+    assert layout.nbytes == blocks * block + 4 * blocks
+
+
 @pytest.mark.distributed
 @pytest.mark.ext  # the C++ backend
 def test_step_makes_the_payloads_and_training_is_unchanged(spawn) -> None:
