@@ -180,10 +180,12 @@ def test_what_changes_between_steps_is_what_the_next_step_reads(change: Callable
 
 @pytest.mark.parametrize("buffers", [1, 2])
 @pytest.mark.parametrize("read", [False, True])
+@pytest.mark.parametrize("stop", [2, 4])
 def test_a_step_cut_short_leaves_the_state_partly_updated_as_without_offload(
-    read: bool, buffers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stop: int, read: bool, buffers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An exception from the update's second launch (sub-groups of 2 buckets: one updated in its slot, not stored),
+    """An exception from the update's ``stop``-th launch (sub-groups of 2 buckets: one updated in its slot, not
+    stored; the fourth: in the second sub-group, whose slot the next step's first load must store, not take over),
     then, as a loop catching it would, ``zero_grad()``, a state read (``read``: a checkpoint there) and more steps:
     the weights and state stay those of the same run without offload (a state read there lost that slot's update:
     it read the files, and the next step dropped the slot)."""
@@ -201,7 +203,7 @@ def test_a_step_cut_short_leaves_the_state_partly_updated_as_without_offload(
         def cut(real: Callable) -> Callable:
             def launch(*args, **kwargs):
                 calls.append(1)
-                if len(calls) == 2:
+                if len(calls) == stop:
                     raise KeyboardInterrupt("in the update")
                 return real(*args, **kwargs)
 
