@@ -20,6 +20,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.lockstep import BUCKET, ROWS, STAGE3, Net, batch
 from tests.offload.exactness import copying, pair_case
 from tests.offload.test_offload_config import SUPER_OFFLOAD
+from zero_kernels.offload import HostTier
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -216,8 +217,15 @@ def test_checkpoint_resumes_across_tiers_and_world_sizes(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_edits_between_steps_are_adopted_as_without_offload(dtype: torch.dtype, tmp_path: Path) -> None:
-    """In-place writes into the parameters and a loaded model state between steps reach the offloaded master."""
+@pytest.mark.parametrize("copies", [False, True])
+def test_edits_between_steps_are_adopted_as_without_offload(
+    copies: bool, dtype: torch.dtype, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-place writes into the parameters and a loaded model state between steps reach the offloaded master;
+    ``copies``: as a GPU's tier (host copies of the parameters, edits found by ``fingerprint``)."""
+    if copies:
+        monkeypatch.setattr(HostTier, "share_host", False)
+        monkeypatch.setattr(HostTier, "bitwise", lambda self, device: False)
     torch.manual_seed(0)
     plain = Net().to(dtype)
     tiered = copy.deepcopy(plain)
