@@ -196,6 +196,20 @@ def test_a_model_with_only_frozen_parameters_besides_one_trains_and_keeps_them_e
         assert all(torch.equal(p, b) for p, b in zip(model[0].parameters(), before))
 
 
+def test_an_edit_of_one_element_of_a_frozen_parameter_inside_gathered_params_is_kept() -> None:
+    """An edit made inside ``gathered_params()`` to the last element of a frozen partitioned parameter alone (the rest
+    of the chunk as it was) goes into the chunk at the block's end: the next gather gives it."""
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    expected = model[0].weight.detach().clone()
+    expected[-1, -1] = 5.0
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=3, **OPTIONS)
+    with opt.gathered_params(), torch.no_grad():
+        model[0].weight[-1, -1] = 5.0
+    with opt.gathered_params():
+        assert torch.equal(model[0].weight, expected)
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["exact", "int8"])
 def test_a_pickled_optimizer_carries_the_frozen_chunks(int8: bool) -> None:
     model = Lora(torch.float32)
