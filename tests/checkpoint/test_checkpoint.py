@@ -402,6 +402,26 @@ def test_bf16_parameters_keep_their_fp32_master(tmp_path: Path) -> None:
             assert torch.equal(p, saved[name]), f"bf16 loaded at stage {stage}: {name} differs after 2 steps"
 
 
+def test_a_maximum_the_checkpoint_lacks_restarts_at_zero_in_an_optimizer_that_had_one(tmp_path: Path) -> None:
+    """A checkpoint saved without AMSGrad loaded into an AMSGrad optimizer that trained already, then AMSGrad switched
+    on again (the load gives the saved groups' ``amsgrad``): its maximum starts again from zeros, as in a new
+    optimizer loading the same checkpoint (not from the maximum it had)."""
+    model = make_net()
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path, model, opt)
+    fresh, used = make_net(), make_net()
+    opts = {"fresh": zk_opt(fresh, stage=1, amsgrad=True), "used": zk_opt(used, stage=1, amsgrad=True)}
+    train(used, opts["used"], range(STEPS_BEFORE, STEPS_BEFORE + 2))
+    for m, o in ((fresh, opts["fresh"]), (used, opts["used"])):
+        ck.load(tmp_path, m, o)
+        for group in o.param_groups:
+            group["amsgrad"] = True
+        train(m, o, range(STEPS_BEFORE, STEPS_BEFORE + 2))
+    for (name, p), q in zip(fresh.named_parameters(), used.parameters()):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.parametrize(
     "saved_dtype, loaded_dtype", [(torch.bfloat16, torch.float16), (torch.float16, torch.bfloat16)]
 )
