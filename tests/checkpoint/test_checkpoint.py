@@ -402,6 +402,21 @@ def test_bf16_parameters_keep_their_fp32_master(tmp_path: Path) -> None:
             assert torch.equal(p, saved[name]), f"bf16 loaded at stage {stage}: {name} differs after 2 steps"
 
 
+def test_a_checkpoint_of_the_other_weight_decay_mode_leaves_the_optimizers_own(tmp_path: Path) -> None:
+    """Saved with ``adam_w_mode=False`` and loaded into an AdamW-mode optimizer: its groups keep their own
+    ``decoupled_weight_decay`` (one mode for all groups: a group saying the other is refused at the step), and it
+    steps."""
+    model = make_net()
+    opt = zk_opt(model, stage=1, adam_w_mode=False)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path, model, opt)
+    other = make_net()
+    other_opt = zk_opt(other, stage=1)
+    ck.load(tmp_path, other, other_opt)
+    assert all(group["decoupled_weight_decay"] is True for group in other_opt.param_groups)
+    train(other, other_opt, range(STEPS_BEFORE, STEPS_BEFORE + 1))
+
+
 def test_a_maximum_the_checkpoint_lacks_restarts_at_zero_in_an_optimizer_that_had_one(tmp_path: Path) -> None:
     """A checkpoint saved without AMSGrad loaded into an AMSGrad optimizer that trained already, then AMSGrad switched
     on again (the load gives the saved groups' ``amsgrad``): its maximum starts again from zeros, as in a new
