@@ -402,6 +402,20 @@ def test_bf16_parameters_keep_their_fp32_master(tmp_path: Path) -> None:
             assert torch.equal(p, saved[name]), f"bf16 loaded at stage {stage}: {name} differs after 2 steps"
 
 
+def test_consolidate_writes_a_bf16_parameter_as_its_fp32_master(tmp_path: Path) -> None:
+    """As DeepSpeed's ``zero_to_fp32.py``: the consolidated model holds a trained bf16 parameter's fp32 master,
+    which rounds to the trained bf16 weight."""
+    model = make_net().to(torch.bfloat16)
+    opt = zk_opt(model, stage=1)
+    train(model, opt, range(STEPS_BEFORE))
+    ck.save(tmp_path / "ck", model, opt)
+    out = torch.load(ck.consolidate(tmp_path / "ck", tmp_path / "out.pt"), weights_only=True)["model"]
+    trained = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    for name, p in trained.items():
+        assert out[name].dtype == torch.float32 and torch.equal(out[name].to(torch.bfloat16), p), name
+    assert not all(torch.equal(out[name], p.float()) for name, p in trained.items()), "the bf16 values"
+
+
 def test_a_checkpoint_of_the_other_weight_decay_mode_leaves_the_optimizers_own(tmp_path: Path) -> None:
     """Saved with ``adam_w_mode=False`` and loaded into an AdamW-mode optimizer: its groups keep their own
     ``decoupled_weight_decay`` (one mode for all groups: a group saying the other is refused at the step), and it
