@@ -90,6 +90,18 @@ def _set(path: list, value: Any) -> Callable[[Meta], None]:
     return change
 
 
+def _last_piece_twice(meta: Meta) -> None:
+    """The pieces cover the tensor in order, then its last piece again."""
+    pieces = _first_model_tensor(meta)["pieces"]
+    pieces.append(list(max(pieces, key=lambda piece: piece[1])))
+
+
+def _piece_past_its_file_in_elements(meta: Meta) -> None:
+    """A piece whose elements end past its file, though as many bytes as it has elements would not."""
+    piece = _first_model_tensor(meta)["pieces"][0]
+    piece[2] = meta["files"][piece[0]]["bytes"] - piece[3]
+
+
 CASES = {
     "absolute file name": (_set(["files", 0, "name"], "/etc/hostname"), "not a plain file name"),
     "file name in a subdirectory": (_set(["files", 0, "name"], "sub/rank00000.bin"), "not a plain file name"),
@@ -102,6 +114,8 @@ CASES = {
     "short piece": (_set([_first_model_tensor, "pieces", 0], [0, 0, 0]), r"must be \[file, first element"),
     "piece in no file": (_set([_first_model_tensor, "pieces", 0, 0], 7), r"\[0\] \(file\) must be in 0..0"),
     "piece past its file": (_set([_first_model_tensor, "pieces", 0, 2], 10**9), "reads bytes"),
+    "piece past its file in elements": (_piece_past_its_file_in_elements, "reads bytes"),
+    "last piece twice": (_last_piece_twice, "exactly once"),
     "unknown dtype": (_set([_first_model_tensor, "dtype"], "complex64"), "is not one of"),
     "negative dimension": (_set([_first_model_tensor, "shape", 0], -1), r"shape\[0\] must be >= 0"),
     "shape of 10**12": (_set([_first_model_tensor, "shape"], [10**12]), "do not cover the 1000000000000 elements"),
