@@ -341,6 +341,18 @@ def test_a_shards_file_holds_its_bytes_from_when_it_is_added(tmp_path: Path) -> 
         files.close()
 
 
+def test_a_shard_of_buffer_size_elements_fits_one_larger_is_refused(tmp_path: Path) -> None:
+    """``buffer_size`` is the largest shard a pool buffer holds: a shard of that many elements is added, one more
+    element is refused naming the key."""
+    files = _pool(tmp_path, 1)
+    try:
+        files.add(1, 1000, torch.bfloat16, "unit 1")
+        with pytest.raises(ValueError, match="buffer_size=1000 is smaller"):
+            files.add(2, 1001, torch.bfloat16, "unit 2")
+    finally:
+        files.close()
+
+
 def test_a_full_pool_asks_its_oldest_holder_for_a_buffer(tmp_path: Path) -> None:
     """Every buffer held: a take calls the release of the holder that took its buffer first (a buffer taken last is
     the one its holder is about to use)."""
