@@ -24,6 +24,12 @@ def _net(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 4))
 
 
+def _same_forward(model: torch.nn.Module, reference: torch.nn.Module, x: torch.Tensor) -> None:
+    with torch.no_grad():
+        got, want = model(x), reference(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
 def _case(rank: int, world: int) -> None:
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # one node: hpZ over pairs of it
     model, reference = _net(), _net()
@@ -39,8 +45,7 @@ def _case(rank: int, world: int) -> None:
     with torch.no_grad():
         for p in reference.parameters():
             p.mul_(-0.5).add_(0.25)
-        got, want = model(x), reference(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    _same_forward(model, reference, x)
 
 
 @pytest.mark.distributed
@@ -60,9 +65,7 @@ def _load_case(rank: int, world: int, root: str) -> None:
     if rank == 3:
         assert not list(opt._pipeline.buffers[0].layout.segments(3)), "rank 3's shard of the first unit: padding only"
     zk.checkpoint.load(root, model, opt)
-    with torch.no_grad():
-        got, want = model(x), _net(1)(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    _same_forward(model, _net(1), x)
 
 
 @pytest.mark.distributed
@@ -70,20 +73,27 @@ def test_a_forward_after_a_checkpoint_load_reads_the_loaded_values(spawn, tmp_pa
     spawn(_load_case, 4, str(tmp_path), timeout_s=60)
 
 
-def _set_case(rank: int, world: int) -> None:
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _partitions_kept(
+    rank: int,
+) -> tuple[torch.nn.Module, torch.nn.Module, zk.ShardedFusedAdam, torch.Tensor, torch.Tensor]:
+    """(model, reference, optimizer, x, value): stage 3 with hpZ after a forward that kept the secondary partitions;
+    ``value``, a new bias of the last layer (4 elements: in one rank's shard), is already in ``reference``."""
     model, reference = _net(), _net()
     opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, **HPZ)
     x = torch.randn(5, 12, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         model(x)  # keeps the secondary partition
         assert all(buf.secondary is not None for buf in opt._pipeline.buffers)
-        value = _net(1)[2].bias.detach().clone()  # 4 elements: in one rank's shard
+        value = _net(1)[2].bias.detach().clone()
         reference[2].bias.copy_(value)
+    return model, reference, opt, x, value
+
+
+def _set_case(rank: int, world: int) -> None:
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    model, reference, _, x, value = _partitions_kept(rank)
     zk.safe_set_full_fp32_param(model[2].bias, value)
-    with torch.no_grad():
-        got, want = model(x), reference(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    _same_forward(model, reference, x)
 
 
 @pytest.mark.distributed
@@ -93,20 +103,11 @@ def test_a_forward_after_setting_one_parameter_reads_its_value(spawn) -> None:
 
 def _assign_case(rank: int, world: int) -> None:
     os.environ.update(GROUP_RANK=str(rank // 2), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2")  # 2 nodes of 2
-    model, reference = _net(), _net()
-    opt = zk.ShardedFusedAdam(model, lr=1e-2, stage=3, **HPZ)
-    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(rank))
-    with torch.no_grad():
-        model(x)  # keeps the secondary partition
-        assert all(buf.secondary is not None for buf in opt._pipeline.buffers)
-        value = _net(1)[2].bias.detach().clone()  # 4 elements: in one rank's shard
-        reference[2].bias.copy_(value)
+    model, reference, opt, x, value = _partitions_kept(rank)
     model[2].bias.data = value.clone()  # freed: its shard takes it before the next gather
     if rank == 0:
         opt.state_dict()  # a read on one rank takes it there first, before the forward gathers the first unit
-    with torch.no_grad():
-        got, want = model(x), reference(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+    _same_forward(model, reference, x)
 
 
 @pytest.mark.distributed
