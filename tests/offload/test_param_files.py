@@ -39,6 +39,13 @@ def _train(
         opt.zero_grad()
 
 
+def _same_weights(model: nn.Module, opt: zo.ShardedFusedAdam, twin: nn.Module, other: zo.ShardedFusedAdam) -> None:
+    """The two models' parameters equal bit for bit, each gathered whole by its optimizer."""
+    with opt.gathered_params(), other.gathered_params():
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.equal(p, q), (name, (p - q).abs().max())
+
+
 def _files(path: Path, **extra) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "buffer_count": 2, "max_in_cpu": 0, **extra}
 
@@ -64,9 +71,7 @@ def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(t
     assert report["params"] == before["params"] - shard_bytes == 0  # nothing of the shards under params
     assert report["host"] == before["host"] + pool  # the pool, and no host copy either way
     assert report["disk"] == before["disk"] + shard_bytes == shard_bytes
-    with opt.gathered_params(), host.gathered_params():
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(p, q)
+    _same_weights(model, opt, twin, host)
     read_back = sum(t.untyped_storage().nbytes() for t in pipeline.disk_params.resident_shards())
     assert read_back >= shard_bytes  # the block's end read the shards in whole (host memory) until the next step
     after = opt.memory_report()
@@ -116,9 +121,7 @@ def test_pool_buffers_keep_no_memory_once_given_back(tmp_path: Path) -> None:
     _train(twin, plain, 2, width=256)
     assert len(files.pool()) == 2 and resident == [0] * 10
     assert sum(resident_pages(t) for t in files.pool()) == 0
-    with opt.gathered_params(), plain.gathered_params():
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(p, q)
+    _same_weights(model, opt, twin, plain)
 
 
 @pytest.mark.parametrize(
@@ -161,9 +164,7 @@ def test_values_given_between_steps_reach_the_files(tmp_path: Path) -> None:
             if step == 2:
                 m[2].weight.data = torch.full((8, 32), 0.125, dtype=torch.bfloat16)
     assert all(buf.param_shard.device.type == "meta" for buf in opt._pipeline.disk_params.units.values())
-    with opt.gathered_params(), plain.gathered_params():
-        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
-            assert torch.equal(p, q), name
+    _same_weights(model, opt, twin, plain)
     ours, theirs = opt.full_state_dict()["state"], plain.full_state_dict()["state"]
     assert all(torch.equal(ours[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
 
@@ -206,9 +207,7 @@ def test_the_update_reads_a_shard_only_where_it_does_not_overwrite_it(tmp_path: 
     assert [buf.layout.shard_numel * 2 for buf in opt._pipeline.buffers] == [unit, unit]
     assert read == [0, unit, 2 * unit, 0], read
     assert opt.skipped_steps == plain.skipped_steps == 1
-    with opt.gathered_params(), plain.gathered_params():
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(p, q)
+    _same_weights(model, opt, twin, plain)
 
 
 def test_a_shard_is_read_one_module_before_its_gather(tmp_path: Path) -> None:
@@ -252,9 +251,7 @@ def test_a_shard_is_read_one_module_before_its_gather(tmp_path: Path) -> None:
     _train(twin, plain, 2, width=64)
     # per pass (2 forwards, 2 backwards) only the first unit and the one prefetched with it wait for their reads
     assert sorted(unit for _, unit in late) == [0, 0, 1, 1, 4, 4, 5, 5], late
-    with opt.gathered_params(), plain.gathered_params():
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(p, q)
+    _same_weights(model, opt, twin, plain)
 
 
 def test_a_gathers_pool_buffer_waits_for_its_copy_up_only_when_handed_out_again(
@@ -517,9 +514,7 @@ def test_a_step_cut_short_gives_its_pool_buffer_back_and_training_goes_on(buffer
                 o.step()
         o.zero_grad()
         _train(m, o, 3)
-    with opt.gathered_params(), plain.gathered_params():
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(p, q)
+    _same_weights(model, opt, twin, plain)
 
 
 def test_a_failed_write_leaves_no_other_write_of_the_file_to_land_later(
@@ -615,9 +610,7 @@ def test_a_failed_state_write_keeps_the_update_of_fp32_parameters_in_files(
     for m, o in zip(models, opts):
         o.zero_grad()
         _train(m, o, 3, dtype=torch.float32)
-    with opts[0].gathered_params(), opts[1].gathered_params():
-        for p, q in zip(plain.parameters(), model.parameters()):
-            assert torch.equal(p, q), (p - q).abs().max()
+    _same_weights(model, opts[1], plain, opts[0])
 
 
 def test_a_failed_write_of_a_shard_is_raised_once_and_training_goes_on(
