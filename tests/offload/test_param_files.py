@@ -648,3 +648,43 @@ def test_a_failed_write_of_a_shard_is_raised_once_and_training_goes_on(
     with opt.gathered_params():
         for p in model.parameters():
             assert torch.equal(p, opt.state[p]["master"].to(p.dtype).view_as(p))
+
+
+def test_a_failed_read_of_a_shard_for_a_gather_is_raised_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read of a unit's shard for its gather fails (EIO) in a forward, in two windows: each forward raises it, the
+    loop drops the window (``zero_grad()``) and goes on, bit for bit as the same run with the shards in host memory
+    that dropped those windows. Before, the failed read's pool buffer stayed held with nothing to give it back, and
+    once both were lost the next step failed with an IndexError from the pool."""
+    import errno
+
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    model = _model()
+    twin = copy.deepcopy(model)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    host = zo.ShardedFusedAdam(twin, offload_optimizer="cpu", offload_param="cpu", **KWARGS)
+    _train(model, opt, 1)
+    _train(twin, host, 1)
+    real, failed = FileIO.read, []
+
+    def failing(self, path, tensor, offset=0):  # the window's first read fails
+        if len(failed) < window:
+            failed.append(path)
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, "reading"), lambda: True)
+        return real(self, path, tensor, offset)
+
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    for window in (1, 2):
+        with monkeypatch.context() as patched:
+            patched.setattr(FileIO, "read", failing)
+            with pytest.raises(OSError, match="Input/output error"):
+                model(x).float().square().mean().backward()
+        opt.zero_grad()
+    assert len(failed) == 2
+    _train(model, opt, 2)
+    _train(twin, host, 2)
+    with opt.gathered_params(), host.gathered_params():
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(p, q), (p - q).abs().max()

@@ -164,8 +164,12 @@ class DiskParams:
         else:
             lease, read = ahead
             self.files.hold(lease, release)
+        try:
+            read.wait()
+        except OSError:
+            self.files.put(lease)  # nothing gathers from it: back at once
+            raise
         self._gathering[key] = lease
-        read.wait()
         return lease.tensor
 
     def done(self, buf: "Stage3Buffer") -> None:
