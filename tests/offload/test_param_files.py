@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, Optional
 
 import pytest
 import torch
@@ -688,3 +688,63 @@ def test_a_failed_read_of_a_shard_for_a_gather_is_raised_and_training_goes_on(
     with opt.gathered_params(), host.gathered_params():
         for p, q in zip(model.parameters(), twin.parameters()):
             assert torch.equal(p, q), (p - q).abs().max()
+
+
+@pytest.mark.parametrize("state", [None, "cpu"])
+def test_a_failed_write_of_an_updated_shard_keeps_the_update(
+    state: Optional[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write of a bucket's updated shard into its file fails (EIO) in a step (the state on the device or in host
+    memory): the step raises, and after ``zero_grad()`` the weights and the state are those of the same run with the
+    shards in host memory cut short after the same launch, and stay so. Before, the file kept the shard before the
+    update, which the gathers sent and the next update took for an edit of the parameters (its master went back to
+    it, the moments kept the update): the weights were 0.02 (the learning rate) off."""
+    import errno
+
+    import zero_kernels.stages.offloaded as offloaded
+    import zero_kernels.stages.update as update
+    from tests.offload.test_disk_slots import _stopping_at
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    model = _model()
+    twin = copy.deepcopy(model)
+    kwargs = {**KWARGS, "lr": 2e-2, "reduce_bucket_size": 128}
+    if state is not None:
+        kwargs["offload_optimizer"] = state
+    opt = zo.ShardedFusedAdam(model, offload_param=_files(tmp_path), **kwargs)
+    host = zo.ShardedFusedAdam(twin, offload_param="cpu", **kwargs)
+    _train(model, opt, 1)
+    _train(twin, host, 1)
+    real, writes = FileIO.write, []
+
+    def failing(self, path, tensor, offset=0):  # the step's second write fails
+        writes.append(path)
+        if len(writes) == 2:
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, "writing"), lambda: True)
+        return real(self, path, tensor, offset)
+
+    launched, stop = [0], [None]
+    monkeypatch.setattr(update, "launch", _stopping_at(launched, stop)(update.launch))
+    monkeypatch.setattr(offloaded, "launch", _stopping_at(launched, stop)(offloaded.launch))
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    model(x).float().square().mean().backward()
+    twin(x).float().square().mean().backward()
+    with monkeypatch.context() as patched:
+        patched.setattr(FileIO, "write", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            opt.step()
+    stop[0], launched[0] = launched[0], 0
+    with pytest.raises(KeyboardInterrupt):
+        host.step()
+    stop[0] = None
+    opt.zero_grad()
+    host.zero_grad()
+    for steps in (0, 2):
+        _train(model, opt, steps)
+        _train(twin, host, steps)
+        with opt.gathered_params(), host.gathered_params():
+            for p, q in zip(model.parameters(), twin.parameters()):
+                assert torch.equal(p, q), (steps, (p - q).abs().max())
+        for p, q in zip(model.parameters(), twin.parameters()):
+            for kind in ("master", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt.state[p][kind], host.state[q][kind]), (steps, kind)

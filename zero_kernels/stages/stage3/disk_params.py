@@ -21,12 +21,14 @@ and writes each bucket's shard in a pool buffer filled from the file (``step_par
 parameters too, to adopt edits; the host Adam skips the read where it writes every element of the bucket's shard,
 since a shard still in its file was not edited: only a resident one can be); ``stepped`` writes it back in the
 background (the buffer returns to the pool when the write is done; one a step cut short by an exception left unwritten
-returns unwritten, when the pool needs it or at that bucket's next update); ``finish_step`` waits for the writes and
-frees the resident shards.
+returns unwritten, when the pool needs it or at that bucket's next update; one whose write failed leaves its values in
+the unit's shard read in whole, which the gathers send and the next step writes); ``finish_step`` waits for the writes
+and frees the resident shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -84,7 +86,7 @@ class DiskParams:
         self._ahead: dict[int, tuple[Lease, Any]] = {}  # id(buffer) -> (lease, read) started ahead of its gather
         self._gathering: dict[int, Lease] = {}  # id(buffer) -> the lease its gathers read
         self._stepping: dict[tuple[int, int], Lease] = {}  # (id(buffer), bucket) -> the lease the update writes
-        self._writing: dict[int, tuple[Lease, Any, int]] = {}  # id(lease) -> (lease, write, its file)
+        self._writing: dict[int, tuple[Lease, Any, "Stage3Buffer", Bucket]] = {}  # id(lease) -> (lease, write, ...)
 
     # ---------------------------------------------------------------- setting up
     def choose(self, buffers: list["Stage3Buffer"], name: Callable[["Stage3Buffer"], str]) -> list["Stage3Buffer"]:
@@ -190,34 +192,66 @@ class DiskParams:
         lease = self.files.take(bucket.shard_numel, buf.dtype, lambda: None)
         self.files.hold(lease, lambda: self._back(lease))
         if read:
-            self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
+            try:
+                self.files.read(id(buf), lease.tensor, bucket.shard_offset).wait()
+            except OSError:
+                self.files.put(lease)
+                self._keep_failed()
+                raise
         self._stepping[(id(buf), bucket.index)] = lease
         return lease.tensor
 
     def stepped(self, buf: "Stage3Buffer", bucket: Bucket, params: torch.Tensor) -> None:
         """The update wrote ``params`` (from ``step_params``): start writing them back to the file."""
-        write = self.files.write(id(buf), params, bucket.shard_offset)
+        try:
+            write = self.files.write(id(buf), params, bucket.shard_offset)
+        except OSError:
+            self._keep_failed()
+            raise
         lease = self._stepping.pop((id(buf), bucket.index), None)
         if lease is not None:
-            self._writing[id(lease)] = (lease, write, id(buf))
+            self._writing[id(lease)] = (lease, write, buf, bucket)
 
     def _back(self, lease: Lease) -> None:
         """Give a pool buffer of the update back once its write (``stepped``) is done. One that a step cut short (an
         exception in the update) left before its write goes back unwritten: the file keeps the bucket's shard as it
-        was before that update."""
+        was before that update. A write that failed raises, its values kept in the unit's shard read in whole
+        (``_keep``)."""
         held = self._writing.pop(id(lease), None)
         try:
             if held is not None:
-                self.files.wait_write(held[2], held[1])
+                try:
+                    self.files.wait_write(id(held[2]), held[1])
+                finally:
+                    if _failed(held[1]):  # raised here, or where the file's writes were waited for
+                        self._keep(held[2], held[3], lease)
         finally:
             for key in [key for key, stepping in self._stepping.items() if stepping is lease]:
                 del self._stepping[key]
             self.files.put(lease)
 
+    def _keep(self, buf: "Stage3Buffer", bucket: Bucket, lease: Lease) -> None:
+        """The write of ``bucket``'s updated shard (in ``lease``) failed: the unit's shard is read in whole with those
+        values in it, as if edited, so that its gathers send them and the next step writes them (the file holds the
+        shard before the update, which the update would take for an edit of the parameters, undoing it in the
+        master)."""
+        self.resident(buf)
+        buf.shard_slice(buf.param_shard, bucket).copy_(lease.tensor)
+
+    def _keep_failed(self) -> None:
+        """After an error from the files: the updates whose writes failed (that error, raised where the file's writes
+        were waited for) are kept (``_keep``) and their buffers back."""
+        failed = [held for held in self._writing.values() if _failed(held[1])]
+        for _, write, buf, _ in failed:
+            with contextlib.suppress(OSError):  # raised already, where it was waited for first
+                self.files.wait_write(id(buf), write)
+        for lease, *_ in failed:
+            self._back(lease)
+
     def finish_step(self) -> None:
         """After the step's last bucket: every write done, every buffer back, the resident shards freed (their
         files hold what the step wrote)."""
-        for lease, _, _ in list(self._writing.values()):
+        for lease, *_ in list(self._writing.values()):
             self._back(lease)
         for key in list(self._ahead):
             self._drop_ahead(key)  # read before the step: stale
@@ -255,6 +289,15 @@ def start(options: Any, engine: Any, agree: Callable[[Optional[str]], None]) -> 
             files.close()
         raise
     return DiskParams(files, config.max_in_cpu)
+
+
+def _failed(write: Any) -> bool:
+    """Whether a write that is done failed (waiting for it again raises its error anew)."""
+    try:
+        write.wait()
+    except OSError:
+        return True
+    return False
 
 
 def _read_in(owner: "weakref.ref[DiskParams]", buf: "weakref.ref[Stage3Buffer]") -> None:
