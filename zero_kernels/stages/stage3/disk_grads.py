@@ -28,6 +28,7 @@ window restored); ``read`` (one bucket's part, for ``Pipeline.grad_shard`` calle
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
@@ -107,10 +108,12 @@ class DiskGrads:
         else:
             lease, read = self._ahead.pop(key, None) or self._start(buf, bucket, wait=True)
             self.files.hold(lease, weakly(self._written, id(lease)))  # written from it next
-            self._read_next(key)
             try:
+                self._read_next(key)  # may raise a failed write of the file, which its read waits for
                 read.wait()
             except OSError:
+                with contextlib.suppress(OSError):
+                    read.wait()  # nothing reads into the buffer any more
                 self.files.put(lease)  # not written from: back at once
                 raise
             values = lease.tensor.to(buf.device).add_(mine)
@@ -158,7 +161,12 @@ class DiskGrads:
         self.terms[(id(buf), bucket.index)] = self._terms(values) if terms else {}
         if values.data_ptr() != lease.tensor.data_ptr():
             lease.tensor.copy_(values)
-        self._writing[id(lease)] = (lease, self.files.write(id(buf), lease.tensor, bucket.shard_offset), id(buf))
+        try:
+            write = self.files.write(id(buf), lease.tensor, bucket.shard_offset)
+        except OSError:  # a failed write of the same bytes, waited for first: this one not started
+            self.files.put(lease)
+            raise
+        self._writing[id(lease)] = (lease, write, id(buf))
 
     def _terms(self, values: torch.Tensor) -> dict[bool, torch.Tensor]:
         """The wanted kinds of term of a part's final ``values``. The squared norm widens 16-bit values to fp32 first
@@ -210,7 +218,11 @@ class DiskGrads:
         lease = self.files.take(bucket.shard_numel, dtype, lambda: self._drop(key), wait=wait)
         if lease is None:
             return None
-        started = (lease, self.files.read(id(buf), lease.tensor, bucket.shard_offset))
+        try:
+            started = (lease, self.files.read(id(buf), lease.tensor, bucket.shard_offset))
+        except OSError:  # a failed write of the file, waited for first: the read not started
+            self.files.put(lease)
+            raise
         if not wait:
             self._ahead[key] = started
         return started
