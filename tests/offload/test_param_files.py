@@ -50,13 +50,22 @@ def _files(path: Path, **extra) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "buffer_count": 2, "max_in_cpu": 0, **extra}
 
 
-def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(tmp_path: Path) -> None:
+def _in_files_and_in_memory(
+    path: Path, steps: int
+) -> tuple[nn.Module, zo.ShardedFusedAdam, nn.Module, zo.ShardedFusedAdam]:
+    """(model, opt, twin, host): the same model with its shards in files and, ``twin``, in host memory (the state in
+    host memory for both), each trained ``steps`` steps."""
     model = _model()
     twin = copy.deepcopy(model)
-    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(path), **KWARGS)
     host = zo.ShardedFusedAdam(twin, offload_optimizer="cpu", offload_param="cpu", **KWARGS)
-    _train(model, opt, 2)
-    _train(twin, host, 2)
+    _train(model, opt, steps)
+    _train(twin, host, steps)
+    return model, opt, twin, host
+
+
+def test_memory_report_counts_the_files_under_disk_and_only_the_pool_in_memory(tmp_path: Path) -> None:
+    model, opt, twin, host = _in_files_and_in_memory(tmp_path, 2)
     pipeline = opt._pipeline
     units = list(pipeline.disk_params.units.values())
     assert len(units) == len(pipeline.buffers) == 2  # one unit per Linear: every shard in a file
@@ -661,12 +670,7 @@ def test_a_failed_read_of_a_shard_for_a_gather_is_raised_and_training_goes_on(
 
     from zero_kernels.offload.aio import FileIO, IOHandle
 
-    model = _model()
-    twin = copy.deepcopy(model)
-    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
-    host = zo.ShardedFusedAdam(twin, offload_optimizer="cpu", offload_param="cpu", **KWARGS)
-    _train(model, opt, 1)
-    _train(twin, host, 1)
+    model, opt, twin, host = _in_files_and_in_memory(tmp_path, 1)
     real, failed = FileIO.read, []
 
     def failing(self, path, tensor, offset=0):  # the window's first read fails
@@ -685,9 +689,7 @@ def test_a_failed_read_of_a_shard_for_a_gather_is_raised_and_training_goes_on(
     assert len(failed) == 2
     _train(model, opt, 2)
     _train(twin, host, 2)
-    with opt.gathered_params(), host.gathered_params():
-        for p, q in zip(model.parameters(), twin.parameters()):
-            assert torch.equal(p, q), (p - q).abs().max()
+    _same_weights(model, opt, twin, host)
 
 
 @pytest.mark.parametrize("state", [None, "cpu"])
