@@ -507,8 +507,9 @@ class Pipeline(BackwardRound):
         """Whether this rank's parameter shard of ``buf`` lives in a file (stage 3's ``offload_param`` on nvme)."""
         return False
 
-    def params_only_in_file(self, buf: FlatBuffer) -> bool:
-        """Whether that shard is in its file alone now (not read in whole since the last step: ``params_in_file``)."""
+    def params_from_master_in_file(self, buf: FlatBuffer, bucket: Bucket) -> bool:
+        """Whether that shard's part of ``bucket`` is in its file alone, as a step wrote it from the master (nothing
+        read in whole since, which may have brought an edit or weights newer than a master loaded)."""
         return False
 
     def finish_offloaded_step(self) -> None:

@@ -173,7 +173,8 @@ def update_bucket(
     shard = tier.shards[id(buf)]
     # a shard read in whole since the last step (a state read or load, a value given) may hold what the step must
     # adopt (an edit, or weights newer than a master loaded): only a shard in its file alone holds nothing to adopt
-    fresh = in_file and pipeline.params_only_in_file(buf) and overwritten(pipeline, buf, bucket, decision, with_grad)
+    whole = in_file and overwritten(pipeline, buf, bucket, decision, with_grad)
+    fresh = whole and pipeline.params_from_master_in_file(buf, bucket)
     if in_file:
         params, device_params = pipeline.step_params(buf, bucket, read=not fresh), None
     else:
@@ -206,7 +207,7 @@ def update_bucket(
     if separate:
         tier.up(device_params, params, (id(buf), bucket.index))
     if in_file:
-        pipeline.stepped_params(buf, bucket, params)
+        pipeline.stepped_params(buf, bucket, params, whole)
     if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
 

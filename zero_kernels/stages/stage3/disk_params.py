@@ -18,8 +18,11 @@ then waits for its gathers).
 
 Step. The update (the host Adam, or the device's on a copy of the buffer: ``Stage3Pipeline.device_params``) reads
 and writes each bucket's shard in a pool buffer filled from the file (``step_params``: the kernel reads the
-parameters too, to adopt edits; the host Adam skips the read where it writes every element of the bucket's shard,
-since a shard still in its file was not edited: only a resident one can be); ``stepped`` writes it back in the
+parameters too, to adopt edits; the host Adam skips the read where it writes every element of the bucket's shard
+and the file holds what a step last wrote there from the master: ``from_master``. A shard read in whole since may
+hold an edit, or weights newer than a master loaded, and keeps that until a step writes every element of the bucket
+from the master: one that leaves a parameter without a gradient alone writes its shard back as it was read);
+``stepped`` writes it back in the
 background (the buffer returns to the pool when the write is done; one a step cut short by an exception left unwritten
 returns unwritten, when the pool needs it or at that bucket's next update; one whose write failed leaves its values in
 the unit's shard read in whole, which the gathers send and the next step writes); ``finish_step`` waits for the writes
@@ -87,6 +90,7 @@ class DiskParams:
         self._gathering: dict[int, Lease] = {}  # id(buffer) -> the lease its gathers read
         self._stepping: dict[tuple[int, int], Lease] = {}  # (id(buffer), bucket) -> the lease the update writes
         self._writing: dict[int, tuple[Lease, Any, "Stage3Buffer", Bucket]] = {}  # id(lease) -> (lease, write, ...)
+        self._read_in: set[tuple[int, int]] = set()  # (id(buffer), bucket) read in whole since written from the master
 
     # ---------------------------------------------------------------- setting up
     def choose(self, buffers: list["Stage3Buffer"], name: Callable[["Stage3Buffer"], str]) -> list["Stage3Buffer"]:
@@ -136,6 +140,11 @@ class DiskParams:
         shard = self.files.io.empty(buf.layout.shard_numel, buf.dtype)
         self.files.read(id(buf), shard).wait()
         buf.param_shard = shard
+        self._read_in.update((id(buf), bucket.index) for bucket in buf.layout.buckets)
+
+    def from_master(self, buf: "Stage3Buffer", bucket: Bucket) -> bool:
+        """Whether ``bucket``'s part of the shard is in its file alone, as a step wrote it from the master."""
+        return self.in_file(buf) and (id(buf), bucket.index) not in self._read_in
 
     # ---------------------------------------------------------------- gathers
     def read_ahead(self, buf: "Stage3Buffer") -> None:
@@ -201,13 +210,16 @@ class DiskParams:
         self._stepping[(id(buf), bucket.index)] = lease
         return lease.tensor
 
-    def stepped(self, buf: "Stage3Buffer", bucket: Bucket, params: torch.Tensor) -> None:
-        """The update wrote ``params`` (from ``step_params``): start writing them back to the file."""
+    def stepped(self, buf: "Stage3Buffer", bucket: Bucket, params: torch.Tensor, whole: bool) -> None:
+        """The update wrote ``params`` (from ``step_params``; ``whole``: every element from the master): start
+        writing them back to the file."""
         try:
             write = self.files.write(id(buf), params, bucket.shard_offset)
         except OSError:
             self._keep_failed()
             raise
+        if whole:
+            self._read_in.discard((id(buf), bucket.index))
         lease = self._stepping.pop((id(buf), bucket.index), None)
         if lease is not None:
             self._writing[id(lease)] = (lease, write, buf, bucket)

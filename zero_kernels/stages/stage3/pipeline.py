@@ -606,22 +606,23 @@ class Stage3Pipeline(Stage2Pipeline):
         host = self.step_params(buf, bucket)
         with self._staged(buf, host) as params:
             yield params
-        self.stepped_params(buf, bucket, host)
+        self.stepped_params(buf, bucket, host, whole=False)  # this update always reads the shard (adopts edits)
 
     def params_in_file(self, buf: FlatBuffer) -> bool:
         return self.disk_params is not None and self.disk_params.holds(buf)
 
-    def params_only_in_file(self, buf: FlatBuffer) -> bool:
-        return self.params_in_file(buf) and self.disk_params.in_file(buf)
+    def params_from_master_in_file(self, buf: FlatBuffer, bucket: Bucket) -> bool:
+        return self.params_in_file(buf) and self.disk_params.from_master(buf, bucket)
 
     def step_params(self, buf: Stage3Buffer, bucket: Bucket, read: bool = True) -> torch.Tensor:
         """The host Adam's copy of this rank's shard of ``bucket`` of a unit kept in a file (``disk_params``);
         ``read``: False where the update overwrites all of it (no edit to adopt: see ``DiskParams.step_params``)."""
         return self.disk_params.step_params(buf, bucket, read)
 
-    def stepped_params(self, buf: Stage3Buffer, bucket: Bucket, params: torch.Tensor) -> None:
-        """``step_params``' values as the update left them, written back to the file."""
-        self.disk_params.stepped(buf, bucket, params)
+    def stepped_params(self, buf: Stage3Buffer, bucket: Bucket, params: torch.Tensor, whole: bool) -> None:
+        """``step_params``' values as the update left them, written back to the file; ``whole``: every element
+        written from the master."""
+        self.disk_params.stepped(buf, bucket, params, whole)
 
     def finish_offloaded_step(self) -> None:
         super().finish_offloaded_step()
