@@ -24,7 +24,8 @@ Stage 3 with ``offload_param`` on the cpu keeps its parameter shards in the host
 ``params_offloaded``): steps 2 and 4 then have nothing to do, and its gathers copy the shards up. With
 ``offload_param`` on nvme a unit's shard may live in a file instead (``stage3.disk_params``): the update reads
 the bucket's shard from it into a pool buffer and writes it back after (``step_params``/``stepped_params``);
-where the update overwrites all of it (``overwritten``) the read is skipped.
+where the update overwrites all of it (``overwritten``) and the file holds what a step wrote there from the master
+(``params_from_master_in_file``) the read is skipped.
 
 The state tensors of a bucket are views of resident host tensors or of the part the host tier keeps (``_state``),
 or of a sub-group swapped in from the disk tier's files (``_swapped``), written back by ``tier.store``.
@@ -171,8 +172,8 @@ def update_bucket(
     if not in_file and not pipeline.grads_in_file(buf) and skipped_on_host(decision):
         return  # the update would change nothing: no copies, no state read or written
     shard = tier.shards[id(buf)]
-    # a shard read in whole since the last step (a state read or load, a value given) may hold what the step must
-    # adopt (an edit, or weights newer than a master loaded): only a shard in its file alone holds nothing to adopt
+    # a shard read in whole (a state read or load, a value given) may hold what a step must adopt (an edit, or weights
+    # newer than a master loaded) until a step writes it whole from the master: only one that did holds nothing to adopt
     whole = in_file and overwritten(pipeline, buf, bucket, decision, with_grad)
     fresh = whole and pipeline.params_from_master_in_file(buf, bucket)
     if in_file:
