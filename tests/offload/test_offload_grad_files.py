@@ -50,6 +50,17 @@ def _opt(model: Net, offload: Optional[dict], dtype: torch.dtype, clip: bool = T
                                max_grad_norm=CLIP if clip else None, **STAGE3, **kw)  # fmt: skip
 
 
+def _pair(
+    disk: dict, dtype: torch.dtype = torch.bfloat16, clip: bool = True, **kw
+) -> tuple[Net, Net, zo.ShardedFusedAdam, zo.ShardedFusedAdam]:
+    """(plain, tiered, a, b): the same seeded model twice, ``a`` training it without offload and ``b`` with the
+    state and the gradients on disk (``disk``: the ``offload_optimizer`` block)."""
+    torch.manual_seed(0)
+    plain = Net().to(dtype)
+    tiered = copy.deepcopy(plain)
+    return plain, tiered, _opt(plain, None, dtype, clip, **kw), _opt(tiered, disk, dtype, clip, **kw)
+
+
 def _backward(model: Net, opt: zo.ShardedFusedAdam, x: torch.Tensor, extra, inf: bool = False) -> None:
     dtype = next(model.parameters()).dtype
     loss = model(x.to(dtype), extra).float()
@@ -102,10 +113,7 @@ def _on_disk_only(opt: zo.ShardedFusedAdam) -> None:
 
 def pair(rank: int, world: int, scratch: Path, dtype: torch.dtype, *, clip: bool = True, **kw) -> None:
     """Train without offload and with the state and the gradients on disk, comparing after every step."""
-    torch.manual_seed(0)
-    plain = Net().to(dtype)
-    tiered = copy.deepcopy(plain)
-    a, b = _opt(plain, None, dtype, clip, **kw), _opt(tiered, _disk(scratch / f"nvme{rank}"), dtype, clip, **kw)
+    plain, tiered, a, b = _pair(_disk(scratch / f"nvme{rank}"), dtype, clip, **kw)
     files = b._pipeline.disk_grads.files
     shard_bytes = sum(buf.layout.shard_numel * buf.grad_shard.dtype.itemsize for buf in b._pipeline.buffers)
     for step, kind in enumerate(KINDS):
@@ -225,12 +233,7 @@ def test_a_window_loaded_over_writes_in_flight_keeps_the_loaded_sums(tmp_path: P
     writes still in flight, which must not land over them (the next update would use that backward's sums).
     Writes here finish in reverse order; weights and state bit for bit those without offload."""
     _reordered_writes(monkeypatch)
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = (_opt(plain, None, torch.bfloat16, gradient_accumulation_steps=2),
-            _opt(tiered, {**_disk(tmp_path / "nvme"), "buffer_count": 4}, torch.bfloat16,
-                 gradient_accumulation_steps=2))  # fmt: skip
+    plain, tiered, a, b = _pair({**_disk(tmp_path / "nvme"), "buffer_count": 4}, gradient_accumulation_steps=2)
     for name, model, opt in (("plain", plain, a), ("tiered", tiered, b)):
         _backward(model, opt, batch(0, ROWS), None)
         ck.save(tmp_path / name, model, opt)  # inside the window
@@ -250,10 +253,7 @@ def test_a_dropped_windows_writes_in_flight_do_not_land_over_the_next_backwards(
     the dropped one, else that could land later (the update would use the dropped gradients). Writes here finish in
     reverse order; weights and state bit for bit those without offload."""
     _reordered_writes(monkeypatch)
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, {**_disk(tmp_path), "buffer_count": 8}, torch.bfloat16)
+    plain, tiered, a, b = _pair({**_disk(tmp_path), "buffer_count": 8})
     for step in range(2):
         for model, opt in ((plain, a), (tiered, b)):
             _backward(model, opt, batch(10 + step, ROWS), None)
@@ -279,10 +279,7 @@ def test_a_failed_gradient_file_request_is_raised_and_training_goes_on(
 
     from zero_kernels.offload.aio import IOHandle
 
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, _disk(tmp_path), torch.bfloat16)
+    plain, tiered, a, b = _pair(_disk(tmp_path))
     real, seen = getattr(FileIO, io), []
 
     def failing(self, path, tensor, offset=0):
@@ -327,10 +324,7 @@ def test_a_disk_without_room_for_the_gradients_is_refused_naming_the_key(tmp_pat
 def test_the_files_hold_the_reduced_gradients_bit_for_bit(tmp_path: Path) -> None:
     """After a backward the gradient files hold, byte for byte, the resident shard of the same run without offload
     (read back from the disk, not through the optimizer)."""
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, _disk(tmp_path), torch.bfloat16)
+    plain, tiered, a, b = _pair(_disk(tmp_path))
     for model, opt in ((plain, a), (tiered, b)):
         _backward(model, opt, batch(0, 2 * ROWS), local(extra_rows(0, 1), 0, 3))
     files = b._pipeline.disk_grads.files
@@ -355,11 +349,7 @@ def test_the_statistics_are_taken_at_the_last_micro_step_of_a_window(tmp_path: P
         return partial(values, norm=norm)
 
     monkeypatch.setattr(disk_grads_module.stats, "partial", counting)
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = (_opt(plain, None, torch.bfloat16, gradient_accumulation_steps=3),
-            _opt(tiered, _disk(tmp_path), torch.bfloat16, gradient_accumulation_steps=3))  # fmt: skip
+    plain, tiered, a, b = _pair(_disk(tmp_path), gradient_accumulation_steps=3)
     files = b._pipeline.disk_grads.files
     shard_bytes = sum(buf.layout.shard_numel * buf.grad_shard.dtype.itemsize for buf in b._pipeline.buffers)
     buckets = sum(len(buf.layout.buckets) for buf in b._pipeline.buffers)
@@ -402,12 +392,7 @@ def test_a_micro_step_finds_its_bucket_sums_read_ahead(tmp_path: Path, monkeypat
         reduced(self, buf, bucket, mine, first, **kw)
 
     monkeypatch.setattr(disk_grads_module.DiskGrads, "reduced", recording)
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    disk = {**_disk(tmp_path), "buffer_count": 4}
-    a, b = (_opt(plain, None, torch.bfloat16, gradient_accumulation_steps=3),
-            _opt(tiered, disk, torch.bfloat16, gradient_accumulation_steps=3))  # fmt: skip
+    plain, tiered, a, b = _pair({**_disk(tmp_path), "buffer_count": 4}, gradient_accumulation_steps=3)
     files = b._pipeline.disk_grads.files
     shard_bytes = sum(buf.layout.shard_numel * buf.grad_shard.dtype.itemsize for buf in b._pipeline.buffers)
     buckets = sum(len(buf.layout.buckets) for buf in b._pipeline.buffers)
@@ -439,10 +424,7 @@ def test_the_update_finds_the_gradients_read_ahead(tmp_path: Path, monkeypatch) 
         return step(self, buf, bucket)
 
     monkeypatch.setattr(disk_grads_module.DiskGrads, "step", recording)
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, {**_disk(tmp_path), "buffer_count": 4}, torch.bfloat16)
+    plain, tiered, a, b = _pair({**_disk(tmp_path), "buffer_count": 4})
     buckets = sum(len(buf.layout.buckets) for buf in b._pipeline.buffers)
     for step_index in range(2):
         found.clear()
@@ -455,18 +437,27 @@ def test_the_update_finds_the_gradients_read_ahead(tmp_path: Path, monkeypatch) 
         assert_same(a, b, plain, tiered, f"step {step_index}")
 
 
+def _one_bucket_pair(
+    path: Path, **kw
+) -> tuple[torch.nn.Module, torch.nn.Module, zo.ShardedFusedAdam, zo.ShardedFusedAdam]:
+    """(plain, tiered, a, b): a seeded bf16 ``Linear`` of one bucket at stage 3, trained by ``a`` without offload and
+    by ``b`` with the state and the gradients on disk."""
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(6, 3, bias=False).to(torch.bfloat16)
+    tiered = copy.deepcopy(plain)
+    a, b = (zo.ShardedFusedAdam(model, lr=2e-2, stage=3, stage3_param_persistence_threshold=0, **kw,
+                                **({} if offload is None else {"offload_optimizer": offload}))
+            for model, offload in ((plain, None), (tiered, _disk(path))))  # fmt: skip
+    assert sum(len(buf.layout.buckets) for buf in b._pipeline.buffers) == 1
+    return plain, tiered, a, b
+
+
 def test_a_bucket_reduced_first_after_zero_grad_reads_nothing_of_itself_ahead(tmp_path: Path) -> None:
     """One bucket: ``zero_grad(set_to_none=False)`` between backward and step makes the step reduce it again (zeros),
     first after being the last reduced, so it follows itself in the order reads ahead follow. Its reductions after
     a later window's first (a second backward before the step) must not start a read of its own part ahead of
     their write: the update would use the sum before that backward. Weights bit for bit those without offload."""
-    torch.manual_seed(0)
-    plain = torch.nn.Linear(6, 3, bias=False).to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = (zo.ShardedFusedAdam(model, lr=2e-2, stage=3, max_grad_norm=CLIP, stage3_param_persistence_threshold=0,
-                                **({} if offload is None else {"offload_optimizer": offload}))
-            for model, offload in ((plain, None), (tiered, _disk(tmp_path))))  # fmt: skip
-    assert sum(len(buf.layout.buckets) for buf in b._pipeline.buffers) == 1
+    plain, tiered, a, b = _one_bucket_pair(tmp_path, max_grad_norm=CLIP)
     for step in range(3):
         for model, opt in ((plain, a), (tiered, b)):
             for micro in range(1 if step == 0 else 2):
@@ -483,13 +474,7 @@ def test_a_bucket_reduced_first_twice_in_a_window_reads_nothing_of_itself_ahead(
     them makes the bucket follow itself in the order reads ahead follow (it was the last reduced before
     ``zero_grad()``); the second must not start a read of its own part ahead of its write, or the third adds to the
     sum before the second (the step misses a backward). Weights bit for bit those without offload."""
-    torch.manual_seed(0)
-    plain = torch.nn.Linear(6, 3, bias=False).to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = (zo.ShardedFusedAdam(model, lr=2e-2, stage=3, stage3_param_persistence_threshold=0,
-                                **({} if offload is None else {"offload_optimizer": offload}))
-            for model, offload in ((plain, None), (tiered, _disk(tmp_path))))  # fmt: skip
-    assert sum(len(buf.layout.buckets) for buf in b._pipeline.buffers) == 1
+    plain, tiered, a, b = _one_bucket_pair(tmp_path)
     for step in range(2):
         for model, opt in ((plain, a), (tiered, b)):
             model(batch(10 + step, ROWS).to(torch.bfloat16)).float().square().mean().backward()
@@ -513,10 +498,7 @@ def test_no_read_ahead_follows_a_link_from_a_window_before(tmp_path: Path, monke
         drop(self, key)
 
     monkeypatch.setattr(disk_grads_module.DiskGrads, "_drop", counting)
-    torch.manual_seed(0)
-    plain = Net().to(torch.bfloat16)
-    tiered = copy.deepcopy(plain)
-    a, b = _opt(plain, None, torch.bfloat16), _opt(tiered, {**_disk(tmp_path), "buffer_count": 4}, torch.bfloat16)
+    plain, tiered, a, b = _pair({**_disk(tmp_path), "buffer_count": 4})
     for step in range(3):
         for model, opt in ((plain, a), (tiered, b)):
             for micro in range(2):
