@@ -22,11 +22,10 @@ parameters too, to adopt edits; the host Adam skips the read where it writes eve
 and the file holds what a step last wrote there from the master: ``from_master``. A shard read in whole since may
 hold an edit, or weights newer than a master loaded, and keeps that until a step writes every element of the bucket
 from the master: one that leaves a parameter without a gradient alone writes its shard back as it was read);
-``stepped`` writes it back in the
-background (the buffer returns to the pool when the write is done; one a step cut short by an exception left unwritten
-returns unwritten, when the pool needs it or at that bucket's next update; one whose write failed leaves its values in
-the unit's shard read in whole, which the gathers send and the next step writes); ``finish_step`` waits for the writes
-and frees the resident shards.
+``stepped`` writes it back in the background (the buffer returns to the pool when the write is done; one a step cut
+short by an exception left unwritten returns unwritten, when the pool needs it or at that bucket's next update; one
+whose write failed leaves its values in the unit's shard read in whole, which the gathers send and the next step
+writes); ``finish_step`` waits for the writes and frees the resident shards.
 """
 
 from __future__ import annotations
@@ -253,12 +252,9 @@ class DiskParams:
     def _keep_failed(self) -> None:
         """After an error from the files: the updates whose writes failed (that error, raised where the file's writes
         were waited for) are kept (``_keep``) and their buffers back."""
-        failed = [held for held in self._writing.values() if _failed(held[1])]
-        for _, write, buf, _ in failed:
+        for lease, *_ in [held for held in self._writing.values() if _failed(held[1])]:
             with contextlib.suppress(OSError):  # raised already, where it was waited for first
-                self.files.wait_write(id(buf), write)
-        for lease, *_ in failed:
-            self._back(lease)
+                self._back(lease)
 
     def finish_step(self) -> None:
         """After the step's last bucket: every write done, every buffer back, the resident shards freed (their
