@@ -359,7 +359,8 @@ def _no_fit_message(num_params: int, gpus: int, gpu_memory: float, plans: tuple[
     if s3.offload is not None:
         return " ".join(lines + [_offload_shortfall(s3)])
     m = s3.memory
-    room = gpu_memory - s3.activation_bytes - m.working_set  # what more ranks do not shrink
+    room = gpu_memory - s3.activation_bytes - m.working_set - m.buffers  # what more ranks do not shrink (the idle
+    # scratch buckets at most)
     per_param = (m.params + m.grads + m.optimizer) // shard_elements(num_params, gpus)
     need = _min_gpus(per_param, num_params, room)
     if need is None:

@@ -171,9 +171,10 @@ class MemoryEstimate:
         total: the sum of the six.
         secondary: stage 3 with ZeRO++ only: hpZ's secondary partition at its peak (every unit gathered once
             since the step: 1/H of the model) and qwZ's int8 copy of this rank's shard.
-        buffers: stage 1 only (``memory_report()["buffers"]``): the reduced gradient shard the step reduce-scatters
-            into and the scratch buckets it keeps for the next step (:func:`stage1_buffers`). Beyond the ZeRO
-            paper's model states.
+        buffers: what ``memory_report()["buffers"]`` shows on several ranks: at stage 1 the reduced gradient shard
+            the step reduce-scatters into and the scratch buckets it keeps for the next step
+            (:func:`stage1_buffers`), at stages 2 and 3 the idle scratch buckets backward keeps for the next one
+            (:func:`idle_scratch`). Beyond the ZeRO paper's model states.
     """
 
     params: int
@@ -290,23 +291,27 @@ def estimate_memory(
     working = (p_bytes + unit_g_bytes) * (largest_layer_params or 0) if stage == 3 else 0
     secondary = _zeropp_bytes(num_params, shard, hpz_partition_size, quantized_weights, p_bytes) if stage == 3 else 0
     buffers = 0
-    if stage == 1 and world_size > 1:
+    if stage >= 1 and world_size > 1:
         comm_bytes = DTYPE_BYTES[grads_in if communication_data_type is None else communication_data_type]
-        buffers = stage1_buffers(num_params, shard, shard_g_bytes, comm_bytes, bucket_elements)
+        if stage == 1:
+            buffers = stage1_buffers(num_params, shard, shard_g_bytes, comm_bytes, bucket_elements)
+        else:
+            buffers = idle_scratch(num_params, shard * shard_g_bytes, comm_bytes, bucket_elements, STAGE2_SCRATCH)
     total = params + grads + optimizer + working + secondary + buffers
     return MemoryEstimate(params, grads, optimizer, working, total, secondary, buffers)
 
 
-# Scratch buckets stage 1's step has in use at once: ``stages.stage1.STEP_INFLIGHT`` reductions in flight, and the
-# one being launched.
+# Scratch buckets in use at once: at stage 1's step ``stages.stage1.STEP_INFLIGHT`` reductions in flight and the one
+# being launched; in a backward at stages 2-3 on a device, ``max_inflight + 1`` in flight and ``stages.stage2.FILLING``
+# being filled (``Stage2Pipeline.pool_limit``; in host memory more where one parameter spans more buckets).
 STAGE1_SCRATCH = 5
+STAGE2_SCRATCH = 5
 
 
 def stage1_buffers(num_params: int, shard: int, shard_bytes: int, comm_bytes: int, bucket_elements: int) -> int:
     """What stage 1 keeps between steps beside the local gradients (``Stage1Pipeline``): the reduced gradient shard
-    (``shard`` elements of ``shard_bytes``) and the scratch buckets its reduce-scatters read from, one bucket of the
-    communication dtype each, as many as were in use at once (at most ``STAGE1_SCRATCH``), kept while they hold no
-    more bytes than the shard.
+    (``shard`` elements of ``shard_bytes``) and its idle scratch buckets (:func:`idle_scratch`, at most
+    ``STAGE1_SCRATCH``).
 
     Args:
         num_params: elements of the flat buffer.
@@ -315,11 +320,27 @@ def stage1_buffers(num_params: int, shard: int, shard_bytes: int, comm_bytes: in
         comm_bytes: bytes per element of the communication dtype.
         bucket_elements: elements per bucket.
     """
-    check_count("bucket_elements", bucket_elements)
     kept = shard * shard_bytes
+    return kept + idle_scratch(num_params, kept, comm_bytes, bucket_elements, STAGE1_SCRATCH)
+
+
+def idle_scratch(num_params: int, shard_bytes: int, comm_bytes: int, bucket_elements: int, at_once: int) -> int:
+    """Bytes of the idle scratch buckets a stage keeps for its next reductions: one bucket of the communication
+    dtype each, as many as were in use at once (at most ``at_once``, and no more than there are buckets), while
+    they hold no more bytes than the gradient shard (``shard_bytes``). An upper bound: the stage uses buckets of at
+    most ``bucket_elements`` (smaller where its backend overlaps better with them).
+
+    Args:
+        num_params: elements of the flat buffer.
+        shard_bytes: bytes of this rank's reduced gradient shard.
+        comm_bytes: bytes per element of the communication dtype.
+        bucket_elements: elements per bucket.
+        at_once: scratch buckets in use at once (``STAGE1_SCRATCH``, ``STAGE2_SCRATCH``).
+    """
+    check_count("bucket_elements", bucket_elements)
     scratch = min(bucket_elements, num_params) * comm_bytes
-    in_use = min(STAGE1_SCRATCH, -(-num_params // bucket_elements))
-    return kept + min(in_use, kept // scratch) * scratch
+    in_use = min(at_once, -(-num_params // bucket_elements))
+    return min(in_use, shard_bytes // scratch) * scratch
 
 
 def reduced_grad_dtype(
