@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -143,13 +144,12 @@ def _names(model: nn.Module, optimizer: Any) -> list[str]:
 
 
 # ---------------------------------------------------------------- save
-def _buffer_pieces(pipeline: Pipeline, names: list[str]) -> list[tuple[str, int, torch.Tensor]]:
-    """(tensor key, first element, source view) of this rank's part of every flat buffer."""
-    pieces = []
+def _buffer_pieces(pipeline: Pipeline, names: list[str]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """(tensor key, first element, source view) of this rank's part of every flat buffer, each view valid until
+    the next buffer's (``state_door.save_pieces``: the state a tier keeps read in one buffer at a time)."""
     for piece in state_door.save_pieces(pipeline):
-        pieces.append((f"model/{names[piece.index]}", piece.start, piece.value))
-        pieces.extend((f"optim/{piece.index}/{kind}", piece.start, t) for kind, t in piece.state.items())
-    return pieces
+        yield f"model/{names[piece.index]}", piece.start, piece.value
+        yield from ((f"optim/{piece.index}/{kind}", piece.start, t) for kind, t in piece.state.items())
 
 
 def _even_piece(rank: int, world: int, name: str, t: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
@@ -182,7 +182,7 @@ def _other_pieces(pipeline: Pipeline, tensors: dict[str, torch.Tensor]) -> list[
     return pieces
 
 
-def _write_rank_file(folder: Path, rank: int, pieces: list[tuple[str, int, torch.Tensor]]) -> dict[str, Any]:
+def _write_rank_file(folder: Path, rank: int, pieces: Iterable[tuple[str, int, torch.Tensor]]) -> dict[str, Any]:
     """Write this rank's pieces to its file crash-safely; return the file entry and the piece table."""
     final = folder / rank_file(rank)
     tmp = final.with_name(final.name + ".tmp")
@@ -369,9 +369,10 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
 
         version = _collect(pipeline, start, share=True)[0]
         folder = root / (TMP_PREFIX + version)
-        adopt.current(pipeline)  # replaced parameters followed, and the fp32 masters given what was written into them
+        adopt.follow_replaced(pipeline, pipeline.name_of)
         held = accumulation.capture(optimizer, pipeline)
-        pieces = _buffer_pieces(pipeline, names) + _other_pieces(pipeline, tensors) + held.pieces
+        others = _other_pieces(pipeline, tensors) + held.pieces
+        pieces = itertools.chain(_buffer_pieces(pipeline, names), others)  # read as they are written
 
         def write() -> dict[str, Any]:
             return {**_write_rank_file(folder, pipeline.rank, pieces), "specs": held.specs, "window": held.flags}

@@ -22,8 +22,9 @@ Forms of a buffer's state tensors (``FlatBuffer.exp_avg``, ...; ``tier_from``: i
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
@@ -93,10 +94,30 @@ def tensors(buf: FlatBuffer) -> dict[str, torch.Tensor]:
 
 def split(tier: Any, buf: FlatBuffer) -> None:
     """Resident -> split: the device part goes up, the tier keeps the rest (see the module docstring)."""
-    state = tensors(buf)
     c, rest = cut(buf), tier_numel(buf)
-    tier.spill(id(buf), {kind: t.narrow(0, c, rest) for kind, t in state.items()})
-    for kind, t in state.items():
+    tier.spill(id(buf), {kind: t.narrow(0, c, rest) for kind, t in tensors(buf).items()})
+    _keep_device_part(tier, buf)
+
+
+@contextlib.contextmanager
+def read_only(tier: Any, buf: FlatBuffer) -> Iterator[None]:
+    """``buf``'s state whole in host memory while the block reads it (``FlatBuffer.ready``), and where it was split
+    before, split again after without a write: the tier still holds every value. What the block writes into the
+    whole state is dropped (the masters' adopted edits of ``master.settle``: the next step adopts them again)."""
+    was_split = not resident(buf)
+    buf.ready()
+    try:
+        yield
+    finally:
+        if was_split:
+            _keep_device_part(tier, buf)
+
+
+def _keep_device_part(tier: Any, buf: FlatBuffer) -> None:
+    """Keep only the device part of ``buf``'s whole state (the tier holds the rest) and read the rest in again when
+    it is next needed whole."""
+    c = cut(buf)
+    for kind, t in tensors(buf).items():
         setattr(buf, kind, t.narrow(0, 0, c).to(buf.device, copy=True))
     master.record(buf)
     buf.swap_in = _swap_in(tier, buf)

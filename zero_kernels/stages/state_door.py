@@ -29,7 +29,8 @@ tensor of the buffer (``buf.exp_avg``...), and the functions above hand out view
 ``offload_optimizer`` (``stages.offloaded``, ``stages.placement``, ``offload``) the same attributes are host
 tensors (the host tier), or hold only the part on the device while the rest is in the disk tier's files or,
 with ``ratio`` below 1, in the host tier: ``state_tensors`` (and every function here that reaches the state)
-first calls ``buf.ready()``, which brings the whole shard into host memory; the next step puts it back. So
+first calls ``buf.ready()``, which brings the whole shard into host memory; the next step puts it back (a
+checkpoint's ``save_pieces`` reads one buffer at a time and puts each back at once, unchanged). So
 does stage 3's parameter shard with ``offload_param`` on nvme (``stage3.disk_params``: a stand-in while its
 file holds it). Full states are gathered and scattered where the parameters are. Callers (state dicts,
 copies, ``opt.state``, checkpoints) do not change; the update reaches the tier through ``stages.offloaded``.
@@ -38,6 +39,7 @@ Every function here that writes a shard first waits for the copies up still read
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -45,10 +47,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from . import placement
 from .adopt import current, follow_buffer
 from .base import FlatBuffer, Pipeline
 from .layout import Segment
-from .master import edited, push, record, unrecord, written
+from .master import edited, push, record, settle, unrecord, written
 
 log = logging.getLogger("zero_kernels")
 STATE_DICT_KEY = "zero_kernels.sharded"  # the optimizer state dicts' key for what AdamW's layout has no place for
@@ -276,7 +279,7 @@ def param_numels(pipeline: Pipeline) -> dict[int, int]:
 def param_states(pipeline: Pipeline) -> Iterator[tuple[int, torch.Size, tuple[str, ...]]]:
     """(optimizer index, shape, the state kinds it has) of every trained parameter."""
     for buf in pipeline.buffers:
-        kinds = tuple(state_tensors(buf))
+        kinds = tuple(placement.tensors(buf))  # a state a tier keeps is not read in: its kinds are the buffer's
         for index, slot in buf.indexed_slots():
             yield index, slot.shape, kinds
 
@@ -295,23 +298,39 @@ class SavedPiece:
 
 def save_pieces(pipeline: Pipeline) -> Iterator[SavedPiece]:
     """This rank's part of every buffer: its shard under the stage's layout, or, where every rank holds
-    all of it (stage 0), the same layout cut into one part per rank. Read the masters first (``current``)."""
+    all of it (stage 0), the same layout cut into one part per rank; follow replaced parameters first
+    (``adopt.follow_replaced``). Buffer by buffer, each piece valid until the next buffer's: the buffer's
+    masters take what was written into its parameters (``settle``), and a state a tier keeps between steps is
+    read in for its pieces only (``placement.read_only``), so a save holds one buffer's state in host memory at
+    a time and writes nothing back."""
     for buf in pipeline.buffers:
-        layout = buf.layout
-        if pipeline.num_shards != pipeline.world_size:
-            layout = pipeline.build_layout(buf.params, num_shards=pipeline.world_size)
-        own = layout is buf.layout
-        state = state_tensors(buf)
-        for seg in layout.segments(pipeline.rank if layout.num_shards > 1 else 0):
-            slot = layout.slots[seg.slot]
-            full_offset = slot.offset + seg.param_offset
-            at = seg.shard_offset if own else full_offset
-            if buf.param_flat is not None:
-                value = buf.param_flat.narrow(0, full_offset, seg.numel)
-            else:  # stage 3: this rank's parameter shard
-                value = buf.param_shard.narrow(0, seg.shard_offset, seg.numel)
-            views = {kind: t.narrow(0, at, seg.numel) for kind, t in state.items()}
-            yield SavedPiece(buf.index_of(slot), seg.param_offset, value, views)
+        with _read_only(pipeline, buf):
+            settle(pipeline, buf)
+            yield from _buffer_pieces(pipeline, buf)
+
+
+def _read_only(pipeline: Pipeline, buf: FlatBuffer) -> contextlib.AbstractContextManager[None]:
+    if pipeline.tier is None:
+        return contextlib.nullcontext()
+    return placement.read_only(pipeline.tier, buf)
+
+
+def _buffer_pieces(pipeline: Pipeline, buf: FlatBuffer) -> Iterator[SavedPiece]:
+    layout = buf.layout
+    if pipeline.num_shards != pipeline.world_size:
+        layout = pipeline.build_layout(buf.params, num_shards=pipeline.world_size)
+    own = layout is buf.layout
+    state = state_tensors(buf)
+    for seg in layout.segments(pipeline.rank if layout.num_shards > 1 else 0):
+        slot = layout.slots[seg.slot]
+        full_offset = slot.offset + seg.param_offset
+        at = seg.shard_offset if own else full_offset
+        if buf.param_flat is not None:
+            value = buf.param_flat.narrow(0, full_offset, seg.numel)
+        else:  # stage 3: this rank's parameter shard
+            value = buf.param_shard.narrow(0, seg.shard_offset, seg.numel)
+        views = {kind: t.narrow(0, at, seg.numel) for kind, t in state.items()}
+        yield SavedPiece(buf.index_of(slot), seg.param_offset, value, views)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""A checkpoint saved with the optimizer state on disk reads that state one buffer at a time (at stage 3 one
+unit's, not the whole shard's) and leaves it in its files: after the save no buffer's state stays in host memory,
+and the next step writes what a step writes, not the whole state again. What it saves, and the run after it, are
+those of the same run without offload, bit for bit, also after an in-place edit of the parameters at stage 2 (the
+masters saved take it, as the next step's update does)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zero_kernels as zk
+import zero_kernels.optim as zo
+from zero_kernels.stages import placement
+
+STEPS = 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 40), nn.Tanh(), nn.Linear(40, 8)]
+    return nn.Sequential(*layers).to(torch.bfloat16)
+
+
+def _opt(model: nn.Module, stage: int, disk: "Path | None") -> zo.ShardedFusedAdam:
+    kw = {}
+    if disk is not None:
+        disk.mkdir(exist_ok=True)
+        kw = {"offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}, "sub_group_size": 512}
+    return zo.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=256,
+                               stage3_param_persistence_threshold=0, **kw)  # fmt: skip
+
+
+def _step(model: nn.Module, opt: zo.ShardedFusedAdam, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    model(torch.randn(4, 32, generator=g).to(torch.bfloat16)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _edit(model: nn.Module, stage: int) -> None:
+    """An in-place write into a weight between steps (stage 2: whole; stage 3 has nothing there to write into)."""
+    if stage == 2:
+        model[2].weight.data.mul_(1.5)
+
+
+def _resident_at_reads(opt: zo.ShardedFusedAdam, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many of ``opt``'s buffers hold their state whole in host memory, after each read of one from the tier."""
+    counts: list[int] = []
+    merge = placement.merge
+
+    def counted(tier, buf) -> None:
+        merge(tier, buf)
+        counts.append(sum(placement.resident(b) for b in opt._pipeline.buffers))
+
+    monkeypatch.setattr(placement, "merge", counted)
+    return counts
+
+
+def _state(opt: zo.ShardedFusedAdam) -> dict:
+    return copy.deepcopy(opt.full_state_dict()["state"])
+
+
+def _same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for i in a:
+        for kind in a[i]:
+            assert torch.equal(torch.as_tensor(a[i][kind]), torch.as_tensor(b[i][kind])), (what, i, kind)
+
+
+def _loaded(path: Path, stage: int) -> dict:
+    """The state a checkpoint gives a new optimizer without offload."""
+    model = _model()
+    opt = _opt(model, stage, None)
+    zk.checkpoint.load(path, model, opt)
+    return _state(opt)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_save_reads_the_state_in_place_and_leaves_it_in_its_files(
+    stage: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, stage, None), _opt(tiered, stage, tmp_path / "nvme")
+    buffers, tier = b._pipeline.buffers, b._pipeline.tier
+    assert len(buffers) == (3 if stage == 3 else 1)
+    for step in range(STEPS):
+        _step(plain, a, step)
+        _step(tiered, b, step)
+    before = dict(tier.traffic())
+    _step(plain, a, STEPS)
+    _step(tiered, b, STEPS)
+    written = tier.traffic()["written"] - before["written"]  # what a step writes
+    _edit(plain, stage)
+    _edit(tiered, stage)
+    reads = _resident_at_reads(b, monkeypatch)
+    zk.checkpoint.save(tmp_path / "plain", plain, a)
+    zk.checkpoint.save(tmp_path / "tiered", tiered, b)
+    assert len(reads) == len(buffers) and max(reads) == 1  # one buffer's state in host memory at a time
+    assert not any(placement.resident(buf) for buf in buffers)  # back where it lives between steps
+    _same_state(_loaded(tmp_path / "tiered", stage), _loaded(tmp_path / "plain", stage), "saved")
+    before = dict(tier.traffic())
+    _step(plain, a, STEPS + 1)
+    _step(tiered, b, STEPS + 1)
+    assert tier.traffic()["written"] - before["written"] == written  # nothing written back for the save
+    _same_state(_state(b), _state(a), "after the next step")
+    with a.gathered_params(), b.gathered_params():
+        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+            assert torch.equal(p, q), name
