@@ -50,11 +50,16 @@ class FlatBuffer:
     tier_from: int = 0
     groups: list[tuple[int, int, int, int]] = field(default_factory=list)
     swap_in: Optional[Callable[[], None]] = None
+    edits_owed: Optional[Callable[[], None]] = None  # the masters take the parameters' edits at the next read-in
 
     def ready(self) -> None:
-        """Make the state tensors whole (a tier may keep part of them elsewhere between uses: ``placement``)."""
+        """Make the state tensors whole (a tier may keep part of them elsewhere between uses: ``placement``), then
+        give the masters the edits owed to them (``placement.adopt_when_read``)."""
         if self.swap_in is not None:
             self.swap_in()
+        if self.edits_owed is not None:
+            owed, self.edits_owed = self.edits_owed, None
+            owed()
 
     def index_of(self, slot: Union[Slot, int]) -> int:
         """The optimizer index (AdamW ``state_dict`` numbering) of the parameter in ``slot`` (a slot or its number)."""

@@ -113,6 +113,20 @@ def read_only(tier: Any, buf: FlatBuffer) -> Iterator[None]:
             _keep_device_part(tier, buf)
 
 
+def adopt_when_read(pipeline: "Pipeline", buf: FlatBuffer) -> None:
+    """The masters of ``buf``, whose state is split, take the parameters' edits when the state is next read in whole
+    (``FlatBuffer.ready``), not now (``master.settle`` would read it in for that alone): until then the update
+    adopts them where it updates (``adam_step(adopt_out=True)``), which gives what adopting them first gives."""
+    owner, ref = weakref.ref(pipeline), weakref.ref(buf)  # the buffer holds this: no reference cycle
+
+    def adopt() -> None:
+        pipeline, buf = owner(), ref()
+        if pipeline is not None and buf is not None:
+            master.adopt_edits(pipeline, buf)
+
+    buf.edits_owed = adopt
+
+
 def _keep_device_part(tier: Any, buf: FlatBuffer) -> None:
     """Keep only the device part of ``buf``'s whole state (the tier holds the rest) and read the rest in again when
     it is next needed whole."""

@@ -63,7 +63,7 @@ import torch
 from torch import nn
 
 from ...offload import HostTier
-from .. import adopt, grad_accum, master, modifier, offloaded, stats
+from .. import adopt, grad_accum, master, modifier, offloaded, placement, stats
 from ..base import FlatBuffer
 from ..eager import weakly
 from ..layout import Bucket
@@ -854,7 +854,10 @@ class Stage3Pipeline(Stage2Pipeline):
                 adopt.readopt(buf, buf.full, self.name_of, adopt.every_param(self))  # p.data = ... in the block
                 for bucket in buf.layout.buckets:
                     self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
-            master.settle(self, buf)  # a master written from outside wins, as at the step
+            if placement.resident(buf) or master.written(buf):
+                master.settle(self, buf)  # a master written from outside wins, as at the step
+            else:  # a state in its tier is not read in for the edits: the step adopts them (or the next read)
+                placement.adopt_when_read(self, buf)
         for unit in self._frozen or ():
             unit.write_back()
 

@@ -1,8 +1,10 @@
-"""A checkpoint saved with the optimizer state on disk reads that state one buffer at a time (at stage 3 one
-unit's, not the whole shard's) and leaves it in its files: after the save no buffer's state stays in host memory,
-and the next step writes what a step writes, not the whole state again. What it saves, and the run after it, are
-those of the same run without offload, bit for bit, also after an in-place edit of the parameters at stage 2 (the
-masters saved take it, as the next step's update does)."""
+"""The optimizer state on disk stays in its files where nothing needs it whole. A checkpoint save reads it one
+buffer at a time (at stage 3 one unit's, not the whole shard's) and leaves it there: after the save no buffer's
+state stays in host memory, and the next step writes what a step writes, not the whole state again. Leaving stage
+3's ``gathered_params()`` reads none of it: the parameters' edits made in the block reach the masters through the
+update (or the next read of the state). What a save holds, the state read, and the run after, are those of the same
+run without offload, bit for bit, also after edits of the parameters (a parameter the next step leaves alone
+included)."""
 
 from __future__ import annotations
 
@@ -42,10 +44,12 @@ def _step(model: nn.Module, opt: zo.ShardedFusedAdam, step: int) -> None:
     opt.zero_grad()
 
 
-def _edit(model: nn.Module, stage: int) -> None:
-    """An in-place write into a weight between steps (stage 2: whole; stage 3 has nothing there to write into)."""
-    if stage == 2:
-        model[2].weight.data.mul_(1.5)
+def _edit(model: nn.Module, opt: zo.ShardedFusedAdam) -> None:
+    """In-place writes into the parameters between steps, inside ``gathered_params()`` (stage 3 gives them whole
+    there only)."""
+    with opt.gathered_params(), torch.no_grad():
+        model[2].weight.mul_(1.5)
+        model[0].bias.add_(0.25)
 
 
 def _resident_at_reads(opt: zo.ShardedFusedAdam, monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -95,8 +99,8 @@ def test_save_reads_the_state_in_place_and_leaves_it_in_its_files(
     _step(plain, a, STEPS)
     _step(tiered, b, STEPS)
     written = tier.traffic()["written"] - before["written"]  # what a step writes
-    _edit(plain, stage)
-    _edit(tiered, stage)
+    _edit(plain, a)
+    _edit(tiered, b)
     reads = _resident_at_reads(b, monkeypatch)
     zk.checkpoint.save(tmp_path / "plain", plain, a)
     zk.checkpoint.save(tmp_path / "tiered", tiered, b)
@@ -111,3 +115,44 @@ def test_save_reads_the_state_in_place_and_leaves_it_in_its_files(
     with a.gathered_params(), b.gathered_params():
         for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
             assert torch.equal(p, q), name
+
+
+class _Branches(nn.Module):
+    """A trunk and two heads; the second is left out of some steps (no gradient: the update leaves it alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.head, self.side = nn.Linear(32, 48), nn.Linear(48, 8), nn.Linear(48, 8)
+
+    def forward(self, x: torch.Tensor, side: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        return self.head(h) + self.side(h) if side else self.head(h)
+
+
+def test_leaving_gathered_params_reads_no_state_and_the_edits_are_adopted(tmp_path: Path) -> None:
+    plain, tiered = _Branches().to(torch.bfloat16), _Branches().to(torch.bfloat16)
+    a, b = _opt(plain, 3, None), _opt(tiered, 3, tmp_path / "nvme")
+    buffers = b._pipeline.buffers
+
+    def step(side: bool, n: int) -> None:
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+        for model, opt in ((plain, a), (tiered, b)):
+            model(x, side).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    for n in range(2):
+        step(True, n)
+    for model, opt in ((plain, a), (tiered, b)):
+        with opt.gathered_params(), torch.no_grad():
+            model.trunk.weight.mul_(1.5)
+            model.side.weight.add_(0.25)  # the next step leaves it alone: its master takes it at the read below
+    assert not any(placement.resident(buf) for buf in buffers)  # nothing read in for the block
+    step(False, 2)
+    assert not any(placement.resident(buf) for buf in buffers)
+    for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+        assert torch.equal(a.state[p]["master"], b.state[q]["master"]), name
+    _same_state(_state(b), _state(a), "after the step")
+    step(True, 3)
+    _same_state(_state(b), _state(a), "after the next")
