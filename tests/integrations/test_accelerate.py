@@ -222,6 +222,35 @@ def test_backward_of_an_fp16_optimizer_goes_through_it(stage: int) -> None:
             assert torch.equal(p, r), f"stage {stage} {name}: {(p.float() - r.float()).abs().max().item():.3g}"
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_skipped_by_the_optimizers_loss_scaling_is_reported_and_holds_the_scheduler(stage: int) -> None:
+    """With the optimizer's own fp16 loss scaling (no GradScaler), a step skipped for an inf: ``step_was_skipped``
+    says so and a prepared scheduler does not step, as Accelerate under DeepSpeed does (the wrapper reported every
+    step applied, and the schedule advanced over the skipped one: lr 0.005 after 2 updates, where 0.0067 was due)."""
+    import zero_kernels as zk
+    from zero_kernels.integrations.accelerate import ZeroAccelerator
+
+    accelerator = _accelerator(ZeroAccelerator)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 11), nn.Tanh(), nn.Linear(11, 1)).half()
+    opt = zk.ShardedFusedAdam(model, lr=LR, stage=stage, fp16={"enabled": True, "initial_scale_power": 8})
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda updates: 1.0 / (updates + 1))
+    model, aopt, ascheduler = accelerator.prepare(model, opt, scheduler)
+    skipped = []
+    for k, x in enumerate(_fp16_micro_batches()):
+        with accelerator.accumulate(model):
+            loss = model(x).float().square().mean()
+            accelerator.backward(loss * float("inf") if k == ACCUMULATE else loss)  # the second step's first
+            aopt.step()
+            ascheduler.step()
+            aopt.zero_grad()
+        if accelerator.sync_gradients:
+            skipped.append(aopt.step_was_skipped)
+    assert skipped == [False, True, False], f"stage {stage}: step_was_skipped {skipped}"
+    assert opt.applied_steps == scheduler.last_epoch == 2, f"stage {stage}: scheduler at {scheduler.last_epoch}"
+    assert scheduler.get_last_lr() == pytest.approx([LR / 3])
+
+
 def test_accumulation_counted_by_both_is_refused() -> None:
     """Accelerate steps the optimizer once per window; an optimizer counting micro-steps too would make each update
     span both counts (its gradients divided by both): ``prepare`` refuses it, naming where the count goes."""

@@ -32,6 +32,9 @@ any other model is prepared as usual):
 - ``backward(loss)``, for a prepared ``ShardedFusedAdam`` with fp16 loss scaling (its ``fp16`` config),
   divides the loss by Accelerate's accumulation steps, as Accelerate's, and runs ``opt.backward`` (which
   scales it; a plain ``loss.backward()`` is refused there); any other loss goes to Accelerate's;
+- ``step()`` of a prepared ``ShardedFusedAdam`` without a GradScaler tells the wrapper whether the optimizer skipped
+  the update (an fp16 overflow, inf/NaN gradients): ``step_was_skipped`` is then true and a prepared
+  scheduler does not step, as Accelerate under DeepSpeed holds it;
 - with a ``GradScaler`` (``mixed_precision="fp16"`` where Accelerate makes one: on a GPU), the step that Accelerate's
   wrapper hands it shows ``opt.step``'s signature (Accelerate's hides it, and the scaler then passes the scale as
   attributes, which the optimizer refuses), so the scaler passes itself: the step unscales and skips on every
@@ -113,6 +116,8 @@ class ZeroAccelerator(Accelerator):
         prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
         if ours and getattr(prepared, "scaler", None) is not None:
             prepared._optimizer_patched_step_method = _scaled_step(prepared, optimizer)
+        elif ours:
+            prepared.step = _reporting_skips(prepared, optimizer)
         return prepared
 
     def _check_accumulation(self, optimizer: Any) -> None:
@@ -227,6 +232,24 @@ def _scaled_step(prepared: Any, opt: ShardedFusedAdam) -> Callable[..., Any]:
         skipped = opt.skipped_steps
         result = original(*args, **kwargs)
         prepared._accelerate_step_called = opt.skipped_steps == skipped
+        return result
+
+    return step
+
+
+def _reporting_skips(prepared: Any, opt: ShardedFusedAdam) -> Callable[..., Any]:
+    """The prepared optimizer's step, telling it whether ``opt`` skipped the update (an fp16 overflow of its own loss
+    scaling, inf/NaN gradients): Accelerate's wrapper learns that only from a GradScaler, and without one reported every
+    step applied, so a prepared scheduler advanced over skipped ones (DeepSpeed's engine holds it there)."""
+
+    original = prepared.step
+
+    @functools.wraps(original)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        skipped = opt.skipped_steps
+        result = original(*args, **kwargs)
+        if prepared.gradient_state.sync_gradients:  # Accelerate's wrapper steps the optimizer only then
+            prepared._is_overflow = opt.skipped_steps != skipped
         return result
 
     return step
