@@ -343,6 +343,9 @@ class Stage3Scheduler:
         on_end: called at the end of each backward, once every unit is reduced (the pipeline ends its round there).
         written: called with a parameter of a persistent unit that a module's forward wrote in place (a sharded
             unit's own ``free`` finds such writes); None: not looked for.
+        late: called as each backward begins with the units this rank reduces at its end (``stage3.uses``: the
+            units of calls whose inputs are not computed tensors, which the data may decide); returns those of every
+            rank, which every rank then reduces at its end (None: this rank's own).
     """
 
     def __init__(
@@ -355,6 +358,7 @@ class Stage3Scheduler:
         check: Optional[Check] = None,
         on_end: Optional[Callable[[], None]] = None,
         written: Optional[Callable[[nn.Parameter], None]] = None,
+        late: Optional[Callable[[set[int]], set[int]]] = None,
     ) -> None:
         if prefetch_numel < 0:
             raise ValueError(f"stage3_prefetch_bucket_size must be >= 0, got {prefetch_numel}")
@@ -366,6 +370,7 @@ class Stage3Scheduler:
         self._check = check
         self._on_end = on_end
         self._written = written
+        self._late = late
         self._watched: dict[int, tuple[nn.Parameter, ...]] = {}  # id(module) -> the persistent parameters it uses
         self._owner = self._owners(self.units)
         self._freed_params = {id(p) for u in self.units if not u.persistent for p in u.params}
@@ -809,6 +814,8 @@ class Stage3Scheduler:
         if not self._in_backward:
             if torch.is_grad_enabled():  # autograd runs a backward's hooks in grad mode only with create_graph
                 raise RuntimeError(DOUBLE_BACKWARD)
+            if self._late is not None:  # before any collective of this backward, on every rank
+                self._uses.late |= self._late(set(self._uses.late))
             self._in_backward = True
             self._backward.begin(guess=self._forward.expected[::-1])
             torch.autograd.Variable._execution_engine.queue_callback(weakly(self._end_backward))

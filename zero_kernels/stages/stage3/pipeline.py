@@ -296,6 +296,7 @@ class Stage3Pipeline(Stage2Pipeline):
             check=weakly(self._check_gathers),
             on_end=weakly(self._end_scheduled_round),
             written=weakly(self._written_in_forward),
+            late=weakly(self._late_on_any_rank),
         )
         if previous is not None:  # hooks put back (a copy was made on this rank alone): no first pass again
             self._scheduler.follow(previous)
@@ -322,6 +323,18 @@ class Stage3Pipeline(Stage2Pipeline):
             self._deferred.add(units, phase)
         else:
             check_same_units(self._control, units, phase, self._suggest_leaf)
+
+    def _late_on_any_rank(self, late: set[int]) -> set[int]:
+        """The units that some rank reduces at the end of the backward beginning now (``late``: this rank's; see
+        ``stage3.uses``): one small all-reduce, so that every rank reduces them there. A unit reduced at the end on
+        one rank and earlier on another (a call whose input is a computed tensor on some ranks only: ``x * self.scale
+        if use else x``) put its reduction before a gather on one rank and after it on the other."""
+        if self._control.world_size == 1:
+            return late
+        flags = torch.zeros(len(self._units), dtype=torch.int64)  # host data: on the CPU, as the checks
+        flags[sorted(late)] = 1
+        self._control.all_reduce(flags, op="max", name="stage3.late").wait()
+        return set(flags.nonzero().flatten().tolist())
 
     def _written_in_forward(self, p: nn.Parameter) -> None:
         """A persistent parameter written in place during a forward: compared across ranks at the step

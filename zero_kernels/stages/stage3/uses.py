@@ -23,7 +23,11 @@ its backward is not seen), units with a use that never ends (a forward whose out
 backpropagated holds its units' reductions until the end of the next backward), and every unit in a
 backward that follows another without a forward between (a second backward through a graph kept with
 ``retain_graph=True``: the forward's uses ended in the first, and segments that activation checkpointing
-recomputes would otherwise end a unit's uses before its other uses' gradients arrive).
+recomputes would otherwise end a unit's uses before its other uses' gradients arrive). Whether a call's
+inputs are computed may depend on the data (``x * self.scale if use else x``): a unit late on one rank
+and not on another would be reduced before a gather of the backward on one and after it on the other.
+So as a backward begins the ranks exchange the units each holds late (``late``, one small all-reduce:
+``Stage3Pipeline._late_on_any_rank``), and every rank reduces at the end those late on any rank.
 
 Recomputation (activation checkpointing). A forward that runs while backward runs is recomputing a
 segment: with ``use_reentrant=False`` its graph is never backpropagated (the uses recorded by the
