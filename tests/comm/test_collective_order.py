@@ -13,11 +13,13 @@ the ranks' collectives after every step.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import zero_kernels as zk
 from tests.helpers import audit as _audit
@@ -131,15 +133,22 @@ def test_data_dependent_parameter_use_keeps_collectives_in_order(world: int) -> 
 class LeafOnSomeRanks(nn.Module):
     """``m1``'s input is ``x * scale`` where the call uses ``scale`` (from the data), else ``x`` itself: a tensor
     that autograd computed on some ranks and an input leaf on the others. ``m0a`` and ``m0b`` run before it, their
-    backward after its, and all four units have one size."""
+    backward after its, and all four units have one size. ``reentrant``: all of it in one segment of reentrant
+    activation checkpointing (the calls the segment's backward recomputes decide it then)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool) -> None:
         super().__init__()
         width = 8
+        self.reentrant = reentrant
         self.scale = nn.Parameter(1 + torch.randn(width) / 10)
         self.m0a, self.m0b, self.m1, self.m2 = (nn.Linear(width, width) for _ in range(4))
 
     def forward(self, x: torch.Tensor, use_scale: bool) -> torch.Tensor:
+        if self.reentrant:
+            return checkpoint(self.body, x.detach().requires_grad_(), use_scale, use_reentrant=True)
+        return self.body(x, use_scale)
+
+    def body(self, x: torch.Tensor, use_scale: bool) -> torch.Tensor:
         h0 = torch.tanh(self.m0b(torch.tanh(self.m0a(x))))
         h = x * self.scale if use_scale else x
         return self.m2(torch.tanh(self.m1(h)) + h0).square().mean()
@@ -150,12 +159,13 @@ def _input_leaf_on_some_ranks(rank: int, world: int, engines: list[str]) -> list
     backward), and is seen where it was computed: each rank put ``m1``'s reduction on its own side of ``m0a``'s gather.
     Same sizes on the point-to-point exchanges of the torch engine paired a rank's reduce-scatter with the other's
     all-gather, silently (0.054 off AdamW after 4 steps); the C++ engine raised "the ranks issued different
-    operations". Every rank uses ``scale`` in the first step, then only rank 0 (a pass checked, then deferred ones)."""
+    operations". Every rank uses ``scale`` in the first step, then only rank 0 (a pass checked, then deferred ones).
+    Inside a reentrant checkpoint segment, the recomputed calls decide it during the backward."""
     failures = []
-    for kind in engines:
+    for kind, reentrant in itertools.product(engines, (False, True)):
         os.environ["ZERO_KERNELS_COMM"] = kind
         torch.manual_seed(0)
-        model = LeafOnSomeRanks()
+        model = LeafOnSomeRanks(reentrant)
         ref = copy.deepcopy(model)
         opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.0, stage=3, stage3_param_persistence_threshold=0,
                                   stage3_prefetch_bucket_size=0)  # fmt: skip
@@ -172,7 +182,7 @@ def _input_leaf_on_some_ranks(rank: int, world: int, engines: list[str]) -> list
         with opt.gathered_params():
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                 try:
-                    assert_close(p, q, rtol=1e-5, atol=1e-6, what=f"{kind} engine: {name}")
+                    assert_close(p, q, rtol=1e-5, atol=1e-6, what=f"{kind} engine, reentrant={reentrant}: {name}")
                 except AssertionError as exc:
                     failures.append(str(exc))
     return failures

@@ -343,7 +343,8 @@ class Stage3Scheduler:
         on_end: called at the end of each backward, once every unit is reduced (the pipeline ends its round there).
         written: called with a parameter of a persistent unit that a module's forward wrote in place (a sharded
             unit's own ``free`` finds such writes); None: not looked for.
-        late: called as each backward begins with the units this rank reduces at its end (``stage3.uses``: the
+        late: called as each backward begins, and as the backward of each reentrant checkpoint segment begins
+            (after the calls it recomputed), with the units this rank reduces at its end (``stage3.uses``: the
             units of calls whose inputs are not computed tensors, which the data may decide); returns those of every
             rank, which every rank then reduces at its end (None: this rank's own).
     """
@@ -378,6 +379,7 @@ class Stage3Scheduler:
         self._in_use = [0] * len(self.units)
         self._used = [False] * len(self.units)  # the gathered copy served a module since its gather
         self._reduced: set[int] = set()
+        self._tasks: set[int] = set()  # the graph tasks of the running backward (``_begin_backward``)
         self._uses = UseTracker(len(self.units), weakly(self._uses_ended))
         self._forward, self._backward = _Pass(), _Pass()
         self._in_forward = self._in_backward = self._held = self._records = False
@@ -811,14 +813,24 @@ class Stage3Scheduler:
     # -- backward -----------------------------------------------------------------------------
 
     def _begin_backward(self) -> None:
+        task = torch._C._current_graph_task_id()
         if not self._in_backward:
             if torch.is_grad_enabled():  # autograd runs a backward's hooks in grad mode only with create_graph
                 raise RuntimeError(DOUBLE_BACKWARD)
-            if self._late is not None:  # before any collective of this backward, on every rank
-                self._uses.late |= self._late(set(self._uses.late))
+            self._agree_late()  # before any collective of this backward, on every rank
+            self._tasks = {task}
             self._in_backward = True
             self._backward.begin(guess=self._forward.expected[::-1])
             torch.autograd.Variable._execution_engine.queue_callback(weakly(self._end_backward))
+        elif task not in self._tasks:  # a reentrant checkpoint segment's own backward, after its recomputed calls
+            self._tasks.add(task)
+            self._agree_late()
+
+    def _agree_late(self) -> None:
+        """Every rank holds late the units late on any rank (``late``): at a point of the backward that every rank
+        reaches before the collectives that follow it."""
+        if self._late is not None:
+            self._uses.late |= self._late(set(self._uses.late))
 
     def _pre_backward(self, needs: tuple[int, ...]) -> None:
         self._begin_backward()

@@ -27,7 +27,8 @@ recomputes would otherwise end a unit's uses before its other uses' gradients ar
 inputs are computed may depend on the data (``x * self.scale if use else x``): a unit late on one rank
 and not on another would be reduced before a gather of the backward on one and after it on the other.
 So as a backward begins the ranks exchange the units each holds late (``late``, one small all-reduce:
-``Stage3Pipeline._late_on_any_rank``), and every rank reduces at the end those late on any rank.
+``Stage3Pipeline._late_on_any_rank``), and every rank reduces at the end those late on any rank; again
+as each reentrant checkpoint segment's own backward begins, after the calls it recomputed.
 
 Recomputation (activation checkpointing). A forward that runs while backward runs is recomputing a
 segment: with ``use_reentrant=False`` its graph is never backpropagated (the uses recorded by the
