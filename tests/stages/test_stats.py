@@ -210,3 +210,36 @@ def test_a_row_from_another_collective_is_a_comm_error() -> None:
     engine = _Engine(2, 0, rows)
     with pytest.raises(CommError, match=r"\(step\.stats\) met another collective on rank 1: "):
         exchange(engine, engine, **ranks[0])
+
+
+class _Failing:
+    """A wait that raises ``text`` as a ``CommError``, as an engine's does."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def wait(self) -> None:
+        raise CommError(self.text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "zero_kernels comm: all_gather of bucket 'step.stats' on rank 1 of 2 (gloo) failed: Timed out waiting "
+        "1800000ms for recv operation to complete",
+        "zero_kernels comm: all_gather of bucket 'step.stats' on rank 1 of 2 (gloo) failed: the ranks issued different "
+        "operations: rank 0 runs all_reduce's sum (384 bytes of Float, operation 38 on the channel) where this rank "
+        "runs all_gather (416 bytes, operation 38 on the channel)",
+    ],
+    ids=["timeout", "other operation"],
+)
+def test_an_exchange_that_met_no_exchange_says_why(text: str) -> None:
+    """A rank whose exchange timed out, or met another operation (a peer still in a backward's reduction after one
+    more backward than this rank), says what most likely happened, as a row from another collective does; it named
+    only the failed collective (a stage-0 run on the torch comm engine waited for the process group's timeout)."""
+    engine = _Engine(2, 1)
+    engine.all_gather = lambda out, inp, name: _Failing(text)  # type: ignore[method-assign]
+    with pytest.raises(CommError) as caught:
+        exchange(engine, engine, **_rank_args(1))
+    message = str(caught.value)
+    assert message.startswith(text) and "a rank ran another number of forwards, backwards or micro-steps" in message

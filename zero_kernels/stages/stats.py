@@ -183,7 +183,12 @@ def exchange(
         packed[1 + n2] = column
     if control.world_size > 1:
         gathered = torch.empty(control.world_size * packed.numel(), dtype=torch.float64)
-        control.all_gather(gathered, packed, name="step.stats").wait()
+        try:
+            control.all_gather(gathered, packed, name="step.stats").wait()
+        except CommError as exc:
+            if not _parted(exc):
+                raise
+            raise CommError(f"{exc}. At the step's exchange this is what happens when {_PARTED}") from exc
         table = _marked(gathered.view(control.world_size, -1), control.global_ranks)
     else:
         table = packed.view(1, -1)[:, 1:]
@@ -208,6 +213,14 @@ def exchange(
     return StepStats(with_grad, column, extras, agreed)
 
 
+# What an exchange that met another collective most likely means (``_marked``, ``_parted``).
+_PARTED = (
+    "the ranks no longer issue the same collectives in the same order (a rank ran another number of forwards, "
+    "backwards or micro-steps than the others, or called step() alone). Every rank must run the same passes between "
+    "steps (under no_sync() too); the process group cannot be used further, nothing was updated"
+)
+
+
 def _marked(table: torch.Tensor, global_ranks: Optional[Sequence[int]]) -> torch.Tensor:
     """``table`` without its column of ``MARK``s; ``CommError`` where a rank's row does not start with one (that rank
     was in another collective; ``global_ranks``: the control engine's, for the message)."""
@@ -215,12 +228,16 @@ def _marked(table: torch.Tensor, global_ranks: Optional[Sequence[int]]) -> torch
     if strangers:
         raise CommError(
             f"ShardedFusedAdam.step: the exchange of the step's statistics (step.stats) met another collective on "
-            f"{ranks_text(strangers, global_ranks)}: the ranks no longer issue the same collectives in the same order "
-            "(a rank ran another number of forwards, backwards or micro-steps than the others, or called step() "
-            "alone). Every rank must run the same passes between steps (under no_sync() too); the process group "
-            "cannot be used further, nothing was updated"
+            f"{ranks_text(strangers, global_ranks)}: {_PARTED}"
         )
     return table[:, 1:]
+
+
+def _parted(exc: CommError) -> bool:
+    """Whether the exchange failed as where the ranks parted ways (``_PARTED``): it timed out, or met another
+    operation (a peer still in a backward's reduction, one backward ahead); not a rank that exited."""
+    text = str(exc)
+    return "different operations" in text or "timed out" in text.lower()
 
 
 def _agreed_counts(
