@@ -12,7 +12,7 @@ from torch import nn
 
 import zero_kernels.optim as zo
 from tests.helpers.check import assert_close
-from zero_kernels.comm import make_engine
+from zero_kernels.comm import CommError, make_engine
 from zero_kernels.config import ZeroOptions
 from zero_kernels.stages import pipeline_class
 from zero_kernels.stages.stage3_hooks import Stage3Scheduler
@@ -154,6 +154,27 @@ def test_hooks_gather_before_use_free_after_reduce_after_grads():
     assert log == _events(fwd + bwd)
     assert sched.gathered == [False, False, False]
     _check_grads(model, ref, units, x)
+
+
+def test_hooks_reduce_at_the_end_what_any_rank_reduces_there():
+    """``late`` gives the units some rank reduces at the end of backward (here another rank's ``b``, whose input was
+    a leaf there): ``b`` waits for the end here too, and an exchange that timed out names the likely cause."""
+    log, model, ref, units, sched = _setup()
+    seen: list[set[int]] = []
+    sched._late = lambda mine: seen.append(set(mine)) or mine | {1}
+    x = torch.randn(2, 4)
+    model(x).backward()
+    bwd = "gather:c wait:c bwd:c reduce:c free:c gather:b wait:b bwd:b gather:a wait:a bwd:a reduce:a free:a "
+    assert log[-len(_events(bwd + "reduce:b free:b")) :] == _events(bwd + "reduce:b free:b")
+    assert seen == [{0}], "a's input needs no gradient: late on this rank"
+    _check_grads(model, ref, units, x)
+
+    def timed_out(mine: set[int]) -> set[int]:
+        raise CommError("zero_kernels comm: all_reduce of bucket 'stage3.late' on rank 0 of 2 (gloo) failed: timed out")
+
+    sched._late = timed_out
+    with pytest.raises(CommError, match=r"stage3\.late.*timed out\. At ZeRO stage 3 this is what happens"):
+        model(x).backward()
 
 
 def test_hooks_prefetch_next_unit_in_forward_and_reverse_in_backward():

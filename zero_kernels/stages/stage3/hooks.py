@@ -828,9 +828,18 @@ class Stage3Scheduler:
 
     def _agree_late(self) -> None:
         """Every rank holds late the units late on any rank (``late``): at a point of the backward that every rank
-        reaches before the collectives that follow it."""
-        if self._late is not None:
-            self._uses.late |= self._late(set(self._uses.late))
+        reaches before the collectives that follow it; a failed exchange says what ranks that ran different passes
+        look like (``check.explain_failed_gather``), as a gather does."""
+        if self._late is None:
+            return
+        try:
+            late = self._late(set(self._uses.late))
+        except CommError as exc:
+            explained = explain_failed_gather(exc)
+            if explained is exc:
+                raise
+            raise explained from exc
+        self._uses.late |= late
 
     def _pre_backward(self, needs: tuple[int, ...]) -> None:
         self._begin_backward()
