@@ -17,6 +17,7 @@ from torch import nn
 
 import zero_kernels as zk
 import zero_kernels.optim as zo
+from zero_kernels.checkpoint import sharded
 from zero_kernels.stages import placement
 
 STEPS = 3
@@ -156,3 +157,87 @@ def test_leaving_gathered_params_reads_no_state_and_the_edits_are_adopted(tmp_pa
     _same_state(_state(b), _state(a), "after the step")
     step(True, 3)
     _same_state(_state(b), _state(a), "after the next")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_writes_the_state_into_its_files_one_buffer_at_a_time(
+    stage: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _model()
+    opt = _opt(source, stage, None)
+    for step in range(STEPS):
+        _step(source, opt, step)
+    zk.checkpoint.save(tmp_path / "ckpt", source, opt)
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, stage, None), _opt(tiered, stage, tmp_path / "nvme")
+    buffers, tier = b._pipeline.buffers, b._pipeline.tier
+    for model, o in ((plain, a), (tiered, b)):
+        _step(model, o, 0)  # a state in the files to load over
+    before = dict(tier.traffic())
+    _step(plain, a, 1)
+    _step(tiered, b, 1)
+    written = tier.traffic()["written"] - before["written"]  # what a step writes
+    reads = _resident_at_reads(b, monkeypatch)
+    zk.checkpoint.load(tmp_path / "ckpt", plain, a)
+    loaded = tier.traffic()["written"]
+    zk.checkpoint.load(tmp_path / "ckpt", tiered, b)
+    assert len(reads) == len(buffers) and max(reads) == 1  # one buffer's state in host memory at a time
+    assert not any(placement.resident(buf) for buf in buffers)  # written back to its files by the load
+    assert tier.traffic()["written"] - loaded == sum(buf.layout.shard_numel for buf in buffers) * 12
+    before = dict(tier.traffic())
+    _step(plain, a, STEPS)
+    _step(tiered, b, STEPS)
+    assert tier.traffic()["written"] - before["written"] == written  # nothing left for the step to write back
+    _same_state(_state(b), _state(a), "after the next step")
+
+
+def test_a_corrupted_checkpoint_changes_nothing_in_the_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The values a load writes into the files are checked (their blocks' checksums) before anything changes: a
+    checksum that fails in the last block (of 4 kB) raises before the first buffer is written."""
+    monkeypatch.setattr(sharded, "BLOCK_BYTES", 4096)
+    source = _model()
+    opt = _opt(source, 3, None)
+    _step(source, opt, 0)
+    version = zk.checkpoint.save(tmp_path / "ckpt", source, opt)
+    (rank_file,) = version.glob("rank*")
+    data = bytearray(rank_file.read_bytes())
+    assert len(data) > 8 * 4096
+    data[-8] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, 3, None), _opt(tiered, 3, tmp_path / "nvme")
+    _step(plain, a, 1)
+    _step(tiered, b, 1)
+    assert not any(placement.resident(buf) for buf in b._pipeline.buffers)  # loaded in place
+    with pytest.raises(zk.checkpoint.CheckpointError, match="corrupted"):
+        zk.checkpoint.load(tmp_path / "ckpt", tiered, b)
+    _same_state(_state(b), _state(a), "after the failed load")  # as the run that did not load
+
+
+def test_a_write_that_fails_in_a_load_leaves_the_state_for_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    source = _model()
+    opt = _opt(source, 3, None)
+    _step(source, opt, 0)
+    zk.checkpoint.save(tmp_path / "ckpt", source, opt)
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, 3, None), _opt(tiered, 3, tmp_path / "nvme")
+    buffers, tier = b._pipeline.buffers, b._pipeline.tier
+    spill, failed = type(tier).spill, []
+
+    def failing(self, key, tensors) -> None:
+        if not failed:
+            failed.append(key)
+            raise OSError(5, "Input/output error")
+        spill(self, key, tensors)
+
+    monkeypatch.setattr(type(tier), "spill", failing)
+    for model, o in ((plain, a), (tiered, b)):
+        zk.checkpoint.load(tmp_path / "ckpt", model, o)
+    assert [id(buf) for buf in buffers if placement.resident(buf)] == failed  # the loaded values kept
+    assert "stays in host memory until the next step: [Errno 5] Input/output error" in caplog.text
+    _step(plain, a, 1)
+    _step(tiered, b, 1)  # writes it
+    assert not any(placement.resident(buf) for buf in buffers)
+    _same_state(_state(b), _state(a), "after the next step")

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import json
 import logging
@@ -44,7 +45,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -510,25 +511,66 @@ def _param_key(src: TensorSource, index: int, name: str, dtype: torch.dtype) -> 
 
 
 Move = tuple[torch.Tensor, Optional[torch.Tensor]]  # (destination, value; None: zeros)
+Value = Union[None, torch.Tensor, Callable[[], torch.Tensor]]  # zeros, a value read, or one to read when applied
 
 
-def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], saved: dict[str, int]) -> list[Move]:
-    """Read what this rank's flat buffers need: its shard of the state, its parameters (shard or whole)."""
+def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], saved: dict[str, int]) -> list[BufferLoad]:
+    """Read what this rank's flat buffers need: its shard of the state and its parameter shard (stage 3). Where a tier
+    keeps a buffer's state between steps, the values are read and checked now but kept on disk, read again when
+    they are applied (``state_door.LoadBuffer``: one buffer's state in host memory at a time)."""
     params, tensors = src.meta["params"], src.meta["tensors"]
     # zeros until loaded: what a first AMSGrad step starts from
     state_door.allocate_amsgrad(pipeline, lambda i: f"optim/{saved[names[i]]}/max_exp_avg_sq" in tensors)
-    moves: list[Move] = []
-    for piece in state_door.load_pieces(pipeline):
-        name = names[piece.index]
-        index = saved[name]
-        for kind, dest in piece.state.items():
-            key = _state_key(src, kind, index, name, params[index]["trainable"])
-            moves.append((dest, None if key is None else src.read(key, piece.start, piece.numel)))
-        if piece.param is not None:
-            moves.append((piece.param, src.read(_param_key(src, index, name, piece.dtype), piece.start, piece.numel)))
-    for i, dtype, dest in state_door.whole_params(pipeline):
-        moves.append((dest, src.read(_param_key(src, saved[names[i]], names[i], dtype))))
-    return moves
+    loads = []
+    for target in state_door.load_buffers(pipeline):
+        values: list[list[Value]] = []
+        for spec in target.specs():
+            name = names[spec.index]
+            index = saved[name]
+            keys = [_state_key(src, kind, index, name, params[index]["trainable"]) for kind in spec.kinds]
+            if spec.param:
+                keys.append(_param_key(src, index, name, spec.dtype))
+            values.append([None if key is None else _value(src, key, spec, target.kept) for key in keys])
+        loads.append(BufferLoad(target, values))
+    return loads
+
+
+def _value(src: TensorSource, key: str, spec: state_door.LoadSpec, later: bool) -> Value:
+    """Elements ``spec.start .. + spec.numel`` of ``key``; ``later``: checked now (their blocks' checksums), read
+    again when applied."""
+    value = src.read(key, spec.start, spec.numel)
+    if not later:
+        return value
+    return functools.partial(src.read, key, spec.start, spec.numel)
+
+
+def _whole_params(src: TensorSource, pipeline: Pipeline, names: list[str], saved: dict[str, int]) -> list[Move]:
+    """The parameters every rank holds whole (stages 0-2)."""
+    return [(dest, src.read(_param_key(src, saved[names[i]], names[i], dtype)))
+            for i, dtype, dest in state_door.whole_params(pipeline)]  # fmt: skip
+
+
+@dataclass
+class BufferLoad:
+    """A buffer's part of a load: per run of ``target.specs()``, the value of each destination (state kinds, then
+    the parameter shard)."""
+
+    target: state_door.LoadBuffer
+    values: list[list[Value]]
+
+    def apply(self) -> None:
+        with self.target.into() as pieces:
+            for piece, values in zip(pieces, self.values):
+                dests = [*piece.state.values(), *([piece.param] if piece.param is not None else [])]
+                for dst, value in zip(dests, values):
+                    _move(dst, value() if callable(value) else value)
+
+
+def _move(dst: torch.Tensor, value: Optional[torch.Tensor]) -> None:
+    if value is None:
+        dst.zero_()
+    else:
+        dst.copy_(value.view(dst.shape))
 
 
 def _read_book(version: Path, meta: dict, scheduler: Any) -> dict[str, Any]:
@@ -587,14 +629,23 @@ class _Staged:
 
     meta: dict
     book: dict[str, Any]
+    buffers: list[BufferLoad]
     moves: list[Move]
     frozen: dict[int, torch.Tensor]  # id(frozen parameter partitioned at stage 3) -> its saved value
     extra: Any
     window: Optional[Window]
 
 
-def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipeline, scheduler: Any) -> _Staged:
-    """Check the checkpoint against the model and optimizer and read this rank's part; change nothing."""
+def _stage(
+    directory: PathLike,
+    model: nn.Module,
+    optimizer: Any,
+    pipeline: Pipeline,
+    scheduler: Any,
+    files: contextlib.ExitStack,
+) -> _Staged:
+    """Check the checkpoint against the model and optimizer and read this rank's part; change nothing. The checkpoint's
+    files stay open in ``files`` for the values read when applied."""
     version = resolve(directory)
     meta = read_metadata(version)
     book = _read_book(version, meta, scheduler)
@@ -606,26 +657,26 @@ def _stage(directory: PathLike, model: nn.Module, optimizer: Any, pipeline: Pipe
     tensors, _ = _model_tensors(model)
     stored = pipeline.frozen_partitioned()
     frozen = {}
-    with TensorSource(version, meta) as src:
-        moves = _stage_buffers(src, pipeline, names, saved)
-        for name, t in tensors.items():
-            if name in kept:
-                continue
-            if id(t) in stored:
-                frozen[id(t)] = src.full(f"model/{name}")
-            elif id(t) not in pipeline.where:
-                moves.append((t.detach(), src.full(f"model/{name}")))
-        window = accumulation.stage(src, book["window"], pipeline, version)
-    return _Staged(meta, book, moves, frozen, objects.read_file(version, EXTRA, meta.get("extra")), window)
+    src = files.enter_context(TensorSource(version, meta))
+    buffers = _stage_buffers(src, pipeline, names, saved)
+    moves = _whole_params(src, pipeline, names, saved)
+    for name, t in tensors.items():
+        if name in kept:
+            continue
+        if id(t) in stored:
+            frozen[id(t)] = src.full(f"model/{name}")
+        elif id(t) not in pipeline.where:
+            moves.append((t.detach(), src.full(f"model/{name}")))
+    window = accumulation.stage(src, book["window"], pipeline, version)
+    return _Staged(meta, book, buffers, moves, frozen, objects.read_file(version, EXTRA, meta.get("extra")), window)
 
 
 @torch.no_grad()
 def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
+    for load in staged.buffers:
+        load.apply()
     for dst, value in staged.moves:
-        if value is None:
-            dst.zero_()
-        else:
-            dst.copy_(value.view(dst.shape))
+        _move(dst, value)
     pipeline.assign_frozen(staged.frozen)
     master.record_all(pipeline)
     pipeline.requantize_loaded(staged.meta.get("dequantized", True))  # absent before it was kept: as then
@@ -708,8 +759,11 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     optimizer.check_param_groups(numbering=True)
     pipeline.wait_params()
     adopt.follow_replaced(pipeline, pipeline.name_of)  # model.to(...) copies: load into what the model reads
-    staged = _collect(pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler), share=False)
-    _apply(staged, optimizer, pipeline, _names(model, optimizer))
+    with contextlib.ExitStack() as files:
+        staged = _collect(
+            pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler, files), share=False
+        )
+        _apply(staged, optimizer, pipeline, _names(model, optimizer))
     if scheduler is not None:
         scheduler.load_state_dict(staged.book["lr_scheduler"])
     elif staged.book.get("lr_scheduler") is not None:

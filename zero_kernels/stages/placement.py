@@ -23,6 +23,7 @@ Forms of a buffer's state tensors (``FlatBuffer.exp_avg``, ...; ``tier_from``: i
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from .base import Pipeline
 
 KINDS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+log = logging.getLogger("zero_kernels")
 
 
 def device_buckets(pipeline: "Pipeline", buf: FlatBuffer) -> int:
@@ -111,6 +113,21 @@ def read_only(tier: Any, buf: FlatBuffer) -> Iterator[None]:
     finally:
         if was_split:
             _keep_device_part(tier, buf)
+
+
+@contextlib.contextmanager
+def loading(tier: Any, buf: FlatBuffer) -> Iterator[None]:
+    """``buf``'s state whole in host memory while the block writes into it, and where it was split before, written
+    back and split again after it (``split``). A write that fails leaves it whole, to be written by the next step
+    (which raises if it fails again), as after a state read."""
+    was_split = not resident(buf)
+    buf.ready()
+    yield
+    if was_split:
+        try:
+            split(tier, buf)
+        except OSError as err:
+            log.warning("zero_kernels: the loaded optimizer state stays in host memory until the next step: %s", err)
 
 
 def adopt_when_read(pipeline: "Pipeline", buf: FlatBuffer) -> None:

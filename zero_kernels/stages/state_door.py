@@ -353,12 +353,59 @@ def load_pieces(pipeline: Pipeline) -> Iterator[LoadPiece]:
     pipeline.writing_params()
     pipeline.uploads.wait()
     for buf in pipeline.buffers:
-        state = state_tensors(buf)
-        for seg in buf.layout.segments(pipeline.shard_rank):
-            at, n = seg.shard_offset, seg.numel
-            param = buf.param_shard.narrow(0, at, n) if buf.param_flat is None else None
-            views = {kind: t.narrow(0, at, n) for kind, t in state.items()}
-            yield LoadPiece(buf.index_of(seg.slot), seg.param_offset, n, buf.dtype, views, param)
+        yield from _buffer_load_pieces(pipeline, buf)
+
+
+def _buffer_load_pieces(pipeline: Pipeline, buf: FlatBuffer) -> Iterator[LoadPiece]:
+    state = state_tensors(buf)
+    for seg in buf.layout.segments(pipeline.shard_rank):
+        at, n = seg.shard_offset, seg.numel
+        param = buf.param_shard.narrow(0, at, n) if buf.param_flat is None else None
+        views = {kind: t.narrow(0, at, n) for kind, t in state.items()}
+        yield LoadPiece(buf.index_of(seg.slot), seg.param_offset, n, buf.dtype, views, param)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Where a run of one parameter loads (``LoadPiece`` without its destinations): the state ``kinds`` it has and
+    whether a parameter shard loads too (stage 3)."""
+
+    index: int
+    start: int
+    numel: int
+    dtype: torch.dtype
+    kinds: tuple[str, ...]
+    param: bool
+
+
+class LoadBuffer:
+    """One buffer's part of a checkpoint load (``load_buffers``): its runs now (``specs``), their destinations while
+    ``into`` holds its state whole. A state a tier keeps between steps (``kept``) is loaded in place: read in, written
+    and put back where it lives one buffer at a time."""
+
+    def __init__(self, pipeline: Pipeline, buf: FlatBuffer):
+        self.pipeline, self.buf = pipeline, buf
+        self.kept = pipeline.tier is not None and not placement.resident(buf)
+
+    def specs(self) -> list[LoadSpec]:
+        buf, kinds = self.buf, tuple(placement.tensors(self.buf))
+        return [
+            LoadSpec(buf.index_of(seg.slot), seg.param_offset, seg.numel, buf.dtype, kinds, buf.param_flat is None)
+            for seg in buf.layout.segments(self.pipeline.shard_rank)
+        ]
+
+    @contextlib.contextmanager
+    def into(self) -> Iterator[list[LoadPiece]]:
+        """The destinations of ``specs``, in their order, valid inside the block."""
+        with placement.loading(self.pipeline.tier, self.buf) if self.kept else contextlib.nullcontext():
+            yield list(_buffer_load_pieces(self.pipeline, self.buf))
+
+
+def load_buffers(pipeline: Pipeline) -> list[LoadBuffer]:
+    """Every buffer's part of a checkpoint load (see ``whole_params`` for parameters every rank holds whole)."""
+    pipeline.writing_params()
+    pipeline.uploads.wait()
+    return [LoadBuffer(pipeline, buf) for buf in pipeline.buffers]
 
 
 def whole_params(pipeline: Pipeline) -> Iterator[tuple[int, torch.dtype, torch.Tensor]]:
