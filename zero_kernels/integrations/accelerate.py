@@ -49,7 +49,9 @@ any other model is prepared as usual):
 - ``get_state_dict(model)``, and so ``save_model(model, directory)``, returns a copy of every tensor
   of the state dict, taken inside the optimizer's ``gathered_params()`` (at stage 3 the full
   weights, in the writing process's host memory, gathered a unit at a time as DeepSpeed's ZeRO-3 does: a
-  collective, call it on every rank; None on the other processes); tied weights stay one tensor. Accelerate's own
+  collective, call it on every rank; an empty state dict on the other processes, as Accelerate's under FSDP, so
+  that ``save_pretrained(..., is_main_process=..., state_dict=accelerator.get_state_dict(model))`` on every rank
+  writes nothing there); tied weights stay one tensor. Accelerate's own
   returns the parameters, views into the optimizer's flat buffer at stages 0-2, and its ``save_model`` then keeps
   one tensor per storage: one of the model's weights.
 
@@ -195,12 +197,14 @@ class ZeroAccelerator(Accelerator):
             return clip_sharded(self, parameters, max_norm, norm_type)
         return super().clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> Optional[dict[str, Any]]:
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """As ``Accelerator.get_state_dict``; for a model a ``ShardedFusedAdam`` trains, a copy of every tensor,
         full at every stage. At stage 3 a collective (call it on every rank) that gathers one unit at a time into
         the host memory of the process that writes (the main one; each node's with ``save_on_each_node``) and
-        returns None on the others, as Accelerate's under DeepSpeed's ZeRO-3, so the ranks do not each hold a
-        copy of the whole model.
+        returns an empty state dict on the others, as Accelerate's under FSDP (``rank0_only``), so the ranks do not
+        each hold a copy of the whole model. (Accelerate's under DeepSpeed's ZeRO-3 returns None there, and
+        ``save_pretrained(..., state_dict=None)`` of transformers and PEFT then calls ``model.state_dict()``, which
+        stage 3 refuses between uses; given the empty one they write nothing on those processes.)
 
         Args:
             model: a model given to ``prepare``.
@@ -214,7 +218,8 @@ class ZeroAccelerator(Accelerator):
         if len(optimizers) == 1 and sharded_params(optimizers[0]):  # a unit at a time, into host memory
             each_node = self.project_configuration.save_on_each_node
             keep = self.is_local_main_process if each_node else self.is_main_process
-            return model_state_dict(optimizers[0].pipeline, model, keep=keep)
+            state = model_state_dict(optimizers[0].pipeline, model, keep=keep)
+            return collections.OrderedDict() if state is None else state  # nothing to write here, as FSDP's
         with contextlib.ExitStack() as stack:
             for opt in optimizers:
                 stack.enter_context(opt.gathered_params())
