@@ -300,3 +300,28 @@ def _check_cases(rank: int, world: int) -> list[str]:
 @pytest.mark.distributed
 def test_stage3_gather_checks_after_the_first_pass_ride_the_step_exchange() -> None:
     run_ranks_checked(_check_cases, 2)
+
+
+# -- the torch engine's point-to-point forms: a reduce-scatter never takes a peer's all-gather ---------------
+
+
+def _crossed_p2p(rank: int, world: int) -> list[str]:
+    """Rank 0 reduce-scatters while rank 1 all-gathers, each sending its peer 4 elements: they used to pair (rank 0's
+    sum took rank 1's shard, rank 1's gather rank 0's chunk, no error); each now waits for a tag of its own kind and
+    fails at the group's timeout."""
+    from zero_kernels.comm.torch_engine import TorchCommEngine
+
+    engine = TorchCommEngine()
+    try:
+        if rank == 0:
+            engine.reduce_scatter(torch.empty(4), torch.ones(8), primitive="reduce_scatter_p2p").wait()
+        else:
+            engine.all_gather(torch.empty(8), torch.full((4,), 2.0), primitive="all_gather_p2p").wait()
+    except CommError:
+        return []
+    return [f"rank {rank}'s {'reduce-scatter' if rank == 0 else 'all-gather'} took its peer's other operation"]
+
+
+@pytest.mark.distributed
+def test_a_reduce_scatter_and_an_all_gather_of_one_size_do_not_pair() -> None:
+    run_ranks_checked(_crossed_p2p, 2, timeout_s=5)

@@ -389,6 +389,6 @@ def test_point_to_point_posts_every_receive_before_any_send(monkeypatch) -> None
     monkeypatch.setattr(dist, "isend", lambda t, peer, **kw: posted.append(("send", peer)))
     engine = comm.TorchCommEngine()
     chunks = {peer: torch.zeros(3) for peer in (1, 2, 3)}
-    engine._exchange("all_gather", chunks, {peer: torch.empty(3) for peer in chunks})
+    engine._exchange("all_gather", "all_gather", chunks, {peer: torch.empty(3) for peer in chunks})
     assert [kind for kind, _ in posted] == ["recv"] * 3 + ["send"] * 3, posted
     assert sorted(peer for _, peer in posted[:3]) == sorted(peer for _, peer in posted[3:]) == [1, 2, 3]

@@ -18,8 +18,11 @@ REDUCE_SCATTER_PRIMITIVES = ("all_reduce_slice", "reduce_scatter_list", "reduce_
 ALL_GATHER_PRIMITIVES = ("all_gather_list", "all_gather_tensor", "all_gather_p2p")
 # The *_p2p primitives are sends and receives between every pair of ranks (CPU tensors only): each
 # chunk crosses one link once, which on gloo beats its collectives (see PRIMITIVES). Their tags come
-# from a range of their own, one per operation in issue order.
+# from a range of their own, one per operation in issue order and kind (``P2P_KINDS``: a reduce-scatter that meets
+# a peer's all-gather of the same size waits for its own tag, and fails at the group's timeout, instead of taking
+# the all-gather's bytes).
 P2P_TAG_BASE, P2P_TAG_SPAN = 1 << 30, 1 << 29
+P2P_KINDS = ("reduce_scatter", "all_gather")
 # Across nodes (``LOCAL_WORLD_SIZE`` below the world size, more than one rank per node) the C++ engine
 # runs the point-to-point forms in two levels along the nodes: a reduce-scatter first sums within each
 # node and then sends each node's sums across, an all-gather crosses first and then fans out within the

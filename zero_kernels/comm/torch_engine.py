@@ -13,6 +13,7 @@ from .engine_base import EngineBase, issue_errors_named
 from .handles import Handle, Works
 from .primitives import (
     MAX_HELD,
+    P2P_KINDS,
     P2P_TAG_BASE,
     P2P_TAG_SPAN,
     REDUCE_OPS,
@@ -32,11 +33,13 @@ class TorchCommEngine(EngineBase):
         self._pending: list[Handle] = []
         self._tags = 0
 
-    def _exchange(self, what: str, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> Works:
-        """Post a send of ``sends[peer]`` and a receive into ``recvs[peer]`` for every peer (group ranks)."""
+    def _exchange(self, kind: str, what: str, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> Works:
+        """Post a send of ``sends[peer]`` and a receive into ``recvs[peer]`` for every peer (group ranks), tagged with
+        the operation's number and ``kind`` (``P2P_KINDS``)."""
         if any(t.is_cuda for t in sends.values()):
             raise ValueError(f"{what}: the point-to-point primitives are for CPU tensors (gloo)")
-        tag = P2P_TAG_BASE + self._tags % P2P_TAG_SPAN
+        kinds = len(P2P_KINDS)
+        tag = P2P_TAG_BASE + self._tags % (P2P_TAG_SPAN // kinds) * kinds + P2P_KINDS.index(kind)
         self._tags += 1
         group = self.group
         peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
@@ -94,7 +97,7 @@ class TorchCommEngine(EngineBase):
             chunks = input.chunk(self.world_size)
             peers = [r for r in range(self.world_size) if r != self.rank]
             received = torch.empty(len(peers), n, dtype=input.dtype, device=input.device)
-            works = self._exchange(what, {r: chunks[r] for r in peers}, dict(zip(peers, received)))
+            works = self._exchange("reduce_scatter", what, {r: chunks[r] for r in peers}, dict(zip(peers, received)))
             mine = chunks[self.rank]
 
             def sum_into_output() -> None:
@@ -132,7 +135,7 @@ class TorchCommEngine(EngineBase):
             chunks = output.chunk(self.world_size)
             chunks[self.rank].copy_(source)
             peers = [r for r in range(self.world_size) if r != self.rank]
-            works = self._exchange(what, {r: source for r in peers}, {r: chunks[r] for r in peers})
+            works = self._exchange("all_gather", what, {r: source for r in peers}, {r: chunks[r] for r in peers})
             return self._track(Handle(works, (input, source, output), None, what))
         if primitive == "all_gather_list":
             work = dist.all_gather(list(output.chunk(self.world_size)), source, group=self.group, async_op=True)
