@@ -7,13 +7,14 @@ Two layouts, told apart by the ``zero_kernels.sharded`` key:
   it reloads only with the same stage, world size, bucket size and model. Where every rank holds
   the whole state (stage 0, or one rank) ``state_dict()`` is the full layout instead, which
   ``torch.optim.AdamW`` loads too, with ``master`` (the fp32 master of bf16/fp16 parameters) in each
-  entry and the loss scale and ``skipped_steps`` under the ``zero_kernels.sharded`` key (so does the sharded
-  layout; a load restores both where the state has them).
+  entry and the loss scale, ``skipped_steps`` and ``dequantized`` (qwZ: the param groups whose other ranks' parameter
+  parts a step's int8 all-gather wrote) under the ``zero_kernels.sharded`` key (so does the sharded layout; a load
+  restores them where the state has them).
 - full (``full_state_dict()``, ``consolidate_state_dict``, ``torch.optim.AdamW``'s): ``state`` maps
   each parameter's index to AdamW's entry (``step``, ``exp_avg``, ``exp_avg_sq``, with AMSGrad
   ``max_exp_avg_sq``, and for bf16/fp16 parameters their fp32 ``master``, an extra key AdamW keeps
   and ignores), shaped like the parameter; it loads at any stage and world size. Ours carry the loss
-  scale and ``skipped_steps`` under the ``zero_kernels.sharded`` key too (AdamW ignores the key).
+  scale, ``skipped_steps`` and ``dequantized`` under the ``zero_kernels.sharded`` key too (AdamW ignores the key).
 
 Both number parameters as torch does (a parameter listed twice keeps its first index) and keep the
 keys of ``opt.state`` that are not parameters (torch keeps whatever hooks put there). Loading the AdamW
@@ -88,9 +89,15 @@ def sharded(opt: "ShardedFusedAdam") -> dict[str, Any]:
             "steps": dict(pipeline.steps),
             "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
             "skipped_steps": opt.skipped_steps,
+            "dequantized": dequantized_groups(pipeline),
             "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
         },
     }
+
+
+def dequantized_groups(pipeline: Any) -> list[int]:
+    """qwZ: the param groups whose other ranks' parameter parts a step's int8 all-gather wrote (dequantized)."""
+    return sorted({buf.group for buf in pipeline.buffers if buf.dequantized})
 
 
 def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
@@ -100,8 +107,8 @@ def whole(opt: "ShardedFusedAdam") -> dict[str, Any]:
 
 
 def with_whole_meta(opt: "ShardedFusedAdam", state: dict[Any, Any]) -> dict[str, Any]:
-    """``state`` (whole, by parameter index) in AdamW's layout, with the loss scale and ``skipped_steps`` under
-    ``FORMAT`` (which ``torch.optim.AdamW`` ignores)."""
+    """``state`` (whole, by parameter index) in AdamW's layout, with the loss scale, ``skipped_steps`` and
+    ``dequantized`` under ``FORMAT`` (which ``torch.optim.AdamW`` ignores)."""
     pipeline = opt.pipeline
     return {
         "state": {**state, **opt.state.extra},
@@ -110,6 +117,7 @@ def with_whole_meta(opt: "ShardedFusedAdam", state: dict[Any, Any]) -> dict[str,
             "whole": True,
             "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
             "skipped_steps": opt.skipped_steps,
+            "dequantized": dequantized_groups(pipeline),
             "shapes": [tuple(pipeline.param_shape(p)) for g in opt.param_groups for p in g["params"]],
         },
     }
@@ -154,6 +162,7 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
     is_sharded = meta is not None and not meta.get("whole")
     saved_groups = _check_groups(opt, state_dict)
     skipped = _skipped_steps(meta)
+    dequantized = _dequantized(meta, len(opt.param_groups))
     state = state_dict["state"]
     if is_sharded:
         _check_sharded(opt, state_dict[FORMAT])
@@ -184,6 +193,8 @@ def load(opt: "ShardedFusedAdam", state_dict: Mapping[str, Any]) -> None:
         opt.loss_scaler.load_state_dict(meta["loss_scaler"])
     if skipped is not None:
         opt.skipped_steps = skipped
+    if dequantized is not None:
+        pipeline.requantize_loaded(dequantized)
     opt.state.extra = dict(extra)
 
 
@@ -193,6 +204,22 @@ def _skipped_steps(meta: Optional[Mapping[str, Any]]) -> Optional[int]:
     if value is None:
         return None
     return step_count(value, f"load_state_dict: state_dict[{FORMAT!r}]['skipped_steps']")
+
+
+def _dequantized(meta: Optional[Mapping[str, Any]], groups: int) -> Optional[list[int]]:
+    """The saved ``dequantized`` param groups (None where the state has none: a state dict of before the field, or
+    AdamW's), each a group index (``ValueError`` naming the entry otherwise)."""
+    value = None if meta is None else meta.get("dequantized")
+    if value is None:
+        return None
+    where = f"load_state_dict: state_dict[{FORMAT!r}]['dequantized']"
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{where} must be a list of param group indices, got {value!r}")
+    indices = [step_count(g, f"{where}[{i}]") for i, g in enumerate(value)]
+    beyond = [g for g in indices if g >= groups]
+    if beyond:
+        raise ValueError(f"{where} names param group {beyond[0]}, of {groups}")
+    return indices
 
 
 def step_count(value: Any, what: str) -> int:

@@ -558,11 +558,13 @@ class Pipeline(BackwardRound):
 
     def requantize_loaded(self, dequantized: Union[bool, list[int]]) -> None:
         """qwZ, after a load wrote exact values into the whole copies: the other ranks' parts as the saved run held
-        them, dequantized where a step's int8 all-gather had written them (``requantize_whole``), else exact.
+        them, dequantized where a step's int8 all-gather had written them (``requantize_whole``), else exact; inside
+        ``gathered_params()`` they stay exact until the block's end does so.
         ``dequantized``: the param groups it had written, or True / False for all of them."""
         for buf in self.buffers:
             buf.dequantized = dequantized if isinstance(dequantized, bool) else buf.group in dequantized
-        self.requantize_whole()
+        if self.exact_blocks == 0 and not self.holding:
+            self.requantize_whole()
 
     def epilogue_quantizer(self, buf: FlatBuffer) -> Optional[quantized_gather.WeightQuantizer]:
         """Where the step's Adam kernel leaves the int8 copy of ``buf``'s updated shards (``update``'s epilogue),
