@@ -18,12 +18,12 @@ from tests.helpers.dist import run_ranks_checked
 STEPS, SAVED = 4, 2
 
 
-def _build(stage: int, dtype: torch.dtype) -> tuple[nn.Module, zk.ShardedFusedAdam]:
+def _build(stage: int, dtype: torch.dtype, quantized: bool = True) -> tuple[nn.Module, zk.ShardedFusedAdam]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
     groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 3e-2}]
     return model, zk.ShardedFusedAdam(
-        groups, module=model, lr=1e-2, stage=stage, reduce_bucket_size=64, zero_quantized_weights=True
+        groups, module=model, lr=1e-2, stage=stage, reduce_bucket_size=64, zero_quantized_weights=quantized
     )
 
 
@@ -95,3 +95,22 @@ def test_a_malformed_dequantized_record_is_refused_before_anything_loads() -> No
         with pytest.raises(ValueError, match=r"\['dequantized'\]" + message):
             fresh.load_state_dict(wrong)
         assert not fresh.state, "a refused load loaded some state"
+
+
+def _record_of_a_run_without_qwz(rank: int, world: int) -> list[str]:
+    model, opt = _build(1, torch.float32)
+    _train(model, opt, range(SAVED), rank, torch.float32)
+    full = opt.full_state_dict()
+    again, plain = _build(1, torch.float32, quantized=False)
+    plain.load_state_dict(full)
+    records = {"loaded": plain.full_state_dict()["zero_kernels.sharded"]["dequantized"]}
+    _train(again, plain, range(SAVED, STEPS), rank, torch.float32)
+    records["after its steps"] = plain.state_dict()["zero_kernels.sharded"]["dequantized"]
+    return [f"{when}: a run without qwZ records {record}" for when, record in records.items() if record != []]
+
+
+@pytest.mark.distributed
+def test_a_run_without_quantized_weights_records_no_dequantized_groups() -> None:
+    """A run without qwZ holds every rank's parameters exact, also after loading the state of a run with it: its
+    state dicts say so, for a run with qwZ that loads them to keep them exact."""
+    run_ranks_checked(_record_of_a_run_without_qwz, 2)

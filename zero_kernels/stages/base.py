@@ -560,9 +560,11 @@ class Pipeline(BackwardRound):
         """qwZ, after a load wrote exact values into the whole copies: the other ranks' parts as the saved run held
         them, dequantized where a step's int8 all-gather had written them (``requantize_whole``), else exact; inside
         ``gathered_params()`` they stay exact until the block's end does so.
-        ``dequantized``: the param groups it had written, or True / False for all of them."""
+        ``dequantized``: the param groups it had written, or True / False for all of them; a buffer whose step sends
+        no int8 all-gather (qwZ off here, or one shard) stays exact whatever the saved run held."""
         for buf in self.buffers:
-            buf.dequantized = dequantized if isinstance(dequantized, bool) else buf.group in dequantized
+            saved = dequantized if isinstance(dequantized, bool) else buf.group in dequantized
+            buf.dequantized = saved and self.epilogue_quantizer(buf) is not None
         if self.exact_blocks == 0 and not self.holding:
             self.requantize_whole()
 
