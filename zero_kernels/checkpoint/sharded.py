@@ -27,8 +27,11 @@ checkpoint): rank 0 creates the version, every rank writes its file into it. Cal
 
 Loading reads, on each rank, only the element ranges its new layout needs (ranged reads of the
 rank files, checked block by block against the CRCs in the metadata), into staging tensors; the
-ranks agree that every read succeeded before anything is modified. Tensors are matched by model
-name, so the optimizer's stage, world size, bucket size and param dtype may all change (not
+ranks agree that every read succeeded before anything is modified. A state an offload tier keeps
+between steps (on disk) is not staged: its ranges are read and checked, then read again buffer by
+buffer as they are written into it (``state_door.LoadBuffer``); a save likewise reads it one buffer
+at a time (``state_door.save_pieces``), so neither holds more of it in host memory than a buffer's.
+Tensors are matched by model name, so the optimizer's stage, world size, bucket size and param dtype may all change (not
 inside an accumulation window, whose gradients resume only under the same layout).
 """
 

@@ -30,7 +30,8 @@ tensor of the buffer (``buf.exp_avg``...), and the functions above hand out view
 tensors (the host tier), or hold only the part on the device while the rest is in the disk tier's files or,
 with ``ratio`` below 1, in the host tier: ``state_tensors`` (and every function here that reaches the state)
 first calls ``buf.ready()``, which brings the whole shard into host memory; the next step puts it back (a
-checkpoint's ``save_pieces`` reads one buffer at a time and puts each back at once, unchanged). So
+checkpoint's ``save_pieces`` reads one buffer at a time and puts each back at once, unchanged, and
+``LoadBuffer.into`` puts each back written). So
 does stage 3's parameter shard with ``offload_param`` on nvme (``stage3.disk_params``: a stand-in while its
 file holds it). Full states are gathered and scattered where the parameters are. Callers (state dicts,
 copies, ``opt.state``, checkpoints) do not change; the update reaches the tier through ``stages.offloaded``.
