@@ -29,11 +29,13 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers).to(torch.bfloat16)
 
 
-def _opt(model: nn.Module, stage: int, disk: "Path | None") -> zo.ShardedFusedAdam:
-    kw = {}
+def _opt(model: nn.Module, stage: int, disk: "Path | None", host_ratio: "float | None" = None) -> zo.ShardedFusedAdam:
+    kw: dict = {}
     if disk is not None:
         disk.mkdir(exist_ok=True)
         kw = {"offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}, "sub_group_size": 512}
+    if host_ratio is not None:  # the host tier keeps a part of each buffer's state, the rest stays on the device
+        kw = {"offload_optimizer": {"device": "cpu", "ratio": host_ratio}}
     return zo.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=256,
                                stage3_param_persistence_threshold=0, **kw)  # fmt: skip
 
@@ -112,6 +114,30 @@ def test_save_reads_the_state_in_place_and_leaves_it_in_its_files(
     _step(plain, a, STEPS + 1)
     _step(tiered, b, STEPS + 1)
     assert tier.traffic()["written"] - before["written"] == written  # nothing written back for the save
+    _same_state(_state(b), _state(a), "after the next step")
+    with a.gathered_params(), b.gathered_params():
+        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+            assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_gives_the_host_tier_back_its_part_of_a_split_state(stage: int, tmp_path: Path) -> None:
+    """The host tier lets its part of a split buffer's state go when the state is read in whole: the save, which
+    splits the buffer again after reading it, gives the tier that part back."""
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, stage, None), _opt(tiered, stage, None, host_ratio=0.5)
+    buffers = b._pipeline.buffers
+    for step in range(2):
+        _step(plain, a, step)
+        _step(tiered, b, step)
+    assert any(not placement.resident(buf) for buf in buffers)  # split: part on the device, part in the tier
+    _edit(plain, a)
+    _edit(tiered, b)
+    zk.checkpoint.save(tmp_path / "plain", plain, a)
+    zk.checkpoint.save(tmp_path / "tiered", tiered, b)
+    _same_state(_loaded(tmp_path / "tiered", stage), _loaded(tmp_path / "plain", stage), "saved")
+    _step(plain, a, 2)
+    _step(tiered, b, 2)
     _same_state(_state(b), _state(a), "after the next step")
     with a.gathered_params(), b.gathered_params():
         for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):

@@ -104,15 +104,17 @@ def split(tier: Any, buf: FlatBuffer) -> None:
 @contextlib.contextmanager
 def read_only(tier: Any, buf: FlatBuffer) -> Iterator[None]:
     """``buf``'s state whole in host memory while the block reads it (``FlatBuffer.ready``), and where it was split
-    before, split again after without a write: the tier still holds every value. What the block writes into the
-    whole state is dropped (the masters' adopted edits of ``master.settle``: the next step adopts them again)."""
+    before, split again after. The disk tier's files still hold every value: nothing is written, and what the block
+    wrote into the whole state is dropped (the masters' adopted edits of ``master.settle``: the next step adopts
+    them again). The host tier let its part go when it was read in (``HostTier.fill``): it takes it back, a copy in
+    host memory (``split``)."""
     was_split = not resident(buf)
     buf.ready()
     try:
         yield
     finally:
         if was_split:
-            _keep_device_part(tier, buf)
+            (_keep_device_part if tier.kind == "disk" else split)(tier, buf)
 
 
 @contextlib.contextmanager
