@@ -144,6 +144,29 @@ def test_save_gives_the_host_tier_back_its_part_of_a_split_state(stage: int, tmp
             assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_master_written_after_a_save_starts_from_the_edits_the_save_took(stage: int, tmp_path: Path) -> None:
+    """A save gives the masters the parameters' edits; the state on disk, which it leaves unwritten, owes them to its
+    next read: a master written from outside after the save adds to the edited value, as without offload."""
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, stage, None), _opt(tiered, stage, tmp_path / "nvme")
+    for step in range(2):
+        _step(plain, a, step)
+        _step(tiered, b, step)
+    _edit(plain, a)
+    _edit(tiered, b)
+    zk.checkpoint.save(tmp_path / "plain", plain, a)
+    zk.checkpoint.save(tmp_path / "tiered", tiered, b)
+    for model, opt in ((plain, a), (tiered, b)):
+        opt.state[model[2].weight]["master"].add_(0.0625)
+    assert torch.equal(b.state[tiered[2].weight]["master"], a.state[plain[2].weight]["master"])
+    _step(plain, a, 2)
+    _step(tiered, b, 2)
+    with a.gathered_params(), b.gathered_params():
+        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+            assert torch.equal(p, q), name
+
+
 class _Branches(nn.Module):
     """A trunk and two heads; the second is left out of some steps (no gradient: the update leaves it alone)."""
 

@@ -102,19 +102,22 @@ def split(tier: Any, buf: FlatBuffer) -> None:
 
 
 @contextlib.contextmanager
-def read_only(tier: Any, buf: FlatBuffer) -> Iterator[None]:
+def read_only(pipeline: "Pipeline", buf: FlatBuffer) -> Iterator[None]:
     """``buf``'s state whole in host memory while the block reads it (``FlatBuffer.ready``), and where it was split
     before, split again after. The disk tier's files still hold every value: nothing is written, and what the block
-    wrote into the whole state is dropped (the masters' adopted edits of ``master.settle``: the next step adopts
-    them again). The host tier let its part go when it was read in (``HostTier.fill``): it takes it back, a copy in
-    host memory (``split``)."""
-    was_split = not resident(buf)
+    wrote into the whole state is dropped (the masters' adopted edits of ``master.settle``), so the masters owe the
+    parameters' edits to the next read again (``adopt_when_read``). The host tier let its part go when it was read
+    in (``HostTier.fill``): it takes it back, a copy in host memory (``split``)."""
+    tier, was_split = pipeline.tier, not resident(buf)
     buf.ready()
     try:
         yield
     finally:
-        if was_split:
-            (_keep_device_part if tier.kind == "disk" else split)(tier, buf)
+        if was_split and tier.kind == "disk":
+            _keep_device_part(tier, buf)
+            adopt_when_read(pipeline, buf)
+        elif was_split:
+            split(tier, buf)
 
 
 @contextlib.contextmanager

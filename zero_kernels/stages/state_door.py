@@ -303,7 +303,7 @@ def save_pieces(pipeline: Pipeline) -> Iterator[SavedPiece]:
     (``adopt.follow_replaced``). Buffer by buffer, each piece valid until the next buffer's: the buffer's
     masters take what was written into its parameters (``settle``), and a state a tier keeps between steps is
     read in for its pieces only (``placement.read_only``), so a save holds one buffer's state in host memory at
-    a time and writes nothing back."""
+    a time and writes nothing back to the disk tier's files."""
     for buf in pipeline.buffers:
         with _read_only(pipeline, buf):
             settle(pipeline, buf)
@@ -313,7 +313,7 @@ def save_pieces(pipeline: Pipeline) -> Iterator[SavedPiece]:
 def _read_only(pipeline: Pipeline, buf: FlatBuffer) -> contextlib.AbstractContextManager[None]:
     if pipeline.tier is None:
         return contextlib.nullcontext()
-    return placement.read_only(pipeline.tier, buf)
+    return placement.read_only(pipeline, buf)
 
 
 def _buffer_pieces(pipeline: Pipeline, buf: FlatBuffer) -> Iterator[SavedPiece]:
