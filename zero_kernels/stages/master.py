@@ -70,16 +70,21 @@ def edited(params: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
     return params.view(bits) != master.to(params.dtype).view(bits)
 
 
-def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
-    """Give the master of ``buf`` the parameter values wherever they are not the master rounded (this rank's shard)."""
+def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> bool:
+    """Give the master of ``buf`` the parameter values wherever they are not the master rounded (this rank's shard);
+    return whether any element took one."""
     if buf.master is None:
-        return
+        return False
     buf.ready()
+    took = False
     for bucket in buf.layout.buckets:
         master = buf.shard_slice(buf.master, bucket)
         shard = pipeline.live_param_shard(buf, bucket).to(master.device)  # a copy down when the state is offloaded
-        master.copy_(shard.float().where(edited(shard, master), master))
+        where = edited(shard, master)
+        took = took or bool(where.any())
+        master.copy_(shard.float().where(where, master))
     record(buf)
+    return took
 
 
 def sync(pipeline: "Pipeline") -> None:
@@ -89,13 +94,13 @@ def sync(pipeline: "Pipeline") -> None:
         settle(pipeline, buf)
 
 
-def settle(pipeline: "Pipeline", buf: "FlatBuffer") -> None:
+def settle(pipeline: "Pipeline", buf: "FlatBuffer") -> bool:
     """After the parameters of ``buf`` may have been written: its master, if written from outside, gives them its
-    values, else takes their edits."""
+    values, else takes their edits; return whether the master took any."""
     if written(buf):
         push(pipeline, buf)
-    elif buf.master is not None:
-        adopt_edits(pipeline, buf)
+        return False
+    return adopt_edits(pipeline, buf)
 
 
 def push_written(pipeline: "Pipeline") -> None:

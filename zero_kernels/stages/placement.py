@@ -103,19 +103,21 @@ def split(tier: Any, buf: FlatBuffer) -> None:
 
 @contextlib.contextmanager
 def read_only(pipeline: "Pipeline", buf: FlatBuffer) -> Iterator[None]:
-    """``buf``'s state whole in host memory while the block reads it (``FlatBuffer.ready``), and where it was split
-    before, split again after. The disk tier's files still hold every value: nothing is written, and what the block
-    wrote into the whole state is dropped (the masters' adopted edits of ``master.settle``), so the masters owe the
-    parameters' edits to the next read again (``adopt_when_read``). The host tier let its part go when it was read
-    in (``HostTier.fill``): it takes it back, a copy in host memory (``split``)."""
+    """``buf``'s state whole in host memory while the block reads it (``FlatBuffer.ready``), its masters given the
+    parameters' edits (``master.settle``), and where it was split before, split again after. The disk tier's files
+    still hold every value unless the masters took edits: then they are written back (``split``), else nothing is.
+    The host tier let its part go when it was read in (``HostTier.fill``): it takes it back, a copy in host memory.
+    An edit taken later than now would not be the same: a write that puts a parameter back to what its master held
+    before would hide it."""
     tier, was_split = pipeline.tier, not resident(buf)
+    buf.edits_owed = None  # the settle below gives the masters the same edits
     buf.ready()
+    took = master.settle(pipeline, buf)
     try:
         yield
     finally:
-        if was_split and tier.kind == "disk":
+        if was_split and tier.kind == "disk" and not took:
             _keep_device_part(tier, buf)
-            adopt_when_read(pipeline, buf)
         elif was_split:
             split(tier, buf)
 

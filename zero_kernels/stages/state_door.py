@@ -303,17 +303,20 @@ def save_pieces(pipeline: Pipeline) -> Iterator[SavedPiece]:
     (``adopt.follow_replaced``). Buffer by buffer, each piece valid until the next buffer's: the buffer's
     masters take what was written into its parameters (``settle``), and a state a tier keeps between steps is
     read in for its pieces only (``placement.read_only``), so a save holds one buffer's state in host memory at
-    a time and writes nothing back to the disk tier's files."""
+    a time and writes back to the disk tier's files only the buffers whose masters took edits."""
     for buf in pipeline.buffers:
         with _read_only(pipeline, buf):
-            settle(pipeline, buf)
             yield from _buffer_pieces(pipeline, buf)
 
 
-def _read_only(pipeline: Pipeline, buf: FlatBuffer) -> contextlib.AbstractContextManager[None]:
-    if pipeline.tier is None:
-        return contextlib.nullcontext()
-    return placement.read_only(pipeline, buf)
+@contextlib.contextmanager
+def _read_only(pipeline: Pipeline, buf: FlatBuffer) -> Iterator[None]:
+    if pipeline.tier is not None:
+        with placement.read_only(pipeline, buf):
+            yield
+    else:
+        settle(pipeline, buf)
+        yield
 
 
 def _buffer_pieces(pipeline: Pipeline, buf: FlatBuffer) -> Iterator[SavedPiece]:
