@@ -29,15 +29,16 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers).to(torch.bfloat16)
 
 
-def _opt(model: nn.Module, stage: int, disk: "Path | None", host_ratio: "float | None" = None) -> zo.ShardedFusedAdam:
-    kw: dict = {}
+def _opt(
+    model: nn.Module, stage: int, disk: "Path | None", host_ratio: "float | None" = None, persistence: int = 0
+) -> zo.ShardedFusedAdam:
+    kw: dict = {"stage3_param_persistence_threshold": persistence}
     if disk is not None:
         disk.mkdir(exist_ok=True)
-        kw = {"offload_optimizer": {"device": "nvme", "nvme_path": str(disk)}, "sub_group_size": 512}
+        kw.update(offload_optimizer={"device": "nvme", "nvme_path": str(disk)}, sub_group_size=512)
     if host_ratio is not None:  # the host tier keeps a part of each buffer's state, the rest stays on the device
-        kw = {"offload_optimizer": {"device": "cpu", "ratio": host_ratio}}
-    return zo.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=256,
-                               stage3_param_persistence_threshold=0, **kw)  # fmt: skip
+        kw["offload_optimizer"] = {"device": "cpu", "ratio": host_ratio}
+    return zo.ShardedFusedAdam(model, lr=1e-2, stage=stage, reduce_bucket_size=256, **kw)
 
 
 def _step(model: nn.Module, opt: zo.ShardedFusedAdam, step: int) -> None:
@@ -310,4 +311,30 @@ def test_a_write_that_fails_in_a_load_leaves_the_state_for_the_next_step(
     _step(plain, a, 1)
     _step(tiered, b, 1)  # writes it
     assert not any(placement.resident(buf) for buf in buffers)
+    _same_state(_state(b), _state(a), "after the next step")
+
+
+@pytest.mark.parametrize("persistence", [0, 10**6])
+def test_edits_of_a_block_stay_taken_when_a_later_block_puts_the_parameters_back(
+    persistence: int, tmp_path: Path
+) -> None:
+    """A block's edits reach the masters as without offload, where they took them as the block ended: a later block
+    that puts the parameters back to what the masters held before does not hide them (with every parameter in
+    gathered units, and with every one persistent). An empty block reads no state of a gathered unit."""
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, 3, None, persistence=persistence), _opt(tiered, 3, tmp_path / "nvme", persistence=persistence)
+    buffers = b._pipeline.buffers
+    for step in range(2):
+        _step(plain, a, step)
+        _step(tiered, b, step)
+    with b.gathered_params():
+        pass
+    assert not any(placement.resident(buf) for buf in buffers if not buf.persistent)
+    for factor in (2.0, 0.5):  # back to the values before the first block, bit for bit
+        for model, opt in ((plain, a), (tiered, b)):
+            with opt.gathered_params(), torch.no_grad():
+                model[2].weight.mul_(factor)
+    assert torch.equal(b.state[tiered[2].weight]["master"], a.state[plain[2].weight]["master"])
+    _step(plain, a, 2)
+    _step(tiered, b, 2)
     _same_state(_state(b), _state(a), "after the next step")

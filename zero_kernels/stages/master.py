@@ -39,6 +39,7 @@ import torch
 
 if TYPE_CHECKING:
     from .base import FlatBuffer, Pipeline
+    from .layout import Bucket
 
 
 def record(buf: "FlatBuffer") -> None:
@@ -78,13 +79,20 @@ def adopt_edits(pipeline: "Pipeline", buf: "FlatBuffer") -> bool:
     buf.ready()
     took = False
     for bucket in buf.layout.buckets:
-        master = buf.shard_slice(buf.master, bucket)
-        shard = pipeline.live_param_shard(buf, bucket).to(master.device)  # a copy down when the state is offloaded
-        where = edited(shard, master)
-        took = took or bool(where.any())
-        master.copy_(shard.float().where(where, master))
+        took = take(buf, bucket, pipeline.live_param_shard(buf, bucket)) or took
     record(buf)
     return took
+
+
+def take(buf: "FlatBuffer", bucket: "Bucket", shard: torch.Tensor) -> bool:
+    """``bucket``'s part of the master of ``buf`` (whole: ``FlatBuffer.ready``) takes the values of ``shard``, this
+    rank's parameters of the bucket, wherever they are not the master rounded; return whether any element did. The
+    caller ``record``-s the buffer."""
+    master = buf.shard_slice(buf.master, bucket)
+    shard = shard.to(master.device)  # a copy down when the state is offloaded
+    where = edited(shard, master)
+    master.copy_(shard.float().where(where, master))
+    return bool(where.any())
 
 
 def sync(pipeline: "Pipeline") -> None:

@@ -865,14 +865,32 @@ class Stage3Pipeline(Stage2Pipeline):
         for buf in self.buffers:
             if not buf.persistent:
                 adopt.readopt(buf, buf.full, self.name_of, adopt.every_param(self))  # p.data = ... in the block
+                self._take_owed_before_a_change(buf)
                 for bucket in buf.layout.buckets:
                     self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
-            if placement.resident(buf) or master.written(buf):
+            if placement.resident(buf) or master.written(buf) or buf.persistent:
                 master.settle(self, buf)  # a master written from outside wins, as at the step
             else:  # a state in its tier is not read in for the edits: the step adopts them (or the next read)
                 placement.adopt_when_read(self, buf)
         for unit in self._frozen or ():
             unit.write_back()
+
+    def _take_owed_before_a_change(self, buf: Stage3Buffer) -> None:
+        """Where the masters of ``buf`` owe an earlier block's edits (``placement.adopt_when_read``) and this block
+        changed this rank's shard, they take the shard's values from before this block first, as they would have at
+        that block's end: taken later, a change back to what the masters held would hide them. A persistent buffer,
+        edited where it lives, keeps no values from before a block: its masters take its edits as each block ends."""
+        if buf.master is None or buf.edits_owed is None or master.written(buf):
+            return
+        values = [buf.rank_slice(buf.full, bucket, self.shard_rank) for bucket in buf.layout.buckets]
+        shards = [self.param_shard(buf, bucket) for bucket in buf.layout.buckets]
+        if all(torch.equal(s, v.to(s.device)) for s, v in zip(shards, values)):
+            return
+        buf.edits_owed = None
+        buf.ready()
+        for bucket, shard in zip(buf.layout.buckets, shards):
+            master.take(buf, bucket, shard)
+        master.record(buf)
 
     def memory_tensors(self) -> dict[str, list[Optional[torch.Tensor]]]:
         """As the base, with ``params`` the shards, the persistent buffers and whatever is gathered now."""
