@@ -338,3 +338,25 @@ def test_edits_of_a_block_stay_taken_when_a_later_block_puts_the_parameters_back
     _step(plain, a, 2)
     _step(tiered, b, 2)
     _same_state(_state(b), _state(a), "after the next step")
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_a_corrupted_checkpoint_gives_no_amsgrad_maximum(disk: bool, tmp_path: Path) -> None:
+    """A run without AMSGrad that fails to load a corrupted checkpoint of a run with it keeps no maximum: the zeros a
+    load starts it from come once the checkpoint is checked (in host memory, or new files for a state on disk)."""
+    source = _model()
+    opt = zo.ShardedFusedAdam(source, lr=1e-2, stage=1, reduce_bucket_size=256, amsgrad=True)
+    _step(source, opt, 0)
+    version = zk.checkpoint.save(tmp_path / "ckpt", source, opt)
+    (rank_file,) = version.glob("rank*")
+    data = bytearray(rank_file.read_bytes())
+    data[-8] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    model = _model()
+    b = _opt(model, 1, tmp_path / "nvme" if disk else None)
+    _step(model, b, 1)
+    files = b._pipeline.tier.disk_bytes() if disk else 0
+    with pytest.raises(zk.checkpoint.CheckpointError, match="corrupted"):
+        zk.checkpoint.load(tmp_path / "ckpt", model, b)
+    assert all("max_exp_avg_sq" not in s for s in _state(b).values())
+    assert (b._pipeline.tier.disk_bytes() if disk else 0) == files

@@ -522,10 +522,12 @@ def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], save
     keeps a buffer's state between steps, the values are read and checked now but kept on disk, read again when
     they are applied (``state_door.LoadBuffer``: one buffer's state in host memory at a time)."""
     params, tensors = src.meta["params"], src.meta["tensors"]
-    # zeros until loaded: what a first AMSGrad step starts from
-    state_door.allocate_amsgrad(pipeline, lambda i: f"optim/{saved[names[i]]}/max_exp_avg_sq" in tensors)
+
+    def amsgrad(i: int) -> bool:
+        return f"optim/{saved[names[i]]}/max_exp_avg_sq" in tensors
+
     loads = []
-    for target in state_door.load_buffers(pipeline):
+    for target in state_door.load_buffers(pipeline, amsgrad):
         values: list[list[Value]] = []
         for spec in target.specs():
             name = names[spec.index]
@@ -676,6 +678,7 @@ def _stage(
 
 @torch.no_grad()
 def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
+    state_door.give_amsgrad(pipeline, [load.target for load in staged.buffers])
     for load in staged.buffers:
         load.apply()
     for dst, value in staged.moves:

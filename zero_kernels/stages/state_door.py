@@ -387,12 +387,15 @@ class LoadBuffer:
     ``into`` holds its state whole. A state a tier keeps between steps (``kept``) is loaded in place: read in, written
     and put back where it lives one buffer at a time."""
 
-    def __init__(self, pipeline: Pipeline, buf: FlatBuffer):
+    def __init__(self, pipeline: Pipeline, buf: FlatBuffer, amsgrad: Callable[[int], bool]):
         self.pipeline, self.buf = pipeline, buf
         self.kept = pipeline.tier is not None and not placement.resident(buf)
+        # AMSGrad's maximum loads into a buffer without one: given to it by ``give_amsgrad``
+        self.gains_max = buf.max_exp_avg_sq is None and any(amsgrad(i) for i in buf.indices)
 
     def specs(self) -> list[LoadSpec]:
-        buf, kinds = self.buf, tuple(placement.tensors(self.buf))
+        buf, have = self.buf, placement.tensors(self.buf)
+        kinds = tuple(k for k in KINDS if k in have or (k == _AMSGRAD and self.gains_max))
         return [
             LoadSpec(buf.index_of(seg.slot), seg.param_offset, seg.numel, buf.dtype, kinds, buf.param_flat is None)
             for seg in buf.layout.segments(self.pipeline.shard_rank)
@@ -405,11 +408,19 @@ class LoadBuffer:
             yield list(_buffer_load_pieces(self.pipeline, self.buf))
 
 
-def load_buffers(pipeline: Pipeline) -> list[LoadBuffer]:
-    """Every buffer's part of a checkpoint load (see ``whole_params`` for parameters every rank holds whole)."""
+def load_buffers(pipeline: Pipeline, amsgrad: Callable[[int], bool]) -> list[LoadBuffer]:
+    """Every buffer's part of a checkpoint load (see ``whole_params`` for parameters every rank holds whole);
+    ``amsgrad(index)``: whether the load gives parameter ``index`` AMSGrad's maximum."""
     pipeline.writing_params()
     pipeline.uploads.wait()
-    return [LoadBuffer(pipeline, buf) for buf in pipeline.buffers]
+    return [LoadBuffer(pipeline, buf, amsgrad) for buf in pipeline.buffers]
+
+
+def give_amsgrad(pipeline: Pipeline, targets: list[LoadBuffer]) -> None:
+    """Give AMSGrad's maximum (zeros until loaded: what a first AMSGrad step starts from) to the buffers of
+    ``targets`` that load one and have none, once the load is checked: a load that fails leaves none."""
+    for group in dict.fromkeys(t.buf.group for t in targets if t.gains_max):
+        pipeline.allocate_max_exp_avg_sq(group)
 
 
 def whole_params(pipeline: Pipeline) -> Iterator[tuple[int, torch.dtype, torch.Tensor]]:
@@ -418,13 +429,6 @@ def whole_params(pipeline: Pipeline) -> Iterator[tuple[int, torch.dtype, torch.T
         if buf.param_flat is not None:
             for index, slot in buf.indexed_slots():
                 yield index, buf.dtype, buf.param_flat.narrow(0, slot.offset, slot.numel)
-
-
-def allocate_amsgrad(pipeline: Pipeline, wanted: Callable[[int], bool]) -> None:
-    """Give AMSGrad's maximum (zeros) to the buffers holding a parameter for which ``wanted(index)``."""
-    for buf in pipeline.buffers:
-        if buf.max_exp_avg_sq is None and any(wanted(i) for i in buf.indices):
-            pipeline.allocate_max_exp_avg_sq(buf.group)
 
 
 # ---------------------------------------------------------------- copies: the shards themselves
