@@ -56,16 +56,17 @@ def _edit(model: nn.Module, opt: zo.ShardedFusedAdam) -> None:
         model[0].bias.add_(0.25)
 
 
-def _resident_at_reads(opt: zo.ShardedFusedAdam, monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many of ``opt``'s buffers hold their state whole in host memory, after each read of one from the tier."""
+def _resident_at_reads(opt: zo.ShardedFusedAdam, monkeypatch: pytest.MonkeyPatch, made: str = "merge") -> list[int]:
+    """How many of ``opt``'s buffers hold their state whole in host memory, after each read of one from the tier
+    (``made``: after each call of that ``placement`` function, which makes one whole)."""
     counts: list[int] = []
-    merge = placement.merge
+    make = getattr(placement, made)
 
     def counted(tier, buf) -> None:
-        merge(tier, buf)
+        make(tier, buf)
         counts.append(sum(placement.resident(b) for b in opt._pipeline.buffers))
 
-    monkeypatch.setattr(placement, "merge", counted)
+    monkeypatch.setattr(placement, made, counted)
     return counts
 
 
@@ -248,11 +249,12 @@ def test_load_writes_the_state_into_its_files_one_buffer_at_a_time(
     _step(plain, a, 1)
     _step(tiered, b, 1)
     written = tier.traffic()["written"] - before["written"]  # what a step writes
-    reads = _resident_at_reads(b, monkeypatch)
+    reads, blanks = _resident_at_reads(b, monkeypatch), _resident_at_reads(b, monkeypatch, "_blank")
     zk.checkpoint.load(tmp_path / "ckpt", plain, a)
-    loaded = tier.traffic()["written"]
+    loaded, read = tier.traffic()["written"], tier.traffic()["read"]
     zk.checkpoint.load(tmp_path / "ckpt", tiered, b)
-    assert len(reads) == len(buffers) and max(reads) == 1  # one buffer's state in host memory at a time
+    assert not reads and tier.traffic()["read"] == read  # nothing read from the files it overwrites
+    assert len(blanks) == len(buffers) and max(blanks) == 1  # one buffer's state in host memory at a time
     assert not any(placement.resident(buf) for buf in buffers)  # written back to its files by the load
     assert tier.traffic()["written"] - loaded == sum(buf.layout.shard_numel for buf in buffers) * 12
     before = dict(tier.traffic())

@@ -124,17 +124,31 @@ def read_only(pipeline: "Pipeline", buf: FlatBuffer) -> Iterator[None]:
 
 @contextlib.contextmanager
 def loading(tier: Any, buf: FlatBuffer) -> Iterator[None]:
-    """``buf``'s state whole in host memory while the block writes into it, and where it was split before, written
-    back and split again after it (``split``). A write that fails leaves it whole, to be written by the next step
-    (which raises if it fails again), as after a state read."""
+    """``buf``'s state whole in host memory while the block writes every element of it (a checkpoint load), and
+    where it was split before, written back and split again after it (``split``). A split state is not read in for
+    it (``_blank``). A write that fails leaves it whole, to be written by the next step (which raises if it fails
+    again), as after a state read."""
     was_split = not resident(buf)
-    buf.ready()
+    if was_split:
+        _blank(tier, buf)
     yield
     if was_split:
         try:
             split(tier, buf)
         except OSError as err:
             log.warning("zero_kernels: the loaded optimizer state stays in host memory until the next step: %s", err)
+
+
+def _blank(tier: Any, buf: FlatBuffer) -> None:
+    """Split -> resident without a read: zeros for the whole state of ``buf``, for a load to write. The layout's
+    padding elements keep the zeros they hold between steps (their gradients are zero), and the edits the masters
+    owe are dropped: the load gives the masters and the parameters their values."""
+    n = buf.layout.shard_numel
+    for kind in tensors(buf):
+        setattr(buf, kind, tier.zeros(n))
+    buf.edits_owed = None
+    master.record(buf)
+    buf.swap_in = None
 
 
 def adopt_when_read(pipeline: "Pipeline", buf: FlatBuffer) -> None:

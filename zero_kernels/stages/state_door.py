@@ -384,8 +384,8 @@ class LoadSpec:
 
 class LoadBuffer:
     """One buffer's part of a checkpoint load (``load_buffers``): its runs now (``specs``), their destinations while
-    ``into`` holds its state whole. A state a tier keeps between steps (``kept``) is loaded in place: read in, written
-    and put back where it lives one buffer at a time."""
+    ``into`` holds its state whole. A state a tier keeps between steps (``kept``) is loaded in place, one buffer at a
+    time: made whole without a read (``placement.loading``), written and put back where it lives."""
 
     def __init__(self, pipeline: Pipeline, buf: FlatBuffer, amsgrad: Callable[[int], bool]):
         self.pipeline, self.buf = pipeline, buf
