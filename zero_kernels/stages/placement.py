@@ -124,19 +124,15 @@ def read_only(pipeline: "Pipeline", buf: FlatBuffer) -> Iterator[None]:
 
 @contextlib.contextmanager
 def loading(tier: Any, buf: FlatBuffer) -> Iterator[None]:
-    """``buf``'s state whole in host memory while the block writes every element of it (a checkpoint load), and
-    where it was split before, written back and split again after it (``split``). A split state is not read in for
-    it (``_blank``). A write that fails leaves it whole, to be written by the next step (which raises if it fails
-    again), as after a state read."""
-    was_split = not resident(buf)
-    if was_split:
-        _blank(tier, buf)
+    """The split ``buf``'s state whole in host memory while the block writes every element of it (a checkpoint
+    load), without a read (``_blank``), then written back and split again (``split``). A write that fails leaves it
+    whole, to be written by the next step (which raises if it fails again), as after a state read."""
+    _blank(tier, buf)
     yield
-    if was_split:
-        try:
-            split(tier, buf)
-        except OSError as err:
-            log.warning("zero_kernels: the loaded optimizer state stays in host memory until the next step: %s", err)
+    try:
+        split(tier, buf)
+    except OSError as err:
+        log.warning("zero_kernels: the loaded optimizer state stays in host memory until the next step: %s", err)
 
 
 def _blank(tier: Any, buf: FlatBuffer) -> None:
