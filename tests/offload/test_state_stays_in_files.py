@@ -81,6 +81,14 @@ def _same_state(a: dict, b: dict, what: str) -> None:
             assert torch.equal(torch.as_tensor(a[i][kind]), torch.as_tensor(b[i][kind])), (what, i, kind)
 
 
+def _same_run(plain: nn.Module, tiered: nn.Module, a: zo.ShardedFusedAdam, b: zo.ShardedFusedAdam, what: str) -> None:
+    """The run with offload (``tiered``, ``b``) has the state and the weights of the run without, bit for bit."""
+    _same_state(_state(b), _state(a), what)
+    with a.gathered_params(), b.gathered_params():
+        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
+            assert torch.equal(p, q), name
+
+
 def _loaded(path: Path, stage: int) -> dict:
     """The state a checkpoint gives a new optimizer without offload."""
     model = _model()
@@ -116,10 +124,7 @@ def test_save_reads_the_state_in_place_and_leaves_it_in_its_files(
     _step(plain, a, STEPS + 1)
     _step(tiered, b, STEPS + 1)
     assert tier.traffic()["written"] - before["written"] == written  # nothing written back for the save
-    _same_state(_state(b), _state(a), "after the next step")
-    with a.gathered_params(), b.gathered_params():
-        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
-            assert torch.equal(p, q), name
+    _same_run(plain, tiered, a, b, "after the next step")
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -140,10 +145,7 @@ def test_save_gives_the_host_tier_back_its_part_of_a_split_state(stage: int, tmp
     _same_state(_loaded(tmp_path / "tiered", stage), _loaded(tmp_path / "plain", stage), "saved")
     _step(plain, a, 2)
     _step(tiered, b, 2)
-    _same_state(_state(b), _state(a), "after the next step")
-    with a.gathered_params(), b.gathered_params():
-        for (name, p), q in zip(plain.named_parameters(), tiered.parameters()):
-            assert torch.equal(p, q), name
+    _same_run(plain, tiered, a, b, "after the next step")
 
 
 @pytest.mark.parametrize("stage", [1, 3])
