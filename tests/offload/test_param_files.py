@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.resident import resident_pages
 from tests.offload.test_disk_tier import _Growing, _tmpfs
@@ -785,3 +786,71 @@ def test_an_older_state_loaded_gives_way_to_the_weights_of_a_module_unused_at_th
         step(m, o, 2, extra=False)  # ``extra`` keeps its older master
         step(m, o, 3)
     _same_weights(model, opts[1], plain, opts[0])
+
+
+@pytest.mark.parametrize("state", [None, "cpu"])
+def test_a_checkpoint_leaves_the_shards_in_their_files(state: Optional[str], tmp_path: Path) -> None:
+    """A save reads each unit's shard in for its pieces and lets it go after them (its file holds the same bytes, so
+    the next update still skips reading what it overwrites); a load writes each unit's shard into its file without
+    reading it first (a read started ahead of a gather before it is dropped). Neither leaves a shard read in until the
+    next step. Trained on, the run is the one without offload, bit for bit."""
+    model, twin = _model(), _model()
+    extra = {} if state is None else {"offload_optimizer": state}
+    (tmp_path / "nvme").mkdir()
+    opt = zo.ShardedFusedAdam(model, offload_param=_files(tmp_path / "nvme"), **extra, **KWARGS)
+    plain = zo.ShardedFusedAdam(twin, **KWARGS)
+    disk = opt._pipeline.disk_params
+    _train(twin, plain, 1)
+    _train(twin, plain, 1)
+    _train(model, opt, 1)
+    read = disk.files.traffic()["read"]
+    _train(model, opt, 1)
+    a_step = disk.files.traffic()["read"] - read  # the gathers', and the update's where it keeps elements
+    for m, o in ((model, opt), (twin, plain)):
+        zk.checkpoint.save(tmp_path / ("ours" if o is opt else "plain"), m, o)
+    assert not disk.resident_shards()
+    read = disk.files.traffic()["read"]
+    _train(model, opt, 1)
+    assert disk.files.traffic()["read"] - read == a_step  # as much as any step: nothing read in is left to adopt
+    _train(twin, plain, 1)
+    for buf in disk.units.values():
+        disk.read_ahead(buf)  # as a forward cut short leaves them: stale once the load writes the files
+    read = disk.files.traffic()["read"]
+    for m, o in ((model, opt), (twin, plain)):
+        zk.checkpoint.load(tmp_path / ("ours" if o is opt else "plain"), m, o)
+    assert not disk.resident_shards() and disk.files.traffic()["read"] == read  # written, nothing read
+    for m, o in ((model, opt), (twin, plain)):
+        _train(m, o, 2)
+    _same_weights(model, opt, twin, plain)
+    ours, theirs = opt.full_state_dict()["state"], plain.full_state_dict()["state"]
+    assert all(torch.equal(ours[i][k], theirs[i][k]) for i in theirs for k in theirs[i])
+
+
+def test_a_shard_whose_write_fails_in_a_load_stays_read_in_for_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, twin = _model(), _model()
+    opt = zo.ShardedFusedAdam(model, offload_optimizer="cpu", offload_param=_files(tmp_path), **KWARGS)
+    plain = zo.ShardedFusedAdam(twin, **KWARGS)
+    for m, o in ((model, opt), (twin, plain)):
+        _train(m, o, 2)
+        zk.checkpoint.save(tmp_path / ("ours" if o is opt else "plain"), m, o)
+        _train(m, o, 1)
+    disk = opt._pipeline.disk_params
+    write, failed = type(disk.files).write, []
+
+    def failing(self, key, tensor, offset=0):
+        if not failed:
+            failed.append(key)
+            raise OSError(5, "Input/output error")
+        return write(self, key, tensor, offset)
+
+    monkeypatch.setattr(type(disk.files), "write", failing)
+    for m, o in ((model, opt), (twin, plain)):
+        zk.checkpoint.load(tmp_path / ("ours" if o is opt else "plain"), m, o)
+    assert [id(buf) for buf in disk.units.values() if not disk.in_file(buf)] == failed  # the loaded values kept
+    assert "shard stays in host memory until the next step: [Errno 5] Input/output error" in caplog.text
+    for m, o in ((model, opt), (twin, plain)):
+        _train(m, o, 2)
+    assert not disk.resident_shards()
+    _same_weights(model, opt, twin, plain)

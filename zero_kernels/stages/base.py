@@ -512,6 +512,16 @@ class Pipeline(BackwardRound):
         read in whole since, which may have brought an edit or weights newer than a master loaded)."""
         return False
 
+    def params_read_briefly(self, buf: FlatBuffer) -> contextlib.AbstractContextManager[None]:
+        """Around a block that reads this rank's parameter shard of ``buf`` and writes none of it (a checkpoint's
+        save): a shard a file holds is let go after it (stage 3)."""
+        return contextlib.nullcontext()
+
+    def params_loading(self, buf: FlatBuffer) -> contextlib.AbstractContextManager[None]:
+        """Around a block that writes every parameter element of that shard (a checkpoint's load): a shard a file
+        holds is written into it and let go after it, and not read before it (stage 3)."""
+        return contextlib.nullcontext()
+
     def finish_offloaded_step(self) -> None:
         """After the update's last bucket: the tier's (``offloaded.finish_step``)."""
         if self.tier is not None:

@@ -305,7 +305,7 @@ def save_pieces(pipeline: Pipeline) -> Iterator[SavedPiece]:
     read in for its pieces only (``placement.read_only``), so a save holds one buffer's state in host memory at
     a time and writes back to the disk tier's files only the buffers whose masters took edits."""
     for buf in pipeline.buffers:
-        with _read_only(pipeline, buf):
+        with pipeline.params_read_briefly(buf), _read_only(pipeline, buf):
             yield from _buffer_pieces(pipeline, buf)
 
 
@@ -404,8 +404,9 @@ class LoadBuffer:
     @contextlib.contextmanager
     def into(self) -> Iterator[list[LoadPiece]]:
         """The destinations of ``specs``, in their order, valid inside the block."""
-        with placement.loading(self.pipeline.tier, self.buf) if self.kept else contextlib.nullcontext():
-            yield list(_buffer_load_pieces(self.pipeline, self.buf))
+        with self.pipeline.params_loading(self.buf):
+            with placement.loading(self.pipeline.tier, self.buf) if self.kept else contextlib.nullcontext():
+                yield list(_buffer_load_pieces(self.pipeline, self.buf))
 
 
 def load_buffers(pipeline: Pipeline, amsgrad: Callable[[int], bool]) -> list[LoadBuffer]:

@@ -9,7 +9,9 @@ Persistent units stay on the device. The shard sizes are the same on every rank,
 
 Where the shard is. A file unit's ``buf.param_shard`` is a ``meta`` stand-in while its file holds it. ``resident``
 reads it in whole (``Stage3Buffer.ready``: the state door, a value given to a parameter between steps, an edit
-inside ``gathered_params()``); the next step writes it back and frees it.
+inside ``gathered_params()``); the next step writes it back and frees it. A checkpoint goes one unit at a time and
+lets each shard go after it: a save reads it in and drops it again (``read_briefly``: its file holds the same
+bytes); a load writes it into its file without reading it first (``loading``).
 
 Gathers. ``source`` gives a unit's all-gather its shard: the resident one, or a pool buffer filled from the file
 (by a read ``read_ahead`` started with the scheduler's prefetch, or one module before it, when there was one);
@@ -32,8 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 
@@ -43,6 +46,8 @@ from ..layout import Bucket
 
 if TYPE_CHECKING:
     from .pipeline import Stage3Buffer
+
+log = logging.getLogger("zero_kernels")
 
 
 def refuse_with(options: Any) -> None:
@@ -140,6 +145,50 @@ class DiskParams:
         self.files.read(id(buf), shard).wait()
         buf.param_shard = shard
         self._read_in.update((id(buf), bucket.index) for bucket in buf.layout.buckets)
+
+    @contextlib.contextmanager
+    def read_briefly(self, buf: "Stage3Buffer") -> Iterator[None]:
+        """A block that reads ``buf``'s shard and writes none of it (a checkpoint's save): a shard its file holds is
+        let go after it, and its buckets are as they were before it (``from_master``): the file holds those bytes."""
+        if not self._kept_in_file(buf):
+            yield
+            return
+        before = {key for key in self._read_in if key[0] == id(buf)}
+        try:
+            yield
+        finally:
+            self._let_go(buf)
+            self._read_in.difference_update({(id(buf), bucket.index) for bucket in buf.layout.buckets})
+            self._read_in.update(before)
+
+    @contextlib.contextmanager
+    def loading(self, buf: "Stage3Buffer") -> Iterator[None]:
+        """A block that writes every parameter element of ``buf``'s shard (a checkpoint's load): a shard its file
+        holds is made whole without a read (zeros: the layout's padding holds zeros, as the update leaves it), then
+        written into its file and let go. The loaded weights may not be what their masters round to: the next update
+        reads them (``_read_in``) to adopt them. A write that fails keeps the shard read in for the next step to
+        write, with a warning."""
+        if not self._kept_in_file(buf):
+            yield
+            return
+        if id(buf) in self._ahead:
+            self._drop_ahead(id(buf))  # read for a gather before the load: stale once the file holds the load
+        shard = self.files.io.empty(buf.layout.shard_numel, buf.dtype)
+        buf.param_shard = shard.zero_()
+        self._read_in.update((id(buf), bucket.index) for bucket in buf.layout.buckets)
+        yield
+        try:
+            self.files.wait_write(id(buf), self.files.write(id(buf), shard))
+        except OSError as err:
+            log.warning("zero_kernels: the loaded parameter shard stays in host memory until the next step: %s", err)
+            return
+        self._let_go(buf)
+
+    def _kept_in_file(self, buf: "Stage3Buffer") -> bool:
+        return id(buf) in self.units and self.in_file(buf)
+
+    def _let_go(self, buf: "Stage3Buffer") -> None:
+        buf.param_shard = stand_in(buf.layout.shard_numel, buf.dtype)
 
     def from_master(self, buf: "Stage3Buffer", bucket: Bucket) -> bool:
         """Whether ``bucket``'s part of the shard is in its file alone, as a step wrote it from the master."""
@@ -266,7 +315,7 @@ class DiskParams:
         self.files.finish()
         for buf in self.units.values():
             if not self.in_file(buf):
-                buf.param_shard = stand_in(buf.layout.shard_numel, buf.dtype)
+                self._let_go(buf)
 
     # ---------------------------------------------------------------- memory
     def resident_shards(self) -> list[torch.Tensor]:

@@ -627,6 +627,12 @@ class Stage3Pipeline(Stage2Pipeline):
     def params_from_master_in_file(self, buf: FlatBuffer, bucket: Bucket) -> bool:
         return self.params_in_file(buf) and self.disk_params.from_master(buf, bucket)
 
+    def params_read_briefly(self, buf: Stage3Buffer) -> contextlib.AbstractContextManager[None]:
+        return self.disk_params.read_briefly(buf) if self.params_in_file(buf) else contextlib.nullcontext()
+
+    def params_loading(self, buf: Stage3Buffer) -> contextlib.AbstractContextManager[None]:
+        return self.disk_params.loading(buf) if self.params_in_file(buf) else contextlib.nullcontext()
+
     def step_params(self, buf: Stage3Buffer, bucket: Bucket, read: bool = True) -> torch.Tensor:
         """The host Adam's copy of this rank's shard of ``bucket`` of a unit kept in a file (``disk_params``);
         ``read``: False where the update overwrites all of it (no edit to adopt: see ``DiskParams.step_params``)."""
