@@ -290,6 +290,53 @@ def test_ranks_that_leave_a_checked_forward_order_are_told_why_their_collectives
     run_ranks(_later_divergence, 2, timeout_s=10.0)
 
 
+class FrozenAfterScale(nn.Module):
+    """A frozen (partitioned) ``f`` whose input is scaled by a trainable ``scale`` where the caller says so: only there
+    does its input need a gradient, and only there does its backward gather ``f``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(1 + torch.randn(4) / 10)
+        self.f, self.m = nn.Linear(4, 4, bias=False).requires_grad_(False), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scaled: bool) -> torch.Tensor:
+        return self.m(torch.tanh(self.f(x * self.scale if scaled else x))).square().mean()
+
+
+def _frozen_input_on_some_ranks(rank: int, world: int, fixed: bool) -> None:
+    """Rank 1 stops scaling at the second step: the gather of ``f`` in rank 0's backward fails naming the cause and
+    the fix (rank 1's reduction fails where it meets that gather); with the fix (an input that needs a gradient on
+    every rank) the model trains as AdamW on the mean of the ranks' losses."""
+    xs = [torch.randn(world, ROWS, 4, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    torch.manual_seed(0)
+    model = FrozenAfterScale()
+    ref = copy.deepcopy(model)
+    opt = zk.ShardedFusedAdam(model, lr=LR, weight_decay=0.1, stage=3, **SMALL, stage3_prefetch_bucket_size=0)
+    ref_opt = torch.optim.AdamW([ref.scale, *ref.m.parameters()], lr=LR, weight_decay=0.1)
+    for step, x in enumerate(xs):
+        scaled = [r == 0 or step == 0 for r in range(world)]
+        if step == 1 and not fixed:
+            with pytest.raises(CommError) as err:
+                model(x[rank], scaled[rank]).backward()
+            if rank == 0:
+                assert "give that input a gradient on every rank (`x.requires_grad_()`" in str(err.value), err.value
+            return
+        model(x[rank].requires_grad_(fixed), scaled[rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        (sum(ref(x[r], scaled[r]) for r in range(world)) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with opt.gathered_params():
+            _compare(model, ref, f"step {step}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fixed", [False, True])
+def test_a_frozen_module_whose_input_needs_a_gradient_on_some_ranks_only(fixed: bool) -> None:
+    run_ranks(_frozen_input_on_some_ranks, 2, fixed, timeout_s=20.0)
+
+
 def test_a_failed_gather_is_explained_only_where_the_collectives_did_not_pair_up() -> None:
     timeout = CommError("all_gather of bucket 'gather.0' failed: Timed out waiting 5000ms for recv operation")
     assert "some ranks run other modules" in str(explain_failed_gather(timeout))

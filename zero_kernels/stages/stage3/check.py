@@ -67,7 +67,10 @@ _DIVERGED = (
     "followed the previous one (the data choosing the modules: a mixture of experts routing tokens, a branch taken "
     "on some ranks only), so the ranks gather different parameters at the same point: every rank must run the same "
     "modules in the same order. Mark the module that makes the choice as a leaf module, gathered whole on every "
-    "rank: zero_kernels.set_leaf_modules(model, [ThatModuleClass])"
+    "rank: zero_kernels.set_leaf_modules(model, [ThatModuleClass]). Or a frozen module (no trainable parameter) "
+    "whose input needs a gradient on some ranks only (computed from trainable parameters there, not on the others): "
+    "its backward, which gathers its parameters, runs on those ranks only; give that input a gradient on every "
+    "rank (`x.requires_grad_()` where it has none)"
 )
 
 
