@@ -9,9 +9,10 @@ Persistent units stay on the device. The shard sizes are the same on every rank,
 
 Where the shard is. A file unit's ``buf.param_shard`` is a ``meta`` stand-in while its file holds it. ``resident``
 reads it in whole (``Stage3Buffer.ready``: the state door, a value given to a parameter between steps, an edit
-inside ``gathered_params()``); the next step writes it back and frees it. A checkpoint goes one unit at a time and
-lets each shard go after it: a save reads it in and drops it again (``read_briefly``: its file holds the same
-bytes); a load writes it into its file without reading it first (``loading``).
+inside ``gathered_params()``); the next step writes it back and frees it. A checkpoint's save and the end of a
+``gathered_params()`` block read one unit's shard in at a time and let each go again where they left its bytes as
+they were (``read_briefly``: its file holds the same bytes); a checkpoint's load writes each into its file without
+reading it first and lets it go (``loading``).
 
 Gathers. ``source`` gives a unit's all-gather its shard: the resident one, or a pool buffer filled from the file
 (by a read ``read_ahead`` started with the scheduler's prefetch, or one module before it, when there was one);
@@ -148,18 +149,24 @@ class DiskParams:
 
     @contextlib.contextmanager
     def read_briefly(self, buf: "Stage3Buffer") -> Iterator[None]:
-        """A block that reads ``buf``'s shard and writes none of it (a checkpoint's save): a shard its file holds is
-        let go after it, and its buckets are as they were before it (``from_master``): the file holds those bytes."""
+        """A block that reads ``buf``'s shard and may write it (a checkpoint's save, the end of ``gathered_params()``):
+        a shard its file holds is read in for it and, where the block left its bytes as they were, let go after it,
+        its buckets as they were before (``from_master``): the file holds those bytes. A shard the block changed stays
+        read in (an edit) until the next step writes it back."""
         if not self._kept_in_file(buf):
             yield
             return
         before = {key for key in self._read_in if key[0] == id(buf)}
+        self.resident(buf)
+        shard = buf.param_shard
+        kept = shard.clone()
         try:
             yield
         finally:
-            self._let_go(buf)
-            self._read_in.difference_update({(id(buf), bucket.index) for bucket in buf.layout.buckets})
-            self._read_in.update(before)
+            if buf.param_shard is shard and torch.equal(shard.view(torch.uint8), kept.view(torch.uint8)):
+                self._let_go(buf)
+                self._read_in.difference_update({(id(buf), bucket.index) for bucket in buf.layout.buckets})
+                self._read_in.update(before)
 
     @contextlib.contextmanager
     def loading(self, buf: "Stage3Buffer") -> Iterator[None]:

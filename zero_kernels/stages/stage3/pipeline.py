@@ -869,17 +869,21 @@ class Stage3Pipeline(Stage2Pipeline):
     def _write_back(self) -> None:
         self.uploads.wait()
         for buf in self.buffers:
-            if not buf.persistent:
-                adopt.readopt(buf, buf.full, self.name_of, adopt.every_param(self))  # p.data = ... in the block
-                self._take_owed_before_a_change(buf)
-                for bucket in buf.layout.buckets:
-                    self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
-            if placement.resident(buf) or master.written(buf) or buf.persistent:
-                master.settle(self, buf)  # a master written from outside wins, as at the step
-            else:  # a state in its tier is not read in for the edits: the step adopts them (or the next read)
-                placement.adopt_when_read(self, buf)
+            with self.params_read_briefly(buf):  # a shard kept in a file goes back to it where the block left it so
+                self._write_back_buffer(buf)
         for unit in self._frozen or ():
             unit.write_back()
+
+    def _write_back_buffer(self, buf: Stage3Buffer) -> None:
+        if not buf.persistent:
+            adopt.readopt(buf, buf.full, self.name_of, adopt.every_param(self))  # p.data = ... in the block
+            self._take_owed_before_a_change(buf)
+            for bucket in buf.layout.buckets:
+                self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
+        if placement.resident(buf) or master.written(buf) or buf.persistent:
+            master.settle(self, buf)  # a master written from outside wins, as at the step
+        else:  # a state in its tier is not read in for the edits: the step adopts them (or the next read)
+            placement.adopt_when_read(self, buf)
 
     def _take_owed_before_a_change(self, buf: Stage3Buffer) -> None:
         """Where the masters of ``buf`` owe an earlier block's edits (``placement.adopt_when_read``) and this block
