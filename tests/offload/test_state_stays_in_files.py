@@ -18,6 +18,7 @@ from torch import nn
 import zero_kernels as zk
 import zero_kernels.optim as zo
 from zero_kernels.checkpoint import sharded
+from zero_kernels.checkpoint.format import ShardReader
 from zero_kernels.stages import placement
 
 STEPS = 3
@@ -316,6 +317,48 @@ def test_a_write_that_fails_in_a_load_leaves_the_state_for_the_next_step(
     _step(tiered, b, 1)  # writes it
     assert not any(placement.resident(buf) for buf in buffers)
     _same_state(_state(b), _state(a), "after the next step")
+
+
+def test_a_read_that_fails_part_way_refuses_steps_until_a_load_completes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The values a load writes into the files are read again as they are written: a read of the checkpoint's file
+    that fails there (an I/O error once it was checked) stops the load after earlier buffers were written. It raises
+    naming the file (an ``OSError`` naming none, and the next step went on from a state half loaded), steps and saves
+    are refused until a load completes, and the load repeated leaves the state a load that never failed leaves."""
+    source = _model()
+    opt = _opt(source, 3, None)
+    _step(source, opt, 0)
+    zk.checkpoint.save(tmp_path / "ckpt", source, opt)
+    plain, tiered = _model(), _model()
+    a, b = _opt(plain, 3, None), _opt(tiered, 3, tmp_path / "nvme")
+    _step(plain, a, 1)
+    _step(tiered, b, 1)
+    zk.checkpoint.load(tmp_path / "ckpt", plain, a)
+    apply, pread, applied = sharded.BufferLoad.apply, ShardReader._pread, []
+
+    def counted(self: sharded.BufferLoad) -> None:
+        applied.append(self)
+        apply(self)
+
+    def failing(self: ShardReader, offset: int, n: int) -> bytes:
+        if len(applied) > 1:  # once the first buffer is written
+            raise OSError(5, "Input/output error")
+        return pread(self, offset, n)
+
+    monkeypatch.setattr(sharded.BufferLoad, "apply", counted)
+    monkeypatch.setattr(ShardReader, "_pread", failing)
+    with pytest.raises(zk.checkpoint.CheckpointError, match=r"rank00000.bin failed: \[Errno 5\].* stopped part way"):
+        zk.checkpoint.load(tmp_path / "ckpt", tiered, b)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match=r"^ShardedFusedAdam.step\(\): the last zk.checkpoint.load stopped part way"):
+        _step(tiered, b, 2)
+    with pytest.raises(zk.checkpoint.CheckpointError, match="stopped part way.*nothing was written"):
+        zk.checkpoint.save(tmp_path / "ckpt", tiered, b)
+    zk.checkpoint.load(tmp_path / "ckpt", tiered, b)
+    _step(plain, a, 2)
+    _step(tiered, b, 2)
+    _same_run(plain, tiered, a, b, "after the next step")
 
 
 @pytest.mark.parametrize("persistence", [0, 10**6])

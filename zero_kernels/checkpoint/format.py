@@ -351,6 +351,12 @@ class ShardReader:
         Blocks not checked yet are read whole (one read covering the request) and checked; the
         bytes of a request inside checked blocks are read alone.
         """
+        try:
+            return self._checked(offset, n)
+        except OSError as err:  # an I/O error, a network file system's: named with the file
+            raise CheckpointError(f"checkpoint: reading shard file {self.path} failed: {err}") from err
+
+    def _checked(self, offset: int, n: int) -> bytes:
         if n == 0:
             return b""
         first, last = offset // self.block_bytes, (offset + n - 1) // self.block_bytes

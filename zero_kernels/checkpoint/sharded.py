@@ -31,6 +31,9 @@ ranks agree that every read succeeded before anything is modified. A state an of
 between steps (on disk) is not staged: its ranges are read and checked, then read again buffer by
 buffer as they are written into it (``state_door.LoadBuffer``); a save likewise reads it one buffer
 at a time (``state_door.save_pieces``), so neither holds more of it in host memory than a buffer's.
+A read that fails there (the file truncated or removed since the check, an I/O error), or any other
+failure once the writes began, stops the load part way on that rank: the ranks agree on it, every rank
+raises, and steps and saves are refused until a load completes (``_apply_everywhere``).
 Tensors are matched by model name, so the optimizer's stage, world size, bucket size and param dtype may all change (not
 inside an accumulation window, whose gradients resume only under the same layout).
 """
@@ -302,6 +305,15 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
 
     Returns every rank's result (``share``: gathered to all ranks, so keep them small) or this rank's.
     """
+    failure, value = _agreed(pipeline, fn, share=share)
+    if failure is not None:
+        raise CheckpointError(f"{failure}; nothing was changed")
+    return value
+
+
+def _agreed(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> tuple[Optional[str], Any]:
+    """Run ``fn`` on every rank; return, the same on every rank, the first failure (naming its rank where there are
+    several; None where no rank failed) and every rank's result (``share``) or this rank's."""
     try:
         value, error = fn(), None
     except Exception as err:  # MemoryError too: a failure on one rank alone would leave the others waiting for it
@@ -312,8 +324,8 @@ def _collect(pipeline: Pipeline, fn: Callable[[], Any], *, share: bool) -> Any:
     if failed:
         rank, message = failed[0]
         where = "" if pipeline.world_size == 1 else f"{ranks_text([rank], pipeline.engine.global_ranks)}: "
-        raise CheckpointError(f"{where}{message}; nothing was changed")
-    return [v for _, v in outcomes] if share else value
+        return f"{where}{message}", None
+    return None, [v for _, v in outcomes] if share else value
 
 
 def _commit(root: Path, version: str, meta: dict, files: dict[str, Optional[bytes]]) -> None:
@@ -350,6 +362,9 @@ def save(directory: PathLike, model: nn.Module, optimizer: Any, *, extra: Any = 
     pipeline = _pipeline(optimizer)
     _refuse_inside_hold(pipeline, "save")
     _refuse_held_elsewhere(model, optimizer, "save")
+    refusal = state_door.unfinished_load(pipeline, "checkpoint.save")
+    if refusal is not None:  # every rank holds the same (``_apply_everywhere``)
+        raise CheckpointError(f"{refusal}; nothing was written")
     optimizer.check_param_groups(numbering=True)  # names from the groups, pieces from the buffers: must agree
     pipeline.wait_params()
     root = Path(directory)
@@ -677,6 +692,25 @@ def _stage(
 
 
 @torch.no_grad()
+def _apply_everywhere(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
+    """Write what ``staged`` holds on every rank, then agree that every rank did. Where a tier keeps the state between
+    steps its values are read from the checkpoint's files as they are written (``_value``), so a read that fails
+    there (the file truncated or removed since it was checked, an I/O error), or any other failure (a
+    ``MemoryError``), stops the load part way on that rank: every rank raises, naming it, and steps and saves are
+    refused until a load completes (``state_door.stopped_load``). The parameters' collective (qwZ's whole copies
+    made as a step leaves them) runs once every rank has written."""
+    failure, _ = _agreed(pipeline, lambda: _apply(staged, optimizer, pipeline, names), share=False)
+    state_door.stopped_load(pipeline, failure)
+    if failure is not None:
+        raise CheckpointError(
+            f"{failure}; the load stopped part way, after it had begun writing: the optimizer state and the "
+            "parameters are partly the checkpoint's and partly what they were (the ranks may differ), so steps and "
+            "checkpoint saves are refused until zk.checkpoint.load, called again on every rank, completes"
+        )
+    pipeline.requantize_loaded(staged.meta.get("dequantized", True))  # absent before it was kept: as then
+
+
+@torch.no_grad()
 def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
     state_door.give_amsgrad(pipeline, [load.target for load in staged.buffers])
     for load in staged.buffers:
@@ -685,7 +719,6 @@ def _apply(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]
         _move(dst, value)
     pipeline.assign_frozen(staged.frozen)
     master.record_all(pipeline)
-    pipeline.requantize_loaded(staged.meta.get("dequantized", True))  # absent before it was kept: as then
     saved = {p["name"]: p for p in staged.meta["params"]}
     for index in pipeline.steps:
         entry = saved[names[index]]
@@ -745,6 +778,9 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     only under the same layout (``checkpoint.accumulation``). Every problem (missing, truncated or
     corrupted files, another model, another format version, a save that did not finish, a call inside
     stage 3's ``gathered_params()``) raises ``CheckpointError`` on every rank before anything changes.
+    A failure once it has begun writing (a read of a file that fails where an offload tier's state is
+    loaded as it is read, a ``MemoryError``) raises ``CheckpointError`` on every rank, naming the rank, and
+    the optimizer refuses to step, and ``save`` to save, until a load completes.
 
     Args:
         directory: a checkpoint root written by ``save`` or one of its ``vNNNNNN`` version directories.
@@ -769,7 +805,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
         staged = _collect(
             pipeline, lambda: _stage(directory, model, optimizer, pipeline, scheduler, files), share=False
         )
-        _apply(staged, optimizer, pipeline, _names(model, optimizer))
+        _apply_everywhere(staged, optimizer, pipeline, _names(model, optimizer))
     if scheduler is not None:
         scheduler.load_state_dict(staged.book["lr_scheduler"])
     elif staged.book.get("lr_scheduler") is not None:

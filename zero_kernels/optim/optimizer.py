@@ -481,6 +481,9 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "this step would reduce them across ranks instead. Leave the no_sync() block, then step; nothing "
                 "was changed"
             )
+        refusal = zstate.unfinished_load(self._pipeline, "ShardedFusedAdam.step()")
+        if refusal is not None:  # every rank holds the same (``checkpoint.load``)
+            raise RuntimeError(f"{refusal}; nothing was updated")
         guards.refuse_ddp_inside(self)
         self.check_param_groups()
         scaled = amp.begin(grad_scaler, self)

@@ -165,6 +165,7 @@ class Pipeline(BackwardRound):
         self.spent = False  # the last step dropped gradients p.grad does not hold, and no zero_grad() came since
         self.spent_warned = False  # ``grad_state.warn_spent`` spoke
         self._held: tuple[int, set[int]] = (-1, set())  # (buffers counted, held_indices())
+        self.unfinished_load: Optional[str] = None  # why the last checkpoint load stopped part way (``state_door``)
         if getattr(options, "quantized_gradients", False) and not self.quantizes_gradients:
             log.warning("zero_quantized_gradients applies at stages 2 and 3; stage %d reduces unquantized", self.stage)
         overlap = self.allgather_by_bucket and getattr(options, "overlap_param_gather", False)

@@ -17,7 +17,9 @@ What it serves:
   and whole (``assemble``: a collective): DeepSpeed's tensor-fragment functions (``optim.fragments``);
 - a checkpoint's pieces out and in (``save_pieces``, ``load_pieces``, ``whole_params``), which hide
   where the parameters live (whole in ``param_flat`` at stages 0-2, this rank's ``param_shard`` at
-  stage 3).
+  stage 3);
+- a checkpoint load that stopped part way (``stopped_load``): steps and saves are refused until a load
+  completes (``unfinished_load``).
 
 Reading the masters first gives them what was written into the parameters since the last step
 (``adopt.current``); loading one keeps it where it rounds to the parameter's value, and the next
@@ -422,6 +424,26 @@ def give_amsgrad(pipeline: Pipeline, targets: list[LoadBuffer]) -> None:
     ``targets`` that load one and have none, once the load is checked: a load that fails leaves none."""
     for group in dict.fromkeys(t.buf.group for t in targets if t.gains_max):
         pipeline.allocate_max_exp_avg_sq(group)
+
+
+def stopped_load(pipeline: Pipeline, failure: Optional[str]) -> None:
+    """Record on every rank how the last checkpoint load ended: ``failure`` (what failed, on which rank) when it
+    stopped part way, once it had begun writing (the state and parameters partly the checkpoint's, on some ranks),
+    None when it completed (``unfinished_load``)."""
+    pipeline.unfinished_load = failure
+
+
+def unfinished_load(pipeline: Pipeline, action: str) -> Optional[str]:
+    """The error for ``action`` (a step, a save) while the last checkpoint load stopped part way, else None: what
+    it would read is partly the checkpoint's and partly what was there, so it waits for a load that completes (the
+    caller says what it left unchanged)."""
+    if pipeline.unfinished_load is None:
+        return None
+    return (
+        f"{action}: the last zk.checkpoint.load stopped part way ({pipeline.unfinished_load}), after it had begun "
+        "writing: the optimizer state and the parameters are partly the checkpoint's and partly what they were, and "
+        "the ranks may differ: call zk.checkpoint.load again (on every rank) and let it complete first"
+    )
 
 
 def whole_params(pipeline: Pipeline) -> Iterator[tuple[int, torch.dtype, torch.Tensor]]:
