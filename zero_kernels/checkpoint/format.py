@@ -407,6 +407,11 @@ class TensorSource:
 
     def read(self, key: str, start: int = 0, numel: Optional[int] = None) -> torch.Tensor:
         """Elements ``start .. start + numel`` of flattened tensor ``key`` (all when ``numel`` is None)."""
+        return self.read_summed(key, start, numel)[0]
+
+    def read_summed(self, key: str, start: int = 0, numel: Optional[int] = None) -> tuple[torch.Tensor, int]:
+        """``read``'s elements and the CRC-32 of their bytes: the same range read again later gives the same sum
+        unless its file was written to meanwhile (a read inside blocks already checked is not checked again)."""
         entry = self.entry(key)
         total = _numel(entry["shape"])
         numel = total - start if numel is None else numel
@@ -419,14 +424,15 @@ class TensorSource:
                 parts.append((self._reader(file), a, b, byte_offset + (a - lo) * size))
         # Every reader has checked its file's real size: the pieces, and so ``out``, fit in the files.
         out = torch.empty(numel, dtype=dtype)
-        covered = 0
+        covered, crc = 0, 0
         for reader, a, b, offset in parts:
             data = reader.read(offset, (b - a) * size)
+            crc = zlib.crc32(data, crc)
             out.narrow(0, a - start, b - a).copy_(torch.frombuffer(bytearray(data), dtype=dtype))
             covered += b - a
         if covered != numel:
             raise CheckpointError(f"checkpoint: the pieces of {key!r} in {self.version} do not cover the tensor")
-        return out
+        return out, crc
 
     def full(self, key: str) -> torch.Tensor:
         """Tensor ``key`` with its saved shape."""

@@ -31,7 +31,7 @@ ranks agree that every read succeeded before anything is modified. A state an of
 between steps (on disk) is not staged: its ranges are read and checked, then read again buffer by
 buffer as they are written into it (``state_door.LoadBuffer``); a save likewise reads it one buffer
 at a time (``state_door.save_pieces``), so neither holds more of it in host memory than a buffer's.
-A read that fails there (the file truncated or removed since the check, an I/O error), or any other
+A read that fails there (the file truncated, removed or written to since the check, an I/O error), or any other
 failure once the writes began, stops the load part way on that rank: the ranks agree on it, every rank
 raises, and steps and saves are refused until a load completes (``_apply_everywhere``).
 Tensors are matched by model name, so the optimizer's stage, world size, bucket size and param dtype may all change (not
@@ -557,11 +557,23 @@ def _stage_buffers(src: TensorSource, pipeline: Pipeline, names: list[str], save
 
 def _value(src: TensorSource, key: str, spec: state_door.LoadSpec, later: bool) -> Value:
     """Elements ``spec.start .. + spec.numel`` of ``key``; ``later``: checked now (their blocks' checksums), read
-    again when applied."""
-    value = src.read(key, spec.start, spec.numel)
+    again when applied (``_read_again``)."""
+    value, crc = src.read_summed(key, spec.start, spec.numel)
     if not later:
         return value
-    return functools.partial(src.read, key, spec.start, spec.numel)
+    return functools.partial(_read_again, src, key, spec, crc)
+
+
+def _read_again(src: TensorSource, key: str, spec: state_door.LoadSpec, crc: int) -> torch.Tensor:
+    """The elements ``_value`` checked, read again: the same bytes (their CRC-32 ``crc``), else a CheckpointError
+    (the file was written to since: the blocks checked once are not checked again)."""
+    value, again = src.read_summed(key, spec.start, spec.numel)
+    if again != crc:
+        raise CheckpointError(
+            f"checkpoint: {key!r} (elements {spec.start}..{spec.start + spec.numel}) in {src.version} changed since "
+            "the load checked it: its shard file was written to during the load"
+        )
+    return value
 
 
 def _whole_params(src: TensorSource, pipeline: Pipeline, names: list[str], saved: dict[str, int]) -> list[Move]:
@@ -695,7 +707,7 @@ def _stage(
 def _apply_everywhere(staged: _Staged, optimizer: Any, pipeline: Pipeline, names: list[str]) -> None:
     """Write what ``staged`` holds on every rank, then agree that every rank did. Where a tier keeps the state between
     steps its values are read from the checkpoint's files as they are written (``_value``), so a read that fails
-    there (the file truncated or removed since it was checked, an I/O error), or any other failure (a
+    there (the file truncated, removed or written to since it was checked, an I/O error), or any other failure (a
     ``MemoryError``), stops the load part way on that rank: every rank raises, naming it, and steps and saves are
     refused until a load completes (``state_door.stopped_load``). The parameters' collective (qwZ's whole copies
     made as a step leaves them) runs once every rank has written."""
