@@ -9,7 +9,9 @@ import logging
 from typing import Any, Optional
 
 import pytest
+from torch import nn
 
+import zero_kernels as zk
 from zero_kernels.config import ZeroConfig
 
 
@@ -51,3 +53,22 @@ def test_absent_inert_keys_are_not_listed(caplog: pytest.LogCaptureFixture) -> N
     with caplog.at_level(logging.INFO, logger="zero_kernels"):
         ZeroConfig.from_deepspeed({"zero_optimization": {"stage": 2}})
     assert _listed(caplog, logging.INFO) + _listed(caplog, logging.WARNING) == []
+
+
+@pytest.mark.parametrize(
+    "stage, given",
+    [(stage, {}) for stage in range(4)]
+    + [(stage, {"overlap_comm": False}) for stage in range(4)]
+    + [(stage, {"offload_optimizer": {"device": "cpu"}}) for stage in range(1, 4)],
+)
+def test_initialize_lists_the_keys_the_config_gives_once(
+    caplog: pytest.LogCaptureFixture, stage: int, given: dict
+) -> None:
+    """``zk.initialize`` hands the parsed options to ``ShardedFusedAdam``: the keys without effect are listed as the
+    config gives them, once, not again as keywords (every inert option, absent from the config, was listed there, at
+    WARNING for ``overlap_comm`` at stages 0 and 2)."""
+    config = {"zero_optimization": {"stage": stage, **given}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        zk.initialize(nn.Linear(4, 2), config)
+    listed = _listed(caplog, logging.INFO) + _listed(caplog, logging.WARNING)
+    assert listed == [f"zero_optimization.{key}" for key in given if key == "overlap_comm"], caplog.text

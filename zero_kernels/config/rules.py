@@ -316,7 +316,9 @@ class Section:
         elif isinstance(value, str) and self.shorthand is not None:
             value = {self.shorthand: value}
         elif is_dataclass(value) and not isinstance(value, type):
-            value = asdict(value)  # a parsed block given back (``ZeroOptions`` fields as keywords)
+            # A parsed block given back (``ZeroOptions`` fields as keywords): its keys without effect were logged
+            # when it was parsed, and its dataclass holds them at their defaults.
+            value = {key: v for key, v in asdict(value).items() if key not in self.unused}
         if not isinstance(value, Mapping):
             raise ValueError(f"{path}={value!r} is invalid: expected {self.allowed}")
         return self.finish(parse_section(value, path, self, ctx if ctx is not None else ParseContext()))

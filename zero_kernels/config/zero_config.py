@@ -52,6 +52,7 @@ from .schema import (
     TOP,
     ZERO,
     ZERO_FIELDS,
+    ZERO_INERT,
     ZEROPP_FIELDS,
     LeafModules,
     LocoParam,
@@ -367,9 +368,11 @@ class ZeroConfig:
 
     def sharded_options(self) -> dict[str, Any]:
         """``ShardedFusedAdam``'s keyword arguments this config sets beside the optimizer's hyper-parameters and what
-        a training loop counts or clips itself: every ``zero_optimization`` option (the stage included),
-        ``communication_data_type``, ``data_types.grad_accum_dtype`` and ``skip_nonfinite_steps``."""
-        zero = {f.name: getattr(self.zero, f.name) for f in fields(self.zero)}
+        a training loop counts or clips itself: every ``zero_optimization`` option a stage reads (the stage
+        included; the keys without effect, ``ZERO_INERT``, were logged when the config gave them and would be
+        logged again, given or not, as keywords), ``communication_data_type``, ``data_types.grad_accum_dtype`` and
+        ``skip_nonfinite_steps``."""
+        zero = {f.name: getattr(self.zero, f.name) for f in fields(self.zero) if _key(f.name) not in ZERO_INERT}
         return dict(
             zero, communication_data_type=self.communication_data_type, grad_accum_dtype=self.grad_accum_dtype,
             skip_nonfinite_steps=self.skip_nonfinite_steps,
