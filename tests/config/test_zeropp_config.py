@@ -109,11 +109,15 @@ def test_quantized_nontrainable_weights_is_carried_at_stage_3() -> None:
 
 
 @pytest.mark.parametrize(
-    "stage, keys",
-    [(1, ("zero_quantized_weights",)), (2, ("zero_quantized_weights",)), (2, ("zero_quantized_gradients",))],
+    "stage, keys, effect",
+    [
+        (1, ("zero_quantized_weights",), "the int8 all-gather's"),
+        (2, ("zero_quantized_weights",), "the int8 all-gather's"),
+        (2, ("zero_quantized_gradients",), "the gradients are reduced in int4 blocks"),
+    ],
 )
 def test_below_stage_3_a_config_is_warned_that_deepspeed_ignores_the_key(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, stage: int, keys: tuple
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, stage: int, keys: tuple, effect: str
 ) -> None:
     """DeepSpeed 0.19 builds its stage 1-2 optimizer without the ZeRO++ switches: the same JSON would train unquantized
     there, so a DeepSpeed config that turns them on below stage 3 is warned once per process (and still honoured);
@@ -131,4 +135,5 @@ def test_below_stage_3_a_config_is_warned_that_deepspeed_ignores_the_key(
     assert len(warned) == 1, warned
     assert f"{keys[0]}=true at stage {stage}: zero_kernels quantizes" in warned[0]
     assert "DeepSpeed 0.19 ignores it below stage 3" in warned[0]
+    assert effect in warned[0]
     assert options == config.zero and (options.quantized_weights or options.quantized_gradients)

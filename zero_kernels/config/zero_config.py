@@ -214,7 +214,7 @@ def _warn_zeropp_below_stage3(options: ZeroOptions) -> None:
 _ZEROPP_EFFECT = {
     "zero_quantized_weights": "every rank's copy of the others' parameters is the int8 all-gather's, within half a "
     "block's scale",
-    "zero_quantized_gradients": "the gradients are reduced in int8 blocks",
+    "zero_quantized_gradients": "the gradients are reduced in int4 blocks",
 }
 
 
