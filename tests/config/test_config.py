@@ -8,6 +8,7 @@ import logging
 import pathlib
 import re
 import types
+from typing import Optional
 
 import pytest
 import torch
@@ -376,6 +377,29 @@ def test_torch_adamw_params_are_read_or_logged(caplog: pytest.LogCaptureFixture)
     listed = info.split("without effect in zero_kernels: ", 1)[1].split("\n")[0].split(", ")
     assert listed == [f"optimizer.params.{k}" for k in ("foreach", "fp32_optimizer_states", "fused")], info
     assert "without effect" not in _messages(caplog, logging.WARNING)
+
+
+@pytest.mark.parametrize(
+    "block, level",
+    [
+        ({"enabled": True}, logging.WARNING),
+        ({"enabled": True, "dtype": "bfloat16"}, logging.WARNING),
+        ({"enabled": False}, logging.INFO),
+        ({}, logging.INFO),  # DeepSpeed's default: off
+        (None, logging.INFO),
+    ],
+)
+def test_torch_autocast_is_warned_about_when_it_asks_for_autocast(
+    caplog: pytest.LogCaptureFixture, block: Optional[dict], level: int
+) -> None:
+    """DeepSpeed's engine runs the forward under torch.autocast when ``torch_autocast.enabled`` is true, which
+    zero_kernels does not: that is listed at WARNING; a block that leaves it off asks for what happens here anyway
+    and is listed at INFO (it was listed at WARNING whatever it said)."""
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
+        ZeroConfig.from_deepspeed({"torch_autocast": block})
+    listed = {lv for lv in (logging.INFO, logging.WARNING) if "without effect" in _messages(caplog, lv)}
+    assert listed == {level}, caplog.text
+    assert "torch_autocast" in _messages(caplog, level)
 
 
 @pytest.mark.parametrize("config", [{"aio": None}, {"bf16": None}, {"bfloat16": None}, {"optimizer": None}])

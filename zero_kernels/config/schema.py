@@ -414,7 +414,6 @@ TOP_IGNORED: Dict[str, int] = {
     **{
         k: WARNING
         for k in (
-            "torch_autocast",
             "compile",
             "activation_checkpointing",
             "pipeline",
@@ -438,6 +437,13 @@ DATA_TYPES = Section(
 def _disabled(value: Any) -> bool:
     """A block written with ``"enabled": false`` (or null): it turns nothing on."""
     return value is None or (isinstance(value, Mapping) and value.get("enabled") is False)
+
+
+# DeepSpeed's engine runs the forward under torch.autocast when "enabled" is true (its default: false); zero_kernels
+# runs no forward.
+TORCH_AUTOCAST = Unused(
+    None, quiet=lambda value: value is None or (isinstance(value, Mapping) and not value.get("enabled"))
+)
 
 
 def _tp_off(value: Any) -> bool:
@@ -560,7 +566,7 @@ TOP = Section(
     },
     ignored=TOP_IGNORED,
     unsupported={**TOP_UNSUPPORTED, **TOP_REMOVED},
-    unused=MONITORING,
+    unused={**MONITORING, "torch_autocast": TORCH_AUTOCAST},
 )
 
 # Keyword arguments of ``from_deepspeed`` that fill "auto" (or missing) values: name -> key path.
