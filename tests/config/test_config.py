@@ -8,7 +8,6 @@ import logging
 import pathlib
 import re
 import types
-from typing import Optional
 
 import pytest
 import torch
@@ -380,26 +379,30 @@ def test_torch_adamw_params_are_read_or_logged(caplog: pytest.LogCaptureFixture)
 
 
 @pytest.mark.parametrize(
-    "block, level",
+    "key, value, level",
     [
-        ({"enabled": True}, logging.WARNING),
-        ({"enabled": True, "dtype": "bfloat16"}, logging.WARNING),
-        ({"enabled": False}, logging.INFO),
-        ({}, logging.INFO),  # DeepSpeed's default: off
-        (None, logging.INFO),
+        ("torch_autocast", {"enabled": True}, logging.WARNING),
+        ("torch_autocast", {"enabled": True, "dtype": "bfloat16"}, logging.WARNING),
+        ("torch_autocast", {"enabled": False}, logging.INFO),
+        ("torch_autocast", {}, logging.INFO),  # DeepSpeed's default: off
+        ("torch_autocast", None, logging.INFO),
+        ("fp32_allreduce", True, logging.WARNING),
+        ("fp32_allreduce", False, logging.INFO),
     ],
 )
-def test_torch_autocast_is_warned_about_when_it_asks_for_autocast(
-    caplog: pytest.LogCaptureFixture, block: Optional[dict], level: int
+def test_an_engine_key_is_warned_about_when_it_asks_for_what_is_not_done(
+    caplog: pytest.LogCaptureFixture, key: str, value: object, level: int
 ) -> None:
-    """DeepSpeed's engine runs the forward under torch.autocast when ``torch_autocast.enabled`` is true, which
-    zero_kernels does not: that is listed at WARNING; a block that leaves it off asks for what happens here anyway
-    and is listed at INFO (it was listed at WARNING whatever it said)."""
+    """Keys DeepSpeed's engine acts on: ``torch_autocast`` enabled runs the forward under torch.autocast,
+    ``fp32_allreduce`` all-reduces 16-bit gradients in fp32 (``communication_data_type`` does that here); neither
+    happens through them, so they are listed at WARNING. DeepSpeed's defaults (autocast off, gradients reduced in
+    their dtype) ask for what happens here anyway and are listed at INFO (they were listed at WARNING whatever they
+    said)."""
     with caplog.at_level(logging.INFO, logger="zero_kernels"):
-        ZeroConfig.from_deepspeed({"torch_autocast": block})
+        ZeroConfig.from_deepspeed({key: value})
     listed = {lv for lv in (logging.INFO, logging.WARNING) if "without effect" in _messages(caplog, lv)}
     assert listed == {level}, caplog.text
-    assert "torch_autocast" in _messages(caplog, level)
+    assert key in _messages(caplog, level)
 
 
 @pytest.mark.parametrize("config", [{"aio": None}, {"bf16": None}, {"bfloat16": None}, {"optimizer": None}])

@@ -419,7 +419,6 @@ TOP_IGNORED: Dict[str, int] = {
             "pipeline",
             "prescale_gradients",
             "gradient_predivide_factor",
-            "fp32_allreduce",
             "data_efficiency",
             "weight_quantization",
         )
@@ -439,11 +438,14 @@ def _disabled(value: Any) -> bool:
     return value is None or (isinstance(value, Mapping) and value.get("enabled") is False)
 
 
-# DeepSpeed's engine runs the forward under torch.autocast when "enabled" is true (its default: false); zero_kernels
-# runs no forward.
-TORCH_AUTOCAST = Unused(
-    None, quiet=lambda value: value is None or (isinstance(value, Mapping) and not value.get("enabled"))
-)
+# Keys DeepSpeed's engine acts on and zero_kernels does not: listed at WARNING, or at INFO where the value is
+# DeepSpeed's default, which asks for what happens here anyway (no autocast; gradients reduced in their own dtype).
+TOP_ENGINE: Dict[str, Unused] = {
+    "torch_autocast": Unused(
+        None, quiet=lambda value: value is None or (isinstance(value, Mapping) and not value.get("enabled"))
+    ),
+    "fp32_allreduce": Unused(None, quiet=lambda value: value is False),
+}
 
 
 def _tp_off(value: Any) -> bool:
@@ -566,7 +568,7 @@ TOP = Section(
     },
     ignored=TOP_IGNORED,
     unsupported={**TOP_UNSUPPORTED, **TOP_REMOVED},
-    unused={**MONITORING, "torch_autocast": TORCH_AUTOCAST},
+    unused={**MONITORING, **TOP_ENGINE},
 )
 
 # Keyword arguments of ``from_deepspeed`` that fill "auto" (or missing) values: name -> key path.
