@@ -196,8 +196,18 @@ def test_stage3_aliases_and_deepspeed_field_names() -> None:
     )
     assert (opts.stage3_prefetch_bucket_size, opts.stage3_param_persistence_threshold) == (7, 0)
     assert opts.stage3_max_live_parameters == 9
-    with pytest.raises(ValueError, match="zero_optimization.stage3_prefetch_bucket_size is given twice"):
+    with pytest.raises(
+        ValueError,
+        match="zero_optimization.stage3_prefetch_bucket_size is given twice, as 'prefetch_bucket_size' and as "
+        "'stage3_prefetch_bucket_size': keep one",
+    ):
         ZeroOptions.from_dict({"prefetch_bucket_size": 7, "stage3_prefetch_bucket_size": 7})
+    with pytest.raises(ValueError, match="as 'stage3_gather_fp16_weights_on_model_save' and as 'gather_16bit_"):
+        ZeroOptions.from_dict(
+            {"stage3_gather_fp16_weights_on_model_save": True, "gather_16bit_weights_on_model_save": 1}
+        )
+    with pytest.raises(ValueError, match="aio.intra_op_parallelism is given twice, as 'thread_count' and as 'intra_op"):
+        ZeroConfig.from_deepspeed({"aio": {"thread_count": 2, "intra_op_parallelism": 2}})
 
 
 HF_ZERO3 = hf_template(

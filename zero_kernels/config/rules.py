@@ -421,6 +421,7 @@ def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict
     tables = (section.fields, section.aliases, section.ignored, section.unsupported, section.unused)
     known = list(dict.fromkeys(key for table in tables for key in table))  # every key the section accepts, in order
     raw: Dict[str, Any] = {}
+    spelt: Dict[str, str] = {}  # canonical key -> the spelling given
     for key, value in d.items():
         if not path and isinstance(key, str) and key.startswith("_") and key not in known:
             ctx.ignore(key, logging.INFO)  # a comment ("_comment"): DeepSpeed ignores unknown top-level keys
@@ -440,8 +441,10 @@ def _collect(d: Mapping, path: str, section: Section, ctx: ParseContext) -> Dict
             continue
         canonical = section.aliases.get(key, key)
         if canonical in raw:
-            raise ValueError(f"{join(path, canonical)} is given twice (as {canonical!r} and as an alias)")
-        raw[canonical] = value
+            raise ValueError(
+                f"{join(path, canonical)} is given twice, as {spelt[canonical]!r} and as {key!r}: keep one"
+            )
+        raw[canonical], spelt[canonical] = value, key
     _check_replaced(raw, path, section)
     return raw
 
