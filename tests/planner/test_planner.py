@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -238,6 +239,18 @@ def test_deepspeed_precision_sections() -> None:
     assert deepspeed_config(1, param_dtype="fp32", bucket_elements=10)["bf16"] == {"enabled": False}
     cfg = deepspeed_config(2, param_dtype="fp16", bucket_elements=10)
     assert cfg["fp16"] == {"enabled": True} and cfg["zero_optimization"]["allgather_bucket_size"] == 10
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_deepspeed_config_loads_without_a_warning(caplog: pytest.LogCaptureFixture, stage: int) -> None:
+    """The config ``plan --json`` writes asks for nothing zero_kernels does not do: loaded here, nothing is logged at
+    WARNING (its overlap_comm true at stage 1, which reduces at the step, was listed among the keys without effect
+    at WARNING; stage 1 is the plan's choice for 7.5B parameters on 64 GPUs of 80 GB)."""
+    from zero_kernels.config import ZeroConfig
+
+    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+        ZeroConfig.from_deepspeed(deepspeed_config(stage, param_dtype="bf16", bucket_elements=10))
+    assert not caplog.records, caplog.text
 
 
 PLAN = ["plan", "--params", "7.5B", "--gpus", "64", "--gpu-memory", "20GB", "--link", "ethernet-100"]

@@ -216,7 +216,7 @@ def deepspeed_config(
     dtype_bytes("param_dtype", param_dtype)
     zero: dict[str, Any] = {
         "stage": stage,
-        "overlap_comm": True,
+        "overlap_comm": stage != 1,  # what the stages do: stage 1 reduces at the step, the others during backward
         "contiguous_gradients": True,
         "reduce_bucket_size": bucket_elements,
     }
