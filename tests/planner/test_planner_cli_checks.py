@@ -37,6 +37,10 @@ def test_the_json_has_deepspeeds_batch_keys_and_loads_in_initialize(tmp_path, ca
         (["--tokens-per-step", "1M", "--tflops", "0"], "--tflops='0': must be > 0"),
         (["--tflops", "100"], "--tflops without the other: give --tokens-per-step with --tflops, or --compute-s"),
         (["--micro-batch", "0"], "--train-micro-batch-size-per-gpu='0': must be > 0"),
+        (
+            ["--offload", "cpu", "--offload-ratio", "1.5"],
+            "ratio=1.5: the offloaded share must be in (0, 1] (plan --offload-ratio)",
+        ),
     ],
     ids=[
         "ratio-without-offload",
@@ -46,6 +50,7 @@ def test_the_json_has_deepspeeds_batch_keys_and_loads_in_initialize(tmp_path, ca
         "tflops-0",
         "tflops-alone",
         "mb0",
+        "ratio-above-1",
     ],
 )
 def test_options_that_would_be_ignored_or_misread_are_refused(capsys, extra, message) -> None:

@@ -141,7 +141,7 @@ class OffloadSetup:
         check_device("offload", self.optimizer)
         check_device("offload_param", self.param)
         if not 0 < self.ratio <= 1:
-            raise ValueError(f"ratio={self.ratio!r}: the offloaded share must be in (0, 1]")
+            raise ValueError(f"ratio={self.ratio!r}: the offloaded share must be in (0, 1] (plan --offload-ratio)")
         for name in ("bus_gbps", "adam_gbps", "host_memory"):
             check_positive(name, getattr(self, name))
         check_count("ranks_per_node", self.ranks_per_node)
