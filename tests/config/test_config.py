@@ -273,6 +273,24 @@ def test_hf_warmup_mismatch_names_an_older_trainers_ratio() -> None:
         ZeroConfig.from_deepspeed(config, world_size=1, training_args=args)
 
 
+def test_hf_training_args_with_the_read_attributes_only() -> None:
+    """An object with the attributes the README lists as read (``get_warmup_steps()``, no ``warmup_steps`` or
+    ``warmup_ratio``) fills the warmup from ``get_warmup_steps`` and names it where the config disagrees (reading
+    the config raised AttributeError: no attribute 'warmup_steps')."""
+    args = types.SimpleNamespace(
+        per_device_train_batch_size=4, gradient_accumulation_steps=1, learning_rate=1e-3, max_grad_norm=1.0,
+        adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, fp16=False, bf16=False,
+        max_steps=12, get_warmup_steps=lambda total: total // 4,
+    )  # fmt: skip
+    config = {"optimizer": {"type": "AdamW"}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    cfg = ZeroConfig.from_deepspeed(config, world_size=1, training_args=args)
+    assert cfg.scheduler.params["warmup_num_steps"] == 3
+    config["scheduler"]["params"]["warmup_num_steps"] = 5
+    shown = "training_args.get_warmup_steps(12)=3;"
+    with pytest.raises(ValueError, match=re.escape(f"warmup_num_steps=5 in the config disagrees with {shown}")):
+        ZeroConfig.from_deepspeed(config, world_size=1, training_args=args)
+
+
 def test_hf_auto_values_default_without_keywords(caplog: pytest.LogCaptureFixture) -> None:
     config = {**HF_ZERO3, "train_micro_batch_size_per_gpu": 4, "scheduler": {"type": "WarmupLR", "params": {}}}
     cfg = ZeroConfig.from_deepspeed(config, world_size=2)

@@ -140,13 +140,16 @@ def _warmup_shown(args: Any, warmup: int, total: Optional[int]) -> str:
     given = [
         f"training_args.{name}={getattr(args, name)!r}"
         for name in ("warmup_steps", "warmup_ratio")
-        if name == "warmup_steps" or getattr(args, name, 0)
+        if hasattr(args, name) and (name == "warmup_steps" or getattr(args, name))
     ]
+    if not given and total is not None and callable(getattr(args, "get_warmup_steps", None)):
+        return f"training_args.get_warmup_steps({total})={warmup!r}"  # an object with the method only
     if given == [f"training_args.warmup_steps={warmup!r}"] and warmup >= 1:
         return given[0]
     over = "" if total is None else f" of {total}"
     floor = "" if warmup >= 1 else ", which the Trainer fills in as 1"
-    return f"{', '.join(given)} ({warmup} warmup steps{over}{floor})"
+    source = ", ".join(given) or "training_args without warmup_steps or warmup_ratio"
+    return f"{source} ({warmup} warmup steps{over}{floor})"
 
 
 def model_hidden_size(model: Any) -> Optional[int]:
