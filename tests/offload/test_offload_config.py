@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,14 +185,24 @@ def test_super_offload_config_starts_through_initialize() -> None:
     assert any(k > 0 for k, _ in placed) and any(k < n for k, n in placed), placed  # 0.9 in the tier, 0.1 not
 
 
-@pytest.mark.parametrize("stage, fragment", [(3, "speculatively"), (2, "ignored at stage 2")])
-def test_super_offload_warns_once_what_it_does(stage: int, fragment: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="zero_kernels"):
+@pytest.mark.parametrize(
+    "stage, device, level, fragment",
+    [
+        (3, "cpu", logging.INFO, "runs during backward"),
+        (3, "nvme", logging.WARNING, "ignored with device nvme"),
+        (2, "cpu", logging.WARNING, "ignored at stage 2"),
+    ],
+)
+def test_super_offload_says_once_what_it_does(
+    stage: int, device: str, level: int, fragment: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    block = {**SUPER_OFFLOAD, "device": device, **({"nvme_path": str(tmp_path)} if device == "nvme" else {})}
+    with caplog.at_level(logging.INFO, logger="zero_kernels"):
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        zk.ShardedFusedAdam(model, stage=stage, offload_optimizer=SUPER_OFFLOAD)
-    said = [r.getMessage() for r in caplog.records if "super_offload" in r.getMessage()]
-    assert len(said) == 1 and fragment in said[0], said
-    assert "results the same" in said[0] or stage != 3, said
+        opt = zk.ShardedFusedAdam(model, stage=stage, offload_optimizer=block)
+    said = [r for r in caplog.records if "super_offload" in r.getMessage()]
+    assert len(said) == 1 and fragment in said[0].getMessage() and said[0].levelno == level, said
+    assert (opt._pipeline.speculation is not None) == (level == logging.INFO)
 
 
 BAD = [

@@ -11,8 +11,9 @@ device name, a mapping or the dataclass). Defaults are DeepSpeed 0.19's
   ``cpuadam_cores_perc``: the share of this process's cores the host Adam uses (at least one thread; the
   environment variable ``ZERO_KERNELS_CPU_ADAM_THREADS`` overrides it). ``ratio`` in [0, 1]: the share of the state
   that is offloaded, whole buckets (the rest stays on the device: ``stages.placement``; 0: none, as without the
-  block). ``super_offload``: accepted, with a warning (the pipeline's): the host Adam runs after backward, without
-  DeepSpeed's speculation. ``pin_memory`` defaults to true, as in DeepSpeed 0.19.8.
+  block). ``super_offload``: at stage 3 with ``device`` cpu, the host Adam of each bucket runs during backward,
+  speculatively (``stages.speculation``); elsewhere ignored, with a warning. ``pin_memory`` defaults to true, as in
+  DeepSpeed 0.19.8.
 - ``OffloadParamConfig``: stage 3's parameter shards in host memory or files. Parsed and checked (stage 3 only:
   ``ZeroOptions`` drops it with a warning elsewhere; ``nvme_path`` with ``"nvme"``); with all the optimizer state
   offloaded the shards are the state tier's host copies (``"cpu"``), otherwise host memory of their own

@@ -87,7 +87,18 @@ from ..stages import (
 )
 from ..stages import state_door as zstate
 from ..stages.ownership import check_step
-from . import amp, dcp, foreign_steps, fragments, guards, mid_window, module_zero_grad, state_init, torch_clip
+from . import (
+    amp,
+    dcp,
+    foreign_steps,
+    fragments,
+    guards,
+    mid_window,
+    module_zero_grad,
+    next_step,
+    state_init,
+    torch_clip,
+)
 from . import copies as optim_copy
 from . import state_dicts as optim_state
 from .args import (
@@ -263,6 +274,8 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         self._pipeline.index_name = weak_method(self._param_name)  # no reference cycle: `del opt` frees it
         self._pipeline.step_counts.on_settle = weak_method(self._account)
         self._pipeline.loss_scaled = self.scales_loss  # a plain loss.backward() is refused
+        if self._pipeline.speculation is not None:
+            self._pipeline.speculation.predict = next_step.predictor(self)
         self._applied_steps = 0  # steps of this object that updated the parameters (boundary, not skipped)
         self._late_group_checked = False  # the first boundary step looks once for a process group made after us
         self._built_groups: list[list[torch.Tensor]] = []  # each group's parameters as the buffers took them

@@ -77,6 +77,7 @@ from .buffers import FlatBuffer, GroupHyper, Inflight
 from .grad_ready import GradReady, owners
 from .layout import Bucket, BufferLayout, align_elements
 from .outcome import StepResult
+from .speculation import Speculation
 from .uploads import Uploads
 
 log = logging.getLogger("zero_kernels")
@@ -171,6 +172,7 @@ class Pipeline(BackwardRound):
         overlap = self.allgather_by_bucket and getattr(options, "overlap_param_gather", False)
         self.gathers = param_gather.ParamGathers(overlap)  # the step's all-gathers, kept in flight when overlapping
         self.tier = offloaded.make_tier(options, engine)  # where the optimizer state lives when offloaded (else None)
+        self.speculation: Optional[Speculation] = None  # super_offload: updates run during backward (stage 3)
         self.uploads = Uploads()  # copies up from host shards in flight: host writers wait for them (``uploads``)
         self.param_traffic = quantized_gather.Traffic()  # what parameter all-gathers sent (ZeRO++), logged once
         self.weight_quantizer = quantized_gather.WeightQuantizer()  # int8 copies of the shards (qwZ), per version
@@ -477,6 +479,8 @@ class Pipeline(BackwardRound):
     def close(self) -> None:
         """Remove the gradient hooks (the parameters keep their current values); a disk tier removes its files."""
         self.wait_params()
+        if self.speculation is not None:
+            self.speculation.close()
         if self.tier is not None:
             self.tier.close()
         _let_go(self._hooks, self._owned, self._ref)
@@ -783,6 +787,8 @@ class Pipeline(BackwardRound):
         self.uploads.wait()
         grad_state.warn_spent(self)
         self.finish_grad_sync()
+        if self.speculation is not None and (written := self.speculation.written(self)) is not None:
+            self.refusals.record(refusals.STATE_WRITTEN, written)  # raised on every rank by the exchange
         checks = stats.step_checks(hyper, grad_scale, max_grad_norm, clip_max_norm)
         scale: outcome.Scale = grad_scale if clip_coef is None else clip_coef * grad_scale
         combined = self._global_stats(checks, norm=max_grad_norm is not None, finite=check_finite)
@@ -793,6 +799,8 @@ class Pipeline(BackwardRound):
         self.step_counts.counts.update(combined.counts)  # as the ranks holding each parameter's state have it
         decision = outcome.decide(combined.grad_sq, scale, max_grad_norm, check_finite)
         result = StepResult(decision.norm, decision.skip)  # its copy to the host queues before the kernels
+        if self.speculation is not None:  # the updates run during backward that the step keeps; the others undone
+            self.speculation.settle(self, decision, list(hyper), combined.with_grad)
         master.push_written(self)
         self.weight_quantizer.changed()
         update_bucket = update.update_bucket if self.tier is None else offloaded.update_bucket
@@ -815,6 +823,8 @@ class Pipeline(BackwardRound):
         """Clear gradients like ``torch.optim.Optimizer.zero_grad`` (and the stage's buffers; see ``grad_state``), and
         those a backward that raised left (``_close_failed_round``)."""
         self._close_failed_round(keep=False)
+        if self.speculation is not None:
+            self.speculation.roll_back()  # the gradients they were run on are gone
         for buf in self.buffers:
             flat = None if buf.grad_flat is None else buf.grad_flat.untyped_storage().data_ptr()
             for p in buf.params:
@@ -934,6 +944,8 @@ class Pipeline(BackwardRound):
         }
         if self.tier is not None:
             tensors.update(placement.memory(self))
+        if self.speculation is not None:  # super_offload's copies, in host memory with the tier's
+            tensors["host"] = tensors.get("host", []) + self.speculation.copies()
         return tensors
 
 

@@ -51,10 +51,14 @@ class FlatBuffer:
     groups: list[tuple[int, int, int, int]] = field(default_factory=list)
     swap_in: Optional[Callable[[], None]] = None
     edits_owed: Optional[Callable[[], None]] = None  # the masters take the parameters' edits at the next read-in
+    guessed: Optional[Callable[[], None]] = None  # rolls back the updates run during backward (``speculation``)
 
     def ready(self) -> None:
-        """Make the state tensors whole (a tier may keep part of them elsewhere between uses: ``placement``), then
-        give the masters the edits owed to them (``placement.adopt_when_read``)."""
+        """Roll back what backward updated ahead of the step (``speculation``), make the state tensors whole (a tier
+        may keep part of them elsewhere between uses: ``placement``), then give the masters the edits owed to them
+        (``placement.adopt_when_read``)."""
+        if self.guessed is not None:
+            self.guessed()
         if self.swap_in is not None:
             self.swap_in()
         if self.edits_owed is not None:

@@ -60,9 +60,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(LOGGER_NAME)
 SUPER_OFFLOAD = (
-    "zero_optimization.offload_optimizer.super_offload=true is accepted at stage %d: DeepSpeed would run the host "
-    "Adam of each finished sub-group during backward, speculatively (a step the gradient norm or a non-finite "
-    "gradient rules out is rolled back); zero_kernels runs the host Adam after backward (results the same)"
+    "zero_optimization.offload_optimizer.super_offload=true: the host Adam of each bucket runs during backward, as "
+    "soon as its gradients are reduced, on what the step is expected to decide; the step keeps it where it read "
+    "what the step's own update reads and otherwise redoes it (results the same as without it)"
+)
+SUPER_OFFLOAD_ELSEWHERE = (
+    "zero_optimization.offload_optimizer.super_offload=true is accepted and ignored with device %s: DeepSpeed's "
+    "SuperOffload runs the host Adam of a state offloaded to the cpu"
 )
 SUPER_OFFLOAD_IGNORED = (
     "zero_optimization.offload_optimizer.super_offload=true is accepted and ignored at stage %d, as DeepSpeed "
@@ -75,7 +79,7 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     raises on every rank (after the others closed theirs). ``super_offload`` is warned about."""
     config = options.offload_optimizer
     if config.super_offload:
-        logger.warning(SUPER_OFFLOAD if options.stage == 3 else SUPER_OFFLOAD_IGNORED, options.stage)
+        _say_super_offload(options)
     if not config.enabled:
         return None
     cpu_adam_threads()  # a bad value is a ValueError here, as every other variable's, not a tier that did not start
@@ -95,6 +99,18 @@ def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
             tier.close()
         raise
     return tier
+
+
+def _say_super_offload(options: Any) -> None:
+    """What ``super_offload`` does here: at stage 3 with the state offloaded to the cpu, the speculation
+    (``stages.speculation``, logged); else nothing (a warning)."""
+    device = options.offload_optimizer.device
+    if options.stage < 3:
+        logger.warning(SUPER_OFFLOAD_IGNORED, options.stage)
+    elif device != "cpu":
+        logger.warning(SUPER_OFFLOAD_ELSEWHERE, device)
+    else:
+        logger.info(SUPER_OFFLOAD)
 
 
 def attach(pipeline: "Pipeline", buf: FlatBuffer) -> None:
@@ -171,7 +187,6 @@ def update_bucket(
     in_file = pipeline.params_in_file(buf)  # stage 3's offload_param on nvme: the bucket's shard read from its file
     if not in_file and not pipeline.grads_in_file(buf) and skipped_on_host(decision):
         return  # the update would change nothing: no copies, no state read or written
-    shard = tier.shards[id(buf)]
     # a shard read in whole (a state read or load, a value given) may hold what a step must adopt (an edit, or weights
     # newer than a master loaded) until a step writes it whole from the master: only one that did holds nothing to adopt
     whole = in_file and overwritten(pipeline, buf, bucket, decision, with_grad)
@@ -179,16 +194,10 @@ def update_bucket(
     if in_file:
         params, device_params = pipeline.step_params(buf, bucket, read=not fresh), None
     else:
-        device_params = pipeline.param_shard(buf, bucket)
-        params = device_params if shard.params is None else placement.part(buf, shard.params, bucket)
+        device_params, params = _params(pipeline, buf, bucket)
     separate = device_params is not None and device_params.data_ptr() != params.data_ptr()
-    if separate and tier.changed((id(buf), bucket.index), device_params, params):
-        tier.down(params, device_params)
     grads_in_file = pipeline.grads_in_file(buf)  # stage 3 with the state on disk: read from the file (ahead)
-    if grads_in_file:
-        grads = pipeline.step_grads(buf, bucket)
-    else:
-        grads = tier.gradients(shard, pipeline.grad_shard(buf, bucket), bucket.shard_offset - placement.cut(buf))
+    grads = pipeline.step_grads(buf, bucket) if grads_in_file else _grads(pipeline, buf, bucket)
     state = _state(tier, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
     low = buf.master is not None
     tensors = BucketTensors(
@@ -199,8 +208,11 @@ def update_bucket(
         params if low else None,
         state.get("max_exp_avg_sq") if h.amsgrad else None,
     )
-    with tier.compute():
-        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=host_impl(pipeline.impl), adopt=not fresh)
+    guessed = pipeline.speculation is not None and pipeline.speculation.take(buf, bucket, tensors)
+    if not guessed:  # (a bucket updated during backward, ``speculation``, is not updated again)
+        impl = host_impl(pipeline.impl)
+        with tier.compute():
+            launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=impl, adopt=not fresh)
     if grads_in_file:
         pipeline.stepped_grads(buf, bucket)
     # the parameters go before the state is stored: a store that fails keeps the new state to write again, and the
@@ -211,6 +223,36 @@ def update_bucket(
         pipeline.stepped_params(buf, bucket, params, whole)
     if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
         tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
+
+
+def bucket_inputs(
+    pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """What the host Adam of ``bucket`` reads, for a buffer whose state is in host memory and whose shards are not in
+    files (``speculation``): the parameters it writes, the reduced gradients and the state, in host memory."""
+    _, params = _params(pipeline, buf, bucket)
+    return params, _grads(pipeline, buf, bucket), _state(pipeline.tier, buf, bucket)
+
+
+def _params(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the device's parameters of ``bucket``, the host copy the update writes): the same tensor where the device is
+    host memory (``HostTier.shares``) or the shard lives in the host copy; an edit on the device since the tier last
+    pushed the copy up is copied down (``HostTier.changed``), so the update adopts it as without offload."""
+    tier = pipeline.tier
+    shard = tier.shards[id(buf)]
+    device_params = pipeline.param_shard(buf, bucket)
+    params = device_params if shard.params is None else placement.part(buf, shard.params, bucket)
+    separate = device_params.data_ptr() != params.data_ptr()
+    if separate and tier.changed((id(buf), bucket.index), device_params, params):
+        tier.down(params, device_params)
+    return device_params, params
+
+
+def _grads(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket) -> torch.Tensor:
+    """The reduced gradients of ``bucket`` in host memory (copied down where the device is not)."""
+    tier = pipeline.tier
+    shard = tier.shards[id(buf)]
+    return tier.gradients(shard, pipeline.grad_shard(buf, bucket), bucket.shard_offset - placement.cut(buf))
 
 
 def overwritten(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, decision: Decision, with_grad: set[int]) -> bool:

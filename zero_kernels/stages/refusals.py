@@ -19,6 +19,9 @@ it is found. Problems:
 - ``AFTER_CLIP``: a gradient that arrives after ``clip_grad_norm_`` measured the norm (or ``scale_grads_``
   scaled the gradients): torch clips what ``p.grad`` held then and adds later gradients unclipped; the step here
   clips the sum.
+- ``STATE_WRITTEN``: with ``super_offload``, this rank's optimizer state was written between backward, which updated
+  it ahead of the step (``speculation``), and the step, through a tensor taken from ``opt.state`` before that
+  backward: neither keeping nor rolling back the update would keep the write as without it.
 - ``UNSCALED_BACKWARD``: with fp16 loss scaling, a gradient from a backward the optimizer did not
   scale (``loss.backward()`` in place of ``opt.backward(loss)``): the step would divide it by the loss
   scale. DeepSpeed refuses it too ("Loss scaling is required"). Raised at the step even on one rank,
@@ -34,7 +37,7 @@ from typing import Callable, Optional, Sequence
 from ..comm.agreement import ranks_text
 from .grad_state import second_gradient
 
-NONE, SECOND_GRADIENT, UNSEEN_GRADIENT, AFTER_CLIP, UNSCALED_BACKWARD = 0, 1, 2, 3, 4
+NONE, SECOND_GRADIENT, UNSEEN_GRADIENT, AFTER_CLIP, UNSCALED_BACKWARD, STATE_WRITTEN = 0, 1, 2, 3, 4, 5
 
 
 def describe(kind: int, stage: int, name: str) -> str:
@@ -50,6 +53,8 @@ def describe(kind: int, stage: int, name: str) -> str:
             "what you add into the loss (or a gradient hook) before backward, or run that backward under "
             "opt.no_sync() (its gradients are then reduced at the step); nothing was updated"
         )
+    if kind == STATE_WRITTEN:
+        return state_written(name)
     if kind == UNSCALED_BACKWARD:
         return (
             f"ShardedFusedAdam (stage {stage}): loss scaling is required (fp16 is enabled), but {name} got its "
@@ -62,6 +67,16 @@ def describe(kind: int, stage: int, name: str) -> str:
         "norm (or scale_grads_ scaled them, or safe_set_full_grad set one): torch.optim.AdamW would see the earlier "
         "gradients clipped (scaled, set) and this one not, which the fused step cannot do. Call them after the last "
         "backward of the step; nothing was updated"
+    )
+
+
+def state_written(name: str) -> str:
+    """The error for a state written between backward and the step under ``super_offload`` (``speculation``)."""
+    return (
+        f"zero_optimization.offload_optimizer.super_offload: the optimizer state of the buffer holding {name} was "
+        "written between backward, which updated it ahead of the step, and the step, through a tensor taken from "
+        "opt.state before that backward; take it from opt.state again after backward (that rolls the update back) "
+        "or turn super_offload off; nothing was updated"
     )
 
 

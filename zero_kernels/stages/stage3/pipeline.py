@@ -68,6 +68,7 @@ from ..base import FlatBuffer
 from ..eager import weakly
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
+from ..speculation import Speculation
 from ..stage2 import Stage2Pipeline
 from . import disk_grads, disk_params, full_shape, generation, held_edits, model_hints, resize
 from . import save as stage3_save
@@ -142,6 +143,8 @@ class Stage3Pipeline(Stage2Pipeline):
                 self.tier.close()
             raise
         self._state_dict_guard = stage3_save.guard_state_dict(self)
+        if self.options.offload_optimizer.super_offload and self.tier is not None and self.tier.kind == "host":
+            self.speculation = Speculation()  # the host Adam of each reduced bucket runs during backward
 
     def _agree_params(self, problem: Optional[str]) -> None:
         offloaded.agree(self.engine, problem, "offload_param.start", "offload_param")
@@ -485,7 +488,11 @@ class Stage3Pipeline(Stage2Pipeline):
             super()._allocate_grads(buf)
 
     def _accumulate(self, buf: FlatBuffer, bucket: Bucket, mine: torch.Tensor, first: bool) -> None:
-        if self.disk_grads is None:
+        if self.speculation is not None:  # an update run on the bucket's last sum is undone, one run on the new
+            self.speculation.drop(self, buf, bucket)
+            super()._accumulate(buf, bucket, mine, first)
+            self.speculation.start(self, buf, bucket)
+        elif self.disk_grads is None:
             super()._accumulate(buf, bucket, mine, first)
         else:  # the part and its column terms go to the file (``disk_grads``)
             self.disk_grads.reduced(buf, bucket, mine, first, final=self.window_ends)
