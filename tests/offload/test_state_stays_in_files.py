@@ -290,15 +290,21 @@ def test_a_corrupted_checkpoint_changes_nothing_in_the_files(tmp_path: Path, mon
     _same_state(_state(b), _state(a), "after the failed load")  # as the run that did not load
 
 
-def test_a_write_that_fails_in_a_load_leaves_the_state_for_the_next_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _saved_and_two_runs(path: Path) -> tuple[nn.Module, nn.Module, zo.ShardedFusedAdam, zo.ShardedFusedAdam]:
+    """A stage-3 checkpoint of one step at ``path / "ckpt"``, and two new runs to load it: (plain, tiered, their
+    optimizers), the second with its state on disk."""
     source = _model()
     opt = _opt(source, 3, None)
     _step(source, opt, 0)
-    zk.checkpoint.save(tmp_path / "ckpt", source, opt)
+    zk.checkpoint.save(path / "ckpt", source, opt)
     plain, tiered = _model(), _model()
-    a, b = _opt(plain, 3, None), _opt(tiered, 3, tmp_path / "nvme")
+    return plain, tiered, _opt(plain, 3, None), _opt(tiered, 3, path / "nvme")
+
+
+def test_a_write_that_fails_in_a_load_leaves_the_state_for_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain, tiered, a, b = _saved_and_two_runs(tmp_path)
     buffers, tier = b._pipeline.buffers, b._pipeline.tier
     spill, failed = type(tier).spill, []
 
@@ -326,12 +332,7 @@ def test_a_read_that_fails_part_way_refuses_steps_until_a_load_completes(
     that fails there (an I/O error once it was checked) stops the load after earlier buffers were written. It raises
     naming the file (an ``OSError`` naming none, and the next step went on from a state half loaded), steps and saves
     are refused until a load completes, and the load repeated leaves the state a load that never failed leaves."""
-    source = _model()
-    opt = _opt(source, 3, None)
-    _step(source, opt, 0)
-    zk.checkpoint.save(tmp_path / "ckpt", source, opt)
-    plain, tiered = _model(), _model()
-    a, b = _opt(plain, 3, None), _opt(tiered, 3, tmp_path / "nvme")
+    plain, tiered, a, b = _saved_and_two_runs(tmp_path)
     _step(plain, a, 1)
     _step(tiered, b, 1)
     zk.checkpoint.load(tmp_path / "ckpt", plain, a)

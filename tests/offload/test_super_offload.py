@@ -130,12 +130,18 @@ def test_accumulation_keeps_the_update_of_the_last_micro_step() -> None:
     assert spec.ran == spec.kept == 2 * buckets  # on the last micro-step of each window only
 
 
-def test_zero_grad_rolls_every_update_back_and_lets_its_copies_go() -> None:
+def _stepped_once() -> tuple[nn.Module, zo.ShardedFusedAdam]:
+    """A model and its optimizer with SuperOffload after one step (the state made)."""
     model = _model(torch.bfloat16)
     opt = _opt(model, SPECULATE)
     _backward(model, opt, 0, torch.bfloat16)
     opt.step()
     opt.zero_grad()
+    return model, opt
+
+
+def test_zero_grad_rolls_every_update_back_and_lets_its_copies_go() -> None:
+    model, opt = _stepped_once()
     before = copy.deepcopy(opt.full_state_dict()["state"])
     _backward(model, opt, 1, torch.bfloat16)
     assert opt._pipeline.speculation.guesses
@@ -147,11 +153,7 @@ def test_zero_grad_rolls_every_update_back_and_lets_its_copies_go() -> None:
 
 
 def test_a_state_tensor_taken_before_backward_and_written_after_it_is_refused() -> None:
-    model = _model(torch.bfloat16)
-    opt = _opt(model, SPECULATE)
-    _backward(model, opt, 0, torch.bfloat16)
-    opt.step()
-    opt.zero_grad()
+    model, opt = _stepped_once()
     held = opt.state[model[0].weight]["exp_avg"]
     _backward(model, opt, 1, torch.bfloat16)
     held.zero_()
