@@ -14,7 +14,8 @@ A bucket whose state stays on the device (``offload_optimizer.ratio`` < 1: ``pla
    is built, else the PyTorch reference; the same backend both ways on a CPU-only machine, so results
    are bit for bit those without offload) updates the host state on the tier's threads
    (``HostTier.compute``), writing the new low-precision values into the host parameter copy (fp32
-   parameters: their master is that copy);
+   parameters: their master is that copy); with ``super_offload`` a bucket updated during backward that the step
+   keeps (``speculation``) is not updated again: its new parameters are copied into the host copy instead;
 4. the bucket's parameters go up (``HostTier.up``), then the stage all-gathers them as usual.
 
 Where the device is host memory (a CPU-only machine, ``HostTier.shares``) steps 1, 2 and 4 have nothing to do:
@@ -76,7 +77,7 @@ SUPER_OFFLOAD_IGNORED = (
 
 def make_tier(options: Any, engine: Any) -> Optional[HostTier]:
     """The state tier ``options.offload_optimizer`` asks for, or None; a tier that cannot start on some rank
-    raises on every rank (after the others closed theirs). ``super_offload`` is warned about."""
+    raises on every rank (after the others closed theirs). What ``super_offload`` does is said once."""
     config = options.offload_optimizer
     if config.super_offload:
         _say_super_offload(options)
