@@ -330,8 +330,9 @@ def test_a_read_that_fails_part_way_refuses_steps_until_a_load_completes(
 ) -> None:
     """The values a load writes into the files are read again as they are written: a read of the checkpoint's file
     that fails there (an I/O error once it was checked) stops the load after earlier buffers were written. It raises
-    naming the file (an ``OSError`` naming none, and the next step went on from a state half loaded), steps and saves
-    are refused until a load completes, and the load repeated leaves the state a load that never failed leaves."""
+    naming the file (an ``OSError`` naming none, and the next step went on from a state half loaded), steps, saves
+    and state dicts are refused until a load completes, and the load repeated leaves the state a load that never
+    failed leaves."""
     plain, tiered, a, b = _saved_and_two_runs(tmp_path)
     _step(plain, a, 1)
     _step(tiered, b, 1)
@@ -356,6 +357,9 @@ def test_a_read_that_fails_part_way_refuses_steps_until_a_load_completes(
         _step(tiered, b, 2)
     with pytest.raises(zk.checkpoint.CheckpointError, match="stopped part way.*nothing was written"):
         zk.checkpoint.save(tmp_path / "ckpt", tiered, b)
+    for read in (b.state_dict, b.full_state_dict):  # a state dict of it would be saved as whole
+        with pytest.raises(RuntimeError, match=r"state_dict\(\): the last zk.checkpoint.load stopped part way"):
+            read()
     zk.checkpoint.load(tmp_path / "ckpt", tiered, b)
     _step(plain, a, 2)
     _step(tiered, b, 2)

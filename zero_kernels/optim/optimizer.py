@@ -494,9 +494,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
                 "this step would reduce them across ranks instead. Leave the no_sync() block, then step; nothing "
                 "was changed"
             )
-        refusal = zstate.unfinished_load(self._pipeline, "ShardedFusedAdam.step()")
-        if refusal is not None:  # every rank holds the same (``checkpoint.load``)
-            raise RuntimeError(f"{refusal}; nothing was updated")
+        self._refuse_unfinished_load("step()", "nothing was updated")
         guards.refuse_ddp_inside(self)
         self.check_param_groups()
         scaled = amp.begin(grad_scaler, self)
@@ -910,6 +908,7 @@ class ShardedFusedAdam(torch.optim.Optimizer):
         ``torch.distributed.checkpoint``'s state-dict helpers, the whole state on every rank (``dcp``). Registered
         state-dict hooks run as in ``torch.optim.Optimizer.state_dict``."""
         self.check_param_groups(numbering=True)  # the state is keyed as built, the groups' params as edited
+        self._refuse_unfinished_load("state_dict()", "nothing was read")
         self.wait_params()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
@@ -933,8 +932,16 @@ class ShardedFusedAdam(torch.optim.Optimizer):
     def full_state_dict(self) -> dict[str, Any]:
         """The whole state in ``torch.optim.AdamW``'s layout (a collective: call it on every rank)."""
         self.check_param_groups(numbering=True)
+        self._refuse_unfinished_load("full_state_dict()", "nothing was read")
         self.wait_params()
         return optim_state.full(self)
+
+    def _refuse_unfinished_load(self, action: str, left: str) -> None:
+        """Raise while the last checkpoint load stopped part way (every rank holds the same: ``checkpoint.load``):
+        what ``action`` would read is partly the checkpoint's (a state dict of it would pass for a whole one)."""
+        refusal = zstate.unfinished_load(self._pipeline, f"ShardedFusedAdam.{action}")
+        if refusal is not None:
+            raise RuntimeError(f"{refusal}; {left}")
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state (AdamW's layout) on rank ``to``, as ``ZeroRedundancyOptimizer`` does:
