@@ -16,7 +16,7 @@ from torch import nn
 import zero_kernels as zk
 import zero_kernels.optim as zo
 from tests.helpers.dist import run_ranks
-from tests.offload.exactness import assert_same, pair_case
+from tests.offload.exactness import assert_same, copying, pair_case
 
 HOST = {"device": "cpu"}
 SPECULATE = {"device": "cpu", "super_offload": True}
@@ -73,6 +73,16 @@ def test_updates_run_during_backward_are_kept_and_exact(dtype: torch.dtype) -> N
     copies = sum(t.untyped_storage().nbytes() for t in spec.copies())
     assert copies == shard * (state + params)  # the state before each update and the new parameters
     assert b.memory_report()["host"] == a.memory_report()["host"] + copies
+
+
+def test_from_a_gpu_the_bus_carries_what_it_carries_without_it() -> None:
+    """The tier copying as from a GPU: a kept update's gradients went down during backward, once, and its new
+    parameters go up at the step, as without speculation."""
+    with copying():
+        a, b = _pair(torch.bfloat16)
+    assert b._pipeline.speculation.kept == b._pipeline.speculation.ran > 0
+    ours, theirs = b._pipeline.tier.traffic(), a._pipeline.tier.traffic()
+    assert ours["down"] == theirs["down"] > 0 and ours["up"] == theirs["up"] > 0
 
 
 def test_a_step_that_clips_or_skips_rolls_back_and_is_exact() -> None:

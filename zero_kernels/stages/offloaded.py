@@ -197,6 +197,32 @@ def update_bucket(
     else:
         device_params, params = _params(pipeline, buf, bucket)
     separate = device_params is not None and device_params.data_ptr() != params.data_ptr()
+    spec = pipeline.speculation
+    if spec is None or not spec.take(buf, bucket, params):  # (kept: its update ran during backward, ``speculation``)
+        _update_host(pipeline, buf, bucket, h, decision, with_grad, params, adopt=not fresh)
+    # the parameters go before the state is stored: a store that fails keeps the new state to write again, and the
+    # parameters made with it must not be dropped (fp32 parameters in a file are their own master)
+    if separate:
+        tier.up(device_params, params, (id(buf), bucket.index))
+    if in_file:
+        pipeline.stepped_params(buf, bucket, params, whole)
+    if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
+        tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
+
+
+def _update_host(
+    pipeline: "Pipeline",
+    buf: FlatBuffer,
+    bucket: Bucket,
+    h: GroupHyper,
+    decision: Decision,
+    with_grad: set[int],
+    params: torch.Tensor,
+    adopt: bool,
+) -> None:
+    """The host Adam of ``bucket`` on the tier's state, its reduced gradients and ``params`` (host memory, written);
+    ``adopt``: whether ``params`` may hold an edit to adopt (``launch``)."""
+    tier = pipeline.tier
     grads_in_file = pipeline.grads_in_file(buf)  # stage 3 with the state on disk: read from the file (ahead)
     grads = pipeline.step_grads(buf, bucket) if grads_in_file else _grads(pipeline, buf, bucket)
     state = _state(tier, buf, bucket) if tier.kind == "host" else _swapped(tier, buf, bucket)
@@ -209,21 +235,11 @@ def update_bucket(
         params if low else None,
         state.get("max_exp_avg_sq") if h.amsgrad else None,
     )
-    guessed = pipeline.speculation is not None and pipeline.speculation.take(buf, bucket, tensors)
-    if not guessed:  # (a bucket updated during backward, ``speculation``, is not updated again)
-        impl = host_impl(pipeline.impl)
-        with tier.compute():
-            launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=impl, adopt=not fresh)
+    impl = host_impl(pipeline.impl)
+    with tier.compute():
+        launch(pipeline, buf, bucket, h, decision, with_grad, tensors, impl=impl, adopt=adopt)
     if grads_in_file:
         pipeline.stepped_grads(buf, bucket)
-    # the parameters go before the state is stored: a store that fails keeps the new state to write again, and the
-    # parameters made with it must not be dropped (fp32 parameters in a file are their own master)
-    if separate:
-        tier.up(device_params, params, (id(buf), bucket.index))
-    if in_file:
-        pipeline.stepped_params(buf, bucket, params, whole)
-    if tier.kind == "disk" and _group_of(buf, bucket)[1] == bucket.index + 1:
-        tier.store(id(buf), buf.groups.index(_group_of(buf, bucket)))
 
 
 def bucket_inputs(

@@ -168,13 +168,14 @@ class Speculation:
             if not self._held(buf):
                 buf.guessed = None
 
-    def take(self, buf: FlatBuffer, bucket: Bucket, tensors: BucketTensors) -> bool:
-        """The step's update of ``bucket``: True where its guess held (its new parameters copied into ``tensors``'
-        parameters), False where the step updates it itself."""
+    def take(self, buf: FlatBuffer, bucket: Bucket, params: torch.Tensor) -> bool:
+        """The step's update of ``bucket``: True where its guess held (its new parameters copied into ``params``,
+        the host parameters the update writes: for fp32 parameters also their master), False where the step
+        updates it itself."""
         guess = self.guesses.pop((id(buf), bucket.index), None)
         if guess is None:
             return False
-        (tensors.out if tensors.out is not None else tensors.master).copy_(guess.kept["out"])
+        params.copy_(guess.kept["out"])
         self.kept += 1
         if not self._held(buf):
             buf.guessed = None
