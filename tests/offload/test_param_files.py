@@ -922,3 +922,36 @@ def test_a_master_written_before_a_save_stays_in_the_shard_the_save_wrote(state:
         o.zero_grad()
         _train(m, o, 1)
     _same_weights(model, opt, twin, plain)
+
+
+def test_a_failed_read_as_gathered_params_starts_is_raised_once_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read of a unit's shard for the gathers of ``gathered_params()`` fails (EIO) as the block starts: the block
+    raises it, and later blocks gather every unit and write their edits back, training on bit for bit as the run with
+    the shards in host memory. Before, the block stayed entered: every later block took itself for a nested one,
+    gathered nothing and wrote nothing back, and an edit inside raised a RuntimeError about a freed parameter."""
+    import errno
+
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    model, opt, twin, host = _in_files_and_in_memory(tmp_path, 1)
+    real, failed = FileIO.read, []
+
+    def failing(self, path, tensor, offset=0):
+        if not failed:
+            failed.append(path)
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, "reading"), lambda: True)
+        return real(self, path, tensor, offset)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(FileIO, "read", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            with opt.gathered_params():
+                pass
+    assert failed
+    for m, o in ((model, opt), (twin, host)):
+        with o.gathered_params():
+            m[0].weight.data.mul_(0.5)
+        _train(m, o, 2)
+    _same_weights(model, opt, twin, host)

@@ -769,11 +769,17 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _begin_hold(self) -> None:
         """Enter a hold (``gathered_params``, ``close``): from here gathers are exact (``holding``); the outermost
-        gathers every unit, again unquantized where qwZ left others' parts dequantized."""
+        gathers every unit, again unquantized where qwZ left others' parts dequantized. A gather that raises (a
+        shard's file that cannot be read) leaves the hold not entered, the units gathered so far freed again."""
         self._hold_depth += 1
         if self._hold_depth == 1:
-            self._gather_held_exact()
-            self._scheduler.hold()
+            try:
+                self._gather_held_exact()
+                self._scheduler.hold()
+            except BaseException:
+                self._hold_depth -= 1
+                self._scheduler.release()
+                raise
 
     def _end_hold(
         self, modifier_rank: Optional[int], others: modifier.Others, before: Optional[torch.Tensor] = None
@@ -943,10 +949,8 @@ class Stage3Pipeline(Stage2Pipeline):
         generation.restore(self._generating)
         resize.restore(self._resizing)
         if self._scheduler is not None:
-            try:
-                self._begin_hold()
-            finally:
-                self._hold_depth -= 1
+            self._begin_hold()
+            self._hold_depth -= 1
             self._scheduler.remove()
             self._scheduler = None
         for unit in self._units:
