@@ -955,3 +955,35 @@ def test_a_failed_read_as_gathered_params_starts_is_raised_once_and_training_goe
             m[0].weight.data.mul_(0.5)
         _train(m, o, 2)
     _same_weights(model, opt, twin, host)
+
+
+def test_a_failed_read_at_the_end_of_gathered_params_writes_none_of_the_block_s_edits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block's end reads the shards in to write the edits into them, and the second read fails (EIO): the block
+    raises it and none of its edits is written back, so training goes on bit for bit as the run with the shards in
+    host memory that did not run the block. Before, the first unit had taken the block's edits and the second had not:
+    the weights were those of neither run."""
+    import errno
+
+    from zero_kernels.offload.aio import FileIO, IOHandle
+
+    model, opt, twin, host = _in_files_and_in_memory(tmp_path, 1)
+    real, reads = FileIO.read, []
+
+    def failing(self, path, tensor, offset=0):
+        reads.append(path)
+        if len(reads) == 2:
+            return IOHandle(str(path), tensor, lambda: (errno.EIO, "reading"), lambda: True)
+        return real(self, path, tensor, offset)
+
+    with pytest.raises(OSError, match="Input/output error"):
+        with opt.gathered_params():
+            for p in model.parameters():
+                p.data.mul_(0.5)
+            monkeypatch.setattr(FileIO, "read", failing)
+    monkeypatch.setattr(FileIO, "read", real)
+    assert len(reads) == 2
+    _train(model, opt, 2)
+    _train(twin, host, 2)
+    _same_weights(model, opt, twin, host)

@@ -880,7 +880,13 @@ class Stage3Pipeline(Stage2Pipeline):
                 unit.buf.full = unit.storage.renew()
 
     def _write_back(self) -> None:
+        """The block's edits into the shards. Shards kept in files are all read in first: a read that fails raises
+        before any shard took an edit, so the block's edits are written everywhere or nowhere."""
         self.uploads.wait()
+        if self.disk_params is not None:
+            for buf in self.buffers:
+                if not buf.persistent:
+                    self.disk_params.resident(buf)
         for buf in self.buffers:
             with self.params_read_briefly(buf):  # a shard kept in a file goes back to it where the block left it so
                 self._write_back_buffer(buf)
