@@ -47,6 +47,12 @@ def _same_weights(model: nn.Module, opt: zo.ShardedFusedAdam, twin: nn.Module, o
             assert torch.equal(p, q), (name, (p - q).abs().max())
 
 
+def _weights(model: nn.Module, opt: zo.ShardedFusedAdam) -> dict[str, torch.Tensor]:
+    """The model's parameters, gathered whole by its optimizer."""
+    with opt.gathered_params():
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def _files(path: Path, **extra) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "buffer_count": 2, "max_in_cpu": 0, **extra}
 
@@ -987,3 +993,49 @@ def test_a_failed_read_at_the_end_of_gathered_params_writes_none_of_the_block_s_
     _train(model, opt, 2)
     _train(twin, host, 2)
     _same_weights(model, opt, twin, host)
+
+
+def test_a_load_cut_short_leaves_the_weights_of_a_shard_in_its_file_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the state on disk a load reads each buffer's values again as it applies them; that read fails (EIO) for
+    the first layer's bias: the load raises, and every weight is as before the load or as loaded, never zero (the file
+    still holds the shard the load had not written yet); a load that then succeeds trains on bit for bit as the run
+    with the shards in host memory. Before, the shard the load had made whole with zeros stayed read in: the first
+    layer's weights were 0 and went on training from there."""
+    from zero_kernels.checkpoint.format import TensorSource
+
+    model, twin = _model(), _model()
+    state = {"device": "nvme", "nvme_path": str(tmp_path / "state")}
+    (tmp_path / "state").mkdir()
+    (tmp_path / "params").mkdir()
+    kwargs = dict(KWARGS, offload_optimizer=state, sub_group_size=100)
+    opt = zo.ShardedFusedAdam(model, offload_param=_files(tmp_path / "params"), **kwargs)
+    plain = zo.ShardedFusedAdam(twin, **kwargs)
+    weights = []  # the run's (the same with and without the shards in files), saved and then before the load
+    for m, o, name in ((model, opt, "ours"), (twin, plain, "plain")):
+        _train(m, o, 1)
+        zk.checkpoint.save(tmp_path / name, m, o)
+        if o is plain:
+            weights.append(_weights(twin, plain))
+        _train(m, o, 1)
+    saved, before = weights[0], _weights(twin, plain)
+    real, reads = TensorSource.read, {}
+
+    def failing(self, key, *args):
+        reads[key] = reads.get(key, 0) + 1
+        if key == "optim/1/exp_avg" and reads[key] == 2:  # read again as it is applied
+            raise OSError(5, "Input/output error")
+        return real(self, key, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(TensorSource, "read", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            zk.checkpoint.load(tmp_path / "ours", model, opt)
+    with opt.gathered_params():
+        for name, p in model.named_parameters():
+            assert bool(((p == before[name]) | (p == saved[name])).all()), (name, p.abs().max())
+    for m, o, name in ((model, opt, "ours"), (twin, plain, "plain")):
+        zk.checkpoint.load(tmp_path / name, m, o)
+        _train(m, o, 2)
+    _same_weights(model, opt, twin, plain)

@@ -174,7 +174,8 @@ class DiskParams:
         holds is made whole without a read (zeros: the layout's padding holds zeros, as the update leaves it), then
         written into its file and let go. The loaded weights may not be what their masters round to: the next update
         reads them (``_read_in``) to adopt them. A write that fails keeps the shard read in for the next step to
-        write, with a warning."""
+        write, with a warning. A block that raises (a load cut short) lets the shard go unwritten: its file holds the
+        weights from before the load, which the next update reads and adopts too, never the zeros."""
         if not self._kept_in_file(buf):
             yield
             return
@@ -183,7 +184,11 @@ class DiskParams:
         shard = self.files.io.empty(buf.layout.shard_numel, buf.dtype)
         buf.param_shard = shard.zero_()
         self._read_in.update((id(buf), bucket.index) for bucket in buf.layout.buckets)
-        yield
+        try:
+            yield
+        except BaseException:
+            self._let_go(buf)
+            raise
         try:
             self.files.wait_write(id(buf), self.files.write(id(buf), shard))
         except OSError as err:
