@@ -43,6 +43,7 @@ import torch
 
 from ...offload.param_files import ParamFiles
 from ...offload.shard_files import Lease
+from ..buffers import same_bits
 from ..layout import Bucket
 
 if TYPE_CHECKING:
@@ -149,10 +150,10 @@ class DiskParams:
 
     @contextlib.contextmanager
     def read_briefly(self, buf: "Stage3Buffer") -> Iterator[None]:
-        """A block that reads ``buf``'s shard and may write it (a checkpoint's save, the end of ``gathered_params()``):
-        a shard its file holds is read in for it and, where the block left its bytes as they were, let go after it,
-        its buckets as they were before (``from_master``): the file holds those bytes. A shard the block changed stays
-        read in (an edit) until the next step writes it back."""
+        """A block that reads ``buf``'s shard and may write it (a checkpoint's save: a master written from outside
+        is given to the parameters there): a shard its file holds is read in for it and, where the block left its
+        bytes as they were, let go after it (``let_go``). A shard the block changed stays read in until the next step
+        writes it back."""
         if not self._kept_in_file(buf):
             yield
             return
@@ -163,10 +164,25 @@ class DiskParams:
         try:
             yield
         finally:
-            if buf.param_shard is shard and torch.equal(shard.view(torch.uint8), kept.view(torch.uint8)):
-                self._let_go(buf)
-                self._read_in.difference_update({(id(buf), bucket.index) for bucket in buf.layout.buckets})
-                self._read_in.update(before)
+            if buf.param_shard is shard and same_bits(shard, kept):
+                self.let_go(buf, before)
+
+    def read_all_in(self, bufs: list["Stage3Buffer"]) -> dict[int, set[tuple[int, int]]]:
+        """Read every shard of ``bufs`` that its file holds in whole (before a block that may write any of them: the
+        end of ``gathered_params()``); returns, per buffer read in now, its buckets' marks from before (``let_go``)."""
+        marks = {}
+        for buf in bufs:
+            if self._kept_in_file(buf):
+                marks[id(buf)] = {key for key in self._read_in if key[0] == id(buf)}
+                self.resident(buf)
+        return marks
+
+    def let_go(self, buf: "Stage3Buffer", marks: set[tuple[int, int]]) -> None:
+        """A shard ``read_all_in`` read in, which the block left as it was: back to its file (which holds those
+        bytes), its buckets' marks as before (``from_master``)."""
+        self._let_go(buf)
+        self._read_in.difference_update({(id(buf), bucket.index) for bucket in buf.layout.buckets})
+        self._read_in.update(marks)
 
     @contextlib.contextmanager
     def loading(self, buf: "Stage3Buffer") -> Iterator[None]:

@@ -65,6 +65,7 @@ from torch import nn
 from ...offload import HostTier
 from .. import adopt, grad_accum, master, modifier, offloaded, placement, stats
 from ..base import FlatBuffer
+from ..buffers import same_bits
 from ..eager import weakly
 from ..layout import Bucket
 from ..quantized_gather import WeightQuantizer
@@ -881,28 +882,33 @@ class Stage3Pipeline(Stage2Pipeline):
 
     def _write_back(self) -> None:
         """The block's edits into the shards. Shards kept in files are all read in first: a read that fails raises
-        before any shard took an edit, so the block's edits are written everywhere or nowhere."""
+        before any shard took an edit, so the block's edits are written everywhere or nowhere. Those the block left as
+        they were go back to their files after (``DiskParams.let_go``)."""
         self.uploads.wait()
-        if self.disk_params is not None:
-            for buf in self.buffers:
-                if not buf.persistent:
-                    self.disk_params.resident(buf)
+        sharded = [buf for buf in self.buffers if not buf.persistent]
+        marks = {} if self.disk_params is None else self.disk_params.read_all_in(sharded)
         for buf in self.buffers:
-            with self.params_read_briefly(buf):  # a shard kept in a file goes back to it where the block left it so
-                self._write_back_buffer(buf)
+            if not self._write_back_buffer(buf) and id(buf) in marks:
+                self.disk_params.let_go(buf, marks[id(buf)])
         for unit in self._frozen or ():
             unit.write_back()
 
-    def _write_back_buffer(self, buf: Stage3Buffer) -> None:
+    def _write_back_buffer(self, buf: Stage3Buffer) -> bool:
+        """The block's values into ``buf``'s shard, and its masters as the step would have them; returns whether the
+        shard changed (a value the block wrote, or a master written from outside given to the parameters)."""
+        changed = master.written(buf)
         if not buf.persistent:
             adopt.readopt(buf, buf.full, self.name_of, adopt.every_param(self))  # p.data = ... in the block
             self._take_owed_before_a_change(buf)
             for bucket in buf.layout.buckets:
-                self.param_shard(buf, bucket).copy_(buf.rank_slice(buf.full, bucket, self.shard_rank))
+                shard, value = self.param_shard(buf, bucket), buf.rank_slice(buf.full, bucket, self.shard_rank)
+                changed = changed or not same_bits(shard, value)
+                shard.copy_(value)
         if placement.resident(buf) or master.written(buf) or buf.persistent:
             master.settle(self, buf)  # a master written from outside wins, as at the step
         else:  # a state in its tier is not read in for the edits: the step adopts them (or the next read)
             placement.adopt_when_read(self, buf)
+        return changed
 
     def _take_owed_before_a_change(self, buf: Stage3Buffer) -> None:
         """Where the masters of ``buf`` owe an earlier block's edits (``placement.adopt_when_read``) and this block
