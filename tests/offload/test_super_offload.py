@@ -85,6 +85,20 @@ def test_from_a_gpu_the_bus_carries_what_it_carries_without_it() -> None:
     assert ours["down"] == theirs["down"] > 0 and ours["up"] == theirs["up"] > 0
 
 
+def test_updates_start_as_their_reductions_end() -> None:
+    """By the time backward reaches the first layer, every later unit's reduction has ended and its update has been
+    handed over (not held until the round ends with the collectives still counted in flight)."""
+    model = _model(torch.bfloat16)
+    opt = _opt(model, SPECULATE)
+    spec, seen = opt._pipeline.speculation, []
+    x = torch.randn(6, 24, dtype=torch.bfloat16, requires_grad=True)
+    x.register_hook(lambda grad: seen.append(len(spec.guesses)))  # the last gradient backward computes
+    model(x).float().square().mean().backward()
+    later = [buf for buf in opt._pipeline.buffers if all(p is not model[0].weight for p in buf.params)]
+    assert seen == [sum(len(buf.layout.buckets) for buf in later)]  # all but the first layer's, reduced after it
+    opt.step()
+
+
 def test_a_step_that_clips_or_skips_rolls_back_and_is_exact() -> None:
     def inf_at_two(model: nn.Module, opt: zo.ShardedFusedAdam, step: int) -> None:
         if step == 2:

@@ -192,6 +192,8 @@ class BackwardRound:
             self._launch_bucket(buf, buf.layout.buckets[k])
             self._next_launch += 1
             self._complete_inflight(keep=self.max_inflight)
+            if self.speculation is not None:  # the updates run during backward start as each reduction ends
+                self._complete_finished()
 
     def _take_unreported(self, b: int, bucket: Bucket) -> None:
         """Before ``bucket`` is reduced at the end of a round: gradients in ``p.grad`` of parameters that did not
@@ -288,6 +290,18 @@ class BackwardRound:
             op.handle.wait()
             if op.epilogue is not None:
                 op.epilogue()
+        if completed:
+            self._follow_completions()
+
+    def _complete_finished(self) -> None:
+        """Complete the oldest collectives that have finished, in issue order, without waiting for any."""
+        completed = False
+        while self._inflight and self._inflight[0].handle.is_completed():
+            op = self._inflight.pop(0)
+            op.handle.wait()
+            if op.epilogue is not None:
+                op.epilogue()
+            completed = True
         if completed:
             self._follow_completions()
 
