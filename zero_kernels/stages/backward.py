@@ -191,9 +191,8 @@ class BackwardRound:
                 grad_state.zero_dropped_grads(self, buf, buf.layout.buckets[k])
             self._launch_bucket(buf, buf.layout.buckets[k])
             self._next_launch += 1
-            self._complete_inflight(keep=self.max_inflight)
-            if self.speculation is not None:  # the updates run during backward start as each reduction ends
-                self._complete_finished()
+            # with super_offload the updates run during backward start as each reduction ends
+            self._complete_inflight(keep=self.max_inflight, finished=self.speculation is not None)
 
     def _take_unreported(self, b: int, bucket: Bucket) -> None:
         """Before ``bucket`` is reduced at the end of a round: gradients in ``p.grad`` of parameters that did not
@@ -282,21 +281,11 @@ class BackwardRound:
         if handle is not None:
             self._inflight.append(Inflight(handle, epilogue, held))
 
-    def _complete_inflight(self, keep: int = 0) -> None:
-        """Complete the oldest collectives, in issue order, until at most ``keep`` are in flight."""
-        completed = len(self._inflight) > keep
-        while len(self._inflight) > keep:
-            op = self._inflight.pop(0)
-            op.handle.wait()
-            if op.epilogue is not None:
-                op.epilogue()
-        if completed:
-            self._follow_completions()
-
-    def _complete_finished(self) -> None:
-        """Complete the oldest collectives that have finished, in issue order, without waiting for any."""
+    def _complete_inflight(self, keep: int = 0, finished: bool = False) -> None:
+        """Complete the oldest collectives, in issue order, until at most ``keep`` are in flight; with ``finished``,
+        then also those that have finished (without waiting for any)."""
         completed = False
-        while self._inflight and self._inflight[0].handle.is_completed():
+        while self._inflight and (len(self._inflight) > keep or finished and self._inflight[0].handle.is_completed()):
             op = self._inflight.pop(0)
             op.handle.wait()
             if op.epilogue is not None:
