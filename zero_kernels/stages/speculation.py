@@ -49,8 +49,6 @@ from .update import BucketTensors
 if TYPE_CHECKING:
     from .base import Pipeline
 
-STATE_KINDS = ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
 
 @dataclass(frozen=True)
 class Prediction:
@@ -126,7 +124,7 @@ class Speculation:
         from .offloaded import host_impl
 
         spare = self._spare.setdefault((id(guess.buf), bucket.index), {})
-        guess.kept = {kind: _copy(spare, kind, t) for kind, t in guess.read.items() if kind in STATE_KINDS}
+        guess.kept = {kind: _copy(spare, kind, t) for kind, t in guess.read.items() if kind in placement.KINDS}
         guess.kept["out"] = _copy(spare, "out", guess.read["params"])
         buf, impl = guess.buf, host_impl(pipeline.impl)
         update.launch(pipeline, buf, bucket, guess.hyper, guess.decision, indices, guess.tensors(), impl=impl)
@@ -233,7 +231,7 @@ class Speculation:
     @staticmethod
     def _undo(guess: Guess) -> None:
         """Put the state of the guess's bucket back as it was before its update (done: ``_wait``)."""
-        for kind in STATE_KINDS:
+        for kind in placement.KINDS:
             if kind in guess.kept:
                 guess.read[kind].copy_(guess.kept[kind])
 
@@ -248,7 +246,7 @@ def _copy(spare: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> torch.T
 
 
 def _versions(buf: FlatBuffer) -> dict[str, int]:
-    return {kind: getattr(buf, kind)._version for kind in STATE_KINDS if getattr(buf, kind) is not None}
+    return {kind: t._version for kind, t in placement.tensors(buf).items()}
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -283,7 +281,7 @@ def _guess(pipeline: "Pipeline", buf: FlatBuffer, bucket: Bucket, prediction: Pr
 
     h = prediction.hyper[buf.group]
     params, grads, state = bucket_inputs(pipeline, buf, bucket)
-    kinds = [k for k in STATE_KINDS if k in state and (k != "max_exp_avg_sq" or h.amsgrad)]
+    kinds = [k for k in placement.KINDS if k in state and (k != "max_exp_avg_sq" or h.amsgrad)]
     read = {"grads": grads, "params": params, **{k: _alias(state[k]) for k in kinds}}
     sq = torch.zeros((), dtype=torch.float64) if prediction.max_grad_norm or prediction.check_finite else None
     decision = outcome.decide(sq, prediction.grad_scale, prediction.max_grad_norm, prediction.check_finite)
