@@ -9,10 +9,11 @@ Persistent units stay on the device. The shard sizes are the same on every rank,
 
 Where the shard is. A file unit's ``buf.param_shard`` is a ``meta`` stand-in while its file holds it. ``resident``
 reads it in whole (``Stage3Buffer.ready``: the state door, a value given to a parameter between steps, an edit
-inside ``gathered_params()``); the next step writes it back and frees it. A checkpoint's save and the end of a
-``gathered_params()`` block read one unit's shard in at a time and let each go again where they left its bytes as
-they were (``read_briefly``: its file holds the same bytes); a checkpoint's load writes each into its file without
-reading it first and lets it go (``loading``).
+inside ``gathered_params()``); the next step writes it back and frees it. A checkpoint's save reads one unit's
+shard in at a time and lets it go again (``read_briefly``: its file holds the same bytes), unless it gave the shard a
+master written from outside; the end of a ``gathered_params()`` block reads every shard in before it writes any
+edit back and lets go those it left as they were (``read_all_in``, ``let_go``); a checkpoint's load writes each
+into its file without reading it first and lets it go (``loading``).
 
 Gathers. ``source`` gives a unit's all-gather its shard: the resident one, or a pool buffer filled from the file
 (by a read ``read_ahead`` started with the scheduler's prefetch, or one module before it, when there was one);
@@ -43,8 +44,8 @@ import torch
 
 from ...offload.param_files import ParamFiles
 from ...offload.shard_files import Lease
-from ..buffers import same_bits
 from ..layout import Bucket
+from ..master import written
 
 if TYPE_CHECKING:
     from .pipeline import Stage3Buffer
@@ -150,21 +151,18 @@ class DiskParams:
 
     @contextlib.contextmanager
     def read_briefly(self, buf: "Stage3Buffer") -> Iterator[None]:
-        """A block that reads ``buf``'s shard and may write it (a checkpoint's save: a master written from outside
-        is given to the parameters there): a shard its file holds is read in for it and, where the block left its
-        bytes as they were, let go after it (``let_go``). A shard the block changed stays read in until the next step
-        writes it back."""
-        if not self._kept_in_file(buf):
+        """A block that reads ``buf``'s shard (a checkpoint's save): a shard its file holds is read in for it and let
+        go after it (``let_go``). Where the buffer's master was written from outside, the block gives the parameters
+        its values (``master.settle``): that shard stays read in until the next step writes it back."""
+        if not self._kept_in_file(buf) or written(buf):
             yield
             return
-        before = {key for key in self._read_in if key[0] == id(buf)}
+        before = self._marks(buf)
         self.resident(buf)
-        shard = buf.param_shard
-        kept = shard.clone()
         try:
             yield
         finally:
-            if buf.param_shard is shard and same_bits(shard, kept):
+            if not self.in_file(buf):
                 self.let_go(buf, before)
 
     def read_all_in(self, bufs: list["Stage3Buffer"]) -> dict[int, set[tuple[int, int]]]:
@@ -173,9 +171,13 @@ class DiskParams:
         marks = {}
         for buf in bufs:
             if self._kept_in_file(buf):
-                marks[id(buf)] = {key for key in self._read_in if key[0] == id(buf)}
+                marks[id(buf)] = self._marks(buf)
                 self.resident(buf)
         return marks
+
+    def _marks(self, buf: "Stage3Buffer") -> set[tuple[int, int]]:
+        """``buf``'s buckets read in whole since a step last wrote them from the master (``from_master``)."""
+        return {key for key in self._read_in if key[0] == id(buf)}
 
     def let_go(self, buf: "Stage3Buffer", marks: set[tuple[int, int]]) -> None:
         """A shard ``read_all_in`` read in, which the block left as it was: back to its file (which holds those
