@@ -888,21 +888,22 @@ class Stage3Pipeline(Stage2Pipeline):
         sharded = [buf for buf in self.buffers if not buf.persistent]
         marks = {} if self.disk_params is None else self.disk_params.read_all_in(sharded)
         for buf in self.buffers:
-            if not self._write_back_buffer(buf) and id(buf) in marks:
+            if not self._write_back_buffer(buf, watched=id(buf) in marks) and id(buf) in marks:
                 self.disk_params.let_go(buf, marks[id(buf)])
         for unit in self._frozen or ():
             unit.write_back()
 
-    def _write_back_buffer(self, buf: Stage3Buffer) -> bool:
-        """The block's values into ``buf``'s shard, and its masters as the step would have them; returns whether the
-        shard changed (a value the block wrote, or a master written from outside given to the parameters)."""
-        changed = master.written(buf)
+    def _write_back_buffer(self, buf: Stage3Buffer, watched: bool = False) -> bool:
+        """The block's values into ``buf``'s shard, and its masters as the step would have them; ``watched``: return
+        whether the shard changed (a value the block wrote, or a master written from outside given to the
+        parameters; compared only for a shard its file holds too, ``DiskParams.read_all_in``), else True."""
+        changed = not watched or master.written(buf)
         if not buf.persistent:
             adopt.readopt(buf, buf.full, self.name_of, adopt.every_param(self))  # p.data = ... in the block
             self._take_owed_before_a_change(buf)
             for bucket in buf.layout.buckets:
                 shard, value = self.param_shard(buf, bucket), buf.rank_slice(buf.full, bucket, self.shard_rank)
-                changed = changed or not same_bits(shard, value)
+                changed = changed or not same_bits(shard, value.to(shard.device))
                 shard.copy_(value)
         if placement.resident(buf) or master.written(buf) or buf.persistent:
             master.settle(self, buf)  # a master written from outside wins, as at the step
