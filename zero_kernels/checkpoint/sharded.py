@@ -33,7 +33,7 @@ buffer as they are written into it (``state_door.LoadBuffer``); a save likewise 
 at a time (``state_door.save_pieces``), so neither holds more of it in host memory than a buffer's.
 A read that fails there (the file truncated, removed or written to since the check, an I/O error), or any other
 failure once the writes began, stops the load part way on that rank: the ranks agree on it, every rank
-raises, and steps and saves are refused until a load completes (``_apply_everywhere``).
+raises, and steps, saves and state dicts are refused until a load completes (``_apply_everywhere``).
 Tensors are matched by model name, so the optimizer's stage, world size, bucket size and param dtype may all change (not
 inside an accumulation window, whose gradients resume only under the same layout).
 """
@@ -708,16 +708,17 @@ def _apply_everywhere(staged: _Staged, optimizer: Any, pipeline: Pipeline, names
     """Write what ``staged`` holds on every rank, then agree that every rank did. Where a tier keeps the state between
     steps its values are read from the checkpoint's files as they are written (``_value``), so a read that fails
     there (the file truncated, removed or written to since it was checked, an I/O error), or any other failure (a
-    ``MemoryError``), stops the load part way on that rank: every rank raises, naming it, and steps and saves are
-    refused until a load completes (``state_door.stopped_load``). The parameters' collective (qwZ's whole copies
-    made as a step leaves them) runs once every rank has written."""
+    ``MemoryError``), stops the load part way on that rank: every rank raises, naming it, and steps, saves and state
+    dicts are refused until a load completes (``state_door.stopped_load``). The parameters' collective (qwZ's whole
+    copies made as a step leaves them) runs once every rank has written."""
     failure, _ = _agreed(pipeline, lambda: _apply(staged, optimizer, pipeline, names), share=False)
     state_door.stopped_load(pipeline, failure)
     if failure is not None:
         raise CheckpointError(
             f"{failure}; the load stopped part way, after it had begun writing: the optimizer state and the "
-            "parameters are partly the checkpoint's and partly what they were (the ranks may differ), so steps and "
-            "checkpoint saves are refused until zk.checkpoint.load, called again on every rank, completes"
+            "parameters are partly the checkpoint's and partly what they were (the ranks may differ), so steps, "
+            "checkpoint saves and state dicts are refused until zk.checkpoint.load, called again on every rank, "
+            "completes"
         )
     pipeline.requantize_loaded(staged.meta.get("dequantized", True))  # absent before it was kept: as then
 
@@ -792,7 +793,7 @@ def load(directory: PathLike, model: nn.Module, optimizer: Any, *, scheduler: An
     stage 3's ``gathered_params()``) raises ``CheckpointError`` on every rank before anything changes.
     A failure once it has begun writing (a read of a file that fails where an offload tier's state is
     loaded as it is read, a ``MemoryError``) raises ``CheckpointError`` on every rank, naming the rank, and
-    the optimizer refuses to step, and ``save`` to save, until a load completes.
+    the optimizer refuses to step or give its state dicts, and ``save`` to save, until a load completes.
 
     Args:
         directory: a checkpoint root written by ``save`` or one of its ``vNNNNNN`` version directories.

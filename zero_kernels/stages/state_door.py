@@ -18,7 +18,7 @@ What it serves:
 - a checkpoint's pieces out and in (``save_pieces``, ``load_pieces``, ``whole_params``), which hide
   where the parameters live (whole in ``param_flat`` at stages 0-2, this rank's ``param_shard`` at
   stage 3);
-- a checkpoint load that stopped part way (``stopped_load``): steps and saves are refused until a load
+- a checkpoint load that stopped part way (``stopped_load``): steps, saves and state dicts are refused until a load
   completes (``unfinished_load``).
 
 Reading the masters first gives them what was written into the parameters since the last step
