@@ -136,9 +136,7 @@ class Speculation:
             self._wait(buf)
             if not self._untouched(buf):
                 pipeline.refusals.record(refusals.STATE_WRITTEN, buf.indices[0])
-            self._undo(self.guesses.pop((id(buf), bucket.index)))
-            if not self._held(buf):
-                buf.guessed = None
+            self._undo(self._pop(buf, bucket.index))
 
     def roll_back(self, buf: Optional[FlatBuffer] = None) -> None:
         """Roll back every guess (of ``buf`` only, when given): the state is what the step starts from."""
@@ -147,8 +145,7 @@ class Speculation:
             if not self._untouched(unit):
                 raise RuntimeError(refusals.state_written(f"{len(unit.params)} parameters"))
             for key in [k for k in self.guesses if k[0] == id(unit)]:
-                self._undo(self.guesses.pop(key))
-            unit.guessed = None
+                self._undo(self._pop(unit, key[1]))
 
     # ---------------------------------------------------------------- at the step
     def settle(self, pipeline: "Pipeline", decision: Decision, hyper: list[GroupHyper], with_grad: set[int]) -> None:
@@ -162,21 +159,16 @@ class Speculation:
                 if guess is not None and not self._holds(
                     pipeline, bucket, guess, decision, hyper[buf.group], with_grad
                 ):
-                    self._undo(self.guesses.pop((id(buf), bucket.index)))
-            if not self._held(buf):
-                buf.guessed = None
+                    self._undo(self._pop(buf, bucket.index))
 
     def take(self, buf: FlatBuffer, bucket: Bucket, params: torch.Tensor) -> bool:
         """The step's update of ``bucket``: True where its guess held (its new parameters copied into ``params``,
         the host parameters the update writes: for fp32 parameters also their master), False where the step
         updates it itself."""
-        guess = self.guesses.pop((id(buf), bucket.index), None)
-        if guess is None:
+        if (id(buf), bucket.index) not in self.guesses:
             return False
-        params.copy_(guess.kept["out"])
+        params.copy_(self._pop(buf, bucket.index).kept["out"])
         self.kept += 1
-        if not self._held(buf):
-            buf.guessed = None
         return True
 
     def copies(self) -> list[torch.Tensor]:
@@ -203,6 +195,13 @@ class Speculation:
         return grads._version == self._grads_seen.get(id(buf)) and params._version == guess.params_version
 
     # ---------------------------------------------------------------- helpers
+    def _pop(self, buf: FlatBuffer, bucket: int) -> Guess:
+        """Take the guess of ``buf``'s bucket ``bucket`` out; with its last, the state door stops rolling back."""
+        guess = self.guesses.pop((id(buf), bucket))
+        if not self._held(buf):
+            buf.guessed = None
+        return guess
+
     def _held(self, buf: FlatBuffer) -> bool:
         return any(key[0] == id(buf) for key in self.guesses)
 
